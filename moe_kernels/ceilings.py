@@ -1,0 +1,82 @@
+"""Measure the two ceilings every floor is built from: HBM bandwidth and the dense GEMM rate.
+
+Datasheet figures are leads; what a kernel can reach is what the same GPU reaches on a plain
+device-to-device copy and a large matrix product, measured in the same run. Times are medians
+from ``triton.testing.do_bench`` (CUDA events, L2 flushed between runs). Needs a CUDA GPU.
+
+Example (on a GPU)::
+
+    bw = measure_hbm_bandwidth()          # bytes/s, counting bytes read plus bytes written
+    rate = measure_gemm_rate()            # FLOP/s of an 8192^3 bf16 matmul on random data
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _require_cuda(func: str) -> None:
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"{func}: needs a CUDA GPU (none is visible to torch)")
+
+
+def _median_ms(fn) -> float:
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=25, rep=200, return_mode="median"))
+
+
+def measure_hbm_bandwidth(nbytes: int = 2 * 1024**3) -> float:
+    """Bytes per second of a device-to-device copy of ``nbytes`` (read + write counted)."""
+    _require_cuda("measure_hbm_bandwidth")
+    src = torch.randint(0, 127, (nbytes,), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = _median_ms(lambda: dst.copy_(src))
+    return 2 * nbytes / (ms * 1e-3)
+
+
+def measure_gemm_rate(n: int = 8192, dtype: torch.dtype = torch.bfloat16) -> float:
+    """FLOP per second of an ``n x n x n`` matmul on random data (never zeros: they run faster)."""
+    _require_cuda("measure_gemm_rate")
+    a = torch.randn(n, n, device="cuda", dtype=dtype)
+    b = torch.randn(n, n, device="cuda", dtype=dtype)
+    ms = _median_ms(lambda: a @ b)
+    return 2 * n**3 / (ms * 1e-3)
+
+
+def measure_fp8_gemm_rate(n: int = 8192) -> float:
+    """FLOP per second of an ``n^3`` fp8 (e4m3) matmul with per-tensor scales, bf16 output."""
+    _require_cuda("measure_fp8_gemm_rate")
+    a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn).T  # column-major, as _scaled_mm wants
+    one = torch.ones((), device="cuda")
+    ms = _median_ms(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16))
+    return 2 * n**3 / (ms * 1e-3)
+
+
+def measure_all() -> dict:
+    """Both ceilings (and the fp8 rate where torch supports it), in SI units."""
+    data = {"hbm_bandwidth": measure_hbm_bandwidth(), "gemm_rate_bf16": measure_gemm_rate()}
+    try:
+        data["gemm_rate_fp8"] = measure_fp8_gemm_rate()
+    except (RuntimeError, AttributeError) as err:  # older torch or a GPU without fp8
+        data["gemm_rate_fp8"] = None
+        data["fp8_error"] = str(err)
+    return data
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Measure HBM bandwidth and dense GEMM rates on this GPU.")
+    parser.add_argument("--record", action="store_true", help="write results/<device>/ceilings.json")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("moe_kernels.ceilings: needs a CUDA GPU")
+    data = measure_all()
+    print(f"copy bandwidth {data['hbm_bandwidth'] / 1e12:.2f} TB/s, bf16 GEMM {data['gemm_rate_bf16'] / 1e12:.0f} TFLOP/s"
+          + (f", fp8 GEMM {data['gemm_rate_fp8'] / 1e12:.0f} TFLOP/s" if data["gemm_rate_fp8"] else ""))
+    if args.record:
+        from .results import record
+
+        print("recorded", record("ceilings", data))

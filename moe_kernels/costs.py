@@ -1,0 +1,250 @@
+"""The byte model: what one MoE layer reads, computes and pads, as a function of the batch.
+
+Assumption throughout: uniform routing with independent tokens. Each token picks ``k`` distinct
+experts of ``E`` uniformly, so a given expert is *missed* by one token with probability
+``1 - k/E`` exactly, and by a batch of ``B`` tokens with probability ``(1 - k/E)**B``. This is a
+reference model, not a bound: skewed routing touches fewer distinct experts (fewer bytes) while
+loading the busiest expert more (more time in the largest group).
+
+Units are explicit: FLOP counts are plain numbers, bytes are bytes, time is seconds. Convert with
+:data:`moe_kernels.shapes.GB` (1e9, datasheets) or :data:`moe_kernels.shapes.GiB` (2**30,
+allocators) at the edge.
+
+Worked example, DeepSeek-V3 (E = 256, k = 8) in fp8 on an H100::
+
+    >>> from moe_kernels.shapes import MODELS, GPUS
+    >>> m, gpu = MODELS["deepseek-v3"], GPUS["H100 SXM"]
+    >>> round(experts_touched(1, 256, 8), 6), round(experts_touched(64, 256, 8), 1)
+    (8.0, 222.4)
+    >>> round(batch_for_fraction(0.5, 256, 8), 2)      # half of the experts at about 22 tokens
+    21.83
+    >>> round(moe_intensity(1, 256, 8, 1.0), 6)        # batch 1: 2 FLOP per weight byte, like dense
+    2.0
+    >>> round(ridge_batch_moe(256, 8, gpu.ridge("fp8"), 1.0))   # where the expert GEMM turns compute-bound
+    9451
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .shapes import GPU, MoEModel, bytes_per_weight
+
+
+# --- how many experts a batch touches -----------------------------------------------------------
+def _check_routing(func: str, num_experts: int, top_k: int) -> None:
+    if num_experts < 1:
+        raise ValueError(f"{func}: argument 'num_experts' must be >= 1, got {num_experts}")
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"{func}: argument 'top_k' must be in [1, num_experts={num_experts}], got {top_k}")
+
+
+def experts_touched(batch: float, num_experts: int, top_k: int) -> float:
+    """Expected number of distinct experts a batch of ``batch`` tokens routes to.
+
+    ``E * (1 - (1 - k/E)**B)``, computed as ``-E * expm1(B * log1p(-k/E))`` so that it stays
+    accurate when k/E is small. Limits: ``k`` at ``B = 1``, ``E`` as ``B -> inf``. When k = E every
+    token touches every expert.
+    """
+    _check_routing("experts_touched", num_experts, top_k)
+    if top_k == num_experts:
+        return float(num_experts) if batch > 0 else 0.0
+    return -num_experts * math.expm1(batch * math.log1p(-top_k / num_experts))
+
+
+def batch_for_fraction(fraction: float, num_experts: int, top_k: int) -> float:
+    """The (real-valued) batch at which the expected touched fraction reaches ``fraction``.
+
+    Solving ``1 - (1 - k/E)**B = f`` gives ``B = ln(1 - f) / ln(1 - k/E)``. The smallest integer
+    batch that reaches ``f`` is the ceiling of this.
+    """
+    _check_routing("batch_for_fraction", num_experts, top_k)
+    if not 0 < fraction < 1:
+        raise ValueError(f"batch_for_fraction: argument 'fraction' must be in (0, 1), got {fraction}")
+    if top_k == num_experts:
+        return 1.0
+    return math.log1p(-fraction) / math.log1p(-top_k / num_experts)
+
+
+# --- FLOPs, bytes, intensity ----------------------------------------------------------------------
+def moe_layer_flops(batch: float, model: MoEModel) -> float:
+    """Routed-expert FLOPs of one layer: ``B · k · 6 · d · F`` (3 matrices, 2 FLOPs per MAC)."""
+    return batch * model.top_k * model.expert_flops_per_token
+
+
+def moe_layer_weight_bytes(batch: float, model: MoEModel, dtype: str | float) -> float:
+    """Compulsory routed-expert weight traffic of one layer: ``E_touched(B) · 3 d F · b_w``."""
+    touched = experts_touched(batch, model.num_experts, model.top_k)
+    return touched * model.expert_params * bytes_per_weight(dtype)
+
+
+def moe_intensity(batch: float, num_experts: int, top_k: int, bytes_per_w: float) -> float:
+    """Arithmetic intensity (FLOP per weight byte) of a MoE layer at batch B.
+
+    ``F / Q = (B k 6 d F) / (E_touched(B) 3 d F b_w) = 2 B k / (b_w E_touched(B))``: d and F
+    cancel. At B = 1 this is ``2 / b_w`` (a GEMV); for large B it tends to ``2 B k / (b_w E)``,
+    the dense slope ``2 B / b_w`` divided by ``E / k``. Activations (O(B·d) bytes) are ignored
+    against the O(E·d·F) weights.
+    """
+    return 2.0 * batch * top_k / (bytes_per_w * experts_touched(batch, num_experts, top_k))
+
+
+def dense_intensity(batch: float, bytes_per_w: float) -> float:
+    """A dense layer reads its weights once for the whole batch: ``2 B / b_w`` FLOP per byte."""
+    return 2.0 * batch / bytes_per_w
+
+
+def ridge_batch_dense(ridge: float, bytes_per_w: float) -> float:
+    """Batch where a dense GEMM reaches the ridge intensity I*: ``M* = I* · b_w / 2``."""
+    return ridge * bytes_per_w / 2.0
+
+
+def ridge_batch_moe(num_experts: int, top_k: int, ridge: float, bytes_per_w: float) -> float:
+    """Batch where the MoE layer reaches the ridge: solves ``moe_intensity(B) = I*`` exactly.
+
+    Because the intensity approaches the line ``2 B k / (b_w E)`` from above, the answer is
+    essentially ``M* · E / k`` (the dense crossover times E/k) whenever that batch is large
+    enough to touch every expert, which it always is for real GPUs.
+    """
+    lo, hi = 1.0, 1.0
+    if moe_intensity(lo, num_experts, top_k, bytes_per_w) >= ridge:
+        return 1.0
+    while moe_intensity(hi, num_experts, top_k, bytes_per_w) < ridge:
+        hi *= 2.0
+    for _ in range(200):  # bisection to machine precision; the function is increasing in B
+        mid = 0.5 * (lo + hi)
+        if moe_intensity(mid, num_experts, top_k, bytes_per_w) < ridge:
+            lo = mid
+        else:
+            hi = mid
+    return hi
+
+
+def step_time_weight_streaming(batch: float, model: MoEModel, dtype: str | float, bandwidth: float) -> float:
+    """Seconds per decode step spent streaming routed-expert weights, all MoE layers, at ``bandwidth``."""
+    return model.num_moe_layers * moe_layer_weight_bytes(batch, model, dtype) / bandwidth
+
+
+# --- padding -------------------------------------------------------------------------------------
+def _binomial_pmf(n: int, p: float) -> list[float]:
+    """P(X = m) for m = 0..n, X ~ Binomial(n, p), computed in log space (n can be large)."""
+    if p <= 0.0:
+        return [1.0] + [0.0] * n
+    if p >= 1.0:
+        return [0.0] * n + [1.0]
+    logp, logq = math.log(p), math.log1p(-p)
+    lg = math.lgamma
+    return [math.exp(lg(n + 1) - lg(m + 1) - lg(n - m + 1) + m * logp + (n - m) * logq) for m in range(n + 1)]
+
+
+def expected_padded_rows(batch: int, num_experts: int, top_k: int, block: int) -> float:
+    """Expected rows after rounding every expert's row count up to a multiple of ``block``.
+
+    Under uniform routing, expert e's row count is ``m_e ~ Binomial(B, k/E)`` (each token picks it
+    with probability k/E, independently). By linearity of expectation the total is
+    ``E · Σ_m P(m_e = m) · ceil(m / block) · block``: exact, no approximation. The real rows are
+    ``B · k``; the padding factor is the ratio.
+    """
+    _check_routing("expected_padded_rows", num_experts, top_k)
+    if block < 1:
+        raise ValueError(f"expected_padded_rows: argument 'block' must be >= 1, got {block}")
+    pmf = _binomial_pmf(int(batch), top_k / num_experts)
+    per_expert = sum(prob * (-(-m // block)) * block for m, prob in enumerate(pmf))
+    return num_experts * per_expert
+
+
+def padding_factor(batch: int, num_experts: int, top_k: int, block: int) -> float:
+    """Expected padded rows over real rows (``B · k``); 1.0 means no padding."""
+    return expected_padded_rows(batch, num_experts, top_k, block) / (batch * top_k)
+
+
+def padding_factor_small_batch_limit(batch: int, num_experts: int, top_k: int, block: int) -> float:
+    """The decode-regime approximation: every touched expert costs one whole tile.
+
+    ``block · E_touched(B) / (B · k)``, valid while the mean rows per expert ``B k / E`` is well
+    below ``block`` (then almost no expert needs a second tile).
+    """
+    return block * experts_touched(batch, num_experts, top_k) / (batch * top_k)
+
+
+# --- parameter counts ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ParamCount:
+    """Parameters of a model by part; ``total`` is what is stored, ``active`` what one token uses."""
+
+    embedding: int
+    lm_head: int
+    attention: int
+    norms: int
+    dense_mlp: int
+    gates: int
+    shared_experts: int
+    routed_experts: int
+    routed_active: int
+
+    @property
+    def total(self) -> int:
+        return (self.embedding + self.lm_head + self.attention + self.norms + self.dense_mlp
+                + self.gates + self.shared_experts + self.routed_experts)
+
+    @property
+    def active(self) -> int:
+        """Parameters one token's forward pass multiplies with (its embedding row is a lookup,
+        counted here as the model cards do: the whole embedding matrix)."""
+        return self.total - self.routed_experts + self.routed_active
+
+    @property
+    def active_excluding_embeddings(self) -> int:
+        return self.active - self.embedding - self.lm_head
+
+
+def parameter_count(model: MoEModel) -> ParamCount:
+    """Count parameters from the config shapes alone (biases: none in these models).
+
+    Norms are RMSNorm weights: two per layer plus the final one (attention-internal norms are
+    counted in ``attention``). The routing correction bias of DeepSeek-V3 (E per layer) is a
+    buffer and is left out (15k values).
+    """
+    d = model.hidden_size
+    moe_layers, dense_layers = model.num_moe_layers, model.num_dense_layers
+    embedding = model.vocab_size * d
+    return ParamCount(
+        embedding=embedding,
+        lm_head=0 if model.tie_word_embeddings else embedding,
+        attention=model.num_layers * model.attention.params(d),
+        norms=model.num_layers * 2 * d + d,
+        dense_mlp=dense_layers * 3 * d * model.dense_intermediate_size,
+        gates=moe_layers * model.gate_params,
+        shared_experts=moe_layers * model.num_shared_experts * model.expert_params,
+        routed_experts=moe_layers * model.num_experts * model.expert_params,
+        routed_active=moe_layers * model.top_k * model.expert_params,
+    )
+
+
+def decode_flops_per_token(model: MoEModel) -> float:
+    """``2 · N_active`` (embedding lookup excluded; the output projection included)."""
+    p = parameter_count(model)
+    return 2.0 * (p.active - p.embedding)
+
+
+# --- memory -----------------------------------------------------------------------------------------
+def weight_bytes(params: float, dtype: str | float) -> float:
+    """Bytes to store ``params`` weights in ``dtype`` (see :data:`shapes.BYTES_PER_WEIGHT`)."""
+    return params * bytes_per_weight(dtype)
+
+
+def usable_memory_bytes(gpu: GPU, gpu_memory_utilization: float = 0.92, reserve_gib: float = 6.0) -> float:
+    """Bytes left for weights and KV cache on one GPU.
+
+    The runtime may use ``gpu_memory_utilization`` of what the allocator sees (vLLM's flag), minus
+    a reserve for activations, CUDA graphs and non-torch allocations.
+    """
+    from .shapes import GiB
+
+    return gpu.memory_bytes * gpu_memory_utilization - reserve_gib * GiB
+
+
+def roofline_time(flops: float, nbytes: float, gpu_flops: float, bandwidth: float) -> float:
+    """The floor: the larger of compute time and memory time (seconds)."""
+    return max(flops / gpu_flops, nbytes / bandwidth)

@@ -1,0 +1,533 @@
+"""The router: gate logits to ``(topk_weights, topk_ids)``, one fused Triton launch per call.
+
+A MoE layer's router is a bias-free linear layer (:func:`gate`, ``d -> E`` logits) followed by a
+selection. Two selections are in use:
+
+* :func:`fused_topk` (Mixtral, Qwen3-MoE): score every expert (softmax over the ``E`` logits, or a
+  sigmoid per expert), keep the ``k`` best, optionally renormalise the ``k`` weights to sum to 1.
+* :func:`grouped_topk` (DeepSeek-V3): the experts form ``num_expert_group`` groups; only the
+  ``topk_group`` best groups may contribute experts, and an optional per-expert
+  ``e_score_correction_bias`` steers the *selection* while the *weights* stay the unbiased scores.
+
+Both are single Triton kernels (scores, group choice, top-k, renormalisation and scaling fused; no
+host synchronisation), each with a float32 torch reference beside it that states the rules
+explicitly. Ties always go to the lower expert id (and the lower group id), and the ``k`` outputs
+of a token are in descending score order, so kernel and reference agree id for id.
+:func:`append_shared_expert` then splices an always-on shared expert in as one more slot.
+
+Worked example: four experts, one token, top-2::
+
+    >>> import torch
+    >>> from moe_kernels.routing import fused_topk, grouped_topk
+    >>> tokens = torch.zeros(1, 16)                  # only its row count is used
+    >>> logits = torch.tensor([[2.0, 0.0, 1.0, -1.0]])
+    >>> weights, ids = fused_topk(tokens, logits, topk=2, renormalize=False)
+    >>> ids.tolist()
+    [[0, 2]]
+    >>> [round(w, 4) for w in weights[0].tolist()]   # e^2 and e^1 over e^2 + e^0 + e^1 + e^-1
+    [0.6439, 0.2369]
+    >>> weights, ids = fused_topk(tokens, logits, topk=2, renormalize=True)
+    >>> [round(w, 4) for w in weights[0].tolist()]   # = softmax([2, 1]): the Z cancels
+    [0.7311, 0.2689]
+
+Grouped, with a bias: experts ``{0,1}`` and ``{2,3}`` form two groups and one group is kept.
+The bias makes group ``{2,3}`` win and expert 3 rank first, but the weights are still the plain
+sigmoid scores of the chosen experts::
+
+    >>> logits = torch.tensor([[1.0, 0.5, 0.0, 0.2]])
+    >>> bias = torch.tensor([0.0, 0.0, 0.2, 0.4])
+    >>> weights, ids = grouped_topk(tokens, logits, 2, False, num_expert_group=2, topk_group=1,
+    ...                             scoring_func="sigmoid", e_score_correction_bias=bias)
+    >>> ids.tolist()
+    [[3, 2]]
+    >>> [round(w, 4) for w in weights[0].tolist()]   # sigmoid(0.2), sigmoid(0.0)
+    [0.5498, 0.5]
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._runtime import HAS_TRITON, tl, triton, use_triton
+from ._checks import check_int, check_tensor, fail
+
+__all__ = [
+    "gate",
+    "fused_topk",
+    "fused_topk_reference",
+    "grouped_topk",
+    "grouped_topk_reference",
+    "append_shared_expert",
+]
+
+_SCORING_FUNCS = ("softmax", "sigmoid")
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+# Elements of the [tokens x experts] tile one program holds in registers. With 4 warps this is
+# 16 fp32 values per thread per live tile: DeepSeek-V3's E=256 gives 8 tokens per program, so a
+# 16384-token batch spreads over 2048 programs.
+_TILE_ELEMENTS = 2048
+
+
+# --------------------------------------------------------------------------------------------
+# The gate
+# --------------------------------------------------------------------------------------------
+
+
+def gate(hidden_states: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
+    """Router logits ``hidden_states @ gate_weight.T`` as float32 ``[T, E]``; no bias.
+
+    ``gate_weight`` is ``[E, d]`` (``nn.Linear`` layout). Both operands are upcast to float32 so
+    the products accumulate, and the logits are returned, in float32: rounding logits to bf16
+    would create ties and flip near-ties between experts. (The upcast costs a float32 copy of the
+    activations; a serving engine would use a GEMM that reads bf16 and writes float32.) A plain
+    torch matmul: the gate is a tiny dense GEMM, not a MoE mechanism.
+
+        >>> gate(torch.tensor([[1.0, 2.0]]), torch.tensor([[1.0, 0.0], [0.5, 0.5], [0.0, -1.0]]))
+        tensor([[ 1.0000,  1.5000, -2.0000]])
+    """
+    func = "gate"
+    check_tensor(func, "hidden_states", hidden_states, ndim=2, dtypes=_FLOAT_DTYPES)
+    check_tensor(func, "gate_weight", gate_weight, ndim=2, dtypes=_FLOAT_DTYPES,
+                 device=hidden_states.device)
+    if gate_weight.shape[1] != hidden_states.shape[1]:
+        fail(func, "gate_weight", f"must be [E, {hidden_states.shape[1]}] (d of hidden_states)",
+             f"shape {tuple(gate_weight.shape)}")
+    return torch.nn.functional.linear(hidden_states.float(), gate_weight.float())
+
+
+# --------------------------------------------------------------------------------------------
+# Argument checks (shared by the public functions and their references)
+# --------------------------------------------------------------------------------------------
+
+
+def _check_common(func, hidden_states, gating_output, topk, renormalize, scoring_func) -> int:
+    """Checks every router shares; returns the number of experts E."""
+    check_tensor(func, "hidden_states", hidden_states, ndim=2)
+    # Rows may be strided (a view into a wider buffer); experts within a row must be adjacent.
+    check_tensor(func, "gating_output", gating_output, ndim=2, dtypes=_FLOAT_DTYPES,
+                 device=hidden_states.device, last_dim_contiguous=True)
+    if gating_output.shape[0] != hidden_states.shape[0]:
+        fail(func, "gating_output",
+             f"must have one row per token ({hidden_states.shape[0]}, the rows of hidden_states)",
+             f"{gating_output.shape[0]} rows")
+    num_experts = gating_output.shape[1]
+    check_int(func, "topk", topk, lo=1, hi=num_experts,
+              what_hi="the number of experts, gating_output.shape[1]")
+    if not isinstance(renormalize, bool):
+        fail(func, "renormalize", "must be a bool", type(renormalize).__name__, TypeError)
+    if scoring_func not in _SCORING_FUNCS:
+        fail(func, "scoring_func", "must be 'softmax' or 'sigmoid'", repr(scoring_func))
+    return num_experts
+
+
+def _check_grouped(func, gating_output, topk, num_expert_group, topk_group,
+                   routed_scaling_factor, e_score_correction_bias) -> int:
+    """Checks specific to grouped routing; returns the number of experts per group."""
+    num_experts = gating_output.shape[1]
+    check_int(func, "num_expert_group", num_expert_group, lo=1, hi=num_experts,
+              what_hi="the number of experts")
+    if num_experts % num_expert_group != 0:
+        fail(func, "num_expert_group", f"must divide the number of experts ({num_experts})",
+             num_expert_group)
+    experts_per_group = num_experts // num_expert_group
+    check_int(func, "topk_group", topk_group, lo=1, hi=num_expert_group, what_hi="num_expert_group")
+    check_int(func, "topk", topk, lo=1, hi=topk_group * experts_per_group,
+              what_hi=f"topk_group * experts per group = {topk_group} * {experts_per_group}")
+    if isinstance(routed_scaling_factor, bool) or not isinstance(routed_scaling_factor, (int, float)):
+        fail(func, "routed_scaling_factor", "must be a float", type(routed_scaling_factor).__name__,
+             TypeError)
+    if e_score_correction_bias is not None:
+        check_tensor(func, "e_score_correction_bias", e_score_correction_bias, ndim=1,
+                     dtypes=_FLOAT_DTYPES, device=gating_output.device, contiguous=True)
+        if e_score_correction_bias.shape[0] != num_experts:
+            fail(func, "e_score_correction_bias", f"must have shape ({num_experts},), one per expert",
+                 f"shape {tuple(e_score_correction_bias.shape)}")
+        if experts_per_group < 2:
+            fail(func, "num_expert_group",
+                 "must leave at least 2 experts per group when e_score_correction_bias is given "
+                 f"(a group scores as the sum of its top 2); {num_experts} experts", num_expert_group)
+    return experts_per_group
+
+
+# --------------------------------------------------------------------------------------------
+# Torch references (float32, explicit tie rule)
+# --------------------------------------------------------------------------------------------
+
+
+def _scores(gating_output: torch.Tensor, scoring_func: str) -> torch.Tensor:
+    logits = gating_output.float()
+    return torch.softmax(logits, dim=-1) if scoring_func == "softmax" else torch.sigmoid(logits)
+
+
+def _rank_descending(values: torch.Tensor, count: int) -> torch.Tensor:
+    """Indices of the ``count`` largest values per row, largest first, ties to the lower index.
+
+    A stable descending sort keeps equal values in index order, which is the tie rule; NaN
+    ranks as -inf so that it can never push a real candidate out (the kernels do the same).
+    """
+    values = torch.where(values.isnan(), float("-inf"), values)
+    return torch.sort(values, dim=-1, descending=True, stable=True).indices[:, :count]
+
+
+def fused_topk_reference(hidden_states, gating_output, topk, renormalize, scoring_func="softmax"):
+    """Torch reference for :func:`fused_topk`, in float32."""
+    _check_common("fused_topk_reference", hidden_states, gating_output, topk, renormalize,
+                  scoring_func)
+    scores = _scores(gating_output, scoring_func)
+    ids = _rank_descending(scores, topk)
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids.to(torch.int32)
+
+
+def grouped_topk_reference(hidden_states, gating_output, topk, renormalize, num_expert_group,
+                           topk_group, scoring_func="softmax", routed_scaling_factor=1.0,
+                           e_score_correction_bias=None):
+    """Torch reference for :func:`grouped_topk`, in float32, one step per line of the rule."""
+    func = "grouped_topk_reference"
+    _check_common(func, hidden_states, gating_output, topk, renormalize, scoring_func)
+    experts_per_group = _check_grouped(func, gating_output, topk, num_expert_group, topk_group,
+                                       routed_scaling_factor, e_score_correction_bias)
+    num_tokens = gating_output.shape[0]
+    scores = _scores(gating_output, scoring_func)
+    selection = scores
+    if e_score_correction_bias is not None:
+        selection = scores + e_score_correction_bias.float()
+    selection = torch.where(selection.isnan(), float("-inf"), selection)
+    per_group = selection.view(num_tokens, num_expert_group, experts_per_group)
+    if e_score_correction_bias is None:
+        group_scores = per_group.max(dim=-1).values
+    else:
+        group_scores = torch.sort(per_group, dim=-1, descending=True).values[..., :2].sum(dim=-1)
+    kept_groups = _rank_descending(group_scores, topk_group)
+    group_is_kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept_groups, True)
+    expert_is_kept = group_is_kept.repeat_interleave(experts_per_group, dim=1)
+    ids = _rank_descending(selection.masked_fill(~expert_is_kept, float("-inf")), topk)
+    weights = scores.gather(1, ids)  # the unbiased scores, whatever steered the choice
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights * routed_scaling_factor, ids.to(torch.int32)
+
+
+# --------------------------------------------------------------------------------------------
+# Triton kernels
+# --------------------------------------------------------------------------------------------
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _score(logits, USE_SIGMOID: tl.constexpr):
+        """Softmax over the last axis, or an elementwise sigmoid; padding holds -inf."""
+        if USE_SIGMOID:
+            return tl.sigmoid(logits)
+        shifted = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+        return shifted / tl.sum(shifted, axis=1)[:, None]
+
+    @triton.jit
+    def _take_topk(selection, weight_source, expert_ids, available, topk,
+                   BLOCK_T: tl.constexpr, K_PAD: tl.constexpr, NO_EXPERT: tl.constexpr):
+        """``topk`` rounds of argmax over ``selection`` (``[BLOCK_T, N]``), lowest id on ties.
+
+        Each round takes the best still-available entry, records its id and its
+        ``weight_source`` value in slot ``j``, and marks it taken. Availability is a separate
+        mask rather than a -inf overwrite, so even -inf or NaN scores cannot make a round pick
+        nothing: ids always stay in range.
+        """
+        slot = tl.arange(0, K_PAD)[None, :]
+        weights = tl.zeros([BLOCK_T, K_PAD], dtype=tl.float32)
+        ids = tl.zeros([BLOCK_T, K_PAD], dtype=tl.int32)
+        for j in range(topk):
+            best = tl.max(tl.where(available, selection, float("-inf")), axis=1)
+            is_best = available & (selection == best[:, None])
+            chosen = tl.min(tl.where(is_best, expert_ids, NO_EXPERT), axis=1)
+            picked = expert_ids == chosen[:, None]
+            weight = tl.sum(tl.where(picked, weight_source, 0.0), axis=1)
+            available = available & (expert_ids != chosen[:, None])
+            weights = tl.where(slot == j, weight[:, None], weights)
+            ids = tl.where(slot == j, chosen[:, None], ids)
+        return weights, ids
+
+    @triton.jit
+    def _store_topk(weights, ids, weights_ptr, ids_ptr, first_token, num_tokens, topk,
+                    renormalize, scale, BLOCK_T: tl.constexpr, K_PAD: tl.constexpr):
+        if renormalize:
+            # Unused slots hold 0, so the row sum is the sum over the k chosen weights.
+            weights = weights / tl.sum(weights, axis=1)[:, None]
+        weights = weights * scale
+        token = first_token + tl.arange(0, BLOCK_T)[:, None]
+        slot = tl.arange(0, K_PAD)[None, :]
+        mask = (token < num_tokens) & (slot < topk)
+        tl.store(weights_ptr + token * topk + slot, weights, mask=mask)
+        tl.store(ids_ptr + token * topk + slot, ids, mask=mask)
+
+    @triton.jit
+    def _fused_topk_kernel(
+        logits_ptr, weights_ptr, ids_ptr,
+        num_tokens, num_experts, logits_row_stride, topk, renormalize,
+        USE_SIGMOID: tl.constexpr, BLOCK_T: tl.constexpr, E_PAD: tl.constexpr,
+        K_PAD: tl.constexpr,
+    ):
+        """One program routes BLOCK_T tokens over all experts (E padded to E_PAD)."""
+        first_token = tl.program_id(0) * BLOCK_T
+        token = first_token + tl.arange(0, BLOCK_T)[:, None]
+        expert = tl.arange(0, E_PAD)[None, :]
+        is_expert = expert < num_experts
+        # Rows past the batch load zeros (finite, so their discarded softmax stays NaN-free).
+        logits = tl.load(logits_ptr + token.to(tl.int64) * logits_row_stride + expert,
+                         mask=(token < num_tokens) & is_expert, other=0.0).to(tl.float32)
+        logits = tl.where(is_expert, logits, float("-inf"))
+        scores = _score(logits, USE_SIGMOID)
+        selection = tl.where(scores != scores, float("-inf"), scores)
+        expert_ids = tl.broadcast_to(expert, [BLOCK_T, E_PAD])
+        available = tl.broadcast_to(is_expert, [BLOCK_T, E_PAD])
+        weights, ids = _take_topk(selection, scores, expert_ids, available, topk,
+                                  BLOCK_T, K_PAD, E_PAD)
+        _store_topk(weights, ids, weights_ptr, ids_ptr, first_token, num_tokens, topk,
+                    renormalize, 1.0, BLOCK_T, K_PAD)
+
+    @triton.jit
+    def _grouped_topk_kernel(
+        logits_ptr, bias_ptr, weights_ptr, ids_ptr,
+        num_tokens, logits_row_stride, num_groups, experts_per_group, topk_group, topk,
+        renormalize, routed_scaling_factor,
+        USE_SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr,
+        G_PAD: tl.constexpr, S_PAD: tl.constexpr, K_PAD: tl.constexpr,
+    ):
+        """One program routes BLOCK_T tokens; experts tiled as [token, group, slot in group].
+
+        Each group is padded separately (to S_PAD) so that group reductions are axis-2
+        reductions even when the group size is not a power of two.
+        """
+        first_token = tl.program_id(0) * BLOCK_T
+        token = first_token + tl.arange(0, BLOCK_T)[:, None, None]
+        group = tl.arange(0, G_PAD)[None, :, None]
+        member = tl.arange(0, S_PAD)[None, None, :]
+        is_expert = (group < num_groups) & (member < experts_per_group)
+        NO_EXPERT: tl.constexpr = G_PAD * S_PAD
+        expert = tl.where(is_expert, group * experts_per_group + member, NO_EXPERT)
+        logits = tl.load(logits_ptr + token.to(tl.int64) * logits_row_stride + expert,
+                         mask=(token < num_tokens) & is_expert, other=0.0).to(tl.float32)
+        logits = tl.where(is_expert, logits, float("-inf"))
+
+        # Scores over all E experts (softmax normalises across groups, so reduce both axes).
+        if USE_SIGMOID:
+            scores = tl.sigmoid(logits)
+        else:
+            row_max = tl.max(tl.max(logits, axis=2), axis=1)
+            shifted = tl.exp(logits - row_max[:, None, None])
+            scores = shifted / tl.sum(tl.sum(shifted, axis=2), axis=1)[:, None, None]
+        selection = scores
+        if HAS_BIAS:
+            bias = tl.load(bias_ptr + expert, mask=is_expert, other=0.0).to(tl.float32)
+            selection = scores + bias
+        selection = tl.where(is_expert & (selection == selection), selection, float("-inf"))
+
+        # Group scores: the best member, or (with a bias) the sum of the best two members.
+        top1 = tl.max(selection, axis=2)
+        if HAS_BIAS:
+            first = tl.min(tl.where(is_expert & (selection == top1[:, :, None]), member, S_PAD),
+                           axis=2)
+            top2 = tl.max(tl.where(member == first[:, :, None], float("-inf"), selection), axis=2)
+            group_scores = top1 + top2
+        else:
+            group_scores = top1
+        group_scores = tl.where(group_scores == group_scores, group_scores, float("-inf"))
+
+        # Keep the topk_group best groups (lowest group id on ties).
+        group_ids = tl.broadcast_to(tl.arange(0, G_PAD)[None, :], [BLOCK_T, G_PAD])
+        group_open = group_ids < num_groups
+        kept = group_ids < 0
+        for _ in range(topk_group):
+            best = tl.max(tl.where(group_open, group_scores, float("-inf")), axis=1)
+            is_best = group_open & (group_scores == best[:, None])
+            chosen = tl.min(tl.where(is_best, group_ids, G_PAD), axis=1)
+            kept = kept | (group_ids == chosen[:, None])
+            group_open = group_open & (group_ids != chosen[:, None])
+
+        # Top-k experts among the kept groups, on a flat [BLOCK_T, G_PAD * S_PAD] view.
+        available = is_expert & kept[:, :, None]
+        FLAT: tl.constexpr = G_PAD * S_PAD
+        weights, ids = _take_topk(
+            tl.reshape(selection, [BLOCK_T, FLAT]),
+            tl.reshape(scores, [BLOCK_T, FLAT]),
+            tl.reshape(tl.broadcast_to(expert, [BLOCK_T, G_PAD, S_PAD]), [BLOCK_T, FLAT]),
+            tl.reshape(available, [BLOCK_T, FLAT]),
+            topk, BLOCK_T, K_PAD, NO_EXPERT,
+        )
+        _store_topk(weights, ids, weights_ptr, ids_ptr, first_token, num_tokens, topk,
+                    renormalize, routed_scaling_factor, BLOCK_T, K_PAD)
+
+
+def _launch_config(num_tokens: int, tile_columns: int) -> tuple[int, int]:
+    """(tokens per program, warps): fill about _TILE_ELEMENTS, never more tokens than exist."""
+    block_t = max(1, min(_TILE_ELEMENTS // tile_columns, triton.next_power_of_2(num_tokens)))
+    tile = block_t * tile_columns
+    num_warps = 4 if tile >= 1024 else (2 if tile >= 512 else 1)
+    return block_t, num_warps
+
+
+def _empty_outputs(num_tokens: int, topk: int, device: torch.device):
+    # NaN poison: a slot the kernel failed to write shows up in any comparison.
+    weights = torch.full((num_tokens, topk), float("nan"), dtype=torch.float32, device=device)
+    ids = torch.full((num_tokens, topk), -1, dtype=torch.int32, device=device)
+    return weights, ids
+
+
+# --------------------------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------------------------
+
+
+def fused_topk(hidden_states: torch.Tensor, gating_output: torch.Tensor, topk: int,
+               renormalize: bool, scoring_func: str = "softmax"):
+    """Top-k routing: ``(topk_weights float32 [T, k], topk_ids int32 [T, k])``.
+
+    Same arguments as vLLM's ``fused_topk`` (``vllm/model_executor/layers/fused_moe/router/
+    fused_topk_router.py``), which also returns a third tensor, the token-expert indices, that
+    this package does not need. ``hidden_states`` is only used to check the token count.
+    ``gating_output`` is the ``[T, E]`` logits (float32, float16 or bfloat16; read as float32;
+    rows may be strided, experts must be adjacent).
+
+    Scores are ``softmax(logits)`` over all E experts, or ``sigmoid(logit)`` per expert. The k
+    best scores are taken, largest first, ties to the lower expert id. With ``renormalize`` the
+    k weights are divided by their sum. For softmax that is the same as a softmax over the k
+    selected logits alone, because the normaliser Z = sum_e exp(l_e) cancels:
+
+        (exp(l_i) / Z) / sum_{j in top-k} (exp(l_j) / Z) = exp(l_i) / sum_{j in top-k} exp(l_j).
+
+    One Triton launch (:func:`fused_topk_reference` when Triton cannot run for these tensors).
+    """
+    func = "fused_topk"
+    num_experts = _check_common(func, hidden_states, gating_output, topk, renormalize,
+                                scoring_func)
+    if not use_triton(hidden_states, gating_output):
+        return fused_topk_reference(hidden_states, gating_output, topk, renormalize, scoring_func)
+    num_tokens = gating_output.shape[0]
+    weights, ids = _empty_outputs(num_tokens, topk, gating_output.device)
+    if num_tokens == 0:
+        return weights, ids
+    e_pad = triton.next_power_of_2(num_experts)
+    block_t, num_warps = _launch_config(num_tokens, e_pad)
+    _fused_topk_kernel[(triton.cdiv(num_tokens, block_t),)](
+        gating_output, weights, ids,
+        num_tokens, num_experts, gating_output.stride(0), topk, renormalize,
+        USE_SIGMOID=scoring_func == "sigmoid", BLOCK_T=block_t, E_PAD=e_pad,
+        K_PAD=triton.next_power_of_2(topk), num_warps=num_warps,
+    )
+    return weights, ids
+
+
+def grouped_topk(hidden_states: torch.Tensor, gating_output: torch.Tensor, topk: int,
+                 renormalize: bool, num_expert_group: int, topk_group: int,
+                 scoring_func: str = "softmax", routed_scaling_factor: float = 1.0,
+                 e_score_correction_bias: torch.Tensor | None = None):
+    """Group-limited top-k routing (DeepSeek-V3): ``(weights float32 [T, k], ids int32 [T, k])``.
+
+    Follows vLLM's ``grouped_topk`` (``vllm/model_executor/layers/fused_moe/router/
+    grouped_topk_router.py``), with a deterministic tie rule:
+
+    1. scores = softmax over all E logits, or sigmoid per expert;
+    2. selection scores = scores + ``e_score_correction_bias`` if a bias is given, else scores;
+    3. the E experts form ``num_expert_group`` consecutive groups of E / num_expert_group; a
+       group scores its best selection score, or, with a bias, the sum of its best two;
+    4. the ``topk_group`` best groups are kept (ties to the lower group id);
+    5. the ``topk`` best experts of the kept groups by selection score, largest first (ties to
+       the lower expert id);
+    6. their weights are the *unbiased* scores (the bias only steers which experts are chosen;
+       Wang et al. 2024, auxiliary-loss-free load balancing), divided by their sum if
+       ``renormalize``, then multiplied by ``routed_scaling_factor``.
+
+    Because step 6 already applies ``routed_scaling_factor``, the expert outputs need no further
+    scaling (see :func:`append_shared_expert` for what that means for a shared expert).
+    ``e_score_correction_bias`` is ``[E]``, any float dtype (read as float32).
+
+    One Triton launch (:func:`grouped_topk_reference` when Triton cannot run for these tensors).
+    """
+    func = "grouped_topk"
+    num_experts = _check_common(func, hidden_states, gating_output, topk, renormalize,
+                                scoring_func)
+    experts_per_group = _check_grouped(func, gating_output, topk, num_expert_group, topk_group,
+                                       routed_scaling_factor, e_score_correction_bias)
+    tensors = [hidden_states, gating_output]
+    if e_score_correction_bias is not None:
+        tensors.append(e_score_correction_bias)
+    if not use_triton(*tensors):
+        return grouped_topk_reference(hidden_states, gating_output, topk, renormalize,
+                                      num_expert_group, topk_group, scoring_func,
+                                      routed_scaling_factor, e_score_correction_bias)
+    num_tokens = gating_output.shape[0]
+    weights, ids = _empty_outputs(num_tokens, topk, gating_output.device)
+    if num_tokens == 0:
+        return weights, ids
+    g_pad = triton.next_power_of_2(num_expert_group)
+    s_pad = triton.next_power_of_2(experts_per_group)
+    block_t, num_warps = _launch_config(num_tokens, g_pad * s_pad)
+    has_bias = e_score_correction_bias is not None
+    _grouped_topk_kernel[(triton.cdiv(num_tokens, block_t),)](
+        gating_output, e_score_correction_bias if has_bias else gating_output, weights, ids,
+        num_tokens, gating_output.stride(0), num_expert_group, experts_per_group, topk_group,
+        topk, renormalize, float(routed_scaling_factor),
+        USE_SIGMOID=scoring_func == "sigmoid", HAS_BIAS=has_bias, BLOCK_T=block_t,
+        G_PAD=g_pad, S_PAD=s_pad, K_PAD=triton.next_power_of_2(topk), num_warps=num_warps,
+    )
+    return weights, ids
+
+
+def append_shared_expert(topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
+                         num_shared_experts: int = 1,
+                         shared_weight: float | torch.Tensor = 1.0):
+    """Splice a shared expert in as slot k+1: ``[T, k+1]`` weights and ids.
+
+    Every token also goes to a shared expert, given the id ``num_experts + t % num_shared_experts``
+    for token t (deterministic; SGLang draws it at random from the same range, in
+    ``sgl-project/sglang python/sglang/srt/layers/moe/topk.py``), so the shared FFN runs inside
+    the same grouped GEMM instead of a separate launch. The expert weight tensors must then hold
+    ``num_experts + num_shared_experts`` experts, the shared expert's matrices at slot
+    ``num_experts`` onward (SGLang's loader does that remapping, ``models/deepseek_v2.py``).
+
+    ``shared_weight`` (a float, or a float32 tensor ``[T]``) is the synthetic routing weight.
+    Which value is right depends on where ``routed_scaling_factor`` is applied:
+
+    * 1.0 when the routed weights already carry the factor, as :func:`grouped_topk` returns
+      them: the shared expert's output is then added unscaled, as in the model;
+    * ``topk_weights.sum(-1) / routed_scaling_factor`` is SGLang's choice: its routed weights
+      are unscaled and the whole MoE output is multiplied by the factor afterwards, which this
+      weight undoes for the shared expert (with renormalised weights it is 1 / factor).
+
+    ``topk_ids`` are not range-checked (that would cost a device-to-host sync).
+
+        >>> w, ids = append_shared_expert(torch.tensor([[0.75, 0.25], [0.5, 0.5]]),
+        ...                               torch.tensor([[2, 0], [1, 3]], dtype=torch.int32), 4)
+        >>> ids.tolist(), w.tolist()
+        ([[2, 0, 4], [1, 3, 4]], [[0.75, 0.25, 1.0], [0.5, 0.5, 1.0]])
+    """
+    func = "append_shared_expert"
+    check_tensor(func, "topk_weights", topk_weights, ndim=2, dtypes=(torch.float32,))
+    check_tensor(func, "topk_ids", topk_ids, ndim=2, dtypes=(torch.int32, torch.int64),
+                 device=topk_weights.device)
+    if topk_ids.shape != topk_weights.shape:
+        fail(func, "topk_ids", f"must have the shape of topk_weights {tuple(topk_weights.shape)}",
+             f"shape {tuple(topk_ids.shape)}")
+    check_int(func, "num_experts", num_experts, lo=1)
+    check_int(func, "num_shared_experts", num_shared_experts, lo=1)
+    num_tokens = topk_ids.shape[0]
+    device = topk_ids.device
+    if isinstance(shared_weight, torch.Tensor):
+        check_tensor(func, "shared_weight", shared_weight, ndim=1, dtypes=(torch.float32,),
+                     device=device)
+        if shared_weight.shape[0] != num_tokens:
+            fail(func, "shared_weight", f"must have shape ({num_tokens},), one per token",
+                 f"shape {tuple(shared_weight.shape)}")
+        shared_weights = shared_weight
+    elif isinstance(shared_weight, (int, float)) and not isinstance(shared_weight, bool):
+        shared_weights = torch.full((num_tokens,), float(shared_weight), dtype=torch.float32,
+                                    device=device)
+    else:
+        fail(func, "shared_weight", "must be a float or a float32 tensor [T]",
+             type(shared_weight).__name__, TypeError)
+    shared_ids = num_experts + torch.arange(num_tokens, device=device) % num_shared_experts
+    weights = torch.cat([topk_weights, shared_weights[:, None]], dim=1)
+    ids = torch.cat([topk_ids, shared_ids[:, None].to(topk_ids.dtype)], dim=1)
+    return weights, ids
