@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import os
 import platform
 import re
 import subprocess
@@ -37,11 +38,15 @@ def provenance() -> dict:
         triton_version = triton.__version__
     except ImportError:
         triton_version = None
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                cwd=RESULTS_DIR.parent, timeout=10).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        commit = None
+    # The GPU machine gets a copy of the tree without git history: the caller passes the commit.
+    commit = os.environ.get("MOE_KERNELS_COMMIT")
+    if not commit:
+        try:
+            out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                 cwd=RESULTS_DIR.parent, timeout=10).stdout.strip()
+            commit = out if re.fullmatch(r"[0-9a-f]{40}", out) else None
+        except (OSError, subprocess.SubprocessError):
+            commit = None
     cuda = torch.cuda.is_available()
     return {
         "device": torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",

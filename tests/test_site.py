@@ -1,0 +1,189 @@
+"""The built site in a real browser, offline.
+
+Headless Chromium (Debian's /usr/bin/chromium, driven by Playwright) opens the built pages from a
+loopback HTTP server with every non-loopback request aborted, moves the explorer's sliders, and
+compares the plotted numbers with the Python byte model. Needs `make book` first (`make test` does
+it). Skips without a browser unless REQUIRE_BROWSER=1 (CI sets it).
+"""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import json
+import os
+import shutil
+import threading
+from pathlib import Path
+from urllib.parse import urlparse
+
+import pytest
+
+from moe_kernels import costs
+from moe_kernels.shapes import GPUS
+
+ROOT = Path(__file__).resolve().parent.parent
+SITE = ROOT / "_build" / "html"
+CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
+REQUIRED = os.environ.get("REQUIRE_BROWSER") == "1"
+# Jupyter Book 1 pages declare THEBE_JS_URL twice; harmless, and the only console error we accept.
+ALLOWED_CONSOLE = ("THEBE_JS_URL",)
+
+
+def _skip_or_fail(reason: str):
+    if REQUIRED:
+        pytest.fail(reason + " (REQUIRE_BROWSER=1)")
+    pytest.skip(reason)
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="module")
+def server():
+    if not (SITE / "index.html").exists():
+        pytest.fail("no built site at _build/html: run `make book` first")
+    handler = functools.partial(_QuietHandler, directory=str(SITE))
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        _skip_or_fail("playwright is not installed")
+    if not shutil.which(CHROMIUM):
+        _skip_or_fail(f"no Chromium at {CHROMIUM}")
+    with sync_playwright() as pw:
+        b = pw.chromium.launch(
+            executable_path=CHROMIUM,
+            args=["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync"],
+        )
+        yield b
+        b.close()
+
+
+class OfflinePage:
+    """A page whose non-loopback requests are aborted and recorded, with console errors kept."""
+
+    def __init__(self, browser):
+        self.context = browser.new_context()
+        self.page = self.context.new_page()
+        self.blocked: list[str] = []
+        self.errors: list[str] = []
+        self.context.route("**/*", self._route)
+        self.page.on("console", lambda m: m.type == "error" and self.errors.append(m.text))
+        self.page.on("pageerror", lambda e: self.errors.append(str(e)))
+
+    def _route(self, route):
+        host = urlparse(route.request.url).hostname
+        if host in ("127.0.0.1", "localhost", "::1"):
+            route.continue_()
+        else:
+            self.blocked.append(route.request.url)
+            route.abort()
+
+    def close(self):
+        self.context.close()
+
+    def unexpected_errors(self):
+        return [e for e in self.errors if not any(a in e for a in ALLOWED_CONSOLE)]
+
+
+@pytest.fixture
+def offline(browser):
+    page = OfflinePage(browser)
+    yield page
+    page.close()
+
+
+def _series(page, name):
+    raw = page.locator(f"div.moe-explorer polyline.series-{name}").first.get_attribute("data-values")
+    return json.loads(raw)
+
+
+def _set(page, name, value):
+    page.evaluate(
+        """([name, value]) => {
+            const el = document.querySelector(`div.moe-explorer [name=${name}]`);
+            el.value = String(value);
+            el.dispatchEvent(new Event('input', {bubbles: true}));
+        }""",
+        [name, value],
+    )
+
+
+def _assert_close(got, want, rel=1e-9):
+    assert abs(got - want) <= rel * abs(want), f"{got} != {want} (relative {abs(got - want) / abs(want):.2e})"
+
+
+PAGES = ["index.html", "book/intro.html", "notebooks/01_symptom_in_bytes.html",
+         "notebooks/02_experts_touched.html", "book/references.html"]
+
+
+@pytest.mark.parametrize("path", PAGES)
+def test_pages_load_offline(server, offline, path):
+    """Every page loads with no request leaving the machine and no script error; math renders."""
+    offline.page.goto(f"{server}/{path}", wait_until="networkidle")
+    assert offline.blocked == [], f"{path} tried to reach the network: {offline.blocked}"
+    assert offline.unexpected_errors() == []
+    if path.startswith("notebooks/02"):
+        offline.page.wait_for_selector("mjx-container", timeout=10_000)
+
+
+def test_explorer_matches_byte_model(server, offline):
+    page = offline.page
+    page.goto(f"{server}/notebooks/02_experts_touched.html", wait_until="networkidle")
+    page.wait_for_selector('div.moe-explorer[data-ready="1"]')
+
+    # Initial state is DeepSeek-V3 on an H100 in fp8.
+    for B, y in _series(page, "touched"):
+        _assert_close(y, costs.experts_touched(B, 256, 8))
+    before = page.locator("polyline.series-touched").first.get_attribute("points")
+
+    # A real slider move: focus E and press the right arrow (one step of 8 experts).
+    page.locator("div.moe-explorer input[name=E]").first.focus()
+    page.keyboard.press("ArrowRight")
+    assert page.locator("output[for=E]").first.text_content() == "264"
+    assert page.locator("polyline.series-touched").first.get_attribute("points") != before
+    for B, y in _series(page, "touched"):
+        _assert_close(y, costs.experts_touched(B, 264, 8))
+
+    # A grid of (E, k) and bytes per weight: every plotted value against the Python formulas.
+    for E in (8, 64, 128, 256, 512):
+        for k in (1, 2, 8, 32):
+            if k > E:
+                continue
+            for bw in (0.5, 1.0, 2.0):
+                _set(page, "E", E)
+                _set(page, "k", k)
+                page.select_option("div.moe-explorer select[name=bw]", str(bw))
+                for B, y in _series(page, "touched"):
+                    _assert_close(y, costs.experts_touched(B, E, k))
+                for B, y in _series(page, "moe"):
+                    _assert_close(y, costs.moe_intensity(B, E, k, bw))
+                for B, y in _series(page, "dense"):
+                    _assert_close(y, costs.dense_intensity(B, bw))
+                readout = page.locator("div.moe-explorer .readout").first
+                gpu = GPUS["H100 SXM"]
+                ridge = gpu.ridge(bw)
+                _assert_close(float(readout.get_attribute("data-ridge-batch")),
+                              costs.ridge_batch_moe(E, k, ridge, bw), rel=1e-6)
+                if k < E:
+                    _assert_close(float(readout.get_attribute("data-half")), costs.batch_for_fraction(0.5, E, k))
+
+    # The GPU selector moves the ridge line.
+    page.select_option("div.moe-explorer select[name=gpu]", "H200")
+    ridge_values = {y for _, y in _series(page, "ridge")}
+    assert len(ridge_values) == 1
+    _assert_close(ridge_values.pop(), GPUS["H200"].ridge(2.0))
+    assert offline.blocked == []
+    assert offline.unexpected_errors() == []
