@@ -36,8 +36,11 @@ book: install $(MATHJAX)
 	rm -rf _build/html
 	$(VENV)/bin/jupyter-book build . --warningiserror --keep-going --path-output .
 
-test: install
-	$(PY) -m pytest tests
+# One pytest run: docstring examples, unit tests, every notebook re-executed and compared (nbval),
+# and the built site in headless Chromium.
+test: install book
+	$(PY) -m pytest --doctest-modules --nbval --nbval-current-env \
+		--nbval-sanitize-with tests/nbval_sanitize.cfg moe_kernels tests notebooks
 
 lab: install
 	$(PY) -m pip install -q "jupyterlab>=4"
