@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import torch
 
-from ._runtime import HAS_TRITON, tl, triton, use_triton
+from ._runtime import HAS_TRITON, INTERPRET, tl, triton, use_triton
 from ._checks import check_int, check_tensor, fail
 
 __all__ = [
@@ -134,19 +134,21 @@ def _check_grouped(func, gating_output, topk, num_expert_group, topk_group,
     check_int(func, "topk_group", topk_group, lo=1, hi=num_expert_group, what_hi="num_expert_group")
     check_int(func, "topk", topk, lo=1, hi=topk_group * experts_per_group,
               what_hi=f"topk_group * experts per group = {topk_group} * {experts_per_group}")
-    if isinstance(routed_scaling_factor, bool) or not isinstance(routed_scaling_factor, (int, float)):
-        fail(func, "routed_scaling_factor", "must be a float", type(routed_scaling_factor).__name__,
-             TypeError)
+    scaling = routed_scaling_factor
+    if isinstance(scaling, bool) or not isinstance(scaling, (int, float)):
+        fail(func, "routed_scaling_factor", "must be a float", type(scaling).__name__, TypeError)
     if e_score_correction_bias is not None:
         check_tensor(func, "e_score_correction_bias", e_score_correction_bias, ndim=1,
                      dtypes=_FLOAT_DTYPES, device=gating_output.device, contiguous=True)
         if e_score_correction_bias.shape[0] != num_experts:
-            fail(func, "e_score_correction_bias", f"must have shape ({num_experts},), one per expert",
+            fail(func, "e_score_correction_bias",
+                 f"must have shape ({num_experts},), one per expert",
                  f"shape {tuple(e_score_correction_bias.shape)}")
         if experts_per_group < 2:
             fail(func, "num_expert_group",
                  "must leave at least 2 experts per group when e_score_correction_bias is given "
-                 f"(a group scores as the sum of its top 2); {num_experts} experts", num_expert_group)
+                 f"(a group scores as the sum of its top 2); {num_experts} experts",
+                 num_expert_group)
     return experts_per_group
 
 
@@ -216,14 +218,32 @@ def grouped_topk_reference(hidden_states, gating_output, topk, renormalize, num_
 # --------------------------------------------------------------------------------------------
 
 if HAS_TRITON:
+    from triton.language.extra import libdevice
 
     @triton.jit
-    def _score(logits, USE_SIGMOID: tl.constexpr):
-        """Softmax over the last axis, or an elementwise sigmoid; padding holds -inf."""
+    def _exp(x, PRECISE: tl.constexpr):
+        # Compiled, tl.exp is ex2.approx, a few ulps off the expf that torch's CUDA softmax and
+        # sigmoid kernels call. libdevice's expf is that same function, so (with the IEEE
+        # division below) sigmoid scores should match the reference bit for bit, and softmax
+        # scores up to the order in which the normaliser is summed: near-ties then break the
+        # same way in kernel and reference. The interpreter has no libdevice; there tl.exp is
+        # numpy's exp.
+        if PRECISE:
+            return libdevice.exp(x)
+        return tl.exp(x)
+
+    @triton.jit
+    def _load_scores(logits_ptr, token, expert, is_expert, num_tokens, logits_row_stride,
+                     USE_SIGMOID: tl.constexpr, PRECISE: tl.constexpr):
+        """float32 scores of a [BLOCK_T, N] tile; ``expert`` maps each column to its logit."""
+        # Rows past the batch load zeros (finite, so their discarded softmax stays NaN-free).
+        logits = tl.load(logits_ptr + token.to(tl.int64) * logits_row_stride + expert,
+                         mask=(token < num_tokens) & is_expert, other=0.0).to(tl.float32)
+        logits = tl.where(is_expert, logits, float("-inf"))
         if USE_SIGMOID:
-            return tl.sigmoid(logits)
-        shifted = tl.exp(logits - tl.max(logits, axis=1)[:, None])
-        return shifted / tl.sum(shifted, axis=1)[:, None]
+            return tl.div_rn(1.0, 1.0 + _exp(-logits, PRECISE))
+        shifted = _exp(logits - tl.max(logits, axis=1)[:, None], PRECISE)
+        return tl.div_rn(shifted, tl.sum(shifted, axis=1)[:, None])
 
     @triton.jit
     def _take_topk(selection, weight_source, expert_ids, available, topk,
@@ -232,8 +252,7 @@ if HAS_TRITON:
 
         Each round takes the best still-available entry, records its id and its
         ``weight_source`` value in slot ``j``, and marks it taken. Availability is a separate
-        mask rather than a -inf overwrite, so even -inf or NaN scores cannot make a round pick
-        nothing: ids always stay in range.
+        mask rather than a -inf overwrite, so even -inf scores cannot make a round pick nothing.
         """
         slot = tl.arange(0, K_PAD)[None, :]
         weights = tl.zeros([BLOCK_T, K_PAD], dtype=tl.float32)
@@ -244,7 +263,7 @@ if HAS_TRITON:
             chosen = tl.min(tl.where(is_best, expert_ids, NO_EXPERT), axis=1)
             picked = expert_ids == chosen[:, None]
             weight = tl.sum(tl.where(picked, weight_source, 0.0), axis=1)
-            available = available & (expert_ids != chosen[:, None])
+            available = available & ~picked
             weights = tl.where(slot == j, weight[:, None], weights)
             ids = tl.where(slot == j, chosen[:, None], ids)
         return weights, ids
@@ -266,23 +285,19 @@ if HAS_TRITON:
     def _fused_topk_kernel(
         logits_ptr, weights_ptr, ids_ptr,
         num_tokens, num_experts, logits_row_stride, topk, renormalize,
-        USE_SIGMOID: tl.constexpr, BLOCK_T: tl.constexpr, E_PAD: tl.constexpr,
-        K_PAD: tl.constexpr,
+        USE_SIGMOID: tl.constexpr, PRECISE: tl.constexpr, BLOCK_T: tl.constexpr,
+        E_PAD: tl.constexpr, K_PAD: tl.constexpr,
     ):
         """One program routes BLOCK_T tokens over all experts (E padded to E_PAD)."""
         first_token = tl.program_id(0) * BLOCK_T
         token = first_token + tl.arange(0, BLOCK_T)[:, None]
-        expert = tl.arange(0, E_PAD)[None, :]
+        expert = tl.broadcast_to(tl.arange(0, E_PAD)[None, :], [BLOCK_T, E_PAD])
         is_expert = expert < num_experts
-        # Rows past the batch load zeros (finite, so their discarded softmax stays NaN-free).
-        logits = tl.load(logits_ptr + token.to(tl.int64) * logits_row_stride + expert,
-                         mask=(token < num_tokens) & is_expert, other=0.0).to(tl.float32)
-        logits = tl.where(is_expert, logits, float("-inf"))
-        scores = _score(logits, USE_SIGMOID)
-        selection = tl.where(scores != scores, float("-inf"), scores)
-        expert_ids = tl.broadcast_to(expert, [BLOCK_T, E_PAD])
-        available = tl.broadcast_to(is_expert, [BLOCK_T, E_PAD])
-        weights, ids = _take_topk(selection, scores, expert_ids, available, topk,
+        scores = _load_scores(logits_ptr, token, expert, is_expert, num_tokens,
+                              logits_row_stride, USE_SIGMOID, PRECISE)
+        # NaN ranks as -inf (as in the reference), keeping the comparisons total.
+        selection = tl.where(scores == scores, scores, float("-inf"))
+        weights, ids = _take_topk(selection, scores, expert, is_expert, topk,
                                   BLOCK_T, K_PAD, E_PAD)
         _store_topk(weights, ids, weights_ptr, ids_ptr, first_token, num_tokens, topk,
                     renormalize, 1.0, BLOCK_T, K_PAD)
@@ -292,32 +307,26 @@ if HAS_TRITON:
         logits_ptr, bias_ptr, weights_ptr, ids_ptr,
         num_tokens, logits_row_stride, num_groups, experts_per_group, topk_group, topk,
         renormalize, routed_scaling_factor,
-        USE_SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr,
-        G_PAD: tl.constexpr, S_PAD: tl.constexpr, K_PAD: tl.constexpr,
+        USE_SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISE: tl.constexpr,
+        BLOCK_T: tl.constexpr, G_PAD: tl.constexpr, S_PAD: tl.constexpr, K_PAD: tl.constexpr,
     ):
-        """One program routes BLOCK_T tokens; experts tiled as [token, group, slot in group].
+        """One program routes BLOCK_T tokens over all experts, tiled group by group.
 
-        Each group is padded separately (to S_PAD) so that group reductions are axis-2
-        reductions even when the group size is not a power of two.
+        Column ``c`` of the [BLOCK_T, G_PAD * S_PAD] tile is member ``c % S_PAD`` of group
+        ``c // S_PAD``: each group is padded on its own, so viewing the tile as
+        [BLOCK_T, G_PAD, S_PAD] turns group scores into axis-2 reductions even when the group
+        size is not a power of two.
         """
-        first_token = tl.program_id(0) * BLOCK_T
-        token = first_token + tl.arange(0, BLOCK_T)[:, None, None]
-        group = tl.arange(0, G_PAD)[None, :, None]
-        member = tl.arange(0, S_PAD)[None, None, :]
-        is_expert = (group < num_groups) & (member < experts_per_group)
         NO_EXPERT: tl.constexpr = G_PAD * S_PAD
+        first_token = tl.program_id(0) * BLOCK_T
+        token = first_token + tl.arange(0, BLOCK_T)[:, None]
+        column = tl.broadcast_to(tl.arange(0, NO_EXPERT)[None, :], [BLOCK_T, NO_EXPERT])
+        group = column // S_PAD
+        member = column % S_PAD
+        is_expert = (group < num_groups) & (member < experts_per_group)
         expert = tl.where(is_expert, group * experts_per_group + member, NO_EXPERT)
-        logits = tl.load(logits_ptr + token.to(tl.int64) * logits_row_stride + expert,
-                         mask=(token < num_tokens) & is_expert, other=0.0).to(tl.float32)
-        logits = tl.where(is_expert, logits, float("-inf"))
-
-        # Scores over all E experts (softmax normalises across groups, so reduce both axes).
-        if USE_SIGMOID:
-            scores = tl.sigmoid(logits)
-        else:
-            row_max = tl.max(tl.max(logits, axis=2), axis=1)
-            shifted = tl.exp(logits - row_max[:, None, None])
-            scores = shifted / tl.sum(tl.sum(shifted, axis=2), axis=1)[:, None, None]
+        scores = _load_scores(logits_ptr, token, expert, is_expert, num_tokens,
+                              logits_row_stride, USE_SIGMOID, PRECISE)
         selection = scores
         if HAS_BIAS:
             bias = tl.load(bias_ptr + expert, mask=is_expert, other=0.0).to(tl.float32)
@@ -325,11 +334,13 @@ if HAS_TRITON:
         selection = tl.where(is_expert & (selection == selection), selection, float("-inf"))
 
         # Group scores: the best member, or (with a bias) the sum of the best two members.
-        top1 = tl.max(selection, axis=2)
+        per_group = tl.reshape(selection, [BLOCK_T, G_PAD, S_PAD])
+        top1 = tl.max(per_group, axis=2)
         if HAS_BIAS:
-            first = tl.min(tl.where(is_expert & (selection == top1[:, :, None]), member, S_PAD),
-                           axis=2)
-            top2 = tl.max(tl.where(member == first[:, :, None], float("-inf"), selection), axis=2)
+            member_id = tl.arange(0, S_PAD)[None, None, :]
+            first = tl.min(tl.where(per_group == top1[:, :, None], member_id, S_PAD), axis=2)
+            top2 = tl.max(tl.where(member_id == first[:, :, None], float("-inf"), per_group),
+                          axis=2)
             group_scores = top1 + top2
         else:
             group_scores = top1
@@ -345,17 +356,12 @@ if HAS_TRITON:
             chosen = tl.min(tl.where(is_best, group_ids, G_PAD), axis=1)
             kept = kept | (group_ids == chosen[:, None])
             group_open = group_open & (group_ids != chosen[:, None])
+        kept_columns = tl.reshape(tl.broadcast_to(kept[:, :, None], [BLOCK_T, G_PAD, S_PAD]),
+                                  [BLOCK_T, NO_EXPERT])
 
-        # Top-k experts among the kept groups, on a flat [BLOCK_T, G_PAD * S_PAD] view.
-        available = is_expert & kept[:, :, None]
-        FLAT: tl.constexpr = G_PAD * S_PAD
-        weights, ids = _take_topk(
-            tl.reshape(selection, [BLOCK_T, FLAT]),
-            tl.reshape(scores, [BLOCK_T, FLAT]),
-            tl.reshape(tl.broadcast_to(expert, [BLOCK_T, G_PAD, S_PAD]), [BLOCK_T, FLAT]),
-            tl.reshape(available, [BLOCK_T, FLAT]),
-            topk, BLOCK_T, K_PAD, NO_EXPERT,
-        )
+        # Top-k experts of the kept groups; weights from the unbiased scores.
+        weights, ids = _take_topk(selection, scores, expert, is_expert & kept_columns, topk,
+                                  BLOCK_T, K_PAD, NO_EXPERT)
         _store_topk(weights, ids, weights_ptr, ids_ptr, first_token, num_tokens, topk,
                     renormalize, routed_scaling_factor, BLOCK_T, K_PAD)
 
@@ -369,9 +375,10 @@ def _launch_config(num_tokens: int, tile_columns: int) -> tuple[int, int]:
 
 
 def _empty_outputs(num_tokens: int, topk: int, device: torch.device):
-    # NaN poison: a slot the kernel failed to write shows up in any comparison.
-    weights = torch.full((num_tokens, topk), float("nan"), dtype=torch.float32, device=device)
-    ids = torch.full((num_tokens, topk), -1, dtype=torch.int32, device=device)
+    # Not poisoned: a fill would be a second and third launch, and the store mask covers every
+    # [T, k] slot (the tests compare all of them against the reference).
+    weights = torch.empty((num_tokens, topk), dtype=torch.float32, device=device)
+    ids = torch.empty((num_tokens, topk), dtype=torch.int32, device=device)
     return weights, ids
 
 
@@ -413,7 +420,7 @@ def fused_topk(hidden_states: torch.Tensor, gating_output: torch.Tensor, topk: i
     _fused_topk_kernel[(triton.cdiv(num_tokens, block_t),)](
         gating_output, weights, ids,
         num_tokens, num_experts, gating_output.stride(0), topk, renormalize,
-        USE_SIGMOID=scoring_func == "sigmoid", BLOCK_T=block_t, E_PAD=e_pad,
+        USE_SIGMOID=scoring_func == "sigmoid", PRECISE=not INTERPRET, BLOCK_T=block_t, E_PAD=e_pad,
         K_PAD=triton.next_power_of_2(topk), num_warps=num_warps,
     )
     return weights, ids
@@ -469,7 +476,8 @@ def grouped_topk(hidden_states: torch.Tensor, gating_output: torch.Tensor, topk:
         gating_output, e_score_correction_bias if has_bias else gating_output, weights, ids,
         num_tokens, gating_output.stride(0), num_expert_group, experts_per_group, topk_group,
         topk, renormalize, float(routed_scaling_factor),
-        USE_SIGMOID=scoring_func == "sigmoid", HAS_BIAS=has_bias, BLOCK_T=block_t,
+        USE_SIGMOID=scoring_func == "sigmoid", HAS_BIAS=has_bias, PRECISE=not INTERPRET,
+        BLOCK_T=block_t,
         G_PAD=g_pad, S_PAD=s_pad, K_PAD=triton.next_power_of_2(topk), num_warps=num_warps,
     )
     return weights, ids
