@@ -1,14 +1,109 @@
 """Alignment: turn ragged per-expert rows into whole tiles (``moe_align_block_size``).
 
-(Triton kernel to be added beside the reference below.)
+After routing, expert ``e`` serves ``c_e`` *assignments* (positions in ``topk_ids.flatten()``;
+assignment ``a`` belongs to token ``a // top_k``). A grouped GEMM wants every M-block of
+``block_size`` rows to belong to one expert, so the alignment lists the assignments expert by
+expert and rounds each expert's list up to a whole number of blocks:
+
+1. count: ``c_e`` for every expert (a histogram of the ids);
+2. round: ``p_e = ceil(c_e / block_size) * block_size``;
+3. scan: expert ``e``'s segment starts at ``p_0 + ... + p_{e-1}`` (always a block boundary);
+4. scatter: write each assignment index into the next free row of its expert's segment; the
+   rows left over (fewer than ``block_size`` per expert) hold the sentinel ``numel``, which the
+   GEMM masks out, and so does the unused tail of the buffer.
+
+The buffer has ``numel + E*(block_size-1)`` rows, enough for the worst case (every expert
+wastes ``block_size - 1`` rows), so its size depends only on the input's shape and nothing has
+to be read back to the host. The used length is returned on the device as
+``num_tokens_post_padded``; ``expert_ids`` labels each block, ``-1`` past the used region.
+
+The vLLM docstring's example with 0-based ids: four tokens, top-3 of four experts, blocks of 4.
+Every expert serves three assignments and gets one padding row (the sentinel 12)::
+
+    >>> import torch
+    >>> ids = torch.tensor([[1, 2, 3], [0, 1, 3], [0, 2, 3], [0, 1, 2]])
+    >>> sorted_ids, expert_ids, used = moe_align_block_size(ids, 4, 4)
+    >>> int(used), len(sorted_ids), len(expert_ids)  # 12 + 4*(4-1) rows = 6 blocks
+    (16, 24, 6)
+    >>> for block, expert in zip(sorted_ids.view(-1, 4).tolist(), expert_ids.tolist()):
+    ...     print(expert, block)
+    0 [3, 6, 9, 12]
+    1 [0, 4, 10, 12]
+    2 [1, 7, 11, 12]
+    3 [2, 5, 8, 12]
+    -1 [12, 12, 12, 12]
+    -1 [12, 12, 12, 12]
+
+Inside a segment the assignments come in increasing index order, so the kernel's output equals
+:func:`moe_align_block_size_reference` exactly. (vLLM's CUDA op,
+``csrc/moe/moe_align_sum_kernels.cu`` in vllm-project/vllm, claims rows with atomics, so its order
+inside a segment varies from run to run and its tests compare per expert as sets.)
+
+For tiny batches vLLM skips all this (:func:`use_naive_block_assignment`): block ``m`` is just
+assignment ``m``. :func:`naive_block_assignment` writes that layout in the same three-tensor
+format, so one GEMM kernel can read either::
+
+    >>> ids = torch.tensor([[5, 1]])                 # one token, top-2 of 16 experts
+    >>> use_naive_block_assignment(1, 2, 16)         # 1 * 2 * 4 <= 16
+    True
+    >>> sorted_ids, expert_ids, used = naive_block_assignment(ids, 4)
+    >>> sorted_ids.view(-1, 4).tolist(), expert_ids.tolist(), int(used)
+    ([[0, 2, 2, 2], [1, 2, 2, 2]], [5, 1], 8)
+
+:func:`check_alignment` states every invariant of the aligned layout and names the first one a
+layout breaks; the tests run it on the kernel and on the reference.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import _runtime  # noqa: F401  (sets TRITON_INTERPRET before any kernel is defined)
-from ._checks import check_ids_in_range, check_int, check_tensor
+from ._runtime import HAS_TRITON, tl, triton, use_triton
+from ._checks import check_ids_in_range, check_int, check_tensor, fail
+
+__all__ = [
+    "moe_align_block_size",
+    "moe_align_block_size_reference",
+    "use_naive_block_assignment",
+    "naive_block_assignment",
+    "naive_padded_rows",
+    "check_alignment",
+]
+
+_ID_DTYPES = (torch.int32, torch.int64)
+_INT32_MAX = 2**31 - 1
+
+# Launch settings, chosen by reasoning rather than measured: re-tune on the GPU (python -m
+# moe_kernels.bench) before trusting them.
+#
+# Up to SINGLE_LAUNCH_MAX_NUMEL assignments the whole alignment is one launch: every program
+# counts *all* ids itself, so no program waits for another (at these sizes re-counting should
+# cost less than a second launch, a few microseconds).
+# Beyond it the counting is split off into a first launch of per-chunk histograms, and the
+# second launch sums that table instead of re-reading every id: the work stays linear in numel.
+SINGLE_LAUNCH_MAX_NUMEL = 8192
+# At most this many chunks (programs) in the two-launch path: each scatter program sums the
+# [chunks, E] count table, so more chunks means more re-reading of that table.
+MAX_CHUNKS = 128
+# Assignments ranked together: a program compares every pair in a tile ([TILE, TILE] in registers).
+_TILE = 128
+# Ids histogrammed per step while counting.
+_COUNT_TILE = 1024
+# Sentinel / -1 slots of the unused tail written per step, and the tail share of one program:
+# tiny batches with big blocks have a long tail (E*(block_size-1) rows), so it is spread over
+# a few programs rather than left to one.
+_FILL_TILE = 1024
+_FILL_ROWS_PER_PROGRAM = 8192
+# Padding rows written per step by the last assignment of each expert.
+_MAX_PAD_TILE = 64
+# Rows of the per-chunk count table summed per step.
+_ROW_TILE = 16
+_NUM_WARPS = 8
+
+
+# ----------------------------------------------------------------------------------------------
+# Torch reference
+# ----------------------------------------------------------------------------------------------
 
 
 def moe_align_block_size_reference(topk_ids: torch.Tensor, block_size: int, num_experts: int):
@@ -34,7 +129,7 @@ def moe_align_block_size_reference(topk_ids: torch.Tensor, block_size: int, num_
         [0, 1, 2, 3]
     """
     func = "moe_align_block_size"
-    check_tensor(func, "topk_ids", topk_ids, ndim=2, dtypes=(torch.int32, torch.int64))
+    check_tensor(func, "topk_ids", topk_ids, ndim=2, dtypes=_ID_DTYPES)
     check_int(func, "num_experts", num_experts, lo=1)
     check_int(func, "block_size", block_size, lo=1)
     check_ids_in_range(func, "topk_ids", topk_ids, num_experts)
@@ -51,11 +146,383 @@ def moe_align_block_size_reference(topk_ids: torch.Tensor, block_size: int, num_
     sorted_ids[starts[flat[order]] + rank] = order.to(torch.int32)
     num_blocks = (capacity + block_size - 1) // block_size
     expert_ids = torch.full((num_blocks,), -1, dtype=torch.int32, device=device)
-    block_expert = torch.repeat_interleave(torch.arange(num_experts, device=device), padded // block_size)
+    block_expert = torch.repeat_interleave(torch.arange(num_experts, device=device),
+                                           padded // block_size)
     expert_ids[: block_expert.numel()] = block_expert.to(torch.int32)
     total = padded.sum().reshape(1).to(torch.int32)
     return sorted_ids, expert_ids, total
 
 
-# Placeholder until the Triton kernel lands: the public name exists so that callers can use it.
-moe_align_block_size = moe_align_block_size_reference
+# ----------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _load_experts(topk_ids_ptr, offsets, end, num_experts):
+        """Expert ids at ``offsets`` as int32, and which of them count.
+
+        Ids outside ``[0, num_experts)`` (and offsets past ``end``) are reported invalid and
+        replaced by 0, so that no later histogram, gather or store can leave its bounds.
+        """
+        in_bounds = offsets < end
+        raw = tl.load(topk_ids_ptr + offsets, mask=in_bounds, other=-1)
+        valid = in_bounds & (raw >= 0) & (raw < num_experts)
+        return tl.where(valid, raw, 0).to(tl.int32), valid
+
+    @triton.jit
+    def _count_experts(topk_ids_ptr, begin, end, num_experts,
+                       NUM_BINS: tl.constexpr, COUNT_TILE: tl.constexpr):
+        """How many of the assignments ``[begin, end)`` each expert serves."""
+        counts = tl.zeros([NUM_BINS], dtype=tl.int32)
+        for tile_start in range(begin, end, COUNT_TILE):
+            experts, valid = _load_experts(
+                topk_ids_ptr, tile_start + tl.arange(0, COUNT_TILE), end, num_experts)
+            counts += tl.histogram(experts, NUM_BINS, mask=valid)
+        return counts
+
+    @triton.jit(do_not_specialize=["numel", "chunk_size"])
+    def _chunk_count_kernel(topk_ids_ptr, chunk_counts_ptr, numel, num_experts, chunk_size,
+                            NUM_BINS: tl.constexpr, COUNT_TILE: tl.constexpr):
+        """First launch of the two-launch path: row ``c`` of the table counts chunk ``c``."""
+        chunk = tl.program_id(0)
+        begin = chunk * chunk_size
+        counts = _count_experts(topk_ids_ptr, begin, tl.minimum(begin + chunk_size, numel),
+                                num_experts, NUM_BINS, COUNT_TILE)
+        tl.store(chunk_counts_ptr + chunk * NUM_BINS + tl.arange(0, NUM_BINS), counts)
+
+    @triton.jit(do_not_specialize=["numel", "chunk_size"])
+    def _align_kernel(
+        topk_ids_ptr, chunk_counts_ptr, sorted_ids_ptr, expert_ids_ptr, used_ptr,
+        numel, num_experts, block_size, chunk_size,
+        COUNTS_FROM_TABLE: tl.constexpr, NUM_BINS: tl.constexpr, TILE: tl.constexpr,
+        COUNT_TILE: tl.constexpr, ROW_TILE: tl.constexpr, PAD_TILE: tl.constexpr,
+        FILL_TILE: tl.constexpr,
+    ):
+        """Program ``c`` places the assignments of chunk ``c``, then writes a share of the tail.
+
+        Each program needs two histograms: ``total`` (all assignments) and ``before`` (the
+        assignments of earlier chunks). Then expert ``e``'s next free row for this chunk is
+        ``segment_start[e] + before[e]``, and no two programs ever write the same row.
+        """
+        program = tl.program_id(0)
+        num_programs = tl.num_programs(0)
+        capacity = numel + num_experts * (block_size - 1)
+        num_blocks = tl.cdiv(capacity, block_size)
+        num_chunks = tl.cdiv(numel, chunk_size)
+        bins = tl.arange(0, NUM_BINS)
+        chunk_start = program * chunk_size
+        chunk_end = tl.minimum(chunk_start + chunk_size, numel)
+
+        if COUNTS_FROM_TABLE:
+            before = tl.zeros([NUM_BINS], dtype=tl.int32)
+            total = tl.zeros([NUM_BINS], dtype=tl.int32)
+            for row_start in range(0, num_chunks, ROW_TILE):
+                rows = row_start + tl.arange(0, ROW_TILE)
+                table = tl.load(chunk_counts_ptr + rows[:, None] * NUM_BINS + bins[None, :],
+                                mask=rows[:, None] < num_chunks, other=0)
+                total += tl.sum(table, axis=0)
+                before += tl.sum(tl.where(rows[:, None] < program, table, 0), axis=0)
+        else:
+            split = tl.minimum(chunk_start, numel)
+            before = _count_experts(topk_ids_ptr, 0, split, num_experts, NUM_BINS, COUNT_TILE)
+            total = before + _count_experts(topk_ids_ptr, split, numel, num_experts,
+                                            NUM_BINS, COUNT_TILE)
+
+        padded = (total + block_size - 1) // block_size * block_size
+        segment_start = tl.cumsum(padded, axis=0) - padded
+        real_end = segment_start + total  # first padding row of each segment
+        used = tl.sum(padded, axis=0)
+        if program == 0:
+            tl.store(used_ptr, used)
+
+        next_free = segment_start + before
+        lanes = tl.arange(0, TILE)
+        pad_lanes = tl.arange(0, PAD_TILE)
+        for tile_start in range(chunk_start, chunk_end, TILE):
+            offsets = tile_start + lanes
+            experts, valid = _load_experts(topk_ids_ptr, offsets, chunk_end, num_experts)
+            # Rank inside the tile = earlier lanes with the same expert: keeps index order.
+            same_earlier = ((experts[:, None] == experts[None, :]) & valid[None, :]
+                            & (lanes[None, :] < lanes[:, None]))
+            rank = tl.sum(same_earlier.to(tl.int32), axis=1)
+            row = tl.gather(next_free, experts, 0) + rank
+            tl.store(sorted_ids_ptr + row, offsets.to(tl.int32), mask=valid)
+            # A segment's first row is always real, so whoever lands on a block's first row
+            # labels the block.
+            tl.store(expert_ids_ptr + row // block_size, experts,
+                     mask=valid & (row % block_size == 0))
+            # The expert's last assignment pads its segment up to the block boundary.
+            expert_real_end = tl.gather(real_end, experts, 0)
+            is_last = valid & (row + 1 == expert_real_end)
+            segment_end = (expert_real_end + block_size - 1) // block_size * block_size
+            for pad_start in range(0, block_size - 1, PAD_TILE):
+                pad_rows = expert_real_end[:, None] + pad_start + pad_lanes[None, :]
+                tl.store(sorted_ids_ptr + pad_rows, numel,
+                         mask=is_last[:, None] & (pad_rows < segment_end[:, None]))
+            next_free += tl.histogram(experts, NUM_BINS, mask=valid)
+
+        # Unused tail, shared round-robin between all programs.
+        fill_lanes = tl.arange(0, FILL_TILE)
+        stride = num_programs * FILL_TILE
+        for start in range(used + program * FILL_TILE, capacity, stride):
+            tail_rows = start + fill_lanes
+            tl.store(sorted_ids_ptr + tail_rows, numel, mask=tail_rows < capacity)
+        for start in range(used // block_size + program * FILL_TILE, num_blocks, stride):
+            tail_blocks = start + fill_lanes
+            tl.store(expert_ids_ptr + tail_blocks, -1, mask=tail_blocks < num_blocks)
+
+
+def _launch_alignment(topk_ids, block_size, num_experts, sorted_ids, expert_ids, used):
+    """Run the Triton alignment of contiguous ``topk_ids`` into preallocated int32 buffers."""
+    numel = topk_ids.numel()
+    num_bins = max(32, triton.next_power_of_2(num_experts))
+    fill_programs = triton.cdiv(sorted_ids.numel(), _FILL_ROWS_PER_PROGRAM)
+    if numel <= SINGLE_LAUNCH_MAX_NUMEL:
+        chunk_size = _TILE
+        num_chunks = triton.cdiv(numel, chunk_size)
+        chunk_counts = topk_ids  # never read: every program counts the ids itself
+    else:
+        chunk_size = _TILE * triton.cdiv(numel, _TILE * MAX_CHUNKS)
+        num_chunks = triton.cdiv(numel, chunk_size)
+        chunk_counts = torch.empty(num_chunks * num_bins, dtype=torch.int32, device=topk_ids.device)
+        _chunk_count_kernel[(num_chunks,)](
+            topk_ids, chunk_counts, numel, num_experts, chunk_size,
+            NUM_BINS=num_bins, COUNT_TILE=_COUNT_TILE, num_warps=_NUM_WARPS)
+    pad_tile = min(triton.next_power_of_2(max(block_size - 1, 1)), _MAX_PAD_TILE)
+    _align_kernel[(max(num_chunks, fill_programs, 1),)](
+        topk_ids, chunk_counts, sorted_ids, expert_ids, used,
+        numel, num_experts, block_size, chunk_size,
+        COUNTS_FROM_TABLE=numel > SINGLE_LAUNCH_MAX_NUMEL, NUM_BINS=num_bins, TILE=_TILE,
+        COUNT_TILE=_COUNT_TILE, ROW_TILE=_ROW_TILE, PAD_TILE=pad_tile, FILL_TILE=_FILL_TILE,
+        num_warps=_NUM_WARPS)
+
+
+# ----------------------------------------------------------------------------------------------
+# Public API
+# ----------------------------------------------------------------------------------------------
+
+
+def _alignment_sizes(func: str, topk_ids, block_size, num_experts) -> tuple[int, int]:
+    """Check the arguments; return (rows, blocks) of the output buffers."""
+    check_tensor(func, "topk_ids", topk_ids, ndim=2, dtypes=_ID_DTYPES)
+    check_int(func, "block_size", block_size, lo=1)
+    check_int(func, "num_experts", num_experts, lo=1)
+    capacity = topk_ids.numel() + num_experts * (block_size - 1)
+    # Rows are int32 in the kernel and the tail is written FILL_TILE rows at a time.
+    max_rows = _INT32_MAX - _FILL_TILE
+    if capacity > max_rows:
+        fail(func, "topk_ids", f"must give numel + num_experts*(block_size-1) <= {max_rows} "
+             "(int32 row indices)", f"{capacity} rows")
+    return capacity, -(-capacity // block_size)
+
+
+def moe_align_block_size(topk_ids: torch.Tensor, block_size: int, num_experts: int, *,
+                         validate_ids: bool = True):
+    """Group the assignments of ``topk_ids`` by expert, each expert padded to whole blocks.
+
+    Arguments as in vLLM: ``topk_ids`` int32 or int64 ``[T, k]`` (0-based expert ids; a
+    non-contiguous tensor is copied), ``block_size`` any integer >= 1 (the GEMM's M tile; no
+    power of two needed), ``num_experts`` >= 1. Returns ``(sorted_token_ids, expert_ids,
+    num_tokens_post_padded)`` exactly as :func:`moe_align_block_size_reference` does, element
+    for element (assignments in increasing index order inside a segment).
+
+    The Triton path is one launch up to ``SINGLE_LAUNCH_MAX_NUMEL`` assignments and two
+    beyond. It never synchronises with the host (all sizes follow from the shapes), so on the
+    GPU the call can be captured in a CUDA graph.
+
+    ``validate_ids``: check that every id lies in ``[0, num_experts)`` and raise otherwise
+    (the default: a bad id must never silently drop a token). On the GPU that check reads the
+    ids' minimum and maximum back to the host, one synchronisation; pass ``False`` only where the
+    ids are known good and the sync matters (CUDA-graph capture, the benchmark). Unchecked ids
+    outside the range are skipped by the kernel (never written out of bounds), so their
+    assignments would appear in no segment.
+    """
+    func = "moe_align_block_size"
+    capacity, num_blocks = _alignment_sizes(func, topk_ids, block_size, num_experts)
+    if validate_ids:
+        check_ids_in_range(func, "topk_ids", topk_ids, num_experts)
+    if not use_triton(topk_ids):
+        return moe_align_block_size_reference(topk_ids, block_size, num_experts)
+    device = topk_ids.device
+    sorted_ids = torch.empty(capacity, dtype=torch.int32, device=device)
+    expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=device)
+    used = torch.empty(1, dtype=torch.int32, device=device)
+    _launch_alignment(topk_ids.contiguous(), block_size, num_experts, sorted_ids, expert_ids, used)
+    return sorted_ids, expert_ids, used
+
+
+def use_naive_block_assignment(num_tokens: int, topk: int, num_experts: int, *,
+                               has_expert_map: bool = False) -> bool:
+    """vLLM's rule for skipping the alignment: ``num_tokens * topk * 4 <= num_experts``.
+
+    With at most one assignment per four experts, nearly every expert that is hit is hit once,
+    so nearly every aligned block would hold one real row anyway: sorting costs a launch and
+    saves almost nothing. vLLM also requires that there is no expert map (under expert
+    parallelism ids must be remapped, so the alignment always runs), and it keeps the
+    alignment for int8/int4 weight-only kernels with a group-quantised K
+    (``_prepare_expert_assignment`` in vllm-project/vllm,
+    ``vllm/model_executor/layers/fused_moe/fused_moe.py``). For DeepSeek-V3 (E=256, top-8)
+    the rule holds up to 8 tokens.
+    """
+    func = "use_naive_block_assignment"
+    check_int(func, "num_tokens", num_tokens, lo=0)
+    check_int(func, "topk", topk, lo=1)
+    check_int(func, "num_experts", num_experts, lo=1)
+    return not has_expert_map and num_tokens * topk * 4 <= num_experts
+
+
+def naive_block_assignment(topk_ids: torch.Tensor, block_size: int):
+    """The small-batch layout in :func:`moe_align_block_size`'s format: block ``m`` = assignment m.
+
+    ``sorted_token_ids[m * block_size] = m`` and the other ``block_size - 1`` rows of each block
+    hold the sentinel ``numel``; ``expert_ids`` is ``topk_ids.flatten()`` (int32);
+    ``num_tokens_post_padded = numel * block_size``. Every row is used, so the GEMM runs
+    :func:`naive_padded_rows` rows. A few torch ops, no kernel: there is nothing to sort.
+    """
+    func = "naive_block_assignment"
+    check_tensor(func, "topk_ids", topk_ids, ndim=2, dtypes=_ID_DTYPES)
+    check_int(func, "block_size", block_size, lo=1)
+    numel = topk_ids.numel()
+    device = topk_ids.device
+    sorted_ids = torch.full((numel, block_size), numel, dtype=torch.int32, device=device)
+    sorted_ids[:, 0] = torch.arange(numel, dtype=torch.int32, device=device)
+    expert_ids = topk_ids.flatten().to(torch.int32)
+    used = torch.full((1,), numel * block_size, dtype=torch.int32, device=device)
+    return sorted_ids.flatten(), expert_ids, used
+
+
+def naive_padded_rows(num_tokens: int, topk: int, block_size: int) -> int:
+    """GEMM rows the naive layout runs: ``num_tokens * topk * block_size`` (a block per assignment).
+
+    The aligned layout runs ``sum_e ceil(c_e / block_size) * block_size`` rows (its
+    ``num_tokens_post_padded``): the same ``numel * block_size`` when every assignment has an
+    expert to itself, which is what the naive rule bets on, and fewer as soon as experts are
+    shared (``c`` assignments of one expert share ``ceil(c / block_size)`` blocks instead of
+    taking ``c``). So at the rule's batch sizes the naive path costs no extra rows and saves the
+    alignment launch; above them it would run up to ``block_size`` times the aligned rows.
+    """
+    func = "naive_padded_rows"
+    check_int(func, "num_tokens", num_tokens, lo=0)
+    check_int(func, "topk", topk, lo=1)
+    check_int(func, "block_size", block_size, lo=1)
+    return num_tokens * topk * block_size
+
+
+# ----------------------------------------------------------------------------------------------
+# Invariant checker
+# ----------------------------------------------------------------------------------------------
+
+
+def _broken(reason: str) -> AssertionError:
+    return AssertionError(f"check_alignment: {reason}")
+
+
+def check_alignment(topk_ids: torch.Tensor, block_size: int, num_experts: int,
+                    sorted_token_ids: torch.Tensor, expert_ids: torch.Tensor,
+                    num_tokens_post_padded: torch.Tensor) -> None:
+    """Assert that the three tensors align ``topk_ids`` correctly; if not, say what is wrong.
+
+    Checked, in this order (the first failure raises ``AssertionError`` with the reason):
+
+    * dtypes (int32) and sizes: ``numel + E*(block_size-1)`` rows, ``ceil(rows/block_size)``
+      blocks, one used-length;
+    * ``num_tokens_post_padded`` equals the sum over experts of the count rounded up to the block;
+    * every row past it holds the sentinel ``numel``, every block past it is ``-1``;
+    * inside the used region every assignment index ``0..numel-1`` appears exactly once and
+      everything else is the sentinel;
+    * the used blocks carry the segments in expert order, each starting on a block boundary and
+      ``ceil(c_e/block_size)`` blocks long (checked through ``expert_ids``);
+    * every real row sits in a block labelled with its own expert;
+    * inside each segment the ``c_e`` real rows come first, the padding after.
+
+    The order of assignments inside a segment is not checked: it is free as far as the GEMM
+    cares (compare against the reference for that).
+    """
+    func = "check_alignment"
+    capacity, num_blocks = _alignment_sizes(func, topk_ids, block_size, num_experts)
+    check_ids_in_range(func, "topk_ids", topk_ids, num_experts)
+    for name, tensor, length in (("sorted_token_ids", sorted_token_ids, capacity),
+                                 ("expert_ids", expert_ids, num_blocks),
+                                 ("num_tokens_post_padded", num_tokens_post_padded, 1)):
+        if not isinstance(tensor, torch.Tensor) or tensor.dtype != torch.int32:
+            raise _broken(f"{name} must be an int32 tensor, got "
+                        f"{getattr(tensor, 'dtype', type(tensor).__name__)}")
+        if tuple(tensor.shape) != (length,):
+            raise _broken(f"{name} must have shape ({length},), got {tuple(tensor.shape)}")
+
+    assignment_experts = topk_ids.detach().flatten().to("cpu", torch.int64)
+    numel = assignment_experts.numel()
+    sentinel = numel
+    rows = sorted_token_ids.detach().to("cpu", torch.int64)
+    labels = expert_ids.detach().to("cpu", torch.int64)
+    used = int(num_tokens_post_padded[0])
+
+    counts = torch.bincount(assignment_experts, minlength=num_experts)
+    padded = (counts + block_size - 1) // block_size * block_size
+    segment_start = torch.cumsum(padded, 0) - padded
+    expected_used = int(padded.sum())
+    if used != expected_used:
+        raise _broken(f"num_tokens_post_padded is {used}, expected {expected_used} (each expert's "
+                      f"count rounded up to a multiple of block_size={block_size}, summed)")
+
+    def first(mask: torch.Tensor) -> int:
+        return int(mask.nonzero()[0, 0])
+
+    wrong_tail = rows[used:] != sentinel
+    if wrong_tail.any():
+        at = used + first(wrong_tail)
+        raise _broken(f"sorted_token_ids[{at}] = {int(rows[at])} lies past the used region "
+                      f"({used} rows); expected the sentinel {sentinel}")
+    used_blocks = used // block_size
+    wrong_tail = labels[used_blocks:] != -1
+    if wrong_tail.any():
+        at = used_blocks + first(wrong_tail)
+        raise _broken(f"expert_ids[{at}] = {int(labels[at])} lies past the {used_blocks} used "
+                      f"blocks; expected -1")
+
+    head = rows[:used]
+    out_of_range = (head < 0) | (head > sentinel)
+    if out_of_range.any():
+        at = first(out_of_range)
+        raise _broken(f"sorted_token_ids[{at}] = {int(head[at])} is neither an assignment "
+                      f"index in [0, {numel}) nor the sentinel {sentinel}")
+    is_real = head != sentinel
+    real_rows = is_real.nonzero().flatten()
+    occurrences = torch.bincount(head[real_rows], minlength=numel)
+    if (occurrences == 0).any():
+        missing = first(occurrences == 0)
+        raise _broken(f"assignment index {missing} is missing from the used region")
+    if (occurrences > 1).any():
+        repeated = first(occurrences > 1)
+        where = (head == repeated).nonzero().flatten().tolist()
+        raise _broken(f"assignment index {repeated} appears {int(occurrences[repeated])} times "
+                      f"(rows {where})")
+
+    expected_labels = torch.repeat_interleave(torch.arange(num_experts), padded // block_size)
+    wrong_label = labels[:used_blocks] != expected_labels
+    if wrong_label.any():
+        block = first(wrong_label)
+        expert = int(expected_labels[block])
+        start, end = int(segment_start[expert]), int(segment_start[expert] + padded[expert])
+        raise _broken(f"expert_ids[{block}] = {int(labels[block])}, expected {expert}: expert "
+                      f"{expert}'s segment is rows [{start}, {end}) ({int(counts[expert])} "
+                      f"assignments rounded up to block_size={block_size})")
+
+    row_expert = expected_labels.repeat_interleave(block_size)
+    wrong_expert = assignment_experts[head[real_rows]] != row_expert[real_rows]
+    if wrong_expert.any():
+        row = int(real_rows[first(wrong_expert)])
+        raise _broken(f"row {row} holds assignment {int(head[row])} of expert "
+                      f"{int(assignment_experts[head[row]])}, but its block {row // block_size} "
+                      f"belongs to expert {int(row_expert[row])}")
+
+    should_be_real = (torch.arange(used) - segment_start[row_expert]) < counts[row_expert]
+    misplaced = is_real != should_be_real
+    if misplaced.any():
+        row = first(misplaced)
+        expert = int(row_expert[row])
+        raise _broken(f"row {row} holds {int(head[row])}, but expert {expert}'s segment starts "
+                      f"at row {int(segment_start[expert])} with its {int(counts[expert])} "
+                      f"assignments first and padding after")
