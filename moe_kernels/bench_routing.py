@@ -1,0 +1,108 @@
+"""Time the router and the alignment against their torch references: ``python -m moe_kernels.bench_routing``.
+
+For batch 1 to 16384 at the two chapter shapes (DeepSeek-V3: grouped sigmoid top-8 of 256 with a
+correction bias; Qwen3-30B-A3B: softmax top-8 of 128), and for ``moe_align_block_size`` at each
+shape with the tile height vLLM's default config picks for that batch. Each call is timed by
+``triton.testing.do_bench`` (median of many calls, CUDA events), so a number includes the launch
+cost, which is what these tiny kernels mostly are. Before timing, every kernel's output is
+compared with its reference (ids exact). ``--record`` writes ``results/<device>/routing_align.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from . import align, routing
+from .shapes import MODELS
+
+BATCHES = [2**i for i in range(15)]  # 1 .. 16384
+
+
+def default_block_size(num_tokens: int) -> int:
+    """vLLM's bf16 default M tile (``get_default_config`` in fused_moe.py): 16/32/64/128 by batch."""
+    if num_tokens <= 32:
+        return 16
+    if num_tokens <= 96:
+        return 32
+    if num_tokens <= 512:
+        return 64
+    return 128
+
+
+def _time_us(fn) -> float:
+    from triton.testing import do_bench
+
+    return 1e3 * float(do_bench(fn, warmup=10, rep=50, return_mode="median"))
+
+
+def routing_cases(num_tokens: int, generator: torch.Generator):
+    """(name, kernel call, reference call) for the two shapes at one batch."""
+    dsv3, qwen = MODELS["deepseek-v3"], MODELS["qwen3-30b-a3b"]
+    hidden = torch.empty(num_tokens, 1, device="cuda")  # only the row count is read
+    ds_logits = torch.randn(num_tokens, dsv3.num_experts, device="cuda", generator=generator)
+    bias = 0.01 * torch.randn(dsv3.num_experts, device="cuda", generator=generator)
+    qw_logits = torch.randn(num_tokens, qwen.num_experts, device="cuda", generator=generator)
+    ds_args = (hidden, ds_logits, dsv3.top_k, True)
+    ds_kwargs = dict(num_expert_group=dsv3.num_expert_groups, topk_group=dsv3.topk_groups, scoring_func="sigmoid",
+                     routed_scaling_factor=dsv3.routed_scaling_factor, e_score_correction_bias=bias)
+    qw_args = (hidden, qw_logits, qwen.top_k, True)
+    return [
+        ("grouped_topk DeepSeek-V3", lambda: routing.grouped_topk(*ds_args, **ds_kwargs),
+         lambda: routing.grouped_topk_reference(*ds_args, **ds_kwargs)),
+        ("fused_topk Qwen3-30B-A3B", lambda: routing.fused_topk(*qw_args),
+         lambda: routing.fused_topk_reference(*qw_args)),
+    ]
+
+
+def align_cases(num_tokens: int, generator: torch.Generator):
+    cases = []
+    for model in (MODELS["deepseek-v3"], MODELS["qwen3-30b-a3b"]):
+        E, k = model.num_experts, model.top_k
+        ids = torch.rand(num_tokens, E, device="cuda", generator=generator).topk(k, dim=-1).indices.to(torch.int32)
+        block = default_block_size(num_tokens)
+        cases.append((f"moe_align_block_size {model.name} (block {block})",
+                      lambda ids=ids, block=block, E=E: align.moe_align_block_size(ids, block, E, validate_ids=False),
+                      lambda ids=ids, block=block, E=E: align.moe_align_block_size_reference(ids, block, E)))
+    return cases
+
+
+def _same(a, b) -> bool:
+    return all(torch.equal(x, y) if x.dtype != torch.float32 else torch.allclose(x, y, atol=1e-6, rtol=0)
+               for x, y in zip(a, b))
+
+
+def run(batches=BATCHES, verbose: bool = True) -> list[dict]:
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for T in batches:
+        for name, kernel, reference in routing_cases(T, generator) + align_cases(T, generator):
+            if not _same(kernel(), reference()):
+                raise AssertionError(f"{name} at batch {T}: kernel output differs from the reference")
+            row = {"op": name, "batch": T, "kernel_us": _time_us(kernel), "reference_us": _time_us(reference)}
+            rows.append(row)
+            if verbose:
+                print(f"{name:48s} B={T:6d}  kernel {row['kernel_us']:8.1f} us  torch {row['reference_us']:8.1f} us"
+                      f"  speed-up {row['reference_us'] / row['kernel_us']:5.1f}x", flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--record", action="store_true", help="write results/<device>/routing_align.json")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("moe_kernels.bench_routing: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    rows = run()
+    if args.record:
+        from .results import record
+
+        print("recorded", record("routing_align", {"rows": rows, "batches": BATCHES}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
