@@ -1,0 +1,320 @@
+"""The contiguous (permute) layout against the float64 direct reference, plus its pieces.
+
+Runs on ``default_device()``: the Triton interpreter on a CPU machine, the compiled kernels on a
+GPU (where the bf16 cases also run). Shapes are small because the interpreter is slow.
+"""
+
+import itertools
+import math
+import random
+import re
+
+import pytest
+import torch
+
+from moe_kernels import permute as permute_module
+from moe_kernels._runtime import HAS_TRITON, default_device
+from moe_kernels.permute import (
+    TileConfig,
+    default_tile_config,
+    grouped_gemm_contiguous,
+    max_padded_rows,
+    permute,
+    permute_copy_bytes,
+    permute_experts,
+    permute_reference,
+    torch_grouped_mm_experts,
+    unpermute,
+    unpermute_reference,
+)
+from moe_kernels.reference import moe_reference, silu_and_mul_reference
+
+DEVICE = default_device()
+ON_GPU = DEVICE.type == "cuda"
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
+SMALL_TILES = TileConfig(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=2)
+gpu_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 needs a CUDA GPU")
+
+
+def make_problem(seed, num_tokens, num_experts, topk, hidden, inter, dtype, topk_ids=None):
+    """Random activations, weights and routing (distinct experts per token), on DEVICE."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, hidden, generator=gen)
+    w1 = torch.randn(num_experts, 2 * inter, hidden, generator=gen) / math.sqrt(hidden)
+    w2 = torch.randn(num_experts, hidden, inter, generator=gen) / math.sqrt(inter)
+    if topk_ids is None:
+        topk_ids = torch.rand(num_tokens, num_experts, generator=gen).argsort(dim=1)[:, :topk]
+    weights = torch.rand(num_tokens, topk_ids.shape[1], generator=gen) + 0.1
+    return (x.to(DEVICE, dtype), w1.to(DEVICE, dtype), w2.to(DEVICE, dtype), weights.to(DEVICE),
+            topk_ids.to(DEVICE))
+
+
+def rel_err(out, ref):
+    return float((out.double() - ref).norm() / ref.norm())
+
+
+def random_shape(seed, dtypes):
+    rng = random.Random(seed)
+    num_experts = rng.randint(1, 8)
+    return dict(
+        num_tokens=rng.randint(1, 12), num_experts=num_experts, topk=rng.randint(1, num_experts),
+        hidden=rng.choice([16, 24, 40]), inter=rng.choice([16, 24, 32]), dtype=rng.choice(dtypes),
+    ), rng
+
+
+# ------------------------------------------------------------------------------------------
+# end to end against the float64 reference
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(45))
+def test_permute_experts_random(seed):
+    shape, rng = random_shape(seed, [torch.float32, torch.float16])
+    align = rng.choice([16, 32, 128])
+    config = rng.choice([None, SMALL_TILES])
+    x, w1, w2, weights, ids = make_problem(seed, **shape)
+    out = permute_experts(x, w1, w2, weights, ids, align=align, config=config)
+    assert out.shape == x.shape and out.dtype == x.dtype
+    assert rel_err(out, moe_reference(x, w1, w2, weights, ids)) < TOLERANCE[x.dtype]
+
+
+EDGE_CASES = {
+    "one token": dict(num_tokens=1, num_experts=4, topk=2),
+    "one expert": dict(num_tokens=5, num_experts=1, topk=1),
+    "k=1": dict(num_tokens=9, num_experts=5, topk=1),
+    "k=E": dict(num_tokens=6, num_experts=4, topk=4),
+    "several tiles per expert": dict(num_tokens=40, num_experts=2, topk=1),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("case", sorted(EDGE_CASES))
+def test_permute_experts_edge_cases(case, dtype):
+    x, w1, w2, weights, ids = make_problem(7, hidden=24, inter=16, dtype=dtype, **EDGE_CASES[case])
+    out = permute_experts(x, w1, w2, weights, ids, align=16, config=SMALL_TILES)
+    assert rel_err(out, moe_reference(x, w1, w2, weights, ids)) < TOLERANCE[dtype]
+
+
+def test_expert_with_no_tokens_and_all_tokens_on_one_expert():
+    gen = torch.Generator().manual_seed(3)
+    unused_last = torch.rand(7, 3, generator=gen).argsort(dim=1)[:, :2]   # expert 3 of 4 unused
+    all_on_one = torch.full((7, 1), 2)
+    for ids in (unused_last, all_on_one):
+        x, w1, w2, weights, ids = make_problem(3, 7, 4, ids.shape[1], 24, 16, torch.float32, ids)
+        out = permute_experts(x, w1, w2, weights, ids, align=16)
+        assert rel_err(out, moe_reference(x, w1, w2, weights, ids)) < 1e-5
+    assert permute(x, ids, 4, 16).segment_counts.tolist() == [0, 0, 7, 0]
+
+
+def test_permute_experts_bf16_on_this_machine():
+    """bf16 on the interpreter takes the documented float32 detour around tl.dot."""
+    x, w1, w2, weights, ids = make_problem(11, 6, 4, 2, 24, 16, torch.bfloat16)
+    out = permute_experts(x, w1, w2, weights, ids, align=16)
+    assert out.dtype == torch.bfloat16
+    assert rel_err(out, moe_reference(x, w1, w2, weights, ids)) < 1e-2
+
+
+@gpu_only
+@pytest.mark.parametrize("seed", range(6))
+def test_permute_experts_bf16_gpu(seed):
+    rng = random.Random(seed)
+    x, w1, w2, weights, ids = make_problem(seed, rng.choice([1, 7, 64, 300]), 16, 4,
+                                           rng.choice([256, 384]), rng.choice([128, 192]),
+                                           torch.bfloat16)
+    out = permute_experts(x, w1, w2, weights, ids)
+    assert rel_err(out, moe_reference(x, w1, w2, weights, ids)) < 1e-2
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_torch_grouped_mm_baseline(seed):
+    shape, rng = random_shape(100 + seed, [torch.float32, torch.float16]
+                              + ([torch.bfloat16] if ON_GPU else []))
+    x, w1, w2, weights, ids = make_problem(seed, **shape)
+    try:
+        out = torch_grouped_mm_experts(x, w1, w2, weights, ids, align=rng.choice([16, 128]))
+    except NotImplementedError as err:
+        pytest.skip(str(err))
+    assert rel_err(out, moe_reference(x, w1, w2, weights, ids)) < TOLERANCE[x.dtype]
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="without Triton the alignment always validates ids")
+def test_unchecked_bad_ids_add_nothing():
+    """With validation off (the GPU default), an out-of-range id is skipped, never dereferenced."""
+    x, w1, w2, weights, ids = make_problem(8, 6, 4, 2, 24, 16, torch.float32)
+    bad = ids.clone()
+    bad[1, 0], bad[4, 1] = -1, 4
+    out = permute_experts(x, w1, w2, weights, bad, align=16, validate_ids=False)
+    kept = weights * (bad == ids)                        # the two bad assignments weigh zero
+    assert rel_err(out, moe_reference(x, w1, w2, kept, ids)) < 1e-5
+    p = permute(x, bad, 4, 16, validate_ids=False)
+    assert p.src2dst[1, 0] == -1 and p.src2dst[4, 1] == -1
+    assert int(p.segment_counts.sum()) == ids.numel() - 2
+
+
+def test_torch_fallback_when_triton_is_unavailable(monkeypatch):
+    """Without Triton every step runs its torch reference and the answer is the same."""
+    monkeypatch.setattr(permute_module, "use_triton", lambda *tensors: False)
+    x, w1, w2, weights, ids = make_problem(5, 9, 4, 2, 24, 16, torch.float32)
+    out = permute_experts(x, w1, w2, weights, ids, align=16)
+    assert rel_err(out, moe_reference(x, w1, w2, weights, ids)) < 1e-5
+
+
+# ------------------------------------------------------------------------------------------
+# permute and unpermute
+# ------------------------------------------------------------------------------------------
+
+
+def check_permuted_layout(p, x, ids, num_experts, align, poisoned):
+    num_rows = max_padded_rows(ids.numel(), num_experts, align)
+    topk = ids.shape[1]
+    assert p.rows.shape == (num_rows, x.shape[1]) and p.m_indices.shape == (num_rows,)
+    counts = torch.bincount(ids.flatten().cpu(), minlength=num_experts)
+    assert p.segment_counts.tolist() == counts.tolist()
+    padded = (counts + align - 1) // align * align
+    assert p.segment_starts.tolist() == (torch.cumsum(padded, 0) - padded).tolist()
+    m_indices = p.m_indices.cpu()
+    for e, (start, count) in enumerate(zip(p.segment_starts.tolist(), counts.tolist())):
+        assert (m_indices[start:start + count] == e).all()
+    assert int((m_indices == -1).sum()) == num_rows - ids.numel()
+    dst = p.src2dst.flatten().long()
+    assert torch.unique(dst).numel() == dst.numel()            # a permutation: no row reused
+    assert torch.equal(p.m_indices[dst], ids.flatten().to(torch.int32))
+    tokens = torch.arange(ids.numel(), device=x.device) // topk
+    assert torch.equal(p.rows[dst], x[tokens])                 # an exact copy
+    if poisoned:
+        assert p.rows[p.m_indices == -1].isnan().all()         # padding rows never written
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_permute_layout(seed):
+    shape, rng = random_shape(200 + seed, [torch.float32, torch.float16])
+    align = rng.choice([1, 4, 16, 128])
+    x, _, _, _, ids = make_problem(seed, **shape)
+    num_rows = max_padded_rows(ids.numel(), shape["num_experts"], align)
+    out = torch.full((num_rows, shape["hidden"]), float("nan"), dtype=x.dtype, device=DEVICE)
+    p = permute(x, ids, shape["num_experts"], align, out=out)
+    assert p.rows is out
+    check_permuted_layout(p, x, ids, shape["num_experts"], align, poisoned=True)
+    ref = permute_reference(x, ids, shape["num_experts"], align)
+    check_permuted_layout(ref, x, ids, shape["num_experts"], align, poisoned=False)
+    assert torch.equal(ref.m_indices, p.m_indices)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_unpermute_round_trip_and_weights(seed):
+    shape, rng = random_shape(300 + seed, [torch.float32])
+    x, _, _, weights, ids = make_problem(seed, **shape)
+    p = permute(x, ids, shape["num_experts"], rng.choice([1, 16]))
+    k = ids.shape[1]
+    back = unpermute(p.rows, p.src2dst, torch.full_like(weights, 1.0 / k))
+    assert rel_err(back, x.double()) < 1e-6
+    out = torch.full_like(x, float("nan"))
+    scaled = unpermute(p.rows, p.src2dst, weights, out=out)
+    assert scaled is out
+    expected = x.double() * weights.double().sum(dim=1, keepdim=True)
+    assert rel_err(scaled, expected) < 1e-6
+    assert rel_err(unpermute_reference(p.rows, p.src2dst, weights), expected) < 1e-6
+
+
+def test_unpermute_accumulates_in_fp32():
+    """A partial sum past the fp16 range (120000) must not turn the answer (60000) into inf."""
+    y = torch.tensor([[60000.0], [60000.0], [-60000.0]], dtype=torch.float16, device=DEVICE)
+    out = unpermute(y, torch.tensor([[0, 1, 2]], dtype=torch.int32, device=DEVICE),
+                    torch.ones(1, 3, device=DEVICE))
+    assert out.item() == 60000.0
+
+
+# ------------------------------------------------------------------------------------------
+# the grouped GEMM
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("silu_mul", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_grouped_gemm_skips_padding_rows(silu_mul, dtype):
+    x, w1, _, _, ids = make_problem(21, 10, 4, 2, 40, 24, dtype)
+    p = permute(x, ids, 4, 32)
+    rows = p.rows.clone()
+    padding = p.m_indices == -1
+    rows[padding] = float("nan")                                 # never read
+    n = w1.shape[1] // 2 if silu_mul else w1.shape[1]
+    out = torch.full((rows.shape[0], n), float("nan"), dtype=dtype, device=DEVICE)
+    grouped_gemm_contiguous(rows, w1, p.m_indices, 32, silu_mul=silu_mul, out=out,
+                            config=SMALL_TILES)
+    assert out[padding].isnan().all()                            # never written
+    real = ~padding
+    experts = p.m_indices[real].long()
+    h = torch.einsum("rk,rnk->rn", rows[real].double(), w1.double()[experts])
+    expected = silu_and_mul_reference(h) if silu_mul else h
+    assert rel_err(out[real], expected) < TOLERANCE[dtype]
+
+
+def test_max_padded_rows_is_the_tight_bound():
+    for n, num_experts, align in itertools.product(range(0, 7), range(1, 4), range(1, 5)):
+        worst = 0
+        for assignment in itertools.product(range(num_experts), repeat=n):
+            counts = [assignment.count(e) for e in range(num_experts)]
+            worst = max(worst, sum(-(-c // align) * align for c in counts))
+        assert max_padded_rows(n, num_experts, align) == worst
+        assert worst <= n + num_experts * (align - 1)           # vLLM's buffer length
+
+
+def test_copy_bytes():
+    cost = permute_copy_bytes(512, 8, 7168, torch.float8_e4m3fn)
+    assert 512 * 8 * 7168 == 29_360_128                          # the B*k*d copy, 29.4 MB
+    assert cost.permute == cost.unpermute == 512 * 9 * 7168
+    assert permute_copy_bytes(1, 1, 4, torch.float32).permute == 2 * 4 * 4
+
+
+def test_default_tile_config():
+    assert default_tile_config(torch.bfloat16) == TileConfig(128, 128, 64, 8, 3)
+    assert default_tile_config(torch.float32).block_k == 32
+    assert default_tile_config(torch.float16, align=48).block_m == 16
+
+
+# ------------------------------------------------------------------------------------------
+# bad inputs
+# ------------------------------------------------------------------------------------------
+
+
+def test_bad_inputs_raise_clear_errors():
+    x, w1, w2, weights, ids = make_problem(1, 4, 3, 2, 16, 16, torch.float32)
+
+    def call(**changes):
+        args = dict(hidden_states=x, w1=w1, w2=w2, topk_weights=weights, topk_ids=ids)
+        args.update(changes)
+        return permute_experts(**args)
+
+    cases = [
+        (dict(w1=w1[:, :, :8]), ValueError, "'w1' must have shape"),
+        (dict(w2=w2[:, :, :4]), ValueError, "'w2' must have shape"),
+        (dict(w2=w2.half()), TypeError, "'w2' must have dtype float32"),
+        (dict(hidden_states=x.long()), TypeError, "'hidden_states' must have dtype"),
+        (dict(topk_ids=ids.float()), TypeError, "'topk_ids' must have dtype int32 or int64"),
+        (dict(w1=w1.to("meta")), ValueError, "'w1' must be on device"),
+        (dict(topk_ids=ids[:3]), ValueError, "'topk_ids' must have shape [4, k]"),
+        (dict(topk_weights=weights[:, :1]), ValueError, "'topk_weights' must have the shape"),
+        (dict(topk_weights=weights.T.contiguous().T), ValueError,
+         "'topk_weights' must be contiguous in its last dimension"),
+        (dict(w1=w1.transpose(1, 2).contiguous().transpose(1, 2)), ValueError,
+         "'w1' must be contiguous in its last dimension"),
+        (dict(topk_ids=torch.full_like(ids, 3), validate_ids=True), ValueError,
+         "expert ids in [0, 3)"),
+        (dict(topk_ids=torch.full_like(ids, -1), validate_ids=True), ValueError,
+         "expert ids in [0, 3)"),
+        (dict(hidden_states=x[:0], topk_ids=ids[:0], topk_weights=weights[:0]), ValueError,
+         "at least one token"),
+    ]
+    for changes, exc, message in cases:
+        with pytest.raises(exc, match=re.escape(message)):
+            call(**changes)
+    with pytest.raises(ValueError, match="'align' must be >= 1"):
+        permute_experts(x, w1, w2, weights, ids, align=0)
+    with pytest.raises(ValueError, match=r"'config.block_m' must divide align=16"):
+        permute_experts(x, w1, w2, weights, ids, align=16, config=TileConfig(block_m=32))
+    with pytest.raises(ValueError, match="'config.block_k' must be a power of two"):
+        permute_experts(x, w1, w2, weights, ids, align=16, config=TileConfig(16, 16, 8))
+    with pytest.raises(ValueError, match="'out' must have shape"):
+        permute(x, ids, 3, 16, out=torch.empty(5, 16, device=DEVICE))
+    with pytest.raises(ValueError, match="'m_indices' must have one entry per row"):
+        grouped_gemm_contiguous(x, w1, torch.zeros(4, dtype=torch.int32, device=DEVICE), 16)
