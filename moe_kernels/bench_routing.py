@@ -3,9 +3,10 @@
 For batch 1 to 16384 at the two chapter shapes (DeepSeek-V3: grouped sigmoid top-8 of 256 with a
 correction bias; Qwen3-30B-A3B: softmax top-8 of 128), and for ``moe_align_block_size`` at each
 shape with the tile height vLLM's default config picks for that batch. Each call is timed by
-``triton.testing.do_bench`` (median of many calls, CUDA events), so a number includes the launch
-cost, which is what these tiny kernels mostly are. Before timing, every kernel's output is
-compared with its reference (ids exact). ``--record`` writes ``results/<device>/routing_align.json``.
+``triton.testing.do_bench`` (median, CUDA events: "eager", launch cost included) and, for the
+kernels, replayed from a CUDA graph (GPU time per call, launch cost gone: how a decode step runs
+in an engine); see :mod:`moe_kernels.timing`. Before timing, every kernel's output is compared
+with its reference (ids exact). ``--record`` writes ``results/<device>/routing_align.json``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 
 from . import align, routing
 from .shapes import MODELS
+from .timing import eager_us, graph_us
 
 BATCHES = [2**i for i in range(15)]  # 1 .. 16384
 
@@ -30,12 +32,6 @@ def default_block_size(num_tokens: int) -> int:
     if num_tokens <= 512:
         return 64
     return 128
-
-
-def _time_us(fn) -> float:
-    from triton.testing import do_bench
-
-    return 1e3 * float(do_bench(fn, warmup=10, rep=50, return_mode="median"))
 
 
 def routing_cases(num_tokens: int, generator: torch.Generator):
@@ -81,11 +77,14 @@ def run(batches=BATCHES, verbose: bool = True) -> list[dict]:
         for name, kernel, reference in routing_cases(T, generator) + align_cases(T, generator):
             if not _same(kernel(), reference()):
                 raise AssertionError(f"{name} at batch {T}: kernel output differs from the reference")
-            row = {"op": name, "batch": T, "kernel_us": _time_us(kernel), "reference_us": _time_us(reference)}
+            row = {"op": name, "batch": T, "kernel_us": eager_us(kernel), "kernel_graph_us": graph_us(kernel),
+                   "reference_us": eager_us(reference)}
             rows.append(row)
             if verbose:
-                print(f"{name:48s} B={T:6d}  kernel {row['kernel_us']:8.1f} us  torch {row['reference_us']:8.1f} us"
-                      f"  speed-up {row['reference_us'] / row['kernel_us']:5.1f}x", flush=True)
+                graph = f"{row['kernel_graph_us']:7.1f}" if row["kernel_graph_us"] is not None else "    n/a"
+                print(f"{name:48s} B={T:6d}  kernel {row['kernel_us']:7.1f} us (graph {graph} us)"
+                      f"  torch {row['reference_us']:8.1f} us  speed-up {row['reference_us'] / row['kernel_us']:5.1f}x",
+                      flush=True)
     return rows
 
 
