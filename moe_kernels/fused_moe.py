@@ -48,13 +48,15 @@ Worked example: two tokens, top-2 of three experts, ``block_m = 16``::
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 
 import torch
 
 from . import _runtime
 from ._checks import check_ids_in_range, check_int, check_tensor, fail
 from ._runtime import HAS_TRITON, tl, triton, use_triton
-from .align import moe_align_block_size
+from .align import moe_align_block_size, use_naive_block_assignment
 from .reference import silu_and_mul_reference
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -118,17 +120,63 @@ def default_config(M: int, E: int, N: int, K: int) -> FusedMoEConfig:
     )
 
 
-# Measured on an NVIDIA H200 (bf16; see notes/perf-fused-moe.md and results/): keyed by
-# (device name, E, N = F, K = d) and then by token count M; the nearest M key is taken.
-_TUNED: dict[tuple[str, int, int, int], dict[int, FusedMoEConfig]] = {}
+def _cfg(block_m: int, gate_up: tuple, down: tuple) -> FusedMoEConfig:
+    return FusedMoEConfig(block_m, GemmTiles(*gate_up), GemmTiles(*down))
+
+
+# Measured on an NVIDIA H200 with torch 2.11 / triton 3.6, bf16, uniform routing
+# (`python -m moe_kernels.bench --tune`; results/nvidia-h200/fused-moe-tuning.json and
+# notes/perf-fused-moe.md). Keyed by (device name, E, N = F, K = d), then by token count M;
+# tiles are (block_n, block_k, group_m, num_warps, num_stages).
+_TUNED: dict[tuple[str, int, int, int], dict[int, FusedMoEConfig]] = {
+    ("NVIDIA H200", 256, 2048, 7168): {  # deepseek-v3
+        1: _cfg(16, (128, 128, 1, 4, 3), (256, 128, 1, 4, 3)),
+        2: _cfg(16, (64, 256, 1, 4, 3), (128, 128, 1, 4, 5)),
+        4: _cfg(16, (32, 256, 1, 4, 5), (128, 256, 1, 4, 3)),
+        8: _cfg(16, (32, 256, 1, 4, 5), (128, 256, 1, 4, 3)),
+        16: _cfg(16, (32, 256, 1, 4, 5), (128, 128, 1, 4, 5)),
+        32: _cfg(16, (32, 256, 1, 4, 5), (256, 128, 1, 4, 3)),
+        64: _cfg(16, (32, 256, 1, 4, 5), (256, 128, 1, 4, 3)),
+        128: _cfg(16, (32, 256, 1, 4, 5), (128, 128, 1, 4, 4)),
+        256: _cfg(16, (32, 256, 1, 4, 3), (128, 128, 1, 4, 4)),
+        512: _cfg(32, (128, 128, 8, 4, 3), (128, 128, 8, 4, 3)),
+        1024: _cfg(64, (64, 128, 8, 4, 4), (128, 64, 8, 8, 4)),
+        2048: _cfg(64, (128, 64, 8, 8, 4), (128, 64, 8, 8, 4)),
+        4096: _cfg(128, (128, 64, 8, 8, 4), (256, 64, 8, 8, 4)),
+        8192: _cfg(128, (128, 64, 8, 8, 3), (256, 64, 8, 8, 3)),
+        16384: _cfg(128, (128, 64, 8, 8, 3), (256, 64, 8, 8, 3)),
+    },
+    ("NVIDIA H200", 128, 768, 2048): {  # qwen3-30b-a3b
+        1: _cfg(16, (64, 128, 1, 4, 5), (32, 256, 1, 4, 3)),
+        2: _cfg(16, (64, 128, 1, 4, 3), (128, 128, 1, 4, 3)),
+        4: _cfg(16, (64, 128, 1, 4, 3), (128, 128, 1, 4, 4)),
+        8: _cfg(16, (64, 128, 1, 4, 5), (128, 128, 1, 4, 3)),
+        16: _cfg(16, (64, 128, 1, 4, 5), (256, 128, 1, 4, 3)),
+        32: _cfg(16, (64, 256, 1, 4, 3), (128, 128, 1, 4, 3)),
+        64: _cfg(16, (128, 128, 1, 4, 3), (128, 128, 1, 4, 4)),
+        128: _cfg(16, (128, 128, 1, 4, 3), (128, 128, 1, 4, 4)),
+        256: _cfg(32, (128, 128, 8, 8, 3), (128, 128, 8, 4, 3)),
+        512: _cfg(32, (128, 128, 8, 4, 3), (128, 64, 8, 4, 3)),
+        1024: _cfg(64, (128, 64, 8, 8, 4), (128, 64, 8, 8, 3)),
+        2048: _cfg(128, (128, 64, 8, 8, 4), (256, 64, 8, 8, 4)),
+        4096: _cfg(128, (128, 64, 8, 8, 4), (256, 64, 8, 8, 4)),
+        8192: _cfg(128, (128, 64, 8, 8, 4), (256, 64, 8, 8, 4)),
+        16384: _cfg(128, (128, 64, 8, 8, 3), (256, 64, 8, 8, 3)),
+    },
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _device_name(index: int | None) -> str:
+    return torch.cuda.get_device_name(index)
 
 
 def tuned_config(device_name: str, M: int, E: int, N: int, K: int) -> FusedMoEConfig | None:
-    """The measured bf16 config for this GPU and shape at the nearest token count, if any."""
+    """The measured bf16 config for this GPU and shape at the nearest token count (by ratio), if any."""
     table = _TUNED.get((device_name, E, N, K))
     if not table:
         return None
-    return table[min(table, key=lambda m: (abs(m - M), m))]
+    return table[min(table, key=lambda m: (abs(math.log(m / max(M, 1))), m))]
 
 
 def get_config(M: int, E: int, N: int, K: int, dtype: torch.dtype, device: torch.device | str) -> FusedMoEConfig:
@@ -139,7 +187,7 @@ def get_config(M: int, E: int, N: int, K: int, dtype: torch.dtype, device: torch
     """
     device = torch.device(device)
     if device.type == "cuda" and dtype == torch.bfloat16:
-        tuned = tuned_config(torch.cuda.get_device_name(device), M, E, N, K)
+        tuned = tuned_config(_device_name(device.index), M, E, N, K)
         if tuned is not None:
             return tuned
     return default_config(M, E, N, K)
@@ -171,17 +219,18 @@ class BlockAssignment:
         return self.sorted_token_ids is None
 
 
-def naive_blocks_pay(num_tokens: int, top_k: int, num_experts: int) -> bool:
-    """vLLM's rule for skipping the alignment: ``num_tokens * top_k * 4 <= num_experts``.
+def assign_blocks(topk_ids: torch.Tensor, block_m: int, num_experts: int, *, naive: bool | None = None,
+                  validate_ids: bool = True) -> BlockAssignment:
+    """Build the block map for ``topk_ids``: naive when ``naive`` says so, or by default when
+    :func:`moe_kernels.align.use_naive_block_assignment` (vLLM's ``T * k * 4 <= E``) holds.
 
-    Below it the assignments are so sparse over the experts that almost every block would hold
-    one row anyway, so sorting them costs a kernel launch and saves nothing.
+    The naive map needs no index tensors at all (the kernel computes "row 0 of block ``m`` is
+    assignment ``m``" itself), so at decode no kernel runs before the GEMMs. The alignment's
+    own :func:`moe_kernels.align.naive_block_assignment` builds the same map as explicit
+    tensors, which the aligned path also accepts.
+
+    ``validate_ids`` is passed to the alignment (its range check costs a host sync on the GPU).
     """
-    return num_tokens * top_k * 4 <= num_experts
-
-
-def assign_blocks(topk_ids: torch.Tensor, block_m: int, num_experts: int, *, naive: bool | None = None) -> BlockAssignment:
-    """Build the block map for ``topk_ids`` (naive when ``naive``, or by :func:`naive_blocks_pay`)."""
     func = "assign_blocks"
     check_tensor(func, "topk_ids", topk_ids, ndim=2, dtypes=_ID_DTYPES)
     check_int(func, "block_m", block_m, lo=16)
@@ -189,10 +238,11 @@ def assign_blocks(topk_ids: torch.Tensor, block_m: int, num_experts: int, *, nai
     num_tokens, top_k = topk_ids.shape
     numel = topk_ids.numel()
     if naive is None:
-        naive = naive_blocks_pay(num_tokens, top_k, num_experts)
+        naive = use_naive_block_assignment(num_tokens, top_k, num_experts)
     if naive:
         return BlockAssignment(block_m, topk_ids.reshape(-1).contiguous(), None, None, numel)
-    sorted_ids, expert_ids, num_post_padded = moe_align_block_size(topk_ids, block_m, num_experts)
+    sorted_ids, expert_ids, num_post_padded = moe_align_block_size(topk_ids, block_m, num_experts,
+                                                                   validate_ids=validate_ids)
     # Each non-empty expert wastes at most block_m - 1 padding rows, and at most min(E, numel)
     # experts are non-empty: no need to launch programs for the worst case of every expert.
     bound = numel + min(num_experts, numel) * (block_m - 1)
@@ -502,7 +552,7 @@ def fused_experts(
     ``config`` defaults to :func:`get_config`; ``block_size_m`` overrides its M tile.
     ``blocks`` passes a precomputed :func:`assign_blocks` result (its ``block_m`` wins), e.g. to
     time the GEMMs without the alignment. ``naive_block_assignment`` forces the small-batch path
-    on or off (default: :func:`naive_blocks_pay`). ``validate_ids`` checks every id lies in
+    on or off (default: vLLM's rule, see :func:`assign_blocks`). ``validate_ids`` checks every id lies in
     ``[0, E)``, which costs a device-to-host read: turn it off inside CUDA graphs and timed loops.
 
     Under the Triton interpreter (no GPU), bf16 inputs are computed in fp32 and the result is
@@ -523,7 +573,8 @@ def fused_experts(
         config = get_config(num_tokens, num_experts, two_f // 2, d, hidden_states.dtype, hidden_states.device)
     if blocks is None:
         block_m = block_size_m if block_size_m is not None else config.block_m
-        blocks = assign_blocks(topk_ids, block_m, num_experts, naive=naive_block_assignment)
+        # The ids were range-checked above when asked for: the alignment need not do it again.
+        blocks = assign_blocks(topk_ids, block_m, num_experts, naive=naive_block_assignment, validate_ids=False)
     intermediate = expert_gate_up(hidden_states, w1, blocks, top_k, tiles=config.gate_up)
     per_slot = expert_down(intermediate, w2, topk_weights, blocks, tiles=config.down)
     return moe_sum(per_slot)

@@ -1,0 +1,553 @@
+"""Timing harness for one routed-expert layer: ceilings, a batch sweep over layouts, tile tuning.
+
+Every number is reported against a *floor* built from two ceilings measured in the same run
+(:mod:`moe_kernels.ceilings`): the HBM bandwidth of a large device-to-device copy and the rate of
+a large bf16 matmul on random data. For one layer at batch ``B``:
+
+* bytes = the weights of the experts the drawn ids actually touch (``3 d F`` each) plus the
+  activations read and the output written (``2 B d``), in the weight dtype;
+* FLOPs = ``2 * 3 d F`` per assignment, ``B k`` assignments;
+* floor = ``max(bytes / bandwidth, FLOPs / gemm_rate)``; the table shows ``time / floor``.
+
+Layouts are callables ``(hidden, w1, w2, topk_weights, topk_ids) -> [T, d]``: ours (index-gather,
+:mod:`moe_kernels.fused_moe`), the permute and masked layouts and PyTorch's ``grouped_mm`` when
+their modules import, a per-expert Python loop, and a dense GEMM of the same FLOPs. Our layout
+is timed twice: "GEMMs" with the block map precomputed (both grouped GEMMs and the top-k sum)
+and "layer" from router logits (routing, alignment, GEMMs, sum), each also replayed from a CUDA
+graph (no launch overhead). Times are medians of ``triton.testing.do_bench``, which flushes the
+L2 between runs, so weights are read from HBM every time even where they would fit in L2.
+
+``python -m moe_kernels.bench`` runs the sweep (``--record`` writes
+``results/<device>/<name>.json``); ``--tune`` searches tile configurations instead and writes the
+best per batch. Both need a CUDA GPU; the counting below runs anywhere::
+
+    >>> import torch
+    >>> from moe_kernels.shapes import MODELS
+    >>> work = count_work(MODELS["qwen3-30b-a3b"], torch.tensor([[0, 5], [5, 9]]), bytes_per_element=2)
+    >>> work.experts_touched                      # experts 0, 5 and 9
+    3
+    >>> work.flops == 4 * 2 * 3 * 2048 * 768      # four assignments
+    True
+    >>> work.bytes == 3 * 3 * 2048 * 768 * 2 + 2 * 2 * 2048 * 2
+    True
+    >>> round(work.floor_seconds(bandwidth=4e12, gemm_rate=700e12) * 1e6, 2)   # memory-bound
+    7.08
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import json
+import math
+import multiprocessing
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .shapes import MODELS, MoEModel
+
+DEFAULT_MODELS = ("deepseek-v3", "qwen3-30b-a3b")
+DEFAULT_BATCHES = tuple(2**i for i in range(15))  # 1 .. 16384
+
+
+# ----------------------------------------------------------------------------------------------
+# Counting
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Work:
+    """What one layer must move and compute at least, for the ids actually drawn."""
+
+    experts_touched: int
+    bytes: float
+    flops: float
+
+    def floor_seconds(self, bandwidth: float, gemm_rate: float) -> float:
+        return max(self.bytes / bandwidth, self.flops / gemm_rate)
+
+
+def count_work(model: MoEModel, topk_ids: torch.Tensor, bytes_per_element: float) -> Work:
+    """Bytes of the experts touched (plus activations in and out) and FLOPs of the expert GEMMs."""
+    touched = int(torch.unique(topk_ids).numel())
+    num_tokens = topk_ids.shape[0]
+    weight_bytes = touched * model.expert_params * bytes_per_element
+    activation_bytes = 2 * num_tokens * model.hidden_size * bytes_per_element
+    return Work(touched, weight_bytes + activation_bytes, topk_ids.numel() * model.expert_flops_per_token)
+
+
+def dense_work(model: MoEModel, num_tokens: int, bytes_per_element: float) -> Work:
+    """The dense comparison: ``[B k, d] @ [d, 3F]``, the same FLOPs as the layer, one weight."""
+    rows, d, cols = num_tokens * model.top_k, model.hidden_size, 3 * model.moe_intermediate_size
+    return Work(1, (rows * d + d * cols + rows * cols) * bytes_per_element, 2.0 * rows * d * cols)
+
+
+# ----------------------------------------------------------------------------------------------
+# Problems and baselines
+# ----------------------------------------------------------------------------------------------
+
+
+def make_weights(model: MoEModel, dtype: torch.dtype, seed: int, device="cuda"):
+    """Random ``w1 [E, 2F, d]`` and ``w2 [E, d, F]`` scaled to keep activations O(1)."""
+    e, d, f = model.num_experts, model.hidden_size, model.moe_intermediate_size
+    g = torch.Generator(device=device).manual_seed(seed)
+    w1 = torch.randn(e, 2 * f, d, device=device, dtype=dtype, generator=g).mul_(d**-0.5)
+    w2 = torch.randn(e, d, f, device=device, dtype=dtype, generator=g).mul_(f**-0.5)
+    return w1, w2
+
+
+def make_batch(model: MoEModel, num_tokens: int, dtype: torch.dtype, seed: int, device="cuda"):
+    """Hidden states and random router logits; the ids are their top-k, so uniform over experts."""
+    from .routing import fused_topk
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    hidden = torch.randn(num_tokens, model.hidden_size, device=device, dtype=dtype, generator=g)
+    logits = torch.randn(num_tokens, model.num_experts, device=device, dtype=torch.float32, generator=g)
+    weights, ids = fused_topk(hidden, logits, model.top_k, True)
+    return hidden, logits, weights, ids
+
+
+def expert_loop(hidden, w1, w2, topk_weights, topk_ids):
+    """The naive baseline: one Python iteration (three torch matmuls) per expert that has rows."""
+    num_tokens, top_k = topk_ids.shape
+    f = w2.shape[2]
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=w1.shape[0]).tolist()  # one host sync
+    tokens, weights = order // top_k, topk_weights.reshape(-1)[order].float()
+    out = torch.zeros(num_tokens, hidden.shape[1], device=hidden.device, dtype=torch.float32)
+    start = 0
+    for e, count in enumerate(counts):
+        if count:
+            rows = tokens[start:start + count]
+            h = hidden[rows] @ w1[e].T
+            y = (torch.nn.functional.silu(h[:, :f]) * h[:, f:]) @ w2[e].T
+            out.index_add_(0, rows, y.float() * weights[start:start + count, None])
+            start += count
+    return out.to(hidden.dtype)
+
+
+def other_layouts() -> dict[str, Callable]:
+    """The layouts of the sibling modules that import here, plus the per-expert loop."""
+    layouts = {}
+    try:
+        from .permute import permute_experts, torch_grouped_mm_experts
+
+        layouts["permute"] = permute_experts
+        layouts["torch grouped_mm"] = torch_grouped_mm_experts
+    except ImportError as err:
+        print(f"(permute layout unavailable: {err})", file=sys.stderr)
+    try:
+        from .masked import masked_experts
+
+        layouts["masked"] = masked_experts
+    except ImportError as err:
+        print(f"(masked layout unavailable: {err})", file=sys.stderr)
+    layouts["expert loop"] = expert_loop
+    return layouts
+
+
+# ----------------------------------------------------------------------------------------------
+# Timing
+# ----------------------------------------------------------------------------------------------
+
+
+def median_ms(fn: Callable, warmup_ms: float, rep_ms: float) -> float:
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def graphed(fn: Callable) -> Callable:
+    """Capture ``fn`` once in a CUDA graph and return its replay (launch overhead removed)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # compile and allocate outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float(torch.linalg.norm(out.float() - ref.float()) / torch.linalg.norm(ref.float()).clamp_min(1e-30))
+
+
+# ----------------------------------------------------------------------------------------------
+# Tuned configurations from a file
+# ----------------------------------------------------------------------------------------------
+
+
+def load_configs(path: str | os.PathLike) -> dict:
+    """``--tune`` output -> {(E, N, K): {M: FusedMoEConfig}}."""
+    from .fused_moe import FusedMoEConfig
+
+    table: dict = {}
+    recorded = json.loads(Path(path).read_text())
+    for entry in recorded.get("data", recorded)["entries"]:  # a --record file wraps it in provenance
+        table.setdefault((entry["E"], entry["N"], entry["K"]), {})[entry["M"]] = FusedMoEConfig.from_dict(entry["config"])
+    return table
+
+
+def pick_config(table: dict | None, model: MoEModel, num_tokens: int, dtype: torch.dtype, device="cuda"):
+    from .fused_moe import get_config
+
+    d, f, e = model.hidden_size, model.moe_intermediate_size, model.num_experts
+    if table and (e, f, d) in table:  # nearest token count by ratio, as get_config does
+        rows = table[(e, f, d)]
+        return rows[min(rows, key=lambda m: (abs(math.log(m / max(num_tokens, 1))), m))]
+    return get_config(num_tokens, e, f, d, dtype, device)
+
+
+# ----------------------------------------------------------------------------------------------
+# The sweep
+# ----------------------------------------------------------------------------------------------
+
+
+def sweep(models, batches, *, dtype, seed, warmup_ms, rep_ms, ceilings, configs=None, layouts=None,
+          graphs=True, log=print, device="cuda") -> list[dict]:
+    """Time every layout at every batch; return one dict per (model, batch, layout).
+
+    ``models`` maps names to :class:`~moe_kernels.shapes.MoEModel`."""
+    from .fused_moe import assign_blocks, fused_experts, fused_moe
+
+    others = other_layouts()
+    if layouts is not None:
+        others = {k: v for k, v in others.items() if k in layouts}
+    bpe = torch.finfo(dtype).bits / 8
+    bandwidth, rate = ceilings["hbm_bandwidth"], ceilings["gemm_rate_bf16"]
+    rows = []
+    header = (f"{'model':<14} {'batch':>6} {'layout':<26} {'time us':>10} {'touched':>7} {'MB':>9} "
+              f"{'GFLOP':>9} {'TB/s':>6} {'TFLOP/s':>7} {'floor us':>9} {'x floor':>7}")
+    log(header)
+    for key, model in models.items():
+        w1, w2 = make_weights(model, dtype, seed, device)
+        for batch in batches:
+            hidden, logits, weights, ids = make_batch(model, batch, dtype, seed + batch, device)
+            cfg = pick_config(configs, model, batch, dtype, device)
+            blocks = assign_blocks(ids, cfg.block_m, model.num_experts, validate_ids=False)
+            work = count_work(model, ids, bpe)
+
+            def gemms():
+                return fused_experts(hidden, w1, w2, weights, ids, config=cfg, blocks=blocks, validate_ids=False)
+
+            def layer():
+                return fused_moe(hidden, w1, w2, logits, model.top_k, True, config=cfg)
+
+            reference = gemms()
+            candidates = [("index-gather GEMMs", gemms, work), ("index-gather layer", layer, work)]
+            if graphs:
+                candidates += [("index-gather GEMMs graph", lambda: graphed(gemms), work),
+                               ("index-gather layer graph", lambda: graphed(layer), work)]
+            for name, fn in others.items():
+                candidates.append((name, (lambda fn=fn: fn(hidden, w1, w2, weights, ids)), work))
+            dense_w = torch.randn(model.hidden_size, 3 * model.moe_intermediate_size, device=device, dtype=dtype)
+            dense_x = hidden.repeat_interleave(model.top_k, dim=0)
+            candidates.append(("dense GEMM same FLOPs", lambda: dense_x @ dense_w, dense_work(model, batch, bpe)))
+
+            for name, fn, wk in candidates:
+                row = {"model": key, "batch": batch, "layout": name, "experts_touched": wk.experts_touched,
+                       "bytes": wk.bytes, "flops": wk.flops, "floor_s": wk.floor_seconds(bandwidth, rate)}
+                try:
+                    if name.endswith("graph"):
+                        fn = fn()  # the lambda builds the replay
+                    out = fn()
+                    if name != "dense GEMM same FLOPs" and not name.endswith("graph"):
+                        row["rel_err_vs_index_gather"] = _rel_err(out, reference)
+                    del out
+                    row["time_s"] = median_ms(fn, warmup_ms, rep_ms) * 1e-3
+                except Exception as err:  # noqa: BLE001 - one layout failing (OOM, no kernel) must not stop the sweep
+                    row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+                rows.append(row)
+                log(_format_row(row))
+                _empty_cache(device)
+            row_cfg = {"model": key, "batch": batch, "layout": "index-gather config", "config": cfg.to_dict(),
+                       "naive_blocks": blocks.naive}
+            rows.append(row_cfg)
+            del hidden, logits, weights, ids, blocks, dense_w, dense_x, reference
+        del w1, w2
+        _empty_cache(device)
+    return rows
+
+
+def _empty_cache(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _format_row(row: dict) -> str:
+    lead = f"{row['model']:<14} {row['batch']:>6} {row['layout']:<26}"
+    if "time_s" not in row:
+        return f"{lead} {row.get('error', '')}"
+    t = row["time_s"]
+    return (f"{lead} {t * 1e6:>10.1f} {row['experts_touched']:>7} {row['bytes'] / 1e6:>9.1f} "
+            f"{row['flops'] / 1e9:>9.2f} {row['bytes'] / t / 1e12:>6.2f} {row['flops'] / t / 1e12:>7.1f} "
+            f"{row['floor_s'] * 1e6:>9.1f} {t / row['floor_s']:>7.2f}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Tuning
+# ----------------------------------------------------------------------------------------------
+
+_SHARED_MEMORY_BYTES = 220 * 1024  # an H100/H200 SM offers 227 KiB to one block; keep a margin
+
+
+def block_m_candidates(rows_per_expert: float) -> list[int]:
+    """M tiles worth trying when each expert gets ``rows_per_expert`` rows on average (where the
+    GEMM computes, a smaller tile than the rows also pays: it wastes less on the partial block)."""
+    low = rows_per_expert / (4 if rows_per_expert >= 128 else 2)
+    picks = [b for b in (16, 32, 64, 128) if low <= b <= 2 * rows_per_expert]
+    return picks or [16 if rows_per_expert < 16 else 128]
+
+
+def tile_candidates(rows_per_expert: float, block_m: int, gated: bool) -> list:
+    """N/K tiles, warps and stages to try.
+
+    Where the GEMM streams weights (few rows per expert) a program's speed is bounded by what one
+    SM can pull (~30 GB/s measured), so the candidates spread the weights over many programs
+    (narrow N tiles) with long K tiles and deep pipelines; where it computes, wide tiles and
+    more warps."""
+    from .fused_moe import GemmTiles
+
+    streaming = [(n, k, 1, 4, s) for n in (16, 32, 64, 128, 256) for k in (128, 256) for s in (3, 4, 5)]
+    balanced = [(n, k, 8, w, s) for n in (64, 128) for k in (64, 128) for w in (4, 8) for s in (3, 4)]
+    computing = [(n, 64, 8, w, s) for n in (64, 128, 256) for w in (4, 8) for s in (3, 4)]
+    if rows_per_expert < 16:
+        grid = streaming
+    elif rows_per_expert < 128:
+        grid = [(n, k, 8, w, s) for n, k, _, w, s in streaming if n >= 32 and s <= 4] + balanced
+    else:
+        grid = balanced + computing
+    weight_tiles = 2 if gated else 1
+    out = []
+    for n, k, group, warps, stages in dict.fromkeys(grid):
+        if gated and n > 128:
+            continue  # two accumulators of BLOCK_M x 256 do not fit in registers
+        if stages * (block_m * k + weight_tiles * n * k) * 2 > _SHARED_MEMORY_BYTES:
+            continue
+        out.append(GemmTiles(n, k, group, warps, stages))
+    return out
+
+
+def _compile_jobs(jobs: list[dict]) -> int:
+    """Run each job's kernel once on a tiny problem of the same shape class, so Triton compiles
+    it into its on-disk cache; used from worker processes to compile configurations in parallel."""
+    from .fused_moe import GemmTiles, assign_blocks, expert_down, expert_gate_up
+
+    done = 0
+    for job in jobs:
+        d, f, top_k, block_m = job["d"], job["f"], job["top_k"], job["block_m"]
+        tiles = GemmTiles(**job["tiles"])
+        on = dict(device=job["device"], dtype=getattr(torch, job["dtype"]))
+        try:
+            ids = torch.zeros(4, top_k, dtype=torch.int32, device=job["device"])
+            blocks = assign_blocks(ids, block_m, 1, naive=job["naive"])
+            if job["gated"]:
+                expert_gate_up(torch.randn(4, d, **on), torch.randn(1, 2 * f, d, **on), blocks, top_k, tiles=tiles)
+            else:
+                weights = torch.rand(4, top_k, device=job["device"])
+                expert_down(torch.randn(4 * top_k, f, **on), torch.randn(1, d, f, **on), weights, blocks, tiles=tiles)
+            done += 1
+        except Exception:  # noqa: BLE001 - a config that cannot compile is skipped when timed too
+            pass
+    return done
+
+
+def precompile(jobs: list[dict], workers: int, log=print) -> None:
+    """Compile many configurations in parallel processes (Triton compiles one kernel per core)."""
+    if workers <= 1 or not jobs:
+        return
+    import moe_kernels.bench as this_module  # a picklable reference even when run as __main__
+
+    start = time.perf_counter()
+    chunks = [jobs[i::workers] for i in range(workers)]
+    try:
+        ctx = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+            done = sum(pool.map(this_module._compile_jobs, chunks))
+        log(f"precompiled {done}/{len(jobs)} kernels in {time.perf_counter() - start:.0f} s on {workers} processes")
+    except Exception as err:  # noqa: BLE001 - compiling serially later is slower, not wrong
+        log(f"parallel precompile failed ({err}); kernels compile on first use")
+
+
+def tune(models, batches, *, dtype, seed, warmup_ms, rep_ms, workers, budget_s=math.inf, log=print,
+         device="cuda") -> list[dict]:
+    """For each model and batch, the fastest (block_m, GEMM 1 tiles, GEMM 2 tiles) measured.
+
+    ``models`` maps names to models; batches are tuned in the order given until ``budget_s``
+    seconds (compilation included) have passed; the rest keep the default configuration."""
+    from .align import use_naive_block_assignment
+    from .fused_moe import FusedMoEConfig, assign_blocks, expert_down, expert_gate_up
+
+    start = time.perf_counter()
+    plans = []
+    jobs = []
+    for batch in batches:
+        for key, model in models.items():
+            rho = batch * model.top_k / model.num_experts
+            naive = use_naive_block_assignment(batch, model.top_k, model.num_experts)
+            for bm in block_m_candidates(rho):
+                for gated in (True, False):
+                    for tiles in tile_candidates(rho, bm, gated):
+                        jobs.append({"d": model.hidden_size, "f": model.moe_intermediate_size, "top_k": model.top_k,
+                                     "block_m": bm, "naive": naive, "gated": gated, "device": str(device),
+                                     "dtype": str(dtype).replace("torch.", ""), "tiles": dataclasses.asdict(tiles)})
+            plans.append((key, batch, rho))
+    unique = {json.dumps(j, sort_keys=True): j for j in jobs}
+    precompile(list(unique.values()), workers, log)
+
+    entries = []
+    weights_of = {key: make_weights(model, dtype, seed, device) for key, model in models.items()}
+    _warm_up(device)
+    for key, batch, rho in plans:
+        if time.perf_counter() - start > budget_s:
+            log(f"tuning budget of {budget_s:.0f} s spent: {key} batch {batch} and later keep the defaults")
+            break
+        model = models[key]
+        w1, w2 = weights_of[key]
+        hidden, _, weights, ids = make_batch(model, batch, dtype, seed + batch, device)
+        numel = ids.numel()
+        inter = torch.empty(numel, model.moe_intermediate_size, device=device, dtype=dtype)
+        per_slot = torch.empty(batch, model.top_k, model.hidden_size, device=device, dtype=dtype)
+        best = None
+        tried = []
+        for bm in block_m_candidates(rho):
+            blocks = assign_blocks(ids, bm, model.num_experts, validate_ids=False)
+
+            def timed(make_call, tiles):
+                try:
+                    return median_ms(make_call(tiles), warmup_ms, rep_ms)
+                except Exception as err:  # noqa: BLE001 - e.g. out of shared memory: skip the config
+                    tried.append({"block_m": bm, "tiles": dataclasses.asdict(tiles), "error": str(err)[:120]})
+                    return math.inf
+
+            up_times = {t: timed(lambda t: (lambda: expert_gate_up(hidden, w1, blocks, model.top_k, tiles=t, out=inter)), t)
+                        for t in tile_candidates(rho, bm, True)}
+            best_up = min(up_times, key=up_times.get)
+            expert_gate_up(hidden, w1, blocks, model.top_k, tiles=best_up, out=inter)  # real data for GEMM 2
+            down_times = {t: timed(lambda t: (lambda: expert_down(inter, w2, weights, blocks, tiles=t, out=per_slot)), t)
+                          for t in tile_candidates(rho, bm, False)}
+            best_down = min(down_times, key=down_times.get)
+            for t, ms in up_times.items():
+                tried.append({"gemm": "gate_up", "block_m": bm, "tiles": dataclasses.asdict(t), "ms": ms})
+            for t, ms in down_times.items():
+                tried.append({"gemm": "down", "block_m": bm, "tiles": dataclasses.asdict(t), "ms": ms})
+            total = up_times[best_up] + down_times[best_down]
+            if best is None or total < best[0]:
+                best = (total, FusedMoEConfig(bm, best_up, best_down), up_times[best_up], down_times[best_down])
+        total, cfg, t_up, t_down = best
+        log(f"{key:<14} batch {batch:>6}: {total * 1e3:8.1f} us (gate_up {t_up * 1e3:.1f} + down {t_down * 1e3:.1f}) "
+            f"block_m {cfg.block_m} gate_up {_short(cfg.gate_up)} down {_short(cfg.down)}")
+        entries.append({"model": key, "E": model.num_experts, "N": model.moe_intermediate_size, "K": model.hidden_size,
+                        "M": batch, "config": cfg.to_dict(), "gemm_ms": {"gate_up": t_up, "down": t_down},
+                        "tried": [t for t in tried if t.get("ms", 0) != math.inf]})
+        del hidden, weights, ids, inter, per_slot
+    return entries
+
+
+def _warm_up(device, seconds: float = 1.0) -> None:
+    """Keep the GPU busy for a moment: an idle GPU clocks down, and the first candidates timed
+    would otherwise pay for the clock ramp (seen: a first tuned batch measured 2x slow)."""
+    if torch.device(device).type != "cuda":
+        return
+    a = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        for _ in range(20):
+            a @ a
+        torch.cuda.synchronize()
+
+
+def _short(t) -> str:
+    return f"n{t.block_n} k{t.block_k} g{t.group_m} w{t.num_warps} s{t.num_stages}"
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line
+# ----------------------------------------------------------------------------------------------
+
+
+def _int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m moe_kernels.bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default=",".join(DEFAULT_MODELS), help=f"comma list of {sorted(MODELS)}")
+    parser.add_argument("--batches", type=_int_list, default=list(DEFAULT_BATCHES), help="comma list of token counts")
+    parser.add_argument("--layouts", default=None, help="comma list of other layouts to time (default: all that import)")
+    parser.add_argument("--no-graphs", action="store_true", help="skip the CUDA-graph replays of our layout")
+    parser.add_argument("--configs", default=None, help="a --tune output whose configs our layout uses")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--warmup-ms", type=float, default=10.0)
+    parser.add_argument("--rep-ms", type=float, default=50.0)
+    parser.add_argument("--record", action="store_true", help="write results/<device>/<name>.json")
+    parser.add_argument("--name", default=None, help="record name (default fused-moe-sweep / fused-moe-tuning)")
+    parser.add_argument("--results-dir", default=None, help="where results/<device>/ lives (default: the repo's)")
+    parser.add_argument("--tune", action="store_true", help="search tile configs instead of sweeping layouts")
+    parser.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1),
+                        help="processes compiling tuning candidates in parallel")
+    parser.add_argument("--budget-s", type=float, default=math.inf, help="stop tuning new batches after this long")
+    args = parser.parse_args(argv)
+
+    if not torch.cuda.is_available():
+        print("moe_kernels.bench: needs a CUDA GPU (timings on the CPU interpreter mean nothing)", file=sys.stderr)
+        return 2
+    torch.backends.cuda.matmul.allow_tf32 = False
+    names = [m for m in args.models.split(",") if m]
+    unknown = [m for m in names if m not in MODELS]
+    if unknown:
+        parser.error(f"unknown models {unknown}; choose from {sorted(MODELS)}")
+    models = {m: MODELS[m] for m in names}
+    dtype = torch.bfloat16
+    started = time.perf_counter()
+    config = {"models": {m: dataclasses.asdict(model) for m, model in models.items()}, "batches": args.batches,
+              "dtype": str(dtype), "seed": args.seed, "warmup_ms": args.warmup_ms, "rep_ms": args.rep_ms,
+              "routing": "uniform: top-k of iid normal logits (fused_topk, renormalised)"}
+    log = lambda line: print(line, flush=True)  # noqa: E731
+    if args.tune:
+        entries = tune(models, args.batches, dtype=dtype, seed=args.seed, warmup_ms=args.warmup_ms,
+                       rep_ms=args.rep_ms, workers=args.workers, budget_s=args.budget_s, log=log)
+        data = {"config": config, "device": torch.cuda.get_device_name(), "entries": entries}
+        name = args.name or "fused-moe-tuning"
+    else:
+        from .ceilings import measure_gemm_rate, measure_hbm_bandwidth
+
+        ceilings = {"hbm_bandwidth": measure_hbm_bandwidth(), "gemm_rate_bf16": measure_gemm_rate()}
+        log(f"ceilings: copy {ceilings['hbm_bandwidth'] / 1e12:.2f} TB/s, bf16 GEMM {ceilings['gemm_rate_bf16'] / 1e12:.0f} TFLOP/s")
+        configs = load_configs(args.configs) if args.configs else None
+        config["configs_file"] = args.configs
+        layouts = args.layouts.split(",") if args.layouts else None
+        name = args.name or "fused-moe-sweep"
+        data = {"config": config, "ceilings": ceilings, "rows": [], "complete": False}
+        for key, model in models.items():  # record after each model: a cut-short run keeps what it measured
+            data["rows"] += sweep({key: model}, args.batches, dtype=dtype, seed=args.seed, warmup_ms=args.warmup_ms,
+                                  rep_ms=args.rep_ms, ceilings=ceilings, configs=configs, layouts=layouts,
+                                  graphs=not args.no_graphs, log=log)
+            data["wall_s"] = time.perf_counter() - started
+            if args.record:
+                _record(name, data, args.results_dir, log)
+        data["complete"] = True
+    data["wall_s"] = time.perf_counter() - started
+    if args.record:
+        _record(name, data, args.results_dir, log)
+    return 0
+
+
+def _record(name: str, data: dict, results_dir: str | None, log) -> None:
+    from .results import record
+
+    path = record(name, data, Path(results_dir) if results_dir else None)
+    log(f"recorded {path}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

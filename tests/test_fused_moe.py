@@ -1,0 +1,324 @@
+"""Index-gather fused MoE (moe_kernels.fused_moe) against the float64 per-token reference.
+
+Runs on default_device(): the Triton interpreter on a CPU machine, the compiled kernels on a GPU.
+"""
+
+import random
+import re
+
+import pytest
+import torch
+
+from moe_kernels import fused_moe as fm
+from moe_kernels._runtime import default_device
+from moe_kernels.reference import moe_reference, silu_and_mul_reference
+
+DEVICE = default_device()
+ON_GPU = DEVICE.type == "cuda"
+TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 kernels need a CUDA GPU")
+
+
+@pytest.fixture(autouse=True)
+def _true_fp32():
+    # The reference is float64; keep torch's own fp32 matmuls (torch fallback) out of TF32 too.
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = old
+
+
+def make_problem(num_tokens, num_experts, top_k, d, f, dtype, seed, ids=None):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(num_tokens, d, generator=g)
+    w1 = torch.randn(num_experts, 2 * f, d, generator=g) / d**0.5
+    w2 = torch.randn(num_experts, d, f, generator=g) / f**0.5
+    if ids is None:  # distinct experts per token, as a top-k would give
+        scores = torch.rand(num_tokens, num_experts, generator=g)
+        ids = scores.topk(top_k, dim=1).indices
+    weights = torch.rand(num_tokens, top_k, generator=g) + 0.1
+    weights = weights / weights.sum(dim=1, keepdim=True)
+    to = dict(device=DEVICE)
+    return (hidden.to(dtype=dtype, **to), w1.to(dtype=dtype, **to), w2.to(dtype=dtype, **to),
+            weights.to(**to), ids.to(dtype=torch.int32, **to))
+
+
+def rel_err(out, ref):
+    out = out.double()
+    assert torch.isfinite(out).all(), "output holds NaN/inf (unwritten rows?)"
+    return float(torch.linalg.norm(out - ref) / torch.linalg.norm(ref).clamp_min(1e-30))
+
+
+def check(problem, dtype, **kwargs):
+    hidden, w1, w2, weights, ids = problem
+    out = fm.fused_experts(hidden, w1, w2, weights, ids, **kwargs)
+    assert out.shape == hidden.shape and out.dtype == hidden.dtype and out.device == hidden.device
+    err = rel_err(out, moe_reference(hidden, w1, w2, weights, ids))
+    assert err < TOL[dtype], f"relative error {err:.2e} >= {TOL[dtype]:.0e}"
+
+
+# ---- random shapes ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(100))
+def test_random_shapes(seed):
+    rnd = random.Random(seed)
+    num_experts = rnd.randint(1, 12)
+    top_k = rnd.randint(1, min(num_experts, 4))
+    dtype = (torch.float32, torch.float16)[seed % 2]
+    problem = make_problem(rnd.randint(1, 24), num_experts, top_k, rnd.choice([16, 32, 40, 64]),
+                           rnd.choice([8, 16, 24, 40]), dtype, seed)
+    check(problem, dtype, block_size_m=rnd.choice([16, 32]), naive_block_assignment=rnd.choice([None, False, True]))
+
+
+# ---- edge cases ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("naive", [False, True])
+def test_one_token(dtype, naive):
+    check(make_problem(1, 8, 3, 32, 16, dtype, seed=1), dtype, naive_block_assignment=naive)
+
+
+def test_expert_with_no_tokens():
+    ids = torch.tensor([[0, 2], [2, 5], [5, 0], [0, 5]])  # experts 1, 3, 4 receive nothing
+    check(make_problem(4, 6, 2, 32, 16, torch.float32, seed=2, ids=ids), torch.float32)
+
+
+@pytest.mark.parametrize("block_m", [16, 32])
+def test_all_tokens_on_one_expert(block_m):
+    ids = torch.full((40, 1), 3)  # 40 rows on expert 3: several blocks, the last one partial
+    check(make_problem(40, 5, 1, 32, 24, torch.float32, seed=3, ids=ids), torch.float32, block_size_m=block_m)
+
+
+def test_k_equals_1():
+    check(make_problem(17, 6, 1, 48, 16, torch.float16, seed=4), torch.float16)
+
+
+def test_k_equals_num_experts():
+    check(make_problem(9, 4, 4, 32, 16, torch.float32, seed=5), torch.float32)
+
+
+def test_single_expert():
+    check(make_problem(5, 1, 1, 16, 8, torch.float32, seed=6), torch.float32)
+
+
+def test_naive_path_is_chosen_by_vllm_rule():
+    hidden, w1, w2, weights, ids = make_problem(2, 64, 8, 32, 16, torch.float32, seed=7)
+    assert fm.assign_blocks(ids, 16, 64).naive and not fm.assign_blocks(ids[:, :3].repeat(3, 1), 16, 64).naive
+    check((hidden, w1, w2, weights, ids), torch.float32)
+
+
+def test_naive_map_matches_explicit_naive_alignment():
+    # align.naive_block_assignment writes the naive map out as tensors: the aligned kernel path
+    # over those tensors must give what the index-free naive path gives.
+    from moe_kernels.align import naive_block_assignment
+
+    hidden, w1, w2, weights, ids = make_problem(3, 16, 2, 32, 16, torch.float32, seed=21)
+    sorted_ids, expert_ids, used = naive_block_assignment(ids, 16)
+    explicit = fm.BlockAssignment(16, expert_ids, sorted_ids, used, expert_ids.numel())
+    a = fm.fused_experts(hidden, w1, w2, weights, ids, blocks=explicit)
+    b = fm.fused_experts(hidden, w1, w2, weights, ids, naive_block_assignment=True)
+    assert torch.allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_naive_path_with_repeated_expert():
+    # Two tokens on the same expert: two naive blocks stream the same weights, both must be right.
+    ids = torch.tensor([[3, 1], [3, 0]])
+    check(make_problem(2, 40, 2, 32, 16, torch.float32, seed=8, ids=ids), torch.float32, naive_block_assignment=True)
+
+
+def test_no_tokens():
+    hidden, w1, w2, weights, ids = make_problem(0, 4, 2, 32, 16, torch.float32, seed=9)
+    assert fm.fused_experts(hidden, w1, w2, weights, ids).shape == (0, 32)
+
+
+def test_precomputed_blocks():
+    hidden, w1, w2, weights, ids = make_problem(12, 6, 2, 32, 16, torch.float32, seed=10)
+    blocks = fm.assign_blocks(ids, 32, 6, naive=False)
+    assert blocks.block_m == 32 and not blocks.naive
+    check((hidden, w1, w2, weights, ids), torch.float32, blocks=blocks)
+
+
+def test_bf16_on_cpu_is_upcast():
+    if ON_GPU:
+        pytest.skip("the upcast is the interpreter's workaround; bf16 runs natively on the GPU")
+    check(make_problem(6, 5, 2, 32, 16, torch.bfloat16, seed=11), torch.bfloat16)
+
+
+@needs_gpu
+@pytest.mark.parametrize("seed", range(6))
+def test_bf16_gpu(seed):
+    rnd = random.Random(1000 + seed)
+    e = rnd.choice([8, 64, 128])
+    k = rnd.choice([1, 2, 8])
+    problem = make_problem(rnd.choice([1, 3, 33, 300]), e, k, rnd.choice([256, 512, 384]),
+                           rnd.choice([128, 192, 256]), torch.bfloat16, seed)
+    check(problem, torch.bfloat16)
+
+
+@needs_gpu
+def test_bf16_gpu_default_sizes():
+    # A GPU-sized problem, through get_config's choice (tuned table or defaults).
+    check(make_problem(700, 32, 4, 1024, 512, torch.bfloat16, seed=12), torch.bfloat16)
+
+
+def test_torch_fallback_matches(monkeypatch):
+    monkeypatch.setattr(fm, "use_triton", lambda *tensors: False)
+    check(make_problem(7, 5, 2, 32, 16, torch.float32, seed=13), torch.float32)
+    check(make_problem(2, 40, 2, 32, 16, torch.float32, seed=14), torch.float32, naive_block_assignment=True)
+
+
+# ---- stages, each writing into a NaN-poisoned buffer ----------------------------------------
+
+
+@pytest.mark.parametrize("naive", [False, True])
+def test_stages_write_every_row(naive):
+    hidden, w1, w2, weights, ids = make_problem(5, 8, 3, 40, 24, torch.float32, seed=15)
+    num_tokens, top_k = ids.shape
+    blocks = fm.assign_blocks(ids, 16, 8, naive=naive)
+    tiles = fm.GemmTiles(block_n=16, block_k=32, group_m=2, num_warps=4, num_stages=2)
+
+    inter = torch.full((num_tokens * top_k, 24), float("nan"), device=DEVICE)
+    fm.expert_gate_up(hidden, w1, blocks, top_k, tiles=tiles, out=inter)
+    flat_ids = ids.reshape(-1).long()
+    x = hidden.double()[torch.arange(num_tokens * top_k, device=DEVICE) // top_k]
+    want = silu_and_mul_reference(torch.einsum("ad,afd->af", x, w1.double()[flat_ids]))
+    assert rel_err(inter, want) < 1e-5
+
+    per_slot = torch.full((num_tokens, top_k, 40), float("nan"), device=DEVICE)
+    fm.expert_down(inter, w2, weights, blocks, tiles=tiles, out=per_slot)
+    want = weights.reshape(-1, 1).double() * torch.einsum("af,adf->ad", inter.double(), w2.double()[flat_ids])
+    assert rel_err(per_slot.reshape(-1, 40), want) < 1e-5
+
+    out = torch.full((num_tokens, 40), float("nan"), device=DEVICE)
+    fm.moe_sum(per_slot, out=out)
+    assert rel_err(out, moe_reference(hidden, w1, w2, weights, ids)) < 1e-5
+
+
+def test_expert_minus_one_writes_zeros():
+    # A block whose expert id is -1 (vLLM: an expert held by another GPU) contributes zeros.
+    hidden, w1, w2, weights, ids = make_problem(3, 4, 2, 32, 16, torch.float32, seed=16)
+    blocks = fm.assign_blocks(ids, 16, 4, naive=False)
+    first_expert = int(blocks.expert_ids[0])
+    expert_ids = blocks.expert_ids.clone()
+    expert_ids[0] = -1
+    hidden_blocks = fm.BlockAssignment(16, expert_ids, blocks.sorted_token_ids, blocks.num_tokens_post_padded,
+                                       blocks.num_m_blocks)
+    tiles = fm.default_config(3, 4, 16, 32).gate_up
+    inter = torch.full((6, 16), float("nan"), device=DEVICE)
+    fm.expert_gate_up(hidden, w1, hidden_blocks, 2, tiles=tiles, out=inter)
+    on_missing = (ids.reshape(-1) == first_expert)
+    assert (inter[on_missing] == 0).all() and torch.isfinite(inter).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("shape", [(1, 1, 8), (3, 8, 1500), (5, 2, 40)])
+def test_moe_sum(dtype, shape):
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(17)).to(DEVICE, dtype)
+    out = torch.full((shape[0], shape[2]), float("nan"), device=DEVICE, dtype=dtype)
+    fm.moe_sum(x, out=out)
+    assert rel_err(out, x.double().sum(1)) < TOL[dtype]
+    assert rel_err(fm.moe_sum_reference(x), x.double().sum(1)) < TOL[dtype]
+
+
+# ---- the routed layer from logits ------------------------------------------------------------
+
+
+def test_fused_moe_from_logits():
+    routing = pytest.importorskip("moe_kernels.routing")
+    hidden, w1, w2, _, _ = make_problem(6, 8, 2, 32, 16, torch.float32, seed=18)
+    logits = torch.randn(6, 8, generator=torch.Generator().manual_seed(19)).to(DEVICE)
+    weights, ids = routing.fused_topk(hidden, logits, 2, True)
+    out = fm.fused_moe(hidden, w1, w2, logits, 2, True)
+    assert rel_err(out, moe_reference(hidden, w1, w2, weights, ids)) < 1e-5
+
+
+# ---- configuration ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("m, block_m, block_n, block_k", [(1, 16, 64, 128), (32, 16, 64, 128), (64, 32, 64, 128),
+                                                          (96, 32, 128, 64), (512, 64, 128, 64), (513, 128, 128, 64)])
+def test_default_config_follows_vllm(m, block_m, block_n, block_k):
+    cfg = fm.default_config(m, 128, 768, 2048)
+    assert (cfg.block_m, cfg.down.block_n, cfg.down.block_k) == (block_m, block_n, block_k)
+    assert cfg.gate_up.block_n == block_n // 2  # half the N tile: it loads gate and up rows
+    assert fm.FusedMoEConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_tuned_table_takes_nearest_m(monkeypatch):
+    a, b = fm.default_config(1, 8, 64, 64), fm.default_config(4096, 8, 64, 64)
+    monkeypatch.setitem(fm._TUNED, ("GPU X", 8, 64, 64), {1: a, 4096: b})
+    assert fm.tuned_config("GPU X", 60, 8, 64, 64) == a      # nearest by ratio: 60x vs 68x
+    assert fm.tuned_config("GPU X", 70, 8, 64, 64) == b
+    assert fm.tuned_config("NVIDIA H200", 8, 128, 768, 2048).block_m == 16
+    assert fm.tuned_config("GPU Y", 3000, 8, 64, 64) is None
+    assert fm.get_config(5, 8, 64, 64, torch.float32, "cpu") == fm.default_config(5, 8, 64, 64)
+
+
+# ---- bad inputs ------------------------------------------------------------------------------
+
+
+def _good():
+    return list(make_problem(3, 4, 2, 32, 16, torch.float32, seed=20))
+
+
+@pytest.mark.parametrize("index, bad, exc, words", [
+    (0, lambda p: p[0].reshape(3, 2, 16), ValueError, "'hidden_states' must have 2 dimensions"),
+    (0, lambda p: p[0].to(torch.int32), TypeError, "'hidden_states' must have dtype"),
+    (1, lambda p: p[1][:, :, :16], ValueError, "'w1' must have shape [E, 2F, d=32]"),
+    (1, lambda p: p[1][:, :31], ValueError, "'w1' must have shape"),
+    (1, lambda p: p[1].half(), TypeError, "'w1' must have dtype float32"),
+    (1, lambda p: p[1].transpose(1, 2).contiguous().transpose(1, 2), ValueError, "'w1' must be contiguous in its last"),
+    (2, lambda p: p[2][:, :, :8], ValueError, "'w2' must have shape [E=4, d=32, F=16]"),
+    (2, lambda p: p[2].transpose(1, 2).contiguous().transpose(1, 2), ValueError, "'w2' must be contiguous in its last"),
+    (3, lambda p: p[3][:, :1], ValueError, "'topk_weights' must have the shape of topk_ids"),
+    (3, lambda p: p[3].to(torch.int64), TypeError, "'topk_weights' must have dtype"),
+    (4, lambda p: p[4].float(), TypeError, "'topk_ids' must have dtype int32 or int64"),
+    (4, lambda p: p[4][:2], ValueError, "'topk_ids' must have shape [T=3, k]"),
+    (4, lambda p: p[4] + 3, ValueError, "'topk_ids' must hold expert ids in [0, 4)"),
+    (4, lambda p: p[4] - 1, ValueError, "'topk_ids' must hold expert ids in [0, 4)"),
+    (2, lambda p: torch.empty(4, 32, 16, device="meta"), ValueError, "'w2' must be on device"),
+])
+def test_bad_inputs(index, bad, exc, words):
+    problem = _good()
+    problem[index] = bad(problem)
+    with pytest.raises(exc, match=re.escape("fused_experts: argument " + words)):
+        fm.fused_experts(*problem)
+
+
+def test_bad_arguments():
+    problem = _good()
+    with pytest.raises(ValueError, match="'block_size_m' must be >= 16"):
+        fm.fused_experts(*problem, block_size_m=8)
+    with pytest.raises(ValueError, match="moe_sum: argument 'x' must have 3 dimensions"):
+        fm.moe_sum(torch.zeros(3, 4, device=DEVICE))
+    with pytest.raises(ValueError, match=r"moe_sum: argument 'out' must have shape \(2, 4\)"):
+        fm.moe_sum(torch.zeros(2, 3, 4, device=DEVICE), out=torch.zeros(2, 5, device=DEVICE))
+
+
+# ---- the benchmark harness (its timings need a GPU; its logic does not) ----------------------
+
+
+def test_bench_cli_needs_a_gpu(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU the CLI runs the sweep")
+    from moe_kernels import bench
+
+    assert bench.main(["--batches", "1"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_bench_tuning_candidates_fit_shared_memory():
+    from moe_kernels import bench
+
+    assert bench.block_m_candidates(0.06) == [16] and bench.block_m_candidates(512) == [128]
+    assert bench.block_m_candidates(32) == [16, 32, 64]
+    for rho in (0.5, 40, 400):
+        for bm in bench.block_m_candidates(rho):
+            for gated in (True, False):
+                tiles = bench.tile_candidates(rho, bm, gated)
+                assert tiles
+                for t in tiles:
+                    weight_tiles = 2 if gated else 1
+                    assert t.num_stages * (bm + weight_tiles * t.block_n) * t.block_k * 2 <= 220 * 1024
