@@ -301,15 +301,23 @@ def masked_dispatch(
     m_max: int,
     *,
     out: torch.Tensor | None = None,
+    check: bool = True,
 ) -> MaskedRows:
     """Copy each assignment's row into slot ``masked_m[e]++`` of its expert's ``[m_max, d]`` slab.
 
     One Triton kernel claims slots with an atomic counter per expert and copies the rows; then
     one device-to-host read checks the ids and that no expert overflowed (ValueError naming
     ``m_max`` and the count needed). ``out``, if given, is the ``[E, m_max, d]`` buffer to fill.
+
+    ``check=False`` skips that read (for CUDA-graph capture, where it is illegal, and for timing).
+    It is allowed only when ``m_max >= T``, so that no expert can overflow; the ids are then
+    trusted, as under ``validate_ids=False`` elsewhere.
     """
     func = "masked_dispatch"
     _check_dispatch_args(func, hidden_states, topk_ids, num_experts, m_max)
+    if not check and m_max < hidden_states.shape[0]:
+        fail(func, "check", f"may be False only when m_max >= the token count {hidden_states.shape[0]} "
+             "(no expert can overflow then)", f"False with m_max={m_max}")
     num_tokens, hidden_size = hidden_states.shape
     topk = topk_ids.shape[1]
     device = hidden_states.device
@@ -329,7 +337,8 @@ def masked_dispatch(
         num_tokens * topk, topk, num_experts, m_max, hidden_size,
         BLOCK_A=block_a, BLOCK_D=block_d, num_warps=4,
     )
-    _check_no_overflow(func, topk_ids, counts, num_experts, m_max)
+    if check:
+        _check_no_overflow(func, topk_ids, counts, num_experts, m_max)
     return MaskedRows(rows, counts, src2dst)
 
 
@@ -430,12 +439,14 @@ def masked_experts(
     m_max: int | None = None,
     *,
     config: TileConfig | None = None,
+    check: bool = True,
 ) -> torch.Tensor:
     """The MoE experts step in the masked layout: dispatch, two masked GEMMs, gather back.
 
     Same arguments and result as :func:`moe_kernels.permute.permute_experts`. ``m_max``
     defaults to :func:`m_max_token_budget` of the batch; pass :func:`m_max_measured_cap` (or any
     value) to shrink the slabs. Too small an ``m_max`` raises ValueError; nothing is dropped.
+    ``check=False`` (only with ``m_max >= T``) skips the one host read; see :func:`masked_dispatch`.
     """
     func = "masked_experts"
     num_tokens, _, num_experts, hidden_size, _ = check_moe_inputs(
@@ -444,7 +455,7 @@ def masked_experts(
         m_max = m_max_token_budget(num_tokens)
     check_int(func, "m_max", m_max, lo=1)
     config = check_tile_config(func, config or default_tile_config(hidden_states.dtype), None)
-    dispatched = masked_dispatch(hidden_states, topk_ids, num_experts, m_max)
+    dispatched = masked_dispatch(hidden_states, topk_ids, num_experts, m_max, check=check)
     activated = grouped_gemm_masked(dispatched.rows, w1, dispatched.masked_m, silu_mul=True,
                                     config=config)
     y = grouped_gemm_masked(activated, w2, dispatched.masked_m, out=dispatched.rows, config=config)

@@ -290,3 +290,14 @@ def test_bad_inputs_raise_clear_errors():
     with pytest.raises(ValueError, match=re.escape("'w' must have an even number of rows")):
         grouped_gemm_masked(torch.zeros(3, 8, 16, device=DEVICE), w1[:, :31],
                             torch.zeros(3, dtype=torch.int32, device=DEVICE), silu_mul=True)
+
+
+def test_unchecked_dispatch_only_when_overflow_is_impossible():
+    from moe_kernels.masked import masked_dispatch
+
+    x = torch.randn(4, 8)
+    ids = torch.tensor([[0], [0], [0], [1]])
+    rows = masked_dispatch(x, ids, 2, m_max=4, check=False)
+    assert rows.masked_m.tolist() == [3, 1]
+    with pytest.raises(ValueError, match="argument 'check'"):
+        masked_dispatch(x, ids, 2, m_max=3, check=False)
