@@ -85,8 +85,13 @@ SINGLE_LAUNCH_MAX_NUMEL = 8192
 # At most this many chunks (programs) in the two-launch path: each scatter program sums the
 # [chunks, E] count table, so more chunks means more re-reading of that table.
 MAX_CHUNKS = 128
-# Assignments ranked together: a program compares every pair in a tile ([TILE, TILE] in registers).
-_TILE = 128
+# Assignments ranked together: a program compares every pair in a tile ([TILE, TILE] in registers),
+# and the warps per program, for each path. Measured on an H200 (tools/tune_align.py, CUDA-graph
+# time, E=256, k=8): one launch with 64-assignment tiles and 8 warps took 6.4/7.5/9.3/13.6 us at
+# T = 64/256/512/1024 (128-assignment tiles: 11/15/17/22 us); the two-launch path was fastest with
+# 128-assignment tiles and 4 warps (17.6 us at T = 2048).
+_SINGLE_TILE, _SINGLE_WARPS = 64, 8
+_MULTI_TILE, _MULTI_WARPS = 128, 4
 # Ids histogrammed per step while counting.
 _COUNT_TILE = 1024
 # Sentinel / -1 slots of the unused tail written per step, and the tail share of one program:
@@ -98,7 +103,6 @@ _FILL_ROWS_PER_PROGRAM = 8192
 _MAX_PAD_TILE = 64
 # Rows of the per-chunk count table summed per step.
 _ROW_TILE = 16
-_NUM_WARPS = 8
 
 
 # ----------------------------------------------------------------------------------------------
@@ -280,23 +284,25 @@ def _launch_alignment(topk_ids, block_size, num_experts, sorted_ids, expert_ids,
     num_bins = max(32, triton.next_power_of_2(num_experts))
     fill_programs = triton.cdiv(sorted_ids.numel(), _FILL_ROWS_PER_PROGRAM)
     if numel <= SINGLE_LAUNCH_MAX_NUMEL:
-        chunk_size = _TILE
+        tile, warps = _SINGLE_TILE, _SINGLE_WARPS
+        chunk_size = tile
         num_chunks = triton.cdiv(numel, chunk_size)
         chunk_counts = topk_ids  # never read: every program counts the ids itself
     else:
-        chunk_size = _TILE * triton.cdiv(numel, _TILE * MAX_CHUNKS)
+        tile, warps = _MULTI_TILE, _MULTI_WARPS
+        chunk_size = tile * triton.cdiv(numel, tile * MAX_CHUNKS)
         num_chunks = triton.cdiv(numel, chunk_size)
         chunk_counts = torch.empty(num_chunks * num_bins, dtype=torch.int32, device=topk_ids.device)
         _chunk_count_kernel[(num_chunks,)](
             topk_ids, chunk_counts, numel, num_experts, chunk_size,
-            NUM_BINS=num_bins, COUNT_TILE=_COUNT_TILE, num_warps=_NUM_WARPS)
+            NUM_BINS=num_bins, COUNT_TILE=_COUNT_TILE, num_warps=warps)
     pad_tile = min(triton.next_power_of_2(max(block_size - 1, 1)), _MAX_PAD_TILE)
     _align_kernel[(max(num_chunks, fill_programs, 1),)](
         topk_ids, chunk_counts, sorted_ids, expert_ids, used,
         numel, num_experts, block_size, chunk_size,
-        COUNTS_FROM_TABLE=numel > SINGLE_LAUNCH_MAX_NUMEL, NUM_BINS=num_bins, TILE=_TILE,
+        COUNTS_FROM_TABLE=numel > SINGLE_LAUNCH_MAX_NUMEL, NUM_BINS=num_bins, TILE=tile,
         COUNT_TILE=_COUNT_TILE, ROW_TILE=_ROW_TILE, PAD_TILE=pad_tile, FILL_TILE=_FILL_TILE,
-        num_warps=_NUM_WARPS)
+        num_warps=warps)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from moe_kernels.timing import graph_us
 
 E, K = 256, 8
 batches = (64, 256, 512, 1024, 2048)
-variants = [dict(SINGLE_LAUNCH_MAX_NUMEL=s, _TILE=t, _NUM_WARPS=w)
+variants = [dict(SINGLE_LAUNCH_MAX_NUMEL=s, _SINGLE_TILE=t, _SINGLE_WARPS=w, _MULTI_TILE=t, _MULTI_WARPS=w)
             for s, t, w in itertools.product((0, 2048, 8192), (64, 128, 256), (4, 8))]
 defaults = {name: getattr(align, name) for name in variants[0]}
 gen = torch.Generator(device="cuda").manual_seed(0)
