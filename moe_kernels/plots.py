@@ -76,3 +76,141 @@ def alignment_picture(ax, sorted_token_ids: torch.Tensor, expert_ids: torch.Tens
     ax.set_xlabel("slot in sorted_token_ids")
     ax.set_title(title)
     return ax
+
+
+def _slot(ax, x, y, label, color, fontsize=7):
+    import matplotlib.pyplot as plt
+
+    ax.add_patch(plt.Rectangle((x, y), 1, 1, facecolor=color, edgecolor="white", linewidth=0.8))
+    ax.text(x + 0.5, y + 0.5, label, ha="center", va="center", fontsize=fontsize)
+
+
+def three_layouts_picture(axes, topk_ids: torch.Tensor, num_experts: int, block: int, m_max: int):
+    """The same routing in the three grouped-GEMM layouts, one panel each (a row of 3 Axes).
+
+    Index-gather: ``sorted_token_ids`` tiles name which token row each GEMM row reads (no copy).
+    Permute: the token rows copied into per-expert segments aligned to ``block``.
+    Masked: an ``[E, m_max]`` grid per expert, used up to ``masked_m[e]``.
+    """
+    import matplotlib.pyplot as plt
+
+    from .align import moe_align_block_size_reference
+
+    cmap = plt.get_cmap("tab10")
+    k = topk_ids.shape[1]
+    numel = topk_ids.numel()
+    sorted_ids, expert_ids, used = moe_align_block_size_reference(topk_ids, block, num_experts)
+    used = int(used)
+    ax = axes[0]
+    for i in range(used):
+        a = int(sorted_ids[i])
+        e = int(expert_ids[i // block])
+        _slot(ax, i, 0, "·" if a >= numel else f"t{a // k}", "lightgrey" if a >= numel else cmap(e % 10))
+    for b in range(used // block):
+        ax.text((b + 0.5) * block, 1.25, f"tile → e{int(expert_ids[b])}", ha="center", fontsize=7)
+    ax.set_xlim(0, used)
+    ax.set_ylim(0, 1.6)
+    ax.set_title("index-gather: tiles of indices into x (no copy)", fontsize=9)
+
+    ax = axes[1]
+    for i in range(used):
+        a = int(sorted_ids[i])
+        e = int(expert_ids[i // block])
+        _slot(ax, i, 0, "0" if a >= numel else f"x{a // k}", "lightgrey" if a >= numel else cmap(e % 10))
+    ax.set_xlim(0, used)
+    ax.set_ylim(0, 1.6)
+    ax.set_title(f"permute: rows copied into segments aligned to {block}", fontsize=9)
+
+    ax = axes[2]
+    flat = topk_ids.reshape(-1).tolist()
+    for e in range(num_experts):
+        rows = [a // k for a, expert in enumerate(flat) if expert == e]
+        for slot in range(m_max):
+            if slot < len(rows):
+                _slot(ax, slot, num_experts - 1 - e, f"x{rows[slot]}", cmap(e % 10))
+            else:
+                _slot(ax, slot, num_experts - 1 - e, "", "whitesmoke")
+        ax.text(m_max + 0.2, num_experts - 0.5 - e, f"e{e}: masked_m={len(rows)}", va="center", fontsize=7)
+    ax.set_xlim(0, m_max + 3.5)
+    ax.set_ylim(0, num_experts)
+    ax.set_title(f"masked: [E, m_max={m_max}] slabs", fontsize=9)
+    for ax in axes:
+        ax.set_xticks([])
+        ax.set_yticks([])
+        for spine in ax.spines.values():
+            spine.set_visible(False)
+    return axes
+
+
+def kernel_timings_picture(ax, rows: list[dict], ops: list[str], title: str = ""):
+    """Recorded kernel times against batch: eager call, CUDA-graph replay, and the torch reference."""
+    colors = ["tab:blue", "tab:orange", "tab:green", "tab:red"]
+    for op, color in zip(ops, colors):
+        mine = sorted((r for r in rows if r["op"].startswith(op)), key=lambda r: r["batch"])
+        if not mine:
+            continue
+        batches = [r["batch"] for r in mine]
+        label = mine[0]["op"].split(" (")[0]
+        ax.loglog(batches, [r["kernel_graph_us"] for r in mine], "-o", color=color, ms=3, label=f"{label}: kernel (graph)")
+        ax.loglog(batches, [r["kernel_us"] for r in mine], ":", color=color, label=f"{label}: kernel (eager call)")
+        ax.loglog(batches, [r["reference_us"] for r in mine], "--", color=color, alpha=0.6, label=f"{label}: torch reference")
+    ax.set_xlabel("batch (tokens)")
+    ax.set_ylabel("µs per call")
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    return ax
+
+
+def layout_sweep_picture(ax, rows: list[dict], model: str, layouts: list[str], title: str = ""):
+    """Recorded time over the floor against batch, one line per layout, for one model."""
+    for layout in layouts:
+        mine = sorted((r for r in rows if r["model"] == model and r["layout"] == layout and "time_s" in r),
+                      key=lambda r: r["batch"])
+        if mine:
+            ax.loglog([r["batch"] for r in mine], [r["time_s"] / r["floor_s"] for r in mine], "-o", ms=3, label=layout)
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.set_xlabel("batch (tokens)")
+    ax.set_ylabel("time / floor")
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    return ax
+
+
+def layout_stages_picture(ax, rows: list[dict], model: str, title: str = ""):
+    """Stacked per-stage times (CUDA-graph replays) of each layout at each recorded batch."""
+    mine = [r for r in rows if r["model"] == model and r["stages_us"]]
+    batches = sorted({r["batch"] for r in mine})
+    layouts = []
+    for r in mine:
+        name = r["layout"].split(" (")[0]
+        if name not in layouts:
+            layouts.append(name)
+    width = 0.8 / len(layouts)
+    palette = {"block map": "tab:gray", "permute copy": "tab:purple", "dispatch": "tab:purple",
+               "gemm1": "tab:blue", "gemm2": "tab:orange", "sum": "tab:green", "unpermute": "tab:green",
+               "gather": "tab:green"}
+    seen = set()
+    for i, layout in enumerate(layouts):
+        for j, batch in enumerate(batches):
+            row = next((r for r in mine if r["batch"] == batch and r["layout"].split(" (")[0] == layout), None)
+            if row is None:
+                continue
+            total = sum(row["stages_us"].values())
+            bottom = 0.0
+            for stage, value in row["stages_us"].items():
+                share = value / total
+                label = stage if stage not in seen else None
+                seen.add(stage)
+                ax.bar(j + (i - (len(layouts) - 1) / 2) * width, share, width * 0.95, bottom=bottom,
+                       color=palette.get(stage, "tab:olive"), label=label)
+                bottom += share
+            ax.text(j + (i - (len(layouts) - 1) / 2) * width, 1.01, layout[0].upper(), ha="center", fontsize=7)
+    ax.set_xticks(range(len(batches)))
+    ax.set_xticklabels([str(b) for b in batches])
+    ax.set_xlabel("batch (tokens); I = index-gather, P = permute, M = masked")
+    ax.set_ylabel("share of the layer's time")
+    ax.set_ylim(0, 1.1)
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=7, ncol=3, loc="lower right")
+    return ax

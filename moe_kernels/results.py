@@ -81,5 +81,7 @@ def load(name: str, device: str = "nvidia-h200") -> dict:
 def describe(rec: dict) -> str:
     """One line of provenance for a figure caption."""
     p = rec["provenance"]
+    commit = str(p["git_commit"])
+    dirty = " plus uncommitted changes" if commit.endswith("-dirty") else ""
     return (f"measured on {p['device']}, torch {p['torch']}, triton {p['triton']}, CUDA {p['cuda']}, "
-            f"{p['date_utc'][:10]}, commit {str(p['git_commit'])[:8]}")
+            f"{p['date_utc'][:10]}, commit {commit[:8]}{dirty}")
