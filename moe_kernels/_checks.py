@@ -66,3 +66,47 @@ def check_ids_in_range(func: str, name: str, ids: torch.Tensor, num_experts: int
     lo, hi = int(ids.min()), int(ids.max())
     if lo < 0 or hi >= num_experts:
         fail(func, name, f"must hold expert ids in [0, {num_experts})", f"ids in [{lo}, {hi}]")
+
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+ID_DTYPES = (torch.int32, torch.int64)
+
+
+def check_moe_inputs(func: str, hidden_states, w1, w2, topk_weights, topk_ids, *,
+                     allow_empty: bool = False, validate_ids: bool = False):
+    """Check the ``(hidden, w1, w2, topk_weights, topk_ids)`` of every experts function.
+
+    ``w1`` ``[E, 2F, d]`` (gate rows then up rows), ``w2`` ``[E, d, F]``, ``hidden_states``
+    ``[T, d]`` of the weights' dtype, ``topk_weights``/``topk_ids`` ``[T, k]`` with
+    ``1 <= k <= E``, all on one device and contiguous in the last dimension. ``validate_ids``
+    also checks every id lies in ``[0, E)`` (one device-to-host read on a GPU).
+    Returns ``(num_tokens, topk, num_experts, hidden_size, intermediate_size)``.
+    """
+    hidden = check_tensor(func, "hidden_states", hidden_states, ndim=2, dtypes=FLOAT_DTYPES,
+                          last_dim_contiguous=True)
+    device = hidden.device
+    check_tensor(func, "w1", w1, ndim=3, dtypes=(hidden.dtype,), device=device, last_dim_contiguous=True)
+    check_tensor(func, "w2", w2, ndim=3, dtypes=(hidden.dtype,), device=device, last_dim_contiguous=True)
+    check_tensor(func, "topk_weights", topk_weights, ndim=2, dtypes=FLOAT_DTYPES, device=device,
+                 last_dim_contiguous=True)
+    check_tensor(func, "topk_ids", topk_ids, ndim=2, dtypes=ID_DTYPES, device=device)
+    num_tokens, hidden_size = hidden.shape
+    num_experts, two_f, _ = w1.shape
+    if num_tokens == 0 and not allow_empty:
+        fail(func, "hidden_states", "must hold at least one token", f"shape {tuple(hidden.shape)}")
+    if w1.shape[2] != hidden_size or two_f % 2 or two_f == 0:
+        fail(func, "w1", f"must have shape [E, 2F, d={hidden_size}] with 2F even and > 0 (gate rows then up rows)",
+             f"shape {tuple(w1.shape)}")
+    f = two_f // 2
+    if tuple(w2.shape) != (num_experts, hidden_size, f):
+        fail(func, "w2", f"must have shape [E={num_experts}, d={hidden_size}, F={f}] to match w1",
+             f"shape {tuple(w2.shape)}")
+    if topk_ids.shape[0] != num_tokens or not 1 <= topk_ids.shape[1] <= num_experts:
+        fail(func, "topk_ids", f"must have shape [T={num_tokens}, k] with 1 <= k <= E={num_experts}",
+             f"shape {tuple(topk_ids.shape)}")
+    if topk_weights.shape != topk_ids.shape:
+        fail(func, "topk_weights", f"must have the shape of topk_ids {tuple(topk_ids.shape)}",
+             f"shape {tuple(topk_weights.shape)}")
+    if validate_ids:
+        check_ids_in_range(func, "topk_ids", topk_ids, num_experts)
+    return num_tokens, topk_ids.shape[1], num_experts, hidden_size, f

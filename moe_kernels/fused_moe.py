@@ -54,7 +54,7 @@ import math
 import torch
 
 from . import _runtime
-from ._checks import check_ids_in_range, check_int, check_tensor, fail
+from ._checks import check_int, check_moe_inputs, check_tensor, fail
 from ._runtime import HAS_TRITON, tl, triton, use_triton
 from .align import moe_align_block_size, use_naive_block_assignment
 from .reference import silu_and_mul_reference
@@ -507,30 +507,6 @@ def moe_sum_reference(x: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------
 
 
-def _check_inputs(func: str, hidden_states, w1, w2, topk_weights, topk_ids, validate_ids: bool):
-    check_tensor(func, "hidden_states", hidden_states, ndim=2, dtypes=_FLOAT_DTYPES, last_dim_contiguous=True)
-    device, dtype = hidden_states.device, hidden_states.dtype
-    check_tensor(func, "w1", w1, ndim=3, dtypes=(dtype,), device=device, last_dim_contiguous=True)
-    check_tensor(func, "w2", w2, ndim=3, dtypes=(dtype,), device=device, last_dim_contiguous=True)
-    check_tensor(func, "topk_weights", topk_weights, ndim=2, dtypes=_FLOAT_DTYPES, device=device)
-    check_tensor(func, "topk_ids", topk_ids, ndim=2, dtypes=_ID_DTYPES, device=device)
-    num_tokens, d = hidden_states.shape
-    num_experts, two_f, _ = w1.shape
-    if w1.shape[2] != d or two_f % 2 or two_f == 0:
-        fail(func, "w1", f"must have shape [E, 2F, d={d}] with 2F even and > 0", f"shape {tuple(w1.shape)}")
-    f = two_f // 2
-    if tuple(w2.shape) != (num_experts, d, f):
-        fail(func, "w2", f"must have shape [E={num_experts}, d={d}, F={f}]", f"shape {tuple(w2.shape)}")
-    if topk_ids.shape[0] != num_tokens or not 1 <= topk_ids.shape[1] <= num_experts:
-        fail(func, "topk_ids", f"must have shape [T={num_tokens}, k] with 1 <= k <= E={num_experts}",
-             f"shape {tuple(topk_ids.shape)}")
-    if topk_weights.shape != topk_ids.shape:
-        fail(func, "topk_weights", f"must have the shape of topk_ids {tuple(topk_ids.shape)}",
-             f"shape {tuple(topk_weights.shape)}")
-    if validate_ids:
-        check_ids_in_range(func, "topk_ids", topk_ids, num_experts)
-
-
 def fused_experts(
     hidden_states: torch.Tensor,
     w1: torch.Tensor,
@@ -559,7 +535,8 @@ def fused_experts(
     cast back to bf16, because the interpreter's bf16 dot is wrong.
     """
     func = "fused_experts"
-    _check_inputs(func, hidden_states, w1, w2, topk_weights, topk_ids, validate_ids)
+    check_moe_inputs(func, hidden_states, w1, w2, topk_weights, topk_ids, allow_empty=True,
+                     validate_ids=validate_ids)
     if block_size_m is not None:
         check_int(func, "block_size_m", block_size_m, lo=16)
     if _interpreted_bf16(hidden_states):

@@ -59,12 +59,11 @@ from typing import NamedTuple
 import torch
 
 from ._runtime import HAS_TRITON, tl, triton, use_triton  # first: sets TRITON_INTERPRET
-from ._checks import check_int, check_tensor, fail
+from ._checks import check_int, check_moe_inputs, check_tensor, fail
 from .permute import (
     COMPUTE_DTYPES,
     ID_DTYPES,
     TileConfig,
-    check_moe_inputs,
     check_out,
     check_tile_config,
     default_tile_config,

@@ -66,7 +66,7 @@ from typing import NamedTuple
 import torch
 
 from . import _runtime
-from ._checks import check_int, check_tensor, fail
+from ._checks import check_int, check_moe_inputs, check_tensor, fail
 from ._runtime import HAS_TRITON, tl, triton, use_triton
 from .align import moe_align_block_size, moe_align_block_size_reference
 
@@ -195,39 +195,6 @@ def interpreter_cannot_dot(dtype: torch.dtype, device: torch.device) -> bool:
 # --------------------------------------------------------------------------------------------
 # Argument checks shared by the public entry points (masked.py uses them too)
 # --------------------------------------------------------------------------------------------
-
-
-def check_moe_inputs(func, hidden_states, w1, w2, topk_weights, topk_ids):
-    """Check the ``(hidden, w1, w2, topk_weights, topk_ids)`` of an experts function.
-
-    Returns ``(num_tokens, topk, num_experts, hidden_size, intermediate_size)``.
-    """
-    hidden = check_tensor(func, "hidden_states", hidden_states, ndim=2, dtypes=COMPUTE_DTYPES,
-                          last_dim_contiguous=True)
-    device = hidden.device
-    check_tensor(func, "w1", w1, ndim=3, dtypes=(hidden.dtype,), device=device, last_dim_contiguous=True)
-    check_tensor(func, "w2", w2, ndim=3, dtypes=(hidden.dtype,), device=device, last_dim_contiguous=True)
-    check_tensor(func, "topk_weights", topk_weights, ndim=2, dtypes=ROUTING_WEIGHT_DTYPES,
-                 device=device, last_dim_contiguous=True)
-    check_tensor(func, "topk_ids", topk_ids, ndim=2, dtypes=ID_DTYPES, device=device)
-    num_tokens, hidden_size = hidden.shape
-    num_experts, two_f, _ = w1.shape
-    if num_tokens == 0:
-        fail(func, "hidden_states", "must hold at least one token", f"shape {tuple(hidden.shape)}")
-    if w1.shape[2] != hidden_size or two_f % 2 or two_f == 0:
-        fail(func, "w1", f"must have shape [E, 2F, {hidden_size}] (gate rows then up rows)",
-             f"shape {tuple(w1.shape)}")
-    f = two_f // 2
-    if tuple(w2.shape) != (num_experts, hidden_size, f):
-        fail(func, "w2", f"must have shape [{num_experts}, {hidden_size}, {f}] to match w1",
-             f"shape {tuple(w2.shape)}")
-    if topk_ids.shape[0] != num_tokens or not 1 <= topk_ids.shape[1] <= num_experts:
-        fail(func, "topk_ids", f"must have shape [{num_tokens}, k] with 1 <= k <= {num_experts}",
-             f"shape {tuple(topk_ids.shape)}")
-    if topk_weights.shape != topk_ids.shape:
-        fail(func, "topk_weights", f"must have the shape of topk_ids {tuple(topk_ids.shape)}",
-             f"shape {tuple(topk_weights.shape)}")
-    return num_tokens, topk_ids.shape[1], num_experts, hidden_size, f
 
 
 def check_out(func: str, out: object, shape: tuple, dtype: torch.dtype, device: torch.device):

@@ -268,7 +268,7 @@ def test_bad_inputs_raise_clear_errors():
         return masked_experts(**args)
 
     cases = [
-        (dict(w1=w1[:2]), ValueError, "'w2' must have shape [2, 16, 16] to match w1"),
+        (dict(w1=w1[:2]), ValueError, "'w2' must have shape [E=2, d=16, F=16] to match w1"),
         (dict(w1=w1.half()), TypeError, "'w1' must have dtype float32"),
         (dict(topk_weights=weights.long()), TypeError, "'topk_weights' must have dtype"),
         (dict(topk_ids=ids.to("meta")), ValueError, "'topk_ids' must be on device"),

@@ -292,7 +292,7 @@ def test_bad_inputs_raise_clear_errors():
         (dict(hidden_states=x.long()), TypeError, "'hidden_states' must have dtype"),
         (dict(topk_ids=ids.float()), TypeError, "'topk_ids' must have dtype int32 or int64"),
         (dict(w1=w1.to("meta")), ValueError, "'w1' must be on device"),
-        (dict(topk_ids=ids[:3]), ValueError, "'topk_ids' must have shape [4, k]"),
+        (dict(topk_ids=ids[:3]), ValueError, "'topk_ids' must have shape [T=4, k]"),
         (dict(topk_weights=weights[:, :1]), ValueError, "'topk_weights' must have the shape"),
         (dict(topk_weights=weights.T.contiguous().T), ValueError,
          "'topk_weights' must be contiguous in its last dimension"),
