@@ -1,0 +1,178 @@
+"""The shared expert run separately or fused, timed on the GPU: ``python -m moe_kernels.bench_shared``.
+
+One DeepSeek-V3 MoE layer in bf16 (256 routed experts, top-8, one shared expert of the same
+width) at batches 1, 8, 64, 512 and 4096, two ways:
+
+* **separate**: :func:`moe_kernels.shared_expert.moe_with_shared_separate`, the routed grouped
+  GEMM followed by the shared FFN as two cuBLAS GEMMs (what vLLM runs on NVIDIA);
+* **fused**: :func:`moe_kernels.shared_expert.moe_with_shared_fused`, the shared expert spliced
+  in as expert 256 and top-9 run in one grouped GEMM (what SGLang runs).
+
+Each batch is checked first: both outputs against the float64 reference
+(:func:`moe_kernels.reference.moe_reference`) and against each other, relative error below
+1e-2, or the run stops. Every time is a CUDA-graph replay (:func:`moe_kernels.timing.graph_us`,
+ids not range-checked, so nothing syncs with the host). Besides the two totals the parts are
+timed alone: the routed experts, the shared FFN, and the fused grouped GEMM with the nine-slot ids
+prepared beforehand (the splice itself is a few small torch kernels; SGLang does it inside its
+top-k kernel). Both ways use the tiles tuned for the routed shape, so the comparison is about
+fusion, not tile choice.
+
+Bytes are counted for the ids drawn: the routed experts touched plus the shared expert
+(``3 d F`` bf16 weights each), activations in and out; FLOPs are ``6 d F`` per row of the
+``k + 1`` per token. The floor is ``max(bytes / bandwidth, FLOPs / GEMM rate)`` with both
+ceilings measured in the same run (:mod:`moe_kernels.ceilings`). ``--record`` writes
+``results/<device>/shared-expert.json``. Needs a CUDA GPU; about a minute on an H200.
+
+The counting runs anywhere. Two tokens of DeepSeek-V3 that share one routed expert::
+
+    >>> ids = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7], [7, 8, 9, 10, 11, 12, 13, 14]])
+    >>> work = count_work(MODELS["deepseek-v3"], ids, bytes_per_element=2)
+    >>> work["experts_touched"], work["shared_weight_bytes"] == 3 * 7168 * 2048 * 2
+    (15, True)
+    >>> round(work["shared_weight_bytes"] / (work["routed_weight_bytes"] + work["shared_weight_bytes"]), 4)
+    0.0625
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from .shapes import MODELS, MoEModel
+
+BATCHES = (1, 8, 64, 512, 4096)
+MAX_REL_ERR = 1e-2  # bf16 outputs of a 7168 x 2048 expert FFN
+TIMED = ("separate_us", "routed_us", "shared_us", "fused_us", "fused_gemms_us")
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    ref = ref.double()
+    return float(torch.linalg.norm(out.double() - ref) / torch.linalg.norm(ref))
+
+
+def count_work(model: MoEModel, topk_ids: torch.Tensor, bytes_per_element: float) -> dict:
+    """Weight bytes of the routed experts these ids touch and of the shared expert, activation
+    bytes in and out, and the FLOPs of all ``k + 1`` slots per token."""
+    num_tokens, top_k = topk_ids.shape
+    touched = int(torch.unique(topk_ids).numel())
+    return {
+        "experts_touched": touched,
+        "routed_weight_bytes": touched * model.expert_params * bytes_per_element,
+        "shared_weight_bytes": model.expert_params * bytes_per_element,
+        "activation_bytes": 2 * num_tokens * model.hidden_size * bytes_per_element,
+        "flops": num_tokens * (top_k + 1) * model.expert_flops_per_token,
+    }
+
+
+def measure(batch: int, w1_all: torch.Tensor, w2_all: torch.Tensor, ceilings: dict, seed: int = 0,
+            model: MoEModel = MODELS["deepseek-v3"]) -> dict:
+    """Check, then time, both ways at one batch; ``w*_all`` hold the E routed experts and the shared one."""
+    from . import costs, fused_moe
+    from .align import use_naive_block_assignment
+    from .bench import make_batch
+    from .reference import moe_reference
+    from .routing import append_shared_expert
+    from .shared_expert import moe_with_shared_fused, moe_with_shared_separate, shared_expert_separate
+    from .timing import graph_us
+
+    num_experts, top_k = model.num_experts, model.top_k
+    d, f = model.hidden_size, model.moe_intermediate_size
+    dtype = w1_all.dtype
+    # Views into the stacked tensors: the separate way reads the very same memory, no second copy.
+    w1, w2, w1_shared, w2_shared = w1_all[:num_experts], w2_all[:num_experts], w1_all[num_experts], w2_all[num_experts]
+    hidden, _, weights, ids = make_batch(model, batch, dtype, seed + batch, device=w1_all.device)
+    config = fused_moe.get_config(batch, num_experts, f, d, dtype, hidden.device)
+
+    def separate():
+        return moe_with_shared_separate(hidden, w1, w2, weights, ids, w1_shared, w2_shared, config=config,
+                                        validate_ids=False)
+
+    def fused():
+        return moe_with_shared_fused(hidden, w1_all, w2_all, weights, ids, config=config, validate_ids=False)
+
+    weights9, ids9 = append_shared_expert(weights, ids, num_experts)
+    reference = moe_reference(hidden, w1_all, w2_all, weights9, ids9)
+    out_separate, out_fused = separate(), fused()
+    errors = {"rel_err_separate": _rel_err(out_separate, reference), "rel_err_fused": _rel_err(out_fused, reference),
+              "rel_err_between": _rel_err(out_fused, out_separate.double())}
+    del reference, out_separate, out_fused
+    if not all(err < MAX_REL_ERR for err in errors.values()):
+        raise RuntimeError(f"batch {batch}: outputs disagree {errors} (limit {MAX_REL_ERR})")
+
+    times = {
+        "separate_us": graph_us(separate),
+        "routed_us": graph_us(lambda: fused_moe.fused_experts(hidden, w1, w2, weights, ids, config=config,
+                                                              validate_ids=False)),
+        "shared_us": graph_us(lambda: shared_expert_separate(hidden, w1_shared, w2_shared)),
+        "fused_us": graph_us(fused),
+        "fused_gemms_us": graph_us(lambda: fused_moe.fused_experts(hidden, w1_all, w2_all, weights9, ids9,
+                                                                   config=config, validate_ids=False)),
+    }
+    work = count_work(model, ids, dtype.itemsize)
+    nbytes = work["routed_weight_bytes"] + work["shared_weight_bytes"] + work["activation_bytes"]
+    floor_s = max(nbytes / ceilings["hbm_bandwidth"], work["flops"] / ceilings["gemm_rate_bf16"])
+    return {
+        "batch": batch,
+        **work,
+        "experts_touched_model": costs.experts_touched(batch, num_experts, top_k),
+        "floor_us": floor_s * 1e6,
+        "naive_blocks_separate": use_naive_block_assignment(batch, top_k, num_experts),
+        "naive_blocks_fused": use_naive_block_assignment(batch, top_k + 1, num_experts + 1),
+        **errors,
+        **times,
+        "config": config.to_dict(),
+    }
+
+
+def _print_row(row: dict) -> None:
+    def us(key):
+        return "   n/a" if row[key] is None else f"{row[key]:8.1f}"
+
+    share = row["shared_weight_bytes"] / (row["routed_weight_bytes"] + row["shared_weight_bytes"])
+    print(f"B={row['batch']:5d} touched {row['experts_touched']:3d} shared share {share:6.2%} | "
+          f"separate {us('separate_us')} (routed {us('routed_us')} + shared {us('shared_us')}) | "
+          f"fused {us('fused_us')} (GEMMs {us('fused_gemms_us')}) | floor {row['floor_us']:8.1f} us | "
+          f"err {max(row['rel_err_separate'], row['rel_err_fused']):.1e}", flush=True)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--record", action="store_true", help="write results/<device>/shared-expert.json")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("moe_kernels.bench_shared: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from .bench import make_weights
+    from .ceilings import measure_gemm_rate, measure_hbm_bandwidth
+    from .shared_expert import stack_shared_expert
+
+    model = MODELS["deepseek-v3"]
+    ceilings = {"hbm_bandwidth": measure_hbm_bandwidth(), "gemm_rate_bf16": measure_gemm_rate()}
+    print(f"ceilings: {ceilings['hbm_bandwidth'] / 1e12:.2f} TB/s, {ceilings['gemm_rate_bf16'] / 1e12:.0f} TFLOP/s")
+    w1, w2 = make_weights(model, torch.bfloat16, args.seed)
+    d, f = model.hidden_size, model.moe_intermediate_size
+    g = torch.Generator(device="cuda").manual_seed(args.seed + 1)
+    w1_shared = torch.randn(2 * f, d, device="cuda", dtype=torch.bfloat16, generator=g).mul_(d**-0.5)
+    w2_shared = torch.randn(d, f, device="cuda", dtype=torch.bfloat16, generator=g).mul_(f**-0.5)
+    w1_all, w2_all = stack_shared_expert(w1, w2, w1_shared, w2_shared)
+    del w1, w2, w1_shared, w2_shared
+    torch.cuda.empty_cache()
+    rows = []
+    for batch in (int(b) for b in args.batches.split(",")):
+        rows.append(measure(batch, w1_all, w2_all, ceilings, args.seed))
+        _print_row(rows[-1])
+        torch.cuda.empty_cache()
+    if args.record:
+        from .results import record
+
+        data = {"model": "deepseek-v3", "dtype": "bf16", "ceilings": ceilings, "rows": rows}
+        print("recorded", record("shared-expert", data))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,236 @@
+"""Shared expert (moe_kernels.shared_expert): separate and fused agree with the float64 reference.
+
+Runs on default_device(): the Triton interpreter on a CPU machine, the compiled kernels on a GPU.
+"""
+
+import random
+
+import pytest
+import torch
+
+from moe_kernels import fused_moe
+from moe_kernels import shared_expert as se
+from moe_kernels._runtime import default_device
+from moe_kernels.reference import moe_reference, silu_and_mul_reference
+
+DEVICE = default_device()
+TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 kernels need a CUDA GPU")
+
+
+@pytest.fixture(autouse=True)
+def _true_fp32():
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = old
+
+
+def make_problem(num_tokens, num_experts, top_k, d, f, dtype, seed, ids=None):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(num_tokens, d, generator=g)
+    w1 = torch.randn(num_experts, 2 * f, d, generator=g) / d**0.5
+    w2 = torch.randn(num_experts, d, f, generator=g) / f**0.5
+    w1_shared = torch.randn(2 * f, d, generator=g) / d**0.5
+    w2_shared = torch.randn(d, f, generator=g) / f**0.5
+    if ids is None:
+        ids = torch.rand(num_tokens, num_experts, generator=g).topk(top_k, dim=1).indices
+    weights = torch.rand(num_tokens, top_k, generator=g) + 0.1
+    weights = 2.5 * weights / weights.sum(dim=1, keepdim=True)  # scaled, as DeepSeek-V3's router returns them
+    cast = dict(device=DEVICE, dtype=dtype)
+    return dict(hidden=hidden.to(**cast), w1=w1.to(**cast), w2=w2.to(**cast), w1_shared=w1_shared.to(**cast),
+                w2_shared=w2_shared.to(**cast), weights=weights.to(DEVICE), ids=ids.to(DEVICE, torch.int32))
+
+
+def expected(p, shared_weight=1.0):
+    """Routed experts by the per-token reference, plus the shared FFN written out, all in float64."""
+    x = p["hidden"].double()
+    shared = silu_and_mul_reference(x @ p["w1_shared"].double().T) @ p["w2_shared"].double().T
+    return moe_reference(p["hidden"], p["w1"], p["w2"], p["weights"], p["ids"]) + shared_weight * shared
+
+
+def rel_err(out, ref):
+    out = out.double()
+    assert torch.isfinite(out).all(), "output holds NaN/inf"
+    return float(torch.linalg.norm(out - ref) / torch.linalg.norm(ref).clamp_min(1e-30))
+
+
+def both_ways(p):
+    separate = se.moe_with_shared_separate(p["hidden"], p["w1"], p["w2"], p["weights"], p["ids"],
+                                           p["w1_shared"], p["w2_shared"])
+    w1_all, w2_all = se.stack_shared_expert(p["w1"], p["w2"], p["w1_shared"], p["w2_shared"])
+    fused = se.moe_with_shared_fused(p["hidden"], w1_all, w2_all, p["weights"], p["ids"])
+    return separate, fused
+
+
+def check(p, dtype):
+    ref = expected(p)
+    for name, out in zip(("separate", "fused"), both_ways(p)):
+        assert out.shape == p["hidden"].shape and out.dtype == dtype, name
+        err = rel_err(out, ref)
+        assert err < TOL[dtype], f"{name}: relative error {err:.2e} >= {TOL[dtype]:.0e}"
+
+
+# ---- same output both ways ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_shapes(seed):
+    rnd = random.Random(seed)
+    num_experts = rnd.randint(2, 12)
+    dtype = (torch.float32, torch.float16)[seed % 2]
+    check(make_problem(rnd.randint(1, 20), num_experts, rnd.randint(1, min(num_experts, 4)),
+                       rnd.choice([16, 32, 48]), rnd.choice([8, 16, 24]), dtype, seed), dtype)
+
+
+def test_one_token():  # top-(k+1) still small enough for the naive block map: 1 * 3 * 4 <= 17
+    p = make_problem(1, 16, 2, 32, 16, torch.float32, seed=1)
+    assert fused_moe.assign_blocks(p["ids"], 16, 17).naive
+    check(p, torch.float32)
+
+
+def test_expert_with_no_tokens():
+    ids = torch.tensor([[0, 2], [2, 5], [5, 0], [0, 5]])  # experts 1, 3, 4 receive nothing
+    check(make_problem(4, 6, 2, 32, 16, torch.float32, seed=2, ids=ids), torch.float32)
+
+
+def test_all_tokens_on_one_expert():
+    check(make_problem(24, 5, 1, 32, 16, torch.float32, seed=3, ids=torch.full((24, 1), 3)), torch.float32)
+
+
+def test_k_equals_1():
+    check(make_problem(9, 6, 1, 32, 16, torch.float16, seed=4), torch.float16)
+
+
+def test_k_equals_num_experts():
+    check(make_problem(7, 4, 4, 32, 16, torch.float32, seed=5), torch.float32)
+
+
+def test_no_tokens():
+    p = make_problem(0, 4, 2, 32, 16, torch.float32, seed=6)
+    for out in both_ways(p):
+        assert out.shape == (0, 32)
+
+
+def test_shared_weight_scales_the_shared_slot():
+    # SGLang writes sum(w) / routed_scaling_factor into the slot when the routed weights are
+    # unscaled; any weight must scale exactly the shared expert's contribution.
+    p = make_problem(6, 8, 2, 32, 16, torch.float32, seed=7)
+    w1_all, w2_all = se.stack_shared_expert(p["w1"], p["w2"], p["w1_shared"], p["w2_shared"])
+    out = se.moe_with_shared_fused(p["hidden"], w1_all, w2_all, p["weights"], p["ids"], shared_weight=0.4)
+    assert rel_err(out, expected(p, shared_weight=0.4)) < 1e-5
+
+
+def test_shared_ffn_alone():
+    p = make_problem(5, 4, 2, 32, 16, torch.float32, seed=8)
+    out = se.shared_expert_separate(p["hidden"], p["w1_shared"], p["w2_shared"])
+    ones, zeros = torch.ones(5, 1, device=DEVICE), torch.zeros(5, 1, dtype=torch.int32, device=DEVICE)
+    ref = moe_reference(p["hidden"], p["w1_shared"][None], p["w2_shared"][None], ones, zeros)
+    assert rel_err(out, ref) < 1e-5
+
+
+def test_shared_ffn_wider_than_routed():
+    # Two shared experts of width F stored as one FFN of width 2F (vLLM's DeepseekV2MLP) equal
+    # the sum of the two: the gated activation is elementwise over the intermediate columns.
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(4, 16, generator=g).to(DEVICE)
+    halves = [(torch.randn(16, 16, generator=g).to(DEVICE), torch.randn(16, 8, generator=g).to(DEVICE))
+              for _ in range(2)]
+    gate = torch.cat([w1[:8] for w1, _ in halves])
+    up = torch.cat([w1[8:] for w1, _ in halves])
+    wide = se.shared_expert_separate(x, torch.cat([gate, up]), torch.cat([w2 for _, w2 in halves], dim=1))
+    summed = sum(se.shared_expert_separate(x, w1, w2) for w1, w2 in halves)
+    assert torch.allclose(wide, summed, atol=1e-5)
+
+
+def test_fused_uses_routed_shape_tiles(monkeypatch):
+    seen = []
+    real = se.get_config
+
+    def spy(M, E, N, K, dtype, device):
+        seen.append(E)
+        return real(M, E, N, K, dtype, device)
+
+    monkeypatch.setattr(se, "get_config", spy)
+    p = make_problem(3, 6, 2, 32, 16, torch.float32, seed=10)
+    w1_all, w2_all = se.stack_shared_expert(p["w1"], p["w2"], p["w1_shared"], p["w2_shared"])
+    se.moe_with_shared_fused(p["hidden"], w1_all, w2_all, p["weights"], p["ids"])
+    assert seen == [6]
+
+
+def test_torch_fallback_matches(monkeypatch):
+    monkeypatch.setattr(fused_moe, "use_triton", lambda *tensors: False)
+    check(make_problem(5, 6, 2, 32, 16, torch.float32, seed=11), torch.float32)
+
+
+def test_bf16_on_cpu():
+    if DEVICE.type == "cuda":
+        pytest.skip("covered natively by test_bf16_gpu")
+    check(make_problem(6, 5, 2, 32, 16, torch.bfloat16, seed=12), torch.bfloat16)
+
+
+@needs_gpu
+@pytest.mark.parametrize("seed", range(4))
+def test_bf16_gpu(seed):
+    rnd = random.Random(100 + seed)
+    num_experts = rnd.choice([8, 64, 256])
+    p = make_problem(rnd.choice([1, 8, 65, 300]), num_experts, rnd.choice([1, 2, 8]), rnd.choice([256, 512]),
+                     rnd.choice([128, 256]), torch.bfloat16, seed)
+    check(p, torch.bfloat16)
+
+
+# ---- byte fractions ------------------------------------------------------------------------------
+
+
+def test_byte_fractions_at_the_limits():
+    assert se.shared_expert_byte_overhead(1, 256, 8) == pytest.approx(1 / 8, rel=1e-12)
+    assert se.shared_expert_byte_share(1, 256, 8) == pytest.approx(1 / 9, rel=1e-12)
+    assert se.shared_expert_byte_overhead(1e6, 256, 8) == pytest.approx(1 / 256, rel=1e-12)
+    assert se.shared_expert_byte_share(1e6, 256, 8) == pytest.approx(1 / 257, rel=1e-12)
+    assert se.shared_expert_byte_share(1, 64, 6, num_shared_experts=2) == pytest.approx(2 / 8, rel=1e-12)
+    assert se.shared_expert_byte_overhead(3, 8, 8) == 1 / 8  # k = E: every expert, every batch
+
+
+def test_byte_fractions_fall_with_the_batch():
+    shares = [se.shared_expert_byte_share(b, 256, 8) for b in (1, 2, 8, 64, 512, 4096)]
+    assert all(a > b for a, b in zip(shares, shares[1:]))
+    for b in (1, 7, 100):
+        over, share = se.shared_expert_byte_overhead(b, 128, 8), se.shared_expert_byte_share(b, 128, 8)
+        assert share == pytest.approx(over / (1 + over), rel=1e-12)
+
+
+# ---- bad inputs ----------------------------------------------------------------------------------
+
+
+def test_bad_inputs():
+    p = make_problem(3, 4, 2, 32, 16, torch.float32, seed=13)
+    x, w1, w2, ws, wd = p["hidden"], p["w1"], p["w2"], p["w1_shared"], p["w2_shared"]
+    with pytest.raises(ValueError, match=r"shared_expert_separate: argument 'w1_shared' must have shape \[2F, d=32\]"):
+        se.shared_expert_separate(x, ws[:, :16], wd)
+    with pytest.raises(ValueError, match=r"argument 'w1_shared' .* 2F even"):
+        se.shared_expert_separate(x, ws[:31], wd)
+    with pytest.raises(ValueError, match=r"argument 'w2_shared' must have shape \[d=32, F=16\]"):
+        se.shared_expert_separate(x, ws, wd[:, :8])
+    with pytest.raises(TypeError, match=r"argument 'w1_shared' must have dtype float32"):
+        se.shared_expert_separate(x, ws.half(), wd)
+    with pytest.raises(ValueError, match=r"moe_with_shared_separate: argument 'w2_shared'"):
+        se.moe_with_shared_separate(x, w1, w2, p["weights"], p["ids"], ws, wd.T)
+    with pytest.raises(ValueError, match=r"stack_shared_expert: argument 'w1_shared' must have the shape of one"):
+        se.stack_shared_expert(w1, w2, torch.cat([ws, ws]), wd)
+    with pytest.raises(ValueError, match=r"stack_shared_expert: argument 'w2_shared'"):
+        se.stack_shared_expert(w1, w2, ws, wd[:, :8])
+    w1_all, w2_all = se.stack_shared_expert(w1, w2, ws, wd)
+    bad_ids = p["ids"].clone()
+    bad_ids[0, 0] = 4  # the shared expert's slot: not a routed id
+    with pytest.raises(ValueError, match=r"moe_with_shared_fused: argument 'topk_ids' must hold expert ids in \[0, 4\)"):
+        se.moe_with_shared_fused(x, w1_all, w2_all, p["weights"], bad_ids)
+    with pytest.raises(ValueError, match=r"argument 'w1_with_shared' must hold E >= 1 routed experts"):
+        se.moe_with_shared_fused(x, w1_all[:1], w2_all[:1], p["weights"][:, :1], p["ids"][:, :1])
+    with pytest.raises(ValueError, match=r"argument 'topk_ids.shape\[1\]' must be <= 4"):
+        se.moe_with_shared_fused(x, w1_all, w2_all, p["weights"].repeat(1, 3), p["ids"].repeat(1, 3))
+    with pytest.raises(ValueError, match=r"shared_expert_byte_share: argument 'batch' must be > 0"):
+        se.shared_expert_byte_share(0, 256, 8)
+    with pytest.raises(ValueError, match=r"argument 'num_shared_experts' must be >= 1"):
+        se.shared_expert_byte_overhead(1, 256, 8, num_shared_experts=0)
+    with pytest.raises(ValueError, match=r"argument 'top_k'"):
+        se.shared_expert_byte_overhead(1, 8, 9)
