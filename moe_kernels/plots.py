@@ -214,3 +214,40 @@ def layout_stages_picture(ax, rows: list[dict], model: str, title: str = ""):
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=7, ncol=3, loc="lower right")
     return ax
+
+
+def capacity_queues_picture(ax, topk_ids: torch.Tensor, num_experts: int, capacity: int, title: str = ""):
+    """Each expert's queue under a capacity: one column per expert, slot 0 at the bottom.
+
+    A box ``t3·2`` is token 3's second choice. Boxes below the line ``C`` got a slot; boxes above
+    it are dropped (red). The order up a column is the priority rule of
+    :func:`moe_kernels.capacity.expert_queue_positions`.
+    """
+    import matplotlib.pyplot as plt
+
+    from .capacity import expert_queue_positions
+
+    ids = topk_ids.cpu()
+    positions = expert_queue_positions(ids, num_experts)
+    tallest = int(positions.max()) + 1 if ids.numel() else 1
+    shades = plt.get_cmap("Blues")
+    topk = ids.shape[1]
+    for t in range(ids.shape[0]):
+        for j in range(topk):
+            e, slot = int(ids[t, j]), int(positions[t, j])
+            color = "tab:red" if slot >= capacity else shades(0.75 - 0.45 * j / max(topk - 1, 1))
+            ax.add_patch(plt.Rectangle((e + 0.05, slot + 0.05), 0.9, 0.9, facecolor=color, edgecolor="white"))
+            ax.text(e + 0.5, slot + 0.5, f"t{t}·{j + 1}", ha="center", va="center", fontsize=7,
+                    color="white" if slot >= capacity or j == 0 else "black")
+    ax.axhline(capacity, color="black", lw=1.5, ls="--")
+    ax.text(num_experts + 0.05, capacity + 0.1, f"C = {capacity}", va="bottom", fontsize=8)
+    ax.set_xlim(0, num_experts + 0.9)
+    ax.set_ylim(0, max(tallest, capacity) + 0.3)
+    ax.set_xticks([e + 0.5 for e in range(num_experts)])
+    ax.set_xticklabels([f"e{e}" for e in range(num_experts)])
+    ax.set_yticks([])
+    ax.set_ylabel("queue slot")
+    for spine in ("top", "right", "left"):
+        ax.spines[spine].set_visible(False)
+    ax.set_title(title, fontsize=10)
+    return ax

@@ -83,3 +83,73 @@ def experts_touched_explorer(num_experts: int = 256, top_k: int = 8, bytes_per_w
 <script>{_script()}</script>
 </div>"""
     return HTML(body)
+
+
+def _skew_script() -> str:
+    return resources.files("moe_kernels").joinpath("skew_explorer.js").read_text()
+
+
+def padding_skew_explorer(model: str = "deepseek-v3", s: float = 1.0, batch: int = 4096, block: int = 128,
+                          masked_round: str = "tile"):
+    """Rows per expert and the two layouts' padding under Zipf-skewed routing, with sliders.
+
+    Controls: the model (its E, k, d, F), the Zipf exponent ``s``, the batch (powers of two), the
+    tile height ``b``, and what the masked ``m_max`` is rounded up to (``"tile"`` or ``"256"``).
+    The script (``skew_explorer.js``) recomputes :func:`moe_kernels.skew.expected_rows_per_expert`,
+    :func:`~moe_kernels.skew.expected_contiguous_rows`, :func:`~moe_kernels.skew.expected_masked_rows`,
+    :func:`~moe_kernels.skew.expected_hottest_rows` and
+    :func:`~moe_kernels.skew.expected_experts_touched`; the browser test compares them.
+
+        >>> html = padding_skew_explorer(model="qwen3-30b-a3b", s=0.5, batch=512, block=32)
+        >>> "moe-skew-explorer" in html.data and 'value="9"' in html.data   # 512 = 2**9
+        True
+    """
+    from IPython.display import HTML
+
+    from .shapes import MODELS
+
+    if model not in MODELS:
+        raise ValueError(f"padding_skew_explorer: argument 'model' must be one of {sorted(MODELS)}, got {model!r}")
+    if batch < 1 or batch & (batch - 1) or batch > 2**14:
+        raise ValueError(f"padding_skew_explorer: argument 'batch' must be a power of two in [1, 16384], got {batch}")
+    blocks = (16, 32, 64, 128, 256)
+    if block not in blocks:
+        raise ValueError(f"padding_skew_explorer: argument 'block' must be one of {blocks}, got {block}")
+    if masked_round not in ("tile", "256"):
+        raise ValueError(f"padding_skew_explorer: argument 'masked_round' must be 'tile' or '256', got {masked_round!r}")
+    if not 0 <= s <= 2:
+        raise ValueError(f"padding_skew_explorer: argument 's' must be in [0, 2], got {s}")
+    uid = f"moe-skew-explorer-{next(_ids)}"
+    config = {
+        "models": {key: {"name": m.name, "E": m.num_experts, "k": m.top_k, "d": m.hidden_size,
+                         "F": m.moe_intermediate_size} for key, m in MODELS.items()},
+        "s_grid": [i / 10 for i in range(21)],
+        "itemsize": 2,  # bf16 row buffers
+    }
+
+    def options(values, chosen):
+        return "".join(f'<option value="{_html.escape(str(v))}"{" selected" if v == chosen else ""}>'
+                       f"{_html.escape(str(label))}</option>" for v, label in values)
+
+    model_html = options([(key, f"{m.name} (E={m.num_experts}, k={m.top_k})") for key, m in MODELS.items()], model)
+    block_html = options([(b, b) for b in blocks], block)
+    round_html = options([("tile", "the tile height b"), ("256", "256 rows (SGLang's cap)")], masked_round)
+    log_batch = batch.bit_length() - 1
+    body = f"""
+<div class="moe-skew-explorer" id="{uid}" style="font-family:sans-serif;font-size:13px;max-width:880px">
+<script type="application/json" class="moe-skew-config">{json.dumps(config)}</script>
+<div style="display:flex;flex-wrap:wrap;gap:14px;align-items:center;margin-bottom:6px">
+<label>model <select name="model">{model_html}</select></label>
+<label>Zipf s <input type="range" name="s" min="0" max="2" step="0.05" value="{s}"> <output for="s">{s:.2f}</output></label>
+<label>batch <input type="range" name="logB" min="0" max="14" step="1" value="{log_batch}"> <output for="logB">{batch}</output></label>
+<label>tile b <select name="block">{block_html}</select></label>
+<label>masked m_max rounded to <select name="round">{round_html}</select></label>
+</div>
+<div style="display:flex;flex-wrap:wrap;gap:8px">
+<svg class="rows" width="420" height="260" role="img" aria-label="expected rows per expert by popularity rank"></svg>
+<svg class="factors" width="420" height="260" role="img" aria-label="padded rows over real rows against the Zipf exponent"></svg>
+</div>
+<p class="readout"></p>
+<script>{_skew_script()}</script>
+</div>"""
+    return HTML(body)

@@ -126,7 +126,7 @@ def _assert_close(got, want, rel=1e-9):
 
 
 PAGES = ["index.html", "book/intro.html", "notebooks/01_symptom_in_bytes.html",
-         "notebooks/02_experts_touched.html", "book/references.html"]
+         "notebooks/02_experts_touched.html", "notebooks/06_padding_tax.html", "book/references.html"]
 
 
 @pytest.mark.parametrize("path", PAGES)
@@ -185,5 +185,74 @@ def test_explorer_matches_byte_model(server, offline):
     ridge_values = {y for _, y in _series(page, "ridge")}
     assert len(ridge_values) == 1
     _assert_close(ridge_values.pop(), GPUS["H200"].ridge(2.0))
+    assert offline.blocked == []
+    assert offline.unexpected_errors() == []
+
+
+def test_skew_explorer_matches_closed_forms(server, offline):
+    """The padding-under-skew sliders against moe_kernels.skew, on a grid of settings, to 1e-9."""
+    from moe_kernels import skew
+    from moe_kernels.shapes import MODELS
+
+    page = offline.page
+    page.goto(f"{server}/notebooks/06_padding_tax.html", wait_until="networkidle")
+    page.wait_for_selector('div.moe-skew-explorer[data-ready="1"]')
+    root = "div.moe-skew-explorer"
+
+    def series(name):
+        return json.loads(page.locator(f"{root} polyline.series-{name}").first.get_attribute("data-values"))
+
+    def readout(name):
+        return float(page.locator(f"{root} .readout").first.get_attribute(f"data-{name}"))
+
+    def set_value(name, value):
+        page.evaluate(
+            """([root, name, value]) => {
+                const el = document.querySelector(`${root} [name=${name}]`);
+                el.value = String(value);
+                el.dispatchEvent(new Event('input', {bubbles: true}));
+            }""",
+            [root, name, value],
+        )
+
+    # A real slider move: focus s and press the right arrow (one step of 0.05).
+    s_before = float(page.locator(f"{root} input[name=s]").first.input_value())
+    before = page.locator(f"{root} polyline.series-rows").first.get_attribute("points")
+    page.locator(f"{root} input[name=s]").first.focus()
+    page.keyboard.press("ArrowRight")
+    assert float(page.locator(f"{root} output[for=s]").first.text_content()) == pytest.approx(s_before + 0.05)
+    assert page.locator(f"{root} polyline.series-rows").first.get_attribute("points") != before
+
+    for key in ("deepseek-v3", "qwen3-30b-a3b"):
+        model = MODELS[key]
+        E, k = model.num_experts, model.top_k
+        page.select_option(f"{root} select[name=model]", key)
+        for s in (0.0, 0.35, 1.5):
+            set_value("s", s)
+            pi = skew.inclusion_probabilities(skew.zipf_popularity(E, s), k)
+            for log_batch in (0, 6, 12):
+                B = 2**log_batch
+                set_value("logB", log_batch)
+                for block in (16, 128):
+                    page.select_option(f"{root} select[name=block]", str(block))
+                    for rounding in ("tile", "256"):
+                        page.select_option(f"{root} select[name=round]", rounding)
+                        round_to = block if rounding == "tile" else 256
+                        rows = series("rows")
+                        assert [r for r, _ in rows] == list(range(1, E + 1))
+                        for (_, got), want in zip(rows, skew.expected_rows_per_expert(B, pi).tolist()):
+                            _assert_close(got, want)
+                        _assert_close(readout("hottest"), skew.expected_hottest_rows(B, pi))
+                        _assert_close(readout("touched"), skew.expected_experts_touched(B, pi))
+                        _assert_close(readout("contiguous"), skew.expected_contiguous_rows(B, pi, block))
+                        masked_rows = skew.expected_masked_rows(B, pi, round_to)
+                        _assert_close(readout("masked"), masked_rows)
+                        _assert_close(readout("masked-bytes"),
+                                      masked_rows * (model.hidden_size + model.moe_intermediate_size) * 2)
+                        if s == 0.35:  # the curves over s do not depend on s itself: check them once
+                            for (sg, got_c), (_, got_m) in zip(series("contiguous"), series("masked")):
+                                pi_g = skew.inclusion_probabilities(skew.zipf_popularity(E, sg), k)
+                                _assert_close(got_c, skew.expected_contiguous_rows(B, pi_g, block) / (B * k))
+                                _assert_close(got_m, skew.expected_masked_rows(B, pi_g, round_to) / (B * k))
     assert offline.blocked == []
     assert offline.unexpected_errors() == []

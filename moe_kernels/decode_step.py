@@ -1,0 +1,517 @@
+"""One MoE layer of a decode step, run stage by stage through this package's kernels and traced.
+
+:func:`trace_moe_layer` builds one layer of a model (random weights, a random correction bias)
+and a batch of hidden states, then runs the layer the way an engine's decode step does, keeping
+every intermediate tensor so that the quantities a reader wants to check can be read off the
+tensors themselves rather than derived on paper:
+
+1. the gate, a dense ``[T, d] @ [d, E]`` product (:func:`moe_kernels.routing.gate`);
+2. grouped top-k with the correction bias (:func:`moe_kernels.routing.grouped_topk`);
+3. the small-batch rule, vLLM's ``T·k·4 <= E`` (:func:`moe_kernels.align.use_naive_block_assignment`);
+4. the alignment (:func:`moe_kernels.fused_moe.assign_blocks`, which runs
+   :func:`moe_kernels.align.moe_align_block_size`);
+5. GEMM 1 with SiLU·mul in its epilogue (:func:`moe_kernels.fused_moe.expert_gate_up`);
+6. GEMM 2 with the routed weight (:func:`moe_kernels.fused_moe.expert_down`);
+7. the sum over the k slots (:func:`moe_kernels.fused_moe.moe_sum`), plus the shared expert.
+
+The shared expert runs as a dense gated FFN beside the routed experts, as vLLM runs it
+(:func:`moe_kernels.shared_expert.shared_expert_separate`), and is added with weight 1
+(``routed_scaling_factor`` is already inside the routed weights, see
+:func:`moe_kernels.routing.grouped_topk`). The residual add is outside the MoE layer and not run.
+
+``hidden_size`` and ``intermediate_size`` shrink d and F so that the trace runs under the Triton
+interpreter; the number of experts, top-k and the groups stay the model's, so every count (experts
+touched, buffer lengths, padded rows, program counts along M) is the real one. Bytes and FLOPs are
+then computed for the model's real d and F from those counts.
+
+Worked example: DeepSeek-V3 with 64 tokens, d and F shrunk to 32 and 16::
+
+    >>> import torch
+    >>> t = trace_moe_layer("deepseek-v3", 64, hidden_size=32, intermediate_size=16,
+    ...                     dtype=torch.float32, device="cpu", seed=0)
+    >>> t.naive, t.naive_rule_lhs, t.num_experts       # 64·8·4 = 2048 > 256: align
+    (False, 2048, 256)
+    >>> t.block_m, t.max_num_tokens_padded, t.expert_ids_len   # 512 + 256·15 rows, /16 blocks
+    (16, 4352, 272)
+    >>> t.gemm1_grid                                   # M-blocks x N-tiles at the real F = 2048
+    (272, 64)
+    >>> t.routed_flops_per_token                       # k · 2 · 3dF at the real d, F
+    704643072
+    >>> t.rel_error < 1e-5                             # against the float64 per-token reference
+    True
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from typing import Callable
+
+import torch
+
+from . import _runtime
+from ._checks import check_int, fail
+from .align import use_naive_block_assignment
+from .fused_moe import (
+    BlockAssignment,
+    FusedMoEConfig,
+    assign_blocks,
+    default_config,
+    expert_down,
+    expert_gate_up,
+    moe_sum,
+    tuned_config,
+)
+from .reference import moe_reference
+from .routing import gate, grouped_topk
+from .shared_expert import shared_expert_separate
+from .shapes import GPUS, MODELS, MoEModel, bytes_per_weight
+
+__all__ = ["DecodeLayer", "LayerTrace", "make_layer", "route", "shared_expert", "trace_config",
+           "trace_moe_layer", "STAGES", "measure", "main"]
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Largest relative error against the float64 reference that :func:`measure` accepts before timing.
+_TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 2e-2}
+# The device whose tuned tiles the trace uses: the GPU this project measures on.
+TRACE_DEVICE_NAME = "NVIDIA H200"
+# Standard deviation of the random correction bias. A trained bias offsets a trained gate's
+# preferences; our random gate has none, so any sizeable random bias would only skew the load
+# (at 0.05, 64 tokens touch ~185 experts instead of ~222). At this size it still changes the
+# expert set of about a fifth of the tokens, which exercises the mechanism.
+_BIAS_STD = 0.003
+
+
+# ----------------------------------------------------------------------------------------------
+# The layer
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeLayer:
+    """One MoE layer and its input batch, with the model whose routing rules it follows.
+
+    ``w1``/``w2`` are the routed experts (``[E, 2F, d]``, ``[E, d, F]``); ``shared_w1``/``shared_w2``
+    the shared experts as one FFN (``[2S, d]``, ``[d, S]`` with ``S`` = shared experts × F), or
+    None when the model has none.
+    """
+
+    model: MoEModel
+    hidden_states: torch.Tensor
+    gate_weight: torch.Tensor
+    correction_bias: torch.Tensor | None
+    w1: torch.Tensor
+    w2: torch.Tensor
+    shared_w1: torch.Tensor | None
+    shared_w2: torch.Tensor | None
+
+
+def _resolve_model(func: str, model) -> MoEModel:
+    if isinstance(model, MoEModel):
+        return model
+    if isinstance(model, str) and model in MODELS:
+        return MODELS[model]
+    fail(func, "model", f"must be a MoEModel or one of {sorted(MODELS)}", repr(model))
+
+
+def _check_layer_args(func: str, model, num_tokens, hidden_size, intermediate_size, dtype, seed):
+    """Check the arguments that define a layer; return (model, d, F) of the run."""
+    model = _resolve_model(func, model)
+    check_int(func, "num_tokens", num_tokens, lo=1)
+    d = model.hidden_size if hidden_size is None else check_int(func, "hidden_size", hidden_size, lo=1)
+    f = model.moe_intermediate_size if intermediate_size is None else check_int(
+        func, "intermediate_size", intermediate_size, lo=1)
+    if dtype not in _DTYPES:
+        fail(func, "dtype", "must be float32, float16 or bfloat16", dtype, TypeError)
+    check_int(func, "seed", seed)
+    return model, d, f
+
+
+def make_layer(model: MoEModel | str, num_tokens: int, *, hidden_size: int | None = None,
+               intermediate_size: int | None = None, dtype: torch.dtype, device, seed: int) -> DecodeLayer:
+    """Random weights and hidden states for one layer of ``model`` (d, F optionally shrunk).
+
+    Expert weights are scaled by ``1/sqrt(fan_in)`` so that activations stay O(1). Each gate row
+    has unit norm, so for standard-normal hidden states every expert's logit is exactly standard
+    normal: no expert is favoured, and routing is uniform in expectation (what
+    :mod:`moe_kernels.costs` assumes). The correction bias exists only for sigmoid-scored models
+    (DeepSeek-V3's auxiliary-loss-free balancing).
+    """
+    model, d, f = _check_layer_args("make_layer", model, num_tokens, hidden_size, intermediate_size, dtype, seed)
+    device = torch.device(device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    E, s = model.num_experts, model.num_shared_experts * f
+
+    def randn(*shape, scale=1.0, as_dtype=dtype):
+        return torch.randn(*shape, device=device, dtype=as_dtype, generator=g).mul_(scale)
+
+    hidden = randn(num_tokens, d)
+    gate_weight = randn(E, d, as_dtype=torch.float32)
+    gate_weight /= torch.linalg.norm(gate_weight, dim=1, keepdim=True)
+    bias = randn(E, scale=_BIAS_STD, as_dtype=torch.float32) if model.scoring_func == "sigmoid" else None
+    w1, w2 = randn(E, 2 * f, d, scale=d**-0.5), randn(E, d, f, scale=f**-0.5)
+    shared_w1 = randn(2 * s, d, scale=d**-0.5) if s else None
+    shared_w2 = randn(d, s, scale=s**-0.5) if s else None
+    return DecodeLayer(model, hidden, gate_weight, bias, w1, w2, shared_w1, shared_w2)
+
+
+def _for_kernels(layer: DecodeLayer) -> DecodeLayer:
+    """The layer in the dtype the kernels can compute in here.
+
+    Under the Triton interpreter a bfloat16 ``tl.dot`` is wrong (triton issue 11584), so there a
+    bfloat16 layer is computed in float32 and the output cast back, as ``fused_experts`` does.
+    """
+    if not (_runtime.INTERPRET and layer.hidden_states.dtype == torch.bfloat16):
+        return layer
+    up = {f.name: getattr(layer, f.name).float() for f in dataclasses.fields(layer)
+          if f.name in ("hidden_states", "w1", "w2", "shared_w1", "shared_w2") and getattr(layer, f.name) is not None}
+    return dataclasses.replace(layer, **up)
+
+
+def route(layer: DecodeLayer, logits: torch.Tensor | None = None):
+    """Steps 1-2: the gate, then the model's grouped top-k: ``(topk_weights, topk_ids)``."""
+    m = layer.model
+    if logits is None:
+        logits = gate(layer.hidden_states, layer.gate_weight)
+    return grouped_topk(layer.hidden_states, logits, m.top_k, m.norm_topk_prob, m.num_expert_groups,
+                        m.topk_groups, scoring_func=m.scoring_func,
+                        routed_scaling_factor=m.routed_scaling_factor,
+                        e_score_correction_bias=layer.correction_bias)
+
+
+def shared_expert(layer: DecodeLayer) -> torch.Tensor | None:
+    """The shared expert's output ``[T, d]`` (None when the model has none)."""
+    if layer.shared_w1 is None:
+        return None
+    return shared_expert_separate(layer.hidden_states, layer.shared_w1, layer.shared_w2)
+
+
+def trace_config(model: MoEModel, num_tokens: int) -> FusedMoEConfig:
+    """The tiles this package runs for ``num_tokens`` tokens of ``model`` on an H200 in bf16.
+
+    The tuned entry at the model's real shape (:func:`moe_kernels.fused_moe.tuned_config`), else
+    :func:`moe_kernels.fused_moe.default_config`. The trace uses it on every machine, so that its
+    M tile, and with it the alignment and the launch grid, is the one the GPU run uses; for
+    DeepSeek-V3 at 64 tokens its M tile is 16.
+    """
+    d, f, e = model.hidden_size, model.moe_intermediate_size, model.num_experts
+    return tuned_config(TRACE_DEVICE_NAME, num_tokens, e, f, d) or default_config(num_tokens, e, f, d)
+
+
+# ----------------------------------------------------------------------------------------------
+# The trace
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerTrace:
+    """Everything one traced layer shows, read from its tensors (fields grouped by step).
+
+    Counts are those of the run (real E, k and groups). Fields named ``real_*``, ``*_bytes_*``,
+    ``*flops*``, ``intensity_*`` and ``gemm1_grid`` are for the model's real d and F.
+    """
+
+    model: str
+    num_tokens: int
+    hidden_size: int
+    intermediate_size: int
+    dtype: str
+    num_experts: int
+    top_k: int
+    num_expert_group: int
+    topk_group: int
+    # steps 1-2: gate and grouped top-k
+    router_logits: torch.Tensor
+    topk_weights: torch.Tensor
+    topk_ids: torch.Tensor
+    experts_touched: int
+    max_rows_per_expert: int
+    max_groups_per_token: int
+    bias_changed_tokens: int
+    # step 3: the small-batch rule
+    naive_rule_lhs: int
+    naive: bool
+    # step 4: the alignment (for the naive path: the implicit one-assignment-per-block layout)
+    block_m: int
+    sorted_token_ids: torch.Tensor | None
+    expert_ids: torch.Tensor
+    max_num_tokens_padded: int
+    expert_ids_len: int
+    expert_ids_unused: int
+    num_tokens_post_padded: int
+    # step 5: GEMM 1 launch, our config at the real F
+    gemm1_block_n: int
+    gemm1_grid: tuple[int, int]
+    gemm1_live_programs: int
+    # byte and FLOP counts at the real shape
+    real_hidden_size: int
+    real_intermediate_size: int
+    expert_params: int
+    routed_bytes_bf16: float
+    routed_bytes_fp8: float
+    routed_flops_per_token: int
+    routed_flops: int
+    intensity_bf16: float
+    intensity_fp8: float
+    ridge_h100_fp8: float
+    ridge_h200_bf16: float
+    # step 7: the output
+    routed_output: torch.Tensor
+    shared_output: torch.Tensor | None
+    output: torch.Tensor
+    rel_error: float
+
+    @property
+    def assignments(self) -> int:
+        return self.num_tokens * self.top_k
+
+    @property
+    def padded_rows_per_real_row(self) -> float:
+        """GEMM rows after padding (``num_tokens_post_padded``) per real row (assignment)."""
+        return self.num_tokens_post_padded / self.assignments
+
+    @property
+    def gemm1_programs(self) -> int:
+        return self.gemm1_grid[0] * self.gemm1_grid[1]
+
+    def to_dict(self) -> dict:
+        """The scalar fields (tensors left out), JSON-ready."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+               if not isinstance(getattr(self, f.name), torch.Tensor) and getattr(self, f.name) is not None}
+        out["gemm1_grid"] = list(self.gemm1_grid)
+        out["padded_rows_per_real_row"] = self.padded_rows_per_real_row
+        out["gemm1_programs"] = self.gemm1_programs
+        return out
+
+
+def _fit_to_run(config: FusedMoEConfig, d: int, f: int) -> FusedMoEConfig:
+    """``config`` with its N and K tiles clipped to a shrunk run's d and F (M tile unchanged).
+
+    At the real shape nothing changes. At a teaching shape, tiles far wider than the matrices
+    would only make the interpreter multiply masked zeros.
+    """
+    def fit(tile: int, size: int) -> int:
+        return max(16, min(tile, 1 << (size - 1).bit_length()))  # tl.dot needs 16 at least
+
+    def clip(tiles, n, k):
+        return dataclasses.replace(tiles, block_n=fit(tiles.block_n, n), block_k=fit(tiles.block_k, k))
+
+    return dataclasses.replace(config, gate_up=clip(config.gate_up, f, d), down=clip(config.down, d, f))
+
+
+def _alignment_view(blocks: BlockAssignment, topk_ids: torch.Tensor):
+    """(buffer rows, expert_ids, unused blocks, rows post padding) of either block map."""
+    numel = topk_ids.numel()
+    if blocks.naive:  # block m = assignment m: numel blocks, every one used
+        return numel * blocks.block_m, blocks.expert_ids, 0, numel * blocks.block_m
+    used = int(blocks.num_tokens_post_padded[0])
+    unused = int((blocks.expert_ids == -1).sum())
+    return blocks.sorted_token_ids.numel(), blocks.expert_ids, unused, used
+
+
+def trace_moe_layer(model: MoEModel | str, num_tokens: int, *, hidden_size: int | None = None,
+                    intermediate_size: int | None = None, dtype: torch.dtype, device, seed: int,
+                    block_m: int | None = None) -> LayerTrace:
+    """Run one MoE layer of ``model`` on ``num_tokens`` tokens step by step; return its trace.
+
+    ``hidden_size``/``intermediate_size`` override d and F for the run (the counts stay real;
+    bytes and FLOPs use the model's d and F). ``block_m`` overrides the M tile of
+    :func:`trace_config`. Under the Triton interpreter a bfloat16 layer is computed in float32
+    (see :func:`moe_kernels.fused_moe.fused_experts`). Intermediate buffers are filled with NaN
+    before the kernels write them, so a row a kernel forgot shows up in ``rel_error``.
+    """
+    func = "trace_moe_layer"
+    model, _, _ = _check_layer_args(func, model, num_tokens, hidden_size, intermediate_size, dtype, seed)
+    if block_m is not None:
+        check_int(func, "block_m", block_m, lo=16)
+    layer = make_layer(model, num_tokens, hidden_size=hidden_size, intermediate_size=intermediate_size,
+                       dtype=dtype, device=device, seed=seed)
+    return _trace(layer, block_m)
+
+
+def _trace(layer: DecodeLayer, block_m: int | None) -> LayerTrace:
+    model = layer.model
+    run = _for_kernels(layer)
+    hidden = run.hidden_states
+    T, d = hidden.shape
+    E, k, f = model.num_experts, model.top_k, run.w2.shape[2]
+    config = trace_config(model, T)
+    if block_m is not None:
+        config = dataclasses.replace(config, block_m=block_m)
+    run_config = _fit_to_run(config, d, f)
+
+    logits = gate(hidden, run.gate_weight)
+    topk_weights, topk_ids = route(run, logits)
+    counts = torch.bincount(topk_ids.flatten().long(), minlength=E)
+    groups = topk_ids.long() // (E // model.num_expert_groups)
+    groups_per_token = torch.zeros(T, model.num_expert_groups, dtype=torch.bool, device=groups.device)
+    groups_per_token.scatter_(1, groups, True)
+    bias_changed_tokens = 0
+    if run.correction_bias is not None:  # the same routing without the bias: which tokens differ?
+        _, unbiased_ids = route(dataclasses.replace(run, correction_bias=torch.zeros_like(run.correction_bias)), logits)
+        changed = topk_ids.sort(dim=1).values != unbiased_ids.sort(dim=1).values
+        bias_changed_tokens = int(changed.any(dim=1).sum())
+
+    naive = use_naive_block_assignment(T, k, E)
+    # The ids come from our own top-k over E experts: no range check (a host sync) needed.
+    blocks = assign_blocks(topk_ids, config.block_m, E, naive=naive, validate_ids=False)
+    buffer_rows, expert_ids, unused_blocks, post_padded = _alignment_view(blocks, topk_ids)
+
+    nan = float("nan")
+    intermediate = torch.full((T * k, f), nan, dtype=hidden.dtype, device=hidden.device)
+    per_slot = torch.full((T, k, d), nan, dtype=hidden.dtype, device=hidden.device)
+    routed = torch.full((T, d), nan, dtype=hidden.dtype, device=hidden.device)
+    expert_gate_up(hidden, run.w1, blocks, k, tiles=run_config.gate_up, out=intermediate)
+    expert_down(intermediate, run.w2, topk_weights, blocks, tiles=run_config.down, out=per_slot)
+    moe_sum(per_slot, out=routed)
+    shared = shared_expert(run)
+    output = routed if shared is None else routed + shared
+
+    reference = moe_reference(hidden, run.w1, run.w2, topk_weights, topk_ids)
+    if shared is not None:  # the shared FFN as a one-expert MoE every token picks with weight 1
+        everyone = torch.zeros(T, 1, dtype=torch.int32, device=hidden.device)
+        reference += moe_reference(hidden, run.shared_w1[None], run.shared_w2[None],
+                                   torch.ones(T, 1, device=hidden.device), everyone)
+    out_dtype = layer.hidden_states.dtype
+    output = output.to(out_dtype)
+    rel_error = float(torch.linalg.norm(output.double() - reference) / torch.linalg.norm(reference))
+
+    touched = int((counts > 0).sum())
+    real_d, real_f = model.hidden_size, model.moe_intermediate_size
+    n_tiles = -(-real_f // config.gate_up.block_n)
+    flops_per_token = k * model.expert_flops_per_token
+    bytes_bf16 = touched * model.expert_params * bytes_per_weight("bf16")
+    bytes_fp8 = touched * model.expert_params * bytes_per_weight("fp8")
+    return LayerTrace(
+        model=model.name, num_tokens=T, hidden_size=d, intermediate_size=f,
+        dtype=str(out_dtype).replace("torch.", ""), num_experts=E, top_k=k,
+        num_expert_group=model.num_expert_groups, topk_group=model.topk_groups,
+        router_logits=logits, topk_weights=topk_weights, topk_ids=topk_ids,
+        experts_touched=touched, max_rows_per_expert=int(counts.max()),
+        max_groups_per_token=int(groups_per_token.sum(dim=1).max()),
+        bias_changed_tokens=bias_changed_tokens,
+        naive_rule_lhs=T * k * 4, naive=naive,
+        block_m=config.block_m, sorted_token_ids=blocks.sorted_token_ids, expert_ids=expert_ids,
+        max_num_tokens_padded=buffer_rows, expert_ids_len=expert_ids.numel(),
+        expert_ids_unused=unused_blocks, num_tokens_post_padded=post_padded,
+        gemm1_block_n=config.gate_up.block_n, gemm1_grid=(blocks.num_m_blocks, n_tiles),
+        gemm1_live_programs=post_padded // config.block_m * n_tiles,
+        real_hidden_size=real_d, real_intermediate_size=real_f, expert_params=model.expert_params,
+        routed_bytes_bf16=bytes_bf16, routed_bytes_fp8=bytes_fp8,
+        routed_flops_per_token=flops_per_token, routed_flops=T * flops_per_token,
+        intensity_bf16=T * flops_per_token / bytes_bf16, intensity_fp8=T * flops_per_token / bytes_fp8,
+        ridge_h100_fp8=GPUS["H100 SXM"].ridge("fp8"), ridge_h200_bf16=GPUS["H200"].ridge("bf16"),
+        routed_output=routed.to(out_dtype), shared_output=None if shared is None else shared.to(out_dtype),
+        output=output, rel_error=rel_error,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Per-stage timing (GPU)
+# ----------------------------------------------------------------------------------------------
+
+STAGES = ("routing", "alignment", "gemm1", "gemm2", "sum", "shared expert")
+
+
+def measure(model: MoEModel | str, num_tokens: int, *, dtype: torch.dtype, device, seed: int,
+            timer: Callable[[Callable], float | None], hidden_size: int | None = None,
+            intermediate_size: int | None = None) -> dict:
+    """Trace one layer, then time each stage and the whole layer with ``timer(fn) -> µs``.
+
+    The trace runs first, and an output off the float64 reference (beyond float32 1e-5, float16
+    1e-3, bfloat16 2e-2 relative) raises before anything is timed.
+    Each stage is timed on its own, reading the previous stage's real outputs and writing into
+    preallocated buffers (``timer`` is :func:`moe_kernels.timing.graph_us` on the GPU: a CUDA-graph
+    replay, no launch overhead, no host synchronisation allowed). ``layer`` times the stages
+    chained, from the hidden states to the output.
+    """
+    model, _, _ = _check_layer_args("measure", model, num_tokens, hidden_size, intermediate_size, dtype, seed)
+    layer = make_layer(model, num_tokens, hidden_size=hidden_size, intermediate_size=intermediate_size,
+                       dtype=dtype, device=device, seed=seed)
+    trace = _trace(layer, None)
+    if not trace.rel_error <= _TOLERANCE[dtype]:
+        raise AssertionError(f"measure: the layer's output is off the float64 reference by {trace.rel_error:.1e} "
+                             f"(relative), more than {_TOLERANCE[dtype]:.0e} for {trace.dtype}: not timing it")
+    run = _for_kernels(layer)
+    E, k = model.num_experts, model.top_k
+    config = _fit_to_run(trace_config(model, num_tokens), run.hidden_states.shape[1], run.w2.shape[2])
+    weights, ids = trace.topk_weights, trace.topk_ids
+    blocks = assign_blocks(ids, config.block_m, E, naive=trace.naive, validate_ids=False)
+    hidden = run.hidden_states
+    intermediate = torch.empty(num_tokens * k, run.w2.shape[2], dtype=hidden.dtype, device=hidden.device)
+    per_slot = torch.empty(num_tokens, k, hidden.shape[1], dtype=hidden.dtype, device=hidden.device)
+    routed = torch.empty_like(hidden)
+
+    def whole_layer():
+        w, i = route(run)
+        b = assign_blocks(i, config.block_m, E, naive=trace.naive, validate_ids=False)
+        expert_gate_up(hidden, run.w1, b, k, tiles=config.gate_up, out=intermediate)
+        expert_down(intermediate, run.w2, w, b, tiles=config.down, out=per_slot)
+        out = moe_sum(per_slot, out=routed)
+        shared = shared_expert(run)
+        return out if shared is None else out.add_(shared)
+
+    stage_fns = {
+        "routing": lambda: route(run),
+        "alignment": lambda: assign_blocks(ids, config.block_m, E, naive=trace.naive, validate_ids=False),
+        "gemm1": lambda: expert_gate_up(hidden, run.w1, blocks, k, tiles=config.gate_up, out=intermediate),
+        "gemm2": lambda: expert_down(intermediate, run.w2, weights, blocks, tiles=config.down, out=per_slot),
+        "sum": lambda: moe_sum(per_slot, out=routed),
+    }
+    if run.shared_w1 is not None:
+        stage_fns["shared expert"] = lambda: shared_expert(run)
+    stages_us = {name: timer(stage_fns[name]) for name in STAGES if name in stage_fns}
+    return {"model": model.name, "num_tokens": num_tokens, "dtype": trace.dtype, "seed": seed,
+            "config": config.to_dict(), "trace": trace.to_dict(), "stages_us": stages_us,
+            "layer_us": timer(whole_layer)}
+
+
+def _print_run(run: dict, bandwidth: float | None) -> None:
+    t = run["trace"]
+    print(f"{run['model']}, {run['num_tokens']} tokens, {run['dtype']}: {t['experts_touched']} experts touched, "
+          f"naive blocks {t['naive']}, BLOCK_M {t['block_m']}, num_tokens_post_padded {t['num_tokens_post_padded']}, "
+          f"relative error {t['rel_error']:.1e}")
+    for name, us in run["stages_us"].items():
+        print(f"  {name:<14} {us:9.1f} us" if us is not None else f"  {name:<14}   (not capturable)")
+    total = sum(v for v in run["stages_us"].values() if v is not None)
+    print(f"  {'sum of stages':<14} {total:9.1f} us;  whole layer graphed {run['layer_us']:.1f} us")
+    if bandwidth:
+        floor = t["routed_bytes_bf16"] / bandwidth * 1e6
+        print(f"  routed bf16 weights {t['routed_bytes_bf16'] / 1e9:.2f} GB at {bandwidth / 1e12:.2f} TB/s: "
+              f"{floor:.1f} us floor for GEMM 1 + GEMM 2")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m moe_kernels.decode_step",
+                                     description="One MoE decode layer at the real shape, traced and timed per stage.")
+    parser.add_argument("--model", default="deepseek-v3", choices=sorted(MODELS))
+    parser.add_argument("--tokens", type=lambda s: [int(x) for x in s.split(",") if x], default=[64],
+                        help="comma list of batch sizes (default 64)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--record", action="store_true", help="write results/<device>/decode-step.json")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("moe_kernels.decode_step: needs a CUDA GPU (the trace itself runs anywhere: trace_moe_layer)",
+              file=sys.stderr)
+        return 2
+    from .ceilings import measure_hbm_bandwidth
+    from .timing import graph_us
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    bandwidth = measure_hbm_bandwidth()
+    runs = []
+    for num_tokens in args.tokens:
+        run = measure(args.model, num_tokens, dtype=torch.bfloat16, device="cuda", seed=args.seed, timer=graph_us)
+        _print_run(run, bandwidth)
+        runs.append(run)
+        torch.cuda.empty_cache()
+    if args.record:
+        from .results import record
+
+        print("recorded", record("decode-step", {"ceilings": {"hbm_bandwidth": bandwidth}, "runs": runs}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,247 @@
+// The padding-under-skew explorer: sliders that redraw two plots with no Python kernel.
+//
+// The Python side (padding_skew_explorer in moe_kernels/widgets.py) emits a
+// <div class="moe-skew-explorer"> holding the controls, two empty <svg> elements and a JSON
+// config; this script wires up every such div not yet initialised. Its arithmetic repeats
+// moe_kernels/skew.py step for step (same windows, same recurrences, same order of operations)
+// so that the browser test can compare the two to 1e-9.
+//
+// Every plotted series keeps its numbers in data-values (JSON [[x, y], ...]) and the readout
+// keeps the current point's numbers in data-* attributes.
+(function () {
+  "use strict";
+
+  // ---- the closed forms (moe_kernels/skew.py) --------------------------------------------------
+
+  // Expert e's share, proportional to (e + 1)^-s; expert 0 is the most popular.
+  function zipfPopularity(E, s) {
+    var weights = [], total = 0;
+    for (var e = 0; e < E; e++) { weights.push(Math.pow(e + 1, -s)); total += weights[e]; }
+    return weights.map(function (w) { return w / total; });
+  }
+
+  // min(1, c p_e) summing to k, capping the most popular first (p must be in descending order).
+  function inclusionProbabilities(p, k) {
+    var E = p.length, result = p.map(function () { return 1; });
+    for (var capped = 0; capped < k; capped++) {
+      var rest = 0;
+      for (var j = capped; j < E; j++) rest += p[j];
+      var scale = (k - capped) / rest;
+      if (scale * p[capped] <= 1) {
+        for (var i = capped; i < E; i++) result[i] = scale * p[i];
+        break;
+      }
+    }
+    return result;
+  }
+
+  // {lo, probs}: Binomial(n, q) in the window mode +- (10 sd + 10), built from the mode outwards.
+  function binomialWindow(n, q) {
+    if (q <= 0) return { lo: 0, probs: [1] };
+    if (q >= 1) return { lo: n, probs: [1] };
+    var mode = Math.min(n, Math.floor((n + 1) * q));
+    var half = Math.ceil(10 * Math.sqrt(n * q * (1 - q))) + 10;
+    var lo = Math.max(0, mode - half), hi = Math.min(n, mode + half);
+    var odds = q / (1 - q);
+    var left = [], right = [], w = 1, m;
+    for (m = mode - 1; m >= lo; m--) { w *= (m + 1) / (n - m) / odds; left.push(w); }
+    w = 1;
+    for (m = mode + 1; m <= hi; m++) { w *= (n - m + 1) / m * odds; right.push(w); }
+    var weights = left.reverse().concat([1], right);
+    var total = 0;
+    for (var i = 0; i < weights.length; i++) total += weights[i];
+    return { lo: lo, probs: weights.map(function (x) { return x / total; }) };
+  }
+
+  function expertsTouched(B, pi) {
+    var total = 0;
+    pi.forEach(function (q) { total += q >= 1 ? 1 : -Math.expm1(B * Math.log1p(-q)); });
+    return total;
+  }
+
+  // sum_e E[ceil(m_e / b) b], m_e ~ Binomial(B, pi_e): exact.
+  function contiguousRows(windows, block) {
+    var total = 0;
+    windows.forEach(function (win) {
+      var mean = 0;
+      for (var i = 0; i < win.probs.length; i++) mean += win.probs[i] * Math.floor((win.lo + i + block - 1) / block);
+      total += block * mean;
+    });
+    return total;
+  }
+
+  // E[ceil(M / r) r], M = max_e m_e, counts treated as independent, M >= ceil(B k / E).
+  function hottestRows(windows, B, k, roundTo) {
+    var E = windows.length, start = Math.ceil((B * k) / E), end = 0;
+    var cdfs = windows.map(function (win) {
+      start = Math.max(start, win.lo);
+      end = Math.max(end, win.lo + win.probs.length - 1);
+      var acc = 0;
+      return win.probs.map(function (x) { acc += x; return acc; });
+    });
+    var firstJ = Math.ceil(start / roundTo), tail = 0;
+    for (var point = firstJ * roundTo; point < end; point += roundTo) {
+      var below = 1;
+      for (var e = 0; e < E; e++) {
+        var index = point - windows[e].lo, n = windows[e].probs.length;
+        below *= index < 0 ? 0 : index >= n - 1 ? 1 : cdfs[e][index];
+      }
+      tail += 1 - below;
+    }
+    return roundTo * (firstJ + tail);
+  }
+
+  // Everything the plots and the readout need at one (model, s, B, b, rounding).
+  function evaluate(model, s, B, block, roundTo) {
+    var pi = inclusionProbabilities(zipfPopularity(model.E, s), model.k);
+    var windows = pi.map(function (q) { return binomialWindow(B, q); });
+    var real = B * model.k;
+    var hottest = hottestRows(windows, B, model.k, 1);
+    var mMax = hottestRows(windows, B, model.k, roundTo);
+    var contiguous = contiguousRows(windows, block);
+    return { pi: pi, real: real, hottest: hottest, mMax: mMax, contiguous: contiguous,
+             masked: model.E * mMax, touched: expertsTouched(B, pi) };
+  }
+
+  // ---- drawing -----------------------------------------------------------------------------------
+
+  var SVG_NS = "http://www.w3.org/2000/svg";
+  function el(name, attrs, parent) {
+    var node = document.createElementNS(SVG_NS, name);
+    for (var key in attrs) node.setAttribute(key, attrs[key]);
+    if (parent) parent.appendChild(node);
+    return node;
+  }
+  function fmt(x) {
+    if (x === 0) return "0";
+    if (x >= 1e4 || x < 1e-2) return x.toExponential(1);
+    return x >= 100 ? x.toFixed(0) : x.toPrecision(2);
+  }
+  function bytes(x) {
+    return x >= 1e9 ? (x / 1e9).toFixed(2) + " GB" : (x / 1e6).toFixed(1) + " MB";
+  }
+
+  // A small plot: linear or log axes, one polyline per series, optional vertical marker.
+  function drawPlot(svg, series, opts) {
+    while (svg.firstChild) svg.removeChild(svg.firstChild);
+    var W = 420, H = 260, L = 56, R = 12, T = 12, Bm = 40;
+    svg.setAttribute("viewBox", "0 0 " + W + " " + H);
+    function tx(v, log) { return log ? Math.log10(v) : v; }
+    var x0 = tx(opts.xmin, opts.xlog), x1 = tx(opts.xmax, opts.xlog);
+    var y0 = tx(opts.ymin, opts.ylog), y1 = tx(opts.ymax, opts.ylog);
+    function px(x) { return L + ((tx(x, opts.xlog) - x0) / (x1 - x0)) * (W - L - R); }
+    function py(y) {
+      var v = tx(Math.min(Math.max(y, opts.ymin), opts.ymax), opts.ylog);
+      return H - Bm - ((v - y0) / (y1 - y0)) * (H - T - Bm);
+    }
+    el("rect", { x: L, y: T, width: W - L - R, height: H - T - Bm, fill: "none", stroke: "#999" }, svg);
+    opts.xticks.forEach(function (t) {
+      el("line", { x1: px(t), x2: px(t), y1: T, y2: H - Bm, stroke: "#eee" }, svg);
+      el("text", { x: px(t), y: H - Bm + 14, "font-size": 10, "text-anchor": "middle" }, svg).textContent = fmt(t);
+    });
+    opts.yticks.forEach(function (t) {
+      el("line", { x1: L, x2: W - R, y1: py(t), y2: py(t), stroke: "#eee" }, svg);
+      el("text", { x: L - 4, y: py(t) + 3, "font-size": 10, "text-anchor": "end" }, svg).textContent = fmt(t);
+    });
+    el("text", { x: (L + W - R) / 2, y: H - 6, "font-size": 11, "text-anchor": "middle" }, svg).textContent = opts.xlabel;
+    el("text", { x: 12, y: (T + H - Bm) / 2, "font-size": 11, "text-anchor": "middle",
+                 transform: "rotate(-90 12 " + (T + H - Bm) / 2 + ")" }, svg).textContent = opts.ylabel;
+    if (opts.marker !== undefined) {
+      el("line", { x1: px(opts.marker), x2: px(opts.marker), y1: T, y2: H - Bm, stroke: "#888",
+                   "stroke-dasharray": "2 2" }, svg);
+    }
+    var ly = T + 14;
+    series.forEach(function (s) {
+      var pts = s.values.map(function (v) { return px(v[0]).toFixed(2) + "," + py(v[1]).toFixed(2); });
+      var line = el("polyline", { points: pts.join(" "), fill: "none", stroke: s.color,
+                                  "stroke-width": s.width || 2, "stroke-dasharray": s.dash || "none" }, svg);
+      line.setAttribute("class", "series series-" + s.name);
+      line.setAttribute("data-values", JSON.stringify(s.values));
+      var lx = opts.legendLeft ? L + 8 : W - R - 150;
+      el("line", { x1: lx, x2: lx + 20, y1: ly - 4, y2: ly - 4, stroke: s.color, "stroke-width": 2,
+                   "stroke-dasharray": s.dash || "none" }, svg);
+      el("text", { x: lx + 24, y: ly, "font-size": 10 }, svg).textContent = s.label;
+      ly += 13;
+    });
+  }
+
+  function decades(lo, hi) {
+    var ticks = [];
+    for (var p = Math.ceil(Math.log10(lo)); p <= Math.floor(Math.log10(hi)); p++) ticks.push(Math.pow(10, p));
+    return ticks;
+  }
+
+  function setup(root) {
+    if (root.getAttribute("data-ready") === "1") return;
+    root.setAttribute("data-ready", "1");
+    var cfg = JSON.parse(root.querySelector("script.moe-skew-config").textContent);
+    var inputs = {};
+    ["model", "s", "logB", "block", "round"].forEach(function (name) {
+      inputs[name] = root.querySelector("[name=" + name + "]");
+    });
+
+    function redraw() {
+      var model = cfg.models[inputs.model.value];
+      var s = +inputs.s.value, B = Math.pow(2, +inputs.logB.value), block = +inputs.block.value;
+      var roundTo = inputs.round.value === "tile" ? block : +inputs.round.value;
+      root.querySelector("output[for=s]").textContent = s.toFixed(2);
+      root.querySelector("output[for=logB]").textContent = B;
+
+      var here = evaluate(model, s, B, block, roundTo);
+      var rows = here.pi.map(function (q, e) { return [e + 1, B * q]; });
+      var flat = function (y) { return [[1, y], [model.E, y]]; };
+      var ymax = Math.max(B, block) * 2, ymin = Math.min(rows[model.E - 1][1], 0.5) / 2;
+      drawPlot(root.querySelector("svg.rows"), [
+        { name: "rows", values: rows, color: "#1f77b4", label: "rows of expert (mean)" },
+        { name: "mean", values: flat(here.real / model.E), color: "#2ca02c", dash: "4 3", width: 1, label: "mean B k / E" },
+        { name: "hottest", values: flat(here.hottest), color: "#d62728", dash: "4 3", width: 1, label: "hottest (expected)" },
+        { name: "tile", values: flat(block), color: "#555", dash: "1 2", width: 1, label: "tile height b" },
+      ], { xmin: 1, xmax: model.E, xlog: true, ymin: ymin, ymax: ymax, ylog: true,
+           xticks: decades(1, model.E), yticks: decades(ymin, ymax),
+           xlabel: "expert popularity rank", ylabel: "rows per expert" });
+
+      var contiguous = [], maskedRows = [];
+      cfg.s_grid.forEach(function (sg) {
+        var point = sg === s ? here : evaluate(model, sg, B, block, roundTo);
+        contiguous.push([sg, point.contiguous / point.real]);
+        maskedRows.push([sg, point.masked / point.real]);
+      });
+      var top = Math.max.apply(null, maskedRows.map(function (v) { return v[1]; }));
+      drawPlot(root.querySelector("svg.factors"), [
+        { name: "contiguous", values: contiguous, color: "#1f77b4", label: "contiguous: tiles" },
+        { name: "masked", values: maskedRows, color: "#d62728", label: "masked: E x m_max" },
+      ], { xmin: 0, xmax: cfg.s_grid[cfg.s_grid.length - 1], xlog: false, ymin: 1, ymax: top * 1.5, ylog: true,
+           marker: s, legendLeft: true, xticks: [0, 0.5, 1, 1.5, 2], yticks: [1, 2, 5].concat(decades(10, top * 1.5)),
+           xlabel: "Zipf exponent s", ylabel: "rows / real rows" });
+
+      var rowBytes = (model.d + model.F) * cfg.itemsize;
+      var readout = root.querySelector(".readout");
+      readout.setAttribute("data-hottest", String(here.hottest));
+      readout.setAttribute("data-touched", String(here.touched));
+      readout.setAttribute("data-contiguous", String(here.contiguous));
+      readout.setAttribute("data-masked", String(here.masked));
+      readout.setAttribute("data-masked-bytes", String(here.masked * rowBytes));
+      readout.setAttribute("data-index-gather-bytes", String(here.real * rowBytes));
+      readout.textContent = model.name + ", B = " + B + ", s = " + s.toFixed(2) + ": the top expert is picked by " +
+        (100 * here.pi[0]).toFixed(1) + "% of tokens (uniform: " + (100 * model.k / model.E).toFixed(1) +
+        "%); " + here.touched.toFixed(1) + " experts touched; the hottest has " + here.hottest.toFixed(1) +
+        " rows against a mean of " + (here.real / model.E).toFixed(1) + ". Contiguous runs " +
+        (here.contiguous / here.real).toFixed(3) + "x the real rows; masked reserves " +
+        (here.masked / here.real).toFixed(3) + "x (m_max = " + here.mMax.toFixed(1) +
+        " on average). Row buffers in bf16: index-gather " + bytes(here.real * rowBytes) + ", masked " +
+        bytes(here.masked * rowBytes) + ".";
+    }
+    Object.keys(inputs).forEach(function (name) {
+      inputs[name].addEventListener("input", redraw);
+      inputs[name].addEventListener("change", redraw);
+    });
+    redraw();
+  }
+
+  function setupAll() {
+    var roots = document.querySelectorAll("div.moe-skew-explorer");
+    for (var i = 0; i < roots.length; i++) setup(roots[i]);
+  }
+  if (document.readyState === "loading") document.addEventListener("DOMContentLoaded", setupAll);
+  else setupAll();
+})();
