@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from moe_kernels import align
-from moe_kernels._runtime import HAS_TRITON, default_device, use_triton
+from moe_kernels._runtime import HAS_TRITON, use_triton
 from moe_kernels.align import (
     check_alignment,
     moe_align_block_size,
@@ -19,9 +19,8 @@ from moe_kernels.align import (
     naive_padded_rows,
     use_naive_block_assignment,
 )
+from moe_testing import DEVICE, needs_gpu
 
-DEVICE = default_device()
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 POISON = -77
 
 
@@ -186,7 +185,7 @@ def test_unchecked_out_of_range_ids_are_skipped():
     assert set(sorted_ids[8:].tolist()) == {4}
 
 
-@needs_cuda
+@needs_gpu
 @pytest.mark.parametrize("num_tokens", [1, 8, 64, 1024, 4096, 16384])
 @pytest.mark.parametrize("block_size", [16, 64, 128])
 def test_model_sizes_on_gpu(num_tokens, block_size):
@@ -196,7 +195,7 @@ def test_model_sizes_on_gpu(num_tokens, block_size):
     assert_aligned_like_reference(ids, block_size, 256)
 
 
-@needs_cuda
+@needs_gpu
 def test_skewed_routing_on_gpu():
     # Most assignments on a handful of experts: long segments spanning many chunks.
     g = torch.Generator().manual_seed(9)

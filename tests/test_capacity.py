@@ -5,7 +5,6 @@ GPU (where the bf16 case also runs). Shapes are small because the interpreter is
 """
 
 import itertools
-import math
 import random
 import re
 from fractions import Fraction
@@ -13,7 +12,6 @@ from fractions import Fraction
 import pytest
 import torch
 
-from moe_kernels._runtime import default_device
 from moe_kernels.capacity import (
     BufferSpec,
     capacity_assign,
@@ -37,27 +35,7 @@ from moe_kernels.masked import (
 from moe_kernels.permute import max_padded_rows, permute_experts
 from moe_kernels.reference import moe_reference
 from moe_kernels.skew import zipf_popularity
-
-DEVICE = default_device()
-TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
-gpu_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 needs a CUDA GPU")
-
-
-def random_ids(gen, num_tokens, num_experts, topk):
-    return torch.rand(num_tokens, num_experts, generator=gen).argsort(dim=1)[:, :topk]
-
-
-def make_problem(seed, num_tokens, num_experts, topk, hidden=32, inter=16, dtype=torch.float32,
-                 topk_ids=None):
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(num_tokens, hidden, generator=gen)
-    w1 = torch.randn(num_experts, 2 * inter, hidden, generator=gen) / math.sqrt(hidden)
-    w2 = torch.randn(num_experts, hidden, inter, generator=gen) / math.sqrt(inter)
-    if topk_ids is None:
-        topk_ids = random_ids(gen, num_tokens, num_experts, topk)
-    weights = torch.rand(num_tokens, topk_ids.shape[1], generator=gen) + 0.1
-    return (x.to(DEVICE, dtype), w1.to(DEVICE, dtype), w2.to(DEVICE, dtype), weights.to(DEVICE),
-            topk_ids.to(DEVICE))
+from moe_testing import DEVICE, TOLERANCE, make_problem, needs_gpu, random_topk_ids, rel_err
 
 
 def queue_positions_by_loop(topk_ids, num_experts):
@@ -70,10 +48,6 @@ def queue_positions_by_loop(topk_ids, num_experts):
             positions[t][j] = filled[row[j]]
             filled[row[j]] += 1
     return torch.tensor(positions, dtype=torch.int64).reshape(topk_ids.shape)
-
-
-def rel_err(out, ref):
-    return float((out.double() - ref).norm() / ref.norm().clamp(min=1e-30))
 
 
 # ------------------------------------------------------------------------------------------
@@ -142,7 +116,7 @@ def routing_cases():
         num_experts = int(torch.randint(1, 9, (1,), generator=gen))
         topk = int(torch.randint(1, num_experts + 1, (1,), generator=gen))
         num_tokens = int(torch.randint(1, 30, (1,), generator=gen))
-        cases.append(random_ids(gen, num_tokens, num_experts, topk))
+        cases.append(random_topk_ids(gen, num_tokens, num_experts, topk))
     return cases
 
 
@@ -186,7 +160,7 @@ def test_first_choices_beat_earlier_tokens_second_choices():
 def test_large_capacity_factor_drops_nothing():
     gen = torch.Generator().manual_seed(3)
     for num_experts, topk, num_tokens in [(8, 2, 40), (16, 4, 9), (5, 5, 7), (64, 8, 33)]:
-        ids = random_ids(gen, num_tokens, num_experts, topk).to(DEVICE)
+        ids = random_topk_ids(gen, num_tokens, num_experts, topk).to(DEVICE)
         capacity = expert_capacity(num_tokens, topk, num_experts, num_experts / topk)
         assert capacity_assign(ids, num_experts, capacity).all()
         assert dropped_fraction(ids, num_experts, capacity) == 0.0
@@ -242,7 +216,7 @@ def check_against_kept_reference(x, w1, w2, weights, ids, alpha):
 @pytest.mark.parametrize("name", EDGE_CASES)
 @pytest.mark.parametrize("alpha", [0.5, 1.0, 1.5])
 def test_moe_with_capacity_edge_cases(name, alpha):
-    check_against_kept_reference(*make_problem(11, **EDGE_CASES[name]), alpha)
+    check_against_kept_reference(*make_problem(**EDGE_CASES[name], seed=11), alpha)
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -253,33 +227,33 @@ def test_moe_with_capacity_random(seed):
                  topk=rng.randint(1, num_experts), hidden=rng.choice([16, 32]),
                  inter=rng.choice([16, 24]), dtype=rng.choice([torch.float32, torch.float16]))
     alpha = rng.choice([0.25, 0.75, 1.0, 1.25, 2.0])
-    check_against_kept_reference(*make_problem(seed, **shape), alpha)
+    check_against_kept_reference(*make_problem(**shape, seed=seed), alpha)
 
 
 def test_dropped_tokens_get_exactly_zero():
     # k = 1, all nine tokens on expert 0, alpha = 1 with E = 3: C = 3, tokens 3..8 drop.
-    x, w1, w2, weights, ids = make_problem(5, **EDGE_CASES["all tokens on one expert"])
+    x, w1, w2, weights, ids = make_problem(**EDGE_CASES["all tokens on one expert"], seed=5)
     out = moe_with_capacity(x, w1, w2, weights, ids, 1.0)
     assert torch.equal(out[3:], torch.zeros_like(out[3:]))
     assert bool((out[:3].abs().sum(dim=1) > 0).all())
 
 
 def test_capacity_e_over_k_is_the_dropless_layer():
-    x, w1, w2, weights, ids = make_problem(8, num_tokens=20, num_experts=8, topk=2)
+    x, w1, w2, weights, ids = make_problem(num_tokens=20, num_experts=8, topk=2, seed=8)
     assert torch.equal(moe_with_capacity(x, w1, w2, weights, ids, 8 / 2),
                        fused_experts(x, w1, w2, weights, ids))
 
 
-@gpu_only
+@needs_gpu
 def test_moe_with_capacity_bf16():
-    x, w1, w2, weights, ids = make_problem(9, num_tokens=300, num_experts=16, topk=4, hidden=128,
-                                           inter=64, dtype=torch.bfloat16)
+    x, w1, w2, weights, ids = make_problem(num_tokens=300, num_experts=16, topk=4, hidden=128,
+                                           inter=64, dtype=torch.bfloat16, seed=9)
     keep = check_against_kept_reference(x, w1, w2, weights, ids, 1.0)
     assert not bool(keep.all())
 
 
 def test_moe_with_capacity_bad_inputs():
-    x, w1, w2, weights, ids = make_problem(1, num_tokens=4, num_experts=4, topk=2)
+    x, w1, w2, weights, ids = make_problem(num_tokens=4, num_experts=4, topk=2, seed=1)
     with pytest.raises(ValueError, match="moe_with_capacity: argument 'capacity_factor'"):
         moe_with_capacity(x, w1, w2, weights, ids, 0.0)
     with pytest.raises(ValueError, match="moe_with_capacity: argument 'w2'"):
@@ -350,7 +324,7 @@ def test_expected_dropped_fraction_bad_inputs():
 @pytest.mark.parametrize("num_tokens", [1, 64, 4096])
 def test_dropless_buffers_use_the_layout_byte_functions(num_tokens):
     E, k, d, F, dtype = 128, 8, 2048, 768, torch.bfloat16
-    ids = random_ids(torch.Generator().manual_seed(num_tokens), num_tokens, E, k)
+    ids = random_topk_ids(torch.Generator().manual_seed(num_tokens), num_tokens, E, k)
     compact, budget, cap = dropless_buffers(ids, E, d, F, dtype)
     assert [b.strategy for b in (compact, budget, cap)] == [
         "compact", "masked, token budget", "masked, measured cap"]
@@ -375,7 +349,8 @@ def test_ensure_capacity_keeps_a_buffer_that_fits():
 def test_ensure_capacity_never_drops(on_overflow):
     # All eight tokens pick expert 0 first: a static 4-row buffer overflows by 4 rows.
     ids = torch.stack([torch.zeros(8, dtype=torch.int64), torch.arange(1, 9) % 3 + 1], dim=1)
-    x, w1, w2, weights, ids = make_problem(4, num_tokens=8, num_experts=4, topk=2, topk_ids=ids)
+    x, w1, w2, weights, ids = make_problem(num_tokens=8, num_experts=4, topk=2, topk_ids=ids,
+                                           seed=4)
     if on_overflow == "raise":
         with pytest.raises(ValueError, match=re.escape(
                 "ensure_capacity: argument 'm_max' must be >= 8 (the hottest expert's row count")):

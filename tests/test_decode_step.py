@@ -12,23 +12,14 @@ import pytest
 import torch
 
 from moe_kernels import align, decode_step
-from moe_kernels._runtime import default_device
 from moe_kernels.reference import moe_reference
 from moe_kernels.routing import gate, grouped_topk_reference
 from moe_kernels.shapes import GPUS, MODELS
+from moe_testing import DEVICE, needs_gpu, rel_err
 
-DEVICE = default_device()
+pytestmark = pytest.mark.usefixtures("true_fp32")
 DSV3 = MODELS["deepseek-v3"]
 SMALL = dict(hidden_size=32, intermediate_size=16)
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 kernels need a CUDA GPU")
-
-
-@pytest.fixture(autouse=True)
-def _true_fp32():
-    old = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = old
 
 
 def trace(num_tokens, model="deepseek-v3", dtype=torch.float32, seed=0, **kwargs):
@@ -121,9 +112,8 @@ def test_output_matches_the_float64_reference(step64):
                            torch.ones(64, 1, device=DEVICE), torch.zeros(64, 1, dtype=torch.int32, device=DEVICE))
     assert torch.isfinite(t.output).all()
     assert t.output.shape == (64, 32) and t.output.dtype == torch.float32
-    rel = lambda out, ref: float(torch.linalg.norm(out.double() - ref) / torch.linalg.norm(ref))  # noqa: E731
-    assert rel(t.output, routed + shared) < 1e-5
-    assert rel(t.routed_output, routed) < 1e-5 and rel(t.shared_output, shared) < 1e-5
+    assert rel_err(t.output, routed + shared) < 1e-5
+    assert rel_err(t.routed_output, routed) < 1e-5 and rel_err(t.shared_output, shared) < 1e-5
     assert t.rel_error < 1e-5
 
 

@@ -5,48 +5,19 @@ Runs on default_device(): the Triton interpreter on a CPU machine, the compiled 
 
 import random
 import re
+from functools import partial
 
 import pytest
 import torch
 
+import moe_testing
 from moe_kernels import fused_moe as fm
-from moe_kernels._runtime import default_device
 from moe_kernels.reference import moe_reference, silu_and_mul_reference
+from moe_testing import DEVICE, ON_GPU, TOLERANCE, needs_gpu, rel_err
 
-DEVICE = default_device()
-ON_GPU = DEVICE.type == "cuda"
-TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 kernels need a CUDA GPU")
-
-
-@pytest.fixture(autouse=True)
-def _true_fp32():
-    # The reference is float64; keep torch's own fp32 matmuls (torch fallback) out of TF32 too.
-    old = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = old
-
-
-def make_problem(num_tokens, num_experts, top_k, d, f, dtype, seed, ids=None):
-    g = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(num_tokens, d, generator=g)
-    w1 = torch.randn(num_experts, 2 * f, d, generator=g) / d**0.5
-    w2 = torch.randn(num_experts, d, f, generator=g) / f**0.5
-    if ids is None:  # distinct experts per token, as a top-k would give
-        scores = torch.rand(num_tokens, num_experts, generator=g)
-        ids = scores.topk(top_k, dim=1).indices
-    weights = torch.rand(num_tokens, top_k, generator=g) + 0.1
-    weights = weights / weights.sum(dim=1, keepdim=True)
-    to = dict(device=DEVICE)
-    return (hidden.to(dtype=dtype, **to), w1.to(dtype=dtype, **to), w2.to(dtype=dtype, **to),
-            weights.to(**to), ids.to(dtype=torch.int32, **to))
-
-
-def rel_err(out, ref):
-    out = out.double()
-    assert torch.isfinite(out).all(), "output holds NaN/inf (unwritten rows?)"
-    return float(torch.linalg.norm(out - ref) / torch.linalg.norm(ref).clamp_min(1e-30))
+pytestmark = pytest.mark.usefixtures("true_fp32")
+# Routed as vLLM's fused_topk hands it over: int32 ids, weights that sum to one.
+make_problem = partial(moe_testing.make_problem, fused_topk_like=True)
 
 
 def check(problem, dtype, **kwargs):
@@ -54,7 +25,7 @@ def check(problem, dtype, **kwargs):
     out = fm.fused_experts(hidden, w1, w2, weights, ids, **kwargs)
     assert out.shape == hidden.shape and out.dtype == hidden.dtype and out.device == hidden.device
     err = rel_err(out, moe_reference(hidden, w1, w2, weights, ids))
-    assert err < TOL[dtype], f"relative error {err:.2e} >= {TOL[dtype]:.0e}"
+    assert err < TOLERANCE[dtype], f"relative error {err:.2e} >= {TOLERANCE[dtype]:.0e}"
 
 
 # ---- random shapes ---------------------------------------------------------------------------
@@ -67,7 +38,7 @@ def test_random_shapes(seed):
     top_k = rnd.randint(1, min(num_experts, 4))
     dtype = (torch.float32, torch.float16)[seed % 2]
     problem = make_problem(rnd.randint(1, 24), num_experts, top_k, rnd.choice([16, 32, 40, 64]),
-                           rnd.choice([8, 16, 24, 40]), dtype, seed)
+                           rnd.choice([8, 16, 24, 40]), dtype, seed=seed)
     check(problem, dtype, block_size_m=rnd.choice([16, 32]), naive_block_assignment=rnd.choice([None, False, True]))
 
 
@@ -82,13 +53,13 @@ def test_one_token(dtype, naive):
 
 def test_expert_with_no_tokens():
     ids = torch.tensor([[0, 2], [2, 5], [5, 0], [0, 5]])  # experts 1, 3, 4 receive nothing
-    check(make_problem(4, 6, 2, 32, 16, torch.float32, seed=2, ids=ids), torch.float32)
+    check(make_problem(4, 6, 2, 32, 16, torch.float32, seed=2, topk_ids=ids), torch.float32)
 
 
 @pytest.mark.parametrize("block_m", [16, 32])
 def test_all_tokens_on_one_expert(block_m):
     ids = torch.full((40, 1), 3)  # 40 rows on expert 3: several blocks, the last one partial
-    check(make_problem(40, 5, 1, 32, 24, torch.float32, seed=3, ids=ids), torch.float32, block_size_m=block_m)
+    check(make_problem(40, 5, 1, 32, 24, torch.float32, seed=3, topk_ids=ids), torch.float32, block_size_m=block_m)
 
 
 def test_k_equals_1():
@@ -125,7 +96,7 @@ def test_naive_map_matches_explicit_naive_alignment():
 def test_naive_path_with_repeated_expert():
     # Two tokens on the same expert: two naive blocks stream the same weights, both must be right.
     ids = torch.tensor([[3, 1], [3, 0]])
-    check(make_problem(2, 40, 2, 32, 16, torch.float32, seed=8, ids=ids), torch.float32, naive_block_assignment=True)
+    check(make_problem(2, 40, 2, 32, 16, torch.float32, seed=8, topk_ids=ids), torch.float32, naive_block_assignment=True)
 
 
 def test_no_tokens():
@@ -153,7 +124,7 @@ def test_bf16_gpu(seed):
     e = rnd.choice([8, 64, 128])
     k = rnd.choice([1, 2, 8])
     problem = make_problem(rnd.choice([1, 3, 33, 300]), e, k, rnd.choice([256, 512, 384]),
-                           rnd.choice([128, 192, 256]), torch.bfloat16, seed)
+                           rnd.choice([128, 192, 256]), torch.bfloat16, seed=seed)
     check(problem, torch.bfloat16)
 
 
@@ -218,8 +189,8 @@ def test_moe_sum(dtype, shape):
     x = torch.randn(shape, generator=torch.Generator().manual_seed(17)).to(DEVICE, dtype)
     out = torch.full((shape[0], shape[2]), float("nan"), device=DEVICE, dtype=dtype)
     fm.moe_sum(x, out=out)
-    assert rel_err(out, x.double().sum(1)) < TOL[dtype]
-    assert rel_err(fm.moe_sum_reference(x), x.double().sum(1)) < TOL[dtype]
+    assert rel_err(out, x.double().sum(1)) < TOLERANCE[dtype]
+    assert rel_err(fm.moe_sum_reference(x), x.double().sum(1)) < TOLERANCE[dtype]
 
 
 # ---- the routed layer from logits ------------------------------------------------------------

@@ -4,7 +4,6 @@ Runs on ``default_device()``: the Triton interpreter on a CPU machine, the compi
 GPU (where the bf16 cases also run). Shapes are small because the interpreter is slow.
 """
 
-import math
 import random
 import re
 
@@ -13,7 +12,6 @@ import torch
 
 from moe_kernels import masked as masked_module
 from moe_kernels import permute as permute_module
-from moe_kernels._runtime import default_device
 from moe_kernels.masked import (
     choose_layout,
     compact_buffer_bytes,
@@ -25,30 +23,21 @@ from moe_kernels.masked import (
     masked_dispatch_reference,
     masked_experts,
 )
-from moe_kernels.permute import TileConfig, max_padded_rows
+from moe_kernels.permute import max_padded_rows
 from moe_kernels.reference import moe_reference, silu_and_mul_reference
-
-DEVICE = default_device()
-TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
-SMALL_TILES = TileConfig(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=2)
-gpu_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 needs a CUDA GPU")
-
-
-def make_problem(seed, num_tokens, num_experts, topk, hidden, inter, dtype, topk_ids=None):
-    """Random activations, weights and routing (distinct experts per token), on DEVICE."""
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(num_tokens, hidden, generator=gen)
-    w1 = torch.randn(num_experts, 2 * inter, hidden, generator=gen) / math.sqrt(hidden)
-    w2 = torch.randn(num_experts, hidden, inter, generator=gen) / math.sqrt(inter)
-    if topk_ids is None:
-        topk_ids = torch.rand(num_tokens, num_experts, generator=gen).argsort(dim=1)[:, :topk]
-    weights = torch.rand(num_tokens, topk_ids.shape[1], generator=gen) + 0.1
-    return (x.to(DEVICE, dtype), w1.to(DEVICE, dtype), w2.to(DEVICE, dtype), weights.to(DEVICE),
-            topk_ids.to(DEVICE))
-
-
-def rel_err(out, ref):
-    return float((out.double() - ref).norm() / ref.norm())
+from moe_testing import (
+    DEVICE,
+    EDGE_SHAPES,
+    SMALL_TILES,
+    TOLERANCE,
+    assert_each_raises,
+    gpu_sized_bf16_problem,
+    make_problem,
+    needs_gpu,
+    random_shape,
+    rel_err,
+    skewed_problems,
+)
 
 
 def hottest(ids, num_experts):
@@ -62,12 +51,9 @@ def hottest(ids, num_experts):
 
 @pytest.mark.parametrize("seed", range(45))
 def test_masked_experts_random(seed):
-    rng = random.Random(1000 + seed)
-    num_experts = rng.randint(1, 8)
-    shape = dict(num_tokens=rng.randint(1, 12), num_experts=num_experts,
-                 topk=rng.randint(1, num_experts), hidden=rng.choice([16, 24, 40]),
-                 inter=rng.choice([16, 24, 32]), dtype=rng.choice([torch.float32, torch.float16]))
-    x, w1, w2, weights, ids = make_problem(seed, **shape)
+    shape, rng = random_shape(1000 + seed, [torch.float32, torch.float16])
+    num_experts = shape["num_experts"]
+    x, w1, w2, weights, ids = make_problem(**shape, seed=seed)
     policy = rng.choice(["token budget", "measured cap", "exact"])
     m_max = {"token budget": None,
              "measured cap": m_max_measured_cap(ids, num_experts, block=rng.choice([16, 256])),
@@ -77,29 +63,17 @@ def test_masked_experts_random(seed):
     assert rel_err(out, moe_reference(x, w1, w2, weights, ids)) < TOLERANCE[x.dtype]
 
 
-EDGE_CASES = {
-    "one token": dict(num_tokens=1, num_experts=4, topk=2),
-    "one expert": dict(num_tokens=5, num_experts=1, topk=1),
-    "k=1": dict(num_tokens=9, num_experts=5, topk=1),
-    "k=E": dict(num_tokens=6, num_experts=4, topk=4),
-    "several tiles per expert": dict(num_tokens=40, num_experts=2, topk=1),
-}
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("case", sorted(EDGE_CASES))
+@pytest.mark.parametrize("case", sorted(EDGE_SHAPES))
 def test_masked_experts_edge_cases(case, dtype):
-    x, w1, w2, weights, ids = make_problem(7, hidden=24, inter=16, dtype=dtype, **EDGE_CASES[case])
+    x, w1, w2, weights, ids = make_problem(**EDGE_SHAPES[case], hidden=24, inter=16, dtype=dtype,
+                                           seed=7)
     out = masked_experts(x, w1, w2, weights, ids, m_max=48, config=SMALL_TILES)
     assert rel_err(out, moe_reference(x, w1, w2, weights, ids)) < TOLERANCE[dtype]
 
 
 def test_expert_with_no_tokens_and_all_tokens_on_one_expert():
-    gen = torch.Generator().manual_seed(3)
-    unused_last = torch.rand(7, 3, generator=gen).argsort(dim=1)[:, :2]   # expert 3 of 4 unused
-    all_on_one = torch.full((7, 1), 2)
-    for ids in (unused_last, all_on_one):
-        x, w1, w2, weights, ids = make_problem(3, 7, 4, ids.shape[1], 24, 16, torch.float32, ids)
+    for x, w1, w2, weights, ids in skewed_problems():
         out = masked_experts(x, w1, w2, weights, ids, m_max=7, config=SMALL_TILES)
         assert rel_err(out, moe_reference(x, w1, w2, weights, ids)) < 1e-5
     assert masked_dispatch(x, ids, 4, 7).masked_m.tolist() == [0, 0, 7, 0]
@@ -107,19 +81,16 @@ def test_expert_with_no_tokens_and_all_tokens_on_one_expert():
 
 def test_masked_experts_bf16_on_this_machine():
     """bf16 on the interpreter takes the documented float32 detour around tl.dot."""
-    x, w1, w2, weights, ids = make_problem(11, 6, 4, 2, 24, 16, torch.bfloat16)
+    x, w1, w2, weights, ids = make_problem(6, 4, 2, 24, 16, torch.bfloat16, seed=11)
     out = masked_experts(x, w1, w2, weights, ids)
     assert out.dtype == torch.bfloat16
     assert rel_err(out, moe_reference(x, w1, w2, weights, ids)) < 1e-2
 
 
-@gpu_only
+@needs_gpu
 @pytest.mark.parametrize("seed", range(6))
 def test_masked_experts_bf16_gpu(seed):
-    rng = random.Random(seed)
-    x, w1, w2, weights, ids = make_problem(seed, rng.choice([1, 7, 64, 300]), 16, 4,
-                                           rng.choice([256, 384]), rng.choice([128, 192]),
-                                           torch.bfloat16)
+    x, w1, w2, weights, ids = gpu_sized_bf16_problem(seed)
     out = masked_experts(x, w1, w2, weights, ids)
     assert rel_err(out, moe_reference(x, w1, w2, weights, ids)) < 1e-2
 
@@ -128,7 +99,7 @@ def test_torch_fallback_when_triton_is_unavailable(monkeypatch):
     """Without Triton every step runs its torch reference and the answer is the same."""
     monkeypatch.setattr(masked_module, "use_triton", lambda *tensors: False)
     monkeypatch.setattr(permute_module, "use_triton", lambda *tensors: False)
-    x, w1, w2, weights, ids = make_problem(5, 9, 4, 2, 24, 16, torch.float32)
+    x, w1, w2, weights, ids = make_problem(9, 4, 2, 24, 16, torch.float32, seed=5)
     out = masked_experts(x, w1, w2, weights, ids, m_max=20)
     assert rel_err(out, moe_reference(x, w1, w2, weights, ids)) < 1e-5
 
@@ -158,8 +129,8 @@ def check_masked_layout(d, x, ids, num_experts, m_max, poisoned):
 def test_masked_dispatch_layout(seed):
     rng = random.Random(2000 + seed)
     num_experts = rng.randint(1, 8)
-    x, _, _, _, ids = make_problem(seed, rng.randint(1, 12), num_experts,
-                                   rng.randint(1, num_experts), 24, 16, torch.float16)
+    x, _, _, _, ids = make_problem(rng.randint(1, 12), num_experts,
+                                   rng.randint(1, num_experts), 24, 16, torch.float16, seed=seed)
     m_max = hottest(ids, num_experts) + rng.choice([0, 3])
     out = torch.full((num_experts, m_max, 24), float("nan"), dtype=x.dtype, device=DEVICE)
     d = masked_dispatch(x, ids, num_experts, m_max, out=out)
@@ -171,7 +142,7 @@ def test_masked_dispatch_layout(seed):
 
 @pytest.mark.parametrize("dispatch", [masked_dispatch, masked_dispatch_reference])
 def test_overflow_raises_instead_of_dropping(dispatch):
-    x, _, _, _, ids = make_problem(4, 9, 3, 1, 16, 16, torch.float32,
+    x, _, _, _, ids = make_problem(9, 3, 1, 16, 16, torch.float32, seed=4,
                                    topk_ids=torch.tensor([[0]] * 5 + [[1]] * 3 + [[2]]))
     message = "'m_max' must be >= 5 (the hottest expert's row count; no token is dropped), got 4"
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -184,7 +155,7 @@ def test_overflow_raises_instead_of_dropping(dispatch):
 
 
 def test_dispatch_rejects_bad_ids_after_counting():
-    x, _, _, _, ids = make_problem(4, 3, 3, 2, 16, 16, torch.float32)
+    x, _, _, _, ids = make_problem(3, 3, 2, 16, 16, torch.float32, seed=4)
     for bad in (3, -1):
         with pytest.raises(ValueError, match=re.escape("'topk_ids' must hold expert ids in [0, 3)")):
             masked_dispatch(x, torch.full_like(ids, bad), 3, 8)
@@ -260,14 +231,9 @@ def test_choose_layout_by_budget():
 
 
 def test_bad_inputs_raise_clear_errors():
-    x, w1, w2, weights, ids = make_problem(1, 4, 3, 2, 16, 16, torch.float32)
-
-    def call(**changes):
-        args = dict(hidden_states=x, w1=w1, w2=w2, topk_weights=weights, topk_ids=ids)
-        args.update(changes)
-        return masked_experts(**args)
-
-    cases = [
+    problem = make_problem(4, 3, 2, 16, 16, torch.float32, seed=1)
+    x, w1, w2, weights, ids = problem
+    assert_each_raises(masked_experts, problem, [
         (dict(w1=w1[:2]), ValueError, "'w2' must have shape [E=2, d=16, F=16] to match w1"),
         (dict(w1=w1.half()), TypeError, "'w1' must have dtype float32"),
         (dict(topk_weights=weights.long()), TypeError, "'topk_weights' must have dtype"),
@@ -278,10 +244,7 @@ def test_bad_inputs_raise_clear_errors():
         (dict(m_max=0), ValueError, "'m_max' must be >= 1"),
         (dict(m_max=1), ValueError, "'m_max' must be >= "),
         (dict(m_max=2.5), TypeError, "'m_max' must be an int"),
-    ]
-    for changes, exc, message in cases:
-        with pytest.raises(exc, match=re.escape(message)):
-            call(**changes)
+    ])
     with pytest.raises(ValueError, match=re.escape("'out' must have shape (3, 8, 16)")):
         masked_dispatch(x, ids, 3, 8, out=torch.empty(3, 7, 16, device=DEVICE))
     with pytest.raises(ValueError, match=re.escape("'masked_m' must have shape [3]")):

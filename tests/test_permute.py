@@ -5,15 +5,12 @@ GPU (where the bf16 cases also run). Shapes are small because the interpreter is
 """
 
 import itertools
-import math
-import random
-import re
 
 import pytest
 import torch
 
 from moe_kernels import permute as permute_module
-from moe_kernels._runtime import HAS_TRITON, default_device
+from moe_kernels._runtime import HAS_TRITON
 from moe_kernels.permute import (
     TileConfig,
     default_tile_config,
@@ -28,38 +25,20 @@ from moe_kernels.permute import (
     unpermute_reference,
 )
 from moe_kernels.reference import moe_reference, silu_and_mul_reference
-
-DEVICE = default_device()
-ON_GPU = DEVICE.type == "cuda"
-TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
-SMALL_TILES = TileConfig(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=2)
-gpu_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 needs a CUDA GPU")
-
-
-def make_problem(seed, num_tokens, num_experts, topk, hidden, inter, dtype, topk_ids=None):
-    """Random activations, weights and routing (distinct experts per token), on DEVICE."""
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(num_tokens, hidden, generator=gen)
-    w1 = torch.randn(num_experts, 2 * inter, hidden, generator=gen) / math.sqrt(hidden)
-    w2 = torch.randn(num_experts, hidden, inter, generator=gen) / math.sqrt(inter)
-    if topk_ids is None:
-        topk_ids = torch.rand(num_tokens, num_experts, generator=gen).argsort(dim=1)[:, :topk]
-    weights = torch.rand(num_tokens, topk_ids.shape[1], generator=gen) + 0.1
-    return (x.to(DEVICE, dtype), w1.to(DEVICE, dtype), w2.to(DEVICE, dtype), weights.to(DEVICE),
-            topk_ids.to(DEVICE))
-
-
-def rel_err(out, ref):
-    return float((out.double() - ref).norm() / ref.norm())
-
-
-def random_shape(seed, dtypes):
-    rng = random.Random(seed)
-    num_experts = rng.randint(1, 8)
-    return dict(
-        num_tokens=rng.randint(1, 12), num_experts=num_experts, topk=rng.randint(1, num_experts),
-        hidden=rng.choice([16, 24, 40]), inter=rng.choice([16, 24, 32]), dtype=rng.choice(dtypes),
-    ), rng
+from moe_testing import (
+    DEVICE,
+    EDGE_SHAPES,
+    ON_GPU,
+    SMALL_TILES,
+    TOLERANCE,
+    assert_each_raises,
+    gpu_sized_bf16_problem,
+    make_problem,
+    needs_gpu,
+    random_shape,
+    rel_err,
+    skewed_problems,
+)
 
 
 # ------------------------------------------------------------------------------------------
@@ -72,35 +51,23 @@ def test_permute_experts_random(seed):
     shape, rng = random_shape(seed, [torch.float32, torch.float16])
     align = rng.choice([16, 32, 128])
     config = rng.choice([None, SMALL_TILES])
-    x, w1, w2, weights, ids = make_problem(seed, **shape)
+    x, w1, w2, weights, ids = make_problem(**shape, seed=seed)
     out = permute_experts(x, w1, w2, weights, ids, align=align, config=config)
     assert out.shape == x.shape and out.dtype == x.dtype
     assert rel_err(out, moe_reference(x, w1, w2, weights, ids)) < TOLERANCE[x.dtype]
 
 
-EDGE_CASES = {
-    "one token": dict(num_tokens=1, num_experts=4, topk=2),
-    "one expert": dict(num_tokens=5, num_experts=1, topk=1),
-    "k=1": dict(num_tokens=9, num_experts=5, topk=1),
-    "k=E": dict(num_tokens=6, num_experts=4, topk=4),
-    "several tiles per expert": dict(num_tokens=40, num_experts=2, topk=1),
-}
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("case", sorted(EDGE_CASES))
+@pytest.mark.parametrize("case", sorted(EDGE_SHAPES))
 def test_permute_experts_edge_cases(case, dtype):
-    x, w1, w2, weights, ids = make_problem(7, hidden=24, inter=16, dtype=dtype, **EDGE_CASES[case])
+    x, w1, w2, weights, ids = make_problem(**EDGE_SHAPES[case], hidden=24, inter=16, dtype=dtype,
+                                           seed=7)
     out = permute_experts(x, w1, w2, weights, ids, align=16, config=SMALL_TILES)
     assert rel_err(out, moe_reference(x, w1, w2, weights, ids)) < TOLERANCE[dtype]
 
 
 def test_expert_with_no_tokens_and_all_tokens_on_one_expert():
-    gen = torch.Generator().manual_seed(3)
-    unused_last = torch.rand(7, 3, generator=gen).argsort(dim=1)[:, :2]   # expert 3 of 4 unused
-    all_on_one = torch.full((7, 1), 2)
-    for ids in (unused_last, all_on_one):
-        x, w1, w2, weights, ids = make_problem(3, 7, 4, ids.shape[1], 24, 16, torch.float32, ids)
+    for x, w1, w2, weights, ids in skewed_problems():
         out = permute_experts(x, w1, w2, weights, ids, align=16)
         assert rel_err(out, moe_reference(x, w1, w2, weights, ids)) < 1e-5
     assert permute(x, ids, 4, 16).segment_counts.tolist() == [0, 0, 7, 0]
@@ -108,19 +75,16 @@ def test_expert_with_no_tokens_and_all_tokens_on_one_expert():
 
 def test_permute_experts_bf16_on_this_machine():
     """bf16 on the interpreter takes the documented float32 detour around tl.dot."""
-    x, w1, w2, weights, ids = make_problem(11, 6, 4, 2, 24, 16, torch.bfloat16)
+    x, w1, w2, weights, ids = make_problem(6, 4, 2, 24, 16, torch.bfloat16, seed=11)
     out = permute_experts(x, w1, w2, weights, ids, align=16)
     assert out.dtype == torch.bfloat16
     assert rel_err(out, moe_reference(x, w1, w2, weights, ids)) < 1e-2
 
 
-@gpu_only
+@needs_gpu
 @pytest.mark.parametrize("seed", range(6))
 def test_permute_experts_bf16_gpu(seed):
-    rng = random.Random(seed)
-    x, w1, w2, weights, ids = make_problem(seed, rng.choice([1, 7, 64, 300]), 16, 4,
-                                           rng.choice([256, 384]), rng.choice([128, 192]),
-                                           torch.bfloat16)
+    x, w1, w2, weights, ids = gpu_sized_bf16_problem(seed)
     out = permute_experts(x, w1, w2, weights, ids)
     assert rel_err(out, moe_reference(x, w1, w2, weights, ids)) < 1e-2
 
@@ -129,7 +93,7 @@ def test_permute_experts_bf16_gpu(seed):
 def test_torch_grouped_mm_baseline(seed):
     shape, rng = random_shape(100 + seed, [torch.float32, torch.float16]
                               + ([torch.bfloat16] if ON_GPU else []))
-    x, w1, w2, weights, ids = make_problem(seed, **shape)
+    x, w1, w2, weights, ids = make_problem(**shape, seed=seed)
     try:
         out = torch_grouped_mm_experts(x, w1, w2, weights, ids, align=rng.choice([16, 128]))
     except NotImplementedError as err:
@@ -140,7 +104,7 @@ def test_torch_grouped_mm_baseline(seed):
 @pytest.mark.skipif(not HAS_TRITON, reason="without Triton the alignment always validates ids")
 def test_unchecked_bad_ids_add_nothing():
     """With validation off (the GPU default), an out-of-range id is skipped, never dereferenced."""
-    x, w1, w2, weights, ids = make_problem(8, 6, 4, 2, 24, 16, torch.float32)
+    x, w1, w2, weights, ids = make_problem(6, 4, 2, 24, 16, torch.float32, seed=8)
     bad = ids.clone()
     bad[1, 0], bad[4, 1] = -1, 4
     out = permute_experts(x, w1, w2, weights, bad, align=16, validate_ids=False)
@@ -154,7 +118,7 @@ def test_unchecked_bad_ids_add_nothing():
 def test_torch_fallback_when_triton_is_unavailable(monkeypatch):
     """Without Triton every step runs its torch reference and the answer is the same."""
     monkeypatch.setattr(permute_module, "use_triton", lambda *tensors: False)
-    x, w1, w2, weights, ids = make_problem(5, 9, 4, 2, 24, 16, torch.float32)
+    x, w1, w2, weights, ids = make_problem(9, 4, 2, 24, 16, torch.float32, seed=5)
     out = permute_experts(x, w1, w2, weights, ids, align=16)
     assert rel_err(out, moe_reference(x, w1, w2, weights, ids)) < 1e-5
 
@@ -189,7 +153,7 @@ def check_permuted_layout(p, x, ids, num_experts, align, poisoned):
 def test_permute_layout(seed):
     shape, rng = random_shape(200 + seed, [torch.float32, torch.float16])
     align = rng.choice([1, 4, 16, 128])
-    x, _, _, _, ids = make_problem(seed, **shape)
+    x, _, _, _, ids = make_problem(**shape, seed=seed)
     num_rows = max_padded_rows(ids.numel(), shape["num_experts"], align)
     out = torch.full((num_rows, shape["hidden"]), float("nan"), dtype=x.dtype, device=DEVICE)
     p = permute(x, ids, shape["num_experts"], align, out=out)
@@ -203,7 +167,7 @@ def test_permute_layout(seed):
 @pytest.mark.parametrize("seed", range(6))
 def test_unpermute_round_trip_and_weights(seed):
     shape, rng = random_shape(300 + seed, [torch.float32])
-    x, _, _, weights, ids = make_problem(seed, **shape)
+    x, _, _, weights, ids = make_problem(**shape, seed=seed)
     p = permute(x, ids, shape["num_experts"], rng.choice([1, 16]))
     k = ids.shape[1]
     back = unpermute(p.rows, p.src2dst, torch.full_like(weights, 1.0 / k))
@@ -232,7 +196,7 @@ def test_unpermute_accumulates_in_fp32():
 @pytest.mark.parametrize("silu_mul", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_grouped_gemm_skips_padding_rows(silu_mul, dtype):
-    x, w1, _, _, ids = make_problem(21, 10, 4, 2, 40, 24, dtype)
+    x, w1, _, _, ids = make_problem(10, 4, 2, 40, 24, dtype, seed=21)
     p = permute(x, ids, 4, 32)
     rows = p.rows.clone()
     padding = p.m_indices == -1
@@ -278,14 +242,9 @@ def test_default_tile_config():
 
 
 def test_bad_inputs_raise_clear_errors():
-    x, w1, w2, weights, ids = make_problem(1, 4, 3, 2, 16, 16, torch.float32)
-
-    def call(**changes):
-        args = dict(hidden_states=x, w1=w1, w2=w2, topk_weights=weights, topk_ids=ids)
-        args.update(changes)
-        return permute_experts(**args)
-
-    cases = [
+    problem = make_problem(4, 3, 2, 16, 16, torch.float32, seed=1)
+    x, w1, w2, weights, ids = problem
+    assert_each_raises(permute_experts, problem, [
         (dict(w1=w1[:, :, :8]), ValueError, "'w1' must have shape"),
         (dict(w2=w2[:, :, :4]), ValueError, "'w2' must have shape"),
         (dict(w2=w2.half()), TypeError, "'w2' must have dtype float32"),
@@ -304,10 +263,7 @@ def test_bad_inputs_raise_clear_errors():
          "expert ids in [0, 3)"),
         (dict(hidden_states=x[:0], topk_ids=ids[:0], topk_weights=weights[:0]), ValueError,
          "at least one token"),
-    ]
-    for changes, exc, message in cases:
-        with pytest.raises(exc, match=re.escape(message)):
-            call(**changes)
+    ])
     with pytest.raises(ValueError, match="'align' must be >= 1"):
         permute_experts(x, w1, w2, weights, ids, align=0)
     with pytest.raises(ValueError, match=r"'config.block_m' must divide align=16"):

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from moe_kernels._runtime import HAS_TRITON, default_device, use_triton
+from moe_kernels._runtime import HAS_TRITON, use_triton
 from moe_kernels.reference import moe_reference
 from moe_kernels.routing import (
     append_shared_expert,
@@ -21,9 +21,7 @@ from moe_kernels.routing import (
     grouped_topk,
     grouped_topk_reference,
 )
-
-DEVICE = default_device()
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+from moe_testing import DEVICE, needs_gpu
 
 
 def random_logits(num_tokens, num_experts, seed, dtype=torch.float32):
@@ -403,7 +401,7 @@ def test_bad_input_names_the_argument(func, make_args, name):
 # ------------------------------------------------------------------------------------------
 
 
-@needs_cuda
+@needs_gpu
 @pytest.mark.parametrize("num_tokens", [1, 100, 4096, 16384])
 def test_deepseek_v3_routing_on_gpu(num_tokens):
     logits = random_logits(num_tokens, 256, seed=num_tokens, dtype=torch.bfloat16)
@@ -411,7 +409,7 @@ def test_deepseek_v3_routing_on_gpu(num_tokens):
     assert_same_routing(grouped_topk(*args), grouped_topk_reference(*args))
 
 
-@needs_cuda
+@needs_gpu
 @pytest.mark.parametrize("num_tokens", [1, 100, 4096, 16384])
 def test_qwen3_routing_on_gpu(num_tokens):
     logits = random_logits(num_tokens, 128, seed=num_tokens, dtype=torch.bfloat16)

@@ -10,36 +10,17 @@ import torch
 
 from moe_kernels import fused_moe
 from moe_kernels import shared_expert as se
-from moe_kernels._runtime import default_device
 from moe_kernels.reference import moe_reference, silu_and_mul_reference
+from moe_testing import DEVICE, TOLERANCE, make_problem, needs_gpu, rel_err
 
-DEVICE = default_device()
-TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="bf16 kernels need a CUDA GPU")
-
-
-@pytest.fixture(autouse=True)
-def _true_fp32():
-    old = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = old
+pytestmark = pytest.mark.usefixtures("true_fp32")
 
 
-def make_problem(num_tokens, num_experts, top_k, d, f, dtype, seed, ids=None):
-    g = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(num_tokens, d, generator=g)
-    w1 = torch.randn(num_experts, 2 * f, d, generator=g) / d**0.5
-    w2 = torch.randn(num_experts, d, f, generator=g) / f**0.5
-    w1_shared = torch.randn(2 * f, d, generator=g) / d**0.5
-    w2_shared = torch.randn(d, f, generator=g) / f**0.5
-    if ids is None:
-        ids = torch.rand(num_tokens, num_experts, generator=g).topk(top_k, dim=1).indices
-    weights = torch.rand(num_tokens, top_k, generator=g) + 0.1
-    weights = 2.5 * weights / weights.sum(dim=1, keepdim=True)  # scaled, as DeepSeek-V3's router returns them
-    cast = dict(device=DEVICE, dtype=dtype)
-    return dict(hidden=hidden.to(**cast), w1=w1.to(**cast), w2=w2.to(**cast), w1_shared=w1_shared.to(**cast),
-                w2_shared=w2_shared.to(**cast), weights=weights.to(DEVICE), ids=ids.to(DEVICE, torch.int32))
+def shared_problem(*shape, **kwargs):
+    """make_problem's tensors by name, with a shared expert and weights scaled as DeepSeek-V3's
+    router returns them."""
+    tensors = make_problem(*shape, **kwargs, fused_topk_like=True, routed_scaling_factor=2.5, shared_expert=True)
+    return dict(zip(("hidden", "w1", "w2", "weights", "ids", "w1_shared", "w2_shared"), tensors))
 
 
 def expected(p, shared_weight=1.0):
@@ -47,12 +28,6 @@ def expected(p, shared_weight=1.0):
     x = p["hidden"].double()
     shared = silu_and_mul_reference(x @ p["w1_shared"].double().T) @ p["w2_shared"].double().T
     return moe_reference(p["hidden"], p["w1"], p["w2"], p["weights"], p["ids"]) + shared_weight * shared
-
-
-def rel_err(out, ref):
-    out = out.double()
-    assert torch.isfinite(out).all(), "output holds NaN/inf"
-    return float(torch.linalg.norm(out - ref) / torch.linalg.norm(ref).clamp_min(1e-30))
 
 
 def both_ways(p):
@@ -68,7 +43,7 @@ def check(p, dtype):
     for name, out in zip(("separate", "fused"), both_ways(p)):
         assert out.shape == p["hidden"].shape and out.dtype == dtype, name
         err = rel_err(out, ref)
-        assert err < TOL[dtype], f"{name}: relative error {err:.2e} >= {TOL[dtype]:.0e}"
+        assert err < TOLERANCE[dtype], f"{name}: relative error {err:.2e} >= {TOLERANCE[dtype]:.0e}"
 
 
 # ---- same output both ways ----------------------------------------------------------------------
@@ -79,35 +54,35 @@ def test_random_shapes(seed):
     rnd = random.Random(seed)
     num_experts = rnd.randint(2, 12)
     dtype = (torch.float32, torch.float16)[seed % 2]
-    check(make_problem(rnd.randint(1, 20), num_experts, rnd.randint(1, min(num_experts, 4)),
-                       rnd.choice([16, 32, 48]), rnd.choice([8, 16, 24]), dtype, seed), dtype)
+    check(shared_problem(rnd.randint(1, 20), num_experts, rnd.randint(1, min(num_experts, 4)),
+                         rnd.choice([16, 32, 48]), rnd.choice([8, 16, 24]), dtype, seed=seed), dtype)
 
 
 def test_one_token():  # top-(k+1) still small enough for the naive block map: 1 * 3 * 4 <= 17
-    p = make_problem(1, 16, 2, 32, 16, torch.float32, seed=1)
+    p = shared_problem(1, 16, 2, 32, 16, torch.float32, seed=1)
     assert fused_moe.assign_blocks(p["ids"], 16, 17).naive
     check(p, torch.float32)
 
 
 def test_expert_with_no_tokens():
     ids = torch.tensor([[0, 2], [2, 5], [5, 0], [0, 5]])  # experts 1, 3, 4 receive nothing
-    check(make_problem(4, 6, 2, 32, 16, torch.float32, seed=2, ids=ids), torch.float32)
+    check(shared_problem(4, 6, 2, 32, 16, torch.float32, seed=2, topk_ids=ids), torch.float32)
 
 
 def test_all_tokens_on_one_expert():
-    check(make_problem(24, 5, 1, 32, 16, torch.float32, seed=3, ids=torch.full((24, 1), 3)), torch.float32)
+    check(shared_problem(24, 5, 1, 32, 16, torch.float32, seed=3, topk_ids=torch.full((24, 1), 3)), torch.float32)
 
 
 def test_k_equals_1():
-    check(make_problem(9, 6, 1, 32, 16, torch.float16, seed=4), torch.float16)
+    check(shared_problem(9, 6, 1, 32, 16, torch.float16, seed=4), torch.float16)
 
 
 def test_k_equals_num_experts():
-    check(make_problem(7, 4, 4, 32, 16, torch.float32, seed=5), torch.float32)
+    check(shared_problem(7, 4, 4, 32, 16, torch.float32, seed=5), torch.float32)
 
 
 def test_no_tokens():
-    p = make_problem(0, 4, 2, 32, 16, torch.float32, seed=6)
+    p = shared_problem(0, 4, 2, 32, 16, torch.float32, seed=6)
     for out in both_ways(p):
         assert out.shape == (0, 32)
 
@@ -115,14 +90,14 @@ def test_no_tokens():
 def test_shared_weight_scales_the_shared_slot():
     # SGLang writes sum(w) / routed_scaling_factor into the slot when the routed weights are
     # unscaled; any weight must scale exactly the shared expert's contribution.
-    p = make_problem(6, 8, 2, 32, 16, torch.float32, seed=7)
+    p = shared_problem(6, 8, 2, 32, 16, torch.float32, seed=7)
     w1_all, w2_all = se.stack_shared_expert(p["w1"], p["w2"], p["w1_shared"], p["w2_shared"])
     out = se.moe_with_shared_fused(p["hidden"], w1_all, w2_all, p["weights"], p["ids"], shared_weight=0.4)
     assert rel_err(out, expected(p, shared_weight=0.4)) < 1e-5
 
 
 def test_shared_ffn_alone():
-    p = make_problem(5, 4, 2, 32, 16, torch.float32, seed=8)
+    p = shared_problem(5, 4, 2, 32, 16, torch.float32, seed=8)
     out = se.shared_expert_separate(p["hidden"], p["w1_shared"], p["w2_shared"])
     ones, zeros = torch.ones(5, 1, device=DEVICE), torch.zeros(5, 1, dtype=torch.int32, device=DEVICE)
     ref = moe_reference(p["hidden"], p["w1_shared"][None], p["w2_shared"][None], ones, zeros)
@@ -152,7 +127,7 @@ def test_fused_uses_routed_shape_tiles(monkeypatch):
         return real(M, E, N, K, dtype, device)
 
     monkeypatch.setattr(se, "get_config", spy)
-    p = make_problem(3, 6, 2, 32, 16, torch.float32, seed=10)
+    p = shared_problem(3, 6, 2, 32, 16, torch.float32, seed=10)
     w1_all, w2_all = se.stack_shared_expert(p["w1"], p["w2"], p["w1_shared"], p["w2_shared"])
     se.moe_with_shared_fused(p["hidden"], w1_all, w2_all, p["weights"], p["ids"])
     assert seen == [6]
@@ -160,13 +135,13 @@ def test_fused_uses_routed_shape_tiles(monkeypatch):
 
 def test_torch_fallback_matches(monkeypatch):
     monkeypatch.setattr(fused_moe, "use_triton", lambda *tensors: False)
-    check(make_problem(5, 6, 2, 32, 16, torch.float32, seed=11), torch.float32)
+    check(shared_problem(5, 6, 2, 32, 16, torch.float32, seed=11), torch.float32)
 
 
 def test_bf16_on_cpu():
     if DEVICE.type == "cuda":
         pytest.skip("covered natively by test_bf16_gpu")
-    check(make_problem(6, 5, 2, 32, 16, torch.bfloat16, seed=12), torch.bfloat16)
+    check(shared_problem(6, 5, 2, 32, 16, torch.bfloat16, seed=12), torch.bfloat16)
 
 
 @needs_gpu
@@ -174,8 +149,8 @@ def test_bf16_on_cpu():
 def test_bf16_gpu(seed):
     rnd = random.Random(100 + seed)
     num_experts = rnd.choice([8, 64, 256])
-    p = make_problem(rnd.choice([1, 8, 65, 300]), num_experts, rnd.choice([1, 2, 8]), rnd.choice([256, 512]),
-                     rnd.choice([128, 256]), torch.bfloat16, seed)
+    p = shared_problem(rnd.choice([1, 8, 65, 300]), num_experts, rnd.choice([1, 2, 8]), rnd.choice([256, 512]),
+                       rnd.choice([128, 256]), torch.bfloat16, seed=seed)
     check(p, torch.bfloat16)
 
 
@@ -203,7 +178,7 @@ def test_byte_fractions_fall_with_the_batch():
 
 
 def test_bad_inputs():
-    p = make_problem(3, 4, 2, 32, 16, torch.float32, seed=13)
+    p = shared_problem(3, 4, 2, 32, 16, torch.float32, seed=13)
     x, w1, w2, ws, wd = p["hidden"], p["w1"], p["w2"], p["w1_shared"], p["w2_shared"]
     with pytest.raises(ValueError, match=r"shared_expert_separate: argument 'w1_shared' must have shape \[2F, d=32\]"):
         se.shared_expert_separate(x, ws[:, :16], wd)

@@ -1,0 +1,138 @@
+"""What the kernel tests share: the device, tolerances, skip markers and random MoE problems.
+
+Plain functions and constants; fixtures live in ``conftest.py``. Test files import them with
+``from moe_testing import ...`` (pytest puts ``tests/`` on ``sys.path``: it has no ``__init__.py``).
+
+>>> hidden, w1, w2, topk_weights, topk_ids = make_problem(3, 4, 2, seed=0)
+>>> [tuple(t.shape) for t in (hidden, w1, w2, topk_weights, topk_ids)]
+[(3, 32), (4, 32, 32), (4, 32, 16), (3, 2), (3, 2)]
+>>> bool((topk_ids.sort(dim=1).values.diff(dim=1) > 0).all())  # distinct experts per token
+True
+>>> rel_err(hidden, hidden.double())
+0.0
+"""
+
+import math
+import random
+import re
+
+import pytest
+import torch
+
+from moe_kernels._runtime import default_device
+from moe_kernels.permute import TileConfig
+
+DEVICE = default_device()
+ON_GPU = DEVICE.type == "cuda"
+# Relative error allowed against the float64 reference, by the dtype the kernel computes in.
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+# Tiles small enough that the interpreter-sized problems still span several of them.
+SMALL_TILES = TileConfig(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=2)
+
+# The layouts' edge cases, as make_problem arguments.
+EDGE_SHAPES = {
+    "one token": dict(num_tokens=1, num_experts=4, topk=2),
+    "one expert": dict(num_tokens=5, num_experts=1, topk=1),
+    "k=1": dict(num_tokens=9, num_experts=5, topk=1),
+    "k=E": dict(num_tokens=6, num_experts=4, topk=4),
+    "several tiles per expert": dict(num_tokens=40, num_experts=2, topk=1),
+}
+
+
+def random_topk_ids(generator, num_tokens, num_experts, topk):
+    """``[T, k]`` int64 ids on the CPU, ``k`` distinct experts per token, as a router would give."""
+    return torch.rand(num_tokens, num_experts, generator=generator).argsort(dim=1)[:, :topk]
+
+
+def random_shape(seed, dtypes):
+    """Interpreter-sized make_problem arguments drawn from ``seed``, and the rng that drew them
+    (tests draw their other choices from it)."""
+    rng = random.Random(seed)
+    num_experts = rng.randint(1, 8)
+    return dict(
+        num_tokens=rng.randint(1, 12), num_experts=num_experts, topk=rng.randint(1, num_experts),
+        hidden=rng.choice([16, 24, 40]), inter=rng.choice([16, 24, 32]), dtype=rng.choice(dtypes),
+    ), rng
+
+
+def make_problem(num_tokens, num_experts, topk, hidden=32, inter=16, dtype=torch.float32, *,
+                 seed, topk_ids=None, fused_topk_like=False, routed_scaling_factor=1.0,
+                 shared_expert=False):
+    """A random MoE layer on DEVICE: ``(hidden_states, w1, w2, topk_weights, topk_ids)``.
+
+    ``w1`` is ``[E, 2F, d]`` (gate rows, then up rows), ``w2`` ``[E, d, F]``, both scaled by one
+    over the square root of their fan-in so that outputs stay of order one. Every tensor is drawn
+    on the CPU from one generator seeded with ``seed``, in a fixed order, so a seed names the same
+    problem on every machine. ``topk_ids``, when given, replaces the drawn routing.
+
+    Two routing conventions, each kept so that the seeded cases of the files using it stay as they
+    were. By default the ids are the first ``topk`` of a random permutation of the experts (int64,
+    or the dtype of the ``topk_ids`` given) and the weights are positive but do not sum to one,
+    which no kernel may assume. With ``fused_topk_like=True`` they are what vLLM's
+    ``fused_topk(..., renormalize=True)`` hands the experts: the ids of the ``topk`` highest random
+    scores, as int32, and weights that sum to one. Either way the weights are then multiplied by
+    ``routed_scaling_factor`` (DeepSeek-V3 uses 2.5).
+
+    ``shared_expert=True`` also draws one shared expert, ``w1_shared [2F, d]`` and ``w2_shared
+    [d, F]`` (after ``w2``, before the routing), and appends the two to the returned tuple.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    drawn = [
+        torch.randn(num_tokens, hidden, generator=gen),
+        torch.randn(num_experts, 2 * inter, hidden, generator=gen) / math.sqrt(hidden),
+        torch.randn(num_experts, hidden, inter, generator=gen) / math.sqrt(inter),
+    ]
+    if shared_expert:
+        drawn += [torch.randn(2 * inter, hidden, generator=gen) / math.sqrt(hidden),
+                  torch.randn(hidden, inter, generator=gen) / math.sqrt(inter)]
+    if topk_ids is None:
+        if fused_topk_like:
+            topk_ids = torch.rand(num_tokens, num_experts, generator=gen).topk(topk, dim=1).indices
+        else:
+            topk_ids = random_topk_ids(gen, num_tokens, num_experts, topk)
+    if fused_topk_like:
+        topk_ids = topk_ids.to(torch.int32)
+    raw = torch.rand(num_tokens, topk_ids.shape[1], generator=gen) + 0.1
+    topk_weights = routed_scaling_factor * raw
+    if fused_topk_like:
+        topk_weights = topk_weights / raw.sum(dim=1, keepdim=True)
+    hidden_states, w1, w2, *shared = (t.to(DEVICE, dtype) for t in drawn)
+    return (hidden_states, w1, w2, topk_weights.to(DEVICE), topk_ids.to(DEVICE), *shared)
+
+
+def skewed_problems():
+    """Two float32 problems of 7 tokens on 4 experts: in the first, expert 3 gets no token (each
+    token picks 2 of experts 0..2); in the second, every token goes to expert 2."""
+    gen = torch.Generator().manual_seed(3)
+    unused_last = random_topk_ids(gen, 7, 3, 2)
+    all_on_one = torch.full((7, 1), 2)
+    return [make_problem(7, 4, ids.shape[1], 24, 16, seed=3, topk_ids=ids)
+            for ids in (unused_last, all_on_one)]
+
+
+def gpu_sized_bf16_problem(seed):
+    """A bf16 problem for the layouts on the GPU: 16 experts, top-4, d and F in the hundreds."""
+    rng = random.Random(seed)
+    return make_problem(rng.choice([1, 7, 64, 300]), 16, 4, rng.choice([256, 384]),
+                        rng.choice([128, 192]), torch.bfloat16, seed=seed)
+
+
+def assert_each_raises(experts, problem, cases):
+    """Each case ``(changes, exception, message)``: ``experts`` called on ``problem``'s tensors, with
+    the keyword arguments in ``changes`` replaced or added, raises ``exception`` saying
+    ``message``."""
+    hidden_states, w1, w2, topk_weights, topk_ids = problem
+    good = dict(hidden_states=hidden_states, w1=w1, w2=w2, topk_weights=topk_weights,
+                topk_ids=topk_ids)
+    for changes, exception, message in cases:
+        with pytest.raises(exception, match=re.escape(message)):
+            experts(**{**good, **changes})
+
+
+def rel_err(out, ref):
+    """``|out - ref| / |ref|`` (Frobenius norms) in float64; fails if ``out`` holds NaN or inf,
+    as a row the kernel never wrote would."""
+    out = out.double()
+    assert torch.isfinite(out).all(), "output holds NaN/inf (unwritten rows?)"
+    return float(torch.linalg.norm(out - ref) / torch.linalg.norm(ref).clamp_min(1e-30))
