@@ -6,9 +6,12 @@
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-# CPU build by default (on this project's CI machine the wheel lies on disk). A GPU workstation
-# keeps the torch it has: `make TORCH_SPEC= test` installs none.
+# torch is installed first, only when .venv has none. On this project's CI machines pip finds the
+# CPU build of 2.13.0 on disk. Elsewhere, PyPI's Linux wheel is a CUDA build: pass
+# TORCH_INDEX=https://download.pytorch.org/whl/cpu for the CPU one, or TORCH_SPEC= to install none
+# (a GPU workstation that put its own torch in .venv first).
 TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?=
 STAMP  := $(VENV)/.installed
 
 .PHONY: install book test unit nbval browser lab bench notebooks clean
@@ -19,7 +22,7 @@ $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	@if [ -n "$(TORCH_SPEC)" ] && ! $(PY) -c "import torch" 2>/dev/null; then \
-		$(PY) -m pip install -q "$(TORCH_SPEC)"; fi
+		$(PY) -m pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"; fi
 	$(PY) -m pip install -q -r requirements.txt
 	$(PY) -m pip install -q --no-deps -e .
 	touch $(STAMP)
