@@ -34,66 +34,9 @@
     return hi;
   }
 
-  var SVG_NS = "http://www.w3.org/2000/svg";
-  function el(name, attrs, parent) {
-    var node = document.createElementNS(SVG_NS, name);
-    for (var key in attrs) node.setAttribute(key, attrs[key]);
-    if (parent) parent.appendChild(node);
-    return node;
-  }
-  function fmt(x) {
-    if (x >= 1e4 || (x > 0 && x < 1e-2)) return x.toExponential(2);
-    return x >= 100 ? x.toFixed(0) : x.toPrecision(3);
-  }
-
-  // A small log-x plot: axes, ticks, and one polyline per series.
-  function drawPlot(svg, series, opts) {
-    while (svg.firstChild) svg.removeChild(svg.firstChild);
-    var W = 420, H = 260, L = 56, R = 12, T = 12, Bm = 40;
-    svg.setAttribute("viewBox", "0 0 " + W + " " + H);
-    var x0 = Math.log10(opts.xmin), x1 = Math.log10(opts.xmax);
-    var ylog = !!opts.ylog;
-    var y0 = ylog ? Math.log10(opts.ymin) : opts.ymin, y1 = ylog ? Math.log10(opts.ymax) : opts.ymax;
-    function px(x) { return L + ((Math.log10(x) - x0) / (x1 - x0)) * (W - L - R); }
-    function py(y) {
-      var v = ylog ? Math.log10(Math.max(y, opts.ymin)) : y;
-      return H - Bm - ((v - y0) / (y1 - y0)) * (H - T - Bm);
-    }
-    el("rect", { x: L, y: T, width: W - L - R, height: H - T - Bm, fill: "none", stroke: "#999" }, svg);
-    for (var p = Math.ceil(x0); p <= Math.floor(x1); p++) {
-      var tx = px(Math.pow(10, p));
-      el("line", { x1: tx, x2: tx, y1: T, y2: H - Bm, stroke: "#eee" }, svg);
-      el("text", { x: tx, y: H - Bm + 14, "font-size": 10, "text-anchor": "middle" }, svg).textContent = fmt(Math.pow(10, p));
-    }
-    var yt = opts.yticks;
-    for (var i = 0; i < yt.length; i++) {
-      var ty = py(yt[i]);
-      el("line", { x1: L, x2: W - R, y1: ty, y2: ty, stroke: "#eee" }, svg);
-      el("text", { x: L - 4, y: ty + 3, "font-size": 10, "text-anchor": "end" }, svg).textContent = fmt(yt[i]);
-    }
-    el("text", { x: (L + W - R) / 2, y: H - 6, "font-size": 11, "text-anchor": "middle" }, svg).textContent = opts.xlabel;
-    el("text", { x: 12, y: (T + H - Bm) / 2, "font-size": 11, "text-anchor": "middle",
-                 transform: "rotate(-90 12 " + (T + H - Bm) / 2 + ")" }, svg).textContent = opts.ylabel;
-    series.forEach(function (s) {
-      var pts = s.values.map(function (v) { return px(v[0]).toFixed(2) + "," + py(v[1]).toFixed(2); });
-      var line = el("polyline", { points: pts.join(" "), fill: "none", stroke: s.color,
-                                  "stroke-width": s.width || 2, "stroke-dasharray": s.dash || "none" }, svg);
-      line.setAttribute("class", "series series-" + s.name);
-      line.setAttribute("data-values", JSON.stringify(s.values));
-    });
-    var ly = T + 14;
-    series.forEach(function (s) {
-      if (!s.label) return;
-      el("line", { x1: L + 8, x2: L + 28, y1: ly - 4, y2: ly - 4, stroke: s.color, "stroke-width": 2,
-                   "stroke-dasharray": s.dash || "none" }, svg);
-      el("text", { x: L + 32, y: ly, "font-size": 10 }, svg).textContent = s.label;
-      ly += 13;
-    });
-  }
+  var P = window.moePlots;  // svgplot.js, inlined before this script
 
   function setup(root) {
-    if (root.getAttribute("data-ready") === "1") return;
-    root.setAttribute("data-ready", "1");
     var cfg = JSON.parse(root.querySelector("script.moe-explorer-config").textContent);
     var grid = cfg.batches;
     var inputs = {};
@@ -112,10 +55,11 @@
 
       var touched = grid.map(function (B) { return [B, expertsTouched(B, E, k)]; });
       var total = grid.map(function (B) { return [B, E]; });
-      drawPlot(root.querySelector("svg.touched"), [
+      P.drawPlot(root.querySelector("svg.touched"), [
         { name: "touched", values: touched, color: "#1f77b4", label: "E_touched(B)" },
         { name: "all", values: total, color: "#999", dash: "4 3", width: 1, label: "E = " + E },
-      ], { xmin: grid[0], xmax: grid[grid.length - 1], ymin: 0, ymax: E * 1.05,
+      ], { xmin: grid[0], xmax: grid[grid.length - 1], xlog: true, xticks: P.decades(grid[0], grid[grid.length - 1]),
+           legendLeft: true, ymin: 0, ymax: E * 1.05,
            yticks: [0, E / 4, E / 2, (3 * E) / 4, E], xlabel: "batch B (tokens)", ylabel: "experts touched" });
 
       var moe = grid.map(function (B) { return [B, moeIntensity(B, E, k, bw)]; });
@@ -125,11 +69,12 @@
       var ymin = Math.min(moe[0][1], dense[0][1]) / 1.5;
       var ticks = [];
       for (var p = Math.ceil(Math.log10(ymin)); p <= Math.log10(ymax); p++) ticks.push(Math.pow(10, p));
-      drawPlot(root.querySelector("svg.intensity"), [
+      P.drawPlot(root.querySelector("svg.intensity"), [
         { name: "moe", values: moe, color: "#d62728", label: "MoE layer" },
         { name: "dense", values: dense, color: "#2ca02c", label: "dense layer" },
         { name: "ridge", values: ridgeLine, color: "#555", dash: "4 3", width: 1, label: gpu.name + " ridge" },
-      ], { xmin: grid[0], xmax: grid[grid.length - 1], ymin: ymin, ymax: ymax, ylog: true,
+      ], { xmin: grid[0], xmax: grid[grid.length - 1], xlog: true, xticks: P.decades(grid[0], grid[grid.length - 1]),
+           legendLeft: true, ymin: ymin, ymax: ymax, ylog: true,
            yticks: ticks, xlabel: "batch B (tokens)", ylabel: "FLOP per weight byte" });
 
       var half = Math.log1p(-0.5) / Math.log1p(-k / E);
@@ -148,10 +93,5 @@
     redraw();
   }
 
-  function setupAll() {
-    var roots = document.querySelectorAll("div.moe-explorer");
-    for (var i = 0; i < roots.length; i++) setup(roots[i]);
-  }
-  if (document.readyState === "loading") document.addEventListener("DOMContentLoaded", setupAll);
-  else setupAll();
+  P.ready("div.moe-explorer", setup);
 })();

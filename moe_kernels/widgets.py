@@ -39,8 +39,13 @@ def batch_grid(max_batch: int = 16384, points_per_octave: int = 8) -> list[int]:
     return grid
 
 
+def _read_js(name: str) -> str:
+    return resources.files("moe_kernels").joinpath(name).read_text()
+
+
 def _script() -> str:
-    return resources.files("moe_kernels").joinpath("explorer.js").read_text()
+    # The shared plotter first: it defines window.moePlots once, which the explorer uses.
+    return _read_js("svgplot.js") + _read_js("explorer.js")
 
 
 def experts_touched_explorer(num_experts: int = 256, top_k: int = 8, bytes_per_weight: float = 1.0,
@@ -86,7 +91,7 @@ def experts_touched_explorer(num_experts: int = 256, top_k: int = 8, bytes_per_w
 
 
 def _skew_script() -> str:
-    return resources.files("moe_kernels").joinpath("skew_explorer.js").read_text()
+    return _read_js("svgplot.js") + _read_js("skew_explorer.js")
 
 
 def padding_skew_explorer(model: str = "deepseek-v3", s: float = 1.0, batch: int = 4096, block: int = 128,
