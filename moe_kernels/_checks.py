@@ -110,3 +110,17 @@ def check_moe_inputs(func: str, hidden_states, w1, w2, topk_weights, topk_ids, *
     if validate_ids:
         check_ids_in_range(func, "topk_ids", topk_ids, num_experts)
     return num_tokens, topk_ids.shape[1], num_experts, hidden_size, f
+
+
+def check_dispatch_inputs(func: str, hidden_states, topk_ids, num_experts: int) -> torch.Tensor:
+    """The inputs of a row dispatch (permute, masked): ``hidden [T, d]`` with T >= 1, ``topk_ids
+    [T, k]`` with k >= 1 on the same device, ``num_experts >= 1``. Returns ``hidden_states``."""
+    hidden = check_tensor(func, "hidden_states", hidden_states, ndim=2, dtypes=FLOAT_DTYPES)
+    check_tensor(func, "topk_ids", topk_ids, ndim=2, dtypes=ID_DTYPES, device=hidden.device)
+    check_int(func, "num_experts", num_experts, lo=1)
+    if hidden.shape[0] == 0:
+        fail(func, "hidden_states", "must hold at least one token", f"shape {tuple(hidden.shape)}")
+    if topk_ids.shape[0] != hidden.shape[0] or topk_ids.shape[1] == 0:
+        fail(func, "topk_ids", f"must have shape [{hidden.shape[0]}, k] with k >= 1",
+             f"shape {tuple(topk_ids.shape)}")
+    return hidden

@@ -59,7 +59,7 @@ from typing import NamedTuple
 import torch
 
 from ._runtime import HAS_TRITON, tl, triton, use_triton  # first: sets TRITON_INTERPRET
-from ._checks import check_int, check_moe_inputs, check_tensor, fail
+from ._checks import check_dispatch_inputs, check_int, check_moe_inputs, check_tensor, fail
 from .permute import (
     COMPUTE_DTYPES,
     ID_DTYPES,
@@ -275,15 +275,8 @@ class MaskedRows(NamedTuple):
 
 
 def _check_dispatch_args(func, hidden_states, topk_ids, num_experts, m_max):
-    hidden = check_tensor(func, "hidden_states", hidden_states, ndim=2, dtypes=COMPUTE_DTYPES)
-    check_tensor(func, "topk_ids", topk_ids, ndim=2, dtypes=ID_DTYPES, device=hidden.device)
-    check_int(func, "num_experts", num_experts, lo=1)
+    check_dispatch_inputs(func, hidden_states, topk_ids, num_experts)
     check_int(func, "m_max", m_max, lo=1)
-    if hidden.shape[0] == 0:
-        fail(func, "hidden_states", "must hold at least one token", f"shape {tuple(hidden.shape)}")
-    if topk_ids.shape[0] != hidden.shape[0] or topk_ids.shape[1] == 0:
-        fail(func, "topk_ids", f"must have shape [{hidden.shape[0]}, k] with k >= 1",
-             f"shape {tuple(topk_ids.shape)}")
 
 
 def _check_no_overflow(func: str, topk_ids, counts, num_experts: int, m_max: int) -> None:

@@ -66,7 +66,7 @@ from typing import NamedTuple
 import torch
 
 from . import _runtime
-from ._checks import check_int, check_moe_inputs, check_tensor, fail
+from ._checks import FLOAT_DTYPES, ID_DTYPES, check_dispatch_inputs, check_int, check_moe_inputs, check_tensor, fail
 from ._runtime import HAS_TRITON, tl, triton, use_triton
 from .align import moe_align_block_size, moe_align_block_size_reference
 
@@ -77,9 +77,8 @@ __all__ = [
 ]
 
 #: Activation and weight dtypes the grouped GEMMs accept (fp8 needs scales: not handled here).
-COMPUTE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-ROUTING_WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-ID_DTYPES = (torch.int32, torch.int64)
+COMPUTE_DTYPES = FLOAT_DTYPES
+ROUTING_WEIGHT_DTYPES = FLOAT_DTYPES
 
 
 # --------------------------------------------------------------------------------------------
@@ -379,15 +378,8 @@ def _segments(topk_ids: torch.Tensor, num_experts: int, align: int):
 
 
 def _check_permute_args(func, hidden_states, topk_ids, num_experts, align):
-    hidden = check_tensor(func, "hidden_states", hidden_states, ndim=2, dtypes=COMPUTE_DTYPES)
-    check_tensor(func, "topk_ids", topk_ids, ndim=2, dtypes=ID_DTYPES, device=hidden.device)
-    check_int(func, "num_experts", num_experts, lo=1)
+    check_dispatch_inputs(func, hidden_states, topk_ids, num_experts)
     check_int(func, "align", align, lo=1)
-    if hidden.shape[0] == 0:
-        fail(func, "hidden_states", "must hold at least one token", f"shape {tuple(hidden.shape)}")
-    if topk_ids.shape[0] != hidden.shape[0] or topk_ids.shape[1] == 0:
-        fail(func, "topk_ids", f"must have shape [{hidden.shape[0]}, k] with k >= 1",
-             f"shape {tuple(topk_ids.shape)}")
 
 
 def permute(
