@@ -41,7 +41,8 @@ def check_tensor(
         fail(func, name, f"must be on device {device} (where the other inputs are)", t.device)
     if contiguous and not t.is_contiguous():
         fail(func, name, "must be contiguous (call .contiguous())", f"strides {t.stride()}")
-    if last_dim_contiguous and t.dim() > 0 and t.stride(-1) != 1:
+    # A stride does not matter along a dimension of size 0 or 1 (torch gives such tensors odd ones).
+    if last_dim_contiguous and t.dim() > 0 and t.shape[-1] > 1 and t.numel() > 0 and t.stride(-1) != 1:
         fail(func, name, "must be contiguous in its last dimension", f"strides {t.stride()}")
     return t
 
@@ -59,9 +60,22 @@ def check_int(func: str, name: str, value: object, *, lo: int | None = None, hi:
     return value
 
 
-def check_ids_in_range(func: str, name: str, ids: torch.Tensor, num_experts: int) -> None:
-    """Every expert id must lie in [0, num_experts). Costs one device-to-host read."""
+def check_ids_in_range(func: str, name: str, ids: torch.Tensor, num_experts: int, *,
+                       on_device: bool = True) -> None:
+    """Every expert id must lie in ``[0, num_experts)``.
+
+    On the CPU this raises ValueError at once. On a GPU (with ``on_device``, the default for the
+    kernels) it is a device-side assert: no host sync, so it can sit inside a CUDA graph, and a bad
+    id still fails loudly (the next synchronising call raises "device-side assert triggered" with
+    this message in the log) instead of becoming a wrong answer. ``on_device=False`` (references,
+    checkers, the byte model, which read their results on the host anyway) raises ValueError on
+    every device.
+    """
     if ids.numel() == 0:
+        return
+    if ids.is_cuda and on_device:
+        ok = ((ids >= 0) & (ids < num_experts)).all()
+        torch._assert_async(ok, f"{func}: argument '{name}' must hold expert ids in [0, {num_experts})")
         return
     lo, hi = int(ids.min()), int(ids.max())
     if lo < 0 or hi >= num_experts:
@@ -72,14 +86,13 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 ID_DTYPES = (torch.int32, torch.int64)
 
 
-def check_moe_inputs(func: str, hidden_states, w1, w2, topk_weights, topk_ids, *,
-                     allow_empty: bool = False, validate_ids: bool = False):
+def check_moe_inputs(func: str, hidden_states, w1, w2, topk_weights, topk_ids, *, validate_ids: bool = False):
     """Check the ``(hidden, w1, w2, topk_weights, topk_ids)`` of every experts function.
 
     ``w1`` ``[E, 2F, d]`` (gate rows then up rows), ``w2`` ``[E, d, F]``, ``hidden_states``
     ``[T, d]`` of the weights' dtype, ``topk_weights``/``topk_ids`` ``[T, k]`` with
     ``1 <= k <= E``, all on one device and contiguous in the last dimension. ``validate_ids``
-    also checks every id lies in ``[0, E)`` (one device-to-host read on a GPU).
+    also checks every id lies in ``[0, E)`` (:func:`check_ids_in_range`).
     Returns ``(num_tokens, topk, num_experts, hidden_size, intermediate_size)``.
     """
     hidden = check_tensor(func, "hidden_states", hidden_states, ndim=2, dtypes=FLOAT_DTYPES,
@@ -92,8 +105,6 @@ def check_moe_inputs(func: str, hidden_states, w1, w2, topk_weights, topk_ids, *
     check_tensor(func, "topk_ids", topk_ids, ndim=2, dtypes=ID_DTYPES, device=device)
     num_tokens, hidden_size = hidden.shape
     num_experts, two_f, _ = w1.shape
-    if num_tokens == 0 and not allow_empty:
-        fail(func, "hidden_states", "must hold at least one token", f"shape {tuple(hidden.shape)}")
     if w1.shape[2] != hidden_size or two_f % 2 or two_f == 0:
         fail(func, "w1", f"must have shape [E, 2F, d={hidden_size}] with 2F even and > 0 (gate rows then up rows)",
              f"shape {tuple(w1.shape)}")
@@ -113,13 +124,12 @@ def check_moe_inputs(func: str, hidden_states, w1, w2, topk_weights, topk_ids, *
 
 
 def check_dispatch_inputs(func: str, hidden_states, topk_ids, num_experts: int) -> torch.Tensor:
-    """The inputs of a row dispatch (permute, masked): ``hidden [T, d]`` with T >= 1, ``topk_ids
+    """The inputs of a row dispatch (permute, masked): ``hidden [T, d]`` (T may be 0), ``topk_ids
     [T, k]`` with k >= 1 on the same device, ``num_experts >= 1``. Returns ``hidden_states``."""
-    hidden = check_tensor(func, "hidden_states", hidden_states, ndim=2, dtypes=FLOAT_DTYPES)
+    hidden = check_tensor(func, "hidden_states", hidden_states, ndim=2, dtypes=FLOAT_DTYPES,
+                          last_dim_contiguous=True)
     check_tensor(func, "topk_ids", topk_ids, ndim=2, dtypes=ID_DTYPES, device=hidden.device)
     check_int(func, "num_experts", num_experts, lo=1)
-    if hidden.shape[0] == 0:
-        fail(func, "hidden_states", "must hold at least one token", f"shape {tuple(hidden.shape)}")
     if topk_ids.shape[0] != hidden.shape[0] or topk_ids.shape[1] == 0:
         fail(func, "topk_ids", f"must have shape [{hidden.shape[0]}, k] with k >= 1",
              f"shape {tuple(topk_ids.shape)}")

@@ -15,12 +15,16 @@ True
 import math
 import random
 import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 
 from moe_kernels._runtime import default_device
-from moe_kernels.permute import TileConfig
+from moe_kernels.kernels.config import GemmTiles, MoEConfig
 
 DEVICE = default_device()
 ON_GPU = DEVICE.type == "cuda"
@@ -28,7 +32,7 @@ ON_GPU = DEVICE.type == "cuda"
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 # Tiles small enough that the interpreter-sized problems still span several of them.
-SMALL_TILES = TileConfig(block_m=16, block_n=16, block_k=16, num_warps=4, num_stages=2)
+SMALL_TILES = MoEConfig(16, GemmTiles(16, 16, 1, 4, 2), GemmTiles(16, 16, 1, 4, 2))
 
 # The layouts' edge cases, as make_problem arguments.
 EDGE_SHAPES = {
@@ -136,3 +140,16 @@ def rel_err(out, ref):
     out = out.double()
     assert torch.isfinite(out).all(), "output holds NaN/inf (unwritten rows?)"
     return float(torch.linalg.norm(out - ref) / torch.linalg.norm(ref).clamp_min(1e-30))
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+def assert_device_assert(code, message):
+    """On a GPU a bad id is a device-side assert (no host sync), after which the process's CUDA
+    context is unusable: run ``code`` (``torch`` imported) in a fresh interpreter and check that
+    it dies of the assert with ``message``."""
+    script = "import torch\n" + textwrap.dedent(code) + "\ntorch.cuda.synchronize()\n"
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, f"no error from:\n{script}"
+    assert "device-side assert" in output and message in output, output[-3000:]

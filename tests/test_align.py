@@ -1,4 +1,4 @@
-"""moe_kernels.align: the kernel against the reference, the invariant checker, the naive path.
+"""moe_kernels.kernels.align: the kernel against the reference, the invariant checker, the naive path.
 
 Runs on the default device: the compiled kernels with a GPU, the Triton interpreter without one.
 Interpreter-friendly shapes keep the file fast on a CPU; GPU-only tests add the real sizes.
@@ -6,22 +6,24 @@ Interpreter-friendly shapes keep the file fast on a CPU; GPU-only tests add the 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
-from moe_kernels import align
+from moe_kernels.kernels import align
 from moe_kernels._runtime import HAS_TRITON, use_triton
-from moe_kernels.align import (
+from moe_kernels.kernels.align import moe_align_block_size, moe_align_block_size_reference
+from moe_kernels.kernels.blocks import (
     check_alignment,
-    moe_align_block_size,
-    moe_align_block_size_reference,
     naive_block_assignment,
     naive_padded_rows,
     use_naive_block_assignment,
 )
-from moe_testing import DEVICE, needs_gpu
+from moe_testing import assert_device_assert, DEVICE, needs_gpu
 
 POISON = -77
+
 
 
 def random_topk_ids(generator, num_tokens, num_experts, topk, dtype=torch.int64):
@@ -329,7 +331,6 @@ def test_checker_rejects_wrong_sizes_and_dtypes(good_layout):
 @pytest.mark.parametrize("fn", [moe_align_block_size, moe_align_block_size_reference])
 def test_bad_inputs_name_the_argument(fn):
     ids = torch.tensor([[0, 1], [2, 3]], device=DEVICE)
-    # On the GPU the kernel checks the id range only on request (the check syncs).
     range_check = {"validate_ids": True} if fn is moe_align_block_size else {}
     with pytest.raises(TypeError, match="argument 'topk_ids' must have dtype int32 or int64"):
         fn(ids.float(), 16, 4)
@@ -341,19 +342,30 @@ def test_bad_inputs_name_the_argument(fn):
         fn(ids, 16.0, 4)
     with pytest.raises(ValueError, match="argument 'num_experts' must be >= 1"):
         fn(ids, 16, 0)
-    with pytest.raises(ValueError, match=r"argument 'topk_ids' must hold expert ids in \[0, 3\)"):
-        fn(ids, 16, 3, **range_check)
-    with pytest.raises(ValueError, match=r"argument 'topk_ids' must hold expert ids in \[0, 4\)"):
-        fn(ids - 1, 16, 4, **range_check)
+    for bad_ids, num_experts in ((ids, 3), (ids - 1, 4)):
+        message = f"argument 'topk_ids' must hold expert ids in [0, {num_experts})"
+        if DEVICE.type == "cuda":
+            assert_device_assert(f"""
+                from moe_kernels.kernels.align import {fn.__name__} as fn
+                fn(torch.tensor({bad_ids.tolist()}, device="cuda"), 16, {num_experts}, **{range_check})
+                """, message)
+        else:
+            with pytest.raises(ValueError, match=re.escape(message)):
+                fn(bad_ids, 16, num_experts, **range_check)
 
 
-def test_id_range_check_on_request_and_by_default_off_the_gpu():
+def test_id_range_check_on_request_and_by_default():
     ids = torch.tensor([[0, 5]], device=DEVICE)
-    with pytest.raises(ValueError, match="argument 'topk_ids'"):
-        moe_align_block_size(ids, 16, 4, validate_ids=True)
-    if DEVICE.type == "cpu":
-        with pytest.raises(ValueError, match="argument 'topk_ids'"):
-            moe_align_block_size(ids, 16, 4)
+    message = "moe_align_block_size: argument 'topk_ids' must hold expert ids in [0, 4)"
+    for options in ({"validate_ids": True}, {}):
+        if DEVICE.type == "cuda":
+            assert_device_assert(f"""
+                from moe_kernels.kernels.align import moe_align_block_size
+                moe_align_block_size(torch.tensor([[0, 5]], device="cuda"), 16, 4, **{options})
+                """, message)
+        else:
+            with pytest.raises(ValueError, match=re.escape(message)):
+                moe_align_block_size(ids, 16, 4, **options)
 
 
 def test_int32_overflow_is_refused():

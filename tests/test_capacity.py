@@ -12,7 +12,18 @@ from fractions import Fraction
 import pytest
 import torch
 
-from moe_kernels.capacity import (
+from moe_kernels.kernels.dropping import moe_with_capacity
+from moe_kernels.kernels.index_gather import fused_experts
+from moe_kernels.kernels.masked import masked_experts
+from moe_kernels.kernels.permute import permute_experts
+from moe_kernels.model.buffers import (
+    compact_buffer_bytes,
+    m_max_measured_cap,
+    m_max_token_budget,
+    masked_buffer_bytes,
+    max_padded_rows,
+)
+from moe_kernels.model.capacity import (
     BufferSpec,
     capacity_assign,
     dropless_buffers,
@@ -21,21 +32,13 @@ from moe_kernels.capacity import (
     expected_dropped_fraction,
     expert_capacity,
     expert_queue_positions,
-    moe_with_capacity,
     monte_carlo_dropped_fraction,
 )
-from moe_kernels.fused_moe import fused_experts
-from moe_kernels.masked import (
-    compact_buffer_bytes,
-    m_max_measured_cap,
-    m_max_token_budget,
-    masked_buffer_bytes,
-    masked_experts,
-)
-from moe_kernels.permute import max_padded_rows, permute_experts
+from moe_kernels.model.skew import zipf_popularity
 from moe_kernels.reference import moe_reference
-from moe_kernels.skew import zipf_popularity
-from moe_testing import DEVICE, TOLERANCE, make_problem, needs_gpu, random_topk_ids, rel_err
+from moe_testing import assert_device_assert, DEVICE, TOLERANCE, make_problem, needs_gpu, random_topk_ids, rel_err
+
+
 
 
 def queue_positions_by_loop(topk_ids, num_experts):
@@ -201,7 +204,7 @@ EDGE_CASES = {
 def check_against_kept_reference(x, w1, w2, weights, ids, alpha):
     num_tokens, topk = ids.shape
     num_experts = w1.shape[0]
-    out = moe_with_capacity(x, w1, w2, weights, ids, alpha)
+    out = moe_with_capacity(x, w1, w2, weights, ids, capacity_factor=alpha)
     assert out.shape == x.shape and out.dtype == x.dtype
     keep = capacity_assign(ids, num_experts, expert_capacity(num_tokens, topk, num_experts, alpha))
     kept_weights = torch.where(keep, weights, torch.zeros_like(weights))
@@ -233,14 +236,14 @@ def test_moe_with_capacity_random(seed):
 def test_dropped_tokens_get_exactly_zero():
     # k = 1, all nine tokens on expert 0, alpha = 1 with E = 3: C = 3, tokens 3..8 drop.
     x, w1, w2, weights, ids = make_problem(**EDGE_CASES["all tokens on one expert"], seed=5)
-    out = moe_with_capacity(x, w1, w2, weights, ids, 1.0)
+    out = moe_with_capacity(x, w1, w2, weights, ids, capacity_factor=1.0)
     assert torch.equal(out[3:], torch.zeros_like(out[3:]))
     assert bool((out[:3].abs().sum(dim=1) > 0).all())
 
 
 def test_capacity_e_over_k_is_the_dropless_layer():
     x, w1, w2, weights, ids = make_problem(num_tokens=20, num_experts=8, topk=2, seed=8)
-    assert torch.equal(moe_with_capacity(x, w1, w2, weights, ids, 8 / 2),
+    assert torch.equal(moe_with_capacity(x, w1, w2, weights, ids, capacity_factor=8 / 2),
                        fused_experts(x, w1, w2, weights, ids))
 
 
@@ -255,11 +258,21 @@ def test_moe_with_capacity_bf16():
 def test_moe_with_capacity_bad_inputs():
     x, w1, w2, weights, ids = make_problem(num_tokens=4, num_experts=4, topk=2, seed=1)
     with pytest.raises(ValueError, match="moe_with_capacity: argument 'capacity_factor'"):
-        moe_with_capacity(x, w1, w2, weights, ids, 0.0)
+        moe_with_capacity(x, w1, w2, weights, ids, capacity_factor=0.0)
     with pytest.raises(ValueError, match="moe_with_capacity: argument 'w2'"):
-        moe_with_capacity(x, w1, w2[:, :, :-1], weights, ids, 1.0)
-    with pytest.raises(ValueError, match="capacity_assign: argument 'topk_ids'"):
-        moe_with_capacity(x, w1, w2, weights, ids + 4, 1.0)
+        moe_with_capacity(x, w1, w2[:, :, :-1], weights, ids, capacity_factor=1.0)
+    message = "capacity_assign: argument 'topk_ids' must hold expert ids in [0, 4)"
+    if DEVICE.type == "cuda":
+        assert_device_assert(f"""
+            from moe_kernels.kernels.dropping import moe_with_capacity
+            w1, w2 = torch.randn(4, 32, 32, device="cuda"), torch.randn(4, 32, 16, device="cuda")
+            ids = torch.tensor({(ids + 4).tolist()}, device="cuda")
+            moe_with_capacity(torch.randn(4, 32, device="cuda"), w1, w2, torch.rand(4, 2, device="cuda"), ids,
+                              capacity_factor=1.0)
+            """, message)
+    else:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            moe_with_capacity(x, w1, w2, weights, ids + 4, capacity_factor=1.0)
 
 
 # ------------------------------------------------------------------------------------------
@@ -360,7 +373,7 @@ def test_ensure_capacity_never_drops(on_overflow):
     reference = moe_reference(x, w1, w2, weights, ids)
     if on_overflow == "resize":
         assert spec == BufferSpec("masked", 16, 64)
-        out = masked_experts(x, w1, w2, weights, ids, spec.m_max)
+        out = masked_experts(x, w1, w2, weights, ids, m_max=spec.m_max)
     else:
         assert spec == BufferSpec("compact", None, max_padded_rows(16, 4, 16))
         out = permute_experts(x, w1, w2, weights, ids, align=16)

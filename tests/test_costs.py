@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from moe_kernels import costs, shapes
+from moe_kernels.model import costs, shapes
 
 DSV3 = shapes.MODELS["deepseek-v3"]
 QWEN = shapes.MODELS["qwen3-30b-a3b"]

@@ -1,5 +1,6 @@
-"""The traced decode layer (moe_kernels.decode_step): its counts against each other and against
-the alignment's invariants, its output against the float64 reference, the small-batch rule.
+"""The traced decode layer (moe_kernels.book.trace): its counts against each other and against
+the alignment's invariants, its output against the float64 reference, the small-batch rule; and
+the stage timer built on it (moe_kernels.bench.decode_step).
 
 Runs on default_device(): the Triton interpreter on a CPU machine, the compiled kernels on a GPU.
 Shapes are DeepSeek-V3's real E=256, top-8 and groups with d and F shrunk.
@@ -11,10 +12,13 @@ import math
 import pytest
 import torch
 
-from moe_kernels import align, decode_step
+from moe_kernels.bench import decode_step
+from moe_kernels.book import trace as layer_trace
+from moe_kernels.kernels import blocks
+from moe_kernels.kernels.grouped_routing import grouped_topk_reference
+from moe_kernels.kernels.routing import gate
+from moe_kernels.model.shapes import GPUS, MODELS
 from moe_kernels.reference import moe_reference
-from moe_kernels.routing import gate, grouped_topk_reference
-from moe_kernels.shapes import GPUS, MODELS
 from moe_testing import DEVICE, needs_gpu, rel_err
 
 pytestmark = pytest.mark.usefixtures("true_fp32")
@@ -23,7 +27,7 @@ SMALL = dict(hidden_size=32, intermediate_size=16)
 
 
 def trace(num_tokens, model="deepseek-v3", dtype=torch.float32, seed=0, **kwargs):
-    return decode_step.trace_moe_layer(model, num_tokens, dtype=dtype, device=DEVICE, seed=seed,
+    return layer_trace.trace_moe_layer(model, num_tokens, dtype=dtype, device=DEVICE, seed=seed,
                                        **{**SMALL, **kwargs})
 
 
@@ -43,7 +47,7 @@ def test_alignment_counts_are_consistent(step64):
     assert bm == 16  # the tuned M tile at 64 tokens: the source's BLOCK_SIZE_M
     assert t.max_num_tokens_padded == T * k + E * (bm - 1) == t.sorted_token_ids.numel() == 4352
     assert t.expert_ids_len == math.ceil(t.max_num_tokens_padded / bm) == 272
-    align.check_alignment(t.topk_ids, bm, E, t.sorted_token_ids, t.expert_ids,
+    blocks.check_alignment(t.topk_ids, bm, E, t.sorted_token_ids, t.expert_ids,
                           torch.tensor([t.num_tokens_post_padded], dtype=torch.int32))
     live_blocks = t.num_tokens_post_padded // bm
     assert t.expert_ids_unused == t.expert_ids_len - live_blocks
@@ -91,7 +95,7 @@ def test_block_m_override():
     assert t.block_m == 32 and not t.naive
     assert t.max_num_tokens_padded == 24 * 8 + 256 * 31
     assert t.expert_ids_len == math.ceil(t.max_num_tokens_padded / 32)
-    align.check_alignment(t.topk_ids, 32, 256, t.sorted_token_ids, t.expert_ids,
+    blocks.check_alignment(t.topk_ids, 32, 256, t.sorted_token_ids, t.expert_ids,
                           torch.tensor([t.num_tokens_post_padded], dtype=torch.int32))
     assert t.rel_error < 1e-5
 
@@ -101,7 +105,7 @@ def test_block_m_override():
 
 def test_output_matches_the_float64_reference(step64):
     t = step64
-    layer = decode_step.make_layer("deepseek-v3", 64, dtype=torch.float32, device=DEVICE, seed=0, **SMALL)
+    layer = layer_trace.make_layer("deepseek-v3", 64, dtype=torch.float32, device=DEVICE, seed=0, **SMALL)
     logits = gate(layer.hidden_states, layer.gate_weight)
     weights, ids = grouped_topk_reference(layer.hidden_states, logits, 8, True, 8, 4, "sigmoid", 2.5,
                                           layer.correction_bias)
@@ -135,16 +139,16 @@ def test_other_models_and_edge_batches(model, num_tokens, dtype, tol):
 
 
 def test_small_batch_rule_at_8_and_9_tokens():
-    assert align.use_naive_block_assignment(8, 8, 256)  # 8 * 8 * 4 = 256 <= 256
-    assert not align.use_naive_block_assignment(9, 8, 256)  # 288 > 256
+    assert blocks.use_naive_block_assignment(8, 8, 256)  # 8 * 8 * 4 = 256 <= 256
+    assert not blocks.use_naive_block_assignment(9, 8, 256)  # 288 > 256
     t8, t9 = trace(8), trace(9)
     assert t8.naive and t8.naive_rule_lhs == 256 and t8.sorted_token_ids is None
     assert t8.expert_ids_len == 64 and t8.expert_ids_unused == 0
     assert torch.equal(t8.expert_ids.cpu(), t8.topk_ids.flatten().cpu())
-    assert t8.num_tokens_post_padded == align.naive_padded_rows(8, 8, 16) == t8.max_num_tokens_padded
+    assert t8.num_tokens_post_padded == blocks.naive_padded_rows(8, 8, 16) == t8.max_num_tokens_padded
     assert t8.gemm1_grid[0] == 64
     assert not t9.naive and t9.naive_rule_lhs == 288
-    align.check_alignment(t9.topk_ids, t9.block_m, 256, t9.sorted_token_ids, t9.expert_ids,
+    blocks.check_alignment(t9.topk_ids, t9.block_m, 256, t9.sorted_token_ids, t9.expert_ids,
                           torch.tensor([t9.num_tokens_post_padded], dtype=torch.int32))
     assert t8.rel_error < 1e-5 and t9.rel_error < 1e-5
 
@@ -154,7 +158,7 @@ def test_small_batch_rule_at_8_and_9_tokens():
 
 @needs_gpu
 def test_bf16_on_gpu():
-    t = decode_step.trace_moe_layer("deepseek-v3", 64, dtype=torch.bfloat16, device="cuda", seed=1,
+    t = layer_trace.trace_moe_layer("deepseek-v3", 64, dtype=torch.bfloat16, device="cuda", seed=1,
                                     hidden_size=512, intermediate_size=256)
     assert t.output.dtype == torch.bfloat16 and torch.isfinite(t.output).all()
     assert t.rel_error < 1e-2
@@ -202,4 +206,4 @@ def test_bad_inputs(kwargs, exc, message):
     args = dict(model="deepseek-v3", num_tokens=4, dtype=torch.float32, device=DEVICE, seed=0, **SMALL)
     args.update(kwargs)
     with pytest.raises(exc, match=message):
-        decode_step.trace_moe_layer(args.pop("model"), args.pop("num_tokens"), **args)
+        layer_trace.trace_moe_layer(args.pop("model"), args.pop("num_tokens"), **args)

@@ -10,20 +10,17 @@ import re
 import pytest
 import torch
 
-from moe_kernels import masked as masked_module
-from moe_kernels import permute as permute_module
-from moe_kernels.masked import (
+from moe_kernels.kernels import combine as combine_module
+from moe_kernels.kernels import masked as masked_module
+from moe_kernels.kernels.masked import grouped_gemm_masked, masked_dispatch, masked_dispatch_reference, masked_experts
+from moe_kernels.model.buffers import (
     choose_layout,
     compact_buffer_bytes,
-    grouped_gemm_masked,
     m_max_measured_cap,
     m_max_token_budget,
     masked_buffer_bytes,
-    masked_dispatch,
-    masked_dispatch_reference,
-    masked_experts,
+    max_padded_rows,
 )
-from moe_kernels.permute import max_padded_rows
 from moe_kernels.reference import moe_reference, silu_and_mul_reference
 from moe_testing import (
     DEVICE,
@@ -58,7 +55,7 @@ def test_masked_experts_random(seed):
     m_max = {"token budget": None,
              "measured cap": m_max_measured_cap(ids, num_experts, block=rng.choice([16, 256])),
              "exact": hottest(ids, num_experts)}[policy]
-    out = masked_experts(x, w1, w2, weights, ids, m_max, config=rng.choice([None, SMALL_TILES]))
+    out = masked_experts(x, w1, w2, weights, ids, m_max=m_max, config=rng.choice([None, SMALL_TILES]))
     assert out.shape == x.shape and out.dtype == x.dtype
     assert rel_err(out, moe_reference(x, w1, w2, weights, ids)) < TOLERANCE[x.dtype]
 
@@ -76,7 +73,7 @@ def test_expert_with_no_tokens_and_all_tokens_on_one_expert():
     for x, w1, w2, weights, ids in skewed_problems():
         out = masked_experts(x, w1, w2, weights, ids, m_max=7, config=SMALL_TILES)
         assert rel_err(out, moe_reference(x, w1, w2, weights, ids)) < 1e-5
-    assert masked_dispatch(x, ids, 4, 7).masked_m.tolist() == [0, 0, 7, 0]
+    assert masked_dispatch(x, ids, 4, m_max=7).masked_m.tolist() == [0, 0, 7, 0]
 
 
 def test_masked_experts_bf16_on_this_machine():
@@ -98,7 +95,7 @@ def test_masked_experts_bf16_gpu(seed):
 def test_torch_fallback_when_triton_is_unavailable(monkeypatch):
     """Without Triton every step runs its torch reference and the answer is the same."""
     monkeypatch.setattr(masked_module, "use_triton", lambda *tensors: False)
-    monkeypatch.setattr(permute_module, "use_triton", lambda *tensors: False)
+    monkeypatch.setattr(combine_module, "use_triton", lambda *tensors: False)
     x, w1, w2, weights, ids = make_problem(9, 4, 2, 24, 16, torch.float32, seed=5)
     out = masked_experts(x, w1, w2, weights, ids, m_max=20)
     assert rel_err(out, moe_reference(x, w1, w2, weights, ids)) < 1e-5
@@ -133,10 +130,10 @@ def test_masked_dispatch_layout(seed):
                                    rng.randint(1, num_experts), 24, 16, torch.float16, seed=seed)
     m_max = hottest(ids, num_experts) + rng.choice([0, 3])
     out = torch.full((num_experts, m_max, 24), float("nan"), dtype=x.dtype, device=DEVICE)
-    d = masked_dispatch(x, ids, num_experts, m_max, out=out)
+    d = masked_dispatch(x, ids, num_experts, m_max=m_max, out=out)
     assert d.rows is out
     check_masked_layout(d, x, ids, num_experts, m_max, poisoned=True)
-    check_masked_layout(masked_dispatch_reference(x, ids, num_experts, m_max), x, ids,
+    check_masked_layout(masked_dispatch_reference(x, ids, num_experts, m_max=m_max), x, ids,
                         num_experts, m_max, poisoned=False)
 
 
@@ -146,19 +143,19 @@ def test_overflow_raises_instead_of_dropping(dispatch):
                                    topk_ids=torch.tensor([[0]] * 5 + [[1]] * 3 + [[2]]))
     message = "'m_max' must be >= 5 (the hottest expert's row count; no token is dropped), got 4"
     with pytest.raises(ValueError, match=re.escape(message)):
-        dispatch(x, ids, 3, 4)
-    assert dispatch(x, ids, 3, 5).masked_m.tolist() == [5, 3, 1]
+        dispatch(x, ids, 3, m_max=4)
+    assert dispatch(x, ids, 3, m_max=5).masked_m.tolist() == [5, 3, 1]
     # A token naming the same expert twice is the one way to beat the token budget.
     twice = torch.tensor([[1, 1]], device=DEVICE)
     with pytest.raises(ValueError, match=re.escape("'m_max' must be >= 2")):
-        dispatch(x[:1], twice, 3, 1)
+        dispatch(x[:1], twice, 3, m_max=1)
 
 
 def test_dispatch_rejects_bad_ids_after_counting():
     x, _, _, _, ids = make_problem(3, 3, 2, 16, 16, torch.float32, seed=4)
     for bad in (3, -1):
         with pytest.raises(ValueError, match=re.escape("'topk_ids' must hold expert ids in [0, 3)")):
-            masked_dispatch(x, torch.full_like(ids, bad), 3, 8)
+            masked_dispatch(x, torch.full_like(ids, bad), 3, m_max=8)
 
 
 # ------------------------------------------------------------------------------------------
@@ -246,7 +243,7 @@ def test_bad_inputs_raise_clear_errors():
         (dict(m_max=2.5), TypeError, "'m_max' must be an int"),
     ])
     with pytest.raises(ValueError, match=re.escape("'out' must have shape (3, 8, 16)")):
-        masked_dispatch(x, ids, 3, 8, out=torch.empty(3, 7, 16, device=DEVICE))
+        masked_dispatch(x, ids, 3, m_max=8, out=torch.empty(3, 7, 16, device=DEVICE))
     with pytest.raises(ValueError, match=re.escape("'masked_m' must have shape [3]")):
         grouped_gemm_masked(torch.zeros(3, 8, 16, device=DEVICE), w1,
                             torch.zeros(2, dtype=torch.int32, device=DEVICE))
@@ -255,12 +252,23 @@ def test_bad_inputs_raise_clear_errors():
                             torch.zeros(3, dtype=torch.int32, device=DEVICE), silu_mul=True)
 
 
-def test_unchecked_dispatch_only_when_overflow_is_impossible():
-    from moe_kernels.masked import masked_dispatch
-
-    x = torch.randn(4, 8)
-    ids = torch.tensor([[0], [0], [0], [1]])
-    rows = masked_dispatch(x, ids, 2, m_max=4, check=False)
+def test_overflow_is_checked_even_without_id_validation():
+    """validate_ids=False skips the id check only: a token naming one expert twice can overflow a
+    token-budget m_max, and that still fails instead of dropping an assignment."""
+    x = torch.randn(4, 8, device=DEVICE)
+    ids = torch.tensor([[0], [0], [0], [1]], device=DEVICE)
+    rows = masked_dispatch(x, ids, 2, m_max=4, validate_ids=False)
     assert rows.masked_m.tolist() == [3, 1]
-    with pytest.raises(ValueError, match="argument 'check'"):
-        masked_dispatch(x, ids, 2, m_max=3, check=False)
+    if DEVICE.type == "cuda":
+        pytest.skip("on a GPU the overflow is a device-side assert (tested in a subprocess)")
+    with pytest.raises(ValueError, match=re.escape("masked_dispatch: argument 'm_max' must be >= 3")):
+        masked_dispatch(x, ids, 2, m_max=2, validate_ids=False)
+    twice = torch.tensor([[1, 1], [1, 0]], device=DEVICE)   # m_max >= T = 2, yet expert 1 gets 3 rows
+    with pytest.raises(ValueError, match=re.escape("argument 'm_max' must be >= 3")):
+        masked_experts(x[:2], torch.randn(2, 16, 8, device=DEVICE), torch.randn(2, 8, 8, device=DEVICE),
+                       torch.ones(2, 2, device=DEVICE), twice, m_max=2, validate_ids=False)
+
+
+def test_empty_batch():
+    x, w1, w2, weights, ids = make_problem(4, 3, 2, 16, 16, torch.float32, seed=1)
+    assert masked_experts(x[:0], w1, w2, weights[:0], ids[:0]).shape == (0, 16)

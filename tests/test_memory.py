@@ -1,4 +1,4 @@
-"""Memory budgets, GPU counts and decode-step traffic (moe_kernels.memory) against hand values."""
+"""Memory budgets, GPU counts and decode-step traffic (moe_kernels.model.memory) against hand values."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from moe_kernels import costs, memory, shapes
+from moe_kernels.model import costs, memory, shapes
 
 DSV3 = shapes.MODELS["deepseek-v3"]
 QWEN = shapes.MODELS["qwen3-30b-a3b"]
@@ -136,7 +136,7 @@ def test_bad_inputs():
         memory.memory_budget(H100, reserve_gib=-1)
     with pytest.raises(ValueError, match=r"argument 'reserve_gib' must leave memory on a H100 SXM"):
         memory.memory_budget(H100, reserve_gib=100)
-    with pytest.raises(TypeError, match=r"memory_budget: argument 'gpu' must be a moe_kernels.shapes.GPU"):
+    with pytest.raises(TypeError, match=r"memory_budget: argument 'gpu' must be a moe_kernels.model.shapes.GPU"):
         memory.memory_budget("H100")
     with pytest.raises(ValueError, match=r"gpus_needed: argument 'kv_cache_fraction' must be in \[0, 1\)"):
         memory.gpus_needed(1e9, h100, kv_cache_fraction=1.0)

@@ -35,7 +35,8 @@ def test_imports_with_one_notice_and_runs_references():
         """
         import torch
         import moe_kernels
-        from moe_kernels import _runtime, align, routing, fused_moe, reference
+        from moe_kernels import _runtime, reference
+        from moe_kernels.kernels import align, blocks, index_gather, routing
         assert _runtime.BACKEND == "torch", _runtime.BACKEND
         assert not _runtime.HAS_TRITON
         torch.manual_seed(0)
@@ -44,9 +45,9 @@ def test_imports_with_one_notice_and_runs_references():
         x = torch.randn(T, d)
         w, ids = routing.fused_topk(x, logits, k, True)
         sorted_ids, expert_ids, n = align.moe_align_block_size(ids, 4, E)
-        align.check_alignment(ids, 4, E, sorted_ids, expert_ids, n)
+        blocks.check_alignment(ids, 4, E, sorted_ids, expert_ids, n)
         w1, w2 = torch.randn(E, 2 * F, d) / 4, torch.randn(E, d, F) / 4
-        out = fused_moe.fused_experts(x, w1, w2, w, ids)
+        out = index_gather.fused_experts(x, w1, w2, w, ids)
         ref = reference.moe_reference(x, w1, w2, w, ids)
         err = (out.double() - ref).norm() / ref.norm()
         assert err < 1e-5, err

@@ -9,20 +9,17 @@ import itertools
 import pytest
 import torch
 
-from moe_kernels import permute as permute_module
+from moe_kernels.kernels import permute as permute_module
+from moe_kernels.kernels.combine import unpermute, unpermute_reference
+from moe_kernels.kernels.config import GemmTiles, MoEConfig, default_config
+from moe_kernels.model.buffers import max_padded_rows, permute_copy_bytes
 from moe_kernels._runtime import HAS_TRITON
-from moe_kernels.permute import (
-    TileConfig,
-    default_tile_config,
+from moe_kernels.kernels.permute import (
     grouped_gemm_contiguous,
-    max_padded_rows,
     permute,
-    permute_copy_bytes,
     permute_experts,
     permute_reference,
     torch_grouped_mm_experts,
-    unpermute,
-    unpermute_reference,
 )
 from moe_kernels.reference import moe_reference, silu_and_mul_reference
 from moe_testing import (
@@ -70,7 +67,7 @@ def test_expert_with_no_tokens_and_all_tokens_on_one_expert():
     for x, w1, w2, weights, ids in skewed_problems():
         out = permute_experts(x, w1, w2, weights, ids, align=16)
         assert rel_err(out, moe_reference(x, w1, w2, weights, ids)) < 1e-5
-    assert permute(x, ids, 4, 16).segment_counts.tolist() == [0, 0, 7, 0]
+    assert permute(x, ids, 4, align=16).segment_counts.tolist() == [0, 0, 7, 0]
 
 
 def test_permute_experts_bf16_on_this_machine():
@@ -110,7 +107,7 @@ def test_unchecked_bad_ids_add_nothing():
     out = permute_experts(x, w1, w2, weights, bad, align=16, validate_ids=False)
     kept = weights * (bad == ids)                        # the two bad assignments weigh zero
     assert rel_err(out, moe_reference(x, w1, w2, kept, ids)) < 1e-5
-    p = permute(x, bad, 4, 16, validate_ids=False)
+    p = permute(x, bad, 4, align=16, validate_ids=False)
     assert p.src2dst[1, 0] == -1 and p.src2dst[4, 1] == -1
     assert int(p.segment_counts.sum()) == ids.numel() - 2
 
@@ -156,10 +153,10 @@ def test_permute_layout(seed):
     x, _, _, _, ids = make_problem(**shape, seed=seed)
     num_rows = max_padded_rows(ids.numel(), shape["num_experts"], align)
     out = torch.full((num_rows, shape["hidden"]), float("nan"), dtype=x.dtype, device=DEVICE)
-    p = permute(x, ids, shape["num_experts"], align, out=out)
+    p = permute(x, ids, shape["num_experts"], align=align, out=out)
     assert p.rows is out
     check_permuted_layout(p, x, ids, shape["num_experts"], align, poisoned=True)
-    ref = permute_reference(x, ids, shape["num_experts"], align)
+    ref = permute_reference(x, ids, shape["num_experts"], align=align)
     check_permuted_layout(ref, x, ids, shape["num_experts"], align, poisoned=False)
     assert torch.equal(ref.m_indices, p.m_indices)
 
@@ -168,7 +165,7 @@ def test_permute_layout(seed):
 def test_unpermute_round_trip_and_weights(seed):
     shape, rng = random_shape(300 + seed, [torch.float32])
     x, _, _, weights, ids = make_problem(**shape, seed=seed)
-    p = permute(x, ids, shape["num_experts"], rng.choice([1, 16]))
+    p = permute(x, ids, shape["num_experts"], align=rng.choice([1, 16]))
     k = ids.shape[1]
     back = unpermute(p.rows, p.src2dst, torch.full_like(weights, 1.0 / k))
     assert rel_err(back, x.double()) < 1e-6
@@ -197,13 +194,13 @@ def test_unpermute_accumulates_in_fp32():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_grouped_gemm_skips_padding_rows(silu_mul, dtype):
     x, w1, _, _, ids = make_problem(10, 4, 2, 40, 24, dtype, seed=21)
-    p = permute(x, ids, 4, 32)
+    p = permute(x, ids, 4, align=32)
     rows = p.rows.clone()
     padding = p.m_indices == -1
     rows[padding] = float("nan")                                 # never read
     n = w1.shape[1] // 2 if silu_mul else w1.shape[1]
     out = torch.full((rows.shape[0], n), float("nan"), dtype=dtype, device=DEVICE)
-    grouped_gemm_contiguous(rows, w1, p.m_indices, 32, silu_mul=silu_mul, out=out,
+    grouped_gemm_contiguous(rows, w1, p.m_indices, align=32, silu_mul=silu_mul, out=out,
                             config=SMALL_TILES)
     assert out[padding].isnan().all()                            # never written
     real = ~padding
@@ -231,9 +228,10 @@ def test_copy_bytes():
 
 
 def test_default_tile_config():
-    assert default_tile_config(torch.bfloat16) == TileConfig(128, 128, 64, 8, 3)
-    assert default_tile_config(torch.float32).block_k == 32
-    assert default_tile_config(torch.float16, align=48).block_m == 16
+    tiles = GemmTiles(128, 64, 1, 8, 3)
+    assert default_config(1, 4, 16, 16, layout="permute") == MoEConfig(128, tiles, tiles)
+    assert default_config(1, 4, 16, 16, layout="permute", dtype=torch.float32).gate_up.block_k == 32
+    assert default_config(1, 4, 16, 16, layout="permute", dtype=torch.float16, align=48).block_m == 16
 
 
 # ------------------------------------------------------------------------------------------
@@ -261,16 +259,16 @@ def test_bad_inputs_raise_clear_errors():
          "expert ids in [0, 3)"),
         (dict(topk_ids=torch.full_like(ids, -1), validate_ids=True), ValueError,
          "expert ids in [0, 3)"),
-        (dict(hidden_states=x[:0], topk_ids=ids[:0], topk_weights=weights[:0]), ValueError,
-         "at least one token"),
     ])
+    empty = permute_experts(x[:0], w1, w2, weights[:0], ids[:0], align=16)   # no tokens: no rows, no error
+    assert empty.shape == (0, x.shape[1])
     with pytest.raises(ValueError, match="'align' must be >= 1"):
         permute_experts(x, w1, w2, weights, ids, align=0)
     with pytest.raises(ValueError, match=r"'config.block_m' must divide align=16"):
-        permute_experts(x, w1, w2, weights, ids, align=16, config=TileConfig(block_m=32))
-    with pytest.raises(ValueError, match="'config.block_k' must be a power of two"):
-        permute_experts(x, w1, w2, weights, ids, align=16, config=TileConfig(16, 16, 8))
+        permute_experts(x, w1, w2, weights, ids, align=16, config=MoEConfig(32, GemmTiles(16, 16), GemmTiles(16, 16)))
+    with pytest.raises(ValueError, match="'config.gate_up.block_k' must be a power of two"):
+        permute_experts(x, w1, w2, weights, ids, align=16, config=MoEConfig(16, GemmTiles(16, 8), GemmTiles(16, 16)))
     with pytest.raises(ValueError, match="'out' must have shape"):
-        permute(x, ids, 3, 16, out=torch.empty(5, 16, device=DEVICE))
+        permute(x, ids, 3, align=16, out=torch.empty(5, 16, device=DEVICE))
     with pytest.raises(ValueError, match="'m_indices' must have one entry per row"):
-        grouped_gemm_contiguous(x, w1, torch.zeros(4, dtype=torch.int32, device=DEVICE), 16)
+        grouped_gemm_contiguous(x, w1, torch.zeros(4, dtype=torch.int32, device=DEVICE), align=16)

@@ -13,14 +13,8 @@ import torch
 
 from moe_kernels._runtime import HAS_TRITON, use_triton
 from moe_kernels.reference import moe_reference
-from moe_kernels.routing import (
-    append_shared_expert,
-    fused_topk,
-    fused_topk_reference,
-    gate,
-    grouped_topk,
-    grouped_topk_reference,
-)
+from moe_kernels.kernels.grouped_routing import grouped_topk, grouped_topk_reference
+from moe_kernels.kernels.routing import append_shared_expert, fused_topk, fused_topk_reference, gate
 from moe_testing import DEVICE, needs_gpu
 
 

@@ -1,19 +1,23 @@
-"""Shared expert (moe_kernels.shared_expert): separate and fused agree with the float64 reference.
+"""Shared expert (moe_kernels.kernels.shared): separate and fused agree with the float64 reference;
+its byte share (moe_kernels.model.costs).
 
 Runs on default_device(): the Triton interpreter on a CPU machine, the compiled kernels on a GPU.
 """
 
 import random
+import re
 
 import pytest
 import torch
 
-from moe_kernels import fused_moe
-from moe_kernels import shared_expert as se
+from moe_kernels.kernels import blocks, index_gather
+from moe_kernels.kernels import shared as se
+from moe_kernels.model import costs
 from moe_kernels.reference import moe_reference, silu_and_mul_reference
-from moe_testing import DEVICE, TOLERANCE, make_problem, needs_gpu, rel_err
+from moe_testing import assert_device_assert, DEVICE, TOLERANCE, make_problem, needs_gpu, rel_err
 
 pytestmark = pytest.mark.usefixtures("true_fp32")
+
 
 
 def shared_problem(*shape, **kwargs):
@@ -60,7 +64,7 @@ def test_random_shapes(seed):
 
 def test_one_token():  # top-(k+1) still small enough for the naive block map: 1 * 3 * 4 <= 17
     p = shared_problem(1, 16, 2, 32, 16, torch.float32, seed=1)
-    assert fused_moe.assign_blocks(p["ids"], 16, 17).naive
+    assert blocks.assign_blocks(p["ids"], 16, 17).naive
     check(p, torch.float32)
 
 
@@ -122,9 +126,9 @@ def test_fused_uses_routed_shape_tiles(monkeypatch):
     seen = []
     real = se.get_config
 
-    def spy(M, E, N, K, dtype, device):
+    def spy(M, E, N, K, dtype, device, **options):
         seen.append(E)
-        return real(M, E, N, K, dtype, device)
+        return real(M, E, N, K, dtype, device, **options)
 
     monkeypatch.setattr(se, "get_config", spy)
     p = shared_problem(3, 6, 2, 32, 16, torch.float32, seed=10)
@@ -134,7 +138,7 @@ def test_fused_uses_routed_shape_tiles(monkeypatch):
 
 
 def test_torch_fallback_matches(monkeypatch):
-    monkeypatch.setattr(fused_moe, "use_triton", lambda *tensors: False)
+    monkeypatch.setattr(index_gather, "use_triton", lambda *tensors: False)
     check(shared_problem(5, 6, 2, 32, 16, torch.float32, seed=11), torch.float32)
 
 
@@ -158,19 +162,19 @@ def test_bf16_gpu(seed):
 
 
 def test_byte_fractions_at_the_limits():
-    assert se.shared_expert_byte_overhead(1, 256, 8) == pytest.approx(1 / 8, rel=1e-12)
-    assert se.shared_expert_byte_share(1, 256, 8) == pytest.approx(1 / 9, rel=1e-12)
-    assert se.shared_expert_byte_overhead(1e6, 256, 8) == pytest.approx(1 / 256, rel=1e-12)
-    assert se.shared_expert_byte_share(1e6, 256, 8) == pytest.approx(1 / 257, rel=1e-12)
-    assert se.shared_expert_byte_share(1, 64, 6, num_shared_experts=2) == pytest.approx(2 / 8, rel=1e-12)
-    assert se.shared_expert_byte_overhead(3, 8, 8) == 1 / 8  # k = E: every expert, every batch
+    assert costs.shared_expert_byte_overhead(1, 256, 8) == pytest.approx(1 / 8, rel=1e-12)
+    assert costs.shared_expert_byte_share(1, 256, 8) == pytest.approx(1 / 9, rel=1e-12)
+    assert costs.shared_expert_byte_overhead(1e6, 256, 8) == pytest.approx(1 / 256, rel=1e-12)
+    assert costs.shared_expert_byte_share(1e6, 256, 8) == pytest.approx(1 / 257, rel=1e-12)
+    assert costs.shared_expert_byte_share(1, 64, 6, num_shared_experts=2) == pytest.approx(2 / 8, rel=1e-12)
+    assert costs.shared_expert_byte_overhead(3, 8, 8) == 1 / 8  # k = E: every expert, every batch
 
 
 def test_byte_fractions_fall_with_the_batch():
-    shares = [se.shared_expert_byte_share(b, 256, 8) for b in (1, 2, 8, 64, 512, 4096)]
+    shares = [costs.shared_expert_byte_share(b, 256, 8) for b in (1, 2, 8, 64, 512, 4096)]
     assert all(a > b for a, b in zip(shares, shares[1:]))
     for b in (1, 7, 100):
-        over, share = se.shared_expert_byte_overhead(b, 128, 8), se.shared_expert_byte_share(b, 128, 8)
+        over, share = costs.shared_expert_byte_overhead(b, 128, 8), costs.shared_expert_byte_share(b, 128, 8)
         assert share == pytest.approx(over / (1 + over), rel=1e-12)
 
 
@@ -197,15 +201,24 @@ def test_bad_inputs():
     w1_all, w2_all = se.stack_shared_expert(w1, w2, ws, wd)
     bad_ids = p["ids"].clone()
     bad_ids[0, 0] = 4  # the shared expert's slot: not a routed id
-    with pytest.raises(ValueError, match=r"moe_with_shared_fused: argument 'topk_ids' must hold expert ids in \[0, 4\)"):
-        se.moe_with_shared_fused(x, w1_all, w2_all, p["weights"], bad_ids)
+    message = "moe_with_shared_fused: argument 'topk_ids' must hold expert ids in [0, 4)"
+    if DEVICE.type == "cuda":
+        assert_device_assert(f"""
+            from moe_kernels.kernels.shared import moe_with_shared_fused
+            w1_all, w2_all = torch.randn(5, 32, 32, device="cuda"), torch.randn(5, 32, 16, device="cuda")
+            ids = torch.tensor({bad_ids.tolist()}, dtype=torch.int32, device="cuda")
+            moe_with_shared_fused(torch.randn(3, 32, device="cuda"), w1_all, w2_all, torch.rand(3, 2, device="cuda"), ids)
+            """, message)
+    else:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            se.moe_with_shared_fused(x, w1_all, w2_all, p["weights"], bad_ids)
     with pytest.raises(ValueError, match=r"argument 'w1_with_shared' must hold E >= 1 routed experts"):
         se.moe_with_shared_fused(x, w1_all[:1], w2_all[:1], p["weights"][:, :1], p["ids"][:, :1])
     with pytest.raises(ValueError, match=r"argument 'topk_ids.shape\[1\]' must be <= 4"):
         se.moe_with_shared_fused(x, w1_all, w2_all, p["weights"].repeat(1, 3), p["ids"].repeat(1, 3))
     with pytest.raises(ValueError, match=r"shared_expert_byte_share: argument 'batch' must be > 0"):
-        se.shared_expert_byte_share(0, 256, 8)
+        costs.shared_expert_byte_share(0, 256, 8)
     with pytest.raises(ValueError, match=r"argument 'num_shared_experts' must be >= 1"):
-        se.shared_expert_byte_overhead(1, 256, 8, num_shared_experts=0)
+        costs.shared_expert_byte_overhead(1, 256, 8, num_shared_experts=0)
     with pytest.raises(ValueError, match=r"argument 'top_k'"):
-        se.shared_expert_byte_overhead(1, 8, 9)
+        costs.shared_expert_byte_overhead(1, 8, 9)

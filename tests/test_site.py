@@ -19,8 +19,8 @@ from urllib.parse import urlparse
 
 import pytest
 
-from moe_kernels import costs
-from moe_kernels.shapes import GPUS
+from moe_kernels.model import costs
+from moe_kernels.model.shapes import GPUS
 
 ROOT = Path(__file__).resolve().parent.parent
 SITE = ROOT / "_build" / "html"
@@ -198,9 +198,9 @@ def test_explorer_matches_byte_model(server, offline):
 
 
 def test_skew_explorer_matches_closed_forms(server, offline):
-    """The padding-under-skew sliders against moe_kernels.skew, on a grid of settings, to 1e-9."""
-    from moe_kernels import skew
-    from moe_kernels.shapes import MODELS
+    """The padding-under-skew sliders against moe_kernels.model.skew, on a grid of settings, to 1e-9."""
+    from moe_kernels.model import skew
+    from moe_kernels.model.shapes import MODELS
 
     page = offline.page
     page.goto(f"{server}/notebooks/06_padding_tax.html", wait_until="networkidle")

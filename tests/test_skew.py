@@ -11,10 +11,10 @@ import math
 import pytest
 import torch
 
-from moe_kernels import costs, masked, skew
 from moe_kernels._runtime import default_device
-from moe_kernels.align import moe_align_block_size_reference
-from moe_kernels.skew import (
+from moe_kernels.kernels.align import moe_align_block_size_reference
+from moe_kernels.model import buffers, costs, skew
+from moe_kernels.model.skew import (
     expected_contiguous_rows,
     expected_experts_touched,
     expected_hottest_rows,
@@ -236,21 +236,24 @@ def test_layout_rows_match_the_alignment_and_the_measured_cap(E, k, s, B):
         assert rows.contiguous == int(moe_align_block_size_reference(ids, block, E)[2])
         assert rows.real == B * k and rows.hottest == int(counts.max())
         assert rows.touched == int((counts > 0).sum())
-        assert rows.masked_m_max == masked.m_max_measured_cap(ids, E, block=16)
+        assert rows.masked_m_max == buffers.m_max_measured_cap(ids, E, block=16)
         assert rows.masked_reserved == E * rows.masked_m_max
 
 
 # ---- the tile-height tables --------------------------------------------------------------------
 
 
-def test_tuned_block_m_reads_the_fused_moe_table():
-    from moe_kernels import fused_moe
+def test_tuned_block_m_reads_the_index_gather_table():
+    from moe_kernels.kernels import config
 
-    table = skew.tuned_block_m(256, 2048, 7168)
+    table = config.tuned_block_m(256, 2048, 7168)
     assert table and list(table) == sorted(table)
+    tuned = config.load_table(config.table_name("NVIDIA H200", 256, 2048, 7168, torch.bfloat16, "index_gather"))
+    assert sorted(tuned) == list(table)
     for batch, block_m in table.items():
-        assert fused_moe.tuned_config("NVIDIA H200", batch, 256, 2048, 7168).block_m == block_m
-    assert skew.tuned_block_m(256, 2048, 7168, device_name="no such GPU") == {}
+        assert tuned[batch].block_m == block_m
+    assert config.tuned_block_m(256, 2048, 7168, device_name="no such GPU") == {}
+    assert config.tuned_block_m(256, 2048, 7168, dtype=torch.float16) == {}  # tuned in bf16 only
     tiles = list(skew.VLLM_H100_DSV3_TP4_BLOCK_M.values())
     assert tiles == sorted(tiles) and set(tiles) <= {16, 32, 64, 128}
 
@@ -287,7 +290,7 @@ def test_bad_inputs_name_the_argument(call, argument):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the CLI would run the measurement")
 def test_bench_cli_needs_a_gpu(capsys):
-    from moe_kernels import bench_skew
+    from moe_kernels.bench import skew as bench_skew
 
     assert bench_skew.main([]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err

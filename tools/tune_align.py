@@ -1,7 +1,7 @@
 """Try alignment launch settings on a GPU: CUDA-graph time per call for each variant and batch.
 
 Usage (on the GPU machine): PYTHONPATH=. python3 tools/tune_align.py
-Variants change the module constants of moe_kernels.align; every output is checked against the
+Variants change the module constants of moe_kernels.kernels.align; every output is checked against the
 reference before it is timed.
 """
 
@@ -10,7 +10,7 @@ import itertools
 import torch
 
 from moe_kernels import align
-from moe_kernels.timing import graph_us
+from moe_kernels.bench.timing import graph_us
 
 E, K = 256, 8
 batches = (64, 256, 512, 1024, 2048)

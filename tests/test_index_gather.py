@@ -1,4 +1,4 @@
-"""Index-gather fused MoE (moe_kernels.fused_moe) against the float64 per-token reference.
+"""Index-gather fused MoE (moe_kernels.kernels.index_gather) against the float64 per-token reference.
 
 Runs on default_device(): the Triton interpreter on a CPU machine, the compiled kernels on a GPU.
 """
@@ -11,7 +11,9 @@ import pytest
 import torch
 
 import moe_testing
-from moe_kernels import fused_moe as fm
+from moe_kernels.kernels import blocks as block_map
+from moe_kernels.kernels import combine, config
+from moe_kernels.kernels import index_gather as fm
 from moe_kernels.reference import moe_reference, silu_and_mul_reference
 from moe_testing import DEVICE, ON_GPU, TOLERANCE, needs_gpu, rel_err
 
@@ -76,18 +78,18 @@ def test_single_expert():
 
 def test_naive_path_is_chosen_by_vllm_rule():
     hidden, w1, w2, weights, ids = make_problem(2, 64, 8, 32, 16, torch.float32, seed=7)
-    assert fm.assign_blocks(ids, 16, 64).naive and not fm.assign_blocks(ids[:, :3].repeat(3, 1), 16, 64).naive
+    assert block_map.assign_blocks(ids, 16, 64).naive and not block_map.assign_blocks(ids[:, :3].repeat(3, 1), 16, 64).naive
     check((hidden, w1, w2, weights, ids), torch.float32)
 
 
 def test_naive_map_matches_explicit_naive_alignment():
     # align.naive_block_assignment writes the naive map out as tensors: the aligned kernel path
     # over those tensors must give what the index-free naive path gives.
-    from moe_kernels.align import naive_block_assignment
+    from moe_kernels.kernels.blocks import naive_block_assignment
 
     hidden, w1, w2, weights, ids = make_problem(3, 16, 2, 32, 16, torch.float32, seed=21)
     sorted_ids, expert_ids, used = naive_block_assignment(ids, 16)
-    explicit = fm.BlockAssignment(16, expert_ids, sorted_ids, used, expert_ids.numel())
+    explicit = block_map.BlockAssignment(16, expert_ids, sorted_ids, used, expert_ids.numel())
     a = fm.fused_experts(hidden, w1, w2, weights, ids, blocks=explicit)
     b = fm.fused_experts(hidden, w1, w2, weights, ids, naive_block_assignment=True)
     assert torch.allclose(a, b, rtol=1e-6, atol=1e-6)
@@ -106,7 +108,7 @@ def test_no_tokens():
 
 def test_precomputed_blocks():
     hidden, w1, w2, weights, ids = make_problem(12, 6, 2, 32, 16, torch.float32, seed=10)
-    blocks = fm.assign_blocks(ids, 32, 6, naive=False)
+    blocks = block_map.assign_blocks(ids, 32, 6, naive=False)
     assert blocks.block_m == 32 and not blocks.naive
     check((hidden, w1, w2, weights, ids), torch.float32, blocks=blocks)
 
@@ -147,8 +149,8 @@ def test_torch_fallback_matches(monkeypatch):
 def test_stages_write_every_row(naive):
     hidden, w1, w2, weights, ids = make_problem(5, 8, 3, 40, 24, torch.float32, seed=15)
     num_tokens, top_k = ids.shape
-    blocks = fm.assign_blocks(ids, 16, 8, naive=naive)
-    tiles = fm.GemmTiles(block_n=16, block_k=32, group_m=2, num_warps=4, num_stages=2)
+    blocks = block_map.assign_blocks(ids, 16, 8, naive=naive)
+    tiles = config.GemmTiles(block_n=16, block_k=32, group_m=2, num_warps=4, num_stages=2)
 
     inter = torch.full((num_tokens * top_k, 24), float("nan"), device=DEVICE)
     fm.expert_gate_up(hidden, w1, blocks, top_k, tiles=tiles, out=inter)
@@ -163,20 +165,20 @@ def test_stages_write_every_row(naive):
     assert rel_err(per_slot.reshape(-1, 40), want) < 1e-5
 
     out = torch.full((num_tokens, 40), float("nan"), device=DEVICE)
-    fm.moe_sum(per_slot, out=out)
+    combine.moe_sum(per_slot, out=out)
     assert rel_err(out, moe_reference(hidden, w1, w2, weights, ids)) < 1e-5
 
 
 def test_expert_minus_one_writes_zeros():
     # A block whose expert id is -1 (vLLM: an expert held by another GPU) contributes zeros.
     hidden, w1, w2, weights, ids = make_problem(3, 4, 2, 32, 16, torch.float32, seed=16)
-    blocks = fm.assign_blocks(ids, 16, 4, naive=False)
+    blocks = block_map.assign_blocks(ids, 16, 4, naive=False)
     first_expert = int(blocks.expert_ids[0])
     expert_ids = blocks.expert_ids.clone()
     expert_ids[0] = -1
-    hidden_blocks = fm.BlockAssignment(16, expert_ids, blocks.sorted_token_ids, blocks.num_tokens_post_padded,
+    hidden_blocks = block_map.BlockAssignment(16, expert_ids, blocks.sorted_token_ids, blocks.num_tokens_post_padded,
                                        blocks.num_m_blocks)
-    tiles = fm.default_config(3, 4, 16, 32).gate_up
+    tiles = config.default_config(3, 4, 16, 32).gate_up
     inter = torch.full((6, 16), float("nan"), device=DEVICE)
     fm.expert_gate_up(hidden, w1, hidden_blocks, 2, tiles=tiles, out=inter)
     on_missing = (ids.reshape(-1) == first_expert)
@@ -188,16 +190,16 @@ def test_expert_minus_one_writes_zeros():
 def test_moe_sum(dtype, shape):
     x = torch.randn(shape, generator=torch.Generator().manual_seed(17)).to(DEVICE, dtype)
     out = torch.full((shape[0], shape[2]), float("nan"), device=DEVICE, dtype=dtype)
-    fm.moe_sum(x, out=out)
+    combine.moe_sum(x, out=out)
     assert rel_err(out, x.double().sum(1)) < TOLERANCE[dtype]
-    assert rel_err(fm.moe_sum_reference(x), x.double().sum(1)) < TOLERANCE[dtype]
+    assert rel_err(combine.moe_sum_reference(x), x.double().sum(1)) < TOLERANCE[dtype]
 
 
 # ---- the routed layer from logits ------------------------------------------------------------
 
 
 def test_fused_moe_from_logits():
-    routing = pytest.importorskip("moe_kernels.routing")
+    routing = pytest.importorskip("moe_kernels.kernels.routing")
     hidden, w1, w2, _, _ = make_problem(6, 8, 2, 32, 16, torch.float32, seed=18)
     logits = torch.randn(6, 8, generator=torch.Generator().manual_seed(19)).to(DEVICE)
     weights, ids = routing.fused_topk(hidden, logits, 2, True)
@@ -211,20 +213,28 @@ def test_fused_moe_from_logits():
 @pytest.mark.parametrize("m, block_m, block_n, block_k", [(1, 16, 64, 128), (32, 16, 64, 128), (64, 32, 64, 128),
                                                           (96, 32, 128, 64), (512, 64, 128, 64), (513, 128, 128, 64)])
 def test_default_config_follows_vllm(m, block_m, block_n, block_k):
-    cfg = fm.default_config(m, 128, 768, 2048)
+    cfg = config.default_config(m, 128, 768, 2048)
     assert (cfg.block_m, cfg.down.block_n, cfg.down.block_k) == (block_m, block_n, block_k)
     assert cfg.gate_up.block_n == block_n // 2  # half the N tile: it loads gate and up rows
-    assert fm.FusedMoEConfig.from_dict(cfg.to_dict()) == cfg
+    assert config.MoEConfig.from_dict(cfg.to_dict()) == cfg
 
 
-def test_tuned_table_takes_nearest_m(monkeypatch):
-    a, b = fm.default_config(1, 8, 64, 64), fm.default_config(4096, 8, 64, 64)
-    monkeypatch.setitem(fm._TUNED, ("GPU X", 8, 64, 64), {1: a, 4096: b})
-    assert fm.tuned_config("GPU X", 60, 8, 64, 64) == a      # nearest by ratio: 60x vs 68x
-    assert fm.tuned_config("GPU X", 70, 8, 64, 64) == b
-    assert fm.tuned_config("NVIDIA H200", 8, 128, 768, 2048).block_m == 16
-    assert fm.tuned_config("GPU Y", 3000, 8, 64, 64) is None
-    assert fm.get_config(5, 8, 64, 64, torch.float32, "cpu") == fm.default_config(5, 8, 64, 64)
+def test_tuned_table_takes_nearest_m():
+    a, b = config.default_config(1, 8, 64, 64), config.default_config(4096, 8, 64, 64)
+    table = {1: a, 4096: b}
+    assert config.nearest(table, 60) == a      # nearest by ratio: 60x vs 68x
+    assert config.nearest(table, 70) == b
+    h200 = config.load_table(config.table_name("NVIDIA H200", 128, 768, 2048, torch.bfloat16, "index_gather"))
+    assert config.nearest(h200, 8).block_m == 16
+    assert config.load_table(config.table_name("GPU Y", 8, 64, 64, torch.bfloat16, "index_gather")) is None
+    assert config.get_config(5, 8, 64, 64, torch.float32, "cpu") == config.default_config(5, 8, 64, 64)
+
+
+def test_tuned_tables_are_valid_configs():
+    for path in sorted(config.CONFIG_DIR.glob("*.json")):
+        for m, cfg in config.load_table(path.stem).items():
+            assert m >= 1
+            config.check_config("test", cfg)
 
 
 # ---- bad inputs ------------------------------------------------------------------------------
@@ -260,12 +270,14 @@ def test_bad_inputs(index, bad, exc, words):
 
 def test_bad_arguments():
     problem = _good()
-    with pytest.raises(ValueError, match="'block_size_m' must be >= 16"):
+    with pytest.raises(ValueError, match="'block_size_m' must be a power of two >= 16"):
         fm.fused_experts(*problem, block_size_m=8)
+    with pytest.raises(ValueError, match="'block_size_m' must be a power of two >= 16"):
+        fm.fused_experts(*problem, block_size_m=24)
     with pytest.raises(ValueError, match="moe_sum: argument 'x' must have 3 dimensions"):
-        fm.moe_sum(torch.zeros(3, 4, device=DEVICE))
+        combine.moe_sum(torch.zeros(3, 4, device=DEVICE))
     with pytest.raises(ValueError, match=r"moe_sum: argument 'out' must have shape \(2, 4\)"):
-        fm.moe_sum(torch.zeros(2, 3, 4, device=DEVICE), out=torch.zeros(2, 5, device=DEVICE))
+        combine.moe_sum(torch.zeros(2, 3, 4, device=DEVICE), out=torch.zeros(2, 5, device=DEVICE))
 
 
 # ---- the benchmark harness (its timings need a GPU; its logic does not) ----------------------
@@ -274,14 +286,14 @@ def test_bad_arguments():
 def test_bench_cli_needs_a_gpu(capsys):
     if torch.cuda.is_available():
         pytest.skip("on a GPU the CLI runs the sweep")
-    from moe_kernels import bench
+    from moe_kernels.bench import sweep
 
-    assert bench.main(["--batches", "1"]) == 2
+    assert sweep.main(["--batches", "1"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
 def test_bench_tuning_candidates_fit_shared_memory():
-    from moe_kernels import bench
+    from moe_kernels.bench import sweep as bench
 
     assert bench.block_m_candidates(0.06) == [16] and bench.block_m_candidates(512) == [128]
     assert bench.block_m_candidates(32) == [16, 32, 64]

@@ -4,13 +4,13 @@ DeepSeek-V3 adds to each MoE layer one *shared* expert, a gated FFN of the route
 ``F`` that every token passes through with weight 1. There are two ways to run it:
 
 * **separate**: the routed experts in their grouped GEMM (:func:`moe_with_shared_separate` calls
-  :func:`moe_kernels.fused_moe.fused_experts`), plus the shared FFN as a dense module
+  :func:`moe_kernels.kernels.index_gather.fused_experts`), plus the shared FFN as a dense module
   (:func:`shared_expert_separate`), and the two outputs added. vLLM does this on NVIDIA GPUs: its
   DeepSeek model builds the shared expert as its own ``DeepseekV2MLP``
   (vllm-project/vllm ``vllm/model_executor/models/deepseek_v2.py``).
 * **fused**: store the shared expert as routed expert number ``E`` (:func:`stack_shared_expert`,
   done once at load time), append it to every token's top-k with weight 1
-  (:func:`moe_kernels.routing.append_shared_expert`), and run top-(k+1) in one grouped GEMM
+  (:func:`moe_kernels.kernels.routing.append_shared_expert`), and run top-(k+1) in one grouped GEMM
   (:func:`moe_with_shared_fused`). SGLang does this for DeepSeek-V3
   (sgl-project/sglang ``python/sglang/srt/models/deepseek_v2.py``, ``num_fused_shared_experts``).
 
@@ -20,8 +20,8 @@ by is a dense GEMM, and routing all tokens to "expert 0" would only add an align
 index gathers around the same product. It is also what vLLM runs.
 
 What the shared expert costs in weight bytes depends on how many routed experts the batch
-touches (:func:`moe_kernels.costs.experts_touched`): at batch 1 it adds ``1/k`` to the routed
-bytes, once all ``E`` are touched only ``1/E``.
+touches (:func:`moe_kernels.model.costs.shared_expert_byte_overhead`): at batch 1 it adds ``1/k``
+to the routed bytes, once all ``E`` are touched only ``1/E``.
 
 Worked example: four routed experts, top-2, ``F = 8``, ``d = 16``::
 
@@ -40,17 +40,15 @@ Worked example: four routed experts, top-2, ``F = 8``, ``d = 16``::
     >>> fused = moe_with_shared_fused(x, w1_all, w2_all, weights, ids)
     >>> bool(torch.allclose(separate, fused, atol=1e-5))
     True
-    >>> round(shared_expert_byte_overhead(1, 256, 8), 6), round(shared_expert_byte_share(1, 256, 8), 6)
-    (0.125, 0.111111)
 """
 
 from __future__ import annotations
 
 import torch
 
-from ._checks import check_ids_in_range, check_int, check_tensor, fail
-from .costs import experts_touched
-from .fused_moe import FusedMoEConfig, fused_experts, get_config
+from .._checks import check_ids_in_range, check_int, check_tensor, fail
+from .config import MoEConfig, get_config
+from .index_gather import fused_experts
 from .routing import append_shared_expert
 
 __all__ = [
@@ -58,8 +56,6 @@ __all__ = [
     "moe_with_shared_separate",
     "stack_shared_expert",
     "moe_with_shared_fused",
-    "shared_expert_byte_overhead",
-    "shared_expert_byte_share",
 ]
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -105,7 +101,7 @@ def shared_expert_separate(hidden_states: torch.Tensor, w1_shared: torch.Tensor,
 def moe_with_shared_separate(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                              topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                              w1_shared: torch.Tensor, w2_shared: torch.Tensor, *,
-                             config: FusedMoEConfig | None = None, validate_ids: bool = True) -> torch.Tensor:
+                             config: MoEConfig | None = None, validate_ids: bool = True) -> torch.Tensor:
     """Routed experts (:func:`fused_experts`) plus the shared FFN (:func:`shared_expert_separate`).
 
     Arguments as :func:`fused_experts` (``w1 [E, 2F, d]``, ``w2 [E, d, F]``, ``topk_* [T, k]``)
@@ -149,7 +145,7 @@ def stack_shared_expert(w1: torch.Tensor, w2: torch.Tensor, w1_shared: torch.Ten
 
 def moe_with_shared_fused(hidden_states: torch.Tensor, w1_with_shared: torch.Tensor,
                           w2_with_shared: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
-                          shared_weight: float | torch.Tensor = 1.0, config: FusedMoEConfig | None = None,
+                          shared_weight: float | torch.Tensor = 1.0, config: MoEConfig | None = None,
                           validate_ids: bool = True) -> torch.Tensor:
     """Routed and shared experts in one grouped GEMM: top-k plus the shared slot, ``k + 1`` per token.
 
@@ -172,6 +168,10 @@ def moe_with_shared_fused(hidden_states: torch.Tensor, w1_with_shared: torch.Ten
              f"shape {tuple(w1_with_shared.shape)}")
     check_int(func, "topk_ids.shape[1]", topk_ids.shape[1], lo=1, hi=num_routed,
               what_hi="the number of routed experts, w1_with_shared.shape[0] - 1")
+    check_tensor(func, "topk_weights", topk_weights, ndim=2, device=topk_ids.device)
+    if topk_weights.shape != topk_ids.shape:
+        fail(func, "topk_weights", f"must have the shape of topk_ids {tuple(topk_ids.shape)} (routed slots "
+             "only: the shared slot is appended here)", f"shape {tuple(topk_weights.shape)}")
     if validate_ids:
         check_ids_in_range(func, "topk_ids", topk_ids, num_routed)
     weights, ids = append_shared_expert(topk_weights, topk_ids, num_routed, shared_weight=shared_weight)
@@ -182,24 +182,3 @@ def moe_with_shared_fused(hidden_states: torch.Tensor, w1_with_shared: torch.Ten
                          validate_ids=False)
 
 
-def shared_expert_byte_overhead(batch: float, num_experts: int, top_k: int, num_shared_experts: int = 1) -> float:
-    """Shared-expert weight bytes over the routed bytes a batch reads: ``n_s / E_touched(B)``.
-
-    Same-size experts, uniform routing (:func:`moe_kernels.costs.experts_touched`): ``n_s / k``
-    at batch 1, falling to ``n_s / E`` once every routed expert is touched.
-    """
-    check_int("shared_expert_byte_overhead", "num_shared_experts", num_shared_experts, lo=1)
-    if batch <= 0:
-        fail("shared_expert_byte_overhead", "batch", "must be > 0", batch)
-    return num_shared_experts / experts_touched(batch, num_experts, top_k)
-
-
-def shared_expert_byte_share(batch: float, num_experts: int, top_k: int, num_shared_experts: int = 1) -> float:
-    """The shared experts' fraction of all expert bytes read: ``n_s / (E_touched(B) + n_s)``.
-
-    ``1/(k+1)`` at batch 1 with one shared expert, ``1/(E+1)`` at saturation.
-    """
-    check_int("shared_expert_byte_share", "num_shared_experts", num_shared_experts, lo=1)
-    if batch <= 0:
-        fail("shared_expert_byte_share", "batch", "must be > 0", batch)
-    return num_shared_experts / (experts_touched(batch, num_experts, top_k) + num_shared_experts)

@@ -94,7 +94,7 @@ def three_layouts_picture(axes, topk_ids: torch.Tensor, num_experts: int, block:
     """
     import matplotlib.pyplot as plt
 
-    from .align import moe_align_block_size_reference
+    from ..kernels.align import moe_align_block_size_reference
 
     cmap = plt.get_cmap("tab10")
     k = topk_ids.shape[1]
@@ -221,11 +221,11 @@ def capacity_queues_picture(ax, topk_ids: torch.Tensor, num_experts: int, capaci
 
     A box ``t3·2`` is token 3's second choice. Boxes below the line ``C`` got a slot; boxes above
     it are dropped (red). The order up a column is the priority rule of
-    :func:`moe_kernels.capacity.expert_queue_positions`.
+    :func:`moe_kernels.model.capacity.expert_queue_positions`.
     """
     import matplotlib.pyplot as plt
 
-    from .capacity import expert_queue_positions
+    from ..model.capacity import expert_queue_positions
 
     ids = topk_ids.cpu()
     positions = expert_queue_positions(ids, num_experts)

@@ -1,11 +1,11 @@
-"""Time the router and the alignment against their torch references: ``python -m moe_kernels.bench_routing``.
+"""Time the router and the alignment against their torch references: ``python -m moe_kernels.bench.routing``.
 
 For batch 1 to 16384 at the two chapter shapes (DeepSeek-V3: grouped sigmoid top-8 of 256 with a
 correction bias; Qwen3-30B-A3B: softmax top-8 of 128), and for ``moe_align_block_size`` at each
 shape with the tile height vLLM's default config picks for that batch. Each call is timed by
 ``triton.testing.do_bench`` (median, CUDA events: "eager", launch cost included) and, for the
 kernels, replayed from a CUDA graph (GPU time per call, launch cost gone: how a decode step runs
-in an engine); see :mod:`moe_kernels.timing`. Before timing, every kernel's output is compared
+in an engine); see :mod:`moe_kernels.bench.timing`. Before timing, every kernel's output is compared
 with its reference (ids exact). ``--record`` writes ``results/<device>/routing_align.json``.
 """
 
@@ -16,8 +16,8 @@ import sys
 
 import torch
 
-from . import align, routing
-from .shapes import MODELS
+from ..kernels import align, grouped_routing, routing
+from ..model.shapes import MODELS
 from .timing import eager_us, graph_us
 
 BATCHES = [2**i for i in range(15)]  # 1 .. 16384
@@ -46,8 +46,8 @@ def routing_cases(num_tokens: int, generator: torch.Generator):
                      routed_scaling_factor=dsv3.routed_scaling_factor, e_score_correction_bias=bias)
     qw_args = (hidden, qw_logits, qwen.top_k, True)
     return [
-        ("grouped_topk DeepSeek-V3", lambda: routing.grouped_topk(*ds_args, **ds_kwargs),
-         lambda: routing.grouped_topk_reference(*ds_args, **ds_kwargs)),
+        ("grouped_topk DeepSeek-V3", lambda: grouped_routing.grouped_topk(*ds_args, **ds_kwargs),
+         lambda: grouped_routing.grouped_topk_reference(*ds_args, **ds_kwargs)),
         ("fused_topk Qwen3-30B-A3B", lambda: routing.fused_topk(*qw_args),
          lambda: routing.fused_topk_reference(*qw_args)),
     ]
@@ -93,11 +93,11 @@ def main(argv=None) -> int:
     parser.add_argument("--record", action="store_true", help="write results/<device>/routing_align.json")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        print("moe_kernels.bench_routing: needs a CUDA GPU", file=sys.stderr)
+        print("moe_kernels.bench.routing: needs a CUDA GPU", file=sys.stderr)
         return 2
     rows = run()
     if args.record:
-        from .results import record
+        from ..results import record
 
         print("recorded", record("routing_align", {"rows": rows, "batches": BATCHES}))
     return 0

@@ -1,18 +1,18 @@
 """Skewed routing on an H200: what the contiguous and masked layouts allocate and how long they take.
 
-``python -m moe_kernels.bench_skew [--record]`` draws routings with Zipf-skewed popularity
-(:mod:`moe_kernels.skew`: exponents 0, 0.5, 1.0, 1.5; ``s = 0`` is uniform) at both model shapes,
+``python -m moe_kernels.bench.skew [--record]`` draws routings with Zipf-skewed popularity
+(:mod:`moe_kernels.model.skew`: exponents 0, 0.5, 1.0, 1.5; ``s = 0`` is uniform) at both model shapes,
 bf16, batches 512 and 4096, and for each one:
 
 * lays it out both ways, outside the timed region: the alignment for the index-gather layer
-  (tile height from :func:`moe_kernels.fused_moe.get_config`), and the masked dispatch with
-  ``m_max`` = the measured cap (:func:`moe_kernels.masked.m_max_measured_cap`: the hottest
+  (tile height from :func:`moe_kernels.kernels.config.get_config`), and the masked dispatch with
+  ``m_max`` = the measured cap (:func:`moe_kernels.model.buffers.m_max_measured_cap`: the hottest
   expert's rows rounded up to 256);
 * checks both layers' outputs against each other on every token, and against the float64
   direct reference on the first tokens;
 * times, as CUDA-graph replays, the index-gather pair of GEMMs (block map precomputed), the whole
-  index-gather layer (:func:`moe_kernels.fused_moe.fused_experts`, ``validate_ids=False``), and
-  the masked pair of GEMMs (:func:`moe_kernels.masked.grouped_gemm_masked` twice; two tile
+  index-gather layer (:func:`moe_kernels.kernels.index_gather.fused_experts`, ``validate_ids=False``), and
+  the masked pair of GEMMs (:func:`moe_kernels.kernels.masked.grouped_gemm_masked` twice; two tile
   configurations, the faster kept);
 * records the rows (real, contiguous padded, masked reserved), the hottest expert, the experts
   touched, each layout's intermediate buffer bytes, and the closed-form expectations beside the
@@ -28,7 +28,7 @@ import sys
 
 import torch
 
-from .shapes import MODELS
+from ..model.shapes import MODELS
 
 MODEL_KEYS = ("deepseek-v3", "qwen3-30b-a3b")
 BATCHES = (512, 4096)
@@ -41,10 +41,10 @@ TOLERANCE = 2e-2  # relative (Frobenius) error allowed in bf16
 
 
 def _masked_tile_configs():
-    from .permute import TileConfig, default_tile_config
+    from ..kernels.config import GemmTiles, MoEConfig, default_config
 
-    return {"128x128x64": default_tile_config(torch.bfloat16),
-            "64x64x128": TileConfig(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=4)}
+    narrow = GemmTiles(block_n=64, block_k=128, num_warps=4, num_stages=4)
+    return {"128x128x64": default_config(0, 0, 0, 0, layout="masked"), "64x64x128": MoEConfig(64, narrow, narrow)}
 
 
 def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -54,8 +54,10 @@ def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def measure(model_key: str, batch: int, s: float, w1: torch.Tensor, w2: torch.Tensor, seed: int) -> dict:
     """One (model, batch, exponent) point: layouts, checks, times, counts."""
-    from . import fused_moe, masked, skew
-    from .reference import moe_reference
+    from ..kernels import blocks, index_gather, masked
+    from ..kernels.config import get_config
+    from ..model import buffers, skew
+    from ..reference import moe_reference
     from .timing import graph_us
 
     model = MODELS[model_key]
@@ -68,13 +70,13 @@ def measure(model_key: str, batch: int, s: float, w1: torch.Tensor, w2: torch.Te
     weights = torch.rand(batch, k, generator=gen, device=device).softmax(dim=-1)
 
     # Layouts, outside every timed region.
-    cfg = fused_moe.get_config(batch, E, F, d, dtype, device)
-    blocks = fused_moe.assign_blocks(ids, cfg.block_m, E, validate_ids=False)
-    m_max = masked.m_max_measured_cap(ids, E, block=MASKED_ROUND)
-    dispatched = masked.masked_dispatch(hidden, ids, E, m_max)
+    cfg = get_config(batch, E, F, d, dtype, device)
+    blocks = blocks.assign_blocks(ids, cfg.block_m, E, validate_ids=False)
+    m_max = buffers.m_max_measured_cap(ids, E, block=MASKED_ROUND)
+    dispatched = masked.masked_dispatch(hidden, ids, E, m_max=m_max)
 
     # Check before timing: the two layers against each other, and against float64 on a prefix.
-    index_gather_out = fused_moe.fused_experts(hidden, w1, w2, weights, ids, config=cfg, validate_ids=False)
+    index_gather_out = index_gather.fused_experts(hidden, w1, w2, weights, ids, config=cfg, validate_ids=False)
     masked_out = masked.masked_experts(hidden, w1, w2, weights, ids, m_max=m_max)
     head = slice(0, min(batch, REFERENCE_TOKENS))
     reference = moe_reference(hidden[head], w1, w2, weights[head], ids[head])
@@ -88,16 +90,16 @@ def measure(model_key: str, batch: int, s: float, w1: torch.Tensor, w2: torch.Te
     torch.cuda.empty_cache()
 
     calls = 10 if batch <= 512 else 2
-    act = fused_moe.expert_gate_up(hidden, w1, blocks, k, tiles=cfg.gate_up)
-    per_slot = fused_moe.expert_down(act, w2, weights, blocks, tiles=cfg.down)
+    act = index_gather.expert_gate_up(hidden, w1, blocks, k, tiles=cfg.gate_up)
+    per_slot = index_gather.expert_down(act, w2, weights, blocks, tiles=cfg.down)
 
     def index_gather_gemms():
-        fused_moe.expert_gate_up(hidden, w1, blocks, k, tiles=cfg.gate_up, out=act)
-        fused_moe.expert_down(act, w2, weights, blocks, tiles=cfg.down, out=per_slot)
+        index_gather.expert_gate_up(hidden, w1, blocks, k, tiles=cfg.gate_up, out=act)
+        index_gather.expert_down(act, w2, weights, blocks, tiles=cfg.down, out=per_slot)
 
     times = {
         "index-gather GEMMs": graph_us(index_gather_gemms, calls=calls),
-        "index-gather layer": graph_us(lambda: fused_moe.fused_experts(
+        "index-gather layer": graph_us(lambda: index_gather.fused_experts(
             hidden, w1, w2, weights, ids, config=cfg, validate_ids=False), calls=calls),
     }
     del act, per_slot
@@ -108,7 +110,8 @@ def measure(model_key: str, batch: int, s: float, w1: torch.Tensor, w2: torch.Te
         def masked_gemms(tiles=tiles):
             masked.grouped_gemm_masked(dispatched.rows, w1, dispatched.masked_m, silu_mul=True,
                                        out=masked_act, config=tiles)
-            masked.grouped_gemm_masked(masked_act, w2, dispatched.masked_m, out=masked_y, config=tiles)
+            masked.grouped_gemm_masked(masked_act, w2, dispatched.masked_m, out=masked_y, config=tiles,
+                                       which="down")
 
         t = graph_us(masked_gemms, calls=calls)
         if t is not None and (best_masked is None or t < best_masked[1]):
@@ -142,7 +145,7 @@ def measure(model_key: str, batch: int, s: float, w1: torch.Tensor, w2: torch.Te
         # GEMM 1 and [T, k, d] after GEMM 2; masked keeps [E, m_max, d] rows and [E, m_max, F].
         "buffer_bytes": {
             "index-gather": drawn.real * (d + F) * itemsize,
-            "masked": masked.masked_buffer_bytes(E, m_max, d, F, dtype),
+            "masked": buffers.masked_buffer_bytes(E, m_max, d, F, dtype),
         },
         "flops": drawn.real * model.expert_flops_per_token,
         "times_us": times,
@@ -156,15 +159,15 @@ def measure(model_key: str, batch: int, s: float, w1: torch.Tensor, w2: torch.Te
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m moe_kernels.bench_skew", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m moe_kernels.bench skew", description=__doc__.splitlines()[0])
     parser.add_argument("--record", action="store_true", help="write results/<device>/skew.json")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        print("moe_kernels.bench_skew: needs a CUDA GPU (timings on the CPU interpreter mean nothing)",
+        print("moe_kernels.bench.skew: needs a CUDA GPU (timings on the CPU interpreter mean nothing)",
               file=sys.stderr)
         return 2
-    from .bench import make_weights
+    from .problems import make_weights
 
     rows = []
     for key in MODEL_KEYS:
@@ -175,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         del w1, w2
         torch.cuda.empty_cache()
     if args.record:
-        from .results import record
+        from ..results import record
 
         config = {"batches": list(BATCHES), "exponents": list(EXPONENTS), "masked_round": MASKED_ROUND,
                   "dtype": "bfloat16", "timing": "CUDA-graph replay, median"}

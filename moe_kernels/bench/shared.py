@@ -1,16 +1,16 @@
-"""The shared expert run separately or fused, timed on the GPU: ``python -m moe_kernels.bench_shared``.
+"""The shared expert run separately or fused, timed on the GPU: ``python -m moe_kernels.bench.shared``.
 
 One DeepSeek-V3 MoE layer in bf16 (256 routed experts, top-8, one shared expert of the same
 width) at batches 1, 8, 64, 512 and 4096, two ways:
 
-* **separate**: :func:`moe_kernels.shared_expert.moe_with_shared_separate`, the routed grouped
+* **separate**: :func:`moe_kernels.kernels.shared.moe_with_shared_separate`, the routed grouped
   GEMM followed by the shared FFN as two cuBLAS GEMMs (what vLLM runs on NVIDIA);
-* **fused**: :func:`moe_kernels.shared_expert.moe_with_shared_fused`, the shared expert spliced
+* **fused**: :func:`moe_kernels.kernels.shared.moe_with_shared_fused`, the shared expert spliced
   in as expert 256 and top-9 run in one grouped GEMM (what SGLang runs).
 
 Each batch is checked first: both outputs against the float64 reference
 (:func:`moe_kernels.reference.moe_reference`) and against each other, relative error below
-1e-2, or the run stops. Every time is a CUDA-graph replay (:func:`moe_kernels.timing.graph_us`,
+1e-2, or the run stops. Every time is a CUDA-graph replay (:func:`moe_kernels.bench.timing.graph_us`,
 ids not range-checked, so nothing syncs with the host). Besides the two totals the parts are
 timed alone: the routed experts, the shared FFN, and the fused grouped GEMM with the nine-slot ids
 prepared beforehand (the splice itself is a few small torch kernels; SGLang does it inside its
@@ -20,7 +20,7 @@ fusion, not tile choice.
 Bytes are counted for the ids drawn: the routed experts touched plus the shared expert
 (``3 d F`` bf16 weights each), activations in and out; FLOPs are ``6 d F`` per row of the
 ``k + 1`` per token. The floor is ``max(bytes / bandwidth, FLOPs / GEMM rate)`` with both
-ceilings measured in the same run (:mod:`moe_kernels.ceilings`). ``--record`` writes
+ceilings measured in the same run (:mod:`moe_kernels.bench.ceilings`). ``--record`` writes
 ``results/<device>/shared-expert.json``. Needs a CUDA GPU; about a minute on an H200.
 
 The counting runs anywhere. Two tokens of DeepSeek-V3 that share one routed expert::
@@ -40,7 +40,7 @@ import sys
 
 import torch
 
-from .shapes import MODELS, MoEModel
+from ..model.shapes import MODELS, MoEModel
 
 BATCHES = (1, 8, 64, 512, 4096)
 MAX_REL_ERR = 1e-2  # bf16 outputs of a 7168 x 2048 expert FFN
@@ -69,12 +69,14 @@ def count_work(model: MoEModel, topk_ids: torch.Tensor, bytes_per_element: float
 def measure(batch: int, w1_all: torch.Tensor, w2_all: torch.Tensor, ceilings: dict, seed: int = 0,
             model: MoEModel = MODELS["deepseek-v3"]) -> dict:
     """Check, then time, both ways at one batch; ``w*_all`` hold the E routed experts and the shared one."""
-    from . import costs, fused_moe
-    from .align import use_naive_block_assignment
-    from .bench import make_batch
-    from .reference import moe_reference
-    from .routing import append_shared_expert
-    from .shared_expert import moe_with_shared_fused, moe_with_shared_separate, shared_expert_separate
+    from ..kernels import index_gather
+    from ..kernels.config import get_config
+    from ..model import costs
+    from ..kernels.blocks import use_naive_block_assignment
+    from .problems import make_batch
+    from ..reference import moe_reference
+    from ..kernels.routing import append_shared_expert
+    from ..kernels.shared import moe_with_shared_fused, moe_with_shared_separate, shared_expert_separate
     from .timing import graph_us
 
     num_experts, top_k = model.num_experts, model.top_k
@@ -83,7 +85,7 @@ def measure(batch: int, w1_all: torch.Tensor, w2_all: torch.Tensor, ceilings: di
     # Views into the stacked tensors: the separate way reads the very same memory, no second copy.
     w1, w2, w1_shared, w2_shared = w1_all[:num_experts], w2_all[:num_experts], w1_all[num_experts], w2_all[num_experts]
     hidden, _, weights, ids = make_batch(model, batch, dtype, seed + batch, device=w1_all.device)
-    config = fused_moe.get_config(batch, num_experts, f, d, dtype, hidden.device)
+    config = get_config(batch, num_experts, f, d, dtype, hidden.device)
 
     def separate():
         return moe_with_shared_separate(hidden, w1, w2, weights, ids, w1_shared, w2_shared, config=config,
@@ -103,11 +105,11 @@ def measure(batch: int, w1_all: torch.Tensor, w2_all: torch.Tensor, ceilings: di
 
     times = {
         "separate_us": graph_us(separate),
-        "routed_us": graph_us(lambda: fused_moe.fused_experts(hidden, w1, w2, weights, ids, config=config,
+        "routed_us": graph_us(lambda: index_gather.fused_experts(hidden, w1, w2, weights, ids, config=config,
                                                               validate_ids=False)),
         "shared_us": graph_us(lambda: shared_expert_separate(hidden, w1_shared, w2_shared)),
         "fused_us": graph_us(fused),
-        "fused_gemms_us": graph_us(lambda: fused_moe.fused_experts(hidden, w1_all, w2_all, weights9, ids9,
+        "fused_gemms_us": graph_us(lambda: index_gather.fused_experts(hidden, w1_all, w2_all, weights9, ids9,
                                                                    config=config, validate_ids=False)),
     }
     work = count_work(model, ids, dtype.itemsize)
@@ -144,11 +146,11 @@ def main(argv=None) -> int:
     parser.add_argument("--record", action="store_true", help="write results/<device>/shared-expert.json")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        print("moe_kernels.bench_shared: needs a CUDA GPU", file=sys.stderr)
+        print("moe_kernels.bench.shared: needs a CUDA GPU", file=sys.stderr)
         return 2
-    from .bench import make_weights
+    from .problems import make_weights
     from .ceilings import measure_gemm_rate, measure_hbm_bandwidth
-    from .shared_expert import stack_shared_expert
+    from ..kernels.shared import stack_shared_expert
 
     model = MODELS["deepseek-v3"]
     ceilings = {"hbm_bandwidth": measure_hbm_bandwidth(), "gemm_rate_bf16": measure_gemm_rate()}
@@ -167,7 +169,7 @@ def main(argv=None) -> int:
         _print_row(rows[-1])
         torch.cuda.empty_cache()
     if args.record:
-        from .results import record
+        from ..results import record
 
         data = {"model": "deepseek-v3", "dtype": "bf16", "ceilings": ceilings, "rows": rows}
         print("recorded", record("shared-expert", data))

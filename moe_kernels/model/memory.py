@@ -1,7 +1,7 @@
 """Memory: where an MoE model's bytes are, what one GPU can hold, and what quantizing the experts buys.
 
-Four questions, all answered from the config shapes (:mod:`moe_kernels.shapes`) and the byte
-model (:mod:`moe_kernels.costs`):
+Four questions, all answered from the config shapes (:mod:`moe_kernels.model.shapes`) and the byte
+model (:mod:`moe_kernels.model.costs`):
 
 1. How much of the model is routed experts? :func:`model_weight_bytes` splits the stored bytes
    into routed experts, shared experts and the rest, with the routed experts in one dtype and
@@ -17,12 +17,12 @@ model (:mod:`moe_kernels.costs`):
    on an ideal split over ``num_gpus`` GPUs. The routed bytes dominate, so quantizing only the
    experts moves the floor.
 
-Units: bytes everywhere; :data:`~moe_kernels.shapes.GB` (1e9) and :data:`~moe_kernels.shapes.GiB`
+Units: bytes everywhere; :data:`~moe_kernels.model.shapes.GB` (1e9) and :data:`~moe_kernels.model.shapes.GiB`
 (2**30) convert at the edge.
 
 Worked example, an "80 GB" H100 under vLLM's defaults::
 
-    >>> from moe_kernels.shapes import GPUS, MODELS
+    >>> from moe_kernels.model.shapes import GPUS, MODELS
     >>> budget = memory_budget(GPUS["H100 SXM"])
     >>> round(budget.allocator_gib, 2), round(budget.runtime_gib, 2), round(budget.usable_gib, 2)
     (79.65, 73.28, 67.28)
@@ -41,7 +41,7 @@ import math
 from dataclasses import dataclass
 
 from . import costs
-from ._checks import check_int, fail
+from .._checks import check_int, fail
 from .shapes import GB, GPU, GiB, MoEModel, bytes_per_weight
 
 __all__ = [
@@ -80,7 +80,7 @@ def model_weight_bytes(model: MoEModel, routed_dtype: str | float, rest_dtype: s
     weight (shared experts included) in ``rest_dtype``; ``None`` means the same dtype throughout.
 
     Quantization scales are not counted, except that ``"mxfp4"`` carries its 8-bit scale per
-    32 elements (:data:`moe_kernels.shapes.BYTES_PER_WEIGHT`).
+    32 elements (:data:`moe_kernels.model.shapes.BYTES_PER_WEIGHT`).
     """
     rest_dtype = routed_dtype if rest_dtype is None else rest_dtype
     p = costs.parameter_count(model)
@@ -127,10 +127,10 @@ class MemoryBudget:
 
 
 def memory_budget(gpu: GPU, gpu_memory_utilization: float = 0.92, reserve_gib: float = 6.0) -> MemoryBudget:
-    """What one GPU leaves for weights plus KV cache (:func:`moe_kernels.costs.usable_memory_bytes`)."""
+    """What one GPU leaves for weights plus KV cache (:func:`moe_kernels.model.costs.usable_memory_bytes`)."""
     func = "memory_budget"
     if not isinstance(gpu, GPU):
-        fail(func, "gpu", "must be a moe_kernels.shapes.GPU", type(gpu).__name__, TypeError)
+        fail(func, "gpu", "must be a moe_kernels.model.shapes.GPU", type(gpu).__name__, TypeError)
     if not 0 < gpu_memory_utilization <= 1:
         fail(func, "gpu_memory_utilization", "must be in (0, 1]", gpu_memory_utilization)
     if reserve_gib < 0:
@@ -149,7 +149,7 @@ def gpus_needed(weight_bytes: float, budget: MemoryBudget, kv_cache_fraction: fl
     Assumes the weights split evenly over the GPUs. Real layouts replicate some tensors and
     prefer GPU counts that divide the heads and experts, so the deployable count can be higher.
 
-        >>> from moe_kernels.shapes import GPUS
+        >>> from moe_kernels.model.shapes import GPUS
         >>> budget = memory_budget(GPUS["H200"])
         >>> gpus_needed(200e9, budget), gpus_needed(200e9, budget, kv_cache_fraction=0.5)
         (2, 4)
@@ -192,14 +192,14 @@ def decode_step(model: MoEModel, batch: int, gpu: GPU, routed_dtype: str | float
     """The weight bytes one decode step of ``batch`` tokens streams, and its floor on ``num_gpus`` GPUs.
 
     Routed experts: ``E_touched(B) · 3dF`` per MoE layer in ``routed_dtype``
-    (:func:`moe_kernels.costs.moe_layer_weight_bytes`, uniform routing). Every other weight is
+    (:func:`moe_kernels.model.costs.moe_layer_weight_bytes`, uniform routing). Every other weight is
     read once per step in ``rest_dtype``, except the input embedding table, of which a step
     reads only ``B`` rows. FLOPs are ``2 · N_active`` per token, the routed part at the peak
-    rate of ``routed_dtype`` (:meth:`moe_kernels.shapes.GPU.peak_flops`) and the rest at that of
+    rate of ``routed_dtype`` (:meth:`moe_kernels.model.shapes.GPU.peak_flops`) and the rest at that of
     ``rest_dtype``. The ``num_gpus`` GPUs split bytes and FLOPs perfectly. Left out: the KV
     cache reads and attention-score FLOPs, which grow with context length, and activations.
 
-        >>> from moe_kernels.shapes import GPUS, MODELS
+        >>> from moe_kernels.model.shapes import GPUS, MODELS
         >>> qwen = MODELS["qwen3-30b-a3b"]
         >>> bf16 = decode_step(qwen, 64, GPUS["H200"], "bf16")
         >>> fp8 = decode_step(qwen, 64, GPUS["H200"], "fp8")

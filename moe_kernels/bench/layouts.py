@@ -1,7 +1,7 @@
-"""Where the time goes in each grouped-GEMM layout: ``python -m moe_kernels.bench_layouts``.
+"""Where the time goes in each grouped-GEMM layout: ``python -m moe_kernels.bench.layouts``.
 
 For each model shape and batch, each layout is split into its stages and every stage is timed
-on its own as a CUDA-graph replay (:func:`moe_kernels.timing.graph_us`: GPU time, no launch
+on its own as a CUDA-graph replay (:func:`moe_kernels.bench.timing.graph_us`: GPU time, no launch
 overhead, no host synchronisation allowed), together with the whole pipeline:
 
 * index-gather: block map (alignment, or nothing on the small-batch path), GEMM 1 (+SiLU·mul),
@@ -22,7 +22,7 @@ import sys
 
 import torch
 
-from .shapes import MODELS
+from ..model.shapes import MODELS
 
 BATCHES = (1, 8, 64, 512, 2048, 8192)
 
@@ -43,7 +43,8 @@ def _best(stage_fns: dict, configs: dict):
 
 
 def measure(model_key: str, batch: int, seed: int = 0) -> list[dict]:
-    from .bench import count_work, make_batch, make_weights
+    from ..model.costs import count_work
+    from .problems import make_batch, make_weights
 
     model = MODELS[model_key]
     dtype = torch.bfloat16
@@ -80,70 +81,73 @@ def measure(model_key: str, batch: int, seed: int = 0) -> list[dict]:
 
 
 def _index_gather(row, hidden, w1, w2, weights, ids, E, k, d, F, batch, dtype):
-    from . import fused_moe
+    from ..kernels import blocks, combine, index_gather
+    from ..kernels.config import get_config
     from .timing import graph_us
 
-    cfg = fused_moe.get_config(batch, E, F, d, dtype, hidden.device)
-    blocks = fused_moe.assign_blocks(ids, cfg.block_m, E, validate_ids=False)
-    act = fused_moe.expert_gate_up(hidden, w1, blocks, k, tiles=cfg.gate_up)
-    down = fused_moe.expert_down(act, w2, weights, blocks, tiles=cfg.down)
+    cfg = get_config(batch, E, F, d, dtype, hidden.device)
+    blocks = blocks.assign_blocks(ids, cfg.block_m, E, validate_ids=False)
+    act = index_gather.expert_gate_up(hidden, w1, blocks, k, tiles=cfg.gate_up)
+    down = index_gather.expert_down(act, w2, weights, blocks, tiles=cfg.down)
     stages = {
-        "block map": graph_us(lambda: fused_moe.assign_blocks(ids, cfg.block_m, E, validate_ids=False)),
-        "gemm1": graph_us(lambda: fused_moe.expert_gate_up(hidden, w1, blocks, k, tiles=cfg.gate_up, out=act)),
-        "gemm2": graph_us(lambda: fused_moe.expert_down(act, w2, weights, blocks, tiles=cfg.down, out=down)),
-        "sum": graph_us(lambda: fused_moe.moe_sum(down)),
+        "block map": graph_us(lambda: blocks.assign_blocks(ids, cfg.block_m, E, validate_ids=False)),
+        "gemm1": graph_us(lambda: index_gather.expert_gate_up(hidden, w1, blocks, k, tiles=cfg.gate_up, out=act)),
+        "gemm2": graph_us(lambda: index_gather.expert_down(act, w2, weights, blocks, tiles=cfg.down, out=down)),
+        "sum": graph_us(lambda: combine.moe_sum(down)),
     }
-    total = graph_us(lambda: fused_moe.fused_experts(hidden, w1, w2, weights, ids, config=cfg, validate_ids=False))
+    total = graph_us(lambda: index_gather.fused_experts(hidden, w1, w2, weights, ids, config=cfg, validate_ids=False))
     row("index-gather", stages, total, cfg.to_dict())
 
 
 def _tile_configs():
-    from . import permute
+    from ..kernels.config import GemmTiles, MoEConfig
 
-    return {"default": None, "narrow": permute.TileConfig(block_m=64, block_n=64, block_k=128, num_warps=4,
-                                                          num_stages=4)}
+    narrow = GemmTiles(block_n=64, block_k=128, num_warps=4, num_stages=4)
+    return {"default": None, "narrow": MoEConfig(64, narrow, narrow)}
 
 
 def _permute(row, hidden, w1, w2, weights, ids, E):
-    from . import permute
+    from ..kernels import combine, permute
 
     tile_configs = _tile_configs()
-    perm = permute.permute(hidden, ids, E, 128, validate_ids=False)
-    act_p = permute.grouped_gemm_contiguous(perm.rows, w1, perm.m_indices, 128, silu_mul=True)
-    y_p = permute.grouped_gemm_contiguous(act_p, w2, perm.m_indices, 128)
+    perm = permute.permute(hidden, ids, E, align=128, validate_ids=False)
+    act_p = permute.grouped_gemm_contiguous(perm.rows, w1, perm.m_indices, align=128, silu_mul=True)
+    y_p = permute.grouped_gemm_contiguous(act_p, w2, perm.m_indices, align=128)
     best = _best({
-        "permute copy": lambda c: permute.permute(hidden, ids, E, 128, out=perm.rows, validate_ids=False),
-        "gemm1": lambda c: permute.grouped_gemm_contiguous(perm.rows, w1, perm.m_indices, 128, silu_mul=True,
+        "permute copy": lambda c: permute.permute(hidden, ids, E, align=128, out=perm.rows, validate_ids=False),
+        "gemm1": lambda c: permute.grouped_gemm_contiguous(perm.rows, w1, perm.m_indices, align=128, silu_mul=True,
                                                            out=act_p, config=c),
-        "gemm2": lambda c: permute.grouped_gemm_contiguous(act_p, w2, perm.m_indices, 128, out=y_p, config=c),
-        "unpermute": lambda c: permute.unpermute(y_p, perm.src2dst, weights),
+        "gemm2": lambda c: permute.grouped_gemm_contiguous(act_p, w2, perm.m_indices, align=128, out=y_p, config=c,
+                                                           which="down"),
+        "unpermute": lambda c: combine.unpermute(y_p, perm.src2dst, weights),
     }, tile_configs)
     if best:
         row("permute", best[1], best[2], best[0])
 
 
 def _masked(row, hidden, w1, w2, weights, ids, E, d, batch):
-    from . import masked, permute
+    from ..kernels import combine, masked
+    from ..model import buffers
     from .timing import eager_us
 
     tile_configs = _tile_configs()
-    m_max = masked.m_max_token_budget(batch)
-    disp = masked.masked_dispatch(hidden, ids, E, m_max)
+    m_max = buffers.m_max_token_budget(batch)
+    disp = masked.masked_dispatch(hidden, ids, E, m_max=m_max)
     act_m = masked.grouped_gemm_masked(disp.rows, w1, disp.masked_m, silu_mul=True)
     y_m = masked.grouped_gemm_masked(act_m, w2, disp.masked_m)
     best = _best({
-        "dispatch": lambda c: masked.masked_dispatch(hidden, ids, E, m_max, out=disp.rows, check=False),
+        "dispatch": lambda c: masked.masked_dispatch(hidden, ids, E, m_max=m_max, out=disp.rows, validate_ids=False),
         "gemm1": lambda c: masked.grouped_gemm_masked(disp.rows, w1, disp.masked_m, silu_mul=True, out=act_m, config=c),
-        "gemm2": lambda c: masked.grouped_gemm_masked(act_m, w2, disp.masked_m, out=y_m, config=c),
-        "gather": lambda c: permute.unpermute(y_m.view(E * m_max, d), disp.src2dst, weights),
+        "gemm2": lambda c: masked.grouped_gemm_masked(act_m, w2, disp.masked_m, out=y_m, config=c, which="down"),
+        "gather": lambda c: combine.unpermute(y_m.view(E * m_max, d), disp.src2dst, weights),
     }, tile_configs)
     if best:
         row(f"masked (m_max={m_max})", best[1], best[2], best[0])
     del disp, act_m, y_m
 
-    cap = masked.m_max_measured_cap(ids, E)
+    cap = buffers.m_max_measured_cap(ids, E)
     eager = eager_us(lambda: masked.masked_experts(hidden, w1, w2, weights, ids,
-                                                   m_max=masked.m_max_measured_cap(ids, E)))
+                                                   m_max=buffers.m_max_measured_cap(ids, E)))
     row(f"masked, measured cap (m_max={cap}), eager", {}, eager)
 
 
@@ -153,7 +157,7 @@ def main(argv=None) -> int:
     parser.add_argument("--record", action="store_true")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        print("moe_kernels.bench_layouts: needs a CUDA GPU", file=sys.stderr)
+        print("moe_kernels.bench.layouts: needs a CUDA GPU", file=sys.stderr)
         return 2
     from .ceilings import measure_gemm_rate, measure_hbm_bandwidth
 
@@ -165,7 +169,7 @@ def main(argv=None) -> int:
             rows += measure(key, batch)
             torch.cuda.empty_cache()
     if args.record:
-        from .results import record
+        from ..results import record
 
         print("recorded", record("layout-stages", {"ceilings": ceilings, "rows": rows}))
     return 0

@@ -1,4 +1,4 @@
-"""Measure the two ceilings every floor is built from: HBM bandwidth and the dense GEMM rate.
+"""Measure the ceilings every floor is built from: HBM bandwidth and the dense GEMM rates.
 
 Datasheet figures are leads; what a kernel can reach is what the same GPU reaches on a plain
 device-to-device copy and a large matrix product, measured in the same run. Times are medians
@@ -12,7 +12,11 @@ Example (on a GPU)::
 
 from __future__ import annotations
 
+import sys
+
 import torch
+
+from .._runtime import HAS_TRITON, kernel, tl
 
 
 def _require_cuda(func: str) -> None:
@@ -24,6 +28,27 @@ def _median_ms(fn) -> float:
     from triton.testing import do_bench
 
     return float(do_bench(fn, warmup=25, rep=200, return_mode="median"))
+
+
+if HAS_TRITON:
+
+    @kernel
+    def _read_kernel(x_ptr, partial_ptr, BLOCK: tl.constexpr):
+        # One tile per program, read once and reduced: the traffic is reads only, like a GEMM
+        # streaming its weights (the one-float write per program is 1/BLOCK of the bytes).
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(partial_ptr + tl.program_id(0), tl.sum(tl.load(x_ptr + offs), axis=0))
+
+
+def measure_read_bandwidth(nbytes: int = 4 * 1024**3, block: int = 8192) -> float:
+    """Bytes per second of a streaming read of ``nbytes`` (far beyond the L2): the ceiling for
+    weight streaming, which only reads. Higher than the copy figure, whose writes cost more."""
+    _require_cuda("measure_read_bandwidth")
+    n = nbytes // 4 // block * block
+    x = torch.rand(n, device="cuda")
+    partial = torch.empty(n // block, device="cuda")
+    ms = _median_ms(lambda: _read_kernel[(n // block,)](x, partial, BLOCK=block, num_warps=8))
+    return 4 * n / (ms * 1e-3)
 
 
 def measure_hbm_bandwidth(nbytes: int = 2 * 1024**3) -> float:
@@ -55,8 +80,10 @@ def measure_fp8_gemm_rate(n: int = 8192) -> float:
 
 
 def measure_all() -> dict:
-    """Both ceilings (and the fp8 rate where torch supports it), in SI units."""
-    data = {"hbm_bandwidth": measure_hbm_bandwidth(), "gemm_rate_bf16": measure_gemm_rate()}
+    """Every ceiling (the fp8 rate where torch supports it), in SI units. ``read_bandwidth`` is
+    the one weight-streaming floors use; ``hbm_bandwidth`` (the copy) is kept for reference."""
+    data = {"read_bandwidth": measure_read_bandwidth(), "hbm_bandwidth": measure_hbm_bandwidth(),
+            "gemm_rate_bf16": measure_gemm_rate()}
     try:
         data["gemm_rate_fp8"] = measure_fp8_gemm_rate()
     except (RuntimeError, AttributeError) as err:  # older torch or a GPU without fp8
@@ -65,18 +92,22 @@ def measure_all() -> dict:
     return data
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(description="Measure HBM bandwidth and dense GEMM rates on this GPU.")
+    parser = argparse.ArgumentParser(prog="python -m moe_kernels.bench ceilings",
+                                     description="Measure HBM read and copy bandwidth and dense GEMM rates.")
     parser.add_argument("--record", action="store_true", help="write results/<device>/ceilings.json")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit("moe_kernels.ceilings: needs a CUDA GPU")
+        print("moe_kernels.bench ceilings: needs a CUDA GPU", file=sys.stderr)
+        return 2
     data = measure_all()
-    print(f"copy bandwidth {data['hbm_bandwidth'] / 1e12:.2f} TB/s, bf16 GEMM {data['gemm_rate_bf16'] / 1e12:.0f} TFLOP/s"
+    print(f"read {data['read_bandwidth'] / 1e12:.2f} TB/s, copy {data['hbm_bandwidth'] / 1e12:.2f} TB/s, "
+          f"bf16 GEMM {data['gemm_rate_bf16'] / 1e12:.0f} TFLOP/s"
           + (f", fp8 GEMM {data['gemm_rate_fp8'] / 1e12:.0f} TFLOP/s" if data["gemm_rate_fp8"] else ""))
     if args.record:
-        from .results import record
+        from ..results import record
 
         print("recorded", record("ceilings", data))
+    return 0

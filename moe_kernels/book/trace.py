@@ -5,19 +5,19 @@ and a batch of hidden states, then runs the layer the way an engine's decode ste
 every intermediate tensor so that the quantities a reader wants to check can be read off the
 tensors themselves rather than derived on paper:
 
-1. the gate, a dense ``[T, d] @ [d, E]`` product (:func:`moe_kernels.routing.gate`);
-2. grouped top-k with the correction bias (:func:`moe_kernels.routing.grouped_topk`);
-3. the small-batch rule, vLLM's ``T·k·4 <= E`` (:func:`moe_kernels.align.use_naive_block_assignment`);
-4. the alignment (:func:`moe_kernels.fused_moe.assign_blocks`, which runs
-   :func:`moe_kernels.align.moe_align_block_size`);
-5. GEMM 1 with SiLU·mul in its epilogue (:func:`moe_kernels.fused_moe.expert_gate_up`);
-6. GEMM 2 with the routed weight (:func:`moe_kernels.fused_moe.expert_down`);
-7. the sum over the k slots (:func:`moe_kernels.fused_moe.moe_sum`), plus the shared expert.
+1. the gate, a dense ``[T, d] @ [d, E]`` product (:func:`moe_kernels.kernels.routing.gate`);
+2. grouped top-k with the correction bias (:func:`moe_kernels.kernels.grouped_routing.grouped_topk`);
+3. the small-batch rule, vLLM's ``T·k·4 <= E`` (:func:`moe_kernels.kernels.blocks.use_naive_block_assignment`);
+4. the alignment (:func:`moe_kernels.kernels.blocks.assign_blocks`, which runs
+   :func:`moe_kernels.kernels.align.moe_align_block_size`);
+5. GEMM 1 with SiLU·mul in its epilogue (:func:`moe_kernels.kernels.index_gather.expert_gate_up`);
+6. GEMM 2 with the routed weight (:func:`moe_kernels.kernels.index_gather.expert_down`);
+7. the sum over the k slots (:func:`moe_kernels.kernels.combine.moe_sum`), plus the shared expert.
 
 The shared expert runs as a dense gated FFN beside the routed experts, as vLLM runs it
-(:func:`moe_kernels.shared_expert.shared_expert_separate`), and is added with weight 1
+(:func:`moe_kernels.kernels.shared.shared_expert_separate`), and is added with weight 1
 (``routed_scaling_factor`` is already inside the routed weights, see
-:func:`moe_kernels.routing.grouped_topk`). The residual add is outside the MoE layer and not run.
+:func:`moe_kernels.kernels.grouped_routing.grouped_topk`). The residual add is outside the MoE layer and not run.
 
 ``hidden_size`` and ``intermediate_size`` shrink d and F so that the trace runs under the Triton
 interpreter; the number of experts, top-k and the groups stay the model's, so every count (experts
@@ -43,37 +43,26 @@ Worked example: DeepSeek-V3 with 64 tokens, d and F shrunk to 32 and 16::
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import sys
-from typing import Callable
 
 import torch
 
-from . import _runtime
-from ._checks import check_int, fail
-from .align import use_naive_block_assignment
-from .fused_moe import (
-    BlockAssignment,
-    FusedMoEConfig,
-    assign_blocks,
-    default_config,
-    expert_down,
-    expert_gate_up,
-    moe_sum,
-    tuned_config,
-)
-from .reference import moe_reference
-from .routing import gate, grouped_topk
-from .shared_expert import shared_expert_separate
-from .shapes import GPUS, MODELS, MoEModel, bytes_per_weight
+from .. import _runtime
+from .._checks import check_int, fail
+from ..kernels.blocks import BlockAssignment, assign_blocks, use_naive_block_assignment
+from ..kernels.combine import moe_sum
+from ..kernels.config import MoEConfig, default_config, load_table, nearest, table_name
+from ..kernels.index_gather import expert_down, expert_gate_up
+from ..kernels.grouped_routing import grouped_topk
+from ..kernels.routing import gate
+from ..kernels.shared import shared_expert_separate
+from ..model.shapes import GPUS, MODELS, MoEModel, bytes_per_weight
+from ..reference import moe_reference
 
 __all__ = ["DecodeLayer", "LayerTrace", "make_layer", "route", "shared_expert", "trace_config",
-           "trace_moe_layer", "STAGES", "measure", "main"]
+           "trace_moe_layer"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-# Largest relative error against the float64 reference that :func:`measure` accepts before timing.
-_TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 2e-2}
 # The device whose tuned tiles the trace uses: the GPU this project measures on.
 TRACE_DEVICE_NAME = "NVIDIA H200"
 # Standard deviation of the random correction bias. A trained bias offsets a trained gate's
@@ -135,7 +124,7 @@ def make_layer(model: MoEModel | str, num_tokens: int, *, hidden_size: int | Non
     Expert weights are scaled by ``1/sqrt(fan_in)`` so that activations stay O(1). Each gate row
     has unit norm, so for standard-normal hidden states every expert's logit is exactly standard
     normal: no expert is favoured, and routing is uniform in expectation (what
-    :mod:`moe_kernels.costs` assumes). The correction bias exists only for sigmoid-scored models
+    :mod:`moe_kernels.model.costs` assumes). The correction bias exists only for sigmoid-scored models
     (DeepSeek-V3's auxiliary-loss-free balancing).
     """
     model, d, f = _check_layer_args("make_layer", model, num_tokens, hidden_size, intermediate_size, dtype, seed)
@@ -187,16 +176,17 @@ def shared_expert(layer: DecodeLayer) -> torch.Tensor | None:
     return shared_expert_separate(layer.hidden_states, layer.shared_w1, layer.shared_w2)
 
 
-def trace_config(model: MoEModel, num_tokens: int) -> FusedMoEConfig:
+def trace_config(model: MoEModel, num_tokens: int) -> MoEConfig:
     """The tiles this package runs for ``num_tokens`` tokens of ``model`` on an H200 in bf16.
 
-    The tuned entry at the model's real shape (:func:`moe_kernels.fused_moe.tuned_config`), else
-    :func:`moe_kernels.fused_moe.default_config`. The trace uses it on every machine, so that its
+    The tuned entry at the model's real shape (the tuned table of :mod:`moe_kernels.kernels.config`), else
+    :func:`moe_kernels.kernels.config.default_config`. The trace uses it on every machine, so that its
     M tile, and with it the alignment and the launch grid, is the one the GPU run uses; for
     DeepSeek-V3 at 64 tokens its M tile is 16.
     """
     d, f, e = model.hidden_size, model.moe_intermediate_size, model.num_experts
-    return tuned_config(TRACE_DEVICE_NAME, num_tokens, e, f, d) or default_config(num_tokens, e, f, d)
+    table = load_table(table_name(TRACE_DEVICE_NAME, e, f, d, torch.bfloat16, "index_gather"))
+    return nearest(table, num_tokens) if table else default_config(num_tokens, e, f, d)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -285,7 +275,7 @@ class LayerTrace:
         return out
 
 
-def _fit_to_run(config: FusedMoEConfig, d: int, f: int) -> FusedMoEConfig:
+def _fit_to_run(config: MoEConfig, d: int, f: int) -> MoEConfig:
     """``config`` with its N and K tiles clipped to a shrunk run's d and F (M tile unchanged).
 
     At the real shape nothing changes. At a teaching shape, tiles far wider than the matrices
@@ -318,7 +308,7 @@ def trace_moe_layer(model: MoEModel | str, num_tokens: int, *, hidden_size: int 
     ``hidden_size``/``intermediate_size`` override d and F for the run (the counts stay real;
     bytes and FLOPs use the model's d and F). ``block_m`` overrides the M tile of
     :func:`trace_config`. Under the Triton interpreter a bfloat16 layer is computed in float32
-    (see :func:`moe_kernels.fused_moe.fused_experts`). Intermediate buffers are filled with NaN
+    (see :func:`moe_kernels.kernels.index_gather.fused_experts`). Intermediate buffers are filled with NaN
     before the kernels write them, so a row a kernel forgot shows up in ``rel_error``.
     """
     func = "trace_moe_layer"
@@ -405,113 +395,3 @@ def _trace(layer: DecodeLayer, block_m: int | None) -> LayerTrace:
         routed_output=routed.to(out_dtype), shared_output=None if shared is None else shared.to(out_dtype),
         output=output, rel_error=rel_error,
     )
-
-
-# ----------------------------------------------------------------------------------------------
-# Per-stage timing (GPU)
-# ----------------------------------------------------------------------------------------------
-
-STAGES = ("routing", "alignment", "gemm1", "gemm2", "sum", "shared expert")
-
-
-def measure(model: MoEModel | str, num_tokens: int, *, dtype: torch.dtype, device, seed: int,
-            timer: Callable[[Callable], float | None], hidden_size: int | None = None,
-            intermediate_size: int | None = None) -> dict:
-    """Trace one layer, then time each stage and the whole layer with ``timer(fn) -> µs``.
-
-    The trace runs first, and an output off the float64 reference (beyond float32 1e-5, float16
-    1e-3, bfloat16 2e-2 relative) raises before anything is timed.
-    Each stage is timed on its own, reading the previous stage's real outputs and writing into
-    preallocated buffers (``timer`` is :func:`moe_kernels.timing.graph_us` on the GPU: a CUDA-graph
-    replay, no launch overhead, no host synchronisation allowed). ``layer`` times the stages
-    chained, from the hidden states to the output.
-    """
-    model, _, _ = _check_layer_args("measure", model, num_tokens, hidden_size, intermediate_size, dtype, seed)
-    layer = make_layer(model, num_tokens, hidden_size=hidden_size, intermediate_size=intermediate_size,
-                       dtype=dtype, device=device, seed=seed)
-    trace = _trace(layer, None)
-    if not trace.rel_error <= _TOLERANCE[dtype]:
-        raise AssertionError(f"measure: the layer's output is off the float64 reference by {trace.rel_error:.1e} "
-                             f"(relative), more than {_TOLERANCE[dtype]:.0e} for {trace.dtype}: not timing it")
-    run = _for_kernels(layer)
-    E, k = model.num_experts, model.top_k
-    config = _fit_to_run(trace_config(model, num_tokens), run.hidden_states.shape[1], run.w2.shape[2])
-    weights, ids = trace.topk_weights, trace.topk_ids
-    blocks = assign_blocks(ids, config.block_m, E, naive=trace.naive, validate_ids=False)
-    hidden = run.hidden_states
-    intermediate = torch.empty(num_tokens * k, run.w2.shape[2], dtype=hidden.dtype, device=hidden.device)
-    per_slot = torch.empty(num_tokens, k, hidden.shape[1], dtype=hidden.dtype, device=hidden.device)
-    routed = torch.empty_like(hidden)
-
-    def whole_layer():
-        w, i = route(run)
-        b = assign_blocks(i, config.block_m, E, naive=trace.naive, validate_ids=False)
-        expert_gate_up(hidden, run.w1, b, k, tiles=config.gate_up, out=intermediate)
-        expert_down(intermediate, run.w2, w, b, tiles=config.down, out=per_slot)
-        out = moe_sum(per_slot, out=routed)
-        shared = shared_expert(run)
-        return out if shared is None else out.add_(shared)
-
-    stage_fns = {
-        "routing": lambda: route(run),
-        "alignment": lambda: assign_blocks(ids, config.block_m, E, naive=trace.naive, validate_ids=False),
-        "gemm1": lambda: expert_gate_up(hidden, run.w1, blocks, k, tiles=config.gate_up, out=intermediate),
-        "gemm2": lambda: expert_down(intermediate, run.w2, weights, blocks, tiles=config.down, out=per_slot),
-        "sum": lambda: moe_sum(per_slot, out=routed),
-    }
-    if run.shared_w1 is not None:
-        stage_fns["shared expert"] = lambda: shared_expert(run)
-    stages_us = {name: timer(stage_fns[name]) for name in STAGES if name in stage_fns}
-    return {"model": model.name, "num_tokens": num_tokens, "dtype": trace.dtype, "seed": seed,
-            "config": config.to_dict(), "trace": trace.to_dict(), "stages_us": stages_us,
-            "layer_us": timer(whole_layer)}
-
-
-def _print_run(run: dict, bandwidth: float | None) -> None:
-    t = run["trace"]
-    print(f"{run['model']}, {run['num_tokens']} tokens, {run['dtype']}: {t['experts_touched']} experts touched, "
-          f"naive blocks {t['naive']}, BLOCK_M {t['block_m']}, num_tokens_post_padded {t['num_tokens_post_padded']}, "
-          f"relative error {t['rel_error']:.1e}")
-    for name, us in run["stages_us"].items():
-        print(f"  {name:<14} {us:9.1f} us" if us is not None else f"  {name:<14}   (not capturable)")
-    total = sum(v for v in run["stages_us"].values() if v is not None)
-    print(f"  {'sum of stages':<14} {total:9.1f} us;  whole layer graphed {run['layer_us']:.1f} us")
-    if bandwidth:
-        floor = t["routed_bytes_bf16"] / bandwidth * 1e6
-        print(f"  routed bf16 weights {t['routed_bytes_bf16'] / 1e9:.2f} GB at {bandwidth / 1e12:.2f} TB/s: "
-              f"{floor:.1f} us floor for GEMM 1 + GEMM 2")
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m moe_kernels.decode_step",
-                                     description="One MoE decode layer at the real shape, traced and timed per stage.")
-    parser.add_argument("--model", default="deepseek-v3", choices=sorted(MODELS))
-    parser.add_argument("--tokens", type=lambda s: [int(x) for x in s.split(",") if x], default=[64],
-                        help="comma list of batch sizes (default 64)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--record", action="store_true", help="write results/<device>/decode-step.json")
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("moe_kernels.decode_step: needs a CUDA GPU (the trace itself runs anywhere: trace_moe_layer)",
-              file=sys.stderr)
-        return 2
-    from .ceilings import measure_hbm_bandwidth
-    from .timing import graph_us
-
-    torch.backends.cuda.matmul.allow_tf32 = False
-    bandwidth = measure_hbm_bandwidth()
-    runs = []
-    for num_tokens in args.tokens:
-        run = measure(args.model, num_tokens, dtype=torch.bfloat16, device="cuda", seed=args.seed, timer=graph_us)
-        _print_run(run, bandwidth)
-        runs.append(run)
-        torch.cuda.empty_cache()
-    if args.record:
-        from .results import record
-
-        print("recorded", record("decode-step", {"ceilings": {"hbm_bandwidth": bandwidth}, "runs": runs}))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -4,7 +4,7 @@
 the script in ``explorer.js``). The same block is live in three places: in JupyterLab (a trusted
 output runs its script), on the static site (the page runs it on load), and offline (no CDN, no
 library: about 200 lines of our own JavaScript). The script recomputes
-:func:`moe_kernels.costs.experts_touched` and :func:`moe_kernels.costs.moe_intensity`; the browser
+:func:`moe_kernels.model.costs.experts_touched` and :func:`moe_kernels.model.costs.moe_intensity`; the browser
 test moves the sliders and compares what is drawn with those functions.
 
 Example::
@@ -21,7 +21,7 @@ import itertools
 import json
 from importlib import resources
 
-from .shapes import GPUS
+from ..model.shapes import GPUS
 
 _ids = itertools.count()
 
@@ -40,7 +40,7 @@ def batch_grid(max_batch: int = 16384, points_per_octave: int = 8) -> list[int]:
 
 
 def _read_js(name: str) -> str:
-    return resources.files("moe_kernels").joinpath(name).read_text()
+    return resources.files("moe_kernels.book").joinpath("static", name).read_text()
 
 
 def _script() -> str:
@@ -100,10 +100,10 @@ def padding_skew_explorer(model: str = "deepseek-v3", s: float = 1.0, batch: int
 
     Controls: the model (its E, k, d, F), the Zipf exponent ``s``, the batch (powers of two), the
     tile height ``b``, and what the masked ``m_max`` is rounded up to (``"tile"`` or ``"256"``).
-    The script (``skew_explorer.js``) recomputes :func:`moe_kernels.skew.expected_rows_per_expert`,
-    :func:`~moe_kernels.skew.expected_contiguous_rows`, :func:`~moe_kernels.skew.expected_masked_rows`,
-    :func:`~moe_kernels.skew.expected_hottest_rows` and
-    :func:`~moe_kernels.skew.expected_experts_touched`; the browser test compares them.
+    The script (``skew_explorer.js``) recomputes :func:`moe_kernels.model.skew.expected_rows_per_expert`,
+    :func:`~moe_kernels.model.skew.expected_contiguous_rows`, :func:`~moe_kernels.model.skew.expected_masked_rows`,
+    :func:`~moe_kernels.model.skew.expected_hottest_rows` and
+    :func:`~moe_kernels.model.skew.expected_experts_touched`; the browser test compares them.
 
         >>> html = padding_skew_explorer(model="qwen3-30b-a3b", s=0.5, batch=512, block=32)
         >>> "moe-skew-explorer" in html.data and 'value="9"' in html.data   # 512 = 2**9
@@ -111,7 +111,7 @@ def padding_skew_explorer(model: str = "deepseek-v3", s: float = 1.0, batch: int
     """
     from IPython.display import HTML
 
-    from .shapes import MODELS
+    from ..model.shapes import MODELS
 
     if model not in MODELS:
         raise ValueError(f"padding_skew_explorer: argument 'model' must be one of {sorted(MODELS)}, got {model!r}")

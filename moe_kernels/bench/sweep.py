@@ -1,7 +1,7 @@
 """Timing harness for one routed-expert layer: ceilings, a batch sweep over layouts, tile tuning.
 
 Every number is reported against a *floor* built from two ceilings measured in the same run
-(:mod:`moe_kernels.ceilings`): the HBM bandwidth of a large device-to-device copy and the rate of
+(:mod:`moe_kernels.bench.ceilings`): the HBM bandwidth of a large device-to-device copy and the rate of
 a large bf16 matmul on random data. For one layer at batch ``B``:
 
 * bytes = the weights of the experts the drawn ids actually touch (``3 d F`` each) plus the
@@ -10,28 +10,17 @@ a large bf16 matmul on random data. For one layer at batch ``B``:
 * floor = ``max(bytes / bandwidth, FLOPs / gemm_rate)``; the table shows ``time / floor``.
 
 Layouts are callables ``(hidden, w1, w2, topk_weights, topk_ids) -> [T, d]``: ours (index-gather,
-:mod:`moe_kernels.fused_moe`), the permute and masked layouts and PyTorch's ``grouped_mm`` when
+:mod:`moe_kernels.kernels.index_gather`), the permute and masked layouts and PyTorch's ``grouped_mm`` when
 their modules import, a per-expert Python loop, and a dense GEMM of the same FLOPs. Our layout
 is timed twice: "GEMMs" with the block map precomputed (both grouped GEMMs and the top-k sum)
 and "layer" from router logits (routing, alignment, GEMMs, sum), each also replayed from a CUDA
 graph (no launch overhead). Times are medians of ``triton.testing.do_bench``, which flushes the
 L2 between runs, so weights are read from HBM every time even where they would fit in L2.
 
-``python -m moe_kernels.bench`` runs the sweep (``--record`` writes
-``results/<device>/<name>.json``); ``--tune`` searches tile configurations instead and writes the
-best per batch. Both need a CUDA GPU; the counting below runs anywhere::
-
-    >>> import torch
-    >>> from moe_kernels.shapes import MODELS
-    >>> work = count_work(MODELS["qwen3-30b-a3b"], torch.tensor([[0, 5], [5, 9]]), bytes_per_element=2)
-    >>> work.experts_touched                      # experts 0, 5 and 9
-    3
-    >>> work.flops == 4 * 2 * 3 * 2048 * 768      # four assignments
-    True
-    >>> work.bytes == 3 * 3 * 2048 * 768 * 2 + 2 * 2 * 2048 * 2
-    True
-    >>> round(work.floor_seconds(bandwidth=4e12, gemm_rate=700e12) * 1e6, 2)   # memory-bound
-    7.08
+``python -m moe_kernels.bench sweep`` runs the sweep (``--record`` writes
+``results/<device>/<name>.json``); ``python -m moe_kernels.bench tune`` searches tile
+configurations instead and writes the best per batch. Both need a CUDA GPU; the counting
+(:func:`moe_kernels.model.costs.count_work`) runs anywhere.
 """
 
 from __future__ import annotations
@@ -50,7 +39,9 @@ from typing import Callable
 
 import torch
 
-from .shapes import MODELS, MoEModel
+from ..model.costs import count_work, dense_work
+from ..model.shapes import MODELS, MoEModel
+from .problems import make_batch, make_weights
 
 DEFAULT_MODELS = ("deepseek-v3", "qwen3-30b-a3b")
 DEFAULT_BATCHES = tuple(2**i for i in range(15))  # 1 .. 16384
@@ -61,56 +52,9 @@ DEFAULT_BATCHES = tuple(2**i for i in range(15))  # 1 .. 16384
 # ----------------------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class Work:
-    """What one layer must move and compute at least, for the ids actually drawn."""
-
-    experts_touched: int
-    bytes: float
-    flops: float
-
-    def floor_seconds(self, bandwidth: float, gemm_rate: float) -> float:
-        return max(self.bytes / bandwidth, self.flops / gemm_rate)
-
-
-def count_work(model: MoEModel, topk_ids: torch.Tensor, bytes_per_element: float) -> Work:
-    """Bytes of the experts touched (plus activations in and out) and FLOPs of the expert GEMMs."""
-    touched = int(torch.unique(topk_ids).numel())
-    num_tokens = topk_ids.shape[0]
-    weight_bytes = touched * model.expert_params * bytes_per_element
-    activation_bytes = 2 * num_tokens * model.hidden_size * bytes_per_element
-    return Work(touched, weight_bytes + activation_bytes, topk_ids.numel() * model.expert_flops_per_token)
-
-
-def dense_work(model: MoEModel, num_tokens: int, bytes_per_element: float) -> Work:
-    """The dense comparison: ``[B k, d] @ [d, 3F]``, the same FLOPs as the layer, one weight."""
-    rows, d, cols = num_tokens * model.top_k, model.hidden_size, 3 * model.moe_intermediate_size
-    return Work(1, (rows * d + d * cols + rows * cols) * bytes_per_element, 2.0 * rows * d * cols)
-
-
 # ----------------------------------------------------------------------------------------------
 # Problems and baselines
 # ----------------------------------------------------------------------------------------------
-
-
-def make_weights(model: MoEModel, dtype: torch.dtype, seed: int, device="cuda"):
-    """Random ``w1 [E, 2F, d]`` and ``w2 [E, d, F]`` scaled to keep activations O(1)."""
-    e, d, f = model.num_experts, model.hidden_size, model.moe_intermediate_size
-    g = torch.Generator(device=device).manual_seed(seed)
-    w1 = torch.randn(e, 2 * f, d, device=device, dtype=dtype, generator=g).mul_(d**-0.5)
-    w2 = torch.randn(e, d, f, device=device, dtype=dtype, generator=g).mul_(f**-0.5)
-    return w1, w2
-
-
-def make_batch(model: MoEModel, num_tokens: int, dtype: torch.dtype, seed: int, device="cuda"):
-    """Hidden states and random router logits; the ids are their top-k, so uniform over experts."""
-    from .routing import fused_topk
-
-    g = torch.Generator(device=device).manual_seed(seed)
-    hidden = torch.randn(num_tokens, model.hidden_size, device=device, dtype=dtype, generator=g)
-    logits = torch.randn(num_tokens, model.num_experts, device=device, dtype=torch.float32, generator=g)
-    weights, ids = fused_topk(hidden, logits, model.top_k, True)
-    return hidden, logits, weights, ids
 
 
 def expert_loop(hidden, w1, w2, topk_weights, topk_ids):
@@ -137,14 +81,14 @@ def other_layouts() -> dict[str, Callable]:
     """The layouts of the sibling modules that import here, plus the per-expert loop."""
     layouts = {}
     try:
-        from .permute import permute_experts, torch_grouped_mm_experts
+        from ..kernels.permute import permute_experts, torch_grouped_mm_experts
 
         layouts["permute"] = permute_experts
         layouts["torch grouped_mm"] = torch_grouped_mm_experts
     except ImportError as err:
         print(f"(permute layout unavailable: {err})", file=sys.stderr)
     try:
-        from .masked import masked_experts
+        from ..kernels.masked import masked_experts
 
         layouts["masked"] = masked_experts
     except ImportError as err:
@@ -187,18 +131,18 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def load_configs(path: str | os.PathLike) -> dict:
-    """``--tune`` output -> {(E, N, K): {M: FusedMoEConfig}}."""
-    from .fused_moe import FusedMoEConfig
+    """``--tune`` output -> {(E, N, K): {M: MoEConfig}}."""
+    from ..kernels.config import MoEConfig
 
     table: dict = {}
     recorded = json.loads(Path(path).read_text())
     for entry in recorded.get("data", recorded)["entries"]:  # a --record file wraps it in provenance
-        table.setdefault((entry["E"], entry["N"], entry["K"]), {})[entry["M"]] = FusedMoEConfig.from_dict(entry["config"])
+        table.setdefault((entry["E"], entry["N"], entry["K"]), {})[entry["M"]] = MoEConfig.from_dict(entry["config"])
     return table
 
 
 def pick_config(table: dict | None, model: MoEModel, num_tokens: int, dtype: torch.dtype, device="cuda"):
-    from .fused_moe import get_config
+    from ..kernels.config import get_config
 
     d, f, e = model.hidden_size, model.moe_intermediate_size, model.num_experts
     if table and (e, f, d) in table:  # nearest token count by ratio, as get_config does
@@ -216,8 +160,9 @@ def sweep(models, batches, *, dtype, seed, warmup_ms, rep_ms, ceilings, configs=
           graphs=True, log=print, device="cuda") -> list[dict]:
     """Time every layout at every batch; return one dict per (model, batch, layout).
 
-    ``models`` maps names to :class:`~moe_kernels.shapes.MoEModel`."""
-    from .fused_moe import assign_blocks, fused_experts, fused_moe
+    ``models`` maps names to :class:`~moe_kernels.model.shapes.MoEModel`."""
+    from ..kernels.blocks import assign_blocks
+    from ..kernels.index_gather import fused_experts, fused_moe
 
     others = other_layouts()
     if layouts is not None:
@@ -315,7 +260,7 @@ def tile_candidates(rows_per_expert: float, block_m: int, gated: bool) -> list:
     SM can pull (~30 GB/s measured), so the candidates spread the weights over many programs
     (narrow N tiles) with long K tiles and deep pipelines; where it computes, wide tiles and
     more warps."""
-    from .fused_moe import GemmTiles
+    from ..kernels.config import GemmTiles
 
     streaming = [(n, k, 1, 4, s) for n in (16, 32, 64, 128, 256) for k in (128, 256) for s in (3, 4, 5)]
     balanced = [(n, k, 8, w, s) for n in (64, 128) for k in (64, 128) for w in (4, 8) for s in (3, 4)]
@@ -340,7 +285,9 @@ def tile_candidates(rows_per_expert: float, block_m: int, gated: bool) -> list:
 def _compile_jobs(jobs: list[dict]) -> int:
     """Run each job's kernel once on a tiny problem of the same shape class, so Triton compiles
     it into its on-disk cache; used from worker processes to compile configurations in parallel."""
-    from .fused_moe import GemmTiles, assign_blocks, expert_down, expert_gate_up
+    from ..kernels.config import GemmTiles
+    from ..kernels.blocks import assign_blocks
+    from ..kernels.index_gather import expert_down, expert_gate_up
 
     done = 0
     for job in jobs:
@@ -365,7 +312,7 @@ def precompile(jobs: list[dict], workers: int, log=print) -> None:
     """Compile many configurations in parallel processes (Triton compiles one kernel per core)."""
     if workers <= 1 or not jobs:
         return
-    import moe_kernels.bench as this_module  # a picklable reference even when run as __main__
+    import moe_kernels.bench.sweep as this_module  # a picklable reference even when run as __main__
 
     start = time.perf_counter()
     chunks = [jobs[i::workers] for i in range(workers)]
@@ -384,8 +331,10 @@ def tune(models, batches, *, dtype, seed, warmup_ms, rep_ms, workers, budget_s=m
 
     ``models`` maps names to models; batches are tuned in the order given until ``budget_s``
     seconds (compilation included) have passed; the rest keep the default configuration."""
-    from .align import use_naive_block_assignment
-    from .fused_moe import FusedMoEConfig, assign_blocks, expert_down, expert_gate_up
+    from ..kernels.blocks import use_naive_block_assignment
+    from ..kernels.config import MoEConfig
+    from ..kernels.blocks import assign_blocks
+    from ..kernels.index_gather import expert_down, expert_gate_up
 
     start = time.perf_counter()
     plans = []
@@ -442,7 +391,7 @@ def tune(models, batches, *, dtype, seed, warmup_ms, rep_ms, workers, budget_s=m
                 tried.append({"gemm": "down", "block_m": bm, "tiles": dataclasses.asdict(t), "ms": ms})
             total = up_times[best_up] + down_times[best_down]
             if best is None or total < best[0]:
-                best = (total, FusedMoEConfig(bm, best_up, best_down), up_times[best_up], down_times[best_down])
+                best = (total, MoEConfig(bm, best_up, best_down), up_times[best_up], down_times[best_down])
         total, cfg, t_up, t_down = best
         log(f"{key:<14} batch {batch:>6}: {total * 1e3:8.1f} us (gate_up {t_up * 1e3:.1f} + down {t_down * 1e3:.1f}) "
             f"block_m {cfg.block_m} gate_up {_short(cfg.gate_up)} down {_short(cfg.down)}")
@@ -480,7 +429,7 @@ def _int_list(text: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m moe_kernels.bench", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m moe_kernels.bench sweep", description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default=",".join(DEFAULT_MODELS), help=f"comma list of {sorted(MODELS)}")
     parser.add_argument("--batches", type=_int_list, default=list(DEFAULT_BATCHES), help="comma list of token counts")
     parser.add_argument("--layouts", default=None, help="comma list of other layouts to time (default: all that import)")
@@ -543,7 +492,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _record(name: str, data: dict, results_dir: str | None, log) -> None:
-    from .results import record
+    from ..results import record
 
     path = record(name, data, Path(results_dir) if results_dir else None)
     log(f"recorded {path}")

@@ -5,9 +5,10 @@ selection. Two selections are in use:
 
 * :func:`fused_topk` (Mixtral, Qwen3-MoE): score every expert (softmax over the ``E`` logits, or a
   sigmoid per expert), keep the ``k`` best, optionally renormalise the ``k`` weights to sum to 1.
-* :func:`grouped_topk` (DeepSeek-V3): the experts form ``num_expert_group`` groups; only the
-  ``topk_group`` best groups may contribute experts, and an optional per-expert
-  ``e_score_correction_bias`` steers the *selection* while the *weights* stay the unbiased scores.
+* :func:`~moe_kernels.kernels.grouped_routing.grouped_topk` (DeepSeek-V3): the experts form
+  ``num_expert_group`` groups; only the ``topk_group`` best groups may contribute experts, and an
+  optional per-expert ``e_score_correction_bias`` steers the *selection* while the *weights* stay
+  the unbiased scores (:mod:`moe_kernels.kernels.grouped_routing`).
 
 Both are single Triton kernels (scores, group choice, top-k, renormalisation and scaling fused; no
 host synchronisation), each with a float32 torch reference beside it that states the rules
@@ -18,7 +19,7 @@ of a token are in descending score order, so kernel and reference agree id for i
 Worked example: four experts, one token, top-2::
 
     >>> import torch
-    >>> from moe_kernels.routing import fused_topk, grouped_topk
+    >>> from moe_kernels.kernels.routing import fused_topk
     >>> tokens = torch.zeros(1, 16)                  # only its row count is used
     >>> logits = torch.tensor([[2.0, 0.0, 1.0, -1.0]])
     >>> weights, ids = fused_topk(tokens, logits, topk=2, renormalize=False)
@@ -29,34 +30,19 @@ Worked example: four experts, one token, top-2::
     >>> weights, ids = fused_topk(tokens, logits, topk=2, renormalize=True)
     >>> [round(w, 4) for w in weights[0].tolist()]   # = softmax([2, 1]): the Z cancels
     [0.7311, 0.2689]
-
-Grouped, with a bias: experts ``{0,1}`` and ``{2,3}`` form two groups and one group is kept.
-The bias makes group ``{2,3}`` win and expert 3 rank first, but the weights are still the plain
-sigmoid scores of the chosen experts::
-
-    >>> logits = torch.tensor([[1.0, 0.5, 0.0, 0.2]])
-    >>> bias = torch.tensor([0.0, 0.0, 0.2, 0.4])
-    >>> weights, ids = grouped_topk(tokens, logits, 2, False, num_expert_group=2, topk_group=1,
-    ...                             scoring_func="sigmoid", e_score_correction_bias=bias)
-    >>> ids.tolist()
-    [[3, 2]]
-    >>> [round(w, 4) for w in weights[0].tolist()]   # sigmoid(0.2), sigmoid(0.0)
-    [0.5498, 0.5]
 """
 
 from __future__ import annotations
 
 import torch
 
-from ._runtime import HAS_TRITON, INTERPRET, tl, triton, use_triton
-from ._checks import check_int, check_tensor, fail
+from .._runtime import HAS_TRITON, INTERPRET, kernel, tl, triton, use_triton
+from .._checks import check_int, check_tensor, fail
 
 __all__ = [
     "gate",
     "fused_topk",
     "fused_topk_reference",
-    "grouped_topk",
-    "grouped_topk_reference",
     "append_shared_expert",
 ]
 
@@ -121,37 +107,6 @@ def _check_common(func, hidden_states, gating_output, topk, renormalize, scoring
     return num_experts
 
 
-def _check_grouped(func, gating_output, topk, num_expert_group, topk_group,
-                   routed_scaling_factor, e_score_correction_bias) -> int:
-    """Checks specific to grouped routing; returns the number of experts per group."""
-    num_experts = gating_output.shape[1]
-    check_int(func, "num_expert_group", num_expert_group, lo=1, hi=num_experts,
-              what_hi="the number of experts")
-    if num_experts % num_expert_group != 0:
-        fail(func, "num_expert_group", f"must divide the number of experts ({num_experts})",
-             num_expert_group)
-    experts_per_group = num_experts // num_expert_group
-    check_int(func, "topk_group", topk_group, lo=1, hi=num_expert_group, what_hi="num_expert_group")
-    check_int(func, "topk", topk, lo=1, hi=topk_group * experts_per_group,
-              what_hi=f"topk_group * experts per group = {topk_group} * {experts_per_group}")
-    scaling = routed_scaling_factor
-    if isinstance(scaling, bool) or not isinstance(scaling, (int, float)):
-        fail(func, "routed_scaling_factor", "must be a float", type(scaling).__name__, TypeError)
-    if e_score_correction_bias is not None:
-        check_tensor(func, "e_score_correction_bias", e_score_correction_bias, ndim=1,
-                     dtypes=_FLOAT_DTYPES, device=gating_output.device, contiguous=True)
-        if e_score_correction_bias.shape[0] != num_experts:
-            fail(func, "e_score_correction_bias",
-                 f"must have shape ({num_experts},), one per expert",
-                 f"shape {tuple(e_score_correction_bias.shape)}")
-        if experts_per_group < 2:
-            fail(func, "num_expert_group",
-                 "must leave at least 2 experts per group when e_score_correction_bias is given "
-                 f"(a group scores as the sum of its top 2); {num_experts} experts",
-                 num_expert_group)
-    return experts_per_group
-
-
 # --------------------------------------------------------------------------------------------
 # Torch references (float32, explicit tie rule)
 # --------------------------------------------------------------------------------------------
@@ -184,35 +139,6 @@ def fused_topk_reference(hidden_states, gating_output, topk, renormalize, scorin
     return weights, ids.to(torch.int32)
 
 
-def grouped_topk_reference(hidden_states, gating_output, topk, renormalize, num_expert_group,
-                           topk_group, scoring_func="softmax", routed_scaling_factor=1.0,
-                           e_score_correction_bias=None):
-    """Torch reference for :func:`grouped_topk`, in float32, one step per line of the rule."""
-    func = "grouped_topk_reference"
-    _check_common(func, hidden_states, gating_output, topk, renormalize, scoring_func)
-    experts_per_group = _check_grouped(func, gating_output, topk, num_expert_group, topk_group,
-                                       routed_scaling_factor, e_score_correction_bias)
-    num_tokens = gating_output.shape[0]
-    scores = _scores(gating_output, scoring_func)
-    selection = scores
-    if e_score_correction_bias is not None:
-        selection = scores + e_score_correction_bias.float()
-    selection = torch.where(selection.isnan(), float("-inf"), selection)
-    per_group = selection.view(num_tokens, num_expert_group, experts_per_group)
-    if e_score_correction_bias is None:
-        group_scores = per_group.max(dim=-1).values
-    else:
-        group_scores = torch.sort(per_group, dim=-1, descending=True).values[..., :2].sum(dim=-1)
-    kept_groups = _rank_descending(group_scores, topk_group)
-    group_is_kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept_groups, True)
-    expert_is_kept = group_is_kept.repeat_interleave(experts_per_group, dim=1)
-    ids = _rank_descending(selection.masked_fill(~expert_is_kept, float("-inf")), topk)
-    weights = scores.gather(1, ids)  # the unbiased scores, whatever steered the choice
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights * routed_scaling_factor, ids.to(torch.int32)
-
-
 # --------------------------------------------------------------------------------------------
 # Triton kernels
 # --------------------------------------------------------------------------------------------
@@ -220,7 +146,7 @@ def grouped_topk_reference(hidden_states, gating_output, topk, renormalize, num_
 if HAS_TRITON:
     from triton.language.extra import libdevice
 
-    @triton.jit
+    @kernel
     def _exp(x, PRECISE: tl.constexpr):
         # Compiled, tl.exp is ex2.approx, a few ulps off the expf that torch's CUDA softmax and
         # sigmoid kernels call. libdevice's expf is that same function, so (with the IEEE
@@ -232,7 +158,7 @@ if HAS_TRITON:
             return libdevice.exp(x)
         return tl.exp(x)
 
-    @triton.jit
+    @kernel
     def _load_scores(logits_ptr, token, expert, is_expert, num_tokens, logits_row_stride,
                      USE_SIGMOID: tl.constexpr, PRECISE: tl.constexpr):
         """float32 scores of a [BLOCK_T, N] tile; ``expert`` maps each column to its logit."""
@@ -245,7 +171,7 @@ if HAS_TRITON:
         shifted = _exp(logits - tl.max(logits, axis=1)[:, None], PRECISE)
         return tl.div_rn(shifted, tl.sum(shifted, axis=1)[:, None])
 
-    @triton.jit
+    @kernel
     def _take_topk(selection, weight_source, expert_ids, available, topk,
                    BLOCK_T: tl.constexpr, K_PAD: tl.constexpr, NO_EXPERT: tl.constexpr):
         """``topk`` rounds of argmax over ``selection`` (``[BLOCK_T, N]``), lowest id on ties.
@@ -268,7 +194,7 @@ if HAS_TRITON:
             ids = tl.where(slot == j, chosen[:, None], ids)
         return weights, ids
 
-    @triton.jit
+    @kernel
     def _store_topk(weights, ids, weights_ptr, ids_ptr, first_token, num_tokens, topk,
                     renormalize, scale, BLOCK_T: tl.constexpr, K_PAD: tl.constexpr):
         if renormalize:
@@ -281,7 +207,7 @@ if HAS_TRITON:
         tl.store(weights_ptr + token * topk + slot, weights, mask=mask)
         tl.store(ids_ptr + token * topk + slot, ids, mask=mask)
 
-    @triton.jit
+    @kernel
     def _fused_topk_kernel(
         logits_ptr, weights_ptr, ids_ptr,
         num_tokens, num_experts, logits_row_stride, topk, renormalize,
@@ -301,69 +227,6 @@ if HAS_TRITON:
                                   BLOCK_T, K_PAD, E_PAD)
         _store_topk(weights, ids, weights_ptr, ids_ptr, first_token, num_tokens, topk,
                     renormalize, 1.0, BLOCK_T, K_PAD)
-
-    @triton.jit
-    def _grouped_topk_kernel(
-        logits_ptr, bias_ptr, weights_ptr, ids_ptr,
-        num_tokens, logits_row_stride, num_groups, experts_per_group, topk_group, topk,
-        renormalize, routed_scaling_factor,
-        USE_SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISE: tl.constexpr,
-        BLOCK_T: tl.constexpr, G_PAD: tl.constexpr, S_PAD: tl.constexpr, K_PAD: tl.constexpr,
-    ):
-        """One program routes BLOCK_T tokens over all experts, tiled group by group.
-
-        Column ``c`` of the [BLOCK_T, G_PAD * S_PAD] tile is member ``c % S_PAD`` of group
-        ``c // S_PAD``: each group is padded on its own, so viewing the tile as
-        [BLOCK_T, G_PAD, S_PAD] turns group scores into axis-2 reductions even when the group
-        size is not a power of two.
-        """
-        NO_EXPERT: tl.constexpr = G_PAD * S_PAD
-        first_token = tl.program_id(0) * BLOCK_T
-        token = first_token + tl.arange(0, BLOCK_T)[:, None]
-        column = tl.broadcast_to(tl.arange(0, NO_EXPERT)[None, :], [BLOCK_T, NO_EXPERT])
-        group = column // S_PAD
-        member = column % S_PAD
-        is_expert = (group < num_groups) & (member < experts_per_group)
-        expert = tl.where(is_expert, group * experts_per_group + member, NO_EXPERT)
-        scores = _load_scores(logits_ptr, token, expert, is_expert, num_tokens,
-                              logits_row_stride, USE_SIGMOID, PRECISE)
-        selection = scores
-        if HAS_BIAS:
-            bias = tl.load(bias_ptr + expert, mask=is_expert, other=0.0).to(tl.float32)
-            selection = scores + bias
-        selection = tl.where(is_expert & (selection == selection), selection, float("-inf"))
-
-        # Group scores: the best member, or (with a bias) the sum of the best two members.
-        per_group = tl.reshape(selection, [BLOCK_T, G_PAD, S_PAD])
-        top1 = tl.max(per_group, axis=2)
-        if HAS_BIAS:
-            member_id = tl.arange(0, S_PAD)[None, None, :]
-            first = tl.min(tl.where(per_group == top1[:, :, None], member_id, S_PAD), axis=2)
-            top2 = tl.max(tl.where(member_id == first[:, :, None], float("-inf"), per_group),
-                          axis=2)
-            group_scores = top1 + top2
-        else:
-            group_scores = top1
-        group_scores = tl.where(group_scores == group_scores, group_scores, float("-inf"))
-
-        # Keep the topk_group best groups (lowest group id on ties).
-        group_ids = tl.broadcast_to(tl.arange(0, G_PAD)[None, :], [BLOCK_T, G_PAD])
-        group_open = group_ids < num_groups
-        kept = group_ids < 0
-        for _ in range(topk_group):
-            best = tl.max(tl.where(group_open, group_scores, float("-inf")), axis=1)
-            is_best = group_open & (group_scores == best[:, None])
-            chosen = tl.min(tl.where(is_best, group_ids, G_PAD), axis=1)
-            kept = kept | (group_ids == chosen[:, None])
-            group_open = group_open & (group_ids != chosen[:, None])
-        kept_columns = tl.reshape(tl.broadcast_to(kept[:, :, None], [BLOCK_T, G_PAD, S_PAD]),
-                                  [BLOCK_T, NO_EXPERT])
-
-        # Top-k experts of the kept groups; weights from the unbiased scores.
-        weights, ids = _take_topk(selection, scores, expert, is_expert & kept_columns, topk,
-                                  BLOCK_T, K_PAD, NO_EXPERT)
-        _store_topk(weights, ids, weights_ptr, ids_ptr, first_token, num_tokens, topk,
-                    renormalize, routed_scaling_factor, BLOCK_T, K_PAD)
 
 
 def _launch_config(num_tokens: int, tile_columns: int) -> tuple[int, int]:
@@ -422,63 +285,6 @@ def fused_topk(hidden_states: torch.Tensor, gating_output: torch.Tensor, topk: i
         num_tokens, num_experts, gating_output.stride(0), topk, renormalize,
         USE_SIGMOID=scoring_func == "sigmoid", PRECISE=not INTERPRET, BLOCK_T=block_t, E_PAD=e_pad,
         K_PAD=triton.next_power_of_2(topk), num_warps=num_warps,
-    )
-    return weights, ids
-
-
-def grouped_topk(hidden_states: torch.Tensor, gating_output: torch.Tensor, topk: int,
-                 renormalize: bool, num_expert_group: int, topk_group: int,
-                 scoring_func: str = "softmax", routed_scaling_factor: float = 1.0,
-                 e_score_correction_bias: torch.Tensor | None = None):
-    """Group-limited top-k routing (DeepSeek-V3): ``(weights float32 [T, k], ids int32 [T, k])``.
-
-    Follows vLLM's ``grouped_topk`` (``vllm/model_executor/layers/fused_moe/router/
-    grouped_topk_router.py``), with a deterministic tie rule:
-
-    1. scores = softmax over all E logits, or sigmoid per expert;
-    2. selection scores = scores + ``e_score_correction_bias`` if a bias is given, else scores;
-    3. the E experts form ``num_expert_group`` consecutive groups of E / num_expert_group; a
-       group scores its best selection score, or, with a bias, the sum of its best two;
-    4. the ``topk_group`` best groups are kept (ties to the lower group id);
-    5. the ``topk`` best experts of the kept groups by selection score, largest first (ties to
-       the lower expert id);
-    6. their weights are the *unbiased* scores (the bias only steers which experts are chosen;
-       Wang et al. 2024, auxiliary-loss-free load balancing), divided by their sum if
-       ``renormalize``, then multiplied by ``routed_scaling_factor``.
-
-    Because step 6 already applies ``routed_scaling_factor``, the expert outputs need no further
-    scaling (see :func:`append_shared_expert` for what that means for a shared expert).
-    ``e_score_correction_bias`` is ``[E]``, any float dtype (read as float32).
-
-    One Triton launch (:func:`grouped_topk_reference` when Triton cannot run for these tensors).
-    """
-    func = "grouped_topk"
-    num_experts = _check_common(func, hidden_states, gating_output, topk, renormalize,
-                                scoring_func)
-    experts_per_group = _check_grouped(func, gating_output, topk, num_expert_group, topk_group,
-                                       routed_scaling_factor, e_score_correction_bias)
-    tensors = [hidden_states, gating_output]
-    if e_score_correction_bias is not None:
-        tensors.append(e_score_correction_bias)
-    if not use_triton(*tensors):
-        return grouped_topk_reference(hidden_states, gating_output, topk, renormalize,
-                                      num_expert_group, topk_group, scoring_func,
-                                      routed_scaling_factor, e_score_correction_bias)
-    num_tokens = gating_output.shape[0]
-    weights, ids = _empty_outputs(num_tokens, topk, gating_output.device)
-    if num_tokens == 0:
-        return weights, ids
-    g_pad = triton.next_power_of_2(num_expert_group)
-    s_pad = triton.next_power_of_2(experts_per_group)
-    block_t, num_warps = _launch_config(num_tokens, g_pad * s_pad)
-    has_bias = e_score_correction_bias is not None
-    _grouped_topk_kernel[(triton.cdiv(num_tokens, block_t),)](
-        gating_output, e_score_correction_bias if has_bias else gating_output, weights, ids,
-        num_tokens, gating_output.stride(0), num_expert_group, experts_per_group, topk_group,
-        topk, renormalize, float(routed_scaling_factor),
-        USE_SIGMOID=scoring_func == "sigmoid", HAS_BIAS=has_bias, PRECISE=not INTERPRET,
-        BLOCK_T=block_t,
-        G_PAD=g_pad, S_PAD=s_pad, K_PAD=triton.next_power_of_2(topk), num_warps=num_warps,
     )
     return weights, ids
 

@@ -16,7 +16,7 @@ tokens / E`` and truncates it with ``int()``, google/flaxformer
 ``k``) and never goes below 4 rows. We take the ceiling, so an expert always has at least
 ``alpha`` times the mean load. With ``alpha = E/k`` the capacity is ``B``, every token could
 pick the same expert, and nothing can ever drop: that is the masked layout's token-budget
-``m_max`` (``moe_kernels.masked``), a capacity factor of ``E/k`` in effect.
+``m_max`` (``moe_kernels.kernels.masked``), a capacity factor of ``E/k`` in effect.
 
 Which assignments drop is a priority rule (:func:`expert_queue_positions`): every expert serves
 the first choices of all tokens (in token order) before any second choice, the second choices
@@ -25,10 +25,10 @@ before any third, and so on. That is GShard's top-2 rule and google/flaxformer's
 priority over top-2 choices"); V-MoE's batch-prioritised routing orders by router score
 instead, which this module does not implement.
 
-Inference engines drop nothing. :func:`moe_with_capacity` shows what dropping would do to the
-output (it reuses the dropless kernel, with the dropped assignments' weights set to zero);
+Inference engines drop nothing. :func:`moe_kernels.kernels.dropping.moe_with_capacity` shows what
+dropping would do to the output (it reuses the dropless kernel, with the dropped weights zeroed);
 :func:`expected_dropped_fraction` predicts how much would drop (exact under the routing model
-of :mod:`moe_kernels.skew`, where each token includes expert ``e`` with probability ``pi_e``),
+of :mod:`moe_kernels.model.skew`, where each token includes expert ``e`` with probability ``pi_e``),
 and :func:`monte_carlo_dropped_fraction` checks it with that module's sampler. :func:`dropless_buffers` sizes the three ways engines avoid dropping, and
 :func:`ensure_capacity` is the rule that keeps a static buffer honest: on overflow it resizes,
 falls back to the compact layout, or raises; it never loses a token.
@@ -68,22 +68,22 @@ from typing import NamedTuple
 
 import torch
 
-from ._checks import ID_DTYPES, check_ids_in_range, check_int, check_moe_inputs, check_tensor, fail
-from .fused_moe import fused_experts
-from .masked import (
+from .._checks import ID_DTYPES, check_ids_in_range, check_int, check_tensor, fail
+from .buffers import (
     MASKED_M_BLOCK,
     compact_buffer_bytes,
+    expert_counts,
     m_max_measured_cap,
     m_max_token_budget,
     masked_buffer_bytes,
+    max_padded_rows,
 )
-from .permute import expert_counts, max_padded_rows
 from .skew import inclusion_probabilities, sample_topk_ids
 
 __all__ = [
     "BufferSpec", "DroplessBuffer", "capacity_assign", "dropless_buffers", "dropped_fraction",
     "ensure_capacity", "expected_dropped_fraction", "expert_capacity", "expert_queue_positions",
-    "moe_with_capacity", "monte_carlo_dropped_fraction",
+    "monte_carlo_dropped_fraction",
 ]
 
 
@@ -138,7 +138,7 @@ def _capacity(func: str, num_tokens: int, top_k: int, num_experts: int, capacity
 def _check_ids(func: str, topk_ids: object, num_experts: int) -> torch.Tensor:
     check_tensor(func, "topk_ids", topk_ids, ndim=2, dtypes=ID_DTYPES)
     check_int(func, "num_experts", num_experts, lo=1)
-    check_ids_in_range(func, "topk_ids", topk_ids, num_experts)
+    check_ids_in_range(func, "topk_ids", topk_ids, num_experts, on_device=False)
     return topk_ids
 
 
@@ -196,39 +196,6 @@ def dropped_fraction(topk_ids: torch.Tensor, num_experts: int, capacity: int) ->
 
 
 # --------------------------------------------------------------------------------------------
-# What dropping does to the output
-# --------------------------------------------------------------------------------------------
-
-
-def moe_with_capacity(
-    hidden_states: torch.Tensor,
-    w1: torch.Tensor,
-    w2: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    capacity_factor: float,
-) -> torch.Tensor:
-    """The routed experts' output ``[T, d]`` as a capacity-factor layer computes it.
-
-    Same arguments as :func:`moe_kernels.fused_moe.fused_experts`, plus ``alpha``. The capacity
-    is :func:`expert_capacity` of this batch; the assignments :func:`capacity_assign` rejects
-    contribute exactly zero, so a token whose ``k`` assignments all drop gets a zero row (the
-    residual connection outside the layer is all that carries it). Implemented by zeroing those
-    routing weights and running the dropless index-gather kernel, so the GEMMs are the ones the
-    rest of the chapter tests; the dropped rows are still computed and then multiplied by zero,
-    where a training kernel would never have copied them into its buffers.
-    """
-    func = "moe_with_capacity"
-    num_tokens, topk, num_experts, _, _ = check_moe_inputs(func, hidden_states, w1, w2,
-                                                           topk_weights, topk_ids)
-    capacity = _capacity(func, num_tokens, topk, num_experts, capacity_factor)
-    keep = capacity_assign(topk_ids, num_experts, capacity)
-    kept_weights = torch.where(keep, topk_weights, torch.zeros_like(topk_weights))
-    # The ids were validated by capacity_assign: skip the second host read.
-    return fused_experts(hidden_states, w1, w2, kept_weights, topk_ids, validate_ids=False)
-
-
-# --------------------------------------------------------------------------------------------
 # How much drops: a routing model, the exact expectation, and sampling
 # --------------------------------------------------------------------------------------------
 
@@ -248,8 +215,8 @@ def expected_dropped_fraction(num_tokens: int, top_k: int, num_experts: int,
     """Expected fraction of assignments dropped at capacity ``C = ceil(alpha B k / E)``.
 
     Tokens route independently and include expert ``e`` with probability ``pi_e`` (``k/E``
-    under uniform routing, :func:`moe_kernels.skew.inclusion_probabilities` of ``popularity``
-    otherwise, e.g. :func:`moe_kernels.skew.zipf_popularity`), so expert ``e``'s load is
+    under uniform routing, :func:`moe_kernels.model.skew.inclusion_probabilities` of ``popularity``
+    otherwise, e.g. :func:`moe_kernels.model.skew.zipf_popularity`), so expert ``e``'s load is
     ``m_e ~ Binomial(B, pi_e)`` and, by linearity of expectation, the expected overflow is
     ``sum_e E[max(m_e - C, 0)]``, exactly; divided by ``B k``. The sum runs over every load
     above ``C`` in float64 (``E * (B - C)`` terms), no approximation.
@@ -273,7 +240,7 @@ def monte_carlo_dropped_fraction(num_tokens: int, top_k: int, num_experts: int,
                                  capacity_factor: float, popularity: torch.Tensor | None = None,
                                  *, trials: int = 16, seed: int = 0) -> float:
     """The same expectation estimated by sampling: the mean of :func:`dropped_fraction` over
-    ``trials`` routings drawn by :func:`moe_kernels.skew.sample_topk_ids` (seeded, so
+    ``trials`` routings drawn by :func:`moe_kernels.model.skew.sample_topk_ids` (seeded, so
     repeatable)."""
     func = "monte_carlo_dropped_fraction"
     capacity = _capacity(func, num_tokens, top_k, num_experts, capacity_factor)
@@ -298,7 +265,7 @@ class DroplessBuffer(NamedTuple):
 
     * ``strategy``: its name;
     * ``rows``: rows of the ``[rows, d]`` and ``[rows, F]`` intermediates;
-    * ``nbytes``: their peak bytes (``moe_kernels.masked``'s byte functions);
+    * ``nbytes``: their peak bytes (``moe_kernels.kernels.masked``'s byte functions);
     * ``capacity_factor``: ``rows / (T k)``, the capacity factor the buffer amounts to;
     * ``host_sync``: whether sizing it needs a device-to-host read (not allowed in CUDA graphs).
     """
@@ -316,14 +283,14 @@ def dropless_buffers(topk_ids: torch.Tensor, num_experts: int, hidden_size: int,
     """The three dropless buffer strategies for this routing, each in a :class:`DroplessBuffer`.
 
     * **compact**: packed segments, each aligned to ``align`` rows, sized for the worst routing
-      of ``T k`` assignments (:func:`moe_kernels.permute.max_padded_rows`, SGLang's compact
+      of ``T k`` assignments (:func:`moe_kernels.model.buffers.max_padded_rows`, SGLang's compact
       bound; vLLM's alignment reserves ``T k + E (align - 1)`` index slots, never fewer);
     * **masked, token budget**: ``[E, m_max, d]`` slabs with ``m_max`` room for the whole batch
       (SGLang's default), a capacity factor of about ``E/k``;
     * **masked, measured cap**: ``m_max`` = the hottest expert's count rounded up to
       ``m_block`` (SGLang's opt-in ``SGLANG_OPT_DG_MASKED_M_CAP``), one host read per layer.
 
-        >>> from moe_kernels.skew import sample_topk_ids
+        >>> from moe_kernels.model.skew import sample_topk_ids
         >>> ids = sample_topk_ids(4096, torch.full((256,), 8 / 256, dtype=torch.float64), 8,
         ...                       generator=torch.Generator().manual_seed(0))
         >>> for b in dropless_buffers(ids, 256, 7168, 2048, torch.bfloat16):   # DeepSeek-V3

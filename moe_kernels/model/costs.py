@@ -7,12 +7,12 @@ reference model, not a bound: skewed routing touches fewer distinct experts (few
 loading the busiest expert more (more time in the largest group).
 
 Units are explicit: FLOP counts are plain numbers, bytes are bytes, time is seconds. Convert with
-:data:`moe_kernels.shapes.GB` (1e9, datasheets) or :data:`moe_kernels.shapes.GiB` (2**30,
+:data:`moe_kernels.model.shapes.GB` (1e9, datasheets) or :data:`moe_kernels.model.shapes.GiB` (2**30,
 allocators) at the edge.
 
 Worked example, DeepSeek-V3 (E = 256, k = 8) in fp8 on an H100::
 
-    >>> from moe_kernels.shapes import MODELS, GPUS
+    >>> from moe_kernels.model.shapes import MODELS, GPUS
     >>> m, gpu = MODELS["deepseek-v3"], GPUS["H100 SXM"]
     >>> round(experts_touched(1, 256, 8), 6), round(experts_touched(64, 256, 8), 1)
     (8.0, 222.4)
@@ -27,8 +27,11 @@ Worked example, DeepSeek-V3 (E = 256, k = 8) in fp8 on an H100::
 from __future__ import annotations
 
 import math
+
+import torch
 from dataclasses import dataclass
 
+from .._checks import check_int, fail
 from .shapes import GPU, MoEModel, bytes_per_weight
 
 
@@ -248,3 +251,66 @@ def usable_memory_bytes(gpu: GPU, gpu_memory_utilization: float = 0.92, reserve_
 def roofline_time(flops: float, nbytes: float, gpu_flops: float, bandwidth: float) -> float:
     """The floor: the larger of compute time and memory time (seconds)."""
     return max(flops / gpu_flops, nbytes / bandwidth)
+
+
+def shared_expert_byte_overhead(batch: float, num_experts: int, top_k: int, num_shared_experts: int = 1) -> float:
+    """Shared-expert weight bytes over the routed bytes a batch reads: ``n_s / E_touched(B)``.
+
+    Same-size experts, uniform routing (:func:`experts_touched`): ``n_s / k``
+    at batch 1, falling to ``n_s / E`` once every routed expert is touched.
+    """
+    check_int("shared_expert_byte_overhead", "num_shared_experts", num_shared_experts, lo=1)
+    if batch <= 0:
+        fail("shared_expert_byte_overhead", "batch", "must be > 0", batch)
+    return num_shared_experts / experts_touched(batch, num_experts, top_k)
+
+
+def shared_expert_byte_share(batch: float, num_experts: int, top_k: int, num_shared_experts: int = 1) -> float:
+    """The shared experts' fraction of all expert bytes read: ``n_s / (E_touched(B) + n_s)``.
+
+    ``1/(k+1)`` at batch 1 with one shared expert, ``1/(E+1)`` at saturation.
+    """
+    check_int("shared_expert_byte_share", "num_shared_experts", num_shared_experts, lo=1)
+    if batch <= 0:
+        fail("shared_expert_byte_share", "batch", "must be > 0", batch)
+    return num_shared_experts / (experts_touched(batch, num_experts, top_k) + num_shared_experts)
+
+
+@dataclass(frozen=True)
+class Work:
+    """What one layer must move and compute at least, for the ids actually drawn."""
+
+    experts_touched: int
+    bytes: float
+    flops: float
+
+    def floor_seconds(self, bandwidth: float, gemm_rate: float) -> float:
+        return max(self.bytes / bandwidth, self.flops / gemm_rate)
+
+
+def count_work(model: MoEModel, topk_ids: torch.Tensor, bytes_per_element: float) -> Work:
+    """Bytes of the experts touched (plus activations in and out) and FLOPs of the expert GEMMs,
+    for the ids actually drawn: the floor every measurement is reported against.
+
+        >>> from moe_kernels.model.shapes import MODELS
+        >>> work = count_work(MODELS["qwen3-30b-a3b"], torch.tensor([[0, 5], [5, 9]]), bytes_per_element=2)
+        >>> work.experts_touched                      # experts 0, 5 and 9
+        3
+        >>> work.flops == 4 * 2 * 3 * 2048 * 768      # four assignments
+        True
+        >>> work.bytes == 3 * 3 * 2048 * 768 * 2 + 2 * 2 * 2048 * 2
+        True
+        >>> round(work.floor_seconds(bandwidth=4e12, gemm_rate=700e12) * 1e6, 2)   # memory-bound
+        7.08
+    """
+    touched = int(torch.unique(topk_ids).numel())
+    num_tokens = topk_ids.shape[0]
+    weight_bytes = touched * model.expert_params * bytes_per_element
+    activation_bytes = 2 * num_tokens * model.hidden_size * bytes_per_element
+    return Work(touched, weight_bytes + activation_bytes, topk_ids.numel() * model.expert_flops_per_token)
+
+
+def dense_work(model: MoEModel, num_tokens: int, bytes_per_element: float) -> Work:
+    """The dense comparison: ``[B k, d] @ [d, 3F]``, the same FLOPs as the layer, one weight."""
+    rows, d, cols = num_tokens * model.top_k, model.hidden_size, 3 * model.moe_intermediate_size
+    return Work(1, (rows * d + d * cols + rows * cols) * bytes_per_element, 2.0 * rows * d * cols)

@@ -1,6 +1,6 @@
 """Skewed routing: how popular experts change what the contiguous and masked layouts pay.
 
-The byte model (:mod:`moe_kernels.costs`) assumes every expert is equally likely. Real routers
+The byte model (:mod:`moe_kernels.model.costs`) assumes every expert is equally likely. Real routers
 have favourites. This module gives a one-parameter family of favourites, a sampler that draws
 routings from it, and closed forms for the rows each layout then runs.
 
@@ -11,7 +11,7 @@ more than every token: its *inclusion probability* ``pi_e`` (the fraction of tok
 is at most 1, and the ``pi_e`` sum to ``k``. :func:`inclusion_probabilities` makes ``pi``
 proportional to the popularity and caps it at 1, handing the excess to the others (the usual
 capped probability-proportional-to-size rule). At ``s = 0`` it returns ``k / E`` for every expert,
-which is the uniform model of :mod:`moe_kernels.costs`.
+which is the uniform model of :mod:`moe_kernels.model.costs`.
 
 **The sampler.** :func:`sample_topk_ids` draws ``k`` distinct experts per token with exactly these
 inclusion probabilities, by randomized systematic sampling (Hartley and Rao, 1962): shuffle the
@@ -28,7 +28,7 @@ expert ``e``'s rows are exactly ``m_e ~ Binomial(B, pi_e)``; its mean is ``B pi_
 * the **contiguous** (aligned, index-gather) layout rounds each expert up to whole tiles of
   ``b`` rows: ``R_contig = sum_e E[ceil(m_e / b) b]``. Linearity of expectation makes this exact
   with the binomial marginals (:func:`expected_contiguous_rows`). At ``s = 0`` it is
-  :func:`moe_kernels.costs.expected_padded_rows`.
+  :func:`moe_kernels.model.costs.expected_padded_rows`.
 * the **masked** layout gives every expert a slab of ``m_max`` rows, the hottest expert's count
   rounded up to ``r`` (SGLang's measured cap uses ``r = 256``): it *reserves*
   ``R_masked = E * E[ceil(M / r) r]`` rows, ``M = max_e m_e`` (:func:`expected_masked_rows`).
@@ -74,7 +74,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ._checks import check_int, check_tensor, fail
+from .._checks import check_int, check_tensor, fail
 
 __all__ = [
     "LayoutRows",
@@ -87,7 +87,6 @@ __all__ = [
     "inclusion_probabilities",
     "layout_rows",
     "sample_topk_ids",
-    "tuned_block_m",
     "zipf_popularity",
 ]
 
@@ -243,7 +242,7 @@ def expected_rows_per_expert(num_tokens: int, inclusion) -> torch.Tensor:
 def expected_experts_touched(num_tokens: int, inclusion) -> float:
     """``sum_e 1 - (1 - pi_e)**B``: experts with at least one row, on average. Exact.
 
-    At ``pi_e = k/E`` this is :func:`moe_kernels.costs.experts_touched`.
+    At ``pi_e = k/E`` this is :func:`moe_kernels.model.costs.experts_touched`.
     """
     pi = _check_batch("expected_experts_touched", num_tokens, inclusion)
     return float(sum(1.0 if q >= 1.0 else -math.expm1(num_tokens * math.log1p(-q)) for q in pi))
@@ -329,7 +328,7 @@ def layout_rows(topk_ids: torch.Tensor, num_experts: int, block: int, round_to: 
     """Count the rows each layout handles for the routing ``topk_ids`` (one host read).
 
     ``block`` is the GEMM's tile height; ``round_to`` is what the masked ``m_max`` is rounded up
-    to (:func:`moe_kernels.masked.m_max_measured_cap` uses 256).
+    to (:func:`moe_kernels.model.buffers.m_max_measured_cap` uses 256).
     """
     func = "layout_rows"
     check_tensor(func, "topk_ids", topk_ids, ndim=2, dtypes=(torch.int32, torch.int64))
@@ -350,23 +349,8 @@ def layout_rows(topk_ids: torch.Tensor, num_experts: int, block: int, round_to: 
 
 
 # ----------------------------------------------------------------------------------------------
-# The tile height a tuned config picks
+# The tile height vLLM's tuner picked
 # ----------------------------------------------------------------------------------------------
-
-
-def tuned_block_m(num_experts: int, intermediate_size: int, hidden_size: int,
-                  device_name: str = "NVIDIA H200") -> dict[int, int]:
-    """The M tile (``block_m``) our measured table (:data:`moe_kernels.fused_moe._TUNED`) picks
-    at each batch it was tuned for, for this shape and GPU; empty if the shape was not tuned.
-
-        >>> tuned_block_m(256, 2048, 7168)[4096]   # DeepSeek-V3 on the H200, batch 4096
-        128
-    """
-    from .fused_moe import _TUNED
-
-    table = _TUNED.get((device_name, num_experts, intermediate_size, hidden_size), {})
-    return {batch: config.block_m for batch, config in sorted(table.items())}
-
 
 #: ``BLOCK_SIZE_M`` by batch in vLLM's tuned bf16 table for E = 256, N = 512 on an H100
 #: (DeepSeek-V3's experts split four ways): vllm-project/vllm

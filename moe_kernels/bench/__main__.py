@@ -1,0 +1,37 @@
+"""``python -m moe_kernels.bench <command> [options]``: every measurement, one entry point."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+#: command -> (module, what it measures)
+COMMANDS = {
+    "sweep": ("sweep", "the MoE layer, batch 1..16384, every layout and baseline, time over the floor"),
+    "tune": ("sweep", "search tile configurations and write the tuned tables (kernels/configs/*.json)"),
+    "layouts": ("layouts", "per-stage CUDA-graph times of the three layouts"),
+    "routing": ("routing", "routing and alignment kernels against their torch references"),
+    "skew": ("skew", "index-gather vs masked GEMMs under Zipf-skewed routing"),
+    "shared": ("shared", "the shared expert as a separate FFN vs fused as slot E"),
+    "decode-step": ("decode_step", "one DeepSeek-V3 layer at 64 tokens, stage by stage"),
+    "ceilings": ("ceilings", "HBM bandwidth and GEMM rates"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        width = max(map(len, COMMANDS))
+        print("usage: python -m moe_kernels.bench <command> [options]   (each command has --help)\n")
+        for name, (_, what) in COMMANDS.items():
+            print(f"  {name:<{width}}  {what}")
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    command, rest = argv[0], argv[1:]
+    module = importlib.import_module(f"moe_kernels.bench.{COMMANDS[command][0]}")
+    if command == "tune":
+        rest = ["--tune", *rest]
+    return module.main(rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

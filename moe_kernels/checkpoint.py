@@ -1,0 +1,161 @@
+"""Read one MoE layer out of a Hugging Face checkpoint into the kernels' layout.
+
+A checkpoint stores a layer's experts one of two ways, and both are read:
+
+* per expert, as released (DeepSeek-V3, Qwen3-30B-A3B on the Hub):
+  ``model.layers.N.mlp.experts.E.{gate_proj,up_proj,down_proj}.weight`` of ``[F, d]``, ``[F, d]``,
+  ``[d, F]``;
+* fused 3-D, as transformers 5 holds them in memory (``Qwen3MoeExperts``, ``DeepseekV3Experts``):
+  ``model.layers.N.mlp.experts.gate_up_proj`` ``[E, 2F, d]`` (gate rows, then up rows) and
+  ``...experts.down_proj`` ``[E, d, F]``.
+
+Either becomes ``w13 [E, 2F, d]`` and ``w2 [E, d, F]``, vLLM's layout. The router is
+``mlp.gate.weight [E, d]``; DeepSeek-V3 adds ``mlp.gate.e_score_correction_bias [E]`` and a shared
+expert ``mlp.shared_experts.{gate,up,down}_proj.weight``. The routing rules come from the model's
+``config.json`` (a dict, a path, or the ``config.json`` beside the shards).
+
+``source`` is a folder of ``*.safetensors`` shards (with or without
+``model.safetensors.index.json``), one ``.safetensors`` file, or a state dict. Only the tensors of
+the requested layer are read (the safetensors package maps the files; nothing else is loaded).
+
+    >>> import torch
+    >>> state = {"model.layers.0.mlp.gate.weight": torch.randn(4, 8)}
+    >>> for e in range(4):
+    ...     for name, shape in (("gate_proj", (6, 8)), ("up_proj", (6, 8)), ("down_proj", (8, 6))):
+    ...         state[f"model.layers.0.mlp.experts.{e}.{name}.weight"] = torch.randn(shape)
+    >>> config = {"hidden_size": 8, "moe_intermediate_size": 6, "num_experts": 4, "num_experts_per_tok": 2,
+    ...           "norm_topk_prob": True}
+    >>> weights, routing = load_layer(state, layer=0, config=config)
+    >>> tuple(weights.w13.shape), tuple(weights.w2.shape), routing.top_k
+    ((4, 12, 8), (4, 8, 6), 2)
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from ._checks import fail
+from .layer import LayerWeights, Routing
+
+_FUNC = "load_layer"
+
+
+def routing_from_config(config: Mapping) -> tuple[Routing, dict]:
+    """The routing rules and the layer's sizes from a Hugging Face ``config.json``."""
+    num_experts = config.get("n_routed_experts", config.get("num_experts", config.get("num_local_experts")))
+    for key, value in (("hidden_size", config.get("hidden_size")), ("moe_intermediate_size",
+                       config.get("moe_intermediate_size")), ("num_experts", num_experts),
+                       ("num_experts_per_tok", config.get("num_experts_per_tok"))):
+        if not isinstance(value, int) or value < 1:
+            fail(_FUNC, f"config['{key}']", "must be a positive int (the model's config.json)", repr(value))
+    groups = config.get("n_group") or 1
+    routing = Routing(
+        top_k=config["num_experts_per_tok"],
+        scoring_func=config.get("scoring_func", "softmax"),
+        renormalize=bool(config.get("norm_topk_prob", False)),
+        num_expert_group=groups if groups > 1 else None,
+        topk_group=config.get("topk_group") if groups > 1 else None,
+        routed_scaling_factor=float(config.get("routed_scaling_factor", 1.0)),
+    )
+    sizes = {"d": config["hidden_size"], "f": config["moe_intermediate_size"], "e": num_experts,
+             "shared": config.get("n_shared_experts") or 0}
+    return routing, sizes
+
+
+class _Tensors:
+    """Named tensors from a state dict, one safetensors file, or a folder of shards."""
+
+    def __init__(self, source):
+        self._dict, self._files = None, {}
+        if isinstance(source, Mapping):
+            self._dict = source
+            return
+        path = Path(source)
+        if path.is_dir():
+            shards = sorted(path.glob("*.safetensors"))
+        elif path.is_file() and path.suffix == ".safetensors":
+            shards = [path]
+        else:
+            fail(_FUNC, "source", "must be a state dict, a .safetensors file or a folder of shards", repr(source))
+        if not shards:
+            fail(_FUNC, "source", "must hold *.safetensors shards", str(path))
+        index = path / "model.safetensors.index.json" if path.is_dir() else None
+        if index is not None and index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self._where = {name: path / shard for name, shard in weight_map.items()}
+        else:
+            from safetensors import safe_open
+
+            self._where = {}
+            for shard in shards:
+                with safe_open(str(shard), framework="pt") as f:
+                    self._where.update({name: shard for name in f.keys()})
+
+    def __contains__(self, name: str) -> bool:
+        return name in (self._dict if self._dict is not None else self._where)
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self:
+            fail(_FUNC, "source", f"must hold the tensor '{name}'", "it is missing")
+        if self._dict is not None:
+            return self._dict[name]
+        from safetensors import safe_open
+
+        with safe_open(str(self._where[name]), framework="pt") as f:
+            return f.get_tensor(name)
+
+
+def _expect(name: str, tensor: torch.Tensor, shape: tuple) -> torch.Tensor:
+    if tuple(tensor.shape) != shape:
+        fail(_FUNC, "source", f"must hold '{name}' of shape {shape} (from the config)", f"shape {tuple(tensor.shape)}")
+    return tensor
+
+
+def load_layer(source, *, layer: int, config=None, dtype: torch.dtype | None = None,
+               device="cpu") -> tuple[LayerWeights, Routing]:
+    """``(LayerWeights, Routing)`` of MoE layer ``layer``; tensors cast to ``dtype`` (default: as
+    stored; the router and the bias stay float32) and moved to ``device``."""
+    if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
+        fail(_FUNC, "layer", "must be an int >= 0", repr(layer))
+    if config is None and not isinstance(source, Mapping):
+        folder = Path(source) if Path(source).is_dir() else Path(source).parent
+        config = folder / "config.json"
+    if isinstance(config, (str, Path)):
+        if not Path(config).exists():
+            fail(_FUNC, "config", "must be a config dict or the path of a config.json", str(config))
+        config = json.loads(Path(config).read_text())
+    if not isinstance(config, Mapping):
+        fail(_FUNC, "config", "must be a config dict or the path of a config.json", type(config).__name__, TypeError)
+    routing, n = routing_from_config(config)
+    d, f, e = n["d"], n["f"], n["e"]
+    tensors = _Tensors(source)
+    prefix = f"model.layers.{layer}.mlp."
+
+    def take(name, shape, as_dtype=dtype):
+        t = _expect(prefix + name, tensors.get(prefix + name), shape)
+        return t.to(device=device, dtype=as_dtype or t.dtype)
+
+    if prefix + "experts.gate_up_proj" in tensors:   # fused 3-D layout
+        w13 = take("experts.gate_up_proj", (e, 2 * f, d))
+        w2 = take("experts.down_proj", (e, d, f))
+    elif prefix + "experts.0.gate_proj.weight" in tensors:
+        w13 = torch.stack([torch.cat([take(f"experts.{i}.gate_proj.weight", (f, d)),
+                                      take(f"experts.{i}.up_proj.weight", (f, d))]) for i in range(e)])
+        w2 = torch.stack([take(f"experts.{i}.down_proj.weight", (d, f)) for i in range(e)])
+    else:
+        fail(_FUNC, "source", f"must hold layer {layer}'s experts ('{prefix}experts.0.gate_proj.weight' or "
+             f"'{prefix}experts.gate_up_proj'): is it an MoE layer?", "neither is there")
+    router = take("gate.weight", (e, d), torch.float32)
+    bias = take("gate.e_score_correction_bias", (e,), torch.float32) \
+        if prefix + "gate.e_score_correction_bias" in tensors else None
+    shared_w13 = shared_w2 = None
+    if n["shared"]:
+        s = n["shared"] * f
+        shared_w13 = torch.cat([take("shared_experts.gate_proj.weight", (s, d)),
+                                take("shared_experts.up_proj.weight", (s, d))])
+        shared_w2 = take("shared_experts.down_proj.weight", (d, s))
+    return LayerWeights(router, w13, w2, bias, shared_w13, shared_w2), routing

@@ -1,0 +1,267 @@
+"""The block map: which rows each M-block of the grouped GEMM reads, and which expert it multiplies.
+
+Two ways to build it:
+
+* aligned (:func:`moe_kernels.kernels.align.moe_align_block_size`): the assignments grouped by
+  expert, each expert padded to whole blocks;
+* naive, for tiny batches (:func:`use_naive_block_assignment`, vLLM's ``T * k * 4 <= E``): block
+  ``m`` is just assignment ``m``, because nearly every expert that is hit is hit once, so sorting
+  would buy nothing. :func:`naive_block_assignment` writes that layout in the aligned format, so
+  one GEMM kernel can read either; :class:`BlockAssignment` keeps it implicit (no tensors at all).
+
+    >>> import torch
+    >>> ids = torch.tensor([[5, 1]])                 # one token, top-2 of 16 experts
+    >>> use_naive_block_assignment(1, 2, 16)         # 1 * 2 * 4 <= 16
+    True
+    >>> sorted_ids, expert_ids, used = naive_block_assignment(ids, 4)
+    >>> sorted_ids.view(-1, 4).tolist(), expert_ids.tolist(), int(used)
+    ([[0, 2, 2, 2], [1, 2, 2, 2]], [5, 1], 8)
+
+:func:`check_alignment` states every invariant of the aligned layout and names the first one a
+layout breaks; the tests run it on the kernel and on the reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .._checks import ID_DTYPES, check_ids_in_range, check_int, check_tensor
+from .align import alignment_buffer_sizes, moe_align_block_size
+from .config import check_block_m
+
+_ID_DTYPES = ID_DTYPES
+
+
+def use_naive_block_assignment(num_tokens: int, topk: int, num_experts: int, *,
+                               has_expert_map: bool = False) -> bool:
+    """vLLM's rule for skipping the alignment: ``num_tokens * topk * 4 <= num_experts``.
+
+    With at most one assignment per four experts, nearly every expert that is hit is hit once,
+    so nearly every aligned block would hold one real row anyway: sorting costs a launch and
+    saves almost nothing. vLLM also requires that there is no expert map (under expert
+    parallelism ids must be remapped, so the alignment always runs), and it keeps the
+    alignment for int8/int4 weight-only kernels with a group-quantised K
+    (``_prepare_expert_assignment`` in vllm-project/vllm,
+    ``vllm/model_executor/layers/fused_moe/fused_moe.py``). For DeepSeek-V3 (E=256, top-8)
+    the rule holds up to 8 tokens.
+    """
+    func = "use_naive_block_assignment"
+    check_int(func, "num_tokens", num_tokens, lo=0)
+    check_int(func, "topk", topk, lo=1)
+    check_int(func, "num_experts", num_experts, lo=1)
+    return not has_expert_map and num_tokens * topk * 4 <= num_experts
+
+
+def naive_block_assignment(topk_ids: torch.Tensor, block_size: int):
+    """The small-batch layout in :func:`moe_align_block_size`'s format: block ``m`` = assignment m.
+
+    ``sorted_token_ids[m * block_size] = m`` and the other ``block_size - 1`` rows of each block
+    hold the sentinel ``numel``; ``expert_ids`` is ``topk_ids.flatten()`` (int32);
+    ``num_tokens_post_padded = numel * block_size``. Every row is used, so the GEMM runs
+    :func:`naive_padded_rows` rows. A few torch ops, no kernel: there is nothing to sort.
+    """
+    func = "naive_block_assignment"
+    check_tensor(func, "topk_ids", topk_ids, ndim=2, dtypes=_ID_DTYPES)
+    check_int(func, "block_size", block_size, lo=1)
+    numel = topk_ids.numel()
+    device = topk_ids.device
+    sorted_ids = torch.full((numel, block_size), numel, dtype=torch.int32, device=device)
+    sorted_ids[:, 0] = torch.arange(numel, dtype=torch.int32, device=device)
+    expert_ids = topk_ids.flatten().to(torch.int32)
+    used = torch.full((1,), numel * block_size, dtype=torch.int32, device=device)
+    return sorted_ids.flatten(), expert_ids, used
+
+
+def naive_padded_rows(num_tokens: int, topk: int, block_size: int) -> int:
+    """GEMM rows the naive layout runs: ``num_tokens * topk * block_size`` (a block per assignment).
+
+    The aligned layout runs ``sum_e ceil(c_e / block_size) * block_size`` rows (its
+    ``num_tokens_post_padded``): the same ``numel * block_size`` when every assignment has an
+    expert to itself, which is what the naive rule bets on, and fewer as soon as experts are
+    shared (``c`` assignments of one expert share ``ceil(c / block_size)`` blocks instead of
+    taking ``c``). So at the rule's batch sizes the naive path costs no extra rows and saves the
+    alignment launch; above them it would run up to ``block_size`` times the aligned rows.
+    """
+    func = "naive_padded_rows"
+    check_int(func, "num_tokens", num_tokens, lo=0)
+    check_int(func, "topk", topk, lo=1)
+    check_int(func, "block_size", block_size, lo=1)
+    return num_tokens * topk * block_size
+
+
+def _broken(reason: str) -> AssertionError:
+    return AssertionError(f"check_alignment: {reason}")
+
+
+def check_alignment(topk_ids: torch.Tensor, block_size: int, num_experts: int,
+                    sorted_token_ids: torch.Tensor, expert_ids: torch.Tensor,
+                    num_tokens_post_padded: torch.Tensor) -> None:
+    """Assert that the three tensors align ``topk_ids`` correctly; if not, say what is wrong.
+
+    Checked, in this order (the first failure raises ``AssertionError`` with the reason):
+
+    * dtypes (int32) and sizes: ``numel + E*(block_size-1)`` rows, ``ceil(rows/block_size)``
+      blocks, one used-length;
+    * ``num_tokens_post_padded`` equals the sum over experts of the count rounded up to the block;
+    * every row past it holds the sentinel ``numel``, every block past it is ``-1``;
+    * inside the used region every assignment index ``0..numel-1`` appears exactly once and
+      everything else is the sentinel;
+    * the used blocks carry the segments in expert order, each starting on a block boundary and
+      ``ceil(c_e/block_size)`` blocks long (checked through ``expert_ids``);
+    * every real row sits in a block labelled with its own expert;
+    * inside each segment the ``c_e`` real rows come first, the padding after.
+
+    The order of assignments inside a segment is not checked: it is free as far as the GEMM
+    cares (compare against the reference for that).
+    """
+    func = "check_alignment"
+    capacity, num_blocks = alignment_buffer_sizes(func, topk_ids, block_size, num_experts)
+    check_ids_in_range(func, "topk_ids", topk_ids, num_experts, on_device=False)
+    for name, tensor, length in (("sorted_token_ids", sorted_token_ids, capacity),
+                                 ("expert_ids", expert_ids, num_blocks),
+                                 ("num_tokens_post_padded", num_tokens_post_padded, 1)):
+        if not isinstance(tensor, torch.Tensor) or tensor.dtype != torch.int32:
+            raise _broken(f"{name} must be an int32 tensor, got "
+                        f"{getattr(tensor, 'dtype', type(tensor).__name__)}")
+        if tuple(tensor.shape) != (length,):
+            raise _broken(f"{name} must have shape ({length},), got {tuple(tensor.shape)}")
+
+    assignment_experts = topk_ids.detach().flatten().to("cpu", torch.int64)
+    numel = assignment_experts.numel()
+    sentinel = numel
+    rows = sorted_token_ids.detach().to("cpu", torch.int64)
+    labels = expert_ids.detach().to("cpu", torch.int64)
+    used = int(num_tokens_post_padded[0])
+
+    counts = torch.bincount(assignment_experts, minlength=num_experts)
+    padded = (counts + block_size - 1) // block_size * block_size
+    segment_start = torch.cumsum(padded, 0) - padded
+    expected_used = int(padded.sum())
+    if used != expected_used:
+        raise _broken(f"num_tokens_post_padded is {used}, expected {expected_used} (each expert's "
+                      f"count rounded up to a multiple of block_size={block_size}, summed)")
+
+    def first(mask: torch.Tensor) -> int:
+        return int(mask.nonzero()[0, 0])
+
+    wrong_tail = rows[used:] != sentinel
+    if wrong_tail.any():
+        at = used + first(wrong_tail)
+        raise _broken(f"sorted_token_ids[{at}] = {int(rows[at])} lies past the used region "
+                      f"({used} rows); expected the sentinel {sentinel}")
+    used_blocks = used // block_size
+    wrong_tail = labels[used_blocks:] != -1
+    if wrong_tail.any():
+        at = used_blocks + first(wrong_tail)
+        raise _broken(f"expert_ids[{at}] = {int(labels[at])} lies past the {used_blocks} used "
+                      f"blocks; expected -1")
+
+    head = rows[:used]
+    out_of_range = (head < 0) | (head > sentinel)
+    if out_of_range.any():
+        at = first(out_of_range)
+        raise _broken(f"sorted_token_ids[{at}] = {int(head[at])} is neither an assignment "
+                      f"index in [0, {numel}) nor the sentinel {sentinel}")
+    is_real = head != sentinel
+    real_rows = is_real.nonzero().flatten()
+    occurrences = torch.bincount(head[real_rows], minlength=numel)
+    if (occurrences == 0).any():
+        missing = first(occurrences == 0)
+        raise _broken(f"assignment index {missing} is missing from the used region")
+    if (occurrences > 1).any():
+        repeated = first(occurrences > 1)
+        where = (head == repeated).nonzero().flatten().tolist()
+        raise _broken(f"assignment index {repeated} appears {int(occurrences[repeated])} times "
+                      f"(rows {where})")
+
+    expected_labels = torch.repeat_interleave(torch.arange(num_experts), padded // block_size)
+    wrong_label = labels[:used_blocks] != expected_labels
+    if wrong_label.any():
+        block = first(wrong_label)
+        expert = int(expected_labels[block])
+        start, end = int(segment_start[expert]), int(segment_start[expert] + padded[expert])
+        raise _broken(f"expert_ids[{block}] = {int(labels[block])}, expected {expert}: expert "
+                      f"{expert}'s segment is rows [{start}, {end}) ({int(counts[expert])} "
+                      f"assignments rounded up to block_size={block_size})")
+
+    row_expert = expected_labels.repeat_interleave(block_size)
+    wrong_expert = assignment_experts[head[real_rows]] != row_expert[real_rows]
+    if wrong_expert.any():
+        row = int(real_rows[first(wrong_expert)])
+        raise _broken(f"row {row} holds assignment {int(head[row])} of expert "
+                      f"{int(assignment_experts[head[row]])}, but its block {row // block_size} "
+                      f"belongs to expert {int(row_expert[row])}")
+
+    should_be_real = (torch.arange(used) - segment_start[row_expert]) < counts[row_expert]
+    misplaced = is_real != should_be_real
+    if misplaced.any():
+        row = first(misplaced)
+        expert = int(row_expert[row])
+        raise _broken(f"row {row} holds {int(head[row])}, but expert {expert}'s segment starts "
+                      f"at row {int(segment_start[expert])} with its {int(counts[expert])} "
+                      f"assignments first and padding after")
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockAssignment:
+    """What each M-block of ``block_m`` rows reads, and which expert it multiplies by.
+
+    ``sorted_token_ids is None`` marks the naive assignment: block ``m`` is assignment ``m``
+    alone, and ``expert_ids`` is ``topk_ids.flatten()``. Otherwise the three tensors are
+    :func:`moe_align_block_size`'s outputs. ``num_m_blocks`` is the launch grid along M: an upper
+    bound on the blocks in use (programs past ``num_tokens_post_padded`` return at once).
+    """
+
+    block_m: int
+    expert_ids: torch.Tensor
+    sorted_token_ids: torch.Tensor | None
+    num_tokens_post_padded: torch.Tensor | None
+    num_m_blocks: int
+
+    @property
+    def naive(self) -> bool:
+        return self.sorted_token_ids is None
+
+
+def assign_blocks(topk_ids: torch.Tensor, block_m: int, num_experts: int, *, naive: bool | None = None,
+                  validate_ids: bool = True) -> BlockAssignment:
+    """Build the block map for ``topk_ids``: naive when ``naive`` says so, or by default when
+    :func:`moe_kernels.kernels.align.use_naive_block_assignment` (vLLM's ``T * k * 4 <= E``) holds.
+
+    The naive map needs no index tensors at all (the kernel computes "row 0 of block ``m`` is
+    assignment ``m``" itself), so at decode no kernel runs before the GEMMs. The alignment's
+    own :func:`moe_kernels.kernels.align.naive_block_assignment` builds the same map as explicit
+    tensors, which the aligned path also accepts.
+
+    ``validate_ids`` is passed to the alignment (a device-side check on a GPU: no host sync).
+    """
+    func = "assign_blocks"
+    check_tensor(func, "topk_ids", topk_ids, ndim=2, dtypes=ID_DTYPES)
+    check_block_m(func, "block_m", block_m)
+    check_int(func, "num_experts", num_experts, lo=1)
+    num_tokens, top_k = topk_ids.shape
+    numel = topk_ids.numel()
+    if naive is None:
+        naive = use_naive_block_assignment(num_tokens, top_k, num_experts)
+    if naive:
+        return BlockAssignment(block_m, topk_ids.reshape(-1).contiguous(), None, None, numel)
+    sorted_ids, expert_ids, num_post_padded = moe_align_block_size(topk_ids, block_m, num_experts,
+                                                                   validate_ids=validate_ids)
+    # Each non-empty expert wastes at most block_m - 1 padding rows, and at most min(E, numel)
+    # experts are non-empty: no need to launch programs for the worst case of every expert.
+    bound = numel + min(num_experts, numel) * (block_m - 1)
+    num_m_blocks = min(expert_ids.numel(), -(-bound // block_m))
+    return BlockAssignment(block_m, expert_ids, sorted_ids, num_post_padded, num_m_blocks)
+
+
+def assignments_by_block(blocks: BlockAssignment, numel: int):
+    """(assignment index, expert id) for every real row of the block map, as the kernel sees them."""
+    if blocks.naive:
+        return torch.arange(numel, device=blocks.expert_ids.device), blocks.expert_ids.long()
+    used = int(blocks.num_tokens_post_padded[0])
+    rows = blocks.sorted_token_ids[:used].long()
+    experts = blocks.expert_ids.long().repeat_interleave(blocks.block_m)[:used]
+    real = rows < numel
+    return rows[real], experts[real]

@@ -1,0 +1,197 @@
+"""Tile configurations of the grouped GEMMs: one class, a heuristic, and tuned tables as data.
+
+Every layout launches the same two GEMMs (:mod:`moe_kernels.kernels._tile_gemm`), so one
+:class:`MoEConfig` describes them all: the M tile ``block_m`` (for the index-gather layout also
+the alignment block size; for the permute layout it must divide the segment alignment) and a
+:class:`GemmTiles` for each GEMM.
+
+Measured configurations are data, not code: ``configs/<name>.json`` beside this file, one file per
+(device, E, N = F, K = d, dtype, layout), holding the best configuration per token count ``M``
+(vLLM keeps its tuned tables the same way, as JSON beside its kernel). :func:`get_config` takes
+the entry at the nearest ``M`` (by ratio) when a file matches, else :func:`default_config`.
+``python -m moe_kernels.bench tune`` writes these files.
+
+    >>> cfg = get_config(64, 256, 2048, 7168, torch.bfloat16, "cpu")   # no table for the CPU
+    >>> cfg.block_m, cfg.gate_up.block_n, cfg.down.block_n
+    (32, 32, 64)
+    >>> table_name("NVIDIA H200", 128, 768, 2048, torch.bfloat16, "index_gather")
+    'device=NVIDIA_H200,E=128,N=768,K=2048,dtype=bfloat16,layout=index_gather'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from .._checks import fail
+
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+LAYOUTS = ("index_gather", "permute", "masked")
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmTiles:
+    """Tiles and launch settings of one grouped GEMM.
+
+    ``block_n`` counts *output* columns: GEMM 1 loads ``2 * block_n`` weight rows per K step (the
+    gate tile and the matching up tile). ``group_m`` M-blocks are visited before moving to the next
+    N-tile, so that M-blocks of one expert share weight tiles in L2.
+    """
+
+    block_n: int
+    block_k: int
+    group_m: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def check(self, func: str, name: str) -> "GemmTiles":
+        for field in ("block_n", "block_k"):
+            size = getattr(self, field)
+            if not isinstance(size, int) or size < 16 or size & (size - 1):
+                fail(func, f"{name}.{field}", "must be a power of two >= 16 (a tl.dot tile)", size)
+        for field, lo in (("group_m", 1), ("num_warps", 1), ("num_stages", 1)):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value < lo:
+                fail(func, f"{name}.{field}", f"must be an int >= {lo}", value)
+        if self.num_warps & (self.num_warps - 1):
+            fail(func, f"{name}.num_warps", "must be a power of two", self.num_warps)
+        return self
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """The M tile and the tiles of both GEMMs (GEMM 1: gate/up with SiLU·mul; GEMM 2: down)."""
+
+    block_m: int
+    gate_up: GemmTiles
+    down: GemmTiles
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @staticmethod
+    def from_dict(d: dict) -> "MoEConfig":
+        return MoEConfig(d["block_m"], GemmTiles(**d["gate_up"]), GemmTiles(**d["down"]))
+
+    def with_block_m(self, block_m: int) -> "MoEConfig":
+        return dataclasses.replace(self, block_m=block_m)
+
+
+def check_config(func: str, config: object, *, align: int | None = None) -> MoEConfig:
+    """``config`` must be a :class:`MoEConfig` of power-of-two tiles; with ``align`` (the permute
+    layout's segment alignment), ``block_m`` must divide it so that no tile straddles two experts."""
+    if not isinstance(config, MoEConfig):
+        fail(func, "config", "must be a moe_kernels.MoEConfig (or None for the default)",
+             type(config).__name__, TypeError)
+    check_block_m(func, "config.block_m", config.block_m)
+    config.gate_up.check(func, "config.gate_up")
+    config.down.check(func, "config.down")
+    if align is not None and align % config.block_m:
+        fail(func, "config.block_m", f"must divide align={align} (a tile must not straddle two "
+             "experts' segments)", config.block_m)
+    return config
+
+
+def check_block_m(func: str, name: str, block_m: object) -> int:
+    if isinstance(block_m, bool) or not isinstance(block_m, int):
+        fail(func, name, "must be an int", type(block_m).__name__, TypeError)
+    if block_m < 16 or block_m & (block_m - 1):
+        fail(func, name, "must be a power of two >= 16 (a tl.dot tile)", block_m)
+    return block_m
+
+
+def default_config(M: int, E: int, N: int, K: int, *, layout: str = "index_gather", align: int = 128,
+                   dtype: torch.dtype = torch.bfloat16) -> MoEConfig:
+    """The configuration used when no tuned table matches.
+
+    Index-gather follows vLLM's bf16 heuristic (``get_default_config`` in vLLM 0.33.0's
+    ``fused_moe/fused_moe.py``) for ``M`` tokens, ``N = F``, ``K = d``. vLLM runs one config for
+    both GEMMs, and its GEMM 1 tile of ``BLOCK_SIZE_N`` columns of ``[2F, d]`` covers half gate
+    and half up columns; our fused GEMM 1 computes both halves per program, so it takes half the
+    N tile to keep the same weight tile per program. The permute and masked layouts take
+    128x128x64 tiles (128x128x32 in fp32, whose operands are twice as wide; the M tile lowered to
+    divide ``align``).
+    """
+    if layout != "index_gather":
+        block_m = 128
+        while align % block_m and block_m > 16:
+            block_m //= 2
+        tiles = GemmTiles(128, 32 if dtype == torch.float32 else 64, 1, 8, 3)
+        return MoEConfig(block_m, tiles, tiles)
+    block_m = 16 if M <= 32 else 32 if M <= 96 else 64 if M <= 512 else 128
+    block_n = 64 if M <= 64 else 128
+    block_k = 128 if M <= 64 else 64
+    group_m = 16 if M // max(E, 1) > 128 else 1
+    num_warps = 4 if M <= 128 else 8
+    num_stages = 4 if M <= 32 else 3
+    return MoEConfig(block_m, GemmTiles(max(16, block_n // 2), block_k, group_m, num_warps, num_stages),
+                     GemmTiles(block_n, block_k, group_m, num_warps, num_stages))
+
+
+def table_name(device_name: str, E: int, N: int, K: int, dtype: torch.dtype, layout: str) -> str:
+    """The file stem of the tuned table for this GPU, shape, dtype and layout."""
+    dtype_name = str(dtype).replace("torch.", "")
+    return f"device={device_name.replace(' ', '_')},E={E},N={N},K={K},dtype={dtype_name},layout={layout}"
+
+
+@functools.lru_cache(maxsize=None)
+def load_table(name: str) -> dict[int, MoEConfig] | None:
+    """``configs/<name>.json`` as ``{M: MoEConfig}``, or None if there is no such file."""
+    path = CONFIG_DIR / f"{name}.json"
+    if not path.exists():
+        return None
+    entries = json.loads(path.read_text())["configs"]
+    return {int(m): MoEConfig.from_dict(c) for m, c in entries.items()}
+
+
+def nearest(table: dict[int, MoEConfig], M: int) -> MoEConfig:
+    """The entry at the token count nearest to ``M`` by ratio (the smaller one on a tie)."""
+    return table[min(table, key=lambda m: (abs(math.log(m / max(M, 1))), m))]
+
+
+def write_table(device_name: str, E: int, N: int, K: int, dtype: torch.dtype, layout: str,
+                configs: dict[int, MoEConfig], measured: dict) -> Path:
+    """Write a tuned table (``measured`` says where and how; see the tuner)."""
+    name = table_name(device_name, E, N, K, dtype, layout)
+    path = CONFIG_DIR / f"{name}.json"
+    body = {"measured": measured,
+            "configs": {str(m): configs[m].to_dict() for m in sorted(configs)}}
+    path.write_text(json.dumps(body, indent=1) + "\n")
+    load_table.cache_clear()
+    return path
+
+
+@functools.lru_cache(maxsize=None)
+def _device_name(index: int | None) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def get_config(M: int, E: int, N: int, K: int, dtype: torch.dtype, device: torch.device | str, *,
+               layout: str = "index_gather", align: int = 128) -> MoEConfig:
+    """The tile configuration for ``M`` tokens over ``E`` experts with ``F = N``, ``d = K``: the
+    tuned entry for this GPU when a table exists, else :func:`default_config`."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        table = load_table(table_name(_device_name(device.index), E, N, K, dtype, layout))
+        if table:
+            config = nearest(table, M)
+            if layout != "permute" or align % config.block_m == 0:
+                return config
+    return default_config(M, E, N, K, layout=layout, align=align, dtype=dtype)
+
+
+def tuned_block_m(num_experts: int, intermediate_size: int, hidden_size: int, *,
+                  device_name: str = "NVIDIA H200", dtype: torch.dtype = torch.bfloat16) -> dict[int, int]:
+    """The M tile the tuned index-gather table picked at each token count it was tuned for, for
+    this shape and GPU; empty if there is no table.
+
+        >>> tuned_block_m(256, 2048, 7168)[4096]   # DeepSeek-V3 on the H200, batch 4096
+        128
+    """
+    table = load_table(table_name(device_name, num_experts, intermediate_size, hidden_size, dtype, "index_gather"))
+    return {m: config.block_m for m, config in sorted((table or {}).items())}

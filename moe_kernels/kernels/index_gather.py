@@ -1,0 +1,327 @@
+"""Index-gather fused MoE: two grouped GEMMs that read activations through the alignment indices.
+
+This is vLLM's layout (vllm-project/vllm, ``vllm/model_executor/layers/fused_moe/fused_moe.py``,
+``fused_moe_kernel``), written afresh. The activations are never copied into expert order.
+Instead the alignment step (:func:`moe_kernels.kernels.align.moe_align_block_size`) lists, expert by
+expert, which *assignments* (positions in ``topk_ids.flatten()``) each expert serves, padded to
+whole blocks of ``BLOCK_M`` rows. One Triton program then owns one M-block and one N-tile:
+
+1. it reads its block's expert id, and the ``BLOCK_M`` assignment indices of its block;
+2. it gathers the matching activation rows as ``assignment // top_k`` (assignment ``a`` belongs
+   to token ``a // top_k``); padding rows (index ``>= numel``) read row 0 and are never stored;
+3. it streams that expert's weight tile and multiplies, in the tile-GEMM core shared by all
+   layouts (:mod:`moe_kernels.kernels._tile_gemm`).
+
+GEMM 1 reads ``w1[e]`` (``[2F, d]``: gate rows, then up rows). Each program computes the gate
+tile *and* the matching up tile, so ``silu(gate) * up`` happens in the epilogue, in fp32, and
+only ``[numel, F]`` is written: vLLM writes ``[numel, 2F]`` and runs a separate activation
+kernel that reads it back. GEMM 2 reads ``w2[e]`` (``[d, F]``) with ``top_k = 1``, because its
+input rows are already in assignment order; its epilogue multiplies by the routing weight in
+fp32 before the cast and writes ``[T, k, d]``. GEMM 2 still reads its rows through
+``sorted_token_ids`` in expert order, so its gather is a real gather, only with ``top_k = 1``. :func:`moe_sum` adds the ``k`` slots of each
+token (fp32 accumulation) into ``[T, d]``.
+
+When a batch is so small that almost every assignment hits a different expert
+(``num_tokens * top_k * 4 <= num_experts``, vLLM's rule), sorting buys nothing: block ``m``
+is simply assignment ``m`` (one real row, the rest masked), and its expert is
+``topk_ids.flatten()[m]``. That is the *naive block assignment*; no alignment kernel runs.
+
+Worked example: two tokens, top-2 of three experts, ``block_m = 16``::
+
+    >>> import torch
+    >>> from moe_kernels.reference import moe_reference
+    >>> g = torch.Generator().manual_seed(0)
+    >>> x = torch.randn(2, 32, generator=g)
+    >>> w1 = torch.randn(3, 2 * 16, 32, generator=g) / 8   # E=3, F=16, d=32
+    >>> w2 = torch.randn(3, 32, 16, generator=g) / 4
+    >>> ids = torch.tensor([[2, 0], [2, 1]])
+    >>> weights = torch.tensor([[0.75, 0.25], [0.5, 0.5]])
+    >>> blocks = assign_blocks(ids, 16, 3, naive=False)
+    >>> blocks.sorted_token_ids[:16].tolist()   # expert 0's block: assignment 1, then padding (4)
+    [1, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4]
+    >>> blocks.expert_ids[:3].tolist()          # one block per expert touched
+    [0, 1, 2]
+    >>> out = fused_experts(x, w1, w2, weights, ids)
+    >>> ref = moe_reference(x, w1, w2, weights, ids)
+    >>> bool(torch.linalg.norm(out.double() - ref) / torch.linalg.norm(ref) < 1e-5)
+    True
+"""
+
+from __future__ import annotations
+
+
+import torch
+
+from .._checks import FLOAT_DTYPES, check_int, check_moe_inputs, check_tensor, fail
+from .._runtime import HAS_TRITON, kernel, tl, triton, use_triton
+from ..reference import silu_and_mul_reference
+from ._tile_gemm import check_out, dot_precision, in_float32_under_interpreter
+from .blocks import BlockAssignment, assign_blocks, assignments_by_block
+from .combine import moe_sum
+from .config import GemmTiles, MoEConfig, check_block_m, check_config, get_config
+
+if HAS_TRITON:
+    from ._tile_gemm import expert_tile_product, scale_rows, store_tile
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------
+
+if HAS_TRITON:
+
+    @kernel(do_not_specialize=["num_m_blocks", "num_valid_rows"])
+    def _index_gather_gemm_kernel(
+        a_ptr, w_ptr, out_ptr, topk_weights_ptr,
+        sorted_token_ids_ptr, expert_ids_ptr, num_tokens_post_padded_ptr,
+        num_m_blocks, num_valid_rows, num_experts, N, K,
+        stride_am, stride_we, stride_wn, stride_om,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+        TOP_K: tl.constexpr, NAIVE_BLOCKS: tl.constexpr, GATED: tl.constexpr,
+        MUL_ROUTED_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    ):
+        # out[row] = A[row // TOP_K] @ W[expert]^T for the rows of one M-block; W is [E, N', K].
+        pid = tl.program_id(0)
+        num_n_tiles = tl.cdiv(N, BLOCK_N)
+        # Walk GROUP_M M-blocks down one N-tile before moving right, so that consecutive programs
+        # of one expert reuse the same weight tile from L2.
+        programs_per_group = GROUP_M * num_n_tiles
+        first_m = (pid // programs_per_group) * GROUP_M
+        group_rows = min(num_m_blocks - first_m, GROUP_M)
+        pid_m = first_m + (pid % programs_per_group) % group_rows
+        pid_n = (pid % programs_per_group) // group_rows
+
+        offs_m = tl.arange(0, BLOCK_M)
+        if NAIVE_BLOCKS:
+            # Block m is assignment m alone: row 0 is real, the others are padding.
+            rows = tl.where(offs_m == 0, pid_m, num_valid_rows).to(tl.int64)
+        else:
+            if pid_m * BLOCK_M >= tl.load(num_tokens_post_padded_ptr):
+                return  # past the last block in use
+            rows = tl.load(sorted_token_ids_ptr + pid_m * BLOCK_M + offs_m).to(tl.int64)
+        row_real = rows < num_valid_rows
+        expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+        if (expert < 0) | (expert >= num_experts):
+            # -1: the block's expert is computed elsewhere (vLLM, under expert parallelism); an id
+            # out of range (unchecked input) must not become an address. Its rows are zero.
+            zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            store_tile(out_ptr, rows * stride_om, row_real, zeros, pid_n, N, BLOCK_N)
+            return
+        # Padding rows read row 0 (never stored), so the loads need no row mask.
+        a_rows = tl.where(row_real, rows // TOP_K, 0) * stride_am
+        acc = expert_tile_product(a_ptr, a_rows, w_ptr + expert * stride_we, stride_wn, pid_n, N, K,
+                                  GATED, EVEN_K, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+        if MUL_ROUTED_WEIGHT:
+            acc = scale_rows(acc, topk_weights_ptr, rows, row_real)
+        store_tile(out_ptr, rows * stride_om, row_real, acc, pid_n, N, BLOCK_N)
+
+
+def _launch(a, w, out, topk_weights, blocks: BlockAssignment, *, n_out: int, top_k: int, gated: bool,
+            tiles: GemmTiles) -> None:
+    num_valid_rows = out.shape[0]
+    k_in = a.shape[1]
+    grid = (blocks.num_m_blocks * triton.cdiv(n_out, tiles.block_n),)
+    if grid[0] == 0 or n_out == 0:
+        return
+    # Unused pointer arguments (naive blocks have no sorted ids, GEMM 1 has no weights) get any
+    # tensor: the constexpr flags compile the loads away.
+    sorted_ids = blocks.expert_ids if blocks.naive else blocks.sorted_token_ids
+    num_post_padded = blocks.expert_ids if blocks.naive else blocks.num_tokens_post_padded
+    _index_gather_gemm_kernel[grid](
+        a, w, out, topk_weights if topk_weights is not None else out,
+        sorted_ids, blocks.expert_ids, num_post_padded,
+        blocks.num_m_blocks, num_valid_rows, w.shape[0], n_out, k_in,
+        a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        BLOCK_M=blocks.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
+        TOP_K=top_k, NAIVE_BLOCKS=blocks.naive, GATED=gated,
+        MUL_ROUTED_WEIGHT=topk_weights is not None, EVEN_K=k_in % tiles.block_k == 0,
+        INPUT_PRECISION=dot_precision(a.dtype),
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )
+
+
+def _check_blocks(func: str, blocks: object, numel: int) -> BlockAssignment:
+    if not isinstance(blocks, BlockAssignment):
+        fail(func, "blocks", "must be a BlockAssignment (from assign_blocks)", type(blocks).__name__, TypeError)
+    if blocks.naive and blocks.expert_ids.numel() != numel:
+        fail(func, "blocks", f"must be built for {numel} assignments (T*k)",
+             f"a naive map of {blocks.expert_ids.numel()}")
+    return blocks
+
+
+def _check_tiles(func: str, tiles: object) -> GemmTiles:
+    if not isinstance(tiles, GemmTiles):
+        fail(func, "tiles", "must be a GemmTiles", type(tiles).__name__, TypeError)
+    return tiles.check(func, "tiles")
+
+
+# ----------------------------------------------------------------------------------------------
+# The three stages
+# ----------------------------------------------------------------------------------------------
+
+
+def expert_gate_up(hidden_states: torch.Tensor, w1: torch.Tensor, blocks: BlockAssignment, top_k: int, *,
+                   tiles: GemmTiles, out: torch.Tensor | None = None) -> torch.Tensor:
+    """GEMM 1 with SiLU-and-mul in its epilogue: row ``a`` of the result (``[T*k, F]``) is
+    ``silu(w1[e][:F] @ x_t) * (w1[e][F:] @ x_t)`` for assignment ``a`` = (token ``t``, expert ``e``).
+
+    Rows follow the assignment order of ``topk_ids.flatten()``; ``blocks`` comes from
+    :func:`assign_blocks` for the same ``topk_ids``.
+    """
+    func = "expert_gate_up"
+    check_tensor(func, "hidden_states", hidden_states, ndim=2, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
+    check_tensor(func, "w1", w1, ndim=3, dtypes=(hidden_states.dtype,), device=hidden_states.device,
+                 last_dim_contiguous=True)
+    check_int(func, "top_k", top_k, lo=1)
+    if w1.shape[2] != hidden_states.shape[1] or w1.shape[1] % 2:
+        fail(func, "w1", f"must have shape [E, 2F, d={hidden_states.shape[1]}]", f"shape {tuple(w1.shape)}")
+    numel = hidden_states.shape[0] * top_k
+    _check_blocks(func, blocks, numel)
+    _check_tiles(func, tiles)
+    f = w1.shape[1] // 2
+    out = check_out(func, out, (numel, f), hidden_states)
+    if not use_triton(hidden_states, w1, out):
+        return out.copy_(_gate_up_reference(hidden_states, w1, blocks, top_k))
+    rerun = lambda x, w, out: expert_gate_up(x, w, blocks, top_k, tiles=tiles, out=out)  # noqa: E731
+    if in_float32_under_interpreter(rerun, out, hidden_states, w1) is None:
+        _launch(hidden_states, w1, out, None, blocks, n_out=f, top_k=top_k, gated=True, tiles=tiles)
+    return out
+
+
+def expert_down(intermediate: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, blocks: BlockAssignment, *,
+                tiles: GemmTiles, out: torch.Tensor | None = None) -> torch.Tensor:
+    """GEMM 2: row ``a`` of the result is ``topk_weights.flatten()[a] * (w2[e] @ intermediate[a])``.
+
+    ``intermediate`` is :func:`expert_gate_up`'s ``[T*k, F]``; the result is ``[T, k, d]``
+    (assignment order), the routing weight applied in fp32 before the cast.
+    """
+    func = "expert_down"
+    check_tensor(func, "intermediate", intermediate, ndim=2, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
+    check_tensor(func, "w2", w2, ndim=3, dtypes=(intermediate.dtype,), device=intermediate.device,
+                 last_dim_contiguous=True)
+    check_tensor(func, "topk_weights", topk_weights, ndim=2, dtypes=FLOAT_DTYPES, device=intermediate.device)
+    num_tokens, top_k = topk_weights.shape
+    if intermediate.shape[0] != num_tokens * top_k:
+        fail(func, "intermediate", f"must have T*k = {num_tokens * top_k} rows (one per assignment)",
+             f"shape {tuple(intermediate.shape)}")
+    if w2.shape[2] != intermediate.shape[1]:
+        fail(func, "w2", f"must have shape [E, d, F={intermediate.shape[1]}]", f"shape {tuple(w2.shape)}")
+    _check_blocks(func, blocks, num_tokens * top_k)
+    _check_tiles(func, tiles)
+    d = w2.shape[1]
+    out = check_out(func, out, (num_tokens, top_k, d), intermediate)
+    flat_out = out.view(num_tokens * top_k, d)
+    weights = topk_weights.contiguous()
+    if not use_triton(intermediate, w2, weights, out):
+        flat_out.copy_(_down_reference(intermediate, w2, weights, blocks))
+        return out
+    rerun = lambda x, w, out: expert_down(x, w, weights, blocks, tiles=tiles, out=out)  # noqa: E731
+    if in_float32_under_interpreter(rerun, out, intermediate, w2) is None:
+        _launch(intermediate, w2, flat_out, weights, blocks, n_out=d, top_k=1, gated=False, tiles=tiles)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Torch references of the three stages (used without Triton, and by the tests)
+# ----------------------------------------------------------------------------------------------
+
+
+def _gate_up_reference(hidden_states, w1, blocks: BlockAssignment, top_k: int) -> torch.Tensor:
+    numel = hidden_states.shape[0] * top_k
+    rows, experts = assignments_by_block(blocks, numel)
+    out = torch.zeros(numel, w1.shape[1] // 2, dtype=torch.float32, device=hidden_states.device)
+    for e in torch.unique(experts[(experts >= 0) & (experts < w1.shape[0])]).tolist():
+        mine = rows[experts == e]
+        h = hidden_states[mine // top_k].float() @ w1[e].float().T
+        out[mine] = silu_and_mul_reference(h)
+    return out.to(hidden_states.dtype)
+
+
+def _down_reference(intermediate, w2, topk_weights, blocks: BlockAssignment) -> torch.Tensor:
+    numel = topk_weights.numel()
+    rows, experts = assignments_by_block(blocks, numel)
+    weights = topk_weights.reshape(-1).float()
+    out = torch.zeros(numel, w2.shape[1], dtype=torch.float32, device=intermediate.device)
+    for e in torch.unique(experts[(experts >= 0) & (experts < w2.shape[0])]).tolist():
+        mine = rows[experts == e]
+        out[mine] = weights[mine, None] * (intermediate[mine].float() @ w2[e].float().T)
+    return out.to(intermediate.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Public entry points
+# ----------------------------------------------------------------------------------------------
+
+
+def fused_experts(
+    hidden_states: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    block_size_m: int | None = None,
+    config: MoEConfig | None = None,
+    blocks: BlockAssignment | None = None,
+    naive_block_assignment: bool | None = None,
+    validate_ids: bool = True,
+) -> torch.Tensor:
+    """The routed experts' output ``[T, d]``: ``sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x_t)``.
+
+    ``w1`` is ``[E, 2F, d]`` (gate rows, then up rows), ``w2`` is ``[E, d, F]``, ``hidden_states``
+    ``[T, d]``, ``topk_weights`` / ``topk_ids`` ``[T, k]`` (0-based expert ids).
+
+    ``config`` defaults to :func:`moe_kernels.kernels.config.get_config`; ``block_size_m``
+    overrides its M tile. ``blocks`` passes a precomputed :func:`assign_blocks` result (its
+    ``block_m`` wins), e.g. to time the GEMMs without the alignment. ``naive_block_assignment``
+    forces the small-batch path on or off (default: vLLM's rule, see :func:`assign_blocks`).
+    ``validate_ids`` checks that every id lies in ``[0, E)``: on the CPU with an immediate
+    ValueError, on a GPU with a device-side assert, which costs no host sync and can be captured
+    in a CUDA graph. Ids out of range never become addresses, checked or not.
+
+    Under the Triton interpreter (no GPU), each bf16 stage is computed in float32 and its result
+    rounded to bf16 once, because the interpreter's bf16 dot is wrong.
+    """
+    func = "fused_experts"
+    num_tokens, top_k, num_experts, d, f = check_moe_inputs(func, hidden_states, w1, w2, topk_weights, topk_ids,
+                                                            validate_ids=validate_ids)
+    if block_size_m is not None:
+        check_block_m(func, "block_size_m", block_size_m)
+    if config is None:
+        config = get_config(num_tokens, num_experts, f, d, hidden_states.dtype, hidden_states.device)
+    else:
+        check_config(func, config)
+    if blocks is None:
+        block_m = block_size_m if block_size_m is not None else config.block_m
+        # The ids were range-checked above when asked for: the alignment need not do it again.
+        blocks = assign_blocks(topk_ids, block_m, num_experts, naive=naive_block_assignment, validate_ids=False)
+    intermediate = expert_gate_up(hidden_states, w1, blocks, top_k, tiles=config.gate_up)
+    per_slot = expert_down(intermediate, w2, topk_weights, blocks, tiles=config.down)
+    return moe_sum(per_slot)
+
+
+def fused_moe(
+    hidden_states: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    gating_output: torch.Tensor,
+    topk: int,
+    renormalize: bool,
+    *,
+    block_size_m: int | None = None,
+    config: MoEConfig | None = None,
+) -> torch.Tensor:
+    """The whole routed layer from router logits: ``fused_topk`` (softmax top-k), then
+    :func:`fused_experts`. ``gating_output`` is ``[T, E]`` with ``E`` = ``w1``'s expert count."""
+    from .routing import fused_topk
+
+    func = "fused_moe"
+    check_tensor(func, "w1", w1, ndim=3)
+    check_tensor(func, "gating_output", gating_output, ndim=2)
+    if gating_output.shape[1] != w1.shape[0]:
+        fail(func, "gating_output", f"must have one column per expert of w1 (E={w1.shape[0]})",
+             f"shape {tuple(gating_output.shape)}")
+    topk_weights, topk_ids = fused_topk(hidden_states, gating_output, topk, renormalize)
+    # The ids come from our own top-k over E logits, so the range check is skipped.
+    return fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, block_size_m=block_size_m,
+                         config=config, validate_ids=False)

@@ -1,0 +1,323 @@
+"""Permute: copy every assignment's row into its expert's contiguous, aligned segment.
+
+The index-gather layout (:mod:`moe_kernels.kernels.index_gather`) leaves the activations where they are and lets each
+GEMM tile gather its rows through an index list. This module is the other answer, the one SGLang
+uses in front of DeepGEMM's ``m_grouped_*_gemm_nt_contiguous``: physically copy the rows so that
+each expert owns one contiguous segment of a packed buffer, every segment starting on an
+``align``-row boundary (DeepGEMM wants 128). A GEMM tile then covers rows of one expert only and
+reads them with plain strided loads; the price is the copy in (``permute``) and the copy back
+(:func:`moe_kernels.kernels.combine.unpermute`), which
+:func:`moe_kernels.model.buffers.permute_copy_bytes` counts.
+
+The pipeline, each step a Triton kernel with a torch reference beside it:
+
+1. :func:`permute` - where the rows go is exactly what :func:`moe_kernels.kernels.align.moe_align_block_size`
+   computes with ``block_size=align``: its ``sorted_token_ids`` *is* the permutation (row ``r`` of
+   the packed buffer holds assignment ``sorted_token_ids[r]``, or padding when that is the
+   sentinel ``numel``). So alignment is reused, not redone, and one scatter kernel copies the rows
+   and writes ``m_indices`` (expert of each row, -1 on padding, DeepGEMM's convention) and
+   ``src2dst`` (row of each assignment, SGLang's name).
+2. :func:`grouped_gemm_contiguous` - ``[M_pad, K] x w[e]^T`` where each ``BLOCK_M`` tile belongs to
+   one expert, read from ``m_indices``; tiles of padding exit at once and padding rows are never
+   stored. The tile product is the core every layout shares (:mod:`moe_kernels.kernels._tile_gemm`). With ``silu_mul=True`` it computes the gate and up halves of ``w1`` together
+   and stores only ``silu(gate) * up``, so the ``[M_pad, 2F]`` intermediate never exists.
+3. :func:`~moe_kernels.kernels.combine.unpermute` - gathers each token's ``k`` rows, multiplies by the routing weights in
+   float32, sums, and casts once (SGLang's ``post_reorder_deepgemm_triton_kernel`` does the same;
+   sgl-project/sglang ``python/sglang/kernels/ops/moe/ep_moe_kernels.py``).
+
+:func:`permute_experts` chains them with no host synchronisation on the GPU: every size comes from
+the shapes, and the id check (``validate_ids``, on by default) is a device-side assert. Ids out of
+range, checked or not, land in no segment, keep ``src2dst = -1`` and add nothing (SGLang's gather
+skips ``dst < 0`` the same way), so no kernel touches memory out of bounds. The packed buffer has
+:func:`~moe_kernels.model.buffers.max_padded_rows` rows, the most any routing of ``T*k``
+assignments can need (SGLang's ``_get_compact_all_tokens``), which is at most vLLM's
+``numel + E*(align-1)`` and far less when ``T*k`` is small. :func:`torch_grouped_mm_experts` runs
+the same permute/unpermute around ``torch.nn.functional.grouped_mm`` as a baseline.
+
+A worked example: three tokens, ``k = 2``, three experts, segments aligned to 4 rows::
+
+    >>> import torch
+    >>> from moe_kernels.kernels.combine import unpermute
+    >>> x = torch.arange(6.0).reshape(3, 2)
+    >>> ids = torch.tensor([[1, 0], [1, 2], [0, 1]])   # expert 0: 2 rows, 1: 3 rows, 2: 1 row
+    >>> p = permute(x, ids, 3, align=4)
+    >>> p.m_indices.tolist()                           # 4-row segments, padding marked -1
+    [0, 0, -1, -1, 1, 1, 1, -1, 2, -1, -1, -1]
+    >>> p.segment_starts.tolist(), p.segment_counts.tolist()
+    ([0, 4, 8], [2, 3, 1])
+    >>> torch.equal(p.rows[p.src2dst[1, 1]], x[1])      # token 1's second choice went to expert 2
+    True
+    >>> torch.equal(unpermute(p.rows, p.src2dst, torch.full((3, 2), 0.5)), x)   # the round trip
+    True
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .._checks import (check_dispatch_inputs, check_ids_in_range, check_int, check_moe_inputs,
+                       check_tensor, fail)
+from .._runtime import HAS_TRITON, kernel, tl, triton, use_triton
+from ..model.buffers import expert_counts, max_padded_rows
+from ._tile_gemm import check_out, dot_precision, expert_rows_product, gemm_width, in_float32_under_interpreter
+from .align import moe_align_block_size, moe_align_block_size_reference
+from .combine import unpermute
+from .config import MoEConfig, check_config, get_config
+
+if HAS_TRITON:
+    from ._tile_gemm import expert_tile_product, store_tile
+
+    @kernel
+    def _permute_rows_kernel(
+        hidden_ptr, stride_ht, sorted_ids_ptr, block_experts_ptr, rows_ptr, stride_rm,
+        m_indices_ptr, src2dst_ptr, num_rows, num_assignments, topk, hidden_size, align,
+        BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):
+        # Row-driven: each packed row looks up which assignment it holds, so padding rows cost
+        # one index load and no data movement.
+        rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+        in_range = rows < num_rows
+        assignment = tl.load(sorted_ids_ptr + rows, mask=in_range, other=num_assignments)
+        real = in_range & (assignment < num_assignments)
+        expert = tl.load(block_experts_ptr + rows // align, mask=in_range, other=-1)
+        tl.store(m_indices_ptr + rows, tl.where(real, expert, -1), mask=in_range)
+        tl.store(src2dst_ptr + assignment, rows, mask=real)
+        src = (assignment // topk).to(tl.int64) * stride_ht
+        dst = rows.to(tl.int64) * stride_rm
+        for d0 in range(0, hidden_size, BLOCK_D):
+            cols = d0 + tl.arange(0, BLOCK_D)
+            mask = real[:, None] & (cols < hidden_size)[None, :]
+            values = tl.load(hidden_ptr + src[:, None] + cols[None, :], mask=mask)
+            tl.store(rows_ptr + dst[:, None] + cols[None, :], values, mask=mask)
+
+    @kernel
+    def _contiguous_gemm_kernel(
+        a_ptr, stride_am, w_ptr, stride_we, stride_wn, out_ptr, stride_om,
+        m_indices_ptr, num_rows, num_experts, N, K,
+        GATED: tl.constexpr, EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        # Axis 0 (M tiles) varies fastest, so consecutive programs are consecutive tiles of the
+        # same expert and find that expert's weight tile in L2.
+        pid_m = tl.program_id(0)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_experts = tl.load(m_indices_ptr + rows, mask=rows < num_rows, other=-1)
+        # A tile lies inside one segment (BLOCK_M divides align), so its real rows share one
+        # expert and its padding rows are -1. A tile of padding, or one naming an expert that does
+        # not exist, has nothing to do: an id is never used as an address unchecked.
+        expert = tl.max(row_experts, axis=0)
+        if (expert < 0) | (expert >= num_experts):
+            return
+        # A segment's real rows come first, so the tile's first row is real: padding rows read it
+        # (loads need no row mask, and never see the buffer's unwritten garbage) and are not stored.
+        row_real = row_experts == expert
+        offsets = rows.to(tl.int64)
+        a_rows = tl.where(row_real, offsets, pid_m * BLOCK_M) * stride_am
+        acc = expert_tile_product(a_ptr, a_rows, w_ptr + expert.to(tl.int64) * stride_we,
+                                  stride_wn, tl.program_id(1), N, K,
+                                  GATED, EVEN_K, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+        store_tile(out_ptr, offsets * stride_om, row_real, acc, tl.program_id(1), N, BLOCK_N)
+
+
+class PermutedRows(NamedTuple):
+    """The contiguous layout: what :func:`permute` returns.
+
+    * ``rows`` ``[M_pad, d]``: expert ``e``'s rows are ``rows[segment_starts[e] :
+      segment_starts[e] + segment_counts[e]]``; padding rows are left unwritten (whatever the
+      buffer held) and nothing that is stored depends on them.
+    * ``m_indices`` int32 ``[M_pad]``: the expert of each row, -1 on padding rows.
+    * ``src2dst`` int32 ``[T, k]``: the row that holds assignment ``(t, j)`` (-1 for an
+      out-of-range id left unvalidated, which no segment holds).
+    * ``segment_starts`` int32 ``[E]``: first row of each segment, a multiple of ``align``.
+    * ``segment_counts`` int32 ``[E]``: real rows in each segment (tokens routed to the expert).
+    """
+
+    rows: torch.Tensor
+    m_indices: torch.Tensor
+    src2dst: torch.Tensor
+    segment_starts: torch.Tensor
+    segment_counts: torch.Tensor
+
+
+def _segments(topk_ids: torch.Tensor, num_experts: int, align: int):
+    """Aligned segment starts and real row counts per expert, without leaving the device."""
+    counts = expert_counts(topk_ids, num_experts)
+    padded = (counts + align - 1) // align * align
+    starts = torch.cumsum(padded, 0) - padded
+    return starts.to(torch.int32), counts
+
+
+def _check_permute_args(func, hidden_states, topk_ids, num_experts, align):
+    check_dispatch_inputs(func, hidden_states, topk_ids, num_experts)
+    check_int(func, "align", align, lo=1)
+
+
+def permute(hidden_states: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, *, align: int = 128,
+            out: torch.Tensor | None = None, validate_ids: bool = True) -> PermutedRows:
+    """Copy each assignment's activation row into its expert's ``align``-row-aligned segment.
+
+    ``hidden_states`` ``[T, d]``, ``topk_ids`` ``[T, k]`` (0-based expert ids). ``out``, if given,
+    is the ``[max_padded_rows(T*k, E, align), d]`` buffer to fill. ``validate_ids`` checks the ids
+    as :func:`moe_kernels.kernels.index_gather.fused_experts` does (no host sync on a GPU).
+    """
+    func = "permute"
+    _check_permute_args(func, hidden_states, topk_ids, num_experts, align)
+    if validate_ids:
+        check_ids_in_range(func, "topk_ids", topk_ids, num_experts)
+    num_tokens, hidden_size = hidden_states.shape
+    topk = topk_ids.shape[1]
+    num_assignments = num_tokens * topk
+    num_rows = max_padded_rows(num_assignments, num_experts, align)
+    rows = check_out(func, out, (num_rows, hidden_size), hidden_states)
+    sorted_ids, block_experts, _ = moe_align_block_size(topk_ids, align, num_experts, validate_ids=False)
+    segment_starts, segment_counts = _segments(topk_ids, num_experts, align)
+    if not use_triton(hidden_states, topk_ids, rows):
+        m_indices, src2dst = _permute_rows_reference(hidden_states, sorted_ids, block_experts, rows, topk, align)
+        return PermutedRows(rows, m_indices, src2dst, segment_starts, segment_counts)
+    m_indices = torch.empty(num_rows, dtype=torch.int32, device=rows.device)
+    src2dst = torch.full((num_tokens, topk), -1, dtype=torch.int32, device=rows.device)
+    if num_rows:
+        block_rows, block_d = 16, min(triton.next_power_of_2(max(hidden_size, 1)), 256)
+        _permute_rows_kernel[(triton.cdiv(num_rows, block_rows),)](
+            hidden_states, hidden_states.stride(0), sorted_ids, block_experts, rows, rows.stride(0),
+            m_indices, src2dst, num_rows, num_assignments, topk, hidden_size, align,
+            BLOCK_ROWS=block_rows, BLOCK_D=block_d, num_warps=4,
+        )
+    return PermutedRows(rows, m_indices, src2dst, segment_starts, segment_counts)
+
+
+def _permute_rows_reference(hidden_states, sorted_ids, block_experts, rows, topk, align):
+    """Torch reference of the scatter kernel: fills ``rows``; returns ``(m_indices, src2dst)``."""
+    num_rows = rows.shape[0]
+    num_assignments = hidden_states.shape[0] * topk
+    assignment = sorted_ids[:num_rows].to(torch.int64)
+    real = assignment < num_assignments
+    row_index = torch.arange(num_rows, device=rows.device)
+    m_indices = torch.where(real, block_experts.to(torch.int64)[row_index // align], -1)
+    rows[real] = hidden_states[assignment[real] // topk]
+    src2dst = torch.full((num_assignments,), -1, dtype=torch.int32, device=rows.device)
+    src2dst[assignment[real]] = row_index[real].to(torch.int32)
+    return m_indices.to(torch.int32), src2dst.view(-1, topk)
+
+
+def permute_reference(hidden_states, topk_ids, num_experts, *, align=128):
+    """Torch reference for :func:`permute` (same outputs; padding rows are zero here)."""
+    _check_permute_args("permute", hidden_states, topk_ids, num_experts, align)
+    topk = topk_ids.shape[1]
+    num_rows = max_padded_rows(topk_ids.numel(), num_experts, align)
+    rows = hidden_states.new_zeros(num_rows, hidden_states.shape[1])
+    sorted_ids, block_experts, _ = moe_align_block_size_reference(topk_ids, align, num_experts)
+    m_indices, src2dst = _permute_rows_reference(hidden_states, sorted_ids, block_experts, rows, topk, align)
+    return PermutedRows(rows, m_indices, src2dst, *_segments(topk_ids, num_experts, align))
+
+
+def grouped_gemm_contiguous(x: torch.Tensor, w: torch.Tensor, m_indices: torch.Tensor, *, align: int,
+                            silu_mul: bool = False, out: torch.Tensor | None = None,
+                            config: MoEConfig | None = None, which: str = "gate_up") -> torch.Tensor:
+    """``out[r] = x[r] @ w[m_indices[r]]^T`` for every row whose ``m_indices`` is in ``[0, E)``.
+
+    ``x`` ``[M_pad, K]`` holds ``align``-aligned expert segments (from :func:`permute`), ``w``
+    ``[E, N_w, K]``. Returns ``[M_pad, N_w]``, or ``[M_pad, N_w/2]`` holding ``silu(gate) * up``
+    when ``silu_mul`` (``w`` = ``w1``, gate rows then up rows). Other rows are not written (``out``
+    keeps what it held there). ``which`` picks the GEMM tiles of ``config`` (``gate_up``/``down``).
+    """
+    func = "grouped_gemm_contiguous"
+    check_tensor(func, "x", x, ndim=2, last_dim_contiguous=True)
+    check_tensor(func, "w", w, ndim=3, dtypes=(x.dtype,), device=x.device, last_dim_contiguous=True)
+    check_tensor(func, "m_indices", m_indices, ndim=1, dtypes=(torch.int32,), device=x.device, contiguous=True)
+    check_int(func, "align", align, lo=1)
+    num_rows, k = x.shape
+    if w.shape[2] != k:
+        fail(func, "w", f"must have shape [E, N, {k}] to match x", f"shape {tuple(w.shape)}")
+    if m_indices.shape[0] != num_rows or num_rows % align:
+        fail(func, "m_indices", f"must have one entry per row of x ({num_rows}, a multiple of align={align})",
+             f"shape {tuple(m_indices.shape)}")
+    n = gemm_width(func, w, silu_mul)
+    if config is None:
+        config = get_config(num_rows, w.shape[0], n, k, x.dtype, x.device, layout="permute", align=align)
+    tiles = getattr(check_config(func, config, align=align), which)
+    result = check_out(func, out, (num_rows, n), x)
+    if not use_triton(x, w, m_indices, result):
+        return _grouped_gemm_contiguous_reference(x, w, m_indices, silu_mul, result)
+    rerun = lambda x, w, out: grouped_gemm_contiguous(  # noqa: E731
+        x, w, m_indices, align=align, silu_mul=silu_mul, out=out, config=config, which=which)
+    if num_rows == 0 or in_float32_under_interpreter(rerun, result, x, w) is not None:
+        return result
+    _contiguous_gemm_kernel[(num_rows // config.block_m, triton.cdiv(n, tiles.block_n))](
+        x, x.stride(0), w, w.stride(0), w.stride(1), result, result.stride(0),
+        m_indices, num_rows, w.shape[0], n, k,
+        GATED=silu_mul, EVEN_K=k % tiles.block_k == 0, INPUT_PRECISION=dot_precision(x.dtype),
+        BLOCK_M=config.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )
+    return result
+
+
+def _grouped_gemm_contiguous_reference(x, w, m_indices, silu_mul, out):
+    for e in range(w.shape[0]):
+        rows = m_indices == e
+        out[rows] = expert_rows_product(x[rows], w[e], silu_mul).to(out.dtype)
+    return out
+
+
+def permute_experts(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                    topk_ids: torch.Tensor, *, align: int = 128, config: MoEConfig | None = None,
+                    validate_ids: bool = True) -> torch.Tensor:
+    """The MoE experts step in the contiguous layout: permute, two grouped GEMMs, unpermute.
+
+    Same arguments and result as :func:`moe_kernels.kernels.index_gather.fused_experts`: ``[T, d]``
+    in ``hidden_states.dtype``. No host sync on the GPU. Live intermediates: ``[M_pad, d]`` and
+    ``[M_pad, F]`` (GEMM 2 writes into the packed input, which GEMM 1 has finished with).
+    """
+    func = "permute_experts"
+    num_tokens, _, num_experts, d, f = check_moe_inputs(func, hidden_states, w1, w2, topk_weights, topk_ids)
+    check_int(func, "align", align, lo=1)
+    if config is None:
+        config = get_config(num_tokens, num_experts, f, d, hidden_states.dtype, hidden_states.device,
+                            layout="permute", align=align)
+    check_config(func, config, align=align)
+    permuted = permute(hidden_states, topk_ids, num_experts, align=align, validate_ids=validate_ids)
+    activated = grouped_gemm_contiguous(permuted.rows, w1, permuted.m_indices, align=align, silu_mul=True,
+                                        config=config, which="gate_up")
+    y = grouped_gemm_contiguous(activated, w2, permuted.m_indices, align=align, out=permuted.rows,
+                                config=config, which="down")
+    return unpermute(y, permuted.src2dst, topk_weights)
+
+
+def _grouped_mm():
+    """``torch.nn.functional.grouped_mm`` (public where it exists), else ``torch._grouped_mm``."""
+    op = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+    if op is None:
+        raise NotImplementedError(f"torch_grouped_mm_experts: torch {torch.__version__} has no grouped_mm "
+                                  "(torch._grouped_mm appeared in 2.8); use permute_experts instead")
+    return op
+
+
+def torch_grouped_mm_experts(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                             topk_weights: torch.Tensor, topk_ids: torch.Tensor, *, align: int = 128,
+                             validate_ids: bool = True) -> torch.Tensor:
+    """:func:`permute_experts` with PyTorch's grouped GEMM in place of ours: the baseline.
+
+    ``grouped_mm`` takes the packed rows plus ``offs`` (int32 cumulative segment ends), so the
+    padded segments go in as they are; its padding rows compute garbage that nobody reads.
+    SiLU·mul is a separate torch op on a materialised ``[M_pad, 2F]``. PyTorch's fast path is bf16
+    on sm90 (torch >= 2.8); where a build has no kernel for the inputs this raises
+    NotImplementedError.
+    """
+    func = "torch_grouped_mm_experts"
+    _, _, num_experts, _, _ = check_moe_inputs(func, hidden_states, w1, w2, topk_weights, topk_ids)
+    check_int(func, "align", align, lo=1)
+    grouped_mm = _grouped_mm()
+    permuted = permute(hidden_states, topk_ids, num_experts, align=align, validate_ids=validate_ids)
+    padded = (permuted.segment_counts + align - 1) // align * align
+    offs = torch.cumsum(padded, 0, dtype=torch.int32)
+    try:
+        gate_up = grouped_mm(permuted.rows, w1.transpose(1, 2), offs=offs)
+        gate, up = gate_up.chunk(2, dim=-1)
+        y = grouped_mm(torch.nn.functional.silu(gate) * up, w2.transpose(1, 2), offs=offs)
+    except RuntimeError as err:
+        raise NotImplementedError(f"{func}: this torch build ({torch.__version__}) has no grouped_mm for "
+                                  f"{hidden_states.dtype} on {hidden_states.device}: {err}") from err
+    return unpermute(y, permuted.src2dst, topk_weights)

@@ -1,0 +1,240 @@
+"""One whole MoE layer: gate -> routing -> alignment -> grouped GEMMs -> top-k sum -> shared expert.
+
+:func:`moe_layer` is the function, :class:`MoELayer` the ``nn.Module`` that holds a real model's
+weights and routing rules. Two model styles cover the chapter:
+
+* Qwen3-30B-A3B: softmax over 128 experts, top-8, the 8 weights renormalised, no shared expert;
+* DeepSeek-V3: sigmoid scores plus a selection-only correction bias, 8 groups of which the best 4
+  are kept, top-8 inside them, renormalised and scaled by 2.5, plus one shared expert, run as a
+  separate dense FFN (vLLM) or fused into the grouped GEMM as expert ``E`` (SGLang).
+
+Any of the three grouped-GEMM layouts runs the experts (``layout``: ``"index_gather"``,
+``"permute"``, ``"masked"``). The routing comes from this package's own kernels, so its ids are
+in range by construction: the layer skips the id check and never synchronises with the host on a
+GPU, so a decode step can be captured in a CUDA graph.
+
+    >>> import torch
+    >>> layer = MoELayer.random("deepseek-v3", hidden_size=32, intermediate_size=16,
+    ...                         dtype=torch.float32, device="cpu", seed=0)
+    >>> x = torch.randn(5, 32, generator=torch.Generator().manual_seed(1))
+    >>> out = layer(x)
+    >>> out.shape, layer.routing.num_expert_group, layer.weights.num_experts
+    (torch.Size([5, 32]), 8, 256)
+    >>> bool(torch.linalg.norm(out.double() - layer.reference(x)) / torch.linalg.norm(layer.reference(x)) < 1e-5)
+    True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ._checks import FLOAT_DTYPES, check_tensor, fail
+from .kernels.config import MoEConfig, get_config
+from .kernels.index_gather import fused_experts
+from .kernels.masked import masked_experts
+from .kernels.permute import permute_experts
+from .kernels.grouped_routing import grouped_topk, grouped_topk_reference
+from .kernels.routing import append_shared_expert, fused_topk, fused_topk_reference, gate
+from .kernels.shared import shared_expert_separate
+from .model.shapes import MODELS, MoEModel
+from .reference import moe_reference
+
+LAYOUTS = {"index_gather": fused_experts, "permute": permute_experts, "masked": masked_experts}
+SHARED_EXPERT = ("separate", "fused")
+
+
+@dataclasses.dataclass(frozen=True)
+class Routing:
+    """How a model picks and weighs its experts (the config keys in the comments)."""
+
+    top_k: int                               # num_experts_per_tok
+    scoring_func: str = "softmax"            # scoring_func: "softmax" or "sigmoid"
+    renormalize: bool = True                 # norm_topk_prob
+    num_expert_group: int | None = None      # n_group (None: plain top-k)
+    topk_group: int | None = None            # topk_group
+    routed_scaling_factor: float = 1.0       # routed_scaling_factor
+
+    @staticmethod
+    def of(model: MoEModel) -> "Routing":
+        grouped = model.num_expert_groups > 1
+        return Routing(model.top_k, model.scoring_func, model.norm_topk_prob,
+                       model.num_expert_groups if grouped else None, model.topk_groups if grouped else None,
+                       model.routed_scaling_factor)
+
+    def route(self, hidden_states: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor | None = None, *,
+              reference: bool = False):
+        """``(topk_weights, topk_ids)`` from the router logits (the torch reference when asked)."""
+        if self.num_expert_group is not None or bias is not None:
+            fn = grouped_topk_reference if reference else grouped_topk
+            return fn(hidden_states, logits, self.top_k, self.renormalize, self.num_expert_group or 1,
+                      self.topk_group or 1, scoring_func=self.scoring_func,
+                      routed_scaling_factor=self.routed_scaling_factor, e_score_correction_bias=bias)
+        fn = fused_topk_reference if reference else fused_topk
+        weights, ids = fn(hidden_states, logits, self.top_k, self.renormalize, self.scoring_func)
+        return (weights * self.routed_scaling_factor if self.routed_scaling_factor != 1.0 else weights), ids
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerWeights:
+    """One MoE layer's tensors. ``w13 [E, 2F, d]`` (gate rows, then up rows) and ``w2 [E, d, F]``
+    are the routed experts, ``gate [E, d]`` the router, ``bias [E]`` DeepSeek-V3's selection-only
+    correction bias, ``shared_w13 [2S, d]``/``shared_w2 [d, S]`` the shared expert(s) as one FFN.
+    With ``shared_fused`` the shared expert is stored as expert ``E`` of ``w13``/``w2`` instead."""
+
+    gate: torch.Tensor
+    w13: torch.Tensor
+    w2: torch.Tensor
+    bias: torch.Tensor | None = None
+    shared_w13: torch.Tensor | None = None
+    shared_w2: torch.Tensor | None = None
+    shared_fused: bool = False
+
+    @property
+    def num_experts(self) -> int:
+        """Routed experts ``E`` (the router's width)."""
+        return self.gate.shape[0]
+
+    def fuse_shared(self) -> "LayerWeights":
+        """The shared expert appended as expert ``E`` (a copy of the expert tensors: do it once, at
+        load time, as SGLang's loader does). Needs a shared FFN of the routed width ``F``."""
+        if self.shared_fused or self.shared_w13 is None:
+            return self
+        if tuple(self.shared_w13.shape) != tuple(self.w13.shape[1:]):
+            fail("LayerWeights.fuse_shared", "shared_w13", f"must have one routed expert's shape "
+                 f"{tuple(self.w13.shape[1:])} to become expert E", f"shape {tuple(self.shared_w13.shape)}")
+        return dataclasses.replace(self, w13=torch.cat([self.w13, self.shared_w13[None]]),
+                                   w2=torch.cat([self.w2, self.shared_w2[None]]), shared_w13=None,
+                                   shared_w2=None, shared_fused=True)
+
+    def check(self, func: str, hidden_states: torch.Tensor) -> None:
+        d = hidden_states.shape[1]
+        check_tensor(func, "gate", self.gate, ndim=2, dtypes=FLOAT_DTYPES, device=hidden_states.device)
+        if self.gate.shape[1] != d:
+            fail(func, "gate", f"must be [E, d={d}]", f"shape {tuple(self.gate.shape)}")
+        experts = self.num_experts + (1 if self.shared_fused else 0)
+        if self.w13.dim() != 3 or self.w13.shape[0] != experts:
+            fail(func, "w13", f"must be [E={experts}, 2F, d] ({'routed experts plus the shared one' if self.shared_fused else 'one per router column'})",
+                 f"shape {tuple(self.w13.shape)}")
+        if self.bias is not None:
+            check_tensor(func, "bias", self.bias, ndim=1, device=hidden_states.device)
+            if self.bias.shape[0] != self.num_experts:
+                fail(func, "bias", f"must have one entry per routed expert ({self.num_experts})",
+                     f"shape {tuple(self.bias.shape)}")
+        if (self.shared_w13 is None) != (self.shared_w2 is None):
+            fail(func, "shared_w2" if self.shared_w2 is None else "shared_w13",
+                 "must be given together with the other shared-expert weight", "only one of the two")
+
+
+def moe_layer(hidden_states: torch.Tensor, weights: LayerWeights, *, routing: Routing,
+              layout: str = "index_gather", config: MoEConfig | None = None) -> torch.Tensor:
+    """The MoE layer's output ``[T, d]`` (the residual add is outside the layer).
+
+    ``config`` overrides the grouped GEMMs' tiles (default: the tuned table for the routed shape,
+    else the heuristic); ``layout`` picks the grouped-GEMM layout.
+    """
+    func = "moe_layer"
+    check_tensor(func, "hidden_states", hidden_states, ndim=2, dtypes=FLOAT_DTYPES)
+    if not isinstance(weights, LayerWeights):
+        fail(func, "weights", "must be a LayerWeights", type(weights).__name__, TypeError)
+    if not isinstance(routing, Routing):
+        fail(func, "routing", "must be a Routing", type(routing).__name__, TypeError)
+    if layout not in LAYOUTS:
+        fail(func, "layout", f"must be one of {', '.join(map(repr, LAYOUTS))}", repr(layout))
+    weights.check(func, hidden_states)
+    num_experts = weights.num_experts
+    logits = gate(hidden_states, weights.gate)
+    topk_weights, topk_ids = routing.route(hidden_states, logits, weights.bias)
+    if weights.shared_fused:  # the shared expert as slot k+1, id E, weight 1 (the routed weights are scaled)
+        topk_weights, topk_ids = append_shared_expert(topk_weights, topk_ids, num_experts)
+    if config is None and layout == "index_gather":
+        # The tables are keyed by the routed shape; a fused shared slot is no reason to fall back.
+        t, d = hidden_states.shape
+        config = get_config(t, num_experts, weights.w2.shape[2], d, hidden_states.dtype, hidden_states.device)
+    out = LAYOUTS[layout](hidden_states, weights.w13, weights.w2, topk_weights, topk_ids, config=config,
+                          validate_ids=False)
+    if weights.shared_w13 is not None:
+        out = out + shared_expert_separate(hidden_states, weights.shared_w13, weights.shared_w2)
+    return out
+
+
+class MoELayer(torch.nn.Module):
+    """A real model's MoE layer: its tensors (as buffers: inference only) and its routing rules.
+
+    ``layout`` picks the grouped-GEMM layout; ``shared_expert`` (``"separate"`` or ``"fused"``)
+    how a shared expert runs. Build one with :meth:`random` (a model's shape, random weights) or
+    :meth:`from_pretrained_layer` (one layer of a Hugging Face checkpoint).
+    """
+
+    def __init__(self, weights: LayerWeights, routing: Routing, *, layout: str = "index_gather",
+                 shared_expert: str = "separate"):
+        super().__init__()
+        if layout not in LAYOUTS:
+            fail("MoELayer", "layout", f"must be one of {', '.join(map(repr, LAYOUTS))}", repr(layout))
+        if shared_expert not in SHARED_EXPERT:
+            fail("MoELayer", "shared_expert", "must be 'separate' or 'fused'", repr(shared_expert))
+        self.routing, self.layout, self.shared_expert = routing, layout, shared_expert
+        self._fields = [f.name for f in dataclasses.fields(LayerWeights) if f.name != "shared_fused"]
+        weights = weights.fuse_shared() if shared_expert == "fused" else weights
+        self._shared_fused = weights.shared_fused
+        for name in self._fields:
+            self.register_buffer(name, getattr(weights, name))
+
+    @property
+    def weights(self) -> LayerWeights:
+        return LayerWeights(**{name: getattr(self, name) for name in self._fields}, shared_fused=self._shared_fused)
+
+    def forward(self, hidden_states: torch.Tensor, *, config: MoEConfig | None = None) -> torch.Tensor:
+        return moe_layer(hidden_states, self.weights, routing=self.routing, layout=self.layout, config=config)
+
+    def reference(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The layer in float64, token by token: the torch reference router on the same float32
+        logits, then each token's experts (and the shared expert) evaluated directly."""
+        w = self.weights
+        logits = gate(hidden_states, w.gate)
+        topk_weights, topk_ids = self.routing.route(hidden_states, logits, w.bias, reference=True)
+        routed = w.num_experts
+        out = moe_reference(hidden_states, w.w13[:routed], w.w2[:routed], topk_weights, topk_ids)
+        shared = (w.w13[routed], w.w2[routed]) if w.shared_fused else (w.shared_w13, w.shared_w2)
+        if shared[0] is not None:
+            everyone = torch.zeros(hidden_states.shape[0], 1, dtype=torch.int64, device=hidden_states.device)
+            ones = torch.ones(hidden_states.shape[0], 1, dtype=torch.float64, device=hidden_states.device)
+            out += moe_reference(hidden_states, shared[0][None], shared[1][None], ones, everyone)
+        return out
+
+    @classmethod
+    def random(cls, model: MoEModel | str, *, dtype: torch.dtype, device, seed: int, hidden_size: int | None = None,
+               intermediate_size: int | None = None, bias_std: float = 0.003, **options) -> "MoELayer":
+        """``model``'s layer with random weights (``d``/``F`` optionally shrunk; ``E``, ``k`` and
+        the groups stay the model's). Expert weights are scaled by one over the square root of
+        their fan-in; each router row has unit norm, so for standard-normal inputs every logit is
+        standard normal and routing is uniform in expectation, as the byte model assumes. A
+        sigmoid-scored model gets a small random correction bias (``bias_std``): a trained bias
+        offsets a trained gate's preferences, and a random gate has none to offset."""
+        model = MODELS[model] if isinstance(model, str) and model in MODELS else model
+        if not isinstance(model, MoEModel):
+            fail("MoELayer.random", "model", f"must be a MoEModel or one of {sorted(MODELS)}", repr(model))
+        d = hidden_size or model.hidden_size
+        f = intermediate_size or model.moe_intermediate_size
+        e, s = model.num_experts, model.num_shared_experts * f
+        g = torch.Generator(device=device).manual_seed(seed)
+
+        def randn(*shape, scale=1.0, as_dtype=dtype):
+            return torch.randn(*shape, device=device, dtype=as_dtype, generator=g).mul_(scale)
+
+        router = randn(e, d, as_dtype=torch.float32)
+        router /= torch.linalg.norm(router, dim=1, keepdim=True)
+        bias = randn(e, scale=bias_std, as_dtype=torch.float32) if model.scoring_func == "sigmoid" else None
+        weights = LayerWeights(router, randn(e, 2 * f, d, scale=d**-0.5), randn(e, d, f, scale=f**-0.5), bias,
+                               randn(2 * s, d, scale=d**-0.5) if s else None, randn(d, s, scale=s**-0.5) if s else None)
+        return cls(weights, Routing.of(model), **options)
+
+    @classmethod
+    def from_pretrained_layer(cls, source, *, layer: int, config=None, dtype: torch.dtype | None = None,
+                              device="cpu", **options) -> "MoELayer":
+        """Layer ``layer`` of a Hugging Face checkpoint (see :mod:`moe_kernels.checkpoint`)."""
+        from .checkpoint import load_layer
+
+        weights, routing = load_layer(source, layer=layer, config=config, dtype=dtype, device=device)
+        return cls(weights, routing, **options)

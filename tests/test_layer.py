@@ -1,0 +1,218 @@
+"""The whole layer (moe_kernels.layer) and the checkpoint loader (moe_kernels.checkpoint).
+
+Both model styles, every layout, the shared expert separate and fused, against the float64
+direct reference; the loader on small safetensors files written here (no downloads).
+"""
+
+import json
+import re
+
+import pytest
+import torch
+
+from moe_kernels import MODELS, LayerWeights, MoELayer, Routing, moe_layer
+from moe_kernels.checkpoint import load_layer
+from moe_testing import DEVICE, needs_gpu, rel_err
+
+pytestmark = pytest.mark.usefixtures("true_fp32")
+
+STYLES = [("qwen3-30b-a3b", "separate"), ("deepseek-v3", "separate"), ("deepseek-v3", "fused")]
+
+
+def small_layer(model, shared_expert="separate", layout="index_gather", dtype=torch.float32, seed=0, d=32, f=16):
+    return MoELayer.random(model, hidden_size=d, intermediate_size=f, dtype=dtype, device=DEVICE, seed=seed,
+                           layout=layout, shared_expert=shared_expert)
+
+
+def tokens(n, d, dtype=torch.float32, seed=1):
+    return torch.randn(n, d, generator=torch.Generator().manual_seed(seed)).to(DEVICE, dtype)
+
+
+@pytest.mark.parametrize("layout", ["index_gather", "permute", "masked"])
+@pytest.mark.parametrize("model, shared", STYLES)
+@pytest.mark.parametrize("num_tokens", [1, 7])
+def test_layer_matches_float64_reference(model, shared, layout, num_tokens):
+    layer = small_layer(model, shared, layout)
+    x = tokens(num_tokens, 32)
+    out = layer(x)
+    assert out.shape == x.shape and out.dtype == x.dtype
+    assert rel_err(out, layer.reference(x)) < 1e-5
+
+
+def test_routing_follows_the_model():
+    qwen, ds = Routing.of(MODELS["qwen3-30b-a3b"]), Routing.of(MODELS["deepseek-v3"])
+    assert (qwen.scoring_func, qwen.top_k, qwen.num_expert_group, qwen.routed_scaling_factor) == ("softmax", 8, None, 1.0)
+    assert (ds.scoring_func, ds.num_expert_group, ds.topk_group, ds.routed_scaling_factor) == ("sigmoid", 8, 4, 2.5)
+    layer = small_layer("deepseek-v3")
+    assert layer.weights.bias is not None and layer.weights.shared_w13.shape == (32, 32)
+    assert small_layer("qwen3-30b-a3b").weights.shared_w13 is None
+
+
+def test_separate_and_fused_shared_expert_agree():
+    x = tokens(9, 32)
+    separate, fused = small_layer("deepseek-v3", "separate"), small_layer("deepseek-v3", "fused")
+    assert fused.weights.w13.shape[0] == 257 and fused.weights.shared_fused
+    assert rel_err(fused(x), separate(x).double()) < 1e-5
+
+
+def test_empty_batch():
+    layer = small_layer("qwen3-30b-a3b")
+    assert layer(tokens(0, 32)).shape == (0, 32)
+
+
+def test_bad_arguments():
+    layer = small_layer("qwen3-30b-a3b")
+    x = tokens(3, 32)
+    with pytest.raises(ValueError, match=re.escape("moe_layer: argument 'layout' must be one of")):
+        moe_layer(x, layer.weights, routing=layer.routing, layout="dense")
+    with pytest.raises(TypeError, match=re.escape("moe_layer: argument 'routing' must be a Routing")):
+        moe_layer(x, layer.weights, routing={"top_k": 8})
+    with pytest.raises(ValueError, match=re.escape("moe_layer: argument 'gate' must be [E, d=16]")):
+        moe_layer(x[:, :16], layer.weights, routing=layer.routing)
+    with pytest.raises(ValueError, match=re.escape("MoELayer: argument 'shared_expert' must be")):
+        MoELayer(layer.weights, layer.routing, shared_expert="both")
+    with pytest.raises(ValueError, match=re.escape("MoELayer.random: argument 'model' must be a MoEModel")):
+        MoELayer.random("gpt-5", dtype=torch.float32, device="cpu", seed=0)
+
+
+@needs_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["index_gather", "permute", "masked"])
+@pytest.mark.parametrize("model, shared", STYLES)
+def test_layer_bf16_gpu(model, shared, layout):
+    layer = small_layer(model, shared, layout, dtype=torch.bfloat16, d=512, f=256)
+    x = tokens(100, 512, torch.bfloat16)
+    assert rel_err(layer(x), layer.reference(x)) < 1e-2
+
+
+# ---- the checkpoint loader ------------------------------------------------------------------
+
+
+QWEN_CONFIG = {"hidden_size": 16, "moe_intermediate_size": 8, "num_experts": 4, "num_experts_per_tok": 2,
+               "norm_topk_prob": True}
+DS_CONFIG = {"hidden_size": 16, "moe_intermediate_size": 8, "n_routed_experts": 8, "num_experts_per_tok": 2,
+             "norm_topk_prob": True, "scoring_func": "sigmoid", "n_group": 4, "topk_group": 2,
+             "routed_scaling_factor": 2.5, "n_shared_experts": 1}
+
+
+def checkpoint_tensors(config, layer, *, fused, seed=0):
+    """A layer's tensors under Hugging Face names, plus the LayerWeights they must load as."""
+    g = torch.Generator().manual_seed(seed)
+    d, f = config["hidden_size"], config["moe_intermediate_size"]
+    e = config.get("n_routed_experts", config.get("num_experts"))
+    p = f"model.layers.{layer}.mlp."
+    gate_w, up, down = torch.randn(e, f, d, generator=g), torch.randn(e, f, d, generator=g), torch.randn(e, d, f, generator=g)
+    router = torch.randn(e, d, generator=g)
+    state = {p + "gate.weight": router, "model.embed_tokens.weight": torch.randn(10, d, generator=g)}
+    if fused:
+        state[p + "experts.gate_up_proj"] = torch.cat([gate_w, up], dim=1)
+        state[p + "experts.down_proj"] = down
+    else:
+        for i in range(e):
+            state[p + f"experts.{i}.gate_proj.weight"] = gate_w[i]
+            state[p + f"experts.{i}.up_proj.weight"] = up[i]
+            state[p + f"experts.{i}.down_proj.weight"] = down[i]
+    bias = shared_w13 = shared_w2 = None
+    if config.get("scoring_func") == "sigmoid":
+        bias = torch.randn(e, generator=g) * 0.01
+        state[p + "gate.e_score_correction_bias"] = bias
+    if config.get("n_shared_experts"):
+        sg, su, sd = torch.randn(f, d, generator=g), torch.randn(f, d, generator=g), torch.randn(d, f, generator=g)
+        state.update({p + "shared_experts.gate_proj.weight": sg, p + "shared_experts.up_proj.weight": su,
+                      p + "shared_experts.down_proj.weight": sd})
+        shared_w13, shared_w2 = torch.cat([sg, su]), sd
+    return state, LayerWeights(router, torch.cat([gate_w, up], dim=1), down, bias, shared_w13, shared_w2)
+
+
+def write_shards(folder, state, config, *, with_index):
+    """Split ``state`` over two safetensors shards (with or without the index) and write config.json."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    names = sorted(state)
+    halves = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for shard, keys in halves.items():
+        save_file({k: state[k].contiguous() for k in keys}, str(folder / shard))
+    if with_index:
+        weight_map = {k: shard for shard, keys in halves.items() for k in keys}
+        (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def assert_same_weights(loaded, expected):
+    for name in ("gate", "w13", "w2", "bias", "shared_w13", "shared_w2"):
+        a, b = getattr(loaded, name), getattr(expected, name)
+        assert (a is None) == (b is None), name
+        if a is not None:
+            assert torch.equal(a.float().cpu(), b.float()), name
+
+
+@pytest.mark.parametrize("config", [QWEN_CONFIG, DS_CONFIG], ids=["qwen-style", "deepseek-style"])
+@pytest.mark.parametrize("fused", [False, True], ids=["per-expert", "fused-3d"])
+@pytest.mark.parametrize("with_index", [True, False])
+def test_loader_reads_safetensors_shards(tmp_path, config, fused, with_index):
+    state, expected = checkpoint_tensors(config, layer=3, fused=fused)
+    write_shards(tmp_path / "ckpt", state, config, with_index=with_index)
+    weights, routing = load_layer(tmp_path / "ckpt", layer=3)
+    assert_same_weights(weights, expected)
+    assert routing.top_k == 2 and routing.renormalize
+    layer = MoELayer.from_pretrained_layer(tmp_path / "ckpt", layer=3, device=DEVICE)
+    x = tokens(5, 16)
+    assert rel_err(layer(x), layer.reference(x)) < 1e-5
+
+
+def test_loader_from_one_file_and_from_a_state_dict(tmp_path):
+    from safetensors.torch import save_file
+
+    state, expected = checkpoint_tensors(DS_CONFIG, layer=0, fused=False)
+    save_file(state, str(tmp_path / "one.safetensors"))
+    weights, routing = load_layer(tmp_path / "one.safetensors", layer=0, config=DS_CONFIG)
+    assert_same_weights(weights, expected)
+    assert (routing.scoring_func, routing.num_expert_group, routing.topk_group, routing.routed_scaling_factor) == \
+        ("sigmoid", 4, 2, 2.5)
+    assert_same_weights(load_layer(state, layer=0, config=DS_CONFIG)[0], expected)
+    bf16, _ = load_layer(state, layer=0, config=DS_CONFIG, dtype=torch.bfloat16)
+    assert bf16.w13.dtype == torch.bfloat16 and bf16.gate.dtype == torch.float32   # the router stays fp32
+
+
+def test_loader_errors_name_what_is_wrong(tmp_path):
+    state, _ = checkpoint_tensors(QWEN_CONFIG, layer=1, fused=False)
+    cases = [
+        (dict(source=state, layer=0, config=QWEN_CONFIG), "must hold layer 0's experts"),
+        (dict(source=state, layer=-1, config=QWEN_CONFIG), "argument 'layer' must be an int >= 0"),
+        (dict(source=state, layer=1, config={**QWEN_CONFIG, "moe_intermediate_size": 6}),
+         "must hold 'model.layers.1.mlp.experts.0.gate_proj.weight' of shape (6, 16)"),
+        (dict(source=state, layer=1, config={**QWEN_CONFIG, "num_experts_per_tok": None}),
+         "argument 'config['num_experts_per_tok']' must be a positive int"),
+        (dict(source={k: v for k, v in state.items() if "experts.2.up_proj" not in k}, layer=1, config=QWEN_CONFIG),
+         "must hold the tensor 'model.layers.1.mlp.experts.2.up_proj.weight'"),
+        (dict(source=tmp_path / "nothing-here", layer=1, config=QWEN_CONFIG), "argument 'source' must be a state dict"),
+        (dict(source=state, layer=1, config=tmp_path / "config.json"), "argument 'config' must be a config dict"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises((ValueError, TypeError), match=re.escape(message)):
+            load_layer(**kwargs)
+
+
+# ---- the package's layers ---------------------------------------------------------------------
+
+
+def test_model_never_imports_kernels():
+    """model/ is pure arithmetic: no module there imports kernels/ (checked in the source and in a
+    fresh interpreter)."""
+    import ast
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    model_dir = Path(__file__).resolve().parent.parent / "moe_kernels" / "model"
+    for path in sorted(model_dir.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                target = "." * node.level + (node.module or "")
+                assert "kernels" not in target and "bench" not in target and "book" not in target, (path.name, target)
+    code = ("import sys, importlib, pkgutil, moe_kernels.model as m\n"
+            "[importlib.import_module(i.name) for i in pkgutil.iter_modules(m.__path__, 'moe_kernels.model.')]\n"
+            "print(sorted(n for n in sys.modules if n.startswith('moe_kernels.kernels')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
