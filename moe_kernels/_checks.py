@@ -7,6 +7,8 @@ silently read out of bounds or drop a token. Every message has the form
 
 from __future__ import annotations
 
+import math
+from numbers import Real
 from typing import Iterable
 
 import torch
@@ -58,6 +60,41 @@ def check_int(func: str, name: str, value: object, *, lo: int | None = None, hi:
         bound = f"{hi} ({what_hi})" if what_hi else str(hi)
         fail(func, name, f"must be <= {bound}", value)
     return value
+
+
+def check_number(func: str, name: str, value: object, *, gt: float | None = None, ge: float | None = None,
+                 lt: float | None = None, le: float | None = None) -> float:
+    """Check a real scalar (an int or a float, not a bool) is finite and inside the given bounds;
+    return it as a float. NaN and infinities never pass: a NaN compares False with every bound,
+    so a plain ``value <= 0`` test would let it through to poison the result."""
+    if isinstance(value, bool) or not isinstance(value, Real):
+        fail(func, name, "must be a real number", type(value).__name__, TypeError)
+    number = float(value)
+    lower = (">", gt) if gt is not None else (">=", ge) if ge is not None else None
+    upper = ("<", lt) if lt is not None else ("<=", le) if le is not None else None
+    if lower and upper:  # an interval: "in (0, 1]"
+        expected = f"must be in {'(' if gt is not None else '['}{lower[1]:g}, {upper[1]:g}{')' if lt is not None else ']'}"
+    elif lower or upper:
+        op, bound = lower or upper
+        expected = f"must be {op} {bound:g} and finite"
+    else:
+        expected = "must be a finite number"
+    if (not math.isfinite(number) or (gt is not None and not number > gt) or (ge is not None and not number >= ge)
+            or (lt is not None and not number < lt) or (le is not None and not number <= le)):
+        fail(func, name, expected, value)
+    return number
+
+
+def check_dtype(func: str, name: str, dtype: object, allowed: Iterable[torch.dtype] | None = None) -> torch.dtype:
+    """Check ``dtype`` is a ``torch.dtype`` (one of ``allowed`` when given) and return it."""
+    if not isinstance(dtype, torch.dtype):
+        fail(func, name, "must be a torch.dtype (e.g. torch.bfloat16)", f"{type(dtype).__name__} {dtype!r}", TypeError)
+    if allowed is not None:
+        allowed = tuple(allowed)
+        if dtype not in allowed:
+            want = " or ".join(str(d).replace("torch.", "") for d in allowed)
+            fail(func, name, f"must be {want}", str(dtype).replace("torch.", ""), TypeError)
+    return dtype
 
 
 def check_ids_in_range(func: str, name: str, ids: torch.Tensor, num_experts: int, *,

@@ -120,11 +120,21 @@ if INTERPRET:
     from triton.runtime.interpreter import InterpretedFunction as _InterpretedFunction
 
     class _InterpretedKernel(_InterpretedFunction):
-        """An interpreted kernel whose launches run inside :func:`_interpreting`."""
+        """An interpreted kernel whose launches run inside :func:`_interpreting` (``kernel[grid](...)``
+        goes through ``run`` in recent Triton and straight to a grid executor in older ones)."""
 
         def run(self, *args, **kwargs):
             with _interpreting():
                 return super().run(*args, **kwargs)
+
+        def __getitem__(self, grid):
+            launch = super().__getitem__(grid)
+
+            def launch_interpreted(*args, **kwargs):
+                with _interpreting():
+                    return launch(*args, **kwargs)
+
+            return launch_interpreted
 
 
 def kernel(fn=None, **options):

@@ -33,12 +33,14 @@ the requested layer are read (the safetensors package maps the files; nothing el
 from __future__ import annotations
 
 import json
+import math
+import os
 from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 
-from ._checks import fail
+from ._checks import FLOAT_DTYPES, check_dtype, fail
 from .layer import LayerWeights, Routing
 
 _FUNC = "load_layer"
@@ -52,14 +54,31 @@ def routing_from_config(config: Mapping) -> tuple[Routing, dict]:
                        ("num_experts_per_tok", config.get("num_experts_per_tok"))):
         if not isinstance(value, int) or value < 1:
             fail(_FUNC, f"config['{key}']", "must be a positive int (the model's config.json)", repr(value))
+    if config["num_experts_per_tok"] > num_experts:
+        fail(_FUNC, "config['num_experts_per_tok']", f"must be <= the number of experts ({num_experts})",
+             repr(config["num_experts_per_tok"]))
+    scoring_func = config.get("scoring_func", "softmax")
+    if scoring_func not in ("softmax", "sigmoid"):
+        fail(_FUNC, "config['scoring_func']", "must be 'softmax' or 'sigmoid'", repr(scoring_func))
     groups = config.get("n_group") or 1
+    if not isinstance(groups, int) or isinstance(groups, bool) or num_experts % groups:
+        fail(_FUNC, "config['n_group']", f"must be a positive int dividing the number of experts ({num_experts})",
+             repr(groups))
+    topk_group = config.get("topk_group") or 1
+    if groups > 1 and (not isinstance(topk_group, int) or isinstance(topk_group, bool) or not 1 <= topk_group <= groups):
+        fail(_FUNC, "config['topk_group']", f"must be an int in [1, n_group={groups}]", repr(topk_group))
+    scaling = config.get("routed_scaling_factor", 1.0)
+    if isinstance(scaling, bool) or not isinstance(scaling, (int, float)):
+        fail(_FUNC, "config['routed_scaling_factor']", "must be a number", repr(scaling), TypeError)
+    if not math.isfinite(scaling) or scaling <= 0:
+        fail(_FUNC, "config['routed_scaling_factor']", "must be finite and > 0", repr(scaling))
     routing = Routing(
         top_k=config["num_experts_per_tok"],
-        scoring_func=config.get("scoring_func", "softmax"),
+        scoring_func=scoring_func,
         renormalize=bool(config.get("norm_topk_prob", False)),
         num_expert_group=groups if groups > 1 else None,
-        topk_group=config.get("topk_group") if groups > 1 else None,
-        routed_scaling_factor=float(config.get("routed_scaling_factor", 1.0)),
+        topk_group=topk_group if groups > 1 else None,
+        routed_scaling_factor=float(scaling),
     )
     sizes = {"d": config["hidden_size"], "f": config["moe_intermediate_size"], "e": num_experts,
              "shared": config.get("n_shared_experts") or 0}
@@ -74,6 +93,9 @@ class _Tensors:
         if isinstance(source, Mapping):
             self._dict = source
             return
+        if not isinstance(source, (str, os.PathLike)):
+            fail(_FUNC, "source", "must be a state dict, a .safetensors file or a folder of shards",
+                 type(source).__name__, TypeError)
         path = Path(source)
         if path.is_dir():
             shards = sorted(path.glob("*.safetensors"))
@@ -102,7 +124,10 @@ class _Tensors:
         if name not in self:
             fail(_FUNC, "source", f"must hold the tensor '{name}'", "it is missing")
         if self._dict is not None:
-            return self._dict[name]
+            tensor = self._dict[name]
+            if not isinstance(tensor, torch.Tensor):
+                fail(_FUNC, "source", f"must map '{name}' to a torch.Tensor", type(tensor).__name__, TypeError)
+            return tensor
         from safetensors import safe_open
 
         with safe_open(str(self._where[name]), framework="pt") as f:
@@ -119,8 +144,17 @@ def load_layer(source, *, layer: int, config=None, dtype: torch.dtype | None = N
                device="cpu") -> tuple[LayerWeights, Routing]:
     """``(LayerWeights, Routing)`` of MoE layer ``layer``; tensors cast to ``dtype`` (default: as
     stored; the router and the bias stay float32) and moved to ``device``."""
-    if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
+    if isinstance(layer, bool) or not isinstance(layer, int):
+        fail(_FUNC, "layer", "must be an int >= 0", repr(layer), TypeError)
+    if layer < 0:
         fail(_FUNC, "layer", "must be an int >= 0", repr(layer))
+    if dtype is not None:
+        check_dtype(_FUNC, "dtype", dtype, FLOAT_DTYPES)
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        fail(_FUNC, "device", "must be a torch.device or a device string such as 'cuda' or 'cpu'", repr(device))
+    tensors = _Tensors(source)  # checks source before the config beside it is looked for
     if config is None and not isinstance(source, Mapping):
         folder = Path(source) if Path(source).is_dir() else Path(source).parent
         config = folder / "config.json"
@@ -132,7 +166,6 @@ def load_layer(source, *, layer: int, config=None, dtype: torch.dtype | None = N
         fail(_FUNC, "config", "must be a config dict or the path of a config.json", type(config).__name__, TypeError)
     routing, n = routing_from_config(config)
     d, f, e = n["d"], n["f"], n["e"]
-    tensors = _Tensors(source)
     prefix = f"model.layers.{layer}.mlp."
 
     def take(name, shape, as_dtype=dtype):

@@ -30,7 +30,7 @@ import dataclasses
 
 import torch
 
-from ._checks import FLOAT_DTYPES, check_tensor, fail
+from ._checks import FLOAT_DTYPES, check_dtype, check_int, check_number, check_tensor, fail
 from .kernels.config import MoEConfig, get_config
 from .kernels.index_gather import fused_experts
 from .kernels.masked import masked_experts
@@ -55,6 +55,22 @@ class Routing:
     num_expert_group: int | None = None      # n_group (None: plain top-k)
     topk_group: int | None = None            # topk_group
     routed_scaling_factor: float = 1.0       # routed_scaling_factor
+
+    def __post_init__(self):
+        # Checked once here, not at every forward: a NaN factor or a misspelt scoring function would
+        # otherwise surface, if at all, as a wrong output.
+        func = "Routing"
+        check_int(func, "top_k", self.top_k, lo=1)
+        if self.scoring_func not in ("softmax", "sigmoid"):
+            fail(func, "scoring_func", "must be 'softmax' or 'sigmoid'", repr(self.scoring_func))
+        if not isinstance(self.renormalize, bool):
+            fail(func, "renormalize", "must be a bool", type(self.renormalize).__name__, TypeError)
+        if self.num_expert_group is not None:
+            check_int(func, "num_expert_group", self.num_expert_group, lo=1)
+        if self.topk_group is not None:
+            check_int(func, "topk_group", self.topk_group, lo=1, hi=self.num_expert_group,
+                      what_hi="num_expert_group" if self.num_expert_group is not None else None)
+        check_number(func, "routed_scaling_factor", self.routed_scaling_factor, gt=0)
 
     @staticmethod
     def of(model: MoEModel) -> "Routing":
@@ -108,23 +124,44 @@ class LayerWeights:
                                    w2=torch.cat([self.w2, self.shared_w2[None]]), shared_w13=None,
                                    shared_w2=None, shared_fused=True)
 
-    def check(self, func: str, hidden_states: torch.Tensor) -> None:
-        d = hidden_states.shape[1]
-        check_tensor(func, "gate", self.gate, ndim=2, dtypes=FLOAT_DTYPES, device=hidden_states.device)
-        if self.gate.shape[1] != d:
-            fail(func, "gate", f"must be [E, d={d}]", f"shape {tuple(self.gate.shape)}")
-        experts = self.num_experts + (1 if self.shared_fused else 0)
-        if self.w13.dim() != 3 or self.w13.shape[0] != experts:
-            fail(func, "w13", f"must be [E={experts}, 2F, d] ({'routed experts plus the shared one' if self.shared_fused else 'one per router column'})",
+    def check(self, func: str, hidden_states: torch.Tensor | None = None) -> None:
+        """Every tensor's rank, dtype, device and shape, against each other and (when given) against
+        ``hidden_states``; the names in the messages are this class's field names."""
+        device = hidden_states.device if hidden_states is not None else None
+        check_tensor(func, "gate", self.gate, ndim=2, dtypes=FLOAT_DTYPES, device=device)
+        device = self.gate.device
+        num_experts, d = self.gate.shape
+        if hidden_states is not None and d != hidden_states.shape[1]:
+            fail(func, "gate", f"must be [E, d={hidden_states.shape[1]}]", f"shape {tuple(self.gate.shape)}")
+        dtypes = (hidden_states.dtype,) if hidden_states is not None else FLOAT_DTYPES
+        check_tensor(func, "w13", self.w13, ndim=3, dtypes=dtypes, device=device)
+        dtype = self.w13.dtype
+        experts = num_experts + (1 if self.shared_fused else 0)
+        two_f = self.w13.shape[1]
+        if self.w13.shape[0] != experts or self.w13.shape[2] != d or two_f == 0 or two_f % 2:
+            fail(func, "w13", f"must be [E={experts}, 2F, d={d}] with 2F even and > 0 "
+                 f"({'routed experts plus the shared one' if self.shared_fused else 'one per router row'})",
                  f"shape {tuple(self.w13.shape)}")
+        check_tensor(func, "w2", self.w2, ndim=3, dtypes=(dtype,), device=device)
+        if tuple(self.w2.shape) != (experts, d, two_f // 2):
+            fail(func, "w2", f"must be [E={experts}, d={d}, F={two_f // 2}] to match w13", f"shape {tuple(self.w2.shape)}")
         if self.bias is not None:
-            check_tensor(func, "bias", self.bias, ndim=1, device=hidden_states.device)
-            if self.bias.shape[0] != self.num_experts:
-                fail(func, "bias", f"must have one entry per routed expert ({self.num_experts})",
+            check_tensor(func, "bias", self.bias, ndim=1, dtypes=FLOAT_DTYPES, device=device)
+            if self.bias.shape[0] != num_experts:
+                fail(func, "bias", f"must have one entry per routed expert ({num_experts})",
                      f"shape {tuple(self.bias.shape)}")
         if (self.shared_w13 is None) != (self.shared_w2 is None):
             fail(func, "shared_w2" if self.shared_w2 is None else "shared_w13",
                  "must be given together with the other shared-expert weight", "only one of the two")
+        if self.shared_w13 is not None:
+            check_tensor(func, "shared_w13", self.shared_w13, ndim=2, dtypes=(dtype,), device=device)
+            two_s = self.shared_w13.shape[0]
+            if self.shared_w13.shape[1] != d or two_s == 0 or two_s % 2:
+                fail(func, "shared_w13", f"must be [2S, d={d}] with 2S even and > 0", f"shape {tuple(self.shared_w13.shape)}")
+            check_tensor(func, "shared_w2", self.shared_w2, ndim=2, dtypes=(dtype,), device=device)
+            if tuple(self.shared_w2.shape) != (d, two_s // 2):
+                fail(func, "shared_w2", f"must be [d={d}, S={two_s // 2}] to match shared_w13",
+                     f"shape {tuple(self.shared_w2.shape)}")
 
 
 def moe_layer(hidden_states: torch.Tensor, weights: LayerWeights, *, routing: Routing,
@@ -170,6 +207,11 @@ class MoELayer(torch.nn.Module):
     def __init__(self, weights: LayerWeights, routing: Routing, *, layout: str = "index_gather",
                  shared_expert: str = "separate"):
         super().__init__()
+        if not isinstance(weights, LayerWeights):
+            fail("MoELayer", "weights", "must be a LayerWeights", type(weights).__name__, TypeError)
+        if not isinstance(routing, Routing):
+            fail("MoELayer", "routing", "must be a Routing", type(routing).__name__, TypeError)
+        weights.check("MoELayer")
         if layout not in LAYOUTS:
             fail("MoELayer", "layout", f"must be one of {', '.join(map(repr, LAYOUTS))}", repr(layout))
         if shared_expert not in SHARED_EXPERT:
@@ -215,6 +257,13 @@ class MoELayer(torch.nn.Module):
         model = MODELS[model] if isinstance(model, str) and model in MODELS else model
         if not isinstance(model, MoEModel):
             fail("MoELayer.random", "model", f"must be a MoEModel or one of {sorted(MODELS)}", repr(model))
+        func = "MoELayer.random"
+        for name, size in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
+            if size is not None:
+                check_int(func, name, size, lo=1)
+        check_dtype(func, "dtype", dtype, FLOAT_DTYPES)
+        check_int(func, "seed", seed)
+        check_number(func, "bias_std", bias_std, ge=0)
         d = hidden_size or model.hidden_size
         f = intermediate_size or model.moe_intermediate_size
         e, s = model.num_experts, model.num_shared_experts * f

@@ -55,9 +55,33 @@ def provenance() -> dict:
         "cuda": torch.version.cuda,
         "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "git_commit": commit,
-        "command": " ".join(sys.argv),
+        "command": command_line(),
         "python": platform.python_version(),
     }
+
+
+def command_line(argv: list[str] | None = None) -> str:
+    """The command that ran, with no machine-specific paths: ``python -m moe_kernels.bench sweep
+    ...`` for a module run, a script's path relative to the repository otherwise.
+
+        >>> command_line([str(RESULTS_DIR.parent / "moe_kernels" / "bench" / "__main__.py"), "sweep", "--record"])
+        'python -m moe_kernels.bench sweep --record'
+        >>> command_line([str(RESULTS_DIR.parent / "tools" / "tune_align.py")])
+        'python tools/tune_align.py'
+    """
+    argv = list(sys.argv if argv is None else argv)
+    root = RESULTS_DIR.parent
+    head = Path(argv[0]).resolve() if argv and argv[0] not in ("", "-c") else None
+    if head is not None and head.is_relative_to(root):
+        relative = head.relative_to(root)
+        if relative.parts[0] == "moe_kernels":
+            module = ".".join(relative.with_suffix("").parts)
+            argv[0] = "python -m " + module.removesuffix(".__main__")
+        else:
+            argv[0] = f"python {relative.as_posix()}"
+    elif head is not None:
+        argv[0] = head.name
+    return " ".join(argv)
 
 
 def record(name: str, data: dict, directory: Path | None = None) -> Path:

@@ -30,7 +30,14 @@ DEVICE = default_device()
 ON_GPU = DEVICE.type == "cuda"
 # Relative error allowed against the float64 reference, by the dtype the kernel computes in.
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def needs_gpu(test):
+    """A GPU-only test: marked ``gpu`` (``pytest -m gpu`` selects the GPU suite) and skipped
+    without a CUDA device."""
+    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")(test))
+
+
 # Tiles small enough that the interpreter-sized problems still span several of them.
 SMALL_TILES = MoEConfig(16, GemmTiles(16, 16, 1, 4, 2), GemmTiles(16, 16, 1, 4, 2))
 

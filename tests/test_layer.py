@@ -76,7 +76,6 @@ def test_bad_arguments():
 
 
 @needs_gpu
-@pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["index_gather", "permute", "masked"])
 @pytest.mark.parametrize("model, shared", STYLES)
 def test_layer_bf16_gpu(model, shared, layout):

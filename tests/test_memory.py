@@ -148,5 +148,5 @@ def test_bad_inputs():
         memory.decode_step(DSV3, 0, H200, "fp8")
     with pytest.raises(ValueError, match=r"decode_step: argument 'num_gpus' must be >= 1"):
         memory.decode_step(DSV3, 1, H200, "fp8", num_gpus=0)
-    with pytest.raises(ValueError, match=r"bytes_per_weight: argument 'dtype' must be one of"):
+    with pytest.raises(ValueError, match=r"model_weight_bytes: argument 'routed_dtype' must be one of"):
         memory.model_weight_bytes(DSV3, "fp6")

@@ -27,7 +27,7 @@ import dataclasses
 
 import torch
 
-from .._checks import ID_DTYPES, check_ids_in_range, check_int, check_tensor
+from .._checks import ID_DTYPES, check_ids_in_range, check_int, check_tensor, fail
 from .align import alignment_buffer_sizes, moe_align_block_size
 from .config import check_block_m
 
@@ -219,6 +219,30 @@ class BlockAssignment:
     sorted_token_ids: torch.Tensor | None
     num_tokens_post_padded: torch.Tensor | None
     num_m_blocks: int
+    #: ``T*k``, the assignments the map was built for (None: not recorded), so that a map built for
+    #: another batch can be refused instead of leaving rows of the output unwritten.
+    num_assignments: int | None = None
+
+    def __post_init__(self):
+        # A kernel would compile BLOCK_M into tl.arange (a power of two) and use every index as an
+        # address: check what it will trust.
+        func = "BlockAssignment"
+        check_block_m(func, "block_m", self.block_m)
+        check_tensor(func, "expert_ids", self.expert_ids, ndim=1, dtypes=ID_DTYPES)
+        if (self.sorted_token_ids is None) != (self.num_tokens_post_padded is None):
+            fail(func, "num_tokens_post_padded" if self.num_tokens_post_padded is None else "sorted_token_ids",
+                 "must be given together with the other alignment output (both None: the naive map)",
+                 "only one of the two")
+        if self.sorted_token_ids is not None:
+            device = self.expert_ids.device
+            check_tensor(func, "sorted_token_ids", self.sorted_token_ids, ndim=1, dtypes=(torch.int32,),
+                         device=device, contiguous=True)
+            check_tensor(func, "num_tokens_post_padded", self.num_tokens_post_padded, ndim=1,
+                         dtypes=(torch.int32,), device=device)
+        check_int(func, "num_m_blocks", self.num_m_blocks, lo=0, hi=self.expert_ids.numel(),
+                  what_hi="one block per entry of expert_ids")
+        if self.num_assignments is not None:
+            check_int(func, "num_assignments", self.num_assignments, lo=0)
 
     @property
     def naive(self) -> bool:
@@ -235,7 +259,7 @@ def assign_blocks(topk_ids: torch.Tensor, block_m: int, num_experts: int, *, nai
     own :func:`moe_kernels.kernels.align.naive_block_assignment` builds the same map as explicit
     tensors, which the aligned path also accepts.
 
-    ``validate_ids`` is passed to the alignment (a device-side check on a GPU: no host sync).
+    ``validate_ids`` checks the ids on either path (a device-side check on a GPU: no host sync).
     """
     func = "assign_blocks"
     check_tensor(func, "topk_ids", topk_ids, ndim=2, dtypes=ID_DTYPES)
@@ -246,14 +270,18 @@ def assign_blocks(topk_ids: torch.Tensor, block_m: int, num_experts: int, *, nai
     if naive is None:
         naive = use_naive_block_assignment(num_tokens, top_k, num_experts)
     if naive:
-        return BlockAssignment(block_m, topk_ids.reshape(-1).contiguous(), None, None, numel)
+        # The naive map uses the ids themselves as the block labels: check them here, as the
+        # alignment does on the other path (a device-side assert on a GPU, no host sync).
+        if validate_ids:
+            check_ids_in_range(func, "topk_ids", topk_ids, num_experts)
+        return BlockAssignment(block_m, topk_ids.reshape(-1).contiguous(), None, None, numel, numel)
     sorted_ids, expert_ids, num_post_padded = moe_align_block_size(topk_ids, block_m, num_experts,
                                                                    validate_ids=validate_ids)
     # Each non-empty expert wastes at most block_m - 1 padding rows, and at most min(E, numel)
     # experts are non-empty: no need to launch programs for the worst case of every expert.
     bound = numel + min(num_experts, numel) * (block_m - 1)
     num_m_blocks = min(expert_ids.numel(), -(-bound // block_m))
-    return BlockAssignment(block_m, expert_ids, sorted_ids, num_post_padded, num_m_blocks)
+    return BlockAssignment(block_m, expert_ids, sorted_ids, num_post_padded, num_m_blocks, numel)
 
 
 def assignments_by_block(blocks: BlockAssignment, numel: int):

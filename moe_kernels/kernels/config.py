@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from .._checks import fail
+from .._checks import check_dtype, check_int, fail
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 LAYOUTS = ("index_gather", "permute", "masked")
@@ -105,6 +105,16 @@ def check_block_m(func: str, name: str, block_m: object) -> int:
     return block_m
 
 
+def _check_layout(func: str, layout: object, align: object) -> None:
+    if layout not in LAYOUTS:
+        fail(func, "layout", f"must be one of {', '.join(map(repr, LAYOUTS))}", repr(layout))
+    check_int(func, "align", align, lo=1)
+    # The permute layout's M tile must divide align, and no tile is smaller than 16 rows.
+    if layout == "permute" and align % 16:
+        fail(func, "align", "must be a multiple of 16 for the permute layout (an M tile, a power of two "
+             ">= 16, must divide it so that no tile straddles two experts' segments)", align)
+
+
 def default_config(M: int, E: int, N: int, K: int, *, layout: str = "index_gather", align: int = 128,
                    dtype: torch.dtype = torch.bfloat16) -> MoEConfig:
     """The configuration used when no tuned table matches.
@@ -117,6 +127,7 @@ def default_config(M: int, E: int, N: int, K: int, *, layout: str = "index_gathe
     128x128x64 tiles (128x128x32 in fp32, whose operands are twice as wide; the M tile lowered to
     divide ``align``).
     """
+    _check_layout("default_config", layout, align)
     if layout != "index_gather":
         block_m = 128
         while align % block_m and block_m > 16:
@@ -175,7 +186,16 @@ def get_config(M: int, E: int, N: int, K: int, dtype: torch.dtype, device: torch
                layout: str = "index_gather", align: int = 128) -> MoEConfig:
     """The tile configuration for ``M`` tokens over ``E`` experts with ``F = N``, ``d = K``: the
     tuned entry for this GPU when a table exists, else :func:`default_config`."""
-    device = torch.device(device)
+    func = "get_config"
+    check_int(func, "M", M, lo=0)
+    for name, value in (("E", E), ("N", N), ("K", K)):
+        check_int(func, name, value, lo=1)
+    check_dtype(func, "dtype", dtype)
+    _check_layout(func, layout, align)
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        fail(func, "device", "must be a torch.device or a device string such as 'cuda' or 'cpu'", repr(device))
     if device.type == "cuda":
         table = load_table(table_name(_device_name(device.index), E, N, K, dtype, layout))
         if table:

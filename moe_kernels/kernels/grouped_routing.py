@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import check_int, check_tensor, fail
+from .._checks import check_int, check_number, check_tensor, fail
 from .._runtime import HAS_TRITON, INTERPRET, kernel, tl, triton, use_triton
 from .routing import _FLOAT_DTYPES, _check_common, _empty_outputs, _launch_config, _rank_descending, _scores
 
@@ -110,9 +110,8 @@ def _check_grouped(func, gating_output, topk, num_expert_group, topk_group,
     check_int(func, "topk_group", topk_group, lo=1, hi=num_expert_group, what_hi="num_expert_group")
     check_int(func, "topk", topk, lo=1, hi=topk_group * experts_per_group,
               what_hi=f"topk_group * experts per group = {topk_group} * {experts_per_group}")
-    scaling = routed_scaling_factor
-    if isinstance(scaling, bool) or not isinstance(scaling, (int, float)):
-        fail(func, "routed_scaling_factor", "must be a float", type(scaling).__name__, TypeError)
+    # NaN or inf would reach every weight; zero or a negative factor would silence or flip the experts.
+    check_number(func, "routed_scaling_factor", routed_scaling_factor, gt=0)
     if e_score_correction_bias is not None:
         check_tensor(func, "e_score_correction_bias", e_score_correction_bias, ndim=1,
                      dtypes=_FLOAT_DTYPES, device=gating_output.device, contiguous=True)

@@ -37,7 +37,7 @@ from __future__ import annotations
 import torch
 
 from .._runtime import HAS_TRITON, INTERPRET, kernel, tl, triton, use_triton
-from .._checks import check_int, check_tensor, fail
+from .._checks import check_int, check_number, check_tensor, fail
 
 __all__ = [
     "gate",
@@ -336,8 +336,9 @@ def append_shared_expert(topk_weights: torch.Tensor, topk_ids: torch.Tensor, num
                  f"shape {tuple(shared_weight.shape)}")
         shared_weights = shared_weight
     elif isinstance(shared_weight, (int, float)) and not isinstance(shared_weight, bool):
-        shared_weights = torch.full((num_tokens,), float(shared_weight), dtype=torch.float32,
-                                    device=device)
+        # A NaN or infinite weight would reach every token's output.
+        shared_weights = torch.full((num_tokens,), check_number(func, "shared_weight", shared_weight),
+                                    dtype=torch.float32, device=device)
     else:
         fail(func, "shared_weight", "must be a float or a float32 tensor [T]",
              type(shared_weight).__name__, TypeError)

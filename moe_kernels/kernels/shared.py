@@ -160,21 +160,32 @@ def moe_with_shared_fused(hidden_states: torch.Tensor, w1_with_shared: torch.Ten
     would silently select the shared expert.
     """
     func = "moe_with_shared_fused"
-    check_tensor(func, "w1_with_shared", w1_with_shared, ndim=3, dtypes=_FLOAT_DTYPES)
-    check_tensor(func, "topk_ids", topk_ids, ndim=2, dtypes=(torch.int32, torch.int64))
+    hidden = check_tensor(func, "hidden_states", hidden_states, ndim=2, dtypes=_FLOAT_DTYPES,
+                          last_dim_contiguous=True)
+    num_tokens, d = hidden.shape
+    check_tensor(func, "w1_with_shared", w1_with_shared, ndim=3, dtypes=(hidden.dtype,), device=hidden.device)
+    check_tensor(func, "w2_with_shared", w2_with_shared, ndim=3, dtypes=(hidden.dtype,), device=hidden.device)
     num_routed = w1_with_shared.shape[0] - 1
-    if num_routed < 1:
-        fail(func, "w1_with_shared", "must hold E >= 1 routed experts and the shared one, [E+1, 2F, d]",
-             f"shape {tuple(w1_with_shared.shape)}")
+    two_f = w1_with_shared.shape[1]
+    if num_routed < 1 or w1_with_shared.shape[2] != d or two_f == 0 or two_f % 2:
+        fail(func, "w1_with_shared", f"must hold E >= 1 routed experts and the shared one, [E+1, 2F, d={d}] "
+             "with 2F even and > 0", f"shape {tuple(w1_with_shared.shape)}")
+    if tuple(w2_with_shared.shape) != (num_routed + 1, d, two_f // 2):
+        fail(func, "w2_with_shared", f"must have shape [E+1={num_routed + 1}, d={d}, F={two_f // 2}] to match "
+             "w1_with_shared", f"shape {tuple(w2_with_shared.shape)}")
+    check_tensor(func, "topk_ids", topk_ids, ndim=2, dtypes=(torch.int32, torch.int64), device=hidden.device)
+    if topk_ids.shape[0] != num_tokens:
+        fail(func, "topk_ids", f"must have one row per token ({num_tokens})", f"shape {tuple(topk_ids.shape)}")
     check_int(func, "topk_ids.shape[1]", topk_ids.shape[1], lo=1, hi=num_routed,
               what_hi="the number of routed experts, w1_with_shared.shape[0] - 1")
-    check_tensor(func, "topk_weights", topk_weights, ndim=2, device=topk_ids.device)
+    check_tensor(func, "topk_weights", topk_weights, ndim=2, dtypes=_FLOAT_DTYPES, device=hidden.device)
     if topk_weights.shape != topk_ids.shape:
         fail(func, "topk_weights", f"must have the shape of topk_ids {tuple(topk_ids.shape)} (routed slots "
              "only: the shared slot is appended here)", f"shape {tuple(topk_weights.shape)}")
     if validate_ids:
         check_ids_in_range(func, "topk_ids", topk_ids, num_routed)
-    weights, ids = append_shared_expert(topk_weights, topk_ids, num_routed, shared_weight=shared_weight)
+    # The spliced weights are float32 whatever the routed ones are (fused_experts accepts any float dtype).
+    weights, ids = append_shared_expert(topk_weights.float(), topk_ids, num_routed, shared_weight=shared_weight)
     if config is None:
         config = get_config(hidden_states.shape[0], num_routed, w1_with_shared.shape[1] // 2,
                             w1_with_shared.shape[2], hidden_states.dtype, hidden_states.device)

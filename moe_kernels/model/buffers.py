@@ -33,7 +33,7 @@ from typing import NamedTuple
 
 import torch
 
-from .._checks import ID_DTYPES, check_int, check_tensor, fail
+from .._checks import ID_DTYPES, check_dtype, check_int, check_tensor, fail
 
 #: DeepGEMM's masked kernels want ``m_max`` to be a multiple of their block M; SGLang uses 256.
 MASKED_M_BLOCK = 256
@@ -82,6 +82,7 @@ def permute_copy_bytes(num_tokens: int, topk: int, hidden_size: int, dtype: torc
     check_int(func, "num_tokens", num_tokens, lo=0)
     check_int(func, "topk", topk, lo=1)
     check_int(func, "hidden_size", hidden_size, lo=1)
+    check_dtype(func, "dtype", dtype)
     row = hidden_size * dtype.itemsize
     moved = num_tokens * (1 + topk) * row
     return CopyBytes(permute=moved, unpermute=moved)
@@ -89,6 +90,8 @@ def permute_copy_bytes(num_tokens: int, topk: int, hidden_size: int, dtype: torc
 
 def expert_counts(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
     """Rows per expert (int32 ``[E]``) with no host sync; ids outside ``[0, E)`` are not counted."""
+    check_tensor("expert_counts", "topk_ids", topk_ids, dtypes=ID_DTYPES)
+    check_int("expert_counts", "num_experts", num_experts, lo=1)
     flat = topk_ids.flatten().to(torch.int64)
     valid = (flat >= 0) & (flat < num_experts)
     counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
@@ -157,6 +160,7 @@ def masked_buffer_bytes(num_experts: int, m_max: int, hidden_size: int, intermed
     check_int(func, "m_max", m_max, lo=1)
     check_int(func, "hidden_size", hidden_size, lo=1)
     check_int(func, "intermediate_size", intermediate_size, lo=1)
+    check_dtype(func, "dtype", dtype)
     return _row_buffers_bytes(num_experts * m_max, hidden_size, intermediate_size, dtype)
 
 
@@ -172,6 +176,7 @@ def compact_buffer_bytes(num_tokens: int, topk: int, num_experts: int, hidden_si
     check_int(func, "topk", topk, lo=1)
     check_int(func, "hidden_size", hidden_size, lo=1)
     check_int(func, "intermediate_size", intermediate_size, lo=1)
+    check_dtype(func, "dtype", dtype)
     rows = max_padded_rows(num_tokens * topk, num_experts, align)
     return _row_buffers_bytes(rows, hidden_size, intermediate_size, dtype)
 

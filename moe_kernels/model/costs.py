@@ -31,16 +31,19 @@ import math
 import torch
 from dataclasses import dataclass
 
-from .._checks import check_int, fail
-from .shapes import GPU, MoEModel, bytes_per_weight
+from .._checks import ID_DTYPES, check_int, check_number, check_tensor
+from .shapes import GPU, MoEModel, bytes_per_weight, check_gpu, check_model, check_weight_dtype
 
 
 # --- how many experts a batch touches -----------------------------------------------------------
 def _check_routing(func: str, num_experts: int, top_k: int) -> None:
-    if num_experts < 1:
-        raise ValueError(f"{func}: argument 'num_experts' must be >= 1, got {num_experts}")
-    if not 1 <= top_k <= num_experts:
-        raise ValueError(f"{func}: argument 'top_k' must be in [1, num_experts={num_experts}], got {top_k}")
+    check_int(func, "num_experts", num_experts, lo=1)
+    check_int(func, "top_k", top_k, lo=1, hi=num_experts, what_hi="num_experts")
+
+
+def _check_batch(func: str, batch: float, *, positive: bool = False) -> float:
+    """A real-valued batch: finite and >= 0 (> 0 where the function divides by it)."""
+    return check_number(func, "batch", batch, **({"gt": 0} if positive else {"ge": 0}))
 
 
 def experts_touched(batch: float, num_experts: int, top_k: int) -> float:
@@ -51,6 +54,7 @@ def experts_touched(batch: float, num_experts: int, top_k: int) -> float:
     token touches every expert.
     """
     _check_routing("experts_touched", num_experts, top_k)
+    _check_batch("experts_touched", batch)
     if top_k == num_experts:
         return float(num_experts) if batch > 0 else 0.0
     return -num_experts * math.expm1(batch * math.log1p(-top_k / num_experts))
@@ -63,8 +67,7 @@ def batch_for_fraction(fraction: float, num_experts: int, top_k: int) -> float:
     batch that reaches ``f`` is the ceiling of this.
     """
     _check_routing("batch_for_fraction", num_experts, top_k)
-    if not 0 < fraction < 1:
-        raise ValueError(f"batch_for_fraction: argument 'fraction' must be in (0, 1), got {fraction}")
+    check_number("batch_for_fraction", "fraction", fraction, gt=0, lt=1)
     if top_k == num_experts:
         return 1.0
     return math.log1p(-fraction) / math.log1p(-top_k / num_experts)
@@ -73,13 +76,19 @@ def batch_for_fraction(fraction: float, num_experts: int, top_k: int) -> float:
 # --- FLOPs, bytes, intensity ----------------------------------------------------------------------
 def moe_layer_flops(batch: float, model: MoEModel) -> float:
     """Routed-expert FLOPs of one layer: ``B · k · 6 · d · F`` (3 matrices, 2 FLOPs per MAC)."""
+    _check_batch("moe_layer_flops", batch)
+    check_model("moe_layer_flops", model)
     return batch * model.top_k * model.expert_flops_per_token
 
 
 def moe_layer_weight_bytes(batch: float, model: MoEModel, dtype: str | float) -> float:
     """Compulsory routed-expert weight traffic of one layer: ``E_touched(B) · 3 d F · b_w``."""
+    func = "moe_layer_weight_bytes"
+    check_model(func, model)
+    _check_batch(func, batch)
+    bytes_per_w = check_weight_dtype(func, "dtype", dtype)
     touched = experts_touched(batch, model.num_experts, model.top_k)
-    return touched * model.expert_params * bytes_per_weight(dtype)
+    return touched * model.expert_params * bytes_per_w
 
 
 def moe_intensity(batch: float, num_experts: int, top_k: int, bytes_per_w: float) -> float:
@@ -90,16 +99,22 @@ def moe_intensity(batch: float, num_experts: int, top_k: int, bytes_per_w: float
     the dense slope ``2 B / b_w`` divided by ``E / k``. Activations (O(B·d) bytes) are ignored
     against the O(E·d·F) weights.
     """
+    _check_batch("moe_intensity", batch, positive=True)
+    check_number("moe_intensity", "bytes_per_w", bytes_per_w, gt=0)
     return 2.0 * batch * top_k / (bytes_per_w * experts_touched(batch, num_experts, top_k))
 
 
 def dense_intensity(batch: float, bytes_per_w: float) -> float:
     """A dense layer reads its weights once for the whole batch: ``2 B / b_w`` FLOP per byte."""
+    _check_batch("dense_intensity", batch)
+    check_number("dense_intensity", "bytes_per_w", bytes_per_w, gt=0)
     return 2.0 * batch / bytes_per_w
 
 
 def ridge_batch_dense(ridge: float, bytes_per_w: float) -> float:
     """Batch where a dense GEMM reaches the ridge intensity I*: ``M* = I* · b_w / 2``."""
+    check_number("ridge_batch_dense", "ridge", ridge, gt=0)
+    check_number("ridge_batch_dense", "bytes_per_w", bytes_per_w, gt=0)
     return ridge * bytes_per_w / 2.0
 
 
@@ -110,6 +125,11 @@ def ridge_batch_moe(num_experts: int, top_k: int, ridge: float, bytes_per_w: flo
     essentially ``M* · E / k`` (the dense crossover times E/k) whenever that batch is large
     enough to touch every expert, which it always is for real GPUs.
     """
+    func = "ridge_batch_moe"
+    _check_routing(func, num_experts, top_k)
+    # A NaN ridge would end the search at once and return 1.0 as if it were an answer.
+    check_number(func, "ridge", ridge, gt=0)
+    check_number(func, "bytes_per_w", bytes_per_w, gt=0)
     lo, hi = 1.0, 1.0
     if moe_intensity(lo, num_experts, top_k, bytes_per_w) >= ridge:
         return 1.0
@@ -126,6 +146,8 @@ def ridge_batch_moe(num_experts: int, top_k: int, ridge: float, bytes_per_w: flo
 
 def step_time_weight_streaming(batch: float, model: MoEModel, dtype: str | float, bandwidth: float) -> float:
     """Seconds per decode step spent streaming routed-expert weights, all MoE layers, at ``bandwidth``."""
+    check_model("step_time_weight_streaming", model)
+    check_number("step_time_weight_streaming", "bandwidth", bandwidth, gt=0)
     return model.num_moe_layers * moe_layer_weight_bytes(batch, model, dtype) / bandwidth
 
 
@@ -149,16 +171,18 @@ def expected_padded_rows(batch: int, num_experts: int, top_k: int, block: int) -
     ``E · Σ_m P(m_e = m) · ceil(m / block) · block``: exact, no approximation. The real rows are
     ``B · k``; the padding factor is the ratio.
     """
-    _check_routing("expected_padded_rows", num_experts, top_k)
-    if block < 1:
-        raise ValueError(f"expected_padded_rows: argument 'block' must be >= 1, got {block}")
-    pmf = _binomial_pmf(int(batch), top_k / num_experts)
+    func = "expected_padded_rows"
+    check_int(func, "batch", batch, lo=0)
+    _check_routing(func, num_experts, top_k)
+    check_int(func, "block", block, lo=1)
+    pmf = _binomial_pmf(batch, top_k / num_experts)
     per_expert = sum(prob * (-(-m // block)) * block for m, prob in enumerate(pmf))
     return num_experts * per_expert
 
 
 def padding_factor(batch: int, num_experts: int, top_k: int, block: int) -> float:
     """Expected padded rows over real rows (``B · k``); 1.0 means no padding."""
+    check_int("padding_factor", "batch", batch, lo=1)
     return expected_padded_rows(batch, num_experts, top_k, block) / (batch * top_k)
 
 
@@ -168,6 +192,8 @@ def padding_factor_small_batch_limit(batch: int, num_experts: int, top_k: int, b
     ``block · E_touched(B) / (B · k)``, valid while the mean rows per expert ``B k / E`` is well
     below ``block`` (then almost no expert needs a second tile).
     """
+    _check_batch("padding_factor_small_batch_limit", batch, positive=True)
+    check_int("padding_factor_small_batch_limit", "block", block, lo=1)
     return block * experts_touched(batch, num_experts, top_k) / (batch * top_k)
 
 
@@ -209,6 +235,7 @@ def parameter_count(model: MoEModel) -> ParamCount:
     counted in ``attention``). The routing correction bias of DeepSeek-V3 (E per layer) is a
     buffer and is left out (15k values).
     """
+    check_model("parameter_count", model)
     d = model.hidden_size
     moe_layers, dense_layers = model.num_moe_layers, model.num_dense_layers
     embedding = model.vocab_size * d
@@ -227,6 +254,7 @@ def parameter_count(model: MoEModel) -> ParamCount:
 
 def decode_flops_per_token(model: MoEModel) -> float:
     """``2 · N_active`` (embedding lookup excluded; the output projection included)."""
+    check_model("decode_flops_per_token", model)
     p = parameter_count(model)
     return 2.0 * (p.active - p.embedding)
 
@@ -234,6 +262,7 @@ def decode_flops_per_token(model: MoEModel) -> float:
 # --- memory -----------------------------------------------------------------------------------------
 def weight_bytes(params: float, dtype: str | float) -> float:
     """Bytes to store ``params`` weights in ``dtype`` (see :data:`shapes.BYTES_PER_WEIGHT`)."""
+    check_number("weight_bytes", "params", params, ge=0)
     return params * bytes_per_weight(dtype)
 
 
@@ -245,11 +274,20 @@ def usable_memory_bytes(gpu: GPU, gpu_memory_utilization: float = 0.92, reserve_
     """
     from .shapes import GiB
 
+    func = "usable_memory_bytes"
+    check_gpu(func, gpu)
+    check_number(func, "gpu_memory_utilization", gpu_memory_utilization, gt=0, le=1)
+    check_number(func, "reserve_gib", reserve_gib, ge=0)
     return gpu.memory_bytes * gpu_memory_utilization - reserve_gib * GiB
 
 
 def roofline_time(flops: float, nbytes: float, gpu_flops: float, bandwidth: float) -> float:
     """The floor: the larger of compute time and memory time (seconds)."""
+    func = "roofline_time"
+    check_number(func, "flops", flops, ge=0)
+    check_number(func, "nbytes", nbytes, ge=0)
+    check_number(func, "gpu_flops", gpu_flops, gt=0)
+    check_number(func, "bandwidth", bandwidth, gt=0)
     return max(flops / gpu_flops, nbytes / bandwidth)
 
 
@@ -260,8 +298,7 @@ def shared_expert_byte_overhead(batch: float, num_experts: int, top_k: int, num_
     at batch 1, falling to ``n_s / E`` once every routed expert is touched.
     """
     check_int("shared_expert_byte_overhead", "num_shared_experts", num_shared_experts, lo=1)
-    if batch <= 0:
-        fail("shared_expert_byte_overhead", "batch", "must be > 0", batch)
+    _check_batch("shared_expert_byte_overhead", batch, positive=True)
     return num_shared_experts / experts_touched(batch, num_experts, top_k)
 
 
@@ -271,8 +308,7 @@ def shared_expert_byte_share(batch: float, num_experts: int, top_k: int, num_sha
     ``1/(k+1)`` at batch 1 with one shared expert, ``1/(E+1)`` at saturation.
     """
     check_int("shared_expert_byte_share", "num_shared_experts", num_shared_experts, lo=1)
-    if batch <= 0:
-        fail("shared_expert_byte_share", "batch", "must be > 0", batch)
+    _check_batch("shared_expert_byte_share", batch, positive=True)
     return num_shared_experts / (experts_touched(batch, num_experts, top_k) + num_shared_experts)
 
 
@@ -303,6 +339,10 @@ def count_work(model: MoEModel, topk_ids: torch.Tensor, bytes_per_element: float
         >>> round(work.floor_seconds(bandwidth=4e12, gemm_rate=700e12) * 1e6, 2)   # memory-bound
         7.08
     """
+    func = "count_work"
+    check_model(func, model)
+    check_tensor(func, "topk_ids", topk_ids, ndim=2, dtypes=ID_DTYPES)
+    check_number(func, "bytes_per_element", bytes_per_element, gt=0)
     touched = int(torch.unique(topk_ids).numel())
     num_tokens = topk_ids.shape[0]
     weight_bytes = touched * model.expert_params * bytes_per_element
@@ -312,5 +352,8 @@ def count_work(model: MoEModel, topk_ids: torch.Tensor, bytes_per_element: float
 
 def dense_work(model: MoEModel, num_tokens: int, bytes_per_element: float) -> Work:
     """The dense comparison: ``[B k, d] @ [d, 3F]``, the same FLOPs as the layer, one weight."""
+    check_model("dense_work", model)
+    check_int("dense_work", "num_tokens", num_tokens, lo=0)
+    check_number("dense_work", "bytes_per_element", bytes_per_element, gt=0)
     rows, d, cols = num_tokens * model.top_k, model.hidden_size, 3 * model.moe_intermediate_size
     return Work(1, (rows * d + d * cols + rows * cols) * bytes_per_element, 2.0 * rows * d * cols)

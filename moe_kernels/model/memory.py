@@ -41,8 +41,8 @@ import math
 from dataclasses import dataclass
 
 from . import costs
-from .._checks import check_int, fail
-from .shapes import GB, GPU, GiB, MoEModel, bytes_per_weight
+from .._checks import check_int, check_number, fail
+from .shapes import GB, GPU, GiB, MoEModel, bytes_per_weight, check_gpu, check_model, check_weight_dtype
 
 __all__ = [
     "WeightBytes",
@@ -82,7 +82,11 @@ def model_weight_bytes(model: MoEModel, routed_dtype: str | float, rest_dtype: s
     Quantization scales are not counted, except that ``"mxfp4"`` carries its 8-bit scale per
     32 elements (:data:`moe_kernels.model.shapes.BYTES_PER_WEIGHT`).
     """
+    func = "model_weight_bytes"
+    check_model(func, model)
+    check_weight_dtype(func, "routed_dtype", routed_dtype)
     rest_dtype = routed_dtype if rest_dtype is None else rest_dtype
+    check_weight_dtype(func, "rest_dtype", rest_dtype)
     p = costs.parameter_count(model)
     return WeightBytes(
         routed_experts=costs.weight_bytes(p.routed_experts, routed_dtype),
@@ -93,6 +97,7 @@ def model_weight_bytes(model: MoEModel, routed_dtype: str | float, rest_dtype: s
 
 def routed_parameter_share(model: MoEModel) -> float:
     """The routed experts' fraction of the stored parameters."""
+    check_model("routed_parameter_share", model)
     p = costs.parameter_count(model)
     return p.routed_experts / p.total
 
@@ -129,12 +134,9 @@ class MemoryBudget:
 def memory_budget(gpu: GPU, gpu_memory_utilization: float = 0.92, reserve_gib: float = 6.0) -> MemoryBudget:
     """What one GPU leaves for weights plus KV cache (:func:`moe_kernels.model.costs.usable_memory_bytes`)."""
     func = "memory_budget"
-    if not isinstance(gpu, GPU):
-        fail(func, "gpu", "must be a moe_kernels.model.shapes.GPU", type(gpu).__name__, TypeError)
-    if not 0 < gpu_memory_utilization <= 1:
-        fail(func, "gpu_memory_utilization", "must be in (0, 1]", gpu_memory_utilization)
-    if reserve_gib < 0:
-        fail(func, "reserve_gib", "must be >= 0", reserve_gib)
+    check_gpu(func, gpu)
+    check_number(func, "gpu_memory_utilization", gpu_memory_utilization, gt=0, le=1)
+    check_number(func, "reserve_gib", reserve_gib, ge=0)
     usable = costs.usable_memory_bytes(gpu, gpu_memory_utilization, reserve_gib)
     if usable <= 0:
         fail(func, "reserve_gib", f"must leave memory on a {gpu.name} "
@@ -157,10 +159,8 @@ def gpus_needed(weight_bytes: float, budget: MemoryBudget, kv_cache_fraction: fl
     func = "gpus_needed"
     if not isinstance(budget, MemoryBudget):
         fail(func, "budget", "must be a MemoryBudget (see memory_budget)", type(budget).__name__, TypeError)
-    if weight_bytes < 0:
-        fail(func, "weight_bytes", "must be >= 0", weight_bytes)
-    if not 0 <= kv_cache_fraction < 1:
-        fail(func, "kv_cache_fraction", "must be in [0, 1)", kv_cache_fraction)
+    check_number(func, "weight_bytes", weight_bytes, ge=0)
+    check_number(func, "kv_cache_fraction", kv_cache_fraction, ge=0, lt=1)
     for_weights = budget.usable_bytes * (1.0 - kv_cache_fraction)
     return max(1, math.ceil(weight_bytes / for_weights))
 
@@ -209,7 +209,11 @@ def decode_step(model: MoEModel, batch: int, gpu: GPU, routed_dtype: str | float
         (12.4, 6.5)
     """
     func = "decode_step"
+    check_model(func, model)
     check_int(func, "batch", batch, lo=1)
+    check_gpu(func, gpu)
+    check_weight_dtype(func, "routed_dtype", routed_dtype)
+    check_weight_dtype(func, "rest_dtype", rest_dtype)
     check_int(func, "num_gpus", num_gpus, lo=1)
     p = costs.parameter_count(model)
     routed_bytes = model.num_moe_layers * costs.moe_layer_weight_bytes(batch, model, routed_dtype)

@@ -19,6 +19,9 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass
+from numbers import Real
+
+from .._checks import check_number, fail
 
 GB = 1e9  # decimal gigabyte: what datasheets and "671 GB of weights" mean
 GiB = 2.0**30  # binary gibibyte: what nvidia-smi, torch and allocators report
@@ -34,16 +37,38 @@ BYTES_PER_WEIGHT = {
 }
 
 
-def bytes_per_weight(dtype: str | float) -> float:
-    """Bytes per weight element for a dtype name (or a number, returned as is)."""
-    if isinstance(dtype, (int, float)):
-        return float(dtype)
-    try:
+def check_weight_dtype(func: str, name: str, dtype: object) -> float:
+    """Bytes per weight of argument ``name`` of ``func``: a dtype name of :data:`BYTES_PER_WEIGHT`,
+    or a finite number > 0 of bytes (returned as a float)."""
+    if isinstance(dtype, str):
+        if dtype not in BYTES_PER_WEIGHT:
+            fail(func, name, f"must be one of {sorted(BYTES_PER_WEIGHT)} or a number", repr(dtype))
         return BYTES_PER_WEIGHT[dtype]
-    except KeyError:
-        raise ValueError(
-            f"bytes_per_weight: argument 'dtype' must be one of {sorted(BYTES_PER_WEIGHT)} or a number, got {dtype!r}"
-        ) from None
+    if isinstance(dtype, bool) or not isinstance(dtype, Real):
+        fail(func, name, f"must be one of {sorted(BYTES_PER_WEIGHT)} or a number", type(dtype).__name__, TypeError)
+    return check_number(func, name, dtype, gt=0)
+
+
+def bytes_per_weight(dtype: str | float) -> float:
+    """Bytes per weight element for a dtype name (or a number of bytes > 0, returned as is)."""
+    return check_weight_dtype("bytes_per_weight", "dtype", dtype)
+
+
+def check_model(func: str, model: object) -> "MoEModel":
+    """``model`` must be a :class:`MoEModel` (``MODELS[name]`` gives one)."""
+    if not isinstance(model, MoEModel):
+        hint = f" (MODELS[{model!r}])" if isinstance(model, str) and model in MODELS else ""
+        fail(func, "model", f"must be a MoEModel such as MODELS['deepseek-v3']{hint}",
+             repr(model) if isinstance(model, str) else type(model).__name__, TypeError)
+    return model
+
+
+def check_gpu(func: str, gpu: object) -> "GPU":
+    """``gpu`` must be a :class:`GPU` (``GPUS[name]`` gives one)."""
+    if not isinstance(gpu, GPU):
+        fail(func, "gpu", "must be a moe_kernels.model.shapes.GPU such as GPUS['H200']",
+             repr(gpu) if isinstance(gpu, str) else type(gpu).__name__, TypeError)
+    return gpu
 
 
 @dataclass(frozen=True)
@@ -64,6 +89,10 @@ class Attention:
     qk_nope_head_dim: int = 0  # mla
     qk_rope_head_dim: int = 0  # mla
     v_head_dim: int = 0  # mla
+
+    def __post_init__(self):
+        if self.kind not in ("mla", "gqa"):
+            fail("Attention", "kind", "must be 'mla' or 'gqa'", repr(self.kind))
 
     def params(self, d: int) -> int:
         """Parameters of one layer's attention (projections and their internal norms)."""

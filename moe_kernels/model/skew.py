@@ -74,7 +74,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from .._checks import check_int, check_tensor, fail
+from .._checks import check_int, check_number, check_tensor, fail
 
 __all__ = [
     "LayoutRows",
@@ -109,8 +109,7 @@ def zipf_popularity(num_experts: int, s: float) -> torch.Tensor:
     """
     func = "zipf_popularity"
     check_int(func, "num_experts", num_experts, lo=1)
-    if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s) or s < 0:
-        fail(func, "s", "must be a finite number >= 0", s)
+    check_number(func, "s", s, ge=0)
     weights = [(e + 1) ** -float(s) for e in range(num_experts)]
     total = sum(weights)
     return torch.tensor([w / total for w in weights], dtype=torch.float64)

@@ -1,0 +1,85 @@
+"""Decode runs as CUDA-graph replays: every layout, the routers and the alignment must capture
+(no host synchronisation, validation included) and give the right answer when replayed on new
+inputs copied into the captured buffers. GPU only."""
+
+import pytest
+import torch
+
+from moe_kernels import MoELayer, fused_experts, fused_topk, grouped_topk, moe_align_block_size
+from moe_kernels.kernels.align import moe_align_block_size_reference
+from moe_kernels.kernels.grouped_routing import grouped_topk_reference
+from moe_kernels.kernels.routing import fused_topk_reference
+from moe_testing import make_problem, needs_gpu, rel_err
+
+
+def capture(fn):
+    """``fn`` captured once (after a warm-up on a side stream) and its output tensor(s)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
+def fresh(shape, seed, dtype=torch.float32):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to("cuda", dtype)
+
+
+@needs_gpu
+@pytest.mark.parametrize("layout", ["index_gather", "permute", "masked"])
+@pytest.mark.parametrize("model, shared", [("qwen3-30b-a3b", "separate"), ("deepseek-v3", "separate"),
+                                           ("deepseek-v3", "fused")])
+def test_layer_replays_on_new_inputs(model, shared, layout):
+    layer = MoELayer.random(model, hidden_size=512, intermediate_size=256, dtype=torch.bfloat16, device="cuda",
+                            seed=0, layout=layout, shared_expert=shared)
+    x = fresh((64, 512), 1, torch.bfloat16)
+    graph, out = capture(lambda: layer(x))
+    for seed in (2, 3):
+        x.copy_(fresh((64, 512), seed, torch.bfloat16))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_err(out, layer.reference(x)) < 1e-2
+
+
+@needs_gpu
+def test_validated_experts_capture():
+    """The default call checks the ids with a device-side assert: it captures, and replays."""
+    hidden, w1, w2, weights, ids = make_problem(40, 16, 4, 256, 128, torch.bfloat16, seed=4)
+    graph, out = capture(lambda: fused_experts(hidden, w1, w2, weights, ids))
+    new_ids = torch.rand(40, 16, generator=torch.Generator().manual_seed(5)).argsort(dim=1)[:, :4]
+    ids.copy_(new_ids.to(ids))
+    graph.replay()
+    torch.cuda.synchronize()
+    from moe_kernels import moe_reference
+
+    assert rel_err(out, moe_reference(hidden, w1, w2, weights, ids)) < 1e-2
+
+
+@needs_gpu
+def test_routers_and_alignment_replay():
+    hidden = fresh((300, 64), 6)
+    logits = fresh((300, 256), 7)
+    bias = fresh((256,), 8) * 0.01
+
+    def route():
+        w1, i1 = fused_topk(hidden, logits[:, :128], 8, True)
+        w2, i2 = grouped_topk(hidden, logits, 8, True, 8, 4, scoring_func="sigmoid", routed_scaling_factor=2.5,
+                              e_score_correction_bias=bias)
+        return (w1, i1, w2, i2) + moe_align_block_size(i2, 16, 256)
+
+    graph, outs = capture(route)
+    for seed in (9, 10):
+        logits.copy_(fresh((300, 256), seed))
+        graph.replay()
+        torch.cuda.synchronize()
+        w1, i1 = fused_topk_reference(hidden, logits[:, :128], 8, True)
+        w2, i2 = grouped_topk_reference(hidden, logits, 8, True, 8, 4, scoring_func="sigmoid",
+                                        routed_scaling_factor=2.5, e_score_correction_bias=bias)
+        assert torch.equal(outs[1], i1) and torch.equal(outs[3], i2)
+        assert torch.allclose(outs[0], w1, atol=1e-6) and torch.allclose(outs[2], w2, atol=1e-6)
+        for got, want in zip(outs[4:], moe_align_block_size_reference(i2, 16, 256)):
+            assert torch.equal(got, want)

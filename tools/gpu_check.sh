@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# One GPU session: the GPU test suite, then the measurements the book plots, recorded with
+# provenance into results/<device>/ and packed into $OUT/results.tgz. Run from the repository root
+# of a committed tree:  MOE_KERNELS_COMMIT=$(git rev-parse HEAD) bash tools/gpu_check.sh [what...]
+# what: tests, ceilings, sweep, decode-step, layouts, routing, fp8 (default: tests ceilings sweep).
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+: "${MOE_KERNELS_COMMIT:?set MOE_KERNELS_COMMIT to the hash of the committed tree being measured}"
+OUT=${OUT:-/tmp/moe-out}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(tests ceilings sweep)
+status=0
+for step in "${steps[@]}"; do
+    echo "=== $step ($(date -u +%H:%M:%S))"
+    case "$step" in
+        tests) $PY -m pytest tests -m gpu -q -p no:cacheprovider -W ignore::DeprecationWarning 2>&1 | tee "$OUT/gpu-tests.log" | tail -n 25 || status=1 ;;
+        sweep) $PY -m moe_kernels.bench sweep --warmup-ms 5 --rep-ms 30 --record \
+                   2>&1 | tee "$OUT/sweep.log" | grep -E "GEMMs graph|bmm|ceilings|recorded" || status=1 ;;
+        *) $PY -m moe_kernels.bench "$step" --record 2>&1 | tee "$OUT/$step.log" | tail -n 20 || status=1 ;;
+    esac
+done
+tar czf "$OUT/results.tgz" results
+exit $status
