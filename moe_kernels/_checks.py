@@ -135,8 +135,10 @@ def check_moe_inputs(func: str, hidden_states, w1, w2, topk_weights, topk_ids, *
     hidden = check_tensor(func, "hidden_states", hidden_states, ndim=2, dtypes=FLOAT_DTYPES,
                           last_dim_contiguous=True)
     device = hidden.device
-    check_tensor(func, "w1", w1, ndim=3, dtypes=(hidden.dtype,), device=device, last_dim_contiguous=True)
-    check_tensor(func, "w2", w2, ndim=3, dtypes=(hidden.dtype,), device=device, last_dim_contiguous=True)
+    # fp8 weights (with their scales, checked by the layout) multiply activations quantised on the fly.
+    weight_dtypes = (hidden.dtype, torch.float8_e4m3fn)
+    check_tensor(func, "w1", w1, ndim=3, dtypes=weight_dtypes, device=device, last_dim_contiguous=True)
+    check_tensor(func, "w2", w2, ndim=3, dtypes=(w1.dtype,), device=device, last_dim_contiguous=True)
     check_tensor(func, "topk_weights", topk_weights, ndim=2, dtypes=FLOAT_DTYPES, device=device,
                  last_dim_contiguous=True)
     check_tensor(func, "topk_ids", topk_ids, ndim=2, dtypes=ID_DTYPES, device=device)
@@ -163,7 +165,7 @@ def check_moe_inputs(func: str, hidden_states, w1, w2, topk_weights, topk_ids, *
 def check_dispatch_inputs(func: str, hidden_states, topk_ids, num_experts: int) -> torch.Tensor:
     """The inputs of a row dispatch (permute, masked): ``hidden [T, d]`` (T may be 0), ``topk_ids
     [T, k]`` with k >= 1 on the same device, ``num_experts >= 1``. Returns ``hidden_states``."""
-    hidden = check_tensor(func, "hidden_states", hidden_states, ndim=2, dtypes=FLOAT_DTYPES,
+    hidden = check_tensor(func, "hidden_states", hidden_states, ndim=2, dtypes=FLOAT_DTYPES + (torch.float8_e4m3fn,),
                           last_dim_contiguous=True)
     check_tensor(func, "topk_ids", topk_ids, ndim=2, dtypes=ID_DTYPES, device=hidden.device)
     check_int(func, "num_experts", num_experts, lo=1)

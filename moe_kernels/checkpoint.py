@@ -11,7 +11,10 @@ A checkpoint stores a layer's experts one of two ways, and both are read:
 
 Either becomes ``w13 [E, 2F, d]`` and ``w2 [E, d, F]``, vLLM's layout. The router is
 ``mlp.gate.weight [E, d]``; DeepSeek-V3 adds ``mlp.gate.e_score_correction_bias [E]`` and a shared
-expert ``mlp.shared_experts.{gate,up,down}_proj.weight``. The routing rules come from the model's
+expert ``mlp.shared_experts.{gate,up,down}_proj.weight``. fp8 checkpoints (DeepSeek-V3, Qwen3-FP8)
+store each weight in ``float8_e4m3fn`` beside its ``weight_scale_inv``, one float32 per 128x128
+block; both are read, and the gate and up scales stacked like their weights. The routing rules
+come from the model's
 ``config.json`` (a dict, a path, or the ``config.json`` beside the shards).
 
 ``source`` is a folder of ``*.safetensors`` shards (with or without
@@ -33,14 +36,13 @@ the requested layer are read (the safetensors package maps the files; nothing el
 from __future__ import annotations
 
 import json
-import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 
-from ._checks import FLOAT_DTYPES, check_dtype, fail
+from ._checks import FLOAT_DTYPES, check_dtype, check_number, fail
 from .layer import LayerWeights, Routing
 
 _FUNC = "load_layer"
@@ -67,18 +69,14 @@ def routing_from_config(config: Mapping) -> tuple[Routing, dict]:
     topk_group = config.get("topk_group") or 1
     if groups > 1 and (not isinstance(topk_group, int) or isinstance(topk_group, bool) or not 1 <= topk_group <= groups):
         fail(_FUNC, "config['topk_group']", f"must be an int in [1, n_group={groups}]", repr(topk_group))
-    scaling = config.get("routed_scaling_factor", 1.0)
-    if isinstance(scaling, bool) or not isinstance(scaling, (int, float)):
-        fail(_FUNC, "config['routed_scaling_factor']", "must be a number", repr(scaling), TypeError)
-    if not math.isfinite(scaling) or scaling <= 0:
-        fail(_FUNC, "config['routed_scaling_factor']", "must be finite and > 0", repr(scaling))
+    scaling = check_number(_FUNC, "config['routed_scaling_factor']", config.get("routed_scaling_factor", 1.0), gt=0)
     routing = Routing(
         top_k=config["num_experts_per_tok"],
         scoring_func=scoring_func,
         renormalize=bool(config.get("norm_topk_prob", False)),
         num_expert_group=groups if groups > 1 else None,
         topk_group=topk_group if groups > 1 else None,
-        routed_scaling_factor=float(scaling),
+        routed_scaling_factor=scaling,
     )
     sizes = {"d": config["hidden_size"], "f": config["moe_intermediate_size"], "e": num_experts,
              "shared": config.get("n_shared_experts") or 0}
@@ -170,15 +168,35 @@ def load_layer(source, *, layer: int, config=None, dtype: torch.dtype | None = N
 
     def take(name, shape, as_dtype=dtype):
         t = _expect(prefix + name, tensors.get(prefix + name), shape)
-        return t.to(device=device, dtype=as_dtype or t.dtype)
+        # fp8 weights stay fp8 (their scales come with them); ``dtype`` casts 16/32-bit ones.
+        keep = t.dtype == torch.float8_e4m3fn or as_dtype is None
+        return t.to(device=device, dtype=t.dtype if keep else as_dtype)
 
+    def blocks(rows, cols):
+        return (-(-rows // 128), -(-cols // 128))
+
+    def scale(name, rows, cols):   # DeepSeek-V3's weight_scale_inv: one float32 per 128x128 block
+        return take(name + "_scale_inv", blocks(rows, cols), torch.float32)
+
+    scales = {}
     if prefix + "experts.gate_up_proj" in tensors:   # fused 3-D layout
         w13 = take("experts.gate_up_proj", (e, 2 * f, d))
         w2 = take("experts.down_proj", (e, d, f))
+        if w13.dtype == torch.float8_e4m3fn:
+            scales = dict(w13_scale=take("experts.gate_up_proj_scale_inv", (e, *blocks(2 * f, d)), torch.float32),
+                          w2_scale=take("experts.down_proj_scale_inv", (e, *blocks(d, f)), torch.float32))
     elif prefix + "experts.0.gate_proj.weight" in tensors:
         w13 = torch.stack([torch.cat([take(f"experts.{i}.gate_proj.weight", (f, d)),
                                       take(f"experts.{i}.up_proj.weight", (f, d))]) for i in range(e)])
         w2 = torch.stack([take(f"experts.{i}.down_proj.weight", (d, f)) for i in range(e)])
+        if w13.dtype == torch.float8_e4m3fn:
+            if f % 128:
+                fail(_FUNC, "config['moe_intermediate_size']", "must be a multiple of 128 to stack the gate and "
+                     "up block scales of an fp8 checkpoint", f)
+            scales = dict(
+                w13_scale=torch.stack([torch.cat([scale(f"experts.{i}.gate_proj.weight", f, d),
+                                                  scale(f"experts.{i}.up_proj.weight", f, d)]) for i in range(e)]),
+                w2_scale=torch.stack([scale(f"experts.{i}.down_proj.weight", d, f) for i in range(e)]))
     else:
         fail(_FUNC, "source", f"must hold layer {layer}'s experts ('{prefix}experts.0.gate_proj.weight' or "
              f"'{prefix}experts.gate_up_proj'): is it an MoE layer?", "neither is there")
@@ -191,4 +209,8 @@ def load_layer(source, *, layer: int, config=None, dtype: torch.dtype | None = N
         shared_w13 = torch.cat([take("shared_experts.gate_proj.weight", (s, d)),
                                 take("shared_experts.up_proj.weight", (s, d))])
         shared_w2 = take("shared_experts.down_proj.weight", (d, s))
-    return LayerWeights(router, w13, w2, bias, shared_w13, shared_w2), routing
+        if shared_w13.dtype == torch.float8_e4m3fn:
+            scales.update(shared_w13_scale=torch.cat([scale("shared_experts.gate_proj.weight", s, d),
+                                                      scale("shared_experts.up_proj.weight", s, d)]),
+                          shared_w2_scale=scale("shared_experts.down_proj.weight", d, s))
+    return LayerWeights(router, w13, w2, bias, shared_w13, shared_w2, **scales), routing

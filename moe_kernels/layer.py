@@ -39,7 +39,7 @@ from .kernels.grouped_routing import grouped_topk, grouped_topk_reference
 from .kernels.routing import append_shared_expert, fused_topk, fused_topk_reference, gate
 from .kernels.shared import shared_expert_separate
 from .model.shapes import MODELS, MoEModel
-from .reference import moe_reference
+from .reference import moe_reference, moe_reference_fp8
 
 LAYOUTS = {"index_gather": fused_experts, "permute": permute_experts, "masked": masked_experts}
 SHARED_EXPERT = ("separate", "fused")
@@ -97,7 +97,8 @@ class LayerWeights:
     """One MoE layer's tensors. ``w13 [E, 2F, d]`` (gate rows, then up rows) and ``w2 [E, d, F]``
     are the routed experts, ``gate [E, d]`` the router, ``bias [E]`` DeepSeek-V3's selection-only
     correction bias, ``shared_w13 [2S, d]``/``shared_w2 [d, S]`` the shared expert(s) as one FFN.
-    With ``shared_fused`` the shared expert is stored as expert ``E`` of ``w13``/``w2`` instead."""
+    With ``shared_fused`` the shared expert is stored as expert ``E`` of ``w13``/``w2`` instead.
+    fp8 experts carry their ``*_scale`` tensors (``weight_scale_inv``, :mod:`moe_kernels.kernels.quant`)."""
 
     gate: torch.Tensor
     w13: torch.Tensor
@@ -105,7 +106,29 @@ class LayerWeights:
     bias: torch.Tensor | None = None
     shared_w13: torch.Tensor | None = None
     shared_w2: torch.Tensor | None = None
+    w13_scale: torch.Tensor | None = None
+    w2_scale: torch.Tensor | None = None
+    shared_w13_scale: torch.Tensor | None = None
+    shared_w2_scale: torch.Tensor | None = None
     shared_fused: bool = False
+
+    @property
+    def granularity(self) -> str | None:
+        """The fp8 scheme of the expert weights, or None for 16/32-bit ones."""
+        return None if self.w13_scale is None else {3: "block", 2: "channel", 1: "tensor"}[self.w13_scale.dim()]
+
+    def quantized(self, granularity: str = "block") -> "LayerWeights":
+        """These weights in fp8 (routed and shared experts; the router and the bias stay float32)."""
+        from .kernels.quant import quantize_weight
+
+        w13, w13_scale = quantize_weight(self.w13, granularity)
+        w2, w2_scale = quantize_weight(self.w2, granularity)
+        shared = {}
+        if self.shared_w13 is not None:
+            (s13, s13_scale), (s2, s2_scale) = (quantize_weight(w[None], granularity)
+                                                for w in (self.shared_w13, self.shared_w2))
+            shared = dict(shared_w13=s13[0], shared_w2=s2[0], shared_w13_scale=s13_scale[0], shared_w2_scale=s2_scale[0])
+        return dataclasses.replace(self, w13=w13, w2=w2, w13_scale=w13_scale, w2_scale=w2_scale, **shared)
 
     @property
     def num_experts(self) -> int:
@@ -120,9 +143,13 @@ class LayerWeights:
         if tuple(self.shared_w13.shape) != tuple(self.w13.shape[1:]):
             fail("LayerWeights.fuse_shared", "shared_w13", f"must have one routed expert's shape "
                  f"{tuple(self.w13.shape[1:])} to become expert E", f"shape {tuple(self.shared_w13.shape)}")
+        scales = {}
+        if self.w13_scale is not None:
+            scales = dict(w13_scale=torch.cat([self.w13_scale, self.shared_w13_scale[None]]),
+                          w2_scale=torch.cat([self.w2_scale, self.shared_w2_scale[None]]))
         return dataclasses.replace(self, w13=torch.cat([self.w13, self.shared_w13[None]]),
-                                   w2=torch.cat([self.w2, self.shared_w2[None]]), shared_w13=None,
-                                   shared_w2=None, shared_fused=True)
+                                   w2=torch.cat([self.w2, self.shared_w2[None]]), shared_w13=None, shared_w2=None,
+                                   shared_w13_scale=None, shared_w2_scale=None, shared_fused=True, **scales)
 
     def check(self, func: str, hidden_states: torch.Tensor | None = None) -> None:
         """Every tensor's rank, dtype, device and shape, against each other and (when given) against
@@ -134,6 +161,8 @@ class LayerWeights:
         if hidden_states is not None and d != hidden_states.shape[1]:
             fail(func, "gate", f"must be [E, d={hidden_states.shape[1]}]", f"shape {tuple(self.gate.shape)}")
         dtypes = (hidden_states.dtype,) if hidden_states is not None else FLOAT_DTYPES
+        # fp8 experts (with their scales, checked by the kernels) multiply activations quantised on the fly
+        dtypes += (torch.float8_e4m3fn,) if self.w13_scale is not None else ()
         check_tensor(func, "w13", self.w13, ndim=3, dtypes=dtypes, device=device)
         dtype = self.w13.dtype
         experts = num_experts + (1 if self.shared_fused else 0)
@@ -181,6 +210,9 @@ def moe_layer(hidden_states: torch.Tensor, weights: LayerWeights, *, routing: Ro
         fail(func, "layout", f"must be one of {', '.join(map(repr, LAYOUTS))}", repr(layout))
     weights.check(func, hidden_states)
     num_experts = weights.num_experts
+    if routing.top_k > num_experts:
+        fail(func, "routing", f"must have top_k <= the number of routed experts E={num_experts}",
+             f"top_k={routing.top_k}")
     logits = gate(hidden_states, weights.gate)
     topk_weights, topk_ids = routing.route(hidden_states, logits, weights.bias)
     if weights.shared_fused:  # the shared expert as slot k+1, id E, weight 1 (the routed weights are scaled)
@@ -189,11 +221,20 @@ def moe_layer(hidden_states: torch.Tensor, weights: LayerWeights, *, routing: Ro
         # The tables are keyed by the routed shape; a fused shared slot is no reason to fall back.
         t, d = hidden_states.shape
         config = get_config(t, num_experts, weights.w2.shape[2], d, hidden_states.dtype, hidden_states.device)
+    fp8 = {} if weights.w13_scale is None else dict(w1_scale=weights.w13_scale, w2_scale=weights.w2_scale)
     out = LAYOUTS[layout](hidden_states, weights.w13, weights.w2, topk_weights, topk_ids, config=config,
-                          validate_ids=False)
-    if weights.shared_w13 is not None:
-        out = out + shared_expert_separate(hidden_states, weights.shared_w13, weights.shared_w2)
-    return out
+                          validate_ids=False, **fp8)
+    if weights.shared_w13 is None:
+        return out
+    if weights.shared_w13_scale is None:
+        return out + shared_expert_separate(hidden_states, weights.shared_w13, weights.shared_w2)
+    # An fp8 shared expert: the same W8A8 GEMMs with one expert every token picks, weight 1.
+    t = hidden_states.shape[0]
+    everyone = torch.zeros(t, 1, dtype=torch.int32, device=hidden_states.device)
+    ones = torch.ones(t, 1, dtype=torch.float32, device=hidden_states.device)
+    return out + fused_experts(hidden_states, weights.shared_w13[None], weights.shared_w2[None], ones, everyone,
+                               validate_ids=False, w1_scale=weights.shared_w13_scale[None],
+                               w2_scale=weights.shared_w2_scale[None])
 
 
 class MoELayer(torch.nn.Module):
@@ -237,13 +278,32 @@ class MoELayer(torch.nn.Module):
         logits = gate(hidden_states, w.gate)
         topk_weights, topk_ids = self.routing.route(hidden_states, logits, w.bias, reference=True)
         routed = w.num_experts
-        out = moe_reference(hidden_states, w.w13[:routed], w.w2[:routed], topk_weights, topk_ids)
-        shared = (w.w13[routed], w.w2[routed]) if w.shared_fused else (w.shared_w13, w.shared_w2)
-        if shared[0] is not None:
-            everyone = torch.zeros(hidden_states.shape[0], 1, dtype=torch.int64, device=hidden_states.device)
-            ones = torch.ones(hidden_states.shape[0], 1, dtype=torch.float64, device=hidden_states.device)
-            out += moe_reference(hidden_states, shared[0][None], shared[1][None], ones, everyone)
+        scales = (w.w13_scale, w.w2_scale) if w.granularity else ()
+        if w.shared_fused:   # one grouped GEMM over E + 1 experts, as the kernels run it
+            topk_weights, topk_ids = append_shared_expert(topk_weights, topk_ids, routed)
+            experts = [(w.w13, w.w2, topk_weights, topk_ids, *scales)]
+        else:
+            experts = [(w.w13, w.w2, topk_weights, topk_ids, *scales)]
+            if w.shared_w13 is not None:
+                everyone = torch.zeros(hidden_states.shape[0], 1, dtype=torch.int64, device=hidden_states.device)
+                ones = torch.ones(hidden_states.shape[0], 1, dtype=torch.float64, device=hidden_states.device)
+                shared_scales = (w.shared_w13_scale[None], w.shared_w2_scale[None]) if w.granularity else ()
+                experts.append((w.shared_w13[None], w.shared_w2[None], ones, everyone, *shared_scales))
+        out = 0
+        for w13, w2, weights, ids, *scales in experts:
+            if scales:   # fp8: the same quantised numbers as the kernels, exact arithmetic
+                out = out + moe_reference_fp8(hidden_states, w13, w2, weights, ids, w1_scale=scales[0],
+                                              w2_scale=scales[1], granularity=w.granularity,
+                                              intermediate_dtype=hidden_states.dtype)
+            else:
+                out = out + moe_reference(hidden_states, w13, w2, weights, ids)
         return out
+
+    def quantized(self, granularity: str = "block") -> "MoELayer":
+        """This layer with fp8 experts (W8A8 at ``granularity``), same routing and layout."""
+        # A fused shared expert is expert E of w13/w2: its scales come out of the same call.
+        return MoELayer(self.weights.quantized(granularity), self.routing, layout=self.layout,
+                        shared_expert=self.shared_expert)
 
     @classmethod
     def random(cls, model: MoEModel | str, *, dtype: torch.dtype, device, seed: int, hidden_size: int | None = None,

@@ -43,6 +43,12 @@ def moe_reference(
     Loops over the experts that occur (so each expert's weights are upcast once), but each
     token's output is built only from its own ids and weights: no alignment, no padding.
     """
+    from ._checks import check_ids_in_range, fail
+
+    if tuple(topk_weights.shape) != tuple(topk_ids.shape):
+        fail("moe_reference", "topk_weights", f"must have the shape of topk_ids {tuple(topk_ids.shape)}",
+             f"shape {tuple(topk_weights.shape)}")
+    check_ids_in_range("moe_reference", "topk_ids", topk_ids, w1.shape[0], on_device=False)
     x = hidden_states.to(torch.float64)
     out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float64, device=x.device)
     ids = topk_ids.to(torch.int64)
@@ -52,4 +58,40 @@ def moe_reference(
         h = x[tokens] @ w1[e].to(torch.float64).T
         y = silu_and_mul_reference(h) @ w2[e].to(torch.float64).T
         out.index_add_(0, tokens, weights[tokens, slots, None] * y)
+    return out
+
+
+def moe_reference_fp8(hidden_states, w1, w2, topk_weights, topk_ids, *, w1_scale, w2_scale,
+                      granularity: str, intermediate_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The W8A8 layer on the *same* quantised numbers as the kernels, then exact arithmetic.
+
+    The activations are quantised with the torch reference quantiser and dequantised, each expert's
+    weights dequantised (one expert at a time, so real model shapes fit), both expert GEMMs done in
+    float64; between them the activation is rounded to ``intermediate_dtype`` (what GEMM 1 writes)
+    and requantised, as the kernels do. So the only differences left against a kernel are its
+    float32 accumulation order and, rarely, an fp8 code of the intermediate that this rounding
+    moves across a boundary. Runs on the inputs' device.
+    """
+    from .kernels.quant import dequantize_activations, dequantize_weight, quantize_activations
+
+    def through_fp8(x):
+        q, s = quantize_activations(x.float(), granularity, reference=True)
+        return dequantize_activations(q, s, granularity).to(torch.float64)
+
+    def expert(w, scale, e):
+        return dequantize_weight(w[e:e + 1], scale[e:e + 1])[0].to(torch.float64)
+
+    ids, weights = topk_ids.to(torch.int64).flatten(), topk_weights.to(torch.float64).flatten()
+    k = topk_ids.shape[1]
+    x = through_fp8(hidden_states)
+    inter = torch.zeros(ids.numel(), w2.shape[2], dtype=torch.float64, device=x.device)
+    present = torch.unique(ids).tolist()
+    for e in present:
+        rows = torch.nonzero(ids == e).flatten()
+        inter[rows] = silu_and_mul_reference(x[rows // k] @ expert(w1, w1_scale, e).T)
+    y_in = through_fp8(inter.to(intermediate_dtype))
+    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float64, device=x.device)
+    for e in present:
+        rows = torch.nonzero(ids == e).flatten()
+        out.index_add_(0, rows // k, weights[rows, None] * (y_in[rows] @ expert(w2, w2_scale, e).T))
     return out

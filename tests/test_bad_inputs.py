@@ -14,9 +14,6 @@ empty batches in every layout, duplicate ids with validation off, out-of-range r
 nothing. Each computes the result and the float64 reference
 (:func:`moe_kernels.reference.moe_reference`, or the function's own documented rule).
 
-Rows marked ``xfail(strict=True)`` need a check in a module being rewritten at the moment; the
-reason says which file and what check. Once the check exists the row passes, strict xfail turns
-that into a failure, and the mark should be removed.
 """
 
 import math
@@ -102,10 +99,9 @@ STATE, CONFIG = checkpoint()
 BUDGET = memory.memory_budget(H200)
 
 
-def case(case_id, fn, exc, name, *args, xfail=None, **kwargs):
+def case(case_id, fn, exc, name, *args, **kwargs):
     """One row: ``fn(*args, **kwargs)`` must raise ``exc`` whose message blames argument ``name``."""
-    marks = [pytest.mark.xfail(strict=True, reason=xfail)] if xfail else []
-    return pytest.param(fn, args, kwargs, exc, name, id=case_id, marks=marks)
+    return pytest.param(fn, args, kwargs, exc, name, id=case_id)
 
 
 BAD_INPUTS = [
@@ -255,9 +251,7 @@ BAD_INPUTS = [
     case("fused_experts-blocks-naive-other-batch", fused_experts, ValueError, "blocks", **GOOD,
          blocks=assign_blocks(TI[:2], 16, E, naive=True)),
     case("fused_experts-blocks-aligned-other-batch", fused_experts, ValueError, "blocks", **GOOD,
-         blocks=assign_blocks(TI[:2], 16, E, naive=False),
-         xfail="needs a check in index_gather.py: _check_blocks must compare an aligned map's "
-               "blocks.num_assignments with T*k (as it does for a naive map), else rows of the output stay unwritten"),
+         blocks=assign_blocks(TI[:2], 16, E, naive=False)),
     # ---- fused_moe ---------------------------------------------------------------------------------
     case("fused_moe-logits-more-columns-than-experts", fused_moe, ValueError, "gating_output", X, W1, W2,
          LOGITS8, 2, True),
@@ -325,10 +319,10 @@ BAD_INPUTS = [
          align=16, config="fast"),
     case("grouped_gemm_contiguous-config-block_m-32-align-16", grouped_gemm_contiguous, ValueError,
          "config.block_m", ROWS, W1, M_IDX, align=16, config=SMALL_TILES.with_block_m(32)),
+    case("grouped_gemm_contiguous-out-shape", grouped_gemm_contiguous, ValueError, "out", ROWS, W1, M_IDX, align=16,
+         silu_mul=True, config=SMALL_TILES, out=torch.empty(32, 32, device=DEVICE)),
     case("grouped_gemm_contiguous-which-bogus", grouped_gemm_contiguous, ValueError, "which", ROWS, W1, M_IDX,
-         align=16, config=SMALL_TILES, which="up",
-         xfail="needs a check in permute.py: grouped_gemm_contiguous must check which in ('gate_up', 'down') "
-               "before getattr(config, which) (today an AttributeError)"),
+         align=16, config=SMALL_TILES, which="up"),
     case("permute_experts-align-24", permute_experts, ValueError, "align", **GOOD, align=24),
     case("permute_experts-align-0", permute_experts, ValueError, "align", **GOOD, align=0),
     case("permute_experts-config-str", permute_experts, TypeError, "config", **GOOD, align=16, config="fast"),
@@ -359,10 +353,10 @@ BAD_INPUTS = [
          MASKED_M.long()),
     case("grouped_gemm_masked-config-str", grouped_gemm_masked, TypeError, "config", SLABS, W1, MASKED_M,
          config="fast"),
+    case("grouped_gemm_masked-out-dtype", grouped_gemm_masked, TypeError, "out", SLABS, W1, MASKED_M,
+         config=SMALL_TILES, out=torch.empty(E, 8, 32, device=DEVICE, dtype=torch.bfloat16)),
     case("grouped_gemm_masked-which-bogus", grouped_gemm_masked, ValueError, "which", SLABS, W1, MASKED_M,
-         config=SMALL_TILES, which="block_m",
-         xfail="needs a check in masked.py: grouped_gemm_masked must check which in ('gate_up', 'down') "
-               "before getattr(config, which) (today an AttributeError)"),
+         config=SMALL_TILES, which="block_m"),
     case("masked_experts-m_max-0", masked_experts, ValueError, "m_max", **GOOD, m_max=0),
     case("masked_experts-m_max-str", masked_experts, TypeError, "m_max", **GOOD, m_max="256"),
     case("masked_experts-config-str", masked_experts, TypeError, "config", **GOOD, config="fast"),
@@ -453,7 +447,7 @@ BAD_INPUTS = [
          routing=Routing(2)),
     case("moe_layer-shared_w13-wrong-d", moe_layer, ValueError, "shared_w13", X,
          layer_weights(shared_w13=W1S[:, :16], shared_w2=W2S), routing=Routing(2)),
-    case("moe_layer-routing-top_k>E", moe_layer, ValueError, "topk", X, layer_weights(), routing=Routing(E + 1)),
+    case("moe_layer-routing-top_k>E", moe_layer, ValueError, "routing", X, layer_weights(), routing=Routing(E + 1)),
     case("Routing-top_k-0", Routing, ValueError, "top_k", 0),
     case("Routing-top_k-str", Routing, TypeError, "top_k", "8"),
     case("Routing-scoring-relu", Routing, ValueError, "scoring_func", 2, "relu"),
@@ -614,13 +608,8 @@ BAD_INPUTS = [
     case("layout_rows-ids>=E", skew.layout_rows, ValueError, "topk_ids", ids_of(E), E, 16, 16),
     case("layout_rows-block-0", skew.layout_rows, ValueError, "block", TI, E, 0, 16),
     # ---- the float64 reference ---------------------------------------------------------------------
-    case("moe_reference-ids>=E", moe_reference, ValueError, "topk_ids", X, W1, W2, TW, ids_of(E),
-         xfail="needs a check in reference.py: moe_reference must range-check topk_ids "
-               "(check_ids_in_range('moe_reference', 'topk_ids', topk_ids, w1.shape[0], on_device=False)); "
-               "today w1[e] raises a bare IndexError"),
-    case("moe_reference-weights-shape", moe_reference, ValueError, "topk_weights", X, W1, W2, TW[:, :1], TI,
-         xfail="needs a check in reference.py: moe_reference must check topk_weights.shape == topk_ids.shape "
-               "(today an IndexError from weights[tokens, slots])"),
+    case("moe_reference-ids>=E", moe_reference, ValueError, "topk_ids", X, W1, W2, TW, ids_of(E)),
+    case("moe_reference-weights-shape", moe_reference, ValueError, "topk_weights", X, W1, W2, TW[:, :1], TI),
 ]
 
 
@@ -775,12 +764,7 @@ GOOD_EDGES = [
     pytest.param(duplicates(fused_experts), id="fused_experts-duplicate-ids-unvalidated"),
     pytest.param(duplicates(fused_experts, naive_block_assignment=True), id="fused_experts-naive-duplicate-ids"),
     pytest.param(duplicates(permute_experts, align=16), id="permute_experts-duplicate-ids-unvalidated"),
-    pytest.param(out_of_range_unchecked(fused_experts), id="fused_experts-ids-outside-unvalidated-add-nothing",
-                 marks=pytest.mark.xfail(strict=True, reason=(
-                     "needs a fix in index_gather.py: with validate_ids=False an out-of-range id's assignment is in "
-                     "no aligned block, so its rows of the intermediate and of per_slot are never written and "
-                     "moe_sum adds torch.empty garbage; fused_experts must zero those slots (e.g. pass "
-                     "out=torch.zeros(T, k, d) to expert_down when validate_ids is False)"))),
+    pytest.param(out_of_range_unchecked(fused_experts), id="fused_experts-ids-outside-unvalidated-add-nothing"),
     pytest.param(out_of_range_unchecked(fused_experts, naive_block_assignment=True),
                  id="fused_experts-naive-ids-outside-unvalidated-add-nothing"),
     pytest.param(out_of_range_unchecked(permute_experts, align=16),

@@ -2,7 +2,7 @@
 # One GPU session: the GPU test suite, then the measurements the book plots, recorded with
 # provenance into results/<device>/ and packed into $OUT/results.tgz. Run from the repository root
 # of a committed tree:  MOE_KERNELS_COMMIT=$(git rev-parse HEAD) bash tools/gpu_check.sh [what...]
-# what: tests, ceilings, sweep, decode-step, layouts, routing, fp8 (default: tests ceilings sweep).
+# what: tests, ceilings, sweep, fp8, decode-step, layouts, routing, skew, shared (default: tests ceilings sweep).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 : "${MOE_KERNELS_COMMIT:?set MOE_KERNELS_COMMIT to the hash of the committed tree being measured}"
@@ -18,8 +18,11 @@ for step in "${steps[@]}"; do
         tests) $PY -m pytest tests -m gpu -q -p no:cacheprovider -W ignore::DeprecationWarning 2>&1 | tee "$OUT/gpu-tests.log" | tail -n 25 || status=1 ;;
         sweep) $PY -m moe_kernels.bench sweep --warmup-ms 5 --rep-ms 30 --record \
                    2>&1 | tee "$OUT/sweep.log" | grep -E "GEMMs graph|bmm|ceilings|recorded" || status=1 ;;
+        fp8) $PY -m moe_kernels.bench fp8 --record 2>&1 | tee "$OUT/fp8.log" | grep -E "GEMMs|permute|scaled|recorded|TB/s" \
+                 | grep -E " (1|8|64|512|4096|16384) |recorded|TB/s" || status=1 ;;
+        decode-step) $PY -m moe_kernels.bench decode-step --fp8 --record 2>&1 | tee "$OUT/decode-step.log" | tail -n 14 || status=1 ;;
         *) $PY -m moe_kernels.bench "$step" --record 2>&1 | tee "$OUT/$step.log" | tail -n 20 || status=1 ;;
     esac
+    tar czf "$OUT/results.tgz" results   # after every step: a run cut short keeps what it measured
 done
-tar czf "$OUT/results.tgz" results
 exit $status

@@ -13,7 +13,8 @@ COMMANDS = {
     "routing": ("routing", "routing and alignment kernels against their torch references"),
     "skew": ("skew", "index-gather vs masked GEMMs under Zipf-skewed routing"),
     "shared": ("shared", "the shared expert as a separate FFN vs fused as slot E"),
-    "decode-step": ("decode_step", "one DeepSeek-V3 layer at 64 tokens, stage by stage"),
+    "fp8": ("fp8", "fp8 W8A8 experts (block, channel) against bf16 and torch's fp8 grouped GEMM"),
+    "decode-step": ("decode_step", "one DeepSeek-V3 layer at 64 tokens, stage by stage (--fp8: also fp8)"),
     "ceilings": ("ceilings", "HBM bandwidth and GEMM rates"),
 }
 

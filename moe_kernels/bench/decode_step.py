@@ -84,6 +84,69 @@ def measure(model: MoEModel | str, num_tokens: int, *, dtype: torch.dtype, devic
             "layer_us": timer(whole_layer)}
 
 
+STAGES_FP8 = ("routing", "alignment", "quantise", "gemm1", "requantise", "gemm2", "sum", "shared expert")
+
+
+def measure_fp8(model: MoEModel | str, num_tokens: int, *, device, seed: int,
+                timer: Callable[[Callable], float | None]) -> dict:
+    """The same layer with DeepSeek-V3's real format: fp8 experts with 128x128 block scales,
+    activations quantised per token per 128 channels before GEMM 1 and again before GEMM 2.
+
+    The bf16 layer is traced first (same weights, same routing); its expert weights are then
+    quantised, and the fp8 layer is checked against the quantised float64 reference before any
+    stage is timed. The shared expert runs the same W8A8 GEMMs with one expert.
+    """
+    from ..kernels.index_gather import fused_experts
+    from ..kernels.quant import per_token_group_quant_fp8, quantize_weight
+    from ..reference import moe_reference_fp8
+
+    model, _, _ = _check_layer_args("measure_fp8", model, num_tokens, None, None, torch.bfloat16, seed)
+    layer = make_layer(model, num_tokens, dtype=torch.bfloat16, device=device, seed=seed)
+    trace = _trace(layer, None)
+    E, k, d, f = model.num_experts, model.top_k, model.hidden_size, model.moe_intermediate_size
+    (w1, w1s), (w2, w2s) = quantize_weight(layer.w1, "block"), quantize_weight(layer.w2, "block")
+    (s1, s1s), (s2, s2s) = quantize_weight(layer.shared_w1[None], "block"), quantize_weight(layer.shared_w2[None], "block")
+    config = trace_config(model, num_tokens)
+    weights, ids = trace.topk_weights, trace.topk_ids
+    hidden = layer.hidden_states
+    routed = fused_experts(hidden, w1, w2, weights, ids, config=config, validate_ids=False, w1_scale=w1s,
+                           w2_scale=w2s)
+    ref = moe_reference_fp8(hidden, w1, w2, weights, ids, w1_scale=w1s, w2_scale=w2s, granularity="block")
+    rel_error = float(torch.linalg.norm(routed.double() - ref) / torch.linalg.norm(ref))
+    if not rel_error <= _TOLERANCE[torch.bfloat16]:
+        raise AssertionError(f"measure_fp8: the routed output is off the quantised reference by {rel_error:.1e}")
+    blocks = assign_blocks(ids, config.block_m, E, naive=trace.naive, validate_ids=False)
+    xq, xs = per_token_group_quant_fp8(hidden)
+    inter = expert_gate_up(xq, w1, blocks, k, tiles=config.gate_up, a_scale=xs, w_scale=w1s)
+    iq, is_ = per_token_group_quant_fp8(inter)
+    per_slot = expert_down(iq, w2, weights, blocks, tiles=config.down, a_scale=is_, w_scale=w2s)
+    everyone = torch.zeros(num_tokens, 1, dtype=torch.int32, device=hidden.device)
+    ones = torch.ones(num_tokens, 1, device=hidden.device)
+    stage_fns = {
+        "routing": lambda: route(layer),
+        "alignment": lambda: assign_blocks(ids, config.block_m, E, naive=trace.naive, validate_ids=False),
+        "quantise": lambda: per_token_group_quant_fp8(hidden),
+        "gemm1": lambda: expert_gate_up(xq, w1, blocks, k, tiles=config.gate_up, a_scale=xs, w_scale=w1s, out=inter),
+        "requantise": lambda: per_token_group_quant_fp8(inter),
+        "gemm2": lambda: expert_down(iq, w2, weights, blocks, tiles=config.down, a_scale=is_, w_scale=w2s, out=per_slot),
+        "sum": lambda: moe_sum(per_slot),
+        "shared expert": lambda: fused_experts(hidden, s1, s2, ones, everyone, validate_ids=False, w1_scale=s1s,
+                                               w2_scale=s2s),
+    }
+
+    def whole_layer():
+        w, i = route(layer)
+        out = fused_experts(hidden, w1, w2, w, i, config=config, validate_ids=False, w1_scale=w1s, w2_scale=w2s)
+        return out + stage_fns["shared expert"]()
+
+    stages_us = {name: timer(stage_fns[name]) for name in STAGES_FP8}
+    fp8_bytes = trace.experts_touched * model.expert_params   # one byte per weight
+    return {"model": model.name, "num_tokens": num_tokens, "dtype": "fp8 block (128x128 weights, 1x128 activations)",
+            "seed": seed, "config": config.to_dict(), "experts_touched": trace.experts_touched,
+            "routed_bytes_fp8": fp8_bytes, "routed_scale_bytes": trace.experts_touched * 4 * (w1s[0].numel() + w2s[0].numel()),
+            "rel_error_vs_quantised_reference": rel_error, "stages_us": stages_us, "layer_us": timer(whole_layer)}
+
+
 def _print_run(run: dict, bandwidth: float | None) -> None:
     t = run["trace"]
     print(f"{run['model']}, {run['num_tokens']} tokens, {run['dtype']}: {t['experts_touched']} experts touched, "
@@ -107,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma list of batch sizes (default 64)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--record", action="store_true", help="write results/<device>/decode-step.json")
+    parser.add_argument("--fp8", action="store_true", help="also the fp8 block-quantised layer (DeepSeek-V3's format)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("moe_kernels.bench.decode_step: needs a CUDA GPU (the trace itself runs anywhere: trace_moe_layer)",
@@ -118,17 +182,24 @@ def main(argv: list[str] | None = None) -> int:
     torch.backends.cuda.matmul.allow_tf32 = False
     bandwidth = measure_read_bandwidth()   # weight streaming only reads
     copy_bandwidth = measure_hbm_bandwidth()
-    runs = []
+    runs, runs_fp8 = [], []
     for num_tokens in args.tokens:
         run = measure(args.model, num_tokens, dtype=torch.bfloat16, device="cuda", seed=args.seed, timer=graph_us)
         _print_run(run, bandwidth)
         runs.append(run)
         torch.cuda.empty_cache()
+        if args.fp8:
+            run = measure_fp8(args.model, num_tokens, device="cuda", seed=args.seed, timer=graph_us)
+            print(f"fp8: relative error vs the quantised reference {run['rel_error_vs_quantised_reference']:.1e}; "
+                  + ", ".join(f"{n} {us:.1f}" for n, us in run["stages_us"].items())
+                  + f" us; layer {run['layer_us']:.1f} us; fp8 floor {run['routed_bytes_fp8'] / bandwidth * 1e6:.1f} us")
+            runs_fp8.append(run)
+            torch.cuda.empty_cache()
     if args.record:
         from ..results import record
 
         print("recorded", record("decode-step", {"ceilings": {"read_bandwidth": bandwidth, "hbm_bandwidth": copy_bandwidth},
-                                               "runs": runs}))
+                                               "runs": runs, "runs_fp8": runs_fp8}))
     return 0
 
 

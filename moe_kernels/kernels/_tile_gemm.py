@@ -5,7 +5,8 @@ finds *its rows* and *its expert*; what it then computes is the same: one ``[BLO
 tile of ``A[rows] @ W[e]^T`` with an fp32 accumulator, optionally the matching up-projection
 tile, and an epilogue. That part lives here, once:
 
-* :func:`expert_tile_product` - the K loop. ``a_rows`` are element offsets of the tile's rows,
+* :func:`expert_tile_product` - the K loop, for 16/32-bit inputs or for fp8 inputs with their
+  scales (:mod:`moe_kernels.kernels.quant`). ``a_rows`` are element offsets of the tile's rows,
   one per row, each naming a row that is safe to read (a layout points its padding rows at a
   real row, so the loads need no row mask and stay unpredicated); weight columns past ``N`` wrap
   around for the same reason. With ``GATED`` it also multiplies by the up half of a ``[2N, K]``
@@ -23,9 +24,11 @@ whose fp32 -> bf16 stores truncate.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from .._checks import check_tensor, fail
+from .._checks import FLOAT_DTYPES, check_tensor, fail
 from .._runtime import HAS_TRITON, interpreted_bf16, kernel, tl
 
 if HAS_TRITON:
@@ -33,23 +36,37 @@ if HAS_TRITON:
     @kernel
     def expert_tile_product(
         a_ptr, a_rows, w_ptr, stride_wn, pid_n, N, K,
-        GATED: tl.constexpr, EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+        a_scale_ptr, a_scale_rows, w_scale_ptr, stride_wsn, stride_wsk,
+        GATED: tl.constexpr, EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr, SCALES: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
         """fp32 ``[BLOCK_M, BLOCK_N]``: ``A[a_rows, :K] @ W[cols, :K]^T`` (``silu(gate) * up`` when
         ``GATED``) for output columns ``cols = pid_n * BLOCK_N + [0, BLOCK_N)``.
 
         ``a_ptr``/``w_ptr`` point at ``A`` and at this expert's ``W``, both contiguous along K;
-        ``a_rows`` (int64) are the element offsets of the tile's rows in ``A``.
+        ``a_rows`` (int64) are the element offsets of the tile's rows in ``A``. fp8 inputs carry
+        scales (``SCALES``; 0 for 16/32-bit inputs, whose scale arguments are unused):
+
+        * 1, blocks: ``A`` scaled per row per 128 columns (``a_scale_ptr + a_scale_rows + k // 128``),
+          ``W`` per 128x128 block (``w_scale_ptr + (n // 128) * stride_wsn + (k // 128) * stride_wsk``),
+          applied to every K step's product inside the loop (``BLOCK_K`` divides 128);
+        * 2, channels: one scale per row of ``A`` and per row ``n`` of ``W``, after the loop;
+        * 3, tensor: one scale for ``A`` and one for this expert's ``W``, after the loop.
         """
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        w_rows = (cols % N).to(tl.int64)
         ks = tl.arange(0, BLOCK_K)
         a_ptrs = a_ptr + a_rows[:, None] + ks[None, :]
-        w_ptrs = w_ptr + (cols % N).to(tl.int64)[None, :] * stride_wn + ks[:, None]
+        w_ptrs = w_ptr + w_rows[None, :] * stride_wn + ks[:, None]
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if GATED:
             up_ptrs = w_ptrs + N * stride_wn
             acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if SCALES == 1:
+            # The scale row of each output column (gate and up halves), fixed for the whole loop.
+            w_scale_cols = w_scale_ptr + (w_rows // 128) * stride_wsn
+            if GATED:
+                up_scale_cols = w_scale_ptr + ((w_rows + N) // 128) * stride_wsn
         for k in range(0, tl.cdiv(K, BLOCK_K)):
             if EVEN_K:
                 a = tl.load(a_ptrs)
@@ -58,16 +75,36 @@ if HAS_TRITON:
                 k_left = K - k * BLOCK_K
                 a = tl.load(a_ptrs, mask=ks[None, :] < k_left, other=0.0)
                 w = tl.load(w_ptrs, mask=ks[:, None] < k_left, other=0.0)
-            acc = tl.dot(a, w, acc, input_precision=INPUT_PRECISION)
+            if SCALES == 1:
+                group = (k * BLOCK_K) // 128
+                a_scale = tl.load(a_scale_ptr + a_scale_rows + group)
+                w_scale = tl.load(w_scale_cols + group * stride_wsk)
+                acc += tl.dot(a, w) * (a_scale[:, None] * w_scale[None, :])
+            else:
+                acc = tl.dot(a, w, acc, input_precision=INPUT_PRECISION)
             if GATED:
                 if EVEN_K:
                     up = tl.load(up_ptrs)
                 else:
                     up = tl.load(up_ptrs, mask=ks[:, None] < k_left, other=0.0)
-                acc_up = tl.dot(a, up, acc_up, input_precision=INPUT_PRECISION)
+                if SCALES == 1:
+                    up_scale = tl.load(up_scale_cols + group * stride_wsk)
+                    acc_up += tl.dot(a, up) * (a_scale[:, None] * up_scale[None, :])
+                else:
+                    acc_up = tl.dot(a, up, acc_up, input_precision=INPUT_PRECISION)
                 up_ptrs += BLOCK_K
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
+        if SCALES == 2:
+            a_scale = tl.load(a_scale_ptr + a_scale_rows)[:, None]
+            acc = acc * a_scale * tl.load(w_scale_ptr + w_rows)[None, :]
+            if GATED:
+                acc_up = acc_up * a_scale * tl.load(w_scale_ptr + w_rows + N)[None, :]
+        if SCALES == 3:
+            scale = tl.load(a_scale_ptr) * tl.load(w_scale_ptr)
+            acc = acc * scale
+            if GATED:
+                acc_up = acc_up * scale
         if GATED:
             acc = acc * tl.sigmoid(acc) * acc_up
         return acc
@@ -84,6 +121,27 @@ if HAS_TRITON:
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         ptrs = out_ptr + out_rows[:, None] + cols[None, :]
         tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_real[:, None] & (cols[None, :] < N))
+
+
+def scale_arguments(a: torch.Tensor, w: torch.Tensor, a_scale, w_scale, granularity: str | None) -> tuple:
+    """A layout kernel's scale arguments ``(a_scale, stride_as, w_scale, stride_wse, stride_wsn,
+    stride_wsk, SCALES)`` for the scales of :mod:`moe_kernels.kernels.quant` (row ``r`` of ``A``
+    reads its scales at ``a_scale + r * stride_as``; expert ``e`` at ``w_scale + e * stride_wse``).
+    Without fp8 (``granularity`` None) the pointers are unused: any tensor will do."""
+    if granularity is None:
+        return a, 0, w, 0, 0, 0, 0
+    if granularity == "block":
+        return a_scale, a_scale.stride(0), w_scale, w_scale.stride(0), w_scale.stride(1), w_scale.stride(2), 1
+    if granularity == "channel":
+        return a_scale, 1, w_scale, w_scale.stride(0), 1, 0, 2
+    return a_scale, 0, w_scale, 1, 0, 0, 3
+
+
+def fp8_tiles(tiles, granularity: str | None):
+    """fp8 tiles: a K step of 32 to 128 (the fp8 MMA's K is 32; a block scale covers 128)."""
+    if granularity is None:
+        return tiles
+    return dataclasses.replace(tiles, block_k=min(128, max(32, tiles.block_k)))
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -111,7 +169,7 @@ def in_float32_under_interpreter(run, out: torch.Tensor, *inputs: torch.Tensor) 
     """
     if not interpreted_bf16(out, *inputs):
         return None
-    wide = torch.empty(out.shape, dtype=torch.float32, device=out.device)
+    wide = out.float()   # rows the stage does not write keep what ``out`` held
     widened = [t.float() if t.dtype == torch.bfloat16 else t for t in inputs]
     run(*widened, out=wide)
     return out.copy_(wide)
@@ -134,3 +192,46 @@ def expert_rows_product(x_rows: torch.Tensor, w_expert: torch.Tensor, silu_mul: 
         gate, up = h.chunk(2, dim=-1)
         h = torch.nn.functional.silu(gate) * up
     return h
+
+
+def check_operands(func: str, a_name: str, a: object, w_name: str, w: object, a_scale, w_scale) -> str | None:
+    """The two GEMM operands: 16/32-bit ``a [rows, K]`` with ``w [E, N, K]`` of its dtype and no
+    scales, or both fp8 with their scales. Returns the fp8 granularity (None for 16/32-bit)."""
+    from .quant import FP8, GROUP, weight_granularity
+
+    check_tensor(func, a_name, a, ndim=2, dtypes=FLOAT_DTYPES + (FP8,), last_dim_contiguous=True)
+    check_tensor(func, w_name, w, ndim=3, device=a.device, last_dim_contiguous=True)
+    if w.dtype != FP8:
+        check_tensor(func, w_name, w, dtypes=(a.dtype,))
+        for name, scale in (("a_scale", a_scale), ("w_scale", w_scale)):
+            if scale is not None:
+                fail(func, name, f"must be None for {str(a.dtype).replace('torch.', '')} operands (scales belong to "
+                     "fp8 ones)", "a tensor")
+        return None
+    if a.dtype != FP8:
+        fail(func, a_name, f"must be float8_e4m3fn (quantised, with a_scale) to multiply fp8 {w_name}",
+             str(a.dtype).replace("torch.", ""), TypeError)
+    granularity = weight_granularity(func, w_name, w, w_scale, "w_scale")
+    rows, k = a.shape
+    want = {"block": (rows, -(-k // GROUP)), "channel": (rows,), "tensor": (1,)}[granularity]
+    check_tensor(func, "a_scale", a_scale, dtypes=(torch.float32,), device=a.device)
+    if tuple(a_scale.shape) != want or (a_scale.dim() == 2 and a_scale.stride(1) != 1):
+        fail(func, "a_scale", f"must be a row-major {want} float32 tensor for {granularity} scales of {w_name}",
+             f"shape {tuple(a_scale.shape)}")
+    return granularity
+
+
+def output_dtype(a: torch.Tensor, out_dtype: torch.dtype | None) -> torch.dtype:
+    """fp8 GEMMs write ``out_dtype`` (bf16 unless asked otherwise); others their input dtype."""
+    if a.dtype in FLOAT_DTYPES:
+        return a.dtype
+    return torch.bfloat16 if out_dtype is None else out_dtype
+
+
+def dequantized(a: torch.Tensor, w: torch.Tensor, a_scale, w_scale, granularity: str | None):
+    """The operands in float32 (for the torch references), or as they are without fp8."""
+    if granularity is None:
+        return a, w
+    from .quant import dequantize_activations, dequantize_weight
+
+    return dequantize_activations(a, a_scale, granularity), dequantize_weight(w, w_scale)

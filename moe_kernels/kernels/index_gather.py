@@ -55,10 +55,12 @@ import torch
 from .._checks import FLOAT_DTYPES, check_int, check_moe_inputs, check_tensor, fail
 from .._runtime import HAS_TRITON, kernel, tl, triton, use_triton
 from ..reference import silu_and_mul_reference
-from ._tile_gemm import check_out, dot_precision, in_float32_under_interpreter
+from ._tile_gemm import (check_operands, check_out, dequantized, dot_precision, fp8_tiles, in_float32_under_interpreter,
+                         output_dtype, scale_arguments)
 from .blocks import BlockAssignment, assign_blocks, assignments_by_block
 from .combine import moe_sum
 from .config import GemmTiles, MoEConfig, check_block_m, check_config, get_config
+from .quant import fp8_granularity, quantize_activations
 
 if HAS_TRITON:
     from ._tile_gemm import expert_tile_product, scale_rows, store_tile
@@ -76,9 +78,11 @@ if HAS_TRITON:
         sorted_token_ids_ptr, expert_ids_ptr, num_tokens_post_padded_ptr,
         num_m_blocks, num_valid_rows, num_experts, N, K,
         stride_am, stride_we, stride_wn, stride_om,
+        a_scale_ptr, stride_as, w_scale_ptr, stride_wse, stride_wsn, stride_wsk,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
         TOP_K: tl.constexpr, NAIVE_BLOCKS: tl.constexpr, GATED: tl.constexpr,
         MUL_ROUTED_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+        SCALES: tl.constexpr,
     ):
         # out[row] = A[row // TOP_K] @ W[expert]^T for the rows of one M-block; W is [E, N', K].
         pid = tl.program_id(0)
@@ -108,16 +112,18 @@ if HAS_TRITON:
             store_tile(out_ptr, rows * stride_om, row_real, zeros, pid_n, N, BLOCK_N)
             return
         # Padding rows read row 0 (never stored), so the loads need no row mask.
-        a_rows = tl.where(row_real, rows // TOP_K, 0) * stride_am
-        acc = expert_tile_product(a_ptr, a_rows, w_ptr + expert * stride_we, stride_wn, pid_n, N, K,
-                                  GATED, EVEN_K, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+        a_row = tl.where(row_real, rows // TOP_K, 0)
+        acc = expert_tile_product(a_ptr, a_row * stride_am, w_ptr + expert * stride_we, stride_wn, pid_n, N, K,
+                                  a_scale_ptr, a_row * stride_as, w_scale_ptr + expert * stride_wse,
+                                  stride_wsn, stride_wsk,
+                                  GATED, EVEN_K, INPUT_PRECISION, SCALES, BLOCK_M, BLOCK_N, BLOCK_K)
         if MUL_ROUTED_WEIGHT:
             acc = scale_rows(acc, topk_weights_ptr, rows, row_real)
         store_tile(out_ptr, rows * stride_om, row_real, acc, pid_n, N, BLOCK_N)
 
 
 def _launch(a, w, out, topk_weights, blocks: BlockAssignment, *, n_out: int, top_k: int, gated: bool,
-            tiles: GemmTiles) -> None:
+            tiles: GemmTiles, scales: tuple) -> None:
     num_valid_rows = out.shape[0]
     k_in = a.shape[1]
     grid = (blocks.num_m_blocks * triton.cdiv(n_out, tiles.block_n),)
@@ -131,11 +137,11 @@ def _launch(a, w, out, topk_weights, blocks: BlockAssignment, *, n_out: int, top
         a, w, out, topk_weights if topk_weights is not None else out,
         sorted_ids, blocks.expert_ids, num_post_padded,
         blocks.num_m_blocks, num_valid_rows, w.shape[0], n_out, k_in,
-        a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        a.stride(0), w.stride(0), w.stride(1), out.stride(0), *scales[:6],
         BLOCK_M=blocks.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
         TOP_K=top_k, NAIVE_BLOCKS=blocks.naive, GATED=gated,
         MUL_ROUTED_WEIGHT=topk_weights is not None, EVEN_K=k_in % tiles.block_k == 0,
-        INPUT_PRECISION=dot_precision(a.dtype),
+        INPUT_PRECISION=dot_precision(a.dtype), SCALES=scales[6],
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
 
@@ -146,6 +152,8 @@ def _check_blocks(func: str, blocks: object, numel: int) -> BlockAssignment:
     if blocks.naive and blocks.expert_ids.numel() != numel:
         fail(func, "blocks", f"must be built for {numel} assignments (T*k)",
              f"a naive map of {blocks.expert_ids.numel()}")
+    if blocks.num_assignments is not None and blocks.num_assignments != numel:
+        fail(func, "blocks", f"must be built for {numel} assignments (T*k)", f"a map of {blocks.num_assignments}")
     return blocks
 
 
@@ -161,44 +169,48 @@ def _check_tiles(func: str, tiles: object) -> GemmTiles:
 
 
 def expert_gate_up(hidden_states: torch.Tensor, w1: torch.Tensor, blocks: BlockAssignment, top_k: int, *,
-                   tiles: GemmTiles, out: torch.Tensor | None = None) -> torch.Tensor:
+                   tiles: GemmTiles, out: torch.Tensor | None = None, a_scale: torch.Tensor | None = None,
+                   w_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """GEMM 1 with SiLU-and-mul in its epilogue: row ``a`` of the result (``[T*k, F]``) is
     ``silu(w1[e][:F] @ x_t) * (w1[e][F:] @ x_t)`` for assignment ``a`` = (token ``t``, expert ``e``).
 
     Rows follow the assignment order of ``topk_ids.flatten()``; ``blocks`` comes from
-    :func:`assign_blocks` for the same ``topk_ids``.
+    :func:`assign_blocks` for the same ``topk_ids``. fp8 inputs come with their scales
+    (``a_scale`` from :func:`moe_kernels.kernels.quant.quantize_activations`, ``w_scale`` the
+    weight's) and write ``out_dtype`` (default bf16).
     """
     func = "expert_gate_up"
-    check_tensor(func, "hidden_states", hidden_states, ndim=2, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
-    check_tensor(func, "w1", w1, ndim=3, dtypes=(hidden_states.dtype,), device=hidden_states.device,
-                 last_dim_contiguous=True)
+    granularity = check_operands(func, "hidden_states", hidden_states, "w1", w1, a_scale, w_scale)
     check_int(func, "top_k", top_k, lo=1)
     if w1.shape[2] != hidden_states.shape[1] or w1.shape[1] % 2:
         fail(func, "w1", f"must have shape [E, 2F, d={hidden_states.shape[1]}]", f"shape {tuple(w1.shape)}")
     numel = hidden_states.shape[0] * top_k
     _check_blocks(func, blocks, numel)
-    _check_tiles(func, tiles)
+    tiles = fp8_tiles(_check_tiles(func, tiles), granularity)
     f = w1.shape[1] // 2
-    out = check_out(func, out, (numel, f), hidden_states)
+    out = check_out(func, out, (numel, f), hidden_states, dtype=output_dtype(hidden_states, out_dtype))
     if not use_triton(hidden_states, w1, out):
-        return out.copy_(_gate_up_reference(hidden_states, w1, blocks, top_k))
-    rerun = lambda x, w, out: expert_gate_up(x, w, blocks, top_k, tiles=tiles, out=out)  # noqa: E731
+        x, w = dequantized(hidden_states, w1, a_scale, w_scale, granularity)
+        return out.copy_(_gate_up_reference(x, w, blocks, top_k))
+    rerun = lambda x, w, out: expert_gate_up(x, w, blocks, top_k, tiles=tiles, out=out, a_scale=a_scale,  # noqa: E731
+                                             w_scale=w_scale, out_dtype=out.dtype)
     if in_float32_under_interpreter(rerun, out, hidden_states, w1) is None:
-        _launch(hidden_states, w1, out, None, blocks, n_out=f, top_k=top_k, gated=True, tiles=tiles)
+        _launch(hidden_states, w1, out, None, blocks, n_out=f, top_k=top_k, gated=True, tiles=tiles,
+                scales=scale_arguments(hidden_states, w1, a_scale, w_scale, granularity))
     return out
 
 
 def expert_down(intermediate: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, blocks: BlockAssignment, *,
-                tiles: GemmTiles, out: torch.Tensor | None = None) -> torch.Tensor:
+                tiles: GemmTiles, out: torch.Tensor | None = None, a_scale: torch.Tensor | None = None,
+                w_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """GEMM 2: row ``a`` of the result is ``topk_weights.flatten()[a] * (w2[e] @ intermediate[a])``.
 
-    ``intermediate`` is :func:`expert_gate_up`'s ``[T*k, F]``; the result is ``[T, k, d]``
-    (assignment order), the routing weight applied in fp32 before the cast.
+    ``intermediate`` is :func:`expert_gate_up`'s ``[T*k, F]`` (or its fp8 requantisation, with
+    ``a_scale``); the result is ``[T, k, d]`` (assignment order), the routing weight applied in fp32
+    before the cast.
     """
     func = "expert_down"
-    check_tensor(func, "intermediate", intermediate, ndim=2, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
-    check_tensor(func, "w2", w2, ndim=3, dtypes=(intermediate.dtype,), device=intermediate.device,
-                 last_dim_contiguous=True)
+    granularity = check_operands(func, "intermediate", intermediate, "w2", w2, a_scale, w_scale)
     check_tensor(func, "topk_weights", topk_weights, ndim=2, dtypes=FLOAT_DTYPES, device=intermediate.device)
     num_tokens, top_k = topk_weights.shape
     if intermediate.shape[0] != num_tokens * top_k:
@@ -207,17 +219,20 @@ def expert_down(intermediate: torch.Tensor, w2: torch.Tensor, topk_weights: torc
     if w2.shape[2] != intermediate.shape[1]:
         fail(func, "w2", f"must have shape [E, d, F={intermediate.shape[1]}]", f"shape {tuple(w2.shape)}")
     _check_blocks(func, blocks, num_tokens * top_k)
-    _check_tiles(func, tiles)
+    tiles = fp8_tiles(_check_tiles(func, tiles), granularity)
     d = w2.shape[1]
-    out = check_out(func, out, (num_tokens, top_k, d), intermediate)
+    out = check_out(func, out, (num_tokens, top_k, d), intermediate, dtype=output_dtype(intermediate, out_dtype))
     flat_out = out.view(num_tokens * top_k, d)
     weights = topk_weights.contiguous()
     if not use_triton(intermediate, w2, weights, out):
-        flat_out.copy_(_down_reference(intermediate, w2, weights, blocks))
+        x, w = dequantized(intermediate, w2, a_scale, w_scale, granularity)
+        flat_out.copy_(_down_reference(x, w, weights, blocks))
         return out
-    rerun = lambda x, w, out: expert_down(x, w, weights, blocks, tiles=tiles, out=out)  # noqa: E731
+    rerun = lambda x, w, out: expert_down(x, w, weights, blocks, tiles=tiles, out=out, a_scale=a_scale,  # noqa: E731
+                                          w_scale=w_scale, out_dtype=out.dtype)
     if in_float32_under_interpreter(rerun, out, intermediate, w2) is None:
-        _launch(intermediate, w2, flat_out, weights, blocks, n_out=d, top_k=1, gated=False, tiles=tiles)
+        _launch(intermediate, w2, flat_out, weights, blocks, n_out=d, top_k=1, gated=False, tiles=tiles,
+                scales=scale_arguments(intermediate, w2, a_scale, w_scale, granularity))
     return out
 
 
@@ -227,6 +242,7 @@ def expert_down(intermediate: torch.Tensor, w2: torch.Tensor, topk_weights: torc
 
 
 def _gate_up_reference(hidden_states, w1, blocks: BlockAssignment, top_k: int) -> torch.Tensor:
+    # float32 result; the caller rounds it into its output buffer.
     numel = hidden_states.shape[0] * top_k
     rows, experts = assignments_by_block(blocks, numel)
     out = torch.zeros(numel, w1.shape[1] // 2, dtype=torch.float32, device=hidden_states.device)
@@ -234,7 +250,7 @@ def _gate_up_reference(hidden_states, w1, blocks: BlockAssignment, top_k: int) -
         mine = rows[experts == e]
         h = hidden_states[mine // top_k].float() @ w1[e].float().T
         out[mine] = silu_and_mul_reference(h)
-    return out.to(hidden_states.dtype)
+    return out
 
 
 def _down_reference(intermediate, w2, topk_weights, blocks: BlockAssignment) -> torch.Tensor:
@@ -245,7 +261,7 @@ def _down_reference(intermediate, w2, topk_weights, blocks: BlockAssignment) -> 
     for e in torch.unique(experts[(experts >= 0) & (experts < w2.shape[0])]).tolist():
         mine = rows[experts == e]
         out[mine] = weights[mine, None] * (intermediate[mine].float() @ w2[e].float().T)
-    return out.to(intermediate.dtype)
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -265,6 +281,8 @@ def fused_experts(
     blocks: BlockAssignment | None = None,
     naive_block_assignment: bool | None = None,
     validate_ids: bool = True,
+    w1_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The routed experts' output ``[T, d]``: ``sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(x_t)``.
 
@@ -279,6 +297,12 @@ def fused_experts(
     ValueError, on a GPU with a device-side assert, which costs no host sync and can be captured
     in a CUDA graph. Ids out of range never become addresses, checked or not.
 
+    fp8 weights (``float8_e4m3fn`` ``w1``/``w2`` with ``w1_scale``/``w2_scale``, see
+    :mod:`moe_kernels.kernels.quant`) run W8A8: the activations are quantised on the fly before
+    GEMM 1 (1x128 groups for 128x128 weight blocks, per token for per-channel weights, per tensor
+    for per-tensor ones), GEMM 1 writes bf16 (or ``hidden_states.dtype``), which is requantised
+    the same way before GEMM 2, as vLLM's ``fused_experts`` does.
+
     Under the Triton interpreter (no GPU), each bf16 stage is computed in float32 and its result
     rounded to bf16 once, because the interpreter's bf16 dot is wrong.
     """
@@ -287,16 +311,30 @@ def fused_experts(
                                                             validate_ids=validate_ids)
     if block_size_m is not None:
         check_block_m(func, "block_size_m", block_size_m)
+    granularity = fp8_granularity(func, w1, w2, w1_scale, w2_scale)
     if config is None:
-        config = get_config(num_tokens, num_experts, f, d, hidden_states.dtype, hidden_states.device)
+        config = get_config(num_tokens, num_experts, f, d, w1.dtype, hidden_states.device)
     else:
         check_config(func, config)
     if blocks is None:
         block_m = block_size_m if block_size_m is not None else config.block_m
         # The ids were range-checked above when asked for: the alignment need not do it again.
         blocks = assign_blocks(topk_ids, block_m, num_experts, naive=naive_block_assignment, validate_ids=False)
-    intermediate = expert_gate_up(hidden_states, w1, blocks, top_k, tiles=config.gate_up)
-    per_slot = expert_down(intermediate, w2, topk_weights, blocks, tiles=config.down)
+    # Unchecked ids outside [0, E) sit in no aligned block, so nothing writes their slots: start from
+    # zeros then (they add nothing); checked ids fill every slot.
+    per_slot = None if validate_ids else torch.zeros(num_tokens, top_k, d, dtype=hidden_states.dtype,
+                                                     device=hidden_states.device)
+    if granularity is None:
+        intermediate = expert_gate_up(hidden_states, w1, blocks, top_k, tiles=config.gate_up)
+        per_slot = expert_down(intermediate, w2, topk_weights, blocks, tiles=config.down, out=per_slot)
+        return moe_sum(per_slot)
+    out_dtype = hidden_states.dtype
+    x, x_scale = quantize_activations(hidden_states, granularity)
+    intermediate = expert_gate_up(x, w1, blocks, top_k, tiles=config.gate_up, a_scale=x_scale, w_scale=w1_scale,
+                                  out_dtype=out_dtype)
+    y, y_scale = quantize_activations(intermediate, granularity)
+    per_slot = expert_down(y, w2, topk_weights, blocks, tiles=config.down, a_scale=y_scale, w_scale=w2_scale,
+                           out_dtype=out_dtype, out=per_slot)
     return moe_sum(per_slot)
 
 

@@ -39,7 +39,7 @@ from typing import NamedTuple
 
 import torch
 
-from .._checks import check_dispatch_inputs, check_ids_in_range, check_int, check_moe_inputs, check_tensor, fail
+from .._checks import FLOAT_DTYPES, check_dispatch_inputs, check_ids_in_range, check_int, check_moe_inputs, check_tensor, fail
 from .._runtime import HAS_TRITON, kernel, tl, triton, use_triton
 from ..model.buffers import expert_counts, m_max_token_budget
 from ._tile_gemm import check_out, dot_precision, expert_rows_product, gemm_width, in_float32_under_interpreter
@@ -94,8 +94,8 @@ if HAS_TRITON:
         # Rows past masked_m read the tile's first row (real), so the loads need no row mask.
         a_rows = tl.where(row_real, rows, first_row).to(tl.int64) * stride_am
         acc = expert_tile_product(a_ptr + slab * stride_ae, a_rows, w_ptr + slab * stride_we, stride_wn,
-                                  tl.program_id(1), N, K, GATED, EVEN_K, INPUT_PRECISION,
-                                  BLOCK_M, BLOCK_N, BLOCK_K)
+                                  tl.program_id(1), N, K, a_ptr, a_rows, w_ptr, 0, 0,
+                                  GATED, EVEN_K, INPUT_PRECISION, 0, BLOCK_M, BLOCK_N, BLOCK_K)
         store_tile(out_ptr + slab * stride_oe, rows.to(tl.int64) * stride_om, row_real, acc,
                    tl.program_id(1), N, BLOCK_N)
 
@@ -208,6 +208,8 @@ def grouped_gemm_masked(x: torch.Tensor, w: torch.Tensor, masked_m: torch.Tensor
     n = gemm_width(func, w, silu_mul)
     if config is None:
         config = get_config(m_max, num_experts, n, k, x.dtype, x.device, layout="masked")
+    if which not in ("gate_up", "down"):
+        fail(func, "which", "must be 'gate_up' or 'down'", repr(which))
     tiles = getattr(check_config(func, config), which)
     result = check_out(func, out, (num_experts, m_max, n), x)
     if not use_triton(x, w, masked_m, result):
@@ -246,6 +248,9 @@ def masked_experts(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tens
     func = "masked_experts"
     num_tokens, _, num_experts, hidden_size, f = check_moe_inputs(func, hidden_states, w1, w2, topk_weights,
                                                                   topk_ids)
+    if w1.dtype not in FLOAT_DTYPES:
+        fail(func, "w1", "must be a 16/32-bit tensor: fp8 experts run in the index-gather and permute layouts",
+             str(w1.dtype).replace("torch.", ""), TypeError)
     if m_max is None:
         m_max = m_max_token_budget(num_tokens)
     check_int(func, "m_max", m_max, lo=1)

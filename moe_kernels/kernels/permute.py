@@ -61,10 +61,12 @@ from .._checks import (check_dispatch_inputs, check_ids_in_range, check_int, che
                        check_tensor, fail)
 from .._runtime import HAS_TRITON, kernel, tl, triton, use_triton
 from ..model.buffers import expert_counts, max_padded_rows
-from ._tile_gemm import check_out, dot_precision, expert_rows_product, gemm_width, in_float32_under_interpreter
+from ._tile_gemm import (check_operands, check_out, dequantized, dot_precision, expert_rows_product, fp8_tiles,
+                         gemm_width, in_float32_under_interpreter, output_dtype, scale_arguments)
 from .align import moe_align_block_size, moe_align_block_size_reference
 from .combine import unpermute
 from .config import MoEConfig, check_config, get_config
+from .quant import fp8_granularity, quantize_activations
 
 if HAS_TRITON:
     from ._tile_gemm import expert_tile_product, store_tile
@@ -96,7 +98,8 @@ if HAS_TRITON:
     def _contiguous_gemm_kernel(
         a_ptr, stride_am, w_ptr, stride_we, stride_wn, out_ptr, stride_om,
         m_indices_ptr, num_rows, num_experts, N, K,
-        GATED: tl.constexpr, EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+        a_scale_ptr, stride_as, w_scale_ptr, stride_wse, stride_wsn, stride_wsk,
+        GATED: tl.constexpr, EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr, SCALES: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
         # Axis 0 (M tiles) varies fastest, so consecutive programs are consecutive tiles of the
@@ -117,7 +120,9 @@ if HAS_TRITON:
         a_rows = tl.where(row_real, offsets, pid_m * BLOCK_M) * stride_am
         acc = expert_tile_product(a_ptr, a_rows, w_ptr + expert.to(tl.int64) * stride_we,
                                   stride_wn, tl.program_id(1), N, K,
-                                  GATED, EVEN_K, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+                                  a_scale_ptr, tl.where(row_real, offsets, pid_m * BLOCK_M) * stride_as,
+                                  w_scale_ptr + expert.to(tl.int64) * stride_wse, stride_wsn, stride_wsk,
+                                  GATED, EVEN_K, INPUT_PRECISION, SCALES, BLOCK_M, BLOCK_N, BLOCK_K)
         store_tile(out_ptr, offsets * stride_om, row_real, acc, tl.program_id(1), N, BLOCK_N)
 
 
@@ -215,17 +220,19 @@ def permute_reference(hidden_states, topk_ids, num_experts, *, align=128):
 
 def grouped_gemm_contiguous(x: torch.Tensor, w: torch.Tensor, m_indices: torch.Tensor, *, align: int,
                             silu_mul: bool = False, out: torch.Tensor | None = None,
-                            config: MoEConfig | None = None, which: str = "gate_up") -> torch.Tensor:
+                            config: MoEConfig | None = None, which: str = "gate_up",
+                            x_scale: torch.Tensor | None = None, w_scale: torch.Tensor | None = None,
+                            out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``out[r] = x[r] @ w[m_indices[r]]^T`` for every row whose ``m_indices`` is in ``[0, E)``.
 
     ``x`` ``[M_pad, K]`` holds ``align``-aligned expert segments (from :func:`permute`), ``w``
     ``[E, N_w, K]``. Returns ``[M_pad, N_w]``, or ``[M_pad, N_w/2]`` holding ``silu(gate) * up``
     when ``silu_mul`` (``w`` = ``w1``, gate rows then up rows). Other rows are not written (``out``
     keeps what it held there). ``which`` picks the GEMM tiles of ``config`` (``gate_up``/``down``).
+    fp8 operands come with ``x_scale`` (per row of ``x``) and ``w_scale`` and write ``out_dtype``.
     """
     func = "grouped_gemm_contiguous"
-    check_tensor(func, "x", x, ndim=2, last_dim_contiguous=True)
-    check_tensor(func, "w", w, ndim=3, dtypes=(x.dtype,), device=x.device, last_dim_contiguous=True)
+    granularity = check_operands(func, "x", x, "w", w, x_scale, w_scale)
     check_tensor(func, "m_indices", m_indices, ndim=1, dtypes=(torch.int32,), device=x.device, contiguous=True)
     check_int(func, "align", align, lo=1)
     num_rows, k = x.shape
@@ -236,19 +243,25 @@ def grouped_gemm_contiguous(x: torch.Tensor, w: torch.Tensor, m_indices: torch.T
              f"shape {tuple(m_indices.shape)}")
     n = gemm_width(func, w, silu_mul)
     if config is None:
-        config = get_config(num_rows, w.shape[0], n, k, x.dtype, x.device, layout="permute", align=align)
-    tiles = getattr(check_config(func, config, align=align), which)
-    result = check_out(func, out, (num_rows, n), x)
+        config = get_config(num_rows, w.shape[0], n, k, output_dtype(x, out_dtype), x.device, layout="permute",
+                            align=align)
+    if which not in ("gate_up", "down"):
+        fail(func, "which", "must be 'gate_up' or 'down'", repr(which))
+    tiles = fp8_tiles(getattr(check_config(func, config, align=align), which), granularity)
+    result = check_out(func, out, (num_rows, n), x, dtype=output_dtype(x, out_dtype))
     if not use_triton(x, w, m_indices, result):
-        return _grouped_gemm_contiguous_reference(x, w, m_indices, silu_mul, result)
+        xf, wf = dequantized(x, w, x_scale, w_scale, granularity)
+        return _grouped_gemm_contiguous_reference(xf, wf, m_indices, silu_mul, result)
     rerun = lambda x, w, out: grouped_gemm_contiguous(  # noqa: E731
-        x, w, m_indices, align=align, silu_mul=silu_mul, out=out, config=config, which=which)
+        x, w, m_indices, align=align, silu_mul=silu_mul, out=out, config=config, which=which, x_scale=x_scale,
+        w_scale=w_scale, out_dtype=out.dtype)
     if num_rows == 0 or in_float32_under_interpreter(rerun, result, x, w) is not None:
         return result
     _contiguous_gemm_kernel[(num_rows // config.block_m, triton.cdiv(n, tiles.block_n))](
         x, x.stride(0), w, w.stride(0), w.stride(1), result, result.stride(0),
-        m_indices, num_rows, w.shape[0], n, k,
+        m_indices, num_rows, w.shape[0], n, k, *scale_arguments(x, w, x_scale, w_scale, granularity)[:6],
         GATED=silu_mul, EVEN_K=k % tiles.block_k == 0, INPUT_PRECISION=dot_precision(x.dtype),
+        SCALES=scale_arguments(x, w, x_scale, w_scale, granularity)[6],
         BLOCK_M=config.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
@@ -264,26 +277,61 @@ def _grouped_gemm_contiguous_reference(x, w, m_indices, silu_mul, out):
 
 def permute_experts(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                     topk_ids: torch.Tensor, *, align: int = 128, config: MoEConfig | None = None,
-                    validate_ids: bool = True) -> torch.Tensor:
+                    validate_ids: bool = True, w1_scale: torch.Tensor | None = None,
+                    w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The MoE experts step in the contiguous layout: permute, two grouped GEMMs, unpermute.
 
-    Same arguments and result as :func:`moe_kernels.kernels.index_gather.fused_experts`: ``[T, d]``
+    Same arguments and result as :func:`moe_kernels.kernels.index_gather.fused_experts` (fp8
+    weights included: the permute then copies fp8 rows, half the bytes, and their scales): ``[T, d]``
     in ``hidden_states.dtype``. No host sync on the GPU. Live intermediates: ``[M_pad, d]`` and
     ``[M_pad, F]`` (GEMM 2 writes into the packed input, which GEMM 1 has finished with).
     """
     func = "permute_experts"
     num_tokens, _, num_experts, d, f = check_moe_inputs(func, hidden_states, w1, w2, topk_weights, topk_ids)
     check_int(func, "align", align, lo=1)
+    granularity = fp8_granularity(func, w1, w2, w1_scale, w2_scale)
     if config is None:
-        config = get_config(num_tokens, num_experts, f, d, hidden_states.dtype, hidden_states.device,
-                            layout="permute", align=align)
+        if align % 16:
+            fail(func, "align", "must be a multiple of 16 (the smallest M tile) for the default tiles", align)
+        config = get_config(num_tokens, num_experts, f, d, w1.dtype, hidden_states.device, layout="permute",
+                            align=align)
     check_config(func, config, align=align)
-    permuted = permute(hidden_states, topk_ids, num_experts, align=align, validate_ids=validate_ids)
+    if granularity is None:
+        permuted = permute(hidden_states, topk_ids, num_experts, align=align, validate_ids=validate_ids)
+        activated = grouped_gemm_contiguous(permuted.rows, w1, permuted.m_indices, align=align, silu_mul=True,
+                                            config=config, which="gate_up")
+        y = grouped_gemm_contiguous(activated, w2, permuted.m_indices, align=align, out=permuted.rows,
+                                    config=config, which="down")
+        return unpermute(y, permuted.src2dst, topk_weights)
+    x, x_scale = quantize_activations(hidden_states, granularity)
+    permuted = permute(x, topk_ids, num_experts, align=align, validate_ids=validate_ids)
+    rows_scale = _permute_scales(x_scale, permuted, topk_ids.shape[1], granularity)
+    # A per-tensor scale of the intermediate takes the amax of the whole buffer: its padding rows
+    # (never written) must then be zeros, not whatever the allocation held.
+    empty = torch.zeros if granularity == "tensor" else torch.empty
     activated = grouped_gemm_contiguous(permuted.rows, w1, permuted.m_indices, align=align, silu_mul=True,
-                                        config=config, which="gate_up")
-    y = grouped_gemm_contiguous(activated, w2, permuted.m_indices, align=align, out=permuted.rows,
-                                config=config, which="down")
+                                        config=config, which="gate_up", x_scale=rows_scale, w_scale=w1_scale,
+                                        out_dtype=hidden_states.dtype,
+                                        out=empty(permuted.rows.shape[0], f, dtype=hidden_states.dtype,
+                                                  device=hidden_states.device))
+    a, a_scale = quantize_activations(activated, granularity)
+    y = grouped_gemm_contiguous(a, w2, permuted.m_indices, align=align, config=config, which="down",
+                                x_scale=a_scale, w_scale=w2_scale, out_dtype=hidden_states.dtype)
     return unpermute(y, permuted.src2dst, topk_weights)
+
+
+def _permute_scales(x_scale: torch.Tensor, permuted: PermutedRows, topk: int, granularity: str) -> torch.Tensor:
+    """The activation scales in the packed rows' order (a per-tensor scale stays as it is)."""
+    if granularity == "tensor":
+        return x_scale
+    rows = permuted.rows.shape[0]
+    # Row r of the packed buffer holds assignment src2dst^-1(r); unmatched (padding) rows keep 1.
+    packed = x_scale.new_ones((rows + 1,) + tuple(x_scale.shape[1:]))
+    dst = permuted.src2dst.flatten().to(torch.int64)
+    dst = torch.where(dst >= 0, dst, rows)   # an unvalidated bad id lands in the spare last row
+    tokens = torch.arange(dst.numel(), device=dst.device) // topk
+    packed.index_copy_(0, dst, x_scale[tokens])
+    return packed[:rows]
 
 
 def _grouped_mm():

@@ -63,12 +63,11 @@ from __future__ import annotations
 
 import math
 from fractions import Fraction
-from numbers import Real
 from typing import NamedTuple
 
 import torch
 
-from .._checks import ID_DTYPES, check_ids_in_range, check_int, check_tensor, fail
+from .._checks import ID_DTYPES, check_ids_in_range, check_int, check_number, check_tensor, fail
 from .buffers import (
     MASKED_M_BLOCK,
     compact_buffer_bytes,
@@ -98,12 +97,9 @@ def _exact_factor(func: str, capacity_factor: object) -> Fraction:
     ``1.1 * 10`` in binary floating point is ``11.000000000000002``, whose ceiling is 12; read
     as the decimal ``1.1`` (what the user typed) it is exactly 11.
     """
-    if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, Real):
-        fail(func, "capacity_factor", "must be a real number", type(capacity_factor).__name__, TypeError)
-    if not math.isfinite(capacity_factor) or capacity_factor <= 0:
-        fail(func, "capacity_factor", "must be finite and > 0", capacity_factor)
+    check_number(func, "capacity_factor", capacity_factor, gt=0)
     if isinstance(capacity_factor, float):
-        return Fraction(repr(capacity_factor))
+        return Fraction(repr(float(capacity_factor)))  # float(): numpy floats repr as np.float64(...)
     return Fraction(capacity_factor)
 
 

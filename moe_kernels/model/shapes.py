@@ -54,7 +54,7 @@ def bytes_per_weight(dtype: str | float) -> float:
     return check_weight_dtype("bytes_per_weight", "dtype", dtype)
 
 
-def check_model(func: str, model: object) -> "MoEModel":
+def check_model(func: str, model: object) -> MoEModel:
     """``model`` must be a :class:`MoEModel` (``MODELS[name]`` gives one)."""
     if not isinstance(model, MoEModel):
         hint = f" (MODELS[{model!r}])" if isinstance(model, str) and model in MODELS else ""
@@ -63,7 +63,7 @@ def check_model(func: str, model: object) -> "MoEModel":
     return model
 
 
-def check_gpu(func: str, gpu: object) -> "GPU":
+def check_gpu(func: str, gpu: object) -> GPU:
     """``gpu`` must be a :class:`GPU` (``GPUS[name]`` gives one)."""
     if not isinstance(gpu, GPU):
         fail(func, "gpu", "must be a moe_kernels.model.shapes.GPU such as GPUS['H200']",

@@ -1,0 +1,215 @@
+"""fp8 (e4m3) quantisation: block-scaled weights, activations quantised on the fly.
+
+DeepSeek-V3's checkpoint (and Qwen3-30B-A3B-FP8's) stores every expert matrix in ``float8_e4m3fn``
+with one float32 scale per 128x128 block, named ``weight_scale_inv``: the real weight is
+``q * scale`` block by block. Activations are quantised at run time per token and per 128-channel
+group (1x128), so a GEMM's K loop multiplies, for each 128-wide step, an fp8 tile product by one
+activation scale per row and one weight scale per 128 output columns. Why those shapes:
+
+* 128x128 weight blocks: one scale per K step of 128 and per 128 output columns, so the scales
+  cost ``1/128^2`` of the weight bytes, and an outlier spoils only its own block;
+* 1x128 activation groups: activations have per-token outliers (some tokens are much larger than
+  others), and a token's scale must not be set by another token; within a token, 128 channels
+  share a scale, again so that one large channel spoils only its group.
+
+Two coarser schemes are common in other fp8 checkpoints and are supported for comparison:
+per-channel weights (one scale per output row) with per-token activations, and per-tensor
+weights (one scale per expert matrix) with one scale for the whole activation tensor. Their
+scales apply once, after the K loop.
+
+e4m3 holds magnitudes up to 448 with 3 mantissa bits; every scale here is ``amax / 448`` (amax
+floored at ``1e-10`` so an all-zero group gets a finite scale), and values are rounded to the
+nearest fp8 code after dividing by it, as vLLM's ``per_token_group_quant_fp8`` does
+(``vllm/model_executor/layers/quantization/utils/fp8_utils.py`` in vLLM 0.33.0).
+
+    >>> import torch
+    >>> x = torch.tensor([[1.0, -2.0, 448.0, 0.5] * 32])          # one token, one 128-group
+    >>> q, s = per_token_group_quant_fp8(x)
+    >>> q.dtype, tuple(s.shape), float(s[0, 0])                   # amax 448 -> scale 1
+    (torch.float8_e4m3fn, (1, 1), 1.0)
+    >>> w = torch.randn(2, 256, 384, generator=torch.Generator().manual_seed(0))
+    >>> wq, ws = quantize_weight(w, "block")
+    >>> tuple(ws.shape)                                           # [E, N/128, K/128]
+    (2, 2, 3)
+    >>> bool((dequantize_weight(wq, ws) - w).abs().max() / w.abs().max() < 0.07)   # 3 mantissa bits
+    True
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._checks import FLOAT_DTYPES, check_int, check_tensor, fail
+from .. import _runtime
+from .._runtime import HAS_TRITON, kernel, tl, triton, use_triton
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+GROUP = 128                     # activation group width and weight block edge
+EPS = 1e-10
+GRANULARITIES = ("block", "channel", "tensor")
+#: How the GEMM core applies the scales (its SCALES constexpr): 0 = no scales (16/32-bit inputs).
+SCALE_CODES = {"block": 1, "channel": 2, "tensor": 3}
+
+if HAS_TRITON:
+
+    @kernel
+    def _quant_groups_kernel(x_ptr, stride_x, q_ptr, stride_q, s_ptr, stride_s, num_rows, K,
+                             GROUP_SIZE: tl.constexpr, ROWS: tl.constexpr):
+        # ROWS rows of one 1xGROUP_SIZE column group per program: amax, scale, divide, round.
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        cols = tl.program_id(1) * GROUP_SIZE + tl.arange(0, GROUP_SIZE)
+        mask = (rows < num_rows)[:, None] & (cols < K)[None, :]
+        r64 = rows.to(tl.int64)
+        x = tl.load(x_ptr + r64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10) / 448.0
+        q = tl.clamp(x / scale[:, None], -448.0, 448.0)
+        tl.store(q_ptr + r64[:, None] * stride_q + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(s_ptr + r64 * stride_s + tl.program_id(1), scale, mask=rows < num_rows)
+
+
+def _check_activations(func: str, x: object) -> torch.Tensor:
+    check_tensor(func, "x", x, ndim=2, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
+    return x
+
+
+def per_token_group_quant_fp8(x: torch.Tensor, group_size: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [T, K]`` to fp8 ``[T, K]`` and float32 scales ``[T, K/group_size]`` (one Triton launch).
+
+    Each token's channels are cut into groups of ``group_size`` (``K`` must be a multiple); a
+    group's scale is its amax over 448, and ``q * scale`` gives the group back to fp8 precision.
+    """
+    func = "per_token_group_quant_fp8"
+    _check_activations(func, x)
+    check_int(func, "group_size", group_size, lo=16)
+    if group_size & (group_size - 1):
+        fail(func, "group_size", "must be a power of two", group_size)
+    num_rows, k = x.shape
+    if k % group_size:
+        fail(func, "x", f"must have a multiple of group_size={group_size} columns", f"shape {tuple(x.shape)}")
+    q = torch.empty(num_rows, k, dtype=FP8, device=x.device)
+    s = torch.empty(num_rows, k // group_size, dtype=torch.float32, device=x.device)
+    # Triton's interpreter (3.9) rounds fp32 -> fp8 wrongly when the rounding carries into the
+    # exponent (124.7 becomes 64, not 128; about 1% of values): on the CPU the cast is torch's.
+    if not use_triton(x) or _runtime.INTERPRET or num_rows == 0 or k == 0:
+        q_ref, s_ref = per_token_group_quant_fp8_reference(x, group_size)
+        return q.copy_(q_ref), s.copy_(s_ref)
+    rows = 4
+    _quant_groups_kernel[(triton.cdiv(num_rows, rows), k // group_size)](
+        x, x.stride(0), q, q.stride(0), s, s.stride(0), num_rows, k, GROUP_SIZE=group_size, ROWS=rows, num_warps=4)
+    return q, s
+
+
+def per_token_group_quant_fp8_reference(x: torch.Tensor, group_size: int = GROUP):
+    """Torch reference of :func:`per_token_group_quant_fp8`."""
+    t, k = x.shape
+    groups = x.float().view(t, k // group_size, group_size)
+    scale = groups.abs().amax(dim=-1).clamp_min(EPS) / FP8_MAX
+    q = (groups / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q.view(t, k), scale
+
+
+def quantize_activations(x: torch.Tensor, granularity: str, *, reference: bool = False):
+    """Activations for a GEMM against weights of ``granularity``: 1x128 groups (``block``), one
+    scale per token (``channel``), or one scale for the whole tensor (``tensor``, shape ``[1]``).
+    ``reference`` takes the torch path for the groups too (the others are torch always)."""
+    if granularity == "block":
+        return per_token_group_quant_fp8_reference(x) if reference else per_token_group_quant_fp8(x)
+    func = "quantize_activations"
+    _check_activations(func, x)
+    xf = x.float()
+    if granularity == "channel":
+        scale = xf.abs().amax(dim=1).clamp_min(EPS) / FP8_MAX
+        return (xf / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+    if granularity == "tensor":
+        scale = (xf.abs().amax() if x.numel() else xf.new_zeros(())).clamp_min(EPS).reshape(1) / FP8_MAX
+        return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+    fail(func, "granularity", f"must be one of {', '.join(map(repr, GRANULARITIES))}", repr(granularity))
+
+
+def quantize_weight(w: torch.Tensor, granularity: str = "block") -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert weights ``[E, N, K]`` to fp8 and their float32 scales (``weight_scale_inv``):
+    ``[E, ceil(N/128), ceil(K/128)]`` for ``block`` (a ragged edge block scaled by its own amax),
+    ``[E, N]`` for ``channel``, ``[E]`` for ``tensor``. Done once, at load time."""
+    func = "quantize_weight"
+    check_tensor(func, "w", w, ndim=3, dtypes=FLOAT_DTYPES)
+    if granularity not in GRANULARITIES:
+        fail(func, "granularity", f"must be one of {', '.join(map(repr, GRANULARITIES))}", repr(granularity))
+    if w.shape[0] > 8:   # a few experts at a time: the float32 temporaries of a whole layer would not fit
+        parts = [_quantize_weight(w[i:i + 8], granularity) for i in range(0, w.shape[0], 8)]
+        return torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts])
+    return _quantize_weight(w, granularity)
+
+
+def _quantize_weight(w: torch.Tensor, granularity: str) -> tuple[torch.Tensor, torch.Tensor]:
+    e, n, k = w.shape
+    wf = w.float()
+    if granularity == "block":
+        nb, kb = -(-n // GROUP), -(-k // GROUP)
+        padded = torch.zeros(e, nb * GROUP, kb * GROUP, device=w.device)
+        padded[:, :n, :k] = wf
+        blocks = padded.view(e, nb, GROUP, kb, GROUP)
+        scale = blocks.abs().amax(dim=(2, 4)).clamp_min(EPS) / FP8_MAX
+        q = (blocks / scale[:, :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        return q.view(e, nb * GROUP, kb * GROUP)[:, :n, :k].contiguous(), scale
+    if granularity == "channel":
+        scale = wf.abs().amax(dim=2).clamp_min(EPS) / FP8_MAX
+        return (wf / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+    scale = wf.abs().amax(dim=(1, 2)).clamp_min(EPS) / FP8_MAX
+    return (wf / scale[:, None, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def weight_granularity(func: str, name: str, w: torch.Tensor, scale: object, scale_name: str | None = None) -> str:
+    """Which scheme ``scale`` describes for fp8 ``w [E, N, K]``; a clear error for any other shape."""
+    scale_name = scale_name or f"{name}_scale"
+    check_tensor(func, name, w, ndim=3, dtypes=(FP8,), last_dim_contiguous=True)
+    e, n, k = w.shape
+    check_tensor(func, scale_name, scale, dtypes=(torch.float32,), device=w.device, contiguous=True)
+    shapes = {"block": (e, -(-n // GROUP), -(-k // GROUP)), "channel": (e, n), "tensor": (e,)}
+    for granularity, shape in shapes.items():
+        if tuple(scale.shape) == shape:
+            if granularity == "block" and k % GROUP:
+                fail(func, name, f"must have K = {k} a multiple of {GROUP} for 128x128 block scales "
+                     "(activations are quantised in 1x128 groups)", f"shape {tuple(w.shape)}")
+            return granularity
+    fail(func, scale_name, "must be [E, ceil(N/128), ceil(K/128)] (128x128 blocks), [E, N] (per channel) or "
+         f"[E] (per tensor) = {shapes['block']}, {shapes['channel']} or {shapes['tensor']}",
+         f"shape {tuple(scale.shape)}")
+
+
+def fp8_granularity(func: str, w1: torch.Tensor, w2: torch.Tensor, w1_scale, w2_scale) -> str | None:
+    """None for 16/32-bit expert weights (which take no scales); for fp8 ones, the granularity
+    both scale tensors describe (they must agree)."""
+    if w1.dtype != FP8:
+        for name, scale in (("w1_scale", w1_scale), ("w2_scale", w2_scale)):
+            if scale is not None:
+                fail(func, name, f"must be None for {str(w1.dtype).replace('torch.', '')} weights (fp8 weights carry "
+                     "scales)", "a tensor")
+        return None
+    g1 = weight_granularity(func, "w1", w1, w1_scale)
+    g2 = weight_granularity(func, "w2", w2, w2_scale)
+    if g1 != g2:
+        fail(func, "w2_scale", f"must use w1_scale's granularity ({g1})", g2)
+    if g1 == "block" and (w1.shape[1] // 2) % GROUP:
+        fail(func, "w1", f"must have F a multiple of {GROUP} for block scales (the up half starts a new block)",
+             f"shape {tuple(w1.shape)}")
+    return g1
+
+
+def dequantize_weight(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float32 weights from fp8 ``q [E, N, K]`` and any of the three scale layouts."""
+    e, n, k = q.shape
+    if scale.dim() == 3:
+        full = scale.repeat_interleave(GROUP, dim=1)[:, :n].repeat_interleave(GROUP, dim=2)[:, :, :k]
+    elif scale.dim() == 2:
+        full = scale[..., None]
+    else:
+        full = scale[:, None, None]
+    return q.float() * full
+
+
+def dequantize_activations(q: torch.Tensor, scale: torch.Tensor, granularity: str) -> torch.Tensor:
+    """float32 activations from fp8 ``q [T, K]`` and the scales of :func:`quantize_activations`."""
+    if granularity == "block":
+        return q.float() * scale.repeat_interleave(GROUP, dim=1)
+    return q.float() * (scale[:, None] if granularity == "channel" else scale)
