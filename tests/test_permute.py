@@ -228,10 +228,15 @@ def test_copy_bytes():
 
 
 def test_default_tile_config():
+    """The permute layout takes the index-gather heuristic (every M tile divides the 128-row
+    alignment), lowered to divide a smaller alignment; masked takes 128x128x64."""
+    assert default_config(1, 4, 16, 16, layout="permute") == default_config(1, 4, 16, 16)
+    assert default_config(4096, 4, 16, 16, layout="permute", align=48).block_m == 16
     tiles = GemmTiles(128, 64, 1, 8, 3)
-    assert default_config(1, 4, 16, 16, layout="permute") == MoEConfig(128, tiles, tiles)
-    assert default_config(1, 4, 16, 16, layout="permute", dtype=torch.float32).gate_up.block_k == 32
-    assert default_config(1, 4, 16, 16, layout="permute", dtype=torch.float16, align=48).block_m == 16
+    assert default_config(1, 4, 16, 16, layout="masked") == MoEConfig(128, tiles, tiles)
+    assert default_config(1, 4, 16, 16, layout="masked", dtype=torch.float32).gate_up.block_k == 32
+    fp8 = default_config(64, 256, 2048, 7168, dtype=torch.float8_e4m3fn)   # vLLM's block-fp8 default at 64
+    assert (fp8.block_m, fp8.down.block_n, fp8.down.block_k, fp8.down.group_m) == (16, 128, 128, 32)
 
 
 # ------------------------------------------------------------------------------------------

@@ -96,6 +96,7 @@ def measure_fp8(model: MoEModel | str, num_tokens: int, *, device, seed: int,
     quantised, and the fp8 layer is checked against the quantised float64 reference before any
     stage is timed. The shared expert runs the same W8A8 GEMMs with one expert.
     """
+    from ..kernels.config import get_config
     from ..kernels.index_gather import fused_experts
     from ..kernels.quant import per_token_group_quant_fp8, quantize_weight
     from ..reference import moe_reference_fp8
@@ -106,7 +107,7 @@ def measure_fp8(model: MoEModel | str, num_tokens: int, *, device, seed: int,
     E, k, d, f = model.num_experts, model.top_k, model.hidden_size, model.moe_intermediate_size
     (w1, w1s), (w2, w2s) = quantize_weight(layer.w1, "block"), quantize_weight(layer.w2, "block")
     (s1, s1s), (s2, s2s) = quantize_weight(layer.shared_w1[None], "block"), quantize_weight(layer.shared_w2[None], "block")
-    config = trace_config(model, num_tokens)
+    config = get_config(num_tokens, E, f, d, torch.float8_e4m3fn, device)   # fp8 tiles: K steps of 128
     weights, ids = trace.topk_weights, trace.topk_ids
     hidden = layer.hidden_states
     routed = fused_experts(hidden, w1, w2, weights, ids, config=config, validate_ids=False, w1_scale=w1s,

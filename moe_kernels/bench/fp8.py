@@ -91,15 +91,19 @@ def sweep(models, batches, *, seed, warmup_ms, rep_ms, ceilings, log=print) -> l
             cfg = get_config(batch, model.num_experts, model.moe_intermediate_size, model.hidden_size,
                              torch.bfloat16, hidden.device)
             blocks = assign_blocks(ids, cfg.block_m, model.num_experts, validate_ids=False)
+            # fp8 runs its own tiles (vLLM's block-fp8 heuristic: K steps of 128, M tiles of 16 or 64).
+            cfg8 = get_config(batch, model.num_experts, model.moe_intermediate_size, model.hidden_size,
+                              torch.float8_e4m3fn, hidden.device)
+            blocks8 = assign_blocks(ids, cfg8.block_m, model.num_experts, validate_ids=False)
             (b1, b1s), (b2, b2s) = fp8["block"]
             (c1, c1s), (c2, c2s) = fp8["channel"]
             calls = {
                 "bf16 GEMMs": (lambda: fused_experts(hidden, w1, w2, weights, ids, config=cfg, blocks=blocks,
                                                      validate_ids=False), 2, None),
-                "fp8 block GEMMs": (lambda: fused_experts(hidden, b1, b2, weights, ids, config=cfg, blocks=blocks,
+                "fp8 block GEMMs": (lambda: fused_experts(hidden, b1, b2, weights, ids, config=cfg8, blocks=blocks8,
                                                           validate_ids=False, w1_scale=b1s, w2_scale=b2s), 1,
                                     (b1, b2, b1s, b2s, "block")),
-                "fp8 channel GEMMs": (lambda: fused_experts(hidden, c1, c2, weights, ids, config=cfg, blocks=blocks,
+                "fp8 channel GEMMs": (lambda: fused_experts(hidden, c1, c2, weights, ids, config=cfg8, blocks=blocks8,
                                                             validate_ids=False, w1_scale=c1s, w2_scale=c2s), 1,
                                       (c1, c2, c1s, c2s, "channel")),
                 "fp8 block permute": (lambda: permute_experts(hidden, b1, b2, weights, ids, validate_ids=False,

@@ -117,31 +117,40 @@ def _check_layout(func: str, layout: object, align: object) -> None:
 
 def default_config(M: int, E: int, N: int, K: int, *, layout: str = "index_gather", align: int = 128,
                    dtype: torch.dtype = torch.bfloat16) -> MoEConfig:
-    """The configuration used when no tuned table matches.
+    """The configuration used when no tuned table matches, for ``M`` tokens, ``N = F``, ``K = d``.
 
-    Index-gather follows vLLM's bf16 heuristic (``get_default_config`` in vLLM 0.33.0's
-    ``fused_moe/fused_moe.py``) for ``M`` tokens, ``N = F``, ``K = d``. vLLM runs one config for
-    both GEMMs, and its GEMM 1 tile of ``BLOCK_SIZE_N`` columns of ``[2F, d]`` covers half gate
-    and half up columns; our fused GEMM 1 computes both halves per program, so it takes half the
-    N tile to keep the same weight tile per program. The permute and masked layouts take
-    128x128x64 tiles (128x128x32 in fp32, whose operands are twice as wide; the M tile lowered to
-    divide ``align``).
+    Follows vLLM 0.33.0's ``get_default_config`` (``fused_moe/fused_moe.py``): its bf16 branch for
+    16/32-bit weights, its block-fp8 branch for fp8 ones (an M tile of 16 up to 64 tokens, then 64;
+    K steps of 128, one weight-scale block each). vLLM runs one config for both GEMMs, and its GEMM 1
+    tile of ``BLOCK_SIZE_N`` columns of ``[2F, d]`` covers half gate and half up columns; our fused
+    GEMM 1 computes both halves per program, so it takes half the N tile to keep the same weight
+    tile per program. The permute layout uses the same tiles (every M tile divides the 128-row
+    alignment); the masked layout, whose M tiles cover ``m_max``-row slabs, takes 128x128x64
+    (128x128x32 in fp32, whose operands are twice as wide).
     """
     _check_layout("default_config", layout, align)
-    if layout != "index_gather":
-        block_m = 128
-        while align % block_m and block_m > 16:
-            block_m //= 2
+    if layout == "masked":
         tiles = GemmTiles(128, 32 if dtype == torch.float32 else 64, 1, 8, 3)
-        return MoEConfig(block_m, tiles, tiles)
-    block_m = 16 if M <= 32 else 32 if M <= 96 else 64 if M <= 512 else 128
-    block_n = 64 if M <= 64 else 128
-    block_k = 128 if M <= 64 else 64
-    group_m = 16 if M // max(E, 1) > 128 else 1
-    num_warps = 4 if M <= 128 else 8
-    num_stages = 4 if M <= 32 else 3
-    return MoEConfig(block_m, GemmTiles(max(16, block_n // 2), block_k, group_m, num_warps, num_stages),
-                     GemmTiles(block_n, block_k, group_m, num_warps, num_stages))
+        return MoEConfig(128, tiles, tiles)
+    if dtype == torch.float8_e4m3fn:
+        block_m = 16 if M <= 64 else 64
+        block_n = 64 if M <= 8 else 128
+        group_m = 1 if M <= 16 else 32
+        num_stages = 4 if M <= 4 else 3
+        config = MoEConfig(block_m, GemmTiles(max(32, block_n // 2), 128, group_m, 4, num_stages),
+                           GemmTiles(block_n, 128, group_m, 4, num_stages))
+    else:
+        block_m = 16 if M <= 32 else 32 if M <= 96 else 64 if M <= 512 else 128
+        block_n = 64 if M <= 64 else 128
+        block_k = 128 if M <= 64 else 64
+        group_m = 16 if M // max(E, 1) > 128 else 1
+        num_warps = 4 if M <= 128 else 8
+        num_stages = 4 if M <= 32 else 3
+        config = MoEConfig(block_m, GemmTiles(max(16, block_n // 2), block_k, group_m, num_warps, num_stages),
+                           GemmTiles(block_n, block_k, group_m, num_warps, num_stages))
+    while align % config.block_m and config.block_m > 16:   # the permute layout: tiles inside segments
+        config = config.with_block_m(config.block_m // 2)
+    return config
 
 
 def table_name(device_name: str, E: int, N: int, K: int, dtype: torch.dtype, layout: str) -> str:
