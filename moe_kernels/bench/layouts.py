@@ -81,16 +81,17 @@ def measure(model_key: str, batch: int, seed: int = 0) -> list[dict]:
 
 
 def _index_gather(row, hidden, w1, w2, weights, ids, E, k, d, F, batch, dtype):
-    from ..kernels import blocks, combine, index_gather
+    from ..kernels import combine, index_gather
+    from ..kernels.blocks import assign_blocks
     from ..kernels.config import get_config
     from .timing import graph_us
 
     cfg = get_config(batch, E, F, d, dtype, hidden.device)
-    blocks = blocks.assign_blocks(ids, cfg.block_m, E, validate_ids=False)
+    blocks = assign_blocks(ids, cfg.block_m, E, validate_ids=False)
     act = index_gather.expert_gate_up(hidden, w1, blocks, k, tiles=cfg.gate_up)
     down = index_gather.expert_down(act, w2, weights, blocks, tiles=cfg.down)
     stages = {
-        "block map": graph_us(lambda: blocks.assign_blocks(ids, cfg.block_m, E, validate_ids=False)),
+        "block map": graph_us(lambda: assign_blocks(ids, cfg.block_m, E, validate_ids=False)),
         "gemm1": graph_us(lambda: index_gather.expert_gate_up(hidden, w1, blocks, k, tiles=cfg.gate_up, out=act)),
         "gemm2": graph_us(lambda: index_gather.expert_down(act, w2, weights, blocks, tiles=cfg.down, out=down)),
         "sum": graph_us(lambda: combine.moe_sum(down)),
