@@ -7,8 +7,9 @@ The public API. Names that mirror vLLM's keep vLLM's meaning (``fused_topk``, ``
 * :mod:`moe_kernels.model` - the closed-form byte model (never imports the kernels);
 * :mod:`moe_kernels.bench` - the measurement commands (``python -m moe_kernels.bench``);
 * :mod:`moe_kernels.book` - pictures, tables and explorers for the chapter;
-* :mod:`moe_kernels.layer` and :mod:`moe_kernels.checkpoint` - one whole MoE layer, and loading
-  it from a Hugging Face checkpoint.
+* :mod:`moe_kernels.layer` (with :mod:`moe_kernels.layer_spec`, its data) and
+  :mod:`moe_kernels.checkpoint` - one whole MoE layer, and loading it from a Hugging Face
+  checkpoint; :mod:`moe_kernels.trace` runs one layer stage by stage and keeps every tensor.
 
 Names are imported on first use, so ``import moe_kernels.model.costs`` loads no kernel (and no
 Triton) at all.
@@ -18,7 +19,7 @@ import importlib
 
 _EXPORTS = {
     "BACKEND": "._runtime", "describe": "._runtime",
-    "MoELayer": ".layer", "moe_layer": ".layer", "LayerWeights": ".layer", "Routing": ".layer",
+    "MoELayer": ".layer", "moe_layer": ".layer", "LayerWeights": ".layer_spec", "Routing": ".layer_spec",
     "load_layer": ".checkpoint",
     "gate": ".kernels.routing", "fused_topk": ".kernels.routing", "grouped_topk": ".kernels.grouped_routing",
     "append_shared_expert": ".kernels.routing",
@@ -29,7 +30,7 @@ _EXPORTS = {
     "moe_with_shared_separate": ".kernels.shared", "moe_with_shared_fused": ".kernels.shared",
     "stack_shared_expert": ".kernels.shared",
     "GemmTiles": ".kernels.config", "MoEConfig": ".kernels.config", "get_config": ".kernels.config",
-    "MODELS": ".model.shapes", "MoEModel": ".model.shapes",
+    "MODELS": ".model.shapes", "MoEModel": ".model.shapes", "default_device": "._runtime",
     "moe_reference": ".reference",
 }
 

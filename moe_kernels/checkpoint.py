@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 from ._checks import FLOAT_DTYPES, check_dtype, check_number, fail
-from .layer import LayerWeights, Routing
+from .layer_spec import LayerWeights, Routing
 
 _FUNC = "load_layer"
 

@@ -32,7 +32,8 @@ from moe_kernels.kernels.blocks import (BlockAssignment, assign_blocks, check_al
 from moe_kernels.kernels.dropping import moe_with_capacity
 from moe_kernels.kernels.index_gather import expert_down, expert_gate_up
 from moe_kernels.kernels.masked import grouped_gemm_masked, masked_dispatch
-from moe_kernels.kernels.permute import grouped_gemm_contiguous, permute, torch_grouped_mm_experts
+from moe_kernels.bench.baselines import torch_grouped_mm_experts
+from moe_kernels.kernels.permute import grouped_gemm_contiguous, permute
 from moe_kernels.kernels.shared import shared_expert_separate
 from moe_kernels.model import buffers, capacity, costs, memory, shapes, skew
 from moe_testing import DEVICE, SMALL_TILES, TOLERANCE, make_problem, rel_err

@@ -1,4 +1,4 @@
-"""The traced decode layer (moe_kernels.book.trace): its counts against each other and against
+"""The traced decode layer (moe_kernels.trace): its counts against each other and against
 the alignment's invariants, its output against the float64 reference, the small-batch rule; and
 the stage timer built on it (moe_kernels.bench.decode_step).
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from moe_kernels.bench import decode_step
-from moe_kernels.book import trace as layer_trace
+from moe_kernels import trace as layer_trace
 from moe_kernels.kernels import blocks
 from moe_kernels.kernels.grouped_routing import grouped_topk_reference
 from moe_kernels.kernels.routing import gate

@@ -9,6 +9,7 @@ import itertools
 import pytest
 import torch
 
+from moe_kernels.bench.baselines import torch_grouped_mm_experts
 from moe_kernels.kernels import permute as permute_module
 from moe_kernels.kernels.combine import unpermute, unpermute_reference
 from moe_kernels.kernels.config import GemmTiles, MoEConfig, default_config
@@ -19,7 +20,6 @@ from moe_kernels.kernels.permute import (
     permute,
     permute_experts,
     permute_reference,
-    torch_grouped_mm_experts,
 )
 from moe_kernels.reference import moe_reference, silu_and_mul_reference
 from moe_testing import (

@@ -1,6 +1,6 @@
 """One DeepSeek-V3 MoE layer of a decode step, timed stage by stage on the GPU.
 
-The layer is traced first (:func:`moe_kernels.book.trace.trace_moe_layer`, checked against the
+The layer is traced first (:func:`moe_kernels.trace.trace_moe_layer`, checked against the
 float64 reference), then each stage is timed on its own from CUDA-graph replays, reading the
 previous stage's real outputs, and the whole layer chained. ``python -m moe_kernels.bench
 decode-step --record`` writes ``results/<device>/decode-step.json``.
@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from ..book.trace import (_check_layer_args, _fit_to_run, _for_kernels, _trace, make_layer, route,
+from ..trace import (_check_layer_args, _fit_to_run, _for_kernels, _trace, make_layer, route,
                           shared_expert, trace_config)
 from ..kernels.combine import moe_sum
 from ..kernels.blocks import assign_blocks

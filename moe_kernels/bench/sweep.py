@@ -57,31 +57,12 @@ DEFAULT_BATCHES = tuple(2**i for i in range(15))  # 1 .. 16384
 # ----------------------------------------------------------------------------------------------
 
 
-def expert_loop(hidden, w1, w2, topk_weights, topk_ids):
-    """The naive baseline: one Python iteration (three torch matmuls) per expert that has rows."""
-    num_tokens, top_k = topk_ids.shape
-    f = w2.shape[2]
-    flat = topk_ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=w1.shape[0]).tolist()  # one host sync
-    tokens, weights = order // top_k, topk_weights.reshape(-1)[order].float()
-    out = torch.zeros(num_tokens, hidden.shape[1], device=hidden.device, dtype=torch.float32)
-    start = 0
-    for e, count in enumerate(counts):
-        if count:
-            rows = tokens[start:start + count]
-            h = hidden[rows] @ w1[e].T
-            y = (torch.nn.functional.silu(h[:, :f]) * h[:, f:]) @ w2[e].T
-            out.index_add_(0, rows, y.float() * weights[start:start + count, None])
-            start += count
-    return out.to(hidden.dtype)
-
-
 def other_layouts() -> dict[str, Callable]:
     """The layouts of the sibling modules that import here, plus the per-expert loop."""
     layouts = {}
     try:
-        from ..kernels.permute import permute_experts, torch_grouped_mm_experts
+        from ..kernels.permute import permute_experts
+        from .baselines import torch_grouped_mm_experts
 
         layouts["permute"] = permute_experts
         layouts["torch grouped_mm"] = torch_grouped_mm_experts
@@ -93,6 +74,8 @@ def other_layouts() -> dict[str, Callable]:
         layouts["masked"] = masked_experts
     except ImportError as err:
         print(f"(masked layout unavailable: {err})", file=sys.stderr)
+    from .baselines import expert_loop
+
     layouts["expert loop"] = expert_loop
     return layouts
 

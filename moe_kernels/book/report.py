@@ -26,3 +26,14 @@ def si(value: float, unit: str = "", digits: int = 3) -> str:
         if abs(value) >= scale:
             return f"{value / scale:.{digits}g} {prefix}{unit}"
     return f"{value:.{digits}g} {unit}".rstrip()
+
+
+def below(err: float, tol: str = "1e-6") -> str:
+    """An error figure as the verdict it stands for. Float rounding differs between CPUs (BLAS
+    kernels, thread counts), so a printed ``2.3e-07`` would not reproduce; "below 1e-6" does, and
+    a real failure still shows its value.
+
+        >>> below(2.3e-07), below(0.0, "1e-12"), below(3e-3, "1e-6")
+        ('below 1e-6', 'below 1e-12', '3.0e-03, above 1e-6')
+    """
+    return f"below {tol}" if err < float(tol) else f"{err:.1e}, above {tol}"

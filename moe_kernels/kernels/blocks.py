@@ -293,3 +293,14 @@ def assignments_by_block(blocks: BlockAssignment, numel: int):
     experts = blocks.expert_ids.long().repeat_interleave(blocks.block_m)[:used]
     real = rows < numel
     return rows[real], experts[real]
+
+
+def check_blocks(func: str, blocks: object, numel: int) -> BlockAssignment:
+    if not isinstance(blocks, BlockAssignment):
+        fail(func, "blocks", "must be a BlockAssignment (from assign_blocks)", type(blocks).__name__, TypeError)
+    if blocks.naive and blocks.expert_ids.numel() != numel:
+        fail(func, "blocks", f"must be built for {numel} assignments (T*k)",
+             f"a naive map of {blocks.expert_ids.numel()}")
+    if blocks.num_assignments is not None and blocks.num_assignments != numel:
+        fail(func, "blocks", f"must be built for {numel} assignments (T*k)", f"a map of {blocks.num_assignments}")
+    return blocks

@@ -224,3 +224,9 @@ def tuned_block_m(num_experts: int, intermediate_size: int, hidden_size: int, *,
     """
     table = load_table(table_name(device_name, num_experts, intermediate_size, hidden_size, dtype, "index_gather"))
     return {m: config.block_m for m, config in sorted((table or {}).items())}
+
+
+def check_tiles(func: str, tiles: object) -> GemmTiles:
+    if not isinstance(tiles, GemmTiles):
+        fail(func, "tiles", "must be a GemmTiles", type(tiles).__name__, TypeError)
+    return tiles.check(func, "tiles")

@@ -12,19 +12,15 @@ whole blocks of ``BLOCK_M`` rows. One Triton program then owns one M-block and o
 3. it streams that expert's weight tile and multiplies, in the tile-GEMM core shared by all
    layouts (:mod:`moe_kernels.kernels._tile_gemm`).
 
-GEMM 1 reads ``w1[e]`` (``[2F, d]``: gate rows, then up rows). Each program computes the gate
-tile *and* the matching up tile, so ``silu(gate) * up`` happens in the epilogue, in fp32, and
-only ``[numel, F]`` is written: vLLM writes ``[numel, 2F]`` and runs a separate activation
-kernel that reads it back. GEMM 2 reads ``w2[e]`` (``[d, F]``) with ``top_k = 1``, because its
-input rows are already in assignment order; its epilogue multiplies by the routing weight in
-fp32 before the cast and writes ``[T, k, d]``. GEMM 2 still reads its rows through
-``sorted_token_ids`` in expert order, so its gather is a real gather, only with ``top_k = 1``. :func:`moe_sum` adds the ``k`` slots of each
-token (fp32 accumulation) into ``[T, d]``.
-
-When a batch is so small that almost every assignment hits a different expert
-(``num_tokens * top_k * 4 <= num_experts``, vLLM's rule), sorting buys nothing: block ``m``
-is simply assignment ``m`` (one real row, the rest masked), and its expert is
-``topk_ids.flatten()[m]``. That is the *naive block assignment*; no alignment kernel runs.
+GEMM 1 reads ``w1[e]`` (``[2F, d]``: gate rows, then up rows) and computes the gate tile *and*
+the matching up tile, so ``silu(gate) * up`` happens in the epilogue, in fp32, and only
+``[numel, F]`` is written (vLLM writes ``[numel, 2F]`` and runs a separate activation kernel).
+GEMM 2 reads ``w2[e]`` (``[d, F]``) with ``top_k = 1``: its rows are already one per assignment,
+but it still reads them through ``sorted_token_ids`` in expert order, a real gather. Its epilogue
+multiplies by the routing weight in fp32 before the cast and writes ``[T, k, d]``, which
+:func:`~moe_kernels.kernels.combine.moe_sum` adds up per token. Tiny batches (vLLM's
+``T * k * 4 <= E``) skip the alignment: block ``m`` is assignment ``m``
+(:mod:`moe_kernels.kernels.blocks`).
 
 Worked example: two tokens, top-2 of three experts, ``block_m = 16``::
 
@@ -54,12 +50,11 @@ import torch
 
 from .._checks import FLOAT_DTYPES, check_int, check_moe_inputs, check_tensor, fail
 from .._runtime import HAS_TRITON, kernel, tl, triton, use_triton
-from ..reference import silu_and_mul_reference
-from ._tile_gemm import (check_operands, check_out, dequantized, dot_precision, fp8_tiles, in_float32_under_interpreter,
-                         output_dtype, scale_arguments)
-from .blocks import BlockAssignment, assign_blocks, assignments_by_block
+from ._tile_gemm import (check_operands, check_out, dequantized, dot_precision, expert_rows_product, fp8_tiles,
+                         in_float32_under_interpreter, output_dtype, scale_arguments)
+from .blocks import BlockAssignment, assign_blocks, assignments_by_block, check_blocks
 from .combine import moe_sum
-from .config import GemmTiles, MoEConfig, check_block_m, check_config, get_config
+from .config import GemmTiles, MoEConfig, check_block_m, check_config, check_tiles, get_config
 from .quant import fp8_granularity, quantize_activations
 
 if HAS_TRITON:
@@ -146,23 +141,6 @@ def _launch(a, w, out, topk_weights, blocks: BlockAssignment, *, n_out: int, top
     )
 
 
-def _check_blocks(func: str, blocks: object, numel: int) -> BlockAssignment:
-    if not isinstance(blocks, BlockAssignment):
-        fail(func, "blocks", "must be a BlockAssignment (from assign_blocks)", type(blocks).__name__, TypeError)
-    if blocks.naive and blocks.expert_ids.numel() != numel:
-        fail(func, "blocks", f"must be built for {numel} assignments (T*k)",
-             f"a naive map of {blocks.expert_ids.numel()}")
-    if blocks.num_assignments is not None and blocks.num_assignments != numel:
-        fail(func, "blocks", f"must be built for {numel} assignments (T*k)", f"a map of {blocks.num_assignments}")
-    return blocks
-
-
-def _check_tiles(func: str, tiles: object) -> GemmTiles:
-    if not isinstance(tiles, GemmTiles):
-        fail(func, "tiles", "must be a GemmTiles", type(tiles).__name__, TypeError)
-    return tiles.check(func, "tiles")
-
-
 # ----------------------------------------------------------------------------------------------
 # The three stages
 # ----------------------------------------------------------------------------------------------
@@ -185,8 +163,8 @@ def expert_gate_up(hidden_states: torch.Tensor, w1: torch.Tensor, blocks: BlockA
     if w1.shape[2] != hidden_states.shape[1] or w1.shape[1] % 2:
         fail(func, "w1", f"must have shape [E, 2F, d={hidden_states.shape[1]}]", f"shape {tuple(w1.shape)}")
     numel = hidden_states.shape[0] * top_k
-    _check_blocks(func, blocks, numel)
-    tiles = fp8_tiles(_check_tiles(func, tiles), granularity)
+    check_blocks(func, blocks, numel)
+    tiles = fp8_tiles(check_tiles(func, tiles), granularity)
     f = w1.shape[1] // 2
     out = check_out(func, out, (numel, f), hidden_states, dtype=output_dtype(hidden_states, out_dtype))
     if not use_triton(hidden_states, w1, out):
@@ -218,8 +196,8 @@ def expert_down(intermediate: torch.Tensor, w2: torch.Tensor, topk_weights: torc
              f"shape {tuple(intermediate.shape)}")
     if w2.shape[2] != intermediate.shape[1]:
         fail(func, "w2", f"must have shape [E, d, F={intermediate.shape[1]}]", f"shape {tuple(w2.shape)}")
-    _check_blocks(func, blocks, num_tokens * top_k)
-    tiles = fp8_tiles(_check_tiles(func, tiles), granularity)
+    check_blocks(func, blocks, num_tokens * top_k)
+    tiles = fp8_tiles(check_tiles(func, tiles), granularity)
     d = w2.shape[1]
     out = check_out(func, out, (num_tokens, top_k, d), intermediate, dtype=output_dtype(intermediate, out_dtype))
     flat_out = out.view(num_tokens * top_k, d)
@@ -248,8 +226,7 @@ def _gate_up_reference(hidden_states, w1, blocks: BlockAssignment, top_k: int) -
     out = torch.zeros(numel, w1.shape[1] // 2, dtype=torch.float32, device=hidden_states.device)
     for e in torch.unique(experts[(experts >= 0) & (experts < w1.shape[0])]).tolist():
         mine = rows[experts == e]
-        h = hidden_states[mine // top_k].float() @ w1[e].float().T
-        out[mine] = silu_and_mul_reference(h)
+        out[mine] = expert_rows_product(hidden_states[mine // top_k], w1[e], silu_mul=True)
     return out
 
 

@@ -48,6 +48,7 @@ from .config import MoEConfig, check_config, get_config
 
 if HAS_TRITON:
     from ._tile_gemm import expert_tile_product, store_tile
+    from .permute import copy_rows
 
     @kernel
     def _masked_dispatch_kernel(
@@ -67,13 +68,8 @@ if HAS_TRITON:
         slot = tl.atomic_add(counts_ptr + expert, 1, mask=valid)
         fits = valid & (slot < m_max)
         tl.store(src2dst_ptr + assignment, tl.where(fits, expert * m_max + slot, -1), mask=in_range)
-        src = token.to(tl.int64) * stride_ht
-        dst = expert.to(tl.int64) * stride_re + slot.to(tl.int64) * stride_rm
-        for d0 in range(0, hidden_size, BLOCK_D):
-            cols = d0 + tl.arange(0, BLOCK_D)
-            mask = fits[:, None] & (cols < hidden_size)[None, :]
-            values = tl.load(hidden_ptr + src[:, None] + cols[None, :], mask=mask)
-            tl.store(rows_ptr + dst[:, None] + cols[None, :], values, mask=mask)
+        copy_rows(hidden_ptr, token.to(tl.int64) * stride_ht, rows_ptr,
+                  expert.to(tl.int64) * stride_re + slot.to(tl.int64) * stride_rm, fits, hidden_size, BLOCK_D)
 
     @kernel
     def _masked_gemm_kernel(

@@ -31,8 +31,8 @@ range, checked or not, land in no segment, keep ``src2dst = -1`` and add nothing
 skips ``dst < 0`` the same way), so no kernel touches memory out of bounds. The packed buffer has
 :func:`~moe_kernels.model.buffers.max_padded_rows` rows, the most any routing of ``T*k``
 assignments can need (SGLang's ``_get_compact_all_tokens``), which is at most vLLM's
-``numel + E*(align-1)`` and far less when ``T*k`` is small. :func:`torch_grouped_mm_experts` runs
-the same permute/unpermute around ``torch.nn.functional.grouped_mm`` as a baseline.
+``numel + E*(align-1)`` and far less when ``T*k`` is small. :func:`moe_kernels.bench.baselines.torch_grouped_mm_experts`
+runs the same permute/unpermute around ``torch.nn.functional.grouped_mm`` as a baseline.
 
 A worked example: three tokens, ``k = 2``, three experts, segments aligned to 4 rows::
 
@@ -72,6 +72,16 @@ if HAS_TRITON:
     from ._tile_gemm import expert_tile_product, store_tile
 
     @kernel
+    def copy_rows(src_ptr, src_rows, dst_ptr, dst_rows, row_mask, width, BLOCK_D: tl.constexpr):
+        """Copy ``width`` elements of each row at element offset ``src_rows`` to ``dst_rows``
+        (rows outside ``row_mask`` untouched): the data movement of every dispatch."""
+        for d0 in range(0, width, BLOCK_D):
+            cols = d0 + tl.arange(0, BLOCK_D)
+            mask = row_mask[:, None] & (cols < width)[None, :]
+            values = tl.load(src_ptr + src_rows[:, None] + cols[None, :], mask=mask)
+            tl.store(dst_ptr + dst_rows[:, None] + cols[None, :], values, mask=mask)
+
+    @kernel
     def _permute_rows_kernel(
         hidden_ptr, stride_ht, sorted_ids_ptr, block_experts_ptr, rows_ptr, stride_rm,
         m_indices_ptr, src2dst_ptr, num_rows, num_assignments, topk, hidden_size, align,
@@ -86,13 +96,8 @@ if HAS_TRITON:
         expert = tl.load(block_experts_ptr + rows // align, mask=in_range, other=-1)
         tl.store(m_indices_ptr + rows, tl.where(real, expert, -1), mask=in_range)
         tl.store(src2dst_ptr + assignment, rows, mask=real)
-        src = (assignment // topk).to(tl.int64) * stride_ht
-        dst = rows.to(tl.int64) * stride_rm
-        for d0 in range(0, hidden_size, BLOCK_D):
-            cols = d0 + tl.arange(0, BLOCK_D)
-            mask = real[:, None] & (cols < hidden_size)[None, :]
-            values = tl.load(hidden_ptr + src[:, None] + cols[None, :], mask=mask)
-            tl.store(rows_ptr + dst[:, None] + cols[None, :], values, mask=mask)
+        copy_rows(hidden_ptr, (assignment // topk).to(tl.int64) * stride_ht, rows_ptr, rows.to(tl.int64) * stride_rm,
+                  real, hidden_size, BLOCK_D)
 
     @kernel
     def _contiguous_gemm_kernel(
@@ -334,38 +339,3 @@ def _permute_scales(x_scale: torch.Tensor, permuted: PermutedRows, topk: int, gr
     return packed[:rows]
 
 
-def _grouped_mm():
-    """``torch.nn.functional.grouped_mm`` (public where it exists), else ``torch._grouped_mm``."""
-    op = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
-    if op is None:
-        raise NotImplementedError(f"torch_grouped_mm_experts: torch {torch.__version__} has no grouped_mm "
-                                  "(torch._grouped_mm appeared in 2.8); use permute_experts instead")
-    return op
-
-
-def torch_grouped_mm_experts(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                             topk_weights: torch.Tensor, topk_ids: torch.Tensor, *, align: int = 128,
-                             validate_ids: bool = True) -> torch.Tensor:
-    """:func:`permute_experts` with PyTorch's grouped GEMM in place of ours: the baseline.
-
-    ``grouped_mm`` takes the packed rows plus ``offs`` (int32 cumulative segment ends), so the
-    padded segments go in as they are; its padding rows compute garbage that nobody reads.
-    SiLU·mul is a separate torch op on a materialised ``[M_pad, 2F]``. PyTorch's fast path is bf16
-    on sm90 (torch >= 2.8); where a build has no kernel for the inputs this raises
-    NotImplementedError.
-    """
-    func = "torch_grouped_mm_experts"
-    _, _, num_experts, _, _ = check_moe_inputs(func, hidden_states, w1, w2, topk_weights, topk_ids)
-    check_int(func, "align", align, lo=1)
-    grouped_mm = _grouped_mm()
-    permuted = permute(hidden_states, topk_ids, num_experts, align=align, validate_ids=validate_ids)
-    padded = (permuted.segment_counts + align - 1) // align * align
-    offs = torch.cumsum(padded, 0, dtype=torch.int32)
-    try:
-        gate_up = grouped_mm(permuted.rows, w1.transpose(1, 2), offs=offs)
-        gate, up = gate_up.chunk(2, dim=-1)
-        y = grouped_mm(torch.nn.functional.silu(gate) * up, w2.transpose(1, 2), offs=offs)
-    except RuntimeError as err:
-        raise NotImplementedError(f"{func}: this torch build ({torch.__version__}) has no grouped_mm for "
-                                  f"{hidden_states.dtype} on {hidden_states.device}: {err}") from err
-    return unpermute(y, permuted.src2dst, topk_weights)

@@ -47,17 +47,17 @@ import dataclasses
 
 import torch
 
-from .. import _runtime
-from .._checks import check_int, fail
-from ..kernels.blocks import BlockAssignment, assign_blocks, use_naive_block_assignment
-from ..kernels.combine import moe_sum
-from ..kernels.config import MoEConfig, default_config, load_table, nearest, table_name
-from ..kernels.index_gather import expert_down, expert_gate_up
-from ..kernels.grouped_routing import grouped_topk
-from ..kernels.routing import gate
-from ..kernels.shared import shared_expert_separate
-from ..model.shapes import GPUS, MODELS, MoEModel, bytes_per_weight
-from ..reference import moe_reference
+from . import _runtime
+from ._checks import check_int, fail
+from .kernels.blocks import BlockAssignment, assign_blocks, use_naive_block_assignment
+from .kernels.combine import moe_sum
+from .kernels.config import MoEConfig, default_config, load_table, nearest, table_name
+from .kernels.index_gather import expert_down, expert_gate_up
+from .kernels.grouped_routing import grouped_topk
+from .kernels.routing import gate
+from .kernels.shared import shared_expert_separate
+from .model.shapes import GPUS, MODELS, MoEModel, bytes_per_weight
+from .reference import moe_reference
 
 __all__ = ["DecodeLayer", "LayerTrace", "make_layer", "route", "shared_expert", "trace_config",
            "trace_moe_layer"]
