@@ -46,7 +46,6 @@ test: install book
 		--nbval-sanitize-with tests/nbval_sanitize.cfg moe_kernels tests notebooks
 
 lab: install
-	$(PY) -m pip install -q "jupyterlab>=4"
 	$(VENV)/bin/jupyter lab notebooks
 
 bench: install

@@ -37,3 +37,25 @@ def below(err: float, tol: str = "1e-6") -> str:
         ('below 1e-6', 'below 1e-12', '3.0e-03, above 1e-6')
     """
     return f"below {tol}" if err < float(tol) else f"{err:.1e}, above {tol}"
+
+
+def kernel_source(path: str, name: str):
+    """The lines of ``moe_kernels/<path>`` between ``# >>> book: <name>`` and ``# <<< book: <name>``,
+    dedented, as a highlighted code block: the kernel on the page *is* the package's kernel, so the
+    two cannot drift (nbval re-runs the cell and compares). The upstream file it is written after is
+    named in the prose beside it.
+
+        >>> print(kernel_source("kernels/routing.py", "gate").data.splitlines()[0])
+        return torch.nn.functional.linear(hidden_states.float(), gate_weight.float())
+    """
+    import textwrap
+    from pathlib import Path
+
+    from IPython.display import Code
+
+    lines = (Path(__file__).resolve().parents[1] / path).read_text().splitlines()
+    start = next((i for i, line in enumerate(lines) if line.strip() == f"# >>> book: {name}"), None)
+    end = next((i for i, line in enumerate(lines) if line.strip() == f"# <<< book: {name}"), None)
+    if start is None or end is None or end <= start:
+        raise ValueError(f"kernel_source: moe_kernels/{path} has no '# >>> book: {name}' ... '# <<< book: {name}' block")
+    return Code(textwrap.dedent("\n".join(lines[start + 1:end])), language="python")

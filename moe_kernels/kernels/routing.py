@@ -79,7 +79,9 @@ def gate(hidden_states: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor
     if gate_weight.shape[1] != hidden_states.shape[1]:
         fail(func, "gate_weight", f"must be [E, {hidden_states.shape[1]}] (d of hidden_states)",
              f"shape {tuple(gate_weight.shape)}")
+    # >>> book: gate
     return torch.nn.functional.linear(hidden_states.float(), gate_weight.float())
+    # <<< book: gate
 
 
 # --------------------------------------------------------------------------------------------

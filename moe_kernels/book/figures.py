@@ -1,0 +1,51 @@
+"""Figures for the chapter: one style, saved as SVG files a Markdown ``{figure}`` shows.
+
+A notebook cell draws with matplotlib, then ``save_figure(fig, "05-sweep")`` writes
+``notebooks/figures/05-sweep.svg`` and closes the figure, so the cell has no output and the
+picture appears where the prose places it, with its number, caption and alt text::
+
+    ```{figure} figures/05-sweep.svg
+    :name: fig-05-sweep
+    :alt: Two panels of time over the floor against batch, ...
+
+    Caption. The prose refers to it as {numref}`Figure %s <fig-05-sweep>`.
+    ```
+
+Both renderers number such figures (the site across the book, JupyterLab per notebook). SVG
+scales to any column width; the style keeps text at least 9 points at the 6.4-inch width
+the text column shows at full size, and half that on a phone is still legible when zoomed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+FIGURE_DIR = Path(__file__).resolve().parents[2] / "notebooks" / "figures"
+#: Width of the text column at full size, in inches (figures are drawn at it, or narrower).
+COLUMN_WIDTH = 6.4
+
+STYLE = {
+    "font.size": 10, "axes.titlesize": 10, "axes.labelsize": 10, "xtick.labelsize": 9, "ytick.labelsize": 9,
+    "legend.fontsize": 9, "legend.framealpha": 0.85, "figure.dpi": 100, "savefig.bbox": "tight",
+    "axes.spines.top": False, "axes.spines.right": False, "svg.hashsalt": "moe-chapter", "svg.fonttype": "path",
+}
+
+
+def use_chapter_style():
+    """Apply the chapter's matplotlib style (call once, at the top of a notebook)."""
+    import matplotlib
+
+    matplotlib.rcParams.update(STYLE)
+
+
+def save_figure(fig, name: str, directory: Path | None = None) -> Path:
+    """Write ``fig`` as ``<directory or notebooks/figures>/<name>.svg`` (no timestamp, fixed ids, so
+    the file only changes when the picture does) and close it. Returns the path."""
+    import matplotlib.pyplot as plt
+
+    folder = directory or FIGURE_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.svg"
+    fig.savefig(path, format="svg", metadata={"Date": None, "Creator": None})
+    plt.close(fig)
+    return path
