@@ -62,11 +62,14 @@ if HAS_TRITON:
         if GATED:
             up_ptrs = w_ptrs + N * stride_wn
             acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        # >>> book: block-scale-columns
         if SCALES == 1:
             # The scale row of each output column (gate and up halves), fixed for the whole loop.
             w_scale_cols = w_scale_ptr + (w_rows // 128) * stride_wsn
             if GATED:
                 up_scale_cols = w_scale_ptr + ((w_rows + N) // 128) * stride_wsn
+        # <<< book: block-scale-columns
+        # >>> book: k-loop
         for k in range(0, tl.cdiv(K, BLOCK_K)):
             if EVEN_K:
                 a = tl.load(a_ptrs)
@@ -95,6 +98,8 @@ if HAS_TRITON:
                 up_ptrs += BLOCK_K
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
+        # <<< book: k-loop
+        # >>> book: epilogue
         if SCALES == 2:
             a_scale = tl.load(a_scale_ptr + a_scale_rows)[:, None]
             acc = acc * a_scale * tl.load(w_scale_ptr + w_rows)[None, :]
@@ -107,13 +112,16 @@ if HAS_TRITON:
                 acc_up = acc_up * scale
         if GATED:
             acc = acc * tl.sigmoid(acc) * acc_up
+        # <<< book: epilogue
         return acc
 
+    # >>> book: routed-weight
     @kernel
     def scale_rows(acc, weights_ptr, assignments, row_real):
         """GEMM 2's epilogue: row ``i`` of ``acc`` times ``weights[assignments[i]]``, in fp32."""
         weight = tl.load(weights_ptr + assignments, mask=row_real, other=0.0).to(tl.float32)
         return acc * weight[:, None]
+    # <<< book: routed-weight
 
     @kernel
     def store_tile(out_ptr, out_rows, row_real, acc, pid_n, N, BLOCK_N: tl.constexpr):

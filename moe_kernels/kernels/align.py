@@ -58,12 +58,9 @@ __all__ = [
 _ID_DTYPES = (torch.int32, torch.int64)
 _INT32_MAX = 2**31 - 1
 
-# Launch settings, chosen by reasoning rather than measured: re-tune on the GPU (python -m
-# moe_kernels.bench) before trusting them.
-#
-# Up to SINGLE_LAUNCH_MAX_NUMEL assignments the whole alignment is one launch: every program
-# counts *all* ids itself, so no program waits for another (at these sizes re-counting should
-# cost less than a second launch, a few microseconds).
+# Launch settings. Up to SINGLE_LAUNCH_MAX_NUMEL assignments the whole alignment is one launch:
+# every program counts *all* ids itself, so no program waits for another (at these sizes
+# re-counting costs less than a second launch, a few microseconds).
 # Beyond it the counting is split off into a first launch of per-chunk histograms, and the
 # second launch sums that table instead of re-reading every id: the work stays linear in numel.
 SINGLE_LAUNCH_MAX_NUMEL = 8192
@@ -79,9 +76,8 @@ _SINGLE_TILE, _SINGLE_WARPS = 64, 8
 _MULTI_TILE, _MULTI_WARPS = 128, 4
 # Ids histogrammed per step while counting.
 _COUNT_TILE = 1024
-# Sentinel / -1 slots of the unused tail written per step, and the tail share of one program:
-# tiny batches with big blocks have a long tail (E*(block_size-1) rows), so it is spread over
-# a few programs rather than left to one.
+# Sentinel / -1 slots of the tail written per step, and one program's share of it: tiny batches with
+# big blocks have a long tail (E*(block_size-1) rows), spread over a few programs.
 _FILL_TILE = 1024
 _FILL_ROWS_PER_PROGRAM = 8192
 # Padding rows written per step by the last assignment of each expert.
@@ -160,6 +156,7 @@ if HAS_TRITON:
         valid = in_bounds & (raw >= 0) & (raw < num_experts)
         return tl.where(valid, raw, 0).to(tl.int32), valid
 
+    # >>> book: align-count
     @kernel
     def _count_experts(topk_ids_ptr, begin, end, num_experts,
                        NUM_BINS: tl.constexpr, COUNT_TILE: tl.constexpr):
@@ -170,6 +167,7 @@ if HAS_TRITON:
                 topk_ids_ptr, tile_start + tl.arange(0, COUNT_TILE), end, num_experts)
             counts += tl.histogram(experts, NUM_BINS, mask=valid)
         return counts
+    # <<< book: align-count
 
     @kernel(do_not_specialize=["numel", "chunk_size"])
     def _chunk_count_kernel(topk_ids_ptr, chunk_counts_ptr, numel, num_experts, chunk_size,
@@ -219,6 +217,7 @@ if HAS_TRITON:
             total = before + _count_experts(topk_ids_ptr, split, numel, num_experts,
                                             NUM_BINS, COUNT_TILE)
 
+        # >>> book: align-round-scan-scatter
         padded = (total + block_size - 1) // block_size * block_size
         segment_start = tl.cumsum(padded, axis=0) - padded
         real_end = segment_start + total  # first padding row of each segment
@@ -242,6 +241,7 @@ if HAS_TRITON:
             # labels the block.
             tl.store(expert_ids_ptr + row // block_size, experts,
                      mask=valid & (row % block_size == 0))
+            # <<< book: align-round-scan-scatter
             # The expert's last assignment pads its segment up to the block boundary.
             expert_real_end = tl.gather(real_end, experts, 0)
             is_last = valid & (row + 1 == expert_real_end)

@@ -64,6 +64,7 @@ if HAS_TRITON:
             selection = scores + bias
         selection = tl.where(is_expert & (selection == selection), selection, float("-inf"))
 
+        # >>> book: group-mask
         # Group scores: the best member, or (with a bias) the sum of the best two members.
         per_group = tl.reshape(selection, [BLOCK_T, G_PAD, S_PAD])
         top1 = tl.max(per_group, axis=2)
@@ -89,6 +90,7 @@ if HAS_TRITON:
             group_open = group_open & (group_ids != chosen[:, None])
         kept_columns = tl.reshape(tl.broadcast_to(kept[:, :, None], [BLOCK_T, G_PAD, S_PAD]),
                                   [BLOCK_T, NO_EXPERT])
+        # <<< book: group-mask
 
         # Top-k experts of the kept groups; weights from the unbiased scores.
         weights, ids = _take_topk(selection, scores, expert, is_expert & kept_columns, topk,

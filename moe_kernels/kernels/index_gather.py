@@ -90,6 +90,7 @@ if HAS_TRITON:
         pid_m = first_m + (pid % programs_per_group) % group_rows
         pid_n = (pid % programs_per_group) // group_rows
 
+        # >>> book: index-gather-rows
         offs_m = tl.arange(0, BLOCK_M)
         if NAIVE_BLOCKS:
             # Block m is assignment m alone: row 0 is real, the others are padding.
@@ -115,6 +116,7 @@ if HAS_TRITON:
         if MUL_ROUTED_WEIGHT:
             acc = scale_rows(acc, topk_weights_ptr, rows, row_real)
         store_tile(out_ptr, rows * stride_om, row_real, acc, pid_n, N, BLOCK_N)
+        # <<< book: index-gather-rows
 
 
 def _launch(a, w, out, topk_weights, blocks: BlockAssignment, *, n_out: int, top_k: int, gated: bool,

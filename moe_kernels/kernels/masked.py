@@ -78,6 +78,7 @@ if HAS_TRITON:
         GATED: tl.constexpr, EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
+        # >>> book: masked-early-exit
         pid = tl.program_id(0)
         expert = pid // tiles_per_expert
         first_row = (pid % tiles_per_expert) * BLOCK_M
@@ -94,6 +95,7 @@ if HAS_TRITON:
                                   GATED, EVEN_K, INPUT_PRECISION, 0, BLOCK_M, BLOCK_N, BLOCK_K)
         store_tile(out_ptr + slab * stride_oe, rows.to(tl.int64) * stride_om, row_real, acc,
                    tl.program_id(1), N, BLOCK_N)
+        # <<< book: masked-early-exit
 
 
 class MaskedRows(NamedTuple):

@@ -71,6 +71,7 @@ from .quant import fp8_granularity, quantize_activations
 if HAS_TRITON:
     from ._tile_gemm import expert_tile_product, store_tile
 
+    # >>> book: permute-scatter
     @kernel
     def copy_rows(src_ptr, src_rows, dst_ptr, dst_rows, row_mask, width, BLOCK_D: tl.constexpr):
         """Copy ``width`` elements of each row at element offset ``src_rows`` to ``dst_rows``
@@ -98,6 +99,7 @@ if HAS_TRITON:
         tl.store(src2dst_ptr + assignment, rows, mask=real)
         copy_rows(hidden_ptr, (assignment // topk).to(tl.int64) * stride_ht, rows_ptr, rows.to(tl.int64) * stride_rm,
                   real, hidden_size, BLOCK_D)
+    # <<< book: permute-scatter
 
     @kernel
     def _contiguous_gemm_kernel(

@@ -53,6 +53,7 @@ SCALE_CODES = {"block": 1, "channel": 2, "tensor": 3}
 
 if HAS_TRITON:
 
+    # >>> book: quant-groups
     @kernel
     def _quant_groups_kernel(x_ptr, stride_x, q_ptr, stride_q, s_ptr, stride_s, num_rows, K,
                              GROUP_SIZE: tl.constexpr, ROWS: tl.constexpr):
@@ -66,6 +67,7 @@ if HAS_TRITON:
         q = tl.clamp(x / scale[:, None], -448.0, 448.0)
         tl.store(q_ptr + r64[:, None] * stride_q + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
         tl.store(s_ptr + r64 * stride_s + tl.program_id(1), scale, mask=rows < num_rows)
+    # <<< book: quant-groups
 
 
 def _check_activations(func: str, x: object) -> torch.Tensor:
