@@ -38,9 +38,10 @@ def use_chapter_style():
     matplotlib.rcParams.update(STYLE)
 
 
-def save_figure(fig, name: str, directory: Path | None = None) -> Path:
+def save_figure(fig, name: str, directory: Path | None = None) -> None:
     """Write ``fig`` as ``<directory or notebooks/figures>/<name>.svg`` (no timestamp, fixed ids, so
-    the file only changes when the picture does) and close it. Returns the path."""
+    the file only changes when the picture does) and close it. Returns nothing, so a cell that ends
+    with it has no output."""
     import matplotlib.pyplot as plt
 
     folder = directory or FIGURE_DIR
@@ -48,4 +49,3 @@ def save_figure(fig, name: str, directory: Path | None = None) -> Path:
     path = folder / f"{name}.svg"
     fig.savefig(path, format="svg", metadata={"Date": None, "Creator": None})
     plt.close(fig)
-    return path

@@ -78,62 +78,86 @@ def alignment_picture(ax, sorted_token_ids: torch.Tensor, expert_ids: torch.Tens
     return ax
 
 
-def _slot(ax, x, y, label, color, fontsize=7):
+def _slot(ax, x, y, label, color, fontsize=9, width=1.0, height=1.0):
     import matplotlib.pyplot as plt
 
-    ax.add_patch(plt.Rectangle((x, y), 1, 1, facecolor=color, edgecolor="white", linewidth=0.8))
-    ax.text(x + 0.5, y + 0.5, label, ha="center", va="center", fontsize=fontsize)
+    ax.add_patch(plt.Rectangle((x, y), width, height, facecolor=color, edgecolor="white", linewidth=1.2))
+    if label:
+        ax.text(x + width / 2, y + height / 2, label, ha="center", va="center", fontsize=fontsize)
+
+
+def _layout_colors(num_experts):
+    """A light fill per expert (text stays readable on it) and grey for padding."""
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import to_rgba
+
+    base = plt.get_cmap("tab10")
+    return [tuple(0.55 * c + 0.45 for c in to_rgba(base(e % 10))[:3]) for e in range(num_experts)]
 
 
 def three_layouts_picture(axes, topk_ids: torch.Tensor, num_experts: int, block: int, m_max: int):
-    """The same routing in the three grouped-GEMM layouts, one panel each (a row of 3 Axes).
+    """The same routing in the three grouped-GEMM layouts, one panel each (three Axes, stacked).
 
-    Index-gather: ``sorted_token_ids`` tiles name which token row each GEMM row reads (no copy).
-    Permute: the token rows copied into per-expert segments aligned to ``block``.
-    Masked: an ``[E, m_max]`` grid per expert, used up to ``masked_m[e]``.
+    Index-gather: the aligned ``sorted_token_ids`` (top row: assignment ``a``; bottom row: the
+    token row ``a // k`` the GEMM reads; no copy). Permute: the token rows copied into per-expert
+    segments aligned to ``block``. Masked: an ``[E, m_max]`` slab per expert, used up to
+    ``masked_m[e]``. Slots are coloured by expert, padding is grey.
     """
-    import matplotlib.pyplot as plt
-
     from ..kernels.align import moe_align_block_size_reference
 
-    cmap = plt.get_cmap("tab10")
+    colors = _layout_colors(num_experts)
+    pad = "0.88"
     k = topk_ids.shape[1]
     numel = topk_ids.numel()
     sorted_ids, expert_ids, used = moe_align_block_size_reference(topk_ids, block, num_experts)
     used = int(used)
+
     ax = axes[0]
     for i in range(used):
         a = int(sorted_ids[i])
         e = int(expert_ids[i // block])
-        _slot(ax, i, 0, "·" if a >= numel else f"t{a // k}", "lightgrey" if a >= numel else cmap(e % 10))
+        real = a < numel
+        _slot(ax, i, 1, f"a{a}" if real else "pad", colors[e] if real else pad, fontsize=8)
+        _slot(ax, i, 0, f"x{a // k}" if real else "·", colors[e] if real else pad)
     for b in range(used // block):
-        ax.text((b + 0.5) * block, 1.25, f"tile → e{int(expert_ids[b])}", ha="center", fontsize=7)
+        ax.text((b + 0.5) * block, 2.15, f"tile {b}: expert {int(expert_ids[b])}", ha="center", fontsize=9)
+        ax.plot([b * block, b * block], [-0.1, 2.1], color="black", lw=1.2)
+    ax.plot([used, used], [-0.1, 2.1], color="black", lw=1.2)
+    ax.text(-0.3, 1.5, "sorted_token_ids", ha="right", va="center", fontsize=9)
+    ax.text(-0.3, 0.5, "row read (a // k)", ha="right", va="center", fontsize=9)
     ax.set_xlim(0, used)
-    ax.set_ylim(0, 1.6)
-    ax.set_title("index-gather: tiles of indices into x (no copy)", fontsize=9)
+    ax.set_ylim(0, 2.6)
+    ax.set_title("index-gather: each tile lists assignments; the GEMM reads x[a // k] in place",
+                 fontsize=10, loc="left")
 
     ax = axes[1]
     for i in range(used):
         a = int(sorted_ids[i])
         e = int(expert_ids[i // block])
-        _slot(ax, i, 0, "0" if a >= numel else f"x{a // k}", "lightgrey" if a >= numel else cmap(e % 10))
+        real = a < numel
+        _slot(ax, i, 0, f"x{a // k}" if real else "", colors[e] if real else pad)
+        ax.text(i + 0.5, -0.35, str(e) if real else "-1", ha="center", va="center", fontsize=8, color="0.3")
+    for b in range(used // block + 1):
+        ax.plot([b * block, b * block], [-0.1, 1.1], color="black", lw=1.2)
+    ax.text(-0.3, 0.5, "packed rows", ha="right", va="center", fontsize=9)
+    ax.text(-0.3, -0.35, "m_indices", ha="right", va="center", fontsize=8, color="0.3")
     ax.set_xlim(0, used)
-    ax.set_ylim(0, 1.6)
-    ax.set_title(f"permute: rows copied into segments aligned to {block}", fontsize=9)
+    ax.set_ylim(-0.7, 1.5)
+    ax.set_title(f"permute: rows copied into {block}-row segments, one segment per expert", fontsize=10, loc="left")
 
     ax = axes[2]
     flat = topk_ids.reshape(-1).tolist()
     for e in range(num_experts):
         rows = [a // k for a, expert in enumerate(flat) if expert == e]
+        y = num_experts - 1 - e
         for slot in range(m_max):
-            if slot < len(rows):
-                _slot(ax, slot, num_experts - 1 - e, f"x{rows[slot]}", cmap(e % 10))
-            else:
-                _slot(ax, slot, num_experts - 1 - e, "", "whitesmoke")
-        ax.text(m_max + 0.2, num_experts - 0.5 - e, f"e{e}: masked_m={len(rows)}", va="center", fontsize=7)
-    ax.set_xlim(0, m_max + 3.5)
+            used_slot = slot < len(rows)
+            _slot(ax, slot, y, f"x{rows[slot]}" if used_slot else "", colors[e] if used_slot else "0.95")
+        ax.text(-0.3, y + 0.5, f"expert {e}", ha="right", va="center", fontsize=9)
+        ax.text(m_max + 0.3, y + 0.5, f"masked_m = {len(rows)}", va="center", fontsize=9)
+    ax.set_xlim(0, used)
     ax.set_ylim(0, num_experts)
-    ax.set_title(f"masked: [E, m_max={m_max}] slabs", fontsize=9)
+    ax.set_title(f"masked: one [m_max = {m_max}]-row slab per expert, filled up to masked_m", fontsize=10, loc="left")
     for ax in axes:
         ax.set_xticks([])
         ax.set_yticks([])
@@ -162,58 +186,122 @@ def kernel_timings_picture(ax, rows: list[dict], ops: list[str], title: str = ""
     return ax
 
 
-def layout_sweep_picture(ax, rows: list[dict], model: str, layouts: list[str], title: str = ""):
-    """Recorded time over the floor against batch, one line per layout, for one model."""
-    for layout in layouts:
+def layout_sweep_picture(ax, rows: list[dict], model: str, layouts: list[str], title: str = "",
+                         labels: dict | None = None, reference_layout: str | None = None):
+    """Recorded time over the floor against batch, one line per layout, for one model (log axes:
+    the ratios span three decades). Each time is divided by its own row's floor, or, with
+    ``reference_layout``, by the floor of that layout at the same batch (so that a baseline doing
+    different work, such as a dense GEMM, is measured against the MoE layer's floor).
+    ``labels`` renames layouts in the legend."""
+    markers = "osD^vP*X"
+    floors = {r["batch"]: r["floor_s"] for r in rows if r["model"] == model and r["layout"] == reference_layout}
+    for i, layout in enumerate(layouts):
         mine = sorted((r for r in rows if r["model"] == model and r["layout"] == layout and "time_s" in r),
                       key=lambda r: r["batch"])
         if mine:
-            ax.loglog([r["batch"] for r in mine], [r["time_s"] / r["floor_s"] for r in mine], "-o", ms=3, label=layout)
+            ys = [r["time_s"] / (floors[r["batch"]] if reference_layout else r["floor_s"]) for r in mine]
+            ax.loglog([r["batch"] for r in mine], ys, "-", marker=markers[i % len(markers)], ms=3.5, lw=1.3,
+                      label=(labels or {}).get(layout, layout))
     ax.axhline(1.0, color="black", lw=0.8)
     ax.set_xlabel("batch (tokens)")
-    ax.set_ylabel("time / floor")
+    ax.set_ylabel("time / read floor" if reference_layout is None else "time / the MoE layer's read floor")
     ax.set_title(title, fontsize=10)
-    ax.grid(True, which="both", alpha=0.3)
+    ax.grid(True, which="major", alpha=0.3)
     return ax
+
+
+#: stage colours shared by the stage bars (copy-like stages purple, GEMMs blue/orange, sums green)
+STAGE_COLORS = {"block map": "tab:gray", "permute copy": "tab:purple", "dispatch": "tab:purple",
+                "gemm1": "tab:blue", "gemm2": "tab:orange", "sum": "tab:green", "unpermute": "tab:green",
+                "gather": "tab:green"}
+
+
+STAGE_LABELS = {"block map": "block map", "permute copy": "copy in (permute / dispatch)",
+                "dispatch": "copy in (permute / dispatch)", "gemm1": "GEMM 1 (+SiLU·mul)",
+                "gemm2": "GEMM 2 (+routed weight)", "sum": "sum / gather back", "unpermute": "sum / gather back",
+                "gather": "sum / gather back"}
 
 
 def layout_stages_picture(ax, rows: list[dict], model: str, title: str = ""):
-    """Stacked per-stage times (CUDA-graph replays) of each layout at each recorded batch."""
+    """Each layout's stages (CUDA-graph replays) as stacked bars, in units of the index-gather
+    layer's time at the same batch (linear axis, so bar heights compare), with that time in µs
+    written under each group. Bars: I = index-gather, P = permute, M = masked (token budget)."""
     mine = [r for r in rows if r["model"] == model and r["stages_us"]]
     batches = sorted({r["batch"] for r in mine})
-    layouts = []
-    for r in mine:
-        name = r["layout"].split(" (")[0]
-        if name not in layouts:
-            layouts.append(name)
-    width = 0.8 / len(layouts)
-    palette = {"block map": "tab:gray", "permute copy": "tab:purple", "dispatch": "tab:purple",
-               "gemm1": "tab:blue", "gemm2": "tab:orange", "sum": "tab:green", "unpermute": "tab:green",
-               "gather": "tab:green"}
-    seen = set()
-    for i, layout in enumerate(layouts):
-        for j, batch in enumerate(batches):
+    layouts = ["index-gather", "permute", "masked"]
+    width = 0.27
+    seen, units, top = set(), [], 0.0
+    for j, batch in enumerate(batches):
+        unit = sum(next(r for r in mine if r["batch"] == batch and r["layout"] == "index-gather")["stages_us"].values())
+        units.append(unit)
+        for i, layout in enumerate(layouts):
             row = next((r for r in mine if r["batch"] == batch and r["layout"].split(" (")[0] == layout), None)
             if row is None:
                 continue
-            total = sum(row["stages_us"].values())
+            x = j + (i - 1) * width
             bottom = 0.0
             for stage, value in row["stages_us"].items():
-                share = value / total
-                label = stage if stage not in seen else None
-                seen.add(stage)
-                ax.bar(j + (i - (len(layouts) - 1) / 2) * width, share, width * 0.95, bottom=bottom,
-                       color=palette.get(stage, "tab:olive"), label=label)
-                bottom += share
-            ax.text(j + (i - (len(layouts) - 1) / 2) * width, 1.01, layout[0].upper(), ha="center", fontsize=7)
-    ax.set_xticks(range(len(batches)))
-    ax.set_xticklabels([str(b) for b in batches])
-    ax.set_xlabel("batch (tokens); I = index-gather, P = permute, M = masked")
-    ax.set_ylabel("share of the layer's time")
-    ax.set_ylim(0, 1.1)
-    ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=7, ncol=3, loc="lower right")
+                label = STAGE_LABELS.get(stage, stage)
+                ax.bar(x, value / unit, width * 0.92, bottom=bottom, color=STAGE_COLORS.get(stage, "tab:olive"),
+                       label=label if label not in seen else None)
+                seen.add(label)
+                bottom += value / unit
+            ax.text(x, bottom + 0.03, "IPM"[i], ha="center", va="bottom", fontsize=8)
+            top = max(top, bottom)
+    ax.set_xticks(range(len(batches)), [f"{b}\n{u:,.0f} µs" for b, u in zip(batches, units)])
+    ax.set_xlabel("batch (tokens), and the index-gather layer's time")
+    ax.set_ylabel("time / index-gather")
+    ax.set_ylim(0, top + 0.35)
+    ax.axhline(1.0, color="black", lw=0.6, ls=":")
+    ax.set_title(title, fontsize=10, loc="left", pad=10)
     return ax
+
+
+def grouped_gemm_targets_picture(ax_floor, ax_rate, rows: list[dict], fp8_rows: list[dict], model: str,
+                                 gemm_rate: float, title: str = ""):
+    """Our index-gather layer on one model against its two targets.
+
+    ``ax_floor``: time over the read floor (bf16 GEMMs, bf16 layer, and the fp8 block layer over its
+    own fp8 floor), with the decode target 1.05 drawn over batches 8..512. ``ax_rate``: TFLOP/s of
+    the bf16 GEMMs and of cuBLAS batched GEMMs on perfectly balanced groups of the same work
+    ("bmm balanced same work"), the target 0.95x that over batches >= 4096, and ``gemm_rate`` (the
+    dense bf16 GEMM measured in the same run) as a ceiling.
+    """
+    def series(source, layout):
+        mine = sorted((r for r in source if r["model"] == model and r["layout"] == layout and "time_s" in r),
+                      key=lambda r: r["batch"])
+        return [r["batch"] for r in mine], mine
+
+    for layout, label, style in (("index-gather GEMMs graph", "bf16: the two GEMMs", "-o"),
+                                 ("index-gather layer graph", "bf16: whole layer", "--s")):
+        b, mine = series(rows, layout)
+        ax_floor.semilogx(b, [r["time_s"] / r["floor_s"] for r in mine], style, ms=3.5, lw=1.3, label=label,
+                          color="tab:blue" if "GEMMs" in layout else "tab:cyan")
+    b, mine = series(fp8_rows, "fp8 block GEMMs")
+    ax_floor.semilogx(b, [r["time_s"] / r["floor_s"] for r in mine], "-D", ms=3, lw=1.3, color="tab:red",
+                      label="fp8 block layer / fp8 floor")
+    ax_floor.axhline(1.0, color="black", lw=0.8)
+    ax_floor.plot([8, 512], [1.05, 1.05], color="tab:green", lw=2.5, alpha=0.8, label="target 1.05 (batch 8-512)")
+    ax_floor.set_ylabel("time / read floor")
+    ax_floor.set_xlabel("batch (tokens)")
+    ax_floor.set_title(title, fontsize=10)
+    ax_floor.grid(True, which="major", alpha=0.3)
+
+    b, mine = series(rows, "index-gather GEMMs graph")
+    ax_rate.semilogx(b, [r["flops"] / r["time_s"] / 1e12 for r in mine], "-o", ms=3.5, lw=1.3, color="tab:blue",
+                     label="bf16: the two GEMMs")
+    b, ref = series(rows, "bmm balanced same work")
+    ax_rate.semilogx(b, [r["flops"] / r["time_s"] / 1e12 for r in ref], ":^", ms=3.5, lw=1.3, color="0.35",
+                     label="cuBLAS bmm, balanced groups")
+    big = [(x, 0.95 * r["flops"] / r["time_s"] / 1e12) for x, r in zip(b, ref) if x >= 4096]
+    ax_rate.plot([x for x, _ in big], [y for _, y in big], color="tab:green", lw=2.5, alpha=0.8,
+                 label="target 0.95 x bmm (batch >= 4096)")
+    ax_rate.axhline(gemm_rate / 1e12, color="black", lw=0.8, ls="--", label="dense bf16 GEMM rate")
+    ax_rate.set_ylabel("TFLOP/s")
+    ax_rate.set_xlabel("batch (tokens)")
+    ax_rate.set_ylim(0, gemm_rate / 1e12 * 1.08)
+    ax_rate.grid(True, which="major", alpha=0.3)
+    return ax_floor, ax_rate
 
 
 def capacity_queues_picture(ax, topk_ids: torch.Tensor, num_experts: int, capacity: int, title: str = ""):
@@ -251,3 +339,33 @@ def capacity_queues_picture(ax, topk_ids: torch.Tensor, num_experts: int, capaci
         ax.spines[spine].set_visible(False)
     ax.set_title(title, fontsize=10)
     return ax
+
+
+def kernel_timings_panels(axes, rows: list[dict], ops: list[str], titles: list[str] | None = None):
+    """Recorded kernel times against batch, one panel per op (``axes`` holds one Axes per op).
+
+    Each panel has the same three lines: the kernel replayed from a CUDA graph (GPU time), the
+    kernel called eagerly from Python (launch overhead included) and the torch reference (eager).
+    No legend is drawn inside the panels; the handles are returned so that the caller can put one
+    legend below them (``fig.legend(handles=..., loc="lower center", ...)``), where it covers nothing.
+    """
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import FuncFormatter, LogLocator
+
+    styles = [("kernel_graph_us", "kernel, CUDA-graph replay", dict(color="tab:blue", ls="-", marker="o", ms=3)),
+              ("kernel_us", "kernel, eager Python call", dict(color="tab:orange", ls=":", lw=1.8)),
+              ("reference_us", "torch reference, eager", dict(color="tab:gray", ls="--"))]
+    plain = FuncFormatter(lambda v, _: f"{v:g}")
+    for i, (ax, op) in enumerate(zip(axes, ops)):
+        mine = sorted((r for r in rows if r["op"].startswith(op)), key=lambda r: r["batch"])
+        batches = [r["batch"] for r in mine]
+        for key, _, style in styles:
+            ax.loglog(batches, [r[key] for r in mine], **style)
+        ax.set_xlabel("batch (tokens)")
+        ax.set_title(titles[i] if titles else op)
+        ax.grid(True, which="major", alpha=0.3)
+        ax.xaxis.set_major_formatter(plain)
+        ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 3.0)))
+        ax.yaxis.set_major_formatter(plain)
+    axes[0].set_ylabel("time per call (µs)")
+    return [Line2D([], [], label=label, **style) for _, label, style in styles]

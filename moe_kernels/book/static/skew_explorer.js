@@ -1,10 +1,15 @@
 // The padding-under-skew explorer: sliders that redraw two plots with no Python kernel.
 //
-// The Python side (padding_skew_explorer in moe_kernels/widgets.py) emits a
+// The Python side (padding_skew_explorer in moe_kernels/book/widgets.py) emits a
 // <div class="moe-skew-explorer"> holding the controls, two empty <svg> elements and a JSON
 // config; this script wires up every such div not yet initialised. Its arithmetic repeats
-// moe_kernels/skew.py step for step (same windows, same recurrences, same order of operations)
-// so that the browser test can compare the two to 1e-9.
+// moe_kernels/model/skew.py step for step (same windows, same recurrences, same order of
+// operations) so that the browser test can compare the two to 1e-9.
+//
+// Measured points (config.points: recorded on an H200, or measured live by a notebook with a GPU)
+// are drawn on the right plot wherever the model and batch match: filled when they were taken with
+// the tile height and rounding the controls show, hollow otherwise. A line under the plots says
+// where they come from and what the GEMMs took at the recorded exponent nearest the slider.
 //
 // Every plotted series keeps its numbers in data-values (JSON [[x, y], ...]) and the readout
 // keeps the current point's numbers in data-* attributes.
@@ -110,6 +115,42 @@
     return x >= 1e9 ? (x / 1e9).toFixed(2) + " GB" : (x / 1e6).toFixed(1) + " MB";
   }
 
+  // The measured points of this model and batch, in order of s.
+  function pointsAt(cfg, key, B) {
+    var all = (cfg.points && cfg.points.points) || [];
+    return all.filter(function (p) { return p.model === key && p.batch === B; })
+              .sort(function (a, b) { return a.s - b.s; });
+  }
+
+  function describePoints(cfg, model, key, B, s, block, roundTo) {
+    var pts = pointsAt(cfg, key, B);
+    var where = cfg.points && cfg.points.live ? "measured on this GPU" : "recorded on an H200";
+    if (!cfg.points || !cfg.points.points || !cfg.points.points.length) return "";
+    if (!pts.length) {
+      var batches = [];
+      cfg.points.points.forEach(function (p) {
+        if (p.model === key && batches.indexOf(p.batch) < 0) batches.push(p.batch);
+      });
+      batches.sort(function (a, b) { return a - b; });
+      return "Dots " + where + " exist for " + model.name + " at B = " + (batches.join(" and ") || "none") +
+        "; move the batch slider there to see them.";
+    }
+    var near = pts[0];
+    pts.forEach(function (p) { if (Math.abs(p.s - s) < Math.abs(near.s - s)) near = p; });
+    var same = near.block === block && near.round === roundTo;
+    var text = "Dots: " + where + " (" + cfg.points.source + "), one routing drawn per exponent, " +
+      "tiles of " + near.block + " rows, m_max rounded to " + near.round + " rows" +
+      (same ? "." : " (hollow: set b = " + near.block + " and the rounding to " + near.round +
+       " rows to compare like for like).");
+    if (near.masked_us && near.index_gather_us) {
+      text += " At s = " + near.s.toFixed(1) + " the two masked GEMMs took " + near.masked_us.toFixed(0) +
+        " us and the two index-gather GEMMs " + near.index_gather_us.toFixed(0) + " us (" +
+        (near.masked_us / near.index_gather_us).toFixed(2) + "x), while masked reserved " +
+        near.masked.toFixed(2) + "x the real rows and contiguous ran " + near.contiguous.toFixed(2) + "x.";
+    }
+    return text;
+  }
+
   function setup(root) {
     var cfg = JSON.parse(root.querySelector("script.moe-skew-config").textContent);
     var inputs = {};
@@ -118,7 +159,7 @@
     });
 
     function redraw() {
-      var model = cfg.models[inputs.model.value];
+      var key = inputs.model.value, model = cfg.models[key];
       var s = +inputs.s.value, B = Math.pow(2, +inputs.logB.value), block = +inputs.block.value;
       var roundTo = inputs.round.value === "tile" ? block : +inputs.round.value;
       root.querySelector("output[for=s]").textContent = s.toFixed(2);
@@ -130,7 +171,7 @@
       var ymax = Math.max(B, block) * 2, ymin = Math.min(rows[model.E - 1][1], 0.5) / 2;
       drawPlot(root.querySelector("svg.rows"), [
         { name: "rows", values: rows, color: "#1f77b4", label: "rows of expert (mean)" },
-        { name: "mean", values: flat(here.real / model.E), color: "#2ca02c", dash: "4 3", width: 1, label: "mean B k / E" },
+        { name: "mean", values: flat(here.real / model.E), color: "#2ca02c", dash: "4 3", width: 1, label: "mean Bk/E" },
         { name: "hottest", values: flat(here.hottest), color: "#d62728", dash: "4 3", width: 1, label: "hottest (expected)" },
         { name: "tile", values: flat(block), color: "#555", dash: "1 2", width: 1, label: "tile height b" },
       ], { xmin: 1, xmax: model.E, xlog: true, ymin: ymin, ymax: ymax, ylog: true,
@@ -144,12 +185,24 @@
         maskedRows.push([sg, point.masked / point.real]);
       });
       var top = Math.max.apply(null, maskedRows.map(function (v) { return v[1]; }));
+      var pts = pointsAt(cfg, key, B), marks = [];
+      if (pts.length) {
+        var same = pts.every(function (p) { return p.block === block && p.round === roundTo; });
+        var tag = cfg.points.live ? "this GPU" : "H200";
+        marks = [
+          { name: "measured-contiguous", values: pts.map(function (p) { return [p.s, p.contiguous]; }),
+            color: "#1f77b4", fill: same, label: "contiguous, " + tag },
+          { name: "measured-masked", values: pts.map(function (p) { return [p.s, p.masked]; }),
+            color: "#d62728", fill: same, label: "masked, " + tag },
+        ];
+        pts.forEach(function (p) { top = Math.max(top, p.masked); });
+      }
       drawPlot(root.querySelector("svg.factors"), [
         { name: "contiguous", values: contiguous, color: "#1f77b4", label: "contiguous: tiles" },
         { name: "masked", values: maskedRows, color: "#d62728", label: "masked: E x m_max" },
       ], { xmin: 0, xmax: cfg.s_grid[cfg.s_grid.length - 1], xlog: false, ymin: 1, ymax: top * 1.5, ylog: true,
-           marker: s, legendLeft: true, xticks: [0, 0.5, 1, 1.5, 2], yticks: [1, 2, 5].concat(decades(10, top * 1.5)),
-           xlabel: "Zipf exponent s", ylabel: "rows / real rows" });
+           marker: s, xticks: [0, 0.5, 1, 1.5, 2], yticks: [1, 2, 5, 10, 20, 50, 100, 200, 500].filter(function (t) { return t <= top * 1.5; }),
+           xlabel: "Zipf exponent s", ylabel: "rows / real rows", points: marks });
 
       var rowBytes = (model.d + model.F) * cfg.itemsize;
       var readout = root.querySelector(".readout");
@@ -159,6 +212,7 @@
       readout.setAttribute("data-masked", String(here.masked));
       readout.setAttribute("data-masked-bytes", String(here.masked * rowBytes));
       readout.setAttribute("data-index-gather-bytes", String(here.real * rowBytes));
+      readout.setAttribute("data-points", String(pts.length));
       readout.textContent = model.name + ", B = " + B + ", s = " + s.toFixed(2) + ": the top expert is picked by " +
         (100 * here.pi[0]).toFixed(1) + "% of tokens (uniform: " + (100 * model.k / model.E).toFixed(1) +
         "%); " + here.touched.toFixed(1) + " experts touched; the hottest has " + here.hottest.toFixed(1) +
@@ -167,6 +221,7 @@
         (here.masked / here.real).toFixed(3) + "x (m_max = " + here.mMax.toFixed(1) +
         " on average). Row buffers in bf16: index-gather " + bytes(here.real * rowBytes) + ", masked " +
         bytes(here.masked * rowBytes) + ".";
+      root.querySelector(".measured").textContent = describePoints(cfg, model, key, B, s, block, roundTo);
     }
     Object.keys(inputs).forEach(function (name) {
       inputs[name].addEventListener("input", redraw);
