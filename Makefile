@@ -40,9 +40,10 @@ book: install $(MATHJAX)
 	$(VENV)/bin/jupyter-book build . --warningiserror --keep-going --path-output .
 
 # One pytest run: docstring examples, unit tests, every notebook re-executed and compared (nbval),
-# and the built site in headless Chromium.
+# the built site in headless Chromium, and two notebooks in JupyterLab. One worker per core, one file each
+# at a time (a notebook's cells must run in order in one kernel).
 test: install book
-	$(PY) -m pytest --doctest-modules --nbval --nbval-current-env \
+	$(PY) -m pytest -n auto --dist loadfile --durations=10 --doctest-modules --nbval --nbval-current-env \
 		--nbval-sanitize-with tests/nbval_sanitize.cfg moe_kernels tests notebooks
 
 lab: install

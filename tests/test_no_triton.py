@@ -81,4 +81,8 @@ def test_notebooks_run_on_the_references(tmp_path):
         streams = [o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
                    if o.get("output_type") == "stream"]
         notices = sum(s.count("Triton is not installed") for s in streams)
-        assert notices == 1, f"{path.name}: the no-Triton notice appeared {notices} times, expected once"
+        # The notice comes with the first kernel a notebook imports; one that only uses the byte
+        # model (moe_kernels.model) loads no kernel and shows none.
+        source = "".join(c.source for c in nb.cells if c.cell_type == "code")
+        expected = int("moe_kernels.kernels" in source or "import describe" in source or "MoELayer" in source)
+        assert notices == expected, f"{path.name}: the no-Triton notice appeared {notices} times, expected {expected}"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import http.server
 import json
+import re
 import os
 import shutil
 import threading
@@ -264,3 +265,57 @@ def test_skew_explorer_matches_closed_forms(server, offline):
                                 _assert_close(got_m, skew.expected_masked_rows(B, pi_g, round_to) / (B * k))
     assert offline.blocked == []
     assert offline.unexpected_errors() == []
+
+
+# ---- reading on a phone, figures, citations, kernels ------------------------------------------
+
+
+@pytest.mark.parametrize("path", PAGES)
+def test_pages_fit_a_phone(server, browser, path):
+    """At 390 x 844 (a phone) no page scrolls sideways: long code paths wrap, wide tables scroll
+    inside themselves, figures scale to the column."""
+    context = browser.new_context(viewport={"width": 390, "height": 844}, device_scale_factor=2)
+    try:
+        page = context.new_page()
+        page.route("**/*", lambda r: r.continue_() if urlparse(r.request.url).hostname == "127.0.0.1" else r.abort())
+        page.goto(f"{server}/{path}", wait_until="networkidle")
+        widths = page.evaluate("[document.documentElement.scrollWidth, document.documentElement.clientWidth]")
+        assert widths[0] <= widths[1] + 1, f"{path} scrolls sideways at 390 px: {widths[0]} > {widths[1]}"
+    finally:
+        context.close()
+
+
+@pytest.mark.parametrize("path", [p for p in PAGES if p.startswith("notebooks/")])
+def test_every_figure_is_numbered_and_described(server, offline, path):
+    """Every picture in the text is a numbered figure with a caption and an alt text."""
+    page = offline.page
+    page.goto(f"{server}/{path}", wait_until="networkidle")
+    images = page.evaluate("""() => [...document.querySelectorAll('article img')].map(img => ({
+        src: img.getAttribute('src'), alt: img.getAttribute('alt') || '',
+        caption: (img.closest('figure') && img.closest('figure').querySelector('figcaption')
+                  ? img.closest('figure').querySelector('figcaption').innerText : '')}))""")
+    for img in images:
+        assert img["alt"].strip() and len(img["alt"]) > 20, f"{path}: {img['src']} has no real alt text"
+        assert re.match(r"Figure \d+", img["caption"]), f"{path}: {img['src']} has no numbered caption"
+
+
+def test_every_reference_is_cited():
+    """Each entry of book/references.bib is cited somewhere in the chapter's text."""
+    keys = re.findall(r"^@\w+\{([^,]+),", (ROOT / "book" / "references.bib").read_text(), re.M)
+    text = "".join(p.read_text() for p in (ROOT / "notebooks").glob("*.ipynb")) + \
+        "".join(p.read_text() for p in (ROOT / "book").glob("*.md"))
+    cited = set(re.findall(r"\{cite(?::\w+)?\}`([^`]+)`", text))
+    cited = {k.strip() for group in cited for k in group.split(",")}
+    assert keys and not set(keys) - cited, f"never cited: {sorted(set(keys) - cited)}"
+
+
+def test_kernels_appear_on_the_page():
+    """The kernels are part of the text: at least five blocks of package source are shown, each
+    between markers that exist in the package (so page and code cannot drift)."""
+    shown = set()
+    for nb in (ROOT / "notebooks").glob("*.ipynb"):
+        shown |= set(re.findall(r'kernel_source\(\\"([^"\\]+)\\", \\"([^"\\]+)\\"\)', nb.read_text()))
+    assert len(shown) >= 5, f"only {len(shown)} kernels on the page: {sorted(shown)}"
+    for path, name in shown:
+        source = (ROOT / "moe_kernels" / path).read_text()
+        assert f"# >>> book: {name}" in source and f"# <<< book: {name}" in source, (path, name)
