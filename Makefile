@@ -43,7 +43,7 @@ book: install $(MATHJAX)
 # the built site in headless Chromium, and two notebooks in JupyterLab. One worker per core, one file each
 # at a time (a notebook's cells must run in order in one kernel).
 test: install book
-	$(PY) -m pytest -n auto --dist loadfile --durations=10 --doctest-modules --nbval --nbval-current-env \
+	$(PY) -m pytest -n auto --dist loadfile --durations=25 --doctest-modules --nbval --nbval-current-env \
 		--nbval-sanitize-with tests/nbval_sanitize.cfg moe_kernels tests notebooks
 
 lab: install

@@ -76,11 +76,11 @@ def random_cases(count, seed):
 def test_random_cases_match_reference_and_pass_checker():
     g = torch.Generator().manual_seed(1234)
     count = 0
-    for num_tokens, topk, num_experts, block_size, dtype in random_cases(208, seed=5):
+    for num_tokens, topk, num_experts, block_size, dtype in random_cases(120, seed=5):
         ids = random_topk_ids(g, num_tokens, num_experts, topk, dtype)
         assert_aligned_like_reference(ids, block_size, num_experts, what=f"{dtype}")
         count += 1
-    assert count >= 200
+    assert count >= 112
 
 
 def test_vllm_docstring_example_zero_based():
