@@ -1,9 +1,11 @@
 """Re-execute notebooks in place, and store the value of every inline {eval} expression.
 
-Usage: python tools/execute_notebooks.py [--check] NOTEBOOK.ipynb [...]
+Usage: python tools/execute_notebooks.py [--check] [--out DIR] NOTEBOOK.ipynb [...]
 
 --check executes in memory, writes nothing, and exits 1 if any stored inline value differs from
 what the code computes now (stale prose numbers), listing each one.
+--out DIR writes each executed notebook to DIR instead of in place (with --check too): on a GPU
+machine this keeps the live cells' outputs for reading without touching the committed notebooks.
 
 Code cells run top to bottom as in nbclient's normal run. Each Markdown cell that contains
 {eval}`expr` roles is evaluated when the run reaches it (after every code cell above it, exactly as
@@ -107,14 +109,22 @@ def _shown(cell):
 
 def main(argv):
     check = "--check" in argv
+    argv = [a for a in argv if a != "--check"]
+    out_dir = None
+    if "--out" in argv:
+        i = argv.index("--out")
+        out_dir = Path(argv[i + 1])
+        out_dir.mkdir(parents=True, exist_ok=True)
+        del argv[i:i + 2]
     stale = 0
-    for name in [a for a in argv if a != "--check"]:
+    for name in argv:
         path = Path(name)
         nb = nbformat.read(path, as_version=4)
         before = [_shown(c) for c in nb.cells]
         start = time.time()
         UserExpressionClient(
-            nb, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
+            nb, timeout=900, kernel_name="python3", record_timing=False,  # no timestamps in the commits
+            resources={"metadata": {"path": str(path.parent)}},
         ).execute()
         n = sum(len(c.metadata.get("user_expressions", [])) for c in nb.cells)
         if check:
@@ -123,7 +133,9 @@ def main(argv):
                     stale += 1
                     print(f"{path}: cell {i}: stored {old} but the code gives {_shown(cell)}")
             print(f"{path}: checked {n} inline expressions in {time.time() - start:.1f} s")
-        else:
+        if out_dir is not None:
+            nbformat.write(nb, out_dir / path.name)
+        elif not check:
             nbformat.write(nb, path)
             print(f"{path}: executed in {time.time() - start:.1f} s, {n} inline expressions stored")
     return 1 if stale else 0

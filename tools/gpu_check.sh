@@ -2,7 +2,9 @@
 # One GPU session: the GPU test suite, then the measurements the book plots, recorded with
 # provenance into results/<device>/ and packed into $OUT/results.tgz. Run from the repository root
 # of a committed tree:  MOE_KERNELS_COMMIT=$(git rev-parse HEAD) bash tools/gpu_check.sh [what...]
-# what: tests, ceilings, sweep, fp8, decode-step, layouts, routing, skew, shared (default: tests ceilings sweep).
+# what: tests, ceilings, sweep, fp8, decode-step, layouts, routing, skew, shared, notebooks (default: tests
+# ceilings sweep). notebooks executes every notebook with the GPU (its live cells run) into $OUT/notebooks
+# and lists the prose numbers that would change (needs Jupyter's nbclient and ipykernel).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 : "${MOE_KERNELS_COMMIT:?set MOE_KERNELS_COMMIT to the hash of the committed tree being measured}"
@@ -20,6 +22,11 @@ for step in "${steps[@]}"; do
                    2>&1 | tee "$OUT/sweep.log" | grep -E "GEMMs graph|bmm|ceilings|recorded" || status=1 ;;
         fp8) $PY -m moe_kernels.bench fp8 --record 2>&1 | tee "$OUT/fp8.log" | grep -E "GEMMs|permute|scaled|recorded|TB/s" \
                  | grep -E " (1|8|64|512|4096|16384) |recorded|TB/s" || status=1 ;;
+        notebooks) mkdir -p "$OUT/notebooks"
+                   for nb in notebooks/*.ipynb; do
+                       $PY tools/execute_notebooks.py --check --out "$OUT/notebooks" "$nb" 2>&1 | grep -v "running over TCP" \
+                           | tee -a "$OUT/notebooks.log" || status=1
+                   done ;;
         decode-step) $PY -m moe_kernels.bench decode-step --fp8 --record 2>&1 | tee "$OUT/decode-step.log" | tail -n 14 || status=1 ;;
         *) $PY -m moe_kernels.bench "$step" --record 2>&1 | tee "$OUT/$step.log" | tail -n 20 || status=1 ;;
     esac
