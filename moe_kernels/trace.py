@@ -24,17 +24,17 @@ interpreter; the number of experts, top-k and the groups stay the model's, so ev
 touched, buffer lengths, padded rows, program counts along M) is the real one. Bytes and FLOPs are
 then computed for the model's real d and F from those counts.
 
-Worked example: DeepSeek-V3 with 64 tokens, d and F shrunk to 32 and 16::
+Worked example: DeepSeek-V3 with 16 tokens, d and F shrunk to 32 and 16::
 
     >>> import torch
-    >>> t = trace_moe_layer("deepseek-v3", 64, hidden_size=32, intermediate_size=16,
+    >>> t = trace_moe_layer("deepseek-v3", 16, hidden_size=32, intermediate_size=16,
     ...                     dtype=torch.float32, device="cpu", seed=0)
-    >>> t.naive, t.naive_rule_lhs, t.num_experts       # 64·8·4 = 2048 > 256: align
-    (False, 2048, 256)
-    >>> t.block_m, t.max_num_tokens_padded, t.expert_ids_len   # 512 + 256·15 rows, /16 blocks
-    (16, 4352, 272)
-    >>> t.gemm1_grid                                   # M-blocks x N-tiles at the real F = 2048
-    (272, 64)
+    >>> t.naive, t.naive_rule_lhs, t.num_experts       # 16·8·4 = 512 > 256: align
+    (False, 512, 256)
+    >>> t.block_m, t.max_num_tokens_padded, t.expert_ids_len   # 128 + 256·15 rows, /16 blocks
+    (16, 3968, 248)
+    >>> t.gemm1_grid       # M-blocks (at most 128 + 128·15 rows in use, /16) x N-tiles at the real F = 2048
+    (128, 64)
     >>> t.routed_flops_per_token                       # k · 2 · 3dF at the real d, F
     704643072
     >>> t.rel_error < 1e-5                             # against the float64 per-token reference
