@@ -214,9 +214,10 @@ def _check(page, nb, shots, tag):
     md = [c for c in nb.cells if c.cell_type == "markdown"]
     cells = page.evaluate(CELLS_JS)
     assert len(cells) == len(md)
+    footnotes = {}  # cell index -> its footnotes' texts (opening the answers does not change them)
     for i, dom in enumerate(cells):
         if dom and dom["footnoteRefs"]:
-            dom["footnotes"] = _footnote_texts(page, i)
+            dom["footnotes"] = footnotes[i] = _footnote_texts(page, i)
             dom["text"] += " " + " ".join(dom["footnotes"])
     for i, (cell, dom) in enumerate(zip(md, cells)):
         where = f"markdown cell {i} ({tag})"
@@ -256,8 +257,7 @@ def _check(page, nb, shots, tag):
     page.wait_for_timeout(500)
     cells = page.evaluate(CELLS_JS)
     for i, (cell, dom) in enumerate(zip(md, cells)):
-        if dom["footnoteRefs"]:
-            dom["text"] += " " + " ".join(_footnote_texts(page, i))
+        dom["text"] += " " + " ".join(footnotes.get(i, []))
         assert all(d["open"] for d in dom["details"])
         for expr, shown in _stored(cell).items():
             assert shown in dom["text"], f"markdown cell {i} ({tag}, opened): {shown!r} not shown"
