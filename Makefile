@@ -40,10 +40,13 @@ book: install $(MATHJAX)
 	$(VENV)/bin/jupyter-book build . --warningiserror --keep-going --path-output .
 
 # One pytest run: docstring examples, unit tests, every notebook re-executed and compared (nbval),
-# the built site in headless Chromium, and two notebooks in JupyterLab. One worker per core, one file each
+# the built site in headless Chromium, and two notebooks in JupyterLab. Workers take one file each
 # at a time (a notebook's cells must run in order in one kernel).
+# One worker more than cores: the browser tests spend part of their time waiting on the page.
+WORKERS ?= $(shell n=$$(nproc 2>/dev/null) && echo $$((n + 1)) || echo auto)
+
 test: install book
-	$(PY) -m pytest -n auto --dist loadfile --durations=25 --doctest-modules --nbval --nbval-current-env \
+	$(PY) -m pytest -n $(WORKERS) --dist loadfile --durations=25 --doctest-modules --nbval --nbval-current-env \
 		--nbval-sanitize-with tests/nbval_sanitize.cfg moe_kernels tests notebooks
 
 lab: install

@@ -46,7 +46,7 @@ def hottest(ids, num_experts):
 # ------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("seed", range(45))
+@pytest.mark.parametrize("seed", range(30))
 def test_masked_experts_random(seed):
     shape, rng = random_shape(1000 + seed, [torch.float32, torch.float16])
     num_experts = shape["num_experts"]

@@ -43,7 +43,7 @@ from moe_testing import (
 # ------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("seed", range(45))
+@pytest.mark.parametrize("seed", range(30))
 def test_permute_experts_random(seed):
     shape, rng = random_shape(seed, [torch.float32, torch.float16])
     align = rng.choice([16, 32, 128])
