@@ -13,6 +13,7 @@ True
 """
 
 import math
+import os
 import random
 import re
 import subprocess
@@ -160,3 +161,34 @@ def assert_device_assert(code, message):
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0, f"no error from:\n{script}"
     assert "device-side assert" in output and message in output, output[-3000:]
+
+
+# ---- the browser tests (tests/test_site.py, tests/test_lab.py) -------------------------------------
+
+CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
+#: CI sets REQUIRE_BROWSER=1: a missing browser then fails the browser tests instead of skipping them.
+BROWSER_REQUIRED = os.environ.get("REQUIRE_BROWSER") == "1"
+
+
+def skip_or_fail_browser(reason: str):
+    if BROWSER_REQUIRED:
+        pytest.fail(reason + " (REQUIRE_BROWSER=1)")
+    pytest.skip(reason)
+
+
+def headless_chromium():
+    """Debian's Chromium driven by Playwright, with no background traffic (a generator for a fixture)."""
+    import shutil
+
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        skip_or_fail_browser("playwright is not installed")
+    if not shutil.which(CHROMIUM):
+        skip_or_fail_browser(f"no Chromium at {CHROMIUM}")
+    with sync_playwright() as pw:
+        b = pw.chromium.launch(executable_path=CHROMIUM, args=[
+            "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+            "--disable-background-networking", "--disable-component-update", "--disable-sync"])
+        yield b
+        b.close()

@@ -88,7 +88,9 @@ def test_vllm_docstring_example_zero_based():
     ids = torch.tensor([[1, 2, 3], [0, 1, 3], [0, 2, 3], [0, 1, 2]], device=DEVICE)
     sorted_ids, expert_ids, used = assert_aligned_like_reference(ids, 4, 4)
     assert int(used) == 16
-    assert sorted_ids[:16].tolist() == [3, 6, 9, 12, 0, 4, 10, 12, 1, 7, 11, 12, 2, 5, 8, 12]
+    blocks = sorted_ids[:16].view(4, 4)
+    assert blocks[:, :3].tolist() == [[3, 6, 9], [0, 4, 10], [1, 7, 11], [2, 5, 8]]  # each expert's assignments
+    assert blocks[:, 3].tolist() == [12] * 4  # then one padding row (the sentinel T*k = 12)
     assert sorted_ids[16:].tolist() == [12] * 8
     assert expert_ids.tolist() == [0, 1, 2, 3, -1, -1]
 

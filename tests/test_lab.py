@@ -34,13 +34,13 @@ from pathlib import Path
 
 import pytest
 
+from moe_testing import headless_chromium, skip_or_fail_browser
+
 ROOT = Path(__file__).resolve().parent.parent
 NB_DIR = ROOT / "notebooks"
 # Two notebooks: one with the kernel-free explorer, one with the kernels on the page and live-GPU cells.
 NOTEBOOKS = ["02_experts_touched.ipynb", "05_grouped_gemm.ipynb"]
 EXTRA = ["figures"]                          # files the notebooks' Markdown refers to
-CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
-REQUIRED = os.environ.get("REQUIRE_BROWSER") == "1"
 RUN_ALL_TIMEOUT_MS = int(os.environ.get("LAB_RUN_ALL_TIMEOUT_S", "300")) * 1000
 
 # User settings for the test server: every cell stays in the DOM (JupyterLab 4 otherwise only
@@ -83,11 +83,6 @@ RAW_ROLE = re.compile(r"\{(?:eval|glue(?::\w+)?|numref|eq|ref|doc|cite(?::\w+)?|
                       r"warning|important|figure|math|exercise|solution)\}")
 
 
-def _skip_or_fail(reason):
-    if REQUIRED:
-        pytest.fail(reason + " (REQUIRE_BROWSER=1)")
-    pytest.skip(reason)
-
 
 def _free_port():
     with socket.socket() as s:
@@ -108,7 +103,7 @@ def _stored(cell):
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
     if shutil.which("jupyter-lab", path=str(Path(sys.executable).parent)) is None:
-        _skip_or_fail("JupyterLab is not installed (make lab installs it)")
+        skip_or_fail_browser("JupyterLab is not installed (make lab installs it)")
     tmp = tmp_path_factory.mktemp("lab")
     root = tmp / "root"
     root.mkdir()
@@ -157,18 +152,7 @@ def lab(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def browser():
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        _skip_or_fail("playwright is not installed")
-    if not shutil.which(CHROMIUM):
-        _skip_or_fail(f"no Chromium at {CHROMIUM}")
-    with sync_playwright() as pw:
-        b = pw.chromium.launch(executable_path=CHROMIUM, args=[
-            "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-            "--disable-background-networking", "--disable-component-update", "--disable-sync"])
-        yield b
-        b.close()
+    yield from headless_chromium()
 
 
 def _open(browser, lab, name):

@@ -12,8 +12,6 @@ import functools
 import http.server
 import json
 import re
-import os
-import shutil
 import threading
 from pathlib import Path
 from urllib.parse import urlparse
@@ -21,20 +19,14 @@ from urllib.parse import urlparse
 import pytest
 
 from moe_kernels.model import costs
+from moe_testing import headless_chromium, skip_or_fail_browser
 from moe_kernels.model.shapes import GPUS
 
 ROOT = Path(__file__).resolve().parent.parent
 SITE = ROOT / "_build" / "html"
-CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
-REQUIRED = os.environ.get("REQUIRE_BROWSER") == "1"
 # Jupyter Book 1 pages declare THEBE_JS_URL twice; harmless, and the only console error we accept.
 ALLOWED_CONSOLE = ("THEBE_JS_URL",)
 
-
-def _skip_or_fail(reason: str):
-    if REQUIRED:
-        pytest.fail(reason + " (REQUIRE_BROWSER=1)")
-    pytest.skip(reason)
 
 
 class _QuietHandler(http.server.SimpleHTTPRequestHandler):
@@ -56,20 +48,7 @@ def server():
 
 @pytest.fixture(scope="module")
 def browser():
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        _skip_or_fail("playwright is not installed")
-    if not shutil.which(CHROMIUM):
-        _skip_or_fail(f"no Chromium at {CHROMIUM}")
-    with sync_playwright() as pw:
-        b = pw.chromium.launch(
-            executable_path=CHROMIUM,
-            args=["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                  "--disable-background-networking", "--disable-component-update", "--disable-sync"],
-        )
-        yield b
-        b.close()
+    yield from headless_chromium()
 
 
 class OfflinePage:

@@ -108,8 +108,8 @@ def moe_align_block_size_reference(topk_ids: torch.Tensor, block_size: int, num_
 
         >>> ids = torch.tensor([[1, 2, 3], [0, 1, 3], [0, 2, 3], [0, 1, 2]])
         >>> s, e, n = moe_align_block_size_reference(ids, 4, 4)
-        >>> s[: int(n)].tolist()
-        [3, 6, 9, 12, 0, 4, 10, 12, 1, 7, 11, 12, 2, 5, 8, 12]
+        >>> s[: int(n)].view(-1, 4)[:, :3].tolist()   # each block's real rows; row 4 is padding (12)
+        [[3, 6, 9], [0, 4, 10], [1, 7, 11], [2, 5, 8]]
         >>> e[: int(n) // 4].tolist()
         [0, 1, 2, 3]
     """
