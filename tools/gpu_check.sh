@@ -2,8 +2,9 @@
 # One GPU session: the GPU test suite, then the measurements the book plots, recorded with
 # provenance into results/<device>/ and packed into $OUT/results.tgz. Run from the repository root
 # of a committed tree:  MOE_KERNELS_COMMIT=$(git rev-parse HEAD) bash tools/gpu_check.sh [what...]
-# what: tests, ceilings, sweep, fp8, decode-step, layouts, routing, skew, shared, notebooks (default: tests
-# ceilings sweep). notebooks executes every notebook with the GPU (its live cells run) into $OUT/notebooks
+# what: tests, ceilings, tune, sweep, fp8, decode-step, layouts, routing, skew, shared, notebooks (default: tests
+# ceilings sweep). tune searches the tiles (TUNE_BATCHES, TUNE_BUDGET_S) and rewrites the tuned tables in
+# moe_kernels/kernels/configs/, which are packed too. notebooks executes every notebook with the GPU (its live cells run) into $OUT/notebooks
 # and lists the prose numbers that would change (needs Jupyter's nbclient and ipykernel).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -20,6 +21,9 @@ for step in "${steps[@]}"; do
         tests) $PY -m pytest tests -m gpu -q -p no:cacheprovider -W ignore::DeprecationWarning 2>&1 | tee "$OUT/gpu-tests.log" | tail -n 25 || status=1 ;;
         sweep) $PY -m moe_kernels.bench sweep --warmup-ms 5 --rep-ms 30 --record \
                    2>&1 | tee "$OUT/sweep.log" | grep -E "GEMMs graph|bmm|ceilings|recorded" || status=1 ;;
+        tune) $PY -m moe_kernels.bench tune --batches "${TUNE_BATCHES:-1,8,64,512,2048,4096,16384,256,1024,16,32,128,2,4,8192}" \
+                  --warmup-ms 2 --rep-ms 10 --budget-s "${TUNE_BUDGET_S:-400}" --workers "$(nproc)" --record --write-tables \
+                  2>&1 | tee "$OUT/tune.log" | grep -E "batch|wrote|recorded|precompiled|budget" || status=1 ;;
         fp8) $PY -m moe_kernels.bench fp8 --record 2>&1 | tee "$OUT/fp8.log" | grep -E "GEMMs|permute|scaled|recorded|TB/s" \
                  | grep -E " (1|8|64|512|4096|16384) |recorded|TB/s" || status=1 ;;
         notebooks) mkdir -p "$OUT/notebooks"
@@ -30,6 +34,6 @@ for step in "${steps[@]}"; do
         decode-step) $PY -m moe_kernels.bench decode-step --fp8 --record 2>&1 | tee "$OUT/decode-step.log" | tail -n 14 || status=1 ;;
         *) $PY -m moe_kernels.bench "$step" --record 2>&1 | tee "$OUT/$step.log" | tail -n 20 || status=1 ;;
     esac
-    tar czf "$OUT/results.tgz" results   # after every step: a run cut short keeps what it measured
+    tar czf "$OUT/results.tgz" results moe_kernels/kernels/configs   # after every step: a run cut short keeps what it measured
 done
 exit $status

@@ -51,6 +51,25 @@ def measure_read_bandwidth(nbytes: int = 4 * 1024**3, block: int = 8192) -> floa
     return 4 * n / (ms * 1e-3)
 
 
+def measure_read_time_by_size(sizes=tuple(2**i * 1024**2 for i in range(3, 13)), block: int = 8192) -> list[dict]:
+    """Seconds to stream-read ``sizes`` bytes in one kernel replayed from a CUDA graph (L2 flushed),
+    as a layer's GEMM reads its weights: a small read pays the launch, the ramp and the tail that
+    the 4 GiB ceiling hides. One ``{"bytes", "seconds"}`` per size."""
+    _require_cuda("measure_read_time_by_size")
+    from .sweep import graphed
+
+    out = []
+    for nbytes in sizes:
+        n = max(nbytes // 4 // block, 1) * block
+        x = torch.rand(n, device="cuda")
+        partial = torch.empty(n // block, device="cuda")
+        replay = graphed(lambda x=x, partial=partial, n=n: _read_kernel[(n // block,)](x, partial, BLOCK=block,
+                                                                                        num_warps=8))
+        out.append({"bytes": 4 * n, "seconds": _median_ms(replay) * 1e-3})
+        del x, partial
+    return out
+
+
 def measure_hbm_bandwidth(nbytes: int = 2 * 1024**3) -> float:
     """Bytes per second of a device-to-device copy of ``nbytes`` (read + write counted)."""
     _require_cuda("measure_hbm_bandwidth")
@@ -103,6 +122,10 @@ def main(argv: list[str] | None = None) -> int:
         print("moe_kernels.bench ceilings: needs a CUDA GPU", file=sys.stderr)
         return 2
     data = measure_all()
+    data["read_by_size"] = measure_read_time_by_size()
+    for point in data["read_by_size"]:
+        print(f"read {point['bytes'] / 2**20:7.0f} MiB in {point['seconds'] * 1e6:8.1f} us: "
+              f"{point['bytes'] / point['seconds'] / 1e12:.2f} TB/s")
     print(f"read {data['read_bandwidth'] / 1e12:.2f} TB/s, copy {data['hbm_bandwidth'] / 1e12:.2f} TB/s, "
           f"bf16 GEMM {data['gemm_rate_bf16'] / 1e12:.0f} TFLOP/s"
           + (f", fp8 GEMM {data['gemm_rate_fp8'] / 1e12:.0f} TFLOP/s" if data["gemm_rate_fp8"] else ""))

@@ -289,8 +289,17 @@ def tile_candidates(rows_per_expert: float, block_m: int, gated: bool) -> list:
             continue  # two accumulators of BLOCK_M x 256 do not fit in registers
         if stages * (block_m * k + weight_tiles * n * k) * 2 > _SHARED_MEMORY_BYTES:
             continue
-        out.append(GemmTiles(n, k, group, warps, stages))
+        for tma in (False, True):   # weight tiles by pointer loads or by the copy engine (TMA)
+            out.append(GemmTiles(n, k, group, warps, stages, tma=tma))
     return out
+
+
+def down_variants(rows_per_expert: float) -> list[tuple[bool, int]]:
+    """GEMM 2 finishes in one of two ways: ``(False, 1)`` writes ``[T, k, d]`` for the top-k sum
+    kernel; ``(True, s)`` adds into ``[T, d]`` fp32 in its epilogue, over ``s`` K slices. Split-K
+    only pays where the programs are too few to keep every SM streaming (few rows per expert)."""
+    splits = (1, 2, 4) if rows_per_expert < 16 else (1, 2) if rows_per_expert < 64 else (1,)
+    return [(False, 1)] + [(True, s) for s in splits]
 
 
 def _compile_jobs(jobs: list[dict]) -> int:
@@ -312,7 +321,8 @@ def _compile_jobs(jobs: list[dict]) -> int:
                 expert_gate_up(torch.randn(4, d, **on), torch.randn(1, 2 * f, d, **on), blocks, top_k, tiles=tiles)
             else:
                 weights = torch.rand(4, top_k, device=job["device"])
-                expert_down(torch.randn(4 * top_k, f, **on), torch.randn(1, d, f, **on), weights, blocks, tiles=tiles)
+                expert_down(torch.randn(4 * top_k, f, **on), torch.randn(1, d, f, **on), weights, blocks, tiles=tiles,
+                            sum_slots=job["sum_slots"])
             done += 1
         except Exception:  # noqa: BLE001 - a config that cannot compile is skipped when timed too
             pass
@@ -345,6 +355,7 @@ def tune(models, batches, *, dtype, seed, warmup_ms, rep_ms, workers, budget_s=m
     from ..kernels.blocks import use_naive_block_assignment
     from ..kernels.config import MoEConfig
     from ..kernels.blocks import assign_blocks
+    from ..kernels.combine import moe_sum
     from ..kernels.index_gather import expert_down, expert_gate_up
 
     start = time.perf_counter()
@@ -355,11 +366,11 @@ def tune(models, batches, *, dtype, seed, warmup_ms, rep_ms, workers, budget_s=m
             rho = batch * model.top_k / model.num_experts
             naive = use_naive_block_assignment(batch, model.top_k, model.num_experts)
             for bm in block_m_candidates(rho):
-                for gated in (True, False):
-                    for tiles in tile_candidates(rho, bm, gated):
-                        jobs.append({"d": model.hidden_size, "f": model.moe_intermediate_size, "top_k": model.top_k,
-                                     "block_m": bm, "naive": naive, "gated": gated, "device": str(device),
-                                     "dtype": str(dtype).replace("torch.", ""), "tiles": dataclasses.asdict(tiles)})
+                for gated, summed, tiles in _candidates(rho, bm):
+                    jobs.append({"d": model.hidden_size, "f": model.moe_intermediate_size, "top_k": model.top_k,
+                                 "block_m": bm, "naive": naive, "gated": gated, "sum_slots": summed,
+                                 "device": str(device), "dtype": str(dtype).replace("torch.", ""),
+                                 "tiles": dataclasses.asdict(tiles)})
             plans.append((key, batch, rho))
     unique = {json.dumps(j, sort_keys=True): j for j in jobs}
     precompile(list(unique.values()), workers, log)
@@ -377,40 +388,73 @@ def tune(models, batches, *, dtype, seed, warmup_ms, rep_ms, workers, budget_s=m
         numel = ids.numel()
         inter = torch.empty(numel, model.moe_intermediate_size, device=device, dtype=dtype)
         per_slot = torch.empty(batch, model.top_k, model.hidden_size, device=device, dtype=dtype)
+        summed = torch.empty(batch, model.hidden_size, device=device, dtype=torch.float32)
+        out = torch.empty(batch, model.hidden_size, device=device, dtype=dtype)
         best = None
         tried = []
         for bm in block_m_candidates(rho):
             blocks = assign_blocks(ids, bm, model.num_experts, validate_ids=False)
 
-            def timed(make_call, tiles):
+            def timed(call, what):
+                # Replayed from a CUDA graph, as the layer runs in an engine: launch overhead excluded.
                 try:
-                    return median_ms(make_call(tiles), warmup_ms, rep_ms)
+                    return median_ms(graphed(call), warmup_ms, rep_ms)
                 except Exception as err:  # noqa: BLE001 - e.g. out of shared memory: skip the config
-                    tried.append({"block_m": bm, "tiles": dataclasses.asdict(tiles), "error": str(err)[:120]})
+                    tried.append({"block_m": bm, **what, "error": str(err)[:120]})
                     return math.inf
 
-            up_times = {t: timed(lambda t: (lambda: expert_gate_up(hidden, w1, blocks, model.top_k, tiles=t, out=inter)), t)
-                        for t in tile_candidates(rho, bm, True)}
+            def gate_up(t):
+                return lambda: expert_gate_up(hidden, w1, blocks, model.top_k, tiles=t, out=inter)
+
+            def down_and_sum(t, sum_in_gemm):
+                # GEMM 2 with the top-k sum, whichever way it is done, into the [T, d] output.
+                if sum_in_gemm:
+                    def run():
+                        summed.zero_()
+                        expert_down(inter, w2, weights, blocks, tiles=t, out=summed, sum_slots=True)
+                        out.copy_(summed)
+                else:
+                    def run():
+                        moe_sum(expert_down(inter, w2, weights, blocks, tiles=t, out=per_slot), out=out)
+                return run
+
+            up_times = {t: timed(gate_up(t), {"gemm": "gate_up", "tiles": dataclasses.asdict(t)})
+                        for _, _, t in _candidates(rho, bm, gemm="gate_up")}
             best_up = min(up_times, key=up_times.get)
             expert_gate_up(hidden, w1, blocks, model.top_k, tiles=best_up, out=inter)  # real data for GEMM 2
-            down_times = {t: timed(lambda t: (lambda: expert_down(inter, w2, weights, blocks, tiles=t, out=per_slot)), t)
-                          for t in tile_candidates(rho, bm, False)}
-            best_down = min(down_times, key=down_times.get)
+            down_times = {(sm, t): timed(down_and_sum(t, sm), {"gemm": "down", "sum_in_gemm": sm,
+                                                               "tiles": dataclasses.asdict(t)})
+                          for _, sm, t in _candidates(rho, bm, gemm="down")}
+            best_sum, best_down = min(down_times, key=down_times.get)
             for t, ms in up_times.items():
                 tried.append({"gemm": "gate_up", "block_m": bm, "tiles": dataclasses.asdict(t), "ms": ms})
-            for t, ms in down_times.items():
-                tried.append({"gemm": "down", "block_m": bm, "tiles": dataclasses.asdict(t), "ms": ms})
-            total = up_times[best_up] + down_times[best_down]
+            for (sm, t), ms in down_times.items():
+                tried.append({"gemm": "down", "block_m": bm, "sum_in_gemm": sm, "tiles": dataclasses.asdict(t),
+                              "ms": ms})
+            total = up_times[best_up] + down_times[best_sum, best_down]
             if best is None or total < best[0]:
-                best = (total, MoEConfig(bm, best_up, best_down), up_times[best_up], down_times[best_down])
+                best = (total, MoEConfig(bm, best_up, best_down, best_sum), up_times[best_up],
+                        down_times[best_sum, best_down])
         total, cfg, t_up, t_down = best
-        log(f"{key:<14} batch {batch:>6}: {total * 1e3:8.1f} us (gate_up {t_up * 1e3:.1f} + down {t_down * 1e3:.1f}) "
-            f"block_m {cfg.block_m} gate_up {_short(cfg.gate_up)} down {_short(cfg.down)}")
+        log(f"{key:<14} batch {batch:>6}: {total * 1e3:8.1f} us (gate_up {t_up * 1e3:.1f} + down and sum "
+            f"{t_down * 1e3:.1f}) block_m {cfg.block_m} gate_up {_short(cfg.gate_up)} down {_short(cfg.down)}"
+            f"{' summed in GEMM 2' if cfg.sum_in_gemm else ''}")
         entries.append({"model": key, "E": model.num_experts, "N": model.moe_intermediate_size, "K": model.hidden_size,
                         "M": batch, "config": cfg.to_dict(), "gemm_ms": {"gate_up": t_up, "down": t_down},
                         "tried": [t for t in tried if t.get("ms", 0) != math.inf]})
-        del hidden, weights, ids, inter, per_slot
+        del hidden, weights, ids, inter, per_slot, summed, out
     return entries
+
+
+def _candidates(rho: float, block_m: int, gemm: str | None = None):
+    """``(gated, sum_in_gemm, tiles)`` to try for GEMM 1 (``gemm="gate_up"``), GEMM 2 (``"down"``)
+    or both (None) at ``rho`` rows per expert and M tile ``block_m``."""
+    if gemm in (None, "gate_up"):
+        yield from ((True, False, t) for t in tile_candidates(rho, block_m, True))
+    if gemm in (None, "down"):
+        for t in tile_candidates(rho, block_m, False):
+            for sum_in_gemm, split in down_variants(rho):
+                yield False, sum_in_gemm, dataclasses.replace(t, split_k=split)
 
 
 def _warm_up(device, seconds: float = 1.0) -> None:
@@ -427,7 +471,8 @@ def _warm_up(device, seconds: float = 1.0) -> None:
 
 
 def _short(t) -> str:
-    return f"n{t.block_n} k{t.block_k} g{t.group_m} w{t.num_warps} s{t.num_stages}"
+    return (f"n{t.block_n} k{t.block_k} g{t.group_m} w{t.num_warps} s{t.num_stages}"
+            + (f" split{t.split_k}" if t.split_k > 1 else ""))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -456,6 +501,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1),
                         help="processes compiling tuning candidates in parallel")
     parser.add_argument("--budget-s", type=float, default=math.inf, help="stop tuning new batches after this long")
+    parser.add_argument("--write-tables", action="store_true",
+                        help="with --tune: write the best configs as the tables the kernels load (kernels/configs/)")
     args = parser.parse_args(argv)
 
     if not torch.cuda.is_available():
@@ -478,6 +525,8 @@ def main(argv: list[str] | None = None) -> int:
                        rep_ms=args.rep_ms, workers=args.workers, budget_s=args.budget_s, log=log)
         data = {"config": config, "device": torch.cuda.get_device_name(), "entries": entries}
         name = args.name or "fused-moe-tuning"
+        if args.write_tables:
+            _write_tables(entries, dtype, f"results/{_device_dir()}/{name}.json", log)
     else:
         from .ceilings import measure_gemm_rate, measure_hbm_bandwidth, measure_read_bandwidth
 
@@ -502,6 +551,38 @@ def main(argv: list[str] | None = None) -> int:
     if args.record:
         _record(name, data, args.results_dir, log)
     return 0
+
+
+def _device_dir() -> str:
+    from ..results import device_slug
+
+    return device_slug(torch.cuda.get_device_name())
+
+
+def _write_tables(entries: list[dict], dtype: torch.dtype, record: str, log) -> None:
+    """One table per tuned shape: the best config at each token count tuned (merged into the
+    entries an existing table has at other token counts)."""
+    from ..kernels.config import MoEConfig, load_table, table_name, write_table
+
+    device = torch.cuda.get_device_name()
+    by_shape: dict = {}
+    for entry in entries:
+        by_shape.setdefault((entry["E"], entry["N"], entry["K"]), {})[entry["M"]] = MoEConfig.from_dict(entry["config"])
+    for (e, n, k), configs in by_shape.items():
+        old = load_table(table_name(device, e, n, k, dtype, "index_gather")) or {}
+        measured = {"device": device, "torch": torch.__version__, "triton": _triton_version(),
+                    "routing": "uniform (top-k of iid normal logits)",
+                    "method": "python -m moe_kernels.bench tune --write-tables (GEMM 1 and GEMM 2 with its top-k "
+                              "sum timed separately, each replayed from a CUDA graph, L2 flushed)",
+                    "record": record}
+        path = write_table(device, e, n, k, dtype, "index_gather", {**old, **configs}, measured)
+        log(f"wrote {path}")
+
+
+def _triton_version() -> str:
+    import triton
+
+    return triton.__version__
 
 
 def _record(name: str, data: dict, results_dir: str | None, log) -> None:

@@ -15,6 +15,9 @@ tile, and an epilogue. That part lives here, once:
 * :func:`scale_rows` - the routed-weight epilogue of GEMM 2: each row times its routing weight,
   in fp32, before the single rounding to the output dtype.
 * :func:`store_tile` - the masked store: only real rows and columns ``< N`` are written.
+* :func:`add_tile` - the same tile added into an fp32 output with atomics, for a GEMM 2 that sums
+  the top-k slots in its epilogue and may split its K loop (``SPLIT_K`` programs per tile, each
+  over a slice of K): the sum is linear, so partial products can land in any order.
 
 Host side: :func:`dot_precision` (fp32 inputs would silently run as TF32), :func:`check_out`
 (a caller's output buffer) and :func:`in_float32_under_interpreter`, the one workaround for
@@ -39,6 +42,7 @@ if HAS_TRITON:
         a_scale_ptr, a_scale_rows, w_scale_ptr, stride_wsn, stride_wsk,
         GATED: tl.constexpr, EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr, SCALES: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        split=0, SPLIT_K: tl.constexpr = 1, w_desc=None, w_desc_row=0, TMA_W: tl.constexpr = False,
     ):
         """fp32 ``[BLOCK_M, BLOCK_N]``: ``A[a_rows, :K] @ W[cols, :K]^T`` (``silu(gate) * up`` when
         ``GATED``) for output columns ``cols = pid_n * BLOCK_N + [0, BLOCK_N)``.
@@ -52,12 +56,27 @@ if HAS_TRITON:
           applied to every K step's product inside the loop (``BLOCK_K`` divides 128);
         * 2, channels: one scale per row of ``A`` and per row ``n`` of ``W``, after the loop;
         * 3, tensor: one scale for ``A`` and one for this expert's ``W``, after the loop.
+
+        With ``SPLIT_K > 1`` the product covers only slice ``split`` of the K steps (not with
+        ``GATED``: SiLU needs the whole sum). With ``TMA_W`` the weight tiles come through the
+        Hopper tensor-memory accelerator: ``w_desc`` describes all experts' weights as one
+        ``[E * N', K]`` matrix and ``w_desc_row`` is this tile's first row in it (the copy engine
+        zero-fills past K and past the last row, so no mask is computed).
         """
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         w_rows = (cols % N).to(tl.int64)
+        k_steps = tl.cdiv(K, BLOCK_K)
+        if SPLIT_K == 1:
+            k_first = 0
+            k_last = k_steps
+        else:
+            tl.static_assert(not GATED, "split-K needs a linear epilogue")
+            per_split = tl.cdiv(k_steps, SPLIT_K)
+            k_first = split * per_split
+            k_last = tl.minimum(k_first + per_split, k_steps)
         ks = tl.arange(0, BLOCK_K)
-        a_ptrs = a_ptr + a_rows[:, None] + ks[None, :]
-        w_ptrs = w_ptr + w_rows[None, :] * stride_wn + ks[:, None]
+        a_ptrs = a_ptr + a_rows[:, None] + ks[None, :] + k_first * BLOCK_K
+        w_ptrs = w_ptr + w_rows[None, :] * stride_wn + ks[:, None] + k_first * BLOCK_K
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if GATED:
             up_ptrs = w_ptrs + N * stride_wn
@@ -70,13 +89,17 @@ if HAS_TRITON:
                 up_scale_cols = w_scale_ptr + ((w_rows + N) // 128) * stride_wsn
         # <<< book: block-scale-columns
         # >>> book: k-loop
-        for k in range(0, tl.cdiv(K, BLOCK_K)):
+        for k in range(k_first, k_last):
             if EVEN_K:
                 a = tl.load(a_ptrs)
-                w = tl.load(w_ptrs)
             else:
                 k_left = K - k * BLOCK_K
                 a = tl.load(a_ptrs, mask=ks[None, :] < k_left, other=0.0)
+            if TMA_W:
+                w = w_desc.load([w_desc_row, k * BLOCK_K]).T
+            elif EVEN_K:
+                w = tl.load(w_ptrs)
+            else:
                 w = tl.load(w_ptrs, mask=ks[:, None] < k_left, other=0.0)
             if SCALES == 1:
                 group = (k * BLOCK_K) // 128
@@ -86,7 +109,9 @@ if HAS_TRITON:
             else:
                 acc = tl.dot(a, w, acc, input_precision=INPUT_PRECISION)
             if GATED:
-                if EVEN_K:
+                if TMA_W:
+                    up = w_desc.load([w_desc_row + N, k * BLOCK_K]).T
+                elif EVEN_K:
                     up = tl.load(up_ptrs)
                 else:
                     up = tl.load(up_ptrs, mask=ks[:, None] < k_left, other=0.0)
@@ -130,6 +155,16 @@ if HAS_TRITON:
         ptrs = out_ptr + out_rows[:, None] + cols[None, :]
         tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_real[:, None] & (cols[None, :] < N))
 
+    # >>> book: add-tile
+    @kernel
+    def add_tile(out_ptr, out_rows, row_real, acc, pid_n, N, BLOCK_N: tl.constexpr):
+        """``out[out_rows, cols] += acc`` in fp32 for the real rows and the columns ``< N``: rows of
+        one token (its k slots, in different blocks) and K slices of one tile meet here in any order."""
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        ptrs = out_ptr + out_rows[:, None] + cols[None, :]
+        tl.atomic_add(ptrs, acc, mask=row_real[:, None] & (cols[None, :] < N), sem="relaxed")
+    # <<< book: add-tile
+
 
 def scale_arguments(a: torch.Tensor, w: torch.Tensor, a_scale, w_scale, granularity: str | None) -> tuple:
     """A layout kernel's scale arguments ``(a_scale, stride_as, w_scale, stride_wse, stride_wsn,
@@ -143,6 +178,19 @@ def scale_arguments(a: torch.Tensor, w: torch.Tensor, a_scale, w_scale, granular
     if granularity == "channel":
         return a_scale, 1, w_scale, w_scale.stride(0), 1, 0, 2
     return a_scale, 0, w_scale, 1, 0, 0, 3
+
+
+def weight_descriptor(func: str, w: torch.Tensor, tiles):
+    """The tensor descriptor of ``w [E, N', K]`` as one ``[E * N', K]`` matrix in
+    ``[block_n, block_k]`` boxes, for ``tiles.tma``; None without it (pointer loads)."""
+    if not tiles.tma:
+        return None
+    if not w.is_contiguous():
+        fail(func, "tiles.tma", "needs contiguous weights (one [E * N', K] matrix for the copy engine)",
+             f"strides {w.stride()}")
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(w.view(-1, w.shape[2]), [tiles.block_n, tiles.block_k])
 
 
 def fp8_tiles(tiles, granularity: str | None):

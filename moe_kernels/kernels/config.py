@@ -40,7 +40,12 @@ class GemmTiles:
 
     ``block_n`` counts *output* columns: GEMM 1 loads ``2 * block_n`` weight rows per K step (the
     gate tile and the matching up tile). ``group_m`` M-blocks are visited before moving to the next
-    N-tile, so that M-blocks of one expert share weight tiles in L2.
+    N-tile, so that M-blocks of one expert share weight tiles in L2. ``split_k`` programs share
+    one output tile, each over a slice of the K loop, and add their partial products: more
+    programs where the tiles are too few to fill the SMs (GEMM 2 only, when it sums the top-k
+    slots in its epilogue: see :class:`MoEConfig`). ``tma`` loads the weight tiles through
+    Hopper's tensor-memory accelerator (index-gather layout; the gathered activation rows keep
+    pointer loads).
     """
 
     block_n: int
@@ -48,16 +53,20 @@ class GemmTiles:
     group_m: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    split_k: int = 1
+    tma: bool = False
 
     def check(self, func: str, name: str) -> "GemmTiles":
         for field in ("block_n", "block_k"):
             size = getattr(self, field)
             if not isinstance(size, int) or size < 16 or size & (size - 1):
                 fail(func, f"{name}.{field}", "must be a power of two >= 16 (a tl.dot tile)", size)
-        for field, lo in (("group_m", 1), ("num_warps", 1), ("num_stages", 1)):
+        for field, lo in (("group_m", 1), ("num_warps", 1), ("num_stages", 1), ("split_k", 1)):
             value = getattr(self, field)
             if not isinstance(value, int) or value < lo:
                 fail(func, f"{name}.{field}", f"must be an int >= {lo}", value)
+        if not isinstance(self.tma, bool):
+            fail(func, f"{name}.tma", "must be a bool", repr(self.tma), TypeError)
         if self.num_warps & (self.num_warps - 1):
             fail(func, f"{name}.num_warps", "must be a power of two", self.num_warps)
         return self
@@ -65,32 +74,57 @@ class GemmTiles:
 
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
-    """The M tile and the tiles of both GEMMs (GEMM 1: gate/up with SiLU·mul; GEMM 2: down)."""
+    """The M tile and the tiles of both GEMMs (GEMM 1: gate/up with SiLU·mul; GEMM 2: down).
+
+    ``sum_in_gemm`` (index-gather layout): GEMM 2 adds each routed row straight into an fp32
+    ``[T, d]`` accumulator with atomics, instead of writing ``[T, k, d]`` for a separate top-k sum;
+    one cast to the output dtype follows. It saves writing and re-reading ``k`` rows per token
+    and allows ``down.split_k > 1``; the order of the fp32 additions then varies from run to run.
+    """
 
     block_m: int
     gate_up: GemmTiles
     down: GemmTiles
+    sum_in_gemm: bool = False
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
     @staticmethod
     def from_dict(d: dict) -> "MoEConfig":
-        return MoEConfig(d["block_m"], GemmTiles(**d["gate_up"]), GemmTiles(**d["down"]))
+        return MoEConfig(d["block_m"], GemmTiles(**d["gate_up"]), GemmTiles(**d["down"]),
+                         bool(d.get("sum_in_gemm", False)))
 
     def with_block_m(self, block_m: int) -> "MoEConfig":
         return dataclasses.replace(self, block_m=block_m)
 
 
-def check_config(func: str, config: object, *, align: int | None = None) -> MoEConfig:
+def check_config(func: str, config: object, *, align: int | None = None, layout: str = "index_gather") -> MoEConfig:
     """``config`` must be a :class:`MoEConfig` of power-of-two tiles; with ``align`` (the permute
-    layout's segment alignment), ``block_m`` must divide it so that no tile straddles two experts."""
+    layout's segment alignment), ``block_m`` must divide it so that no tile straddles two experts.
+    The top-k sum in GEMM 2 (and split-K with it) exists only in the index-gather ``layout``."""
     if not isinstance(config, MoEConfig):
         fail(func, "config", "must be a moe_kernels.MoEConfig (or None for the default)",
              type(config).__name__, TypeError)
     check_block_m(func, "config.block_m", config.block_m)
     config.gate_up.check(func, "config.gate_up")
     config.down.check(func, "config.down")
+    if config.gate_up.split_k != 1:
+        fail(func, "config.gate_up.split_k", "must be 1 (SiLU·mul in GEMM 1's epilogue needs the whole K sum)",
+             config.gate_up.split_k)
+    if not isinstance(config.sum_in_gemm, bool):
+        fail(func, "config.sum_in_gemm", "must be a bool", repr(config.sum_in_gemm), TypeError)
+    if config.down.split_k != 1 and not config.sum_in_gemm:
+        fail(func, "config.down.split_k", "must be 1 unless config.sum_in_gemm=True (split-K partial products "
+             "are added with atomics, into the summed output)", config.down.split_k)
+    if layout != "index_gather" and (config.gate_up.tma or config.down.tma):
+        fail(func, "config.gate_up.tma", f"must be False for the {layout} layout (tensor-descriptor weight loads "
+             "are wired into the index-gather layout only)", f"gate_up.tma={config.gate_up.tma}, "
+             f"down.tma={config.down.tma}")
+    if layout != "index_gather" and (config.sum_in_gemm or config.down.split_k != 1):
+        fail(func, "config.sum_in_gemm", f"must be False with down.split_k=1 for the {layout} layout (its "
+             "rows are summed by the unpermute pass)", f"sum_in_gemm={config.sum_in_gemm}, "
+             f"split_k={config.down.split_k}")
     if align is not None and align % config.block_m:
         fail(func, "config.block_m", f"must divide align={align} (a tile must not straddle two "
              "experts' segments)", config.block_m)

@@ -51,14 +51,14 @@ import torch
 from .._checks import FLOAT_DTYPES, check_int, check_moe_inputs, check_tensor, fail
 from .._runtime import HAS_TRITON, kernel, tl, triton, use_triton
 from ._tile_gemm import (check_operands, check_out, dequantized, dot_precision, expert_rows_product, fp8_tiles,
-                         in_float32_under_interpreter, output_dtype, scale_arguments)
+                         in_float32_under_interpreter, output_dtype, scale_arguments, weight_descriptor)
 from .blocks import BlockAssignment, assign_blocks, assignments_by_block, check_blocks
 from .combine import moe_sum
 from .config import GemmTiles, MoEConfig, check_block_m, check_config, check_tiles, get_config
 from .quant import fp8_granularity, quantize_activations
 
 if HAS_TRITON:
-    from ._tile_gemm import expert_tile_product, scale_rows, store_tile
+    from ._tile_gemm import add_tile, expert_tile_product, scale_rows, store_tile
 
 
 # ----------------------------------------------------------------------------------------------
@@ -77,10 +77,12 @@ if HAS_TRITON:
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
         TOP_K: tl.constexpr, NAIVE_BLOCKS: tl.constexpr, GATED: tl.constexpr,
         MUL_ROUTED_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-        SCALES: tl.constexpr,
+        SCALES: tl.constexpr, SUM_TOP_K: tl.constexpr, SPLIT_K: tl.constexpr, w_desc, TMA_W: tl.constexpr,
     ):
         # out[row] = A[row // TOP_K] @ W[expert]^T for the rows of one M-block; W is [E, N', K].
-        pid = tl.program_id(0)
+        # SUM_TOP_K > 0: out[row // SUM_TOP_K] += that instead (fp32 atomics), over SPLIT_K K slices.
+        pid = tl.program_id(0) // SPLIT_K
+        split = tl.program_id(0) % SPLIT_K
         num_n_tiles = tl.cdiv(N, BLOCK_N)
         # Walk GROUP_M M-blocks down one N-tile before moving right, so that consecutive programs
         # of one expert reuse the same weight tile from L2.
@@ -104,28 +106,34 @@ if HAS_TRITON:
         if (expert < 0) | (expert >= num_experts):
             # -1: the block's expert is computed elsewhere (vLLM, under expert parallelism); an id
             # out of range (unchecked input) must not become an address. Its rows are zero.
-            zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            store_tile(out_ptr, rows * stride_om, row_real, zeros, pid_n, N, BLOCK_N)
+            if SUM_TOP_K == 0:   # (a summed output starts at zero: nothing to add)
+                zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                store_tile(out_ptr, rows * stride_om, row_real, zeros, pid_n, N, BLOCK_N)
             return
         # Padding rows read row 0 (never stored), so the loads need no row mask.
         a_row = tl.where(row_real, rows // TOP_K, 0)
         acc = expert_tile_product(a_ptr, a_row * stride_am, w_ptr + expert * stride_we, stride_wn, pid_n, N, K,
                                   a_scale_ptr, a_row * stride_as, w_scale_ptr + expert * stride_wse,
                                   stride_wsn, stride_wsk,
-                                  GATED, EVEN_K, INPUT_PRECISION, SCALES, BLOCK_M, BLOCK_N, BLOCK_K)
+                                  GATED, EVEN_K, INPUT_PRECISION, SCALES, BLOCK_M, BLOCK_N, BLOCK_K,
+                                  split, SPLIT_K, w_desc, (expert * (N * (1 + GATED)) + pid_n * BLOCK_N).to(tl.int32), TMA_W)
         if MUL_ROUTED_WEIGHT:
             acc = scale_rows(acc, topk_weights_ptr, rows, row_real)
-        store_tile(out_ptr, rows * stride_om, row_real, acc, pid_n, N, BLOCK_N)
+        if SUM_TOP_K == 0:
+            store_tile(out_ptr, rows * stride_om, row_real, acc, pid_n, N, BLOCK_N)
+        else:
+            add_tile(out_ptr, (rows // SUM_TOP_K) * stride_om, row_real, acc, pid_n, N, BLOCK_N)
         # <<< book: index-gather-rows
 
 
 def _launch(a, w, out, topk_weights, blocks: BlockAssignment, *, n_out: int, top_k: int, gated: bool,
-            tiles: GemmTiles, scales: tuple) -> None:
-    num_valid_rows = out.shape[0]
+            tiles: GemmTiles, scales: tuple, sum_top_k: int = 0) -> None:
+    num_valid_rows = a.shape[0] * top_k
     k_in = a.shape[1]
-    grid = (blocks.num_m_blocks * triton.cdiv(n_out, tiles.block_n),)
+    grid = (blocks.num_m_blocks * triton.cdiv(n_out, tiles.block_n) * tiles.split_k,)
     if grid[0] == 0 or n_out == 0:
         return
+    w_desc = weight_descriptor("index-gather GEMM", w, tiles)
     # Unused pointer arguments (naive blocks have no sorted ids, GEMM 1 has no weights) get any
     # tensor: the constexpr flags compile the loads away.
     sorted_ids = blocks.expert_ids if blocks.naive else blocks.sorted_token_ids
@@ -138,7 +146,8 @@ def _launch(a, w, out, topk_weights, blocks: BlockAssignment, *, n_out: int, top
         BLOCK_M=blocks.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
         TOP_K=top_k, NAIVE_BLOCKS=blocks.naive, GATED=gated,
         MUL_ROUTED_WEIGHT=topk_weights is not None, EVEN_K=k_in % tiles.block_k == 0,
-        INPUT_PRECISION=dot_precision(a.dtype), SCALES=scales[6],
+        INPUT_PRECISION=dot_precision(a.dtype), SCALES=scales[6], SUM_TOP_K=sum_top_k, SPLIT_K=tiles.split_k,
+        w_desc=w_desc if w_desc is not None else w, TMA_W=w_desc is not None,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
 
@@ -182,12 +191,14 @@ def expert_gate_up(hidden_states: torch.Tensor, w1: torch.Tensor, blocks: BlockA
 
 def expert_down(intermediate: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, blocks: BlockAssignment, *,
                 tiles: GemmTiles, out: torch.Tensor | None = None, a_scale: torch.Tensor | None = None,
-                w_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                w_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+                sum_slots: bool = False) -> torch.Tensor:
     """GEMM 2: row ``a`` of the result is ``topk_weights.flatten()[a] * (w2[e] @ intermediate[a])``.
 
     ``intermediate`` is :func:`expert_gate_up`'s ``[T*k, F]`` (or its fp8 requantisation, with
     ``a_scale``); the result is ``[T, k, d]`` (assignment order), the routing weight applied in fp32
-    before the cast.
+    before the cast. With ``sum_slots`` the epilogue adds the rows of token ``t`` into row ``t`` of
+    an fp32 ``out [T, d]`` instead (atomics; zeros unless given), and ``tiles.split_k`` may exceed 1.
     """
     func = "expert_down"
     granularity = check_operands(func, "intermediate", intermediate, "w2", w2, a_scale, w_scale)
@@ -201,18 +212,24 @@ def expert_down(intermediate: torch.Tensor, w2: torch.Tensor, topk_weights: torc
     check_blocks(func, blocks, num_tokens * top_k)
     tiles = fp8_tiles(check_tiles(func, tiles), granularity)
     d = w2.shape[1]
-    out = check_out(func, out, (num_tokens, top_k, d), intermediate, dtype=output_dtype(intermediate, out_dtype))
-    flat_out = out.view(num_tokens * top_k, d)
+    if sum_slots:
+        out = check_out(func, out, (num_tokens, d), intermediate, dtype=torch.float32)
+    else:
+        if tiles.split_k != 1:
+            fail(func, "tiles.split_k", "must be 1 unless sum_slots=True (K slices are added with atomics)",
+                 tiles.split_k)
+        out = check_out(func, out, (num_tokens, top_k, d), intermediate, dtype=output_dtype(intermediate, out_dtype))
     weights = topk_weights.contiguous()
     if not use_triton(intermediate, w2, weights, out):
         x, w = dequantized(intermediate, w2, a_scale, w_scale, granularity)
-        flat_out.copy_(_down_reference(x, w, weights, blocks))
-        return out
+        per_slot = _down_reference(x, w, weights, blocks).view(num_tokens, top_k, d)
+        return out.add_(per_slot.sum(1)) if sum_slots else out.copy_(per_slot)
     rerun = lambda x, w, out: expert_down(x, w, weights, blocks, tiles=tiles, out=out, a_scale=a_scale,  # noqa: E731
-                                          w_scale=w_scale, out_dtype=out.dtype)
+                                          w_scale=w_scale, out_dtype=out.dtype, sum_slots=sum_slots)
     if in_float32_under_interpreter(rerun, out, intermediate, w2) is None:
-        _launch(intermediate, w2, flat_out, weights, blocks, n_out=d, top_k=1, gated=False, tiles=tiles,
-                scales=scale_arguments(intermediate, w2, a_scale, w_scale, granularity))
+        _launch(intermediate, w2, out.view(-1, d), weights, blocks, n_out=d, top_k=1, gated=False, tiles=tiles,
+                scales=scale_arguments(intermediate, w2, a_scale, w_scale, granularity),
+                sum_top_k=top_k if sum_slots else 0)
     return out
 
 
@@ -301,20 +318,23 @@ def fused_experts(
         blocks = assign_blocks(topk_ids, block_m, num_experts, naive=naive_block_assignment, validate_ids=False)
     # Unchecked ids outside [0, E) sit in no aligned block, so nothing writes their slots: start from
     # zeros then (they add nothing); checked ids fill every slot.
-    per_slot = None if validate_ids else torch.zeros(num_tokens, top_k, d, dtype=hidden_states.dtype,
-                                                     device=hidden_states.device)
+    # A summed output always starts at zero.
+    summed = config.sum_in_gemm
+    per_slot = None if validate_ids and not summed else torch.zeros(
+        (num_tokens, d) if summed else (num_tokens, top_k, d), device=hidden_states.device,
+        dtype=torch.float32 if summed else hidden_states.dtype)
+    out_dtype = hidden_states.dtype
     if granularity is None:
         intermediate = expert_gate_up(hidden_states, w1, blocks, top_k, tiles=config.gate_up)
-        per_slot = expert_down(intermediate, w2, topk_weights, blocks, tiles=config.down, out=per_slot)
-        return moe_sum(per_slot)
-    out_dtype = hidden_states.dtype
-    x, x_scale = quantize_activations(hidden_states, granularity)
-    intermediate = expert_gate_up(x, w1, blocks, top_k, tiles=config.gate_up, a_scale=x_scale, w_scale=w1_scale,
-                                  out_dtype=out_dtype)
-    y, y_scale = quantize_activations(intermediate, granularity)
+        y, y_scale = intermediate, None
+    else:
+        x, x_scale = quantize_activations(hidden_states, granularity)
+        intermediate = expert_gate_up(x, w1, blocks, top_k, tiles=config.gate_up, a_scale=x_scale, w_scale=w1_scale,
+                                      out_dtype=out_dtype)
+        y, y_scale = quantize_activations(intermediate, granularity)
     per_slot = expert_down(y, w2, topk_weights, blocks, tiles=config.down, a_scale=y_scale, w_scale=w2_scale,
-                           out_dtype=out_dtype, out=per_slot)
-    return moe_sum(per_slot)
+                           out_dtype=out_dtype, out=per_slot, sum_slots=summed)
+    return per_slot.to(out_dtype) if summed else moe_sum(per_slot)
 
 
 def fused_moe(

@@ -208,7 +208,7 @@ def grouped_gemm_masked(x: torch.Tensor, w: torch.Tensor, masked_m: torch.Tensor
         config = get_config(m_max, num_experts, n, k, x.dtype, x.device, layout="masked")
     if which not in ("gate_up", "down"):
         fail(func, "which", "must be 'gate_up' or 'down'", repr(which))
-    tiles = getattr(check_config(func, config), which)
+    tiles = getattr(check_config(func, config, layout="masked"), which)
     result = check_out(func, out, (num_experts, m_max, n), x)
     if not use_triton(x, w, masked_m, result):
         return _grouped_gemm_masked_reference(x, w, masked_m, silu_mul, result)
@@ -255,7 +255,7 @@ def masked_experts(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tens
     if config is None:
         config = get_config(m_max, num_experts, f, hidden_size, hidden_states.dtype, hidden_states.device,
                             layout="masked")
-    check_config(func, config)
+    check_config(func, config, layout="masked")
     dispatched = masked_dispatch(hidden_states, topk_ids, num_experts, m_max=m_max, validate_ids=validate_ids)
     activated = grouped_gemm_masked(dispatched.rows, w1, dispatched.masked_m, silu_mul=True, config=config,
                                     which="gate_up")

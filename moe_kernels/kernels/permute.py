@@ -254,7 +254,7 @@ def grouped_gemm_contiguous(x: torch.Tensor, w: torch.Tensor, m_indices: torch.T
                             align=align)
     if which not in ("gate_up", "down"):
         fail(func, "which", "must be 'gate_up' or 'down'", repr(which))
-    tiles = fp8_tiles(getattr(check_config(func, config, align=align), which), granularity)
+    tiles = fp8_tiles(getattr(check_config(func, config, align=align, layout="permute"), which), granularity)
     result = check_out(func, out, (num_rows, n), x, dtype=output_dtype(x, out_dtype))
     if not use_triton(x, w, m_indices, result):
         xf, wf = dequantized(x, w, x_scale, w_scale, granularity)
@@ -302,7 +302,7 @@ def permute_experts(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Ten
             fail(func, "align", "must be a multiple of 16 (the smallest M tile) for the default tiles", align)
         config = get_config(num_tokens, num_experts, f, d, w1.dtype, hidden_states.device, layout="permute",
                             align=align)
-    check_config(func, config, align=align)
+    check_config(func, config, align=align, layout="permute")
     if granularity is None:
         permuted = permute(hidden_states, topk_ids, num_experts, align=align, validate_ids=validate_ids)
         activated = grouped_gemm_contiguous(permuted.rows, w1, permuted.m_indices, align=align, silu_mul=True,

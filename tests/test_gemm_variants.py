@@ -1,0 +1,174 @@
+"""The GEMM core's options against the float64 per-token reference: the top-k sum in GEMM 2's
+epilogue (``MoEConfig.sum_in_gemm``), split-K over GEMM 2's K loop (``GemmTiles.split_k``) and
+weight tiles through tensor descriptors (``GemmTiles.tma``), alone and together.
+
+Runs on default_device(): the Triton interpreter on a CPU machine (float32 and float16), the
+compiled kernels on a GPU (bf16 and fp8, at the models' own shapes).
+"""
+
+import random
+
+import pytest
+import torch
+
+from moe_kernels.kernels import index_gather as fm
+from moe_kernels.kernels.config import GemmTiles, MoEConfig, check_config
+from moe_kernels.kernels.quant import quantize_weight
+from moe_kernels.reference import moe_reference, moe_reference_fp8
+from moe_testing import DEVICE, EDGE_SHAPES, TOLERANCE, make_problem, needs_gpu, rel_err
+
+pytestmark = pytest.mark.usefixtures("true_fp32")
+
+# (sum_in_gemm, split_k, tma): every combination the kernels allow.
+VARIANTS = [(True, 1, False), (True, 2, False), (True, 3, False), (False, 1, True), (True, 2, True)]
+
+
+def variant(block_m, sum_in_gemm, split_k, tma, block_n=16, block_k=16):
+    return MoEConfig(block_m, GemmTiles(block_n, block_k, tma=tma),
+                     GemmTiles(block_n, block_k, split_k=split_k, tma=tma), sum_in_gemm)
+
+
+def check(problem, dtype, config, **kwargs):
+    hidden, w1, w2, weights, ids = problem
+    out = fm.fused_experts(hidden, w1, w2, weights, ids, config=config, **kwargs)
+    assert out.shape == hidden.shape and out.dtype == hidden.dtype
+    err = rel_err(out, moe_reference(hidden, w1, w2, weights, ids))
+    assert err < TOLERANCE[dtype], f"relative error {err:.2e} >= {TOLERANCE[dtype]:.0e}"
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_shapes(seed):
+    rnd = random.Random(500 + seed)
+    num_experts = rnd.randint(1, 10)
+    dtype = (torch.float32, torch.float16)[seed % 2]
+    problem = make_problem(rnd.randint(1, 20), num_experts, rnd.randint(1, min(num_experts, 4)),
+                           rnd.choice([16, 32, 40, 64]), rnd.choice([16, 24, 40]), dtype, seed=seed, fused_topk_like=True)
+    check(problem, dtype, variant(rnd.choice([16, 32]), *VARIANTS[seed % len(VARIANTS)]),
+          naive_block_assignment=rnd.choice([None, False, True]))
+
+
+@pytest.mark.parametrize("case", sorted(EDGE_SHAPES))
+@pytest.mark.parametrize("sum_in_gemm, split_k, tma", VARIANTS[1:3] + VARIANTS[4:])
+def test_edge_cases(case, sum_in_gemm, split_k, tma):
+    problem = make_problem(**EDGE_SHAPES[case], hidden=48, inter=40, seed=3)
+    check(problem, torch.float32, variant(16, sum_in_gemm, split_k, tma))
+
+
+def test_no_tokens_and_an_expert_with_none():
+    hidden, w1, w2, weights, ids = make_problem(6, 5, 2, 32, 16, seed=4, topk_ids=torch.tensor([[0, 1]] * 6))
+    check((hidden, w1, w2, weights, ids), torch.float32, variant(16, True, 2, True))   # experts 2..4 idle
+    empty = fm.fused_experts(hidden[:0], w1, w2, weights[:0], ids[:0], config=variant(16, True, 2, False))
+    assert empty.shape == (0, 32)
+
+
+def test_more_k_slices_than_k_steps():
+    # 3 K steps split 4 ways: one slice is empty and must add nothing.
+    check(make_problem(5, 4, 2, 32, 48, seed=5), torch.float32, variant(16, True, 4, False))
+
+
+def test_unchecked_ids_out_of_range_add_nothing():
+    hidden, w1, w2, weights, ids = make_problem(7, 4, 2, 32, 16, seed=6)
+    bad = ids.clone()
+    bad[2, 1] = 9
+    bad[5, 0] = -3
+    out = fm.fused_experts(hidden, w1, w2, weights, bad, config=variant(16, True, 2, True), validate_ids=False)
+    keep = (bad >= 0) & (bad < 4)
+    want = moe_reference(hidden, w1, w2, weights * keep, bad.clamp(0, 3))
+    assert rel_err(out, want) < TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("granularity", ["block", "channel", "tensor"])
+def test_fp8_summed_split(granularity):
+    hidden, w1, w2, weights, ids = make_problem(9, 6, 2, 256, 128, seed=7)
+    w1q, w1s = quantize_weight(w1, granularity)
+    w2q, w2s = quantize_weight(w2, granularity)
+    config = MoEConfig(16, GemmTiles(32, 128, tma=True), GemmTiles(32, 32, split_k=2, tma=True), True)
+    out = fm.fused_experts(hidden, w1q, w2q, weights, ids, config=config, w1_scale=w1s, w2_scale=w2s)
+    ref = moe_reference_fp8(hidden, w1q, w2q, weights, ids, w1_scale=w1s, w2_scale=w2s, granularity=granularity,
+                            intermediate_dtype=torch.float32)
+    assert rel_err(out, ref) < 1e-3
+
+
+def test_configs_that_cannot_work_name_their_field():
+    tiles = GemmTiles(16, 16)
+    cases = [
+        (MoEConfig(16, GemmTiles(16, 16, split_k=2), tiles, True), "config.gate_up.split_k"),
+        (MoEConfig(16, tiles, GemmTiles(16, 16, split_k=2)), "config.down.split_k"),
+        (MoEConfig(16, tiles, GemmTiles(16, 16, split_k=0), True), "config.down.split_k"),
+        (MoEConfig(16, tiles, tiles, 1), "config.sum_in_gemm"),
+        (MoEConfig(16, GemmTiles(16, 16, tma=1), tiles), "config.gate_up.tma"),
+    ]
+    for config, field in cases:
+        with pytest.raises((ValueError, TypeError), match=field.replace(".", r"\.")):
+            check_config("f", config)
+    for layout, field in (("permute", "config.sum_in_gemm"), ("masked", "config.gate_up.tma")):
+        bad = MoEConfig(16, GemmTiles(16, 16, tma=layout == "masked"), tiles, layout == "permute")
+        with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+            check_config("f", bad, align=128, layout=layout)
+
+
+def test_stage_options_are_checked():
+    hidden, w1, w2, weights, ids = make_problem(4, 3, 2, 32, 16, seed=8)
+    blocks = fm.assign_blocks(ids, 16, 3)
+    inter = fm.expert_gate_up(hidden, w1, blocks, 2, tiles=GemmTiles(16, 16))
+    with pytest.raises(ValueError, match=r"tiles\.split_k.*sum_slots"):
+        fm.expert_down(inter, w2, weights, blocks, tiles=GemmTiles(16, 16, split_k=2))
+    with pytest.raises(ValueError, match=r"out.*\(4, 32\)"):
+        fm.expert_down(inter, w2, weights, blocks, tiles=GemmTiles(16, 16), sum_slots=True,
+                       out=torch.zeros(4, 2, 32, device=DEVICE))
+    strided = torch.zeros(3, 32, 32, device=DEVICE)[:, :, :16]
+    with pytest.raises(ValueError, match=r"tiles\.tma.*contiguous"):
+        fm.expert_down(inter, strided, weights, blocks, tiles=GemmTiles(16, 16, tma=True))
+
+
+def test_summed_stage_adds_into_out():
+    hidden, w1, w2, weights, ids = make_problem(5, 4, 2, 32, 16, seed=9)
+    blocks = fm.assign_blocks(ids, 16, 4)
+    inter = fm.expert_gate_up(hidden, w1, blocks, 2, tiles=GemmTiles(16, 16))
+    start = torch.ones(5, 32, device=DEVICE)
+    out = fm.expert_down(inter, w2, weights, blocks, tiles=GemmTiles(16, 16, split_k=2), sum_slots=True, out=start)
+    assert out is start
+    assert rel_err(out - 1, moe_reference(hidden, w1, w2, weights, ids)) < TOLERANCE[torch.float32]
+
+
+# ---- GPU: the models' own shapes, bf16 and fp8, and CUDA-graph capture -----------------------------
+
+
+@needs_gpu
+@pytest.mark.parametrize("num_tokens", [1, 64, 600])
+@pytest.mark.parametrize("sum_in_gemm, split_k, tma", VARIANTS)
+def test_qwen3_shape_bf16_gpu(num_tokens, sum_in_gemm, split_k, tma):
+    problem = make_problem(num_tokens, 128, 8, 2048, 768, torch.bfloat16, seed=num_tokens, fused_topk_like=True)
+    check(problem, torch.bfloat16, variant(16 if num_tokens < 600 else 64, sum_in_gemm, split_k, tma, 64, 128))
+
+
+@needs_gpu
+@pytest.mark.parametrize("granularity", ["block", "channel"])
+def test_fp8_gpu(granularity):
+    hidden, w1, w2, weights, ids = make_problem(200, 64, 8, 1024, 512, torch.bfloat16, seed=10, fused_topk_like=True)
+    w1q, w1s = quantize_weight(w1, granularity)
+    w2q, w2s = quantize_weight(w2, granularity)
+    config = MoEConfig(16, GemmTiles(64, 128, tma=True), GemmTiles(128, 128, split_k=2, tma=True), True)
+    out = fm.fused_experts(hidden, w1q, w2q, weights, ids, config=config, w1_scale=w1s, w2_scale=w2s)
+    ref = moe_reference_fp8(hidden, w1q, w2q, weights, ids, w1_scale=w1s, w2_scale=w2s, granularity=granularity,
+                            intermediate_dtype=torch.bfloat16)
+    assert rel_err(out, ref) < 2e-2
+
+
+@needs_gpu
+def test_summed_split_tma_captures_and_replays():
+    hidden, w1, w2, weights, ids = make_problem(40, 32, 4, 512, 256, torch.bfloat16, seed=11, fused_topk_like=True)
+    config = variant(16, True, 2, True, 64, 128)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fm.fused_experts(hidden, w1, w2, weights, ids, config=config)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fm.fused_experts(hidden, w1, w2, weights, ids, config=config)
+    for seed in (12, 13):
+        hidden.copy_(torch.randn(40, 512, generator=torch.Generator().manual_seed(seed)).to(hidden))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_err(out, moe_reference(hidden, w1, w2, weights, ids)) < 1e-2
