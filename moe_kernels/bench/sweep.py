@@ -39,7 +39,7 @@ from typing import Callable
 
 import torch
 
-from ..model.costs import count_work, dense_work
+from ..model.costs import count_work, dense_work, read_seconds
 from ..model.shapes import MODELS, MoEModel
 from .problems import make_batch, make_weights
 
@@ -155,7 +155,7 @@ def sweep(models, batches, *, dtype, seed, warmup_ms, rep_ms, ceilings, configs=
     bandwidth, rate = ceilings["read_bandwidth"], ceilings["gemm_rate_bf16"]
     rows = []
     header = (f"{'model':<14} {'batch':>6} {'layout':<26} {'time us':>10} {'touched':>7} {'MB':>9} "
-              f"{'GFLOP':>9} {'TB/s':>6} {'TFLOP/s':>7} {'floor us':>9} {'x floor':>7}")
+              f"{'GFLOP':>9} {'TB/s':>6} {'TFLOP/s':>7} {'floor us':>9} {'x floor':>7} {'x read':>6}")
     log(header)
     for key, model in models.items():
         w1, w2 = make_weights(model, dtype, seed, device)
@@ -197,6 +197,8 @@ def sweep(models, batches, *, dtype, seed, warmup_ms, rep_ms, ceilings, configs=
                 row = {"model": key, "batch": batch, "layout": name, "experts_touched": wk.experts_touched,
                        "bytes": wk.bytes, "flops": wk.flops, "floor_s": wk.floor_seconds(bandwidth, rate),
                        "graph": as_graph}
+                if "read_by_size" in ceilings:   # a plain read of the same bytes, in one kernel
+                    row["read_same_bytes_s"] = read_seconds(ceilings["read_by_size"], wk.bytes)
                 try:
                     out = call()  # also the warm-up (compilation) before any capture
                     if compare:
@@ -246,7 +248,8 @@ def _format_row(row: dict) -> str:
     t = row["time_s"]
     return (f"{lead} {t * 1e6:>10.1f} {row['experts_touched']:>7} {row['bytes'] / 1e6:>9.1f} "
             f"{row['flops'] / 1e9:>9.2f} {row['bytes'] / t / 1e12:>6.2f} {row['flops'] / t / 1e12:>7.1f} "
-            f"{row['floor_s'] * 1e6:>9.1f} {t / row['floor_s']:>7.2f}")
+            f"{row['floor_s'] * 1e6:>9.1f} {t / row['floor_s']:>7.2f}"
+            + (f" {t / row['read_same_bytes_s']:>6.2f}" if "read_same_bytes_s" in row else ""))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -420,12 +423,12 @@ def tune(models, batches, *, dtype, seed, warmup_ms, rep_ms, workers, budget_s=m
 
             up_times = {t: timed(gate_up(t), {"gemm": "gate_up", "tiles": dataclasses.asdict(t)})
                         for _, _, t in _candidates(rho, bm, gemm="gate_up")}
-            best_up = min(up_times, key=up_times.get)
+            best_up = plainest_best(up_times, lambda t: (False, t))
             expert_gate_up(hidden, w1, blocks, model.top_k, tiles=best_up, out=inter)  # real data for GEMM 2
             down_times = {(sm, t): timed(down_and_sum(t, sm), {"gemm": "down", "sum_in_gemm": sm,
                                                                "tiles": dataclasses.asdict(t)})
                           for _, sm, t in _candidates(rho, bm, gemm="down")}
-            best_sum, best_down = min(down_times, key=down_times.get)
+            best_sum, best_down = plainest_best(down_times, lambda key: key)
             for t, ms in up_times.items():
                 tried.append({"gemm": "gate_up", "block_m": bm, "tiles": dataclasses.asdict(t), "ms": ms})
             for (sm, t), ms in down_times.items():
@@ -444,6 +447,38 @@ def tune(models, batches, *, dtype, seed, warmup_ms, rep_ms, workers, budget_s=m
                         "tried": [t for t in tried if t.get("ms", 0) != math.inf]})
         del hidden, weights, ids, inter, per_slot, summed, out
     return entries
+
+
+#: A candidate that adds machinery (the top-k sum by atomics, split-K, TMA) must beat the best
+#: plain one by more than this fraction, about the run-to-run spread of one timing, to be chosen:
+#: otherwise the deterministic pointer-load kernel wins.
+MACHINERY_MARGIN = 0.03
+
+
+def plainest_best(times: dict, options) -> object:
+    """The fastest key of ``times`` (key -> ms), unless a plain one (``options(key)`` gives
+    ``(sum_in_gemm, tiles)``: no sum in GEMM 2, split_k 1, no TMA) is within
+    :data:`MACHINERY_MARGIN` of it.
+
+        >>> from moe_kernels.kernels.config import GemmTiles
+        >>> plain, tma = GemmTiles(64, 128), GemmTiles(64, 128, tma=True)
+        >>> plainest_best({plain: 1.00, tma: 0.99}, lambda t: (False, t)) is plain
+        True
+        >>> plainest_best({plain: 1.00, tma: 0.90}, lambda t: (False, t)) is tma
+        True
+    """
+    best = min(times, key=times.get)
+
+    def plain(key):
+        summed, tiles = options(key)
+        return not summed and tiles.split_k == 1 and not tiles.tma
+
+    plain_keys = [k for k in times if plain(k)]
+    if plain_keys:
+        best_plain = min(plain_keys, key=times.get)
+        if times[best_plain] <= times[best] * (1 + MACHINERY_MARGIN):
+            return best_plain
+    return best
 
 
 def _candidates(rho: float, block_m: int, gemm: str | None = None):
@@ -472,7 +507,7 @@ def _warm_up(device, seconds: float = 1.0) -> None:
 
 def _short(t) -> str:
     return (f"n{t.block_n} k{t.block_k} g{t.group_m} w{t.num_warps} s{t.num_stages}"
-            + (f" split{t.split_k}" if t.split_k > 1 else ""))
+            + (f" split{t.split_k}" if t.split_k > 1 else "") + (" tma" if t.tma else ""))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -528,10 +563,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.write_tables:
             _write_tables(entries, dtype, f"results/{_device_dir()}/{name}.json", log)
     else:
-        from .ceilings import measure_gemm_rate, measure_hbm_bandwidth, measure_read_bandwidth
+        from .ceilings import measure_gemm_rate, measure_hbm_bandwidth, measure_read_bandwidth, measure_read_time_by_size
 
         ceilings = {"read_bandwidth": measure_read_bandwidth(), "hbm_bandwidth": measure_hbm_bandwidth(),
-                    "gemm_rate_bf16": measure_gemm_rate()}
+                    "gemm_rate_bf16": measure_gemm_rate(), "read_by_size": measure_read_time_by_size()}
         log(f"ceilings: read {ceilings['read_bandwidth'] / 1e12:.2f} TB/s, copy {ceilings['hbm_bandwidth'] / 1e12:.2f} "
             f"TB/s, bf16 GEMM {ceilings['gemm_rate_bf16'] / 1e12:.0f} TFLOP/s")
         configs = load_configs(args.configs) if args.configs else None

@@ -357,3 +357,25 @@ def dense_work(model: MoEModel, num_tokens: int, bytes_per_element: float) -> Wo
     check_number("dense_work", "bytes_per_element", bytes_per_element, gt=0)
     rows, d, cols = num_tokens * model.top_k, model.hidden_size, 3 * model.moe_intermediate_size
     return Work(1, (rows * d + d * cols + rows * cols) * bytes_per_element, 2.0 * rows * d * cols)
+
+
+def read_seconds(curve: list[dict], nbytes: float) -> float:
+    """Seconds a plain streaming read of ``nbytes`` takes, from a measured curve of
+    ``{"bytes", "seconds"}`` points (``bench ceilings``: one kernel per size, replayed from a CUDA
+    graph): interpolated linearly in time between the two nearest sizes, and at the curve's last
+    bandwidth past its end. A layer that reads few bytes cannot beat this, whatever its kernel:
+    launch, ramp and tail are in it.
+
+        >>> curve = [{"bytes": 1e6, "seconds": 4e-6}, {"bytes": 3e6, "seconds": 6e-6}]
+        >>> round(read_seconds(curve, 2e6) * 1e6, 3), round(read_seconds(curve, 6e6) * 1e6, 3)
+        (5.0, 12.0)
+    """
+    points = sorted((p["bytes"], p["seconds"]) for p in curve)
+    if nbytes >= points[-1][0]:
+        return nbytes * points[-1][1] / points[-1][0]
+    if nbytes <= points[0][0]:
+        return points[0][1]
+    for (b0, s0), (b1, s1) in zip(points, points[1:]):
+        if b0 <= nbytes <= b1:
+            return s0 + (s1 - s0) * (nbytes - b0) / (b1 - b0)
+    raise AssertionError("unreachable: the sizes are sorted")
