@@ -262,7 +262,8 @@ def grouped_gemm_targets_picture(ax_floor, ax_rate, rows: list[dict], fp8_rows: 
     """Our index-gather layer on one model against its two targets.
 
     ``ax_floor``: time over the read floor (bf16 GEMMs, bf16 layer, and the fp8 block layer over its
-    own fp8 floor), with the decode target 1.05 drawn over batches 8..512. ``ax_rate``: TFLOP/s of
+    own fp8 floor), with the decode target 1.05 drawn over batches 8..512 and, where the sweep
+    measured it, the time of a plain streaming read of the same bytes. ``ax_rate``: TFLOP/s of
     the bf16 GEMMs and of cuBLAS batched GEMMs on perfectly balanced groups of the same work
     ("bmm balanced same work"), the target 0.95x that over batches >= 4096, and ``gemm_rate`` (the
     dense bf16 GEMM measured in the same run) as a ceiling.
@@ -280,6 +281,14 @@ def grouped_gemm_targets_picture(ax_floor, ax_rate, rows: list[dict], fp8_rows: 
     b, mine = series(fp8_rows, "fp8 block GEMMs")
     ax_floor.semilogx(b, [r["time_s"] / r["floor_s"] for r in mine], "-D", ms=3, lw=1.3, color="tab:red",
                       label="fp8 block layer / fp8 floor")
+    b, mine = series(rows, "index-gather GEMMs graph")
+    if mine and "read_same_bytes_s" in mine[0]:
+        # What a plain streaming-read kernel takes for the same bytes: launch, ramp and tail
+        # included, the part of the gap at small batches that no GEMM kernel can close.
+        # Drawn up to 2,048 tokens, where both models' floors are still the read (past it, FLOPs).
+        shown = [(x, r) for x, r in zip(b, mine) if x <= 2048]
+        ax_floor.semilogx([x for x, _ in shown], [r["read_same_bytes_s"] / r["floor_s"] for _, r in shown], ":",
+                          lw=1.6, color="0.3", label="a plain read of the same bytes")
     ax_floor.axhline(1.0, color="black", lw=0.8)
     ax_floor.plot([8, 512], [1.05, 1.05], color="tab:green", lw=2.5, alpha=0.8, label="target 1.05 (batch 8-512)")
     ax_floor.set_ylabel("time / read floor")
