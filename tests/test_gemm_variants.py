@@ -1,6 +1,7 @@
 """The GEMM core's options against the float64 per-token reference: the top-k sum in GEMM 2's
-epilogue (``MoEConfig.sum_in_gemm``), split-K over GEMM 2's K loop (``GemmTiles.split_k``) and
-weight tiles through tensor descriptors (``GemmTiles.tma``), alone and together.
+epilogue (``MoEConfig.sum_in_gemm``), split-K over GEMM 2's K loop (``GemmTiles.split_k``),
+weight tiles through tensor descriptors (``GemmTiles.tma``) and the persistent grid
+(``GemmTiles.persistent``), alone and together.
 
 Runs on default_device(): the Triton interpreter on a CPU machine (float32 and float16), the
 compiled kernels on a GPU (bf16 and fp8, at the models' own shapes).
@@ -19,13 +20,14 @@ from moe_testing import DEVICE, EDGE_SHAPES, TOLERANCE, make_problem, needs_gpu,
 
 pytestmark = pytest.mark.usefixtures("true_fp32")
 
-# (sum_in_gemm, split_k, tma): every combination the kernels allow.
-VARIANTS = [(True, 1, False), (True, 2, False), (True, 3, False), (False, 1, True), (True, 2, True)]
+# (sum_in_gemm, split_k, tma, persistent): the options alone and together.
+VARIANTS = [(True, 1, False, 0), (True, 2, False, 0), (True, 3, False, 0), (False, 1, True, 0), (True, 2, True, 0),
+            (False, 1, False, 1), (False, 1, False, 2), (True, 2, True, 2)]
 
 
-def variant(block_m, sum_in_gemm, split_k, tma, block_n=16, block_k=16):
-    return MoEConfig(block_m, GemmTiles(block_n, block_k, tma=tma),
-                     GemmTiles(block_n, block_k, split_k=split_k, tma=tma), sum_in_gemm)
+def variant(block_m, sum_in_gemm, split_k, tma, persistent=0, block_n=16, block_k=16):
+    return MoEConfig(block_m, GemmTiles(block_n, block_k, tma=tma, persistent=persistent),
+                     GemmTiles(block_n, block_k, split_k=split_k, tma=tma, persistent=persistent), sum_in_gemm)
 
 
 def check(problem, dtype, config, **kwargs):
@@ -36,7 +38,7 @@ def check(problem, dtype, config, **kwargs):
     assert err < TOLERANCE[dtype], f"relative error {err:.2e} >= {TOLERANCE[dtype]:.0e}"
 
 
-@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("seed", range(len(VARIANTS)))   # each combination once
 def test_random_shapes(seed):
     rnd = random.Random(500 + seed)
     num_experts = rnd.randint(1, 10)
@@ -48,15 +50,15 @@ def test_random_shapes(seed):
 
 
 @pytest.mark.parametrize("case", sorted(EDGE_SHAPES))
-@pytest.mark.parametrize("sum_in_gemm, split_k, tma", VARIANTS[1:3] + VARIANTS[4:])
-def test_edge_cases(case, sum_in_gemm, split_k, tma):
+@pytest.mark.parametrize("options", [VARIANTS[2], VARIANTS[4], VARIANTS[7]])
+def test_edge_cases(case, options):
     problem = make_problem(**EDGE_SHAPES[case], hidden=48, inter=40, seed=3)
-    check(problem, torch.float32, variant(16, sum_in_gemm, split_k, tma))
+    check(problem, torch.float32, variant(16, *options))
 
 
 def test_no_tokens_and_an_expert_with_none():
     hidden, w1, w2, weights, ids = make_problem(6, 5, 2, 32, 16, seed=4, topk_ids=torch.tensor([[0, 1]] * 6))
-    check((hidden, w1, w2, weights, ids), torch.float32, variant(16, True, 2, True))   # experts 2..4 idle
+    check((hidden, w1, w2, weights, ids), torch.float32, variant(16, True, 2, True, 2))   # experts 2..4 idle
     empty = fm.fused_experts(hidden[:0], w1, w2, weights[:0], ids[:0], config=variant(16, True, 2, False))
     assert empty.shape == (0, 32)
 
@@ -71,7 +73,7 @@ def test_unchecked_ids_out_of_range_add_nothing():
     bad = ids.clone()
     bad[2, 1] = 9
     bad[5, 0] = -3
-    out = fm.fused_experts(hidden, w1, w2, weights, bad, config=variant(16, True, 2, True), validate_ids=False)
+    out = fm.fused_experts(hidden, w1, w2, weights, bad, config=variant(16, True, 2, True, 1), validate_ids=False)
     keep = (bad >= 0) & (bad < 4)
     want = moe_reference(hidden, w1, w2, weights * keep, bad.clamp(0, 3))
     assert rel_err(out, want) < TOLERANCE[torch.float32]
@@ -82,7 +84,7 @@ def test_fp8_summed_split(granularity):
     hidden, w1, w2, weights, ids = make_problem(9, 6, 2, 256, 128, seed=7)
     w1q, w1s = quantize_weight(w1, granularity)
     w2q, w2s = quantize_weight(w2, granularity)
-    config = MoEConfig(16, GemmTiles(32, 128, tma=True), GemmTiles(32, 32, split_k=2, tma=True), True)
+    config = MoEConfig(16, GemmTiles(32, 128, tma=True, persistent=1), GemmTiles(32, 32, split_k=2, tma=True), True)
     out = fm.fused_experts(hidden, w1q, w2q, weights, ids, config=config, w1_scale=w1s, w2_scale=w2s)
     ref = moe_reference_fp8(hidden, w1q, w2q, weights, ids, w1_scale=w1s, w2_scale=w2s, granularity=granularity,
                             intermediate_dtype=torch.float32)
@@ -97,6 +99,7 @@ def test_configs_that_cannot_work_name_their_field():
         (MoEConfig(16, tiles, GemmTiles(16, 16, split_k=0), True), "config.down.split_k"),
         (MoEConfig(16, tiles, tiles, 1), "config.sum_in_gemm"),
         (MoEConfig(16, GemmTiles(16, 16, tma=1), tiles), "config.gate_up.tma"),
+        (MoEConfig(16, tiles, GemmTiles(16, 16, persistent=3)), "config.down.persistent"),
     ]
     for config, field in cases:
         with pytest.raises((ValueError, TypeError), match=field.replace(".", r"\.")):
@@ -136,10 +139,19 @@ def test_summed_stage_adds_into_out():
 
 @needs_gpu
 @pytest.mark.parametrize("num_tokens", [1, 64, 600])
-@pytest.mark.parametrize("sum_in_gemm, split_k, tma", VARIANTS)
-def test_qwen3_shape_bf16_gpu(num_tokens, sum_in_gemm, split_k, tma):
+@pytest.mark.parametrize("options", VARIANTS)
+def test_qwen3_shape_bf16_gpu(num_tokens, options):
     problem = make_problem(num_tokens, 128, 8, 2048, 768, torch.bfloat16, seed=num_tokens, fused_topk_like=True)
-    check(problem, torch.bfloat16, variant(16 if num_tokens < 600 else 64, sum_in_gemm, split_k, tma, 64, 128))
+    check(problem, torch.bfloat16, variant(16 if num_tokens < 600 else 64, *options, block_n=64, block_k=128))
+
+
+@needs_gpu
+@pytest.mark.parametrize("persistent", [1, 2])
+def test_persistent_large_tiles_gpu(persistent):
+    # Prefill-sized tiles at 4,096 tokens over 64 experts: each persistent program walks many tiles.
+    problem = make_problem(4096, 64, 8, 1024, 512, torch.bfloat16, seed=14, fused_topk_like=True)
+    tiles = GemmTiles(128, 64, 8, 8, 3, tma=True, persistent=persistent)
+    check(problem, torch.bfloat16, MoEConfig(128, tiles, tiles))
 
 
 @needs_gpu
@@ -148,7 +160,7 @@ def test_fp8_gpu(granularity):
     hidden, w1, w2, weights, ids = make_problem(200, 64, 8, 1024, 512, torch.bfloat16, seed=10, fused_topk_like=True)
     w1q, w1s = quantize_weight(w1, granularity)
     w2q, w2s = quantize_weight(w2, granularity)
-    config = MoEConfig(16, GemmTiles(64, 128, tma=True), GemmTiles(128, 128, split_k=2, tma=True), True)
+    config = MoEConfig(16, GemmTiles(64, 128, tma=True, persistent=2), GemmTiles(128, 128, split_k=2, tma=True), True)
     out = fm.fused_experts(hidden, w1q, w2q, weights, ids, config=config, w1_scale=w1s, w2_scale=w2s)
     ref = moe_reference_fp8(hidden, w1q, w2q, weights, ids, w1_scale=w1s, w2_scale=w2s, granularity=granularity,
                             intermediate_dtype=torch.bfloat16)
@@ -158,7 +170,7 @@ def test_fp8_gpu(granularity):
 @needs_gpu
 def test_summed_split_tma_captures_and_replays():
     hidden, w1, w2, weights, ids = make_problem(40, 32, 4, 512, 256, torch.bfloat16, seed=11, fused_topk_like=True)
-    config = variant(16, True, 2, True, 64, 128)
+    config = variant(16, True, 2, True, 2, block_n=64, block_k=128)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):

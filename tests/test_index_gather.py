@@ -33,7 +33,7 @@ def check(problem, dtype, **kwargs):
 # ---- random shapes ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("seed", range(50))
+@pytest.mark.parametrize("seed", range(40))
 def test_random_shapes(seed):
     rnd = random.Random(seed)
     num_experts = rnd.randint(1, 12)

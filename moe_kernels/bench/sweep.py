@@ -293,7 +293,9 @@ def tile_candidates(rows_per_expert: float, block_m: int, gated: bool) -> list:
         if stages * (block_m * k + weight_tiles * n * k) * 2 > _SHARED_MEMORY_BYTES:
             continue
         for tma in (False, True):   # weight tiles by pointer loads or by the copy engine (TMA)
-            out.append(GemmTiles(n, k, group, warps, stages, tma=tma))
+            # Where the GEMM computes, also a persistent grid (1) and its flattened pipeline (2).
+            for persistent in (0, 1, 2) if rows_per_expert >= 128 else (0,):
+                out.append(GemmTiles(n, k, group, warps, stages, tma=tma, persistent=persistent))
     return out
 
 
@@ -350,11 +352,15 @@ def precompile(jobs: list[dict], workers: int, log=print) -> None:
 
 
 def tune(models, batches, *, dtype, seed, warmup_ms, rep_ms, workers, budget_s=math.inf, log=print,
-         device="cuda") -> list[dict]:
+         device="cuda", refine=False) -> list[dict]:
     """For each model and batch, the fastest (block_m, GEMM 1 tiles, GEMM 2 tiles) measured.
 
     ``models`` maps names to models; batches are tuned in the order given until ``budget_s``
-    seconds (compilation included) have passed; the rest keep the default configuration."""
+    seconds (compilation included) have passed; the rest keep the default configuration. With
+    ``refine``, only the configuration :func:`~moe_kernels.kernels.config.get_config` picks today
+    is timed, with each of its GEMMs with and without TMA and on each grid (an A/B of that
+    machinery on otherwise equal tiles)."""
+    from ..kernels.config import get_config
     from ..kernels.blocks import use_naive_block_assignment
     from ..kernels.config import MoEConfig
     from ..kernels.blocks import assign_blocks
@@ -368,8 +374,10 @@ def tune(models, batches, *, dtype, seed, warmup_ms, rep_ms, workers, budget_s=m
         for key, model in models.items():
             rho = batch * model.top_k / model.num_experts
             naive = use_naive_block_assignment(batch, model.top_k, model.num_experts)
-            for bm in block_m_candidates(rho):
-                for gated, summed, tiles in _candidates(rho, bm):
+            base = get_config(batch, model.num_experts, model.moe_intermediate_size, model.hidden_size, dtype,
+                              device) if refine else None
+            for bm in [base.block_m] if refine else block_m_candidates(rho):
+                for gated, summed, tiles in _candidates(rho, bm, base=base):
                     jobs.append({"d": model.hidden_size, "f": model.moe_intermediate_size, "top_k": model.top_k,
                                  "block_m": bm, "naive": naive, "gated": gated, "sum_slots": summed,
                                  "device": str(device), "dtype": str(dtype).replace("torch.", ""),
@@ -395,7 +403,9 @@ def tune(models, batches, *, dtype, seed, warmup_ms, rep_ms, workers, budget_s=m
         out = torch.empty(batch, model.hidden_size, device=device, dtype=dtype)
         best = None
         tried = []
-        for bm in block_m_candidates(rho):
+        base = get_config(batch, model.num_experts, model.moe_intermediate_size, model.hidden_size, dtype,
+                          device) if refine else None
+        for bm in [base.block_m] if refine else block_m_candidates(rho):
             blocks = assign_blocks(ids, bm, model.num_experts, validate_ids=False)
 
             def timed(call, what):
@@ -422,12 +432,12 @@ def tune(models, batches, *, dtype, seed, warmup_ms, rep_ms, workers, budget_s=m
                 return run
 
             up_times = {t: timed(gate_up(t), {"gemm": "gate_up", "tiles": dataclasses.asdict(t)})
-                        for _, _, t in _candidates(rho, bm, gemm="gate_up")}
+                        for _, _, t in _candidates(rho, bm, gemm="gate_up", base=base)}
             best_up = plainest_best(up_times, lambda t: (False, t))
             expert_gate_up(hidden, w1, blocks, model.top_k, tiles=best_up, out=inter)  # real data for GEMM 2
             down_times = {(sm, t): timed(down_and_sum(t, sm), {"gemm": "down", "sum_in_gemm": sm,
                                                                "tiles": dataclasses.asdict(t)})
-                          for _, sm, t in _candidates(rho, bm, gemm="down")}
+                          for _, sm, t in _candidates(rho, bm, gemm="down", base=base)}
             best_sum, best_down = plainest_best(down_times, lambda key: key)
             for t, ms in up_times.items():
                 tried.append({"gemm": "gate_up", "block_m": bm, "tiles": dataclasses.asdict(t), "ms": ms})
@@ -449,7 +459,7 @@ def tune(models, batches, *, dtype, seed, warmup_ms, rep_ms, workers, budget_s=m
     return entries
 
 
-#: A candidate that adds machinery (the top-k sum by atomics, split-K, TMA) must beat the best
+#: A candidate that adds machinery (the top-k sum by atomics, split-K, TMA, a persistent grid) must beat the best
 #: plain one by more than this fraction, about the run-to-run spread of one timing, to be chosen:
 #: otherwise the deterministic pointer-load kernel wins.
 MACHINERY_MARGIN = 0.03
@@ -471,7 +481,7 @@ def plainest_best(times: dict, options) -> object:
 
     def plain(key):
         summed, tiles = options(key)
-        return not summed and tiles.split_k == 1 and not tiles.tma
+        return not summed and tiles.split_k == 1 and not tiles.tma and not tiles.persistent
 
     plain_keys = [k for k in times if plain(k)]
     if plain_keys:
@@ -481,9 +491,19 @@ def plainest_best(times: dict, options) -> object:
     return best
 
 
-def _candidates(rho: float, block_m: int, gemm: str | None = None):
+def _candidates(rho: float, block_m: int, gemm: str | None = None, base=None):
     """``(gated, sum_in_gemm, tiles)`` to try for GEMM 1 (``gemm="gate_up"``), GEMM 2 (``"down"``)
-    or both (None) at ``rho`` rows per expert and M tile ``block_m``."""
+    or both (None) at ``rho`` rows per expert and M tile ``block_m``. With ``base`` (a
+    :class:`~moe_kernels.kernels.config.MoEConfig`, ``--refine``): its own tiles, each with and
+    without TMA and in the three grids, and nothing else."""
+    if base is not None:
+        for persistent in (0, 1, 2):
+            for tma in (False, True):
+                if gemm in (None, "gate_up"):
+                    yield True, False, dataclasses.replace(base.gate_up, tma=tma, persistent=persistent)
+                if gemm in (None, "down"):
+                    yield False, base.sum_in_gemm, dataclasses.replace(base.down, tma=tma, persistent=persistent)
+        return
     if gemm in (None, "gate_up"):
         yield from ((True, False, t) for t in tile_candidates(rho, block_m, True))
     if gemm in (None, "down"):
@@ -507,7 +527,8 @@ def _warm_up(device, seconds: float = 1.0) -> None:
 
 def _short(t) -> str:
     return (f"n{t.block_n} k{t.block_k} g{t.group_m} w{t.num_warps} s{t.num_stages}"
-            + (f" split{t.split_k}" if t.split_k > 1 else "") + (" tma" if t.tma else ""))
+            + (f" split{t.split_k}" if t.split_k > 1 else "") + (" tma" if t.tma else "")
+            + (f" persistent{t.persistent}" if t.persistent else ""))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -536,6 +557,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1),
                         help="processes compiling tuning candidates in parallel")
     parser.add_argument("--budget-s", type=float, default=math.inf, help="stop tuning new batches after this long")
+    parser.add_argument("--refine", action="store_true",
+                        help="with --tune: time only today's configs, with and without TMA and each grid")
     parser.add_argument("--write-tables", action="store_true",
                         help="with --tune: write the best configs as the tables the kernels load (kernels/configs/)")
     args = parser.parse_args(argv)
@@ -557,7 +580,7 @@ def main(argv: list[str] | None = None) -> int:
     log = lambda line: print(line, flush=True)  # noqa: E731
     if args.tune:
         entries = tune(models, args.batches, dtype=dtype, seed=args.seed, warmup_ms=args.warmup_ms,
-                       rep_ms=args.rep_ms, workers=args.workers, budget_s=args.budget_s, log=log)
+                       rep_ms=args.rep_ms, workers=args.workers, budget_s=args.budget_s, log=log, refine=args.refine)
         data = {"config": config, "device": torch.cuda.get_device_name(), "entries": entries}
         name = args.name or "fused-moe-tuning"
         if args.write_tables:

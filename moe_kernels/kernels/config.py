@@ -45,7 +45,9 @@ class GemmTiles:
     programs where the tiles are too few to fill the SMs (GEMM 2 only, when it sums the top-k
     slots in its epilogue: see :class:`MoEConfig`). ``tma`` loads the weight tiles through
     Hopper's tensor-memory accelerator (index-gather layout; the gathered activation rows keep
-    pointer loads).
+    pointer loads). ``persistent`` (index-gather layout): 0 launches one program per tile; 1 one
+    program per SM, each walking the tiles ``pid, pid + grid, ...``; 2 the same with the tile loop
+    and the K loop flattened into one software pipeline.
     """
 
     block_n: int
@@ -55,6 +57,7 @@ class GemmTiles:
     num_stages: int = 3
     split_k: int = 1
     tma: bool = False
+    persistent: int = 0
 
     def check(self, func: str, name: str) -> "GemmTiles":
         for field in ("block_n", "block_k"):
@@ -65,6 +68,9 @@ class GemmTiles:
             value = getattr(self, field)
             if not isinstance(value, int) or value < lo:
                 fail(func, f"{name}.{field}", f"must be an int >= {lo}", value)
+        if self.persistent not in (0, 1, 2) or isinstance(self.persistent, bool):
+            fail(func, f"{name}.persistent", "must be 0 (one program per tile), 1 (one per SM) or 2 (one per SM, "
+                 "flattened loops)", repr(self.persistent))
         if not isinstance(self.tma, bool):
             fail(func, f"{name}.tma", "must be a bool", repr(self.tma), TypeError)
         if self.num_warps & (self.num_warps - 1):
@@ -117,6 +123,10 @@ def check_config(func: str, config: object, *, align: int | None = None, layout:
     if config.down.split_k != 1 and not config.sum_in_gemm:
         fail(func, "config.down.split_k", "must be 1 unless config.sum_in_gemm=True (split-K partial products "
              "are added with atomics, into the summed output)", config.down.split_k)
+    if layout != "index_gather" and (config.gate_up.persistent or config.down.persistent):
+        fail(func, "config.gate_up.persistent", f"must be 0 for the {layout} layout (the persistent grid is wired "
+             "into the index-gather layout only)", f"gate_up.persistent={config.gate_up.persistent}, "
+             f"down.persistent={config.down.persistent}")
     if layout != "index_gather" and (config.gate_up.tma or config.down.tma):
         fail(func, "config.gate_up.tma", f"must be False for the {layout} layout (tensor-descriptor weight loads "
              "are wired into the index-gather layout only)", f"gate_up.tma={config.gate_up.tma}, "

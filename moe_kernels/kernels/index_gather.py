@@ -67,9 +67,9 @@ if HAS_TRITON:
 
 if HAS_TRITON:
 
-    @kernel(do_not_specialize=["num_m_blocks", "num_valid_rows"])
-    def _index_gather_gemm_kernel(
-        a_ptr, w_ptr, out_ptr, topk_weights_ptr,
+    @kernel
+    def _index_gather_tile(
+        tile, a_ptr, w_ptr, out_ptr, topk_weights_ptr,
         sorted_token_ids_ptr, expert_ids_ptr, num_tokens_post_padded_ptr,
         num_m_blocks, num_valid_rows, num_experts, N, K,
         stride_am, stride_we, stride_wn, stride_om,
@@ -81,11 +81,11 @@ if HAS_TRITON:
     ):
         # out[row] = A[row // TOP_K] @ W[expert]^T for the rows of one M-block; W is [E, N', K].
         # SUM_TOP_K > 0: out[row // SUM_TOP_K] += that instead (fp32 atomics), over SPLIT_K K slices.
-        pid = tl.program_id(0) // SPLIT_K
-        split = tl.program_id(0) % SPLIT_K
+        pid = tile // SPLIT_K
+        split = tile % SPLIT_K
         num_n_tiles = tl.cdiv(N, BLOCK_N)
-        # Walk GROUP_M M-blocks down one N-tile before moving right, so that consecutive programs
-        # of one expert reuse the same weight tile from L2.
+        # Walk GROUP_M M-blocks down one N-tile before moving right, so that consecutive tiles of
+        # one expert reuse the same weight tile from L2.
         programs_per_group = GROUP_M * num_n_tiles
         first_m = (pid // programs_per_group) * GROUP_M
         group_rows = min(num_m_blocks - first_m, GROUP_M)
@@ -97,42 +97,84 @@ if HAS_TRITON:
         if NAIVE_BLOCKS:
             # Block m is assignment m alone: row 0 is real, the others are padding.
             rows = tl.where(offs_m == 0, pid_m, num_valid_rows).to(tl.int64)
+            in_use = True
         else:
-            if pid_m * BLOCK_M >= tl.load(num_tokens_post_padded_ptr):
-                return  # past the last block in use
+            # The early exit: blocks past the last one in use compute and store nothing.
+            in_use = pid_m * BLOCK_M < tl.load(num_tokens_post_padded_ptr)
             rows = tl.load(sorted_token_ids_ptr + pid_m * BLOCK_M + offs_m).to(tl.int64)
         row_real = rows < num_valid_rows
         expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-        if (expert < 0) | (expert >= num_experts):
-            # -1: the block's expert is computed elsewhere (vLLM, under expert parallelism); an id
-            # out of range (unchecked input) must not become an address. Its rows are zero.
-            if SUM_TOP_K == 0:   # (a summed output starts at zero: nothing to add)
-                zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                store_tile(out_ptr, rows * stride_om, row_real, zeros, pid_n, N, BLOCK_N)
-            return
-        # Padding rows read row 0 (never stored), so the loads need no row mask.
-        a_row = tl.where(row_real, rows // TOP_K, 0)
-        acc = expert_tile_product(a_ptr, a_row * stride_am, w_ptr + expert * stride_we, stride_wn, pid_n, N, K,
-                                  a_scale_ptr, a_row * stride_as, w_scale_ptr + expert * stride_wse,
-                                  stride_wsn, stride_wsk,
-                                  GATED, EVEN_K, INPUT_PRECISION, SCALES, BLOCK_M, BLOCK_N, BLOCK_K,
-                                  split, SPLIT_K, w_desc, (expert * (N * (1 + GATED)) + pid_n * BLOCK_N).to(tl.int32), TMA_W)
-        if MUL_ROUTED_WEIGHT:
-            acc = scale_rows(acc, topk_weights_ptr, rows, row_real)
-        if SUM_TOP_K == 0:
-            store_tile(out_ptr, rows * stride_om, row_real, acc, pid_n, N, BLOCK_N)
-        else:
-            add_tile(out_ptr, (rows // SUM_TOP_K) * stride_om, row_real, acc, pid_n, N, BLOCK_N)
+        # -1: the block's expert is computed elsewhere (vLLM, under expert parallelism); an id out
+        # of range (unchecked input) must not become an address. Its rows are zero.
+        known = (expert >= 0) & (expert < num_experts)
+        if in_use & known:
+            # Padding rows read row 0 (never stored), so the loads need no row mask.
+            a_row = tl.where(row_real, rows // TOP_K, 0)
+            acc = expert_tile_product(a_ptr, a_row * stride_am, w_ptr + expert * stride_we, stride_wn, pid_n, N,
+                                      K, a_scale_ptr, a_row * stride_as, w_scale_ptr + expert * stride_wse,
+                                      stride_wsn, stride_wsk,
+                                      GATED, EVEN_K, INPUT_PRECISION, SCALES, BLOCK_M, BLOCK_N, BLOCK_K,
+                                      split, SPLIT_K, w_desc,
+                                      (expert * (N * (1 + GATED)) + pid_n * BLOCK_N).to(tl.int32), TMA_W)
+            if MUL_ROUTED_WEIGHT:
+                acc = scale_rows(acc, topk_weights_ptr, rows, row_real)
+            if SUM_TOP_K == 0:
+                store_tile(out_ptr, rows * stride_om, row_real, acc, pid_n, N, BLOCK_N)
+            else:
+                add_tile(out_ptr, (rows // SUM_TOP_K) * stride_om, row_real, acc, pid_n, N, BLOCK_N)
+        elif in_use & (SUM_TOP_K == 0):   # (a summed output starts at zero: nothing to add)
+            zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            store_tile(out_ptr, rows * stride_om, row_real, zeros, pid_n, N, BLOCK_N)
         # <<< book: index-gather-rows
+
+    @kernel(do_not_specialize=["num_m_blocks", "num_valid_rows", "num_tiles"])
+    def _index_gather_gemm_kernel(
+        a_ptr, w_ptr, out_ptr, topk_weights_ptr, sorted_token_ids_ptr, expert_ids_ptr, num_tokens_post_padded_ptr,
+        num_m_blocks, num_valid_rows, num_experts, N, K, stride_am, stride_we, stride_wn, stride_om,
+        a_scale_ptr, stride_as, w_scale_ptr, stride_wse, stride_wsn, stride_wsk,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+        TOP_K: tl.constexpr, NAIVE_BLOCKS: tl.constexpr, GATED: tl.constexpr,
+        MUL_ROUTED_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+        SCALES: tl.constexpr, SUM_TOP_K: tl.constexpr, SPLIT_K: tl.constexpr, w_desc, TMA_W: tl.constexpr,
+        num_tiles, PERSISTENT: tl.constexpr,
+    ):
+        # One tile per program, or (PERSISTENT) one program per SM walking tiles pid, pid + grid, ...;
+        # 2 also flattens the tile loop and the K loop into one software pipeline, so that the next
+        # tile's loads can start under this tile's epilogue.
+        if PERSISTENT == 0:
+            _index_gather_tile(
+                tl.program_id(0), a_ptr, w_ptr, out_ptr, topk_weights_ptr, sorted_token_ids_ptr, expert_ids_ptr,
+                num_tokens_post_padded_ptr, num_m_blocks, num_valid_rows, num_experts, N, K,
+                stride_am, stride_we, stride_wn, stride_om,
+                a_scale_ptr, stride_as, w_scale_ptr, stride_wse, stride_wsn, stride_wsk,
+                BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, TOP_K, NAIVE_BLOCKS, GATED, MUL_ROUTED_WEIGHT, EVEN_K,
+                INPUT_PRECISION, SCALES, SUM_TOP_K, SPLIT_K, w_desc, TMA_W)
+        else:
+            for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=PERSISTENT == 2):
+                _index_gather_tile(
+                    tile, a_ptr, w_ptr, out_ptr, topk_weights_ptr, sorted_token_ids_ptr, expert_ids_ptr,
+                    num_tokens_post_padded_ptr, num_m_blocks, num_valid_rows, num_experts, N, K,
+                    stride_am, stride_we, stride_wn, stride_om,
+                    a_scale_ptr, stride_as, w_scale_ptr, stride_wse, stride_wsn, stride_wsk,
+                    BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, TOP_K, NAIVE_BLOCKS, GATED, MUL_ROUTED_WEIGHT, EVEN_K,
+                    INPUT_PRECISION, SCALES, SUM_TOP_K, SPLIT_K, w_desc, TMA_W)
+
+
+def _programs_per_device(device: torch.device) -> int:
+    """A persistent grid: one program per SM (the interpreter has no SMs; a few programs will do)."""
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _launch(a, w, out, topk_weights, blocks: BlockAssignment, *, n_out: int, top_k: int, gated: bool,
             tiles: GemmTiles, scales: tuple, sum_top_k: int = 0) -> None:
     num_valid_rows = a.shape[0] * top_k
     k_in = a.shape[1]
-    grid = (blocks.num_m_blocks * triton.cdiv(n_out, tiles.block_n) * tiles.split_k,)
-    if grid[0] == 0 or n_out == 0:
+    num_tiles = blocks.num_m_blocks * triton.cdiv(n_out, tiles.block_n) * tiles.split_k
+    if num_tiles == 0 or n_out == 0:
         return
+    grid = (min(num_tiles, _programs_per_device(a.device)) if tiles.persistent else num_tiles,)
     w_desc = weight_descriptor("index-gather GEMM", w, tiles)
     # Unused pointer arguments (naive blocks have no sorted ids, GEMM 1 has no weights) get any
     # tensor: the constexpr flags compile the loads away.
@@ -148,6 +190,7 @@ def _launch(a, w, out, topk_weights, blocks: BlockAssignment, *, n_out: int, top
         MUL_ROUTED_WEIGHT=topk_weights is not None, EVEN_K=k_in % tiles.block_k == 0,
         INPUT_PRECISION=dot_precision(a.dtype), SCALES=scales[6], SUM_TOP_K=sum_top_k, SPLIT_K=tiles.split_k,
         w_desc=w_desc if w_desc is not None else w, TMA_W=w_desc is not None,
+        num_tiles=num_tiles, PERSISTENT=tiles.persistent,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
 
