@@ -91,9 +91,9 @@ def test_launch_bytes_and_flops_use_the_real_shape(step64):
 
 
 def test_block_m_override():
-    t = trace(24, block_m=32)
+    t = trace(9, block_m=32)   # 9 tokens: the smallest batch past the naive rule
     assert t.block_m == 32 and not t.naive
-    assert t.max_num_tokens_padded == 24 * 8 + 256 * 31
+    assert t.max_num_tokens_padded == 9 * 8 + 256 * 31
     assert t.expert_ids_len == math.ceil(t.max_num_tokens_padded / 32)
     blocks.check_alignment(t.topk_ids, 32, 256, t.sorted_token_ids, t.expert_ids,
                           torch.tensor([t.num_tokens_post_padded], dtype=torch.int32))

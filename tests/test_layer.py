@@ -28,9 +28,14 @@ def tokens(n, d, dtype=torch.float32, seed=1):
     return torch.randn(n, d, generator=torch.Generator().manual_seed(seed)).to(DEVICE, dtype)
 
 
-@pytest.mark.parametrize("layout", ["index_gather", "permute", "masked"])
-@pytest.mark.parametrize("model, shared", STYLES)
-@pytest.mark.parametrize("num_tokens", [1, 7])
+# Every style in every layout at 1 and 7 tokens, except DeepSeek-V3's separate shared expert at 7
+# tokens in the permute and masked layouts: the separate expert runs outside the routed layout (it
+# is covered there by the index-gather case), and these two are the slowest under the interpreter.
+CASES = [(n, m, s, lay) for n in (1, 7) for m, s in STYLES for lay in ("index_gather", "permute", "masked")
+         if not (n == 7 and (m, s) == ("deepseek-v3", "separate") and lay != "index_gather")]
+
+
+@pytest.mark.parametrize("num_tokens, model, shared, layout", CASES)
 def test_layer_matches_float64_reference(model, shared, layout, num_tokens):
     layer = small_layer(model, shared, layout)
     x = tokens(num_tokens, 32)
