@@ -51,7 +51,7 @@ from . import _runtime
 from ._checks import check_int, fail
 from .kernels.blocks import BlockAssignment, assign_blocks, use_naive_block_assignment
 from .kernels.combine import moe_sum
-from .kernels.config import MoEConfig, default_config, load_table, nearest, table_name
+from .kernels.config import MoEConfig, default_config, load_table, nearest, separate_sum_tiles, table_name
 from .kernels.index_gather import expert_down, expert_gate_up
 from .kernels.grouped_routing import grouped_topk
 from .kernels.routing import gate
@@ -353,7 +353,7 @@ def _trace(layer: DecodeLayer, block_m: int | None) -> LayerTrace:
     per_slot = torch.full((T, k, d), nan, dtype=hidden.dtype, device=hidden.device)
     routed = torch.full((T, d), nan, dtype=hidden.dtype, device=hidden.device)
     expert_gate_up(hidden, run.w1, blocks, k, tiles=run_config.gate_up, out=intermediate)
-    expert_down(intermediate, run.w2, topk_weights, blocks, tiles=run_config.down, out=per_slot)
+    expert_down(intermediate, run.w2, topk_weights, blocks, tiles=separate_sum_tiles(run_config), out=per_slot)
     moe_sum(per_slot, out=routed)
     shared = shared_expert(run)
     output = routed if shared is None else routed + shared

@@ -44,7 +44,8 @@ def test_random_shapes(seed):
     num_experts = rnd.randint(1, 10)
     dtype = (torch.float32, torch.float16)[seed % 2]
     problem = make_problem(rnd.randint(1, 20), num_experts, rnd.randint(1, min(num_experts, 4)),
-                           rnd.choice([16, 32, 40, 64]), rnd.choice([16, 24, 40]), dtype, seed=seed, fused_topk_like=True)
+                           rnd.choice([16, 32, 40, 64]), rnd.choice([16, 24, 40]), dtype, seed=seed,
+                           fused_topk_like=True)
     check(problem, dtype, variant(rnd.choice([16, 32]), *VARIANTS[seed % len(VARIANTS)]),
           naive_block_assignment=rnd.choice([None, False, True]))
 
@@ -119,9 +120,28 @@ def test_stage_options_are_checked():
     with pytest.raises(ValueError, match=r"out.*\(4, 32\)"):
         fm.expert_down(inter, w2, weights, blocks, tiles=GemmTiles(16, 16), sum_slots=True,
                        out=torch.zeros(4, 2, 32, device=DEVICE))
-    strided = torch.zeros(3, 32, 32, device=DEVICE)[:, :, :16]
-    with pytest.raises(ValueError, match=r"tiles\.tma.*contiguous"):
-        fm.expert_down(inter, strided, weights, blocks, tiles=GemmTiles(16, 16, tma=True))
+    with pytest.raises(ValueError, match=r"tiles\.split_k.*whole K"):
+        fm.expert_gate_up(hidden, w1, blocks, 2, tiles=GemmTiles(16, 16, split_k=2))
+    for field, value in (("split_k", True), ("persistent", 1.0), ("persistent", True)):
+        with pytest.raises((ValueError, TypeError), match=rf"tiles\.{field}"):
+            fm.expert_down(inter, w2, weights, blocks, tiles=GemmTiles(16, 16, **{field: value}))
+
+
+def test_tma_on_weights_the_copy_engine_cannot_describe_falls_back():
+    # A speed setting: strided weights (and rows not a multiple of 16 bytes) take pointer loads.
+    hidden, w1, w2, weights, ids = make_problem(6, 3, 2, 40, 24, seed=15)
+    wide1 = torch.zeros(3, 2 * 24 + 8, 40, device=DEVICE)
+    wide1[:, :48] = w1
+    config = variant(16, False, 1, True, 1)
+    check((hidden, wide1[:, :48], w2, weights, ids), torch.float32, config)
+
+
+def test_summed_stage_without_out_starts_from_zero():
+    hidden, w1, w2, weights, ids = make_problem(5, 4, 2, 32, 16, seed=16)
+    blocks = fm.assign_blocks(ids, 16, 4)
+    inter = fm.expert_gate_up(hidden, w1, blocks, 2, tiles=GemmTiles(16, 16))
+    out = fm.expert_down(inter, w2, weights, blocks, tiles=GemmTiles(16, 16, split_k=2), sum_slots=True)
+    assert rel_err(out, moe_reference(hidden, w1, w2, weights, ids)) < TOLERANCE[torch.float32]
 
 
 def test_summed_stage_adds_into_out():

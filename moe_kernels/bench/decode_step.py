@@ -18,6 +18,7 @@ from ..trace import (_check_layer_args, _fit_to_run, _for_kernels, _trace, make_
                           shared_expert, trace_config)
 from ..kernels.combine import moe_sum
 from ..kernels.blocks import assign_blocks
+from ..kernels.config import separate_sum_tiles
 from ..kernels.index_gather import expert_down, expert_gate_up
 from ..model.shapes import MODELS, MoEModel
 
@@ -64,7 +65,7 @@ def measure(model: MoEModel | str, num_tokens: int, *, dtype: torch.dtype, devic
         w, i = route(run)
         b = assign_blocks(i, config.block_m, E, naive=trace.naive, validate_ids=False)
         expert_gate_up(hidden, run.w1, b, k, tiles=config.gate_up, out=intermediate)
-        expert_down(intermediate, run.w2, w, b, tiles=config.down, out=per_slot)
+        expert_down(intermediate, run.w2, w, b, tiles=separate_sum_tiles(config), out=per_slot)
         out = moe_sum(per_slot, out=routed)
         shared = shared_expert(run)
         return out if shared is None else out.add_(shared)
@@ -73,7 +74,8 @@ def measure(model: MoEModel | str, num_tokens: int, *, dtype: torch.dtype, devic
         "routing": lambda: route(run),
         "alignment": lambda: assign_blocks(ids, config.block_m, E, naive=trace.naive, validate_ids=False),
         "gemm1": lambda: expert_gate_up(hidden, run.w1, blocks, k, tiles=config.gate_up, out=intermediate),
-        "gemm2": lambda: expert_down(intermediate, run.w2, weights, blocks, tiles=config.down, out=per_slot),
+        "gemm2": lambda: expert_down(intermediate, run.w2, weights, blocks, tiles=separate_sum_tiles(config),
+                                     out=per_slot),
         "sum": lambda: moe_sum(per_slot, out=routed),
     }
     if run.shared_w1 is not None:
@@ -120,7 +122,7 @@ def measure_fp8(model: MoEModel | str, num_tokens: int, *, device, seed: int,
     xq, xs = per_token_group_quant_fp8(hidden)
     inter = expert_gate_up(xq, w1, blocks, k, tiles=config.gate_up, a_scale=xs, w_scale=w1s)
     iq, is_ = per_token_group_quant_fp8(inter)
-    per_slot = expert_down(iq, w2, weights, blocks, tiles=config.down, a_scale=is_, w_scale=w2s)
+    per_slot = expert_down(iq, w2, weights, blocks, tiles=separate_sum_tiles(config), a_scale=is_, w_scale=w2s)
     everyone = torch.zeros(num_tokens, 1, dtype=torch.int32, device=hidden.device)
     ones = torch.ones(num_tokens, 1, device=hidden.device)
     stage_fns = {
@@ -129,7 +131,8 @@ def measure_fp8(model: MoEModel | str, num_tokens: int, *, device, seed: int,
         "quantise": lambda: per_token_group_quant_fp8(hidden),
         "gemm1": lambda: expert_gate_up(xq, w1, blocks, k, tiles=config.gate_up, a_scale=xs, w_scale=w1s, out=inter),
         "requantise": lambda: per_token_group_quant_fp8(inter),
-        "gemm2": lambda: expert_down(iq, w2, weights, blocks, tiles=config.down, a_scale=is_, w_scale=w2s, out=per_slot),
+        "gemm2": lambda: expert_down(iq, w2, weights, blocks, tiles=separate_sum_tiles(config), a_scale=is_,
+                                     w_scale=w2s, out=per_slot),
         "sum": lambda: moe_sum(per_slot),
         "shared expert": lambda: fused_experts(hidden, s1, s2, ones, everyone, validate_ids=False, w1_scale=s1s,
                                                w2_scale=s2s),

@@ -83,17 +83,18 @@ def measure(model_key: str, batch: int, seed: int = 0) -> list[dict]:
 def _index_gather(row, hidden, w1, w2, weights, ids, E, k, d, F, batch, dtype):
     from ..kernels import combine, index_gather
     from ..kernels.blocks import assign_blocks
-    from ..kernels.config import get_config
+    from ..kernels.config import get_config, separate_sum_tiles
     from .timing import graph_us
 
     cfg = get_config(batch, E, F, d, dtype, hidden.device)
     blocks = assign_blocks(ids, cfg.block_m, E, validate_ids=False)
     act = index_gather.expert_gate_up(hidden, w1, blocks, k, tiles=cfg.gate_up)
-    down = index_gather.expert_down(act, w2, weights, blocks, tiles=cfg.down)
+    down = index_gather.expert_down(act, w2, weights, blocks, tiles=separate_sum_tiles(cfg))
     stages = {
         "block map": graph_us(lambda: assign_blocks(ids, cfg.block_m, E, validate_ids=False)),
         "gemm1": graph_us(lambda: index_gather.expert_gate_up(hidden, w1, blocks, k, tiles=cfg.gate_up, out=act)),
-        "gemm2": graph_us(lambda: index_gather.expert_down(act, w2, weights, blocks, tiles=cfg.down, out=down)),
+        "gemm2": graph_us(lambda: index_gather.expert_down(act, w2, weights, blocks, tiles=separate_sum_tiles(cfg),
+                                                           out=down)),
         "sum": graph_us(lambda: combine.moe_sum(down)),
     }
     total = graph_us(lambda: index_gather.fused_experts(hidden, w1, w2, weights, ids, config=cfg, validate_ids=False))

@@ -55,7 +55,7 @@ def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 def measure(model_key: str, batch: int, s: float, w1: torch.Tensor, w2: torch.Tensor, seed: int) -> dict:
     """One (model, batch, exponent) point: layouts, checks, times, counts."""
     from ..kernels import blocks, index_gather, masked
-    from ..kernels.config import get_config
+    from ..kernels.config import get_config, separate_sum_tiles
     from ..model import buffers, skew
     from ..reference import moe_reference
     from .timing import graph_us
@@ -91,11 +91,11 @@ def measure(model_key: str, batch: int, s: float, w1: torch.Tensor, w2: torch.Te
 
     calls = 10 if batch <= 512 else 2
     act = index_gather.expert_gate_up(hidden, w1, blocks, k, tiles=cfg.gate_up)
-    per_slot = index_gather.expert_down(act, w2, weights, blocks, tiles=cfg.down)
+    per_slot = index_gather.expert_down(act, w2, weights, blocks, tiles=separate_sum_tiles(cfg))
 
     def index_gather_gemms():
         index_gather.expert_gate_up(hidden, w1, blocks, k, tiles=cfg.gate_up, out=act)
-        index_gather.expert_down(act, w2, weights, blocks, tiles=cfg.down, out=per_slot)
+        index_gather.expert_down(act, w2, weights, blocks, tiles=separate_sum_tiles(cfg), out=per_slot)
 
     times = {
         "index-gather GEMMs": graph_us(index_gather_gemms, calls=calls),

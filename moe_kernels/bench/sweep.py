@@ -391,7 +391,8 @@ def tune(models, batches, *, dtype, seed, warmup_ms, rep_ms, workers, budget_s=m
     _warm_up(device)
     for key, batch, rho in plans:
         if time.perf_counter() - start > budget_s:
-            log(f"tuning budget of {budget_s:.0f} s spent: {key} batch {batch} and later keep the defaults")
+            log(f"tuning budget of {budget_s:.0f} s spent: {key} batch {batch} and later are not tuned (they keep "
+                f"what the tables hold)")
             break
         model = models[key]
         w1, w2 = weights_of[key]
@@ -401,7 +402,7 @@ def tune(models, batches, *, dtype, seed, warmup_ms, rep_ms, workers, budget_s=m
         per_slot = torch.empty(batch, model.top_k, model.hidden_size, device=device, dtype=dtype)
         summed = torch.empty(batch, model.hidden_size, device=device, dtype=torch.float32)
         out = torch.empty(batch, model.hidden_size, device=device, dtype=dtype)
-        best = None
+        per_block_m = {}   # MoEConfig -> (GEMM 1 ms, GEMM 2 with its sum ms)
         tried = []
         base = get_config(batch, model.num_experts, model.moe_intermediate_size, model.hidden_size, dtype,
                           device) if refine else None
@@ -433,22 +434,23 @@ def tune(models, batches, *, dtype, seed, warmup_ms, rep_ms, workers, budget_s=m
 
             up_times = {t: timed(gate_up(t), {"gemm": "gate_up", "tiles": dataclasses.asdict(t)})
                         for _, _, t in _candidates(rho, bm, gemm="gate_up", base=base)}
-            best_up = plainest_best(up_times, lambda t: (False, t))
+            best_up = plainest_best(up_times, plain_tiles)
             expert_gate_up(hidden, w1, blocks, model.top_k, tiles=best_up, out=inter)  # real data for GEMM 2
             down_times = {(sm, t): timed(down_and_sum(t, sm), {"gemm": "down", "sum_in_gemm": sm,
                                                                "tiles": dataclasses.asdict(t)})
                           for _, sm, t in _candidates(rho, bm, gemm="down", base=base)}
-            best_sum, best_down = plainest_best(down_times, lambda key: key)
+            best_sum, best_down = plainest_best(down_times, lambda key: not key[0] and plain_tiles(key[1]))
             for t, ms in up_times.items():
                 tried.append({"gemm": "gate_up", "block_m": bm, "tiles": dataclasses.asdict(t), "ms": ms})
             for (sm, t), ms in down_times.items():
                 tried.append({"gemm": "down", "block_m": bm, "sum_in_gemm": sm, "tiles": dataclasses.asdict(t),
                               "ms": ms})
-            total = up_times[best_up] + down_times[best_sum, best_down]
-            if best is None or total < best[0]:
-                best = (total, MoEConfig(bm, best_up, best_down, best_sum), up_times[best_up],
-                        down_times[best_sum, best_down])
-        total, cfg, t_up, t_down = best
+            per_block_m[MoEConfig(bm, best_up, best_down, best_sum)] = (up_times[best_up],
+                                                                         down_times[best_sum, best_down])
+        # Across M tiles the same rule: machinery must win by the margin over the best plain config.
+        cfg = plainest_best({c: sum(t) for c, t in per_block_m.items()},
+                            lambda c: not c.sum_in_gemm and plain_tiles(c.gate_up) and plain_tiles(c.down))
+        (t_up, t_down), total = per_block_m[cfg], sum(per_block_m[cfg])
         log(f"{key:<14} batch {batch:>6}: {total * 1e3:8.1f} us (gate_up {t_up * 1e3:.1f} + down and sum "
             f"{t_down * 1e3:.1f}) block_m {cfg.block_m} gate_up {_short(cfg.gate_up)} down {_short(cfg.down)}"
             f"{' summed in GEMM 2' if cfg.sum_in_gemm else ''}")
@@ -465,25 +467,24 @@ def tune(models, batches, *, dtype, seed, warmup_ms, rep_ms, workers, budget_s=m
 MACHINERY_MARGIN = 0.03
 
 
-def plainest_best(times: dict, options) -> object:
-    """The fastest key of ``times`` (key -> ms), unless a plain one (``options(key)`` gives
-    ``(sum_in_gemm, tiles)``: no sum in GEMM 2, split_k 1, no TMA) is within
-    :data:`MACHINERY_MARGIN` of it.
+def plain_tiles(tiles) -> bool:
+    """No split-K, no TMA, one program per tile: the kernel without any of the optional machinery."""
+    return tiles.split_k == 1 and not tiles.tma and not tiles.persistent
+
+
+def plainest_best(times: dict, is_plain) -> object:
+    """The fastest key of ``times`` (key -> ms), unless a key for which ``is_plain(key)`` holds is
+    within :data:`MACHINERY_MARGIN` of it; then the fastest such key.
 
         >>> from moe_kernels.kernels.config import GemmTiles
         >>> plain, tma = GemmTiles(64, 128), GemmTiles(64, 128, tma=True)
-        >>> plainest_best({plain: 1.00, tma: 0.99}, lambda t: (False, t)) is plain
+        >>> plainest_best({plain: 1.00, tma: 0.99}, plain_tiles) is plain
         True
-        >>> plainest_best({plain: 1.00, tma: 0.90}, lambda t: (False, t)) is tma
+        >>> plainest_best({plain: 1.00, tma: 0.90}, plain_tiles) is tma
         True
     """
     best = min(times, key=times.get)
-
-    def plain(key):
-        summed, tiles = options(key)
-        return not summed and tiles.split_k == 1 and not tiles.tma and not tiles.persistent
-
-    plain_keys = [k for k in times if plain(k)]
+    plain_keys = [k for k in times if is_plain(k)]
     if plain_keys:
         best_plain = min(plain_keys, key=times.get)
         if times[best_plain] <= times[best] * (1 + MACHINERY_MARGIN):
@@ -580,7 +581,8 @@ def main(argv: list[str] | None = None) -> int:
     log = lambda line: print(line, flush=True)  # noqa: E731
     if args.tune:
         entries = tune(models, args.batches, dtype=dtype, seed=args.seed, warmup_ms=args.warmup_ms,
-                       rep_ms=args.rep_ms, workers=args.workers, budget_s=args.budget_s, log=log, refine=args.refine)
+                       rep_ms=args.rep_ms, workers=args.workers, budget_s=args.budget_s, log=log,
+                       refine=args.refine)
         data = {"config": config, "device": torch.cuda.get_device_name(), "entries": entries}
         name = args.name or "fused-moe-tuning"
         if args.write_tables:

@@ -9,7 +9,8 @@ tile, and an epilogue. That part lives here, once:
   scales (:mod:`moe_kernels.kernels.quant`). ``a_rows`` are element offsets of the tile's rows,
   one per row, each naming a row that is safe to read (a layout points its padding rows at a
   real row, so the loads need no row mask and stay unpredicated); weight columns past ``N`` wrap
-  around for the same reason. With ``GATED`` it also multiplies by the up half of a ``[2N, K]``
+  around for the same reason (with TMA they read the next rows of the matrix instead, or zeros;
+  either way those output columns are never stored). With ``GATED`` it also multiplies by the up half of a ``[2N, K]``
   ``w1`` (rows ``N..2N``) and returns ``silu(gate) * up``, computed in fp32: this is the fused
   SiLU·mul of GEMM 1, so the ``[rows, 2N]`` pre-activation never reaches memory.
 * :func:`scale_rows` - the routed-weight epilogue of GEMM 2: each row times its routing weight,
@@ -180,14 +181,14 @@ def scale_arguments(a: torch.Tensor, w: torch.Tensor, a_scale, w_scale, granular
     return a_scale, 0, w_scale, 1, 0, 0, 3
 
 
-def weight_descriptor(func: str, w: torch.Tensor, tiles):
+def weight_descriptor(w: torch.Tensor, tiles):
     """The tensor descriptor of ``w [E, N', K]`` as one ``[E * N', K]`` matrix in
-    ``[block_n, block_k]`` boxes, for ``tiles.tma``; None without it (pointer loads)."""
-    if not tiles.tma:
+    ``[block_n, block_k]`` boxes, for ``tiles.tma``; None for pointer loads. ``tma`` is a speed
+    setting, so weights the copy engine cannot describe (not contiguous, rows not a multiple of 16
+    bytes, a box taller than 256 rows) take pointer loads instead: same numbers, no error."""
+    row_bytes = w.shape[2] * w.element_size()
+    if not tiles.tma or not w.is_contiguous() or row_bytes % 16 or tiles.block_n > 256 or w.numel() == 0:
         return None
-    if not w.is_contiguous():
-        fail(func, "tiles.tma", "needs contiguous weights (one [E * N', K] matrix for the copy engine)",
-             f"strides {w.stride()}")
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     return TensorDescriptor.from_tensor(w.view(-1, w.shape[2]), [tiles.block_n, tiles.block_k])

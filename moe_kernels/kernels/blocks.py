@@ -211,7 +211,7 @@ class BlockAssignment:
     ``sorted_token_ids is None`` marks the naive assignment: block ``m`` is assignment ``m``
     alone, and ``expert_ids`` is ``topk_ids.flatten()``. Otherwise the three tensors are
     :func:`moe_align_block_size`'s outputs. ``num_m_blocks`` is the launch grid along M: an upper
-    bound on the blocks in use (programs past ``num_tokens_post_padded`` return at once).
+    bound on the blocks in use (programs past ``num_tokens_post_padded`` do no work).
     """
 
     block_m: int

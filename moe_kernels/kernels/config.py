@@ -66,9 +66,10 @@ class GemmTiles:
                 fail(func, f"{name}.{field}", "must be a power of two >= 16 (a tl.dot tile)", size)
         for field, lo in (("group_m", 1), ("num_warps", 1), ("num_stages", 1), ("split_k", 1)):
             value = getattr(self, field)
-            if not isinstance(value, int) or value < lo:
+            if isinstance(value, bool) or not isinstance(value, int) or value < lo:
                 fail(func, f"{name}.{field}", f"must be an int >= {lo}", value)
-        if self.persistent not in (0, 1, 2) or isinstance(self.persistent, bool):
+        persistent = self.persistent
+        if isinstance(persistent, bool) or not isinstance(persistent, int) or persistent not in (0, 1, 2):
             fail(func, f"{name}.persistent", "must be 0 (one program per tile), 1 (one per SM) or 2 (one per SM, "
                  "flattened loops)", repr(self.persistent))
         if not isinstance(self.tma, bool):
@@ -123,14 +124,14 @@ def check_config(func: str, config: object, *, align: int | None = None, layout:
     if config.down.split_k != 1 and not config.sum_in_gemm:
         fail(func, "config.down.split_k", "must be 1 unless config.sum_in_gemm=True (split-K partial products "
              "are added with atomics, into the summed output)", config.down.split_k)
-    if layout != "index_gather" and (config.gate_up.persistent or config.down.persistent):
-        fail(func, "config.gate_up.persistent", f"must be 0 for the {layout} layout (the persistent grid is wired "
-             "into the index-gather layout only)", f"gate_up.persistent={config.gate_up.persistent}, "
-             f"down.persistent={config.down.persistent}")
-    if layout != "index_gather" and (config.gate_up.tma or config.down.tma):
-        fail(func, "config.gate_up.tma", f"must be False for the {layout} layout (tensor-descriptor weight loads "
-             "are wired into the index-gather layout only)", f"gate_up.tma={config.gate_up.tma}, "
-             f"down.tma={config.down.tma}")
+    for gemm in ("gate_up", "down") if layout != "index_gather" else ():
+        tiles = getattr(config, gemm)
+        if tiles.persistent:
+            fail(func, f"config.{gemm}.persistent", f"must be 0 for the {layout} layout (the persistent grid is "
+                 "wired into the index-gather layout only)", tiles.persistent)
+        if tiles.tma:
+            fail(func, f"config.{gemm}.tma", f"must be False for the {layout} layout (tensor-descriptor weight "
+                 "loads are wired into the index-gather layout only)", tiles.tma)
     if layout != "index_gather" and (config.sum_in_gemm or config.down.split_k != 1):
         fail(func, "config.sum_in_gemm", f"must be False with down.split_k=1 for the {layout} layout (its "
              "rows are summed by the unpermute pass)", f"sum_in_gemm={config.sum_in_gemm}, "
@@ -268,6 +269,12 @@ def tuned_block_m(num_experts: int, intermediate_size: int, hidden_size: int, *,
     """
     table = load_table(table_name(device_name, num_experts, intermediate_size, hidden_size, dtype, "index_gather"))
     return {m: config.block_m for m, config in sorted((table or {}).items())}
+
+
+def separate_sum_tiles(config: MoEConfig) -> GemmTiles:
+    """GEMM 2's tiles for a caller that runs the top-k sum as a stage of its own (the trace and the
+    stage-by-stage benchmarks): the config's tiles without split-K, which needs the sum in GEMM 2."""
+    return dataclasses.replace(config.down, split_k=1)
 
 
 def check_tiles(func: str, tiles: object) -> GemmTiles:

@@ -18,7 +18,8 @@ the matching up tile, so ``silu(gate) * up`` happens in the epilogue, in fp32, a
 GEMM 2 reads ``w2[e]`` (``[d, F]``) with ``top_k = 1``: its rows are already one per assignment,
 but it still reads them through ``sorted_token_ids`` in expert order, a real gather. Its epilogue
 multiplies by the routing weight in fp32 before the cast and writes ``[T, k, d]``, which
-:func:`~moe_kernels.kernels.combine.moe_sum` adds up per token. Tiny batches (vLLM's
+:func:`~moe_kernels.kernels.combine.moe_sum` adds up per token (or, with
+``MoEConfig.sum_in_gemm``, adds each row straight into an fp32 ``[T, d]`` with atomics). Tiny batches (vLLM's
 ``T * k * 4 <= E``) skip the alignment: block ``m`` is assignment ``m``
 (:mod:`moe_kernels.kernels.blocks`).
 
@@ -99,9 +100,12 @@ if HAS_TRITON:
             rows = tl.where(offs_m == 0, pid_m, num_valid_rows).to(tl.int64)
             in_use = True
         else:
-            # The early exit: blocks past the last one in use compute and store nothing.
-            in_use = pid_m * BLOCK_M < tl.load(num_tokens_post_padded_ptr)
-            rows = tl.load(sorted_token_ids_ptr + pid_m * BLOCK_M + offs_m).to(tl.int64)
+            # The early exit: blocks past the last one in use read no ids (the id buffer may end
+            # inside the last block of the grid) and store nothing.
+            rows_used = tl.load(num_tokens_post_padded_ptr)
+            in_use = pid_m * BLOCK_M < rows_used
+            rows = tl.load(sorted_token_ids_ptr + pid_m * BLOCK_M + offs_m, mask=pid_m * BLOCK_M + offs_m < rows_used,
+                           other=num_valid_rows).to(tl.int64)
         row_real = rows < num_valid_rows
         expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
         # -1: the block's expert is computed elsewhere (vLLM, under expert parallelism); an id out
@@ -175,7 +179,7 @@ def _launch(a, w, out, topk_weights, blocks: BlockAssignment, *, n_out: int, top
     if num_tiles == 0 or n_out == 0:
         return
     grid = (min(num_tiles, _programs_per_device(a.device)) if tiles.persistent else num_tiles,)
-    w_desc = weight_descriptor("index-gather GEMM", w, tiles)
+    w_desc = weight_descriptor(w, tiles)
     # Unused pointer arguments (naive blocks have no sorted ids, GEMM 1 has no weights) get any
     # tensor: the constexpr flags compile the loads away.
     sorted_ids = blocks.expert_ids if blocks.naive else blocks.sorted_token_ids
@@ -219,6 +223,8 @@ def expert_gate_up(hidden_states: torch.Tensor, w1: torch.Tensor, blocks: BlockA
     numel = hidden_states.shape[0] * top_k
     check_blocks(func, blocks, numel)
     tiles = fp8_tiles(check_tiles(func, tiles), granularity)
+    if tiles.split_k != 1:
+        fail(func, "tiles.split_k", "must be 1 (SiLU·mul in GEMM 1's epilogue needs the whole K sum)", tiles.split_k)
     f = w1.shape[1] // 2
     out = check_out(func, out, (numel, f), hidden_states, dtype=output_dtype(hidden_states, out_dtype))
     if not use_triton(hidden_states, w1, out):
@@ -256,6 +262,8 @@ def expert_down(intermediate: torch.Tensor, w2: torch.Tensor, topk_weights: torc
     tiles = fp8_tiles(check_tiles(func, tiles), granularity)
     d = w2.shape[1]
     if sum_slots:
+        if out is None:   # the epilogue adds into it
+            out = torch.zeros(num_tokens, d, dtype=torch.float32, device=intermediate.device)
         out = check_out(func, out, (num_tokens, d), intermediate, dtype=torch.float32)
     else:
         if tiles.split_k != 1:
