@@ -10,8 +10,8 @@ tile, and an epilogue. That part lives here, once:
   one per row, each naming a row that is safe to read (a layout points its padding rows at a
   real row, so the loads need no row mask and stay unpredicated); weight columns past ``N`` wrap
   around for the same reason (with TMA they read the next rows of the matrix instead, or zeros;
-  either way those output columns are never stored). With ``GATED`` it also multiplies by the up half of a ``[2N, K]``
-  ``w1`` (rows ``N..2N``) and returns ``silu(gate) * up``, computed in fp32: this is the fused
+  either way those output columns are never stored). With ``GATED`` it also multiplies by the up
+  half of a ``[2N, K]`` ``w1`` (rows ``N..2N``) and returns ``silu(gate) * up``, computed in fp32: this is the fused
   SiLU·mul of GEMM 1, so the ``[rows, 2N]`` pre-activation never reaches memory.
 * :func:`scale_rows` - the routed-weight epilogue of GEMM 2: each row times its routing weight,
   in fp32, before the single rounding to the output dtype.

@@ -35,16 +35,12 @@ Worked example: four experts, one token, top-2::
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from .._runtime import HAS_TRITON, INTERPRET, kernel, tl, triton, use_triton
 from .._checks import check_int, check_number, check_tensor, fail
 
-__all__ = [
-    "gate",
-    "fused_topk",
-    "fused_topk_reference",
-    "append_shared_expert",
-]
+__all__ = ["gate", "fused_topk", "fused_topk_reference", "append_shared_expert"]
 
 _SCORING_FUNCS = ("softmax", "sigmoid")
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -252,8 +248,8 @@ def _empty_outputs(num_tokens: int, topk: int, device: torch.device):
 # --------------------------------------------------------------------------------------------
 
 
-def fused_topk(hidden_states: torch.Tensor, gating_output: torch.Tensor, topk: int,
-               renormalize: bool, scoring_func: str = "softmax"):
+def fused_topk(hidden_states: Tensor, gating_output: Tensor, topk: int, renormalize: bool,
+               scoring_func: str = "softmax"):
     """Top-k routing: ``(topk_weights float32 [T, k], topk_ids int32 [T, k])``.
 
     Same arguments as vLLM's ``fused_topk`` (``vllm/model_executor/layers/fused_moe/router/
