@@ -97,6 +97,18 @@ def check_dtype(func: str, name: str, dtype: object, allowed: Iterable[torch.dty
     return dtype
 
 
+def check_device(func: str, name: str, device: object, *, must_exist: bool = True) -> torch.device:
+    """``device`` as a ``torch.device``: a device string or object; with ``must_exist``, a CUDA
+    device only where torch sees a GPU."""
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError):
+        fail(func, name, "must be a torch.device or a device string such as 'cuda' or 'cpu'", repr(device))
+    if must_exist and parsed.type == "cuda" and not torch.cuda.is_available():
+        fail(func, name, "must be a device this machine has (torch sees no CUDA GPU here)", repr(str(device)))
+    return parsed
+
+
 def check_ids_in_range(func: str, name: str, ids: torch.Tensor, num_experts: int, *,
                        on_device: bool = True) -> None:
     """Every expert id must lie in ``[0, num_experts)``.
@@ -117,6 +129,19 @@ def check_ids_in_range(func: str, name: str, ids: torch.Tensor, num_experts: int
     lo, hi = int(ids.min()), int(ids.max())
     if lo < 0 or hi >= num_experts:
         fail(func, name, f"must hold expert ids in [0, {num_experts})", f"ids in [{lo}, {hi}]")
+
+
+def device_id_check(func: str, name: str, ids: torch.Tensor, num_experts: int) -> str:
+    """Where the id check of a kernel that reads every id goes: on a GPU running the Triton
+    kernels, into that kernel as a device-side assert (returns its message; no launch and no
+    host sync of its own); anywhere else it runs now (:func:`check_ids_in_range`) and "" is
+    returned."""
+    from . import _runtime
+
+    if _runtime.BACKEND == "cuda" and ids.is_cuda:
+        return f"{func}: argument '{name}' must hold expert ids in [0, {num_experts})"
+    check_ids_in_range(func, name, ids, num_experts)
+    return ""
 
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)

@@ -141,13 +141,28 @@ def kernel(fn=None, **options):
     """``triton.jit`` for this package: compiled on a GPU, interpreted on the CPU.
 
     Used exactly like ``@triton.jit`` (also as ``@kernel(do_not_specialize=[...])``), for kernels
-    and for the device functions they call.
+    and for the device functions they call. Compiled kernels launch through
+    :mod:`moe_kernels._launch`, which skips Triton's per-launch bookkeeping once a signature is
+    compiled.
     """
     if fn is None:
         return lambda f: kernel(f, **options)
     if INTERPRET:
         return _InterpretedKernel(fn, **options)
-    return triton.jit(fn, **options)
+    return _compiled_kernel_class()(fn, **options)
+
+
+_COMPILED_KERNEL = None
+
+
+def _compiled_kernel_class():
+    """``triton.jit``'s class with the launch shortcut of :mod:`moe_kernels._launch`."""
+    global _COMPILED_KERNEL
+    if _COMPILED_KERNEL is None:
+        from ._launch import cached_launch_kernel_class
+
+        _COMPILED_KERNEL = cached_launch_kernel_class()
+    return _COMPILED_KERNEL
 
 
 # ----------------------------------------------------------------------------------------------
@@ -211,6 +226,49 @@ def interpreted_bf16(*tensors: torch.Tensor) -> bool:
     """The interpreter's bf16 ``tl.dot`` multiplies raw bit patterns (triton issue 11584) and its
     fp32 -> bf16 stores truncate: such inputs are computed in float32 and rounded once."""
     return INTERPRET and any(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in tensors)
+
+
+# ----------------------------------------------------------------------------------------------
+# Which kernels a call launched (for tests that pin the path, not only the value)
+# ----------------------------------------------------------------------------------------------
+
+_launches: list | None = None
+
+
+@contextlib.contextmanager
+def record_launches():
+    """Collect what every kernel launch of this package says about itself while the block runs:
+    a list of ``(kernel name, {setting: value})`` (tiles, the scale branch, the block map, the
+    grid...). A test then checks which variant ran, not only what it computed:
+
+        >>> import torch
+        >>> from moe_kernels.kernels.combine import moe_sum
+        >>> with record_launches() as launches:
+        ...     _ = moe_sum(torch.ones(2, 3, 4))
+        >>> [name for name, _ in launches] == (["combine.moe_sum"] if BACKEND != "torch" else [])
+        True
+
+    Outside the block recording costs one global read per launch."""
+    global _launches
+    saved, _launches = _launches, []
+    try:
+        yield _launches
+    finally:
+        _launches = saved
+
+
+def note_launch(name: str, **settings) -> None:
+    """Called by each launch site just before it launches (a no-op unless recording)."""
+    if _launches is not None:
+        _launches.append((name, settings))
+
+
+def device_assert_options(message: str) -> dict:
+    """Launch options for a kernel that asserts on the device (``message`` non-empty): Triton
+    compiles ``tl.device_assert`` only with ``debug``, and ``sanitize_overflow=False`` keeps
+    ``debug`` from adding an overflow check to every integer operation, so the kernel is the
+    same kernel plus its one assert. The interpreter ignores these options."""
+    return {"debug": True, "sanitize_overflow": False} if message else {}
 
 
 def default_device() -> torch.device:

@@ -11,7 +11,12 @@ A checkpoint stores a layer's experts one of two ways, and both are read:
 
 Either becomes ``w13 [E, 2F, d]`` and ``w2 [E, d, F]``, vLLM's layout. The router is
 ``mlp.gate.weight [E, d]``; DeepSeek-V3 adds ``mlp.gate.e_score_correction_bias [E]`` and a shared
-expert ``mlp.shared_experts.{gate,up,down}_proj.weight``. fp8 checkpoints (DeepSeek-V3, Qwen3-FP8)
+expert ``mlp.shared_experts.{gate,up,down}_proj.weight`` (``n_shared_experts`` of width ``F``);
+Qwen2-MoE a shared expert ``mlp.shared_expert.*`` of its own width
+(``shared_expert_intermediate_size``) whose output is scaled by ``sigmoid(x @ g)``, with
+``g = mlp.shared_expert_gate.weight [1, d]``. A tensor of the layer that the loader does not
+read (a shared expert the config does not declare, say) is an error naming it: nothing of a
+layer is dropped silently. fp8 checkpoints (DeepSeek-V3, Qwen3-FP8)
 store each weight in ``float8_e4m3fn`` beside its ``weight_scale_inv``, one float32 per 128x128
 block; both are read, and the gate and up scales stacked like their weights. The routing rules
 come from the model's
@@ -42,10 +47,24 @@ from pathlib import Path
 
 import torch
 
-from ._checks import FLOAT_DTYPES, check_dtype, check_number, fail
+from ._checks import FLOAT_DTYPES, check_device, check_dtype, check_number, fail
 from .layer_spec import LayerWeights, Routing
 
 _FUNC = "load_layer"
+
+
+def _config_value(config: Mapping, key: str, kind: type, default=None):
+    """``config[key]`` of exactly ``kind`` (no coercion: JSON's ``"false"`` is not ``False``),
+    ``default`` when absent or null."""
+    value = config.get(key)
+    if value is None:
+        return default
+    if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+        fail(_FUNC, f"config['{key}']", "must be an int (the model's config.json)", repr(value), TypeError)
+    if kind is not int and not isinstance(value, kind):
+        fail(_FUNC, f"config['{key}']", f"must be a JSON {'boolean' if kind is bool else kind.__name__}",
+             repr(value), TypeError)
+    return value
 
 
 def routing_from_config(config: Mapping) -> tuple[Routing, dict]:
@@ -54,12 +73,12 @@ def routing_from_config(config: Mapping) -> tuple[Routing, dict]:
     for key, value in (("hidden_size", config.get("hidden_size")), ("moe_intermediate_size",
                        config.get("moe_intermediate_size")), ("num_experts", num_experts),
                        ("num_experts_per_tok", config.get("num_experts_per_tok"))):
-        if not isinstance(value, int) or value < 1:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             fail(_FUNC, f"config['{key}']", "must be a positive int (the model's config.json)", repr(value))
     if config["num_experts_per_tok"] > num_experts:
         fail(_FUNC, "config['num_experts_per_tok']", f"must be <= the number of experts ({num_experts})",
              repr(config["num_experts_per_tok"]))
-    scoring_func = config.get("scoring_func", "softmax")
+    scoring_func = _config_value(config, "scoring_func", str, "softmax")
     if scoring_func not in ("softmax", "sigmoid"):
         fail(_FUNC, "config['scoring_func']", "must be 'softmax' or 'sigmoid'", repr(scoring_func))
     groups = config.get("n_group") or 1
@@ -73,21 +92,39 @@ def routing_from_config(config: Mapping) -> tuple[Routing, dict]:
     routing = Routing(
         top_k=config["num_experts_per_tok"],
         scoring_func=scoring_func,
-        renormalize=bool(config.get("norm_topk_prob", False)),
+        renormalize=_config_value(config, "norm_topk_prob", bool, False),
         num_expert_group=groups if groups > 1 else None,
         topk_group=topk_group if groups > 1 else None,
         routed_scaling_factor=scaling,
     )
+    shared = _config_value(config, "n_shared_experts", int, 0) * config["moe_intermediate_size"]
+    gated_shared = _config_value(config, "shared_expert_intermediate_size", int, 0)
+    if shared < 0 or gated_shared < 0 or (shared and gated_shared):
+        fail(_FUNC, "config['shared_expert_intermediate_size']", "must be absent, or the only shared expert size (a "
+             "Qwen2-MoE gated shared expert; DeepSeek's is n_shared_experts * moe_intermediate_size)",
+             f"{gated_shared} with n_shared_experts={config.get('n_shared_experts')}")
     sizes = {"d": config["hidden_size"], "f": config["moe_intermediate_size"], "e": num_experts,
-             "shared": config.get("n_shared_experts") or 0}
+             "shared": shared, "gated_shared": gated_shared}
     return routing, sizes
 
 
+def _read_json(path: Path, name: str) -> dict:
+    """A JSON object from ``path``, or an error naming the file."""
+    try:
+        value = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as err:
+        fail(_FUNC, name, f"must be a readable JSON file ({path})", f"{type(err).__name__}: {err}")
+    if not isinstance(value, dict):
+        fail(_FUNC, name, f"must hold a JSON object ({path})", type(value).__name__, TypeError)
+    return value
+
+
 class _Tensors:
-    """Named tensors from a state dict, one safetensors file, or a folder of shards."""
+    """Named tensors from a state dict, one safetensors file, or a folder of shards; remembers
+    which names were read, so that the loader can refuse a layer's tensors it did not use."""
 
     def __init__(self, source):
-        self._dict, self._files = None, {}
+        self._dict, self._files, self.read = None, {}, set()
         if isinstance(source, Mapping):
             self._dict = source
             return
@@ -105,31 +142,44 @@ class _Tensors:
             fail(_FUNC, "source", "must hold *.safetensors shards", str(path))
         index = path / "model.safetensors.index.json" if path.is_dir() else None
         if index is not None and index.exists():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            weight_map = _read_json(index, "source").get("weight_map")
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                fail(_FUNC, "source", f"must have a 'weight_map' of tensor name -> shard file in {index.name}",
+                     repr(type(weight_map).__name__))
             self._where = {name: path / shard for name, shard in weight_map.items()}
         else:
-            from safetensors import safe_open
-
             self._where = {}
             for shard in shards:
-                with safe_open(str(shard), framework="pt") as f:
-                    self._where.update({name: shard for name in f.keys()})
+                self._where.update({name: shard for name in self._open(shard, lambda f: list(f.keys()))})
+
+    @staticmethod
+    def _open(shard: Path, read):
+        """``read(handle)`` of one safetensors file; a file safetensors cannot read is an error naming it."""
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(shard), framework="pt") as f:
+                return read(f)
+        except Exception as err:  # noqa: BLE001 - safetensors raises its own error types (and OSError)
+            fail(_FUNC, "source", f"must hold readable safetensors files; {shard.name} is not one",
+                 f"{type(err).__name__}: {err}")
 
     def __contains__(self, name: str) -> bool:
         return name in (self._dict if self._dict is not None else self._where)
 
+    def names(self, prefix: str) -> list[str]:
+        return sorted(n for n in (self._dict if self._dict is not None else self._where) if n.startswith(prefix))
+
     def get(self, name: str) -> torch.Tensor:
         if name not in self:
             fail(_FUNC, "source", f"must hold the tensor '{name}'", "it is missing")
+        self.read.add(name)
         if self._dict is not None:
             tensor = self._dict[name]
             if not isinstance(tensor, torch.Tensor):
                 fail(_FUNC, "source", f"must map '{name}' to a torch.Tensor", type(tensor).__name__, TypeError)
             return tensor
-        from safetensors import safe_open
-
-        with safe_open(str(self._where[name]), framework="pt") as f:
-            return f.get_tensor(name)
+        return self._open(self._where[name], lambda f: f.get_tensor(name))
 
 
 def _expect(name: str, tensor: torch.Tensor, shape: tuple) -> torch.Tensor:
@@ -148,10 +198,7 @@ def load_layer(source, *, layer: int, config=None, dtype: torch.dtype | None = N
         fail(_FUNC, "layer", "must be an int >= 0", repr(layer))
     if dtype is not None:
         check_dtype(_FUNC, "dtype", dtype, FLOAT_DTYPES)
-    try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError):
-        fail(_FUNC, "device", "must be a torch.device or a device string such as 'cuda' or 'cpu'", repr(device))
+    device = check_device(_FUNC, "device", device)
     tensors = _Tensors(source)  # checks source before the config beside it is looked for
     if config is None and not isinstance(source, Mapping):
         folder = Path(source) if Path(source).is_dir() else Path(source).parent
@@ -159,15 +206,24 @@ def load_layer(source, *, layer: int, config=None, dtype: torch.dtype | None = N
     if isinstance(config, (str, Path)):
         if not Path(config).exists():
             fail(_FUNC, "config", "must be a config dict or the path of a config.json", str(config))
-        config = json.loads(Path(config).read_text())
+        config = _read_json(Path(config), "config")
     if not isinstance(config, Mapping):
         fail(_FUNC, "config", "must be a config dict or the path of a config.json", type(config).__name__, TypeError)
     routing, n = routing_from_config(config)
     d, f, e = n["d"], n["f"], n["e"]
     prefix = f"model.layers.{layer}.mlp."
 
-    def take(name, shape, as_dtype=dtype):
+    stored = {}   # the dtype the expert weights are stored in: every one must share it
+
+    def take(name, shape, as_dtype=dtype, weight=True):
         t = _expect(prefix + name, tensors.get(prefix + name), shape)
+        if weight:
+            first = stored.setdefault("dtype", (t.dtype, prefix + name))
+            fp8 = torch.float8_e4m3fn
+            if (t.dtype == fp8) != (first[0] == fp8) or (as_dtype is None and t.dtype != first[0]):
+                fail(_FUNC, "source", f"must store '{prefix + name}' as {str(first[0]).replace('torch.', '')}, like "
+                     f"'{first[1]}' (mixed expert dtypes{'' if as_dtype is None else ' of fp8 and 16/32-bit'})",
+                     str(t.dtype).replace("torch.", ""), TypeError)
         # fp8 weights stay fp8 (their scales come with them); ``dtype`` casts 16/32-bit ones.
         keep = t.dtype == torch.float8_e4m3fn or as_dtype is None
         return t.to(device=device, dtype=t.dtype if keep else as_dtype)
@@ -176,15 +232,16 @@ def load_layer(source, *, layer: int, config=None, dtype: torch.dtype | None = N
         return (-(-rows // 128), -(-cols // 128))
 
     def scale(name, rows, cols):   # DeepSeek-V3's weight_scale_inv: one float32 per 128x128 block
-        return take(name + "_scale_inv", blocks(rows, cols), torch.float32)
+        return take(name + "_scale_inv", blocks(rows, cols), torch.float32, weight=False)
 
     scales = {}
     if prefix + "experts.gate_up_proj" in tensors:   # fused 3-D layout
         w13 = take("experts.gate_up_proj", (e, 2 * f, d))
         w2 = take("experts.down_proj", (e, d, f))
         if w13.dtype == torch.float8_e4m3fn:
-            scales = dict(w13_scale=take("experts.gate_up_proj_scale_inv", (e, *blocks(2 * f, d)), torch.float32),
-                          w2_scale=take("experts.down_proj_scale_inv", (e, *blocks(d, f)), torch.float32))
+            scales = dict(w13_scale=take("experts.gate_up_proj_scale_inv", (e, *blocks(2 * f, d)), torch.float32,
+                                         weight=False),
+                          w2_scale=take("experts.down_proj_scale_inv", (e, *blocks(d, f)), torch.float32, weight=False))
     elif prefix + "experts.0.gate_proj.weight" in tensors:
         w13 = torch.stack([torch.cat([take(f"experts.{i}.gate_proj.weight", (f, d)),
                                       take(f"experts.{i}.up_proj.weight", (f, d))]) for i in range(e)])
@@ -200,17 +257,25 @@ def load_layer(source, *, layer: int, config=None, dtype: torch.dtype | None = N
     else:
         fail(_FUNC, "source", f"must hold layer {layer}'s experts ('{prefix}experts.0.gate_proj.weight' or "
              f"'{prefix}experts.gate_up_proj'): is it an MoE layer?", "neither is there")
-    router = take("gate.weight", (e, d), torch.float32)
-    bias = take("gate.e_score_correction_bias", (e,), torch.float32) \
+    router = take("gate.weight", (e, d), torch.float32, weight=False)
+    bias = take("gate.e_score_correction_bias", (e,), torch.float32, weight=False) \
         if prefix + "gate.e_score_correction_bias" in tensors else None
-    shared_w13 = shared_w2 = None
-    if n["shared"]:
-        s = n["shared"] * f
-        shared_w13 = torch.cat([take("shared_experts.gate_proj.weight", (s, d)),
-                                take("shared_experts.up_proj.weight", (s, d))])
-        shared_w2 = take("shared_experts.down_proj.weight", (d, s))
+    shared_w13 = shared_w2 = shared_gate = None
+    s = n["shared"] or n["gated_shared"]
+    if s:
+        # DeepSeek: mlp.shared_experts (n_shared_experts of width F); Qwen2-MoE: mlp.shared_expert, gated.
+        where = "shared_experts." if n["shared"] else "shared_expert."
+        shared_w13 = torch.cat([take(where + "gate_proj.weight", (s, d)), take(where + "up_proj.weight", (s, d))])
+        shared_w2 = take(where + "down_proj.weight", (d, s))
+        if n["gated_shared"]:
+            shared_gate = take("shared_expert_gate.weight", (1, d), torch.float32, weight=False)
         if shared_w13.dtype == torch.float8_e4m3fn:
-            scales.update(shared_w13_scale=torch.cat([scale("shared_experts.gate_proj.weight", s, d),
-                                                      scale("shared_experts.up_proj.weight", s, d)]),
-                          shared_w2_scale=scale("shared_experts.down_proj.weight", d, s))
-    return LayerWeights(router, w13, w2, bias, shared_w13, shared_w2, **scales), routing
+            scales.update(shared_w13_scale=torch.cat([scale(where + "gate_proj.weight", s, d),
+                                                      scale(where + "up_proj.weight", s, d)]),
+                          shared_w2_scale=scale(where + "down_proj.weight", d, s))
+    unread = [name for name in tensors.names(prefix) if name not in tensors.read]
+    if unread:
+        fail(_FUNC, "source", f"must hold only tensors of layer {layer}'s MoE block that this loader reads (a shared "
+             "expert needs n_shared_experts or shared_expert_intermediate_size in the config)",
+             f"{len(unread)} unread: {', '.join(unread[:4])}{' ...' if len(unread) > 4 else ''}")
+    return LayerWeights(router, w13, w2, bias, shared_w13, shared_w2, **scales, shared_gate=shared_gate), routing

@@ -9,9 +9,18 @@ weights and routing rules. Two model styles cover the chapter:
   separate dense FFN (vLLM) or fused into the grouped GEMM as expert ``E`` (SGLang).
 
 Any of the three grouped-GEMM layouts runs the experts (``layout``: ``"index_gather"``,
-``"permute"``, ``"masked"``). The routing comes from this package's own kernels, so its ids are
-in range by construction: the layer skips the id check and never synchronises with the host on a
-GPU, so a decode step can be captured in a CUDA graph.
+``"permute"``, ``"masked"``; :mod:`moe_kernels.kernels.layouts` says which runs which weight
+format, and a layer that asks for an impossible pair is refused when it is built). The routing
+comes from this package's own kernels, so its ids are in range by construction: the layer skips
+the id check and never synchronises with the host on a GPU, so a decode step can be captured in
+a CUDA graph.
+
+Checks are paid once. The weights are checked when they are built (:class:`LayerWeights`), the
+routing rules against them when the layer is built, and what a call at ``T`` tokens will run
+(:class:`LayerPlan`: the layout, the weight format, the tiles and the table entry they came
+from, the block map) is chosen at the first call with ``T`` tokens and kept; later calls check
+only the activations' shape, dtype and device. :meth:`MoELayer.plan` shows the plan without
+running anything, which is how the tests pin the path an fp8 layer takes.
 
     >>> import torch
     >>> layer = MoELayer.random("deepseek-v3", hidden_size=32, intermediate_size=16,
@@ -30,20 +39,91 @@ import dataclasses
 
 import torch
 
-from ._checks import FLOAT_DTYPES, check_dtype, check_int, check_number, check_tensor, fail
+from ._checks import FLOAT_DTYPES, check_device, check_dtype, check_int, check_number, fail
 from .checkpoint import load_layer
-from .kernels.config import MoEConfig, get_config
-from .kernels.index_gather import fused_experts
-from .kernels.masked import masked_experts
-from .kernels.permute import permute_experts
-from .kernels.routing import append_shared_expert, gate
-from .kernels.shared import shared_expert_separate
-from .layer_spec import LayerWeights, Routing
+from .kernels.config import ConfigChoice, MoEConfig, check_config, choose_config
+from .kernels.formats import WeightFormat
+from .kernels.index_gather import run_experts
+from .kernels.layouts import LAYOUTS, layout_named
+from .kernels.routing import router_logits
+from .kernels.shared import shared_ffn
+from .layer_spec import LayerWeights, Routing, check_hidden
+from .model.buffers import m_max_token_budget
 from .model.shapes import MODELS, MoEModel
 from .reference import moe_reference, moe_reference_fp8
 
-LAYOUTS = {"index_gather": fused_experts, "permute": permute_experts, "masked": masked_experts}
 SHARED_EXPERT = ("separate", "fused")
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerPlan:
+    """What one call at ``num_tokens`` tokens runs, fixed before it runs: the layout, the weight
+    format, the tiles (``choice``: the config and the table entry it came from) and, for the
+    index-gather layout, whether the block map is the naive one (no alignment kernel)."""
+
+    num_tokens: int
+    layout: str
+    format: WeightFormat
+    choice: ConfigChoice
+    naive_blocks: bool | None
+    #: For a shared expert fused as slot E: its id column ``[T, 1]`` (int32), made once.
+    shared_ids: torch.Tensor | None = dataclasses.field(default=None, repr=False, compare=False)
+
+    @property
+    def config(self) -> MoEConfig:
+        return self.choice.config
+
+
+def plan_layer(func: str, weights: LayerWeights, routing: Routing, layout: str, num_tokens: int,
+               activation_dtype: torch.dtype, device: torch.device, *, config: MoEConfig | None = None,
+               device_name: str | None = None) -> LayerPlan:
+    """The :class:`LayerPlan` of a call (``config`` given: that config, checked for ``layout``)."""
+    e, f, d = weights.num_experts, weights.w2.shape[2], weights.w2.shape[1]
+    m = m_max_token_budget(num_tokens) if layout == "masked" else num_tokens
+    choice = choose_config(m, e, f, d, weights.format.element or activation_dtype, device, layout=layout,
+                           device_name=device_name)
+    if config is not None:
+        choice = ConfigChoice(check_config(func, config, layout=layout), "argument", choice.asked)
+    naive = None
+    if layout == "index_gather":
+        slots, experts = routing.top_k + weights.shared_fused, e + weights.shared_fused
+        naive = num_tokens * slots * 4 <= experts   # vLLM's rule (moe_kernels.kernels.blocks)
+    shared_ids = torch.full((num_tokens, 1), e, dtype=torch.int32, device=device) if weights.shared_fused else None
+    return LayerPlan(num_tokens, layout, weights.format, choice, naive, shared_ids)
+
+
+def run_layer(plan: LayerPlan, hidden_states: torch.Tensor, weights: LayerWeights, routing: Routing) -> torch.Tensor:
+    """One checked call: gate, routing, (the shared slot), the experts, (the shared expert)."""
+    w, fmt = weights, plan.format
+    logits = router_logits(hidden_states, w.gate)
+    topk_weights, topk_ids = routing.route(hidden_states, logits, w.bias, checked=True)
+    shared_gate = None if w.shared_gate is None else torch.sigmoid(router_logits(hidden_states, w.shared_gate))
+    if w.shared_fused:   # the shared expert as slot k+1, id E, weight 1 (or its gate): routed weights are scaled
+        column = torch.ones_like(topk_weights[:, :1]) if shared_gate is None else shared_gate
+        topk_weights = torch.cat([topk_weights, column], dim=1)
+        topk_ids = torch.cat([topk_ids, plan.shared_ids], dim=1)
+    if plan.layout == "index_gather":
+        out = run_experts(hidden_states, w.w13, w.w2, topk_weights, topk_ids, fmt=fmt, config=plan.config,
+                          w1_scale=w.w13_scale, w2_scale=w.w2_scale, naive=plan.naive_blocks, ids="trusted",
+                          func="MoELayer")
+    else:
+        scales = dict(w1_scale=w.w13_scale, w2_scale=w.w2_scale) if fmt.quantized else {}
+        out = LAYOUTS[plan.layout].experts()(hidden_states, w.w13, w.w2, topk_weights, topk_ids, config=plan.config,
+                                             validate_ids=False, **scales)
+    if w.shared_w13 is None:
+        return out
+    if not fmt.quantized:
+        shared = shared_ffn(hidden_states, w.shared_w13, w.shared_w2)
+        return out.add_(shared if shared_gate is None else shared * shared_gate.to(shared.dtype))
+    # An fp8 shared expert: the same W8A8 GEMMs with one expert every token picks, weight 1 (or its gate).
+    t = hidden_states.shape[0]
+    everyone = torch.zeros((t, 1), dtype=torch.int32, device=hidden_states.device)
+    weight = torch.ones((t, 1), dtype=torch.float32, device=hidden_states.device) if shared_gate is None else shared_gate
+    shared_config = choose_config(t, 1, w.shared_w2.shape[1], w.shared_w2.shape[0], fmt.element,
+                                  hidden_states.device).config
+    return out.add_(run_experts(hidden_states, w.shared_w13[None], w.shared_w2[None], weight, everyone, fmt=fmt,
+                                config=shared_config, w1_scale=w.shared_w13_scale[None],
+                                w2_scale=w.shared_w2_scale[None], ids="trusted", func="MoELayer"))
 
 
 def moe_layer(hidden_states: torch.Tensor, weights: LayerWeights, *, routing: Routing,
@@ -51,43 +131,20 @@ def moe_layer(hidden_states: torch.Tensor, weights: LayerWeights, *, routing: Ro
     """The MoE layer's output ``[T, d]`` (the residual add is outside the layer).
 
     ``config`` overrides the grouped GEMMs' tiles (default: the tuned table for the routed shape,
-    else the heuristic); ``layout`` picks the grouped-GEMM layout.
+    else the heuristic); ``layout`` picks the grouped-GEMM layout. The function form checks the
+    routing rules and plans at every call; :class:`MoELayer` does both once.
     """
     func = "moe_layer"
-    check_tensor(func, "hidden_states", hidden_states, ndim=2, dtypes=FLOAT_DTYPES)
     if not isinstance(weights, LayerWeights):
         fail(func, "weights", "must be a LayerWeights", type(weights).__name__, TypeError)
     if not isinstance(routing, Routing):
         fail(func, "routing", "must be a Routing", type(routing).__name__, TypeError)
-    if layout not in LAYOUTS:
-        fail(func, "layout", f"must be one of {', '.join(map(repr, LAYOUTS))}", repr(layout))
-    weights.check(func, hidden_states)
-    num_experts = weights.num_experts
-    if routing.top_k > num_experts:
-        fail(func, "routing", f"must have top_k <= the number of routed experts E={num_experts}",
-             f"top_k={routing.top_k}")
-    logits = gate(hidden_states, weights.gate)
-    topk_weights, topk_ids = routing.route(hidden_states, logits, weights.bias)
-    if weights.shared_fused:  # the shared expert as slot k+1, id E, weight 1 (the routed weights are scaled)
-        topk_weights, topk_ids = append_shared_expert(topk_weights, topk_ids, num_experts)
-    if config is None and layout == "index_gather":
-        # The tables are keyed by the routed shape; a fused shared slot is no reason to fall back.
-        t, d = hidden_states.shape
-        config = get_config(t, num_experts, weights.w2.shape[2], d, hidden_states.dtype, hidden_states.device)
-    fp8 = {} if weights.w13_scale is None else dict(w1_scale=weights.w13_scale, w2_scale=weights.w2_scale)
-    out = LAYOUTS[layout](hidden_states, weights.w13, weights.w2, topk_weights, topk_ids, config=config,
-                          validate_ids=False, **fp8)
-    if weights.shared_w13 is None:
-        return out
-    if weights.shared_w13_scale is None:
-        return out + shared_expert_separate(hidden_states, weights.shared_w13, weights.shared_w2)
-    # An fp8 shared expert: the same W8A8 GEMMs with one expert every token picks, weight 1.
-    t = hidden_states.shape[0]
-    everyone = torch.zeros(t, 1, dtype=torch.int32, device=hidden_states.device)
-    ones = torch.ones(t, 1, dtype=torch.float32, device=hidden_states.device)
-    return out + fused_experts(hidden_states, weights.shared_w13[None], weights.shared_w2[None], ones, everyone,
-                               validate_ids=False, w1_scale=weights.shared_w13_scale[None],
-                               w2_scale=weights.shared_w2_scale[None])
+    layout_named(func, layout).check_format(func, weights.format)
+    check_hidden(func, hidden_states, weights)
+    routing.check_against(func, weights.gate, weights.bias)
+    plan = plan_layer(func, weights, routing, layout, hidden_states.shape[0], hidden_states.dtype,
+                      hidden_states.device, config=config)
+    return run_layer(plan, hidden_states, weights, routing)
 
 
 class MoELayer(torch.nn.Module):
@@ -101,47 +158,105 @@ class MoELayer(torch.nn.Module):
     def __init__(self, weights: LayerWeights, routing: Routing, *, layout: str = "index_gather",
                  shared_expert: str = "separate"):
         super().__init__()
+        func = "MoELayer"
         if not isinstance(weights, LayerWeights):
-            fail("MoELayer", "weights", "must be a LayerWeights", type(weights).__name__, TypeError)
+            fail(func, "weights", "must be a LayerWeights", type(weights).__name__, TypeError)
         if not isinstance(routing, Routing):
-            fail("MoELayer", "routing", "must be a Routing", type(routing).__name__, TypeError)
-        weights.check("MoELayer")
-        if layout not in LAYOUTS:
-            fail("MoELayer", "layout", f"must be one of {', '.join(map(repr, LAYOUTS))}", repr(layout))
+            fail(func, "routing", "must be a Routing", type(routing).__name__, TypeError)
+        layout_named(func, layout).check_format(func, weights.format)
         if shared_expert not in SHARED_EXPERT:
-            fail("MoELayer", "shared_expert", "must be 'separate' or 'fused'", repr(shared_expert))
+            fail(func, "shared_expert", "must be 'separate' or 'fused'", repr(shared_expert))
+        routing.check_against(func, weights.gate, weights.bias)
         self.routing, self.layout, self.shared_expert = routing, layout, shared_expert
-        self._fields = [f.name for f in dataclasses.fields(LayerWeights) if f.name != "shared_fused"]
+        self._fields = [f.name for f in dataclasses.fields(LayerWeights) if f.init and f.name != "shared_fused"]
         weights = weights.fuse_shared() if shared_expert == "fused" else weights
         self._shared_fused = weights.shared_fused
         for name in self._fields:
             self.register_buffer(name, getattr(weights, name))
+        self._checked = weights   # the LayerWeights of these buffers, checked; None once they change
+        self._plans: dict = {}
 
     @property
     def weights(self) -> LayerWeights:
-        return LayerWeights(**{name: getattr(self, name) for name in self._fields}, shared_fused=self._shared_fused)
+        """The layer's tensors as a checked :class:`LayerWeights` (rebuilt, and so re-checked,
+        only after the buffers changed: ``.to()``, ``.cuda()``, assignment)."""
+        if self._checked is None:
+            weights = LayerWeights(**{name: getattr(self, name) for name in self._fields},
+                                   shared_fused=self._shared_fused)
+            layout_named("MoELayer", self.layout).check_format("MoELayer", weights.format)
+            self.routing.check_against("MoELayer", weights.gate, weights.bias)
+            self._checked, self._plans = weights, {}
+        return self._checked
+
+    def _apply(self, fn, *args, **kwargs):
+        # .to(), .cuda(), .half() replace the buffers: check them again at the next call.
+        out = super()._apply(fn, *args, **kwargs)
+        self._checked = None
+        return out
+
+    def __setattr__(self, name, value):
+        if name in self.__dict__.get("_fields", ()):
+            self._checked = None
+        super().__setattr__(name, value)
+
+    def plan(self, num_tokens: int, *, dtype: torch.dtype | None = None, device=None,
+             device_name: str | None = None) -> LayerPlan:
+        """What a call with ``num_tokens`` tokens of ``dtype`` (default: the experts' dtype, bf16
+        for fp8 experts) runs on ``device`` (default: the layer's), chosen and cached at the
+        first call. ``device_name`` shows the plan as on that GPU (no cache; nothing runs)."""
+        func = "MoELayer.plan"
+        check_int(func, "num_tokens", num_tokens, lo=0)
+        weights = self.weights
+        dtype = dtype or (torch.bfloat16 if weights.format.quantized else weights.w13.dtype)
+        check_dtype(func, "dtype", dtype, FLOAT_DTYPES)
+        device = weights.gate.device if device is None else torch.device(device)
+        if device_name is not None:
+            return plan_layer(func, weights, self.routing, self.layout, num_tokens, dtype, device,
+                              device_name=device_name)
+        return self._plan(num_tokens, dtype, device)
+
+    def _plan(self, num_tokens: int, dtype: torch.dtype, device: torch.device) -> LayerPlan:
+        key = (num_tokens, dtype, device)
+        plan = self._plans.get(key)
+        if plan is None:
+            if len(self._plans) >= 512:   # many batch sizes (prefill): keep the cache bounded
+                self._plans.clear()
+            plan = self._plans[key] = plan_layer("MoELayer", self.weights, self.routing, self.layout, num_tokens,
+                                                 dtype, device)
+        return plan
 
     def forward(self, hidden_states: torch.Tensor, *, config: MoEConfig | None = None) -> torch.Tensor:
-        return moe_layer(hidden_states, self.weights, routing=self.routing, layout=self.layout, config=config)
+        weights = self.weights
+        check_hidden("MoELayer", hidden_states, weights)
+        if config is not None:
+            plan = plan_layer("MoELayer", weights, self.routing, self.layout, hidden_states.shape[0],
+                              hidden_states.dtype, hidden_states.device, config=config)
+        else:
+            plan = self._plan(hidden_states.shape[0], hidden_states.dtype, hidden_states.device)
+        return run_layer(plan, hidden_states, weights, self.routing)
 
     def reference(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The layer in float64, token by token: the torch reference router on the same float32
         logits, then each token's experts (and the shared expert) evaluated directly."""
         w = self.weights
-        logits = gate(hidden_states, w.gate)
-        topk_weights, topk_ids = self.routing.route(hidden_states, logits, w.bias, reference=True)
-        routed = w.num_experts
-        scales = (w.w13_scale, w.w2_scale) if w.granularity else ()
+        check_hidden("MoELayer.reference", hidden_states, w)
+        topk_weights, topk_ids = self.routing.route(hidden_states, router_logits(hidden_states, w.gate), w.bias,
+                                                    reference=True)
+        t = hidden_states.shape[0]
+        shared_gate = None if w.shared_gate is None else torch.sigmoid(router_logits(hidden_states, w.shared_gate))
+        shared_weight = torch.ones(t, 1, dtype=torch.float64, device=hidden_states.device) if shared_gate is None \
+            else shared_gate.double()
+        scales = (w.w13_scale, w.w2_scale) if w.format.quantized else ()
         if w.shared_fused:   # one grouped GEMM over E + 1 experts, as the kernels run it
-            topk_weights, topk_ids = append_shared_expert(topk_weights, topk_ids, routed)
-            experts = [(w.w13, w.w2, topk_weights, topk_ids, *scales)]
+            everyone = torch.full((t, 1), w.num_experts, dtype=torch.int64, device=hidden_states.device)
+            experts = [(w.w13, w.w2, torch.cat([topk_weights.double(), shared_weight], 1),
+                        torch.cat([topk_ids.long(), everyone], 1), *scales)]
         else:
             experts = [(w.w13, w.w2, topk_weights, topk_ids, *scales)]
             if w.shared_w13 is not None:
-                everyone = torch.zeros(hidden_states.shape[0], 1, dtype=torch.int64, device=hidden_states.device)
-                ones = torch.ones(hidden_states.shape[0], 1, dtype=torch.float64, device=hidden_states.device)
-                shared_scales = (w.shared_w13_scale[None], w.shared_w2_scale[None]) if w.granularity else ()
-                experts.append((w.shared_w13[None], w.shared_w2[None], ones, everyone, *shared_scales))
+                everyone = torch.zeros(t, 1, dtype=torch.int64, device=hidden_states.device)
+                shared_scales = (w.shared_w13_scale[None], w.shared_w2_scale[None]) if w.format.quantized else ()
+                experts.append((w.shared_w13[None], w.shared_w2[None], shared_weight, everyone, *shared_scales))
         out = 0
         for w13, w2, weights, ids, *scales in experts:
             if scales:   # fp8: the same quantised numbers as the kernels, exact arithmetic
@@ -153,7 +268,8 @@ class MoELayer(torch.nn.Module):
         return out
 
     def quantized(self, granularity: str = "block") -> "MoELayer":
-        """This layer with fp8 experts (W8A8 at ``granularity``), same routing and layout."""
+        """This layer with fp8 experts (W8A8 in the format ``FORMATS[granularity]``: ``"block"``,
+        ``"channel"`` or ``"tensor"``), same routing and layout."""
         # A fused shared expert is expert E of w13/w2: its scales come out of the same call.
         return MoELayer(self.weights.quantized(granularity), self.routing, layout=self.layout,
                         shared_expert=self.shared_expert)
@@ -177,6 +293,7 @@ class MoELayer(torch.nn.Module):
         check_dtype(func, "dtype", dtype, FLOAT_DTYPES)
         check_int(func, "seed", seed)
         check_number(func, "bias_std", bias_std, ge=0)
+        device = check_device(func, "device", device)
         d = hidden_size or model.hidden_size
         f = intermediate_size or model.moe_intermediate_size
         e, s = model.num_experts, model.num_shared_experts * f

@@ -64,6 +64,8 @@ def moe_reference(
 def moe_reference_fp8(hidden_states, w1, w2, topk_weights, topk_ids, *, w1_scale, w2_scale,
                       granularity: str, intermediate_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """The W8A8 layer on the *same* quantised numbers as the kernels, then exact arithmetic.
+    ``granularity`` names the weights' format (``FORMATS`` of :mod:`moe_kernels.kernels.formats`:
+    ``"block"``, ``"channel"`` or ``"tensor"``), which says how the activations are quantised.
 
     The activations are quantised with the torch reference quantiser and dequantised, each expert's
     weights dequantised (one expert at a time, so real model shapes fit), both expert GEMMs done in
@@ -72,14 +74,16 @@ def moe_reference_fp8(hidden_states, w1, w2, topk_weights, topk_ids, *, w1_scale
     float32 accumulation order and, rarely, an fp8 code of the intermediate that this rounding
     moves across a boundary. Runs on the inputs' device.
     """
-    from .kernels.quant import dequantize_activations, dequantize_weight, quantize_activations
+    from .kernels.formats import WeightFormat
+
+    fmt = WeightFormat.named("moe_reference_fp8", "granularity", granularity)
 
     def through_fp8(x):
-        q, s = quantize_activations(x.float(), granularity, reference=True)
-        return dequantize_activations(q, s, granularity).to(torch.float64)
+        q, s = fmt.quantize_activations(x.float(), reference=True)
+        return fmt.dequantize_activations(q, s).to(torch.float64)
 
     def expert(w, scale, e):
-        return dequantize_weight(w[e:e + 1], scale[e:e + 1])[0].to(torch.float64)
+        return fmt.dequantize_weight(w[e:e + 1], scale[e:e + 1])[0].to(torch.float64)
 
     ids, weights = topk_ids.to(torch.int64).flatten(), topk_weights.to(torch.float64).flatten()
     k = topk_ids.shape[1]

@@ -29,6 +29,7 @@ from moe_kernels import (GemmTiles, LayerWeights, MODELS, MoEConfig, MoELayer, R
                          unpermute)
 from moe_kernels.kernels.blocks import (BlockAssignment, assign_blocks, check_alignment, naive_block_assignment,
                                         naive_padded_rows, use_naive_block_assignment)
+from moe_kernels.kernels.config import choose_config
 from moe_kernels.kernels.dropping import moe_with_capacity
 from moe_kernels.kernels.index_gather import expert_down, expert_gate_up
 from moe_kernels.kernels.masked import grouped_gemm_masked, masked_dispatch
@@ -82,6 +83,10 @@ def ids_of(value, like=TI):
 def layer_weights(**changes):
     fields = dict(gate=GATE_W, w13=W1, w2=W2)
     return LayerWeights(**{**fields, **changes})
+
+
+# fp8 (per-channel: d = 32 is no multiple of 128) experts of the same problem.
+FP8_WEIGHTS = LayerWeights(GATE_W, W1, W2).quantized("channel")
 
 
 def checkpoint(layer=0, d=8, f=6, e=4):
@@ -207,6 +212,8 @@ BAD_INPUTS = [
     case("get_config-E-0", get_config, ValueError, "E", 8, 0, 16, 32, torch.float32, "cpu"),
     case("get_config-dtype-str", get_config, TypeError, "dtype", 8, E, 16, 32, "bf16", "cpu"),
     case("get_config-device-bogus", get_config, ValueError, "device", 8, E, 16, 32, torch.float32, "gpu0"),
+    *([case("get_config-cuda-without-a-gpu", get_config, ValueError, "device", 8, E, 16, 32, torch.float32, "cuda")]
+      if not torch.cuda.is_available() else []),
     case("get_config-permute-align-24", get_config, ValueError, "align", 8, E, 16, 32, torch.float32, "cpu",
          layout="permute", align=24),
     # ---- fused_experts -----------------------------------------------------------------------------
@@ -432,22 +439,20 @@ BAD_INPUTS = [
          config="fast"),
     case("moe_layer-config-block_m-48", moe_layer, ValueError, "config.block_m", X, layer_weights(),
          routing=Routing(2), layout="masked", config=SMALL_TILES.with_block_m(48)),
-    case("moe_layer-gate-wrong-d", moe_layer, ValueError, "gate", X, layer_weights(gate=GATE_W[:, :16]),
+    case("LayerWeights-gate-wrong-d", layer_weights, ValueError, "gate", gate=GATE_W[:, :16]),
+    case("moe_layer-gate-other-device", moe_layer, ValueError, "hidden_states", X,
+         LayerWeights(meta(GATE_W), meta(W1), meta(W2)), routing=Routing(2)),
+    case("LayerWeights-gate-other-device", layer_weights, ValueError, "w13", gate=meta(GATE_W)),
+    case("LayerWeights-w13-wrong-E", layer_weights, ValueError, "w13", w13=W1[:3]),
+    case("LayerWeights-w13-wrong-d", layer_weights, ValueError, "w13", w13=W1[:, :, :16]),
+    case("moe_layer-w13-dtype", moe_layer, TypeError, "hidden_states", X, LayerWeights(GATE_W, W1.half(), W2.half()),
          routing=Routing(2)),
-    case("moe_layer-gate-other-device", moe_layer, ValueError, "gate", X, layer_weights(gate=meta(GATE_W)),
-         routing=Routing(2)),
-    case("moe_layer-w13-wrong-E", moe_layer, ValueError, "w13", X, layer_weights(w13=W1[:3]), routing=Routing(2)),
-    case("moe_layer-w13-wrong-d", moe_layer, ValueError, "w13", X, layer_weights(w13=W1[:, :, :16]),
-         routing=Routing(2)),
-    case("moe_layer-w13-dtype", moe_layer, TypeError, "w13", X, layer_weights(w13=W1.half()), routing=Routing(2)),
-    case("moe_layer-w2-wrong-shape", moe_layer, ValueError, "w2", X, layer_weights(w2=W2[:, :, :8]),
-         routing=Routing(2)),
-    case("moe_layer-bias-length", moe_layer, ValueError, "bias", X, layer_weights(bias=torch.zeros(3, device=DEVICE)),
-         routing=Routing(2)),
-    case("moe_layer-shared-w13-alone", moe_layer, ValueError, "shared_w2", X, layer_weights(shared_w13=W1S),
-         routing=Routing(2)),
-    case("moe_layer-shared_w13-wrong-d", moe_layer, ValueError, "shared_w13", X,
-         layer_weights(shared_w13=W1S[:, :16], shared_w2=W2S), routing=Routing(2)),
+    case("LayerWeights-w2-dtype", layer_weights, TypeError, "w2", w13=W1.half()),
+    case("LayerWeights-w2-wrong-shape", layer_weights, ValueError, "w2", w2=W2[:, :, :8]),
+    case("LayerWeights-bias-length", layer_weights, ValueError, "bias", bias=torch.zeros(3, device=DEVICE)),
+    case("LayerWeights-shared-w13-alone", layer_weights, ValueError, "shared_w2", shared_w13=W1S),
+    case("LayerWeights-shared_w13-wrong-d", layer_weights, ValueError, "shared_w13", shared_w13=W1S[:, :16],
+         shared_w2=W2S),
     case("moe_layer-routing-top_k>E", moe_layer, ValueError, "routing", X, layer_weights(), routing=Routing(E + 1)),
     case("Routing-top_k-0", Routing, ValueError, "top_k", 0),
     case("Routing-top_k-str", Routing, TypeError, "top_k", "8"),
@@ -461,7 +466,23 @@ BAD_INPUTS = [
          shared_expert="both"),
     case("MoELayer-weights-dict", MoELayer, TypeError, "weights", dict(gate=GATE_W, w13=W1, w2=W2), Routing(2)),
     case("MoELayer-routing-int", MoELayer, TypeError, "routing", layer_weights(), 2),
-    case("MoELayer-weights-w2-wrong-E", MoELayer, ValueError, "w2", layer_weights(w2=W2[:3]), Routing(2)),
+    case("LayerWeights-w2-wrong-E", layer_weights, ValueError, "w2", w2=W2[:3]),
+    case("MoELayer.random-device-gpu0", MoELayer.random, ValueError, "device", "qwen3-30b-a3b", dtype=torch.float32,
+         device="gpu0", seed=0, hidden_size=32, intermediate_size=16),
+    case("MoELayer-masked-fp8", MoELayer, ValueError, "layout", FP8_WEIGHTS, Routing(2), layout="masked"),
+    case("moe_layer-masked-fp8", moe_layer, ValueError, "layout", X, FP8_WEIGHTS, routing=Routing(2), layout="masked"),
+    case("LayerWeights-w13_scale-rank", layer_weights, ValueError, "w13_scale", w13=FP8_WEIGHTS.w13,
+         w2=FP8_WEIGHTS.w2, w13_scale=FP8_WEIGHTS.w13_scale[..., None], w2_scale=FP8_WEIGHTS.w2_scale),
+    case("LayerWeights-w2_scale-other-format", layer_weights, ValueError, "w2_scale", w13=FP8_WEIGHTS.w13,
+         w2=FP8_WEIGHTS.w2, w13_scale=FP8_WEIGHTS.w13_scale, w2_scale=FP8_WEIGHTS.w2_scale[:, 0]),
+    case("LayerWeights-quantized-bogus", lambda: layer_weights().quantized("mxfp4"), ValueError, "granularity"),
+    case("MoEConfig.from_dict-missing-down", MoEConfig.from_dict, ValueError, "d",
+         {"block_m": 16, "gate_up": {"block_n": 32, "block_k": 64}}),
+    case("MoEConfig.from_dict-tiles-unknown-key", MoEConfig.from_dict, ValueError, "d['down']",
+         {"block_m": 16, "gate_up": {"block_n": 32, "block_k": 64}, "down": {"block_n": 32, "block_k": 64, "warps": 4}}),
+    case("MoEConfig.from_dict-list", MoEConfig.from_dict, TypeError, "d", [16]),
+    case("choose_config-device_name-int", choose_config, TypeError, "device_name", 8, E, 16, 32, torch.float32,
+         "cpu", device_name=200),
     case("MoELayer.random-model-bogus", MoELayer.random, ValueError, "model", "gpt-5", dtype=torch.float32,
          device="cpu", seed=0),
     case("MoELayer.random-hidden_size-negative", MoELayer.random, ValueError, "hidden_size", "qwen3-30b-a3b",
@@ -471,6 +492,25 @@ BAD_INPUTS = [
     case("MoELayer.random-fused-two-shared", MoELayer.random, ValueError, "shared_w13", "deepseek-v2-lite",
          dtype=torch.float32, device="cpu", seed=0, hidden_size=16, intermediate_size=16, shared_expert="fused"),
     # ---- the checkpoint loader ---------------------------------------------------------------------
+    case("load_layer-config-norm_topk_prob-str", load_layer, TypeError, "config['norm_topk_prob']", STATE, layer=0,
+         config={**CONFIG, "norm_topk_prob": "false"}),
+    case("load_layer-config-n_shared_experts-float", load_layer, TypeError, "config['n_shared_experts']", STATE,
+         layer=0, config={**CONFIG, "n_shared_experts": 1.0}),
+    case("load_layer-config-scoring-int", load_layer, TypeError, "config['scoring_func']", STATE, layer=0,
+         config={**CONFIG, "scoring_func": 1}),
+    case("load_layer-config-two-shared-sizes", load_layer, ValueError, "config['shared_expert_intermediate_size']",
+         STATE, layer=0, config={**CONFIG, "n_shared_experts": 1, "shared_expert_intermediate_size": 12}),
+    case("load_layer-source-mixed-dtypes", load_layer, TypeError, "source",
+         {**STATE, "model.layers.0.mlp.experts.2.up_proj.weight": STATE["model.layers.0.mlp.experts.2.up_proj.weight"].half()},
+         layer=0, config=CONFIG),
+    case("load_layer-source-fp8-among-bf16", load_layer, TypeError, "source",
+         {**STATE, "model.layers.0.mlp.experts.1.down_proj.weight":
+          STATE["model.layers.0.mlp.experts.1.down_proj.weight"].to(torch.float8_e4m3fn)},
+         layer=0, config=CONFIG, dtype=torch.bfloat16),
+    case("load_layer-source-undeclared-shared-expert", load_layer, ValueError, "source",
+         {**STATE, **{f"model.layers.0.mlp.shared_expert.{n}.weight": torch.zeros(s) for n, s in
+                      (("gate_proj", (6, 8)), ("up_proj", (6, 8)), ("down_proj", (8, 6)))},
+          "model.layers.0.mlp.shared_expert_gate.weight": torch.zeros(1, 8)}, layer=0, config=CONFIG),
     case("load_layer-layer-negative", load_layer, ValueError, "layer", STATE, layer=-1, config=CONFIG),
     case("load_layer-layer-str", load_layer, TypeError, "layer", STATE, layer="0", config=CONFIG),
     case("load_layer-layer-bool", load_layer, TypeError, "layer", STATE, layer=False, config=CONFIG),
@@ -787,3 +827,57 @@ def test_edge_input_gives_the_right_answer(run):
     assert torch.isfinite(got).all()
     if want.numel():
         assert rel_err(got, want) < TOLERANCE[torch.float32]
+
+
+# ---- files: tuned tables, checkpoints, their JSON -------------------------------------------------------
+
+
+def test_bad_tuned_tables_are_refused_naming_the_file(tmp_path, monkeypatch):
+    import json
+
+    from moe_kernels.kernels import config as tile_config
+
+    monkeypatch.setattr(tile_config, "CONFIG_DIR", tmp_path)
+    name = tile_config.table_name("GPU X", E, 16, 32, torch.float32, "index_gather")
+    good = MoEConfig(16, GemmTiles(16, 32), GemmTiles(16, 32)).to_dict()
+    bad_tables = [({"configs": {"64": {**good, "block_m": 24}}}, "entry '64'", "config.block_m"),
+                  ({"configs": {"64": {**good, "down": {**good["down"], "num_warps": 3}}}}, "entry '64'", "num_warps"),
+                  ({"configs": {"sixty-four": good}}, "entry 'sixty-four'", "sixty-four"),
+                  ({"measured": {}}, ".json'", "KeyError"),
+                  ("{not json", ".json'", "JSONDecodeError")]
+    try:
+        for body, where, detail in bad_tables:
+            (tmp_path / f"{name}.json").write_text(body if isinstance(body, str) else json.dumps(body))
+            tile_config.load_table.cache_clear()
+            tile_config._cached_choice.cache_clear()
+            with pytest.raises(ValueError, match=re.escape(f"load_table: argument 'configs/{name}")) as info:
+                choose_config(64, E, 16, 32, torch.float32, "cpu", device_name="GPU X")
+            assert where in str(info.value) and detail in str(info.value), str(info.value)
+    finally:
+        tile_config.load_table.cache_clear()
+        tile_config._cached_choice.cache_clear()
+
+
+def test_corrupt_checkpoint_files_are_named(tmp_path):
+    import json
+
+    from safetensors.torch import save_file
+
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not a header")
+    (tmp_path / "bad" / "config.json").write_text(json.dumps(CONFIG))
+    with pytest.raises(ValueError, match=re.escape("load_layer: argument 'source' must hold readable safetensors "
+                                                   "files; model.safetensors is not one")):
+        load_layer(tmp_path / "bad", layer=0)
+    (tmp_path / "good").mkdir()
+    save_file(STATE, str(tmp_path / "good" / "model.safetensors"))
+    (tmp_path / "good" / "config.json").write_text('{"hidden_size": 8,')
+    with pytest.raises(ValueError, match=r"load_layer: argument 'config' must be a readable JSON file \(.*config.json"):
+        load_layer(tmp_path / "good", layer=0)
+    (tmp_path / "good" / "config.json").write_text(json.dumps(CONFIG))
+    (tmp_path / "good" / "model.safetensors.index.json").write_text("[1, 2")
+    with pytest.raises(ValueError, match=r"load_layer: argument 'source' must be a readable JSON file \(.*index.json"):
+        load_layer(tmp_path / "good", layer=0)
+    (tmp_path / "good" / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}}))
+    with pytest.raises(ValueError, match=re.escape("must have a 'weight_map' of tensor name -> shard file")):
+        load_layer(tmp_path / "good", layer=0)

@@ -18,6 +18,7 @@ from moe_kernels import MODELS, MoELayer, fused_experts, masked_experts, moe_ref
 from moe_kernels.checkpoint import load_layer
 from moe_kernels.kernels.blocks import assign_blocks
 from moe_kernels.kernels.config import GemmTiles
+from moe_kernels.kernels.formats import FORMATS
 from moe_kernels.kernels.index_gather import expert_down, expert_gate_up
 from moe_kernels.kernels.quant import (FP8, dequantize_activations, dequantize_weight, per_token_group_quant_fp8,
                                        per_token_group_quant_fp8_reference, quantize_activations, quantize_weight)
@@ -52,7 +53,7 @@ def test_group_quantiser_matches_its_reference(shape):
     if shape[0]:
         # amax of each group lands on +-448, and dequantising loses at most half an fp8 step (1/16).
         assert torch.allclose(q.float().abs().view(shape[0], -1, 128).amax(-1), torch.full_like(s, 448.0))
-        err = (dequantize_activations(q, s, "block") - x).abs() / x.abs().view(shape[0], -1, 128).amax(-1).repeat_interleave(128, 1)
+        err = (dequantize_activations(q, s, "group") - x).abs() / x.abs().view(shape[0], -1, 128).amax(-1).repeat_interleave(128, 1)
         assert float(err.max()) <= 1 / 16
 
 
@@ -73,12 +74,24 @@ def test_weight_quantiser_layouts(granularity, n, k):
     assert float(err) <= 1 / 16
 
 
-@pytest.mark.parametrize("granularity", GRANULARITIES)
-def test_activation_quantiser_layouts(granularity):
+@pytest.mark.parametrize("scheme", ["group", "token", "tensor"])
+def test_activation_quantiser_layouts(scheme):
     x = torch.randn(4, 256, generator=torch.Generator().manual_seed(3)).to(DEVICE)
-    q, s = quantize_activations(x, granularity)
-    assert tuple(s.shape) == {"block": (4, 2), "channel": (4,), "tensor": (1,)}[granularity]
-    assert rel_err(dequantize_activations(q, s, granularity), x.double()) < 0.05
+    q, s = quantize_activations(x, scheme)
+    assert tuple(s.shape) == {"group": (4, 2), "token": (4,), "tensor": (1,)}[scheme]
+    assert rel_err(dequantize_activations(q, s, scheme), x.double()) < 0.05
+
+
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_every_format_scales_activations_per_token(granularity):
+    """No format lets one token's values into another token's scale (so one request's inf
+    cannot reach another request's output)."""
+    fmt = FORMATS[granularity]
+    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    _, s = fmt.quantize_activations(x)
+    x[2, 5] = float("inf")
+    _, s_inf = fmt.quantize_activations(x)
+    assert s.shape[0] == 4 and torch.equal(s[[0, 1, 3]], s_inf[[0, 1, 3]])
 
 
 # ---- the kernels on the same quantised numbers ---------------------------------------------------
@@ -91,18 +104,19 @@ def test_each_gemm_stage_is_exact_on_the_quantised_numbers(granularity, naive):
     x, w1, w2, weights, ids = problem()
     w1q, w1s = quantize_weight(w1, granularity)
     w2q, w2s = quantize_weight(w2, granularity)
-    xq, xs = quantize_activations(x, granularity)
+    fmt = FORMATS[granularity]
+    xq, xs = fmt.quantize_activations(x)
     blocks = assign_blocks(ids, 16, w1.shape[0], naive=naive)
     tiles = GemmTiles(32, 64)
     inter = expert_gate_up(xq, w1q, blocks, 2, tiles=tiles, a_scale=xs, w_scale=w1s, out_dtype=torch.float32)
-    x_deq, w1d = dequantize_activations(xq, xs, granularity).double(), dequantize_weight(w1q, w1s).double()
+    x_deq, w1d = fmt.dequantize_activations(xq, xs).double(), dequantize_weight(w1q, w1s).double()
     rows = torch.arange(ids.numel(), device=DEVICE) // 2
     want = silu_and_mul_reference(torch.einsum("ad,afd->af", x_deq[rows], w1d[ids.flatten()]))
     assert rel_err(inter, want) < 1e-6
-    iq, is_ = quantize_activations(inter, granularity)
+    iq, is_ = fmt.quantize_activations(inter)
     per_slot = expert_down(iq, w2q, weights, blocks, tiles=tiles, a_scale=is_, w_scale=w2s, out_dtype=torch.float32)
     want = weights.reshape(-1, 1).double() * torch.einsum(
-        "af,adf->ad", dequantize_activations(iq, is_, granularity).double(), dequantize_weight(w2q, w2s).double()[ids.flatten()])
+        "af,adf->ad", fmt.dequantize_activations(iq, is_).double(), dequantize_weight(w2q, w2s).double()[ids.flatten()])
     assert rel_err(per_slot.reshape(-1, w2.shape[1]), want) < 1e-6
 
 
@@ -121,6 +135,23 @@ def test_experts_match_the_quantised_reference(layout, granularity, dtype):
     assert rel_err(out, ref) < (1e-3 if dtype == torch.float32 else 1e-2)
     # The quantisation error itself, against the unquantised experts: a few percent, not asserted tightly.
     assert rel_err(out, moe_reference(x, w1, w2, weights, ids)) < 0.2
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")   # inf * 0 in the interpreter
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+def test_one_bad_token_changes_no_other_token(layout, granularity):
+    """An inf in one token (one request's bad input) reaches that token's output only: every
+    format quantises activations per token (issue 16: per-tensor activation scales once turned
+    every token of the batch into NaN)."""
+    x, w1, w2, weights, ids = problem(seed=6)
+    (w1q, w1s), (w2q, w2s) = quantize_weight(w1, granularity), quantize_weight(w2, granularity)
+    clean = LAYOUTS[layout](x, w1q, w2q, weights, ids, w1_scale=w1s, w2_scale=w2s)
+    bad = x.clone()
+    bad[4, 7] = float("inf")
+    out = LAYOUTS[layout](bad, w1q, w2q, weights, ids, w1_scale=w1s, w2_scale=w2s)
+    others = [t for t in range(x.shape[0]) if t != 4]
+    assert torch.equal(out[others], clean[others])
 
 
 def fewer_experts(key, num_experts=32):
@@ -170,14 +201,15 @@ def test_bad_fp8_inputs_name_the_argument():
         (lambda: fused_experts(x, w1q, w2q, weights, ids, w1_scale=w1s, w2_scale=quantize_weight(w2, "channel")[1]),
          ValueError, "w2_scale"),
         (lambda: fused_experts(x, w1, w2, weights, ids, w1_scale=w1s, w2_scale=w2s), ValueError, "w1_scale"),
-        (lambda: masked_experts(x, w1q, w2q, weights, ids), TypeError, "w1"),
+        (lambda: masked_experts(x, w1q, w2q, weights, ids, w1_scale=w1s, w2_scale=w2s), ValueError, "layout"),
+        (lambda: masked_experts(x, w1q, w2q, weights, ids), TypeError, "w1_scale"),
         (lambda: per_token_group_quant_fp8(x[:, :200]), ValueError, "x"),
         (lambda: per_token_group_quant_fp8(x, 96), ValueError, "group_size"),
         (lambda: quantize_weight(w1, "row"), ValueError, "granularity"),
-        (lambda: quantize_activations(x, "row"), ValueError, "granularity"),
+        (lambda: quantize_activations(x, "row"), ValueError, "scheme"),
         (lambda: expert_gate_up(x, w1q, assign_blocks(ids, 16, 6), 2, tiles=GemmTiles(32, 64)), TypeError,
          "hidden_states"),
-        (lambda: expert_gate_up(quantize_activations(x, "block")[0], w1q, assign_blocks(ids, 16, 6), 2,
+        (lambda: expert_gate_up(quantize_activations(x, "group")[0], w1q, assign_blocks(ids, 16, 6), 2,
                                 tiles=GemmTiles(32, 64), a_scale=torch.ones(9, device=DEVICE), w_scale=w1s),
          ValueError, "a_scale"),
     ]

@@ -72,8 +72,10 @@ def test_bad_arguments():
         moe_layer(x, layer.weights, routing=layer.routing, layout="dense")
     with pytest.raises(TypeError, match=re.escape("moe_layer: argument 'routing' must be a Routing")):
         moe_layer(x, layer.weights, routing={"top_k": 8})
-    with pytest.raises(ValueError, match=re.escape("moe_layer: argument 'gate' must be [E, d=16]")):
+    with pytest.raises(ValueError, match=re.escape("moe_layer: argument 'hidden_states' must be [T, d=32]")):
         moe_layer(x[:, :16], layer.weights, routing=layer.routing)
+    with pytest.raises(ValueError, match=re.escape("MoELayer: argument 'hidden_states' must be [T, d=32]")):
+        layer(x[:, :16])
     with pytest.raises(ValueError, match=re.escape("MoELayer: argument 'shared_expert' must be")):
         MoELayer(layer.weights, layer.routing, shared_expert="both")
     with pytest.raises(ValueError, match=re.escape("MoELayer.random: argument 'model' must be a MoEModel")):
@@ -220,3 +222,35 @@ def test_model_never_imports_kernels():
             "print(sorted(n for n in sys.modules if n.startswith('moe_kernels.kernels')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", out
+
+
+QWEN2_CONFIG = {"hidden_size": 16, "moe_intermediate_size": 8, "num_experts": 4, "num_experts_per_tok": 2,
+                "norm_topk_prob": False, "shared_expert_intermediate_size": 24}
+
+
+@pytest.mark.parametrize("shared_expert", ["separate", "fused"])
+def test_loader_reads_a_qwen2_moe_gated_shared_expert(tmp_path, shared_expert):
+    """Qwen2-MoE: a shared expert of its own width, its output times sigmoid(x @ shared_expert_gate)."""
+    config = QWEN2_CONFIG if shared_expert == "separate" else {**QWEN2_CONFIG, "shared_expert_intermediate_size": 8}
+    state, expected = checkpoint_tensors(config, layer=0, fused=False)
+    g = torch.Generator().manual_seed(7)
+    s, p = config["shared_expert_intermediate_size"], "model.layers.0.mlp."
+    shared = {n: torch.randn(shape, generator=g) / 4 for n, shape in
+              (("gate_proj", (s, 16)), ("up_proj", (s, 16)), ("down_proj", (16, s)))}
+    state.update({p + f"shared_expert.{n}.weight": t for n, t in shared.items()})
+    state[p + "shared_expert_gate.weight"] = torch.randn(1, 16, generator=g)
+    weights, routing = load_layer(state, layer=0, config=config)
+    assert torch.equal(weights.shared_gate, state[p + "shared_expert_gate.weight"]) and not routing.renormalize
+    assert torch.equal(weights.shared_w13, torch.cat([shared["gate_proj"], shared["up_proj"]]))
+    layer = MoELayer(weights, routing, shared_expert=shared_expert).to(DEVICE)
+    x = tokens(6, 16)
+    out = layer(x)
+    assert rel_err(out, layer.reference(x)) < 1e-5
+    # The gate is really applied: the same layer without it differs by the gated share.
+    ungated = MoELayer(LayerWeights(weights.gate, weights.w13, weights.w2, None, weights.shared_w13, weights.shared_w2),
+                       routing).to(DEVICE)
+    xs = x.cpu().double()
+    h = xs @ torch.cat([shared["gate_proj"], shared["up_proj"]]).double().T
+    ffn = (torch.nn.functional.silu(h[:, :s]) * h[:, s:]) @ shared["down_proj"].double().T
+    gate_value = torch.sigmoid(xs @ state[p + "shared_expert_gate.weight"].double().T)
+    assert rel_err(out.cpu(), ungated(x).cpu().double() - ffn + gate_value * ffn) < 1e-5

@@ -16,6 +16,7 @@ COMMANDS = {
     "fp8": ("fp8", "fp8 W8A8 experts (block, channel) against bf16 and torch's fp8 grouped GEMM"),
     "decode-step": ("decode_step", "one DeepSeek-V3 layer at 64 tokens, stage by stage (--fp8: also fp8)"),
     "ceilings": ("ceilings", "HBM bandwidth and GEMM rates"),
+    "layer": ("layer_cost", "host and GPU time per call of fused_experts and MoELayer, the id check's cost"),
 }
 
 

@@ -57,7 +57,7 @@ def _scaled_grouped_mm_layer(hidden, w1q, w1s, w2q, w2s, weights, ids, num_exper
     from ..kernels.permute import permute
     from ..kernels.quant import quantize_activations
 
-    xq, xs = quantize_activations(hidden, "channel")
+    xq, xs = quantize_activations(hidden, "token")
     p = permute(xq, ids, num_experts, align=16, validate_ids=False)
     offs = torch.cumsum((p.segment_counts + 15) // 16 * 16, 0, dtype=torch.int32)
     row_scale = torch.ones(p.rows.shape[0] + 1, device=hidden.device)
@@ -67,7 +67,7 @@ def _scaled_grouped_mm_layer(hidden, w1q, w1s, w2q, w2s, weights, ids, num_exper
                                  out_dtype=torch.bfloat16)
     f = w2q.shape[2]
     act = torch.nn.functional.silu(h[:, :f]) * h[:, f:]
-    aq, a_s = quantize_activations(act, "channel")
+    aq, a_s = quantize_activations(act, "token")
     y = torch._scaled_grouped_mm(aq, w2q.transpose(-2, -1), a_s, w2s, offs=offs, out_dtype=torch.bfloat16)
     return unpermute(y, p.src2dst, weights)
 

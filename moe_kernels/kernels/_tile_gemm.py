@@ -28,12 +28,12 @@ whose fp32 -> bf16 stores truncate.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from .._checks import FLOAT_DTYPES, check_tensor, fail
 from .._runtime import HAS_TRITON, interpreted_bf16, kernel, tl
+from .formats import WeightFormat
+from .quant import FP8
 
 if HAS_TRITON:
 
@@ -44,6 +44,7 @@ if HAS_TRITON:
         GATED: tl.constexpr, EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr, SCALES: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         split=0, SPLIT_K: tl.constexpr = 1, w_desc=None, w_desc_row=0, TMA_W: tl.constexpr = False,
+        SCALE_BN: tl.constexpr = 128, SCALE_BK: tl.constexpr = 128,
     ):
         """fp32 ``[BLOCK_M, BLOCK_N]``: ``A[a_rows, :K] @ W[cols, :K]^T`` (``silu(gate) * up`` when
         ``GATED``) for output columns ``cols = pid_n * BLOCK_N + [0, BLOCK_N)``.
@@ -52,11 +53,12 @@ if HAS_TRITON:
         ``a_rows`` (int64) are the element offsets of the tile's rows in ``A``. fp8 inputs carry
         scales (``SCALES``; 0 for 16/32-bit inputs, whose scale arguments are unused):
 
-        * 1, blocks: ``A`` scaled per row per 128 columns (``a_scale_ptr + a_scale_rows + k // 128``),
-          ``W`` per 128x128 block (``w_scale_ptr + (n // 128) * stride_wsn + (k // 128) * stride_wsk``),
-          applied to every K step's product inside the loop (``BLOCK_K`` divides 128);
+        * 1, blocks: ``A`` scaled per row per ``SCALE_BK`` columns (``a_scale_ptr + a_scale_rows +
+          k // SCALE_BK``), ``W`` per ``SCALE_BN x SCALE_BK`` block (``w_scale_ptr + (n // SCALE_BN) *
+          stride_wsn + (k // SCALE_BK) * stride_wsk``), applied to every K step's product inside
+          the loop (``BLOCK_K`` divides ``SCALE_BK``); DeepSeek-V3's blocks are 128 x 128;
         * 2, channels: one scale per row of ``A`` and per row ``n`` of ``W``, after the loop;
-        * 3, tensor: one scale for ``A`` and one for this expert's ``W``, after the loop.
+        * 3, tensor: one scale per row of ``A`` and one for this expert's ``W``, after the loop.
 
         With ``SPLIT_K > 1`` the product covers only slice ``split`` of the K steps (not with
         ``GATED``: SiLU needs the whole sum). With ``TMA_W`` the weight tiles come through the
@@ -85,9 +87,9 @@ if HAS_TRITON:
         # >>> book: block-scale-columns
         if SCALES == 1:
             # The scale row of each output column (gate and up halves), fixed for the whole loop.
-            w_scale_cols = w_scale_ptr + (w_rows // 128) * stride_wsn
+            w_scale_cols = w_scale_ptr + (w_rows // SCALE_BN) * stride_wsn
             if GATED:
-                up_scale_cols = w_scale_ptr + ((w_rows + N) // 128) * stride_wsn
+                up_scale_cols = w_scale_ptr + ((w_rows + N) // SCALE_BN) * stride_wsn
         # <<< book: block-scale-columns
         # >>> book: k-loop
         for k in range(k_first, k_last):
@@ -103,7 +105,7 @@ if HAS_TRITON:
             else:
                 w = tl.load(w_ptrs, mask=ks[:, None] < k_left, other=0.0)
             if SCALES == 1:
-                group = (k * BLOCK_K) // 128
+                group = (k * BLOCK_K) // SCALE_BK
                 a_scale = tl.load(a_scale_ptr + a_scale_rows + group)
                 w_scale = tl.load(w_scale_cols + group * stride_wsk)
                 acc += tl.dot(a, w) * (a_scale[:, None] * w_scale[None, :])
@@ -132,7 +134,7 @@ if HAS_TRITON:
             if GATED:
                 acc_up = acc_up * a_scale * tl.load(w_scale_ptr + w_rows + N)[None, :]
         if SCALES == 3:
-            scale = tl.load(a_scale_ptr) * tl.load(w_scale_ptr)
+            scale = tl.load(a_scale_ptr + a_scale_rows)[:, None] * tl.load(w_scale_ptr)
             acc = acc * scale
             if GATED:
                 acc_up = acc_up * scale
@@ -167,20 +169,6 @@ if HAS_TRITON:
     # <<< book: add-tile
 
 
-def scale_arguments(a: torch.Tensor, w: torch.Tensor, a_scale, w_scale, granularity: str | None) -> tuple:
-    """A layout kernel's scale arguments ``(a_scale, stride_as, w_scale, stride_wse, stride_wsn,
-    stride_wsk, SCALES)`` for the scales of :mod:`moe_kernels.kernels.quant` (row ``r`` of ``A``
-    reads its scales at ``a_scale + r * stride_as``; expert ``e`` at ``w_scale + e * stride_wse``).
-    Without fp8 (``granularity`` None) the pointers are unused: any tensor will do."""
-    if granularity is None:
-        return a, 0, w, 0, 0, 0, 0
-    if granularity == "block":
-        return a_scale, a_scale.stride(0), w_scale, w_scale.stride(0), w_scale.stride(1), w_scale.stride(2), 1
-    if granularity == "channel":
-        return a_scale, 1, w_scale, w_scale.stride(0), 1, 0, 2
-    return a_scale, 0, w_scale, 1, 0, 0, 3
-
-
 def weight_descriptor(w: torch.Tensor, tiles):
     """The tensor descriptor of ``w [E, N', K]`` as one ``[E * N', K]`` matrix in
     ``[block_n, block_k]`` boxes, for ``tiles.tma``; None for pointer loads. ``tma`` is a speed
@@ -192,13 +180,6 @@ def weight_descriptor(w: torch.Tensor, tiles):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     return TensorDescriptor.from_tensor(w.view(-1, w.shape[2]), [tiles.block_n, tiles.block_k])
-
-
-def fp8_tiles(tiles, granularity: str | None):
-    """fp8 tiles: a K step of 32 to 128 (the fp8 MMA's K is 32; a block scale covers 128)."""
-    if granularity is None:
-        return tiles
-    return dataclasses.replace(tiles, block_k=min(128, max(32, tiles.block_k)))
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -251,31 +232,28 @@ def expert_rows_product(x_rows: torch.Tensor, w_expert: torch.Tensor, silu_mul: 
     return h
 
 
-def check_operands(func: str, a_name: str, a: object, w_name: str, w: object, a_scale, w_scale) -> str | None:
+def check_operands(func: str, a_name: str, a: object, w_name: str, w: object, a_scale, w_scale) -> WeightFormat:
     """The two GEMM operands: 16/32-bit ``a [rows, K]`` with ``w [E, N, K]`` of its dtype and no
-    scales, or both fp8 with their scales. Returns the fp8 granularity (None for 16/32-bit)."""
-    from .quant import FP8, GROUP, weight_granularity
-
+    scales, or both fp8 with their scales. Returns the weights' :class:`WeightFormat`."""
     check_tensor(func, a_name, a, ndim=2, dtypes=FLOAT_DTYPES + (FP8,), last_dim_contiguous=True)
     check_tensor(func, w_name, w, ndim=3, device=a.device, last_dim_contiguous=True)
-    if w.dtype != FP8:
-        check_tensor(func, w_name, w, dtypes=(a.dtype,))
-        for name, scale in (("a_scale", a_scale), ("w_scale", w_scale)):
-            if scale is not None:
-                fail(func, name, f"must be None for {str(a.dtype).replace('torch.', '')} operands (scales belong to "
-                     "fp8 ones)", "a tensor")
-        return None
-    if a.dtype != FP8:
+    if w.dtype == FP8 and a.dtype != FP8:
         fail(func, a_name, f"must be float8_e4m3fn (quantised, with a_scale) to multiply fp8 {w_name}",
              str(a.dtype).replace("torch.", ""), TypeError)
-    granularity = weight_granularity(func, w_name, w, w_scale, "w_scale")
+    fmt = WeightFormat.of(func, w_name, w, w_scale, "w_scale")
+    if not fmt.quantized:
+        check_tensor(func, w_name, w, dtypes=(a.dtype,))
+        if a_scale is not None:
+            fail(func, "a_scale", f"must be None for {str(a.dtype).replace('torch.', '')} operands (scales belong to "
+                 "fp8 ones)", "a tensor")
+        return fmt
     rows, k = a.shape
-    want = {"block": (rows, -(-k // GROUP)), "channel": (rows,), "tensor": (1,)}[granularity]
+    want = (rows, -(-k // fmt.block[1])) if fmt.activations == "group" else (rows,)
     check_tensor(func, "a_scale", a_scale, dtypes=(torch.float32,), device=a.device)
-    if tuple(a_scale.shape) != want or (a_scale.dim() == 2 and a_scale.stride(1) != 1):
-        fail(func, "a_scale", f"must be a row-major {want} float32 tensor for {granularity} scales of {w_name}",
+    if tuple(a_scale.shape) != want or a_scale.stride(-1) != 1:
+        fail(func, "a_scale", f"must be a row-major {want} float32 tensor for the {fmt.name} scales of {w_name}",
              f"shape {tuple(a_scale.shape)}")
-    return granularity
+    return fmt
 
 
 def output_dtype(a: torch.Tensor, out_dtype: torch.dtype | None) -> torch.dtype:
@@ -285,10 +263,6 @@ def output_dtype(a: torch.Tensor, out_dtype: torch.dtype | None) -> torch.dtype:
     return torch.bfloat16 if out_dtype is None else out_dtype
 
 
-def dequantized(a: torch.Tensor, w: torch.Tensor, a_scale, w_scale, granularity: str | None):
+def dequantized(a: torch.Tensor, w: torch.Tensor, a_scale, w_scale, fmt: WeightFormat):
     """The operands in float32 (for the torch references), or as they are without fp8."""
-    if granularity is None:
-        return a, w
-    from .quant import dequantize_activations, dequantize_weight
-
-    return dequantize_activations(a, a_scale, granularity), dequantize_weight(w, w_scale)
+    return fmt.dequantize_activations(a, a_scale), fmt.dequantize_weight(w, w_scale)

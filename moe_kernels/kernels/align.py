@@ -47,8 +47,8 @@ from __future__ import annotations
 
 import torch
 
-from .._runtime import HAS_TRITON, kernel, tl, triton, use_triton
-from .._checks import check_ids_in_range, check_int, check_tensor, fail
+from .._runtime import HAS_TRITON, device_assert_options, kernel, note_launch, tl, triton, use_triton
+from .._checks import check_ids_in_range, check_int, check_tensor, device_id_check, fail
 
 __all__ = [
     "moe_align_block_size",
@@ -185,13 +185,17 @@ if HAS_TRITON:
         numel, num_experts, block_size, chunk_size,
         COUNTS_FROM_TABLE: tl.constexpr, NUM_BINS: tl.constexpr, TILE: tl.constexpr,
         COUNT_TILE: tl.constexpr, ROW_TILE: tl.constexpr, PAD_TILE: tl.constexpr,
-        FILL_TILE: tl.constexpr,
+        FILL_TILE: tl.constexpr, ID_CHECK: tl.constexpr = "",
     ):
         """Program ``c`` places the assignments of chunk ``c``, then writes a share of the tail.
 
         Each program needs two histograms: ``total`` (all assignments) and ``before`` (the
         assignments of earlier chunks). Then expert ``e``'s next free row for this chunk is
         ``segment_start[e] + before[e]``, and no two programs ever write the same row.
+
+        ``ID_CHECK`` (a message; compiled in only when the launch asks for device asserts): every
+        id is read here once, so this is where an id outside ``[0, E)`` stops the kernel, with no
+        extra launch and no host synchronisation.
         """
         program = tl.program_id(0)
         num_programs = tl.num_programs(0)
@@ -231,6 +235,8 @@ if HAS_TRITON:
         for tile_start in range(chunk_start, chunk_end, TILE):
             offsets = tile_start + lanes
             experts, valid = _load_experts(topk_ids_ptr, offsets, chunk_end, num_experts)
+            if ID_CHECK != "":
+                tl.device_assert(valid | (offsets >= chunk_end), ID_CHECK)
             # Rank inside the tile = earlier lanes with the same expert: keeps index order.
             same_earlier = ((experts[:, None] == experts[None, :]) & valid[None, :]
                             & (lanes[None, :] < lanes[:, None]))
@@ -263,8 +269,9 @@ if HAS_TRITON:
             tl.store(expert_ids_ptr + tail_blocks, -1, mask=tail_blocks < num_blocks)
 
 
-def _launch_alignment(topk_ids, block_size, num_experts, sorted_ids, expert_ids, used):
-    """Run the Triton alignment of contiguous ``topk_ids`` into preallocated int32 buffers."""
+def _launch_alignment(topk_ids, block_size, num_experts, sorted_ids, expert_ids, used, id_check: str = ""):
+    """Run the Triton alignment of contiguous ``topk_ids`` into preallocated int32 buffers
+    (``id_check``: the message of the device-side id assert, or "" for none)."""
     numel = topk_ids.numel()
     num_bins = max(32, triton.next_power_of_2(num_experts))
     fill_programs = triton.cdiv(sorted_ids.numel(), _FILL_ROWS_PER_PROGRAM)
@@ -282,12 +289,14 @@ def _launch_alignment(topk_ids, block_size, num_experts, sorted_ids, expert_ids,
             topk_ids, chunk_counts, numel, num_experts, chunk_size,
             NUM_BINS=num_bins, COUNT_TILE=_COUNT_TILE, num_warps=warps)
     pad_tile = min(triton.next_power_of_2(max(block_size - 1, 1)), _MAX_PAD_TILE)
+    note_launch("align.moe_align_block_size", block_size=block_size, launches=1 + (numel > SINGLE_LAUNCH_MAX_NUMEL),
+                id_check=bool(id_check))
     _align_kernel[(max(num_chunks, fill_programs, 1),)](
         topk_ids, chunk_counts, sorted_ids, expert_ids, used,
         numel, num_experts, block_size, chunk_size,
         COUNTS_FROM_TABLE=numel > SINGLE_LAUNCH_MAX_NUMEL, NUM_BINS=num_bins, TILE=tile,
         COUNT_TILE=_COUNT_TILE, ROW_TILE=_ROW_TILE, PAD_TILE=pad_tile, FILL_TILE=_FILL_TILE,
-        num_warps=warps)
+        ID_CHECK=id_check, num_warps=warps, **device_assert_options(id_check))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -324,21 +333,31 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_size: int, num_experts: i
     GPU the call can be captured in a CUDA graph.
 
     ``validate_ids``: check that every id lies in ``[0, num_experts)`` (the default: a bad id
-    must never silently drop a token): a ValueError on the CPU, a device-side assert on a GPU,
-    which needs no host sync and can be captured. Unchecked ids outside the range are skipped by
-    the kernel (never written out of bounds), so their assignments would appear in no segment.
+    must never silently drop a token): a ValueError on the CPU; on a GPU a device-side assert in
+    the alignment kernel itself, which reads every id anyway, so the check costs no launch and no
+    host sync and can be captured. Unchecked ids outside the range are skipped by the kernel
+    (never written out of bounds), so their assignments would appear in no segment.
     """
     func = "moe_align_block_size"
-    capacity, num_blocks = alignment_buffer_sizes(func, topk_ids, block_size, num_experts)
+    alignment_buffer_sizes(func, topk_ids, block_size, num_experts)
+    return align_checked(func, topk_ids, block_size, num_experts, validate_ids)
+
+
+def align_checked(func: str, topk_ids: torch.Tensor, block_size: int, num_experts: int, validate_ids: bool):
+    """:func:`moe_align_block_size` after its argument checks, the id check done where it is
+    cheapest: on the host on the CPU, inside the kernel on a GPU (blaming ``func``)."""
+    capacity = topk_ids.numel() + num_experts * (block_size - 1)
+    num_blocks = -(-capacity // block_size)
+    id_check = ""
     if validate_ids:
-        check_ids_in_range(func, "topk_ids", topk_ids, num_experts)
+        id_check = device_id_check(func, "topk_ids", topk_ids, num_experts)
     if not use_triton(topk_ids):
         return moe_align_block_size_reference(topk_ids, block_size, num_experts)
     device = topk_ids.device
     sorted_ids = torch.empty(capacity, dtype=torch.int32, device=device)
     expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=device)
     used = torch.empty(1, dtype=torch.int32, device=device)
-    _launch_alignment(topk_ids.contiguous(), block_size, num_experts, sorted_ids, expert_ids, used)
+    _launch_alignment(topk_ids.contiguous(), block_size, num_experts, sorted_ids, expert_ids, used, id_check)
     return sorted_ids, expert_ids, used
 
 

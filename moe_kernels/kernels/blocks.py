@@ -27,8 +27,8 @@ import dataclasses
 
 import torch
 
-from .._checks import ID_DTYPES, check_ids_in_range, check_int, check_tensor, fail
-from .align import alignment_buffer_sizes, moe_align_block_size
+from .._checks import ID_DTYPES, check_ids_in_range, check_int, check_tensor, device_id_check, fail
+from .align import align_checked, alignment_buffer_sizes
 from .config import check_block_m
 
 _ID_DTYPES = ID_DTYPES
@@ -222,6 +222,9 @@ class BlockAssignment:
     #: ``T*k``, the assignments the map was built for (None: not recorded), so that a map built for
     #: another batch can be refused instead of leaving rows of the output unwritten.
     num_assignments: int | None = None
+    #: A naive map's ids are checked by the first GEMM that reads them, on the GPU: the message
+    #: of that device-side assert ("" when the ids need no check, or were checked on the host).
+    id_check: str = ""
 
     def __post_init__(self):
         # A kernel would compile BLOCK_M into tl.arange (a power of two) and use every index as an
@@ -259,29 +262,48 @@ def assign_blocks(topk_ids: torch.Tensor, block_m: int, num_experts: int, *, nai
     own :func:`moe_kernels.kernels.align.naive_block_assignment` builds the same map as explicit
     tensors, which the aligned path also accepts.
 
-    ``validate_ids`` checks the ids on either path (a device-side check on a GPU: no host sync).
+    ``validate_ids`` checks the ids on either path: on the CPU at once; on a GPU inside the first
+    kernel that reads them (the alignment, or GEMM 1 on the naive path), as a device-side assert
+    that costs no launch and no host sync.
     """
     func = "assign_blocks"
     check_tensor(func, "topk_ids", topk_ids, ndim=2, dtypes=ID_DTYPES)
     check_block_m(func, "block_m", block_m)
     check_int(func, "num_experts", num_experts, lo=1)
+    alignment_buffer_sizes(func, topk_ids, block_m, num_experts)
+    return build_blocks(func, topk_ids, block_m, num_experts, naive, validate_ids)
+
+
+def build_blocks(func: str, topk_ids: torch.Tensor, block_m: int, num_experts: int, naive: bool | None,
+                 validate_ids: bool) -> BlockAssignment:
+    """:func:`assign_blocks` after its argument checks (the layer and ``fused_experts`` check
+    once, then call this); the id check, when asked, blames ``func``."""
     num_tokens, top_k = topk_ids.shape
-    numel = topk_ids.numel()
+    numel = num_tokens * top_k
     if naive is None:
-        naive = use_naive_block_assignment(num_tokens, top_k, num_experts)
+        naive = numel * 4 <= num_experts   # use_naive_block_assignment, without its argument checks
     if naive:
-        # The naive map uses the ids themselves as the block labels: check them here, as the
-        # alignment does on the other path (a device-side assert on a GPU, no host sync).
-        if validate_ids:
-            check_ids_in_range(func, "topk_ids", topk_ids, num_experts)
-        return BlockAssignment(block_m, topk_ids.reshape(-1).contiguous(), None, None, numel, numel)
-    sorted_ids, expert_ids, num_post_padded = moe_align_block_size(topk_ids, block_m, num_experts,
-                                                                   validate_ids=validate_ids)
+        # The naive map uses the ids themselves as the block labels; GEMM 1 reads each once.
+        id_check = device_id_check(func, "topk_ids", topk_ids, num_experts) if validate_ids else ""
+        return _trusted_blocks(block_m=block_m, expert_ids=topk_ids.reshape(-1).contiguous(), sorted_token_ids=None,
+                               num_tokens_post_padded=None, num_m_blocks=numel, num_assignments=numel,
+                               id_check=id_check)
+    sorted_ids, expert_ids, num_post_padded = align_checked(func, topk_ids, block_m, num_experts, validate_ids)
     # Each non-empty expert wastes at most block_m - 1 padding rows, and at most min(E, numel)
     # experts are non-empty: no need to launch programs for the worst case of every expert.
     bound = numel + min(num_experts, numel) * (block_m - 1)
     num_m_blocks = min(expert_ids.numel(), -(-bound // block_m))
-    return BlockAssignment(block_m, expert_ids, sorted_ids, num_post_padded, num_m_blocks, numel)
+    return _trusted_blocks(block_m=block_m, expert_ids=expert_ids, sorted_token_ids=sorted_ids,
+                           num_tokens_post_padded=num_post_padded, num_m_blocks=num_m_blocks, num_assignments=numel,
+                           id_check="")
+
+
+def _trusted_blocks(**fields) -> BlockAssignment:
+    """A BlockAssignment built from this module's own outputs, without re-checking them (a
+    frozen dataclass keeps its fields in ``__dict__``)."""
+    blocks = object.__new__(BlockAssignment)
+    blocks.__dict__.update(fields)
+    return blocks
 
 
 def assignments_by_block(blocks: BlockAssignment, numel: int):

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from .._checks import FLOAT_DTYPES, check_tensor, fail
-from .._runtime import HAS_TRITON, kernel, tl, triton, use_triton
+from .._runtime import HAS_TRITON, kernel, note_launch, tl, triton, use_triton
 from ._tile_gemm import check_out, in_float32_under_interpreter
 
 if HAS_TRITON:
@@ -64,17 +64,24 @@ def moe_sum(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor
     """Sum the ``k`` slots of ``x`` (``[T, k, d]``) into ``[T, d]``, accumulating in fp32."""
     func = "moe_sum"
     check_tensor(func, "x", x, ndim=3, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
+    return sum_slots(x, check_out(func, out, (x.shape[0], x.shape[2]), x))
+
+
+def sum_slots(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`moe_sum` without its checks (the experts step's own ``[T, k, d]``)."""
     num_tokens, top_k, d = x.shape
-    out = check_out(func, out, (num_tokens, d), x)
+    if out is None:
+        out = torch.empty((num_tokens, d), dtype=x.dtype, device=x.device)
     if not use_triton(x, out):
         return out.copy_(moe_sum_reference(x))
     if num_tokens == 0 or d == 0:
         return out
     if top_k == 0:
         return out.zero_()
-    if in_float32_under_interpreter(lambda x, out: moe_sum(x, out=out), out, x) is not None:
+    if in_float32_under_interpreter(lambda x, out: sum_slots(x, out), out, x) is not None:
         return out
     block_d = min(1024, triton.next_power_of_2(d))
+    note_launch("combine.moe_sum", top_k=top_k, block_d=block_d)
     _moe_sum_kernel[(num_tokens, triton.cdiv(d, block_d))](
         x, out, d, x.stride(0), x.stride(1), out.stride(0), TOP_K=top_k, BLOCK_D=block_d, num_warps=4)
     return out

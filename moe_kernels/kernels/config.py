@@ -28,10 +28,10 @@ from pathlib import Path
 
 import torch
 
-from .._checks import check_dtype, check_int, fail
+from .._checks import check_device, check_dtype, check_int, fail
+from .layouts import LAYOUTS, layout_named
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
-LAYOUTS = ("index_gather", "permute", "masked")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,9 +98,26 @@ class MoEConfig:
         return dataclasses.asdict(self)
 
     @staticmethod
-    def from_dict(d: dict) -> "MoEConfig":
-        return MoEConfig(d["block_m"], GemmTiles(**d["gate_up"]), GemmTiles(**d["down"]),
-                         bool(d.get("sum_in_gemm", False)))
+    def from_dict(d: dict, *, func: str = "MoEConfig.from_dict", name: str = "d") -> "MoEConfig":
+        """The inverse of :meth:`to_dict` (what the tuned tables hold); unknown or missing keys
+        and values of the wrong type are errors naming ``name`` (the caller's argument or file)."""
+        if not isinstance(d, dict):
+            fail(func, name, "must be a dict (MoEConfig.to_dict())", type(d).__name__, TypeError)
+        missing = [key for key in ("block_m", "gate_up", "down") if key not in d]
+        unknown = sorted(set(d) - {"block_m", "gate_up", "down", "sum_in_gemm"})
+        if missing or unknown:
+            fail(func, name, "must have the keys block_m, gate_up, down (and optionally sum_in_gemm)",
+                 f"{'missing ' + ', '.join(missing) if missing else ''}{'; ' if missing and unknown else ''}"
+                 f"{'unknown ' + ', '.join(unknown) if unknown else ''}")
+        tiles = {}
+        fields = {f.name for f in dataclasses.fields(GemmTiles)}
+        for gemm in ("gate_up", "down"):
+            entry = d[gemm]
+            if not isinstance(entry, dict) or not {"block_n", "block_k"} <= set(entry) or set(entry) - fields:
+                fail(func, f"{name}['{gemm}']", f"must be a dict of GemmTiles fields ({', '.join(sorted(fields))}) "
+                     "with block_n and block_k", repr(entry))
+            tiles[gemm] = GemmTiles(**entry)
+        return MoEConfig(d["block_m"], tiles["gate_up"], tiles["down"], d.get("sum_in_gemm", False))
 
     def with_block_m(self, block_m: int) -> "MoEConfig":
         return dataclasses.replace(self, block_m=block_m)
@@ -124,15 +141,16 @@ def check_config(func: str, config: object, *, align: int | None = None, layout:
     if config.down.split_k != 1 and not config.sum_in_gemm:
         fail(func, "config.down.split_k", "must be 1 unless config.sum_in_gemm=True (split-K partial products "
              "are added with atomics, into the summed output)", config.down.split_k)
-    for gemm in ("gate_up", "down") if layout != "index_gather" else ():
+    supports = layout_named(func, layout)
+    for gemm in ("gate_up", "down"):
         tiles = getattr(config, gemm)
-        if tiles.persistent:
+        if tiles.persistent and not supports.persistent:
             fail(func, f"config.{gemm}.persistent", f"must be 0 for the {layout} layout (the persistent grid is "
-                 "wired into the index-gather layout only)", tiles.persistent)
-        if tiles.tma:
+                 "not wired into it: see moe_kernels.kernels.layouts)", tiles.persistent)
+        if tiles.tma and not supports.tma:
             fail(func, f"config.{gemm}.tma", f"must be False for the {layout} layout (tensor-descriptor weight "
-                 "loads are wired into the index-gather layout only)", tiles.tma)
-    if layout != "index_gather" and (config.sum_in_gemm or config.down.split_k != 1):
+                 "loads are not wired into it: see moe_kernels.kernels.layouts)", tiles.tma)
+    if not supports.sum_in_gemm and (config.sum_in_gemm or config.down.split_k != 1):
         fail(func, "config.sum_in_gemm", f"must be False with down.split_k=1 for the {layout} layout (its "
              "rows are summed by the unpermute pass)", f"sum_in_gemm={config.sum_in_gemm}, "
              f"split_k={config.down.split_k}")
@@ -151,8 +169,7 @@ def check_block_m(func: str, name: str, block_m: object) -> int:
 
 
 def _check_layout(func: str, layout: object, align: object) -> None:
-    if layout not in LAYOUTS:
-        fail(func, "layout", f"must be one of {', '.join(map(repr, LAYOUTS))}", repr(layout))
+    layout_named(func, layout)
     check_int(func, "align", align, lo=1)
     # The permute layout's M tile must divide align, and no tile is smaller than 16 rows.
     if layout == "permute" and align % 16:
@@ -206,17 +223,40 @@ def table_name(device_name: str, E: int, N: int, K: int, dtype: torch.dtype, lay
 
 @functools.lru_cache(maxsize=None)
 def load_table(name: str) -> dict[int, MoEConfig] | None:
-    """``configs/<name>.json`` as ``{M: MoEConfig}``, or None if there is no such file."""
+    """``configs/<name>.json`` as ``{M: MoEConfig}``, or None if there is no such file. Every
+    entry is checked as a config of the table's layout: a file that is not JSON, lacks its
+    ``configs``, or holds an invalid entry is an error naming the file (and the entry)."""
     path = CONFIG_DIR / f"{name}.json"
     if not path.exists():
         return None
-    entries = json.loads(path.read_text())["configs"]
-    return {int(m): MoEConfig.from_dict(c) for m, c in entries.items()}
+    func, where = "load_table", f"configs/{path.name}"
+    try:
+        entries = json.loads(path.read_text())["configs"]
+        if not isinstance(entries, dict):
+            raise TypeError("'configs' is not an object")
+    except (ValueError, KeyError, TypeError) as err:
+        fail(func, where, "must be a tuned table: JSON with a 'configs' object of token count -> config "
+             "(python -m moe_kernels.bench tune --write-tables writes them)", f"{type(err).__name__}: {err}")
+    layout = name.rsplit("layout=", 1)[-1] if "layout=" in name else "index_gather"
+    table = {}
+    for m, entry in entries.items():
+        try:
+            tokens = int(m)
+            if tokens < 1:
+                raise ValueError(f"token count {m}")
+            table[tokens] = check_config(func, MoEConfig.from_dict(entry), layout=layout)
+        except (ValueError, TypeError) as err:
+            fail(func, f"{where} entry {m!r}", f"must be a valid {layout} configuration", str(err))
+    return table
 
 
 def nearest(table: dict[int, MoEConfig], M: int) -> MoEConfig:
     """The entry at the token count nearest to ``M`` by ratio (the smaller one on a tie)."""
-    return table[min(table, key=lambda m: (abs(math.log(m / max(M, 1))), m))]
+    return table[nearest_entry(table, M)]
+
+
+def nearest_entry(table: dict[int, MoEConfig], M: int) -> int:
+    return min(table, key=lambda m: (abs(math.log(m / max(M, 1))), m))
 
 
 def write_table(device_name: str, E: int, N: int, K: int, dtype: torch.dtype, layout: str,
@@ -228,6 +268,7 @@ def write_table(device_name: str, E: int, N: int, K: int, dtype: torch.dtype, la
             "configs": {str(m): configs[m].to_dict() for m in sorted(configs)}}
     path.write_text(json.dumps(body, indent=1) + "\n")
     load_table.cache_clear()
+    _cached_choice.cache_clear()
     return path
 
 
@@ -236,27 +277,91 @@ def _device_name(index: int | None) -> str:
     return torch.cuda.get_device_name(index)
 
 
-def get_config(M: int, E: int, N: int, K: int, dtype: torch.dtype, device: torch.device | str, *,
-               layout: str = "index_gather", align: int = 128) -> MoEConfig:
-    """The tile configuration for ``M`` tokens over ``E`` experts with ``F = N``, ``d = K``: the
-    tuned entry for this GPU when a table exists, else :func:`default_config`."""
+@dataclasses.dataclass(frozen=True)
+class ConfigChoice:
+    """Which configuration a call runs, and where it came from (what the path tests pin).
+
+    ``source`` is ``"table"`` (the layout's own tuned table), ``"borrowed"`` (another layout's
+    table for the same shape, its machinery switched off where this layout lacks it) or
+    ``"default"`` (:func:`default_config`: no table for this device, shape and dtype, or not a
+    GPU). ``asked`` is the table the lookup tried first, also on a CPU, where none is read;
+    ``table``/``entry`` the file stem and token count of the entry taken."""
+
+    config: MoEConfig
+    source: str
+    asked: str
+    table: str | None = None
+    entry: int | None = None
+
+
+def _adapted(config: MoEConfig, layout: str, align: int) -> MoEConfig | None:
+    """Another layout's tuned config made valid for ``layout``: machinery it lacks off, the M
+    tile halved until it divides the segment alignment (None if it cannot be)."""
+    supports = LAYOUTS[layout]
+    tiles = {gemm: getattr(config, gemm) for gemm in ("gate_up", "down")}
+    for gemm, t in tiles.items():
+        tiles[gemm] = dataclasses.replace(t, tma=t.tma and supports.tma, persistent=t.persistent if supports.persistent
+                                          else 0, split_k=t.split_k if supports.sum_in_gemm else 1)
+    adapted = MoEConfig(config.block_m, tiles["gate_up"], tiles["down"], config.sum_in_gemm and supports.sum_in_gemm)
+    while supports.rows == "align" and align % adapted.block_m:
+        if adapted.block_m <= 16:
+            return None
+        adapted = adapted.with_block_m(adapted.block_m // 2)
+    return adapted
+
+
+def choose_config(M: int, E: int, N: int, K: int, dtype: torch.dtype, device: torch.device | str, *,
+                  layout: str = "index_gather", align: int = 128, device_name: str | None = None) -> ConfigChoice:
+    """:func:`get_config`'s choice with its provenance (a :class:`ConfigChoice`); cached, so a
+    decode loop pays for the lookup once per batch size. ``device_name`` looks the tables up as
+    on that GPU, whatever ``device`` is (how a CPU test pins what an H200 would run)."""
+    try:
+        return _cached_choice(M, E, N, K, dtype, device, layout, align, device_name)
+    except TypeError as err:   # an unhashable argument: let the checks name it
+        if "unhashable" not in str(err):
+            raise
+        return _choose(M, E, N, K, dtype, device, layout, align, device_name)
+
+
+def _choose(M, E, N, K, dtype, device, layout, align, device_name) -> ConfigChoice:
     func = "get_config"
     check_int(func, "M", M, lo=0)
     for name, value in (("E", E), ("N", N), ("K", K)):
         check_int(func, name, value, lo=1)
     check_dtype(func, "dtype", dtype)
     _check_layout(func, layout, align)
-    try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError):
-        fail(func, "device", "must be a torch.device or a device string such as 'cuda' or 'cpu'", repr(device))
-    if device.type == "cuda":
-        table = load_table(table_name(_device_name(device.index), E, N, K, dtype, layout))
-        if table:
-            config = nearest(table, M)
-            if layout != "permute" or align % config.block_m == 0:
-                return config
-    return default_config(M, E, N, K, layout=layout, align=align, dtype=dtype)
+    if device_name is not None and not isinstance(device_name, str):
+        fail(func, "device_name", "must be a GPU name such as 'NVIDIA H200' (or None)", repr(device_name), TypeError)
+    # With device_name: the tables as on that GPU, whatever this machine has.
+    device = check_device(func, "device", device, must_exist=device_name is None)
+    if device_name is None and device.type == "cuda":
+        device_name = _device_name(device.index)
+    on_gpu = device_name is not None
+    tables = LAYOUTS[layout].tables
+    asked = table_name(device_name or device.type, E, N, K, dtype, tables[0])
+    for source_layout in tables if on_gpu else ():
+        name = table_name(device_name, E, N, K, dtype, source_layout)
+        table = load_table(name)
+        if not table:
+            continue
+        entry = nearest_entry(table, M)
+        config = table[entry] if source_layout == layout else _adapted(table[entry], layout, align)
+        if config is not None and (LAYOUTS[layout].rows != "align" or align % config.block_m == 0):
+            return ConfigChoice(config, "table" if source_layout == layout else "borrowed", asked, name, entry)
+    return ConfigChoice(default_config(M, E, N, K, layout=layout, align=align, dtype=dtype), "default", asked)
+
+
+_cached_choice = functools.lru_cache(maxsize=4096)(_choose)
+
+
+def get_config(M: int, E: int, N: int, K: int, dtype: torch.dtype, device: torch.device | str, *,
+               layout: str = "index_gather", align: int = 128) -> MoEConfig:
+    """The tile configuration for ``M`` tokens over ``E`` experts with ``F = N``, ``d = K``, for
+    weights of ``dtype`` (the table key: the activations' dtype, or fp8 for fp8 weights): the
+    ``layout``'s tuned entry for this GPU when a table exists, else another layout's tuned entry
+    for the same shape adapted to this layout, else :func:`default_config`
+    (:func:`choose_config` says which)."""
+    return choose_config(M, E, N, K, dtype, device, layout=layout, align=align).config
 
 
 def tuned_block_m(num_experts: int, intermediate_size: int, hidden_size: int, *,

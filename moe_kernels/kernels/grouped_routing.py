@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from .._checks import check_int, check_number, check_tensor, fail
-from .._runtime import HAS_TRITON, INTERPRET, kernel, tl, triton, use_triton
+from .._runtime import HAS_TRITON, INTERPRET, kernel, note_launch, tl, triton, use_triton
 from .routing import _FLOAT_DTYPES, _check_common, _empty_outputs, _launch_config, _rank_descending, _scores
 
 if HAS_TRITON:
@@ -185,10 +185,16 @@ def grouped_topk(hidden_states: torch.Tensor, gating_output: torch.Tensor, topk:
     One Triton launch (:func:`grouped_topk_reference` when Triton cannot run for these tensors).
     """
     func = "grouped_topk"
-    num_experts = _check_common(func, hidden_states, gating_output, topk, renormalize,
-                                scoring_func)
-    experts_per_group = _check_grouped(func, gating_output, topk, num_expert_group, topk_group,
-                                       routed_scaling_factor, e_score_correction_bias)
+    _check_common(func, hidden_states, gating_output, topk, renormalize, scoring_func)
+    _check_grouped(func, gating_output, topk, num_expert_group, topk_group, routed_scaling_factor,
+                   e_score_correction_bias)
+    return grouped_topk_checked(hidden_states, gating_output, topk, renormalize, num_expert_group, topk_group,
+                                scoring_func, routed_scaling_factor, e_score_correction_bias)
+
+
+def grouped_topk_checked(hidden_states, gating_output, topk, renormalize, num_expert_group, topk_group,
+                         scoring_func="softmax", routed_scaling_factor=1.0, e_score_correction_bias=None):
+    """:func:`grouped_topk` for arguments already checked (a layer checks its routing once)."""
     tensors = [hidden_states, gating_output]
     if e_score_correction_bias is not None:
         tensors.append(e_score_correction_bias)
@@ -196,7 +202,8 @@ def grouped_topk(hidden_states: torch.Tensor, gating_output: torch.Tensor, topk:
         return grouped_topk_reference(hidden_states, gating_output, topk, renormalize,
                                       num_expert_group, topk_group, scoring_func,
                                       routed_scaling_factor, e_score_correction_bias)
-    num_tokens = gating_output.shape[0]
+    num_tokens, num_experts = gating_output.shape
+    experts_per_group = num_experts // num_expert_group
     weights, ids = _empty_outputs(num_tokens, topk, gating_output.device)
     if num_tokens == 0:
         return weights, ids
@@ -204,6 +211,7 @@ def grouped_topk(hidden_states: torch.Tensor, gating_output: torch.Tensor, topk:
     s_pad = triton.next_power_of_2(experts_per_group)
     block_t, num_warps = _launch_config(num_tokens, g_pad * s_pad)
     has_bias = e_score_correction_bias is not None
+    note_launch("routing.grouped_topk", block_t=block_t, scoring=scoring_func, bias=has_bias)
     _grouped_topk_kernel[(triton.cdiv(num_tokens, block_t),)](
         gating_output, e_score_correction_bias if has_bias else gating_output, weights, ids,
         num_tokens, gating_output.stride(0), num_expert_group, experts_per_group, topk_group,

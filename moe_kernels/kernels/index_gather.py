@@ -46,17 +46,18 @@ Worked example: two tokens, top-2 of three experts, ``block_m = 16``::
 
 from __future__ import annotations
 
+import functools
 
 import torch
 
 from .._checks import FLOAT_DTYPES, check_int, check_moe_inputs, check_tensor, fail
-from .._runtime import HAS_TRITON, kernel, tl, triton, use_triton
-from ._tile_gemm import (check_operands, check_out, dequantized, dot_precision, expert_rows_product, fp8_tiles,
-                         in_float32_under_interpreter, output_dtype, scale_arguments, weight_descriptor)
-from .blocks import BlockAssignment, assign_blocks, assignments_by_block, check_blocks
-from .combine import moe_sum
+from .._runtime import HAS_TRITON, device_assert_options, kernel, note_launch, tl, triton, use_triton
+from ._tile_gemm import (check_operands, check_out, dequantized, dot_precision, expert_rows_product,
+                         in_float32_under_interpreter, output_dtype, weight_descriptor)
+from .blocks import BlockAssignment, assign_blocks, assignments_by_block, build_blocks, check_blocks  # noqa: F401
+from .combine import sum_slots
 from .config import GemmTiles, MoEConfig, check_block_m, check_config, check_tiles, get_config
-from .quant import fp8_granularity, quantize_activations
+from .formats import WeightFormat
 
 if HAS_TRITON:
     from ._tile_gemm import add_tile, expert_tile_product, scale_rows, store_tile
@@ -79,6 +80,7 @@ if HAS_TRITON:
         TOP_K: tl.constexpr, NAIVE_BLOCKS: tl.constexpr, GATED: tl.constexpr,
         MUL_ROUTED_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr,
         SCALES: tl.constexpr, SUM_TOP_K: tl.constexpr, SPLIT_K: tl.constexpr, w_desc, TMA_W: tl.constexpr,
+        SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, ID_CHECK: tl.constexpr,
     ):
         # out[row] = A[row // TOP_K] @ W[expert]^T for the rows of one M-block; W is [E, N', K].
         # SUM_TOP_K > 0: out[row // SUM_TOP_K] += that instead (fp32 atomics), over SPLIT_K K slices.
@@ -111,6 +113,10 @@ if HAS_TRITON:
         # -1: the block's expert is computed elsewhere (vLLM, under expert parallelism); an id out
         # of range (unchecked input) must not become an address. Its rows are zero.
         known = (expert >= 0) & (expert < num_experts)
+        if NAIVE_BLOCKS:
+            if ID_CHECK != "":
+                # The naive map's labels are the caller's ids, read here first: the check lives here.
+                tl.device_assert(known, ID_CHECK)
         if in_use & known:
             # Padding rows read row 0 (never stored), so the loads need no row mask.
             a_row = tl.where(row_real, rows // TOP_K, 0)
@@ -119,7 +125,8 @@ if HAS_TRITON:
                                       stride_wsn, stride_wsk,
                                       GATED, EVEN_K, INPUT_PRECISION, SCALES, BLOCK_M, BLOCK_N, BLOCK_K,
                                       split, SPLIT_K, w_desc,
-                                      (expert * (N * (1 + GATED)) + pid_n * BLOCK_N).to(tl.int32), TMA_W)
+                                      (expert * (N * (1 + GATED)) + pid_n * BLOCK_N).to(tl.int32), TMA_W,
+                                      SCALE_BN, SCALE_BK)
             if MUL_ROUTED_WEIGHT:
                 acc = scale_rows(acc, topk_weights_ptr, rows, row_real)
             if SUM_TOP_K == 0:
@@ -140,7 +147,7 @@ if HAS_TRITON:
         TOP_K: tl.constexpr, NAIVE_BLOCKS: tl.constexpr, GATED: tl.constexpr,
         MUL_ROUTED_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr,
         SCALES: tl.constexpr, SUM_TOP_K: tl.constexpr, SPLIT_K: tl.constexpr, w_desc, TMA_W: tl.constexpr,
-        num_tiles, PERSISTENT: tl.constexpr,
+        num_tiles, PERSISTENT: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, ID_CHECK: tl.constexpr,
     ):
         # One tile per program, or (PERSISTENT) one program per SM walking tiles pid, pid + grid, ...;
         # 2 also flattens the tile loop and the K loop into one software pipeline, so that the next
@@ -152,7 +159,7 @@ if HAS_TRITON:
                 stride_am, stride_we, stride_wn, stride_om,
                 a_scale_ptr, stride_as, w_scale_ptr, stride_wse, stride_wsn, stride_wsk,
                 BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, TOP_K, NAIVE_BLOCKS, GATED, MUL_ROUTED_WEIGHT, EVEN_K,
-                INPUT_PRECISION, SCALES, SUM_TOP_K, SPLIT_K, w_desc, TMA_W)
+                INPUT_PRECISION, SCALES, SUM_TOP_K, SPLIT_K, w_desc, TMA_W, SCALE_BN, SCALE_BK, ID_CHECK)
         else:
             for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=PERSISTENT == 2):
                 _index_gather_tile(
@@ -161,9 +168,10 @@ if HAS_TRITON:
                     stride_am, stride_we, stride_wn, stride_om,
                     a_scale_ptr, stride_as, w_scale_ptr, stride_wse, stride_wsn, stride_wsk,
                     BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, TOP_K, NAIVE_BLOCKS, GATED, MUL_ROUTED_WEIGHT, EVEN_K,
-                    INPUT_PRECISION, SCALES, SUM_TOP_K, SPLIT_K, w_desc, TMA_W)
+                    INPUT_PRECISION, SCALES, SUM_TOP_K, SPLIT_K, w_desc, TMA_W, SCALE_BN, SCALE_BK, ID_CHECK)
 
 
+@functools.lru_cache(maxsize=None)
 def _programs_per_device(device: torch.device) -> int:
     """A persistent grid: one program per SM (the interpreter has no SMs; a few programs will do)."""
     if device.type != "cuda":
@@ -184,6 +192,10 @@ def _launch(a, w, out, topk_weights, blocks: BlockAssignment, *, n_out: int, top
     # tensor: the constexpr flags compile the loads away.
     sorted_ids = blocks.expert_ids if blocks.naive else blocks.sorted_token_ids
     num_post_padded = blocks.expert_ids if blocks.naive else blocks.num_tokens_post_padded
+    id_check = blocks.id_check if gated else ""   # GEMM 1 reads the naive map's ids first
+    note_launch("index_gather.gemm", gemm="gate_up" if gated else "down", block_m=blocks.block_m, tiles=tiles,
+                naive=blocks.naive, scales=scales[6], sum_top_k=sum_top_k, tma=w_desc is not None, grid=grid,
+                id_check=bool(id_check))
     _index_gather_gemm_kernel[grid](
         a, w, out, topk_weights if topk_weights is not None else out,
         sorted_ids, blocks.expert_ids, num_post_padded,
@@ -194,13 +206,13 @@ def _launch(a, w, out, topk_weights, blocks: BlockAssignment, *, n_out: int, top
         MUL_ROUTED_WEIGHT=topk_weights is not None, EVEN_K=k_in % tiles.block_k == 0,
         INPUT_PRECISION=dot_precision(a.dtype), SCALES=scales[6], SUM_TOP_K=sum_top_k, SPLIT_K=tiles.split_k,
         w_desc=w_desc if w_desc is not None else w, TMA_W=w_desc is not None,
-        num_tiles=num_tiles, PERSISTENT=tiles.persistent,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        num_tiles=num_tiles, PERSISTENT=tiles.persistent, SCALE_BN=scales[7], SCALE_BK=scales[8], ID_CHECK=id_check,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **device_assert_options(id_check),
     )
 
 
 # ----------------------------------------------------------------------------------------------
-# The three stages
+# The three stages: checked public functions, each over an unchecked one the layer calls
 # ----------------------------------------------------------------------------------------------
 
 
@@ -212,29 +224,35 @@ def expert_gate_up(hidden_states: torch.Tensor, w1: torch.Tensor, blocks: BlockA
 
     Rows follow the assignment order of ``topk_ids.flatten()``; ``blocks`` comes from
     :func:`assign_blocks` for the same ``topk_ids``. fp8 inputs come with their scales
-    (``a_scale`` from :func:`moe_kernels.kernels.quant.quantize_activations`, ``w_scale`` the
-    weight's) and write ``out_dtype`` (default bf16).
+    (``a_scale`` from the weights' :meth:`~moe_kernels.kernels.formats.WeightFormat.quantize_activations`,
+    ``w_scale`` the weight's) and write ``out_dtype`` (default bf16).
     """
     func = "expert_gate_up"
-    granularity = check_operands(func, "hidden_states", hidden_states, "w1", w1, a_scale, w_scale)
+    fmt = check_operands(func, "hidden_states", hidden_states, "w1", w1, a_scale, w_scale)
     check_int(func, "top_k", top_k, lo=1)
     if w1.shape[2] != hidden_states.shape[1] or w1.shape[1] % 2:
         fail(func, "w1", f"must have shape [E, 2F, d={hidden_states.shape[1]}]", f"shape {tuple(w1.shape)}")
     numel = hidden_states.shape[0] * top_k
     check_blocks(func, blocks, numel)
-    tiles = fp8_tiles(check_tiles(func, tiles), granularity)
+    tiles = check_tiles(func, tiles)
     if tiles.split_k != 1:
         fail(func, "tiles.split_k", "must be 1 (SiLU·mul in GEMM 1's epilogue needs the whole K sum)", tiles.split_k)
     f = w1.shape[1] // 2
     out = check_out(func, out, (numel, f), hidden_states, dtype=output_dtype(hidden_states, out_dtype))
-    if not use_triton(hidden_states, w1, out):
-        x, w = dequantized(hidden_states, w1, a_scale, w_scale, granularity)
-        return out.copy_(_gate_up_reference(x, w, blocks, top_k))
-    rerun = lambda x, w, out: expert_gate_up(x, w, blocks, top_k, tiles=tiles, out=out, a_scale=a_scale,  # noqa: E731
-                                             w_scale=w_scale, out_dtype=out.dtype)
-    if in_float32_under_interpreter(rerun, out, hidden_states, w1) is None:
-        _launch(hidden_states, w1, out, None, blocks, n_out=f, top_k=top_k, gated=True, tiles=tiles,
-                scales=scale_arguments(hidden_states, w1, a_scale, w_scale, granularity))
+    return gate_up(hidden_states, w1, blocks, top_k, tiles=tiles, out=out, a_scale=a_scale, w_scale=w_scale, fmt=fmt)
+
+
+def gate_up(x, w1, blocks, top_k, *, tiles, out, a_scale, w_scale, fmt):
+    """:func:`expert_gate_up` without its checks (``out`` given, ``fmt`` known)."""
+    tiles = fmt.gemm_tiles(tiles)
+    if not use_triton(x, w1, out):
+        xf, wf = dequantized(x, w1, a_scale, w_scale, fmt)
+        return out.copy_(_rows_reference(xf, wf, blocks, x.shape[0] * top_k, top_k))
+    rerun = lambda x, w, out: gate_up(x, w, blocks, top_k, tiles=tiles, out=out, a_scale=a_scale,  # noqa: E731
+                                      w_scale=w_scale, fmt=fmt)
+    if in_float32_under_interpreter(rerun, out, x, w1) is None:
+        _launch(x, w1, out, None, blocks, n_out=w1.shape[1] // 2, top_k=top_k, gated=True, tiles=tiles,
+                scales=fmt.scale_arguments(x, w1, a_scale, w_scale))
     return out
 
 
@@ -250,7 +268,7 @@ def expert_down(intermediate: torch.Tensor, w2: torch.Tensor, topk_weights: torc
     an fp32 ``out [T, d]`` instead (atomics; zeros unless given), and ``tiles.split_k`` may exceed 1.
     """
     func = "expert_down"
-    granularity = check_operands(func, "intermediate", intermediate, "w2", w2, a_scale, w_scale)
+    fmt = check_operands(func, "intermediate", intermediate, "w2", w2, a_scale, w_scale)
     check_tensor(func, "topk_weights", topk_weights, ndim=2, dtypes=FLOAT_DTYPES, device=intermediate.device)
     num_tokens, top_k = topk_weights.shape
     if intermediate.shape[0] != num_tokens * top_k:
@@ -259,7 +277,7 @@ def expert_down(intermediate: torch.Tensor, w2: torch.Tensor, topk_weights: torc
     if w2.shape[2] != intermediate.shape[1]:
         fail(func, "w2", f"must have shape [E, d, F={intermediate.shape[1]}]", f"shape {tuple(w2.shape)}")
     check_blocks(func, blocks, num_tokens * top_k)
-    tiles = fp8_tiles(check_tiles(func, tiles), granularity)
+    tiles = check_tiles(func, tiles)
     d = w2.shape[1]
     if sum_slots:
         if out is None:   # the epilogue adds into it
@@ -270,44 +288,44 @@ def expert_down(intermediate: torch.Tensor, w2: torch.Tensor, topk_weights: torc
             fail(func, "tiles.split_k", "must be 1 unless sum_slots=True (K slices are added with atomics)",
                  tiles.split_k)
         out = check_out(func, out, (num_tokens, top_k, d), intermediate, dtype=output_dtype(intermediate, out_dtype))
-    weights = topk_weights.contiguous()
-    if not use_triton(intermediate, w2, weights, out):
-        x, w = dequantized(intermediate, w2, a_scale, w_scale, granularity)
-        per_slot = _down_reference(x, w, weights, blocks).view(num_tokens, top_k, d)
+    return down(intermediate, w2, topk_weights.contiguous(), blocks, tiles=tiles, out=out, a_scale=a_scale,
+                w_scale=w_scale, fmt=fmt, sum_slots=sum_slots)
+
+
+def down(y, w2, topk_weights, blocks, *, tiles, out, a_scale, w_scale, fmt, sum_slots):
+    """:func:`expert_down` without its checks (``out`` given, ``topk_weights`` contiguous)."""
+    tiles = fmt.gemm_tiles(tiles)
+    num_tokens, top_k = topk_weights.shape
+    d = w2.shape[1]
+    if not use_triton(y, w2, topk_weights, out):
+        yf, wf = dequantized(y, w2, a_scale, w_scale, fmt)
+        per_slot = _rows_reference(yf, wf, blocks, num_tokens * top_k, 1, topk_weights.reshape(-1).float())
+        per_slot = per_slot.view(num_tokens, top_k, d)
         return out.add_(per_slot.sum(1)) if sum_slots else out.copy_(per_slot)
-    rerun = lambda x, w, out: expert_down(x, w, weights, blocks, tiles=tiles, out=out, a_scale=a_scale,  # noqa: E731
-                                          w_scale=w_scale, out_dtype=out.dtype, sum_slots=sum_slots)
-    if in_float32_under_interpreter(rerun, out, intermediate, w2) is None:
-        _launch(intermediate, w2, out.view(-1, d), weights, blocks, n_out=d, top_k=1, gated=False, tiles=tiles,
-                scales=scale_arguments(intermediate, w2, a_scale, w_scale, granularity),
-                sum_top_k=top_k if sum_slots else 0)
+    rerun = lambda y, w, out: down(y, w, topk_weights, blocks, tiles=tiles, out=out, a_scale=a_scale,  # noqa: E731
+                                   w_scale=w_scale, fmt=fmt, sum_slots=sum_slots)
+    if in_float32_under_interpreter(rerun, out, y, w2) is None:
+        _launch(y, w2, out.view(-1, d), topk_weights, blocks, n_out=d, top_k=1, gated=False, tiles=tiles,
+                scales=fmt.scale_arguments(y, w2, a_scale, w_scale), sum_top_k=top_k if sum_slots else 0)
     return out
 
 
 # ----------------------------------------------------------------------------------------------
-# Torch references of the three stages (used without Triton, and by the tests)
+# The torch reference of the two GEMMs (used without Triton, and by the tests)
 # ----------------------------------------------------------------------------------------------
 
 
-def _gate_up_reference(hidden_states, w1, blocks: BlockAssignment, top_k: int) -> torch.Tensor:
-    # float32 result; the caller rounds it into its output buffer.
-    numel = hidden_states.shape[0] * top_k
+def _rows_reference(x, w, blocks: BlockAssignment, numel: int, top_k: int, routed_weights=None) -> torch.Tensor:
+    """float32 rows of one GEMM as the block map assigns them: GEMM 1 (``top_k`` rows share a
+    token, SiLU·mul) or GEMM 2 (``top_k=1``, times the routing weight); rows that no block holds
+    stay zero. The caller rounds the result into its output buffer."""
     rows, experts = assignments_by_block(blocks, numel)
-    out = torch.zeros(numel, w1.shape[1] // 2, dtype=torch.float32, device=hidden_states.device)
-    for e in torch.unique(experts[(experts >= 0) & (experts < w1.shape[0])]).tolist():
+    width = w.shape[1] if routed_weights is not None else w.shape[1] // 2
+    out = torch.zeros(numel, width, dtype=torch.float32, device=x.device)
+    for e in torch.unique(experts[(experts >= 0) & (experts < w.shape[0])]).tolist():
         mine = rows[experts == e]
-        out[mine] = expert_rows_product(hidden_states[mine // top_k], w1[e], silu_mul=True)
-    return out
-
-
-def _down_reference(intermediate, w2, topk_weights, blocks: BlockAssignment) -> torch.Tensor:
-    numel = topk_weights.numel()
-    rows, experts = assignments_by_block(blocks, numel)
-    weights = topk_weights.reshape(-1).float()
-    out = torch.zeros(numel, w2.shape[1], dtype=torch.float32, device=intermediate.device)
-    for e in torch.unique(experts[(experts >= 0) & (experts < w2.shape[0])]).tolist():
-        mine = rows[experts == e]
-        out[mine] = weights[mine, None] * (intermediate[mine].float() @ w2[e].float().T)
+        product = expert_rows_product(x[mine // top_k], w[e], silu_mul=routed_weights is None)
+        out[mine] = product if routed_weights is None else routed_weights[mine, None] * product
     return out
 
 
@@ -341,51 +359,66 @@ def fused_experts(
     ``block_m`` wins), e.g. to time the GEMMs without the alignment. ``naive_block_assignment``
     forces the small-batch path on or off (default: vLLM's rule, see :func:`assign_blocks`).
     ``validate_ids`` checks that every id lies in ``[0, E)``: on the CPU with an immediate
-    ValueError, on a GPU with a device-side assert, which costs no host sync and can be captured
-    in a CUDA graph. Ids out of range never become addresses, checked or not.
+    ValueError; on a GPU inside the first kernel that reads the ids (the alignment, or GEMM 1
+    for tiny batches) as a device-side assert, which costs no launch and no host sync and can be
+    captured in a CUDA graph. Ids out of range never become addresses, checked or not
+    (unchecked, they add nothing).
 
-    fp8 weights (``float8_e4m3fn`` ``w1``/``w2`` with ``w1_scale``/``w2_scale``, see
-    :mod:`moe_kernels.kernels.quant`) run W8A8: the activations are quantised on the fly before
-    GEMM 1 (1x128 groups for 128x128 weight blocks, per token for per-channel weights, per tensor
-    for per-tensor ones), GEMM 1 writes bf16 (or ``hidden_states.dtype``), which is requantised
-    the same way before GEMM 2, as vLLM's ``fused_experts`` does.
+    fp8 weights (``float8_e4m3fn`` ``w1``/``w2`` with ``w1_scale``/``w2_scale``, one of the
+    formats of :mod:`moe_kernels.kernels.formats`) run W8A8: the activations are quantised on the
+    fly before GEMM 1 (1x128 groups for 128x128 weight blocks, per token otherwise), GEMM 1 writes
+    bf16 (or ``hidden_states.dtype``), which is requantised the same way before GEMM 2, as vLLM's
+    ``fused_experts`` does.
 
     Under the Triton interpreter (no GPU), each bf16 stage is computed in float32 and its result
     rounded to bf16 once, because the interpreter's bf16 dot is wrong.
     """
     func = "fused_experts"
-    num_tokens, top_k, num_experts, d, f = check_moe_inputs(func, hidden_states, w1, w2, topk_weights, topk_ids,
-                                                            validate_ids=validate_ids)
+    num_tokens, top_k, num_experts, d, f = check_moe_inputs(func, hidden_states, w1, w2, topk_weights, topk_ids)
+    fmt = WeightFormat.of_pair(func, w1, w2, w1_scale, w2_scale)
     if block_size_m is not None:
         check_block_m(func, "block_size_m", block_size_m)
-    granularity = fp8_granularity(func, w1, w2, w1_scale, w2_scale)
     if config is None:
-        config = get_config(num_tokens, num_experts, f, d, w1.dtype, hidden_states.device)
+        config = get_config(num_tokens, num_experts, f, d, fmt.element or hidden_states.dtype, hidden_states.device)
     else:
         check_config(func, config)
+    if blocks is not None:
+        check_blocks(func, blocks, num_tokens * top_k)
+    elif naive_block_assignment is not None and not isinstance(naive_block_assignment, bool):
+        fail(func, "naive_block_assignment", "must be True, False or None", repr(naive_block_assignment), TypeError)
+    return run_experts(hidden_states, w1, w2, topk_weights, topk_ids, fmt=fmt, config=config, w1_scale=w1_scale,
+                       w2_scale=w2_scale, blocks=blocks, block_m=block_size_m, naive=naive_block_assignment,
+                       ids="validate" if validate_ids else "unchecked", func=func)
+
+
+def run_experts(hidden_states, w1, w2, topk_weights, topk_ids, *, fmt, config: MoEConfig, w1_scale=None,
+                w2_scale=None, blocks=None, block_m=None, naive=None, ids: str = "validate",
+                func: str = "fused_experts") -> torch.Tensor:
+    """:func:`fused_experts` after its checks: what :class:`~moe_kernels.layer.MoELayer` calls.
+
+    ``ids`` says what is known of ``topk_ids``: ``"validate"`` (check them where they are first
+    read), ``"trusted"`` (in range by construction: the layer's own routing; nothing to check)
+    or ``"unchecked"`` (the caller declined the check: the ``[T, k, d]`` buffer starts at zero,
+    so that an id outside ``[0, E)``, which lands in no block, adds nothing).
+    """
+    num_tokens, top_k = topk_ids.shape
+    d = w2.shape[1]
     if blocks is None:
-        block_m = block_size_m if block_size_m is not None else config.block_m
-        # The ids were range-checked above when asked for: the alignment need not do it again.
-        blocks = assign_blocks(topk_ids, block_m, num_experts, naive=naive_block_assignment, validate_ids=False)
-    # Unchecked ids outside [0, E) sit in no aligned block, so nothing writes their slots: start from
-    # zeros then (they add nothing); checked ids fill every slot.
-    # A summed output always starts at zero.
+        blocks = build_blocks(func, topk_ids, block_m or config.block_m, w2.shape[0], naive, ids == "validate")
     summed = config.sum_in_gemm
-    per_slot = None if validate_ids and not summed else torch.zeros(
-        (num_tokens, d) if summed else (num_tokens, top_k, d), device=hidden_states.device,
-        dtype=torch.float32 if summed else hidden_states.dtype)
-    out_dtype = hidden_states.dtype
-    if granularity is None:
-        intermediate = expert_gate_up(hidden_states, w1, blocks, top_k, tiles=config.gate_up)
-        y, y_scale = intermediate, None
+    device, out_dtype = hidden_states.device, hidden_states.dtype
+    if summed:   # the epilogue adds into fp32 [T, d], which must start at zero
+        per_slot = torch.zeros((num_tokens, d), device=device, dtype=torch.float32)
     else:
-        x, x_scale = quantize_activations(hidden_states, granularity)
-        intermediate = expert_gate_up(x, w1, blocks, top_k, tiles=config.gate_up, a_scale=x_scale, w_scale=w1_scale,
-                                      out_dtype=out_dtype)
-        y, y_scale = quantize_activations(intermediate, granularity)
-    per_slot = expert_down(y, w2, topk_weights, blocks, tiles=config.down, a_scale=y_scale, w_scale=w2_scale,
-                           out_dtype=out_dtype, out=per_slot, sum_slots=summed)
-    return per_slot.to(out_dtype) if summed else moe_sum(per_slot)
+        per_slot = (torch.zeros if ids == "unchecked" else torch.empty)((num_tokens, top_k, d), device=device,
+                                                                       dtype=out_dtype)
+    x, x_scale = fmt.quantize_activations(hidden_states)
+    intermediate = torch.empty((num_tokens * top_k, w1.shape[1] // 2), device=device, dtype=out_dtype)
+    gate_up(x, w1, blocks, top_k, tiles=config.gate_up, out=intermediate, a_scale=x_scale, w_scale=w1_scale, fmt=fmt)
+    y, y_scale = fmt.quantize_activations(intermediate)
+    down(y, w2, topk_weights if topk_weights.is_contiguous() else topk_weights.contiguous(), blocks,
+         tiles=config.down, out=per_slot, a_scale=y_scale, w_scale=w2_scale, fmt=fmt, sum_slots=summed)
+    return per_slot.to(out_dtype) if summed else sum_slots(per_slot)
 
 
 def fused_moe(

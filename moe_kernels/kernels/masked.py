@@ -39,12 +39,14 @@ from typing import NamedTuple
 
 import torch
 
-from .._checks import FLOAT_DTYPES, check_dispatch_inputs, check_ids_in_range, check_int, check_moe_inputs, check_tensor, fail
-from .._runtime import HAS_TRITON, kernel, tl, triton, use_triton
+from .._checks import check_dispatch_inputs, check_int, check_moe_inputs, check_tensor, device_id_check, fail
+from .._runtime import HAS_TRITON, device_assert_options, kernel, note_launch, tl, triton, use_triton
 from ..model.buffers import expert_counts, m_max_token_budget
 from ._tile_gemm import check_out, dot_precision, expert_rows_product, gemm_width, in_float32_under_interpreter
 from .combine import unpermute
 from .config import MoEConfig, check_config, get_config
+from .formats import WeightFormat
+from .layouts import LAYOUTS
 
 if HAS_TRITON:
     from ._tile_gemm import expert_tile_product, store_tile
@@ -54,18 +56,22 @@ if HAS_TRITON:
     def _masked_dispatch_kernel(
         hidden_ptr, stride_ht, ids_ptr, stride_it, rows_ptr, stride_re, stride_rm, counts_ptr, src2dst_ptr,
         num_assignments, topk, num_experts, m_max, hidden_size,
-        BLOCK_A: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_A: tl.constexpr, BLOCK_D: tl.constexpr, ID_CHECK: tl.constexpr, OVERFLOW_CHECK: tl.constexpr,
     ):
         assignment = tl.program_id(0) * BLOCK_A + tl.arange(0, BLOCK_A)
         in_range = assignment < num_assignments
         token = assignment // topk
         expert = tl.load(ids_ptr + token * stride_it + assignment % topk, mask=in_range, other=-1).to(tl.int32)
-        # Bad ids are skipped here (never used as an address) and reported by the id check.
+        # Bad ids are never used as an address; the id check (when asked) stops the kernel here.
         valid = in_range & (expert >= 0) & (expert < num_experts)
+        if ID_CHECK != "":
+            tl.device_assert(valid | ~in_range, ID_CHECK)
         expert = tl.where(valid, expert, 0)
-        # Every valid assignment is counted, even one that will not fit: the count is what the
-        # overflow check compares with m_max.
+        # Every valid assignment is counted, even one that will not fit: a slot past m_max is the
+        # overflow, which stops the kernel (no token is ever dropped silently).
         slot = tl.atomic_add(counts_ptr + expert, 1, mask=valid)
+        if OVERFLOW_CHECK != "":
+            tl.device_assert(~valid | (slot < m_max), OVERFLOW_CHECK)
         fits = valid & (slot < m_max)
         tl.store(src2dst_ptr + assignment, tl.where(fits, expert * m_max + slot, -1), mask=in_range)
         copy_rows(hidden_ptr, token.to(tl.int64) * stride_ht, rows_ptr,
@@ -136,13 +142,13 @@ def masked_dispatch(hidden_states: torch.Tensor, topk_ids: torch.Tensor, num_exp
 
     One Triton kernel claims slots with an atomic counter per expert and copies the rows. The
     overflow check (``m_max`` too small for the hottest expert) always runs; ``validate_ids`` also
-    checks every id lies in ``[0, E)``. Neither syncs with the host on a GPU. ``out``, if given,
-    is the ``[E, m_max, d]`` buffer to fill.
+    checks every id lies in ``[0, E)``. On a GPU both are device-side asserts in the dispatch
+    kernel itself (no launch, no host sync); on the CPU, ValueErrors. ``out``, if given, is the
+    ``[E, m_max, d]`` buffer to fill.
     """
     func = "masked_dispatch"
     _check_dispatch_args(func, hidden_states, topk_ids, num_experts, m_max)
-    if validate_ids:
-        check_ids_in_range(func, "topk_ids", topk_ids, num_experts)
+    id_check = device_id_check(func, "topk_ids", topk_ids, num_experts) if validate_ids else ""
     num_tokens, hidden_size = hidden_states.shape
     topk = topk_ids.shape[1]
     rows = check_out(func, out, (num_experts, m_max, hidden_size), hidden_states)
@@ -152,13 +158,18 @@ def masked_dispatch(hidden_states: torch.Tensor, topk_ids: torch.Tensor, num_exp
     src2dst = torch.empty(num_tokens, topk, dtype=torch.int32, device=rows.device)
     if num_tokens * topk:
         block_a, block_d = 16, min(triton.next_power_of_2(max(hidden_size, 1)), 256)
+        # (m_max stays out of the message: a message is a compile-time constant, one kernel per text.)
+        overflow = f"{func}: argument 'm_max' is smaller than the hottest expert's row count (no token may be dropped)"
+        note_launch("masked.dispatch", id_check=bool(id_check))
         _masked_dispatch_kernel[(triton.cdiv(num_tokens * topk, block_a),)](
             hidden_states, hidden_states.stride(0), topk_ids, topk_ids.stride(0),
             rows, rows.stride(0), rows.stride(1), counts, src2dst,
             num_tokens * topk, topk, num_experts, m_max, hidden_size,
-            BLOCK_A=block_a, BLOCK_D=block_d, num_warps=4,
+            BLOCK_A=block_a, BLOCK_D=block_d, ID_CHECK=id_check, OVERFLOW_CHECK=overflow if counts.is_cuda else "",
+            num_warps=4, **device_assert_options(overflow if counts.is_cuda else ""),
         )
-    _check_no_overflow(func, counts, m_max)
+    if not counts.is_cuda:   # the interpreter: the host check (on a GPU the kernel asserts)
+        _check_no_overflow(func, counts, m_max)
     return MaskedRows(rows, counts, src2dst)
 
 
@@ -235,20 +246,21 @@ def _grouped_gemm_masked_reference(x, w, masked_m, silu_mul, out):
 
 def masked_experts(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                    topk_ids: torch.Tensor, *, m_max: int | None = None, config: MoEConfig | None = None,
-                   validate_ids: bool = True) -> torch.Tensor:
+                   validate_ids: bool = True, w1_scale: torch.Tensor | None = None,
+                   w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The MoE experts step in the masked layout: dispatch, two masked GEMMs, gather back.
 
     Same arguments and result as :func:`moe_kernels.kernels.index_gather.fused_experts`. ``m_max``
     defaults to :func:`~moe_kernels.model.buffers.m_max_token_budget` of the batch; pass
     :func:`~moe_kernels.model.buffers.m_max_measured_cap` (or any value) to shrink the slabs. Too
-    small an ``m_max`` fails loudly (see :func:`masked_dispatch`); nothing is dropped.
+    small an ``m_max`` fails loudly (see :func:`masked_dispatch`); nothing is dropped. fp8
+    weights (``w1_scale``/``w2_scale``) are refused by name: this layout runs 16/32-bit weights
+    only (:mod:`moe_kernels.kernels.layouts`).
     """
     func = "masked_experts"
     num_tokens, _, num_experts, hidden_size, f = check_moe_inputs(func, hidden_states, w1, w2, topk_weights,
                                                                   topk_ids)
-    if w1.dtype not in FLOAT_DTYPES:
-        fail(func, "w1", "must be a 16/32-bit tensor: fp8 experts run in the index-gather and permute layouts",
-             str(w1.dtype).replace("torch.", ""), TypeError)
+    LAYOUTS["masked"].check_format(func, WeightFormat.of_pair(func, w1, w2, w1_scale, w2_scale))
     if m_max is None:
         m_max = m_max_token_budget(num_tokens)
     check_int(func, "m_max", m_max, lo=1)

@@ -57,16 +57,15 @@ from typing import NamedTuple
 
 import torch
 
-from .._checks import (check_dispatch_inputs, check_ids_in_range, check_int, check_moe_inputs,
-                       check_tensor, fail)
-from .._runtime import HAS_TRITON, kernel, tl, triton, use_triton
+from .._checks import check_dispatch_inputs, check_int, check_moe_inputs, check_tensor, fail
+from .._runtime import HAS_TRITON, kernel, note_launch, tl, triton, use_triton
 from ..model.buffers import expert_counts, max_padded_rows
-from ._tile_gemm import (check_operands, check_out, dequantized, dot_precision, expert_rows_product, fp8_tiles,
-                         gemm_width, in_float32_under_interpreter, output_dtype, scale_arguments)
-from .align import moe_align_block_size, moe_align_block_size_reference
+from ._tile_gemm import (check_operands, check_out, dequantized, dot_precision, expert_rows_product, gemm_width,
+                         in_float32_under_interpreter, output_dtype)
+from .align import align_checked, moe_align_block_size_reference
 from .combine import unpermute
 from .config import MoEConfig, check_config, get_config
-from .quant import fp8_granularity, quantize_activations
+from .formats import WeightFormat
 
 if HAS_TRITON:
     from ._tile_gemm import expert_tile_product, store_tile
@@ -108,6 +107,7 @@ if HAS_TRITON:
         a_scale_ptr, stride_as, w_scale_ptr, stride_wse, stride_wsn, stride_wsk,
         GATED: tl.constexpr, EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr, SCALES: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
     ):
         # Axis 0 (M tiles) varies fastest, so consecutive programs are consecutive tiles of the
         # same expert and find that expert's weight tile in L2.
@@ -129,7 +129,8 @@ if HAS_TRITON:
                                   stride_wn, tl.program_id(1), N, K,
                                   a_scale_ptr, tl.where(row_real, offsets, pid_m * BLOCK_M) * stride_as,
                                   w_scale_ptr + expert.to(tl.int64) * stride_wse, stride_wsn, stride_wsk,
-                                  GATED, EVEN_K, INPUT_PRECISION, SCALES, BLOCK_M, BLOCK_N, BLOCK_K)
+                                  GATED, EVEN_K, INPUT_PRECISION, SCALES, BLOCK_M, BLOCK_N, BLOCK_K,
+                                  SCALE_BN=SCALE_BN, SCALE_BK=SCALE_BK)
         store_tile(out_ptr, offsets * stride_om, row_real, acc, tl.program_id(1), N, BLOCK_N)
 
 
@@ -172,18 +173,17 @@ def permute(hidden_states: torch.Tensor, topk_ids: torch.Tensor, num_experts: in
 
     ``hidden_states`` ``[T, d]``, ``topk_ids`` ``[T, k]`` (0-based expert ids). ``out``, if given,
     is the ``[max_padded_rows(T*k, E, align), d]`` buffer to fill. ``validate_ids`` checks the ids
-    as :func:`moe_kernels.kernels.index_gather.fused_experts` does (no host sync on a GPU).
+    as :func:`moe_kernels.kernels.index_gather.fused_experts` does (on a GPU inside the alignment
+    kernel, which reads every id anyway: no launch, no host sync).
     """
     func = "permute"
     _check_permute_args(func, hidden_states, topk_ids, num_experts, align)
-    if validate_ids:
-        check_ids_in_range(func, "topk_ids", topk_ids, num_experts)
     num_tokens, hidden_size = hidden_states.shape
     topk = topk_ids.shape[1]
     num_assignments = num_tokens * topk
     num_rows = max_padded_rows(num_assignments, num_experts, align)
     rows = check_out(func, out, (num_rows, hidden_size), hidden_states)
-    sorted_ids, block_experts, _ = moe_align_block_size(topk_ids, align, num_experts, validate_ids=False)
+    sorted_ids, block_experts, _ = align_checked(func, topk_ids, align, num_experts, validate_ids)
     segment_starts, segment_counts = _segments(topk_ids, num_experts, align)
     if not use_triton(hidden_states, topk_ids, rows):
         m_indices, src2dst = _permute_rows_reference(hidden_states, sorted_ids, block_experts, rows, topk, align)
@@ -239,7 +239,7 @@ def grouped_gemm_contiguous(x: torch.Tensor, w: torch.Tensor, m_indices: torch.T
     fp8 operands come with ``x_scale`` (per row of ``x``) and ``w_scale`` and write ``out_dtype``.
     """
     func = "grouped_gemm_contiguous"
-    granularity = check_operands(func, "x", x, "w", w, x_scale, w_scale)
+    fmt = check_operands(func, "x", x, "w", w, x_scale, w_scale)
     check_tensor(func, "m_indices", m_indices, ndim=1, dtypes=(torch.int32,), device=x.device, contiguous=True)
     check_int(func, "align", align, lo=1)
     num_rows, k = x.shape
@@ -254,22 +254,23 @@ def grouped_gemm_contiguous(x: torch.Tensor, w: torch.Tensor, m_indices: torch.T
                             align=align)
     if which not in ("gate_up", "down"):
         fail(func, "which", "must be 'gate_up' or 'down'", repr(which))
-    tiles = fp8_tiles(getattr(check_config(func, config, align=align, layout="permute"), which), granularity)
+    tiles = fmt.gemm_tiles(getattr(check_config(func, config, align=align, layout="permute"), which))
     result = check_out(func, out, (num_rows, n), x, dtype=output_dtype(x, out_dtype))
     if not use_triton(x, w, m_indices, result):
-        xf, wf = dequantized(x, w, x_scale, w_scale, granularity)
+        xf, wf = dequantized(x, w, x_scale, w_scale, fmt)
         return _grouped_gemm_contiguous_reference(xf, wf, m_indices, silu_mul, result)
     rerun = lambda x, w, out: grouped_gemm_contiguous(  # noqa: E731
         x, w, m_indices, align=align, silu_mul=silu_mul, out=out, config=config, which=which, x_scale=x_scale,
         w_scale=w_scale, out_dtype=out.dtype)
     if num_rows == 0 or in_float32_under_interpreter(rerun, result, x, w) is not None:
         return result
+    scales = fmt.scale_arguments(x, w, x_scale, w_scale)
+    note_launch("permute.gemm", gemm=which, block_m=config.block_m, tiles=tiles, scales=scales[6])
     _contiguous_gemm_kernel[(num_rows // config.block_m, triton.cdiv(n, tiles.block_n))](
         x, x.stride(0), w, w.stride(0), w.stride(1), result, result.stride(0),
-        m_indices, num_rows, w.shape[0], n, k, *scale_arguments(x, w, x_scale, w_scale, granularity)[:6],
-        GATED=silu_mul, EVEN_K=k % tiles.block_k == 0, INPUT_PRECISION=dot_precision(x.dtype),
-        SCALES=scale_arguments(x, w, x_scale, w_scale, granularity)[6],
-        BLOCK_M=config.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        m_indices, num_rows, w.shape[0], n, k, *scales[:6],
+        GATED=silu_mul, EVEN_K=k % tiles.block_k == 0, INPUT_PRECISION=dot_precision(x.dtype), SCALES=scales[6],
+        BLOCK_M=config.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, SCALE_BN=scales[7], SCALE_BK=scales[8],
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     return result
@@ -296,41 +297,35 @@ def permute_experts(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Ten
     func = "permute_experts"
     num_tokens, _, num_experts, d, f = check_moe_inputs(func, hidden_states, w1, w2, topk_weights, topk_ids)
     check_int(func, "align", align, lo=1)
-    granularity = fp8_granularity(func, w1, w2, w1_scale, w2_scale)
+    fmt = WeightFormat.of_pair(func, w1, w2, w1_scale, w2_scale)
     if config is None:
         if align % 16:
             fail(func, "align", "must be a multiple of 16 (the smallest M tile) for the default tiles", align)
         config = get_config(num_tokens, num_experts, f, d, w1.dtype, hidden_states.device, layout="permute",
                             align=align)
     check_config(func, config, align=align, layout="permute")
-    if granularity is None:
+    if not fmt.quantized:
         permuted = permute(hidden_states, topk_ids, num_experts, align=align, validate_ids=validate_ids)
         activated = grouped_gemm_contiguous(permuted.rows, w1, permuted.m_indices, align=align, silu_mul=True,
                                             config=config, which="gate_up")
         y = grouped_gemm_contiguous(activated, w2, permuted.m_indices, align=align, out=permuted.rows,
                                     config=config, which="down")
         return unpermute(y, permuted.src2dst, topk_weights)
-    x, x_scale = quantize_activations(hidden_states, granularity)
+    x, x_scale = fmt.quantize_activations(hidden_states)
     permuted = permute(x, topk_ids, num_experts, align=align, validate_ids=validate_ids)
-    rows_scale = _permute_scales(x_scale, permuted, topk_ids.shape[1], granularity)
-    # A per-tensor scale of the intermediate takes the amax of the whole buffer: its padding rows
-    # (never written) must then be zeros, not whatever the allocation held.
-    empty = torch.zeros if granularity == "tensor" else torch.empty
+    rows_scale = _permute_scales(x_scale, permuted, topk_ids.shape[1])
+    # Every activation scale is per row, so the padding rows' garbage reaches no real row's scale.
     activated = grouped_gemm_contiguous(permuted.rows, w1, permuted.m_indices, align=align, silu_mul=True,
                                         config=config, which="gate_up", x_scale=rows_scale, w_scale=w1_scale,
-                                        out_dtype=hidden_states.dtype,
-                                        out=empty(permuted.rows.shape[0], f, dtype=hidden_states.dtype,
-                                                  device=hidden_states.device))
-    a, a_scale = quantize_activations(activated, granularity)
+                                        out_dtype=hidden_states.dtype)
+    a, a_scale = fmt.quantize_activations(activated)
     y = grouped_gemm_contiguous(a, w2, permuted.m_indices, align=align, config=config, which="down",
                                 x_scale=a_scale, w_scale=w2_scale, out_dtype=hidden_states.dtype)
     return unpermute(y, permuted.src2dst, topk_weights)
 
 
-def _permute_scales(x_scale: torch.Tensor, permuted: PermutedRows, topk: int, granularity: str) -> torch.Tensor:
-    """The activation scales in the packed rows' order (a per-tensor scale stays as it is)."""
-    if granularity == "tensor":
-        return x_scale
+def _permute_scales(x_scale: torch.Tensor, permuted: PermutedRows, topk: int) -> torch.Tensor:
+    """The per-row activation scales in the packed rows' order."""
     rows = permuted.rows.shape[0]
     # Row r of the packed buffer holds assignment src2dst^-1(r); unmatched (padding) rows keep 1.
     packed = x_scale.new_ones((rows + 1,) + tuple(x_scale.shape[1:]))

@@ -12,10 +12,12 @@ activation scale per row and one weight scale per 128 output columns. Why those 
   others), and a token's scale must not be set by another token; within a token, 128 channels
   share a scale, again so that one large channel spoils only its group.
 
-Two coarser schemes are common in other fp8 checkpoints and are supported for comparison:
-per-channel weights (one scale per output row) with per-token activations, and per-tensor
-weights (one scale per expert matrix) with one scale for the whole activation tensor. Their
-scales apply once, after the K loop.
+Two coarser weight schemes are common in other fp8 checkpoints and are supported for comparison:
+per-channel weights (one scale per output row) and per-tensor weights (one scale per expert
+matrix), both with per-token activations; their scales apply once, after the K loop. (Per-tensor
+*activation* scales, common too, are here only as a quantiser: with them one token's outlier, or
+one request's ``inf``, changes every token of the batch.) Which weight scheme goes with which
+activation scheme is :mod:`moe_kernels.kernels.formats`' business; this module holds the numbers.
 
 e4m3 holds magnitudes up to 448 with 3 mantissa bits; every scale here is ``amax / 448`` (amax
 floored at ``1e-10`` so an all-zero group gets a finite scale), and values are rounded to the
@@ -47,9 +49,10 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 GROUP = 128                     # activation group width and weight block edge
 EPS = 1e-10
+#: Weight scale layouts, and the activation quantisations (see :mod:`moe_kernels.kernels.formats`
+#: for which goes with which).
 GRANULARITIES = ("block", "channel", "tensor")
-#: How the GEMM core applies the scales (its SCALES constexpr): 0 = no scales (16/32-bit inputs).
-SCALE_CODES = {"block": 1, "channel": 2, "tensor": 3}
+ACTIVATION_SCHEMES = ("group", "token", "tensor")
 
 if HAS_TRITON:
 
@@ -111,49 +114,57 @@ def per_token_group_quant_fp8_reference(x: torch.Tensor, group_size: int = GROUP
     return q.view(t, k), scale
 
 
-def quantize_activations(x: torch.Tensor, granularity: str, *, reference: bool = False):
-    """Activations for a GEMM against weights of ``granularity``: 1x128 groups (``block``), one
-    scale per token (``channel``), or one scale for the whole tensor (``tensor``, shape ``[1]``).
+def quantize_activations(x: torch.Tensor, scheme: str, *, reference: bool = False, group: int = GROUP):
+    """Activations ``[T, K]`` to fp8 with float32 scales, one scheme of three: ``group`` (one scale
+    per token per ``group`` channels, shape ``[T, K/group]``), ``token`` (one per token, ``[T]``)
+    or ``tensor`` (one for the whole tensor, ``[1]``; no format of this package uses it, since one
+    token's outlier or ``inf`` would then reach every token, but the chapter shows what it does).
     ``reference`` takes the torch path for the groups too (the others are torch always)."""
-    if granularity == "block":
-        return per_token_group_quant_fp8_reference(x) if reference else per_token_group_quant_fp8(x)
+    if scheme == "group":
+        if reference:
+            _check_activations("per_token_group_quant_fp8", x)
+            return per_token_group_quant_fp8_reference(x, group)
+        return per_token_group_quant_fp8(x, group)
     func = "quantize_activations"
     _check_activations(func, x)
     xf = x.float()
-    if granularity == "channel":
-        scale = xf.abs().amax(dim=1).clamp_min(EPS) / FP8_MAX
+    if scheme == "token":
+        scale = xf.abs().amax(dim=1).clamp_min(EPS) / FP8_MAX if x.shape[1] else xf.new_full((x.shape[0],), EPS)
         return (xf / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
-    if granularity == "tensor":
+    if scheme == "tensor":
         scale = (xf.abs().amax() if x.numel() else xf.new_zeros(())).clamp_min(EPS).reshape(1) / FP8_MAX
         return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
-    fail(func, "granularity", f"must be one of {', '.join(map(repr, GRANULARITIES))}", repr(granularity))
+    fail(func, "scheme", f"must be one of {', '.join(map(repr, ACTIVATION_SCHEMES))}", repr(scheme))
 
 
-def quantize_weight(w: torch.Tensor, granularity: str = "block") -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_weight(w: torch.Tensor, granularity: str = "block", *,
+                    block: tuple[int, int] = (GROUP, GROUP)) -> tuple[torch.Tensor, torch.Tensor]:
     """Expert weights ``[E, N, K]`` to fp8 and their float32 scales (``weight_scale_inv``):
-    ``[E, ceil(N/128), ceil(K/128)]`` for ``block`` (a ragged edge block scaled by its own amax),
-    ``[E, N]`` for ``channel``, ``[E]`` for ``tensor``. Done once, at load time."""
+    ``[E, ceil(N/bn), ceil(K/bk)]`` for ``block`` scales of ``block = (bn, bk)`` (a ragged edge
+    block scaled by its own amax), ``[E, N]`` for ``channel``, ``[E]`` for ``tensor``. Done once,
+    at load time."""
     func = "quantize_weight"
     check_tensor(func, "w", w, ndim=3, dtypes=FLOAT_DTYPES)
     if granularity not in GRANULARITIES:
         fail(func, "granularity", f"must be one of {', '.join(map(repr, GRANULARITIES))}", repr(granularity))
     if w.shape[0] > 8:   # a few experts at a time: the float32 temporaries of a whole layer would not fit
-        parts = [_quantize_weight(w[i:i + 8], granularity) for i in range(0, w.shape[0], 8)]
+        parts = [_quantize_weight(w[i:i + 8], granularity, block) for i in range(0, w.shape[0], 8)]
         return torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts])
-    return _quantize_weight(w, granularity)
+    return _quantize_weight(w, granularity, block)
 
 
-def _quantize_weight(w: torch.Tensor, granularity: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize_weight(w: torch.Tensor, granularity: str, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
     e, n, k = w.shape
     wf = w.float()
     if granularity == "block":
-        nb, kb = -(-n // GROUP), -(-k // GROUP)
-        padded = torch.zeros(e, nb * GROUP, kb * GROUP, device=w.device)
+        bn, bk = block
+        nb, kb = -(-n // bn), -(-k // bk)
+        padded = torch.zeros(e, nb * bn, kb * bk, device=w.device)
         padded[:, :n, :k] = wf
-        blocks = padded.view(e, nb, GROUP, kb, GROUP)
+        blocks = padded.view(e, nb, bn, kb, bk)
         scale = blocks.abs().amax(dim=(2, 4)).clamp_min(EPS) / FP8_MAX
         q = (blocks / scale[:, :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-        return q.view(e, nb * GROUP, kb * GROUP)[:, :n, :k].contiguous(), scale
+        return q.view(e, nb * bn, kb * bk)[:, :n, :k].contiguous(), scale
     if granularity == "channel":
         scale = wf.abs().amax(dim=2).clamp_min(EPS) / FP8_MAX
         return (wf / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
@@ -161,48 +172,12 @@ def _quantize_weight(w: torch.Tensor, granularity: str) -> tuple[torch.Tensor, t
     return (wf / scale[:, None, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
-def weight_granularity(func: str, name: str, w: torch.Tensor, scale: object, scale_name: str | None = None) -> str:
-    """Which scheme ``scale`` describes for fp8 ``w [E, N, K]``; a clear error for any other shape."""
-    scale_name = scale_name or f"{name}_scale"
-    check_tensor(func, name, w, ndim=3, dtypes=(FP8,), last_dim_contiguous=True)
-    e, n, k = w.shape
-    check_tensor(func, scale_name, scale, dtypes=(torch.float32,), device=w.device, contiguous=True)
-    shapes = {"block": (e, -(-n // GROUP), -(-k // GROUP)), "channel": (e, n), "tensor": (e,)}
-    for granularity, shape in shapes.items():
-        if tuple(scale.shape) == shape:
-            if granularity == "block" and k % GROUP:
-                fail(func, name, f"must have K = {k} a multiple of {GROUP} for 128x128 block scales "
-                     "(activations are quantised in 1x128 groups)", f"shape {tuple(w.shape)}")
-            return granularity
-    fail(func, scale_name, "must be [E, ceil(N/128), ceil(K/128)] (128x128 blocks), [E, N] (per channel) or "
-         f"[E] (per tensor) = {shapes['block']}, {shapes['channel']} or {shapes['tensor']}",
-         f"shape {tuple(scale.shape)}")
-
-
-def fp8_granularity(func: str, w1: torch.Tensor, w2: torch.Tensor, w1_scale, w2_scale) -> str | None:
-    """None for 16/32-bit expert weights (which take no scales); for fp8 ones, the granularity
-    both scale tensors describe (they must agree)."""
-    if w1.dtype != FP8:
-        for name, scale in (("w1_scale", w1_scale), ("w2_scale", w2_scale)):
-            if scale is not None:
-                fail(func, name, f"must be None for {str(w1.dtype).replace('torch.', '')} weights (fp8 weights carry "
-                     "scales)", "a tensor")
-        return None
-    g1 = weight_granularity(func, "w1", w1, w1_scale)
-    g2 = weight_granularity(func, "w2", w2, w2_scale)
-    if g1 != g2:
-        fail(func, "w2_scale", f"must use w1_scale's granularity ({g1})", g2)
-    if g1 == "block" and (w1.shape[1] // 2) % GROUP:
-        fail(func, "w1", f"must have F a multiple of {GROUP} for block scales (the up half starts a new block)",
-             f"shape {tuple(w1.shape)}")
-    return g1
-
-
-def dequantize_weight(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """float32 weights from fp8 ``q [E, N, K]`` and any of the three scale layouts."""
+def dequantize_weight(q: torch.Tensor, scale: torch.Tensor, *, block: tuple[int, int] = (GROUP, GROUP)) -> torch.Tensor:
+    """float32 weights from fp8 ``q [E, N, K]`` and any of the three scale layouts (``block``:
+    the edges of a block scale)."""
     e, n, k = q.shape
     if scale.dim() == 3:
-        full = scale.repeat_interleave(GROUP, dim=1)[:, :n].repeat_interleave(GROUP, dim=2)[:, :, :k]
+        full = scale.repeat_interleave(block[0], dim=1)[:, :n].repeat_interleave(block[1], dim=2)[:, :, :k]
     elif scale.dim() == 2:
         full = scale[..., None]
     else:
@@ -210,8 +185,8 @@ def dequantize_weight(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * full
 
 
-def dequantize_activations(q: torch.Tensor, scale: torch.Tensor, granularity: str) -> torch.Tensor:
+def dequantize_activations(q: torch.Tensor, scale: torch.Tensor, scheme: str, *, group: int = GROUP) -> torch.Tensor:
     """float32 activations from fp8 ``q [T, K]`` and the scales of :func:`quantize_activations`."""
-    if granularity == "block":
-        return q.float() * scale.repeat_interleave(GROUP, dim=1)
-    return q.float() * (scale[:, None] if granularity == "channel" else scale)
+    if scheme == "group":
+        return q.float() * scale.repeat_interleave(group, dim=1)
+    return q.float() * (scale[:, None] if scheme == "token" else scale)

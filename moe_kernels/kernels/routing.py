@@ -37,7 +37,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._runtime import HAS_TRITON, INTERPRET, kernel, tl, triton, use_triton
+from .._runtime import HAS_TRITON, INTERPRET, kernel, note_launch, tl, triton, use_triton
 from .._checks import check_int, check_number, check_tensor, fail
 
 __all__ = ["gate", "fused_topk", "fused_topk_reference", "append_shared_expert"]
@@ -268,16 +268,22 @@ def fused_topk(hidden_states: Tensor, gating_output: Tensor, topk: int, renormal
     One Triton launch (:func:`fused_topk_reference` when Triton cannot run for these tensors).
     """
     func = "fused_topk"
-    num_experts = _check_common(func, hidden_states, gating_output, topk, renormalize,
-                                scoring_func)
+    _check_common(func, hidden_states, gating_output, topk, renormalize, scoring_func)
+    return topk_checked(hidden_states, gating_output, topk, renormalize, scoring_func)
+
+
+def topk_checked(hidden_states: Tensor, gating_output: Tensor, topk: int, renormalize: bool,
+                 scoring_func: str = "softmax"):
+    """:func:`fused_topk` for arguments already checked (a layer checks its routing once)."""
     if not use_triton(hidden_states, gating_output):
         return fused_topk_reference(hidden_states, gating_output, topk, renormalize, scoring_func)
-    num_tokens = gating_output.shape[0]
+    num_tokens, num_experts = gating_output.shape
     weights, ids = _empty_outputs(num_tokens, topk, gating_output.device)
     if num_tokens == 0:
         return weights, ids
     e_pad = triton.next_power_of_2(num_experts)
     block_t, num_warps = _launch_config(num_tokens, e_pad)
+    note_launch("routing.fused_topk", block_t=block_t, scoring=scoring_func)
     _fused_topk_kernel[(triton.cdiv(num_tokens, block_t),)](
         gating_output, weights, ids,
         num_tokens, num_experts, gating_output.stride(0), topk, renormalize,
@@ -285,6 +291,11 @@ def fused_topk(hidden_states: Tensor, gating_output: Tensor, topk: int, renormal
         K_PAD=triton.next_power_of_2(topk), num_warps=num_warps,
     )
     return weights, ids
+
+
+def router_logits(hidden_states: Tensor, gate_weight: Tensor) -> Tensor:
+    """:func:`gate` for operands already checked."""
+    return torch.nn.functional.linear(hidden_states.float(), gate_weight.float())
 
 
 def append_shared_expert(topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,

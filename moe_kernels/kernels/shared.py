@@ -92,7 +92,13 @@ def shared_expert_separate(hidden_states: torch.Tensor, w1_shared: torch.Tensor,
     """
     func = "shared_expert_separate"
     check_tensor(func, "hidden_states", hidden_states, ndim=2, dtypes=_FLOAT_DTYPES)
-    f_shared = _check_shared_weights(func, hidden_states, w1_shared, w2_shared)
+    _check_shared_weights(func, hidden_states, w1_shared, w2_shared)
+    return shared_ffn(hidden_states, w1_shared, w2_shared)
+
+
+def shared_ffn(hidden_states: torch.Tensor, w1_shared: torch.Tensor, w2_shared: torch.Tensor) -> torch.Tensor:
+    """:func:`shared_expert_separate` for weights already checked (a layer checks them once)."""
+    f_shared = w2_shared.shape[1]
     gate_up = torch.nn.functional.linear(hidden_states, w1_shared)
     activation = torch.nn.functional.silu(gate_up[:, :f_shared]) * gate_up[:, f_shared:]
     return torch.nn.functional.linear(activation, w2_shared)

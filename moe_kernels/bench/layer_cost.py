@@ -1,0 +1,173 @@
+"""The layer as a caller sees it: host time per eager call, GPU time per call, what the id check
+costs, and whether a layer runs as fast as its own GEMMs. ``python -m moe_kernels.bench layer``.
+
+Three numbers per (model, weight format, batch) and per entry point:
+
+* host: microseconds of Python and launches per eager call. The GPU is first given a long sleep
+  kernel, so the calls that follow only queue behind it: what is timed is the host's work alone,
+  whatever the GPU would have taken (``calls`` calls per round, the median of ``rounds``);
+* GPU: microseconds per call replayed from a CUDA graph (no host work at all; the L2 is not
+  flushed between the calls of one graph, so small batches read weights partly from L2);
+* the entry points: ``fused_experts`` with the id check (its default) and without, the experts
+  step with trusted ids (what :class:`~moe_kernels.layer.MoELayer` runs: no check, no zero-fill),
+  and ``MoELayer(x)``.
+
+Last, the layer against its GEMMs: the fp8 (or bf16) layer at 4096 tokens against the quantisers,
+GEMMs and top-k sum with the same tuned table, both replayed from CUDA graphs with the L2 flushed
+(the tile table an fp8 layer takes once was the bf16 one, 4-6x slower).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+
+DEFAULT_BATCHES = (1, 8, 64, 256, 1024, 4096, 16384)
+#: GPU cycles of the sleep that holds the queue: 100 M cycles is 50-80 ms at the H200's clocks,
+#: longer than ``calls`` eager calls take on the host.
+SLEEP_CYCLES = 100_000_000
+
+
+def host_us(fn, *, calls: int = 20, rounds: int = 7) -> float:
+    """Host microseconds per call of ``fn`` with the GPU busy (see the module docstring)."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(rounds):
+        torch.cuda._sleep(SLEEP_CYCLES)
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - start) / calls)
+        torch.cuda.synchronize()
+    times.sort()
+    return 1e6 * times[len(times) // 2]
+
+
+def entry_points(layer, x):
+    """``{name: call}`` for the layer's experts step through each entry point, on ``x``."""
+    from ..kernels.config import choose_config
+    from ..kernels.index_gather import fused_experts, run_experts
+    from ..kernels.routing import router_logits
+
+    w = layer.weights
+    topk_weights, topk_ids = layer.routing.route(x, router_logits(x, w.gate), w.bias)
+    scales = dict(w1_scale=w.w13_scale, w2_scale=w.w2_scale) if w.format.quantized else {}
+    config = choose_config(x.shape[0], w.num_experts, w.w2.shape[2], w.w2.shape[1], w.format.element or x.dtype,
+                           x.device).config
+    return {
+        "fused_experts": lambda: fused_experts(x, w.w13, w.w2, topk_weights, topk_ids, **scales),
+        "fused_experts unchecked": lambda: fused_experts(x, w.w13, w.w2, topk_weights, topk_ids, validate_ids=False,
+                                                         **scales),
+        "experts trusted": lambda: run_experts(x, w.w13, w.w2, topk_weights, topk_ids, fmt=w.format, config=config,
+                                               w1_scale=w.w13_scale, w2_scale=w.w2_scale, ids="trusted"),
+        "MoELayer": lambda: layer(x),
+    }
+
+
+def layer_against_gemms(layer, x) -> dict:
+    """The whole layer and its experts step on precomputed blocks (quantisers, both GEMMs, the
+    sum), same tuned config, each replayed from a CUDA graph with the L2 flushed."""
+    from ..kernels.blocks import assign_blocks
+    from ..kernels.index_gather import run_experts
+    from ..kernels.routing import router_logits
+    from .sweep import graphed, median_ms   # (moving to .timing with the split of bench/sweep.py)
+
+    w = layer.weights
+    plan = layer.plan(x.shape[0], dtype=x.dtype)
+    topk_weights, topk_ids = layer.routing.route(x, router_logits(x, w.gate), w.bias)
+    blocks = assign_blocks(topk_ids, plan.config.block_m, w.num_experts, validate_ids=False)
+
+    def gemms():
+        return run_experts(x, w.w13, w.w2, topk_weights, topk_ids, fmt=w.format, config=plan.config, blocks=blocks,
+                           w1_scale=w.w13_scale, w2_scale=w.w2_scale, ids="trusted")
+
+    rounds = [(median_ms(graphed(lambda: layer(x)), 10, 50), median_ms(graphed(gemms), 10, 50)) for _ in range(2)]
+    # The lower of two rounds' medians (the H200's clock moves between rounds at large batches).
+    layer_ms, gemms_ms = min(r[0] for r in rounds), min(r[1] for r in rounds)
+    return {"batch": x.shape[0], "layer_us": 1e3 * layer_ms, "gemms_us": 1e3 * gemms_ms,
+            "layer_over_gemms": layer_ms / gemms_ms, "table": plan.choice.table, "entry": plan.choice.entry,
+            "config": plan.config.to_dict()}
+
+
+def run(models, formats, batches, *, seed: int = 0, log=print) -> dict:
+    from ..layer import MoELayer
+    from ..model.shapes import MODELS
+    from .timing import graph_us
+
+    rows, against = [], []
+    for name in models:
+        base = MoELayer.random(name, dtype=torch.bfloat16, device="cuda", seed=seed)
+        for fmt in formats:
+            layer = base if fmt == "none" else base.quantized(fmt)
+            for batch in batches:
+                x = torch.randn(batch, MODELS[name].hidden_size, device="cuda", dtype=torch.bfloat16,
+                                generator=torch.Generator(device="cuda").manual_seed(seed + batch))
+                calls = entry_points(layer, x)
+                big = batch >= 4096
+                row = {"model": name, "format": layer.weights.format.name, "batch": batch}
+                for what, fn in calls.items():
+                    row[f"{what} host_us"] = host_us(fn, calls=5 if big else 20, rounds=5 if big else 7)
+                for what, fn in calls.items():   # two rounds, interleaved; the lower is kept
+                    graph = [graph_us(fn, calls=2 if big else 20, replays=5 if big else 20) for _ in range(2)]
+                    row[f"{what} gpu_us"] = min(graph) if None not in graph else None
+                plan = layer.plan(batch, dtype=x.dtype)
+                row.update(table=plan.choice.table, entry=plan.choice.entry, naive_blocks=plan.naive_blocks)
+                rows.append(row)
+                log(" ".join([f"{name:<14} {row['format']:<11} {batch:>6}"]
+                             + [f"{what}: host {row[what + ' host_us']:6.1f} gpu {row[what + ' gpu_us'] or 0:8.1f}"
+                                for what in calls]))
+                if batch == 4096:
+                    against.append({"model": name, "format": row["format"], **layer_against_gemms(layer, x)})
+                    log(f"  layer {against[-1]['layer_us']:.1f} us against its GEMMs {against[-1]['gemms_us']:.1f} us "
+                        f"({against[-1]['layer_over_gemms']:.3f}x), table {plan.choice.table} at {plan.choice.entry}")
+                del x, calls
+            del layer
+        del base
+        torch.cuda.empty_cache()
+    return {"rows": rows, "layer_against_gemms": against}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m moe_kernels.bench layer", description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="deepseek-v3,qwen3-30b-a3b", help="comma list of model names")
+    parser.add_argument("--formats", default="none,block", help="comma list of weight formats (none, block, ...)")
+    parser.add_argument("--batches", default=",".join(map(str, DEFAULT_BATCHES)), help="comma list of token counts")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--record", action="store_true", help="write results/<device>/layer-cost.json")
+    args = parser.parse_args(argv)
+    from ..kernels.formats import FORMATS
+    from ..model.shapes import MODELS
+
+    models = [m for m in args.models.split(",") if m]
+    if not models or any(m not in MODELS for m in models):
+        parser.error(f"--models must be a comma list of {sorted(MODELS)}, got {args.models!r}")
+    formats = [f for f in args.formats.split(",") if f]
+    if not formats or any(f not in FORMATS for f in formats):
+        parser.error(f"--formats must be a comma list of {sorted(FORMATS)}, got {args.formats!r}")
+    try:
+        batches = [int(b) for b in args.batches.split(",") if b]
+    except ValueError:
+        parser.error(f"--batches must be a comma list of positive ints, got {args.batches!r}")
+    if not batches or min(batches) < 1:
+        parser.error(f"--batches must be a comma list of positive ints, got {args.batches!r}")
+    if not torch.cuda.is_available():
+        print("moe_kernels.bench layer: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    started = time.perf_counter()
+    data = run(models, formats, batches, seed=args.seed)
+    data.update(config={"models": models, "formats": formats, "batches": batches, "seed": args.seed,
+                        "sleep_cycles": SLEEP_CYCLES}, wall_s=time.perf_counter() - started)
+    if args.record:
+        from ..results import record
+
+        print("recorded", record("layer-cost", data))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

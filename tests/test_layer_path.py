@@ -1,0 +1,180 @@
+"""The path a layer takes, not only the value it computes (issue: an fp8 layer once ran the bf16
+tile table, 4-6x slower, while every value test passed).
+
+* On the CPU, at the models' real shapes (meta tensors: shapes without data), every layout x
+  weight format x batch class (1 token, decode, prefill) is planned as on an H200, and the plan
+  must take the tuned table of its own weight format (an fp8 layer asking for the bf16 table
+  fails here), the table entry nearest the batch, and the block map the batch calls for.
+* At teaching shapes, the launches a call records must be the plan's: its tiles, its scale branch,
+  its block map.
+* On a GPU, the same at the real shapes, with the real tables (nothing is timed).
+"""
+
+import dataclasses
+import math
+from unittest import mock
+
+import pytest
+import torch
+
+from moe_kernels import MODELS, LayerWeights, MoELayer, Routing
+from moe_kernels._runtime import BACKEND, record_launches
+from moe_kernels.kernels.config import load_table, table_name
+from moe_kernels.kernels.formats import FORMATS
+from moe_kernels.kernels.layouts import LAYOUTS
+from moe_testing import DEVICE, needs_gpu, rel_err
+
+pytestmark = pytest.mark.usefixtures("true_fp32")
+H200 = "NVIDIA H200"
+BATCH_CLASSES = {"one token": 1, "decode": 64, "prefill": 4096}
+
+
+def meta_layer(model_name: str, fmt: str, layout: str, shared_expert: str = "separate") -> MoELayer:
+    """``model_name``'s layer at its real shape, on the meta device (no memory, no data)."""
+    model = MODELS[model_name]
+    e, d, f = model.num_experts, model.hidden_size, model.moe_intermediate_size
+    s = model.num_shared_experts * f
+    fmt = FORMATS[fmt]
+
+    def weight(*shape):
+        return torch.empty(*shape, device="meta", dtype=fmt.element or torch.bfloat16)
+
+    def scale(experts, n, k):
+        return torch.empty(fmt.scale_shape(experts, n, k), device="meta") if fmt.quantized else None
+
+    shared = {}
+    if s:
+        shared = dict(shared_w13=weight(2 * s, d), shared_w2=weight(d, s))
+        if fmt.quantized:
+            shared.update(shared_w13_scale=scale(1, 2 * s, d)[0], shared_w2_scale=scale(1, d, s)[0])
+    weights = LayerWeights(torch.empty(e, d, device="meta"), weight(e, 2 * f, d), weight(e, d, f),
+                           torch.empty(e, device="meta") if model.scoring_func == "sigmoid" else None,
+                           w13_scale=scale(e, 2 * f, d), w2_scale=scale(e, d, f), **shared)
+    return MoELayer(weights, Routing.of(model), layout=layout, shared_expert=shared_expert)
+
+
+def table_dtype(fmt: str) -> torch.dtype:
+    return FORMATS[fmt].element or torch.bfloat16
+
+
+@pytest.mark.parametrize("batch", BATCH_CLASSES.values(), ids=BATCH_CLASSES.keys())
+@pytest.mark.parametrize("fmt", ["none", "block", "channel", "tensor"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("model_name", ["qwen3-30b-a3b", "deepseek-v3"])
+def test_plan_takes_the_table_of_its_format(model_name, layout, fmt, batch):
+    if not LAYOUTS[layout].supports(FORMATS[fmt]):
+        with pytest.raises(ValueError, match=f"argument 'layout' must be a layout that runs {FORMATS[fmt].name}"):
+            meta_layer(model_name, fmt, layout)
+        return
+    model = MODELS[model_name]
+    plan = meta_layer(model_name, fmt, layout).plan(batch, device_name=H200)
+    assert plan.format is FORMATS[fmt] and plan.layout == layout
+    # The tables this package ships are index-gather tables; the other layouts borrow from them.
+    wanted = table_name(H200, model.num_experts, model.moe_intermediate_size, model.hidden_size, table_dtype(fmt),
+                        "index_gather")
+    assert plan.choice.table == wanted, plan.choice
+    assert plan.choice.source == ("table" if layout == "index_gather" else "borrowed")
+    table = load_table(wanted)
+    lookup = batch if layout != "masked" else max(batch, 256)   # the masked layout looks up its slab height
+    assert plan.choice.entry == min(table, key=lambda m: (abs(math.log(m / lookup)), m))
+    if layout == "index_gather":
+        assert plan.config == table[plan.choice.entry]
+        assert plan.naive_blocks == (batch * model.top_k * 4 <= model.num_experts)
+    else:   # borrowed: the same tiles with the machinery the layout lacks switched off
+        for gemm in ("gate_up", "down"):
+            tiles, source = getattr(plan.config, gemm), getattr(table[plan.choice.entry], gemm)
+            assert (tiles.block_n, tiles.block_k, tiles.num_warps, tiles.num_stages) == \
+                (source.block_n, source.block_k, source.num_warps, source.num_stages)
+            assert not tiles.tma and not tiles.persistent
+        assert not plan.config.sum_in_gemm
+
+
+def test_the_fp8_and_bf16_tables_differ_where_the_old_bug_hid():
+    """The regression itself: at 4096 tokens the fp8 plan must not be the bf16 one."""
+    bf16 = meta_layer("qwen3-30b-a3b", "none", "index_gather").plan(4096, device_name=H200)
+    fp8 = meta_layer("qwen3-30b-a3b", "block", "index_gather").plan(4096, device_name=H200)
+    assert "dtype=float8_e4m3fn" in fp8.choice.table and "dtype=bfloat16" in bf16.choice.table
+    assert fp8.config != bf16.config
+
+
+def test_a_cpu_plan_names_the_table_it_would_ask_for():
+    plan = meta_layer("deepseek-v3", "block", "index_gather").plan(64, device="cpu")
+    assert plan.choice.source == "default" and "dtype=float8_e4m3fn" in plan.choice.asked
+
+
+# ---- what the launches say ---------------------------------------------------------------------------
+
+
+def small_layer(fmt: str, layout: str, shared_expert="separate", model="deepseek-v3"):
+    """The model's routing style with 32 experts at d = 256 (fp8 blocks need 128-multiples)."""
+    style = dataclasses.replace(MODELS[model], num_experts=32)
+    base = MoELayer.random(style, hidden_size=256, intermediate_size=128, dtype=torch.float32, device=DEVICE,
+                           seed=0, layout=layout, shared_expert=shared_expert)
+    return base if fmt == "none" else base.quantized(fmt)
+
+
+@pytest.mark.skipif(BACKEND == "torch", reason="no Triton: the torch references launch nothing")
+@pytest.mark.parametrize("fmt", ["none", "block", "tensor"])
+@pytest.mark.parametrize("batch", [1, 9])
+def test_launches_follow_the_plan(fmt, batch):
+    layer = small_layer(fmt, "index_gather")
+    x = torch.randn(batch, 256, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    plan = layer.plan(batch, dtype=x.dtype)
+    with record_launches() as launches:
+        out = layer(x)
+    assert rel_err(out, layer.reference(x)) < 1e-3
+    assert layer.plan(batch, dtype=x.dtype) is plan, "the plan is made once per batch size"
+    gemms = [settings for name, settings in launches if name == "index_gather.gemm"]
+    routed = gemms[:2]   # then the fp8 shared expert's two, if any
+    assert [g["gemm"] for g in routed] == ["gate_up", "down"]
+    for g, tiles in zip(routed, (plan.config.gate_up, plan.config.down)):
+        assert g["tiles"] == plan.format.gemm_tiles(tiles)
+        assert g["scales"] == plan.format.scale_code and g["block_m"] == plan.config.block_m
+        assert g["naive"] == plan.naive_blocks and not g["id_check"]   # the layer's own ids need none
+    before_gemms = [name for name, _ in launches][:[name for name, _ in launches].index("index_gather.gemm")]
+    assert ("align.moe_align_block_size" in before_gemms) != plan.naive_blocks, before_gemms
+
+
+@pytest.mark.skipif(BACKEND == "torch", reason="no Triton: the torch references launch nothing")
+def test_the_default_path_fills_no_per_slot_buffer():
+    """The [T, k, d] buffer is written whole by GEMM 2 when the ids are known good: no zero-fill."""
+    layer = small_layer("none", "index_gather", model="qwen3-30b-a3b")
+    x = torch.randn(9, 256, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    real_zeros, shapes = torch.zeros, []
+
+    def zeros(*args, **kwargs):
+        shapes.append(tuple(args[0]) if args and isinstance(args[0], (tuple, list, torch.Size)) else args)
+        return real_zeros(*args, **kwargs)
+
+    with mock.patch("torch.zeros", zeros):
+        layer(x)
+    assert (9, MODELS["qwen3-30b-a3b"].top_k, 256) not in shapes, shapes
+
+
+# ---- on a GPU, at the real shapes ----------------------------------------------------------------------
+
+
+@needs_gpu
+@pytest.mark.parametrize("fmt", ["none", "block"])
+@pytest.mark.parametrize("model_name", ["qwen3-30b-a3b", "deepseek-v3"])
+def test_real_layer_runs_its_plan_gpu(model_name, fmt):
+    layer = MoELayer.random(model_name, dtype=torch.bfloat16, device="cuda", seed=0)
+    layer = layer if fmt == "none" else layer.quantized(fmt)
+    model = MODELS[model_name]
+    on_this_gpu = table_name(torch.cuda.get_device_name(), model.num_experts, model.moe_intermediate_size,
+                             model.hidden_size, table_dtype(fmt), "index_gather")
+    for batch in BATCH_CLASSES.values():
+        plan = layer.plan(batch, dtype=torch.bfloat16)
+        if load_table(on_this_gpu) is not None:
+            assert plan.choice.table == on_this_gpu and plan.choice.source == "table"
+        x = torch.randn(batch, model.hidden_size, device="cuda", dtype=torch.bfloat16)
+        with record_launches() as launches:
+            layer(x)
+        torch.cuda.synchronize()
+        gemms = [settings for name, settings in launches if name == "index_gather.gemm"][:2]
+        assert [g["tiles"] for g in gemms] == [plan.format.gemm_tiles(plan.config.gate_up),
+                                               plan.format.gemm_tiles(plan.config.down)]
+        assert all(g["scales"] == plan.format.scale_code for g in gemms)
+        del x
+    del layer
+    torch.cuda.empty_cache()
