@@ -16,8 +16,7 @@ launches with the same key call the compiled kernel's launcher directly, with th
 Triton's order, exactly as Triton's own ``run`` does. A key that over-distinguishes only costs a
 second lookup through Triton; one that under-distinguished would run the wrong binary, which is
 why the key errs on the side of more. Arguments of any other type (a TMA tensor descriptor, say),
-launch hooks (a profiler), or a Triton whose ``run`` calls its launcher differently all take
-Triton's own path.
+or a Triton whose ``run`` calls its launcher differently, take Triton's own path.
 """
 
 from __future__ import annotations
@@ -80,8 +79,7 @@ def cached_launch_kernel_class():
             return functools.partial(self._launch, grid)
 
         def _launch(self, grid, *args, **kwargs):
-            runtime = knobs.runtime
-            if not shortcut or runtime.launch_enter_hook is not None or runtime.launch_exit_hook is not None:
+            if not shortcut:
                 return self.run(*args, grid=grid, warmup=False, **kwargs)
             values = list(args)
             try:
@@ -98,9 +96,12 @@ def cached_launch_kernel_class():
                 if compiled is not None:
                     self._compiled[key] = compiled
                 return compiled
-            compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
-                         driver.active.get_current_stream(device), compiled.function, compiled.packed_metadata,
-                         None, None, None, *values)
+            # Exactly Triton's own launch (JITFunction.run), hooks and their metadata included.
+            stream = driver.active.get_current_stream(device)
+            runtime = knobs.runtime
+            compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
+                         compiled.function, compiled.packed_metadata, compiled.launch_metadata(grid, stream, *values),
+                         runtime.launch_enter_hook, runtime.launch_exit_hook, *values)
             return compiled
 
     return CachedLaunchKernel
