@@ -29,6 +29,7 @@ import torch
 from ..model.costs import count_work
 from ..model.shapes import MODELS
 from .problems import make_batch, make_weights
+from .timing import graphed, median_ms, rel_err
 
 DEFAULT_BATCHES = tuple(2**i for i in range(15))
 
@@ -79,7 +80,6 @@ def sweep(models, batches, *, seed, warmup_ms, rep_ms, ceilings, log=print) -> l
     from ..kernels.permute import permute_experts
     from ..kernels.quant import per_token_group_quant_fp8, quantize_weight
     from ..reference import moe_reference_fp8
-    from .sweep import _rel_err, graphed, median_ms
 
     read, rate8, rate16 = ceilings["read_bandwidth"], ceilings["gemm_rate_fp8"], ceilings["gemm_rate_bf16"]
     rows = []
@@ -129,8 +129,8 @@ def sweep(models, batches, *, seed, warmup_ms, rep_ms, ceilings, log=print) -> l
                         if batch <= 256:   # the float64 reference grows slow beyond
                             ref = moe_reference_fp8(hidden, q1, q2, weights, ids, w1_scale=s1, w2_scale=s2,
                                                     granularity=g, intermediate_dtype=hidden.dtype)
-                            row["rel_err_vs_quantised_reference"] = _rel_err(out, ref)
-                        row["rel_err_vs_bf16"] = _rel_err(out, calls["bf16 GEMMs"][0]())
+                            row["rel_err_vs_quantised_reference"] = rel_err(out, ref)
+                        row["rel_err_vs_bf16"] = rel_err(out, calls["bf16 GEMMs"][0]())
                     del out
                     row["time_s"] = median_ms(graphed(call), warmup_ms, rep_ms) * 1e-3
                 except Exception as err:  # noqa: BLE001 - one path failing must not stop the sweep

@@ -42,6 +42,7 @@ import torch
 from ..model.costs import count_work, dense_work, read_seconds
 from ..model.shapes import MODELS, MoEModel
 from .problems import make_batch, make_weights
+from .timing import graphed, median_ms, rel_err
 
 DEFAULT_MODELS = ("deepseek-v3", "qwen3-30b-a3b")
 DEFAULT_BATCHES = tuple(2**i for i in range(15))  # 1 .. 16384
@@ -78,34 +79,6 @@ def other_layouts() -> dict[str, Callable]:
 
     layouts["expert loop"] = expert_loop
     return layouts
-
-
-# ----------------------------------------------------------------------------------------------
-# Timing
-# ----------------------------------------------------------------------------------------------
-
-
-def median_ms(fn: Callable, warmup_ms: float, rep_ms: float) -> float:
-    from triton.testing import do_bench
-
-    return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
-
-
-def graphed(fn: Callable) -> Callable:
-    """Capture ``fn`` once in a CUDA graph and return its replay (launch overhead removed)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # compile and allocate outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
-
-
-def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return float(torch.linalg.norm(out.float() - ref.float()) / torch.linalg.norm(ref.float()).clamp_min(1e-30))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -202,7 +175,7 @@ def sweep(models, batches, *, dtype, seed, warmup_ms, rep_ms, ceilings, configs=
                 try:
                     out = call()  # also the warm-up (compilation) before any capture
                     if compare:
-                        row["rel_err_vs_index_gather"] = _rel_err(out, reference)
+                        row["rel_err_vs_index_gather"] = rel_err(out, reference)
                     del out
                     timed = graphed(call) if as_graph else call
                     row["time_s"] = median_ms(timed, warmup_ms, rep_ms) * 1e-3
