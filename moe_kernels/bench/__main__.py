@@ -8,7 +8,7 @@ import sys
 #: command -> (module, what it measures)
 COMMANDS = {
     "sweep": ("sweep", "the MoE layer, batch 1..16384, every layout and baseline, time over the floor"),
-    "tune": ("sweep", "search tile configurations and write the tuned tables (kernels/configs/*.json)"),
+    "tune": ("tune", "search tile configurations and write the tuned tables (kernels/configs/*.json)"),
     "layouts": ("layouts", "per-stage CUDA-graph times of the three layouts"),
     "routing": ("routing", "routing and alignment kernels against their torch references"),
     "skew": ("skew", "index-gather vs masked GEMMs under Zipf-skewed routing"),
@@ -29,8 +29,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     command, rest = argv[0], argv[1:]
     module = importlib.import_module(f"moe_kernels.bench.{COMMANDS[command][0]}")
-    if command == "tune":
-        rest = ["--tune", *rest]
     return module.main(rest)
 
 
