@@ -1,5 +1,5 @@
-"""The bench command line on any machine: every command checks its arguments before it looks for a
-GPU (so these run, and fail the same way, with or without one)."""
+"""The bench command line on any machine: an unknown command is named, and every command checks its
+arguments before it looks for a GPU (so these run, and fail the same way, with or without one)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,26 @@ import importlib
 import pytest
 
 from moe_kernels.bench.__main__ import COMMANDS, main
+
+
+def test_unknown_command_is_named_with_a_suggestion(capsys):
+    assert main(["swep"]) == 2
+    out, err = capsys.readouterr()
+    assert "moe_kernels.bench: unknown command 'swep'; did you mean 'sweep'?" in err
+    assert "usage: python -m moe_kernels.bench <command>" in out
+
+
+def test_unknown_command_without_a_close_one(capsys):
+    assert main(["xyzzy"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown command 'xyzzy'" in err and "did you mean" not in err
+
+
+def test_help_and_no_command(capsys):
+    assert main(["--help"]) == 0
+    assert main([]) == 2
+    out, err = capsys.readouterr()
+    assert out.count("usage:") == 2 and err == ""
 
 
 def test_every_command_has_a_main():
