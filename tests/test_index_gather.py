@@ -293,14 +293,14 @@ def test_bench_cli_needs_a_gpu(capsys):
 
 
 def test_bench_tuning_candidates_fit_shared_memory():
-    from moe_kernels.bench import sweep as bench
+    from moe_kernels.bench import tune
 
-    assert bench.block_m_candidates(0.06) == [16] and bench.block_m_candidates(512) == [128]
-    assert bench.block_m_candidates(32) == [16, 32, 64]
+    assert tune.block_m_candidates(0.06) == [16] and tune.block_m_candidates(512) == [128]
+    assert tune.block_m_candidates(32) == [16, 32, 64]
     for rho in (0.5, 40, 400):
-        for bm in bench.block_m_candidates(rho):
+        for bm in tune.block_m_candidates(rho):
             for gated in (True, False):
-                tiles = bench.tile_candidates(rho, bm, gated)
+                tiles = tune.tile_candidates(rho, bm, gated)
                 assert tiles
                 for t in tiles:
                     weight_tiles = 2 if gated else 1

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import sys
 
 #: command -> (module, what it measures)
 COMMANDS = {
     "sweep": ("sweep", "the MoE layer, batch 1..16384, every layout and baseline, time over the floor"),
-    "tune": ("sweep", "search tile configurations and write the tuned tables (kernels/configs/*.json)"),
+    "tune": ("tune", "search tile configurations and write the tuned tables (kernels/configs/*.json)"),
     "layouts": ("layouts", "per-stage CUDA-graph times of the three layouts"),
     "routing": ("routing", "routing and alignment kernels against their torch references"),
     "skew": ("skew", "index-gather vs masked GEMMs under Zipf-skewed routing"),
@@ -22,17 +23,25 @@ COMMANDS = {
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        width = max(map(len, COMMANDS))
-        print("usage: python -m moe_kernels.bench <command> [options]   (each command has --help)\n")
-        for name, (_, what) in COMMANDS.items():
-            print(f"  {name:<{width}}  {what}")
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
-    command, rest = argv[0], argv[1:]
-    module = importlib.import_module(f"moe_kernels.bench.{COMMANDS[command][0]}")
-    if command == "tune":
-        rest = ["--tune", *rest]
-    return module.main(rest)
+    if argv and argv[0] in ("-h", "--help"):
+        _usage()
+        return 0
+    if not argv or argv[0] not in COMMANDS:
+        if argv:
+            close = difflib.get_close_matches(argv[0], COMMANDS, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            print(f"moe_kernels.bench: unknown command {argv[0]!r}{hint}", file=sys.stderr)
+        _usage()
+        return 2
+    module = importlib.import_module(f"moe_kernels.bench.{COMMANDS[argv[0]][0]}")
+    return module.main(argv[1:])
+
+
+def _usage() -> None:
+    width = max(map(len, COMMANDS))
+    print("usage: python -m moe_kernels.bench <command> [options]   (each command has --help)\n")
+    for name, (_, what) in COMMANDS.items():
+        print(f"  {name:<{width}}  {what}")
 
 
 if __name__ == "__main__":

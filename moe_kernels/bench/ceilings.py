@@ -17,6 +17,7 @@ import sys
 import torch
 
 from .._runtime import HAS_TRITON, kernel, tl
+from .timing import graphed, median_ms
 
 
 def _require_cuda(func: str) -> None:
@@ -25,9 +26,7 @@ def _require_cuda(func: str) -> None:
 
 
 def _median_ms(fn) -> float:
-    from triton.testing import do_bench
-
-    return float(do_bench(fn, warmup=25, rep=200, return_mode="median"))
+    return median_ms(fn, warmup_ms=25, rep_ms=200)
 
 
 if HAS_TRITON:
@@ -56,8 +55,6 @@ def measure_read_time_by_size(sizes=tuple(2**i * 1024**2 for i in range(3, 13)),
     as a layer's GEMM reads its weights: a small read pays the launch, the ramp and the tail that
     the 4 GiB ceiling hides. One ``{"bytes", "seconds"}`` per size."""
     _require_cuda("measure_read_time_by_size")
-    from .sweep import graphed
-
     out = []
     for nbytes in sizes:
         n = max(nbytes // 4 // block, 1) * block

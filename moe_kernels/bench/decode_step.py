@@ -21,6 +21,7 @@ from ..kernels.blocks import assign_blocks
 from ..kernels.config import separate_sum_tiles
 from ..kernels.index_gather import expert_down, expert_gate_up
 from ..model.shapes import MODELS, MoEModel
+from .cli import positive_ints
 
 # Largest relative error against the float64 reference that :func:`measure` accepts before timing.
 _TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 2e-2}
@@ -170,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m moe_kernels.bench decode-step",
                                      description="One MoE decode layer at the real shape, traced and timed per stage.")
     parser.add_argument("--model", default="deepseek-v3", choices=sorted(MODELS))
-    parser.add_argument("--tokens", type=lambda s: [int(x) for x in s.split(",") if x], default=[64],
+    parser.add_argument("--tokens", type=positive_ints, default=[64],
                         help="comma list of batch sizes (default 64)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--record", action="store_true", help="write results/<device>/decode-step.json")

@@ -28,9 +28,9 @@ import torch
 
 from ..model.costs import count_work
 from ..model.shapes import MODELS
+from .cli import add_run_arguments
 from .problems import make_batch, make_weights
-
-DEFAULT_BATCHES = tuple(2**i for i in range(15))
+from .timing import graphed, median_ms, rel_err
 
 
 def measure_block_scaled_rate(n: int = 8192) -> float | None:
@@ -79,7 +79,6 @@ def sweep(models, batches, *, seed, warmup_ms, rep_ms, ceilings, log=print) -> l
     from ..kernels.permute import permute_experts
     from ..kernels.quant import per_token_group_quant_fp8, quantize_weight
     from ..reference import moe_reference_fp8
-    from .sweep import _rel_err, graphed, median_ms
 
     read, rate8, rate16 = ceilings["read_bandwidth"], ceilings["gemm_rate_fp8"], ceilings["gemm_rate_bf16"]
     rows = []
@@ -129,8 +128,8 @@ def sweep(models, batches, *, seed, warmup_ms, rep_ms, ceilings, log=print) -> l
                         if batch <= 256:   # the float64 reference grows slow beyond
                             ref = moe_reference_fp8(hidden, q1, q2, weights, ids, w1_scale=s1, w2_scale=s2,
                                                     granularity=g, intermediate_dtype=hidden.dtype)
-                            row["rel_err_vs_quantised_reference"] = _rel_err(out, ref)
-                        row["rel_err_vs_bf16"] = _rel_err(out, calls["bf16 GEMMs"][0]())
+                            row["rel_err_vs_quantised_reference"] = rel_err(out, ref)
+                        row["rel_err_vs_bf16"] = rel_err(out, calls["bf16 GEMMs"][0]())
                     del out
                     row["time_s"] = median_ms(graphed(call), warmup_ms, rep_ms) * 1e-3
                 except Exception as err:  # noqa: BLE001 - one path failing must not stop the sweep
@@ -147,11 +146,7 @@ def sweep(models, batches, *, seed, warmup_ms, rep_ms, ceilings, log=print) -> l
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m moe_kernels.bench fp8", description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default="deepseek-v3,qwen3-30b-a3b")
-    parser.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",") if x], default=list(DEFAULT_BATCHES))
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--warmup-ms", type=float, default=5.0)
-    parser.add_argument("--rep-ms", type=float, default=30.0)
+    add_run_arguments(parser, warmup_ms=5.0, rep_ms=30.0)
     parser.add_argument("--record", action="store_true", help="write results/<device>/fp8-sweep.json")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -163,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     ceilings = {"read_bandwidth": measure_read_bandwidth(), "gemm_rate_bf16": measure_gemm_rate(),
                 "gemm_rate_fp8": measure_fp8_gemm_rate(), "gemm_rate_fp8_block_scaled": measure_block_scaled_rate()}
     print({k: (f"{v / 1e12:.2f}" if v else v) for k, v in ceilings.items()}, "(TB/s, TFLOP/s)", flush=True)
-    models = {m: MODELS[m] for m in args.models.split(",") if m}
+    models = {m: MODELS[m] for m in args.models}
     rows = sweep(models, args.batches, seed=args.seed, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms,
                  ceilings=ceilings, log=lambda line: print(line, flush=True))
     data = {"config": {"batches": args.batches, "seed": args.seed, "warmup_ms": args.warmup_ms, "rep_ms": args.rep_ms,

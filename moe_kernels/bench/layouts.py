@@ -23,6 +23,7 @@ import sys
 import torch
 
 from ..model.shapes import MODELS
+from .cli import positive_ints
 
 BATCHES = (1, 8, 64, 512, 2048, 8192)
 
@@ -155,7 +156,7 @@ def _masked(row, hidden, w1, w2, weights, ids, E, d, batch):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    parser.add_argument("--batches", type=positive_ints, default=list(BATCHES), help="comma list of token counts")
     parser.add_argument("--record", action="store_true")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -167,7 +168,7 @@ def main(argv=None) -> int:
     print(f"ceilings: {ceilings['hbm_bandwidth'] / 1e12:.2f} TB/s, {ceilings['gemm_rate_bf16'] / 1e12:.0f} TFLOP/s")
     rows = []
     for key in ("deepseek-v3", "qwen3-30b-a3b"):
-        for batch in (int(b) for b in args.batches.split(",")):
+        for batch in args.batches:
             rows += measure(key, batch)
             torch.cuda.empty_cache()
     if args.record:

@@ -41,6 +41,7 @@ import sys
 import torch
 
 from ..model.shapes import MODELS, MoEModel
+from .cli import positive_ints
 
 BATCHES = (1, 8, 64, 512, 4096)
 MAX_REL_ERR = 1e-2  # bf16 outputs of a 7168 x 2048 expert FFN
@@ -141,7 +142,7 @@ def _print_row(row: dict) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    parser.add_argument("--batches", type=positive_ints, default=list(BATCHES), help="comma list of token counts")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--record", action="store_true", help="write results/<device>/shared-expert.json")
     args = parser.parse_args(argv)
@@ -164,7 +165,7 @@ def main(argv=None) -> int:
     del w1, w2, w1_shared, w2_shared
     torch.cuda.empty_cache()
     rows = []
-    for batch in (int(b) for b in args.batches.split(",")):
+    for batch in args.batches:
         rows.append(measure(batch, w1_all, w2_all, ceilings, args.seed))
         _print_row(rows[-1])
         torch.cuda.empty_cache()

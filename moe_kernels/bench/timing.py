@@ -1,4 +1,6 @@
-"""Two ways to time a GPU call, and why both are reported.
+"""Timers for GPU calls, and the relative error the benchmarks check outputs with.
+
+Two ways to time a call, and why both are reported:
 
 * :func:`eager_us`: ``triton.testing.do_bench`` around the Python call (CUDA events, L2 flushed
   before each call, median). It includes whatever the host adds (argument checks, the launcher)
@@ -9,18 +11,20 @@
   decode step (vLLM and SGLang capture it in CUDA graphs). Returns None for a call that cannot be
   captured (one that synchronises with the host, say).
 
-Needs a CUDA GPU.
+The sweeps and the tuner time with :func:`median_ms` (a ``do_bench`` median in milliseconds),
+replaying from a graph of one call made by :func:`graphed`; :func:`rel_err` compares an output
+with its reference. The timers need a CUDA GPU.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
 
 def eager_us(fn, warmup_ms: int = 10, rep_ms: int = 50) -> float:
-    from triton.testing import do_bench
-
-    return 1e3 * float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+    return 1e3 * median_ms(fn, warmup_ms, rep_ms)
 
 
 def graph_us(fn, calls: int = 20, replays: int = 20):
@@ -51,3 +55,32 @@ def graph_us(fn, calls: int = 20, replays: int = 20):
         times.append(start.elapsed_time(end) * 1e3 / calls)
     times.sort()
     return times[len(times) // 2]
+
+
+def median_ms(fn: Callable, warmup_ms: float, rep_ms: float) -> float:
+    """Median milliseconds of ``fn`` over ``triton.testing.do_bench`` (L2 flushed before each call)."""
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def graphed(fn: Callable) -> Callable:
+    """Capture ``fn`` once in a CUDA graph and return its replay (launch overhead removed)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # compile and allocate outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """``|out - ref| / |ref|`` in the Frobenius norm, computed in float32.
+
+        >>> rel_err(torch.tensor([3.0, 4.1]), torch.tensor([3.0, 4.0]))  # doctest: +ELLIPSIS
+        0.0199...
+    """
+    return float(torch.linalg.norm(out.float() - ref.float()) / torch.linalg.norm(ref.float()).clamp_min(1e-30))

@@ -1,0 +1,71 @@
+"""The bench command line on any machine: an unknown command is named, and every command checks its
+arguments before it looks for a GPU (so these run, and fail the same way, with or without one)."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+from moe_kernels.bench.__main__ import COMMANDS, main
+
+
+def test_unknown_command_is_named_with_a_suggestion(capsys):
+    assert main(["swep"]) == 2
+    out, err = capsys.readouterr()
+    assert "moe_kernels.bench: unknown command 'swep'; did you mean 'sweep'?" in err
+    assert "usage: python -m moe_kernels.bench <command>" in out
+
+
+def test_unknown_command_without_a_close_one(capsys):
+    assert main(["xyzzy"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown command 'xyzzy'" in err and "did you mean" not in err
+
+
+def test_help_and_no_command(capsys):
+    assert main(["--help"]) == 0
+    assert main([]) == 2
+    out, err = capsys.readouterr()
+    assert out.count("usage:") == 2 and err == ""
+
+
+def test_every_command_has_a_main():
+    for module, _ in COMMANDS.values():
+        assert callable(importlib.import_module(f"moe_kernels.bench.{module}").main)
+
+
+def _argparse_error(capsys, argv: list[str]) -> str:
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "needs a CUDA GPU" not in err
+    return err
+
+
+@pytest.mark.parametrize("command", ["sweep", "tune", "fp8"])
+def test_unknown_model_fails_in_the_parser(capsys, command):
+    err = _argparse_error(capsys, [command, "--models", "deepseek-v3,nosuch"])
+    assert "argument --models: unknown models ['nosuch']; choose from [" in err and "'qwen3-30b-a3b'" in err
+
+
+def test_unknown_model_of_decode_step_fails_in_the_parser(capsys):
+    err = _argparse_error(capsys, ["decode-step", "--model", "nosuch"])
+    assert "argument --model: invalid choice: 'nosuch'" in err
+
+
+@pytest.mark.parametrize("argv", [
+    ["sweep", "--batches", "0"], ["tune", "--batches", "8,x"], ["fp8", "--batches", ""],
+    ["layouts", "--batches", "-1"], ["shared", "--batches", "1,,two"], ["decode-step", "--tokens", "0"],
+])
+def test_token_counts_must_be_positive_ints(capsys, argv):
+    assert "expected a comma list of ints >= 1, got" in _argparse_error(capsys, argv)
+
+
+@pytest.mark.parametrize("argv", [
+    ["sweep", "--models", ","], ["sweep", "--rep-ms", "-1"], ["tune", "--warmup-ms", "nan"],
+    ["tune", "--workers", "-2"], ["tune", "--budget-s", "soon"], ["skew", "--seed", "x"], ["ceilings", "--nosuch"],
+])
+def test_other_bad_arguments_fail_in_the_parser(capsys, argv):
+    _argparse_error(capsys, argv)
