@@ -25,6 +25,7 @@ import time
 
 import torch
 
+from .cli import DEFAULT_MODELS, model_names, positive_ints
 
 DEFAULT_BATCHES = (1, 8, 64, 256, 1024, 4096, 16384)
 #: GPU cycles of the sleep that holds the queue: 100 M cycles is 50-80 ms at the H200's clocks,
@@ -75,7 +76,7 @@ def layer_against_gemms(layer, x) -> dict:
     from ..kernels.blocks import assign_blocks
     from ..kernels.index_gather import run_experts
     from ..kernels.routing import router_logits
-    from .sweep import graphed, median_ms   # (moving to .timing with the split of bench/sweep.py)
+    from .timing import graphed, median_ms
 
     w = layer.weights
     plan = layer.plan(x.shape[0], dtype=x.dtype)
@@ -132,29 +133,26 @@ def run(models, formats, batches, *, seed: int = 0, log=print) -> dict:
     return {"rows": rows, "layer_against_gemms": against}
 
 
+def format_names(text: str) -> list[str]:
+    """``--formats``: a comma list of keys of :data:`~moe_kernels.kernels.formats.FORMATS`."""
+    from ..kernels.formats import FORMATS
+
+    names = [f for f in text.split(",") if f]
+    if not names or any(f not in FORMATS for f in names):
+        raise argparse.ArgumentTypeError(f"must be a comma list of {sorted(FORMATS)}, got {text!r}")
+    return names
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m moe_kernels.bench layer", description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default="deepseek-v3,qwen3-30b-a3b", help="comma list of model names")
-    parser.add_argument("--formats", default="none,block", help="comma list of weight formats (none, block, ...)")
-    parser.add_argument("--batches", default=",".join(map(str, DEFAULT_BATCHES)), help="comma list of token counts")
+    parser.add_argument("--models", type=model_names, default=list(DEFAULT_MODELS), help="comma list of model names")
+    parser.add_argument("--formats", type=format_names, default=["none", "block"],
+                        help="comma list of weight formats (none, block, channel, tensor)")
+    parser.add_argument("--batches", type=positive_ints, default=list(DEFAULT_BATCHES), help="comma list of token counts")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--record", action="store_true", help="write results/<device>/layer-cost.json")
     args = parser.parse_args(argv)
-    from ..kernels.formats import FORMATS
-    from ..model.shapes import MODELS
-
-    models = [m for m in args.models.split(",") if m]
-    if not models or any(m not in MODELS for m in models):
-        parser.error(f"--models must be a comma list of {sorted(MODELS)}, got {args.models!r}")
-    formats = [f for f in args.formats.split(",") if f]
-    if not formats or any(f not in FORMATS for f in formats):
-        parser.error(f"--formats must be a comma list of {sorted(FORMATS)}, got {args.formats!r}")
-    try:
-        batches = [int(b) for b in args.batches.split(",") if b]
-    except ValueError:
-        parser.error(f"--batches must be a comma list of positive ints, got {args.batches!r}")
-    if not batches or min(batches) < 1:
-        parser.error(f"--batches must be a comma list of positive ints, got {args.batches!r}")
+    models, formats, batches = args.models, args.formats, args.batches
     if not torch.cuda.is_available():
         print("moe_kernels.bench layer: needs a CUDA GPU", file=sys.stderr)
         return 2
