@@ -89,36 +89,3 @@ def test_a_broken_interpreter_falls_back_with_one_notice():
     notices = [line for line in proc.stderr.splitlines() if "failed its self-test" in line]
     assert len(notices) == 1, proc.stderr
 
-
-# ---- the launch shortcut (moe_kernels._launch) -----------------------------------------------------
-
-
-def test_launch_key_errs_on_the_side_of_more():
-    """Whatever can change Triton's specialisation changes the key; unknown types are refused."""
-    from moe_kernels._launch import _signature_part, _Uncacheable
-
-    base = torch.zeros(64)
-    assert _signature_part(base) != _signature_part(base[1:])            # 16-byte alignment
-    assert _signature_part(base) != _signature_part(base.half())         # dtype
-    assert len({_signature_part(v) for v in (1, 2, 16, 2**31)}) == 4     # == 1, % 16, 32-bit range
-    assert _signature_part(True) != _signature_part(1) and _signature_part("a") != _signature_part("b")
-    assert _signature_part(0.5) == _signature_part(2.0)                  # floats are not specialised
-    with pytest.raises(_Uncacheable):
-        _signature_part(object())
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_launch_shortcut_reuses_only_matching_kernels():
-    from moe_kernels.kernels.combine import _moe_sum_kernel, sum_slots
-
-    x = torch.randn(5, 3, 64, device="cuda")
-    assert torch.allclose(sum_slots(x), x.sum(1), atol=1e-6)
-    compiled = len(_moe_sum_kernel._compiled)
-    for _ in range(3):
-        z = torch.randn_like(x)
-        assert torch.allclose(sum_slots(z), z.sum(1), atol=1e-5)
-    assert len(_moe_sum_kernel._compiled) == compiled            # same signature: the kept kernel
-    y = torch.randn(5 * 3 * 64 + 1, device="cuda")[1:].view(5, 3, 64)   # 4 bytes off a 16-byte boundary
-    assert torch.allclose(sum_slots(y), y.sum(1), atol=1e-6)
-    assert len(_moe_sum_kernel._compiled) == compiled + 1        # another key, Triton's own path first
