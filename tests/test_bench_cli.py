@@ -44,7 +44,7 @@ def _argparse_error(capsys, argv: list[str]) -> str:
     return err
 
 
-@pytest.mark.parametrize("command", ["sweep", "tune", "fp8"])
+@pytest.mark.parametrize("command", ["sweep", "tune", "fp8", "layer"])
 def test_unknown_model_fails_in_the_parser(capsys, command):
     err = _argparse_error(capsys, [command, "--models", "deepseek-v3,nosuch"])
     assert "argument --models: unknown models ['nosuch']; choose from [" in err and "'qwen3-30b-a3b'" in err
@@ -66,6 +66,7 @@ def test_token_counts_must_be_positive_ints(capsys, argv):
 @pytest.mark.parametrize("argv", [
     ["sweep", "--models", ","], ["sweep", "--rep-ms", "-1"], ["tune", "--warmup-ms", "nan"],
     ["tune", "--workers", "-2"], ["tune", "--budget-s", "soon"], ["skew", "--seed", "x"], ["ceilings", "--nosuch"],
+    ["layer", "--formats", "mxfp4"],
 ])
 def test_other_bad_arguments_fail_in_the_parser(capsys, argv):
     _argparse_error(capsys, argv)

@@ -1,5 +1,9 @@
 """Index-gather fused MoE: two grouped GEMMs that read activations through the alignment indices.
 
+(Over 400 lines, and kept whole: the layout's kernel, its two stages, each a checked public
+function over the unchecked one that :class:`~moe_kernels.layer.MoELayer` calls after checking
+once, and the layout's entry points are one mechanism; split, the halves would import each other.)
+
 This is vLLM's layout (vllm-project/vllm, ``vllm/model_executor/layers/fused_moe/fused_moe.py``,
 ``fused_moe_kernel``), written afresh. The activations are never copied into expert order.
 Instead the alignment step (:func:`moe_kernels.kernels.align.moe_align_block_size`) lists, expert by
