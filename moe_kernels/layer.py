@@ -66,8 +66,6 @@ class LayerPlan:
     format: WeightFormat
     choice: ConfigChoice
     naive_blocks: bool | None
-    #: For a shared expert fused as slot E: its id column ``[T, 1]`` (int32), made once.
-    shared_ids: torch.Tensor | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def config(self) -> MoEConfig:
@@ -88,8 +86,7 @@ def plan_layer(func: str, weights: LayerWeights, routing: Routing, layout: str, 
     if layout == "index_gather":
         slots, experts = routing.top_k + weights.shared_fused, e + weights.shared_fused
         naive = num_tokens * slots * 4 <= experts   # vLLM's rule (moe_kernels.kernels.blocks)
-    shared_ids = torch.full((num_tokens, 1), e, dtype=torch.int32, device=device) if weights.shared_fused else None
-    return LayerPlan(num_tokens, layout, weights.format, choice, naive, shared_ids)
+    return LayerPlan(num_tokens, layout, weights.format, choice, naive)
 
 
 def run_layer(plan: LayerPlan, hidden_states: torch.Tensor, weights: LayerWeights, routing: Routing) -> torch.Tensor:
@@ -99,9 +96,10 @@ def run_layer(plan: LayerPlan, hidden_states: torch.Tensor, weights: LayerWeight
     topk_weights, topk_ids = routing.route(hidden_states, logits, w.bias, checked=True)
     shared_gate = None if w.shared_gate is None else torch.sigmoid(router_logits(hidden_states, w.shared_gate))
     if w.shared_fused:   # the shared expert as slot k+1, id E, weight 1 (or its gate): routed weights are scaled
+        # Made at every call (not kept in the plan): a CUDA graph captures the fill with the call.
         column = torch.ones_like(topk_weights[:, :1]) if shared_gate is None else shared_gate
         topk_weights = torch.cat([topk_weights, column], dim=1)
-        topk_ids = torch.cat([topk_ids, plan.shared_ids], dim=1)
+        topk_ids = torch.cat([topk_ids, torch.full_like(topk_ids[:, :1], w.num_experts)], dim=1)
     if plan.layout == "index_gather":
         out = run_experts(hidden_states, w.w13, w.w2, topk_weights, topk_ids, fmt=fmt, config=plan.config,
                           w1_scale=w.w13_scale, w2_scale=w.w2_scale, naive=plan.naive_blocks, ids="trusted",
@@ -183,6 +181,8 @@ class MoELayer(torch.nn.Module):
         if self._checked is None:
             weights = LayerWeights(**{name: getattr(self, name) for name in self._fields},
                                    shared_fused=self._shared_fused)
+            if not isinstance(self.routing, Routing):
+                fail("MoELayer", "routing", "must be a Routing", type(self.routing).__name__, TypeError)
             layout_named("MoELayer", self.layout).check_format("MoELayer", weights.format)
             self.routing.check_against("MoELayer", weights.gate, weights.bias)
             self._checked, self._plans = weights, {}
@@ -195,8 +195,12 @@ class MoELayer(torch.nn.Module):
         return out
 
     def __setattr__(self, name, value):
-        if name in self.__dict__.get("_fields", ()):
-            self._checked = None
+        # New buffers, routing rules or layout: checked, and planned, again at the next call.
+        if name in ("routing", "layout") or name in self.__dict__.get("_fields", ()):
+            self.__dict__["_checked"] = None
+        if name == "shared_expert" and "shared_expert" in self.__dict__:
+            fail("MoELayer", "shared_expert", "must be chosen when the layer is built (fusing copies the weights)",
+                 repr(value))
         super().__setattr__(name, value)
 
     def plan(self, num_tokens: int, *, dtype: torch.dtype | None = None, device=None,

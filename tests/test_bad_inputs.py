@@ -481,6 +481,8 @@ BAD_INPUTS = [
     case("MoEConfig.from_dict-tiles-unknown-key", MoEConfig.from_dict, ValueError, "d['down']",
          {"block_m": 16, "gate_up": {"block_n": 32, "block_k": 64}, "down": {"block_n": 32, "block_k": 64, "warps": 4}}),
     case("MoEConfig.from_dict-list", MoEConfig.from_dict, TypeError, "d", [16]),
+    case("fused_experts-blocks-given-ids>=E", fused_experts, ValueError, "topk_ids", **{**GOOD, "topk_ids": ids_of(E)},
+         blocks=BLOCKS),
     case("choose_config-device_name-int", choose_config, TypeError, "device_name", 8, E, 16, 32, torch.float32,
          "cpu", device_name=200),
     case("MoELayer.random-model-bogus", MoELayer.random, ValueError, "model", "gpt-5", dtype=torch.float32,

@@ -138,8 +138,8 @@ def test_experts_match_the_quantised_reference(layout, granularity, dtype):
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")   # inf * 0 in the interpreter
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-@pytest.mark.parametrize("granularity", GRANULARITIES)
+@pytest.mark.parametrize("layout, granularity", [("index_gather", "tensor"), ("permute", "tensor"),
+                                                 ("index_gather", "block"), ("permute", "channel")])
 def test_one_bad_token_changes_no_other_token(layout, granularity):
     """An inf in one token (one request's bad input) reaches that token's output only: every
     format quantises activations per token (issue 16: per-tensor activation scales once turned

@@ -15,7 +15,7 @@ from moe_kernels.kernels import blocks as block_map
 from moe_kernels.kernels import combine, config
 from moe_kernels.kernels import index_gather as fm
 from moe_kernels.reference import moe_reference, silu_and_mul_reference
-from moe_testing import DEVICE, ON_GPU, TOLERANCE, needs_gpu, rel_err
+from moe_testing import DEVICE, ON_GPU, TOLERANCE, assert_device_assert, needs_gpu, rel_err
 
 pytestmark = pytest.mark.usefixtures("true_fp32")
 # Routed as vLLM's fused_topk hands it over: int32 ids, weights that sum to one.
@@ -262,6 +262,8 @@ def _good():
     (2, lambda p: torch.empty(4, 32, 16, device="meta"), ValueError, "'w2' must be on device"),
 ])
 def test_bad_inputs(index, bad, exc, words):
+    if DEVICE.type == "cuda" and "expert ids" in words:
+        pytest.skip("on a GPU a bad id is a device-side assert (test_bad_id_stops_the_kernel_that_reads_it)")
     problem = _good()
     problem[index] = bad(problem)
     with pytest.raises(exc, match=re.escape("fused_experts: argument " + words)):
@@ -305,3 +307,17 @@ def test_bench_tuning_candidates_fit_shared_memory():
                 for t in tiles:
                     weight_tiles = 2 if gated else 1
                     assert t.num_stages * (bm + weight_tiles * t.block_n) * t.block_k * 2 <= 220 * 1024
+
+
+@needs_gpu
+@pytest.mark.parametrize("naive", [True, False])
+def test_bad_id_stops_the_kernel_that_reads_it(naive):
+    """On a GPU the id check is a device assert in the first kernel that reads the ids: GEMM 1 on
+    the naive path, the alignment otherwise (no launch, no host sync of its own)."""
+    assert_device_assert(f"""
+        from moe_kernels import fused_experts
+        x, w1, w2 = (torch.randn(1, 32, device="cuda"), torch.randn(64, 32, 32, device="cuda"),
+                     torch.randn(64, 32, 16, device="cuda"))
+        ids = torch.tensor([[0, 64]], device="cuda")
+        fused_experts(x, w1, w2, torch.rand(1, 2, device="cuda"), ids, naive_block_assignment={naive})
+        """, "fused_experts: argument 'topk_ids' must hold expert ids in [0, 64)")

@@ -254,3 +254,20 @@ def test_loader_reads_a_qwen2_moe_gated_shared_expert(tmp_path, shared_expert):
     ffn = (torch.nn.functional.silu(h[:, :s]) * h[:, s:]) @ shared["down_proj"].double().T
     gate_value = torch.sigmoid(xs @ state[p + "shared_expert_gate.weight"].double().T)
     assert rel_err(out.cpu(), ungated(x).cpu().double() - ffn + gate_value * ffn) < 1e-5
+
+
+def test_a_layer_checks_its_routing_and_layout_again_when_they_change():
+    layer = small_layer("qwen3-30b-a3b")
+    x = tokens(3, 32)
+    layer(x)
+    layer.routing = Routing(top_k=MODELS["qwen3-30b-a3b"].num_experts + 2)
+    with pytest.raises(ValueError, match=re.escape("MoELayer: argument 'routing' must have top_k <= the number")):
+        layer(x)
+    layer.routing = Routing.of(MODELS["qwen3-30b-a3b"])
+    layer.layout = "gather"
+    with pytest.raises(ValueError, match=re.escape("MoELayer: argument 'layout' must be one of")):
+        layer(x)
+    layer.layout = "permute"
+    assert rel_err(layer(x), layer.reference(x)) < 1e-5 and layer.plan(3, dtype=x.dtype).layout == "permute"
+    with pytest.raises(ValueError, match=re.escape("MoELayer: argument 'shared_expert' must be chosen when")):
+        layer.shared_expert = "fused"

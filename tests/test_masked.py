@@ -27,6 +27,7 @@ from moe_testing import (
     EDGE_SHAPES,
     SMALL_TILES,
     TOLERANCE,
+    assert_device_assert,
     assert_each_raises,
     gpu_sized_bf16_problem,
     make_problem,
@@ -139,6 +140,8 @@ def test_masked_dispatch_layout(seed):
 
 @pytest.mark.parametrize("dispatch", [masked_dispatch, masked_dispatch_reference])
 def test_overflow_raises_instead_of_dropping(dispatch):
+    if DEVICE.type == "cuda" and dispatch is masked_dispatch:
+        pytest.skip("on a GPU the overflow is a device-side assert (test_device_asserts_name_the_argument)")
     x, _, _, _, ids = make_problem(9, 3, 1, 16, 16, torch.float32, seed=4,
                                    topk_ids=torch.tensor([[0]] * 5 + [[1]] * 3 + [[2]]))
     message = "'m_max' must be >= 5 (the hottest expert's row count; no token is dropped), got 4"
@@ -152,6 +155,8 @@ def test_overflow_raises_instead_of_dropping(dispatch):
 
 
 def test_dispatch_rejects_bad_ids_after_counting():
+    if DEVICE.type == "cuda":
+        pytest.skip("on a GPU a bad id is a device-side assert (test_device_asserts_name_the_argument)")
     x, _, _, _, ids = make_problem(3, 3, 2, 16, 16, torch.float32, seed=4)
     for bad in (3, -1):
         with pytest.raises(ValueError, match=re.escape("'topk_ids' must hold expert ids in [0, 3)")):
@@ -260,7 +265,7 @@ def test_overflow_is_checked_even_without_id_validation():
     rows = masked_dispatch(x, ids, 2, m_max=4, validate_ids=False)
     assert rows.masked_m.tolist() == [3, 1]
     if DEVICE.type == "cuda":
-        pytest.skip("on a GPU the overflow is a device-side assert (tested in a subprocess)")
+        pytest.skip("on a GPU the overflow is a device-side assert (test_device_asserts_name_the_argument)")
     with pytest.raises(ValueError, match=re.escape("masked_dispatch: argument 'm_max' must be >= 3")):
         masked_dispatch(x, ids, 2, m_max=2, validate_ids=False)
     twice = torch.tensor([[1, 1], [1, 0]], device=DEVICE)   # m_max >= T = 2, yet expert 1 gets 3 rows
@@ -272,3 +277,19 @@ def test_overflow_is_checked_even_without_id_validation():
 def test_empty_batch():
     x, w1, w2, weights, ids = make_problem(4, 3, 2, 16, 16, torch.float32, seed=1)
     assert masked_experts(x[:0], w1, w2, weights[:0], ids[:0]).shape == (0, 16)
+
+
+@needs_gpu
+@pytest.mark.parametrize("case", ["bad id", "overflow"])
+def test_device_asserts_name_the_argument(case):
+    """On a GPU the dispatch kernel itself stops on a bad id or an overflowing m_max (no launch and
+    no host sync of its own); the process's CUDA context is then gone, so it runs in a subprocess."""
+    ids, m_max, message = {"bad id": ("[[0, 3], [1, 2]]", 8, "masked_dispatch: argument 'topk_ids' must hold expert "
+                                      "ids in [0, 3)"),
+                           "overflow": ("[[0], [0], [0], [1]]", 2, "masked_dispatch: argument 'm_max' is smaller than "
+                                        "the hottest expert's row count")}[case]
+    assert_device_assert(f"""
+        from moe_kernels.kernels.masked import masked_dispatch
+        ids = torch.tensor({ids}, device="cuda")
+        masked_dispatch(torch.randn(ids.shape[0], 16, device="cuda"), ids, 3, m_max={m_max})
+        """, message)

@@ -54,7 +54,7 @@ import functools
 
 import torch
 
-from .._checks import FLOAT_DTYPES, check_int, check_moe_inputs, check_tensor, fail
+from .._checks import FLOAT_DTYPES, check_ids_in_range, check_int, check_moe_inputs, check_tensor, fail
 from .._runtime import HAS_TRITON, device_assert_options, kernel, note_launch, tl, triton, use_triton
 from ._tile_gemm import (check_operands, check_out, dequantized, dot_precision, expert_rows_product,
                          in_float32_under_interpreter, output_dtype, weight_descriptor)
@@ -388,6 +388,8 @@ def fused_experts(
         check_config(func, config)
     if blocks is not None:
         check_blocks(func, blocks, num_tokens * top_k)
+        if validate_ids:   # no kernel of this call reads the ids: check them here (no host sync on a GPU)
+            check_ids_in_range(func, "topk_ids", topk_ids, num_experts)
     elif naive_block_assignment is not None and not isinstance(naive_block_assignment, bool):
         fail(func, "naive_block_assignment", "must be True, False or None", repr(naive_block_assignment), TypeError)
     return run_experts(hidden_states, w1, w2, topk_weights, topk_ids, fmt=fmt, config=config, w1_scale=w1_scale,
