@@ -62,8 +62,15 @@ def test_imports_with_one_notice_and_runs_references():
     assert len(notices) == 1, proc.stderr
 
 
+# The notebooks run without Triton: one that uses the byte model only (no notice expected) and the
+# ones whose kernels cover every mechanism (routing, alignment, the three layouts, the shared
+# expert, the decode step). The other five repeat these calls; they are left out for CI time.
+NO_TRITON_NOTEBOOKS = ("01_symptom_in_bytes", "03_routing", "04_alignment", "05_grouped_gemm", "08_shared_expert",
+                       "10_decode_step")
+
+
 def test_notebooks_run_on_the_references(tmp_path):
-    """Every notebook executes with triton unimportable (a shadow package that raises on import)."""
+    """The notebooks execute with triton unimportable (a shadow package that raises on import)."""
     import os
 
     nbformat = pytest.importorskip("nbformat", reason="the notebooks need Jupyter (nbformat, nbclient)")
@@ -74,7 +81,7 @@ def test_notebooks_run_on_the_references(tmp_path):
     (shadow / "__init__.py").write_text("raise ImportError('triton is hidden by the test')\n")
     env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     env.pop("TRITON_INTERPRET", None)
-    for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
+    for path in sorted(ROOT / "notebooks" / f"{name}.ipynb" for name in NO_TRITON_NOTEBOOKS):
         nb = nbformat.read(path, as_version=4)
         # A last cell reports whether the notebook loaded the runtime (the module that warns).
         nb.cells.append(nbformat.v4.new_code_cell(
