@@ -20,6 +20,7 @@ combination fails when a layer is built, naming the layout and the format:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 
 from .._checks import fail
@@ -63,8 +64,13 @@ class Layout:
 
     def experts(self):
         """The layout's experts function (imported on first use: the kernels import this table)."""
-        module, name = self.experts_function.split(":")
-        return getattr(importlib.import_module(module, __package__), name)
+        return _resolve(self.experts_function)
+
+
+@functools.lru_cache(maxsize=None)
+def _resolve(path: str):
+    module, name = path.split(":")
+    return getattr(importlib.import_module(module, __package__), name)
 
 
 LAYOUTS = {
