@@ -141,13 +141,28 @@ def kernel(fn=None, **options):
     """``triton.jit`` for this package: compiled on a GPU, interpreted on the CPU.
 
     Used exactly like ``@triton.jit`` (also as ``@kernel(do_not_specialize=[...])``), for kernels
-    and for the device functions they call.
+    and for the device functions they call. Compiled kernels launch through
+    :mod:`moe_kernels._launch`, which skips Triton's per-launch bookkeeping once a signature has
+    been compiled.
     """
     if fn is None:
         return lambda f: kernel(f, **options)
     if INTERPRET:
         return _InterpretedKernel(fn, **options)
-    return triton.jit(fn, **options)
+    return _compiled_kernel_class()(fn, **options)
+
+
+_COMPILED_KERNEL = None
+
+
+def _compiled_kernel_class():
+    """``triton.jit``'s class with the launch shortcut of :mod:`moe_kernels._launch`."""
+    global _COMPILED_KERNEL
+    if _COMPILED_KERNEL is None:
+        from ._launch import cached_launch_kernel_class
+
+        _COMPILED_KERNEL = cached_launch_kernel_class()
+    return _COMPILED_KERNEL
 
 
 # ----------------------------------------------------------------------------------------------
@@ -240,6 +255,12 @@ def record_launches():
         yield _launches
     finally:
         _launches = saved
+
+
+def recording() -> bool:
+    """True inside :func:`record_launches` (a launch site with many settings asks first, so that
+    an unrecorded launch does not build their dict)."""
+    return _launches is not None
 
 
 def note_launch(name: str, **settings) -> None:

@@ -43,7 +43,7 @@ from ._checks import FLOAT_DTYPES, check_device, check_dtype, check_int, check_n
 from .checkpoint import load_layer
 from .kernels.config import ConfigChoice, MoEConfig, check_config, choose_config
 from .kernels.formats import WeightFormat
-from .kernels.index_gather import run_experts
+from .kernels.index_gather import dense_expert, run_experts
 from .kernels.layouts import LAYOUTS, layout_named
 from .kernels.routing import router_logits
 from .kernels.shared import shared_ffn
@@ -66,6 +66,9 @@ class LayerPlan:
     format: WeightFormat
     choice: ConfigChoice
     naive_blocks: bool | None
+    #: The tiles of an fp8 shared expert run separately (one expert, every token: its own table
+    #: lookup); None when the shared expert runs as cuBLAS GEMMs, fused, or there is none.
+    shared_choice: ConfigChoice | None = None
 
     @property
     def config(self) -> MoEConfig:
@@ -86,11 +89,15 @@ def plan_layer(func: str, weights: LayerWeights, routing: Routing, layout: str, 
     if layout == "index_gather":
         slots, experts = routing.top_k + weights.shared_fused, e + weights.shared_fused
         naive = num_tokens * slots * 4 <= experts   # vLLM's rule (moe_kernels.kernels.blocks)
-    return LayerPlan(num_tokens, layout, weights.format, choice, naive)
+    shared_choice = None
+    if weights.shared_w13 is not None and not weights.shared_fused and weights.format.quantized:
+        shared_choice = choose_config(num_tokens, 1, weights.shared_w2.shape[1], d, weights.format.element, device,
+                                      device_name=device_name)
+    return LayerPlan(num_tokens, layout, weights.format, choice, naive, shared_choice)
 
 
 def run_layer(plan: LayerPlan, hidden_states: torch.Tensor, weights: LayerWeights, routing: Routing) -> torch.Tensor:
-    """One checked call: gate, routing, (the shared slot), the experts, (the shared expert)."""
+    """One checked call: gate, routing, (the shared slot), (the shared expert), the experts."""
     w, fmt = weights, plan.format
     logits = router_logits(hidden_states, w.gate)
     topk_weights, topk_ids = routing.route(hidden_states, logits, w.bias, checked=True)
@@ -100,28 +107,30 @@ def run_layer(plan: LayerPlan, hidden_states: torch.Tensor, weights: LayerWeight
         column = torch.ones_like(topk_weights[:, :1]) if shared_gate is None else shared_gate
         topk_weights = torch.cat([topk_weights, column], dim=1)
         topk_ids = torch.cat([topk_ids, torch.full_like(topk_ids[:, :1], w.num_experts)], dim=1)
-    if plan.layout == "index_gather":
-        out = run_experts(hidden_states, w.w13, w.w2, topk_weights, topk_ids, fmt=fmt, config=plan.config,
-                          w1_scale=w.w13_scale, w2_scale=w.w2_scale, naive=plan.naive_blocks, ids="trusted",
-                          func="MoELayer")
-    else:
-        scales = dict(w1_scale=w.w13_scale, w2_scale=w.w2_scale) if fmt.quantized else {}
-        out = LAYOUTS[plan.layout].experts()(hidden_states, w.w13, w.w2, topk_weights, topk_ids, config=plan.config,
-                                             validate_ids=False, **scales)
-    if w.shared_w13 is None:
-        return out
-    if not fmt.quantized:
+    in_gemm = plan.layout == "index_gather"
+    # fp8: the routed and the shared experts read the same quantised activations; quantise once.
+    activations = fmt.quantize_activations(hidden_states) if fmt.quantized and in_gemm else None
+    shared = None if w.shared_w13 is None else shared_expert_output(plan, hidden_states, w, shared_gate, activations)
+    if in_gemm:   # the shared output joins the top-k sum (no separate addition)
+        return run_experts(hidden_states, w.w13, w.w2, topk_weights, topk_ids, fmt=fmt, config=plan.config,
+                           w1_scale=w.w13_scale, w2_scale=w.w2_scale, naive=plan.naive_blocks, ids="trusted",
+                           func="MoELayer", activations=activations, add=shared)
+    scales = dict(w1_scale=w.w13_scale, w2_scale=w.w2_scale) if fmt.quantized else {}
+    out = LAYOUTS[plan.layout].experts()(hidden_states, w.w13, w.w2, topk_weights, topk_ids, config=plan.config,
+                                         validate_ids=False, **scales)
+    return out if shared is None else out.add_(shared)
+
+
+def shared_expert_output(plan: LayerPlan, hidden_states: torch.Tensor, w: LayerWeights, shared_gate, activations):
+    """The separate shared expert's ``[T, d]`` (times Qwen2-MoE's sigmoid gate, if any): cuBLAS
+    GEMMs in bf16; in fp8 the routed experts' W8A8 GEMMs on a dense block map (one expert, every
+    token: no alignment, no top-k sum) with the plan's own tiles."""
+    if not plan.format.quantized:
         shared = shared_ffn(hidden_states, w.shared_w13, w.shared_w2)
-        return out.add_(shared if shared_gate is None else shared * shared_gate.to(shared.dtype))
-    # An fp8 shared expert: the same W8A8 GEMMs with one expert every token picks, weight 1 (or its gate).
-    t = hidden_states.shape[0]
-    everyone = torch.zeros((t, 1), dtype=torch.int32, device=hidden_states.device)
-    weight = torch.ones((t, 1), dtype=torch.float32, device=hidden_states.device) if shared_gate is None else shared_gate
-    shared_config = choose_config(t, 1, w.shared_w2.shape[1], w.shared_w2.shape[0], fmt.element,
-                                  hidden_states.device).config
-    return out.add_(run_experts(hidden_states, w.shared_w13[None], w.shared_w2[None], weight, everyone, fmt=fmt,
-                                config=shared_config, w1_scale=w.shared_w13_scale[None],
-                                w2_scale=w.shared_w2_scale[None], ids="trusted", func="MoELayer"))
+        return shared if shared_gate is None else shared.mul_(shared_gate.to(shared.dtype))
+    return dense_expert(hidden_states, w.shared_w13, w.shared_w2, fmt=plan.format, config=plan.shared_choice.config,
+                        w1_scale=w.shared_w13_scale, w2_scale=w.shared_w2_scale, weight=shared_gate,
+                        activations=activations)
 
 
 def moe_layer(hidden_states: torch.Tensor, weights: LayerWeights, *, routing: Routing,
@@ -283,10 +292,11 @@ class MoELayer(torch.nn.Module):
                intermediate_size: int | None = None, bias_std: float = 0.003, **options) -> "MoELayer":
         """``model``'s layer with random weights (``d``/``F`` optionally shrunk; ``E``, ``k`` and
         the groups stay the model's). Expert weights are scaled by one over the square root of
-        their fan-in; each router row has unit norm, so for standard-normal inputs every logit is
-        standard normal and routing is uniform in expectation, as the byte model assumes. A
-        sigmoid-scored model gets a small random correction bias (``bias_std``): a trained bias
-        offsets a trained gate's preferences, and a random gate has none to offset."""
+        their fan-in; each router row has unit norm (then rounded to ``dtype``, as checkpoints store
+        the gate), so for standard-normal inputs every logit is standard normal and routing is
+        uniform in expectation, as the byte model assumes. A sigmoid-scored model gets a small
+        random correction bias (``bias_std``): a trained bias offsets a trained gate's
+        preferences, and a random gate has none to offset."""
         model = MODELS[model] if isinstance(model, str) and model in MODELS else model
         if not isinstance(model, MoEModel):
             fail("MoELayer.random", "model", f"must be a MoEModel or one of {sorted(MODELS)}", repr(model))
@@ -307,7 +317,8 @@ class MoELayer(torch.nn.Module):
             return torch.randn(*shape, device=device, dtype=as_dtype, generator=g).mul_(scale)
 
         router = randn(e, d, as_dtype=torch.float32)
-        router /= torch.linalg.norm(router, dim=1, keepdim=True)
+        # Rows of unit norm, stored in the layer's dtype as checkpoints store the gate.
+        router = (router / torch.linalg.norm(router, dim=1, keepdim=True)).to(dtype)
         bias = randn(e, scale=bias_std, as_dtype=torch.float32) if model.scoring_func == "sigmoid" else None
         weights = LayerWeights(router, randn(e, 2 * f, d, scale=d**-0.5), randn(e, d, f, scale=f**-0.5), bias,
                                randn(2 * s, d, scale=d**-0.5) if s else None, randn(d, s, scale=s**-0.5) if s else None)

@@ -124,14 +124,25 @@ def test_launches_follow_the_plan(fmt, batch):
     assert rel_err(out, layer.reference(x)) < 1e-3
     assert layer.plan(batch, dtype=x.dtype) is plan, "the plan is made once per batch size"
     gemms = [settings for name, settings in launches if name == "index_gather.gemm"]
-    routed = gemms[:2]   # then the fp8 shared expert's two, if any
+    routed = [g for g in gemms if not g["dense"]]
+    shared = [g for g in gemms if g["dense"]]   # an fp8 shared expert: one expert, no block map
     assert [g["gemm"] for g in routed] == ["gate_up", "down"]
     for g, tiles in zip(routed, (plan.config.gate_up, plan.config.down)):
         assert g["tiles"] == plan.format.gemm_tiles(tiles)
         assert g["scales"] == plan.format.scale_code and g["block_m"] == plan.config.block_m
         assert g["naive"] == plan.naive_blocks and not g["id_check"]   # the layer's own ids need none
-    before_gemms = [name for name, _ in launches][:[name for name, _ in launches].index("index_gather.gemm")]
-    assert ("align.moe_align_block_size" in before_gemms) != plan.naive_blocks, before_gemms
+    if plan.shared_choice is None:
+        assert not shared
+    else:
+        assert [g["gemm"] for g in shared] == ["gate_up", "down"]
+        for g, tiles in zip(shared, (plan.shared_choice.config.gate_up, plan.shared_choice.config.down)):
+            assert g["tiles"] == plan.format.gemm_tiles(tiles) and g["scales"] == plan.format.scale_code
+    names = [name for name, _ in launches]
+    # One alignment at most (the routed map's; none on the naive path), one top-k sum, into which
+    # the shared expert's output is added.
+    assert names.count("align.moe_align_block_size") == (0 if plan.naive_blocks else 1), names
+    sums = [settings for name, settings in launches if name == "combine.moe_sum"]
+    assert len(sums) == 1 and sums[0]["add"] == (layer.weights.shared_w13 is not None), names
 
 
 @pytest.mark.skipif(BACKEND == "torch", reason="no Triton: the torch references launch nothing")
@@ -170,7 +181,7 @@ def test_real_layer_runs_its_plan_gpu(model_name, fmt):
         with record_launches() as launches:
             layer(x)
         torch.cuda.synchronize()
-        gemms = [settings for name, settings in launches if name == "index_gather.gemm"][:2]
+        gemms = [settings for name, settings in launches if name == "index_gather.gemm" and not settings["dense"]]
         assert [g["tiles"] for g in gemms] == [plan.format.gemm_tiles(plan.config.gate_up),
                                                plan.format.gemm_tiles(plan.config.down)]
         assert all(g["scales"] == plan.format.scale_code for g in gemms)

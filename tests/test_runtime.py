@@ -90,3 +90,81 @@ def test_a_broken_interpreter_falls_back_with_one_notice():
     notices = [line for line in proc.stderr.splitlines() if "failed its self-test" in line]
     assert len(notices) == 1, proc.stderr
 
+
+
+# ---- the launch shortcut (moe_kernels._launch) -----------------------------------------------------
+
+
+def test_launch_key_errs_on_the_side_of_more():
+    """Whatever can change Triton's specialisation changes the key; unknown types are refused."""
+    from moe_kernels._launch import _Uncacheable, argument_key
+
+    base = torch.zeros(64)
+    assert argument_key(base, False) != argument_key(base[1:], False)            # 16-byte alignment
+    assert argument_key(base, False) != argument_key(base.half(), False)         # dtype
+    assert len({argument_key(v, False) for v in (1, 2, 16, 2**31, 2**63)}) == 5   # == 1, % 16, 32/64-bit range
+    assert argument_key(True, False) != argument_key(1, False)
+    assert argument_key("a", False) != argument_key("b", False)
+    assert argument_key(0.5, False) == argument_key(2.0, False)                  # floats are not specialised
+    with pytest.raises(_Uncacheable):
+        argument_key(object(), False)
+
+
+def test_launch_key_takes_a_constexpr_by_value():
+    """A tile size is part of the binary: BLOCK_M 64 and 128 are two kernels, although both are
+    multiples of 16 (the bug that once ran a 64-row kernel on a 128-row block map)."""
+    pytest.importorskip("triton")
+    import triton.language as tl
+
+    from moe_kernels._launch import argument_key, cached_launch_kernel_class
+
+    assert argument_key(64, True) != argument_key(128, True)
+    assert argument_key(1, True) != argument_key(True, True)
+
+    def probe(x_ptr, n, BLOCK_M: tl.constexpr, FLAG: tl.constexpr = False):
+        pass
+
+    compiled_kernel = cached_launch_kernel_class()(probe)
+    assert compiled_kernel._constexpr == [False, False, True, True]
+    assert compiled_kernel._defaults == {"FLAG": False}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_launch_shortcut_keeps_one_kernel_per_tile_and_alignment():
+    """Two configs that differ only in constexpr tile sizes, launched alternately (each launch
+    after the first takes the shortcut), both give the reference's answer; a misaligned input gets
+    a kernel of its own."""
+    from moe_kernels.kernels.combine import _moe_sum_kernel, sum_slots
+    from moe_kernels.kernels.config import GemmTiles, MoEConfig
+    from moe_kernels.kernels.index_gather import _index_gather_gemm_kernel, fused_experts
+    from moe_kernels.reference import moe_reference
+
+    torch.manual_seed(0)
+    t, e, k, d, f = 40, 8, 2, 256, 128
+    x = torch.randn(t, d, device="cuda", dtype=torch.float16)
+    w1 = torch.randn(e, 2 * f, d, device="cuda", dtype=torch.float16) / d**0.5
+    w2 = torch.randn(e, d, f, device="cuda", dtype=torch.float16) / f**0.5
+    ids = torch.randint(0, e, (t, k), device="cuda", dtype=torch.int32)
+    weights = torch.rand(t, k, device="cuda")
+    want = moe_reference(x, w1, w2, weights, ids)
+    configs = [MoEConfig(block_m, GemmTiles(block_n, 64, 1, 4, 3), GemmTiles(block_n, 64, 1, 4, 3))
+               for block_m, block_n in ((16, 64), (64, 128))]
+    before = len(_index_gather_gemm_kernel._compiled)
+    for _ in range(3):
+        for config in configs:
+            got = fused_experts(x, w1, w2, weights, ids, config=config, naive_block_assignment=False)
+            err = float((got.double() - want).norm() / want.norm())
+            assert err < 2e-3, (config, err)
+    assert len(_index_gather_gemm_kernel._compiled) >= before + 2 * 2   # two GEMMs x two tile sets
+
+    z = torch.randn(5, 3, 64, device="cuda")
+    assert torch.allclose(sum_slots(z), z.sum(1), atol=1e-5)
+    kept = len(_moe_sum_kernel._compiled)
+    for _ in range(3):
+        z = torch.randn_like(z)
+        assert torch.allclose(sum_slots(z), z.sum(1), atol=1e-5)
+    assert len(_moe_sum_kernel._compiled) == kept                      # same signature: the kept kernel
+    y = torch.randn(5 * 3 * 64 + 1, device="cuda")[1:].view(5, 3, 64)   # 4 bytes off a 16-byte boundary
+    assert torch.allclose(sum_slots(y), y.sum(1), atol=1e-6)
+    assert len(_moe_sum_kernel._compiled) == kept + 1

@@ -12,6 +12,7 @@ import torch
 
 from moe_kernels.kernels import blocks, index_gather
 from moe_kernels.kernels import shared as se
+from moe_kernels.kernels.config import GemmTiles, MoEConfig
 from moe_kernels.model import costs
 from moe_kernels.reference import moe_reference, silu_and_mul_reference
 from moe_testing import assert_device_assert, DEVICE, TOLERANCE, make_problem, needs_gpu, rel_err
@@ -222,3 +223,52 @@ def test_bad_inputs():
         costs.shared_expert_byte_overhead(1, 256, 8, num_shared_experts=0)
     with pytest.raises(ValueError, match=r"argument 'top_k'"):
         costs.shared_expert_byte_overhead(1, 8, 9)
+
+
+# ---- one expert on a dense block map (the layer's fp8 shared expert, and any dense FFN) ------------------
+
+
+@pytest.mark.parametrize("num_tokens", [0, 1, 7, 40])
+@pytest.mark.parametrize("gated", [False, True])
+def test_dense_expert_is_one_ffn_per_token(num_tokens, gated):
+    """dense_expert = silu(x W1g^T) * (x W1u^T) W2^T per token, times the row weight if given;
+    no alignment and no top-k sum launch (the block map is computed in the kernel)."""
+    from moe_kernels._runtime import record_launches
+    from moe_kernels.kernels.formats import FORMATS
+
+    g = torch.Generator().manual_seed(num_tokens)
+    x = torch.randn(num_tokens, 32, generator=g).to(DEVICE)
+    w1 = (torch.randn(2 * 16, 32, generator=g) / 32**0.5).to(DEVICE)
+    w2 = (torch.randn(32, 16, generator=g) / 16**0.5).to(DEVICE)
+    weight = torch.rand(num_tokens, 1, generator=g).to(DEVICE) if gated else None
+    config = MoEConfig(16, GemmTiles(16, 16), GemmTiles(16, 16))
+    with record_launches() as launches:
+        out = index_gather.dense_expert(x, w1, w2, fmt=FORMATS["none"], config=config, weight=weight)
+    want = silu_and_mul_reference(x.double() @ w1.double().T) @ w2.double().T
+    want = want if weight is None else want * weight.double()
+    assert out.shape == (num_tokens, 32)
+    if num_tokens:
+        assert rel_err(out, want) < TOLERANCE[torch.float32]
+    assert all(name == "index_gather.gemm" and settings["dense"] for name, settings in launches), launches
+
+
+def test_a_dense_block_map_is_checked_when_built_by_hand():
+    with pytest.raises(ValueError, match="dense"):
+        blocks.BlockAssignment(16, torch.zeros(1, dtype=torch.int32), torch.zeros(16, dtype=torch.int32),
+                               torch.zeros(1, dtype=torch.int32), 1, num_assignments=16, dense=True)
+    with pytest.raises(ValueError, match="num_m_blocks"):
+        blocks.BlockAssignment(16, torch.zeros(1, dtype=torch.int32), None, None, 2, num_assignments=40, dense=True)
+    ok = blocks.BlockAssignment(16, torch.zeros(1, dtype=torch.int32), None, None, 3, num_assignments=40, dense=True)
+    assert ok.dense and not ok.naive
+
+
+def test_the_top_k_sum_adds_a_shared_output_before_rounding():
+    from moe_kernels.kernels.combine import moe_sum_reference, sum_slots
+
+    g = torch.Generator().manual_seed(3)
+    per_slot = torch.randn(5, 3, 40, generator=g).to(DEVICE)
+    shared = torch.randn(5, 40, generator=g).to(DEVICE)
+    want = per_slot.double().sum(1) + shared.double()
+    assert rel_err(sum_slots(per_slot, add=shared), want) < 1e-6
+    assert rel_err(moe_sum_reference(per_slot.cpu(), shared.cpu()), want.cpu()) < 1e-6
+    assert rel_err(sum_slots(per_slot[:, :0], add=shared), shared.double()) < 1e-6   # k = 0: the addend alone

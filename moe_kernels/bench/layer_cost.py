@@ -12,9 +12,11 @@ Three numbers per (model, weight format, batch) and per entry point:
   step with trusted ids (what :class:`~moe_kernels.layer.MoELayer` runs: no check, no zero-fill),
   and ``MoELayer(x)``.
 
-Last, the layer against its GEMMs: the fp8 (or bf16) layer at 4096 tokens against the quantisers,
-GEMMs and top-k sum with the same tuned table, both replayed from CUDA graphs with the L2 flushed
-(the tile table an fp8 layer takes once was the bf16 one, 4-6x slower).
+Last, the layer against its GEMMs: the fp8 (or bf16) layer at 4096 tokens against the same call
+without its gate, routing and alignment (the quantisers, the routed and shared experts' GEMMs and
+the top-k sum, with the same tuned tables), and against the routed experts alone, all replayed
+from CUDA graphs with the L2 flushed (the tile table an fp8 layer takes once was the bf16 one,
+4-6x slower).
 """
 
 from __future__ import annotations
@@ -33,8 +35,11 @@ DEFAULT_BATCHES = (1, 8, 64, 256, 1024, 4096, 16384)
 SLEEP_CYCLES = 100_000_000
 
 
-def host_us(fn, *, calls: int = 20, rounds: int = 7) -> float:
-    """Host microseconds per call of ``fn`` with the GPU busy (see the module docstring)."""
+def host_us(fn, *, calls: int = 20, rounds: int = 7) -> tuple[float, float]:
+    """Host microseconds per call of ``fn`` with the GPU busy (see the module docstring): the
+    median and the least of ``rounds`` rounds. Whatever else the host does only ever adds time, and
+    on the H200's host the rounds of one function differ up to 2x, so the least round is the
+    better estimate of the call's own cost; the median is kept beside it."""
     fn()
     torch.cuda.synchronize()
     times = []
@@ -46,7 +51,7 @@ def host_us(fn, *, calls: int = 20, rounds: int = 7) -> float:
         times.append((time.perf_counter() - start) / calls)
         torch.cuda.synchronize()
     times.sort()
-    return 1e6 * times[len(times) // 2]
+    return 1e6 * times[len(times) // 2], 1e6 * times[0]
 
 
 def entry_points(layer, x):
@@ -71,28 +76,75 @@ def entry_points(layer, x):
 
 
 def layer_against_gemms(layer, x) -> dict:
-    """The whole layer and its experts step on precomputed blocks (quantisers, both GEMMs, the
-    sum), same tuned config, each replayed from a CUDA graph with the L2 flushed."""
+    """The whole layer against its GEMMs: the same call minus the gate, the routing and the
+    alignment (the routed experts on a precomputed block map, the shared expert if any, the
+    quantisers and the top-k sum, with the layer's tuned tiles), and against the routed experts'
+    step alone. Each is replayed from a CUDA graph with the L2 flushed."""
     from ..kernels.blocks import assign_blocks
     from ..kernels.index_gather import run_experts
     from ..kernels.routing import router_logits
+    from ..layer import shared_expert_output
     from .timing import graphed, median_ms
 
-    w = layer.weights
+    w, fmt = layer.weights, layer.weights.format
     plan = layer.plan(x.shape[0], dtype=x.dtype)
     topk_weights, topk_ids = layer.routing.route(x, router_logits(x, w.gate), w.bias)
     blocks = assign_blocks(topk_ids, plan.config.block_m, w.num_experts, validate_ids=False)
+    separate_shared = w.shared_w13 is not None and not w.shared_fused
+
+    def routed(activations=None, add=None):
+        return run_experts(x, w.w13, w.w2, topk_weights, topk_ids, fmt=fmt, config=plan.config, blocks=blocks,
+                           w1_scale=w.w13_scale, w2_scale=w.w2_scale, ids="trusted", activations=activations, add=add)
 
     def gemms():
-        return run_experts(x, w.w13, w.w2, topk_weights, topk_ids, fmt=w.format, config=plan.config, blocks=blocks,
-                           w1_scale=w.w13_scale, w2_scale=w.w2_scale, ids="trusted")
+        activations = fmt.quantize_activations(x) if fmt.quantized else None
+        shared = shared_expert_output(plan, x, w, None, activations) if separate_shared else None
+        return routed(activations, shared)
 
-    rounds = [(median_ms(graphed(lambda: layer(x)), 10, 50), median_ms(graphed(gemms), 10, 50)) for _ in range(2)]
+    rounds = [tuple(median_ms(graphed(fn), 10, 50) for fn in (lambda: layer(x), gemms, routed)) for _ in range(2)]
     # The lower of two rounds' medians (the H200's clock moves between rounds at large batches).
-    layer_ms, gemms_ms = min(r[0] for r in rounds), min(r[1] for r in rounds)
+    layer_ms, gemms_ms, routed_ms = (min(r[i] for r in rounds) for i in range(3))
     return {"batch": x.shape[0], "layer_us": 1e3 * layer_ms, "gemms_us": 1e3 * gemms_ms,
-            "layer_over_gemms": layer_ms / gemms_ms, "table": plan.choice.table, "entry": plan.choice.entry,
-            "config": plan.config.to_dict()}
+            "routed_gemms_us": 1e3 * routed_ms, "layer_over_gemms": layer_ms / gemms_ms,
+            "layer_over_routed_gemms": layer_ms / routed_ms, "shared_expert": "separate" if separate_shared else None,
+            "table": plan.choice.table, "entry": plan.choice.entry, "config": plan.config.to_dict()}
+
+
+def host_floor() -> dict:
+    """What a launch and an allocation cost this host, measured as :func:`host_us` measures a call:
+    a compiled kernel of the grouped GEMM's arity (10 tensors, 14 integers, 12 constexprs) launched
+    through its launcher directly (the least Python can do per launch), the same through
+    ``kernel[grid](...)``, and one ``torch.empty``. An entry point's launches times the first is a
+    floor on its host time that no Python above the launcher can lower."""
+    from .._runtime import kernel, tl
+
+    @kernel
+    def gemm_arity(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, i0, i1, i2, i3, i4, i5, i6, i7, i8, i9, i10, i11, i12, i13,
+                   C0: tl.constexpr, C1: tl.constexpr, C2: tl.constexpr, C3: tl.constexpr, C4: tl.constexpr,
+                   C5: tl.constexpr, C6: tl.constexpr, C7: tl.constexpr, C8: tl.constexpr, C9: tl.constexpr,
+                   C10: tl.constexpr, C11: tl.constexpr):
+        pass
+
+    t = torch.empty(64, device="cuda")
+    ints = [3 + 16 * i for i in range(14)]
+    constexprs = {f"C{i}": i + 1 for i in range(12)}
+    launch = lambda: gemm_arity[(1,)](*([t] * 10), *ints, **constexprs)   # noqa: E731
+    compiled = launch()
+    stream = torch.cuda.current_stream().cuda_stream
+    args = [t] * 10 + ints + list(constexprs.values())
+    raw = lambda: compiled.run(1, 1, 1, stream, compiled.function, compiled.packed_metadata,  # noqa: E731
+                               None, None, None, *args)
+    return {"raw_launch_us": host_us(raw, calls=200), "kernel_launch_us": host_us(launch, calls=200),
+            "torch_empty_us": host_us(lambda: torch.empty(64, 2048, device="cuda"), calls=200)}
+
+
+def launches_per_call(fn) -> int:
+    """The package's own kernel launches in one call of ``fn`` (torch's are not counted)."""
+    from .._runtime import record_launches
+
+    with record_launches() as launches:
+        fn()
+    return len(launches)
 
 
 def run(models, formats, batches, *, seed: int = 0, log=print) -> dict:
@@ -101,6 +153,9 @@ def run(models, formats, batches, *, seed: int = 0, log=print) -> dict:
     from .timing import graph_us
 
     rows, against = [], []
+    floor = host_floor()
+    log("host floor (median, least of the rounds), us: "
+        + ", ".join(f"{k} {v[0]:.1f} ({v[1]:.1f})" for k, v in floor.items()))
     for name in models:
         base = MoELayer.random(name, dtype=torch.bfloat16, device="cuda", seed=seed)
         for fmt in formats:
@@ -112,7 +167,9 @@ def run(models, formats, batches, *, seed: int = 0, log=print) -> dict:
                 big = batch >= 4096
                 row = {"model": name, "format": layer.weights.format.name, "batch": batch}
                 for what, fn in calls.items():
-                    row[f"{what} host_us"] = host_us(fn, calls=5 if big else 20, rounds=5 if big else 7)
+                    row[f"{what} host_us"], row[f"{what} host_us_least"] = host_us(fn, calls=5 if big else 20,
+                                                                                    rounds=5 if big else 9)
+                    row[f"{what} launches"] = launches_per_call(fn)
                 for what, fn in calls.items():   # two rounds, interleaved; the lower is kept
                     graph = [graph_us(fn, calls=2 if big else 20, replays=5 if big else 20) for _ in range(2)]
                     row[f"{what} gpu_us"] = min(graph) if None not in graph else None
@@ -120,17 +177,20 @@ def run(models, formats, batches, *, seed: int = 0, log=print) -> dict:
                 row.update(table=plan.choice.table, entry=plan.choice.entry, naive_blocks=plan.naive_blocks)
                 rows.append(row)
                 log(" ".join([f"{name:<14} {row['format']:<11} {batch:>6}"]
-                             + [f"{what}: host {row[what + ' host_us']:6.1f} gpu {row[what + ' gpu_us'] or 0:8.1f}"
+                             + [f"{what}: host {row[what + ' host_us']:6.1f} (least "
+                                f"{row[what + ' host_us_least']:6.1f}) gpu {row[what + ' gpu_us'] or 0:8.1f}"
                                 for what in calls]))
                 if batch == 4096:
-                    against.append({"model": name, "format": row["format"], **layer_against_gemms(layer, x)})
-                    log(f"  layer {against[-1]['layer_us']:.1f} us against its GEMMs {against[-1]['gemms_us']:.1f} us "
-                        f"({against[-1]['layer_over_gemms']:.3f}x), table {plan.choice.table} at {plan.choice.entry}")
+                    a = {"model": name, "format": row["format"], **layer_against_gemms(layer, x)}
+                    against.append(a)
+                    log(f"  layer {a['layer_us']:.1f} us against its GEMMs {a['gemms_us']:.1f} us "
+                        f"({a['layer_over_gemms']:.3f}x; routed experts alone {a['routed_gemms_us']:.1f} us, "
+                        f"{a['layer_over_routed_gemms']:.3f}x), table {plan.choice.table} at {plan.choice.entry}")
                 del x, calls
             del layer
         del base
         torch.cuda.empty_cache()
-    return {"rows": rows, "layer_against_gemms": against}
+    return {"host_floor": floor, "rows": rows, "layer_against_gemms": against}
 
 
 def format_names(text: str) -> list[str]:

@@ -225,6 +225,10 @@ class BlockAssignment:
     #: A naive map's ids are checked by the first GEMM that reads them, on the GPU: the message
     #: of that device-side assert ("" when the ids need no check, or were checked on the host).
     id_check: str = ""
+    #: One expert that every row uses, rows in order (a shared expert through the grouped GEMMs):
+    #: block ``m`` is rows ``m * block_m`` onward, all of expert 0, and no index tensor is read
+    #: (``expert_ids`` is only a placeholder). Built by :func:`dense_blocks`.
+    dense: bool = False
 
     def __post_init__(self):
         # A kernel would compile BLOCK_M into tl.arange (a power of two) and use every index as an
@@ -242,14 +246,20 @@ class BlockAssignment:
                          device=device, contiguous=True)
             check_tensor(func, "num_tokens_post_padded", self.num_tokens_post_padded, ndim=1,
                          dtypes=(torch.int32,), device=device)
-        check_int(func, "num_m_blocks", self.num_m_blocks, lo=0, hi=self.expert_ids.numel(),
-                  what_hi="one block per entry of expert_ids")
+        if self.dense:
+            if self.sorted_token_ids is not None or self.num_assignments is None:
+                fail(func, "dense", "needs sorted_token_ids=None and num_assignments (see dense_blocks)",
+                     "an aligned map" if self.sorted_token_ids is not None else "num_assignments=None")
+            check_int(func, "num_m_blocks", self.num_m_blocks, lo=-(-self.num_assignments // self.block_m))
+        else:
+            check_int(func, "num_m_blocks", self.num_m_blocks, lo=0, hi=self.expert_ids.numel(),
+                      what_hi="one block per entry of expert_ids")
         if self.num_assignments is not None:
             check_int(func, "num_assignments", self.num_assignments, lo=0)
 
     @property
     def naive(self) -> bool:
-        return self.sorted_token_ids is None
+        return self.sorted_token_ids is None and not self.dense
 
 
 def assign_blocks(topk_ids: torch.Tensor, block_m: int, num_experts: int, *, naive: bool | None = None,
@@ -298,6 +308,18 @@ def build_blocks(func: str, topk_ids: torch.Tensor, block_m: int, num_experts: i
                            id_check="")
 
 
+def dense_blocks(num_rows: int, block_m: int, placeholder: torch.Tensor) -> BlockAssignment:
+    """The block map of one expert that all ``num_rows`` rows use, in order: no alignment runs and
+    the GEMMs read no index (``placeholder``, any tensor on the device, fills the unused fields).
+
+        >>> blocks = dense_blocks(40, 16, torch.empty(0, dtype=torch.int32))
+        >>> blocks.num_m_blocks, blocks.dense, blocks.naive
+        (3, True, False)
+    """
+    return _trusted_blocks(block_m=block_m, expert_ids=placeholder, sorted_token_ids=None, num_tokens_post_padded=None,
+                           num_m_blocks=-(-num_rows // block_m), num_assignments=num_rows, id_check="", dense=True)
+
+
 def _trusted_blocks(**fields) -> BlockAssignment:
     """A BlockAssignment built from this module's own outputs, without re-checking them (a
     frozen dataclass keeps its fields in ``__dict__``)."""
@@ -308,6 +330,9 @@ def _trusted_blocks(**fields) -> BlockAssignment:
 
 def assignments_by_block(blocks: BlockAssignment, numel: int):
     """(assignment index, expert id) for every real row of the block map, as the kernel sees them."""
+    if blocks.dense:
+        return (torch.arange(numel, device=blocks.expert_ids.device),
+                torch.zeros(numel, dtype=torch.int64, device=blocks.expert_ids.device))
     if blocks.naive:
         return torch.arange(numel, device=blocks.expert_ids.device), blocks.expert_ids.long()
     used = int(blocks.num_tokens_post_padded[0])

@@ -31,12 +31,14 @@ from ._tile_gemm import check_out, in_float32_under_interpreter
 if HAS_TRITON:
 
     @kernel
-    def _moe_sum_kernel(x_ptr, out_ptr, D, stride_xt, stride_xk, stride_ot,
-                        TOP_K: tl.constexpr, BLOCK_D: tl.constexpr):
+    def _moe_sum_kernel(x_ptr, out_ptr, add_ptr, D, stride_xt, stride_xk, stride_ot, stride_at,
+                        TOP_K: tl.constexpr, BLOCK_D: tl.constexpr, HAS_ADD: tl.constexpr):
         token = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
         mask = offs < D
         acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+        if HAS_ADD:   # a shared expert's output joins the same fp32 sum (no separate add launch)
+            acc += tl.load(add_ptr + token * stride_at + offs, mask=mask).to(tl.float32)
         for slot in tl.static_range(TOP_K):
             acc += tl.load(x_ptr + token * stride_xt + slot * stride_xk + offs, mask=mask).to(tl.float32)
         tl.store(out_ptr + token * stride_ot + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
@@ -67,29 +69,33 @@ def moe_sum(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor
     return sum_slots(x, check_out(func, out, (x.shape[0], x.shape[2]), x))
 
 
-def sum_slots(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """:func:`moe_sum` without its checks (the experts step's own ``[T, k, d]``)."""
+def sum_slots(x: torch.Tensor, out: torch.Tensor | None = None, add: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`moe_sum` without its checks (the experts step's own ``[T, k, d]``); ``add`` (``[T, d]``,
+    rows contiguous, e.g. a shared expert's output) joins the fp32 sum before the one rounding."""
     num_tokens, top_k, d = x.shape
     if out is None:
         out = torch.empty((num_tokens, d), dtype=x.dtype, device=x.device)
     if not use_triton(x, out):
-        return out.copy_(moe_sum_reference(x))
+        return out.copy_(moe_sum_reference(x, add))
     if num_tokens == 0 or d == 0:
         return out
-    if top_k == 0:
+    if top_k == 0 and add is None:
         return out.zero_()
-    if in_float32_under_interpreter(lambda x, out: sum_slots(x, out), out, x) is not None:
+    if in_float32_under_interpreter(lambda x, *extra, out: sum_slots(x, out, *extra), out, x,
+                                    *(() if add is None else (add,))) is not None:
         return out
     block_d = min(1024, triton.next_power_of_2(d))
-    note_launch("combine.moe_sum", top_k=top_k, block_d=block_d)
+    note_launch("combine.moe_sum", top_k=top_k, block_d=block_d, add=add is not None)
     _moe_sum_kernel[(num_tokens, triton.cdiv(d, block_d))](
-        x, out, d, x.stride(0), x.stride(1), out.stride(0), TOP_K=top_k, BLOCK_D=block_d, num_warps=4)
+        x, out, x if add is None else add, d, x.stride(0), x.stride(1), out.stride(0),
+        0 if add is None else add.stride(0), TOP_K=top_k, BLOCK_D=block_d, HAS_ADD=add is not None, num_warps=4)
     return out
 
 
-def moe_sum_reference(x: torch.Tensor) -> torch.Tensor:
-    """Torch reference for :func:`moe_sum`."""
-    return x.float().sum(dim=1).to(x.dtype)
+def moe_sum_reference(x: torch.Tensor, add: torch.Tensor | None = None) -> torch.Tensor:
+    """Torch reference for :func:`moe_sum` (and :func:`sum_slots`'s ``add``)."""
+    total = x.float().sum(dim=1)
+    return (total if add is None else total + add.float()).to(x.dtype)
 
 
 def unpermute(y_rows: torch.Tensor, src2dst: torch.Tensor, topk_weights: torch.Tensor, *,

@@ -55,10 +55,11 @@ import functools
 import torch
 
 from .._checks import FLOAT_DTYPES, check_ids_in_range, check_int, check_moe_inputs, check_tensor, fail
-from .._runtime import HAS_TRITON, device_assert_options, kernel, note_launch, tl, triton, use_triton
+from .._runtime import HAS_TRITON, device_assert_options, kernel, note_launch, recording, tl, triton, use_triton
 from ._tile_gemm import (check_operands, check_out, dequantized, dot_precision, expert_rows_product,
                          in_float32_under_interpreter, output_dtype, weight_descriptor)
-from .blocks import BlockAssignment, assign_blocks, assignments_by_block, build_blocks, check_blocks  # noqa: F401
+from .blocks import (BlockAssignment, assign_blocks, assignments_by_block, build_blocks, check_blocks,  # noqa: F401
+                     dense_blocks)
 from .combine import sum_slots
 from .config import GemmTiles, MoEConfig, check_block_m, check_config, check_tiles, get_config
 from .formats import WeightFormat
@@ -81,7 +82,7 @@ if HAS_TRITON:
         stride_am, stride_we, stride_wn, stride_om,
         a_scale_ptr, stride_as, w_scale_ptr, stride_wse, stride_wsn, stride_wsk,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-        TOP_K: tl.constexpr, NAIVE_BLOCKS: tl.constexpr, GATED: tl.constexpr,
+        TOP_K: tl.constexpr, NAIVE_BLOCKS: tl.constexpr, DENSE: tl.constexpr, GATED: tl.constexpr,
         MUL_ROUTED_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr,
         SCALES: tl.constexpr, SUM_TOP_K: tl.constexpr, SPLIT_K: tl.constexpr, w_desc, TMA_W: tl.constexpr,
         SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, ID_CHECK: tl.constexpr,
@@ -105,6 +106,10 @@ if HAS_TRITON:
             # Block m is assignment m alone: row 0 is real, the others are padding.
             rows = tl.where(offs_m == 0, pid_m, num_valid_rows).to(tl.int64)
             in_use = True
+        elif DENSE:
+            # One expert that every token uses (a shared expert): block m is rows m*BLOCK_M onward.
+            rows = (pid_m * BLOCK_M + offs_m).to(tl.int64)
+            in_use = True
         else:
             # The early exit: blocks past the last one in use read no ids (the id buffer may end
             # inside the last block of the grid) and store nothing.
@@ -113,7 +118,10 @@ if HAS_TRITON:
             rows = tl.load(sorted_token_ids_ptr + pid_m * BLOCK_M + offs_m, mask=pid_m * BLOCK_M + offs_m < rows_used,
                            other=num_valid_rows).to(tl.int64)
         row_real = rows < num_valid_rows
-        expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+        if DENSE:
+            expert = pid_m.to(tl.int64) * 0   # expert 0, as an int64 scalar like a loaded id
+        else:
+            expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
         # -1: the block's expert is computed elsewhere (vLLM, under expert parallelism); an id out
         # of range (unchecked input) must not become an address. Its rows are zero.
         known = (expert >= 0) & (expert < num_experts)
@@ -148,7 +156,7 @@ if HAS_TRITON:
         num_m_blocks, num_valid_rows, num_experts, N, K, stride_am, stride_we, stride_wn, stride_om,
         a_scale_ptr, stride_as, w_scale_ptr, stride_wse, stride_wsn, stride_wsk,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-        TOP_K: tl.constexpr, NAIVE_BLOCKS: tl.constexpr, GATED: tl.constexpr,
+        TOP_K: tl.constexpr, NAIVE_BLOCKS: tl.constexpr, DENSE: tl.constexpr, GATED: tl.constexpr,
         MUL_ROUTED_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr,
         SCALES: tl.constexpr, SUM_TOP_K: tl.constexpr, SPLIT_K: tl.constexpr, w_desc, TMA_W: tl.constexpr,
         num_tiles, PERSISTENT: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, ID_CHECK: tl.constexpr,
@@ -162,7 +170,7 @@ if HAS_TRITON:
                 num_tokens_post_padded_ptr, num_m_blocks, num_valid_rows, num_experts, N, K,
                 stride_am, stride_we, stride_wn, stride_om,
                 a_scale_ptr, stride_as, w_scale_ptr, stride_wse, stride_wsn, stride_wsk,
-                BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, TOP_K, NAIVE_BLOCKS, GATED, MUL_ROUTED_WEIGHT, EVEN_K,
+                BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, TOP_K, NAIVE_BLOCKS, DENSE, GATED, MUL_ROUTED_WEIGHT, EVEN_K,
                 INPUT_PRECISION, SCALES, SUM_TOP_K, SPLIT_K, w_desc, TMA_W, SCALE_BN, SCALE_BK, ID_CHECK)
         else:
             for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=PERSISTENT == 2):
@@ -171,7 +179,7 @@ if HAS_TRITON:
                     num_tokens_post_padded_ptr, num_m_blocks, num_valid_rows, num_experts, N, K,
                     stride_am, stride_we, stride_wn, stride_om,
                     a_scale_ptr, stride_as, w_scale_ptr, stride_wse, stride_wsn, stride_wsk,
-                    BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, TOP_K, NAIVE_BLOCKS, GATED, MUL_ROUTED_WEIGHT, EVEN_K,
+                    BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, TOP_K, NAIVE_BLOCKS, DENSE, GATED, MUL_ROUTED_WEIGHT, EVEN_K,
                     INPUT_PRECISION, SCALES, SUM_TOP_K, SPLIT_K, w_desc, TMA_W, SCALE_BN, SCALE_BK, ID_CHECK)
 
 
@@ -194,19 +202,20 @@ def _launch(a, w, out, topk_weights, blocks: BlockAssignment, *, n_out: int, top
     w_desc = weight_descriptor(w, tiles)
     # Unused pointer arguments (naive blocks have no sorted ids, GEMM 1 has no weights) get any
     # tensor: the constexpr flags compile the loads away.
-    sorted_ids = blocks.expert_ids if blocks.naive else blocks.sorted_token_ids
-    num_post_padded = blocks.expert_ids if blocks.naive else blocks.num_tokens_post_padded
+    sorted_ids = blocks.expert_ids if blocks.sorted_token_ids is None else blocks.sorted_token_ids
+    num_post_padded = blocks.expert_ids if blocks.sorted_token_ids is None else blocks.num_tokens_post_padded
     id_check = blocks.id_check if gated else ""   # GEMM 1 reads the naive map's ids first
-    note_launch("index_gather.gemm", gemm="gate_up" if gated else "down", block_m=blocks.block_m, tiles=tiles,
-                naive=blocks.naive, scales=scales[6], sum_top_k=sum_top_k, tma=w_desc is not None, grid=grid,
-                id_check=bool(id_check))
+    if recording():
+        note_launch("index_gather.gemm", gemm="gate_up" if gated else "down", block_m=blocks.block_m, tiles=tiles,
+                    naive=blocks.naive, dense=blocks.dense, scales=scales[6], sum_top_k=sum_top_k,
+                    tma=w_desc is not None, grid=grid, id_check=bool(id_check))
     _index_gather_gemm_kernel[grid](
         a, w, out, topk_weights if topk_weights is not None else out,
         sorted_ids, blocks.expert_ids, num_post_padded,
         blocks.num_m_blocks, num_valid_rows, w.shape[0], n_out, k_in,
         a.stride(0), w.stride(0), w.stride(1), out.stride(0), *scales[:6],
         BLOCK_M=blocks.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
-        TOP_K=top_k, NAIVE_BLOCKS=blocks.naive, GATED=gated,
+        TOP_K=top_k, NAIVE_BLOCKS=blocks.naive, DENSE=blocks.dense, GATED=gated,
         MUL_ROUTED_WEIGHT=topk_weights is not None, EVEN_K=k_in % tiles.block_k == 0,
         INPUT_PRECISION=dot_precision(a.dtype), SCALES=scales[6], SUM_TOP_K=sum_top_k, SPLIT_K=tiles.split_k,
         w_desc=w_desc if w_desc is not None else w, TMA_W=w_desc is not None,
@@ -297,13 +306,15 @@ def expert_down(intermediate: torch.Tensor, w2: torch.Tensor, topk_weights: torc
 
 
 def down(y, w2, topk_weights, blocks, *, tiles, out, a_scale, w_scale, fmt, sum_slots):
-    """:func:`expert_down` without its checks (``out`` given, ``topk_weights`` contiguous)."""
+    """:func:`expert_down` without its checks (``out`` given, ``topk_weights`` contiguous, or None:
+    one slot per row, weight 1)."""
     tiles = fmt.gemm_tiles(tiles)
-    num_tokens, top_k = topk_weights.shape
+    num_tokens, top_k = (y.shape[0], 1) if topk_weights is None else topk_weights.shape
     d = w2.shape[1]
-    if not use_triton(y, w2, topk_weights, out):
+    if not use_triton(y, w2, out):
         yf, wf = dequantized(y, w2, a_scale, w_scale, fmt)
-        per_slot = _rows_reference(yf, wf, blocks, num_tokens * top_k, 1, topk_weights.reshape(-1).float())
+        weights = torch.ones(num_tokens, device=y.device) if topk_weights is None else topk_weights.reshape(-1).float()
+        per_slot = _rows_reference(yf, wf, blocks, num_tokens * top_k, 1, weights)
         per_slot = per_slot.view(num_tokens, top_k, d)
         return out.add_(per_slot.sum(1)) if sum_slots else out.copy_(per_slot)
     rerun = lambda y, w, out: down(y, w, topk_weights, blocks, tiles=tiles, out=out, a_scale=a_scale,  # noqa: E731
@@ -399,13 +410,16 @@ def fused_experts(
 
 def run_experts(hidden_states, w1, w2, topk_weights, topk_ids, *, fmt, config: MoEConfig, w1_scale=None,
                 w2_scale=None, blocks=None, block_m=None, naive=None, ids: str = "validate",
-                func: str = "fused_experts") -> torch.Tensor:
+                func: str = "fused_experts", activations=None, add=None) -> torch.Tensor:
     """:func:`fused_experts` after its checks: what :class:`~moe_kernels.layer.MoELayer` calls.
 
     ``ids`` says what is known of ``topk_ids``: ``"validate"`` (check them where they are first
     read), ``"trusted"`` (in range by construction: the layer's own routing; nothing to check)
     or ``"unchecked"`` (the caller declined the check: the ``[T, k, d]`` buffer starts at zero,
-    so that an id outside ``[0, E)``, which lands in no block, adds nothing).
+    so that an id outside ``[0, E)``, which lands in no block, adds nothing). ``activations``:
+    ``fmt.quantize_activations(hidden_states)`` when the caller has it already (a shared expert
+    reads the same); ``add``: a ``[T, d]`` tensor the top-k sum adds in fp32 (a shared expert's
+    output), instead of a separate addition.
     """
     num_tokens, top_k = topk_ids.shape
     d = w2.shape[1]
@@ -418,13 +432,40 @@ def run_experts(hidden_states, w1, w2, topk_weights, topk_ids, *, fmt, config: M
     else:
         per_slot = (torch.zeros if ids == "unchecked" else torch.empty)((num_tokens, top_k, d), device=device,
                                                                        dtype=out_dtype)
-    x, x_scale = fmt.quantize_activations(hidden_states)
+    x, x_scale = fmt.quantize_activations(hidden_states) if activations is None else activations
     intermediate = torch.empty((num_tokens * top_k, w1.shape[1] // 2), device=device, dtype=out_dtype)
     gate_up(x, w1, blocks, top_k, tiles=config.gate_up, out=intermediate, a_scale=x_scale, w_scale=w1_scale, fmt=fmt)
     y, y_scale = fmt.quantize_activations(intermediate)
     down(y, w2, topk_weights if topk_weights.is_contiguous() else topk_weights.contiguous(), blocks,
          tiles=config.down, out=per_slot, a_scale=y_scale, w_scale=w2_scale, fmt=fmt, sum_slots=summed)
-    return per_slot.to(out_dtype) if summed else sum_slots(per_slot)
+    if summed:
+        out = per_slot.to(out_dtype)
+        return out if add is None else out.add_(add)
+    if top_k == 1 and add is None:   # one slot per token: nothing to sum
+        return per_slot.view(num_tokens, d)
+    return sum_slots(per_slot, add=add)
+
+
+def dense_expert(hidden_states, w1, w2, *, fmt, config: MoEConfig, w1_scale=None, w2_scale=None, weight=None,
+                 activations=None) -> torch.Tensor:
+    """One expert that every token uses (a shared expert, ``w1 [2F, d]``, ``w2 [d, F]``) through
+    the same two grouped GEMMs as the routed experts, on :func:`~moe_kernels.kernels.blocks.dense_blocks`:
+    no alignment, no index reads, no top-k sum. ``weight`` (float32 ``[T, 1]``, e.g. Qwen2-MoE's
+    sigmoid gate) multiplies each row in GEMM 2's epilogue; ``activations`` as in :func:`run_experts`.
+    """
+    num_tokens, d = hidden_states.shape[0], w2.shape[0]
+    device, out_dtype = hidden_states.device, hidden_states.dtype
+    blocks = dense_blocks(num_tokens, config.block_m, hidden_states)
+    x, x_scale = fmt.quantize_activations(hidden_states) if activations is None else activations
+    intermediate = torch.empty((num_tokens, w1.shape[0] // 2), device=device, dtype=out_dtype)
+    scales = (None, None) if w1_scale is None else (w1_scale[None], w2_scale[None])
+    gate_up(x, w1[None], blocks, 1, tiles=config.gate_up, out=intermediate, a_scale=x_scale, w_scale=scales[0],
+            fmt=fmt)
+    y, y_scale = fmt.quantize_activations(intermediate)
+    out = torch.empty((num_tokens, d), device=device, dtype=out_dtype)
+    down(y, w2[None], None if weight is None else weight.reshape(num_tokens, 1), blocks, tiles=config.down,
+         out=out, a_scale=y_scale, w_scale=scales[1], fmt=fmt, sum_slots=False)
+    return out
 
 
 def fused_moe(

@@ -1,0 +1,141 @@
+"""Launching a Triton kernel for less host time: the compiled kernel kept per argument signature.
+
+``kernel[grid](*args, **kwargs)`` pays on the host, at every launch, for Triton's general
+machinery: it binds every argument to a dict, asks Triton's C++ specialiser about each one (dtype,
+16-byte alignment, integer divisibility), turns the result and the options into a cache key, looks
+the compiled kernel up, checks the globals it captured, and only then calls the launcher. A decode
+step of one MoE layer launches four to eight kernels of up to forty arguments each, and on a slow
+host Triton's path costs 11-25 microseconds per launch, longer than the GPU takes for the kernel.
+
+:class:`CachedLaunchKernel` is Triton's ``JITFunction`` with one shortcut. The first launch of a
+signature goes through Triton (which compiles, or finds the kernel in its cache) and the compiled
+kernel is kept under a key that holds *more* than Triton's specialisation does:
+
+* a ``tl.constexpr`` parameter: its value (a tile size is part of the binary);
+* a tensor: its dtype and whether its address is a multiple of 16;
+* an integer: equal to 1, a multiple of 16, fitting in 32 bits, fitting in 64 signed bits;
+* a bool, a string or None: its value; a float: only that it is a float;
+* the launch options (``num_warps``, ``debug``...), Triton's debug knob and the device.
+
+Later launches with the same key call the compiled kernel's launcher directly, with the arguments
+in Triton's order, exactly as Triton's own ``run`` does (hooks and launch metadata included, so a
+profiler still sees every launch). A key that over-distinguishes only costs one more lookup
+through Triton; one that under-distinguished would run the wrong binary, which is why the key errs
+on the side of more. Arguments of any other type (a TMA tensor descriptor, say), a callable grid,
+or a Triton whose ``run`` calls its launcher differently take Triton's own path.
+``MOE_KERNELS_LAUNCH_SHORTCUT=0`` turns the shortcut off.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+_INT32 = 2**31
+_INT64 = 2**63
+_Tensor = torch.Tensor
+
+
+class _Uncacheable(Exception):
+    """An argument whose effect on the compiled kernel the key cannot describe."""
+
+
+def _refuse(value):
+    raise _Uncacheable(type(value).__name__)
+
+
+def argument_key(value, constexpr: bool):
+    """What of one argument can change the compiled kernel (see the module docstring). The launch
+    computes the same thing inline, in :func:`arguments_key`."""
+    return arguments_key((value,), (constexpr,))[0]
+
+
+def arguments_key(values, constexprs) -> list:
+    """:func:`argument_key` of every argument, as one comprehension: a function call per argument
+    would cost more host time than the rest of the key."""
+    return [("constexpr", type(v), v) if c
+            else (v == 1, not v & 15, -_INT32 <= v < _INT32, -_INT64 <= v < _INT64) if type(v) is int
+            else (v.dtype, not v.data_ptr() & 15) if isinstance(v, _Tensor)
+            else (type(v), v) if type(v) in (bool, str) or v is None
+            else float if type(v) is float
+            else _refuse(v)
+            for v, c in zip(values, constexprs)]
+
+
+def _launcher_call_matches() -> bool:
+    """True when this Triton's ``JITFunction.run`` launches as the shortcut does (it reads the
+    same attributes of the compiled kernel) and ``MOE_KERNELS_LAUNCH_SHORTCUT`` is not ``0``."""
+    from triton.runtime.jit import JITFunction
+
+    if os.environ.get("MOE_KERNELS_LAUNCH_SHORTCUT", "1") == "0":
+        return False
+    code = getattr(JITFunction.run, "__code__", None)
+    names = set(code.co_names) if code is not None else set()
+    return {"packed_metadata", "launch_metadata", "launch_enter_hook", "launch_exit_hook", "function"} <= names
+
+
+def _current_device() -> int:
+    """``torch.cuda.current_device()`` without its lazy-initialisation checks: a kernel already in
+    the cache was launched once, so CUDA is initialised."""
+    return torch._C._cuda_getDevice()
+
+
+def _no_hooks(hook) -> bool:
+    """Triton's default launch hook is an empty chain: calling it does nothing, so the launcher
+    may be given None (and no launch metadata need be built)."""
+    return hook is None or getattr(hook, "calls", None) == []
+
+
+def cached_launch_kernel_class():
+    """The ``JITFunction`` subclass (built on first use: it needs Triton)."""
+    from triton import knobs
+    from triton.runtime.jit import JITFunction
+
+    class CachedLaunchKernel(JITFunction):
+        """``triton.jit`` whose ``kernel[grid](...)`` goes straight to the launcher once compiled."""
+
+        #: Off: every launch takes Triton's own path (``MOE_KERNELS_LAUNCH_SHORTCUT=0``; A/B timing).
+        shortcut = _launcher_call_matches()
+
+        def __init__(self, fn, **options):
+            super().__init__(fn, **options)
+            self._names = [p.name for p in self.params]
+            self._constexpr = [p.is_constexpr for p in self.params]
+            self._defaults = {p.name: p.default for p in self.params if p.has_default}
+            self._compiled = {}
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: self._launch(grid, args, kwargs)
+
+        def _launch(self, grid, args, kwargs):
+            if not self.shortcut or callable(grid) or len(args) > len(self._names):
+                return self.run(*args, grid=grid, warmup=False, **kwargs)
+            values, options = list(args), dict(kwargs)
+            try:
+                for name in self._names[len(args):]:
+                    values.append(options.pop(name) if name in options else self._defaults[name])
+                device = _current_device()
+                key = (device, knobs.runtime.debug, tuple(arguments_key(values, self._constexpr)),
+                       tuple(options.items()))
+                compiled = self._compiled.get(key)
+            except (_Uncacheable, KeyError, TypeError):   # odd arguments: Triton sorts them out (or says why)
+                return self.run(*args, grid=grid, warmup=False, **kwargs)
+            if compiled is None:
+                compiled = self.run(*args, grid=grid, warmup=False, **kwargs)
+                if compiled is not None and not hasattr(compiled, "result"):   # not an async compile
+                    self._compiled[key] = compiled
+                return compiled
+            # Triton's own launch (JITFunction.run): with hooks, the same hooks and metadata.
+            stream = torch._C._cuda_getCurrentRawStream(device)
+            runtime = knobs.runtime
+            enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+            if _no_hooks(enter) and _no_hooks(leave):
+                enter = leave = metadata = None
+            else:
+                metadata = compiled.launch_metadata(grid, stream, *values)
+            compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
+                         compiled.function, compiled.packed_metadata, metadata, enter, leave, *values)
+            return compiled
+
+    return CachedLaunchKernel
