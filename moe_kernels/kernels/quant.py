@@ -43,7 +43,7 @@ import torch
 
 from .._checks import FLOAT_DTYPES, check_int, check_tensor, fail
 from .. import _runtime
-from .._runtime import HAS_TRITON, kernel, tl, triton, use_triton
+from .._runtime import HAS_TRITON, kernel, note_launch, tl, triton, use_triton
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -100,6 +100,7 @@ def per_token_group_quant_fp8(x: torch.Tensor, group_size: int = GROUP) -> tuple
         q_ref, s_ref = per_token_group_quant_fp8_reference(x, group_size)
         return q.copy_(q_ref), s.copy_(s_ref)
     rows = 4
+    note_launch("quant.groups", group_size=group_size)
     _quant_groups_kernel[(triton.cdiv(num_rows, rows), k // group_size)](
         x, x.stride(0), q, q.stride(0), s, s.stride(0), num_rows, k, GROUP_SIZE=group_size, ROWS=rows, num_warps=4)
     return q, s
