@@ -45,7 +45,7 @@ def kernel_source(path: str, name: str):
     two cannot drift (nbval re-runs the cell and compares). The upstream file it is written after is
     named in the prose beside it.
 
-        >>> print(kernel_source("kernels/routing.py", "gate").data.splitlines()[0])
+        >>> print(kernel_source("kernels/routing.py", "gate").data.splitlines()[-1])
         return torch.nn.functional.linear(hidden_states.float(), gate_weight.float())
     """
     import textwrap
