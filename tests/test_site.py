@@ -24,8 +24,8 @@ from moe_kernels.model.shapes import GPUS
 
 ROOT = Path(__file__).resolve().parent.parent
 SITE = ROOT / "_build" / "html"
-# Jupyter Book 1 pages declare THEBE_JS_URL twice; harmless, and the only console error we accept.
-ALLOWED_CONSOLE = ("THEBE_JS_URL",)
+# No console error is accepted (book/_ext/single_scripts.py removed the doubled THEBE_JS_URL).
+ALLOWED_CONSOLE = ()
 
 
 
@@ -260,6 +260,12 @@ def test_pages_fit_a_phone(server, browser, path):
         page.goto(f"{server}/{path}", wait_until="networkidle")
         widths = page.evaluate("[document.documentElement.scrollWidth, document.documentElement.clientWidth]")
         assert widths[0] <= widths[1] + 1, f"{path} scrolls sideways at 390 px: {widths[0]} > {widths[1]}"
+        # Code keeps its indentation: no block of code wraps its lines (a wrapped line of Python
+        # restarts at column 0); a block wider than the column scrolls inside itself instead.
+        wrapped = page.evaluate("""() => [...document.querySelectorAll('article pre')]
+            .map(p => getComputedStyle(p))
+            .filter(style => style.whiteSpace !== 'pre' || !['auto', 'scroll'].includes(style.overflowX)).length""")
+        assert wrapped == 0, f"{path}: {wrapped} code blocks wrap their lines or cannot scroll sideways"
     finally:
         context.close()
 
@@ -298,3 +304,47 @@ def test_kernels_appear_on_the_page():
     for path, name in shown:
         source = (ROOT / "moe_kernels" / path).read_text()
         assert f"# >>> book: {name}" in source and f"# <<< book: {name}" in source, (path, name)
+
+
+@pytest.mark.parametrize("width", [390, 1280])
+def test_the_menu_button_opens_the_chapter_list(server, browser, width):
+    """The visible menu button works on a phone (the chapter list opens as a dialog) and on a
+    desktop (the sidebar hides and comes back): both themes once bound it to a hidden twin."""
+    context = browser.new_context(viewport={"width": width, "height": 844})
+    try:
+        page = context.new_page()
+        page.route("**/*", lambda r: r.continue_() if urlparse(r.request.url).hostname == "127.0.0.1" else r.abort())
+        page.goto(f"{server}/notebooks/05_grouped_gemm.html", wait_until="networkidle")
+        toggle = page.locator("button.primary-toggle:visible").first
+        assert toggle.count() == 1, "no visible menu button"
+        hidden = "() => document.querySelector('#pst-primary-sidebar').classList.contains('pst-sidebar-hidden')"
+        if width < 992:
+            toggle.click()
+            page.wait_for_function("() => document.querySelector('#pst-primary-sidebar-modal').open", timeout=5000)
+            links = page.evaluate("""() => [...document.querySelectorAll('#pst-primary-sidebar-modal a')]
+                .filter(a => a.offsetParent !== null).map(a => a.textContent.trim())""")
+            assert "The padding tax" in links and "One DeepSeek-V3 decode step, end to end" in links, links
+        else:
+            assert not page.evaluate(hidden)
+            toggle.click()
+            page.wait_for_function(hidden, timeout=5000)
+            toggle.click()
+            page.wait_for_function(f"() => !({hidden})()", timeout=5000)
+    finally:
+        context.close()
+
+
+@pytest.mark.parametrize("path", ["notebooks/02_experts_touched.html", "notebooks/06_padding_tax.html"])
+def test_explorer_controls_are_touch_sized(server, browser, path):
+    """Sliders and menus of the explorers are at least 32 px tall on a phone (a finger's target)."""
+    context = browser.new_context(viewport={"width": 390, "height": 844}, device_scale_factor=2)
+    try:
+        page = context.new_page()
+        page.route("**/*", lambda r: r.continue_() if urlparse(r.request.url).hostname == "127.0.0.1" else r.abort())
+        page.goto(f"{server}/{path}", wait_until="networkidle")
+        heights = page.evaluate("""() => [...document.querySelectorAll(
+            '.moe-explorer input, .moe-explorer select, .moe-skew-explorer input, .moe-skew-explorer select')]
+            .map(c => c.getBoundingClientRect().height)""")
+        assert heights and min(heights) >= 32, f"{path}: control heights {heights}"
+    finally:
+        context.close()
