@@ -177,10 +177,10 @@ def experts_touched_explorer(num_experts: int = 256, top_k: int = 8, bytes_per_w
 <div class="moe-explorer" id="{uid}" style="font-family:sans-serif;font-size:13px;max-width:880px">
 <script type="application/json" class="moe-explorer-config">{json.dumps(config)}</script>
 <div style="display:flex;flex-wrap:wrap;gap:14px;align-items:center;margin-bottom:6px">
-<label>E <input type="range" name="E" min="8" max="512" step="8" value="{num_experts}"> <output for="E">{num_experts}</output></label>
-<label>k <input type="range" name="k" min="1" max="32" step="1" value="{top_k}"> <output for="k">{top_k}</output></label>
-<label>bytes/weight <select name="bw">{bw_html}</select></label>
-<label>GPU <select name="gpu">{gpu_html}</select></label>
+<label>E <input type="range" style="height:32px;min-width:120px" name="E" min="8" max="512" step="8" value="{num_experts}"> <output for="E">{num_experts}</output></label>
+<label>k <input type="range" style="height:32px;min-width:120px" name="k" min="1" max="32" step="1" value="{top_k}"> <output for="k">{top_k}</output></label>
+<label>bytes/weight <select style="min-height:32px;font-size:14px" name="bw">{bw_html}</select></label>
+<label>GPU <select style="min-height:32px;font-size:14px" name="gpu">{gpu_html}</select></label>
 </div>
 <div style="display:flex;flex-wrap:wrap;gap:8px">
 <svg class="touched" width="420" height="300" role="img" aria-label="experts touched versus batch"></svg>
@@ -275,11 +275,11 @@ def padding_skew_explorer(model: str = "deepseek-v3", s: float = 1.0, batch: int
 <div class="moe-skew-explorer" id="{uid}" style="font-family:sans-serif;font-size:13px;max-width:880px">
 <script type="application/json" class="moe-skew-config">{json.dumps(config)}</script>
 <div style="display:flex;flex-wrap:wrap;gap:14px;align-items:center;margin-bottom:6px">
-<label>model <select name="model">{model_html}</select></label>
-<label>Zipf s <input type="range" name="s" min="0" max="2" step="0.05" value="{s}"> <output for="s">{s:.2f}</output></label>
-<label>batch <input type="range" name="logB" min="0" max="14" step="1" value="{log_batch}"> <output for="logB">{batch}</output></label>
-<label>tile b <select name="block">{block_html}</select></label>
-<label>masked m_max rounded to <select name="round">{round_html}</select></label>
+<label>model <select style="min-height:32px;font-size:14px" name="model">{model_html}</select></label>
+<label>Zipf s <input type="range" style="height:32px;min-width:120px" name="s" min="0" max="2" step="0.05" value="{s}"> <output for="s">{s:.2f}</output></label>
+<label>batch <input type="range" style="height:32px;min-width:120px" name="logB" min="0" max="14" step="1" value="{log_batch}"> <output for="logB">{batch}</output></label>
+<label>tile b <select style="min-height:32px;font-size:14px" name="block">{block_html}</select></label>
+<label>masked m_max rounded to <select style="min-height:32px;font-size:14px" name="round">{round_html}</select></label>
 </div>
 <div style="display:flex;flex-wrap:wrap;gap:8px">
 <svg class="rows" width="420" height="300" role="img" aria-label="expected rows per expert by popularity rank"></svg>

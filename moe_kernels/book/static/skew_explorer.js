@@ -132,7 +132,15 @@
         if (p.model === key && batches.indexOf(p.batch) < 0) batches.push(p.batch);
       });
       batches.sort(function (a, b) { return a - b; });
-      return "Dots " + where + " exist for " + model.name + " at B = " + (batches.join(" and ") || "none") +
+      if (!batches.length) {
+        var measured = [];
+        cfg.points.points.forEach(function (p) {
+          var name = (cfg.models[p.model] || {}).name || p.model;
+          if (measured.indexOf(name) < 0) measured.push(name);
+        });
+        return "No dots for " + model.name + ": the run " + where + " measured " + measured.join(" and ") + " only.";
+      }
+      return "Dots " + where + " exist for " + model.name + " at B = " + batches.join(" and ") +
         "; move the batch slider there to see them.";
     }
     var near = pts[0];
