@@ -1,7 +1,8 @@
 # Two commands do everything on a fresh machine:
 #   make book   - create .venv, install, build the site into _build/html (warnings are errors)
 #   make test   - create .venv, install, run unit tests, nbval over the notebooks, the browser test
-# Other targets: make lab (JupyterLab), make bench (GPU sweep), make notebooks (re-execute in place)
+# Other targets: make lab (JupyterLab on a working copy of the notebooks), make bench (GPU sweep),
+# make notebooks (re-execute in place)
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -14,7 +15,7 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?=
 STAMP  := $(VENV)/.installed
 
-.PHONY: install book test unit nbval browser lab bench notebooks clean
+.PHONY: install book test unit nbval browser lab lab-reset bench notebooks clean
 
 install: $(STAMP)
 
@@ -49,8 +50,16 @@ test: install book
 	$(PY) -m pytest -n $(WORKERS) --dist loadfile --durations=25 --doctest-modules --nbval --nbval-current-env \
 		--nbval-sanitize-with tests/nbval_sanitize.cfg moe_kernels tests notebooks
 
+# JupyterLab on a working copy of the notebooks (.lab/, ignored by git): opening a notebook, running
+# it and autosave never touch the committed ones. The copy is made once; `make lab-reset` refreshes
+# it. As root (the default user of rented GPU containers) JupyterLab needs --allow-root.
+LAB_DIR := .lab
 lab: install
-	$(VENV)/bin/jupyter lab notebooks
+	test -d $(LAB_DIR) || cp -r notebooks $(LAB_DIR)
+	$(VENV)/bin/jupyter lab $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_DIR)
+
+lab-reset:
+	rm -rf $(LAB_DIR)
 
 bench: install
 	$(PY) -m moe_kernels.bench
@@ -59,4 +68,4 @@ notebooks: install
 	$(PY) tools/execute_notebooks.py notebooks/*.ipynb
 
 clean:
-	rm -rf _build .site
+	rm -rf _build .site $(LAB_DIR)

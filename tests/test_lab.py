@@ -330,3 +330,14 @@ def _check_explorer_responds(page):
     slider.evaluate("(e) => { e.value = String(Number(e.min) + 1); e.dispatchEvent(new Event('input', {bubbles: true})); }")
     page.wait_for_timeout(500)
     assert explorer.locator("svg").first.inner_html() != before, "the explorer did not redraw when its slider moved"
+
+
+def test_make_lab_serves_a_working_copy():
+    """`make lab` opens JupyterLab on .lab/ (a copy of the notebooks that git ignores), never on the
+    committed notebooks, and passes --allow-root exactly when it runs as root."""
+    plan = subprocess.run(["make", "-n", "lab"], cwd=ROOT, capture_output=True, text=True, timeout=60).stdout
+    launch = [line for line in plan.splitlines() if "jupyter lab" in line]
+    assert "cp -r notebooks .lab" in plan and launch and launch[-1].split()[-1] == ".lab", plan
+    assert ("--allow-root" in launch[-1]) == (os.geteuid() == 0), launch
+    ignored = subprocess.run(["git", "check-ignore", "-q", ".lab/01_symptom_in_bytes.ipynb"], cwd=ROOT)
+    assert ignored.returncode == 0, ".lab/ must be ignored by git"

@@ -40,9 +40,9 @@ RUN_KERNELS = textwrap.dedent(
     """
 )
 
+# (torch.compile imports torch._dynamo itself, so a separate torch._dynamo case adds nothing.)
 FIRST_IMPORTS = {
     "triton": "import triton, triton.language",
-    "torch._dynamo": "import torch._dynamo",
     "torch.compile": "import torch\ntorch.compile(lambda t: t + 1)",
     "transformers": "import transformers\nimport transformers.models.qwen3_moe.modeling_qwen3_moe",
 }
