@@ -46,7 +46,13 @@ book: install $(MATHJAX)
 # One worker per core (measured on 2 cores: a third worker made the run 1 minute slower).
 WORKERS ?= auto
 
+# One torch thread per worker: with a worker per core, torch's default (a thread per core in each
+# worker) oversubscribes the cores and OpenMP's waiting threads slow every small op (measured on 2
+# cores: two notebooks under 2 workers took 53 s, and 37 s with one thread each).
+TEST_THREADS ?= 1
+
 test: install book
+	OMP_NUM_THREADS=$(TEST_THREADS) \
 	$(PY) -m pytest -n $(WORKERS) --dist loadfile --durations=25 --doctest-modules --nbval --nbval-current-env \
 		--nbval-sanitize-with tests/nbval_sanitize.cfg moe_kernels tests notebooks
 

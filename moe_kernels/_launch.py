@@ -11,18 +11,21 @@ host Triton's path costs 11-25 microseconds per launch, longer than the GPU take
 signature goes through Triton (which compiles, or finds the kernel in its cache) and the compiled
 kernel is kept under a key that holds *more* than Triton's specialisation does:
 
-* a ``tl.constexpr`` parameter: its value (a tile size is part of the binary);
+* a ``tl.constexpr`` parameter: its type and value (a tile size is part of the binary);
 * a tensor: its dtype and whether its address is a multiple of 16;
 * an integer: equal to 1, a multiple of 16, fitting in 32 bits, fitting in 64 signed bits;
 * a bool, a string or None: its value; a float: only that it is a float;
-* the launch options (``num_warps``, ``debug``...), Triton's debug knob and the device.
+* the launch options (``num_warps``, ``debug``...), Triton's debug and instrumentation knobs
+  and the device.
 
 Later launches with the same key call the compiled kernel's launcher directly, with the arguments
 in Triton's order, exactly as Triton's own ``run`` does (hooks and launch metadata included, so a
 profiler still sees every launch). A key that over-distinguishes only costs one more lookup
 through Triton; one that under-distinguished would run the wrong binary, which is why the key errs
 on the side of more. Arguments of any other type (a TMA tensor descriptor, say), a callable grid,
-or a Triton whose ``run`` calls its launcher differently take Triton's own path.
+a kernel with pre-run hooks, a stages-inspection hook, or a Triton whose ``run`` calls its launcher
+differently take Triton's own path. (Triton's check that a kernel's global constants have not
+changed since it was compiled is skipped: this package's kernels read none.)
 ``MOE_KERNELS_LAUNCH_SHORTCUT=0`` turns the shortcut off.
 """
 
@@ -47,14 +50,16 @@ def _refuse(value):
 
 def argument_key(value, constexpr: bool):
     """What of one argument can change the compiled kernel (see the module docstring). The launch
-    computes the same thing inline, in :func:`arguments_key`."""
+    computes the same thing inline, in :func:`arguments_key`. A constexpr is keyed by its type and
+    ``repr``, as Triton's own key spells it: ``0.0`` and ``-0.0``, or ``(1,)`` and ``(True,)``,
+    compare equal in Python but are different kernels."""
     return arguments_key((value,), (constexpr,))[0]
 
 
 def arguments_key(values, constexprs) -> list:
     """:func:`argument_key` of every argument, as one comprehension: a function call per argument
     would cost more host time than the rest of the key."""
-    return [("constexpr", type(v), v) if c
+    return [("constexpr", type(v), repr(v)) if c
             else (v == 1, not v & 15, -_INT32 <= v < _INT32, -_INT64 <= v < _INT64) if type(v) is int
             else (v.dtype, not v.data_ptr() & 15) if isinstance(v, _Tensor)
             else (type(v), v) if type(v) in (bool, str) or v is None
@@ -109,15 +114,18 @@ def cached_launch_kernel_class():
             return lambda *args, **kwargs: self._launch(grid, args, kwargs)
 
         def _launch(self, grid, args, kwargs):
-            if not self.shortcut or callable(grid) or len(args) > len(self._names):
+            if (not self.shortcut or callable(grid) or len(args) > len(self._names) or self.pre_run_hooks
+                    or getattr(knobs.runtime, "add_stages_inspection_hook", None) is not None):
                 return self.run(*args, grid=grid, warmup=False, **kwargs)
             values, options = list(args), dict(kwargs)
             try:
                 for name in self._names[len(args):]:
                     values.append(options.pop(name) if name in options else self._defaults[name])
                 device = _current_device()
-                key = (device, knobs.runtime.debug, tuple(arguments_key(values, self._constexpr)),
-                       tuple(options.items()))
+                compilation = knobs.compilation
+                key = (device, knobs.runtime.debug, getattr(compilation, "instrumentation_mode", None),
+                       getattr(compilation, "fpsan_homomorphic_casts", None),
+                       tuple(arguments_key(values, self._constexpr)), tuple(options.items()))
                 compiled = self._compiled.get(key)
             except (_Uncacheable, KeyError, TypeError):   # odd arguments: Triton sorts them out (or says why)
                 return self.run(*args, grid=grid, warmup=False, **kwargs)

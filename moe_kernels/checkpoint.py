@@ -191,7 +191,9 @@ def _expect(name: str, tensor: torch.Tensor, shape: tuple) -> torch.Tensor:
 def load_layer(source, *, layer: int, config=None, dtype: torch.dtype | None = None,
                device="cpu") -> tuple[LayerWeights, Routing]:
     """``(LayerWeights, Routing)`` of MoE layer ``layer``; tensors cast to ``dtype`` (default: as
-    stored; the router and the bias stay float32) and moved to ``device``."""
+    stored) and moved to ``device``. The router keeps the dtype it is stored in (bf16 in the real
+    checkpoints: a GPU then computes its float32 logits on tensor cores, exact products, see
+    :func:`moe_kernels.kernels.routing.gate`); the bias and the scales stay float32."""
     if isinstance(layer, bool) or not isinstance(layer, int):
         fail(_FUNC, "layer", "must be an int >= 0", repr(layer), TypeError)
     if layer < 0:
@@ -257,7 +259,7 @@ def load_layer(source, *, layer: int, config=None, dtype: torch.dtype | None = N
     else:
         fail(_FUNC, "source", f"must hold layer {layer}'s experts ('{prefix}experts.0.gate_proj.weight' or "
              f"'{prefix}experts.gate_up_proj'): is it an MoE layer?", "neither is there")
-    router = take("gate.weight", (e, d), torch.float32, weight=False)
+    router = take("gate.weight", (e, d), None, weight=False)
     bias = take("gate.e_score_correction_bias", (e,), torch.float32, weight=False) \
         if prefix + "gate.e_score_correction_bias" in tensors else None
     shared_w13 = shared_w2 = shared_gate = None

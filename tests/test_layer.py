@@ -184,7 +184,9 @@ def test_loader_from_one_file_and_from_a_state_dict(tmp_path):
         ("sigmoid", 4, 2, 2.5)
     assert_same_weights(load_layer(state, layer=0, config=DS_CONFIG)[0], expected)
     bf16, _ = load_layer(state, layer=0, config=DS_CONFIG, dtype=torch.bfloat16)
-    assert bf16.w13.dtype == torch.bfloat16 and bf16.gate.dtype == torch.float32   # the router stays fp32
+    stored = state["model.layers.0.mlp.gate.weight"].dtype
+    assert bf16.w13.dtype == torch.bfloat16 and bf16.gate.dtype == stored   # the router keeps its stored dtype
+    assert bf16.bias.dtype == torch.float32
 
 
 def test_loader_errors_name_what_is_wrong(tmp_path):

@@ -250,6 +250,36 @@ def test_dense_expert_is_one_ffn_per_token(num_tokens, gated):
     if num_tokens:
         assert rel_err(out, want) < TOLERANCE[torch.float32]
     assert all(name == "index_gather.gemm" and settings["dense"] for name, settings in launches), launches
+    from moe_kernels._runtime import BACKEND
+    assert len(launches) == (2 if num_tokens and BACKEND != "torch" else 0), launches
+
+
+@pytest.mark.parametrize("fmt", ["none", "block"])
+def test_dense_expert_without_triton(fmt):
+    """The torch path of the dense expert (no Triton: macOS, MOE_KERNELS_BACKEND=torch), bf16-free
+    and fp8, against the per-token reference on the same quantised numbers."""
+    from unittest import mock
+
+    from moe_kernels.kernels.formats import FORMATS
+    from moe_kernels.reference import moe_reference_fp8
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 256, generator=g)
+    w1 = torch.randn(2 * 128, 256, generator=g) / 16
+    w2 = torch.randn(256, 128, generator=g) / 11
+    form = FORMATS[fmt]
+    scales = {}
+    if form.quantized:
+        (w1, s1), (w2, s2) = form.quantize_weight(w1[None]), form.quantize_weight(w2[None])
+        w1, w2, scales = w1[0], w2[0], dict(w1_scale=s1[0], w2_scale=s2[0])
+    config = MoEConfig(16, GemmTiles(16, 32), GemmTiles(16, 32))
+    with mock.patch.object(index_gather, "use_triton", lambda *tensors: False):
+        out = index_gather.dense_expert(x, w1, w2, fmt=form, config=config, **scales)
+    ids, weights = torch.zeros(3, 1, dtype=torch.int32), torch.ones(3, 1)
+    want = moe_reference(x, w1[None], w2[None], weights, ids) if not form.quantized else moe_reference_fp8(
+        x, w1[None], w2[None], weights, ids, w1_scale=scales["w1_scale"][None], w2_scale=scales["w2_scale"][None],
+        granularity=fmt, intermediate_dtype=x.dtype)
+    assert out.shape == (3, 256) and rel_err(out, want) < 1e-5
 
 
 def test_a_dense_block_map_is_checked_when_built_by_hand():

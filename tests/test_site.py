@@ -246,7 +246,8 @@ def test_skew_explorer_matches_closed_forms(server, offline):
                         _assert_close(readout("masked"), masked_rows)
                         _assert_close(readout("masked-bytes"),
                                       masked_rows * (model.hidden_size + model.moe_intermediate_size) * 2)
-                        if s == 0.35:  # the curves over s do not depend on s itself: check them once
+                        if s == 0.35 and rounding == "tile":  # the curves over s do not depend on s:
+                            # check them once per tile height (the 256 rounding is in the readouts)
                             for (sg, got_c), (_, got_m) in zip(series("contiguous"), series("masked")):
                                 pi_g = skew.inclusion_probabilities(skew.zipf_popularity(E, sg), k)
                                 _assert_close(got_c, skew.expected_contiguous_rows(B, pi_g, block) / (B * k))
@@ -275,6 +276,8 @@ def test_pages_fit_a_phone(server, browser, path):
             .map(p => getComputedStyle(p))
             .filter(style => style.whiteSpace !== 'pre' || !['auto', 'scroll'].includes(style.overflowX)).length""")
         assert wrapped == 0, f"{path}: {wrapped} code blocks wrap their lines or cannot scroll sideways"
+        if path == "notebooks/05_grouped_gemm.html":   # the page of the kernel listings has code to check
+            assert page.evaluate("document.querySelectorAll('article div.highlight pre').length") >= 7
     finally:
         context.close()
 

@@ -97,9 +97,12 @@ def layer_against_gemms(layer, x) -> dict:
         return run_experts(x, w.w13, w.w2, topk_weights, topk_ids, fmt=fmt, config=plan.config, blocks=blocks,
                            w1_scale=w.w13_scale, w2_scale=w.w2_scale, ids="trusted", activations=activations, add=add)
 
+    # A gated shared expert (Qwen2-MoE) is timed with its gate, computed here, outside the GEMMs.
+    shared_gate = None if w.shared_gate is None else torch.sigmoid(router_logits(x, w.shared_gate))
+
     def gemms():
         activations = fmt.quantize_activations(x) if fmt.quantized else None
-        shared = shared_expert_output(plan, x, w, None, activations) if separate_shared else None
+        shared = shared_expert_output(plan, x, w, shared_gate, activations) if separate_shared else None
         return routed(activations, shared)
 
     rounds = [tuple(median_ms(graphed(fn), 10, 50) for fn in (lambda: layer(x), gemms, routed)) for _ in range(2)]

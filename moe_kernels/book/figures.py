@@ -39,8 +39,16 @@ def use_chapter_style():
     matplotlib.rcParams.update(STYLE)
 
 
+def _figure_dir() -> Path:
+    """Where a notebook's figures go: ``figures/`` beside the running notebook (Jupyter runs it in
+    its own folder), so a working copy (``make lab``'s ``.lab/``, a test's temporary copy) writes
+    into its own copy; the package's ``notebooks/figures`` when there is none."""
+    here = Path.cwd() / "figures"
+    return here if here.is_dir() else FIGURE_DIR
+
+
 def save_figure(fig, name: str, directory: Path | None = None) -> None:
-    """Write ``fig`` as ``<directory or notebooks/figures>/<name>.svg`` (no timestamp, fixed ids, so
+    """Write ``fig`` as ``<directory or figures/ beside the notebook>/<name>.svg`` (no timestamp, fixed ids, so
     the file only changes when the picture does) and close it. Returns nothing, so a cell that ends
     with it has no output. A file whose picture differs only by float noise (another CPU's BLAS
     moving a coordinate in its sixth decimal) is left as it is: re-running the notebooks, as the
@@ -49,7 +57,7 @@ def save_figure(fig, name: str, directory: Path | None = None) -> None:
 
     import matplotlib.pyplot as plt
 
-    folder = directory or FIGURE_DIR
+    folder = directory or _figure_dir()
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{name}.svg"
     buffer = io.StringIO()

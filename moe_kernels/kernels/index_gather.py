@@ -61,7 +61,7 @@ from ._tile_gemm import (check_operands, check_out, dequantized, dot_precision, 
 from .blocks import (BlockAssignment, assign_blocks, assignments_by_block, build_blocks, check_blocks,  # noqa: F401
                      dense_blocks)
 from .combine import sum_slots
-from .config import GemmTiles, MoEConfig, check_block_m, check_config, check_tiles, get_config
+from .config import GemmTiles, MoEConfig, check_block_m, check_config, check_tiles, get_config, separate_sum_tiles
 from .formats import WeightFormat
 
 if HAS_TRITON:
@@ -316,7 +316,7 @@ def down(y, w2, topk_weights, blocks, *, tiles, out, a_scale, w_scale, fmt, sum_
         weights = torch.ones(num_tokens, device=y.device) if topk_weights is None else topk_weights.reshape(-1).float()
         per_slot = _rows_reference(yf, wf, blocks, num_tokens * top_k, 1, weights)
         per_slot = per_slot.view(num_tokens, top_k, d)
-        return out.add_(per_slot.sum(1)) if sum_slots else out.copy_(per_slot)
+        return out.add_(per_slot.sum(1)) if sum_slots else out.copy_(per_slot.view(out.shape))
     rerun = lambda y, w, out: down(y, w, topk_weights, blocks, tiles=tiles, out=out, a_scale=a_scale,  # noqa: E731
                                    w_scale=w_scale, fmt=fmt, sum_slots=sum_slots)
     if in_float32_under_interpreter(rerun, out, y, w2) is None:
@@ -438,9 +438,8 @@ def run_experts(hidden_states, w1, w2, topk_weights, topk_ids, *, fmt, config: M
     y, y_scale = fmt.quantize_activations(intermediate)
     down(y, w2, topk_weights if topk_weights.is_contiguous() else topk_weights.contiguous(), blocks,
          tiles=config.down, out=per_slot, a_scale=y_scale, w_scale=w2_scale, fmt=fmt, sum_slots=summed)
-    if summed:
-        out = per_slot.to(out_dtype)
-        return out if add is None else out.add_(add)
+    if summed:   # the addend joins the fp32 sum before its one rounding
+        return (per_slot if add is None else per_slot.add_(add)).to(out_dtype)
     if top_k == 1 and add is None:   # one slot per token: nothing to sum
         return per_slot.view(num_tokens, d)
     return sum_slots(per_slot, add=add)
@@ -463,8 +462,10 @@ def dense_expert(hidden_states, w1, w2, *, fmt, config: MoEConfig, w1_scale=None
             fmt=fmt)
     y, y_scale = fmt.quantize_activations(intermediate)
     out = torch.empty((num_tokens, d), device=device, dtype=out_dtype)
-    down(y, w2[None], None if weight is None else weight.reshape(num_tokens, 1), blocks, tiles=config.down,
-         out=out, a_scale=y_scale, w_scale=scales[1], fmt=fmt, sum_slots=False)
+    # One slot per row and a plain store: a K split (split_k > 1) would need the atomic sum.
+    down(y, w2[None], None if weight is None else weight.reshape(num_tokens, 1).contiguous(), blocks,
+         tiles=separate_sum_tiles(config), out=out, a_scale=y_scale, w_scale=scales[1], fmt=fmt,
+         sum_slots=False)
     return out
 
 

@@ -294,11 +294,16 @@ def topk_checked(hidden_states: Tensor, gating_output: Tensor, topk: int, renorm
     return weights, ids
 
 
+#: ``torch.mm(..., out_dtype=)`` (16-bit operands, float32 result) arrived in torch 2.8; older
+#: releases take the float32 path.
+_MM_OUT_DTYPE = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 8)
+
+
 def router_logits(hidden_states: Tensor, gate_weight: Tensor) -> Tensor:
     """:func:`gate` for operands already checked."""
     # >>> book: gate
     if (hidden_states.is_cuda and hidden_states.dtype in (torch.bfloat16, torch.float16)
-            and gate_weight.dtype == hidden_states.dtype):
+            and gate_weight.dtype == hidden_states.dtype and _MM_OUT_DTYPE):
         # Tensor cores: 16-bit operands, float32 sums, float32 logits (exact products).
         return torch.mm(hidden_states, gate_weight.t(), out_dtype=torch.float32)
     return torch.nn.functional.linear(hidden_states.float(), gate_weight.float())
