@@ -307,6 +307,14 @@ def test_every_reference_is_cited():
     assert keys and not set(keys) - cited, f"never cited: {sorted(set(keys) - cited)}"
 
 
+def test_every_section_ends_on_its_takeaway():
+    """Each notebook's last cell closes with its Takeaway admonition, after the exercises."""
+    for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        last = "".join(json.loads(path.read_text())["cells"][-1]["source"]).rstrip()
+        start = last.rfind("```{admonition} Takeaway")
+        assert start >= 0 and last.endswith("```") and "Exercise" not in last[start:], path.name
+
+
 def test_every_reference_says_what_to_read_it_for():
     """The references page's reading guide names every entry of book/references.bib."""
     keys = re.findall(r"^@\w+\{([^,]+),", (ROOT / "book" / "references.bib").read_text(), re.M)
