@@ -128,7 +128,9 @@ def test_pages_load_offline(server, offline, path):
 
 
 def _assert_touch_sized(page, root):
-    """Sliders and menus at least 32 px tall (a finger's target; the page's CSS px, any screen)."""
+    """Sliders and menus at least 32 px tall (a finger's target; the page's CSS px, any screen); and
+    the hint for pages whose JavaScript has not run is hidden once it has."""
+    assert page.evaluate(f"getComputedStyle(document.querySelector('{root} .moe-js-hint')).display") == "none"
     heights = page.evaluate(f"""() => [...document.querySelectorAll('{root} input, {root} select')]
         .map(c => c.getBoundingClientRect().height)""")
     assert heights and min(heights) >= 32, f"{root}: control heights {heights}"

@@ -31,6 +31,13 @@ from ..model.shapes import GPUS
 _ids = itertools.count()
 
 
+
+#: Shown until the explorer's script runs (it hides it): JupyterLab does not run an untrusted
+#: notebook's scripts, and a blank space would say nothing.
+_JS_HINT = ('<p class="moe-js-hint" style="font-size:13px;color:#8a4b00">These plots draw themselves with '
+            "JavaScript, which the page has not run yet. In JupyterLab, run this cell (or File &gt; Trust "
+            "Notebook, then reopen it).</p>")
+
 def batch_grid(max_batch: int = 16384, points_per_octave: int = 8) -> list[int]:
     """Integer batches from 1 to ``max_batch``, evenly spaced on a log axis (duplicates removed)."""
     grid, i = [], 0
@@ -175,6 +182,7 @@ def experts_touched_explorer(num_experts: int = 256, top_k: int = 8, bytes_per_w
     )
     body = f"""
 <div class="moe-explorer" id="{uid}" style="font-family:sans-serif;font-size:13px;max-width:880px">
+{_JS_HINT}
 <script type="application/json" class="moe-explorer-config">{json.dumps(config)}</script>
 <div style="display:flex;flex-wrap:wrap;gap:14px;align-items:center;margin-bottom:6px">
 <label>E <input type="range" style="height:32px;min-width:120px" name="E" min="8" max="512" step="8" value="{num_experts}"> <output for="E">{num_experts}</output></label>
@@ -273,6 +281,7 @@ def padding_skew_explorer(model: str = "deepseek-v3", s: float = 1.0, batch: int
     log_batch = batch.bit_length() - 1
     body = f"""
 <div class="moe-skew-explorer" id="{uid}" style="font-family:sans-serif;font-size:13px;max-width:880px">
+{_JS_HINT}
 <script type="application/json" class="moe-skew-config">{json.dumps(config)}</script>
 <div style="display:flex;flex-wrap:wrap;gap:14px;align-items:center;margin-bottom:6px">
 <label>model <select style="min-height:32px;font-size:14px" name="model">{model_html}</select></label>

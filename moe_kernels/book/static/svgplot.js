@@ -110,6 +110,9 @@
       for (var i = 0; i < roots.length; i++) {
         if (roots[i].getAttribute("data-ready") === "1") continue;
         roots[i].setAttribute("data-ready", "1");
+        // The script runs: the hint for readers whose page has not run it (JupyterLab) goes.
+        var hint = roots[i].querySelector(".moe-js-hint");
+        if (hint) hint.style.display = "none";
         setup(roots[i]);
       }
     }
