@@ -18,6 +18,9 @@ kernel is kept under a key that holds *more* than Triton's specialisation does:
 * the launch options (``num_warps``, ``debug``...), Triton's debug and instrumentation knobs
   and the device.
 
+The key is built cheaply: how a call site passes its arguments (how many positionally, which by
+name, which are launch options) is worked out once per site, the constexprs are keyed as one tuple
+in C (``map``), and only the other arguments, tensors and integers, take a Python-level step each.
 Later launches with the same key call the compiled kernel's launcher directly, with the arguments
 in Triton's order, exactly as Triton's own ``run`` does (hooks and launch metadata included, so a
 profiler still sees every launch). A key that over-distinguishes only costs one more lookup
@@ -40,6 +43,9 @@ _INT64 = 2**63
 _Tensor = torch.Tensor
 
 
+_UNSEEN = object()
+
+
 class _Uncacheable(Exception):
     """An argument whose effect on the compiled kernel the key cannot describe."""
 
@@ -49,23 +55,32 @@ def _refuse(value):
 
 
 def argument_key(value, constexpr: bool):
-    """What of one argument can change the compiled kernel (see the module docstring). The launch
-    computes the same thing inline, in :func:`arguments_key`. A constexpr is keyed by its type and
-    ``repr``, as Triton's own key spells it: ``0.0`` and ``-0.0``, or ``(1,)`` and ``(True,)``,
-    compare equal in Python but are different kernels."""
-    return arguments_key((value,), (constexpr,))[0]
+    """What of one argument can change the compiled kernel (see the module docstring); the launch
+    keys its arguments the same way, all at once (:func:`constexprs_key`, :func:`runtime_key`)."""
+    return constexprs_key((value,)) if constexpr else runtime_key((value,))[0]
 
 
-def arguments_key(values, constexprs) -> list:
-    """:func:`argument_key` of every argument, as one comprehension: a function call per argument
-    would cost more host time than the rest of the key."""
-    return [("constexpr", type(v), repr(v)) if c
+def constexprs_key(values: tuple) -> tuple:
+    """The key of a kernel's ``tl.constexpr`` values: the values with their types (``64`` and
+    ``128`` are two binaries; so are ``1`` and ``True``, equal in Python). A float or a tuple is
+    keyed by its ``repr``, as Triton's own key spells it: ``0.0`` and ``-0.0``, or ``(1,)`` and
+    ``(True,)``, compare equal but are different kernels. Built with ``map`` (in C): a constexpr
+    costs next to nothing, where a Python-level step per argument would not."""
+    types = tuple(map(type, values))
+    if float in types or tuple in types:
+        return types, tuple(map(repr, values))
+    return types, values
+
+
+def runtime_key(values) -> list:
+    """The key of a kernel's other arguments, in one comprehension (a function call per argument
+    would cost more host time than the rest of the launch)."""
+    return [(v.dtype, not v.data_ptr() & 15) if isinstance(v, _Tensor)
             else (v == 1, not v & 15, -_INT32 <= v < _INT32, -_INT64 <= v < _INT64) if type(v) is int
-            else (v.dtype, not v.data_ptr() & 15) if isinstance(v, _Tensor)
             else (type(v), v) if type(v) in (bool, str) or v is None
             else float if type(v) is float
             else _refuse(v)
-            for v, c in zip(values, constexprs)]
+            for v in values]
 
 
 def _launcher_call_matches() -> bool:
@@ -109,25 +124,51 @@ def cached_launch_kernel_class():
             self._constexpr = [p.is_constexpr for p in self.params]
             self._defaults = {p.name: p.default for p in self.params if p.has_default}
             self._compiled = {}
+            self._call_shapes = {}
 
         def __getitem__(self, grid):
             return lambda *args, **kwargs: self._launch(grid, args, kwargs)
 
+        def _call_shape(self, num_args: int, keywords: tuple):
+            """How a call that passes ``num_args`` positional arguments and ``keywords`` (in that
+            order) maps onto the parameters, worked out once per call site: the keyword
+            parameters in parameter order, whether defaults must fill gaps, the launch options,
+            and which positions hold constexprs. None: an odd call, left to Triton."""
+            names = self._names
+            if num_args > len(names) or any(k in names[:num_args] for k in keywords):
+                return None
+            tail = tuple(names[num_args:])
+            missing = [n for n in tail if n not in keywords]
+            if any(n not in self._defaults for n in missing):
+                return None
+            options = tuple(k for k in keywords if k not in names)
+            constexpr = [i for i, c in enumerate(self._constexpr) if c]
+            runtime = [i for i, c in enumerate(self._constexpr) if not c]
+            return tail, bool(missing), options, constexpr, runtime
+
         def _launch(self, grid, args, kwargs):
-            if (not self.shortcut or callable(grid) or len(args) > len(self._names) or self.pre_run_hooks
+            if (not self.shortcut or callable(grid) or self.pre_run_hooks
                     or getattr(knobs.runtime, "add_stages_inspection_hook", None) is not None):
                 return self.run(*args, grid=grid, warmup=False, **kwargs)
-            values, options = list(args), dict(kwargs)
+            site = (len(args), tuple(kwargs))
+            shape = self._call_shapes.get(site, _UNSEEN)
+            if shape is _UNSEEN:
+                shape = self._call_shapes[site] = self._call_shape(*site)
+            if shape is None:
+                return self.run(*args, grid=grid, warmup=False, **kwargs)
+            tail, fill, options, constexpr, runtime = shape
+            named = {**self._defaults, **kwargs} if fill else kwargs
+            values = args + tuple(map(named.__getitem__, tail))
             try:
-                for name in self._names[len(args):]:
-                    values.append(options.pop(name) if name in options else self._defaults[name])
                 device = _current_device()
                 compilation = knobs.compilation
-                key = (device, knobs.runtime.debug, getattr(compilation, "instrumentation_mode", None),
+                key = (site, device, knobs.runtime.debug, getattr(compilation, "instrumentation_mode", None),
                        getattr(compilation, "fpsan_homomorphic_casts", None),
-                       tuple(arguments_key(values, self._constexpr)), tuple(options.items()))
+                       constexprs_key(tuple(map(values.__getitem__, constexpr))),
+                       tuple(runtime_key(map(values.__getitem__, runtime))),
+                       tuple(map(kwargs.__getitem__, options)))
                 compiled = self._compiled.get(key)
-            except (_Uncacheable, KeyError, TypeError):   # odd arguments: Triton sorts them out (or says why)
+            except (_Uncacheable, TypeError):   # odd arguments: Triton sorts them out (or says why)
                 return self.run(*args, grid=grid, warmup=False, **kwargs)
             if compiled is None:
                 compiled = self.run(*args, grid=grid, warmup=False, **kwargs)
@@ -136,8 +177,8 @@ def cached_launch_kernel_class():
                 return compiled
             # Triton's own launch (JITFunction.run): with hooks, the same hooks and metadata.
             stream = torch._C._cuda_getCurrentRawStream(device)
-            runtime = knobs.runtime
-            enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+            runtime_knobs = knobs.runtime
+            enter, leave = runtime_knobs.launch_enter_hook, runtime_knobs.launch_exit_hook
             if _no_hooks(enter) and _no_hooks(leave):
                 enter = leave = metadata = None
             else:

@@ -208,6 +208,22 @@ def _check_interpreter() -> bool:
     return _interpreter_ok
 
 
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for host code. ``triton.cdiv`` is a ``constexpr_function``: called from
+    Python it converts its arguments through Triton's constexpr machinery and costs about as
+    much as a ``torch.empty`` (3-4 us), which a decode call would pay several times over."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two ``>= n`` (1 for ``n <= 1``), for host code (see :func:`cdiv`).
+
+        >>> [next_power_of_2(n) for n in (0, 1, 5, 8, 129)]
+        [1, 1, 8, 8, 256]
+    """
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
 def use_triton(*tensors: torch.Tensor) -> bool:
     """True when the Triton kernel should run for these tensors.
 
@@ -219,7 +235,10 @@ def use_triton(*tensors: torch.Tensor) -> bool:
         return False
     if INTERPRET:
         return all(t.device.type == "cpu" for t in tensors) and _check_interpreter()
-    return all(t.is_cuda for t in tensors)
+    for t in tensors:   # a loop, not all(<generator>): this runs several times per decode call
+        if not t.is_cuda:
+            return False
+    return True
 
 
 def interpreted_bf16(*tensors: torch.Tensor) -> bool:

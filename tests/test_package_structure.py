@@ -102,3 +102,18 @@ def test_long_modules_say_why():
         if lines > 400 and "Over 400 lines" not in (ast.get_docstring(ast.parse(text)) or ""):
             unexplained.append(f"{path.relative_to(PACKAGE.parent)} ({lines} lines)")
     assert not unexplained, "over 400 lines with no reason at the top: " + ", ".join(unexplained)
+
+
+def test_host_code_does_not_call_tritons_constexpr_functions():
+    """``triton.cdiv`` and ``triton.next_power_of_2`` are ``constexpr_function``s: called from host
+    Python each costs about a ``torch.empty`` (measured on the H200's host), several times per
+    decode call. Host code uses ``moe_kernels._runtime.cdiv`` and ``next_power_of_2`` instead."""
+    from moe_kernels._runtime import cdiv, next_power_of_2
+
+    assert [cdiv(a, 16) for a in (0, 1, 16, 17)] == [0, 1, 1, 2]
+    assert [next_power_of_2(n) for n in (1, 2, 3, 1024, 1025)] == [1, 2, 4, 1024, 2048]
+    callers = [f"{path.relative_to(PACKAGE.parent)}:{number}"
+               for path in sorted(PACKAGE.rglob("*.py"))
+               for number, line in enumerate(path.read_text().splitlines(), 1)
+               if "triton.cdiv(" in line or "triton.next_power_of_2(" in line]
+    assert not callers, "host calls of Triton's constexpr functions: " + ", ".join(callers)

@@ -130,6 +130,13 @@ def test_launch_key_takes_a_constexpr_by_value():
     compiled_kernel = cached_launch_kernel_class()(probe)
     assert compiled_kernel._constexpr == [False, False, True, True]
     assert compiled_kernel._defaults == {"FLAG": False}
+    # How a call site's arguments map onto the parameters (worked out once per site):
+    # (keyword parameters in order, defaults needed, launch options, constexpr and runtime positions).
+    assert compiled_kernel._call_shape(2, ("BLOCK_M",)) == (("BLOCK_M", "FLAG"), True, (), [2, 3], [0, 1])
+    assert compiled_kernel._call_shape(2, ("FLAG", "num_warps", "BLOCK_M")) == (
+        ("BLOCK_M", "FLAG"), False, ("num_warps",), [2, 3], [0, 1])
+    assert compiled_kernel._call_shape(1, ("x_ptr", "BLOCK_M")) is None   # a positional one named again
+    assert compiled_kernel._call_shape(2, ("FLAG",)) is None              # BLOCK_M missing: Triton says so
 
 
 @pytest.mark.gpu

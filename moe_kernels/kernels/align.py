@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import torch
 
-from .._runtime import HAS_TRITON, device_assert_options, kernel, note_launch, tl, triton, use_triton
+from .._runtime import HAS_TRITON, cdiv, device_assert_options, kernel, next_power_of_2, note_launch, tl, use_triton
 from .._checks import check_ids_in_range, check_int, check_tensor, device_id_check, fail
 
 __all__ = [
@@ -273,22 +273,22 @@ def _launch_alignment(topk_ids, block_size, num_experts, sorted_ids, expert_ids,
     """Run the Triton alignment of contiguous ``topk_ids`` into preallocated int32 buffers
     (``id_check``: the message of the device-side id assert, or "" for none)."""
     numel = topk_ids.numel()
-    num_bins = max(32, triton.next_power_of_2(num_experts))
-    fill_programs = triton.cdiv(sorted_ids.numel(), _FILL_ROWS_PER_PROGRAM)
+    num_bins = max(32, next_power_of_2(num_experts))
+    fill_programs = cdiv(sorted_ids.numel(), _FILL_ROWS_PER_PROGRAM)
     if numel <= SINGLE_LAUNCH_MAX_NUMEL:
         tile, warps = _SINGLE_TILE, _SINGLE_WARPS
         chunk_size = tile
-        num_chunks = triton.cdiv(numel, chunk_size)
+        num_chunks = cdiv(numel, chunk_size)
         chunk_counts = topk_ids  # never read: every program counts the ids itself
     else:
         tile, warps = _MULTI_TILE, _MULTI_WARPS
-        chunk_size = tile * triton.cdiv(numel, tile * MAX_CHUNKS)
-        num_chunks = triton.cdiv(numel, chunk_size)
+        chunk_size = tile * cdiv(numel, tile * MAX_CHUNKS)
+        num_chunks = cdiv(numel, chunk_size)
         chunk_counts = torch.empty(num_chunks * num_bins, dtype=torch.int32, device=topk_ids.device)
         _chunk_count_kernel[(num_chunks,)](
             topk_ids, chunk_counts, numel, num_experts, chunk_size,
             NUM_BINS=num_bins, COUNT_TILE=_COUNT_TILE, num_warps=warps)
-    pad_tile = min(triton.next_power_of_2(max(block_size - 1, 1)), _MAX_PAD_TILE)
+    pad_tile = min(next_power_of_2(max(block_size - 1, 1)), _MAX_PAD_TILE)
     note_launch("align.moe_align_block_size", block_size=block_size, launches=1 + (numel > SINGLE_LAUNCH_MAX_NUMEL),
                 id_check=bool(id_check))
     _align_kernel[(max(num_chunks, fill_programs, 1),)](

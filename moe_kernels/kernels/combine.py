@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from .._checks import FLOAT_DTYPES, check_tensor, fail
-from .._runtime import HAS_TRITON, kernel, note_launch, tl, triton, use_triton
+from .._runtime import HAS_TRITON, cdiv, kernel, next_power_of_2, note_launch, tl, use_triton
 from ._tile_gemm import check_out, in_float32_under_interpreter
 
 if HAS_TRITON:
@@ -84,9 +84,9 @@ def sum_slots(x: torch.Tensor, out: torch.Tensor | None = None, add: torch.Tenso
     if in_float32_under_interpreter(lambda x, *extra, out: sum_slots(x, out, *extra), out, x,
                                     *(() if add is None else (add,))) is not None:
         return out
-    block_d = min(1024, triton.next_power_of_2(d))
+    block_d = min(1024, next_power_of_2(d))
     note_launch("combine.moe_sum", top_k=top_k, block_d=block_d, add=add is not None)
-    _moe_sum_kernel[(num_tokens, triton.cdiv(d, block_d))](
+    _moe_sum_kernel[(num_tokens, cdiv(d, block_d))](
         x, out, x if add is None else add, d, x.stride(0), x.stride(1), out.stride(0),
         0 if add is None else add.stride(0), TOP_K=top_k, BLOCK_D=block_d, HAS_ADD=add is not None, num_warps=4)
     return out
@@ -125,11 +125,11 @@ def unpermute(y_rows: torch.Tensor, src2dst: torch.Tensor, topk_weights: torch.T
     rerun = lambda y, out: unpermute(y, src2dst, topk_weights, out=out)  # noqa: E731
     if in_float32_under_interpreter(rerun, out, y_rows) is not None:
         return out
-    block_d = min(triton.next_power_of_2(hidden_size), 512)
-    _unpermute_kernel[(num_tokens, triton.cdiv(hidden_size, block_d))](
+    block_d = min(next_power_of_2(hidden_size), 512)
+    _unpermute_kernel[(num_tokens, cdiv(hidden_size, block_d))](
         y_rows, y_rows.stride(0), y_rows.shape[0], src2dst, topk_weights, topk_weights.stride(0),
         out, out.stride(0), topk, hidden_size,
-        BLOCK_TOPK=max(triton.next_power_of_2(topk), 2), BLOCK_D=block_d, num_warps=4,
+        BLOCK_TOPK=max(next_power_of_2(topk), 2), BLOCK_D=block_d, num_warps=4,
     )
     return out
 

@@ -40,12 +40,21 @@ activation scales.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
 from .._checks import FLOAT_DTYPES, check_tensor, fail
 from .quant import (FP8, dequantize_activations, dequantize_weight, quantize_activations,
                     quantize_weight)
+
+
+@functools.lru_cache(maxsize=256)
+def _fp8_tiles(tiles, top: int):
+    """``tiles`` with an fp8 K step (see :meth:`WeightFormat.gemm_tiles`), kept per tile set:
+    ``dataclasses.replace`` would otherwise cost every GEMM launch several microseconds."""
+    block_k = min(top, max(32, tiles.block_k))
+    return tiles if block_k == tiles.block_k else dataclasses.replace(tiles, block_k=block_k)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,9 +125,7 @@ class WeightFormat:
         K step must not straddle two scale blocks); others unchanged."""
         if not self.quantized:
             return tiles
-        top = self.block[1] if self.block else 128
-        block_k = min(top, max(32, tiles.block_k))
-        return tiles if block_k == tiles.block_k else dataclasses.replace(tiles, block_k=block_k)
+        return _fp8_tiles(tiles, self.block[1] if self.block else 128)
 
     def scale_arguments(self, a: torch.Tensor, w: torch.Tensor, a_scale, w_scale) -> tuple:
         """The GEMM core's scale arguments ``(a_scale, stride_as, w_scale, stride_wse,

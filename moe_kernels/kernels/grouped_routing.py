@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from .._checks import check_int, check_number, check_tensor, fail
-from .._runtime import HAS_TRITON, INTERPRET, kernel, note_launch, tl, triton, use_triton
+from .._runtime import HAS_TRITON, INTERPRET, cdiv, kernel, next_power_of_2, note_launch, tl, use_triton
 from .routing import _FLOAT_DTYPES, _check_common, _empty_outputs, _launch_config, _rank_descending, _scores
 
 if HAS_TRITON:
@@ -207,17 +207,17 @@ def grouped_topk_checked(hidden_states, gating_output, topk, renormalize, num_ex
     weights, ids = _empty_outputs(num_tokens, topk, gating_output.device)
     if num_tokens == 0:
         return weights, ids
-    g_pad = triton.next_power_of_2(num_expert_group)
-    s_pad = triton.next_power_of_2(experts_per_group)
+    g_pad = next_power_of_2(num_expert_group)
+    s_pad = next_power_of_2(experts_per_group)
     block_t, num_warps = _launch_config(num_tokens, g_pad * s_pad)
     has_bias = e_score_correction_bias is not None
     note_launch("routing.grouped_topk", block_t=block_t, scoring=scoring_func, bias=has_bias)
-    _grouped_topk_kernel[(triton.cdiv(num_tokens, block_t),)](
+    _grouped_topk_kernel[(cdiv(num_tokens, block_t),)](
         gating_output, e_score_correction_bias if has_bias else gating_output, weights, ids,
         num_tokens, gating_output.stride(0), num_expert_group, experts_per_group, topk_group,
         topk, renormalize, float(routed_scaling_factor),
         USE_SIGMOID=scoring_func == "sigmoid", HAS_BIAS=has_bias, PRECISE=not INTERPRET,
         BLOCK_T=block_t,
-        G_PAD=g_pad, S_PAD=s_pad, K_PAD=triton.next_power_of_2(topk), num_warps=num_warps,
+        G_PAD=g_pad, S_PAD=s_pad, K_PAD=next_power_of_2(topk), num_warps=num_warps,
     )
     return weights, ids

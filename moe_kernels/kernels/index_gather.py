@@ -55,7 +55,7 @@ import functools
 import torch
 
 from .._checks import FLOAT_DTYPES, check_ids_in_range, check_int, check_moe_inputs, check_tensor, fail
-from .._runtime import HAS_TRITON, device_assert_options, kernel, note_launch, recording, tl, triton, use_triton
+from .._runtime import HAS_TRITON, cdiv, device_assert_options, kernel, note_launch, recording, tl, use_triton
 from ._tile_gemm import (check_operands, check_out, dequantized, dot_precision, expert_rows_product,
                          in_float32_under_interpreter, output_dtype, weight_descriptor)
 from .blocks import (BlockAssignment, assign_blocks, assignments_by_block, build_blocks, check_blocks,  # noqa: F401
@@ -188,14 +188,20 @@ def _programs_per_device(device: torch.device) -> int:
     """A persistent grid: one program per SM (the interpreter has no SMs; a few programs will do)."""
     if device.type != "cuda":
         return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(index: int) -> int:
+    """The SM count of GPU ``index``, asked once (torch's query costs microseconds per launch)."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _launch(a, w, out, topk_weights, blocks: BlockAssignment, *, n_out: int, top_k: int, gated: bool,
             tiles: GemmTiles, scales: tuple, sum_top_k: int = 0) -> None:
     num_valid_rows = a.shape[0] * top_k
     k_in = a.shape[1]
-    num_tiles = blocks.num_m_blocks * triton.cdiv(n_out, tiles.block_n) * tiles.split_k
+    num_tiles = blocks.num_m_blocks * cdiv(n_out, tiles.block_n) * tiles.split_k
     if num_tiles == 0 or n_out == 0:
         return
     grid = (min(num_tiles, _programs_per_device(a.device)) if tiles.persistent else num_tiles,)

@@ -40,7 +40,7 @@ from typing import NamedTuple
 import torch
 
 from .._checks import check_dispatch_inputs, check_int, check_moe_inputs, check_tensor, device_id_check, fail
-from .._runtime import HAS_TRITON, device_assert_options, kernel, note_launch, tl, triton, use_triton
+from .._runtime import HAS_TRITON, cdiv, device_assert_options, kernel, next_power_of_2, note_launch, tl, use_triton
 from ..model.buffers import expert_counts, m_max_token_budget
 from ._tile_gemm import check_out, dot_precision, expert_rows_product, gemm_width, in_float32_under_interpreter
 from .combine import unpermute
@@ -157,11 +157,11 @@ def masked_dispatch(hidden_states: torch.Tensor, topk_ids: torch.Tensor, num_exp
     counts = torch.zeros(num_experts, dtype=torch.int32, device=rows.device)
     src2dst = torch.empty(num_tokens, topk, dtype=torch.int32, device=rows.device)
     if num_tokens * topk:
-        block_a, block_d = 16, min(triton.next_power_of_2(max(hidden_size, 1)), 256)
+        block_a, block_d = 16, min(next_power_of_2(max(hidden_size, 1)), 256)
         # (m_max stays out of the message: a message is a compile-time constant, one kernel per text.)
         overflow = f"{func}: argument 'm_max' is smaller than the hottest expert's row count (no token may be dropped)"
         note_launch("masked.dispatch", id_check=bool(id_check))
-        _masked_dispatch_kernel[(triton.cdiv(num_tokens * topk, block_a),)](
+        _masked_dispatch_kernel[(cdiv(num_tokens * topk, block_a),)](
             hidden_states, hidden_states.stride(0), topk_ids, topk_ids.stride(0),
             rows, rows.stride(0), rows.stride(1), counts, src2dst,
             num_tokens * topk, topk, num_experts, m_max, hidden_size,
@@ -227,8 +227,8 @@ def grouped_gemm_masked(x: torch.Tensor, w: torch.Tensor, masked_m: torch.Tensor
                                                   config=config, which=which)
     if in_float32_under_interpreter(rerun, result, x, w) is not None:
         return result
-    tiles_per_expert = triton.cdiv(m_max, config.block_m)
-    _masked_gemm_kernel[(num_experts * tiles_per_expert, triton.cdiv(n, tiles.block_n))](
+    tiles_per_expert = cdiv(m_max, config.block_m)
+    _masked_gemm_kernel[(num_experts * tiles_per_expert, cdiv(n, tiles.block_n))](
         x, x.stride(0), x.stride(1), w, w.stride(0), w.stride(1), result, result.stride(0), result.stride(1),
         masked_m, m_max, tiles_per_expert, n, k,
         GATED=silu_mul, EVEN_K=k % tiles.block_k == 0, INPUT_PRECISION=dot_precision(x.dtype),

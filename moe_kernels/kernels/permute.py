@@ -58,7 +58,7 @@ from typing import NamedTuple
 import torch
 
 from .._checks import check_dispatch_inputs, check_int, check_moe_inputs, check_tensor, fail
-from .._runtime import HAS_TRITON, kernel, note_launch, tl, triton, use_triton
+from .._runtime import HAS_TRITON, cdiv, kernel, next_power_of_2, note_launch, tl, use_triton
 from ..model.buffers import expert_counts, max_padded_rows
 from ._tile_gemm import (check_operands, check_out, dequantized, dot_precision, expert_rows_product, gemm_width,
                          in_float32_under_interpreter, output_dtype)
@@ -191,8 +191,8 @@ def permute(hidden_states: torch.Tensor, topk_ids: torch.Tensor, num_experts: in
     m_indices = torch.empty(num_rows, dtype=torch.int32, device=rows.device)
     src2dst = torch.full((num_tokens, topk), -1, dtype=torch.int32, device=rows.device)
     if num_rows:
-        block_rows, block_d = 16, min(triton.next_power_of_2(max(hidden_size, 1)), 256)
-        _permute_rows_kernel[(triton.cdiv(num_rows, block_rows),)](
+        block_rows, block_d = 16, min(next_power_of_2(max(hidden_size, 1)), 256)
+        _permute_rows_kernel[(cdiv(num_rows, block_rows),)](
             hidden_states, hidden_states.stride(0), sorted_ids, block_experts, rows, rows.stride(0),
             m_indices, src2dst, num_rows, num_assignments, topk, hidden_size, align,
             BLOCK_ROWS=block_rows, BLOCK_D=block_d, num_warps=4,
@@ -266,7 +266,7 @@ def grouped_gemm_contiguous(x: torch.Tensor, w: torch.Tensor, m_indices: torch.T
         return result
     scales = fmt.scale_arguments(x, w, x_scale, w_scale)
     note_launch("permute.gemm", gemm=which, block_m=config.block_m, tiles=tiles, scales=scales[6])
-    _contiguous_gemm_kernel[(num_rows // config.block_m, triton.cdiv(n, tiles.block_n))](
+    _contiguous_gemm_kernel[(num_rows // config.block_m, cdiv(n, tiles.block_n))](
         x, x.stride(0), w, w.stride(0), w.stride(1), result, result.stride(0),
         m_indices, num_rows, w.shape[0], n, k, *scales[:6],
         GATED=silu_mul, EVEN_K=k % tiles.block_k == 0, INPUT_PRECISION=dot_precision(x.dtype), SCALES=scales[6],

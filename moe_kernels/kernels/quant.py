@@ -43,7 +43,7 @@ import torch
 
 from .._checks import FLOAT_DTYPES, check_int, check_tensor, fail
 from .. import _runtime
-from .._runtime import HAS_TRITON, kernel, note_launch, tl, triton, use_triton
+from .._runtime import HAS_TRITON, cdiv, kernel, note_launch, tl, use_triton
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -89,9 +89,15 @@ def per_token_group_quant_fp8(x: torch.Tensor, group_size: int = GROUP) -> tuple
     check_int(func, "group_size", group_size, lo=16)
     if group_size & (group_size - 1):
         fail(func, "group_size", "must be a power of two", group_size)
-    num_rows, k = x.shape
-    if k % group_size:
+    if x.shape[1] % group_size:
         fail(func, "x", f"must have a multiple of group_size={group_size} columns", f"shape {tuple(x.shape)}")
+    return quant_groups(x, group_size)
+
+
+def quant_groups(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`per_token_group_quant_fp8` without its checks (``group_size`` a power of two that
+    divides ``K``): what a weight format calls on activations the layer has checked already."""
+    num_rows, k = x.shape
     q = torch.empty(num_rows, k, dtype=FP8, device=x.device)
     s = torch.empty(num_rows, k // group_size, dtype=torch.float32, device=x.device)
     # Triton's interpreter (3.9) rounds fp32 -> fp8 wrongly when the rounding carries into the
@@ -101,7 +107,7 @@ def per_token_group_quant_fp8(x: torch.Tensor, group_size: int = GROUP) -> tuple
         return q.copy_(q_ref), s.copy_(s_ref)
     rows = 4
     note_launch("quant.groups", group_size=group_size)
-    _quant_groups_kernel[(triton.cdiv(num_rows, rows), k // group_size)](
+    _quant_groups_kernel[(cdiv(num_rows, rows), k // group_size)](
         x, x.stride(0), q, q.stride(0), s, s.stride(0), num_rows, k, GROUP_SIZE=group_size, ROWS=rows, num_warps=4)
     return q, s
 
@@ -122,10 +128,11 @@ def quantize_activations(x: torch.Tensor, scheme: str, *, reference: bool = Fals
     token's outlier or ``inf`` would then reach every token, but the chapter shows what it does).
     ``reference`` takes the torch path for the groups too (the others are torch always)."""
     if scheme == "group":
-        if reference:
-            _check_activations("per_token_group_quant_fp8", x)
-            return per_token_group_quant_fp8_reference(x, group)
-        return per_token_group_quant_fp8(x, group)
+        _check_activations("per_token_group_quant_fp8", x)
+        if x.shape[1] % group:
+            fail("per_token_group_quant_fp8", "x", f"must have a multiple of group_size={group} columns",
+                 f"shape {tuple(x.shape)}")
+        return per_token_group_quant_fp8_reference(x, group) if reference else quant_groups(x, group)
     func = "quantize_activations"
     _check_activations(func, x)
     xf = x.float()

@@ -37,7 +37,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._runtime import HAS_TRITON, INTERPRET, kernel, note_launch, tl, triton, use_triton
+from .._runtime import HAS_TRITON, INTERPRET, cdiv, kernel, next_power_of_2, note_launch, tl, triton, use_triton
 from .._checks import check_int, check_number, check_tensor, fail
 
 __all__ = ["gate", "fused_topk", "fused_topk_reference", "append_shared_expert"]
@@ -230,7 +230,7 @@ if HAS_TRITON:
 
 def _launch_config(num_tokens: int, tile_columns: int) -> tuple[int, int]:
     """(tokens per program, warps): fill about _TILE_ELEMENTS, never more tokens than exist."""
-    block_t = max(1, min(_TILE_ELEMENTS // tile_columns, triton.next_power_of_2(num_tokens)))
+    block_t = max(1, min(_TILE_ELEMENTS // tile_columns, next_power_of_2(num_tokens)))
     tile = block_t * tile_columns
     num_warps = 4 if tile >= 1024 else (2 if tile >= 512 else 1)
     return block_t, num_warps
@@ -282,14 +282,14 @@ def topk_checked(hidden_states: Tensor, gating_output: Tensor, topk: int, renorm
     weights, ids = _empty_outputs(num_tokens, topk, gating_output.device)
     if num_tokens == 0:
         return weights, ids
-    e_pad = triton.next_power_of_2(num_experts)
+    e_pad = next_power_of_2(num_experts)
     block_t, num_warps = _launch_config(num_tokens, e_pad)
     note_launch("routing.fused_topk", block_t=block_t, scoring=scoring_func)
-    _fused_topk_kernel[(triton.cdiv(num_tokens, block_t),)](
+    _fused_topk_kernel[(cdiv(num_tokens, block_t),)](
         gating_output, weights, ids,
         num_tokens, num_experts, gating_output.stride(0), topk, renormalize,
         USE_SIGMOID=scoring_func == "sigmoid", PRECISE=not INTERPRET, BLOCK_T=block_t, E_PAD=e_pad,
-        K_PAD=triton.next_power_of_2(topk), num_warps=num_warps,
+        K_PAD=next_power_of_2(topk), num_warps=num_warps,
     )
     return weights, ids
 
