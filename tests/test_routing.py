@@ -409,3 +409,20 @@ def test_qwen3_routing_on_gpu(num_tokens):
     logits = random_logits(num_tokens, 128, seed=num_tokens, dtype=torch.bfloat16)
     args = (tokens(num_tokens), logits, 8, True, "softmax")
     assert_same_routing(fused_topk(*args), fused_topk_reference(*args))
+
+
+@needs_gpu
+@pytest.mark.parametrize("model", ["qwen3-30b-a3b", "deepseek-v3"])
+@pytest.mark.parametrize("skewed", [False, True])
+def test_tensor_core_gate_picks_the_float64_experts_away_from_ties(model, skewed):
+    """The gate on tensor cores (bf16 operands, float32 sums) routes 4096 tokens of the model's real
+    shape to the experts float64 logits pick, but for at most 0.1% of them; for plain top-k every
+    such token is a near-tie (its float64 logits at the top-k boundary closer than twice the gate's
+    largest error). The recorded run over 8 draws: ``bench routing --gate``."""
+    from moe_kernels.bench.routing import gate_agreement
+
+    row = gate_agreement(model, 4096, skewed=skewed, seed=1)
+    assert row["differ_tensor_core"] <= 4, row
+    assert row["max_logit_error_tensor_core"] < 1e-2, row
+    if model == "qwen3-30b-a3b":
+        assert row["tie_explained"], row

@@ -65,6 +65,44 @@ def align_cases(num_tokens: int, generator: torch.Generator):
     return cases
 
 
+def gate_agreement(model_name: str, num_tokens: int, *, skewed: bool, seed: int = 0) -> dict:
+    """How often the gate on tensor cores (bf16 operands, float32 sums: ``router_logits``) picks
+    other experts than float64 logits do, against the float32 gate it replaced. A random bf16 gate
+    of the model's real shape ``[E, d]`` and random bf16 tokens; ``skewed`` pushes every token
+    toward experts 0-3 (their logits rise by about 2), so that many experts near the top-k
+    boundary compete. Each set of logits is routed by the model's rule (the package's kernels;
+    float64 logits by the float32 torch reference). Returns the number of tokens whose expert set
+    differs from float64's, and the largest logit error, for both gates; ``tie_explained``
+    (plain top-k only) says whether every differing token had float64 logits at its top-k
+    boundary closer than twice the tensor-core gate's largest error, i.e. was a near-tie."""
+    from ..kernels.routing import router_logits
+    from ..layer_spec import Routing
+
+    model = MODELS[model_name]
+    d, num_experts = model.hidden_size, model.num_experts
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    gate = (torch.randn(num_experts, d, device="cuda", generator=generator) * d**-0.5).to(torch.bfloat16)
+    x = torch.randn(num_tokens, d, device="cuda", generator=generator)
+    if skewed:
+        x = x + 2.0 * gate[:4].float().sum(0) / gate[:4].float().pow(2).sum(1).mean()
+    x = x.to(torch.bfloat16)
+    bias = 0.01 * torch.randn(num_experts, device="cuda", generator=generator) if model.num_expert_groups > 1 else None
+    rule = Routing.of(model)
+    exact = x.double() @ gate.double().t()
+    logits = {"tensor_core": router_logits(x, gate), "float32": torch.nn.functional.linear(x.float(), gate.float())}
+    want = rule.route(x, exact, bias, reference=True)[1].sort(dim=1).values
+    row = {"model": model.name, "tokens": num_tokens, "skewed": skewed}
+    for name, got in logits.items():
+        ids = rule.route(x, got, bias)[1].sort(dim=1).values
+        differ = (ids != want).any(dim=1)
+        error = float((got.double() - exact).abs().max())
+        row[f"differ_{name}"], row[f"max_logit_error_{name}"] = int(differ.sum()), error
+        if name == "tensor_core" and bias is None:
+            top = exact[differ].topk(rule.top_k + 1, dim=1).values
+            row["tie_explained"] = bool(((top[:, -2] - top[:, -1]) <= 2 * error).all())
+    return row
+
+
 def _same(a, b) -> bool:
     return all(torch.equal(x, y) if x.dtype != torch.float32 else torch.allclose(x, y, atol=1e-6, rtol=0)
                for x, y in zip(a, b))
@@ -91,10 +129,23 @@ def run(batches=BATCHES, verbose: bool = True) -> list[dict]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--record", action="store_true", help="write results/<device>/routing_align.json")
+    parser.add_argument("--gate", action="store_true",
+                        help="only the gate's id agreement (tensor-core and float32 gates against float64 logits); "
+                             "with --record, results/<device>/gate-agreement.json")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("moe_kernels.bench.routing: needs a CUDA GPU", file=sys.stderr)
         return 2
+    if args.gate:
+        rows = [gate_agreement(model, 4096, skewed=skewed, seed=seed) for model in ("qwen3-30b-a3b", "deepseek-v3")
+                for skewed in (False, True) for seed in range(8)]
+        for row in rows:
+            print(row, flush=True)
+        if args.record:
+            from ..results import record
+
+            print("recorded", record("gate-agreement", {"rows": rows, "tokens_per_draw": 4096, "draws": 8}))
+        return 0
     rows = run()
     if args.record:
         from ..results import record
