@@ -12,8 +12,8 @@ signature goes through Triton (which compiles, or finds the kernel in its cache)
 kernel is kept under a key that holds *more* than Triton's specialisation does:
 
 * a ``tl.constexpr`` parameter: its type and value (a tile size is part of the binary);
-* a tensor: its dtype and whether its address is a multiple of 16;
-* an integer: equal to 1, a multiple of 16, fitting in 32 bits, fitting in 64 signed bits;
+* a tensor: its dtype and its address modulo 16;
+* an integer: its value (finer than Triton's classes: equal to 1, a multiple of 16, 32 or 64 bits);
 * a bool, a string or None: its value; a float: only that it is a float;
 * the launch options (``num_warps``, ``debug``...), Triton's debug and instrumentation knobs
   and the device.
@@ -38,8 +38,6 @@ import os
 
 import torch
 
-_INT32 = 2**31
-_INT64 = 2**63
 _Tensor = torch.Tensor
 
 
@@ -74,9 +72,14 @@ def constexprs_key(values: tuple) -> tuple:
 
 def runtime_key(values) -> list:
     """The key of a kernel's other arguments, in one comprehension (a function call per argument
-    would cost more host time than the rest of the launch)."""
-    return [(v.dtype, not v.data_ptr() & 15) if isinstance(v, _Tensor)
-            else (v == 1, not v & 15, -_INT32 <= v < _INT32, -_INT64 <= v < _INT64) if type(v) is int
+    would cost more host time than the rest of the launch). An integer is its own key: finer than
+    Triton's classes (equal to 1, a multiple of 16, 32 or 64 bits), so a new value costs one lookup
+    through Triton and is then kept, and it costs no work at all, where computing the class took
+    about as long as the rest of the key (the shapes and strides of a call repeat from call to
+    call, so the cache stays small). Integers are tested first: ``isinstance(3, torch.Tensor)``
+    is the slowest test of the line."""
+    return [v if type(v) is int
+            else (v.dtype, v.data_ptr() & 15) if isinstance(v, _Tensor)
             else (type(v), v) if type(v) in (bool, str) or v is None
             else float if type(v) is float
             else _refuse(v)
