@@ -7,6 +7,8 @@ shape with the tile height vLLM's default config picks for that batch. Each call
 kernels, replayed from a CUDA graph (GPU time per call, launch cost gone: how a decode step runs
 in an engine); see :mod:`moe_kernels.bench.timing`. Before timing, every kernel's output is compared
 with its reference (ids exact). ``--record`` writes ``results/<device>/routing_align.json``.
+``--gate`` measures instead how often the gate on tensor cores picks other experts than float64
+logits (:func:`gate_agreement`; recorded as ``gate-agreement.json``).
 """
 
 from __future__ import annotations
