@@ -263,8 +263,9 @@ def test_skew_explorer_matches_closed_forms(server, offline):
 
 @pytest.mark.parametrize("path", PAGES)
 def test_pages_fit_a_phone(server, browser, path):
-    """At 390 x 844 (a phone) no page scrolls sideways: long code paths wrap, wide tables scroll
-    inside themselves, figures scale to the column."""
+    """At 390 x 844 (a phone) no page scrolls sideways: long code paths wrap, wide tables and
+    figures that cannot be narrowed scroll inside themselves; every figure's text shows at 10 CSS
+    pixels or more."""
     context = browser.new_context(viewport={"width": 390, "height": 844}, device_scale_factor=2)
     try:
         page = context.new_page()
@@ -280,8 +281,44 @@ def test_pages_fit_a_phone(server, browser, path):
         assert wrapped == 0, f"{path}: {wrapped} code blocks wrap their lines or cannot scroll sideways"
         if path == "notebooks/05_grouped_gemm.html":   # the page of the kernel listings has code to check
             assert page.evaluate("document.querySelectorAll('article div.highlight pre').length") >= 7
+        small = small_figure_text(page)
+        assert not small, f"{path} at 390 px: " + "; ".join(small)
     finally:
         context.close()
+
+
+def small_figure_text(page) -> list[str]:
+    """The figures of a page whose smallest text shows below 10 CSS pixels (the phone version
+    counts where the page has one: book/_ext/phone_figures.py); a figure's text shows at its
+    point size times the figure's shown width over its width in points."""
+    shown = page.evaluate("""() => [...document.querySelectorAll('article figure img')].map(img => ({
+        src: img.currentSrc, width: img.getBoundingClientRect().width}))""")
+    small = []
+    for figure in shown:
+        name = figure["src"].rsplit("/", 1)[-1]
+        if (SITE / "_images" / name.replace(".svg", "-phone.svg")).exists():
+            small.append(f"{name} (the desktop version, though a phone version exists)")
+            continue
+        points, width_pt = svg_text_points((SITE / "_images" / name).read_text())
+        pixels = points * figure["width"] / width_pt
+        if pixels < 10:
+            small.append(f"{name}: {points:g} pt text at {pixels:.1f} px ({figure['width']:.0f} px wide)")
+    return small
+
+
+_GLYPH_SCALE = re.compile(r"scale\((0\.\d+) -\1\)")   # matplotlib's text as paths: scale = points / 100
+_SVG_WIDTH = re.compile(r'<svg[^>]*\bwidth="([\d.]+)pt"')
+
+
+def svg_text_points(svg: str) -> tuple[float, float]:
+    """(the smallest font size in points, the width in points) of a matplotlib SVG whose text is
+    drawn as paths (``svg.fonttype: path``): each glyph run is scaled by its size over 100.
+
+        >>> svg_text_points('<svg width="300pt"><g transform="translate(1 2) scale(0.08 -0.08)"></g></svg>')
+        (8.0, 300.0)
+    """
+    sizes = [100 * float(s) for s in _GLYPH_SCALE.findall(svg)]
+    return min(sizes, default=float("inf")), float(_SVG_WIDTH.search(svg).group(1))
 
 
 @pytest.mark.parametrize("path", [p for p in PAGES if p.startswith("notebooks/")])
@@ -363,3 +400,23 @@ def test_the_menu_button_opens_the_chapter_list(server, browser, width):
     finally:
         context.close()
 
+
+
+def test_the_site_offers_the_whole_source(server, offline):
+    """A notebook saved alone from a page finds neither its figures nor the package, so the site
+    offers the chapter's source as one archive (book/_ext/source_archive.py), linked from the
+    introduction: the notebooks with their figures, the package, the results, the Makefile."""
+    import zipfile
+
+    page = offline.page
+    page.goto(f"{server}/book/intro.html", wait_until="networkidle")
+    href = page.evaluate("""() => [...document.querySelectorAll('article a')]
+        .map(a => a.href).find(h => h.endsWith('moe-chapter.zip'))""")
+    assert href, "the introduction does not link to moe-chapter.zip"
+    archive = SITE / urlparse(href).path.lstrip("/")
+    assert archive.exists(), f"{href} is not in the built site"
+    names = set(zipfile.ZipFile(archive).namelist())
+    for needed in ("Makefile", "requirements.txt", "moe_kernels/__init__.py", "notebooks/05_grouped_gemm.ipynb",
+                   "notebooks/figures/05-baselines.svg", "results/nvidia-h200/decode-step.json"):
+        assert f"moe-chapter/{needed}" in names, f"moe-chapter.zip lacks {needed}"
+    assert not any("/.venv/" in n or "/_build/" in n for n in names)

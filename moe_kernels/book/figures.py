@@ -12,18 +12,47 @@ picture appears where the prose places it, with its number, caption and alt text
     ```
 
 Both renderers number such figures (the site across the book, JupyterLab per notebook). SVG
-scales to any column width; the style keeps text at least 9 points at the 6.4-inch width
-the text column shows at full size, and half that on a phone is still legible when zoomed.
+scales to any column width, but a 6.4-inch figure shrunk into a phone's 360-pixel column would
+print its 9-point labels at 6 pixels. So ``save_figure`` also writes a phone version,
+``<name>-phone.svg``: the same figure redrawn narrow enough that its smallest text shows at 10
+pixels in a phone's column (:func:`phone_width`), its side-by-side panels stacked into one column,
+the text at the same point sizes. The site shows it below 600 pixels (``book/_ext/phone_figures.py``).
 """
 
 from __future__ import annotations
 
 import re
+import warnings
 from pathlib import Path
 
 FIGURE_DIR = Path(__file__).resolve().parents[2] / "notebooks" / "figures"
 #: Width of the text column at full size, in inches (figures are drawn at it, or narrower).
 COLUMN_WIDTH = 6.4
+#: The text column of the site on a 390-pixel phone, in CSS pixels (342 measured, tests/test_site.py),
+#: and the smallest text a reader should get there.
+PHONE_COLUMN_PX, PHONE_TEXT_PX = 340, 10
+
+
+def phone_width(fig) -> float:
+    """The width, in inches, at which ``fig``'s smallest text shows at :data:`PHONE_TEXT_PX` in a
+    :data:`PHONE_COLUMN_PX` column (a point is 4/3 CSS pixels, an inch 96): 4.25 in for 9-point
+    text, 3.3 in for 7-point. Wider figures get a phone version that wide.
+
+        >>> import matplotlib
+        >>> matplotlib.use("Agg")
+        >>> import matplotlib.pyplot as plt
+        >>> fig, ax = plt.subplots()
+        >>> _ = ax.set_title("title", fontsize=9)
+        >>> ax.tick_params(labelsize=9)
+        >>> round(phone_width(fig), 2)
+        4.25
+        >>> plt.close(fig)
+    """
+    from matplotlib.text import Text
+
+    sizes = [t.get_fontsize() for t in fig.findobj(Text) if t.get_visible() and t.get_text().strip()]
+    smallest = min(sizes, default=10.0)
+    return smallest * 4 / 3 * PHONE_COLUMN_PX / PHONE_TEXT_PX / 96
 
 STYLE = {
     "font.size": 10, "axes.titlesize": 10, "axes.labelsize": 10, "xtick.labelsize": 9, "ytick.labelsize": 9,
@@ -33,10 +62,23 @@ STYLE = {
 
 
 def use_chapter_style():
-    """Apply the chapter's matplotlib style (call once, at the top of a notebook)."""
+    """Apply the chapter's matplotlib style (call once, at the top of a notebook). It also makes
+    ``fig.tight_layout(...)`` remember its arguments on the figure, so that the phone version
+    (:func:`save_figure`) lays the figure out again with the same reserved margins (a legend
+    placed below the panels keeps its room)."""
     import matplotlib
+    from matplotlib.figure import Figure
 
     matplotlib.rcParams.update(STYLE)
+    if not getattr(Figure.tight_layout, "_remembers", False):
+        plain = Figure.tight_layout
+
+        def tight_layout(self, **kwargs):
+            self._chapter_tight_layout = kwargs
+            return plain(self, **kwargs)
+
+        tight_layout._remembers = True
+        Figure.tight_layout = tight_layout
 
 
 def _figure_dir() -> Path:
@@ -53,19 +95,105 @@ def save_figure(fig, name: str, directory: Path | None = None) -> None:
     with it has no output. A file whose picture differs only by float noise (another CPU's BLAS
     moving a coordinate in its sixth decimal) is left as it is: re-running the notebooks, as the
     tests do, writes nothing into the repository."""
-    import io
-
     import matplotlib.pyplot as plt
 
     folder = directory or _figure_dir()
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{name}.svg"
+    versions = {name: _svg(fig)}
+    if fig.get_figwidth() > phone_width(fig) and reflows(fig):
+        phone_layout(fig, phone_width(fig))
+        phone = _svg(fig)
+        # Kept only if clearly narrower: labels and legends that cannot shrink may leave it as
+        # wide as the figure itself, which the site then shows legibly in a scrolling block.
+        if _width_pt(phone) < 0.9 * _width_pt(versions[name]):
+            versions[f"{name}-phone"] = phone
+    plt.close(fig)
+    if f"{name}-phone" not in versions:   # a phone version from an earlier run is out of date
+        (folder / f"{name}-phone.svg").unlink(missing_ok=True)
+    for stem, svg in versions.items():
+        path = folder / f"{stem}.svg"
+        if not (path.exists() and same_picture(path.read_text(), svg)):
+            path.write_text(svg)
+
+
+def _width_pt(svg: str) -> float:
+    return float(re.search(r'<svg[^>]*\bwidth="([\d.]+)pt"', svg).group(1))
+
+
+def _svg(fig) -> str:
+    import io
+
     buffer = io.StringIO()
     fig.savefig(buffer, format="svg", metadata={"Date": None, "Creator": None})
-    plt.close(fig)
-    svg = buffer.getvalue()
-    if not (path.exists() and same_picture(path.read_text(), svg)):
-        path.write_text(svg)
+    return buffer.getvalue()
+
+
+def reflows(fig) -> bool:
+    """Whether ``fig`` survives being narrowed: plots do (their axes shrink, their labels stay),
+    diagrams and heat maps with text in their cells do not (the labels would overlap). Those keep
+    one version, which a phone shows at a legible size in a block that scrolls sideways
+    (``book/_ext/phone_figures.py``)."""
+    return sum(len(ax.texts) for ax in fig.axes) <= 8
+
+
+def phone_layout(fig, width: float) -> None:
+    """Redraw ``fig`` for a phone: ``width`` inches wide (:func:`phone_width`), the panels of a one-grid
+    figure stacked into a single column in reading order (row by row), each panel as tall as
+    before; text keeps its point size. A figure whose panels do not sit one per cell of one grid
+    (a colorbar's own axes, a panel spanning columns) keeps its arrangement and only narrows.
+
+        >>> import matplotlib
+        >>> matplotlib.use("Agg")
+        >>> import matplotlib.pyplot as plt
+        >>> fig, axes = plt.subplots(1, 2, figsize=(COLUMN_WIDTH, 3.0))
+        >>> phone_layout(fig, 3.5)
+        >>> [round(float(v), 2) for v in fig.get_size_inches()], [ax.get_subplotspec().rowspan.start for ax in axes]
+        ([3.5, 6.0], [0, 1])
+        >>> plt.close(fig)
+    """
+    from matplotlib.gridspec import GridSpec
+    from matplotlib.layout_engine import ConstrainedLayoutEngine
+
+    height = fig.get_figheight()
+    panels = [ax for ax in fig.axes if ax.get_visible()]
+    specs = [ax.get_subplotspec() for ax in panels]
+    grids = {id(spec.get_gridspec()) for spec in specs if spec is not None}
+    rows = cols = 1
+    if specs and None not in specs and len(grids) == 1:
+        rows, cols = specs[0].get_gridspec().get_geometry()
+    single_cells = all(spec is not None and len(spec.rowspan) == 1 and len(spec.colspan) == 1 for spec in specs)
+    if cols > 1 and single_cells:
+        stacked = GridSpec(rows * cols, 1, figure=fig)
+        for ax, spec in zip(panels, specs):
+            ax.set_subplotspec(stacked[spec.rowspan.start * cols + spec.colspan.start, 0])
+            ax.tick_params(labelleft=True, labelbottom=True)   # shared axes hid the inner panels' labels
+        fig.set_size_inches(width, height * cols)
+    else:
+        fig.set_size_inches(width, height)
+    for ax in panels:
+        ax.title.set_wrap(True)
+    if isinstance(fig.get_layout_engine(), ConstrainedLayoutEngine):
+        return   # constrained layout runs again when the figure is drawn
+    with warnings.catch_warnings():   # a margin tight_layout cannot meet: the site lets the figure scroll
+        warnings.simplefilter("ignore", UserWarning)
+        _fit(fig, width)
+
+
+def _fit(fig, width: float) -> None:
+    """``tight_layout`` with the figure's own arguments, narrowed until the saved picture (labels and
+    legends included) is ``width`` inches wide, or as close as the labels allow."""
+    renderer = fig.canvas.get_renderer()
+    for _ in range(3):   # labels and legends that stick out widen the saved picture: narrow until it fits
+        layout = dict(getattr(fig, "_chapter_tight_layout", {}))
+        if "rect" in layout and fig.legends:   # the room kept below the panels: the legend's height now
+            legend_height = max(legend.get_window_extent(renderer).height for legend in fig.legends) / fig.dpi
+            left, _, right, top = layout["rect"]
+            layout["rect"] = (left, (legend_height + 0.1) / fig.get_figheight(), right, top)
+        fig.tight_layout(**layout)
+        overflow = fig.get_tightbbox(renderer).width - width
+        if overflow <= 0.02 or fig.get_figwidth() - overflow < width / 2:
+            break
+        fig.set_size_inches(fig.get_figwidth() - overflow, fig.get_figheight())
 
 
 _NUMBER = re.compile(r"-?\d+\.\d+")
