@@ -63,22 +63,31 @@ STYLE = {
 
 def use_chapter_style():
     """Apply the chapter's matplotlib style (call once, at the top of a notebook). It also makes
-    ``fig.tight_layout(...)`` remember its arguments on the figure, so that the phone version
-    (:func:`save_figure`) lays the figure out again with the same reserved margins (a legend
-    placed below the panels keeps its room)."""
+    ``fig.tight_layout(...)`` and ``legend(...)`` remember their arguments, so that the phone
+    version (:func:`save_figure`) can lay the figure out again with the same reserved margins and
+    draw each legend again in one column."""
     import matplotlib
-    from matplotlib.figure import Figure
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure, FigureBase
 
     matplotlib.rcParams.update(STYLE)
     if not getattr(Figure.tight_layout, "_remembers", False):
-        plain = Figure.tight_layout
+        plain_layout, plain_figure_legend, plain_axes_legend = Figure.tight_layout, FigureBase.legend, Axes.legend
 
         def tight_layout(self, **kwargs):
             self._chapter_tight_layout = kwargs
-            return plain(self, **kwargs)
+            return plain_layout(self, **kwargs)
+
+        def remembered(plain):
+            def legend(self, *args, **kwargs):
+                made = plain(self, *args, **kwargs)
+                made._chapter_call = (args, kwargs)   # phone_layout redraws it in one column
+                return made
+            return legend
 
         tight_layout._remembers = True
         Figure.tight_layout = tight_layout
+        FigureBase.legend, Axes.legend = remembered(plain_figure_legend), remembered(plain_axes_legend)
 
 
 def _figure_dir() -> Path:
@@ -138,7 +147,8 @@ def reflows(fig) -> bool:
 
 def phone_layout(fig, width: float) -> None:
     """Redraw ``fig`` for a phone: ``width`` inches wide (:func:`phone_width`), the panels of a one-grid
-    figure stacked into a single column in reading order (row by row), each panel as tall as
+    figure stacked into a single column column by column (a grid's columns are usually one model or
+one quantity each, titled at the top, so a column stays together), each panel as tall as
     before; text keeps its point size. A figure whose panels do not sit one per cell of one grid
     (a colorbar's own axes, a panel spanning columns) keeps its arrangement and only narrows.
 
@@ -165,18 +175,29 @@ def phone_layout(fig, width: float) -> None:
     if cols > 1 and single_cells:
         stacked = GridSpec(rows * cols, 1, figure=fig)
         for ax, spec in zip(panels, specs):
-            ax.set_subplotspec(stacked[spec.rowspan.start * cols + spec.colspan.start, 0])
+            ax.set_subplotspec(stacked[spec.colspan.start * rows + spec.rowspan.start, 0])
             ax.tick_params(labelleft=True, labelbottom=True)   # shared axes hid the inner panels' labels
         fig.set_size_inches(width, height * cols)
     else:
         fig.set_size_inches(width, height)
     for ax in panels:
         ax.title.set_wrap(True)
+        if getattr(ax.get_legend(), "_chapter_call", None):   # one entry per line in a narrow column
+            args, kwargs = ax.get_legend()._chapter_call
+            ax.legend(*args, **_one_column(kwargs))
+    for legend in [legend for legend in fig.legends if getattr(legend, "_chapter_call", None)]:
+        args, kwargs = legend._chapter_call
+        legend.remove()
+        fig.legend(*args, **_one_column(kwargs))
     if isinstance(fig.get_layout_engine(), ConstrainedLayoutEngine):
         return   # constrained layout runs again when the figure is drawn
     with warnings.catch_warnings():   # a margin tight_layout cannot meet: the site lets the figure scroll
         warnings.simplefilter("ignore", UserWarning)
         _fit(fig, width)
+
+
+def _one_column(kwargs: dict) -> dict:
+    return {**kwargs, "ncols" if "ncols" in kwargs else "ncol": 1}
 
 
 def _fit(fig, width: float) -> None:
