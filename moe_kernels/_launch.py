@@ -42,6 +42,9 @@ _Tensor = torch.Tensor
 
 
 _UNSEEN = object()
+#: Compiled kernels kept per kernel before its cache is emptied (each entry is a key and a
+#: reference to a kernel Triton keeps anyway).
+MAX_KEPT = 4096
 
 
 class _Uncacheable(Exception):
@@ -75,9 +78,10 @@ def runtime_key(values) -> list:
     would cost more host time than the rest of the launch). An integer is its own key: finer than
     Triton's classes (equal to 1, a multiple of 16, 32 or 64 bits), so a new value costs one lookup
     through Triton and is then kept, and it costs no work at all, where computing the class took
-    about as long as the rest of the key (the shapes and strides of a call repeat from call to
-    call, so the cache stays small). Integers are tested first: ``isinstance(3, torch.Tensor)``
-    is the slowest test of the line."""
+    about as long as the rest of the key. Decode repeats a few batch sizes, so its keys repeat;
+    a server whose every prefill has a new length pays Triton's path once per length, and the
+    cache is emptied when it passes :data:`MAX_KEPT` entries. Integers are tested first:
+    ``isinstance(3, torch.Tensor)`` is the slowest test of the line."""
     return [v if type(v) is int
             else (v.dtype, v.data_ptr() & 15) if isinstance(v, _Tensor)
             else (type(v), v) if type(v) in (bool, str) or v is None
@@ -176,6 +180,8 @@ def cached_launch_kernel_class():
             if compiled is None:
                 compiled = self.run(*args, grid=grid, warmup=False, **kwargs)
                 if compiled is not None and not hasattr(compiled, "result"):   # not an async compile
+                    if len(self._compiled) >= MAX_KEPT:
+                        self._compiled.clear()
                     self._compiled[key] = compiled
                 return compiled
             # Triton's own launch (JITFunction.run): with hooks, the same hooks and metadata.

@@ -27,17 +27,25 @@ from pathlib import Path
 IMG = re.compile(r'<img\b[^>]*\bsrc="(?P<prefix>[^"]*_images/)(?P<stem>[^"/]+)\.svg"[^>]*>')
 PHONE_MEDIA = "(max-width: 600px)"
 PHONE_COLUMN_PX, TEXT_PX = 340, 10      # as in moe_kernels.book.figures
-GLYPH_SCALE = re.compile(r"scale\((0\.\d+) -\1\)")   # matplotlib's text as paths: scale = points / 100
+# matplotlib's text as paths: a run of glyphs is a group scaled by points / 100, and mathtext's
+# superscripts (the 3 of 10^3) are glyphs inside it scaled again (by 0.7).
+TEXT_RUN = re.compile(r'<g transform="[^"]*scale\((0\.\d+) -\1\)">(.*?)</g>', re.S)
+GLYPH_SCALE = re.compile(r'<use [^>]*transform="[^"]*scale\(([\d.]+)\)"')
 SVG_WIDTH = re.compile(r'<svg[^>]*\bwidth="([\d.]+)pt"')
+
+
+def smallest_text_points(svg: str) -> float:
+    """The smallest text of a matplotlib SVG, in points, superscripts included (inf: no text)."""
+    return min((100 * float(run) * min([float(g) for g in GLYPH_SCALE.findall(body)] + [1.0])
+                for run, body in TEXT_RUN.findall(svg)), default=math.inf)
 
 
 def legible_width(svg: str) -> int:
     """The CSS width at which this matplotlib SVG's smallest text is TEXT_PX pixels (0: no text)."""
-    sizes = [100 * float(s) for s in GLYPH_SCALE.findall(svg)]
-    width = SVG_WIDTH.search(svg)
-    if not sizes or width is None:
+    smallest, width = smallest_text_points(svg), SVG_WIDTH.search(svg)
+    if smallest == math.inf or width is None:
         return 0
-    return math.ceil(float(width.group(1)) * TEXT_PX / min(sizes))
+    return math.ceil(float(width.group(1)) * TEXT_PX / smallest)
 
 
 def _wrap(match: re.Match, images: Path, phone_stems: set[str]) -> str:
@@ -50,9 +58,15 @@ def _wrap(match: re.Match, images: Path, phone_stems: set[str]) -> str:
         source = f'<source media="{PHONE_MEDIA}" srcset="{match.group("prefix")}{stem}-phone.svg">'
         img = f"<picture>{source}{img}</picture>"
     if width > PHONE_COLUMN_PX:   # too small in a phone's column: keep it legible and let it scroll
-        img = img.replace("<img ", f'<img style="min-width: {width}px" ', 1)
+        img = img.replace("<img ", f'<img data-phone-min-width style="min-width: {width}px" ', 1)
         img = f'<span class="figure-scroll">{img}</span>'
     return img
+
+
+# What _wrap adds, to be taken off again (see add_phone_versions).
+SCROLL = re.compile(r'<span class="figure-scroll">(.*?)</span>', re.S)
+PICTURE = re.compile(r'<picture><source [^>]*>(<img\b[^>]*>)</picture>')
+MIN_WIDTH = re.compile(r'<img data-phone-min-width style="min-width: \d+px" ')
 
 
 def add_phone_versions(app, exception) -> None:
@@ -60,6 +74,8 @@ def add_phone_versions(app, exception) -> None:
         return
     figures = Path(app.srcdir) / "notebooks" / "figures"
     images = Path(app.outdir) / "_images"
+    for stale in images.glob("*-phone.svg"):   # an earlier build's: the current ones are copied below
+        stale.unlink()
     phone_stems = set()
     for phone in figures.glob("*-phone.svg"):
         stem = phone.name[: -len("-phone.svg")]
@@ -68,9 +84,12 @@ def add_phone_versions(app, exception) -> None:
             phone_stems.add(stem)
     for page in Path(app.outdir).rglob("*.html"):
         text = page.read_text(encoding="utf-8")
-        if "<picture>" in text or "figure-scroll" in text or "_images/" not in text:
+        if "_images/" not in text:
             continue
-        wrapped = IMG.sub(lambda m: _wrap(m, images, phone_stems), text)
+        # A page an incremental build did not rewrite still has the last build's wrapping: undo it
+        # first, so that each figure is wrapped for its phone version as it is now.
+        plain = MIN_WIDTH.sub("<img ", PICTURE.sub(r"\1", SCROLL.sub(r"\1", text)))
+        wrapped = IMG.sub(lambda m: _wrap(m, images, phone_stems), plain)
         if wrapped != text:
             page.write_text(wrapped, encoding="utf-8")
 

@@ -71,8 +71,9 @@ def gate_agreement(model_name: str, num_tokens: int, *, skewed: bool, seed: int 
     """How often the gate on tensor cores (bf16 operands, float32 sums: ``router_logits``) picks
     other experts than float64 logits do, against the float32 gate it replaced. A random bf16 gate
     of the model's real shape ``[E, d]`` and random bf16 tokens; ``skewed`` pushes every token
-    toward experts 0-3 (their logits rise by about 2), so that many experts near the top-k
-    boundary compete. Each set of logits is routed by the model's rule (the package's kernels;
+    toward experts 0-3 (their logits rise by about 2): they fill half of each top-8, and the top-k
+    boundary moves into the tail of the other experts, where near-ties are rarer (a check that
+    skew of this kind adds none). Each set of logits is routed by the model's rule (the package's kernels;
     float64 logits by the float32 torch reference). Returns the number of tokens whose expert set
     differs from float64's, and the largest logit error, for both gates; ``tie_explained``
     (plain top-k only) says whether every differing token had float64 logits at its top-k

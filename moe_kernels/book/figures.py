@@ -213,8 +213,9 @@ def _fit(fig, width: float) -> None:
         fig.tight_layout(**layout)
         overflow = fig.get_tightbbox(renderer).width - width
         if overflow <= 0.02 or fig.get_figwidth() - overflow < width / 2:
-            break
+            return
         fig.set_size_inches(fig.get_figwidth() - overflow, fig.get_figheight())
+    fig.tight_layout(**layout)   # the last narrowing, laid out too
 
 
 _NUMBER = re.compile(r"-?\d+\.\d+")

@@ -129,6 +129,9 @@ def quantize_activations(x: torch.Tensor, scheme: str, *, reference: bool = Fals
     ``reference`` takes the torch path for the groups too (the others are torch always)."""
     if scheme == "group":
         _check_activations("per_token_group_quant_fp8", x)
+        check_int("per_token_group_quant_fp8", "group_size", group, lo=16)
+        if group & (group - 1):
+            fail("per_token_group_quant_fp8", "group_size", "must be a power of two", group)
         if x.shape[1] % group:
             fail("per_token_group_quant_fp8", "x", f"must have a multiple of group_size={group} columns",
                  f"shape {tuple(x.shape)}")
