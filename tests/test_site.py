@@ -20,6 +20,7 @@ import pytest
 
 from moe_kernels.model import costs
 from moe_testing import headless_chromium, skip_or_fail_browser
+from moe_kernels.book.figures import svg_text_points
 from moe_kernels.model.shapes import GPUS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -306,24 +307,6 @@ def small_figure_text(page) -> list[str]:
     return small
 
 
-# matplotlib's text as paths: a run of glyphs is a group scaled by points / 100; mathtext's
-# superscripts (the 3 of 10^3) are glyphs in it scaled again (0.7).
-_TEXT_RUN = re.compile(r'<g transform="[^"]*scale\((0\.\d+) -\1\)">(.*?)</g>', re.S)
-_GLYPH_SCALE = re.compile(r'<use [^>]*transform="[^"]*scale\(([\d.]+)\)"')
-_SVG_WIDTH = re.compile(r'<svg[^>]*\bwidth="([\d.]+)pt"')
-
-
-def svg_text_points(svg: str) -> tuple[float, float]:
-    """(the smallest text in points, superscripts included; the width in points) of a matplotlib
-    SVG whose text is drawn as paths (``svg.fonttype: path``).
-
-        >>> svg_text_points('<svg width="300pt"><g transform="translate(1 2) scale(0.08 -0.08)">'
-        ...                 '<use xlink:href="#a" transform="translate(9 9) scale(0.7)"/></g></svg>')
-        (5.6, 300.0)
-    """
-    sizes = [round(100 * float(run) * min([float(g) for g in _GLYPH_SCALE.findall(body)] + [1.0]), 6)
-             for run, body in _TEXT_RUN.findall(svg)]
-    return min(sizes, default=float("inf")), float(_SVG_WIDTH.search(svg).group(1))
 
 
 @pytest.mark.parametrize("path", [p for p in PAGES if p.startswith("notebooks/")])

@@ -24,28 +24,16 @@ import re
 import shutil
 from pathlib import Path
 
+from moe_kernels.book.figures import PHONE_COLUMN_PX, PHONE_TEXT_PX as TEXT_PX, svg_text_points
+
 IMG = re.compile(r'<img\b[^>]*\bsrc="(?P<prefix>[^"]*_images/)(?P<stem>[^"/]+)\.svg"[^>]*>')
 PHONE_MEDIA = "(max-width: 600px)"
-PHONE_COLUMN_PX, TEXT_PX = 340, 10      # as in moe_kernels.book.figures
-# matplotlib's text as paths: a run of glyphs is a group scaled by points / 100, and mathtext's
-# superscripts (the 3 of 10^3) are glyphs inside it scaled again (by 0.7).
-TEXT_RUN = re.compile(r'<g transform="[^"]*scale\((0\.\d+) -\1\)">(.*?)</g>', re.S)
-GLYPH_SCALE = re.compile(r'<use [^>]*transform="[^"]*scale\(([\d.]+)\)"')
-SVG_WIDTH = re.compile(r'<svg[^>]*\bwidth="([\d.]+)pt"')
-
-
-def smallest_text_points(svg: str) -> float:
-    """The smallest text of a matplotlib SVG, in points, superscripts included (inf: no text)."""
-    return min((100 * float(run) * min([float(g) for g in GLYPH_SCALE.findall(body)] + [1.0])
-                for run, body in TEXT_RUN.findall(svg)), default=math.inf)
 
 
 def legible_width(svg: str) -> int:
     """The CSS width at which this matplotlib SVG's smallest text is TEXT_PX pixels (0: no text)."""
-    smallest, width = smallest_text_points(svg), SVG_WIDTH.search(svg)
-    if smallest == math.inf or width is None:
-        return 0
-    return math.ceil(float(width.group(1)) * TEXT_PX / smallest)
+    smallest, width = svg_text_points(svg)
+    return 0 if smallest == math.inf else math.ceil(width * TEXT_PX / smallest)
 
 
 def _wrap(match: re.Match, images: Path, phone_stems: set[str]) -> str:

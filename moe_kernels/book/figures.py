@@ -125,8 +125,29 @@ def save_figure(fig, name: str, directory: Path | None = None) -> None:
             path.write_text(svg)
 
 
+# matplotlib's text as paths (``svg.fonttype: path``): a run of glyphs is a group scaled by its
+# size in points / 100, and mathtext's superscripts (the 3 of 10^3) are glyphs in it scaled again.
+_TEXT_RUN = re.compile(r'<g transform="[^"]*scale\((0\.\d+) -\1\)">(.*?)</g>', re.S)
+_GLYPH_SCALE = re.compile(r'<use [^>]*transform="[^"]*scale\(([\d.]+)\)"')
+_SVG_WIDTH = re.compile(r'<svg[^>]*\bwidth="([\d.]+)pt"')
+
+
 def _width_pt(svg: str) -> float:
-    return float(re.search(r'<svg[^>]*\bwidth="([\d.]+)pt"', svg).group(1))
+    return float(_SVG_WIDTH.search(svg).group(1))
+
+
+def svg_text_points(svg: str) -> tuple[float, float]:
+    """(the smallest text in points, superscripts included; the width in points) of an SVG that
+    :func:`save_figure` wrote (inf: no text). The site (``book/_ext/phone_figures.py``) and its
+    phone test size figures by it.
+
+        >>> svg_text_points('<svg width="300pt"><g transform="translate(1 2) scale(0.08 -0.08)">'
+        ...                 '<use xlink:href="#a" transform="translate(9 9) scale(0.7)"/></g></svg>')
+        (5.6, 300.0)
+    """
+    sizes = [round(100 * float(run) * min([float(g) for g in _GLYPH_SCALE.findall(body)] + [1.0]), 6)
+             for run, body in _TEXT_RUN.findall(svg)]
+    return min(sizes, default=float("inf")), _width_pt(svg)
 
 
 def _svg(fig) -> str:

@@ -84,19 +84,21 @@ def per_token_group_quant_fp8(x: torch.Tensor, group_size: int = GROUP) -> tuple
     Each token's channels are cut into groups of ``group_size`` (``K`` must be a multiple); a
     group's scale is its amax over 448, and ``q * scale`` gives the group back to fp8 precision.
     """
-    func = "per_token_group_quant_fp8"
+    _check_groups("per_token_group_quant_fp8", x, group_size)
+    return _quant_groups(x, group_size)
+
+
+def _check_groups(func: str, x: object, group_size: object) -> None:
     _check_activations(func, x)
     check_int(func, "group_size", group_size, lo=16)
     if group_size & (group_size - 1):
         fail(func, "group_size", "must be a power of two", group_size)
     if x.shape[1] % group_size:
         fail(func, "x", f"must have a multiple of group_size={group_size} columns", f"shape {tuple(x.shape)}")
-    return quant_groups(x, group_size)
 
 
-def quant_groups(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`per_token_group_quant_fp8` without its checks (``group_size`` a power of two that
-    divides ``K``): what a weight format calls on activations the layer has checked already."""
+def _quant_groups(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`per_token_group_quant_fp8` after its checks (one Triton launch, or the reference)."""
     num_rows, k = x.shape
     q = torch.empty(num_rows, k, dtype=FP8, device=x.device)
     s = torch.empty(num_rows, k // group_size, dtype=torch.float32, device=x.device)
@@ -128,14 +130,8 @@ def quantize_activations(x: torch.Tensor, scheme: str, *, reference: bool = Fals
     token's outlier or ``inf`` would then reach every token, but the chapter shows what it does).
     ``reference`` takes the torch path for the groups too (the others are torch always)."""
     if scheme == "group":
-        _check_activations("per_token_group_quant_fp8", x)
-        check_int("per_token_group_quant_fp8", "group_size", group, lo=16)
-        if group & (group - 1):
-            fail("per_token_group_quant_fp8", "group_size", "must be a power of two", group)
-        if x.shape[1] % group:
-            fail("per_token_group_quant_fp8", "x", f"must have a multiple of group_size={group} columns",
-                 f"shape {tuple(x.shape)}")
-        return per_token_group_quant_fp8_reference(x, group) if reference else quant_groups(x, group)
+        _check_groups("per_token_group_quant_fp8", x, group)
+        return per_token_group_quant_fp8_reference(x, group) if reference else _quant_groups(x, group)
     func = "quantize_activations"
     _check_activations(func, x)
     xf = x.float()
