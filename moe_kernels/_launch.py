@@ -108,16 +108,14 @@ def _current_device() -> int:
     return torch._C._cuda_getDevice()
 
 
-def _no_hooks(hook) -> bool:
-    """Triton's default launch hook is an empty chain: calling it does nothing, so the launcher
-    may be given None (and no launch metadata need be built)."""
-    return hook is None or getattr(hook, "calls", None) == []
-
-
 def cached_launch_kernel_class():
     """The ``JITFunction`` subclass (built on first use: it needs Triton)."""
     from triton import knobs
     from triton.runtime.jit import JITFunction
+
+    from . import _replay
+    this_thread = _replay._local   # .recording: a call being recorded for replay (moe_kernels._replay)
+    no_hooks = _replay.no_hooks
 
     class CachedLaunchKernel(JITFunction):
         """``triton.jit`` whose ``kernel[grid](...)`` goes straight to the launcher once compiled."""
@@ -156,13 +154,13 @@ def cached_launch_kernel_class():
         def _launch(self, grid, args, kwargs):
             if (not self.shortcut or callable(grid) or self.pre_run_hooks
                     or getattr(knobs.runtime, "add_stages_inspection_hook", None) is not None):
-                return self.run(*args, grid=grid, warmup=False, **kwargs)
+                return self._triton_run(grid, args, kwargs)
             site = (len(args), tuple(kwargs))
             shape = self._call_shapes.get(site, _UNSEEN)
             if shape is _UNSEEN:
                 shape = self._call_shapes[site] = self._call_shape(*site)
             if shape is None:
-                return self.run(*args, grid=grid, warmup=False, **kwargs)
+                return self._triton_run(grid, args, kwargs)
             tail, fill, options, constexpr, runtime = shape
             named = {**self._defaults, **kwargs} if fill else kwargs
             values = args + tuple(map(named.__getitem__, tail))
@@ -176,9 +174,9 @@ def cached_launch_kernel_class():
                        tuple(map(kwargs.__getitem__, options)))
                 compiled = self._compiled.get(key)
             except (_Uncacheable, TypeError):   # odd arguments: Triton sorts them out (or says why)
-                return self.run(*args, grid=grid, warmup=False, **kwargs)
+                return self._triton_run(grid, args, kwargs)
             if compiled is None:
-                compiled = self.run(*args, grid=grid, warmup=False, **kwargs)
+                compiled = self._triton_run(grid, args, kwargs)
                 if compiled is not None and not hasattr(compiled, "result"):   # not an async compile
                     if len(self._compiled) >= MAX_KEPT:
                         self._compiled.clear()
@@ -188,12 +186,23 @@ def cached_launch_kernel_class():
             stream = torch._C._cuda_getCurrentRawStream(device)
             runtime_knobs = knobs.runtime
             enter, leave = runtime_knobs.launch_enter_hook, runtime_knobs.launch_exit_hook
-            if _no_hooks(enter) and _no_hooks(leave):
+            if no_hooks(enter) and no_hooks(leave):
                 enter = leave = metadata = None
             else:
                 metadata = compiled.launch_metadata(grid, stream, *values)
             compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
                          compiled.function, compiled.packed_metadata, metadata, enter, leave, *values)
+            recording = getattr(this_thread, "recording", None)
+            if recording is not None:
+                recording.note_launch(compiled, grid, device, values)
             return compiled
+
+        def _triton_run(self, grid, args, kwargs):
+            """Triton's own launch; a call being recorded for replay cannot replay it (a new binary,
+            or arguments the shortcut does not describe)."""
+            recording = getattr(this_thread, "recording", None)
+            if recording is not None:
+                recording.refuse(f"{self.__name__} took Triton's own launch path")
+            return self.run(*args, grid=grid, warmup=False, **kwargs)
 
     return CachedLaunchKernel

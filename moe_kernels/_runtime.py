@@ -31,6 +31,8 @@ import warnings
 
 import torch
 
+from . import _replay
+
 HAS_CUDA: bool = torch.cuda.is_available()
 
 FORCE_TORCH: bool = os.environ.get("MOE_KERNELS_BACKEND", "").lower() == "torch"
@@ -267,13 +269,16 @@ def record_launches():
         >>> [name for name, _ in launches] == (["combine.moe_sum"] if BACKEND != "torch" else [])
         True
 
-    Outside the block recording costs one global read per launch."""
+    Outside the block recording costs one global read per launch. Inside it, calls run eagerly
+    (a replayed call, :mod:`moe_kernels._replay`, would not say what it launches)."""
     global _launches
     saved, _launches = _launches, []
+    _replay.eager_calls += 1
     try:
         yield _launches
     finally:
         _launches = saved
+        _replay.eager_calls -= 1
 
 
 def recording() -> bool:

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from .._checks import check_device, check_dtype, check_int, fail
+from .._replay import forget_all_plans
 from .layouts import LAYOUTS, layout_named
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
@@ -269,6 +270,7 @@ def write_table(device_name: str, E: int, N: int, K: int, dtype: torch.dtype, la
     path.write_text(json.dumps(body, indent=1) + "\n")
     load_table.cache_clear()
     _cached_choice.cache_clear()
+    forget_all_plans()   # recorded calls baked in the old tables' configs
     return path
 
 

@@ -55,6 +55,7 @@ import functools
 import torch
 
 from .._checks import FLOAT_DTYPES, check_ids_in_range, check_int, check_moe_inputs, check_tensor, fail
+from .._replay import CallPlans
 from .._runtime import HAS_TRITON, cdiv, device_assert_options, kernel, note_launch, recording, tl, use_triton
 from ._tile_gemm import (check_operands, check_out, dequantized, dot_precision, expert_rows_product,
                          in_float32_under_interpreter, output_dtype, weight_descriptor)
@@ -393,7 +394,33 @@ def fused_experts(
 
     Under the Triton interpreter (no GPU), each bf16 stage is computed in float32 and its result
     rounded to bf16 once, because the interpreter's bf16 dot is wrong.
+
+    On a GPU, from the third call with the same argument signature (shapes, strides, dtypes,
+    alignment, options) the call replays its recorded launches (:mod:`moe_kernels._replay`): the
+    checks and lookups of the first calls hold for it, and the host work falls to the launches.
     """
+    if blocks is None:   # (a given block map is checked against the ids at every call)
+        tensors = (hidden_states, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale)
+        key = _PLANS.key(tensors, (block_size_m, config, naive_block_assignment, validate_ids))
+        plan = _PLANS.get(key)
+        if plan is not None:
+            return plan.replay(tensors)
+        return _PLANS.call(key, tensors, lambda: _fused_experts(
+            hidden_states, w1, w2, topk_weights, topk_ids, block_size_m=block_size_m, config=config, blocks=None,
+            naive_block_assignment=naive_block_assignment, validate_ids=validate_ids, w1_scale=w1_scale,
+            w2_scale=w2_scale))
+    return _fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, block_size_m=block_size_m, config=config,
+                          blocks=blocks, naive_block_assignment=naive_block_assignment, validate_ids=validate_ids,
+                          w1_scale=w1_scale, w2_scale=w2_scale)
+
+
+#: fused_experts' recorded calls, by argument signature.
+_PLANS = CallPlans("fused_experts")
+
+
+def _fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, *, block_size_m, config, blocks,
+                   naive_block_assignment, validate_ids, w1_scale, w2_scale):
+    """:func:`fused_experts`, eagerly: its checks, then :func:`run_experts`."""
     func = "fused_experts"
     num_tokens, top_k, num_experts, d, f = check_moe_inputs(func, hidden_states, w1, w2, topk_weights, topk_ids)
     fmt = WeightFormat.of_pair(func, w1, w2, w1_scale, w2_scale)

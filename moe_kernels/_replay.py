@@ -1,0 +1,421 @@
+"""Replaying a call: the host work of a repeated call done once, its launches kept as a list.
+
+At decode one MoE layer costs the GPU 30-300 microseconds, and its Python costs the host as much
+or more: argument checks, the format and config lookups, the block map's sizes, a dozen
+``torch.empty``, and for each of four to eight Triton kernels a key, a dict and the launch. All of
+that depends only on what the arguments *are* (shapes, strides, dtypes, devices, 16-byte
+alignment, the options), never on their values. So the second call with a given signature is
+recorded, and every later one replays the record:
+
+* every torch operation the call ran (below autograd: ``aten.empty``, ``aten.mm``, the views...),
+  seen through a ``TorchDispatchMode``, with each tensor argument named by where it came from:
+  an input of the call, the output of an earlier operation, or a constant (a tensor from outside
+  the call, kept by reference: a layer's weights);
+* every Triton launch (the compiled kernel, the grid and the arguments), each pointer argument
+  as (the tensor whose memory it points into, byte offset). A replayed launch calls the compiled
+  kernel's launcher directly, with those pointers as integers.
+
+A replay runs only the operations whose results are used (a view that only fed a launch is not
+redone: the launch gets its pointer by offset) and every launch, in the recorded order, on the
+current stream. Replaying is exactly the recorded call on new inputs because:
+
+* the key holds everything the call's Python reads: each tensor argument's shape, strides, dtype,
+  device and address modulo 16 (Triton specialises on it), every other argument, the current
+  device and Triton's debug knob; the caller adds whatever its own state is (a layer forgets its
+  plans when its weights or rules change; new tuned tables forget them all);
+* a call whose Python could depend on a tensor's *values* is not recorded: an operation that
+  reads a value back to the host (``.item()``, ``.tolist()``, a copy to another device) or has a
+  data-dependent output shape (``nonzero``, ``unique``), a launch that took Triton's own path (a
+  new binary, a tensor descriptor), inputs that share memory, or an input that requires grad;
+  such a signature is tried again later and, after :data:`MAX_REFUSALS` refusals, runs eagerly;
+* outputs are allocated afresh at every replay by the replayed ``aten.empty`` (nothing is
+  reused between calls, so two streams or threads can replay one plan), and a CUDA-graph capture
+  or a launch trace (:func:`moe_kernels._runtime.record_launches`) takes the eager path.
+
+``MOE_KERNELS_REPLAY=0`` turns replaying off. Example (on a GPU)::
+
+    plans = CallPlans("fused_experts")
+    key = plans.key(tensors, options)            # None: this call cannot be replayed
+    plan = plans.get(key)
+    out = plan.replay(tensors) if plan else plans.call(key, tensors, lambda: eager(...))
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+_Tensor = torch.Tensor
+#: Refused recordings of one signature before it is left to run eagerly for good.
+MAX_REFUSALS = 3
+#: Plans kept per entry point before its cache is emptied (a server whose prefills all have new
+#: lengths records each length at its second call; the cache must stay bounded).
+MAX_PLANS = 512
+ENABLED = os.environ.get("MOE_KERNELS_REPLAY", "1") != "0"
+
+_local = threading.local()   # .recording: the Recording of this thread's call, if any
+_all_plans = weakref.WeakSet()   # every CallPlans, so that new tuned tables can empty them all
+
+
+class Refused(Exception):
+    """Something in the recorded call that a replay could not reproduce (the reason)."""
+
+
+def recording_now():
+    """The :class:`Recording` this thread is making, or None (the launch shortcut asks at each
+    launch: one attribute read)."""
+    return getattr(_local, "recording", None)
+
+
+def forget_all_plans() -> None:
+    """Empty every plan cache (the tuned tables changed: the configs a plan baked in may not
+    be the ones a fresh call would choose)."""
+    for plans in _all_plans:
+        plans.clear()
+
+
+def tensor_signature(t):
+    """What of a tensor argument the call's Python and Triton's binaries can depend on (None
+    stays None: an optional argument left out)."""
+    if t is None:
+        return None
+    return t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15
+
+
+class Recording:
+    """One call being recorded: its tensors numbered as slots (inputs first), the operations and
+    launches in order."""
+
+    def __init__(self, inputs):
+        self.thread = threading.get_ident()
+        self.num_inputs = len(inputs)
+        self.tensors = []        # slot -> the tensor (kept alive, so that no id() is reused)
+        self.slot_of = {}        # id(tensor) -> slot
+        self.root_of = {}        # storage address -> the slot that owns the memory
+        self.constants = []      # slots of tensors from outside the call
+        self.aliases = []        # tensors that share a slot with another
+        self.events = []         # ("op", func, args, kwargs, outs) or ("launch", compiled, grid, device, args)
+        self.refusal = None
+        self.outputs = set()     # slots made by operations
+        self.device = inputs[0].device if inputs and isinstance(inputs[0], _Tensor) else None
+        for t in inputs:
+            if t is not None and self._storage(t) in self.root_of:
+                self.refusal = "two inputs share memory"
+            self._add(t)
+
+    @staticmethod
+    def _storage(t):
+        return t.untyped_storage().data_ptr()
+
+    def _add(self, t) -> int:
+        slot = len(self.tensors)
+        self.tensors.append(t)
+        if t is not None:
+            self.slot_of[id(t)] = slot
+            self.root_of.setdefault(self._storage(t), slot)
+        return slot
+
+    def slot(self, t) -> int:
+        """The slot of ``t``; a tensor first seen here comes from outside the call: a constant."""
+        slot = self.slot_of.get(id(t))
+        if slot is None:
+            slot = self._add(t)
+            self.constants.append(slot)
+        return slot
+
+    def refuse(self, why: str) -> None:
+        if self.refusal is None:
+            self.refusal = why
+
+    # -- operations ---------------------------------------------------------------------------
+
+    def _template(self, value):
+        if isinstance(value, _Tensor):
+            return _Slot(self.slot(value))
+        if isinstance(value, (list, tuple)):   # e.g. aten.cat's list of tensors
+            return type(value)(self._template(v) for v in value)
+        return value
+
+    def note_op(self, func, args, kwargs, out) -> None:
+        tags = getattr(func, "tags", ())
+        if func is torch.ops.aten.index.Tensor:   # integer indices: the result's shape is theirs
+            dynamic = any(isinstance(i, _Tensor) and i.dtype in (torch.bool, torch.uint8) for i in args[1])
+        else:
+            dynamic = torch.Tag.dynamic_output_shape in tags or torch.Tag.data_dependent_output in tags
+        if func is torch.ops.aten._local_scalar_dense.default or dynamic:
+            self.refuse(f"{func} reads values back to the host")
+        results = out if isinstance(out, (tuple, list)) else (out,)
+        for t in results:
+            if isinstance(t, _Tensor) and t.device != self.device:   # e.g. a copy to the host
+                self.refuse(f"{func} makes a tensor on {t.device}")
+        if func in _SAME_TENSOR and isinstance(args[0], _Tensor) and isinstance(out, _Tensor):
+            # The same memory and geometry under another tensor object (a factory function's
+            # result is detached once under the mode): one slot for both, nothing to redo.
+            self.slot_of[id(out)] = self.slot(args[0])
+            self.aliases.append(out)   # kept alive, so that its id() is not reused
+            return
+        args_t, kwargs_t = self._template(args), {k: self._template(v) for k, v in kwargs.items()}
+        outs = []
+        for t in results:
+            if not isinstance(t, _Tensor):
+                outs.append(None)
+            elif id(t) in self.slot_of:   # an in-place operation returns its input
+                outs.append(self.slot_of[id(t)])
+            else:
+                slot = self._add(t)
+                self.outputs.add(slot)
+                outs.append(slot)
+        self.events.append(("op", func, args_t, kwargs_t, tuple(outs), isinstance(out, (tuple, list))))
+
+    # -- launches -----------------------------------------------------------------------------
+
+    def note_launch(self, compiled, grid, device, values) -> None:
+        args, pointers = [], []
+        for position, v in enumerate(values):
+            if isinstance(v, _Tensor):
+                if self._storage(v) == 0:   # empty tensors all sit at address 0: no owner to find
+                    self.refuse("a launch reads an empty tensor")
+                root = self.root_of.get(self._storage(v))
+                if root is None:
+                    root = self.slot(v)
+                pointers.append((position, root, v.data_ptr() - self.tensors[root].data_ptr()))
+                args.append(None)
+            else:
+                args.append(v)
+        grid = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+        self.events.append(("launch", compiled, grid, device, args, tuple(pointers)))
+
+    # -- the plan -----------------------------------------------------------------------------
+
+    def plan(self, result) -> "Plan":
+        """The :class:`Plan` that replays this call, whose result was ``result``."""
+        if self.refusal is not None:
+            raise Refused(self.refusal)
+        many = isinstance(result, (tuple, list))
+        returned = []
+        for t in (result if many else (result,)):
+            slot = self.slot_of.get(id(t)) if isinstance(t, _Tensor) else None
+            if slot is None or slot in self.constants:
+                raise Refused("the result is not made by the call")
+            returned.append(slot)
+        # Keep what the result needs, walking back: every launch, every operation that writes
+        # (in place), and the operations whose outputs a kept event reads.
+        needed, kept = set(returned), []
+        for event in reversed(self.events):
+            if event[0] == "launch":
+                needed.update(root for _, root, _ in event[5])
+                kept.append(event)
+                continue
+            _, func, args_t, kwargs_t, outs, _ = event
+            writes = any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
+            if writes or any(o in needed for o in outs if o is not None):
+                needed.update(_slots_in((args_t, kwargs_t)))
+                kept.append(event)
+        kept.reverse()
+        # Buffers that only launches touch (no operation reads them, none is returned) become
+        # pieces of one workspace: one allocation per replay instead of one each. Each piece
+        # starts on a 512-byte boundary, as the caching allocator's blocks do, so every pointer
+        # keeps the alignment Triton specialised on.
+        read = set(returned)
+        for event in kept:
+            if event[0] == "op":
+                read.update(_slots_in((event[2], event[3])))
+        workspace, pieces, size = len(self.tensors), {}, 0
+        for event in kept:
+            if event[0] == "op" and event[1] in _ALLOCATIONS and event[4][0] not in read:
+                pieces[event[4][0]] = size
+                size += -(-self.tensors[event[4][0]].untyped_storage().nbytes() // 512) * 512
+        kept = [event for event in kept if not (event[0] == "op" and event[1] in _ALLOCATIONS
+                                                and event[4][0] in pieces)]
+        kept = [event if event[0] == "op" else
+                (*event[:5], tuple((position, workspace, pieces[root] + offset) if root in pieces
+                                   else (position, root, offset) for position, root, offset in event[5]))
+                for event in kept]
+        constants = tuple((slot, self.tensors[slot]) for slot in self.constants)
+        return Plan(self.num_inputs, len(self.tensors), constants, kept, tuple(returned), many,
+                    (size, self.device) if size else None)
+
+
+_ALLOCATIONS = (torch.ops.aten.empty.memory_format,)
+_SAME_TENSOR = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)
+
+
+class _Slot(int):
+    """A tensor argument of a recorded operation, by slot."""
+
+
+def _slots_in(value):
+    if isinstance(value, _Slot):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _slots_in(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _slots_in(v)
+
+
+def _filled(template, slots):
+    if isinstance(template, _Slot):
+        return slots[template]
+    if isinstance(template, (list, tuple)):
+        return type(template)(_filled(v, slots) for v in template)
+    return template
+
+
+class _Recorder(TorchDispatchMode):
+    """Notes every torch operation of the call being recorded (below autograd)."""
+
+    def __init__(self, recording: Recording):
+        super().__init__()
+        self.recording = recording
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self.recording.note_op(func, args, kwargs, out)
+        return out
+
+
+class Plan:
+    """A recorded call, replayed on new inputs of the same signature (see the module docstring)."""
+
+    def __init__(self, num_inputs, num_slots, constants, events, returned, many, workspace=None):
+        self.num_inputs, self.num_slots, self.returned, self.many = num_inputs, num_slots, returned, many
+        self.constants = constants
+        #: (bytes, device) of the one buffer that holds every launch-only buffer (slot num_slots)
+        self.workspace = workspace
+        self.replays = 0
+        self.steps = []
+        for event in events:
+            if event[0] == "launch":
+                _, compiled, grid, device, args, pointers = event
+                self.steps.append((True, compiled.run, grid, device, compiled.function, compiled.packed_metadata,
+                                   args, pointers))
+            else:
+                _, func, args_t, kwargs_t, outs, many_out = event
+                simple = not any(isinstance(a, (list, tuple)) for a in args_t) and not kwargs_t
+                self.steps.append((False, func, args_t, kwargs_t, outs, many_out, simple))
+        self.num_launches = sum(1 for s in self.steps if s[0])
+        self.num_ops = len(self.steps) - self.num_launches
+
+    def replay(self, inputs):
+        slots = [*inputs, *([None] * (self.num_slots - self.num_inputs))]
+        for slot, tensor in self.constants:
+            slots[slot] = tensor
+        if self.workspace is not None:
+            slots.append(torch.empty(self.workspace[0], dtype=torch.uint8, device=self.workspace[1]))
+        stream = None
+        for step in self.steps:
+            if step[0]:
+                _, run, grid, device, function, metadata, args, pointers = step
+                if stream is None:
+                    stream = torch._C._cuda_getCurrentRawStream(device)
+                args = args.copy()
+                for position, slot, offset in pointers:
+                    args[position] = slots[slot].data_ptr() + offset
+                run(grid[0], grid[1], grid[2], stream, function, metadata, None, None, None, *args)
+            else:
+                _, func, args_t, kwargs_t, outs, many_out, simple = step
+                if simple:
+                    out = func(*[slots[a] if type(a) is _Slot else a for a in args_t])
+                else:
+                    out = func(*_filled(args_t, slots), **{k: _filled(v, slots) for k, v in kwargs_t.items()})
+                if many_out:
+                    for slot, t in zip(outs, out):
+                        if slot is not None:
+                            slots[slot] = t
+                elif outs[0] is not None:
+                    slots[outs[0]] = out
+        self.replays += 1
+        if self.many:
+            return tuple(slots[s] for s in self.returned)
+        return slots[self.returned[0]]
+
+
+class CallPlans:
+    """The plans of one entry point, by signature key; a signature is recorded at its second call."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.plans = {}
+        self.calls = {}       # key -> eager calls so far (recording starts at the second)
+        self.last_refusal = None
+        _all_plans.add(self)
+
+    def clear(self) -> None:
+        self.plans.clear()
+        self.calls.clear()
+
+    def key(self, tensors, options):
+        """The signature key of a call on ``tensors`` (a tuple, None for an optional one left out)
+        with ``options`` (a hashable tuple), or None when this call must run eagerly."""
+        if not ENABLED or getattr(_local, "recording", None) is not None:
+            return None
+        try:
+            if not tensors[0].is_cuda or _eager_only():
+                return None
+            key = (tuple(map(tensor_signature, tensors)), options, torch._C._cuda_getDevice(), _runtime_knobs.debug)
+            hash(key)
+        except (AttributeError, TypeError):   # not tensors, or odd options: the eager path says what is wrong
+            return None
+        return key
+
+    def get(self, key):
+        return None if key is None else self.plans.get(key)
+
+    def call(self, key, tensors, eager):
+        """Run ``eager()`` (the call's own path); record it if this is the signature's second call."""
+        if key is None:
+            return eager()
+        seen = self.calls.get(key, 0)
+        self.calls[key] = seen + 1
+        if seen == 0 or seen > MAX_REFUSALS:
+            return eager()
+        if any(t is not None and t.requires_grad for t in tensors):
+            self.calls[key] = MAX_REFUSALS + 1
+            return eager()
+        recording = Recording(tensors)
+        _local.recording = recording
+        try:
+            with _Recorder(recording):
+                result = eager()
+        finally:
+            _local.recording = None
+        try:
+            plan = recording.plan(result)
+        except Refused as why:
+            self.last_refusal = str(why)
+            return result
+        if len(self.plans) >= MAX_PLANS:
+            self.clear()
+        self.plans[key] = plan
+        return result
+
+
+_runtime_knobs = None   # triton.knobs.runtime, looked up once
+#: Above 0, every call runs eagerly: inside moe_kernels._runtime.record_launches (a launch trace
+#: notes each launch's settings, which a replay does not compute).
+eager_calls = 0
+
+
+def no_hooks(hook) -> bool:
+    """Triton's default launch hook is an empty chain: calling it does nothing, so a launcher may
+    be given None (and no launch metadata need be built)."""
+    return hook is None or getattr(hook, "calls", None) == []
+
+
+def _eager_only() -> bool:
+    """True when this call must not replay: a launch trace is on (it notes each launch's settings),
+    Triton has launch hooks (a profiler), or the stream is being captured into a CUDA graph."""
+    global _runtime_knobs
+    if _runtime_knobs is None:
+        from triton import knobs
+        _runtime_knobs = knobs.runtime
+    return (eager_calls > 0 or not no_hooks(_runtime_knobs.launch_enter_hook)
+            or not no_hooks(_runtime_knobs.launch_exit_hook) or torch._C._cuda_isCurrentStreamCapturing())

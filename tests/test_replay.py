@@ -1,0 +1,230 @@
+"""The replay of a recorded call (moe_kernels._replay) on the CPU: torch operations through the
+dispatch mode and a stand-in for a compiled Triton kernel that reads and writes raw pointers, so
+that every pointer a replay passes is checked by what lands in memory. The GPU tests replay the
+real entry points (tests/test_layer_path.py)."""
+
+import ctypes
+
+import pytest
+import torch
+
+from moe_kernels import _replay
+
+
+class FakeCompiled:
+    """A compiled kernel's launcher: ``out[i] = 2 * src[i] + bias`` over ``n`` float32s, through
+    pointers (tensors at the recorded call, integers at a replay, as Triton's launcher takes)."""
+
+    function, packed_metadata = "function", "metadata"
+
+    def __init__(self):
+        self.launches = []
+
+    def run(self, gx, gy, gz, stream, function, metadata, launch_metadata, enter, leave, src, out, n, bias):
+        assert (function, metadata, enter, leave) == ("function", "metadata", None, None)
+        pointer = lambda a: a.data_ptr() if isinstance(a, torch.Tensor) else a  # noqa: E731
+        values = (ctypes.c_float * n).from_address(pointer(src))
+        result = (ctypes.c_float * n).from_address(pointer(out))
+        for i in range(n):
+            result[i] = 2 * values[i] + bias
+        self.launches.append((gx, gy, gz, type(src).__name__))
+
+
+@pytest.fixture
+def fake_stream(monkeypatch):
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 0, raising=False)
+
+
+def launch(kernel, src, out, n, bias=1.0):
+    """What the launch shortcut does: launch, then tell the call being recorded (if any)."""
+    kernel.run(4, 1, 1, 0, kernel.function, kernel.packed_metadata, None, None, None, src, out, n, bias)
+    recording = _replay.recording_now()
+    if recording is not None:
+        recording.note_launch(kernel, (4,), 0, (src, out, n, bias))
+
+
+def layer_like(x, w, kernel, constant):
+    """Torch operations, views that only feed a launch, a launch into the middle of a buffer, an
+    in-place addition and a tensor from outside the call."""
+    h = torch.mm(x, w)                       # [T, 3]
+    buffer = torch.empty(2 * h.numel())
+    launch(kernel, h.view(-1), buffer[h.numel():], h.numel())   # a view at an offset
+    out = buffer[h.numel():].view(h.shape)
+    return out.add_(constant)
+
+
+def run_plans(plans, key, args, eager):
+    plan = plans.get(key)
+    return plan.replay(args) if plan is not None else plans.call(key, args, eager)
+
+
+def test_replay_matches_the_eager_call_on_new_inputs(fake_stream):
+    kernel, constant = FakeCompiled(), torch.tensor([1.0, 2.0, 3.0])
+    plans = _replay.CallPlans("test")
+    g = torch.Generator().manual_seed(0)
+    for call in range(5):
+        x, w = torch.randn(2, 4, generator=g), torch.randn(4, 3, generator=g)
+        expected = (2 * (x @ w) + 1.0) + constant
+        got = run_plans(plans, "key", (x, w), lambda: layer_like(x, w, kernel, constant))
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+        assert (plans.get("key") is not None) == (call >= 1)   # recorded at the second call
+    plan = plans.get("key")
+    assert plan.replays == 3 and plan.num_launches == 1
+    # The matmul, the buffer and the view returned (with the slice under it) and the addition are
+    # redone; the view that only fed the launch is not.
+    ops = [str(step[1]) for step in plan.steps if not step[0]]
+    assert ops[:2] == ["aten.mm.default", "aten.empty.memory_format"] and ops[-1] == "aten.add_.Tensor", ops
+    assert "aten.view.default" in ops and len(ops) <= 6, ops
+    assert [l[3] for l in kernel.launches] == ["Tensor"] * 2 + ["int"] * 3   # replays pass integers
+
+
+def test_buffers_only_launches_touch_share_one_workspace(fake_stream):
+    kernel, plans = FakeCompiled(), _replay.CallPlans("test")
+
+    def chain(x):   # two intermediate buffers that only launches read and write
+        a, b, out = torch.empty(x.numel()), torch.empty(x.numel()), torch.empty(x.numel())
+        launch(kernel, x, a, x.numel())
+        launch(kernel, a, b, x.numel())
+        launch(kernel, b, out, x.numel())
+        return out
+
+    for _ in range(4):
+        x = torch.randn(5)
+        torch.testing.assert_close(run_plans(plans, "key", (x,), lambda: chain(x)), ((2 * x + 1) * 2 + 1) * 2 + 1)
+    plan = plans.get("key")
+    assert plan.workspace == (2 * 512, x.device)   # two pieces, each on its own 512-byte boundary
+    assert [str(step[1]) for step in plan.steps if not step[0]] == ["aten.empty.memory_format"]   # the result
+
+
+def test_a_call_that_reads_values_back_is_not_replayed(fake_stream):
+    plans = _replay.CallPlans("test")
+    x = torch.randn(3)
+
+    def host_branch():   # the host's path depends on a value: a replay could not follow it
+        return x * 2 if x.sum().item() > 0 else x * 3
+
+    for _ in range(_replay.MAX_REFUSALS + 3):
+        run_plans(plans, "key", (x,), host_branch)
+    assert plans.get("key") is None and "reads values back" in plans.last_refusal
+    assert plans.calls["key"] > _replay.MAX_REFUSALS   # given up: eager from now on
+
+
+def test_inputs_that_share_memory_are_not_replayed(fake_stream):
+    plans = _replay.CallPlans("test")
+    base = torch.randn(8)
+    a, b = base[:4], base[4:]
+    for _ in range(3):
+        run_plans(plans, "key", (a, b), lambda: a + b)
+    assert plans.get("key") is None and plans.last_refusal == "two inputs share memory"
+
+
+def test_integer_indexing_is_replayed_and_a_mask_is_not(fake_stream):
+    plans = _replay.CallPlans("test")
+    for _ in range(3):
+        x, rows = torch.randn(4, 2), torch.tensor([3, 0, 3])
+        torch.testing.assert_close(run_plans(plans, "rows", (x, rows), lambda: x[rows] * 2), x[rows] * 2)
+        run_plans(plans, "mask", (x,), lambda: x[x > 0])   # a shape that depends on the values
+    assert plans.get("rows") is not None and plans.get("rows").replays == 1
+    assert plans.get("mask") is None and "reads values back" in plans.last_refusal
+
+
+def test_a_result_from_outside_the_call_is_not_replayed(fake_stream):
+    plans, kept = _replay.CallPlans("test"), torch.randn(3)
+    for _ in range(3):
+        run_plans(plans, "key", (torch.randn(3),), lambda: kept)
+    assert plans.get("key") is None and "not made by the call" in plans.last_refusal
+
+
+def test_new_tuned_tables_forget_every_plan(fake_stream):
+    plans = _replay.CallPlans("test")
+    x = torch.randn(3)
+    for _ in range(3):
+        run_plans(plans, "key", (x,), lambda: x * 2)
+    assert plans.get("key") is not None
+    _replay.forget_all_plans()
+    assert plans.get("key") is None and not plans.calls
+
+
+def test_no_key_on_the_cpu_or_for_odd_arguments():
+    plans = _replay.CallPlans("test")
+    assert plans.key((torch.randn(2),), ()) is None              # a CPU tensor: eager
+    assert plans.key(("not a tensor",), ()) is None               # the eager path names the error
+    assert plans.call(None, (), lambda: "eager") == "eager"
+
+
+# ----------------------------------------------------------------------------------------------
+# On a GPU: the real entry points, replayed against their eager calls
+# ----------------------------------------------------------------------------------------------
+
+from moe_testing import needs_gpu  # noqa: E402
+
+FORMATS = (None, "block", "channel", "tensor")
+
+
+def _small_layer(model, fmt, layout="index_gather", shared_expert="separate"):
+    from moe_kernels.layer import MoELayer
+
+    layer = MoELayer.random(model, hidden_size=256, intermediate_size=256, dtype=torch.bfloat16, device="cuda",
+                            seed=0)
+    if fmt is not None:
+        layer = layer.quantized(fmt)
+    if layout != "index_gather" or shared_expert != "separate":
+        layer = type(layer)(layer.weights, layer.routing, layout=layout, shared_expert=shared_expert)
+    return layer
+
+
+def _eagerly(fn, monkeypatch):
+    with monkeypatch.context() as m:
+        m.setattr(_replay, "ENABLED", False)
+        return fn()
+
+
+@needs_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("num_tokens", [1, 7, 64, 300])
+def test_fused_experts_replays_as_it_runs_gpu(fmt, num_tokens, monkeypatch):
+    from moe_kernels.kernels.index_gather import _PLANS, fused_experts
+
+    layer = _small_layer("qwen3-30b-a3b", fmt)
+    e, k = layer.w13.shape[0], layer.routing.top_k
+    g = torch.Generator(device="cuda").manual_seed(num_tokens)
+    outputs = []
+    for call in range(4):
+        x = torch.randn(num_tokens, 256, device="cuda", dtype=torch.bfloat16, generator=g)
+        ids = torch.rand(num_tokens, e, device="cuda", generator=g).argsort(1)[:, :k].int()
+        w = torch.rand(num_tokens, k, device="cuda", generator=g)
+        run = lambda: fused_experts(x, layer.w13, layer.w2, w, ids, w1_scale=layer.w13_scale,  # noqa: E731
+                                    w2_scale=layer.w2_scale)
+        got, expected = run(), _eagerly(run, monkeypatch)
+        assert torch.equal(got, expected), (call, (got.float() - expected.float()).abs().max())
+        outputs.append((got, got.clone()))
+    key = _PLANS.key((x, layer.w13, layer.w2, w, ids, layer.w13_scale, layer.w2_scale), (None, None, None, True))
+    plan = _PLANS.get(key)
+    assert plan is not None and plan.replays >= 2, _PLANS.last_refusal
+    assert all(torch.equal(a, b) for a, b in outputs)   # each replay wrote a fresh output
+
+
+@needs_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("model,fmt,layout,shared", [
+    ("qwen3-30b-a3b", None, "index_gather", "separate"), ("qwen3-30b-a3b", "block", "index_gather", "separate"),
+    ("deepseek-v3", None, "index_gather", "separate"), ("deepseek-v3", "block", "index_gather", "separate"),
+    ("deepseek-v3", None, "index_gather", "fused"), ("deepseek-v3", "block", "index_gather", "fused"),
+    ("qwen3-30b-a3b", None, "permute", "separate"), ("qwen3-30b-a3b", "block", "permute", "separate"),
+    ("qwen3-30b-a3b", None, "masked", "separate"),
+])
+@pytest.mark.parametrize("num_tokens", [1, 64, 300])
+def test_layer_replays_as_it_runs_gpu(model, fmt, layout, shared, num_tokens, monkeypatch):
+    layer = _small_layer(model, fmt, layout, shared)
+    g = torch.Generator(device="cuda").manual_seed(num_tokens)
+    for call in range(4):
+        x = torch.randn(num_tokens, 256, device="cuda", dtype=torch.bfloat16, generator=g)
+        got, expected = layer(x), _eagerly(lambda: layer(x), monkeypatch)
+        assert torch.equal(got, expected), (call, (got.float() - expected.float()).abs().max())
+    replay = layer._replays.get(layer._replays.key((x,), ()))
+    assert replay is not None and replay.replays >= 2, layer._replays.last_refusal
+    # New weights: the layer forgets what it recorded, and the next calls use the new weights.
+    layer.w2 = layer.w2 * 2 if layer.w2.dtype == torch.bfloat16 else layer.w2
+    layer(x)
+    assert layer._replays.get(layer._replays.key((x,), ())) is None
