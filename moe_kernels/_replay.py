@@ -1,41 +1,32 @@
 """Replaying a call: the host work of a repeated call done once, its launches kept as a list.
 
-At decode one MoE layer costs the GPU 30-300 microseconds, and its Python costs the host as much
-or more: argument checks, the format and config lookups, the block map's sizes, a dozen
-``torch.empty``, and for each of four to eight Triton kernels a key, a dict and the launch. All of
-that depends only on what the arguments *are* (shapes, strides, dtypes, devices, 16-byte
-alignment, the options), never on their values. So the second call with a given signature is
-recorded, and every later one replays the record:
+At decode one MoE layer costs the GPU 30-300 microseconds and its Python as much or more: checks,
+format and config lookups, block-map sizes, a dozen ``torch.empty``, and per Triton kernel a key,
+a dict and the launch. All of it depends only on what the arguments *are* (shapes, strides,
+dtypes, devices, 16-byte alignment, options), never on their values. So the second call of a
+signature is recorded and later ones replay it:
 
-* every torch operation the call ran (below autograd: ``aten.empty``, ``aten.mm``, the views...),
-  seen through a ``TorchDispatchMode``, with each tensor argument named by where it came from:
-  an input of the call, the output of an earlier operation, or a constant (a tensor from outside
-  the call, kept by reference: a layer's weights);
-* every Triton launch (the compiled kernel, the grid and the arguments), each pointer argument
-  as (the tensor whose memory it points into, byte offset). A replayed launch calls the compiled
-  kernel's launcher directly, with those pointers as integers.
+* every torch operation (below autograd, through a ``TorchDispatchMode``), each tensor argument
+  named by its origin: an input, an earlier operation's output, or a constant (a tensor from
+  outside the call, kept by reference: a layer's weights);
+* every Triton launch (compiled kernel, grid, arguments), each pointer as (the tensor whose
+  memory it points into, byte offset); a replay calls the launcher with integer pointers.
 
-A replay runs only the operations whose results are used (a view that only fed a launch is not
-redone: the launch gets its pointer by offset) and every launch, in the recorded order, on the
-current stream. Replaying is exactly the recorded call on new inputs because:
+A replay redoes only the operations whose results are used (a view that only fed a launch is
+not: the launch gets its pointer by offset), gives the buffers only launches touch one workspace
+allocation, and runs every launch in order on the current stream. It is the recorded call on new
+inputs because the key holds all the call's Python reads (each tensor's shape, strides, dtype,
+device and address mod 16, the other arguments, the current device, Triton's debug knob; a
+layer forgets its plans when its weights or rules change, new tuned tables forget all), and a
+call that might depend on *values* is not recorded: an operation that reads values back
+(``.item()``, a copy to the host) or has a data-dependent shape (``nonzero``, a mask index), a
+launch through Triton's own path (a new binary, a tensor descriptor), inputs that share memory,
+or one that requires grad. Such a signature runs eagerly after :data:`MAX_REFUSALS` tries.
+Outputs are fresh at every replay (two streams or threads can replay one plan); a CUDA-graph
+capture, a launch hook or a launch trace runs eagerly. ``MOE_KERNELS_REPLAY=0`` turns it off.
+Use (on a GPU)::
 
-* the key holds everything the call's Python reads: each tensor argument's shape, strides, dtype,
-  device and address modulo 16 (Triton specialises on it), every other argument, the current
-  device and Triton's debug knob; the caller adds whatever its own state is (a layer forgets its
-  plans when its weights or rules change; new tuned tables forget them all);
-* a call whose Python could depend on a tensor's *values* is not recorded: an operation that
-  reads a value back to the host (``.item()``, ``.tolist()``, a copy to another device) or has a
-  data-dependent output shape (``nonzero``, ``unique``), a launch that took Triton's own path (a
-  new binary, a tensor descriptor), inputs that share memory, or an input that requires grad;
-  such a signature is tried again later and, after :data:`MAX_REFUSALS` refusals, runs eagerly;
-* outputs are allocated afresh at every replay by the replayed ``aten.empty`` (nothing is
-  reused between calls, so two streams or threads can replay one plan), and a CUDA-graph capture
-  or a launch trace (:func:`moe_kernels._runtime.record_launches`) takes the eager path.
-
-``MOE_KERNELS_REPLAY=0`` turns replaying off. Example (on a GPU)::
-
-    plans = CallPlans("fused_experts")
-    key = plans.key(tensors, options)            # None: this call cannot be replayed
+    key = plans.key(tensors, options)            # None: this call runs eagerly
     plan = plans.get(key)
     out = plan.replay(tensors) if plan else plans.call(key, tensors, lambda: eager(...))
 """
@@ -67,14 +58,12 @@ class Refused(Exception):
 
 
 def recording_now():
-    """The :class:`Recording` this thread is making, or None (the launch shortcut asks at each
-    launch: one attribute read)."""
+    """The :class:`Recording` this thread is making, or None."""
     return getattr(_local, "recording", None)
 
 
 def forget_all_plans() -> None:
-    """Empty every plan cache (the tuned tables changed: the configs a plan baked in may not
-    be the ones a fresh call would choose)."""
+    """Empty every plan cache (new tuned tables: a plan's baked-in configs may be stale)."""
     for plans in _all_plans:
         plans.clear()
 
@@ -92,7 +81,6 @@ class Recording:
     launches in order."""
 
     def __init__(self, inputs):
-        self.thread = threading.get_ident()
         self.num_inputs = len(inputs)
         self.tensors = []        # slot -> the tensor (kept alive, so that no id() is reused)
         self.slot_of = {}        # id(tensor) -> slot
@@ -101,7 +89,6 @@ class Recording:
         self.aliases = []        # tensors that share a slot with another
         self.events = []         # ("op", func, args, kwargs, outs) or ("launch", compiled, grid, device, args)
         self.refusal = None
-        self.outputs = set()     # slots made by operations
         self.device = inputs[0].device if inputs and isinstance(inputs[0], _Tensor) else None
         for t in inputs:
             if t is not None and self._storage(t) in self.root_of:
@@ -167,9 +154,7 @@ class Recording:
             elif id(t) in self.slot_of:   # an in-place operation returns its input
                 outs.append(self.slot_of[id(t)])
             else:
-                slot = self._add(t)
-                self.outputs.add(slot)
-                outs.append(slot)
+                outs.append(self._add(t))
         self.events.append(("op", func, args_t, kwargs_t, tuple(outs), isinstance(out, (tuple, list))))
 
     # -- launches -----------------------------------------------------------------------------
@@ -252,11 +237,8 @@ class _Slot(int):
 def _slots_in(value):
     if isinstance(value, _Slot):
         yield value
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _slots_in(v)
-    elif isinstance(value, dict):
-        for v in value.values():
+    elif isinstance(value, (list, tuple, dict)):
+        for v in (value.values() if isinstance(value, dict) else value):
             yield from _slots_in(v)
 
 
@@ -366,7 +348,7 @@ class CallPlans:
             return None
         return key
 
-    def get(self, key):
+    def get(self, key):   # (None: a call that runs eagerly)
         return None if key is None else self.plans.get(key)
 
     def call(self, key, tensors, eager):
@@ -399,14 +381,11 @@ class CallPlans:
 
 
 _runtime_knobs = None   # triton.knobs.runtime, looked up once
-#: Above 0, every call runs eagerly: inside moe_kernels._runtime.record_launches (a launch trace
-#: notes each launch's settings, which a replay does not compute).
-eager_calls = 0
+eager_calls = 0   # above 0 (inside _runtime.record_launches, whose trace a replay would skip): eager
 
 
 def no_hooks(hook) -> bool:
-    """Triton's default launch hook is an empty chain: calling it does nothing, so a launcher may
-    be given None (and no launch metadata need be built)."""
+    """Triton's default launch hook is an empty chain: a launcher may be given None instead."""
     return hook is None or getattr(hook, "calls", None) == []
 
 
