@@ -331,7 +331,27 @@ def test_every_reference_is_cited():
         "".join(p.read_text() for p in (ROOT / "book").glob("*.md") if p.name != "references.md")
     cited = set(re.findall(r"\{cite(?::\w+)?\}`([^`]+)`", text))
     cited = {k.strip() for group in cited for k in group.split(",")}
+    cited |= set(re.findall(r"\]\(#ref-(\w+) ", text))   # the sections cite by link: [Author, year](#ref-key "title")
     assert keys and not set(keys) - cited, f"never cited: {sorted(set(keys) - cited)}"
+
+
+def test_citations_read_in_jupyterlab_and_link_on_the_site():
+    """The sections cite as plain links, ``[Lepikhin et al., 2020](#ref-lepikhin2020gshard "title")``
+    (jupyterlab-myst reads no .bib file: a ``{cite}`` role shows there as a warning sign and the
+    bare key), each naming a target on the references page; on the site each resolves to it."""
+    bib = (ROOT / "book" / "references.bib").read_text()
+    keys = set(re.findall(r"^@\w+\{([^,]+),", bib, re.M))
+    guide = (ROOT / "book" / "references.md").read_text()
+    assert keys <= set(re.findall(r"^\s*(?:- )?\(ref-(\w+)\)=$", guide, re.M)), "a reference without its target"
+    html = ROOT / "_build" / "html" / "notebooks"
+    for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        cells = json.loads(path.read_text())["cells"]
+        text = "".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
+        assert not re.search(r"\{cite(?::\w+)?\}", text), f"{path.name}: a {{cite}} role (a warning key in JupyterLab)"
+        linked = set(re.findall(r"\]\(#ref-(\w+) ", text)) & keys
+        page = (html / f"{path.stem}.html").read_text() if linked else ""
+        for key in linked:
+            assert f'href="../book/references.html#ref-{key}"' in page, f"{path.stem}: the link to {key} is not resolved"
 
 
 def test_every_section_ends_on_its_takeaway():
