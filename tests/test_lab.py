@@ -227,7 +227,9 @@ def _check(page, nb, shots, tag):
         if "{figure}" in src:
             assert dom["figures"], f"{where}: no figure"
             for f in dom["figures"]:
-                assert re.match(r"Figure\s+\d+:", f["caption"]), f"{where}: caption {f['caption']!r}"
+                # numbered per section, as on the site (the front matter's enumerator "N.%s")
+                section = int(tag[:2])
+                assert re.match(rf"Figure\s+{section}\.\d+:", f["caption"]), f"{where}: caption {f['caption']!r}"
                 assert f["alt"] and f["loaded"], f"{where}: {f}"
         for expr, shown in stored.items():
             if n_drop:

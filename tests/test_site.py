@@ -111,7 +111,7 @@ def _toc_pages() -> list[str]:
     import yaml
 
     toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
-    files = [toc["root"]] + [entry["file"] for entry in toc["chapters"]]
+    files = [toc["root"]] + [entry["file"] for part in toc["parts"] for entry in part["chapters"]]
     return ["index.html"] + [f"{f}.html" for f in files]
 
 
@@ -323,6 +323,36 @@ def test_every_figure_is_numbered_and_described(server, offline, path):
         assert re.match(r"Figure \d+", img["caption"]), f"{path}: {img['src']} has no numbered caption"
 
 
+def _tables(cells):
+    return [i for i, c in enumerate(cells) if c["cell_type"] == "code" and any(
+        "|---" in "".join(o.get("data", {}).get("text/markdown", "")) for o in c.get("outputs", []))]
+
+
+def test_tables_figures_and_equations_are_numbered_per_section():
+    """Section N numbers its figures, tables and equations N.1, N.2, ... on the site (the numbered
+    table of contents) and in JupyterLab (each notebook's front matter, ``enumerator: N.%s``,
+    which the site build removes). Every table has its caption, ``**Table N.k.** ...``, as the
+    paragraph right above it, k counting the section's tables in order."""
+    html = ROOT / "_build" / "html" / "notebooks"
+    for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        n = int(path.name[:2])
+        cells = json.loads(path.read_text())["cells"]
+        first = "".join(cells[0]["source"])
+        assert first.startswith(f"---\nnumbering:\n  enumerator: {n}.%s\n---\n# "), f"{path.name}: front matter"
+        for k, i in enumerate(_tables(cells), 1):
+            above = "".join(cells[i - 1]["source"]).strip().split("\n\n")[-1]
+            assert cells[i - 1]["cell_type"] == "markdown" and above.startswith(f"**Table {n}.{k}.** "), \
+                f"{path.name}: the table of cell {i} has no caption 'Table {n}.{k}.' right above it"
+        page = (html / f"{path.stem}.html").read_text()
+        assert "enumerator" not in page, f"{path.stem}: the front matter shows on the site"
+        figures = re.findall(r'<span class="caption-number">Figure ([\d.]+)', page)
+        equations = re.findall(r'<span class="eqno">\(([\d.]+)\)', page)
+        for number in figures + equations:
+            assert number.startswith(f"{n}."), f"{path.stem}: numbered {number}, not {n}.k"
+        tables_shown = re.findall(r"<strong>Table ([\d.]+)\.</strong>", page)
+        assert tables_shown == [f"{n}.{k}" for k in range(1, len(_tables(cells)) + 1)], (path.stem, tables_shown)
+
+
 def test_every_reference_is_cited():
     """Each entry of book/references.bib is cited somewhere in the chapter's text (the reading
     guide on the references page, which cites them all, does not count)."""
@@ -398,7 +428,7 @@ def test_the_menu_button_opens_the_chapter_list(server, browser, width):
             page.wait_for_function("() => document.querySelector('#pst-primary-sidebar-modal').open", timeout=5000)
             links = page.evaluate("""() => [...document.querySelectorAll('#pst-primary-sidebar-modal a')]
                 .filter(a => a.offsetParent !== null).map(a => a.textContent.trim())""")
-            assert "The padding tax" in links and "One DeepSeek-V3 decode step, end to end" in links, links
+            assert "6. The padding tax" in links and "10. One DeepSeek-V3 decode step, end to end" in links, links
         else:
             assert not page.evaluate(hidden)
             toggle.click()
