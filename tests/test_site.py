@@ -328,6 +328,16 @@ def _tables(cells):
         "|---" in "".join(o.get("data", {}).get("text/markdown", "")) for o in c.get("outputs", []))]
 
 
+def test_notes_are_admonitions_not_footnotes():
+    """A note to the text is a ``{note}`` admonition after its paragraph, not a footnote:
+    jupyterlab-myst shows a footnote only as a hover card on its marker (nothing to read on a
+    touch screen), and an admonition reads the same on the site and in JupyterLab."""
+    for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        cells = json.loads(path.read_text())["cells"]
+        text = "".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
+        assert not re.search(r"\[\^[\w-]+\]", text), f"{path.name}: a footnote"
+
+
 def test_tables_figures_and_equations_are_numbered_per_section():
     """Section N numbers its figures, tables and equations N.1, N.2, ... on the site (the numbered
     table of contents) and in JupyterLab (each notebook's front matter, ``enumerator: N.%s``,
