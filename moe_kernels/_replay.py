@@ -1,5 +1,8 @@
 """Replaying a call: the host work of a repeated call done once, its launches kept as a list.
 
+(Over 400 lines, and kept whole: the recording, the plan it makes and the replay are one
+mechanism, each half meaningless without the other.)
+
 At decode one MoE layer costs the GPU 30-300 microseconds and its Python as much or more: checks,
 format and config lookups, block-map sizes, a dozen ``torch.empty``, and per Triton kernel a key,
 a dict and the launch. All of it depends only on what the arguments *are* (shapes, strides,
@@ -64,7 +67,7 @@ def recording_now():
 
 def forget_all_plans() -> None:
     """Empty every plan cache (new tuned tables: a plan's baked-in configs may be stale)."""
-    for plans in _all_plans:
+    for plans in list(_all_plans):   # (a copy: another thread may be building a layer)
         plans.clear()
 
 
@@ -111,6 +114,8 @@ class Recording:
         """The slot of ``t``; a tensor first seen here comes from outside the call: a constant."""
         slot = self.slot_of.get(id(t))
         if slot is None:
+            if self._storage(t) in self.root_of:   # e.g. an input that is a view of a layer's weight
+                self.refuse("an input shares memory with a tensor from outside the call")
             slot = self._add(t)
             self.constants.append(slot)
         return slot
@@ -198,7 +203,7 @@ class Recording:
                 continue
             _, func, args_t, kwargs_t, outs, _ = event
             writes = any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
-            if writes or any(o in needed for o in outs if o is not None):
+            if writes or not func._schema.returns or any(o in needed for o in outs if o is not None):
                 needed.update(_slots_in((args_t, kwargs_t)))
                 kept.append(event)
         kept.reverse()
@@ -221,7 +226,7 @@ class Recording:
                 (*event[:5], tuple((position, workspace, pieces[root] + offset) if root in pieces
                                    else (position, root, offset) for position, root, offset in event[5]))
                 for event in kept]
-        constants = tuple((slot, self.tensors[slot]) for slot in self.constants)
+        constants = tuple((slot, self.tensors[slot], self.tensors[slot].data_ptr()) for slot in self.constants)
         return Plan(self.num_inputs, len(self.tensors), constants, kept, tuple(returned), many,
                     (size, self.device) if size else None)
 
@@ -288,7 +293,7 @@ class Plan:
 
     def replay(self, inputs):
         slots = [*inputs, *([None] * (self.num_slots - self.num_inputs))]
-        for slot, tensor in self.constants:
+        for slot, tensor, _ in self.constants:
             slots[slot] = tensor
         if self.workspace is not None:
             slots.append(torch.empty(self.workspace[0], dtype=torch.uint8, device=self.workspace[1]))
@@ -334,6 +339,12 @@ class CallPlans:
         self.plans.clear()
         self.calls.clear()
 
+    def __getstate__(self):   # a pickled layer keeps no plans (aten ops and launchers do not pickle)
+        return {"name": self.name}
+
+    def __setstate__(self, state):
+        self.__init__(state["name"])
+
     def key(self, tensors, options):
         """The signature key of a call on ``tensors`` (a tuple, None for an optional one left out)
         with ``options`` (a hashable tuple), or None when this call must run eagerly."""
@@ -342,25 +353,35 @@ class CallPlans:
         try:
             if not tensors[0].is_cuda or _eager_only():
                 return None
-            key = (tuple(map(tensor_signature, tensors)), options, torch._C._cuda_getDevice(), _runtime_knobs.debug)
+            if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+                return None
+            key = (tuple(map(tensor_signature, tensors)), tuple(map(options_key, options)),
+                   torch._C._cuda_getDevice(), _runtime_knobs.debug, getattr(_compilation_knobs, "instrumentation_mode", None),
+                   getattr(_compilation_knobs, "fpsan_homomorphic_casts", None))
             hash(key)
-        except (AttributeError, TypeError):   # not tensors, or odd options: the eager path says what is wrong
-            return None
+        except (AttributeError, TypeError, RuntimeError):   # not tensors (a sparse one has no data_ptr), odd
+            return None                                     # options: the eager path says what is wrong
         return key
 
-    def get(self, key):   # (None: a call that runs eagerly)
-        return None if key is None else self.plans.get(key)
+    def get(self, key):
+        """The plan of ``key`` (None: record or run eagerly). A plan whose constants moved (a
+        weight's ``.data`` replaced, which no ``__setattr__`` sees) is forgotten."""
+        plan = None if key is None else self.plans.get(key)
+        if plan is not None and any(t.data_ptr() != ptr for _, t, ptr in plan.constants):
+            del self.plans[key]
+            self.calls.pop(key, None)
+            return None
+        return plan
 
     def call(self, key, tensors, eager):
         """Run ``eager()`` (the call's own path); record it if this is the signature's second call."""
         if key is None:
             return eager()
         seen = self.calls.get(key, 0)
+        if len(self.calls) >= 4 * MAX_PLANS:   # (many signatures seen once: keep the count bounded)
+            self.calls.clear()
         self.calls[key] = seen + 1
         if seen == 0 or seen > MAX_REFUSALS:
-            return eager()
-        if any(t is not None and t.requires_grad for t in tensors):
-            self.calls[key] = MAX_REFUSALS + 1
             return eager()
         recording = Recording(tensors)
         _local.recording = recording
@@ -380,7 +401,17 @@ class CallPlans:
         return result
 
 
-_runtime_knobs = None   # triton.knobs.runtime, looked up once
+_runtime_knobs = _compilation_knobs = None   # triton.knobs.runtime and .compilation, looked up once
+
+
+def options_key(value):
+    """An option in a key: its type with its value (``64`` and ``64.0``, ``True`` and ``1`` are
+    equal in Python, but the eager path accepts only one of each); an object such as a config by
+    identity (kept alive by the key, so that the id cannot be reused), since an equal object with
+    fields of the wrong type must reach the eager path's checks."""
+    if value is None or type(value) in (bool, int, str):
+        return type(value), value
+    return type(value), id(value), value
 eager_calls = 0   # above 0 (inside _runtime.record_launches, whose trace a replay would skip): eager
 
 
@@ -391,10 +422,11 @@ def no_hooks(hook) -> bool:
 
 def _eager_only() -> bool:
     """True when this call must not replay: a launch trace is on (it notes each launch's settings),
-    Triton has launch hooks (a profiler), or the stream is being captured into a CUDA graph."""
-    global _runtime_knobs
+    autocast is on (a replayed matmul would change dtype under the recorded kernels), Triton has
+    launch hooks (a profiler), or the stream is being captured into a CUDA graph."""
+    global _runtime_knobs, _compilation_knobs
     if _runtime_knobs is None:
         from triton import knobs
-        _runtime_knobs = knobs.runtime
-    return (eager_calls > 0 or not no_hooks(_runtime_knobs.launch_enter_hook)
+        _runtime_knobs, _compilation_knobs = knobs.runtime, knobs.compilation
+    return (eager_calls > 0 or torch.is_autocast_enabled("cuda") or not no_hooks(_runtime_knobs.launch_enter_hook)
             or not no_hooks(_runtime_knobs.launch_exit_hook) or torch._C._cuda_isCurrentStreamCapturing())

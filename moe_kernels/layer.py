@@ -204,12 +204,15 @@ class MoELayer(torch.nn.Module):
         # .to(), .cuda(), .half() replace the buffers: check them again at the next call.
         out = super()._apply(fn, *args, **kwargs)
         self._checked = None
+        self._replays.clear()   # (the plans hold the old tensors: let them go now)
         return out
 
     def __setattr__(self, name, value):
         # New buffers, routing rules or layout: checked, and planned, again at the next call.
         if name in ("routing", "layout") or name in self.__dict__.get("_fields", ()):
             self.__dict__["_checked"] = None
+            if "_replays" in self.__dict__:
+                self._replays.clear()
         if name == "shared_expert" and "shared_expert" in self.__dict__:
             fail("MoELayer", "shared_expert", "must be chosen when the layer is built (fusing copies the weights)",
                  repr(value))

@@ -145,6 +145,55 @@ def test_new_tuned_tables_forget_every_plan(fake_stream):
     assert plans.get("key") is None and not plans.calls
 
 
+def test_an_input_that_shares_memory_with_a_constant_is_not_replayed(fake_stream):
+    plans, weight = _replay.CallPlans("test"), torch.randn(4, 3)
+    for _ in range(3):   # the input is a view of the weight the call also reads
+        x = weight[:2]
+        run_plans(plans, "key", (x,), lambda: torch.mm(x, weight.t()))
+    assert plans.get("key") is None and "shares memory" in plans.last_refusal
+
+
+def test_a_plan_whose_constant_moved_is_forgotten(fake_stream):
+    plans, weight = _replay.CallPlans("test"), torch.randn(3, 3)
+    for _ in range(3):
+        x = torch.randn(2, 3)
+        run_plans(plans, "key", (x,), lambda: torch.mm(x, weight))
+    assert plans.get("key") is not None
+    weight.data = torch.randn(3, 3)   # no __setattr__ sees this: the plan checks its constants' addresses
+    assert plans.get("key") is None
+    x = torch.randn(2, 3)
+    torch.testing.assert_close(run_plans(plans, "key", (x,), lambda: torch.mm(x, weight)), x @ weight)
+
+
+def test_an_operation_kept_for_its_effect_alone(fake_stream):
+    plans = _replay.CallPlans("test")
+
+    def checked(x):
+        torch._assert_async(torch.tensor(True))   # returns nothing; a replay must still run it
+        return x * 2
+
+    for _ in range(3):
+        x = torch.randn(3)
+        run_plans(plans, "key", (x,), lambda: checked(x))
+    assert "aten._assert_async.default" in [str(step[1]) for step in plans.get("key").steps if not step[0]]
+
+
+def test_options_are_keyed_by_type_and_objects_by_identity():
+    key = _replay.options_key
+    assert key(64) != key(64.0) and key(True) != key(1) and key(None) == key(None)
+    a, b = tuple([1, 2]), tuple([1, 2])   # equal, distinct objects (a config with a field of the wrong type is one)
+    assert key(a) != key(b) and key(a) == key(a)
+
+
+def test_a_layer_with_plans_pickles_without_them():
+    import pickle
+
+    plans = _replay.CallPlans("test")
+    plans.plans["key"] = object()
+    restored = pickle.loads(pickle.dumps(plans))
+    assert restored.name == "test" and not restored.plans and restored in _replay._all_plans
+
+
 def test_no_key_on_the_cpu_or_for_odd_arguments():
     plans = _replay.CallPlans("test")
     assert plans.key((torch.randn(2),), ()) is None              # a CPU tensor: eager
