@@ -27,11 +27,7 @@ launch through Triton's own path (a new binary, a tensor descriptor), inputs tha
 or one that requires grad. Such a signature runs eagerly after :data:`MAX_REFUSALS` tries.
 Outputs are fresh at every replay (two streams or threads can replay one plan); a CUDA-graph
 capture, a launch hook or a launch trace runs eagerly. ``MOE_KERNELS_REPLAY=0`` turns it off.
-Use (on a GPU)::
-
-    key = plans.key(tensors, options)            # None: this call runs eagerly
-    plan = plans.get(key)
-    out = plan.replay(tensors) if plan else plans.call(key, tensors, lambda: eager(...))
+Use (on a GPU): ``plans.run(tensors, options, lambda: eager(...))``.
 """
 
 from __future__ import annotations
@@ -90,7 +86,8 @@ class Recording:
         self.root_of = {}        # storage address -> the slot that owns the memory
         self.constants = []      # slots of tensors from outside the call
         self.aliases = []        # tensors that share a slot with another
-        self.events = []         # ("op", func, args, kwargs, outs) or ("launch", compiled, grid, device, args)
+        self.events = []         # ("op", func, args, kwargs, outs, many) or ("launch", compiled, grid, device,
+                                 # args, pointers)
         self.refusal = None
         self.device = inputs[0].device if inputs and isinstance(inputs[0], _Tensor) else None
         for t in inputs:
@@ -114,7 +111,8 @@ class Recording:
         """The slot of ``t``; a tensor first seen here comes from outside the call: a constant."""
         slot = self.slot_of.get(id(t))
         if slot is None:
-            if self._storage(t) in self.root_of:   # e.g. an input that is a view of a layer's weight
+            if self.root_of.get(self._storage(t), self.num_inputs) < self.num_inputs:
+                # e.g. an input that is a view of a layer's weight: a replay would read the new input
                 self.refuse("an input shares memory with a tensor from outside the call")
             slot = self._add(t)
             self.constants.append(slot)
@@ -356,7 +354,8 @@ class CallPlans:
             if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
                 return None
             key = (tuple(map(tensor_signature, tensors)), tuple(map(options_key, options)),
-                   torch._C._cuda_getDevice(), _runtime_knobs.debug, getattr(_compilation_knobs, "instrumentation_mode", None),
+                   torch._C._cuda_getDevice(), _runtime_knobs.debug,
+                   getattr(_compilation_knobs, "instrumentation_mode", None),
                    getattr(_compilation_knobs, "fpsan_homomorphic_casts", None))
             hash(key)
         except (AttributeError, TypeError, RuntimeError):   # not tensors (a sparse one has no data_ptr), odd
@@ -372,6 +371,13 @@ class CallPlans:
             self.calls.pop(key, None)
             return None
         return plan
+
+    def run(self, tensors, options, eager):
+        """The call on ``tensors`` with ``options``: replayed if its signature has a plan, else
+        ``eager()`` (recorded at the signature's second call)."""
+        key = self.key(tensors, options)
+        plan = self.get(key)
+        return plan.replay(tensors) if plan is not None else self.call(key, tensors, eager)
 
     def call(self, key, tensors, eager):
         """Run ``eager()`` (the call's own path); record it if this is the signature's second call."""

@@ -153,6 +153,16 @@ def test_an_input_that_shares_memory_with_a_constant_is_not_replayed(fake_stream
     assert plans.get("key") is None and "shares memory" in plans.last_refusal
 
 
+def test_constants_may_share_memory_with_each_other(fake_stream):
+    plans, packed = _replay.CallPlans("test"), torch.randn(6, 3)
+    weight, other = packed[:3], packed[3:]   # two views of one buffer, both from outside the call
+    for _ in range(3):
+        x = torch.randn(2, 3)
+        got = run_plans(plans, "key", (x,), lambda: torch.mm(x, weight) + torch.mm(x, other))
+        torch.testing.assert_close(got, x @ weight + x @ other)
+    assert plans.get("key") is not None and plans.get("key").replays == 1
+
+
 def test_a_plan_whose_constant_moved_is_forgotten(fake_stream):
     plans, weight = _replay.CallPlans("test"), torch.randn(3, 3)
     for _ in range(3):

@@ -401,11 +401,8 @@ def fused_experts(
     """
     if blocks is None:   # (a given block map is checked against the ids at every call)
         tensors = (hidden_states, w1, w2, topk_weights, topk_ids, w1_scale, w2_scale)
-        key = _PLANS.key(tensors, (block_size_m, config, naive_block_assignment, validate_ids))
-        plan = _PLANS.get(key)
-        if plan is not None:
-            return plan.replay(tensors)
-        return _PLANS.call(key, tensors, lambda: _fused_experts(
+        options = (block_size_m, config, naive_block_assignment, validate_ids)
+        return _PLANS.run(tensors, options, lambda: _fused_experts(
             hidden_states, w1, w2, topk_weights, topk_ids, block_size_m=block_size_m, config=config, blocks=None,
             naive_block_assignment=naive_block_assignment, validate_ids=validate_ids, w1_scale=w1_scale,
             w2_scale=w2_scale))
