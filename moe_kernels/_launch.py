@@ -25,7 +25,8 @@ Later launches with the same key call the compiled kernel's launcher directly, w
 in Triton's order, exactly as Triton's own ``run`` does (hooks and launch metadata included, so a
 profiler still sees every launch). A key that over-distinguishes only costs one more lookup
 through Triton; one that under-distinguished would run the wrong binary, which is why the key errs
-on the side of more. Arguments of any other type (a TMA tensor descriptor, say), a callable grid,
+on the side of more. A TMA tensor descriptor is keyed as Triton specialises it (element type and
+box; :func:`descriptor_key`). Arguments of any other type, a callable grid,
 a kernel with pre-run hooks, a stages-inspection hook, or a Triton whose ``run`` calls its launcher
 differently take Triton's own path. (Triton's check that a kernel's global constants have not
 changed since it was compiled is skipped: this package's kernels read none.)
@@ -86,8 +87,20 @@ def runtime_key(values) -> list:
             else (v.dtype, v.data_ptr() & 15) if isinstance(v, _Tensor)
             else (type(v), v) if type(v) in (bool, str) or v is None
             else float if type(v) is float
+            else descriptor_key(v) if type(v) is _descriptor_type
             else _refuse(v)
             for v in values]
+
+
+#: Triton's host-side ``TensorDescriptor`` class, set when the shortcut is built (it needs Triton).
+_descriptor_type = None
+
+
+def descriptor_key(desc) -> tuple:
+    """The key of a TMA tensor descriptor: what Triton specialises on (the element type and the
+    box, ``tensordesc<bf16[128, 64]>``), with the padding mode; its base address, shape and strides
+    are launch-time values that the launcher encodes into the descriptor at every launch."""
+    return _descriptor_type, desc.base.dtype, tuple(desc.block_shape), desc.padding
 
 
 def _launcher_call_matches() -> bool:
@@ -114,6 +127,11 @@ def cached_launch_kernel_class():
     from triton.runtime.jit import JITFunction
 
     from . import _replay
+    global _descriptor_type
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor as _descriptor_type
+    except ImportError:   # a Triton without host-side descriptors: none is ever passed
+        pass
     this_thread = _replay._local   # .recording: a call being recorded for replay (moe_kernels._replay)
     no_hooks = _replay.no_hooks
 

@@ -16,14 +16,17 @@ signature is recorded and later ones replay it:
   memory it points into, byte offset); a replay calls the launcher with integer pointers.
 
 A replay redoes only the operations whose results are used (a view that only fed a launch is
-not: the launch gets its pointer by offset), gives the buffers only launches touch one workspace
-allocation, and runs every launch in order on the current stream. It is the recorded call on new
+not: the launch gets its pointer by offset; a view of constants only is made once), each through
+torch's Python binding of the same name where that reaches the same overload (``torch.empty`` in
+place of ``torch.ops.aten.empty.memory_format``: a third of the host time), gives the buffers
+only launches touch one workspace allocation, and runs every launch in order on the current
+stream, a TMA descriptor rebuilt on its base's new address. It is the recorded call on new
 inputs because the key holds all the call's Python reads (each tensor's shape, strides, dtype,
 device and address mod 16, the other arguments, the current device, Triton's debug knob; a
 layer forgets its plans when its weights or rules change, new tuned tables forget all), and a
 call that might depend on *values* is not recorded: an operation that reads values back
 (``.item()``, a copy to the host) or has a data-dependent shape (``nonzero``, a mask index), a
-launch through Triton's own path (a new binary, a tensor descriptor), inputs that share memory,
+launch through Triton's own path (a new binary), inputs that share memory,
 or one that requires grad. Such a signature runs eagerly after :data:`MAX_REFUSALS` tries.
 Outputs are fresh at every replay (two streams or threads can replay one plan); a CUDA-graph
 capture, a launch hook or a launch trace runs eagerly. ``MOE_KERNELS_REPLAY=0`` turns it off.
@@ -165,13 +168,17 @@ class Recording:
     def note_launch(self, compiled, grid, device, values) -> None:
         args, pointers = [], []
         for position, v in enumerate(values):
+            descriptor = None
+            if not isinstance(v, _Tensor) and hasattr(v, "block_shape"):   # a TMA descriptor: its base, by slot
+                # and offset, and what the launcher encodes from it (moe_kernels._launch.descriptor_key)
+                descriptor, v = (tuple(v.shape), tuple(v.strides), v.padding), v.base
             if isinstance(v, _Tensor):
                 if self._storage(v) == 0:   # empty tensors all sit at address 0: no owner to find
                     self.refuse("a launch reads an empty tensor")
                 root = self.root_of.get(self._storage(v))
                 if root is None:
                     root = self.slot(v)
-                pointers.append((position, root, v.data_ptr() - self.tensors[root].data_ptr()))
+                pointers.append((position, root, v.data_ptr() - self.tensors[root].data_ptr(), descriptor))
                 args.append(None)
             else:
                 args.append(v)
@@ -191,12 +198,22 @@ class Recording:
             if slot is None or slot in self.constants:
                 raise Refused("the result is not made by the call")
             returned.append(slot)
+        # A view of constants only (the transposed gate of ``x @ gate.t()``) is a constant too:
+        # the same memory whatever the inputs, so it is made once, here, not at every replay.
+        constant, events = set(self.constants), []
+        for event in self.events:
+            if event[0] == "op" and _is_view(event[1]) and set(_slots_in((event[2], event[3]))) <= constant \
+                    and None not in event[4]:
+                constant.update(event[4])
+                self.constants.extend(event[4])
+            else:
+                events.append(event)
         # Keep what the result needs, walking back: every launch, every operation that writes
         # (in place), and the operations whose outputs a kept event reads.
         needed, kept = set(returned), []
-        for event in reversed(self.events):
+        for event in reversed(events):
             if event[0] == "launch":
-                needed.update(root for _, root, _ in event[5])
+                needed.update(pointer[1] for pointer in event[5])
                 kept.append(event)
                 continue
             _, func, args_t, kwargs_t, outs, _ = event
@@ -220,13 +237,59 @@ class Recording:
                 size += -(-self.tensors[event[4][0]].untyped_storage().nbytes() // 512) * 512
         kept = [event for event in kept if not (event[0] == "op" and event[1] in _ALLOCATIONS
                                                 and event[4][0] in pieces)]
-        kept = [event if event[0] == "op" else
-                (*event[:5], tuple((position, workspace, pieces[root] + offset) if root in pieces
-                                   else (position, root, offset) for position, root, offset in event[5]))
+        kept = [(*event, self._binding(event)) if event[0] == "op" else
+                (*event[:5], tuple((position, workspace, pieces[root] + offset, descriptor) if root in pieces
+                                   else (position, root, offset, descriptor)
+                                   for position, root, offset, descriptor in event[5]))
                 for event in kept]
         constants = tuple((slot, self.tensors[slot], self.tensors[slot].data_ptr()) for slot in self.constants)
         return Plan(self.num_inputs, len(self.tensors), constants, kept, tuple(returned), many,
                     (size, self.device) if size else None)
+
+
+    def _binding(self, event):
+        """The quickest way to call an operation again: torch's Python binding of the same name
+        (``torch.mm``, ``torch.empty``, ``Tensor.view``: argument parsing in generated C++) when,
+        called with the recorded arguments, it dispatches to exactly the recorded overload, else
+        the overload itself (``torch.ops.aten.slice.Tensor``: a schema-driven boxed call, 1.5-3x
+        the host time, the most for factories with keyword arguments). Checked by calling the
+        binding under a mode that stops it at its first dispatch, so nothing runs."""
+        _, func, args_t, kwargs_t, _, _ = event
+        name = func._schema.name.partition("::")[2]
+        args, kwargs = _filled(args_t, self.tensors), {k: _filled(v, self.tensors) for k, v in kwargs_t.items()}
+        for namespace in (torch._C._VariableFunctions, torch._C._nn, _Tensor):
+            binding = getattr(namespace, name, None)
+            if binding is None or (namespace is _Tensor and not (args and isinstance(args[0], _Tensor))):
+                continue
+            try:
+                with _FirstDispatch():
+                    binding(*args, **kwargs)
+            except _Dispatched as hit:
+                if hit.func is func:
+                    return binding
+            except Exception:   # (another signature: this binding is not the operation's)
+                pass
+        return func._op
+
+
+class _Dispatched(Exception):
+    def __init__(self, func):
+        super().__init__(str(func))
+        self.func = func
+
+
+class _FirstDispatch(TorchDispatchMode):
+    """Stops a call at its first operation below autograd and names it (nothing runs)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        raise _Dispatched(func)
+
+
+def _is_view(func) -> bool:
+    """An operation whose result is a view of an input (it writes nothing)."""
+    returns = func._schema.returns
+    return (len(returns) == 1 and returns[0].alias_info is not None and not returns[0].alias_info.is_write
+            and not any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments))
 
 
 _ALLOCATIONS = (torch.ops.aten.empty.memory_format,)
@@ -235,6 +298,23 @@ _SAME_TENSOR = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)
 
 class _Slot(int):
     """A tensor argument of a recorded operation, by slot."""
+
+
+class _Address(int):
+    """An address that answers ``data_ptr()``, as the base of a replayed descriptor must."""
+
+    def data_ptr(self) -> int:
+        return int(self)
+
+
+class _Descriptor:
+    """What Triton's launcher reads of a TMA ``TensorDescriptor`` (it encodes the hardware
+    descriptor from these at every launch): the base address, the shape, the strides, the padding."""
+
+    __slots__ = ("base", "shape", "strides", "padding")
+
+    def __init__(self, address, shape, strides, padding):
+        self.base, self.shape, self.strides, self.padding = _Address(address), shape, strides, padding
 
 
 def _slots_in(value):
@@ -283,11 +363,17 @@ class Plan:
                 self.steps.append((True, compiled.run, grid, device, compiled.function, compiled.packed_metadata,
                                    args, pointers))
             else:
-                _, func, args_t, kwargs_t, outs, many_out = event
-                simple = not any(isinstance(a, (list, tuple)) for a in args_t) and not kwargs_t
-                self.steps.append((False, func, args_t, kwargs_t, outs, many_out, simple))
+                _, func, args_t, kwargs_t, outs, many_out, binding = event
+                # flat: no list of tensors among the arguments; kwargs without tensors are passed as they are
+                flat = not any(isinstance(a, (list, tuple)) for a in args_t)
+                fixed = not any(True for _ in _slots_in(kwargs_t))
+                self.steps.append((False, binding, args_t, kwargs_t, outs, many_out, flat, fixed, func))
         self.num_launches = sum(1 for s in self.steps if s[0])
         self.num_ops = len(self.steps) - self.num_launches
+
+    def operations(self) -> list[str]:
+        """The torch operations a replay redoes, by overload name (``aten.mm.default``)."""
+        return [str(step[8]) for step in self.steps if not step[0]]
 
     def replay(self, inputs):
         slots = [*inputs, *([None] * (self.num_slots - self.num_inputs))]
@@ -302,15 +388,14 @@ class Plan:
                 if stream is None:
                     stream = torch._C._cuda_getCurrentRawStream(device)
                 args = args.copy()
-                for position, slot, offset in pointers:
-                    args[position] = slots[slot].data_ptr() + offset
+                for position, slot, offset, descriptor in pointers:
+                    address = slots[slot].data_ptr() + offset
+                    args[position] = address if descriptor is None else _Descriptor(address, *descriptor)
                 run(grid[0], grid[1], grid[2], stream, function, metadata, None, None, None, *args)
             else:
-                _, func, args_t, kwargs_t, outs, many_out, simple = step
-                if simple:
-                    out = func(*[slots[a] if type(a) is _Slot else a for a in args_t])
-                else:
-                    out = func(*_filled(args_t, slots), **{k: _filled(v, slots) for k, v in kwargs_t.items()})
+                _, func, args_t, kwargs_t, outs, many_out, flat, fixed, _ = step
+                args = [slots[a] if type(a) is _Slot else a for a in args_t] if flat else _filled(args_t, slots)
+                out = func(*args, **(kwargs_t if fixed else {k: _filled(v, slots) for k, v in kwargs_t.items()}))
                 if many_out:
                     for slot, t in zip(outs, out):
                         if slot is not None:

@@ -72,10 +72,37 @@ def test_replay_matches_the_eager_call_on_new_inputs(fake_stream):
     assert plan.replays == 3 and plan.num_launches == 1
     # The matmul, the buffer and the view returned (with the slice under it) and the addition are
     # redone; the view that only fed the launch is not.
-    ops = [str(step[1]) for step in plan.steps if not step[0]]
+    ops = plan.operations()
     assert ops[:2] == ["aten.mm.default", "aten.empty.memory_format"] and ops[-1] == "aten.add_.Tensor", ops
     assert "aten.view.default" in ops and len(ops) <= 6, ops
     assert [l[3] for l in kernel.launches] == ["Tensor"] * 2 + ["int"] * 3   # replays pass integers
+
+
+def test_operations_replay_through_torch_bindings_and_views_of_constants_are_made_once(fake_stream):
+    plans, weight = _replay.CallPlans("test"), torch.randn(3, 4)
+
+    def call(x):   # x @ weight.t(): the transpose of a constant is a constant; the slice has no binding
+        return torch.mm(x, weight.t())[:, 1:].mul(2.0)
+
+    for _ in range(4):
+        x = torch.randn(2, 4)
+        torch.testing.assert_close(run_plans(plans, "key", (x,), lambda: call(x)), (x @ weight.t())[:, 1:] * 2)
+    plan = plans.get("key")
+    assert plan.operations() == ["aten.mm.default", "aten.slice.Tensor", "aten.mul.Tensor"], plan.operations()
+    calls = [step[1] for step in plan.steps if not step[0]]
+    assert calls[0] is torch._C._VariableFunctions.mm                     # torch.mm's binding
+    assert calls[1] == torch.ops.aten.slice.Tensor._op                    # the overload itself
+    weight.data = torch.randn(3, 4)   # the folded transpose is of the old memory: the plan is forgotten
+    assert plans.get("key") is None
+
+
+def test_a_binding_that_dispatches_elsewhere_is_not_used():
+    recording, x = _replay.Recording((torch.randn(2, 2),)), _replay._Slot(0)
+    add = ("op", torch.ops.aten.add.Tensor, (x, x), {"alpha": 2}, (1,), False)
+    assert recording._binding(add) is torch._C._VariableFunctions.add   # the same overload
+    # torch.mul(t, 2.0) wraps the number and reaches aten.mul.Tensor, not the recorded mul.Scalar
+    times_two = ("op", torch.ops.aten.mul.Scalar, (x, 2.0), {}, (1,), False)
+    assert recording._binding(times_two) == torch.ops.aten.mul.Scalar._op
 
 
 def test_buffers_only_launches_touch_share_one_workspace(fake_stream):
@@ -93,7 +120,7 @@ def test_buffers_only_launches_touch_share_one_workspace(fake_stream):
         torch.testing.assert_close(run_plans(plans, "key", (x,), lambda: chain(x)), ((2 * x + 1) * 2 + 1) * 2 + 1)
     plan = plans.get("key")
     assert plan.workspace == (2 * 512, x.device)   # two pieces, each on its own 512-byte boundary
-    assert [str(step[1]) for step in plan.steps if not step[0]] == ["aten.empty.memory_format"]   # the result
+    assert plan.operations() == ["aten.empty.memory_format"]   # the result
 
 
 def test_a_call_that_reads_values_back_is_not_replayed(fake_stream):
@@ -185,7 +212,49 @@ def test_an_operation_kept_for_its_effect_alone(fake_stream):
     for _ in range(3):
         x = torch.randn(3)
         run_plans(plans, "key", (x,), lambda: checked(x))
-    assert "aten._assert_async.default" in [str(step[1]) for step in plans.get("key").steps if not step[0]]
+    assert "aten._assert_async.default" in plans.get("key").operations()
+
+
+class FakeDescriptorCompiled(FakeCompiled):
+    """A launcher whose source is a TMA tensor descriptor, read as Triton's launcher reads one
+    (``base.data_ptr()``, ``shape``, ``strides``: it encodes the hardware descriptor from them)."""
+
+    def run(self, gx, gy, gz, stream, function, metadata, launch_metadata, enter, leave, src, out, n, bias):
+        assert tuple(src.strides) == (1,) and tuple(src.shape) == (n,)
+        super().run(gx, gy, gz, stream, function, metadata, launch_metadata, enter, leave, src.base.data_ptr(),
+                    out, n, bias)
+
+
+def test_a_launch_through_a_tensor_descriptor_is_replayed_on_the_new_base(fake_stream):
+    pytest.importorskip("triton")
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    kernel, plans = FakeDescriptorCompiled(), _replay.CallPlans("test")
+
+    def through_descriptor(x):
+        out = torch.empty(x.numel())
+        launch(kernel, TensorDescriptor.from_tensor(x[4:], [4]), out[:4], 4)   # a view at an offset
+        return out[:4]
+
+    for _ in range(4):
+        x = torch.randn(8)
+        torch.testing.assert_close(run_plans(plans, "key", (x,), lambda: through_descriptor(x)), 2 * x[4:] + 1)
+    assert plans.get("key").replays == 2
+
+
+def test_launch_key_of_a_tensor_descriptor_is_what_triton_specialises():
+    pytest.importorskip("triton")
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from moe_kernels._launch import argument_key, cached_launch_kernel_class
+
+    cached_launch_kernel_class()   # (sets the descriptor class the key recognises)
+    a, b = torch.zeros(64, 32), torch.zeros(128, 32)
+    key = lambda t, box, padding="zero": argument_key(TensorDescriptor.from_tensor(t, box, padding), False)  # noqa
+    assert key(a, [16, 32]) == key(b, [16, 32])          # base, shape and strides are launch-time values
+    assert key(a, [16, 32]) != key(a, [32, 32])          # the box is part of the binary
+    assert key(a, [16, 32]) != key(a.half(), [16, 32])   # so is the element type
+    assert key(a, [16, 32]) != key(a, [16, 32], "nan")
 
 
 def test_options_are_keyed_by_type_and_objects_by_identity():
@@ -262,6 +331,31 @@ def test_fused_experts_replays_as_it_runs_gpu(fmt, num_tokens, monkeypatch):
     plan = _PLANS.get(key)
     assert plan is not None and plan.replays >= 2, _PLANS.last_refusal
     assert all(torch.equal(a, b) for a, b in outputs)   # each replay wrote a fresh output
+
+
+@needs_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("persistent", [0, 1])
+def test_weights_loaded_through_tensor_descriptors_are_replayed_gpu(persistent, monkeypatch):
+    """The tiles the large-batch tables take (TMA weight loads): replayed, bit-equal to eager."""
+    from moe_kernels.kernels.config import GemmTiles, MoEConfig
+    from moe_kernels.kernels.index_gather import _PLANS, fused_experts
+
+    layer = _small_layer("qwen3-30b-a3b", None)
+    e, k = layer.w13.shape[0], layer.routing.top_k
+    tiles = GemmTiles(64, 64, num_warps=4, num_stages=3, tma=True, persistent=persistent)
+    config = MoEConfig(64, tiles, tiles)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for call in range(4):
+        x = torch.randn(200, 256, device="cuda", dtype=torch.bfloat16, generator=g)
+        ids = torch.rand(200, e, device="cuda", generator=g).argsort(1)[:, :k].int()
+        w = torch.rand(200, k, device="cuda", generator=g)
+        run = lambda: fused_experts(x, layer.w13, layer.w2, w, ids, config=config)  # noqa: E731
+        got, expected = run(), _eagerly(run, monkeypatch)
+        assert torch.equal(got, expected), (call, (got.float() - expected.float()).abs().max())
+    plan = _PLANS.get(_PLANS.key((x, layer.w13, layer.w2, w, ids, None, None), (None, config, None, True)))
+    assert plan is not None and plan.replays >= 2, _PLANS.last_refusal
+    assert any(p[3] is not None for step in plan.steps if step[0] for p in step[7])   # a descriptor was replayed
 
 
 @needs_gpu
