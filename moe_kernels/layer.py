@@ -54,6 +54,13 @@ from .model.shapes import MODELS, MoEModel
 from .reference import moe_reference, moe_reference_fp8
 
 SHARED_EXPERT = ("separate", "fused")
+#: Up to this many tokens a separate 16/32-bit shared expert runs as the routed experts' two GEMMs
+#: on a dense block map (two launches) instead of cuBLAS (two GEMMs and four elementwise torch
+#: operations). On the H200 (DeepSeek-V3's 88 MB shared expert, CUDA graphs) the two take the same
+#: GPU time at 1-8 tokens (40.2 and 34.8 us against cuBLAS's 36.0 and 36.3) while the six torch
+#: operations cost 110-140 us of host time per call; at 64 tokens the dense path's default tiles
+#: are 1.6x slower (54.4 against 34.8 us), so larger batches keep cuBLAS. fp8 always runs dense.
+DENSE_SHARED_MAX_TOKENS = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,8 +74,9 @@ class LayerPlan:
     format: WeightFormat
     choice: ConfigChoice
     naive_blocks: bool | None
-    #: The tiles of an fp8 shared expert run separately (one expert, every token: its own table
-    #: lookup); None when the shared expert runs as cuBLAS GEMMs, fused, or there is none.
+    #: The tiles of a shared expert run separately on the dense block map (one expert, every
+    #: token: its own table lookup; fp8 always, 16/32-bit up to ``DENSE_SHARED_MAX_TOKENS``);
+    #: None when the shared expert runs as cuBLAS GEMMs, fused, or there is none.
     shared_choice: ConfigChoice | None = None
 
     @property
@@ -91,9 +99,10 @@ def plan_layer(func: str, weights: LayerWeights, routing: Routing, layout: str, 
         slots, experts = routing.top_k + weights.shared_fused, e + weights.shared_fused
         naive = num_tokens * slots * 4 <= experts   # vLLM's rule (moe_kernels.kernels.blocks)
     shared_choice = None
-    if weights.shared_w13 is not None and not weights.shared_fused and weights.format.quantized:
-        shared_choice = choose_config(num_tokens, 1, weights.shared_w2.shape[1], d, weights.format.element, device,
-                                      device_name=device_name)
+    if weights.shared_w13 is not None and not weights.shared_fused and (
+            weights.format.quantized or num_tokens <= DENSE_SHARED_MAX_TOKENS):
+        shared_choice = choose_config(num_tokens, 1, weights.shared_w2.shape[1], d,
+                                      weights.format.element or activation_dtype, device, device_name=device_name)
     return LayerPlan(num_tokens, layout, weights.format, choice, naive, shared_choice)
 
 
@@ -123,10 +132,11 @@ def run_layer(plan: LayerPlan, hidden_states: torch.Tensor, weights: LayerWeight
 
 
 def shared_expert_output(plan: LayerPlan, hidden_states: torch.Tensor, w: LayerWeights, shared_gate, activations):
-    """The separate shared expert's ``[T, d]`` (times Qwen2-MoE's sigmoid gate, if any): cuBLAS
-    GEMMs in bf16; in fp8 the routed experts' W8A8 GEMMs on a dense block map (one expert, every
-    token: no alignment, no top-k sum) with the plan's own tiles."""
-    if not plan.format.quantized:
+    """The separate shared expert's ``[T, d]`` (times Qwen2-MoE's sigmoid gate, if any): the
+    routed experts' GEMMs (W8A8 in fp8) on a dense block map (one expert, every token: no
+    alignment, no top-k sum) with the plan's own tiles, or cuBLAS GEMMs where the plan has none
+    (16/32-bit weights above ``DENSE_SHARED_MAX_TOKENS`` tokens)."""
+    if plan.shared_choice is None:
         shared = shared_ffn(hidden_states, w.shared_w13, w.shared_w2)
         return shared if shared_gate is None else shared.mul_(shared_gate.to(shared.dtype))
     return dense_expert(hidden_states, w.shared_w13, w.shared_w2, fmt=plan.format, config=plan.shared_choice.config,

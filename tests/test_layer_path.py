@@ -102,6 +102,16 @@ def test_a_cpu_plan_names_the_table_it_would_ask_for():
     assert plan.choice.source == "default" and "dtype=float8_e4m3fn" in plan.choice.asked
 
 
+def test_a_16bit_shared_expert_runs_dense_at_decode_and_on_cublas_above():
+    from moe_kernels.layer import DENSE_SHARED_MAX_TOKENS
+
+    layer = meta_layer("deepseek-v3", "none", "index_gather")
+    for tokens in (1, DENSE_SHARED_MAX_TOKENS):   # the routed GEMMs on a dense block map: two launches
+        plan = layer.plan(tokens, device_name="NVIDIA H200")
+        assert plan.shared_choice is not None and "E=1," in plan.shared_choice.asked
+    assert layer.plan(DENSE_SHARED_MAX_TOKENS + 1, device_name="NVIDIA H200").shared_choice is None   # cuBLAS
+
+
 # ---- what the launches say ---------------------------------------------------------------------------
 
 

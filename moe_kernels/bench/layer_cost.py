@@ -178,7 +178,10 @@ def run(models, formats, batches, *, seed: int = 0, log=print) -> dict:
                 big = batch >= 4096
                 row = {"model": name, "format": layer.weights.format.name, "batch": batch}
                 for what, fn in calls.items():
-                    row[f"{what} host_us"], row[f"{what} host_us_least"] = host_us(fn, calls=5 if big else 20,
+                    # 20 calls per round at every batch: a decode loop calls back to back, and a round of
+                    # 5 (the large batches' once, to save GPU time) also times what a round's first call
+                    # pays after the GPU's long sleep
+                    row[f"{what} host_us"], row[f"{what} host_us_least"] = host_us(fn, calls=20,
                                                                                     rounds=5 if big else 9)
                     row[f"{what} launches"] = launches_per_call(fn)
                 for what, fn in calls.items():   # two rounds, interleaved; the lower is kept
