@@ -465,6 +465,6 @@ def test_the_site_offers_the_whole_source(server, offline):
     assert archive.exists(), f"{href} is not in the built site"
     names = set(zipfile.ZipFile(archive).namelist())
     for needed in ("Makefile", "requirements.txt", "moe_kernels/__init__.py", "notebooks/05_grouped_gemm.ipynb",
-                   "notebooks/figures/05-baselines.svg", "results/nvidia-h200/decode-step.json"):
+                   "notebooks/figures/12-baselines.svg", "results/nvidia-h200/decode-step.json"):
         assert f"moe-chapter/{needed}" in names, f"moe-chapter.zip lacks {needed}"
     assert not any("/.venv/" in n or "/_build/" in n for n in names)

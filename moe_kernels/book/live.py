@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ..bench.ceilings import measure_fp8_gemm_rate, measure_gemm_rate, measure_hbm_bandwidth, measure_read_bandwidth
 from ..bench.problems import make_batch, make_weights
-from ..bench.timing import eager_us, graph_us
+from ..bench.timing import eager_us, graph_us, graphed
 
-__all__ = ["eager_us", "graph_us", "make_batch", "make_weights", "measure_fp8_gemm_rate", "measure_gemm_rate",
+__all__ = ["eager_us", "graph_us", "graphed", "make_batch", "make_weights", "measure_fp8_gemm_rate", "measure_gemm_rate",
            "measure_hbm_bandwidth", "measure_read_bandwidth"]
