@@ -1,7 +1,8 @@
 """The GEMM core's options against the float64 per-token reference: the top-k sum in GEMM 2's
 epilogue (``MoEConfig.sum_in_gemm``), split-K over GEMM 2's K loop (``GemmTiles.split_k``),
-weight tiles through tensor descriptors (``GemmTiles.tma``) and the persistent grid
-(``GemmTiles.persistent``), alone and together.
+weight tiles through tensor descriptors (``GemmTiles.tma``), the persistent grid
+(``GemmTiles.persistent``) and the transposed tile product (``GemmTiles.swap_ab``), alone and
+together.
 
 Runs on default_device(): the Triton interpreter on a CPU machine (float32 and float16), the
 compiled kernels on a GPU (bf16 and fp8, at the models' own shapes).
@@ -20,14 +21,17 @@ from moe_testing import DEVICE, EDGE_SHAPES, TOLERANCE, make_problem, needs_gpu,
 
 pytestmark = pytest.mark.usefixtures("true_fp32")
 
-# (sum_in_gemm, split_k, tma, persistent): the options alone and together.
-VARIANTS = [(True, 1, False, 0), (True, 2, False, 0), (True, 3, False, 0), (False, 1, True, 0), (True, 2, True, 0),
-            (False, 1, False, 1), (False, 1, False, 2), (True, 2, True, 2)]
+# (sum_in_gemm, split_k, tma, persistent, swap_ab): the options alone and together.
+VARIANTS = [(True, 1, False, 0, False), (True, 2, False, 0, False), (True, 3, False, 0, False),
+            (False, 1, True, 0, False), (True, 2, True, 0, False), (False, 1, False, 1, False),
+            (False, 1, False, 2, False), (True, 2, True, 2, False),
+            (False, 1, False, 0, True), (True, 2, False, 0, True), (False, 1, True, 2, True)]
 
 
-def variant(block_m, sum_in_gemm, split_k, tma, persistent=0, block_n=16, block_k=16):
-    return MoEConfig(block_m, GemmTiles(block_n, block_k, tma=tma, persistent=persistent),
-                     GemmTiles(block_n, block_k, split_k=split_k, tma=tma, persistent=persistent), sum_in_gemm)
+def variant(block_m, sum_in_gemm, split_k, tma, persistent=0, swap_ab=False, block_n=16, block_k=16):
+    return MoEConfig(block_m, GemmTiles(block_n, block_k, tma=tma, persistent=persistent, swap_ab=swap_ab),
+                     GemmTiles(block_n, block_k, split_k=split_k, tma=tma, persistent=persistent, swap_ab=swap_ab),
+                     sum_in_gemm)
 
 
 def check(problem, dtype, config, **kwargs):
@@ -51,7 +55,7 @@ def test_random_shapes(seed):
 
 
 @pytest.mark.parametrize("case", sorted(EDGE_SHAPES))
-@pytest.mark.parametrize("options", [VARIANTS[2], VARIANTS[4], VARIANTS[7]])
+@pytest.mark.parametrize("options", [VARIANTS[2], VARIANTS[4], VARIANTS[7], VARIANTS[9]])
 def test_edge_cases(case, options):
     problem = make_problem(**EDGE_SHAPES[case], hidden=48, inter=40, seed=3)
     check(problem, torch.float32, variant(16, *options))
@@ -92,8 +96,10 @@ def check_fp8(problem, granularity, config, tolerance):
 
 
 @pytest.mark.parametrize("granularity", ["block", "channel", "tensor"])
-def test_fp8_summed_split(granularity):
-    config = MoEConfig(16, GemmTiles(32, 128, tma=True, persistent=1), GemmTiles(32, 32, split_k=2, tma=True), True)
+@pytest.mark.parametrize("swap_ab", [False, True])
+def test_fp8_summed_split(granularity, swap_ab):
+    config = MoEConfig(16, GemmTiles(32, 128, tma=True, persistent=1, swap_ab=swap_ab),
+                       GemmTiles(32, 32, split_k=2, tma=True, swap_ab=swap_ab), True)
     check_fp8(make_problem(9, 6, 2, 256, 128, seed=7), granularity, config, 1e-3)
 
 
@@ -106,6 +112,7 @@ def test_configs_that_cannot_work_name_their_field():
         (MoEConfig(16, tiles, tiles, 1), "config.sum_in_gemm"),
         (MoEConfig(16, GemmTiles(16, 16, tma=1), tiles), "config.gate_up.tma"),
         (MoEConfig(16, tiles, GemmTiles(16, 16, persistent=3)), "config.down.persistent"),
+        (MoEConfig(16, GemmTiles(16, 16, swap_ab=1), tiles), "config.gate_up.swap_ab"),
     ]
     for config, field in cases:
         with pytest.raises((ValueError, TypeError), match=field.replace(".", r"\.")):
@@ -114,6 +121,8 @@ def test_configs_that_cannot_work_name_their_field():
         bad = MoEConfig(16, GemmTiles(16, 16, tma=layout == "masked"), tiles, layout == "permute")
         with pytest.raises(ValueError, match=field.replace(".", r"\.")):
             check_config("f", bad, align=128, layout=layout)
+    with pytest.raises(ValueError, match=r"config\.down\.swap_ab.*permute layout"):
+        check_config("f", MoEConfig(16, tiles, GemmTiles(16, 16, swap_ab=True)), align=128, layout="permute")
 
 
 def test_stage_options_are_checked():
@@ -181,9 +190,11 @@ def test_persistent_large_tiles_gpu(persistent):
 
 @needs_gpu
 @pytest.mark.parametrize("granularity", ["block", "channel"])
-def test_fp8_gpu(granularity):
+@pytest.mark.parametrize("swap_ab", [False, True])
+def test_fp8_gpu(granularity, swap_ab):
     problem = make_problem(200, 64, 8, 1024, 512, torch.bfloat16, seed=10, fused_topk_like=True)
-    config = MoEConfig(16, GemmTiles(64, 128, tma=True, persistent=2), GemmTiles(128, 128, split_k=2, tma=True), True)
+    config = MoEConfig(16, GemmTiles(64, 128, tma=True, persistent=2, swap_ab=swap_ab),
+                       GemmTiles(128, 128, split_k=2, tma=True, swap_ab=swap_ab), True)
     check_fp8(problem, granularity, config, 2e-2)
 
 

@@ -307,6 +307,8 @@ def test_bench_tuning_candidates_fit_shared_memory():
                 for t in tiles:
                     weight_tiles = 2 if gated else 1
                     assert t.num_stages * (bm + weight_tiles * t.block_n) * t.block_k * 2 <= 220 * 1024
+                    assert not t.swap_ab or (bm <= 32 and t.block_n >= 64)   # transposed only to reach wgmma
+                assert any(t.swap_ab for t in tiles) == (bm <= 32 and any(t.block_n >= 64 for t in tiles))
 
 
 @needs_gpu

@@ -3,8 +3,9 @@
 For each model and batch the tuner times candidate configurations of the two grouped GEMMs and
 keeps the fastest: the M tile (:func:`block_m_candidates`), N/K tiles, warps and stages
 (:func:`tile_candidates`), and how GEMM 2 finishes (:func:`down_variants`: the top-k sum in its
-epilogue, split-K), each with and without TMA loads and, where the GEMM computes, on a persistent
-grid. GEMM 1 and GEMM 2 with its top-k sum are timed separately, each replayed from a CUDA graph
+epilogue, split-K), each with and without TMA loads, transposed where a small M tile meets a wide
+N tile (``swap_ab``) and, where the GEMM computes, on a persistent grid. GEMM 1 and GEMM 2 with its
+top-k sum are timed separately, each replayed from a CUDA graph
 (``do_bench`` medians, L2 flushed). A candidate that adds machinery must beat the plain kernel by
 :data:`MACHINERY_MARGIN` to be chosen (:func:`plainest_best`). The candidates are compiled first in
 parallel processes (:func:`precompile`); ``--budget-s`` stops tuning new batches after a while.
@@ -70,10 +71,14 @@ def tile_candidates(rows_per_expert: float, block_m: int, gated: bool) -> list:
             continue  # two accumulators of BLOCK_M x 256 do not fit in registers
         if stages * (block_m * k + weight_tiles * n * k) * 2 > _SHARED_MEMORY_BYTES:
             continue
+        # A 16- or 32-row M tile compiles to mma.sync; with 64+ weight rows per tile the transposed
+        # product (swap_ab) puts them on the MMA's M side, where Hopper's wgmma can take them.
+        swaps = (False, True) if block_m <= 32 and n >= 64 else (False,)
         for tma in (False, True):   # weight tiles by pointer loads or by the copy engine (TMA)
             # Where the GEMM computes, also a persistent grid (1) and its flattened pipeline (2).
             for persistent in (0, 1, 2) if rows_per_expert >= 128 else (0,):
-                out.append(GemmTiles(n, k, group, warps, stages, tma=tma, persistent=persistent))
+                for swap_ab in swaps:
+                    out.append(GemmTiles(n, k, group, warps, stages, tma=tma, persistent=persistent, swap_ab=swap_ab))
     return out
 
 
@@ -239,15 +244,16 @@ def tune(models, batches, *, dtype, seed, warmup_ms, rep_ms, workers, budget_s=m
     return entries
 
 
-#: A candidate that adds machinery (the top-k sum by atomics, split-K, TMA, a persistent grid) must beat the best
-#: plain one by more than this fraction, about the run-to-run spread of one timing, to be chosen:
-#: otherwise the deterministic pointer-load kernel wins.
+#: A candidate that adds machinery (the top-k sum by atomics, split-K, TMA, a persistent grid, the
+#: transposed product) must beat the best plain one by more than this fraction, about the run-to-run
+#: spread of one timing, to be chosen: otherwise the deterministic pointer-load kernel wins.
 MACHINERY_MARGIN = 0.03
 
 
 def plain_tiles(tiles) -> bool:
-    """No split-K, no TMA, one program per tile: the kernel without any of the optional machinery."""
-    return tiles.split_k == 1 and not tiles.tma and not tiles.persistent
+    """No split-K, no TMA, one program per tile, not transposed: the kernel without any of the
+    optional machinery."""
+    return tiles.split_k == 1 and not tiles.tma and not tiles.persistent and not tiles.swap_ab
 
 
 def plainest_best(times: dict, is_plain) -> object:
@@ -307,7 +313,7 @@ def _warm_up(device, seconds: float = 1.0) -> None:
 def _short(t) -> str:
     return (f"n{t.block_n} k{t.block_k} g{t.group_m} w{t.num_warps} s{t.num_stages}"
             + (f" split{t.split_k}" if t.split_k > 1 else "") + (" tma" if t.tma else "")
-            + (f" persistent{t.persistent}" if t.persistent else ""))
+            + (f" persistent{t.persistent}" if t.persistent else "") + (" swap" if t.swap_ab else ""))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -44,7 +44,7 @@ if HAS_TRITON:
         GATED: tl.constexpr, EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr, SCALES: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         split=0, SPLIT_K: tl.constexpr = 1, w_desc=None, w_desc_row=0, TMA_W: tl.constexpr = False,
-        SCALE_BN: tl.constexpr = 128, SCALE_BK: tl.constexpr = 128,
+        SCALE_BN: tl.constexpr = 128, SCALE_BK: tl.constexpr = 128, SWAP_AB: tl.constexpr = False,
     ):
         """fp32 ``[BLOCK_M, BLOCK_N]``: ``A[a_rows, :K] @ W[cols, :K]^T`` (``silu(gate) * up`` when
         ``GATED``) for output columns ``cols = pid_n * BLOCK_N + [0, BLOCK_N)``.
@@ -64,7 +64,10 @@ if HAS_TRITON:
         ``GATED``: SiLU needs the whole sum). With ``TMA_W`` the weight tiles come through the
         Hopper tensor-memory accelerator: ``w_desc`` describes all experts' weights as one
         ``[E * N', K]`` matrix and ``w_desc_row`` is this tile's first row in it (the copy engine
-        zero-fills past K and past the last row, so no mask is computed).
+        zero-fills past K and past the last row, so no mask is computed). With ``SWAP_AB`` each K
+        step computes the transposed product, ``W_tile @ A_tile^T`` (``[BLOCK_N, BLOCK_M]``), and
+        the accumulator is transposed back once after the loop: the same sums, with the weight
+        rows on the MMA's M side (Hopper's wgmma needs 64 there; a decode tile has 16 token rows).
         """
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         w_rows = (cols % N).to(tl.int64)
@@ -80,10 +83,10 @@ if HAS_TRITON:
         ks = tl.arange(0, BLOCK_K)
         a_ptrs = a_ptr + a_rows[:, None] + ks[None, :] + k_first * BLOCK_K
         w_ptrs = w_ptr + w_rows[None, :] * stride_wn + ks[:, None] + k_first * BLOCK_K
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = empty_accumulator(BLOCK_M, BLOCK_N, SWAP_AB)
         if GATED:
             up_ptrs = w_ptrs + N * stride_wn
-            acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc_up = empty_accumulator(BLOCK_M, BLOCK_N, SWAP_AB)
         # >>> book: block-scale-columns
         if SCALES == 1:
             # The scale row of each output column (gate and up halves), fixed for the whole loop.
@@ -108,9 +111,9 @@ if HAS_TRITON:
                 group = (k * BLOCK_K) // SCALE_BK
                 a_scale = tl.load(a_scale_ptr + a_scale_rows + group)
                 w_scale = tl.load(w_scale_cols + group * stride_wsk)
-                acc += tl.dot(a, w) * (a_scale[:, None] * w_scale[None, :])
+                acc += tile_dot(a, w, None, SWAP_AB, INPUT_PRECISION) * scale_outer(a_scale, w_scale, SWAP_AB)
             else:
-                acc = tl.dot(a, w, acc, input_precision=INPUT_PRECISION)
+                acc = tile_dot(a, w, acc, SWAP_AB, INPUT_PRECISION)
             if GATED:
                 if TMA_W:
                     up = w_desc.load([w_desc_row + N, k * BLOCK_K]).T
@@ -120,13 +123,18 @@ if HAS_TRITON:
                     up = tl.load(up_ptrs, mask=ks[:, None] < k_left, other=0.0)
                 if SCALES == 1:
                     up_scale = tl.load(up_scale_cols + group * stride_wsk)
-                    acc_up += tl.dot(a, up) * (a_scale[:, None] * up_scale[None, :])
+                    acc_up += tile_dot(a, up, None, SWAP_AB, INPUT_PRECISION) * scale_outer(a_scale, up_scale,
+                                                                                            SWAP_AB)
                 else:
-                    acc_up = tl.dot(a, up, acc_up, input_precision=INPUT_PRECISION)
+                    acc_up = tile_dot(a, up, acc_up, SWAP_AB, INPUT_PRECISION)
                 up_ptrs += BLOCK_K
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
         # <<< book: k-loop
+        if SWAP_AB:   # back to [BLOCK_M, BLOCK_N]: one register shuffle per tile, not per K step
+            acc = tl.trans(acc)
+            if GATED:
+                acc_up = tl.trans(acc_up)
         # >>> book: epilogue
         if SCALES == 2:
             a_scale = tl.load(a_scale_ptr + a_scale_rows)[:, None]
@@ -142,6 +150,29 @@ if HAS_TRITON:
             acc = acc * tl.sigmoid(acc) * acc_up
         # <<< book: epilogue
         return acc
+
+    @kernel
+    def empty_accumulator(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr):
+        """The fp32 zeros a tile product accumulates into, ``[BLOCK_N, BLOCK_M]`` with ``SWAP_AB``."""
+        if SWAP_AB:
+            return tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        return tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+
+    @kernel
+    def tile_dot(a, w, acc, SWAP_AB: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+        """One K step of the tile product, added to ``acc`` (None: the product alone):
+        ``a [BLOCK_M, BLOCK_K] @ w [BLOCK_K, BLOCK_N]``, or its transpose ``w^T @ a^T``
+        (``[BLOCK_N, BLOCK_M]``, the weights on the MMA's M side) with ``SWAP_AB``, in fp32."""
+        if SWAP_AB:
+            return tl.dot(tl.trans(w), tl.trans(a), acc, input_precision=INPUT_PRECISION)
+        return tl.dot(a, w, acc, input_precision=INPUT_PRECISION)
+
+    @kernel
+    def scale_outer(a_scale, w_scale, SWAP_AB: tl.constexpr):
+        """The block-scale product of one K step, laid out like :func:`tile_dot`'s result."""
+        if SWAP_AB:
+            return w_scale[:, None] * a_scale[None, :]
+        return a_scale[:, None] * w_scale[None, :]
 
     # >>> book: routed-weight
     @kernel

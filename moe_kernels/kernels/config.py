@@ -48,7 +48,10 @@ class GemmTiles:
     Hopper's tensor-memory accelerator (index-gather layout; the gathered activation rows keep
     pointer loads). ``persistent`` (index-gather layout): 0 launches one program per tile; 1 one
     program per SM, each walking the tiles ``pid, pid + grid, ...``; 2 the same with the tile loop
-    and the K loop flattened into one software pipeline.
+    and the K loop flattened into one software pipeline. ``swap_ab`` (index-gather layout) computes
+    each tile transposed, ``W_tile @ A_tile^T``: the ``block_n`` weight rows become the MMA's M side
+    and the few token rows its N side, because Hopper's wgmma needs an M side of 64 or more and a
+    decode tile has 16 token rows (with 16- or 32-row M tiles Triton emits the older ``mma.sync``).
     """
 
     block_n: int
@@ -59,6 +62,7 @@ class GemmTiles:
     split_k: int = 1
     tma: bool = False
     persistent: int = 0
+    swap_ab: bool = False
 
     def check(self, func: str, name: str) -> "GemmTiles":
         for field in ("block_n", "block_k"):
@@ -73,8 +77,9 @@ class GemmTiles:
         if isinstance(persistent, bool) or not isinstance(persistent, int) or persistent not in (0, 1, 2):
             fail(func, f"{name}.persistent", "must be 0 (one program per tile), 1 (one per SM) or 2 (one per SM, "
                  "flattened loops)", repr(self.persistent))
-        if not isinstance(self.tma, bool):
-            fail(func, f"{name}.tma", "must be a bool", repr(self.tma), TypeError)
+        for field in ("tma", "swap_ab"):
+            if not isinstance(getattr(self, field), bool):
+                fail(func, f"{name}.{field}", "must be a bool", repr(getattr(self, field)), TypeError)
         if self.num_warps & (self.num_warps - 1):
             fail(func, f"{name}.num_warps", "must be a power of two", self.num_warps)
         return self
@@ -151,6 +156,9 @@ def check_config(func: str, config: object, *, align: int | None = None, layout:
         if tiles.tma and not supports.tma:
             fail(func, f"config.{gemm}.tma", f"must be False for the {layout} layout (tensor-descriptor weight "
                  "loads are not wired into it: see moe_kernels.kernels.layouts)", tiles.tma)
+        if tiles.swap_ab and not supports.swap_ab:
+            fail(func, f"config.{gemm}.swap_ab", f"must be False for the {layout} layout (the transposed tile "
+                 "product is not wired into it: see moe_kernels.kernels.layouts)", tiles.swap_ab)
     if not supports.sum_in_gemm and (config.sum_in_gemm or config.down.split_k != 1):
         fail(func, "config.sum_in_gemm", f"must be False with down.split_k=1 for the {layout} layout (its "
              "rows are summed by the unpermute pass)", f"sum_in_gemm={config.sum_in_gemm}, "
@@ -303,7 +311,8 @@ def _adapted(config: MoEConfig, layout: str, align: int) -> MoEConfig | None:
     tiles = {gemm: getattr(config, gemm) for gemm in ("gate_up", "down")}
     for gemm, t in tiles.items():
         tiles[gemm] = dataclasses.replace(t, tma=t.tma and supports.tma, persistent=t.persistent if supports.persistent
-                                          else 0, split_k=t.split_k if supports.sum_in_gemm else 1)
+                                          else 0, split_k=t.split_k if supports.sum_in_gemm else 1,
+                                          swap_ab=t.swap_ab and supports.swap_ab)
     adapted = MoEConfig(config.block_m, tiles["gate_up"], tiles["down"], config.sum_in_gemm and supports.sum_in_gemm)
     while supports.rows == "align" and align % adapted.block_m:
         if adapted.block_m <= 16:

@@ -41,6 +41,8 @@ class Layout:
     tma: bool
     #: One program per SM walking the tiles (``GemmTiles.persistent``).
     persistent: bool
+    #: Tiles computed transposed, weights on the MMA's M side (``GemmTiles.swap_ab``).
+    swap_ab: bool
     #: GEMM 2 adds the top-k slots in its epilogue (``MoEConfig.sum_in_gemm``), and may split K.
     sum_in_gemm: bool
     #: The shared expert can run as expert ``E`` inside the grouped GEMM.
@@ -75,11 +77,14 @@ def _resolve(path: str):
 
 LAYOUTS = {
     "index_gather": Layout("index_gather", ".index_gather:fused_experts", _ALL_FORMATS, tma=True, persistent=True,
-                           sum_in_gemm=True, fused_shared_expert=True, tables=("index_gather",), rows="block_m"),
+                           swap_ab=True, sum_in_gemm=True, fused_shared_expert=True, tables=("index_gather",),
+                           rows="block_m"),
     "permute": Layout("permute", ".permute:permute_experts", _ALL_FORMATS, tma=False, persistent=False,
-                      sum_in_gemm=False, fused_shared_expert=True, tables=("permute", "index_gather"), rows="align"),
+                      swap_ab=False, sum_in_gemm=False, fused_shared_expert=True, tables=("permute", "index_gather"),
+                      rows="align"),
     "masked": Layout("masked", ".masked:masked_experts", ("unquantized",), tma=False, persistent=False,
-                     sum_in_gemm=False, fused_shared_expert=True, tables=("masked", "index_gather"), rows="slab"),
+                     swap_ab=False, sum_in_gemm=False, fused_shared_expert=True, tables=("masked", "index_gather"),
+                     rows="slab"),
 }
 
 
