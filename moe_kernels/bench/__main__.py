@@ -18,6 +18,7 @@ COMMANDS = {
     "decode-step": ("decode_step", "one DeepSeek-V3 layer at 64 tokens, stage by stage (--fp8: also fp8)"),
     "ceilings": ("ceilings", "HBM bandwidth and GEMM rates"),
     "layer": ("layer_cost", "host and GPU time per call of fused_experts and MoELayer, the id check's cost"),
+    "model": ("model_step", "a whole transformers model's decode step with each experts implementation"),
 }
 
 

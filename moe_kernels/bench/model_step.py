@@ -1,0 +1,262 @@
+"""A whole model's decode step, per experts implementation: ``python -m moe_kernels.bench model``.
+
+The chapter argues for one layer that a decode step stops growing once the batch touches every
+expert. This measures it on a model: transformers builds Qwen3-30B-A3B at its real sizes from its
+config (:data:`HF_CONFIGS`; random bf16 weights, about 61 GB, nothing downloaded), fills a static
+KV cache of ``context`` tokens per sequence with one prefill, then times one decode step (one new
+token per sequence) for each experts implementation the installed transformers offers
+(``eager``, ``grouped_mm``, ``batched_mm``) and ``moe_kernels``:
+
+* eager: ``steps`` steps back to back from Python, host time included (what ``generate`` pays);
+* graph: the step captured in a CUDA graph and replayed (no host time), where the implementation
+  can be captured (one that reads values back to the host cannot: None);
+* ``no_experts``: the same step with every experts call returning zeros, so that the step minus
+  this is the experts' share.
+
+Each implementation's logits are compared with ``eager``'s (the relative error is in each row), and
+one that fails on this machine gets its error in its row instead of times.
+
+Beside each: the byte model's time for the experts' weights the batch touches in all MoE layers
+(:func:`~moe_kernels.model.costs.moe_layer_weight_bytes` over the read bandwidth measured in the
+same run). DeepSeek-V3 (671 B parameters) does not fit on one GPU: it runs its real layer shapes
+with ``--moe-layers`` MoE layers (default 3) after one dense layer, and the record says so.
+
+``tiny=True`` (the tests, on a CPU) runs the same code on a two-layer toy config in float32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+from .cli import model_names, positive_ints
+
+DEFAULT_BATCHES = (1, 8, 64, 256, 512)
+IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm", "moe_kernels")
+NO_EXPERTS = "no_experts"
+#: transformers config class, model class, and the real sizes (each model's config.json on the
+#: Hugging Face hub: Qwen/Qwen3-30B-A3B, deepseek-ai/DeepSeek-V3).
+HF_CONFIGS = {
+    "qwen3-30b-a3b": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+        num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+        num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+        max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=False)),
+    "deepseek-v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+        num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128, n_routed_experts=256,
+        n_shared_experts=1, num_experts_per_tok=8, n_group=8, topk_group=4, first_k_dense_replace=3,
+        routed_scaling_factor=2.5, norm_topk_prob=True, kv_lora_rank=512, q_lora_rank=1536,
+        qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, max_position_embeddings=163840,
+        rms_norm_eps=1e-6, tie_word_embeddings=False)),
+}
+#: Two layers of toy sizes (the CPU tests): the same code path, seconds under the interpreter.
+TINY = dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+            max_position_embeddings=256, intermediate_size=64, moe_intermediate_size=16, num_experts=8,
+            num_experts_per_tok=2, norm_topk_prob=True)
+
+
+def build_model(name: str, *, device, dtype, moe_layers: int | None = None, tiny: bool = False):
+    """``name``'s transformers model with random weights on ``device`` (built there directly),
+    in eval mode. DeepSeek-V3 keeps one dense layer and ``moe_layers`` MoE layers (default 3)."""
+    import transformers
+
+    config_class, model_class, sizes = HF_CONFIGS["qwen3-30b-a3b" if tiny else name]
+    sizes = dict(TINY) if tiny else dict(sizes)
+    if name == "deepseek-v3" and not tiny:
+        sizes.update(first_k_dense_replace=1, num_hidden_layers=1 + (moe_layers or 3))
+    elif moe_layers is not None:
+        sizes["num_hidden_layers"] = moe_layers
+    config = getattr(transformers, config_class)(**sizes)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = getattr(transformers, model_class)(config).to(dtype).eval()
+    return model
+
+
+def _register_no_experts() -> None:
+    """The ``no_experts`` implementation: every experts call returns zeros (the rest of the step)."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    ALL_EXPERTS_FUNCTIONS.register(NO_EXPERTS, lambda self, hidden_states, top_k_index, top_k_weights:
+                                   torch.zeros_like(hidden_states))
+
+
+def available_implementations() -> list[str]:
+    """The implementations of :data:`IMPLEMENTATIONS` this transformers has, plus ``no_experts``
+    (moe_kernels is registered here)."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    from ..integrations.transformers import register
+
+    register()
+    _register_no_experts()
+    names = set(ALL_EXPERTS_FUNCTIONS.keys()) | {"eager"}
+    return [name for name in IMPLEMENTATIONS if name in names] + [NO_EXPERTS]
+
+
+def cached_lengths(cache) -> list:
+    """The device-side lengths of a filled ``StaticCache``'s layers (transformers 5: each layer's
+    ``cumulative_length``, advanced in place by every update). Setting them back makes a step
+    repeatable, in a CUDA graph too."""
+    lengths = [layer.cumulative_length for layer in getattr(cache, "layers", ())
+               if isinstance(getattr(layer, "cumulative_length", None), torch.Tensor)]
+    if not lengths:
+        raise RuntimeError("this transformers' StaticCache keeps no device-side length per layer (transformers 5 "
+                           "does): a decode step cannot be repeated at the same position")
+    return lengths
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def eager_step_ms(step, device, steps: int) -> float:
+    """Milliseconds per step, ``steps`` steps back to back from Python (median of 3 rounds)."""
+    rounds = []
+    for _ in range(3):
+        _sync(device)
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        _sync(device)
+        rounds.append((time.perf_counter() - start) / steps * 1e3)
+    return statistics.median(rounds)
+
+
+def graph_step_ms(step, device, replays: int) -> float | None:
+    """Milliseconds per step replayed from a CUDA graph, or None (not a GPU, or not capturable)."""
+    if torch.device(device).type != "cuda":
+        return None
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.stream(stream):
+            step()
+        torch.cuda.current_stream().wait_stream(stream)
+        with torch.cuda.graph(graph):
+            step()
+    except Exception:   # (a read-back to the host, a data-dependent shape: this implementation cannot)
+        torch.cuda.synchronize()
+        return None
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / replays
+
+
+def run(models, batches, *, context: int = 128, steps: int = 10, moe_layers: int | None = None, tiny: bool = False,
+        device="cuda", log=print) -> dict:
+    """Rows of (model, implementation, batch): eager and graph step times, per-token cost, the
+    experts' share, and the byte model's experts time."""
+    from transformers import StaticCache
+
+    from ..integrations.transformers import _experts_modules
+    from ..model import costs, shapes
+
+    dtype = torch.float32 if tiny else torch.bfloat16
+    read_bw = None
+    if torch.device(device).type == "cuda":
+        from .ceilings import measure_read_bandwidth
+        read_bw = measure_read_bandwidth()
+        log(f"read bandwidth {read_bw / 1e12:.2f} TB/s")
+    impls = available_implementations()
+    rows = []
+    for name in models:
+        model = build_model(name, device=device, dtype=dtype, moe_layers=moe_layers, tiny=tiny)
+        shape = shapes.MODELS[name]
+        num_moe = len(list(_experts_modules(model)))
+        for batch in batches:
+            gen = torch.Generator(device=device).manual_seed(batch)
+            vocab = model.config.vocab_size
+            prompt = torch.randint(3, vocab, (batch, context), device=device, generator=gen)
+            cache = StaticCache(config=model.config, max_cache_len=context + 1)
+            token = torch.randint(3, vocab, (batch, 1), device=device, generator=gen)
+            model.set_experts_implementation("moe_kernels" if "moe_kernels" in impls else impls[0])
+            with torch.no_grad():
+                model(input_ids=prompt, past_key_values=cache)
+
+            lengths = cached_lengths(cache)
+
+            def step():   # always the token at position ``context``: the cache's lengths are rewound first
+                for length in lengths:
+                    length.fill_(context)
+                with torch.no_grad():
+                    return model(input_ids=token, past_key_values=cache).logits
+
+            predicted = None
+            if read_bw is not None and not tiny:
+                predicted = num_moe * costs.moe_layer_weight_bytes(batch, shape, "bf16") / read_bw * 1e3
+            reference = None
+            for impl in impls:
+                row = {"model": name, "moe_layers": num_moe, "implementation": impl, "batch": batch,
+                       "context": context, "predicted_experts_ms": predicted}
+                rows.append(row)
+                model.set_experts_implementation(impl)
+                try:
+                    logits = step().float()   # also compiles and warms up
+                except Exception as error:   # e.g. an implementation this torch lacks on this device
+                    row.update(error=repr(error)[:300], eager_ms=None, graph_ms=None)
+                    log(f"{name:<14} {impl:<12} batch {batch:>4}: failed: {row['error']}")
+                    continue
+                if impl == "eager":
+                    reference = logits
+                if reference is not None and impl != NO_EXPERTS:
+                    row["logits_rel_err_vs_eager"] = float(torch.linalg.norm(logits - reference)
+                                                           / torch.linalg.norm(reference))
+                eager = eager_step_ms(step, device, steps)
+                graph = graph_step_ms(step, device, steps)
+                row.update(eager_ms=eager, graph_ms=graph, eager_us_per_token=eager * 1e3 / batch,
+                           graph_us_per_token=None if graph is None else graph * 1e3 / batch)
+                log(f"{name:<14} {impl:<12} batch {batch:>4}: eager {eager:8.2f} ms  graph "
+                    f"{'-' if graph is None else f'{graph:8.2f}'} ms  ({row['eager_us_per_token']:.1f} us/token eager)")
+            base = {key: next(r for r in rows if r["model"] == name and r["batch"] == batch
+                              and r["implementation"] == NO_EXPERTS).get(key) for key in ("eager_ms", "graph_ms")}
+            for row in rows:
+                if row["model"] == name and row["batch"] == batch and row["implementation"] != NO_EXPERTS:
+                    for key in ("eager_ms", "graph_ms"):
+                        if row.get(key) is not None and base[key] is not None:
+                            row[key.replace("_ms", "_experts_ms")] = row[key] - base[key]
+            del cache
+        del model
+        if torch.device(device).type == "cuda":
+            torch.cuda.empty_cache()
+    note = None if "deepseek-v3" not in models else (
+        f"DeepSeek-V3 at its real layer shapes with 1 dense and {moe_layers or 3} MoE layers (the whole model "
+        "does not fit on one GPU)")
+    return {"rows": rows, "read_bandwidth": read_bw, "context": context, "note": note}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m moe_kernels.bench model", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", type=model_names, default=["qwen3-30b-a3b"])
+    parser.add_argument("--batches", type=positive_ints, default=list(DEFAULT_BATCHES))
+    parser.add_argument("--context", type=positive_ints, default=[128], help="tokens in each sequence's KV cache")
+    parser.add_argument("--steps", type=positive_ints, default=[10], help="decode steps per timing round")
+    parser.add_argument("--moe-layers", type=positive_ints, default=None,
+                        help="MoE layers to build (default: the model's own; DeepSeek-V3: 3)")
+    parser.add_argument("--record", action="store_true", help="write results/<device>/model-step.json")
+    args = parser.parse_args(argv)
+    unknown = [m for m in args.models if m not in HF_CONFIGS]
+    if unknown:
+        parser.error(f"--models: no transformers config for {unknown}; choose from {sorted(HF_CONFIGS)}")
+    if not torch.cuda.is_available():
+        print("python -m moe_kernels.bench model: needs a CUDA GPU", file=sys.stderr)
+        return 1
+    data = run(args.models, args.batches, context=args.context[0], steps=args.steps[0],
+               moe_layers=None if args.moe_layers is None else args.moe_layers[0])
+    if args.record:
+        from ..results import record
+        print("recorded", record("model-step", data))
+    return 0

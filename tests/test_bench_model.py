@@ -1,0 +1,64 @@
+"""``python -m moe_kernels.bench model`` (moe_kernels.bench.model_step) on the CPU: the decode step
+of a two-layer toy Qwen3-MoE model with every experts implementation, the rows it records, and
+the real configs it builds on a GPU against the package's model shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+mt = pytest.importorskip("moe_kernels.integrations.transformers")
+if not mt.available():
+    pytest.skip(f"transformers {transformers.__version__} has no experts registry (transformers >= 5 has)",
+                allow_module_level=True)
+
+from moe_kernels.bench import model_step  # noqa: E402
+from moe_kernels.model.shapes import MODELS  # noqa: E402
+
+
+def test_a_toy_model_steps_with_every_implementation():
+    data = model_step.run(["qwen3-30b-a3b"], [2], tiny=True, device="cpu", context=3, steps=1, log=lambda line: None)
+    rows = data["rows"]
+    impls = [r["implementation"] for r in rows]
+    assert impls[0] == "eager" and "moe_kernels" in impls and impls[-1] == model_step.NO_EXPERTS
+    for row in rows:
+        assert row["moe_layers"] == 2 and row["batch"] == 2 and row["graph_ms"] is None   # no GPU: no graph
+        if "error" in row:   # an implementation this torch lacks on a CPU is reported, not fatal
+            continue
+        assert row["eager_ms"] > 0 and row["eager_us_per_token"] == pytest.approx(row["eager_ms"] * 500)
+        if row["implementation"] != model_step.NO_EXPERTS:
+            assert row["logits_rel_err_vs_eager"] < 1e-5, row
+            assert "eager_experts_ms" in row
+    assert not any("error" in r for r in rows if r["implementation"] in ("eager", "moe_kernels"))
+
+
+def test_a_step_repeats_at_the_same_position():
+    """The cache's device-side lengths are rewound before each step: two steps give one answer."""
+    model = model_step.build_model("qwen3-30b-a3b", device="cpu", dtype=torch.float32, tiny=True)
+    cache = transformers.StaticCache(config=model.config, max_cache_len=5)
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[5, 6, 7, 8]]), past_key_values=cache)
+        lengths = model_step.cached_lengths(cache)
+        outs = []
+        for _ in range(2):
+            for length in lengths:
+                length.fill_(4)
+            outs.append(model(input_ids=torch.tensor([[9]]), past_key_values=cache).logits)
+    assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("name", sorted(model_step.HF_CONFIGS))
+def test_the_real_configs_match_the_model_shapes(name):
+    _, _, sizes = model_step.HF_CONFIGS[name]
+    shape = MODELS[name]
+    experts = sizes.get("num_experts", sizes.get("n_routed_experts"))
+    assert (sizes["hidden_size"], sizes["moe_intermediate_size"], experts, sizes["num_experts_per_tok"],
+            sizes["num_hidden_layers"]) == (shape.hidden_size, shape.moe_intermediate_size, shape.num_experts,
+                                            shape.top_k, shape.num_layers)
+
+
+def test_the_command_checks_its_arguments_before_any_gpu_work(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        model_step.main(["--models", "mixtral-8x7b"])
+    assert exit_.value.code == 2 and "no transformers config" in capsys.readouterr().err
