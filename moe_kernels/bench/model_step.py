@@ -73,8 +73,13 @@ def build_model(name: str, *, device, dtype, moe_layers: int | None = None, tiny
         sizes["num_hidden_layers"] = moe_layers
     config = getattr(transformers, config_class)(**sizes)
     torch.manual_seed(0)
-    with torch.device(device):
-        model = getattr(transformers, model_class)(config).to(dtype).eval()
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)   # built in its dtype: a float32 copy of Qwen3-30B-A3B would not fit
+    try:
+        with torch.device(device):
+            model = getattr(transformers, model_class)(config).eval()
+    finally:
+        torch.set_default_dtype(previous)
     return model
 
 
@@ -185,7 +190,8 @@ def run(models, batches, *, context: int = 128, steps: int = 10, moe_layers: int
             token = torch.randint(3, vocab, (batch, 1), device=device, generator=gen)
             model.set_experts_implementation("moe_kernels" if "moe_kernels" in impls else impls[0])
             with torch.no_grad():
-                model(input_ids=prompt, past_key_values=cache)
+                # (only the last position's logits: all of them would be [batch, context, vocab])
+                model(input_ids=prompt, past_key_values=cache, logits_to_keep=1)
 
             lengths = cached_lengths(cache)
 
