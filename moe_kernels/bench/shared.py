@@ -140,6 +140,24 @@ def _print_row(row: dict) -> None:
           f"err {max(row['rel_err_separate'], row['rel_err_fused']):.1e}", flush=True)
 
 
+def weights_with_shared_expert(model: MoEModel, seed: int = 0):
+    """``model``'s random bf16 routed experts on the GPU with a random shared expert stacked as
+    expert ``E`` (``w1_all [E+1, 2F, d]``, ``w2_all [E+1, d, F]``): the weights :func:`measure`
+    takes. For DeepSeek-V3 that is 22.6 GB, and twice that while stacking."""
+    from ..kernels.shared import stack_shared_expert
+    from .problems import make_weights
+
+    w1, w2 = make_weights(model, torch.bfloat16, seed)
+    d, f = model.hidden_size, model.moe_intermediate_size
+    g = torch.Generator(device="cuda").manual_seed(seed + 1)
+    w1_shared = torch.randn(2 * f, d, device="cuda", dtype=torch.bfloat16, generator=g).mul_(d**-0.5)
+    w2_shared = torch.randn(d, f, device="cuda", dtype=torch.bfloat16, generator=g).mul_(f**-0.5)
+    w1_all, w2_all = stack_shared_expert(w1, w2, w1_shared, w2_shared)
+    del w1, w2, w1_shared, w2_shared
+    torch.cuda.empty_cache()
+    return w1_all, w2_all
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=positive_ints, default=list(BATCHES), help="comma list of token counts")
@@ -149,21 +167,11 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("moe_kernels.bench.shared: needs a CUDA GPU", file=sys.stderr)
         return 2
-    from .problems import make_weights
     from .ceilings import measure_gemm_rate, measure_hbm_bandwidth
-    from ..kernels.shared import stack_shared_expert
 
-    model = MODELS["deepseek-v3"]
     ceilings = {"hbm_bandwidth": measure_hbm_bandwidth(), "gemm_rate_bf16": measure_gemm_rate()}
     print(f"ceilings: {ceilings['hbm_bandwidth'] / 1e12:.2f} TB/s, {ceilings['gemm_rate_bf16'] / 1e12:.0f} TFLOP/s")
-    w1, w2 = make_weights(model, torch.bfloat16, args.seed)
-    d, f = model.hidden_size, model.moe_intermediate_size
-    g = torch.Generator(device="cuda").manual_seed(args.seed + 1)
-    w1_shared = torch.randn(2 * f, d, device="cuda", dtype=torch.bfloat16, generator=g).mul_(d**-0.5)
-    w2_shared = torch.randn(d, f, device="cuda", dtype=torch.bfloat16, generator=g).mul_(f**-0.5)
-    w1_all, w2_all = stack_shared_expert(w1, w2, w1_shared, w2_shared)
-    del w1, w2, w1_shared, w2_shared
-    torch.cuda.empty_cache()
+    w1_all, w2_all = weights_with_shared_expert(MODELS["deepseek-v3"], args.seed)
     rows = []
     for batch in args.batches:
         rows.append(measure(batch, w1_all, w2_all, ceilings, args.seed))

@@ -39,6 +39,29 @@ def below(err: float, tol: str = "1e-6") -> str:
     return f"below {tol}" if err < float(tol) else f"{err:.1e}, above {tol}"
 
 
+def beside(recorded: dict, live: dict | None, *, what: str, device: str = "this GPU") -> None:
+    """Print each time measured here beside the H200's recorded one, saying which is which; with
+    ``live`` None (no GPU in this kernel) the record alone. Keys are labels, values microseconds
+    (None: not measured).
+
+        >>> beside({"batch 1": 10.04}, None, what="kernel, CUDA-graph replay")
+        No GPU here: the times recorded on an NVIDIA H200 (kernel, CUDA-graph replay, µs).
+          batch 1:     10.0 µs on the H200
+        >>> beside({"batch 1": 10.04}, {"batch 1": 7.51}, what="kernel", device="GPU X")
+        Measured now on GPU X beside the times recorded on an NVIDIA H200 (kernel, µs).
+          batch 1:      7.5 µs here,     10.0 µs on the H200
+    """
+    show = lambda us: "     n/a" if us is None else f"{us:8.1f}"  # noqa: E731
+    if live is None:
+        print(f"No GPU here: the times recorded on an NVIDIA H200 ({what}, µs).")
+    else:
+        print(f"Measured now on {device} beside the times recorded on an NVIDIA H200 ({what}, µs).")
+    width = max(map(len, recorded))
+    for label, us in recorded.items():
+        here = "" if live is None else f"{show(live.get(label))} µs here, "
+        print(f"  {label + ':':<{width + 1}} {here}{show(us)} µs on the H200")
+
+
 def kernel_source(path: str, name: str):
     """The lines of ``moe_kernels/<path>`` between ``# >>> book: <name>`` and ``# <<< book: <name>``,
     dedented, as a highlighted code block: the kernel on the page *is* the package's kernel, so the
