@@ -35,6 +35,7 @@ Use (on a GPU): ``plans.run(tensors, options, lambda: eager(...))``.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import weakref
@@ -170,8 +171,9 @@ class Recording:
         for position, v in enumerate(values):
             descriptor = None
             if not isinstance(v, _Tensor) and hasattr(v, "block_shape"):   # a TMA descriptor: its base, by slot
-                # and offset, and what the launcher encodes from it (moe_kernels._launch.descriptor_key)
-                descriptor, v = (tuple(v.shape), tuple(v.strides), v.padding), v.base
+                # and offset, and every other field as it was (what the launcher encodes from it per launch;
+                # Triton 3.9 reads one more field than 3.6, round_f32_to_tf32)
+                descriptor, v = _descriptor_fields(v), v.base
             if isinstance(v, _Tensor):
                 if self._storage(v) == 0:   # empty tensors all sit at address 0: no owner to find
                     self.refuse("a launch reads an empty tensor")
@@ -199,11 +201,12 @@ class Recording:
                 raise Refused("the result is not made by the call")
             returned.append(slot)
         # A view of constants only (the transposed gate of ``x @ gate.t()``) is a constant too:
-        # the same memory whatever the inputs, so it is made once, here, not at every replay.
+        # the same memory whatever the inputs, so it is made once, here, not at every replay
+        # (unless it is returned: each call must return its own tensor object).
         constant, events = set(self.constants), []
         for event in self.events:
             if event[0] == "op" and _is_view(event[1]) and set(_slots_in((event[2], event[3]))) <= constant \
-                    and None not in event[4]:
+                    and None not in event[4] and not set(event[4]) & set(returned):
                 constant.update(event[4])
                 self.constants.extend(event[4])
             else:
@@ -242,7 +245,8 @@ class Recording:
                                    else (position, root, offset, descriptor)
                                    for position, root, offset, descriptor in event[5]))
                 for event in kept]
-        constants = tuple((slot, self.tensors[slot], self.tensors[slot].data_ptr()) for slot in self.constants)
+        constants = tuple((slot, self.tensors[slot], self.tensors[slot].data_ptr(), self.tensors[slot].shape)
+                          for slot in self.constants)
         return Plan(self.num_inputs, len(self.tensors), constants, kept, tuple(returned), many,
                     (size, self.device) if size else None)
 
@@ -300,6 +304,13 @@ class _Slot(int):
     """A tensor argument of a recorded operation, by slot."""
 
 
+def _descriptor_fields(desc) -> dict:
+    """A TMA descriptor's fields other than its base (a dataclass in Triton 3.6 and 3.9)."""
+    if dataclasses.is_dataclass(desc):
+        return {f.name: getattr(desc, f.name) for f in dataclasses.fields(desc) if f.name != "base"}
+    return {name: getattr(desc, name) for name in ("shape", "strides", "block_shape", "padding")}
+
+
 class _Address(int):
     """An address that answers ``data_ptr()``, as the base of a replayed descriptor must."""
 
@@ -308,13 +319,13 @@ class _Address(int):
 
 
 class _Descriptor:
-    """What Triton's launcher reads of a TMA ``TensorDescriptor`` (it encodes the hardware
-    descriptor from these at every launch): the base address, the shape, the strides, the padding."""
+    """A TMA ``TensorDescriptor`` on a new base address, with the recorded descriptor's other
+    fields (shape, strides, box, padding, ...): what Triton's launcher reads to encode the hardware
+    descriptor at every launch."""
 
-    __slots__ = ("base", "shape", "strides", "padding")
-
-    def __init__(self, address, shape, strides, padding):
-        self.base, self.shape, self.strides, self.padding = _Address(address), shape, strides, padding
+    def __init__(self, address, fields: dict):
+        self.__dict__.update(fields)
+        self.base = _Address(address)
 
 
 def _slots_in(value):
@@ -377,7 +388,7 @@ class Plan:
 
     def replay(self, inputs):
         slots = [*inputs, *([None] * (self.num_slots - self.num_inputs))]
-        for slot, tensor, _ in self.constants:
+        for slot, tensor, _, _ in self.constants:
             slots[slot] = tensor
         if self.workspace is not None:
             slots.append(torch.empty(self.workspace[0], dtype=torch.uint8, device=self.workspace[1]))
@@ -390,7 +401,7 @@ class Plan:
                 args = args.copy()
                 for position, slot, offset, descriptor in pointers:
                     address = slots[slot].data_ptr() + offset
-                    args[position] = address if descriptor is None else _Descriptor(address, *descriptor)
+                    args[position] = address if descriptor is None else _Descriptor(address, descriptor)
                 run(grid[0], grid[1], grid[2], stream, function, metadata, None, None, None, *args)
             else:
                 _, func, args_t, kwargs_t, outs, many_out, flat, fixed, _ = step
@@ -448,10 +459,10 @@ class CallPlans:
         return key
 
     def get(self, key):
-        """The plan of ``key`` (None: record or run eagerly). A plan whose constants moved (a
-        weight's ``.data`` replaced, which no ``__setattr__`` sees) is forgotten."""
+        """The plan of ``key`` (None: record or run eagerly). A plan whose constants moved or
+        changed shape (a weight's ``.data`` replaced, which no ``__setattr__`` sees) is forgotten."""
         plan = None if key is None else self.plans.get(key)
-        if plan is not None and any(t.data_ptr() != ptr for _, t, ptr in plan.constants):
+        if plan is not None and any(t.data_ptr() != ptr or t.shape != shape for _, t, ptr, shape in plan.constants):
             del self.plans[key]
             self.calls.pop(key, None)
             return None

@@ -168,6 +168,51 @@ def test_summed_stage_adds_into_out():
     assert rel_err(out - 1, moe_reference(hidden, w1, w2, weights, ids)) < TOLERANCE[torch.float32]
 
 
+_COMPILE_FOR_HOPPER = """
+import re, sys
+import torch
+torch.cuda.is_available = lambda: True   # build compiled (not interpreted) kernels; nothing is launched
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from moe_kernels.kernels import index_gather as ig
+
+fn = ig._index_gather_gemm_kernel
+for dtype, scales, swap in (("bf16", 0, False), ("bf16", 0, True), ("fp8e4nv", 1, True)):
+    pointers = dict(a_ptr="*" + dtype, w_ptr="*" + dtype, out_ptr="*bf16", topk_weights_ptr="*fp32",
+                    sorted_token_ids_ptr="*i32", expert_ids_ptr="*i32", num_tokens_post_padded_ptr="*i32",
+                    a_scale_ptr="*fp32", w_scale_ptr="*fp32", w_desc="*" + dtype)
+    const = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, TOP_K=8, NAIVE_BLOCKS=False, DENSE=False, GATED=True,
+                 MUL_ROUTED_WEIGHT=False, EVEN_K=True, INPUT_PRECISION="tf32", SCALES=scales, SUM_TOP_K=0, SPLIT_K=1,
+                 TMA_W=False, PERSISTENT=0, SCALE_BN=128, SCALE_BK=128, ID_CHECK="", SWAP_AB=swap)
+    sig = {n: "constexpr" if n in const else pointers.get(n, "i32") for n in fn.arg_names}
+    constants = {(i,): const[n] for i, n in enumerate(fn.arg_names) if n in const}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
+    ptx = triton.compile(ASTSource(fn, sig, constants, attrs), target=GPUTarget("cuda", 90, 32),
+                         options=dict(num_warps=4, num_stages=3)).asm["ptx"]
+    print(dtype, swap, "wgmma" in ptx, len(re.findall(r"mma[.]sync", ptx)) > 0)
+"""
+
+
+def test_swap_ab_reaches_hoppers_wgmma():
+    """Compiled for an H100/H200 (sm_90) on this machine, no GPU needed: a 16-row tile of GEMM 1 is
+    ``mma.sync``; transposed (``swap_ab``, 64 weight rows on the M side) it is a wgmma, in bf16 and
+    in fp8 with block scales. (The interpreter runs a kernel as Python, so it cannot tell whether
+    the compiler accepts it: the first swap_ab kernel returned two shapes from one helper, which
+    Python allows and Triton refuses.)"""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "MOE_KERNELS_BACKEND")}
+    done = subprocess.run([sys.executable, "-c", _COMPILE_FOR_HOPPER], capture_output=True, text=True, timeout=600,
+                          env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    expected = ["bf16 False False True", "bf16 True True False", "fp8e4nv True True False"]
+    assert done.stdout.split("\n")[:3] == expected, done.stdout
+
+
 # ---- GPU: the models' own shapes, bf16 and fp8, and CUDA-graph capture -----------------------------
 
 

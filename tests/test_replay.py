@@ -96,6 +96,38 @@ def test_operations_replay_through_torch_bindings_and_views_of_constants_are_mad
     assert plans.get("key") is None
 
 
+def test_a_returned_view_of_a_constant_is_a_new_tensor_at_every_replay(fake_stream):
+    plans, table = _replay.CallPlans("test"), torch.arange(6.0).view(2, 3)
+    outs = []
+    for _ in range(4):
+        x = torch.randn(3)
+        outs.append(run_plans(plans, "key", (x,), lambda: (x * 2, table.t())))
+    assert plans.get("key").replays == 2 and outs[2][1] is not outs[3][1]
+    outs[2][1].unsqueeze_(0)   # a caller's in-place change to its own result stays its own
+    assert plans.get("key").replay((torch.randn(3),))[1].shape == (3, 2)
+
+
+def test_a_constant_reshaped_in_place_forgets_the_plan(fake_stream):
+    plans, weight = _replay.CallPlans("test"), torch.randn(4, 6)
+    for _ in range(3):
+        x = torch.randn(2, 6)
+        run_plans(plans, "key", (x,), lambda: x @ weight.t())
+    weight.data = weight.data.view(6, 4)   # the same address, another shape
+    assert plans.get("key") is None
+
+
+def test_a_replayed_descriptor_keeps_every_field_of_the_recorded_one():
+    pytest.importorskip("triton")
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    desc = TensorDescriptor.from_tensor(torch.zeros(64, 32), [16, 32])
+    fields = _replay._descriptor_fields(desc)
+    replayed = _replay._Descriptor(4096, fields)
+    assert replayed.base.data_ptr() == 4096 and "base" not in fields
+    for name, value in fields.items():   # (Triton 3.9's launcher reads round_f32_to_tf32 too)
+        assert getattr(replayed, name) == value
+
+
 def test_a_binding_that_dispatches_elsewhere_is_not_used():
     recording, x = _replay.Recording((torch.randn(2, 2),)), _replay._Slot(0)
     add = ("op", torch.ops.aten.add.Tensor, (x, x), {"alpha": 2}, (1,), False)

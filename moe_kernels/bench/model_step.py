@@ -13,6 +13,10 @@ token per sequence) for each experts implementation the installed transformers o
 * ``no_experts``: the same step with every experts call returning zeros, so that the step minus
   this is the experts' share.
 
+Each step first rewinds the cache's device-side lengths to ``context`` (two launches), so that it
+repeats at the same position; the rewind alone is timed too (``rewind_ms``) and is inside every
+step time.
+
 Each implementation's logits are compared with ``eager``'s (the relative error is in each row), and
 one that fails on this machine gets its error in its row instead of times.
 
@@ -27,6 +31,7 @@ with ``--moe-layers`` MoE layers (default 3) after one dense layer, and the reco
 from __future__ import annotations
 
 import argparse
+import inspect
 import statistics
 import sys
 import time
@@ -134,10 +139,11 @@ def eager_step_ms(step, device, steps: int) -> float:
     return statistics.median(rounds)
 
 
-def graph_step_ms(step, device, replays: int) -> float | None:
-    """Milliseconds per step replayed from a CUDA graph, or None (not a GPU, or not capturable)."""
+def graph_step_ms(step, device, replays: int) -> tuple[float | None, str | None]:
+    """Milliseconds per step replayed from a CUDA graph, and why not (None, the error) where the
+    step cannot be captured; (None, None) without a GPU."""
     if torch.device(device).type != "cuda":
-        return None
+        return None, None
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     graph = torch.cuda.CUDAGraph()
@@ -147,9 +153,9 @@ def graph_step_ms(step, device, replays: int) -> float | None:
         torch.cuda.current_stream().wait_stream(stream)
         with torch.cuda.graph(graph):
             step()
-    except Exception:   # (a read-back to the host, a data-dependent shape: this implementation cannot)
+    except Exception as error:   # a read-back to the host, a data-dependent shape (or out of memory: said)
         torch.cuda.synchronize()
-        return None
+        return None, repr(error)[:300]
     graph.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -158,7 +164,7 @@ def graph_step_ms(step, device, replays: int) -> float | None:
         graph.replay()
     end.record()
     end.synchronize()
-    return start.elapsed_time(end) / replays
+    return start.elapsed_time(end) / replays, None
 
 
 def run(models, batches, *, context: int = 128, steps: int = 10, moe_layers: int | None = None, tiny: bool = False,
@@ -182,6 +188,8 @@ def run(models, batches, *, context: int = 128, steps: int = 10, moe_layers: int
         model = build_model(name, device=device, dtype=dtype, moe_layers=moe_layers, tiny=tiny)
         shape = shapes.MODELS[name]
         num_moe = len(list(_experts_modules(model)))
+        # transformers 5.24 renamed ``past_key_values`` to ``cache`` (the old name warns until 5.40)
+        cache_argument = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         for batch in batches:
             gen = torch.Generator(device=device).manual_seed(batch)
             vocab = model.config.vocab_size
@@ -191,23 +199,28 @@ def run(models, batches, *, context: int = 128, steps: int = 10, moe_layers: int
             model.set_experts_implementation("moe_kernels" if "moe_kernels" in impls else impls[0])
             with torch.no_grad():
                 # (only the last position's logits: all of them would be [batch, context, vocab])
-                model(input_ids=prompt, past_key_values=cache, logits_to_keep=1)
+                model(input_ids=prompt, logits_to_keep=1, **{cache_argument: cache})
 
             lengths = cached_lengths(cache)
 
-            def step():   # always the token at position ``context``: the cache's lengths are rewound first
-                for length in lengths:
-                    length.fill_(context)
-                with torch.no_grad():
-                    return model(input_ids=token, past_key_values=cache).logits
+            def rewind():   # every layer's length back to ``context``: two fused launches, not one per layer
+                torch._foreach_mul_(lengths, 0)
+                torch._foreach_add_(lengths, context)
 
+            def step():   # always the token at position ``context``
+                rewind()
+                with torch.no_grad():
+                    return model(input_ids=token, **{cache_argument: cache}).logits
+
+            rewind_ms = {"eager": eager_step_ms(rewind, device, steps),
+                         "graph": graph_step_ms(rewind, device, steps)[0]}
             predicted = None
             if read_bw is not None and not tiny:
                 predicted = num_moe * costs.moe_layer_weight_bytes(batch, shape, "bf16") / read_bw * 1e3
             reference = None
             for impl in impls:
                 row = {"model": name, "moe_layers": num_moe, "implementation": impl, "batch": batch,
-                       "context": context, "predicted_experts_ms": predicted}
+                       "context": context, "predicted_experts_ms": predicted, "rewind_ms": rewind_ms}
                 rows.append(row)
                 model.set_experts_implementation(impl)
                 try:
@@ -222,7 +235,9 @@ def run(models, batches, *, context: int = 128, steps: int = 10, moe_layers: int
                     row["logits_rel_err_vs_eager"] = float(torch.linalg.norm(logits - reference)
                                                            / torch.linalg.norm(reference))
                 eager = eager_step_ms(step, device, steps)
-                graph = graph_step_ms(step, device, steps)
+                graph, graph_error = graph_step_ms(step, device, steps)
+                if graph_error:
+                    row["graph_error"] = graph_error
                 row.update(eager_ms=eager, graph_ms=graph, eager_us_per_token=eager * 1e3 / batch,
                            graph_us_per_token=None if graph is None else graph * 1e3 / batch)
                 log(f"{name:<14} {impl:<12} batch {batch:>4}: eager {eager:8.2f} ms  graph "

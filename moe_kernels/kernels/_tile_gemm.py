@@ -155,8 +155,10 @@ if HAS_TRITON:
     def empty_accumulator(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr):
         """The fp32 zeros a tile product accumulates into, ``[BLOCK_N, BLOCK_M]`` with ``SWAP_AB``."""
         if SWAP_AB:
-            return tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        return tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        return acc
 
     @kernel
     def tile_dot(a, w, acc, SWAP_AB: tl.constexpr, INPUT_PRECISION: tl.constexpr):
@@ -164,15 +166,19 @@ if HAS_TRITON:
         ``a [BLOCK_M, BLOCK_K] @ w [BLOCK_K, BLOCK_N]``, or its transpose ``w^T @ a^T``
         (``[BLOCK_N, BLOCK_M]``, the weights on the MMA's M side) with ``SWAP_AB``, in fp32."""
         if SWAP_AB:
-            return tl.dot(tl.trans(w), tl.trans(a), acc, input_precision=INPUT_PRECISION)
-        return tl.dot(a, w, acc, input_precision=INPUT_PRECISION)
+            out = tl.dot(tl.trans(w), tl.trans(a), acc, input_precision=INPUT_PRECISION)
+        else:
+            out = tl.dot(a, w, acc, input_precision=INPUT_PRECISION)
+        return out
 
     @kernel
     def scale_outer(a_scale, w_scale, SWAP_AB: tl.constexpr):
         """The block-scale product of one K step, laid out like :func:`tile_dot`'s result."""
         if SWAP_AB:
-            return w_scale[:, None] * a_scale[None, :]
-        return a_scale[:, None] * w_scale[None, :]
+            out = w_scale[:, None] * a_scale[None, :]
+        else:
+            out = a_scale[:, None] * w_scale[None, :]
+        return out
 
     # >>> book: routed-weight
     @kernel
