@@ -140,31 +140,16 @@ def eager_step_ms(step, device, steps: int) -> float:
 
 
 def graph_step_ms(step, device, replays: int) -> tuple[float | None, str | None]:
-    """Milliseconds per step replayed from a CUDA graph, and why not (None, the error) where the
-    step cannot be captured; (None, None) without a GPU."""
+    """Milliseconds per step replayed from a CUDA graph (:func:`~moe_kernels.bench.timing.graph_us`,
+    one step per graph), and why not (None, the error) where the step cannot be captured; (None,
+    None) without a GPU."""
     if torch.device(device).type != "cuda":
         return None, None
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.stream(stream):
-            step()
-        torch.cuda.current_stream().wait_stream(stream)
-        with torch.cuda.graph(graph):
-            step()
-    except Exception as error:   # a read-back to the host, a data-dependent shape (or out of memory: said)
-        torch.cuda.synchronize()
-        return None, repr(error)[:300]
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / replays, None
+    from .timing import graph_us
+
+    errors = []
+    us = graph_us(step, calls=1, replays=replays, errors=errors)
+    return (None if us is None else us / 1e3), (errors[0] if errors else None)
 
 
 def run(models, batches, *, context: int = 128, steps: int = 10, moe_layers: int | None = None, tiny: bool = False,

@@ -27,8 +27,9 @@ def eager_us(fn, warmup_ms: int = 10, rep_ms: int = 50) -> float:
     return 1e3 * median_ms(fn, warmup_ms, rep_ms)
 
 
-def graph_us(fn, calls: int = 20, replays: int = 20):
-    """Microseconds per call of ``fn`` replayed from a CUDA graph, or None if it cannot be captured."""
+def graph_us(fn, calls: int = 20, replays: int = 20, errors: list | None = None):
+    """Microseconds per call of ``fn`` replayed from a CUDA graph, or None if it cannot be captured
+    (the reason appended to ``errors``, if given: a read-back to the host, or out of memory)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     try:
@@ -40,8 +41,10 @@ def graph_us(fn, calls: int = 20, replays: int = 20):
         with torch.cuda.graph(graph):
             for _ in range(calls):
                 fn()
-    except RuntimeError:
+    except RuntimeError as error:
         torch.cuda.synchronize()
+        if errors is not None:
+            errors.append(repr(error)[:300])
         return None
     graph.replay()
     torch.cuda.synchronize()

@@ -42,24 +42,27 @@ def below(err: float, tol: str = "1e-6") -> str:
 def beside(recorded: dict, live: dict | None, *, what: str, device: str = "this GPU") -> None:
     """Print each time measured here beside the H200's recorded one, saying which is which; with
     ``live`` None (no GPU in this kernel) the record alone. Keys are labels, values microseconds
-    (None: not measured).
+    (None: not measured). The numbers come first, so that a phone shows them without scrolling.
 
         >>> beside({"batch 1": 10.04}, None, what="kernel, CUDA-graph replay")
         No GPU here: the times recorded on an NVIDIA H200 (kernel, CUDA-graph replay, µs).
-          batch 1:     10.0 µs on the H200
+           H200
+           10.0  batch 1
         >>> beside({"batch 1": 10.04}, {"batch 1": 7.51}, what="kernel", device="GPU X")
         Measured now on GPU X beside the times recorded on an NVIDIA H200 (kernel, µs).
-          batch 1:      7.5 µs here,     10.0 µs on the H200
+           here    H200
+            7.5    10.0  batch 1
     """
-    show = lambda us: "     n/a" if us is None else f"{us:8.1f}"  # noqa: E731
+    show = lambda us: "    n/a" if us is None else f"{us:7.1f}"  # noqa: E731
     if live is None:
         print(f"No GPU here: the times recorded on an NVIDIA H200 ({what}, µs).")
+        print("   H200")
     else:
         print(f"Measured now on {device} beside the times recorded on an NVIDIA H200 ({what}, µs).")
-    width = max(map(len, recorded))
+        print("   here    H200")
     for label, us in recorded.items():
-        here = "" if live is None else f"{show(live.get(label))} µs here, "
-        print(f"  {label + ':':<{width + 1}} {here}{show(us)} µs on the H200")
+        here = "" if live is None else f"{show(live.get(label))} "
+        print(f"{here}{show(us)}  {label}")
 
 
 def kernel_source(path: str, name: str):
