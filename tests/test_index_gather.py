@@ -311,6 +311,41 @@ def test_bench_tuning_candidates_fit_shared_memory():
                 assert any(t.swap_ab for t in tiles) == (bm <= 32 and any(t.block_n >= 64 for t in tiles))
 
 
+def test_bench_tuning_fp8_candidates_run_the_fp8_k_step():
+    """fp8 tiles: K steps the kernel runs (<= 128, one scale block), 1-byte shared memory, 8 warps
+    offered; and ``--refine`` offers the transposed product on 64- and 128-row weight tiles."""
+    from moe_kernels.bench import tune
+    from moe_kernels.kernels.config import GemmTiles, MoEConfig
+    from moe_kernels.kernels.formats import FORMATS
+
+    fp8 = FORMATS["block"]
+    for rho in (0.5, 40, 400):
+        for bm in tune.block_m_candidates(rho):
+            tiles = tune.tile_candidates(rho, bm, True, fp8)
+            assert tiles and len(set(tiles)) == len(tiles)
+            assert all(t.block_k <= 128 and t.num_stages * (bm + 2 * t.block_n) * t.block_k <= 220 * 1024
+                       for t in tiles)
+            assert {t.num_warps for t in tiles} >= {4, 8}
+    base = MoEConfig(16, GemmTiles(32, 128), GemmTiles(16, 256), False)
+    variants = [t for gated, _, t in tune._candidates(1.0, 16, base=base) if gated]
+    assert [(t.block_n, t.tma) for t in variants if t.swap_ab] == [(64, False), (64, True), (128, False),
+                                                                    (128, True)]
+    assert len([t for t in variants if not t.swap_ab]) == 6
+    wide = MoEConfig(64, GemmTiles(128, 64), GemmTiles(128, 64), False)
+    assert not any(t.swap_ab for _, _, t in tune._candidates(100.0, 64, base=wide))
+
+
+@pytest.mark.parametrize("weight_format", ["none", "block"])
+def test_bench_tuning_compile_job_runs_each_format(weight_format):
+    """The tuner's precompile job builds inputs in the format tuned (fp8 needs scales)."""
+    from moe_kernels.bench import tune
+
+    job = {"d": 256, "f": 128, "top_k": 2, "block_m": 16, "naive": False, "sum_slots": False,
+           "device": "cpu", "dtype": "float32", "format": weight_format,
+           "tiles": {"block_n": 64, "block_k": 128, "swap_ab": True}}
+    assert tune._compile_jobs([{**job, "gated": True}, {**job, "gated": False}]) == 2
+
+
 @needs_gpu
 @pytest.mark.parametrize("naive", [True, False])
 def test_bad_id_stops_the_kernel_that_reads_it(naive):
