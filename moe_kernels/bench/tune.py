@@ -419,7 +419,7 @@ def _write_tables(entries: list[dict], dtype: torch.dtype, record: str, weight_f
         name = table_name(device, e, n, k, dtype, "index_gather")
         old = load_table(name) or {}
         kept = sorted(set(old) - set(configs))
-        old_method = _table_measured(name).get("method")
+        old_measured = _table_measured(name)
         measured = {"device": device, "torch": torch.__version__, "triton": _triton_version(),
                     "routing": "uniform (top-k of iid normal logits)",
                     "weights": "bf16" if weight_format == "none" else f"fp8, format {weight_format!r} "
@@ -427,8 +427,8 @@ def _write_tables(entries: list[dict], dtype: torch.dtype, record: str, weight_f
                     "method": "python -m moe_kernels.bench tune --write-tables (GEMM 1 and GEMM 2 with its top-k "
                               "sum timed separately, each replayed from a CUDA graph, L2 flushed)",
                     "record": record, "tuned_token_counts": sorted(configs)}
-        if kept and old_method:   # say where the entries this run did not tune come from
-            measured["other_token_counts"] = {"tokens": kept, "method": old_method}
+        if kept and old_measured:   # say where the entries this run did not tune come from
+            measured["other_token_counts"] = {"tokens": kept, "measured": old_measured}
         path = write_table(device, e, n, k, dtype, "index_gather", {**old, **configs}, measured)
         log(f"wrote {path}")
 
