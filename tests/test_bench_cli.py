@@ -70,3 +70,20 @@ def test_token_counts_must_be_positive_ints(capsys, argv):
 ])
 def test_other_bad_arguments_fail_in_the_parser(capsys, argv):
     _argparse_error(capsys, argv)
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_every_command_records_where_it_is_told(capsys, command):
+    """Every command takes ``--record`` with ``--results-dir`` and ``--name`` (a GPU run writes
+    its record where the caller collects files, e.g. a remote machine's output folder); on a
+    machine without a GPU the parse succeeds and the command stops at the GPU check."""
+    if torch_cuda_available():
+        pytest.skip("on a GPU the command would run")
+    assert main([command, "--record", "--results-dir", "/nonexistent", "--name", "x"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def torch_cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

@@ -18,6 +18,7 @@ import torch
 
 from .._runtime import HAS_TRITON, kernel, tl
 from .timing import graphed, median_ms
+from .cli import add_record_arguments, write_record
 
 
 def _require_cuda(func: str) -> None:
@@ -113,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m moe_kernels.bench ceilings",
                                      description="Measure HBM read and copy bandwidth and dense GEMM rates.")
-    parser.add_argument("--record", action="store_true", help="write results/<device>/ceilings.json")
+    add_record_arguments(parser, "ceilings")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("moe_kernels.bench ceilings: needs a CUDA GPU", file=sys.stderr)
@@ -127,7 +128,5 @@ def main(argv: list[str] | None = None) -> int:
           f"bf16 GEMM {data['gemm_rate_bf16'] / 1e12:.0f} TFLOP/s"
           + (f", fp8 GEMM {data['gemm_rate_fp8'] / 1e12:.0f} TFLOP/s" if data["gemm_rate_fp8"] else ""))
     if args.record:
-        from ..results import record
-
-        print("recorded", record("ceilings", data))
+        write_record(args.name or "ceilings", data, args.results_dir)
     return 0

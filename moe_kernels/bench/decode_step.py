@@ -21,7 +21,7 @@ from ..kernels.blocks import assign_blocks
 from ..kernels.config import separate_sum_tiles
 from ..kernels.index_gather import expert_down, expert_gate_up
 from ..model.shapes import MODELS, MoEModel
-from .cli import positive_ints
+from .cli import add_record_arguments, positive_ints, write_record
 
 # Largest relative error against the float64 reference that :func:`measure` accepts before timing.
 _TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 2e-2}
@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=positive_ints, default=[64],
                         help="comma list of batch sizes (default 64)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--record", action="store_true", help="write results/<device>/decode-step.json")
+    add_record_arguments(parser, "decode-step")
     parser.add_argument("--fp8", action="store_true", help="also the fp8 block-quantised layer (DeepSeek-V3's format)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -201,10 +201,9 @@ def main(argv: list[str] | None = None) -> int:
             runs_fp8.append(run)
             torch.cuda.empty_cache()
     if args.record:
-        from ..results import record
-
-        print("recorded", record("decode-step", {"ceilings": {"read_bandwidth": bandwidth, "hbm_bandwidth": copy_bandwidth},
-                                               "runs": runs, "runs_fp8": runs_fp8}))
+        data = {"ceilings": {"read_bandwidth": bandwidth, "hbm_bandwidth": copy_bandwidth}, "runs": runs,
+                "runs_fp8": runs_fp8}
+        write_record(args.name or "decode-step", data, args.results_dir)
     return 0
 
 

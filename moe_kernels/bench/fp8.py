@@ -28,7 +28,7 @@ import torch
 
 from ..model.costs import count_work
 from ..model.shapes import MODELS
-from .cli import add_run_arguments
+from .cli import add_record_arguments, add_run_arguments, write_record
 from .problems import make_batch, make_weights
 from .timing import graphed, median_ms, rel_err
 
@@ -147,7 +147,7 @@ def sweep(models, batches, *, seed, warmup_ms, rep_ms, ceilings, log=print) -> l
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m moe_kernels.bench fp8", description=__doc__.splitlines()[0])
     add_run_arguments(parser, warmup_ms=5.0, rep_ms=30.0)
-    parser.add_argument("--record", action="store_true", help="write results/<device>/fp8-sweep.json")
+    add_record_arguments(parser, "fp8-sweep")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("moe_kernels.bench fp8: needs a CUDA GPU", file=sys.stderr)
@@ -165,7 +165,5 @@ def main(argv: list[str] | None = None) -> int:
                        "routing": "uniform: top-k of iid normal logits"},
             "ceilings": ceilings, "rows": rows, "wall_s": time.perf_counter() - started}
     if args.record:
-        from ..results import record
-
-        print("recorded", record("fp8-sweep", data))
+        write_record(args.name or "fp8-sweep", data, args.results_dir)
     return 0

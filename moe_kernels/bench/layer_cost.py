@@ -28,7 +28,7 @@ import time
 import torch
 
 from .._runtime import tl  # noqa: F401 - the annotations of _gemm_arity name it
-from .cli import DEFAULT_MODELS, model_names, positive_ints
+from .cli import DEFAULT_MODELS, add_record_arguments, model_names, positive_ints, write_record
 
 DEFAULT_BATCHES = (1, 8, 64, 256, 1024, 4096, 16384)
 #: GPU cycles of the sleep that holds the queue: 100 M cycles is 50-80 ms at the H200's clocks,
@@ -224,7 +224,7 @@ def main(argv=None) -> int:
                         help="comma list of weight formats (none, block, channel, tensor)")
     parser.add_argument("--batches", type=positive_ints, default=list(DEFAULT_BATCHES), help="comma list of token counts")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--record", action="store_true", help="write results/<device>/layer-cost.json")
+    add_record_arguments(parser, "layer-cost")
     args = parser.parse_args(argv)
     models, formats, batches = args.models, args.formats, args.batches
     if not torch.cuda.is_available():
@@ -235,9 +235,7 @@ def main(argv=None) -> int:
     data.update(config={"models": models, "formats": formats, "batches": batches, "seed": args.seed,
                         "sleep_cycles": SLEEP_CYCLES}, wall_s=time.perf_counter() - started)
     if args.record:
-        from ..results import record
-
-        print("recorded", record("layer-cost", data))
+        write_record(args.name or "layer-cost", data, args.results_dir)
     return 0
 
 

@@ -23,7 +23,7 @@ import sys
 import torch
 
 from ..model.shapes import MODELS
-from .cli import positive_ints
+from .cli import add_record_arguments, positive_ints, write_record
 
 BATCHES = (1, 8, 64, 512, 2048, 8192)
 
@@ -157,7 +157,7 @@ def _masked(row, hidden, w1, w2, weights, ids, E, d, batch):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=positive_ints, default=list(BATCHES), help="comma list of token counts")
-    parser.add_argument("--record", action="store_true")
+    add_record_arguments(parser, "layout-stages")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("moe_kernels.bench.layouts: needs a CUDA GPU", file=sys.stderr)
@@ -172,9 +172,7 @@ def main(argv=None) -> int:
             rows += measure(key, batch)
             torch.cuda.empty_cache()
     if args.record:
-        from ..results import record
-
-        print("recorded", record("layout-stages", {"ceilings": ceilings, "rows": rows}))
+        write_record(args.name or "layout-stages", {"ceilings": ceilings, "rows": rows}, args.results_dir)
     return 0
 
 

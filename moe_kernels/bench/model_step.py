@@ -38,7 +38,7 @@ import time
 
 import torch
 
-from .cli import model_names, positive_ints
+from .cli import add_record_arguments, model_names, positive_ints, write_record
 
 DEFAULT_BATCHES = (1, 8, 64, 256, 512)
 IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm", "moe_kernels")
@@ -252,17 +252,16 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=positive_ints, default=[10], help="decode steps per timing round")
     parser.add_argument("--moe-layers", type=positive_ints, default=None,
                         help="MoE layers to build (default: the model's own; DeepSeek-V3: 3)")
-    parser.add_argument("--record", action="store_true", help="write results/<device>/model-step.json")
+    add_record_arguments(parser, "model-step")
     args = parser.parse_args(argv)
     unknown = [m for m in args.models if m not in HF_CONFIGS]
     if unknown:
         parser.error(f"--models: no transformers config for {unknown}; choose from {sorted(HF_CONFIGS)}")
     if not torch.cuda.is_available():
         print("python -m moe_kernels.bench model: needs a CUDA GPU", file=sys.stderr)
-        return 1
+        return 2
     data = run(args.models, args.batches, context=args.context[0], steps=args.steps[0],
                moe_layers=None if args.moe_layers is None else args.moe_layers[0])
     if args.record:
-        from ..results import record
-        print("recorded", record("model-step", data))
+        write_record(args.name or "model-step", data, args.results_dir)
     return 0

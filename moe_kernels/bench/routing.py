@@ -20,6 +20,7 @@ import torch
 
 from ..kernels import align, grouped_routing, routing
 from ..model.shapes import MODELS
+from .cli import add_record_arguments, write_record
 from .timing import eager_us, graph_us
 
 BATCHES = [2**i for i in range(15)]  # 1 .. 16384
@@ -133,7 +134,7 @@ def run(batches=BATCHES, verbose: bool = True) -> list[dict]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--record", action="store_true", help="write results/<device>/routing_align.json")
+    add_record_arguments(parser, "routing_align")
     parser.add_argument("--gate", action="store_true",
                         help="only the gate's id agreement (tensor-core and float32 gates against float64 logits); "
                              "with --record, results/<device>/gate-agreement.json")
@@ -147,15 +148,11 @@ def main(argv=None) -> int:
         for row in rows:
             print(row, flush=True)
         if args.record:
-            from ..results import record
-
-            print("recorded", record("gate-agreement", {"rows": rows, "tokens_per_draw": 4096, "draws": 8}))
+            write_record("gate-agreement", {"rows": rows, "tokens_per_draw": 4096, "draws": 8}, args.results_dir)
         return 0
     rows = run()
     if args.record:
-        from ..results import record
-
-        print("recorded", record("routing_align", {"rows": rows, "batches": BATCHES}))
+        write_record(args.name or "routing_align", {"rows": rows, "batches": BATCHES}, args.results_dir)
     return 0
 
 

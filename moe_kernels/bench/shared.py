@@ -41,7 +41,7 @@ import sys
 import torch
 
 from ..model.shapes import MODELS, MoEModel
-from .cli import positive_ints
+from .cli import add_record_arguments, positive_ints, write_record
 
 BATCHES = (1, 8, 64, 512, 4096)
 MAX_REL_ERR = 1e-2  # bf16 outputs of a 7168 x 2048 expert FFN
@@ -162,7 +162,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=positive_ints, default=list(BATCHES), help="comma list of token counts")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--record", action="store_true", help="write results/<device>/shared-expert.json")
+    add_record_arguments(parser, "shared-expert")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("moe_kernels.bench.shared: needs a CUDA GPU", file=sys.stderr)
@@ -178,10 +178,8 @@ def main(argv=None) -> int:
         _print_row(rows[-1])
         torch.cuda.empty_cache()
     if args.record:
-        from ..results import record
-
         data = {"model": "deepseek-v3", "dtype": "bf16", "ceilings": ceilings, "rows": rows}
-        print("recorded", record("shared-expert", data))
+        write_record(args.name or "shared-expert", data, args.results_dir)
     return 0
 
 

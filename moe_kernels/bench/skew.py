@@ -29,6 +29,7 @@ import sys
 import torch
 
 from ..model.shapes import MODELS
+from .cli import add_record_arguments, write_record
 
 MODEL_KEYS = ("deepseek-v3", "qwen3-30b-a3b")
 BATCHES = (512, 4096)
@@ -160,7 +161,7 @@ def measure(model_key: str, batch: int, s: float, w1: torch.Tensor, w2: torch.Te
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m moe_kernels.bench skew", description=__doc__.splitlines()[0])
-    parser.add_argument("--record", action="store_true", help="write results/<device>/skew.json")
+    add_record_arguments(parser, "skew")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -178,11 +179,9 @@ def main(argv: list[str] | None = None) -> int:
         del w1, w2
         torch.cuda.empty_cache()
     if args.record:
-        from ..results import record
-
         config = {"batches": list(BATCHES), "exponents": list(EXPONENTS), "masked_round": MASKED_ROUND,
                   "dtype": "bfloat16", "timing": "CUDA-graph replay, median"}
-        print("recorded", record("skew", {"config": config, "rows": rows}))
+        write_record(args.name or "skew", {"config": config, "rows": rows}, args.results_dir)
     return 0
 
 
