@@ -328,6 +328,17 @@ def _tables(cells):
         "|---" in "".join(o.get("data", {}).get("text/markdown", "")) for o in c.get("outputs", []))]
 
 
+def test_phone_versions_fit_a_phone_column():
+    """Every figure's phone version shows its smallest text at 10 CSS pixels in a phone's column
+    without scrolling sideways (the scrolling block is for diagrams that cannot be narrowed). The
+    log axes' superscripts (10^3 at 70% of the tick size) were the smallest text of seven of them."""
+    from book._ext.phone_figures import legible_width
+    from moe_kernels.book.figures import PHONE_COLUMN_PX
+
+    too_wide = {svg.name: legible_width(svg.read_text()) for svg in (ROOT / "notebooks" / "figures").glob("*-phone.svg")}
+    assert {name: px for name, px in too_wide.items() if px > PHONE_COLUMN_PX} == {}
+
+
 def test_notes_are_admonitions_not_footnotes():
     """A note to the text is a ``{note}`` admonition after its paragraph, not a footnote:
     jupyterlab-myst shows a footnote only as a hover card on its marker (nothing to read on a
