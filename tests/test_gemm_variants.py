@@ -2,12 +2,13 @@
 epilogue (``MoEConfig.sum_in_gemm``), split-K over GEMM 2's K loop (``GemmTiles.split_k``),
 weight tiles through tensor descriptors (``GemmTiles.tma``), the persistent grid
 (``GemmTiles.persistent``) and the transposed tile product (``GemmTiles.swap_ab``), alone and
-together.
+together; and GEMM 2 as a programmatic dependent launch of GEMM 1 (``MoEConfig.pdl``).
 
 Runs on default_device(): the Triton interpreter on a CPU machine (float32 and float16), the
 compiled kernels on a GPU (bf16 and fp8, at the models' own shapes).
 """
 
+import dataclasses
 import random
 
 import pytest
@@ -113,6 +114,7 @@ def test_configs_that_cannot_work_name_their_field():
         (MoEConfig(16, GemmTiles(16, 16, tma=1), tiles), "config.gate_up.tma"),
         (MoEConfig(16, tiles, GemmTiles(16, 16, persistent=3)), "config.down.persistent"),
         (MoEConfig(16, GemmTiles(16, 16, swap_ab=1), tiles), "config.gate_up.swap_ab"),
+        (MoEConfig(16, tiles, tiles, pdl=1), "config.pdl"),
     ]
     for config, field in cases:
         with pytest.raises((ValueError, TypeError), match=field.replace(".", r"\.")):
@@ -123,6 +125,25 @@ def test_configs_that_cannot_work_name_their_field():
             check_config("f", bad, align=128, layout=layout)
     with pytest.raises(ValueError, match=r"config\.down\.swap_ab.*permute layout"):
         check_config("f", MoEConfig(16, tiles, GemmTiles(16, 16, swap_ab=True)), align=128, layout="permute")
+    for layout in ("permute", "masked"):
+        with pytest.raises(ValueError, match=rf"config\.pdl.*{layout} layout"):
+            check_config("f", MoEConfig(16, tiles, tiles, pdl=True), align=128, layout=layout)
+
+
+def test_pdl_is_a_speed_setting_off_where_the_gpu_cannot():
+    """``MoEConfig.pdl`` changes no number, round-trips through a table entry, and where there is no
+    Hopper to overlap the GEMMs on (here: the interpreter) neither GEMM is launched for it."""
+    from moe_kernels._runtime import record_launches
+
+    config = MoEConfig(16, GemmTiles(32, 32), GemmTiles(32, 32), False, pdl=True)
+    assert MoEConfig.from_dict(config.to_dict()) == config
+    assert MoEConfig.from_dict({"block_m": 16, "gate_up": {"block_n": 16, "block_k": 16},
+                                "down": {"block_n": 16, "block_k": 16}}).pdl is False
+    problem = make_problem(9, 6, 2, 64, 32, seed=9, fused_topk_like=True)
+    with record_launches() as launches:
+        check(problem, torch.float32, config)
+    gemms = [settings for name, settings in launches if name == "index_gather.gemm"]
+    assert len(gemms) == 2 and all(settings["pdl"] == "" for settings in gemms)
 
 
 def test_stage_options_are_checked():
@@ -213,6 +234,52 @@ def test_swap_ab_reaches_hoppers_wgmma():
     assert done.stdout.split("\n")[:3] == expected, done.stdout
 
 
+_COMPILE_PDL_FOR_HOPPER = """
+import sys
+import torch
+torch.cuda.is_available = lambda: True   # build compiled (not interpreted) kernels; nothing is launched
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from moe_kernels.kernels import index_gather as ig
+
+fn = ig._index_gather_gemm_kernel
+for role, naive, gated in (("trigger", False, True), ("wait", False, False), ("wait", True, False), ("", False, False)):
+    pointers = dict(a_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", topk_weights_ptr="*fp32",
+                    sorted_token_ids_ptr="*i32", expert_ids_ptr="*i32", num_tokens_post_padded_ptr="*i32",
+                    a_scale_ptr="*fp32", w_scale_ptr="*fp32", w_desc="*bf16")
+    const = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, TOP_K=1, NAIVE_BLOCKS=naive, DENSE=False,
+                 GATED=gated, MUL_ROUTED_WEIGHT=not gated, EVEN_K=True, INPUT_PRECISION="tf32", SCALES=0, SUM_TOP_K=0,
+                 SPLIT_K=1, TMA_W=False, PERSISTENT=0, SCALE_BN=128, SCALE_BK=128, ID_CHECK="", SWAP_AB=False,
+                 PDL_TRIGGER=role == "trigger", PDL_WAIT=role == "wait", PREFETCH_LINE=64)
+    sig = {n: "constexpr" if n in const else pointers.get(n, "i32") for n in fn.arg_names}
+    constants = {(i,): const[n] for i, n in enumerate(fn.arg_names) if n in const}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
+    ptx = triton.compile(ASTSource(fn, sig, constants, attrs), target=GPUTarget("cuda", 90, 32),
+                         options=dict(num_warps=4, num_stages=3, launch_pdl=role == "wait")).asm["ptx"]
+    print(role or "none", naive, "griddepcontrol.launch_dependents" in ptx, "griddepcontrol.wait" in ptx,
+          "prefetch.global.L2" in ptx)
+"""
+
+
+def test_programmatic_dependent_launch_compiles_for_hopper():
+    """Compiled for sm_90 on this machine (the interpreter never takes these branches): GEMM 1 with
+    ``PDL_TRIGGER`` signals its dependents; GEMM 2 with ``PDL_WAIT`` prefetches its weights into L2
+    and waits, on the naive block map and the aligned one; without either, neither instruction."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia")
+    pytest.importorskip("triton.language.extra.cuda.gdc")
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "MOE_KERNELS_BACKEND")}
+    done = subprocess.run([sys.executable, "-c", _COMPILE_PDL_FOR_HOPPER], capture_output=True, text=True,
+                          timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split("\n")[:4] == ["trigger False True False False", "wait False False True True",
+                                           "wait True False True True", "none False False False False"], done.stdout
+
+
 # ---- GPU: the models' own shapes, bf16 and fp8, and CUDA-graph capture -----------------------------
 
 
@@ -243,10 +310,11 @@ def test_fp8_gpu(granularity, swap_ab):
     check_fp8(problem, granularity, config, 2e-2)
 
 
-@needs_gpu
-def test_summed_split_tma_captures_and_replays():
-    hidden, w1, w2, weights, ids = make_problem(40, 32, 4, 512, 256, torch.bfloat16, seed=11, fused_topk_like=True)
-    config = variant(16, True, 2, True, 2, block_n=64, block_k=128)
+def replayed_outputs(problem, config, seeds):
+    """``fused_experts`` captured in a CUDA graph (after a warm-up call on a side stream), then
+    replayed on fresh hidden states, one per seed: yields after each replay (``out`` is the graph's
+    output buffer)."""
+    hidden, w1, w2, weights, ids = problem
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -255,8 +323,58 @@ def test_summed_split_tma_captures_and_replays():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = fm.fused_experts(hidden, w1, w2, weights, ids, config=config)
-    for seed in (12, 13):
-        hidden.copy_(torch.randn(40, 512, generator=torch.Generator().manual_seed(seed)).to(hidden))
+    for seed in seeds:
+        hidden.copy_(torch.randn(*hidden.shape, generator=torch.Generator().manual_seed(seed)).to(hidden))
         graph.replay()
         torch.cuda.synchronize()
-        assert rel_err(out, moe_reference(hidden, w1, w2, weights, ids)) < 1e-2
+        yield out
+
+
+@needs_gpu
+def test_summed_split_tma_captures_and_replays():
+    problem = make_problem(40, 32, 4, 512, 256, torch.bfloat16, seed=11, fused_topk_like=True)
+    for out in replayed_outputs(problem, variant(16, True, 2, True, 2, block_n=64, block_k=128), (12, 13)):
+        assert rel_err(out, moe_reference(*problem)) < 1e-2
+
+
+def _deterministic(config: MoEConfig, pdl: bool) -> MoEConfig:
+    """``config`` without the atomic top-k sum (so two runs give the same bits), ``pdl`` as asked."""
+    return dataclasses.replace(config, sum_in_gemm=False, down=dataclasses.replace(config.down, split_k=1), pdl=pdl)
+
+
+@needs_gpu
+@pytest.mark.parametrize("num_tokens", [1, 64, 600])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_pdl_changes_no_number_gpu(num_tokens, fp8):
+    """GEMM 2 launched as a programmatic dependent of GEMM 1 (Hopper) computes the same bits as
+    without, at Qwen3-30B-A3B's shape on its tuned tiles, and each GEMM takes its role (on a GPU
+    before Hopper, neither)."""
+    from moe_kernels._runtime import record_launches
+    from moe_kernels.kernels.config import get_config
+
+    hidden, w1, w2, weights, ids = make_problem(num_tokens, 128, 8, 2048, 768, torch.bfloat16, seed=20 + num_tokens,
+                                                fused_topk_like=True)
+    scales = {}
+    if fp8:
+        w1, w1_scale = quantize_weight(w1, "block")
+        w2, w2_scale = quantize_weight(w2, "block")
+        scales = dict(w1_scale=w1_scale, w2_scale=w2_scale)
+    tuned = get_config(num_tokens, 128, 768, 2048, w1.dtype, "cuda")
+    plain = fm.fused_experts(hidden, w1, w2, weights, ids, config=_deterministic(tuned, False), **scales)
+    with record_launches() as launches:
+        overlapped = fm.fused_experts(hidden, w1, w2, weights, ids, config=_deterministic(tuned, True), **scales)
+    roles = [settings["pdl"] for name, settings in launches if name == "index_gather.gemm"]
+    hopper = torch.cuda.get_device_capability()[0] >= 9
+    assert roles == (["trigger", "wait"] if hopper else ["", ""])
+    assert torch.equal(overlapped, plain)
+
+
+@needs_gpu
+def test_pdl_captures_and_replays():
+    """A CUDA graph of the layer with GEMM 2 as a programmatic dependent replays new inputs to the
+    same bits as an eager call without it."""
+    problem = make_problem(8, 128, 8, 2048, 768, torch.bfloat16, seed=31, fused_topk_like=True)
+    config = MoEConfig(16, GemmTiles(64, 128, swap_ab=True), GemmTiles(128, 128), False, pdl=True)
+    for out in replayed_outputs(problem, config, (32, 33)):
+        want = fm.fused_experts(*problem, config=dataclasses.replace(config, pdl=False))
+        assert torch.equal(out, want)

@@ -314,7 +314,7 @@ def test_bench_tuning_candidates_fit_shared_memory():
 def test_bench_tuning_fp8_candidates_run_the_fp8_k_step():
     """fp8 tiles: K steps the kernel runs (<= 128, one scale block), 1-byte shared memory, 8 warps
     offered; and ``--refine`` offers the transposed product on 64- and 128-row weight tiles."""
-    from moe_kernels.bench import tune
+    from moe_kernels.bench import tune, tune_candidates
     from moe_kernels.kernels.config import GemmTiles, MoEConfig
     from moe_kernels.kernels.formats import FORMATS
 
@@ -327,12 +327,12 @@ def test_bench_tuning_fp8_candidates_run_the_fp8_k_step():
                        for t in tiles)
             assert {t.num_warps for t in tiles} >= {4, 8}
     base = MoEConfig(16, GemmTiles(32, 128), GemmTiles(16, 256), False)
-    variants = [t for gated, _, t in tune._candidates(1.0, 16, base=base) if gated]
+    variants = [t for gated, _, t in tune_candidates.candidates(1.0, 16, base=base) if gated]
     assert [(t.block_n, t.tma) for t in variants if t.swap_ab] == [(64, False), (64, True), (128, False),
                                                                     (128, True)]
     assert len([t for t in variants if not t.swap_ab]) == 6
     wide = MoEConfig(64, GemmTiles(128, 64), GemmTiles(128, 64), False)
-    assert not any(t.swap_ab for _, _, t in tune._candidates(100.0, 64, base=wide))
+    assert not any(t.swap_ab for _, _, t in tune_candidates.candidates(100.0, 64, base=wide))
 
 
 @pytest.mark.parametrize("weight_format", ["none", "block"])

@@ -148,7 +148,8 @@ def main(argv=None) -> int:
         for row in rows:
             print(row, flush=True)
         if args.record:
-            write_record("gate-agreement", {"rows": rows, "tokens_per_draw": 4096, "draws": 8}, args.results_dir)
+            write_record(args.name or "gate-agreement", {"rows": rows, "tokens_per_draw": 4096, "draws": 8},
+                         args.results_dir)
         return 0
     rows = run()
     if args.record:

@@ -219,23 +219,36 @@ one quantity each, titled at the top, so a column stays together), each panel as
 
 
 def _plain_log_ticks(ax) -> None:
-    """Label a log axis's decades 1, 10, 100, 1k, 10k instead of 10^0 .. 10^4: a superscript is drawn
-    at 70% of the tick size, which on a phone is the figure's smallest text."""
-    from matplotlib.ticker import FuncFormatter, LogFormatterSciNotation
+    """Label a base-10 log axis 1, 10, 100, 1k, 10k instead of 10^0 .. 10^4 (and its labelled minor
+    ticks 20, 30 instead of 2x10^1): a superscript is drawn at 70% of the tick size, which on a
+    phone is the figure's smallest text. Which ticks get a label stays matplotlib's choice."""
+    from matplotlib.ticker import LogFormatterSciNotation
+
+    class PlainLogFormatter(LogFormatterSciNotation):
+        def __call__(self, x, pos=None):
+            return _plain_number(x) if super().__call__(x, pos) else ""
 
     for axis in (ax.xaxis, ax.yaxis):
-        if axis.get_scale() == "log" and isinstance(axis.get_major_formatter(), LogFormatterSciNotation):
-            axis.set_major_formatter(FuncFormatter(_plain_number))
+        if axis.get_scale() != "log" or getattr(axis.get_transform(), "base", None) != 10:
+            continue
+        for current, setter in ((axis.get_major_formatter(), axis.set_major_formatter),
+                                (axis.get_minor_formatter(), axis.set_minor_formatter)):
+            if type(current) is LogFormatterSciNotation:   # matplotlib's default, not a figure's own
+                plain = PlainLogFormatter(base=10, labelOnlyBase=current.labelOnlyBase,
+                                          minor_thresholds=current.minor_thresholds)
+                setter(plain)
 
 
 def _plain_number(value: float, _position=None) -> str:
     """``1``, ``10``, ``1k``, ``16.4k``, ``2M``, ``0.01``: a tick label without superscripts.
 
-        >>> [_plain_number(v) for v in (0.01, 1, 100, 1000, 10_000, 16384, 2e6)]
-        ['0.01', '1', '100', '1k', '10k', '16.4k', '2M']
+        >>> [_plain_number(v) for v in (0.01, 1, 100, 1000, 10_000, 16384, 2e6, 999_500, 1e9)]
+        ['0.01', '1', '100', '1k', '10k', '16.4k', '2M', '1M', '1G']
+        >>> _plain_number(1e-5)
+        '1e-05'
     """
-    for scale, suffix in ((1e6, "M"), (1e3, "k")):
-        if abs(value) >= scale:
+    for scale, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= scale * 0.9995:   # (999,500 rounds to 1.00e3k: it is 1M)
             return f"{value / scale:.3g}{suffix}"
     return f"{value:.3g}"
 

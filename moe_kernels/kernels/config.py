@@ -93,12 +93,16 @@ class MoEConfig:
     ``[T, d]`` accumulator with atomics, instead of writing ``[T, k, d]`` for a separate top-k sum;
     one cast to the output dtype follows. It saves writing and re-reading ``k`` rows per token
     and allows ``down.split_k > 1``; the order of the fp32 additions then varies from run to run.
+
+    ``pdl`` (index-gather layout, Hopper): GEMM 2 is launched as a programmatic dependent of GEMM 1
+    and prefetches its weights into L2 while GEMM 1 finishes (:mod:`moe_kernels.kernels._pdl`).
     """
 
     block_m: int
     gate_up: GemmTiles
     down: GemmTiles
     sum_in_gemm: bool = False
+    pdl: bool = False
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -110,9 +114,9 @@ class MoEConfig:
         if not isinstance(d, dict):
             fail(func, name, "must be a dict (MoEConfig.to_dict())", type(d).__name__, TypeError)
         missing = [key for key in ("block_m", "gate_up", "down") if key not in d]
-        unknown = sorted(set(d) - {"block_m", "gate_up", "down", "sum_in_gemm"})
+        unknown = sorted(set(d) - {"block_m", "gate_up", "down", "sum_in_gemm", "pdl"})
         if missing or unknown:
-            fail(func, name, "must have the keys block_m, gate_up, down (and optionally sum_in_gemm)",
+            fail(func, name, "must have the keys block_m, gate_up, down (and optionally sum_in_gemm, pdl)",
                  f"{'missing ' + ', '.join(missing) if missing else ''}{'; ' if missing and unknown else ''}"
                  f"{'unknown ' + ', '.join(unknown) if unknown else ''}")
         tiles = {}
@@ -123,7 +127,8 @@ class MoEConfig:
                 fail(func, f"{name}['{gemm}']", f"must be a dict of GemmTiles fields ({', '.join(sorted(fields))}) "
                      "with block_n and block_k", repr(entry))
             tiles[gemm] = GemmTiles(**entry)
-        return MoEConfig(d["block_m"], tiles["gate_up"], tiles["down"], d.get("sum_in_gemm", False))
+        return MoEConfig(d["block_m"], tiles["gate_up"], tiles["down"],
+                         **{k: d[k] for k in ("sum_in_gemm", "pdl") if k in d})
 
     def with_block_m(self, block_m: int) -> "MoEConfig":
         return dataclasses.replace(self, block_m=block_m)
@@ -142,30 +147,25 @@ def check_config(func: str, config: object, *, align: int | None = None, layout:
     if config.gate_up.split_k != 1:
         fail(func, "config.gate_up.split_k", "must be 1 (SiLU·mul in GEMM 1's epilogue needs the whole K sum)",
              config.gate_up.split_k)
-    if not isinstance(config.sum_in_gemm, bool):
-        fail(func, "config.sum_in_gemm", "must be a bool", repr(config.sum_in_gemm), TypeError)
+    for field in ("sum_in_gemm", "pdl"):
+        if not isinstance(getattr(config, field), bool):
+            fail(func, f"config.{field}", "must be a bool", repr(getattr(config, field)), TypeError)
     if config.down.split_k != 1 and not config.sum_in_gemm:
         fail(func, "config.down.split_k", "must be 1 unless config.sum_in_gemm=True (split-K partial products "
              "are added with atomics, into the summed output)", config.down.split_k)
     supports = layout_named(func, layout)
-    for gemm in ("gate_up", "down"):
-        tiles = getattr(config, gemm)
-        if tiles.persistent and not supports.persistent:
-            fail(func, f"config.{gemm}.persistent", f"must be 0 for the {layout} layout (the persistent grid is "
-                 "not wired into it: see moe_kernels.kernels.layouts)", tiles.persistent)
-        if tiles.tma and not supports.tma:
-            fail(func, f"config.{gemm}.tma", f"must be False for the {layout} layout (tensor-descriptor weight "
-                 "loads are not wired into it: see moe_kernels.kernels.layouts)", tiles.tma)
-        if tiles.swap_ab and not supports.swap_ab:
-            fail(func, f"config.{gemm}.swap_ab", f"must be False for the {layout} layout (the transposed tile "
-                 "product is not wired into it: see moe_kernels.kernels.layouts)", tiles.swap_ab)
+    machinery = [(f"config.{g}.{f}", getattr(getattr(config, g), f), f, what) for g in ("gate_up", "down")
+                 for f, what in (("persistent", "the persistent grid"), ("tma", "tensor-descriptor weight loads"),
+                                 ("swap_ab", "the transposed tile product"))]
+    for name, value, field, what in machinery + [("config.pdl", config.pdl, "pdl", "programmatic dependent launch")]:
+        if value and not getattr(supports, field):
+            fail(func, name, f"must be {0 if name.endswith('persistent') else False} for the {layout} layout ({what} "
+                 "is not wired into it: see moe_kernels.kernels.layouts)", value)
     if not supports.sum_in_gemm and (config.sum_in_gemm or config.down.split_k != 1):
-        fail(func, "config.sum_in_gemm", f"must be False with down.split_k=1 for the {layout} layout (its "
-             "rows are summed by the unpermute pass)", f"sum_in_gemm={config.sum_in_gemm}, "
-             f"split_k={config.down.split_k}")
+        fail(func, "config.sum_in_gemm", f"must be False with down.split_k=1 for the {layout} layout (its rows are "
+             "summed by the unpermute pass)", f"sum_in_gemm={config.sum_in_gemm}, split_k={config.down.split_k}")
     if align is not None and align % config.block_m:
-        fail(func, "config.block_m", f"must divide align={align} (a tile must not straddle two "
-             "experts' segments)", config.block_m)
+        fail(func, "config.block_m", f"must divide align={align} (no tile may straddle two segments)", config.block_m)
     return config
 
 
@@ -313,7 +313,8 @@ def _adapted(config: MoEConfig, layout: str, align: int) -> MoEConfig | None:
         tiles[gemm] = dataclasses.replace(t, tma=t.tma and supports.tma, persistent=t.persistent if supports.persistent
                                           else 0, split_k=t.split_k if supports.sum_in_gemm else 1,
                                           swap_ab=t.swap_ab and supports.swap_ab)
-    adapted = MoEConfig(config.block_m, tiles["gate_up"], tiles["down"], config.sum_in_gemm and supports.sum_in_gemm)
+    adapted = MoEConfig(config.block_m, tiles["gate_up"], tiles["down"], config.sum_in_gemm and supports.sum_in_gemm,
+                        config.pdl and supports.pdl)
     while supports.rows == "align" and align % adapted.block_m:
         if adapted.block_m <= 16:
             return None

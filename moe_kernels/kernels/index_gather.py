@@ -63,9 +63,11 @@ from .blocks import (BlockAssignment, assign_blocks, assignments_by_block, build
                      dense_blocks)
 from .combine import sum_slots
 from .config import GemmTiles, MoEConfig, check_block_m, check_config, check_tiles, get_config, separate_sum_tiles
+from ._pdl import LINE_BYTES, pdl_available
 from .formats import WeightFormat
 
 if HAS_TRITON:
+    from ._pdl import gdc_launch_dependents, gdc_wait, prefetch_rows_to_l2
     from ._tile_gemm import add_tile, expert_tile_product, scale_rows, store_tile
 
 
@@ -74,6 +76,40 @@ if HAS_TRITON:
 # ----------------------------------------------------------------------------------------------
 
 if HAS_TRITON:
+
+    @kernel
+    def _tile_position(tile, num_m_blocks, N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr):
+        """(M-block, N-tile, K slice) of ``tile``. GROUP_M M-blocks are walked down one N-tile before
+        moving right, so that consecutive tiles of one expert reuse the same weight tile from L2."""
+        pid = tile // SPLIT_K
+        num_n_tiles = tl.cdiv(N, BLOCK_N)
+        programs_per_group = GROUP_M * num_n_tiles
+        first_m = (pid // programs_per_group) * GROUP_M
+        group_rows = min(num_m_blocks - first_m, GROUP_M)
+        pid_m = first_m + (pid % programs_per_group) % group_rows
+        pid_n = (pid % programs_per_group) // group_rows
+        return pid_m, pid_n, tile % SPLIT_K
+
+    @kernel
+    def _prefetch_tile_weights(tile, w_ptr, expert_ids_ptr, num_tokens_post_padded_ptr, num_m_blocks, num_experts,
+                               N, K, stride_we, stride_wn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                               GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, NAIVE_BLOCKS: tl.constexpr,
+                               DENSE: tl.constexpr, LINE: tl.constexpr):
+        """Ask L2 for the weight rows ``tile`` will read (see :mod:`moe_kernels.kernels._pdl`): the
+        block map it reads here was written before the kernel before this one started."""
+        pid_m, pid_n, _ = _tile_position(tile, num_m_blocks, N, BLOCK_N, GROUP_M, SPLIT_K)
+        if DENSE:
+            expert = pid_m.to(tl.int64) * 0
+            in_use = True
+        else:
+            expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+            if NAIVE_BLOCKS:
+                in_use = True
+            else:
+                in_use = pid_m * BLOCK_M < tl.load(num_tokens_post_padded_ptr)
+        if in_use & (expert >= 0) & (expert < num_experts):
+            rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            prefetch_rows_to_l2(w_ptr + expert * stride_we + rows.to(tl.int64) * stride_wn, rows < N, K, LINE, 8)
 
     @kernel
     def _index_gather_tile(
@@ -90,16 +126,7 @@ if HAS_TRITON:
     ):
         # out[row] = A[row // TOP_K] @ W[expert]^T for the rows of one M-block; W is [E, N', K].
         # SUM_TOP_K > 0: out[row // SUM_TOP_K] += that instead (fp32 atomics), over SPLIT_K K slices.
-        pid = tile // SPLIT_K
-        split = tile % SPLIT_K
-        num_n_tiles = tl.cdiv(N, BLOCK_N)
-        # Walk GROUP_M M-blocks down one N-tile before moving right, so that consecutive tiles of
-        # one expert reuse the same weight tile from L2.
-        programs_per_group = GROUP_M * num_n_tiles
-        first_m = (pid // programs_per_group) * GROUP_M
-        group_rows = min(num_m_blocks - first_m, GROUP_M)
-        pid_m = first_m + (pid % programs_per_group) % group_rows
-        pid_n = (pid % programs_per_group) // group_rows
+        pid_m, pid_n, split = _tile_position(tile, num_m_blocks, N, BLOCK_N, GROUP_M, SPLIT_K)
 
         # >>> book: index-gather-rows
         offs_m = tl.arange(0, BLOCK_M)
@@ -151,7 +178,9 @@ if HAS_TRITON:
             store_tile(out_ptr, rows * stride_om, row_real, zeros, pid_n, N, BLOCK_N)
         # <<< book: index-gather-rows
 
-    @kernel(do_not_specialize=["num_m_blocks", "num_valid_rows", "num_tiles"])
+    # (num_experts is not specialised: a tuner that compiles on a one-expert problem gets the binary
+    # the 128- and 256-expert layers run.)
+    @kernel(do_not_specialize=["num_m_blocks", "num_valid_rows", "num_experts", "num_tiles"])
     def _index_gather_gemm_kernel(
         a_ptr, w_ptr, out_ptr, topk_weights_ptr, sorted_token_ids_ptr, expert_ids_ptr, num_tokens_post_padded_ptr,
         num_m_blocks, num_valid_rows, num_experts, N, K, stride_am, stride_we, stride_wn, stride_om,
@@ -161,8 +190,18 @@ if HAS_TRITON:
         MUL_ROUTED_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr,
         SCALES: tl.constexpr, SUM_TOP_K: tl.constexpr, SPLIT_K: tl.constexpr, w_desc, TMA_W: tl.constexpr,
         num_tiles, PERSISTENT: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, ID_CHECK: tl.constexpr,
-        SWAP_AB: tl.constexpr,
+        SWAP_AB: tl.constexpr, PDL_TRIGGER: tl.constexpr = False, PDL_WAIT: tl.constexpr = False,
+        PREFETCH_LINE: tl.constexpr = 64,
     ):
+        # Programmatic dependent launch (moe_kernels.kernels._pdl): GEMM 1 lets GEMM 2 launch at
+        # once; GEMM 2 asks L2 for its first tile's weights, then waits for GEMM 1 to finish.
+        if PDL_TRIGGER:
+            gdc_launch_dependents()
+        if PDL_WAIT:
+            _prefetch_tile_weights(tl.program_id(0), w_ptr, expert_ids_ptr, num_tokens_post_padded_ptr, num_m_blocks,
+                                   num_experts, N, K, stride_we, stride_wn, BLOCK_M, BLOCK_N, GROUP_M, SPLIT_K,
+                                   NAIVE_BLOCKS, DENSE, PREFETCH_LINE)
+            gdc_wait()
         # One tile per program, or (PERSISTENT) one program per SM walking tiles pid, pid + grid, ...;
         # 2 also flattens the tile loop and the K loop into one software pipeline, so that the next
         # tile's loads can start under this tile's epilogue.
@@ -201,7 +240,10 @@ def _multiprocessors(index: int) -> int:
 
 
 def _launch(a, w, out, topk_weights, blocks: BlockAssignment, *, n_out: int, top_k: int, gated: bool,
-            tiles: GemmTiles, scales: tuple, sum_top_k: int = 0) -> None:
+            tiles: GemmTiles, scales: tuple, sum_top_k: int = 0, pdl: str = "") -> None:
+    """One GEMM launch. ``pdl`` (see :mod:`moe_kernels.kernels._pdl`): "trigger" lets the next
+    kernel launch early, "wait" is that next kernel (launched as a programmatic dependent, it
+    prefetches its weights, then waits); "" neither."""
     num_valid_rows = a.shape[0] * top_k
     k_in = a.shape[1]
     num_tiles = blocks.num_m_blocks * cdiv(n_out, tiles.block_n) * tiles.split_k
@@ -217,7 +259,7 @@ def _launch(a, w, out, topk_weights, blocks: BlockAssignment, *, n_out: int, top
     if recording():
         note_launch("index_gather.gemm", gemm="gate_up" if gated else "down", block_m=blocks.block_m, tiles=tiles,
                     naive=blocks.naive, dense=blocks.dense, scales=scales[6], sum_top_k=sum_top_k,
-                    tma=w_desc is not None, grid=grid, id_check=bool(id_check))
+                    tma=w_desc is not None, grid=grid, id_check=bool(id_check), pdl=pdl)
     _index_gather_gemm_kernel[grid](
         a, w, out, topk_weights if topk_weights is not None else out,
         sorted_ids, blocks.expert_ids, num_post_padded,
@@ -230,8 +272,19 @@ def _launch(a, w, out, topk_weights, blocks: BlockAssignment, *, n_out: int, top
         w_desc=w_desc if w_desc is not None else w, TMA_W=w_desc is not None,
         num_tiles=num_tiles, PERSISTENT=tiles.persistent, SCALE_BN=scales[7], SCALE_BK=scales[8], ID_CHECK=id_check,
         SWAP_AB=tiles.swap_ab, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-        **device_assert_options(id_check),
+        **device_assert_options(id_check), **_pdl_options(pdl, w.element_size()),
     )
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_options(role: str, element_size: int) -> dict:
+    """What a role in a programmatic dependent launch adds to the launch (the prefetch asks for
+    one 128-byte line per ``PREFETCH_LINE`` weight elements)."""
+    if role == "trigger":
+        return {"PDL_TRIGGER": True}
+    if role == "wait":
+        return {"PDL_WAIT": True, "PREFETCH_LINE": LINE_BYTES // element_size, "launch_pdl": True}
+    return {}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -265,8 +318,9 @@ def expert_gate_up(hidden_states: torch.Tensor, w1: torch.Tensor, blocks: BlockA
     return gate_up(hidden_states, w1, blocks, top_k, tiles=tiles, out=out, a_scale=a_scale, w_scale=w_scale, fmt=fmt)
 
 
-def gate_up(x, w1, blocks, top_k, *, tiles, out, a_scale, w_scale, fmt):
-    """:func:`expert_gate_up` without its checks (``out`` given, ``fmt`` known)."""
+def gate_up(x, w1, blocks, top_k, *, tiles, out, a_scale, w_scale, fmt, pdl: str = ""):
+    """:func:`expert_gate_up` without its checks (``out`` given, ``fmt`` known; ``pdl`` as in
+    :func:`_launch`)."""
     tiles = fmt.gemm_tiles(tiles)
     if not use_triton(x, w1, out):
         xf, wf = dequantized(x, w1, a_scale, w_scale, fmt)
@@ -275,7 +329,7 @@ def gate_up(x, w1, blocks, top_k, *, tiles, out, a_scale, w_scale, fmt):
                                       w_scale=w_scale, fmt=fmt)
     if in_float32_under_interpreter(rerun, out, x, w1) is None:
         _launch(x, w1, out, None, blocks, n_out=w1.shape[1] // 2, top_k=top_k, gated=True, tiles=tiles,
-                scales=fmt.scale_arguments(x, w1, a_scale, w_scale))
+                scales=fmt.scale_arguments(x, w1, a_scale, w_scale), pdl=pdl)
     return out
 
 
@@ -315,9 +369,9 @@ def expert_down(intermediate: torch.Tensor, w2: torch.Tensor, topk_weights: torc
                 w_scale=w_scale, fmt=fmt, sum_slots=sum_slots)
 
 
-def down(y, w2, topk_weights, blocks, *, tiles, out, a_scale, w_scale, fmt, sum_slots):
+def down(y, w2, topk_weights, blocks, *, tiles, out, a_scale, w_scale, fmt, sum_slots, pdl: str = ""):
     """:func:`expert_down` without its checks (``out`` given, ``topk_weights`` contiguous, or None:
-    one slot per row, weight 1)."""
+    one slot per row, weight 1; ``pdl`` as in :func:`_launch`)."""
     tiles = fmt.gemm_tiles(tiles)
     num_tokens, top_k = (y.shape[0], 1) if topk_weights is None else topk_weights.shape
     d = w2.shape[1]
@@ -331,7 +385,7 @@ def down(y, w2, topk_weights, blocks, *, tiles, out, a_scale, w_scale, fmt, sum_
                                    w_scale=w_scale, fmt=fmt, sum_slots=sum_slots)
     if in_float32_under_interpreter(rerun, out, y, w2) is None:
         _launch(y, w2, out.view(-1, d), topk_weights, blocks, n_out=d, top_k=1, gated=False, tiles=tiles,
-                scales=fmt.scale_arguments(y, w2, a_scale, w_scale), sum_top_k=top_k if sum_slots else 0)
+                scales=fmt.scale_arguments(y, w2, a_scale, w_scale), sum_top_k=top_k if sum_slots else 0, pdl=pdl)
     return out
 
 
@@ -467,10 +521,14 @@ def run_experts(hidden_states, w1, w2, topk_weights, topk_ids, *, fmt, config: M
                                                                        dtype=out_dtype)
     x, x_scale = fmt.quantize_activations(hidden_states) if activations is None else activations
     intermediate = torch.empty((num_tokens * top_k, w1.shape[1] // 2), device=device, dtype=out_dtype)
-    gate_up(x, w1, blocks, top_k, tiles=config.gate_up, out=intermediate, a_scale=x_scale, w_scale=w1_scale, fmt=fmt)
+    # GEMM 2 as a programmatic dependent of GEMM 1 (moe_kernels.kernels._pdl), where the GPU can.
+    pdl = config.pdl and pdl_available(device)
+    gate_up(x, w1, blocks, top_k, tiles=config.gate_up, out=intermediate, a_scale=x_scale, w_scale=w1_scale, fmt=fmt,
+            pdl="trigger" if pdl else "")
     y, y_scale = fmt.quantize_activations(intermediate)
     down(y, w2, topk_weights if topk_weights.is_contiguous() else topk_weights.contiguous(), blocks,
-         tiles=config.down, out=per_slot, a_scale=y_scale, w_scale=w2_scale, fmt=fmt, sum_slots=summed)
+         tiles=config.down, out=per_slot, a_scale=y_scale, w_scale=w2_scale, fmt=fmt, sum_slots=summed,
+         pdl="wait" if pdl else "")
     if summed:   # the addend joins the fp32 sum before its one rounding
         return (per_slot if add is None else per_slot.add_(add)).to(out_dtype)
     if top_k == 1 and add is None:   # one slot per token: nothing to sum
