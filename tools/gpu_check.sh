@@ -2,7 +2,7 @@
 # One GPU session: the GPU test suite, then the measurements the book plots, recorded with
 # provenance into results/<device>/ and packed into $OUT/results.tgz. Run from the repository root
 # of a committed tree:  MOE_KERNELS_COMMIT=$(git rev-parse HEAD) bash tools/gpu_check.sh [what...]
-# what: tests, ceilings, tune, sweep, fp8, decode-step, layouts, routing, skew, shared, notebooks (default: tests
+# what: tests, ceilings, tune, refine, sweep, fp8, decode-step, layouts, routing, skew, shared, notebooks (default: tests
 # ceilings sweep). tune searches the tiles (TUNE_BATCHES, TUNE_BUDGET_S) and rewrites the tuned tables in
 # moe_kernels/kernels/configs/, which are packed too. notebooks executes every notebook with the GPU (its live cells run) into $OUT/notebooks
 # and lists the prose numbers that would change (needs Jupyter's nbclient and ipykernel).
@@ -24,6 +24,11 @@ for step in "${steps[@]}"; do
         tune) $PY -m moe_kernels.bench tune --batches "${TUNE_BATCHES:-1,8,64,512,2048,4096,16384,256,1024,16,32,128,2,4,8192}" \
                   --warmup-ms 2 --rep-ms 10 --budget-s "${TUNE_BUDGET_S:-400}" --workers "$(nproc)" --record --write-tables \
                   2>&1 | tee "$OUT/tune.log" | grep -E "batch|wrote|recorded|precompiled|budget" || status=1 ;;
+        refine) for format in none block; do   # today's tiles with TMA, grids, swap_ab and PDL; tables rewritten
+                    $PY -m moe_kernels.bench tune --refine --format $format --batches "${TUNE_BATCHES:-1,8,64,512}" \
+                        --warmup-ms 2 --rep-ms 10 --workers "$(nproc)" --record --write-tables \
+                        2>&1 | tee "$OUT/refine-$format.log" | grep -E "batch|wrote|recorded|precompiled" || status=1
+                done ;;
         fp8) $PY -m moe_kernels.bench fp8 --record 2>&1 | tee "$OUT/fp8.log" | grep -E "GEMMs|permute|scaled|recorded|TB/s" \
                  | grep -E " (1|8|64|512|4096|16384) |recorded|TB/s" || status=1 ;;
         notebooks) mkdir -p "$OUT/notebooks"
