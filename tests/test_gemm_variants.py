@@ -104,6 +104,44 @@ def test_fp8_summed_split(granularity, swap_ab):
     check_fp8(make_problem(9, 6, 2, 256, 128, seed=7), granularity, config, 1e-3)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("num_tokens", [1, 9])
+@pytest.mark.parametrize("block_n", [64, 128, 256])
+def test_quant_in_gemm_gives_the_quantisers_numbers(dtype, num_tokens, block_n):
+    """GEMM 1 quantising GEMM 2's input in its epilogue (``MoEConfig.quant_in_gemm``) gives the same
+    bits as GEMM 1 followed by the group quantiser; it runs where GEMM 1's tile holds whole 128-wide
+    groups and the weights have block scales, and elsewhere the config asks for it in vain."""
+    from moe_kernels._runtime import record_launches
+
+    hidden, w1, w2, weights, ids = make_problem(num_tokens, 6, 2, 256, 256, dtype, seed=40 + num_tokens,
+                                                fused_topk_like=True)
+    for granularity in ("block", "channel"):
+        w1q, w1s = quantize_weight(w1, granularity)
+        w2q, w2s = quantize_weight(w2, granularity)
+        plain = MoEConfig(16, GemmTiles(block_n, 128, swap_ab=block_n == 64), GemmTiles(32, 128))
+        want = fm.fused_experts(hidden, w1q, w2q, weights, ids, config=plain, w1_scale=w1s, w2_scale=w2s)
+        with record_launches() as launches:
+            got = fm.fused_experts(hidden, w1q, w2q, weights, ids, config=dataclasses.replace(plain, quant_in_gemm=True),
+                                   w1_scale=w1s, w2_scale=w2s)
+        assert torch.equal(got, want)
+        quantised = [settings["quant"] for name, settings in launches if name == "index_gather.gemm"]
+        assert quantised == [granularity == "block" and block_n >= 128, False]
+
+
+def test_quant_in_gemm_with_unchecked_bad_ids():
+    """Rows of an out-of-range id (unchecked) are zero rows with a finite scale, as the quantiser
+    makes them: the fused epilogue writes them too, and they add nothing."""
+    hidden, w1, w2, weights, ids = make_problem(7, 4, 2, 256, 128, seed=41)
+    bad = ids.clone()
+    bad[2, 1], bad[5, 0] = 9, -3
+    w1q, w1s = quantize_weight(w1, "block")
+    w2q, w2s = quantize_weight(w2, "block")
+    runs = [fm.fused_experts(hidden, w1q, w2q, weights, bad, validate_ids=False, w1_scale=w1s, w2_scale=w2s,
+                             config=MoEConfig(16, GemmTiles(128, 128), GemmTiles(32, 128), quant_in_gemm=q))
+            for q in (False, True)]
+    assert torch.equal(runs[0], runs[1]) and bool(runs[1].isfinite().all())
+
+
 def test_configs_that_cannot_work_name_their_field():
     tiles = GemmTiles(16, 16)
     cases = [
@@ -115,6 +153,7 @@ def test_configs_that_cannot_work_name_their_field():
         (MoEConfig(16, tiles, GemmTiles(16, 16, persistent=3)), "config.down.persistent"),
         (MoEConfig(16, GemmTiles(16, 16, swap_ab=1), tiles), "config.gate_up.swap_ab"),
         (MoEConfig(16, tiles, tiles, pdl=1), "config.pdl"),
+        (MoEConfig(16, tiles, tiles, quant_in_gemm="yes"), "config.quant_in_gemm"),
     ]
     for config, field in cases:
         with pytest.raises((ValueError, TypeError), match=field.replace(".", r"\.")):
@@ -126,8 +165,9 @@ def test_configs_that_cannot_work_name_their_field():
     with pytest.raises(ValueError, match=r"config\.down\.swap_ab.*permute layout"):
         check_config("f", MoEConfig(16, tiles, GemmTiles(16, 16, swap_ab=True)), align=128, layout="permute")
     for layout in ("permute", "masked"):
-        with pytest.raises(ValueError, match=rf"config\.pdl.*{layout} layout"):
-            check_config("f", MoEConfig(16, tiles, tiles, pdl=True), align=128, layout=layout)
+        for switch in ("pdl", "quant_in_gemm"):
+            with pytest.raises(ValueError, match=rf"config\.{switch}.*{layout} layout"):
+                check_config("f", MoEConfig(16, tiles, tiles, **{switch: True}), align=128, layout=layout)
 
 
 def test_pdl_is_a_speed_setting_off_where_the_gpu_cannot():
@@ -205,7 +245,8 @@ for dtype, scales, swap in (("bf16", 0, False), ("bf16", 0, True), ("fp8e4nv", 1
                     a_scale_ptr="*fp32", w_scale_ptr="*fp32", w_desc="*" + dtype)
     const = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, TOP_K=8, NAIVE_BLOCKS=False, DENSE=False, GATED=True,
                  MUL_ROUTED_WEIGHT=False, EVEN_K=True, INPUT_PRECISION="tf32", SCALES=scales, SUM_TOP_K=0, SPLIT_K=1,
-                 TMA_W=False, PERSISTENT=0, SCALE_BN=128, SCALE_BK=128, ID_CHECK="", SWAP_AB=swap)
+                 TMA_W=False, PERSISTENT=0, SCALE_BN=128, SCALE_BK=128, ID_CHECK="", SWAP_AB=swap,
+                 PDL_TRIGGER=False, PDL_WAIT=False, PREFETCH_LINE=64, QUANT_GROUP=0, ROUND_TO="")
     sig = {n: "constexpr" if n in const else pointers.get(n, "i32") for n in fn.arg_names}
     constants = {(i,): const[n] for i, n in enumerate(fn.arg_names) if n in const}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
@@ -234,7 +275,7 @@ def test_swap_ab_reaches_hoppers_wgmma():
     assert done.stdout.split("\n")[:3] == expected, done.stdout
 
 
-_COMPILE_PDL_FOR_HOPPER = """
+_COMPILE_SWITCHES_FOR_HOPPER = """
 import sys
 import torch
 torch.cuda.is_available = lambda: True   # build compiled (not interpreted) kernels; nothing is launched
@@ -244,28 +285,34 @@ from triton.compiler import ASTSource
 from moe_kernels.kernels import index_gather as ig
 
 fn = ig._index_gather_gemm_kernel
-for role, naive, gated in (("trigger", False, True), ("wait", False, False), ("wait", True, False), ("", False, False)):
-    pointers = dict(a_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", topk_weights_ptr="*fp32",
+cases = [dict(PDL_TRIGGER=True, GATED=True), dict(PDL_WAIT=True), dict(PDL_WAIT=True, NAIVE_BLOCKS=True), dict(),
+         dict(GATED=True, SCALES=1, QUANT_GROUP=128, ROUND_TO="bf16")]
+for case in cases:
+    fp8 = case.get("SCALES", 0) == 1
+    pointers = dict(a_ptr="*fp8e4nv" if fp8 else "*bf16", w_ptr="*fp8e4nv" if fp8 else "*bf16",
+                    out_ptr="*fp8e4nv" if "QUANT_GROUP" in case else "*bf16", topk_weights_ptr="*fp32",
                     sorted_token_ids_ptr="*i32", expert_ids_ptr="*i32", num_tokens_post_padded_ptr="*i32",
-                    a_scale_ptr="*fp32", w_scale_ptr="*fp32", w_desc="*bf16")
-    const = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, TOP_K=1, NAIVE_BLOCKS=naive, DENSE=False,
-                 GATED=gated, MUL_ROUTED_WEIGHT=not gated, EVEN_K=True, INPUT_PRECISION="tf32", SCALES=0, SUM_TOP_K=0,
+                    a_scale_ptr="*fp32", w_scale_ptr="*fp32", w_desc="*bf16", out_scale_ptr="*fp32")
+    const = dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, GROUP_M=1, TOP_K=1, NAIVE_BLOCKS=False, DENSE=False,
+                 GATED=False, MUL_ROUTED_WEIGHT=False, EVEN_K=True, INPUT_PRECISION="tf32", SCALES=0, SUM_TOP_K=0,
                  SPLIT_K=1, TMA_W=False, PERSISTENT=0, SCALE_BN=128, SCALE_BK=128, ID_CHECK="", SWAP_AB=False,
-                 PDL_TRIGGER=role == "trigger", PDL_WAIT=role == "wait", PREFETCH_LINE=64)
+                 PDL_TRIGGER=False, PDL_WAIT=False, PREFETCH_LINE=64, QUANT_GROUP=0, ROUND_TO="")
+    const.update(case, MUL_ROUTED_WEIGHT=not case.get("GATED", False))
     sig = {n: "constexpr" if n in const else pointers.get(n, "i32") for n in fn.arg_names}
     constants = {(i,): const[n] for i, n in enumerate(fn.arg_names) if n in const}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
     ptx = triton.compile(ASTSource(fn, sig, constants, attrs), target=GPUTarget("cuda", 90, 32),
-                         options=dict(num_warps=4, num_stages=3, launch_pdl=role == "wait")).asm["ptx"]
-    print(role or "none", naive, "griddepcontrol.launch_dependents" in ptx, "griddepcontrol.wait" in ptx,
-          "prefetch.global.L2" in ptx)
+                         options=dict(num_warps=4, num_stages=3, launch_pdl=const["PDL_WAIT"])).asm["ptx"]
+    found = ["griddepcontrol.launch_dependents", "griddepcontrol.wait", "prefetch.global.L2", "e4m3x2.f32"]
+    print(" ".join(str(word in ptx) for word in found))
 """
 
 
-def test_programmatic_dependent_launch_compiles_for_hopper():
+def test_switches_compile_for_hopper():
     """Compiled for sm_90 on this machine (the interpreter never takes these branches): GEMM 1 with
     ``PDL_TRIGGER`` signals its dependents; GEMM 2 with ``PDL_WAIT`` prefetches its weights into L2
-    and waits, on the naive block map and the aligned one; without either, neither instruction."""
+    and waits, on the aligned and the naive block map; with neither, no such instruction; an fp8
+    GEMM 1 with ``QUANT_GROUP`` converts its output to e4m3 in the epilogue."""
     import os
     import subprocess
     import sys
@@ -273,11 +320,11 @@ def test_programmatic_dependent_launch_compiles_for_hopper():
     pytest.importorskip("triton.backends.nvidia")
     pytest.importorskip("triton.language.extra.cuda.gdc")
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "MOE_KERNELS_BACKEND")}
-    done = subprocess.run([sys.executable, "-c", _COMPILE_PDL_FOR_HOPPER], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-c", _COMPILE_SWITCHES_FOR_HOPPER], capture_output=True, text=True,
                           timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split("\n")[:4] == ["trigger False True False False", "wait False False True True",
-                                           "wait True False True True", "none False False False False"], done.stdout
+    assert done.stdout.split("\n")[:5] == ["True False False False", "False True True False", "False True True False",
+                                           "False False False False", "False False False True"], done.stdout
 
 
 # ---- GPU: the models' own shapes, bf16 and fp8, and CUDA-graph capture -----------------------------
@@ -378,3 +425,29 @@ def test_pdl_captures_and_replays():
     for out in replayed_outputs(problem, config, (32, 33)):
         want = fm.fused_experts(*problem, config=dataclasses.replace(config, pdl=False))
         assert torch.equal(out, want)
+
+
+@needs_gpu
+@pytest.mark.parametrize("num_tokens", [1, 64, 600])
+@pytest.mark.parametrize("shape", [(128, 8, 2048, 768), (64, 8, 7168, 2048)])   # Qwen3; DeepSeek-V3, 64 experts
+def test_quant_in_gemm_gpu(num_tokens, shape):
+    """On the GPU, with bf16 activations at both models' d and F: GEMM 1 quantising GEMM 2's input
+    gives the bits of GEMM 1 then the quantiser, with one quantiser launch fewer (and with PDL)."""
+    from moe_kernels._runtime import record_launches
+    from moe_kernels.kernels.config import get_config
+
+    experts, top_k, d, f = shape
+    hidden, w1, w2, weights, ids = make_problem(num_tokens, experts, top_k, d, f, torch.bfloat16, seed=50 + num_tokens,
+                                                fused_topk_like=True)
+    w1, w1_scale = quantize_weight(w1, "block")
+    w2, w2_scale = quantize_weight(w2, "block")
+    tuned = _deterministic(get_config(num_tokens, experts, f, d, w1.dtype, "cuda"), False)
+    tuned = dataclasses.replace(tuned, gate_up=dataclasses.replace(tuned.gate_up, block_n=128))
+    runs = {}
+    for quant, pdl in ((False, False), (True, False), (True, True)):
+        with record_launches() as launches:
+            runs[quant, pdl] = fm.fused_experts(hidden, w1, w2, weights, ids, w1_scale=w1_scale, w2_scale=w2_scale,
+                                                config=dataclasses.replace(tuned, quant_in_gemm=quant, pdl=pdl))
+        quantisers = sum(name == "quant.groups" for name, _ in launches)
+        assert quantisers == (1 if quant else 2)   # the hidden states' quantiser, and GEMM 2's unless fused
+    assert torch.equal(runs[True, False], runs[False, False]) and torch.equal(runs[True, True], runs[False, False])

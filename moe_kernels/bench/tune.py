@@ -15,8 +15,9 @@ parallel processes (:func:`precompile`); ``--budget-s`` stops tuning new batches
 the timed GEMMs, as the layer does before each); its tables are the fp8 ones. ``--refine`` times
 only the configuration the kernels pick today, with and without TMA, on each grid and, for a
 16- or 32-row M tile, transposed onto 64- and 128-row weight tiles; then the chosen tiles as one
-experts call with GEMM 2 launched as a programmatic dependent of GEMM 1 and without
-(``MoEConfig.pdl``, Hopper). ``--record`` writes ``results/<device>/<name>.json``;
+experts call with and without the switches that act between the GEMMs: GEMM 2 launched as a
+programmatic dependent of GEMM 1 (``MoEConfig.pdl``, Hopper) and, in fp8, GEMM 1's epilogue
+quantising GEMM 2's input (``MoEConfig.quant_in_gemm``). ``--record`` writes ``results/<device>/<name>.json``;
 ``--write-tables`` writes the best configs as the tables the kernels load
 (``moe_kernels/kernels/configs/``). Timing needs a CUDA GPU; the candidate lists are plain Python.
 """
@@ -209,31 +210,36 @@ def tune(models, batches, *, dtype, seed, warmup_ms, rep_ms, workers, budget_s=m
         cfg = plainest_best({c: sum(t) for c, t in per_block_m.items()},
                             lambda c: not c.sum_in_gemm and plain_tiles(c.gate_up) and plain_tiles(c.down))
         (t_up, t_down), total = per_block_m[cfg], sum(per_block_m[cfg])
-        pdl_ms = None
-        if refine and pdl_available(torch.device(device)):
-            # GEMM 2 as a programmatic dependent of GEMM 1 only shows when both run in one graph:
-            # the experts call (quantisers and the sum included) with and without it.
+        switch_ms = None
+        if refine:
+            # Switches that act between the GEMMs show only when both run in one graph: the experts
+            # call (quantisers and the sum included) with each combination, kept if it wins by the margin.
+            quant_ok = fmt.activations == "group" and cfg.gate_up.block_n % fmt.block[1] == 0
+            combos = [(pdl, quant) for pdl in ((False, True) if pdl_available(torch.device(device)) else (False,))
+                      for quant in ((False, True) if quant_ok else (False,))]
             blocks = assign_blocks(ids, cfg.block_m, model.num_experts, validate_ids=False)
-            pdl_ms = {}
-            for pdl in (False, True):
-                both = dataclasses.replace(cfg, pdl=pdl)
+            switch_ms = {}
+            for pdl, quant in combos if len(combos) > 1 else ():
+                both = dataclasses.replace(cfg, pdl=pdl, quant_in_gemm=quant)
                 try:
-                    pdl_ms[pdl] = median_ms(graphed(lambda c=both: run_experts(
+                    switch_ms[both] = median_ms(graphed(lambda c=both: run_experts(
                         hidden, w1, w2, weights, ids, fmt=fmt, config=c, w1_scale=w1_scale, w2_scale=w2_scale,
                         blocks=blocks, ids="trusted")), warmup_ms, rep_ms)
                 except Exception as err:  # noqa: BLE001 - recorded, and the plain launch kept
-                    tried.append({"gemm": "both", "pdl": pdl, "error": str(err)[:120]})
-                    pdl_ms[pdl] = math.inf
-            cfg = plainest_best({dataclasses.replace(cfg, pdl=p): ms for p, ms in pdl_ms.items()},
-                                lambda c: not c.pdl)
+                    tried.append({"gemm": "both", "pdl": pdl, "quant_in_gemm": quant, "error": str(err)[:120]})
+                    switch_ms[both] = math.inf
+            if switch_ms:
+                cfg = plainest_best(switch_ms, lambda c: not c.pdl and not c.quant_in_gemm)
         log(f"{key:<14} {fmt.name:<11} batch {batch:>6}: {total * 1e3:8.1f} us (gate_up {t_up * 1e3:.1f} + down "
             f"and sum {t_down * 1e3:.1f}) block_m {cfg.block_m} gate_up {short(cfg.gate_up)} down {short(cfg.down)}"
             f"{' summed in GEMM 2' if cfg.sum_in_gemm else ''}"
-            + (f"; experts call {pdl_ms[False] * 1e3:.1f} us, with PDL {pdl_ms[True] * 1e3:.1f}" if pdl_ms else ""))
+            + "".join(f"; experts call{' with PDL' if c.pdl else ''}{' quantising in GEMM 1' if c.quant_in_gemm else ''} "
+                      f"{ms * 1e3:.1f} us" for c, ms in (switch_ms or {}).items()))
         entries.append({"model": key, "format": weight_format, "E": model.num_experts,
                         "N": model.moe_intermediate_size, "K": model.hidden_size, "M": batch, "config": cfg.to_dict(),
                         "gemm_ms": {"gate_up": t_up, "down": t_down},
-                        "experts_ms_by_pdl": None if pdl_ms is None else {str(k).lower(): v for k, v in pdl_ms.items()},
+                        "experts_ms_by_switches": [{"pdl": c.pdl, "quant_in_gemm": c.quant_in_gemm, "ms": ms}
+                                                   for c, ms in (switch_ms or {}).items()],
                         "tried": [t for t in tried if t.get("ms", 0) != math.inf]})
         del hidden, x, x_scale, weights, ids, inter, per_slot, summed, out, y, y_scale
     return entries

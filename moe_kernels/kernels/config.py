@@ -1,5 +1,9 @@
 """Tile configurations of the grouped GEMMs: one class, a heuristic, and tuned tables as data.
 
+(Over 400 lines, and kept whole: the config classes, their checks, the tables that hold checked
+configs and the choice among tables are one mechanism; split, the tables and the checks would
+import each other.)
+
 Every layout launches the same two GEMMs (:mod:`moe_kernels.kernels._tile_gemm`), so one
 :class:`MoEConfig` describes them all: the M tile ``block_m`` (for the index-gather layout also
 the alignment block size; for the permute layout it must divide the segment alignment) and a
@@ -85,6 +89,10 @@ class GemmTiles:
         return self
 
 
+#: MoEConfig's switches (bools, default off), each a feature a layout may lack (moe_kernels.kernels.layouts).
+_SWITCHES = ("sum_in_gemm", "pdl", "quant_in_gemm")
+
+
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
     """The M tile and the tiles of both GEMMs (GEMM 1: gate/up with SiLU·mul; GEMM 2: down).
@@ -96,6 +104,9 @@ class MoEConfig:
 
     ``pdl`` (index-gather layout, Hopper): GEMM 2 is launched as a programmatic dependent of GEMM 1
     and prefetches its weights into L2 while GEMM 1 finishes (:mod:`moe_kernels.kernels._pdl`).
+    ``quant_in_gemm`` (index-gather layout, fp8 block weights, ``gate_up.block_n`` a multiple of
+    128): GEMM 1's epilogue writes GEMM 2's fp8 activations and their 1x128 scales itself, one
+    quantiser launch fewer; elsewhere it is ignored.
     """
 
     block_m: int
@@ -103,6 +114,7 @@ class MoEConfig:
     down: GemmTiles
     sum_in_gemm: bool = False
     pdl: bool = False
+    quant_in_gemm: bool = False
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -114,9 +126,9 @@ class MoEConfig:
         if not isinstance(d, dict):
             fail(func, name, "must be a dict (MoEConfig.to_dict())", type(d).__name__, TypeError)
         missing = [key for key in ("block_m", "gate_up", "down") if key not in d]
-        unknown = sorted(set(d) - {"block_m", "gate_up", "down", "sum_in_gemm", "pdl"})
+        unknown = sorted(set(d) - {"block_m", "gate_up", "down", *_SWITCHES})
         if missing or unknown:
-            fail(func, name, "must have the keys block_m, gate_up, down (and optionally sum_in_gemm, pdl)",
+            fail(func, name, f"must have the keys block_m, gate_up, down (and optionally {', '.join(_SWITCHES)})",
                  f"{'missing ' + ', '.join(missing) if missing else ''}{'; ' if missing and unknown else ''}"
                  f"{'unknown ' + ', '.join(unknown) if unknown else ''}")
         tiles = {}
@@ -127,8 +139,7 @@ class MoEConfig:
                 fail(func, f"{name}['{gemm}']", f"must be a dict of GemmTiles fields ({', '.join(sorted(fields))}) "
                      "with block_n and block_k", repr(entry))
             tiles[gemm] = GemmTiles(**entry)
-        return MoEConfig(d["block_m"], tiles["gate_up"], tiles["down"],
-                         **{k: d[k] for k in ("sum_in_gemm", "pdl") if k in d})
+        return MoEConfig(d["block_m"], tiles["gate_up"], tiles["down"], **{k: d[k] for k in _SWITCHES if k in d})
 
     def with_block_m(self, block_m: int) -> "MoEConfig":
         return dataclasses.replace(self, block_m=block_m)
@@ -147,7 +158,7 @@ def check_config(func: str, config: object, *, align: int | None = None, layout:
     if config.gate_up.split_k != 1:
         fail(func, "config.gate_up.split_k", "must be 1 (SiLU·mul in GEMM 1's epilogue needs the whole K sum)",
              config.gate_up.split_k)
-    for field in ("sum_in_gemm", "pdl"):
+    for field in _SWITCHES:
         if not isinstance(getattr(config, field), bool):
             fail(func, f"config.{field}", "must be a bool", repr(getattr(config, field)), TypeError)
     if config.down.split_k != 1 and not config.sum_in_gemm:
@@ -157,7 +168,9 @@ def check_config(func: str, config: object, *, align: int | None = None, layout:
     machinery = [(f"config.{g}.{f}", getattr(getattr(config, g), f), f, what) for g in ("gate_up", "down")
                  for f, what in (("persistent", "the persistent grid"), ("tma", "tensor-descriptor weight loads"),
                                  ("swap_ab", "the transposed tile product"))]
-    for name, value, field, what in machinery + [("config.pdl", config.pdl, "pdl", "programmatic dependent launch")]:
+    machinery += [(f"config.{f}", getattr(config, f), f, what) for f, what in (
+        ("pdl", "programmatic dependent launch"), ("quant_in_gemm", "GEMM 1's fp8 epilogue"))]
+    for name, value, field, what in machinery:
         if value and not getattr(supports, field):
             fail(func, name, f"must be {0 if name.endswith('persistent') else False} for the {layout} layout ({what} "
                  "is not wired into it: see moe_kernels.kernels.layouts)", value)
@@ -313,8 +326,8 @@ def _adapted(config: MoEConfig, layout: str, align: int) -> MoEConfig | None:
         tiles[gemm] = dataclasses.replace(t, tma=t.tma and supports.tma, persistent=t.persistent if supports.persistent
                                           else 0, split_k=t.split_k if supports.sum_in_gemm else 1,
                                           swap_ab=t.swap_ab and supports.swap_ab)
-    adapted = MoEConfig(config.block_m, tiles["gate_up"], tiles["down"], config.sum_in_gemm and supports.sum_in_gemm,
-                        config.pdl and supports.pdl)
+    adapted = MoEConfig(config.block_m, tiles["gate_up"], tiles["down"],
+                        **{f: getattr(config, f) and getattr(supports, f) for f in _SWITCHES})
     while supports.rows == "align" and align % adapted.block_m:
         if adapted.block_m <= 16:
             return None

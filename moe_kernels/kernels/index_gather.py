@@ -56,7 +56,8 @@ import torch
 
 from .._checks import FLOAT_DTYPES, check_ids_in_range, check_int, check_moe_inputs, check_tensor, fail
 from .._replay import CallPlans
-from .._runtime import HAS_TRITON, cdiv, device_assert_options, kernel, note_launch, recording, tl, use_triton
+from .._runtime import (HAS_TRITON, INTERPRET, cdiv, device_assert_options, kernel, note_launch, recording, tl,
+                        use_triton)
 from ._tile_gemm import (check_operands, check_out, dequantized, dot_precision, expert_rows_product,
                          in_float32_under_interpreter, output_dtype, weight_descriptor)
 from .blocks import (BlockAssignment, assign_blocks, assignments_by_block, build_blocks, check_blocks,  # noqa: F401
@@ -65,10 +66,12 @@ from .combine import sum_slots
 from .config import GemmTiles, MoEConfig, check_block_m, check_config, check_tiles, get_config, separate_sum_tiles
 from ._pdl import LINE_BYTES, pdl_available
 from .formats import WeightFormat
+from .quant import FP8
 
 if HAS_TRITON:
     from ._pdl import gdc_launch_dependents, gdc_wait, prefetch_rows_to_l2
     from ._tile_gemm import add_tile, expert_tile_product, scale_rows, store_tile
+    from .quant import store_group_quantized
 
 
 # ----------------------------------------------------------------------------------------------
@@ -123,8 +126,11 @@ if HAS_TRITON:
         MUL_ROUTED_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr,
         SCALES: tl.constexpr, SUM_TOP_K: tl.constexpr, SPLIT_K: tl.constexpr, w_desc, TMA_W: tl.constexpr,
         SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, ID_CHECK: tl.constexpr, SWAP_AB: tl.constexpr,
+        out_scale_ptr, stride_os, QUANT_GROUP: tl.constexpr, ROUND_TO: tl.constexpr,
     ):
         # out[row] = A[row // TOP_K] @ W[expert]^T for the rows of one M-block; W is [E, N', K].
+        # QUANT_GROUP > 0 (GEMM 1, fp8 block weights): out is GEMM 2's fp8 input, with its 1 x
+        # QUANT_GROUP scales at out_scale_ptr, quantised here instead of by a separate launch.
         # SUM_TOP_K > 0: out[row // SUM_TOP_K] += that instead (fp32 atomics), over SPLIT_K K slices.
         pid_m, pid_n, split = _tile_position(tile, num_m_blocks, N, BLOCK_N, GROUP_M, SPLIT_K)
 
@@ -169,13 +175,20 @@ if HAS_TRITON:
                                       SCALE_BN, SCALE_BK, SWAP_AB)
             if MUL_ROUTED_WEIGHT:
                 acc = scale_rows(acc, topk_weights_ptr, rows, row_real)
-            if SUM_TOP_K == 0:
+            if QUANT_GROUP > 0:
+                store_group_quantized(out_ptr, rows * stride_om, out_scale_ptr, rows * stride_os, row_real, acc,
+                                      pid_n, N, BLOCK_M, BLOCK_N, QUANT_GROUP, ROUND_TO)
+            elif SUM_TOP_K == 0:
                 store_tile(out_ptr, rows * stride_om, row_real, acc, pid_n, N, BLOCK_N)
             else:
                 add_tile(out_ptr, (rows // SUM_TOP_K) * stride_om, row_real, acc, pid_n, N, BLOCK_N)
         elif in_use & (SUM_TOP_K == 0):   # (a summed output starts at zero: nothing to add)
             zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            store_tile(out_ptr, rows * stride_om, row_real, zeros, pid_n, N, BLOCK_N)
+            if QUANT_GROUP > 0:
+                store_group_quantized(out_ptr, rows * stride_om, out_scale_ptr, rows * stride_os, row_real, zeros,
+                                      pid_n, N, BLOCK_M, BLOCK_N, QUANT_GROUP, ROUND_TO)
+            else:
+                store_tile(out_ptr, rows * stride_om, row_real, zeros, pid_n, N, BLOCK_N)
         # <<< book: index-gather-rows
 
     # (num_experts is not specialised: a tuner that compiles on a one-expert problem gets the binary
@@ -191,7 +204,8 @@ if HAS_TRITON:
         SCALES: tl.constexpr, SUM_TOP_K: tl.constexpr, SPLIT_K: tl.constexpr, w_desc, TMA_W: tl.constexpr,
         num_tiles, PERSISTENT: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, ID_CHECK: tl.constexpr,
         SWAP_AB: tl.constexpr, PDL_TRIGGER: tl.constexpr = False, PDL_WAIT: tl.constexpr = False,
-        PREFETCH_LINE: tl.constexpr = 64,
+        PREFETCH_LINE: tl.constexpr = 64, out_scale_ptr=None, stride_os=0, QUANT_GROUP: tl.constexpr = 0,
+        ROUND_TO: tl.constexpr = "",
     ):
         # Programmatic dependent launch (moe_kernels.kernels._pdl): GEMM 1 lets GEMM 2 launch at
         # once; GEMM 2 asks L2 for its first tile's weights, then waits for GEMM 1 to finish.
@@ -212,7 +226,8 @@ if HAS_TRITON:
                 stride_am, stride_we, stride_wn, stride_om,
                 a_scale_ptr, stride_as, w_scale_ptr, stride_wse, stride_wsn, stride_wsk,
                 BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, TOP_K, NAIVE_BLOCKS, DENSE, GATED, MUL_ROUTED_WEIGHT, EVEN_K,
-                INPUT_PRECISION, SCALES, SUM_TOP_K, SPLIT_K, w_desc, TMA_W, SCALE_BN, SCALE_BK, ID_CHECK, SWAP_AB)
+                INPUT_PRECISION, SCALES, SUM_TOP_K, SPLIT_K, w_desc, TMA_W, SCALE_BN, SCALE_BK, ID_CHECK, SWAP_AB,
+                out_scale_ptr, stride_os, QUANT_GROUP, ROUND_TO)
         else:
             for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=PERSISTENT == 2):
                 _index_gather_tile(
@@ -222,7 +237,7 @@ if HAS_TRITON:
                     a_scale_ptr, stride_as, w_scale_ptr, stride_wse, stride_wsn, stride_wsk,
                     BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, TOP_K, NAIVE_BLOCKS, DENSE, GATED, MUL_ROUTED_WEIGHT, EVEN_K,
                     INPUT_PRECISION, SCALES, SUM_TOP_K, SPLIT_K, w_desc, TMA_W, SCALE_BN, SCALE_BK, ID_CHECK,
-                    SWAP_AB)
+                    SWAP_AB, out_scale_ptr, stride_os, QUANT_GROUP, ROUND_TO)
 
 
 @functools.lru_cache(maxsize=None)
@@ -240,10 +255,11 @@ def _multiprocessors(index: int) -> int:
 
 
 def _launch(a, w, out, topk_weights, blocks: BlockAssignment, *, n_out: int, top_k: int, gated: bool,
-            tiles: GemmTiles, scales: tuple, sum_top_k: int = 0, pdl: str = "") -> None:
+            tiles: GemmTiles, scales: tuple, sum_top_k: int = 0, pdl: str = "", quant: tuple | None = None) -> None:
     """One GEMM launch. ``pdl`` (see :mod:`moe_kernels.kernels._pdl`): "trigger" lets the next
     kernel launch early, "wait" is that next kernel (launched as a programmatic dependent, it
-    prefetches its weights, then waits); "" neither."""
+    prefetches its weights, then waits); "" neither. ``quant`` (GEMM 1): ``(scales, group,
+    round_to)``, the epilogue writes ``out`` as fp8 in 1 x ``group`` groups with their scales."""
     num_valid_rows = a.shape[0] * top_k
     k_in = a.shape[1]
     num_tiles = blocks.num_m_blocks * cdiv(n_out, tiles.block_n) * tiles.split_k
@@ -259,7 +275,7 @@ def _launch(a, w, out, topk_weights, blocks: BlockAssignment, *, n_out: int, top
     if recording():
         note_launch("index_gather.gemm", gemm="gate_up" if gated else "down", block_m=blocks.block_m, tiles=tiles,
                     naive=blocks.naive, dense=blocks.dense, scales=scales[6], sum_top_k=sum_top_k,
-                    tma=w_desc is not None, grid=grid, id_check=bool(id_check), pdl=pdl)
+                    tma=w_desc is not None, grid=grid, id_check=bool(id_check), pdl=pdl, quant=quant is not None)
     _index_gather_gemm_kernel[grid](
         a, w, out, topk_weights if topk_weights is not None else out,
         sorted_ids, blocks.expert_ids, num_post_padded,
@@ -273,6 +289,8 @@ def _launch(a, w, out, topk_weights, blocks: BlockAssignment, *, n_out: int, top
         num_tiles=num_tiles, PERSISTENT=tiles.persistent, SCALE_BN=scales[7], SCALE_BK=scales[8], ID_CHECK=id_check,
         SWAP_AB=tiles.swap_ab, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         **device_assert_options(id_check), **_pdl_options(pdl, w.element_size()),
+        **({} if quant is None else dict(out_scale_ptr=quant[0], stride_os=quant[0].stride(0), QUANT_GROUP=quant[1],
+                                         ROUND_TO=quant[2])),
     )
 
 
@@ -318,9 +336,9 @@ def expert_gate_up(hidden_states: torch.Tensor, w1: torch.Tensor, blocks: BlockA
     return gate_up(hidden_states, w1, blocks, top_k, tiles=tiles, out=out, a_scale=a_scale, w_scale=w_scale, fmt=fmt)
 
 
-def gate_up(x, w1, blocks, top_k, *, tiles, out, a_scale, w_scale, fmt, pdl: str = ""):
-    """:func:`expert_gate_up` without its checks (``out`` given, ``fmt`` known; ``pdl`` as in
-    :func:`_launch`)."""
+def gate_up(x, w1, blocks, top_k, *, tiles, out, a_scale, w_scale, fmt, pdl: str = "", quant=None):
+    """:func:`expert_gate_up` without its checks (``out`` given, ``fmt`` known; ``pdl`` and
+    ``quant`` as in :func:`_launch`: with ``quant``, Triton only)."""
     tiles = fmt.gemm_tiles(tiles)
     if not use_triton(x, w1, out):
         xf, wf = dequantized(x, w1, a_scale, w_scale, fmt)
@@ -329,7 +347,7 @@ def gate_up(x, w1, blocks, top_k, *, tiles, out, a_scale, w_scale, fmt, pdl: str
                                       w_scale=w_scale, fmt=fmt)
     if in_float32_under_interpreter(rerun, out, x, w1) is None:
         _launch(x, w1, out, None, blocks, n_out=w1.shape[1] // 2, top_k=top_k, gated=True, tiles=tiles,
-                scales=fmt.scale_arguments(x, w1, a_scale, w_scale), pdl=pdl)
+                scales=fmt.scale_arguments(x, w1, a_scale, w_scale), pdl=pdl, quant=quant)
     return out
 
 
@@ -520,12 +538,16 @@ def run_experts(hidden_states, w1, w2, topk_weights, topk_ids, *, fmt, config: M
         per_slot = (torch.zeros if ids == "unchecked" else torch.empty)((num_tokens, top_k, d), device=device,
                                                                        dtype=out_dtype)
     x, x_scale = fmt.quantize_activations(hidden_states) if activations is None else activations
-    intermediate = torch.empty((num_tokens * top_k, w1.shape[1] // 2), device=device, dtype=out_dtype)
     # GEMM 2 as a programmatic dependent of GEMM 1 (moe_kernels.kernels._pdl), where the GPU can.
-    pdl = config.pdl and pdl_available(device)
-    gate_up(x, w1, blocks, top_k, tiles=config.gate_up, out=intermediate, a_scale=x_scale, w_scale=w1_scale, fmt=fmt,
-            pdl="trigger" if pdl else "")
-    y, y_scale = fmt.quantize_activations(intermediate)
+    pdl = "trigger" if config.pdl and pdl_available(device) else ""
+    if _quantizes_in_gemm(config, fmt, x, w1):
+        y, y_scale = _gate_up_quantized(x, w1, blocks, top_k, config=config, fmt=fmt, a_scale=x_scale,
+                                        w_scale=w1_scale, out_dtype=out_dtype, pdl=pdl)
+    else:
+        intermediate = torch.empty((num_tokens * top_k, w1.shape[1] // 2), device=device, dtype=out_dtype)
+        gate_up(x, w1, blocks, top_k, tiles=config.gate_up, out=intermediate, a_scale=x_scale, w_scale=w1_scale,
+                fmt=fmt, pdl=pdl)
+        y, y_scale = fmt.quantize_activations(intermediate)
     down(y, w2, topk_weights if topk_weights.is_contiguous() else topk_weights.contiguous(), blocks,
          tiles=config.down, out=per_slot, a_scale=y_scale, w_scale=w2_scale, fmt=fmt, sum_slots=summed,
          pdl="wait" if pdl else "")
@@ -534,6 +556,30 @@ def run_experts(hidden_states, w1, w2, topk_weights, topk_ids, *, fmt, config: M
     if top_k == 1 and add is None:   # one slot per token: nothing to sum
         return per_slot.view(num_tokens, d)
     return sum_slots(per_slot, add=add)
+
+
+def _quantizes_in_gemm(config: MoEConfig, fmt: WeightFormat, x: torch.Tensor, w1: torch.Tensor) -> bool:
+    """Whether GEMM 1's epilogue quantises GEMM 2's input (``MoEConfig.quant_in_gemm``): fp8 with
+    1 x G activation groups (the block format), an output tile of whole groups, and Triton."""
+    return (config.quant_in_gemm and fmt.activations == "group" and fmt.gemm_tiles(config.gate_up).block_n
+            % fmt.block[1] == 0 and (w1.shape[1] // 2) % fmt.block[1] == 0 and use_triton(x, w1))
+
+
+#: The dtype name GEMM 1's epilogue rounds to before quantising, as the unfused path writes it.
+_ROUND_TO = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: ""}
+
+
+def _gate_up_quantized(x, w1, blocks, top_k, *, config, fmt, a_scale, w_scale, out_dtype, pdl):
+    """GEMM 1 writing GEMM 2's fp8 input and its scales (the same numbers as GEMM 1 into
+    ``out_dtype`` followed by the group quantiser). Under the interpreter the kernel stores the
+    clamped fp32 values and torch casts them (the interpreter's fp8 rounding is wrong near powers
+    of two: :mod:`moe_kernels.kernels.quant`)."""
+    numel, f, group = x.shape[0] * top_k, w1.shape[1] // 2, fmt.block[1]
+    y = torch.empty((numel, f), device=x.device, dtype=torch.float32 if INTERPRET else FP8)
+    y_scale = torch.empty((numel, f // group), device=x.device, dtype=torch.float32)
+    gate_up(x, w1, blocks, top_k, tiles=config.gate_up, out=y, a_scale=a_scale, w_scale=w_scale, fmt=fmt, pdl=pdl,
+            quant=(y_scale, group, _ROUND_TO[out_dtype]))
+    return (y.to(FP8) if INTERPRET else y), y_scale
 
 
 def dense_expert(hidden_states, w1, w2, *, fmt, config: MoEConfig, w1_scale=None, w2_scale=None, weight=None,

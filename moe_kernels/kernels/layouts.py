@@ -47,6 +47,8 @@ class Layout:
     sum_in_gemm: bool
     #: GEMM 2 launched as a programmatic dependent of GEMM 1 (``MoEConfig.pdl``).
     pdl: bool
+    #: GEMM 1's epilogue quantises GEMM 2's fp8 activations (``MoEConfig.quant_in_gemm``).
+    quant_in_gemm: bool
     #: The shared expert can run as expert ``E`` inside the grouped GEMM.
     fused_shared_expert: bool
     #: The layouts whose tuned tables give its tiles, in order of preference: its own first, then
@@ -79,13 +81,13 @@ def _resolve(path: str):
 
 LAYOUTS = {
     "index_gather": Layout("index_gather", ".index_gather:fused_experts", _ALL_FORMATS, tma=True, persistent=True,
-                           swap_ab=True, sum_in_gemm=True, pdl=True, fused_shared_expert=True,
+                           swap_ab=True, sum_in_gemm=True, pdl=True, quant_in_gemm=True, fused_shared_expert=True,
                            tables=("index_gather",), rows="block_m"),
     "permute": Layout("permute", ".permute:permute_experts", _ALL_FORMATS, tma=False, persistent=False,
-                      swap_ab=False, sum_in_gemm=False, pdl=False, fused_shared_expert=True,
+                      swap_ab=False, sum_in_gemm=False, pdl=False, quant_in_gemm=False, fused_shared_expert=True,
                       tables=("permute", "index_gather"), rows="align"),
     "masked": Layout("masked", ".masked:masked_experts", ("unquantized",), tma=False, persistent=False,
-                     swap_ab=False, sum_in_gemm=False, pdl=False, fused_shared_expert=True,
+                     swap_ab=False, sum_in_gemm=False, pdl=False, quant_in_gemm=False, fused_shared_expert=True,
                      tables=("masked", "index_gather"), rows="slab"),
 }
 

@@ -72,6 +72,28 @@ if HAS_TRITON:
         tl.store(s_ptr + r64 * stride_s + tl.program_id(1), scale, mask=rows < num_rows)
     # <<< book: quant-groups
 
+    @kernel
+    def store_group_quantized(q_ptr, q_rows, s_ptr, s_rows, row_real, acc, pid_n, N, BLOCK_M: tl.constexpr,
+                              BLOCK_N: tl.constexpr, GROUP_SIZE: tl.constexpr, ROUND_TO: tl.constexpr):
+        """A GEMM epilogue's fp32 tile ``[BLOCK_M, BLOCK_N]`` (output columns ``pid_n * BLOCK_N``
+        onward) stored as the quantiser above would store it: first rounded to ``ROUND_TO`` (the
+        dtype the unfused path writes and the quantiser reads: "bf16", "fp16" or "" for fp32), then
+        per row and 1 x GROUP_SIZE group: amax, scale, divide, round; the scales go to
+        ``s_ptr + s_rows`` at the tile's groups. Real rows and columns below ``N`` only."""
+        if ROUND_TO == "bf16":
+            acc = acc.to(tl.bfloat16).to(tl.float32)
+        elif ROUND_TO == "fp16":
+            acc = acc.to(tl.float16).to(tl.float32)
+        groups = tl.reshape(acc, (BLOCK_M, BLOCK_N // GROUP_SIZE, GROUP_SIZE))
+        scale = tl.maximum(tl.max(tl.abs(groups), axis=2), 1e-10) / 448.0
+        q = tl.reshape(tl.clamp(groups / scale[:, :, None], -448.0, 448.0), (BLOCK_M, BLOCK_N))
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        tl.store(q_ptr + q_rows[:, None] + cols[None, :], q.to(q_ptr.dtype.element_ty),
+                 mask=row_real[:, None] & (cols[None, :] < N))
+        group_ids = pid_n * (BLOCK_N // GROUP_SIZE) + tl.arange(0, BLOCK_N // GROUP_SIZE)
+        tl.store(s_ptr + s_rows[:, None] + group_ids[None, :], scale,
+                 mask=row_real[:, None] & (group_ids[None, :] < N // GROUP_SIZE))
+
 
 def _check_activations(func: str, x: object) -> torch.Tensor:
     check_tensor(func, "x", x, ndim=2, dtypes=FLOAT_DTYPES, last_dim_contiguous=True)
