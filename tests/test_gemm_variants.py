@@ -104,7 +104,7 @@ def test_fp8_summed_split(granularity, swap_ab):
     check_fp8(make_problem(9, 6, 2, 256, 128, seed=7), granularity, config, 1e-3)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("num_tokens", [1, 9])
 @pytest.mark.parametrize("block_n", [64, 128, 256])
 def test_quant_in_gemm_gives_the_quantisers_numbers(dtype, num_tokens, block_n):
@@ -125,7 +125,8 @@ def test_quant_in_gemm_gives_the_quantisers_numbers(dtype, num_tokens, block_n):
                                    w1_scale=w1s, w2_scale=w2s)
         assert torch.equal(got, want)
         quantised = [settings["quant"] for name, settings in launches if name == "index_gather.gemm"]
-        assert quantised == [granularity == "block" and block_n >= 128, False]
+        fused = granularity == "block" and block_n >= 128 and not (dtype == torch.bfloat16 and DEVICE.type == "cpu")
+        assert quantised == [fused, False]   # (the interpreter's in-kernel bf16 rounding truncates)
 
 
 def test_quant_in_gemm_with_unchecked_bad_ids():

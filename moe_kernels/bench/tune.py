@@ -41,7 +41,7 @@ from .cli import add_record_arguments, add_run_arguments, at_least, log_line, st
 from .problems import make_batch, make_weights
 from .timing import graphed, median_ms
 from .tune_candidates import (MACHINERY_MARGIN, block_m_candidates, candidates, down_variants,  # noqa: F401
-                              plain_tiles, plainest_best, short, tile_candidates)
+                              fits, plain_tiles, plainest_best, short, tile_candidates)
 from .tune_tables import write_tables
 
 
@@ -214,13 +214,21 @@ def tune(models, batches, *, dtype, seed, warmup_ms, rep_ms, workers, budget_s=m
         if refine:
             # Switches that act between the GEMMs show only when both run in one graph: the experts
             # call (quantisers and the sum included) with each combination, kept if it wins by the margin.
-            quant_ok = fmt.activations == "group" and cfg.gate_up.block_n % fmt.block[1] == 0
+            # The fused quantiser needs GEMM 1 tiles of whole 128-column groups: a narrower tile is
+            # tried widened to 128 columns (with as many stages as fit) for it.
+            quant_ok = fmt.activations == "group"
+            wide_up = cfg.gate_up
+            while quant_ok and wide_up.block_n % fmt.block[1]:
+                stages = wide_up.num_stages
+                while stages > 2 and not fits(cfg.block_m, fmt.block[1], wide_up.block_k, stages, True, fmt):
+                    stages -= 1
+                wide_up = dataclasses.replace(wide_up, block_n=fmt.block[1], num_stages=stages)
             combos = [(pdl, quant) for pdl in ((False, True) if pdl_available(torch.device(device)) else (False,))
                       for quant in ((False, True) if quant_ok else (False,))]
             blocks = assign_blocks(ids, cfg.block_m, model.num_experts, validate_ids=False)
             switch_ms = {}
             for pdl, quant in combos if len(combos) > 1 else ():
-                both = dataclasses.replace(cfg, pdl=pdl, quant_in_gemm=quant)
+                both = dataclasses.replace(cfg, pdl=pdl, quant_in_gemm=quant, gate_up=wide_up if quant else cfg.gate_up)
                 try:
                     switch_ms[both] = median_ms(graphed(lambda c=both: run_experts(
                         hidden, w1, w2, weights, ids, fmt=fmt, config=c, w1_scale=w1_scale, w2_scale=w2_scale,
@@ -233,16 +241,18 @@ def tune(models, batches, *, dtype, seed, warmup_ms, rep_ms, workers, budget_s=m
         log(f"{key:<14} {fmt.name:<11} batch {batch:>6}: {total * 1e3:8.1f} us (gate_up {t_up * 1e3:.1f} + down "
             f"and sum {t_down * 1e3:.1f}) block_m {cfg.block_m} gate_up {short(cfg.gate_up)} down {short(cfg.down)}"
             f"{' summed in GEMM 2' if cfg.sum_in_gemm else ''}"
-            + "".join(f"; experts call{' with PDL' if c.pdl else ''}{' quantising in GEMM 1' if c.quant_in_gemm else ''} "
-                      f"{ms * 1e3:.1f} us" for c, ms in (switch_ms or {}).items()))
+            + "".join(f"; experts call{' with PDL' if c.pdl else ''}{' quantising in GEMM 1' if c.quant_in_gemm else ''}"
+                      f" {ms * 1e3:.1f} us" for c, ms in (switch_ms or {}).items()))
         entries.append({"model": key, "format": weight_format, "E": model.num_experts,
                         "N": model.moe_intermediate_size, "K": model.hidden_size, "M": batch, "config": cfg.to_dict(),
                         "gemm_ms": {"gate_up": t_up, "down": t_down},
-                        "experts_ms_by_switches": [{"pdl": c.pdl, "quant_in_gemm": c.quant_in_gemm, "ms": ms}
+                        "experts_ms_by_switches": [{"pdl": c.pdl, "quant_in_gemm": c.quant_in_gemm,
+                                                    "gate_up_block_n": c.gate_up.block_n, "ms": ms}
                                                    for c, ms in (switch_ms or {}).items()],
                         "tried": [t for t in tried if t.get("ms", 0) != math.inf]})
         del hidden, x, x_scale, weights, ids, inter, per_slot, summed, out, y, y_scale
     return entries
+
 
 def _warm_up(device, seconds: float = 1.0) -> None:
     """Keep the GPU busy for a moment: an idle GPU clocks down, and the first candidates timed

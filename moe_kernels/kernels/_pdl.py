@@ -46,7 +46,7 @@ LINES_PER_STEP = 8
 
 def pdl_available(device: torch.device) -> bool:
     """Whether kernels on ``device`` can take a programmatic dependent launch (sm_90 or newer)."""
-    if INTERPRET or device.type != "cuda":
+    if INTERPRET or device.type != "cuda" or torch.version.hip is not None:   # (ROCm has no such launch)
         return False
     return _capability(torch.cuda.current_device() if device.index is None else device.index) >= 9 and _has_gdc()
 
@@ -72,14 +72,14 @@ if HAS_TRITON:   # (the interpreter never takes the PDL branches: pdl_available 
         gdc_launch_dependents = gdc_wait = None
 
     @kernel
-    def prefetch_rows_to_l2(row_ptrs, row_ok, K, LINE: tl.constexpr, STEP: tl.constexpr):
-        """Ask L2 for ``K`` elements of each row that starts at ``row_ptrs`` (where ``row_ok``),
-        one ``prefetch.global.L2`` per ``LINE`` elements; nothing is loaded into registers."""
+    def prefetch_rows_to_l2(row_ptrs, K, LINE: tl.constexpr, STEP: tl.constexpr):
+        """Ask L2 for ``K`` elements of each row that starts at ``row_ptrs`` (every one a real row:
+        the caller clamps), one ``prefetch.global.L2`` per ``LINE`` elements; nothing is loaded
+        into registers."""
         lines = tl.arange(0, STEP) * LINE
         for k0 in range(0, K, LINE * STEP):
             cols = k0 + lines
-            # Out-of-range lines and rows ask for the row's first line again: no mask needed.
-            ptrs = tl.where(row_ok[:, None] & (cols < K)[None, :], row_ptrs[:, None] + cols[None, :],
-                            row_ptrs[:, None])
+            # Lines past the row's end ask for its first line again: no mask needed.
+            ptrs = tl.where((cols < K)[None, :], row_ptrs[:, None] + cols[None, :], row_ptrs[:, None])
             tl.inline_asm_elementwise("{ prefetch.global.L2 [$1]; mov.u32 $0, 0; }", "=r,l", [ptrs],
                                       dtype=tl.int32, is_pure=False, pack=1)

@@ -111,8 +111,10 @@ if HAS_TRITON:
             else:
                 in_use = pid_m * BLOCK_M < tl.load(num_tokens_post_padded_ptr)
         if in_use & (expert >= 0) & (expert < num_experts):
-            rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            prefetch_rows_to_l2(w_ptr + expert * stride_we + rows.to(tl.int64) * stride_wn, rows < N, K, LINE, 8)
+            # Rows past the last (N not a multiple of BLOCK_N) ask for the last row again: a
+            # prefetch must not point past the weights, even one L2 never answers.
+            rows = tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N), N - 1)
+            prefetch_rows_to_l2(w_ptr + expert * stride_we + rows.to(tl.int64) * stride_wn, K, LINE, 8)
 
     @kernel
     def _index_gather_tile(
@@ -344,7 +346,7 @@ def gate_up(x, w1, blocks, top_k, *, tiles, out, a_scale, w_scale, fmt, pdl: str
         xf, wf = dequantized(x, w1, a_scale, w_scale, fmt)
         return out.copy_(_rows_reference(xf, wf, blocks, x.shape[0] * top_k, top_k))
     rerun = lambda x, w, out: gate_up(x, w, blocks, top_k, tiles=tiles, out=out, a_scale=a_scale,  # noqa: E731
-                                      w_scale=w_scale, fmt=fmt)
+                                      w_scale=w_scale, fmt=fmt, pdl=pdl, quant=quant)
     if in_float32_under_interpreter(rerun, out, x, w1) is None:
         _launch(x, w1, out, None, blocks, n_out=w1.shape[1] // 2, top_k=top_k, gated=True, tiles=tiles,
                 scales=fmt.scale_arguments(x, w1, a_scale, w_scale), pdl=pdl, quant=quant)
@@ -400,7 +402,7 @@ def down(y, w2, topk_weights, blocks, *, tiles, out, a_scale, w_scale, fmt, sum_
         per_slot = per_slot.view(num_tokens, top_k, d)
         return out.add_(per_slot.sum(1)) if sum_slots else out.copy_(per_slot.view(out.shape))
     rerun = lambda y, w, out: down(y, w, topk_weights, blocks, tiles=tiles, out=out, a_scale=a_scale,  # noqa: E731
-                                   w_scale=w_scale, fmt=fmt, sum_slots=sum_slots)
+                                   w_scale=w_scale, fmt=fmt, sum_slots=sum_slots, pdl=pdl)
     if in_float32_under_interpreter(rerun, out, y, w2) is None:
         _launch(y, w2, out.view(-1, d), topk_weights, blocks, n_out=d, top_k=1, gated=False, tiles=tiles,
                 scales=fmt.scale_arguments(y, w2, a_scale, w_scale), sum_top_k=top_k if sum_slots else 0, pdl=pdl)
@@ -540,7 +542,7 @@ def run_experts(hidden_states, w1, w2, topk_weights, topk_ids, *, fmt, config: M
     x, x_scale = fmt.quantize_activations(hidden_states) if activations is None else activations
     # GEMM 2 as a programmatic dependent of GEMM 1 (moe_kernels.kernels._pdl), where the GPU can.
     pdl = "trigger" if config.pdl and pdl_available(device) else ""
-    if _quantizes_in_gemm(config, fmt, x, w1):
+    if _quantizes_in_gemm(config, fmt, x, w1, out_dtype):
         y, y_scale = _gate_up_quantized(x, w1, blocks, top_k, config=config, fmt=fmt, a_scale=x_scale,
                                         w_scale=w1_scale, out_dtype=out_dtype, pdl=pdl)
     else:
@@ -558,11 +560,14 @@ def run_experts(hidden_states, w1, w2, topk_weights, topk_ids, *, fmt, config: M
     return sum_slots(per_slot, add=add)
 
 
-def _quantizes_in_gemm(config: MoEConfig, fmt: WeightFormat, x: torch.Tensor, w1: torch.Tensor) -> bool:
+def _quantizes_in_gemm(config: MoEConfig, fmt: WeightFormat, x: torch.Tensor, w1: torch.Tensor, out_dtype) -> bool:
     """Whether GEMM 1's epilogue quantises GEMM 2's input (``MoEConfig.quant_in_gemm``): fp8 with
     1 x G activation groups (the block format), an output tile of whole groups, and Triton."""
     return (config.quant_in_gemm and fmt.activations == "group" and fmt.gemm_tiles(config.gate_up).block_n
-            % fmt.block[1] == 0 and (w1.shape[1] // 2) % fmt.block[1] == 0 and use_triton(x, w1))
+            % fmt.block[1] == 0 and (w1.shape[1] // 2) % fmt.block[1] == 0 and use_triton(x, w1)
+            # The interpreter rounds fp32 -> bf16 by truncation inside a kernel (the unfused path rounds
+            # to nearest, in torch): under it, bf16 activations keep the two launches.
+            and not (INTERPRET and out_dtype == torch.bfloat16))
 
 
 #: The dtype name GEMM 1's epilogue rounds to before quantising, as the unfused path writes it.
