@@ -452,3 +452,12 @@ def test_quant_in_gemm_gpu(num_tokens, shape):
         quantisers = sum(name == "quant.groups" for name, _ in launches)
         assert quantisers == (1 if quant else 2)   # the hidden states' quantiser, and GEMM 2's unless fused
     assert torch.equal(runs[True, False], runs[False, False]) and torch.equal(runs[True, True], runs[False, False])
+
+
+@needs_gpu
+@pytest.mark.parametrize("options", [VARIANTS[1], VARIANTS[6], VARIANTS[7], VARIANTS[10]])
+def test_pdl_with_the_other_machinery_gpu(options):
+    """GEMM 2 as a programmatic dependent with the atomic top-k sum and split-K, a persistent grid,
+    TMA and the transposed tile (the atomics' order varies: checked against the float64 reference)."""
+    problem = make_problem(64, 128, 8, 2048, 768, torch.bfloat16, seed=60, fused_topk_like=True)
+    check(problem, torch.bfloat16, dataclasses.replace(variant(16, *options, block_n=64, block_k=128), pdl=True))

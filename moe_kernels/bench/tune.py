@@ -14,10 +14,10 @@ parallel processes (:func:`precompile`); ``--budget-s`` stops tuning new batches
 ``--format block`` tunes fp8 weights with 128x128 block scales (activations quantised outside
 the timed GEMMs, as the layer does before each); its tables are the fp8 ones. ``--refine`` times
 only the configuration the kernels pick today, with and without TMA, on each grid and, for a
-16- or 32-row M tile, transposed onto 64- and 128-row weight tiles; then the chosen tiles as one
-experts call with and without the switches that act between the GEMMs: GEMM 2 launched as a
-programmatic dependent of GEMM 1 (``MoEConfig.pdl``, Hopper) and, in fp8, GEMM 1's epilogue
-quantising GEMM 2's input (``MoEConfig.quant_in_gemm``). ``--record`` writes ``results/<device>/<name>.json``;
+16- or 32-row M tile, transposed onto 64- and 128-row weight tiles. Either way the chosen tiles
+are then timed as one experts call with and without the switches that act between the GEMMs: GEMM
+2 launched as a programmatic dependent of GEMM 1 (``MoEConfig.pdl``, Hopper) and, in fp8, GEMM 1's
+epilogue quantising GEMM 2's input (``MoEConfig.quant_in_gemm``). ``--record`` writes ``results/<device>/<name>.json``;
 ``--write-tables`` writes the best configs as the tables the kernels load
 (``moe_kernels/kernels/configs/``). Timing needs a CUDA GPU; the candidate lists are plain Python.
 """
@@ -210,34 +210,32 @@ def tune(models, batches, *, dtype, seed, warmup_ms, rep_ms, workers, budget_s=m
         cfg = plainest_best({c: sum(t) for c, t in per_block_m.items()},
                             lambda c: not c.sum_in_gemm and plain_tiles(c.gate_up) and plain_tiles(c.down))
         (t_up, t_down), total = per_block_m[cfg], sum(per_block_m[cfg])
-        switch_ms = None
-        if refine:
-            # Switches that act between the GEMMs show only when both run in one graph: the experts
-            # call (quantisers and the sum included) with each combination, kept if it wins by the margin.
-            # The fused quantiser needs GEMM 1 tiles of whole 128-column groups: a narrower tile is
-            # tried widened to 128 columns (with as many stages as fit) for it.
-            quant_ok = fmt.activations == "group"
-            wide_up = cfg.gate_up
-            while quant_ok and wide_up.block_n % fmt.block[1]:
-                stages = wide_up.num_stages
-                while stages > 2 and not fits(cfg.block_m, fmt.block[1], wide_up.block_k, stages, True, fmt):
-                    stages -= 1
-                wide_up = dataclasses.replace(wide_up, block_n=fmt.block[1], num_stages=stages)
-            combos = [(pdl, quant) for pdl in ((False, True) if pdl_available(torch.device(device)) else (False,))
-                      for quant in ((False, True) if quant_ok else (False,))]
-            blocks = assign_blocks(ids, cfg.block_m, model.num_experts, validate_ids=False)
-            switch_ms = {}
-            for pdl, quant in combos if len(combos) > 1 else ():
-                both = dataclasses.replace(cfg, pdl=pdl, quant_in_gemm=quant, gate_up=wide_up if quant else cfg.gate_up)
-                try:
-                    switch_ms[both] = median_ms(graphed(lambda c=both: run_experts(
-                        hidden, w1, w2, weights, ids, fmt=fmt, config=c, w1_scale=w1_scale, w2_scale=w2_scale,
-                        blocks=blocks, ids="trusted")), warmup_ms, rep_ms)
-                except Exception as err:  # noqa: BLE001 - recorded, and the plain launch kept
-                    tried.append({"gemm": "both", "pdl": pdl, "quant_in_gemm": quant, "error": str(err)[:120]})
-                    switch_ms[both] = math.inf
-            if switch_ms:
-                cfg = plainest_best(switch_ms, lambda c: not c.pdl and not c.quant_in_gemm)
+        # Switches that act between the GEMMs show only when both run in one graph: the experts call
+        # (quantisers and the sum included) with each combination, kept if it wins by the margin. The
+        # fused quantiser needs GEMM 1 tiles of whole 128-column groups: a narrower tile is tried
+        # widened to 128 columns (with as many stages as fit) for it.
+        quant_ok = fmt.activations == "group"
+        wide_up = cfg.gate_up
+        while quant_ok and wide_up.block_n % fmt.block[1]:
+            stages = wide_up.num_stages
+            while stages > 2 and not fits(cfg.block_m, fmt.block[1], wide_up.block_k, stages, True, fmt):
+                stages -= 1
+            wide_up = dataclasses.replace(wide_up, block_n=fmt.block[1], num_stages=stages)
+        combos = [(pdl, quant) for pdl in ((False, True) if pdl_available(torch.device(device)) else (False,))
+                  for quant in ((False, True) if quant_ok else (False,))]
+        blocks = assign_blocks(ids, cfg.block_m, model.num_experts, validate_ids=False)
+        switch_ms = {}
+        for pdl, quant in combos if len(combos) > 1 else ():
+            both = dataclasses.replace(cfg, pdl=pdl, quant_in_gemm=quant, gate_up=wide_up if quant else cfg.gate_up)
+            try:
+                switch_ms[both] = median_ms(graphed(lambda c=both: run_experts(
+                    hidden, w1, w2, weights, ids, fmt=fmt, config=c, w1_scale=w1_scale, w2_scale=w2_scale,
+                    blocks=blocks, ids="trusted")), warmup_ms, rep_ms)
+            except Exception as err:  # noqa: BLE001 - recorded, and the plain launch kept
+                tried.append({"gemm": "both", "pdl": pdl, "quant_in_gemm": quant, "error": str(err)[:120]})
+                switch_ms[both] = math.inf
+        if switch_ms:
+            cfg = plainest_best(switch_ms, lambda c: not c.pdl and not c.quant_in_gemm)
         log(f"{key:<14} {fmt.name:<11} batch {batch:>6}: {total * 1e3:8.1f} us (gate_up {t_up * 1e3:.1f} + down "
             f"and sum {t_down * 1e3:.1f}) block_m {cfg.block_m} gate_up {short(cfg.gate_up)} down {short(cfg.down)}"
             f"{' summed in GEMM 2' if cfg.sum_in_gemm else ''}"
