@@ -44,7 +44,7 @@ def _argparse_error(capsys, argv: list[str]) -> str:
     return err
 
 
-@pytest.mark.parametrize("command", ["sweep", "tune", "fp8", "layer"])
+@pytest.mark.parametrize("command", ["sweep", "tune", "fp8", "layer", "capacity"])
 def test_unknown_model_fails_in_the_parser(capsys, command):
     err = _argparse_error(capsys, [command, "--models", "deepseek-v3,nosuch"])
     assert "argument --models: unknown models ['nosuch']; choose from [" in err and "'qwen3-30b-a3b'" in err

@@ -390,3 +390,28 @@ def test_ensure_capacity_bad_inputs():
         ensure_capacity(ids, 2, 0)
     with pytest.raises(ValueError, match="dropless_buffers: argument 'topk_ids'"):
         dropless_buffers(torch.zeros(0, 2, dtype=torch.int64), 4, 8, 8, torch.float32)
+
+
+def test_bench_capacity_plan_reads_every_expert():
+    """The capacity bench's closed form: C rows for each of the E experts, whatever the batch
+    touches (a capacity layer's GEMMs run over its whole static buffer)."""
+    from moe_kernels.bench.capacity import capacity_plan
+    from moe_kernels.model.shapes import MODELS
+
+    qwen = MODELS["qwen3-30b-a3b"]
+    for batch, alpha in ((1, 1.0), (64, 1.25), (4096, 2.0)):
+        plan = capacity_plan(qwen, batch, alpha)
+        assert plan["capacity"] == -(-int(alpha * 100) * batch * qwen.top_k // (100 * qwen.num_experts))
+        assert plan["rows_computed"] == qwen.num_experts * plan["capacity"] and plan["experts_read"] == 128
+
+
+@needs_gpu
+def test_bench_capacity_measures_after_checking():
+    from moe_kernels.bench.capacity import measure
+    from moe_kernels.bench.problems import make_weights
+    from moe_kernels.model.shapes import MODELS
+
+    w1, w2 = make_weights(MODELS["qwen3-30b-a3b"], torch.bfloat16, 0)
+    row = measure("qwen3-30b-a3b", 64, 1.0, w1, w2, seed=1)
+    assert row["capacity"] == 4 and row["rows_computed"] == 512 and row["rows_real"] == 512
+    assert row["dropped"] > 0 and all(t is not None and t > 0 for t in row["times_us"].values())

@@ -2,7 +2,7 @@
 # One GPU session: the GPU test suite, then the measurements the book plots, recorded with
 # provenance into results/<device>/ and packed into $OUT/results.tgz. Run from the repository root
 # of a committed tree:  MOE_KERNELS_COMMIT=$(git rev-parse HEAD) bash tools/gpu_check.sh [what...]
-# what: tests, ceilings, tune, refine, sweep, fp8, decode-step, layouts, routing, skew, shared, notebooks (default: tests
+# what: tests, ceilings, tune, refine, sweep, fp8, decode-step, layouts, routing, skew, shared, capacity, notebooks (default: tests
 # ceilings sweep). tune searches the tiles (TUNE_BATCHES, TUNE_BUDGET_S) and rewrites the tuned tables in
 # moe_kernels/kernels/configs/, which are packed too. notebooks executes every notebook with the GPU (its live cells run) into $OUT/notebooks
 # and lists the prose numbers that would change (needs Jupyter's nbclient and ipykernel).

@@ -13,6 +13,7 @@ COMMANDS = {
     "layouts": ("layouts", "per-stage CUDA-graph times of the three layouts"),
     "routing": ("routing", "routing and alignment kernels against their torch references"),
     "skew": ("skew", "index-gather vs masked GEMMs under Zipf-skewed routing"),
+    "capacity": ("capacity", "a capacity-factor layer's static [E, C] GEMMs against the dropless layer's"),
     "shared": ("shared", "the shared expert as a separate FFN vs fused as slot E"),
     "fp8": ("fp8", "fp8 W8A8 experts (block, channel) against bf16 and torch's fp8 grouped GEMM"),
     "decode-step": ("decode_step", "one DeepSeek-V3 layer at 64 tokens, stage by stage (--fp8: also fp8)"),
