@@ -11,7 +11,7 @@ DeepSeek-V3's experts to compute 8 rows.
 For each model, batch and ``alpha`` the command lays both out (outside the timed regions: the
 alignment for the dropless layer; for the capacity layer each kept assignment's row copied into
 its slot of the buffer), checks the capacity GEMMs against torch on one expert's slots, times
-both pairs of GEMMs (CUDA-graph replays, L2 flushed), and records ``C``, the rows each computes,
+both pairs of GEMMs (CUDA-graph replays, L2 flushed, as the sweep times), and records ``C``, the rows each computes,
 the experts each reads and the assignments the rule drops on this routing (uniform: the top-k
 of iid normal logits). bf16 weights. ``--record`` writes ``results/<device>/capacity.json``.
 
@@ -30,7 +30,7 @@ import torch
 
 from ..model.capacity import expert_capacity
 from ..model.shapes import MODELS, MoEModel
-from .cli import DEFAULT_MODELS, add_record_arguments, model_names, positive_ints, write_record
+from .cli import add_record_arguments, add_run_arguments, start_run, write_record
 
 BATCHES = (1, 8, 64, 512, 4096)
 ALPHAS = (1.0, 1.25, 2.0)
@@ -44,7 +44,8 @@ def capacity_plan(model: MoEModel, batch: int, alpha: float) -> dict:
     return {"capacity": capacity, "rows_computed": model.num_experts * capacity, "experts_read": model.num_experts}
 
 
-def measure(key: str, batch: int, alpha: float, w1: torch.Tensor, w2: torch.Tensor, seed: int) -> dict:
+def measure(key: str, batch: int, alpha: float, w1: torch.Tensor, w2: torch.Tensor, seed: int, *,
+            warmup_ms: float = 5.0, rep_ms: float = 30.0) -> dict:
     """One (model, batch, alpha) point: both layouts, a check, both times, the counts."""
     from ..kernels import masked
     from ..kernels.blocks import assign_blocks
@@ -52,7 +53,7 @@ def measure(key: str, batch: int, alpha: float, w1: torch.Tensor, w2: torch.Tens
     from ..kernels.index_gather import expert_down, expert_gate_up
     from ..model.capacity import capacity_assign, expert_queue_positions
     from .problems import make_batch
-    from .timing import graph_us, rel_err
+    from .timing import graphed, median_ms, rel_err
 
     model = MODELS[key]
     E, k, d, F = model.num_experts, model.top_k, model.hidden_size, model.moe_intermediate_size
@@ -92,9 +93,8 @@ def measure(key: str, batch: int, alpha: float, w1: torch.Tensor, w2: torch.Tens
         expert_gate_up(hidden, w1, blocks, k, tiles=cfg.gate_up, out=inter)
         expert_down(inter, w2, weights, blocks, tiles=separate_sum_tiles(cfg), out=per_slot)
 
-    calls = 10 if batch <= 512 else 2
-    times = {"dropless GEMMs": graph_us(dropless_gemms, calls=calls),
-             "capacity GEMMs": graph_us(capacity_gemms, calls=calls)}
+    times = {name: 1e3 * median_ms(graphed(fn), warmup_ms, rep_ms)
+             for name, fn in (("dropless GEMMs", dropless_gemms), ("capacity GEMMs", capacity_gemms))}
     touched = int(torch.unique(ids).numel())
     row = {"model": key, "batch": batch, "alpha": alpha, "seed": seed, **plan,
            "rows_real": batch * k, "experts_touched": touched,
@@ -102,7 +102,7 @@ def measure(key: str, batch: int, alpha: float, w1: torch.Tensor, w2: torch.Tens
            "expert_weight_bytes": 3 * d * F * w1.element_size(), "times_us": times, "check_rel_err": error}
     print(f"{key:14s} B={batch:5d} alpha={alpha:4.2f} C={C:5d} rows {E * C:7d} vs {batch * k:6d}  experts "
           f"{E:3d} vs {touched:3d}  dropped {row['dropped']:5d}  "
-          + "  ".join(f"{name} {t:9.1f} us" if t is not None else f"{name} n/a" for name, t in times.items()),
+          + "  ".join(f"{name} {t:9.1f} us" for name, t in times.items()),
           flush=True)
     del buffer, act, out, inter, per_slot
     torch.cuda.empty_cache()
@@ -111,13 +111,11 @@ def measure(key: str, batch: int, alpha: float, w1: torch.Tensor, w2: torch.Tens
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m moe_kernels.bench capacity", description=__doc__.splitlines()[0])
-    parser.add_argument("--models", type=model_names, default=list(DEFAULT_MODELS), help="comma list of model names")
-    parser.add_argument("--batches", type=positive_ints, default=list(BATCHES), help="comma list of token counts")
-    parser.add_argument("--seed", type=int, default=0)
+    add_run_arguments(parser, warmup_ms=5.0, rep_ms=30.0)
+    parser.set_defaults(batches=list(BATCHES))
     add_record_arguments(parser, "capacity")
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("python -m moe_kernels.bench capacity: needs a CUDA GPU", file=sys.stderr)
+    args, config = start_run(parser, argv, torch.bfloat16)
+    if config is None:
         return 2
     from .problems import make_weights
 
@@ -126,12 +124,12 @@ def main(argv: list[str] | None = None) -> int:
         w1, w2 = make_weights(MODELS[key], torch.bfloat16, args.seed)
         for batch in args.batches:
             for alpha in ALPHAS:
-                rows.append(measure(key, batch, alpha, w1, w2, seed=args.seed + batch))
+                rows.append(measure(key, batch, alpha, w1, w2, seed=args.seed + batch, warmup_ms=args.warmup_ms,
+                                    rep_ms=args.rep_ms))
         del w1, w2
         torch.cuda.empty_cache()
     if args.record:
-        config = {"models": args.models, "batches": args.batches, "alphas": list(ALPHAS), "dtype": "bfloat16",
-                  "routing": "uniform: top-k of iid normal logits", "timing": "CUDA-graph replay, median"}
+        config.update(alphas=list(ALPHAS), timing="CUDA-graph replay, L2 flushed, do_bench median")
         write_record(args.name or "capacity", {"config": config, "rows": rows}, args.results_dir)
     return 0
 
