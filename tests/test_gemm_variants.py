@@ -163,8 +163,8 @@ def test_configs_that_cannot_work_name_their_field():
         bad = MoEConfig(16, GemmTiles(16, 16, tma=layout == "masked"), tiles, layout == "permute")
         with pytest.raises(ValueError, match=field.replace(".", r"\.")):
             check_config("f", bad, align=128, layout=layout)
-    with pytest.raises(ValueError, match=r"config\.down\.swap_ab.*permute layout"):
-        check_config("f", MoEConfig(16, tiles, GemmTiles(16, 16, swap_ab=True)), align=128, layout="permute")
+    with pytest.raises(ValueError, match=r"config\.down\.swap_ab.*masked layout"):
+        check_config("f", MoEConfig(16, tiles, GemmTiles(16, 16, swap_ab=True)), align=128, layout="masked")
     for layout in ("permute", "masked"):
         for switch in ("pdl", "quant_in_gemm"):
             with pytest.raises(ValueError, match=rf"config\.{switch}.*{layout} layout"):

@@ -85,7 +85,9 @@ def test_plan_takes_the_table_of_its_format(model_name, layout, fmt, batch):
             tiles, source = getattr(plan.config, gemm), getattr(table[plan.choice.entry], gemm)
             assert (tiles.block_n, tiles.block_k, tiles.num_warps, tiles.num_stages) == \
                 (source.block_n, source.block_k, source.num_warps, source.num_stages)
-            assert not tiles.tma and not tiles.persistent
+            supports = LAYOUTS[layout]
+            assert tiles.tma == (source.tma and supports.tma) and tiles.swap_ab == (source.swap_ab and supports.swap_ab)
+            assert not tiles.persistent
         assert not plan.config.sum_in_gemm
 
 

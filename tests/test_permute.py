@@ -78,6 +78,99 @@ def test_permute_experts_bf16_on_this_machine():
     assert rel_err(out, moe_reference(x, w1, w2, weights, ids)) < 1e-2
 
 
+PERMUTE_VARIANTS = [(True, False), (False, True), (True, True)]   # (tma, swap_ab)
+
+
+def permute_variant(tma: bool, swap_ab: bool, block_m: int = 16, block_n: int = 64, block_k: int = 32) -> MoEConfig:
+    tiles = GemmTiles(block_n, block_k, tma=tma, swap_ab=swap_ab)
+    return MoEConfig(block_m, tiles, tiles)
+
+
+# Through the copy engine a tile reads its padding rows as they are (never-written memory, which
+# numpy may find overflowing); they are never stored, and no other row reads them.
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("variant", PERMUTE_VARIANTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("hidden", [64, 72])   # 72: K is not a multiple of the K step (the copy engine zero-fills)
+def test_permute_tma_and_transposed_tiles(variant, dtype, hidden):
+    """Contiguous segments through the copy engine (both operands) and the transposed tile, alone
+    and together, on the permute layout; the launch says which loads it took."""
+    from moe_kernels._runtime import record_launches
+
+    x, w1, w2, weights, ids = make_problem(13, 6, 2, hidden, 48, dtype, seed=hidden)
+    with record_launches() as launches:
+        out = permute_experts(x, w1, w2, weights, ids, align=16, config=permute_variant(*variant))
+    assert rel_err(out, moe_reference(x, w1, w2, weights, ids)) < TOLERANCE[dtype]
+    gemms = [settings for name, settings in launches if name == "permute.gemm"]
+    row_bytes = {"gate_up": hidden * x.element_size(), "down": 48 * x.element_size()}
+    assert [(g["tma_w"], g["tma_a"]) for g in gemms] == [(variant[0], variant[0] and row_bytes[g["gemm"]] % 16 == 0)
+                                                         for g in gemms]
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("granularity", ["block", "channel"])
+def test_permute_tma_fp8(granularity):
+    from moe_kernels.kernels.quant import quantize_weight
+    from moe_kernels.reference import moe_reference_fp8
+
+    x, w1, w2, weights, ids = make_problem(9, 6, 2, 256, 128, seed=17)
+    w1q, w1s = quantize_weight(w1, granularity)
+    w2q, w2s = quantize_weight(w2, granularity)
+    out = permute_experts(x, w1q, w2q, weights, ids, align=16, config=permute_variant(True, True, block_k=128),
+                          w1_scale=w1s, w2_scale=w2s)
+    want = moe_reference_fp8(x, w1q, w2q, weights, ids, w1_scale=w1s, w2_scale=w2s, granularity=granularity,
+                             intermediate_dtype=x.dtype)
+    assert rel_err(out, want) < 1e-3
+
+
+_COMPILE_PERMUTE_FOR_HOPPER = """
+import torch
+torch.cuda.is_available = lambda: True
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from moe_kernels.kernels import permute as pm
+fn = pm._contiguous_gemm_kernel
+for tma, swap in ((True, False), (True, True), (False, True)):
+    pointers = dict(a_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", m_indices_ptr="*i32", a_scale_ptr="*fp32",
+                    w_scale_ptr="*fp32", w_desc="tensordesc<bf16[64, 64]>" if tma else "*bf16",
+                    a_desc="tensordesc<bf16[64, 64]>" if tma else "*bf16")
+    const = dict(GATED=True, EVEN_K=True, INPUT_PRECISION="tf32", SCALES=0, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64,
+                 SCALE_BN=128, SCALE_BK=128, TMA_W=tma, TMA_A=tma, SWAP_AB=swap)
+    sig = {n: "constexpr" if n in const else pointers.get(n, "i32") for n in fn.arg_names}
+    constants = {(i,): const[n] for i, n in enumerate(fn.arg_names) if n in const}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
+    ptx = triton.compile(ASTSource(fn, sig, constants, attrs), target=GPUTarget("cuda", 90, 32),
+                         options=dict(num_warps=4, num_stages=3)).asm["ptx"]
+    print(tma, swap, "cp.async.bulk.tensor" in ptx, "wgmma" in ptx)
+"""
+
+
+def test_permute_tma_compiles_for_hopper():
+    """Compiled for sm_90 on this machine (the interpreter cannot say whether Triton accepts a
+    kernel): with TMA both operands arrive by bulk tensor copies, and the 64-row tiles are wgmma."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "MOE_KERNELS_BACKEND")}
+    done = subprocess.run([sys.executable, "-c", _COMPILE_PERMUTE_FOR_HOPPER], capture_output=True, text=True,
+                          timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split("\n")[:3] == ["True False True True", "True True True True", "False True False True"]
+
+
+@needs_gpu
+@pytest.mark.parametrize("variant", PERMUTE_VARIANTS)
+@pytest.mark.parametrize("num_tokens", [1, 64, 600])
+def test_permute_tma_and_transposed_tiles_gpu(variant, num_tokens):
+    x, w1, w2, weights, ids = make_problem(num_tokens, 128, 8, 2048, 768, torch.bfloat16, seed=num_tokens)
+    config = permute_variant(*variant, block_m=64 if num_tokens == 600 else 16, block_k=128)
+    out = permute_experts(x, w1, w2, weights, ids, config=config)
+    assert rel_err(out, moe_reference(x, w1, w2, weights, ids)) < 1e-2
+
+
 @needs_gpu
 @pytest.mark.parametrize("seed", range(6))
 def test_permute_experts_bf16_gpu(seed):

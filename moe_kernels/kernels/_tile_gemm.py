@@ -45,6 +45,7 @@ if HAS_TRITON:
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         split=0, SPLIT_K: tl.constexpr = 1, w_desc=None, w_desc_row=0, TMA_W: tl.constexpr = False,
         SCALE_BN: tl.constexpr = 128, SCALE_BK: tl.constexpr = 128, SWAP_AB: tl.constexpr = False,
+        a_desc=None, a_desc_row=0, TMA_A: tl.constexpr = False,
     ):
         """fp32 ``[BLOCK_M, BLOCK_N]``: ``A[a_rows, :K] @ W[cols, :K]^T`` (``silu(gate) * up`` when
         ``GATED``) for output columns ``cols = pid_n * BLOCK_N + [0, BLOCK_N)``.
@@ -68,6 +69,9 @@ if HAS_TRITON:
         step computes the transposed product, ``W_tile @ A_tile^T`` (``[BLOCK_N, BLOCK_M]``), and
         the accumulator is transposed back once after the loop: the same sums, with the weight
         rows on the MMA's M side (Hopper's wgmma needs 64 there; a decode tile has 16 token rows).
+        With ``TMA_A`` (rows that lie one after another, the permute layout's segments) the
+        activation tiles come through the copy engine too: ``a_desc`` describes ``A`` and
+        ``a_desc_row`` is the tile's first row (``a_rows`` still places the scales).
         """
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         w_rows = (cols % N).to(tl.int64)
@@ -96,10 +100,12 @@ if HAS_TRITON:
         # <<< book: block-scale-columns
         # >>> book: k-loop
         for k in range(k_first, k_last):
-            if EVEN_K:
+            k_left = K - k * BLOCK_K
+            if TMA_A:
+                a = a_desc.load([a_desc_row, k * BLOCK_K])
+            elif EVEN_K:
                 a = tl.load(a_ptrs)
             else:
-                k_left = K - k * BLOCK_K
                 a = tl.load(a_ptrs, mask=ks[None, :] < k_left, other=0.0)
             if TMA_W:
                 w = w_desc.load([w_desc_row, k * BLOCK_K]).T
@@ -217,6 +223,19 @@ def weight_descriptor(w: torch.Tensor, tiles):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     return TensorDescriptor.from_tensor(w.view(-1, w.shape[2]), [tiles.block_n, tiles.block_k])
+
+
+def rows_descriptor(x: torch.Tensor, block_m: int, tiles):
+    """The tensor descriptor of activation rows ``x [M, K]`` in ``[block_m, block_k]`` boxes, for
+    ``tiles.tma`` where a tile's rows lie one after another (the permute layout's segments); None
+    for pointer loads, on the same rule as :func:`weight_descriptor`."""
+    row_bytes = x.shape[1] * x.element_size()
+    if (not tiles.tma or x.stride(1) != 1 or (x.stride(0) * x.element_size()) % 16 or row_bytes % 16
+            or block_m > 256 or x.numel() == 0):
+        return None
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(x, list(x.shape), list(x.stride()), [block_m, tiles.block_k])
 
 
 def dot_precision(dtype: torch.dtype) -> str:

@@ -13,8 +13,8 @@ combination fails when a layer is built, naming the layout and the format:
     >>> LAYOUTS["masked"].check_format("MoELayer", FORMATS["block"])  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ValueError: MoELayer: argument 'layout' must be a layout that runs fp8-block weights ... got 'masked' ...
-    >>> [name for name, layout in LAYOUTS.items() if layout.tma]
-    ['index_gather']
+    >>> [name for name, layout in LAYOUTS.items() if layout.tma]   # contiguous or gathered rows, not slabs
+    ['index_gather', 'permute']
 """
 
 from __future__ import annotations
@@ -83,8 +83,8 @@ LAYOUTS = {
     "index_gather": Layout("index_gather", ".index_gather:fused_experts", _ALL_FORMATS, tma=True, persistent=True,
                            swap_ab=True, sum_in_gemm=True, pdl=True, quant_in_gemm=True, fused_shared_expert=True,
                            tables=("index_gather",), rows="block_m"),
-    "permute": Layout("permute", ".permute:permute_experts", _ALL_FORMATS, tma=False, persistent=False,
-                      swap_ab=False, sum_in_gemm=False, pdl=False, quant_in_gemm=False, fused_shared_expert=True,
+    "permute": Layout("permute", ".permute:permute_experts", _ALL_FORMATS, tma=True, persistent=False,
+                      swap_ab=True, sum_in_gemm=False, pdl=False, quant_in_gemm=False, fused_shared_expert=True,
                       tables=("permute", "index_gather"), rows="align"),
     "masked": Layout("masked", ".masked:masked_experts", ("unquantized",), tma=False, persistent=False,
                      swap_ab=False, sum_in_gemm=False, pdl=False, quant_in_gemm=False, fused_shared_expert=True,

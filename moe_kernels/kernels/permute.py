@@ -61,7 +61,7 @@ from .._checks import check_dispatch_inputs, check_int, check_moe_inputs, check_
 from .._runtime import HAS_TRITON, cdiv, kernel, next_power_of_2, note_launch, tl, use_triton
 from ..model.buffers import expert_counts, max_padded_rows
 from ._tile_gemm import (check_operands, check_out, dequantized, dot_precision, expert_rows_product, gemm_width,
-                         in_float32_under_interpreter, output_dtype)
+                         in_float32_under_interpreter, output_dtype, rows_descriptor, weight_descriptor)
 from .align import align_checked, moe_align_block_size_reference
 from .combine import unpermute
 from .config import MoEConfig, check_config, get_config
@@ -108,6 +108,7 @@ if HAS_TRITON:
         GATED: tl.constexpr, EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr, SCALES: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
+        w_desc, TMA_W: tl.constexpr, a_desc, TMA_A: tl.constexpr, SWAP_AB: tl.constexpr,
     ):
         # Axis 0 (M tiles) varies fastest, so consecutive programs are consecutive tiles of the
         # same expert and find that expert's weight tile in L2.
@@ -122,6 +123,8 @@ if HAS_TRITON:
             return
         # A segment's real rows come first, so the tile's first row is real: padding rows read it
         # (loads need no row mask, and never see the buffer's unwritten garbage) and are not stored.
+        # Through the copy engine (TMA_A) a tile reads its rows as they are, padding included: a
+        # row of the product depends on its own row of A only, and padding rows are never stored.
         row_real = row_experts == expert
         offsets = rows.to(tl.int64)
         a_rows = tl.where(row_real, offsets, pid_m * BLOCK_M) * stride_am
@@ -130,7 +133,9 @@ if HAS_TRITON:
                                   a_scale_ptr, tl.where(row_real, offsets, pid_m * BLOCK_M) * stride_as,
                                   w_scale_ptr + expert.to(tl.int64) * stride_wse, stride_wsn, stride_wsk,
                                   GATED, EVEN_K, INPUT_PRECISION, SCALES, BLOCK_M, BLOCK_N, BLOCK_K,
-                                  SCALE_BN=SCALE_BN, SCALE_BK=SCALE_BK)
+                                  w_desc=w_desc, w_desc_row=(expert * (N * (1 + GATED)) + tl.program_id(1) * BLOCK_N)
+                                  .to(tl.int32), TMA_W=TMA_W, SCALE_BN=SCALE_BN, SCALE_BK=SCALE_BK, SWAP_AB=SWAP_AB,
+                                  a_desc=a_desc, a_desc_row=pid_m * BLOCK_M, TMA_A=TMA_A)
         store_tile(out_ptr, offsets * stride_om, row_real, acc, tl.program_id(1), N, BLOCK_N)
 
 
@@ -265,13 +270,18 @@ def grouped_gemm_contiguous(x: torch.Tensor, w: torch.Tensor, m_indices: torch.T
     if num_rows == 0 or in_float32_under_interpreter(rerun, result, x, w) is not None:
         return result
     scales = fmt.scale_arguments(x, w, x_scale, w_scale)
-    note_launch("permute.gemm", gemm=which, block_m=config.block_m, tiles=tiles, scales=scales[6])
+    # Contiguous rows: with tiles.tma both operands come through the copy engine (TMA), not only
+    # the weights as in the index-gather layout, whose gathered rows cannot (gather is Blackwell's).
+    w_desc, a_desc = weight_descriptor(w, tiles), rows_descriptor(x, config.block_m, tiles)
+    note_launch("permute.gemm", gemm=which, block_m=config.block_m, tiles=tiles, scales=scales[6],
+                tma_w=w_desc is not None, tma_a=a_desc is not None)
     _contiguous_gemm_kernel[(num_rows // config.block_m, cdiv(n, tiles.block_n))](
         x, x.stride(0), w, w.stride(0), w.stride(1), result, result.stride(0),
         m_indices, num_rows, w.shape[0], n, k, *scales[:6],
         GATED=silu_mul, EVEN_K=k % tiles.block_k == 0, INPUT_PRECISION=dot_precision(x.dtype), SCALES=scales[6],
         BLOCK_M=config.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, SCALE_BN=scales[7], SCALE_BK=scales[8],
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        w_desc=w if w_desc is None else w_desc, TMA_W=w_desc is not None, a_desc=x if a_desc is None else a_desc,
+        TMA_A=a_desc is not None, SWAP_AB=tiles.swap_ab, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     return result
 
