@@ -110,14 +110,18 @@ def test_permute_tma_and_transposed_tiles(variant, dtype, hidden):
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 @pytest.mark.parametrize("granularity", ["block", "channel"])
 def test_permute_tma_fp8(granularity):
+    from moe_kernels._runtime import record_launches
     from moe_kernels.kernels.quant import quantize_weight
     from moe_kernels.reference import moe_reference_fp8
 
     x, w1, w2, weights, ids = make_problem(9, 6, 2, 256, 128, seed=17)
     w1q, w1s = quantize_weight(w1, granularity)
     w2q, w2s = quantize_weight(w2, granularity)
-    out = permute_experts(x, w1q, w2q, weights, ids, align=16, config=permute_variant(True, True, block_k=128),
-                          w1_scale=w1s, w2_scale=w2s)
+    with record_launches() as launches:
+        out = permute_experts(x, w1q, w2q, weights, ids, align=16, config=permute_variant(True, True, block_k=128),
+                              w1_scale=w1s, w2_scale=w2s)
+    gemms = [settings for name, settings in launches if name == "permute.gemm"]
+    assert len(gemms) == 2 and all(g["tma_w"] and g["tma_a"] for g in gemms)
     want = moe_reference_fp8(x, w1q, w2q, weights, ids, w1_scale=w1s, w2_scale=w2s, granularity=granularity,
                              intermediate_dtype=x.dtype)
     assert rel_err(out, want) < 1e-3
@@ -301,6 +305,28 @@ def test_grouped_gemm_skips_padding_rows(silu_mul, dtype):
     h = torch.einsum("rk,rnk->rn", rows[real].double(), w1.double()[experts])
     expected = silu_and_mul_reference(h) if silu_mul else h
     assert rel_err(out[real], expected) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("offset", [0, 2])
+def test_rows_the_copy_engine_cannot_describe_take_pointer_loads(offset):
+    """Activation rows at a base address or row stride that is not a multiple of 16 bytes (a view
+    into a larger buffer) cannot be a tensor descriptor: the same tiles load them by pointers,
+    with the same numbers, while the weights still come through the copy engine."""
+    from moe_kernels._runtime import record_launches
+
+    x, w1, _, _, ids = make_problem(10, 4, 2, 64, 24, torch.float32, seed=22)
+    p = permute(x, ids, 4, align=32)
+    storage = torch.zeros(p.rows.numel() + p.rows.shape[0] * offset + offset, device=DEVICE)
+    view = storage[offset:].as_strided(p.rows.shape, (64 + offset, 1))   # rows 64 + offset floats apart
+    view.copy_(p.rows)
+    with record_launches() as launches:
+        out = grouped_gemm_contiguous(view, w1, p.m_indices, align=32, silu_mul=True,
+                                      config=MoEConfig(16, GemmTiles(32, 32, tma=True), GemmTiles(32, 32, tma=True)))
+    (gemm,) = [settings for name, settings in launches if name == "permute.gemm"]
+    assert (gemm["tma_w"], gemm["tma_a"]) == (True, offset == 0)
+    real = p.m_indices >= 0
+    h = torch.einsum("rk,rnk->rn", p.rows[real].double(), w1.double()[p.m_indices[real].long()])
+    assert rel_err(out[real], silu_and_mul_reference(h)) < TOLERANCE[torch.float32]
 
 
 def test_max_padded_rows_is_the_tight_bound():

@@ -8,7 +8,9 @@ tile, and an epilogue. That part lives here, once:
 * :func:`expert_tile_product` - the K loop, for 16/32-bit inputs or for fp8 inputs with their
   scales (:mod:`moe_kernels.kernels.quant`). ``a_rows`` are element offsets of the tile's rows,
   one per row, each naming a row that is safe to read (a layout points its padding rows at a
-  real row, so the loads need no row mask and stay unpredicated); weight columns past ``N`` wrap
+  real row, so the loads need no row mask and stay unpredicated; through the copy engine,
+  ``TMA_A``, a tile's rows are read as they are, padding included, which is harmless because a
+  product row depends on its own row only and padding rows are never stored); weight columns past ``N`` wrap
   around for the same reason (with TMA they read the next rows of the matrix instead, or zeros;
   either way those output columns are never stored). With ``GATED`` it also multiplies by the up
   half of a ``[2N, K]`` ``w1`` (rows ``N..2N``) and returns ``silu(gate) * up``, computed in fp32: this is the fused
@@ -215,10 +217,12 @@ if HAS_TRITON:
 def weight_descriptor(w: torch.Tensor, tiles):
     """The tensor descriptor of ``w [E, N', K]`` as one ``[E * N', K]`` matrix in
     ``[block_n, block_k]`` boxes, for ``tiles.tma``; None for pointer loads. ``tma`` is a speed
-    setting, so weights the copy engine cannot describe (not contiguous, rows not a multiple of 16
-    bytes, a box taller than 256 rows) take pointer loads instead: same numbers, no error."""
+    setting, so weights the copy engine cannot describe (not contiguous, rows or the base address not
+    a multiple of 16 bytes, a box taller than 256 rows) take pointer loads instead: same numbers,
+    no error."""
     row_bytes = w.shape[2] * w.element_size()
-    if not tiles.tma or not w.is_contiguous() or row_bytes % 16 or tiles.block_n > 256 or w.numel() == 0:
+    if (not tiles.tma or not w.is_contiguous() or row_bytes % 16 or w.data_ptr() % 16 or tiles.block_n > 256
+            or w.numel() == 0):
         return None
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -231,7 +235,7 @@ def rows_descriptor(x: torch.Tensor, block_m: int, tiles):
     for pointer loads, on the same rule as :func:`weight_descriptor`."""
     row_bytes = x.shape[1] * x.element_size()
     if (not tiles.tma or x.stride(1) != 1 or (x.stride(0) * x.element_size()) % 16 or row_bytes % 16
-            or block_m > 256 or x.numel() == 0):
+            or x.data_ptr() % 16 or block_m > 256 or x.numel() == 0):
         return None
     from triton.tools.tensor_descriptor import TensorDescriptor
 

@@ -49,10 +49,11 @@ class GemmTiles:
     one output tile, each over a slice of the K loop, and add their partial products: more
     programs where the tiles are too few to fill the SMs (GEMM 2 only, when it sums the top-k
     slots in its epilogue: see :class:`MoEConfig`). ``tma`` loads the weight tiles through
-    Hopper's tensor-memory accelerator (index-gather layout; the gathered activation rows keep
-    pointer loads). ``persistent`` (index-gather layout): 0 launches one program per tile; 1 one
-    program per SM, each walking the tiles ``pid, pid + grid, ...``; 2 the same with the tile loop
-    and the K loop flattened into one software pipeline. ``swap_ab`` (index-gather layout) computes
+    Hopper's tensor-memory accelerator (index-gather and permute layouts), and the permute layout's
+    activation tiles too (its rows are consecutive; index-gather's gathered rows keep pointer
+    loads). ``persistent`` (index-gather layout): 0 launches one program per tile; 1 one program per
+    SM, each walking the tiles ``pid, pid + grid, ...``; 2 the same with the tile loop and the K
+    loop flattened into one software pipeline. ``swap_ab`` (index-gather and permute) computes
     each tile transposed, ``W_tile @ A_tile^T``: the ``block_n`` weight rows become the MMA's M side
     and the few token rows its N side, because Hopper's wgmma needs an M side of 64 or more and a
     decode tile has 16 token rows (with 16- or 32-row M tiles Triton emits the older ``mma.sync``).
@@ -166,7 +167,7 @@ def check_config(func: str, config: object, *, align: int | None = None, layout:
              "are added with atomics, into the summed output)", config.down.split_k)
     supports = layout_named(func, layout)
     machinery = [(f"config.{g}.{f}", getattr(getattr(config, g), f), f, what) for g in ("gate_up", "down")
-                 for f, what in (("persistent", "the persistent grid"), ("tma", "tensor-descriptor weight loads"),
+                 for f, what in (("persistent", "the persistent grid"), ("tma", "tensor-descriptor loads"),
                                  ("swap_ab", "the transposed tile product"))]
     machinery += [(f"config.{f}", getattr(config, f), f, what) for f, what in (
         ("pdl", "programmatic dependent launch"), ("quant_in_gemm", "GEMM 1's fp8 epilogue"))]

@@ -37,7 +37,8 @@ class Layout:
     experts_function: str
     #: The :class:`~moe_kernels.kernels.formats.WeightFormat` names it runs.
     formats: tuple[str, ...]
-    #: Weight tiles through Hopper's tensor-memory accelerator (``GemmTiles.tma``).
+    #: Tiles through Hopper's tensor-memory accelerator (``GemmTiles.tma``): the weights, and where
+    #: a tile's rows are consecutive (permute) the activations too.
     tma: bool
     #: One program per SM walking the tiles (``GemmTiles.persistent``).
     persistent: bool
