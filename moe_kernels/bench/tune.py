@@ -104,7 +104,9 @@ def tune(models, batches, *, dtype, seed, warmup_ms, rep_ms, workers, budget_s=m
     seconds (compilation included) have passed; the rest keep the default configuration. With
     ``refine``, only the configuration :func:`~moe_kernels.kernels.config.get_config` picks today
     is timed, with each of its GEMMs with and without TMA and on each grid (an A/B of that
-    machinery on otherwise equal tiles). ``weight_format`` is a key of
+    machinery on otherwise equal tiles). Either way the chosen tiles are then timed as one experts
+    call with each combination of the switches between the GEMMs (``MoEConfig.pdl``,
+    ``MoEConfig.quant_in_gemm``). ``weight_format`` is a key of
     :data:`~moe_kernels.kernels.formats.FORMATS` ("none": ``dtype`` weights; "block": fp8 with
     128x128 block scales, whose tables are the fp8 ones)."""
     from ..kernels._pdl import pdl_available

@@ -40,8 +40,6 @@ from .._runtime import HAS_TRITON, INTERPRET, kernel, tl
 
 #: Bytes per L2 line: one prefetch instruction each.
 LINE_BYTES = 128
-#: Lines per row prefetched per step of the prefetch loop.
-LINES_PER_STEP = 8
 
 
 def pdl_available(device: torch.device) -> bool:

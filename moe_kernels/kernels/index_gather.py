@@ -114,6 +114,7 @@ if HAS_TRITON:
             # Rows past the last (N not a multiple of BLOCK_N) ask for the last row again: a
             # prefetch must not point past the weights, even one L2 never answers.
             rows = tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N), N - 1)
+            # (8 lines of each row per step of the prefetch loop: BLOCK_N x 8 instructions at a time)
             prefetch_rows_to_l2(w_ptr + expert * stride_we + rows.to(tl.int64) * stride_wn, K, LINE, 8)
 
     @kernel

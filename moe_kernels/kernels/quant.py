@@ -79,7 +79,8 @@ if HAS_TRITON:
         onward) stored as the quantiser above would store it: first rounded to ``ROUND_TO`` (the
         dtype the unfused path writes and the quantiser reads: "bf16", "fp16" or "" for fp32), then
         per row and 1 x GROUP_SIZE group: amax, scale, divide, round; the scales go to
-        ``s_ptr + s_rows`` at the tile's groups. Real rows and columns below ``N`` only."""
+        ``s_ptr + s_rows`` at the tile's groups. Real rows and columns below ``N`` only. (The
+        arithmetic is the quantiser kernel's, line for line; a test holds the two to the same bits.)"""
         if ROUND_TO == "bf16":
             acc = acc.to(tl.bfloat16).to(tl.float32)
         elif ROUND_TO == "fp16":
