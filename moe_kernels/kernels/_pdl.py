@@ -40,6 +40,10 @@ from .._runtime import HAS_TRITON, INTERPRET, kernel, tl
 
 #: Bytes per L2 line: one prefetch instruction each.
 LINE_BYTES = 128
+#: Where GEMM 1 lets GEMM 2 launch: 1 as each program starts, 2 as it ends.
+TRIGGER = 1
+#: How many K columns of its weight tile GEMM 2 asks L2 for before it waits (-1: all, 0: none).
+PREFETCH_K = -1
 
 
 def pdl_available(device: torch.device) -> bool:

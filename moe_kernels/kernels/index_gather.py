@@ -64,6 +64,7 @@ from .blocks import (BlockAssignment, assign_blocks, assignments_by_block, build
                      dense_blocks)
 from .combine import sum_slots
 from .config import GemmTiles, MoEConfig, check_block_m, check_config, check_tiles, get_config, separate_sum_tiles
+from . import _pdl
 from ._pdl import LINE_BYTES, pdl_available
 from .formats import WeightFormat
 from .quant import FP8
@@ -206,18 +207,20 @@ if HAS_TRITON:
         MUL_ROUTED_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr,
         SCALES: tl.constexpr, SUM_TOP_K: tl.constexpr, SPLIT_K: tl.constexpr, w_desc, TMA_W: tl.constexpr,
         num_tiles, PERSISTENT: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, ID_CHECK: tl.constexpr,
-        SWAP_AB: tl.constexpr, PDL_TRIGGER: tl.constexpr = False, PDL_WAIT: tl.constexpr = False,
-        PREFETCH_LINE: tl.constexpr = 64, out_scale_ptr=None, stride_os=0, QUANT_GROUP: tl.constexpr = 0,
+        SWAP_AB: tl.constexpr, PDL_TRIGGER: tl.constexpr = 0, PDL_WAIT: tl.constexpr = False,
+        PREFETCH_LINE: tl.constexpr = 64, PREFETCH_K: tl.constexpr = -1, out_scale_ptr=None, stride_os=0, QUANT_GROUP: tl.constexpr = 0,
         ROUND_TO: tl.constexpr = "",
     ):
         # Programmatic dependent launch (moe_kernels.kernels._pdl): GEMM 1 lets GEMM 2 launch at
         # once; GEMM 2 asks L2 for its first tile's weights, then waits for GEMM 1 to finish.
-        if PDL_TRIGGER:
+        if PDL_TRIGGER == 1:
             gdc_launch_dependents()
         if PDL_WAIT:
-            _prefetch_tile_weights(tl.program_id(0), w_ptr, expert_ids_ptr, num_tokens_post_padded_ptr, num_m_blocks,
-                                   num_experts, N, K, stride_we, stride_wn, BLOCK_M, BLOCK_N, GROUP_M, SPLIT_K,
-                                   NAIVE_BLOCKS, DENSE, PREFETCH_LINE)
+            if PREFETCH_K != 0:
+                _prefetch_tile_weights(tl.program_id(0), w_ptr, expert_ids_ptr, num_tokens_post_padded_ptr,
+                                       num_m_blocks, num_experts, N, K if PREFETCH_K < 0 else tl.minimum(K, PREFETCH_K),
+                                       stride_we, stride_wn, BLOCK_M, BLOCK_N, GROUP_M, SPLIT_K, NAIVE_BLOCKS, DENSE,
+                                       PREFETCH_LINE)
             gdc_wait()
         # One tile per program, or (PERSISTENT) one program per SM walking tiles pid, pid + grid, ...;
         # 2 also flattens the tile loop and the K loop into one software pipeline, so that the next
@@ -241,6 +244,8 @@ if HAS_TRITON:
                     BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, TOP_K, NAIVE_BLOCKS, DENSE, GATED, MUL_ROUTED_WEIGHT, EVEN_K,
                     INPUT_PRECISION, SCALES, SUM_TOP_K, SPLIT_K, w_desc, TMA_W, SCALE_BN, SCALE_BK, ID_CHECK,
                     SWAP_AB, out_scale_ptr, stride_os, QUANT_GROUP, ROUND_TO)
+        if PDL_TRIGGER == 2:
+            gdc_launch_dependents()
 
 
 @functools.lru_cache(maxsize=None)
@@ -291,20 +296,21 @@ def _launch(a, w, out, topk_weights, blocks: BlockAssignment, *, n_out: int, top
         w_desc=w_desc if w_desc is not None else w, TMA_W=w_desc is not None,
         num_tiles=num_tiles, PERSISTENT=tiles.persistent, SCALE_BN=scales[7], SCALE_BK=scales[8], ID_CHECK=id_check,
         SWAP_AB=tiles.swap_ab, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-        **device_assert_options(id_check), **_pdl_options(pdl, w.element_size()),
+        **device_assert_options(id_check), **_pdl_options(pdl, w.element_size(), _pdl.TRIGGER, _pdl.PREFETCH_K),
         **({} if quant is None else dict(out_scale_ptr=quant[0], stride_os=quant[0].stride(0), QUANT_GROUP=quant[1],
                                          ROUND_TO=quant[2])),
     )
 
 
 @functools.lru_cache(maxsize=None)
-def _pdl_options(role: str, element_size: int) -> dict:
+def _pdl_options(role: str, element_size: int, trigger: int = 1, prefetch_k: int = -1) -> dict:
     """What a role in a programmatic dependent launch adds to the launch (the prefetch asks for
     one 128-byte line per ``PREFETCH_LINE`` weight elements)."""
     if role == "trigger":
-        return {"PDL_TRIGGER": True}
+        return {"PDL_TRIGGER": trigger}
     if role == "wait":
-        return {"PDL_WAIT": True, "PREFETCH_LINE": LINE_BYTES // element_size, "launch_pdl": True}
+        return {"PDL_WAIT": True, "PREFETCH_LINE": LINE_BYTES // element_size, "PREFETCH_K": prefetch_k,
+                "launch_pdl": True}
     return {}
 
 
