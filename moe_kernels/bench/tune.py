@@ -274,7 +274,8 @@ def _warm_up(device, seconds: float = 1.0) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m moe_kernels.bench tune", description=__doc__.split("\n\n")[0])
     add_run_arguments(parser, warmup_ms=10.0, rep_ms=50.0)
-    add_record_arguments(parser, "fused-moe-tuning, or fused-moe-tuning-fp8-block with --format block")
+    add_record_arguments(parser, "fused-moe-tuning, or fused-moe-tuning-fp8-block with --format block; "
+                                 "with --refine, fused-moe-tuning-refine[-fp8-block]")
     parser.add_argument("--workers", type=at_least(int, 0), default=min(12, os.cpu_count() or 1),
                         help="processes compiling tuning candidates in parallel")
     parser.add_argument("--budget-s", type=at_least(float, 0), default=math.inf,
@@ -294,7 +295,9 @@ def main(argv: list[str] | None = None) -> int:
                    warmup_ms=args.warmup_ms, rep_ms=args.rep_ms, workers=args.workers, budget_s=args.budget_s,
                    log=log_line, refine=args.refine, weight_format=args.format)
     data = {"config": config, "device": torch.cuda.get_device_name(), "entries": entries}
-    name = args.name or ("fused-moe-tuning" if args.format == "none" else f"fused-moe-tuning-fp8-{args.format}")
+    # (a refine times a few variants of today's tables: its record must not replace a full tune's)
+    name = args.name or ("fused-moe-tuning" + ("-refine" if args.refine else "")
+                         + ("" if args.format == "none" else f"-fp8-{args.format}"))
     if args.write_tables:
         from ..kernels.formats import FORMATS
 
