@@ -27,10 +27,22 @@ def test_a_toy_model_steps_with_every_implementation():
         if "error" in row:   # an implementation this torch lacks on a CPU is reported, not fatal
             continue
         assert row["eager_ms"] > 0 and row["eager_us_per_token"] == pytest.approx(row["eager_ms"] * 500)
+        if row["implementation"] not in (model_step.NO_EXPERTS, "eager"):
+            assert row["logits_compared_with"] == "eager" and row["logits_rel_err"] < 1e-5, row
         if row["implementation"] != model_step.NO_EXPERTS:
-            assert row["logits_rel_err_vs_eager"] < 1e-5, row
             assert "eager_experts_ms" in row
     assert not any("error" in r for r in rows if r["implementation"] in ("eager", "moe_kernels"))
+
+
+def test_the_expert_loop_can_be_left_out_above_a_batch():
+    """Above ``eager_loop_max_batch`` transformers' Python loop is skipped (said in its row) and
+    the others compare their logits with the first implementation that ran."""
+    data = model_step.run(["qwen3-30b-a3b"], [1, 3], tiny=True, device="cpu", context=2, steps=1,
+                          eager_loop_max_batch=2, log=lambda line: None)
+    loop = {r["batch"]: r for r in data["rows"] if r["implementation"] == "eager"}
+    assert "skipped" not in loop[1] and "up to 2 tokens" in loop[3]["skipped"] and loop[3]["eager_ms"] is None
+    ours = next(r for r in data["rows"] if r["implementation"] == "moe_kernels" and r["batch"] == 3)
+    assert ours["logits_compared_with"] != "eager" and ours["logits_rel_err"] < 1e-5
 
 
 def test_a_step_repeats_at_the_same_position():
