@@ -317,10 +317,14 @@ def test_every_figure_is_numbered_and_described(server, offline, path):
     images = page.evaluate("""() => [...document.querySelectorAll('article img')].map(img => ({
         src: img.getAttribute('src'), alt: img.getAttribute('alt') || '',
         caption: (img.closest('figure') && img.closest('figure').querySelector('figcaption')
-                  ? img.closest('figure').querySelector('figcaption').innerText : '')}))""")
+                  ? img.closest('figure').querySelector('figcaption').innerText : ''),
+        opens: img.closest('a.figure-open') ? img.closest('a.figure-open').href : ''}))""")
     for img in images:
         assert img["alt"].strip() and len(img["alt"]) > 20, f"{path}: {img['src']} has no real alt text"
         assert re.match(r"Figure \d+", img["caption"]), f"{path}: {img['src']} has no numbered caption"
+        # a tap opens the figure by itself (full screen, zoomable on a phone)
+        assert img["opens"].endswith(img["src"].rsplit("/", 1)[-1]), f"{path}: {img['src']} opens {img['opens']!r}"
+        assert page.request.get(img["opens"]).ok, img["opens"]
 
 
 def _tables(cells):

@@ -9,7 +9,8 @@ phone version beside its figure in ``_images/`` and wraps the figure's ``<img>``
     <picture><source media="(max-width: 600px)" srcset=".../<name>-phone.svg"><img ...></picture>
 
 so that a browser narrower than 600 pixels loads the phone version instead; the ``<img>`` (its alt
-text, its place under the figure's caption) is unchanged.
+text, its place under the figure's caption) is unchanged. Each figure is also a link to its SVG
+(``figure-open``): a tap opens it by itself, full screen, where a phone can zoom it.
 
 A figure that cannot be narrowed (a diagram or a heat map with text in its cells has no phone
 version), or whose phone version is still too wide for its smallest text, gets a minimum width
@@ -47,12 +48,17 @@ def _wrap(match: re.Match, images: Path, phone_stems: set[str]) -> str:
         img = f"<picture>{source}{img}</picture>"
     if width > PHONE_COLUMN_PX:   # too small in a phone's column: keep it legible and let it scroll
         img = img.replace("<img ", f'<img data-phone-min-width style="min-width: {width}px" ', 1)
+    # A tap (or click) opens the figure by itself, full screen, where a phone can zoom it.
+    img = f'<a class="figure-open" href="{match.group("prefix")}{stem}.svg" title="{OPEN_TITLE}">{img}</a>'
+    if width > PHONE_COLUMN_PX:
         img = f'<span class="figure-scroll">{img}</span>'
     return img
 
 
+OPEN_TITLE = "Open this figure by itself (full screen, zoomable)"
 # What _wrap adds, to be taken off again (see add_phone_versions).
 SCROLL = re.compile(r'<span class="figure-scroll">(.*?)</span>', re.S)
+OPEN = re.compile(r'<a class="figure-open" href="[^"]*" title="[^"]*">(.*?)</a>', re.S)
 PICTURE = re.compile(r'<picture><source [^>]*>(<img\b[^>]*>)</picture>')
 MIN_WIDTH = re.compile(r'<img data-phone-min-width style="min-width: \d+px" ')
 
@@ -76,7 +82,7 @@ def add_phone_versions(app, exception) -> None:
             continue
         # A page an incremental build did not rewrite still has the last build's wrapping: undo it
         # first, so that each figure is wrapped for its phone version as it is now.
-        plain = MIN_WIDTH.sub("<img ", PICTURE.sub(r"\1", SCROLL.sub(r"\1", text)))
+        plain = MIN_WIDTH.sub("<img ", PICTURE.sub(r"\1", OPEN.sub(r"\1", SCROLL.sub(r"\1", text))))
         wrapped = IMG.sub(lambda m: _wrap(m, images, phone_stems), plain)
         if wrapped != text:
             page.write_text(wrapped, encoding="utf-8")

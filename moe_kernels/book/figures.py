@@ -98,18 +98,20 @@ def _figure_dir() -> Path:
     return here if here.is_dir() else FIGURE_DIR
 
 
-def save_figure(fig, name: str, directory: Path | None = None) -> None:
+def save_figure(fig, name: str, directory: Path | None = None, *, reflows_on_a_phone: bool | None = None) -> None:
     """Write ``fig`` as ``<directory or figures/ beside the notebook>/<name>.svg`` (no timestamp, fixed ids, so
     the file only changes when the picture does) and close it. Returns nothing, so a cell that ends
     with it has no output. A file whose picture differs only by float noise (another CPU's BLAS
     moving a coordinate in its sixth decimal) is left as it is: re-running the notebooks, as the
-    tests do, writes nothing into the repository."""
+    tests do, writes nothing into the repository. ``reflows_on_a_phone`` overrides :func:`reflows`
+    (a bar chart whose only texts are one-letter labels over its bars can be narrowed)."""
     import matplotlib.pyplot as plt
 
     folder = directory or _figure_dir()
     folder.mkdir(parents=True, exist_ok=True)
     versions = {name: _svg(fig)}
-    if fig.get_figwidth() > phone_width(fig) and reflows(fig):
+    narrowable = reflows(fig) if reflows_on_a_phone is None else reflows_on_a_phone
+    if fig.get_figwidth() > phone_width(fig) and narrowable:
         phone_layout(fig, phone_width(fig))
         phone = _svg(fig)
         # Kept only if clearly narrower: labels and legends that cannot shrink may leave it as
