@@ -79,11 +79,52 @@ def test_permute_experts_bf16_on_this_machine():
 
 
 PERMUTE_VARIANTS = [(True, False), (False, True), (True, True)]   # (tma, swap_ab)
+PERSISTENT_VARIANTS = [(True, False, 1), (True, True, 2), (False, False, 1)]   # (tma, swap_ab, persistent)
 
 
-def permute_variant(tma: bool, swap_ab: bool, block_m: int = 16, block_n: int = 64, block_k: int = 32) -> MoEConfig:
-    tiles = GemmTiles(block_n, block_k, tma=tma, swap_ab=swap_ab)
+def permute_variant(tma: bool, swap_ab: bool, persistent: int = 0, block_m: int = 16, block_n: int = 64,
+                    block_k: int = 32) -> MoEConfig:
+    tiles = GemmTiles(block_n, block_k, tma=tma, swap_ab=swap_ab, persistent=persistent)
     return MoEConfig(block_m, tiles, tiles)
+
+
+@pytest.mark.parametrize("persistent", [1, 2])
+@pytest.mark.parametrize("case", sorted(EDGE_SHAPES) + ["no tokens", "skewed"])
+def test_persistent_permute_walks_only_the_used_tiles(case, persistent):
+    """One program per SM (four under the interpreter) walking the tiles of the rows the segments
+    use, read from the device (PermutedRows.rows_used): same result as the reference on every edge
+    case, segments of several 16-row tiles included (align 32), and the launch says so."""
+    from moe_kernels._runtime import record_launches
+
+    if case == "no tokens":
+        problems = [make_problem(0, 4, 2, 24, 16, seed=3)]
+    elif case == "skewed":
+        problems = list(skewed_problems())
+    else:
+        problems = [make_problem(**EDGE_SHAPES[case], hidden=24, inter=16, seed=7)]
+    tiles = GemmTiles(16, 16, group_m=2, persistent=persistent)
+    for x, w1, w2, weights, ids in problems:
+        with record_launches() as launches:
+            out = permute_experts(x, w1, w2, weights, ids, align=32, config=MoEConfig(16, tiles, tiles))
+        assert rel_err(out, moe_reference(x, w1, w2, weights, ids)) < 1e-5
+        grids = [settings["grid"] for name, settings in launches if name == "permute.gemm"]
+        assert all(len(grid) == 1 and grid[0] <= 4 for grid in grids), grids
+
+
+def test_persistent_permute_without_rows_used_visits_every_tile():
+    """grouped_gemm_contiguous called alone, without rows_used, still computes every segment; a
+    rows_used of the wrong shape is refused by name."""
+    x, w1, _, _, ids = make_problem(11, 3, 2, 24, 16, seed=5)
+    p = permute(x, ids, 3, align=16)
+    config = MoEConfig(16, GemmTiles(16, 16, persistent=1), GemmTiles(16, 16, persistent=1))
+    alone = grouped_gemm_contiguous(p.rows, w1, p.m_indices, align=16, silu_mul=True, config=config)
+    used = grouped_gemm_contiguous(p.rows, w1, p.m_indices, align=16, silu_mul=True, config=config,
+                                   rows_used=p.rows_used)
+    real = p.m_indices >= 0
+    assert torch.equal(alone[real], used[real])
+    with pytest.raises(ValueError, match="rows_used"):
+        grouped_gemm_contiguous(p.rows, w1, p.m_indices, align=16, silu_mul=True, config=config,
+                                rows_used=p.rows_used.repeat(2))
 
 
 # Through the copy engine a tile reads its padding rows as they are (never-written memory, which
@@ -135,24 +176,25 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from moe_kernels.kernels import permute as pm
 fn = pm._contiguous_gemm_kernel
-for tma, swap in ((True, False), (True, True), (False, True)):
+for tma, swap, persistent in ((True, False, 0), (True, True, 0), (False, True, 0), (True, False, 1)):
     pointers = dict(a_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", m_indices_ptr="*i32", a_scale_ptr="*fp32",
-                    w_scale_ptr="*fp32", w_desc="tensordesc<bf16[64, 64]>" if tma else "*bf16",
+                    w_scale_ptr="*fp32", rows_used_ptr="*i32", w_desc="tensordesc<bf16[64, 64]>" if tma else "*bf16",
                     a_desc="tensordesc<bf16[64, 64]>" if tma else "*bf16")
     const = dict(GATED=True, EVEN_K=True, INPUT_PRECISION="tf32", SCALES=0, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64,
-                 SCALE_BN=128, SCALE_BK=128, TMA_W=tma, TMA_A=tma, SWAP_AB=swap)
+                 SCALE_BN=128, SCALE_BK=128, TMA_W=tma, TMA_A=tma, SWAP_AB=swap, GROUP_M=8, PERSISTENT=persistent)
     sig = {n: "constexpr" if n in const else pointers.get(n, "i32") for n in fn.arg_names}
     constants = {(i,): const[n] for i, n in enumerate(fn.arg_names) if n in const}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
     ptx = triton.compile(ASTSource(fn, sig, constants, attrs), target=GPUTarget("cuda", 90, 32),
                          options=dict(num_warps=4, num_stages=3)).asm["ptx"]
-    print(tma, swap, "cp.async.bulk.tensor" in ptx, "wgmma" in ptx)
+    print(tma, swap, persistent, "cp.async.bulk.tensor" in ptx, "wgmma" in ptx)
 """
 
 
 def test_permute_tma_compiles_for_hopper():
     """Compiled for sm_90 on this machine (the interpreter cannot say whether Triton accepts a
-    kernel): with TMA both operands arrive by bulk tensor copies, and the 64-row tiles are wgmma."""
+    kernel): with TMA both operands arrive by bulk tensor copies, and the 64-row tiles are wgmma,
+    on the persistent grid too."""
     import os
     import subprocess
     import sys
@@ -162,11 +204,12 @@ def test_permute_tma_compiles_for_hopper():
     done = subprocess.run([sys.executable, "-c", _COMPILE_PERMUTE_FOR_HOPPER], capture_output=True, text=True,
                           timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split("\n")[:3] == ["True False True True", "True True True True", "False True False True"]
+    assert done.stdout.split("\n")[:4] == ["True False 0 True True", "True True 0 True True", "False True 0 False True",
+                                           "True False 1 True True"]
 
 
 @needs_gpu
-@pytest.mark.parametrize("variant", PERMUTE_VARIANTS)
+@pytest.mark.parametrize("variant", PERMUTE_VARIANTS + PERSISTENT_VARIANTS)
 @pytest.mark.parametrize("num_tokens", [1, 64, 600])
 def test_permute_tma_and_transposed_tiles_gpu(variant, num_tokens):
     x, w1, w2, weights, ids = make_problem(num_tokens, 128, 8, 2048, 768, torch.bfloat16, seed=num_tokens)

@@ -18,6 +18,8 @@ tile, and an epilogue. That part lives here, once:
 * :func:`scale_rows` - the routed-weight epilogue of GEMM 2: each row times its routing weight,
   in fp32, before the single rounding to the output dtype.
 * :func:`store_tile` - the masked store: only real rows and columns ``< N`` are written.
+* :func:`tile_position` - which (M-block, N-tile, K slice) a tile index names, in the L2-friendly
+  order a persistent program walks (:func:`programs_per_device` programs, one per SM).
 * :func:`add_tile` - the same tile added into an fp32 output with atomics, for a GEMM 2 that sums
   the top-k slots in its epilogue and may split its K loop (``SPLIT_K`` programs per tile, each
   over a slice of K): the sum is linear, so partial products can land in any order.
@@ -30,12 +32,30 @@ whose fp32 -> bf16 stores truncate.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .._checks import FLOAT_DTYPES, check_tensor, fail
 from .._runtime import HAS_TRITON, interpreted_bf16, kernel, tl
 from .formats import WeightFormat
 from .quant import FP8
+
+
+@functools.lru_cache(maxsize=None)
+def programs_per_device(device: torch.device) -> int:
+    """A persistent grid: one program per SM (the interpreter has no SMs; a few programs will do)."""
+    if device.type != "cuda":
+        return 4
+    return _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(index: int) -> int:
+    """The SM count of GPU ``index``, asked once (torch's query costs microseconds per launch)."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 
 if HAS_TRITON:
 
@@ -158,6 +178,19 @@ if HAS_TRITON:
             acc = acc * tl.sigmoid(acc) * acc_up
         # <<< book: epilogue
         return acc
+
+    @kernel
+    def tile_position(tile, num_m_blocks, N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr):
+        """(M-block, N-tile, K slice) of ``tile``. GROUP_M M-blocks are walked down one N-tile before
+        moving right, so that consecutive tiles of one expert reuse the same weight tile from L2."""
+        pid = tile // SPLIT_K
+        num_n_tiles = tl.cdiv(N, BLOCK_N)
+        programs_per_group = GROUP_M * num_n_tiles
+        first_m = (pid // programs_per_group) * GROUP_M
+        group_rows = min(num_m_blocks - first_m, GROUP_M)
+        pid_m = first_m + (pid % programs_per_group) % group_rows
+        pid_n = (pid % programs_per_group) // group_rows
+        return pid_m, pid_n, tile % SPLIT_K
 
     @kernel
     def empty_accumulator(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP_AB: tl.constexpr):

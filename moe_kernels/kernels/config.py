@@ -51,9 +51,10 @@ class GemmTiles:
     slots in its epilogue: see :class:`MoEConfig`). ``tma`` loads the weight tiles through
     Hopper's tensor-memory accelerator (index-gather and permute layouts), and the permute layout's
     activation tiles too (its rows are consecutive; index-gather's gathered rows keep pointer
-    loads). ``persistent`` (index-gather layout): 0 launches one program per tile; 1 one program per
-    SM, each walking the tiles ``pid, pid + grid, ...``; 2 the same with the tile loop and the K
-    loop flattened into one software pipeline. ``swap_ab`` (index-gather and permute) computes
+    loads). ``persistent`` (index-gather and permute layouts): 0 launches one program per tile; 1
+    one program per SM, each walking the tiles ``pid, pid + grid, ...`` (the permute layout's only
+    those of the rows its segments use); 2 the same with the tile loop and the K loop flattened
+    into one software pipeline. ``swap_ab`` (index-gather and permute) computes
     each tile transposed, ``W_tile @ A_tile^T``: the ``block_n`` weight rows become the MMA's M side
     and the few token rows its N side, because Hopper's wgmma needs an M side of 64 or more and a
     decode tile has 16 token rows (with 16- or 32-row M tiles Triton emits the older ``mma.sync``).

@@ -59,7 +59,7 @@ from .._replay import CallPlans
 from .._runtime import (HAS_TRITON, INTERPRET, cdiv, device_assert_options, kernel, note_launch, recording, tl,
                         use_triton)
 from ._tile_gemm import (check_operands, check_out, dequantized, dot_precision, expert_rows_product,
-                         in_float32_under_interpreter, output_dtype, weight_descriptor)
+                         in_float32_under_interpreter, output_dtype, programs_per_device, weight_descriptor)
 from .blocks import (BlockAssignment, assign_blocks, assignments_by_block, build_blocks, check_blocks,  # noqa: F401
                      dense_blocks)
 from .combine import sum_slots
@@ -72,6 +72,7 @@ from .quant import FP8
 if HAS_TRITON:
     from ._pdl import gdc_launch_dependents, gdc_wait, prefetch_rows_to_l2
     from ._tile_gemm import add_tile, expert_tile_product, scale_rows, store_tile
+    from ._tile_gemm import tile_position as _tile_position
     from .quant import store_group_quantized
 
 
@@ -80,19 +81,6 @@ if HAS_TRITON:
 # ----------------------------------------------------------------------------------------------
 
 if HAS_TRITON:
-
-    @kernel
-    def _tile_position(tile, num_m_blocks, N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr):
-        """(M-block, N-tile, K slice) of ``tile``. GROUP_M M-blocks are walked down one N-tile before
-        moving right, so that consecutive tiles of one expert reuse the same weight tile from L2."""
-        pid = tile // SPLIT_K
-        num_n_tiles = tl.cdiv(N, BLOCK_N)
-        programs_per_group = GROUP_M * num_n_tiles
-        first_m = (pid // programs_per_group) * GROUP_M
-        group_rows = min(num_m_blocks - first_m, GROUP_M)
-        pid_m = first_m + (pid % programs_per_group) % group_rows
-        pid_n = (pid % programs_per_group) // group_rows
-        return pid_m, pid_n, tile % SPLIT_K
 
     @kernel
     def _prefetch_tile_weights(tile, w_ptr, expert_ids_ptr, num_tokens_post_padded_ptr, num_m_blocks, num_experts,
@@ -248,20 +236,6 @@ if HAS_TRITON:
             gdc_launch_dependents()
 
 
-@functools.lru_cache(maxsize=None)
-def _programs_per_device(device: torch.device) -> int:
-    """A persistent grid: one program per SM (the interpreter has no SMs; a few programs will do)."""
-    if device.type != "cuda":
-        return 4
-    return _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.lru_cache(maxsize=None)
-def _multiprocessors(index: int) -> int:
-    """The SM count of GPU ``index``, asked once (torch's query costs microseconds per launch)."""
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _launch(a, w, out, topk_weights, blocks: BlockAssignment, *, n_out: int, top_k: int, gated: bool,
             tiles: GemmTiles, scales: tuple, sum_top_k: int = 0, pdl: str = "", quant: tuple | None = None) -> None:
     """One GEMM launch. ``pdl`` (see :mod:`moe_kernels.kernels._pdl`): "trigger" lets the next
@@ -273,7 +247,7 @@ def _launch(a, w, out, topk_weights, blocks: BlockAssignment, *, n_out: int, top
     num_tiles = blocks.num_m_blocks * cdiv(n_out, tiles.block_n) * tiles.split_k
     if num_tiles == 0 or n_out == 0:
         return
-    grid = (min(num_tiles, _programs_per_device(a.device)) if tiles.persistent else num_tiles,)
+    grid = (min(num_tiles, programs_per_device(a.device)) if tiles.persistent else num_tiles,)
     w_desc = weight_descriptor(w, tiles)
     # Unused pointer arguments (naive blocks have no sorted ids, GEMM 1 has no weights) get any
     # tensor: the constexpr flags compile the loads away.

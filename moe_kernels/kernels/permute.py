@@ -61,14 +61,15 @@ from .._checks import check_dispatch_inputs, check_int, check_moe_inputs, check_
 from .._runtime import HAS_TRITON, cdiv, kernel, next_power_of_2, note_launch, tl, use_triton
 from ..model.buffers import expert_counts, max_padded_rows
 from ._tile_gemm import (check_operands, check_out, dequantized, dot_precision, expert_rows_product, gemm_width,
-                         in_float32_under_interpreter, output_dtype, rows_descriptor, weight_descriptor)
+                         in_float32_under_interpreter, output_dtype, programs_per_device, rows_descriptor,
+                         weight_descriptor)
 from .align import align_checked, moe_align_block_size_reference
 from .combine import unpermute
 from .config import MoEConfig, check_config, get_config
 from .formats import WeightFormat
 
 if HAS_TRITON:
-    from ._tile_gemm import expert_tile_product, store_tile
+    from ._tile_gemm import expert_tile_product, store_tile, tile_position
 
     # >>> book: permute-scatter
     @kernel
@@ -101,6 +102,42 @@ if HAS_TRITON:
     # <<< book: permute-scatter
 
     @kernel
+    def _contiguous_tile(
+        pid_m, pid_n, a_ptr, stride_am, w_ptr, stride_we, stride_wn, out_ptr, stride_om,
+        m_indices_ptr, num_rows, num_experts, N, K,
+        a_scale_ptr, stride_as, w_scale_ptr, stride_wse, stride_wsn, stride_wsk,
+        GATED: tl.constexpr, EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr, SCALES: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
+        w_desc, TMA_W: tl.constexpr, a_desc, TMA_A: tl.constexpr, SWAP_AB: tl.constexpr,
+    ):
+        """Tile (``pid_m``, ``pid_n``) of the contiguous grouped GEMM."""
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_experts = tl.load(m_indices_ptr + rows, mask=rows < num_rows, other=-1)
+        # A tile lies inside one segment (BLOCK_M divides align), so its real rows share one
+        # expert and its padding rows are -1. A tile of padding, or one naming an expert that does
+        # not exist, has nothing to do: an id is never used as an address unchecked.
+        expert = tl.max(row_experts, axis=0)
+        if (expert >= 0) & (expert < num_experts):
+            # A segment's real rows come first, so the tile's first row is real: padding rows read
+            # it (loads need no row mask, and never see the buffer's unwritten garbage) and are not
+            # stored. Through the copy engine (TMA_A) a tile reads its rows as they are, padding
+            # included: a row of the product depends on its own row of A only, and padding rows
+            # are never stored.
+            row_real = row_experts == expert
+            offsets = rows.to(tl.int64)
+            a_rows = tl.where(row_real, offsets, pid_m * BLOCK_M) * stride_am
+            acc = expert_tile_product(a_ptr, a_rows, w_ptr + expert.to(tl.int64) * stride_we,
+                                      stride_wn, pid_n, N, K,
+                                      a_scale_ptr, tl.where(row_real, offsets, pid_m * BLOCK_M) * stride_as,
+                                      w_scale_ptr + expert.to(tl.int64) * stride_wse, stride_wsn, stride_wsk,
+                                      GATED, EVEN_K, INPUT_PRECISION, SCALES, BLOCK_M, BLOCK_N, BLOCK_K,
+                                      w_desc=w_desc, w_desc_row=(expert * (N * (1 + GATED)) + pid_n * BLOCK_N)
+                                      .to(tl.int32), TMA_W=TMA_W, SCALE_BN=SCALE_BN, SCALE_BK=SCALE_BK,
+                                      SWAP_AB=SWAP_AB, a_desc=a_desc, a_desc_row=pid_m * BLOCK_M, TMA_A=TMA_A)
+            store_tile(out_ptr, offsets * stride_om, row_real, acc, pid_n, N, BLOCK_N)
+
+    @kernel
     def _contiguous_gemm_kernel(
         a_ptr, stride_am, w_ptr, stride_we, stride_wn, out_ptr, stride_om,
         m_indices_ptr, num_rows, num_experts, N, K,
@@ -109,34 +146,31 @@ if HAS_TRITON:
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
         w_desc, TMA_W: tl.constexpr, a_desc, TMA_A: tl.constexpr, SWAP_AB: tl.constexpr,
+        rows_used_ptr, GROUP_M: tl.constexpr, PERSISTENT: tl.constexpr,
     ):
-        # Axis 0 (M tiles) varies fastest, so consecutive programs are consecutive tiles of the
-        # same expert and find that expert's weight tile in L2.
-        pid_m = tl.program_id(0)
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        row_experts = tl.load(m_indices_ptr + rows, mask=rows < num_rows, other=-1)
-        # A tile lies inside one segment (BLOCK_M divides align), so its real rows share one
-        # expert and its padding rows are -1. A tile of padding, or one naming an expert that does
-        # not exist, has nothing to do: an id is never used as an address unchecked.
-        expert = tl.max(row_experts, axis=0)
-        if (expert < 0) | (expert >= num_experts):
-            return
-        # A segment's real rows come first, so the tile's first row is real: padding rows read it
-        # (loads need no row mask, and never see the buffer's unwritten garbage) and are not stored.
-        # Through the copy engine (TMA_A) a tile reads its rows as they are, padding included: a
-        # row of the product depends on its own row of A only, and padding rows are never stored.
-        row_real = row_experts == expert
-        offsets = rows.to(tl.int64)
-        a_rows = tl.where(row_real, offsets, pid_m * BLOCK_M) * stride_am
-        acc = expert_tile_product(a_ptr, a_rows, w_ptr + expert.to(tl.int64) * stride_we,
-                                  stride_wn, tl.program_id(1), N, K,
-                                  a_scale_ptr, tl.where(row_real, offsets, pid_m * BLOCK_M) * stride_as,
-                                  w_scale_ptr + expert.to(tl.int64) * stride_wse, stride_wsn, stride_wsk,
-                                  GATED, EVEN_K, INPUT_PRECISION, SCALES, BLOCK_M, BLOCK_N, BLOCK_K,
-                                  w_desc=w_desc, w_desc_row=(expert * (N * (1 + GATED)) + tl.program_id(1) * BLOCK_N)
-                                  .to(tl.int32), TMA_W=TMA_W, SCALE_BN=SCALE_BN, SCALE_BK=SCALE_BK, SWAP_AB=SWAP_AB,
-                                  a_desc=a_desc, a_desc_row=pid_m * BLOCK_M, TMA_A=TMA_A)
-        store_tile(out_ptr, offsets * stride_om, row_real, acc, tl.program_id(1), N, BLOCK_N)
+        if PERSISTENT == 0:
+            # One program per tile of the whole buffer. Axis 0 (M tiles) varies fastest, so
+            # consecutive programs are consecutive tiles of the same expert and find that expert's
+            # weight tile in L2; tiles past the last segment exit at once.
+            _contiguous_tile(tl.program_id(0), tl.program_id(1), a_ptr, stride_am, w_ptr, stride_we, stride_wn,
+                             out_ptr, stride_om, m_indices_ptr, num_rows, num_experts, N, K,
+                             a_scale_ptr, stride_as, w_scale_ptr, stride_wse, stride_wsn, stride_wsk,
+                             GATED, EVEN_K, INPUT_PRECISION, SCALES, BLOCK_M, BLOCK_N, BLOCK_K, SCALE_BN, SCALE_BK,
+                             w_desc, TMA_W, a_desc, TMA_A, SWAP_AB)
+        else:
+            # One program per SM, walking only the tiles of the rows the segments use (their
+            # padded total, which the alignment wrote on the device: no host sync), GROUP_M
+            # M-blocks down one N-tile at a time. The buffer's spare tail, sized for the worst
+            # routing, costs nothing. (2: the tile and K loops flattened into one pipeline.)
+            num_m_blocks = tl.minimum(tl.load(rows_used_ptr), num_rows) // BLOCK_M
+            num_tiles = num_m_blocks * tl.cdiv(N, BLOCK_N)
+            for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=PERSISTENT == 2):
+                pid_m, pid_n, _ = tile_position(tile, num_m_blocks, N, BLOCK_N, GROUP_M, 1)
+                _contiguous_tile(pid_m, pid_n, a_ptr, stride_am, w_ptr, stride_we, stride_wn,
+                                 out_ptr, stride_om, m_indices_ptr, num_rows, num_experts, N, K,
+                                 a_scale_ptr, stride_as, w_scale_ptr, stride_wse, stride_wsn, stride_wsk,
+                                 GATED, EVEN_K, INPUT_PRECISION, SCALES, BLOCK_M, BLOCK_N, BLOCK_K, SCALE_BN,
+                                 SCALE_BK, w_desc, TMA_W, a_desc, TMA_A, SWAP_AB)
 
 
 class PermutedRows(NamedTuple):
@@ -150,6 +184,9 @@ class PermutedRows(NamedTuple):
       out-of-range id left unvalidated, which no segment holds).
     * ``segment_starts`` int32 ``[E]``: first row of each segment, a multiple of ``align``.
     * ``segment_counts`` int32 ``[E]``: real rows in each segment (tokens routed to the expert).
+    * ``rows_used`` int32 ``[1]``: the rows the segments span, padding included (the alignment's
+      ``num_tokens_post_padded``); rows past it belong to no segment. It stays on the device: a
+      persistent GEMM reads it there to walk only these rows' tiles.
     """
 
     rows: torch.Tensor
@@ -157,6 +194,7 @@ class PermutedRows(NamedTuple):
     src2dst: torch.Tensor
     segment_starts: torch.Tensor
     segment_counts: torch.Tensor
+    rows_used: torch.Tensor
 
 
 def _segments(topk_ids: torch.Tensor, num_experts: int, align: int):
@@ -188,11 +226,11 @@ def permute(hidden_states: torch.Tensor, topk_ids: torch.Tensor, num_experts: in
     num_assignments = num_tokens * topk
     num_rows = max_padded_rows(num_assignments, num_experts, align)
     rows = check_out(func, out, (num_rows, hidden_size), hidden_states)
-    sorted_ids, block_experts, _ = align_checked(func, topk_ids, align, num_experts, validate_ids)
+    sorted_ids, block_experts, rows_used = align_checked(func, topk_ids, align, num_experts, validate_ids)
     segment_starts, segment_counts = _segments(topk_ids, num_experts, align)
     if not use_triton(hidden_states, topk_ids, rows):
         m_indices, src2dst = _permute_rows_reference(hidden_states, sorted_ids, block_experts, rows, topk, align)
-        return PermutedRows(rows, m_indices, src2dst, segment_starts, segment_counts)
+        return PermutedRows(rows, m_indices, src2dst, segment_starts, segment_counts, rows_used)
     m_indices = torch.empty(num_rows, dtype=torch.int32, device=rows.device)
     src2dst = torch.full((num_tokens, topk), -1, dtype=torch.int32, device=rows.device)
     if num_rows:
@@ -202,7 +240,7 @@ def permute(hidden_states: torch.Tensor, topk_ids: torch.Tensor, num_experts: in
             m_indices, src2dst, num_rows, num_assignments, topk, hidden_size, align,
             BLOCK_ROWS=block_rows, BLOCK_D=block_d, num_warps=4,
         )
-    return PermutedRows(rows, m_indices, src2dst, segment_starts, segment_counts)
+    return PermutedRows(rows, m_indices, src2dst, segment_starts, segment_counts, rows_used)
 
 
 def _permute_rows_reference(hidden_states, sorted_ids, block_experts, rows, topk, align):
@@ -225,16 +263,17 @@ def permute_reference(hidden_states, topk_ids, num_experts, *, align=128):
     topk = topk_ids.shape[1]
     num_rows = max_padded_rows(topk_ids.numel(), num_experts, align)
     rows = hidden_states.new_zeros(num_rows, hidden_states.shape[1])
-    sorted_ids, block_experts, _ = moe_align_block_size_reference(topk_ids, align, num_experts)
+    sorted_ids, block_experts, rows_used = moe_align_block_size_reference(topk_ids, align, num_experts)
     m_indices, src2dst = _permute_rows_reference(hidden_states, sorted_ids, block_experts, rows, topk, align)
-    return PermutedRows(rows, m_indices, src2dst, *_segments(topk_ids, num_experts, align))
+    return PermutedRows(rows, m_indices, src2dst, *_segments(topk_ids, num_experts, align), rows_used)
 
 
 def grouped_gemm_contiguous(x: torch.Tensor, w: torch.Tensor, m_indices: torch.Tensor, *, align: int,
                             silu_mul: bool = False, out: torch.Tensor | None = None,
                             config: MoEConfig | None = None, which: str = "gate_up",
                             x_scale: torch.Tensor | None = None, w_scale: torch.Tensor | None = None,
-                            out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                            out_dtype: torch.dtype | None = None, rows_used: torch.Tensor | None = None
+                            ) -> torch.Tensor:
     """``out[r] = x[r] @ w[m_indices[r]]^T`` for every row whose ``m_indices`` is in ``[0, E)``.
 
     ``x`` ``[M_pad, K]`` holds ``align``-aligned expert segments (from :func:`permute`), ``w``
@@ -242,6 +281,9 @@ def grouped_gemm_contiguous(x: torch.Tensor, w: torch.Tensor, m_indices: torch.T
     when ``silu_mul`` (``w`` = ``w1``, gate rows then up rows). Other rows are not written (``out``
     keeps what it held there). ``which`` picks the GEMM tiles of ``config`` (``gate_up``/``down``).
     fp8 operands come with ``x_scale`` (per row of ``x``) and ``w_scale`` and write ``out_dtype``.
+    ``rows_used`` (:attr:`PermutedRows.rows_used`, on the device) lets a persistent grid
+    (``tiles.persistent``) skip the buffer's rows past the last segment; without it every row's
+    tile is visited.
     """
     func = "grouped_gemm_contiguous"
     fmt = check_operands(func, "x", x, "w", w, x_scale, w_scale)
@@ -254,6 +296,10 @@ def grouped_gemm_contiguous(x: torch.Tensor, w: torch.Tensor, m_indices: torch.T
         fail(func, "m_indices", f"must have one entry per row of x ({num_rows}, a multiple of align={align})",
              f"shape {tuple(m_indices.shape)}")
     n = gemm_width(func, w, silu_mul)
+    if rows_used is not None:
+        check_tensor(func, "rows_used", rows_used, ndim=1, dtypes=(torch.int32,), device=x.device)
+        if rows_used.shape[0] != 1:
+            fail(func, "rows_used", "must hold one count (PermutedRows.rows_used)", f"shape {tuple(rows_used.shape)}")
     if config is None:
         config = get_config(num_rows, w.shape[0], n, k, output_dtype(x, out_dtype), x.device, layout="permute",
                             align=align)
@@ -266,22 +312,31 @@ def grouped_gemm_contiguous(x: torch.Tensor, w: torch.Tensor, m_indices: torch.T
         return _grouped_gemm_contiguous_reference(xf, wf, m_indices, silu_mul, result)
     rerun = lambda x, w, out: grouped_gemm_contiguous(  # noqa: E731
         x, w, m_indices, align=align, silu_mul=silu_mul, out=out, config=config, which=which, x_scale=x_scale,
-        w_scale=w_scale, out_dtype=out.dtype)
+        w_scale=w_scale, out_dtype=out.dtype, rows_used=rows_used)
     if num_rows == 0 or in_float32_under_interpreter(rerun, result, x, w) is not None:
         return result
     scales = fmt.scale_arguments(x, w, x_scale, w_scale)
     # Contiguous rows: with tiles.tma both operands come through the copy engine (TMA), not only
     # the weights as in the index-gather layout, whose gathered rows cannot (gather is Blackwell's).
     w_desc, a_desc = weight_descriptor(w, tiles), rows_descriptor(x, config.block_m, tiles)
+    num_m_blocks, num_n_tiles = num_rows // config.block_m, cdiv(n, tiles.block_n)
+    if tiles.persistent:
+        grid = (min(num_m_blocks * num_n_tiles, programs_per_device(x.device)),)
+        if rows_used is None:   # (every row's tile, as the one-program-per-tile grid visits)
+            rows_used = torch.full((1,), num_rows, dtype=torch.int32, device=x.device)
+    else:
+        grid = (num_m_blocks, num_n_tiles)
     note_launch("permute.gemm", gemm=which, block_m=config.block_m, tiles=tiles, scales=scales[6],
-                tma_w=w_desc is not None, tma_a=a_desc is not None)
-    _contiguous_gemm_kernel[(num_rows // config.block_m, cdiv(n, tiles.block_n))](
+                tma_w=w_desc is not None, tma_a=a_desc is not None, grid=grid)
+    _contiguous_gemm_kernel[grid](
         x, x.stride(0), w, w.stride(0), w.stride(1), result, result.stride(0),
         m_indices, num_rows, w.shape[0], n, k, *scales[:6],
         GATED=silu_mul, EVEN_K=k % tiles.block_k == 0, INPUT_PRECISION=dot_precision(x.dtype), SCALES=scales[6],
         BLOCK_M=config.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, SCALE_BN=scales[7], SCALE_BK=scales[8],
         w_desc=w if w_desc is None else w_desc, TMA_W=w_desc is not None, a_desc=x if a_desc is None else a_desc,
-        TMA_A=a_desc is not None, SWAP_AB=tiles.swap_ab, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        TMA_A=a_desc is not None, SWAP_AB=tiles.swap_ab,
+        rows_used_ptr=m_indices if rows_used is None else rows_used, GROUP_M=tiles.group_m,
+        PERSISTENT=tiles.persistent, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     return result
 
@@ -317,9 +372,9 @@ def permute_experts(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Ten
     if not fmt.quantized:
         permuted = permute(hidden_states, topk_ids, num_experts, align=align, validate_ids=validate_ids)
         activated = grouped_gemm_contiguous(permuted.rows, w1, permuted.m_indices, align=align, silu_mul=True,
-                                            config=config, which="gate_up")
+                                            config=config, which="gate_up", rows_used=permuted.rows_used)
         y = grouped_gemm_contiguous(activated, w2, permuted.m_indices, align=align, out=permuted.rows,
-                                    config=config, which="down")
+                                    config=config, which="down", rows_used=permuted.rows_used)
         return unpermute(y, permuted.src2dst, topk_weights)
     x, x_scale = fmt.quantize_activations(hidden_states)
     permuted = permute(x, topk_ids, num_experts, align=align, validate_ids=validate_ids)
@@ -327,10 +382,11 @@ def permute_experts(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Ten
     # Every activation scale is per row, so the padding rows' garbage reaches no real row's scale.
     activated = grouped_gemm_contiguous(permuted.rows, w1, permuted.m_indices, align=align, silu_mul=True,
                                         config=config, which="gate_up", x_scale=rows_scale, w_scale=w1_scale,
-                                        out_dtype=hidden_states.dtype)
+                                        out_dtype=hidden_states.dtype, rows_used=permuted.rows_used)
     a, a_scale = fmt.quantize_activations(activated)
     y = grouped_gemm_contiguous(a, w2, permuted.m_indices, align=align, config=config, which="down",
-                                x_scale=a_scale, w_scale=w2_scale, out_dtype=hidden_states.dtype)
+                                x_scale=a_scale, w_scale=w2_scale, out_dtype=hidden_states.dtype,
+                                rows_used=permuted.rows_used)
     return unpermute(y, permuted.src2dst, topk_weights)
 
 
