@@ -4,6 +4,7 @@ Runs on ``default_device()``: the Triton interpreter on a CPU machine, the compi
 GPU (where the bf16 cases also run). Shapes are small because the interpreter is slow.
 """
 
+import dataclasses
 import itertools
 
 import pytest
@@ -80,12 +81,13 @@ def test_permute_experts_bf16_on_this_machine():
 
 PERMUTE_VARIANTS = [(True, False), (False, True), (True, True)]   # (tma, swap_ab)
 PERSISTENT_VARIANTS = [(True, False, 1), (True, True, 2), (False, False, 1)]   # (tma, swap_ab, persistent)
+SUMMED_VARIANTS = [(True, False, 0, 1, True), (True, True, 1, 2, True)]   # (..., split_k, sum_in_gemm)
 
 
-def permute_variant(tma: bool, swap_ab: bool, persistent: int = 0, block_m: int = 16, block_n: int = 64,
-                    block_k: int = 32) -> MoEConfig:
+def permute_variant(tma: bool, swap_ab: bool, persistent: int = 0, split_k: int = 1, sum_in_gemm: bool = False,
+                    block_m: int = 16, block_n: int = 64, block_k: int = 32) -> MoEConfig:
     tiles = GemmTiles(block_n, block_k, tma=tma, swap_ab=swap_ab, persistent=persistent)
-    return MoEConfig(block_m, tiles, tiles)
+    return MoEConfig(block_m, tiles, dataclasses.replace(tiles, split_k=split_k), sum_in_gemm=sum_in_gemm)
 
 
 @pytest.mark.parametrize("persistent", [1, 2])
@@ -125,6 +127,68 @@ def test_persistent_permute_without_rows_used_visits_every_tile():
     with pytest.raises(ValueError, match="rows_used"):
         grouped_gemm_contiguous(p.rows, w1, p.m_indices, align=16, silu_mul=True, config=config,
                                 rows_used=p.rows_used.repeat(2))
+
+
+@pytest.mark.parametrize("split_k", [1, 2])
+@pytest.mark.parametrize("persistent", [0, 1])
+@pytest.mark.parametrize("case", sorted(EDGE_SHAPES) + ["no tokens", "skewed"])
+def test_permute_sums_the_slots_in_gemm_2(case, persistent, split_k):
+    """config.sum_in_gemm on the permute layout: GEMM 2 adds each row, times its routing weight,
+    into its token (K split in two too); no unpermute pass is launched."""
+    from moe_kernels._runtime import record_launches
+
+    if case == "no tokens":
+        problems = [make_problem(0, 4, 2, 24, 16, seed=3)]
+    elif case == "skewed":
+        problems = list(skewed_problems())
+    else:
+        problems = [make_problem(**EDGE_SHAPES[case], hidden=24, inter=32, seed=7)]
+    tiles = GemmTiles(16, 16, persistent=persistent)
+    config = MoEConfig(16, tiles, dataclasses.replace(tiles, split_k=split_k), sum_in_gemm=True)
+    for x, w1, w2, weights, ids in problems:
+        with record_launches() as launches:
+            out = permute_experts(x, w1, w2, weights, ids, align=16, config=config)
+        assert out.dtype == x.dtype and rel_err(out, moe_reference(x, w1, w2, weights, ids)) < 1e-5
+        assert not any(name.startswith("combine.") for name, _ in launches), launches
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_permute_sums_the_slots_in_16_bits_and_fp8(dtype):
+    from moe_kernels.kernels.quant import quantize_weight
+    from moe_kernels.reference import moe_reference_fp8
+
+    x, w1, w2, weights, ids = make_problem(9, 6, 2, 256, 128, dtype, seed=19)
+    config = permute_variant(True, False, 1, 2, True, block_k=128)
+    assert rel_err(permute_experts(x, w1, w2, weights, ids, align=16, config=config),
+                   moe_reference(x, w1, w2, weights, ids)) < TOLERANCE[dtype]
+    if dtype == torch.float16:
+        w1q, w1s = quantize_weight(w1.float(), "block")
+        w2q, w2s = quantize_weight(w2.float(), "block")
+        out = permute_experts(x, w1q, w2q, weights, ids, align=16, config=config, w1_scale=w1s, w2_scale=w2s)
+        want = moe_reference_fp8(x, w1q, w2q, weights, ids, w1_scale=w1s, w2_scale=w2s, granularity="block",
+                                 intermediate_dtype=x.dtype)
+        assert rel_err(out, want) < 1e-3
+
+
+def test_summed_gemm_2_arguments_are_checked():
+    x, w1, w2, weights, ids = make_problem(5, 3, 2, 24, 16, seed=2)
+    p = permute(x, ids, 3, align=16)
+    config = permute_variant(False, False, sum_in_gemm=True)
+    y = p.rows[:, :16].contiguous()
+    summed = torch.zeros(5, 24)
+    with pytest.raises(ValueError, match="out"):
+        grouped_gemm_contiguous(y, w2, p.m_indices, align=16, config=config, which="down",
+                                sum_slots=(p.row_assignments, weights))
+    with pytest.raises(ValueError, match="sum_slots"):
+        grouped_gemm_contiguous(p.rows, w1, p.m_indices, align=16, silu_mul=True, config=config,
+                                out=summed, sum_slots=(p.row_assignments, weights))
+    with pytest.raises(ValueError, match=r"sum_slots\[0\]"):
+        grouped_gemm_contiguous(y, w2, p.m_indices, align=16, config=config, which="down", out=summed,
+                                sum_slots=(p.row_assignments[:-16], weights))
+    with pytest.raises(ValueError, match="split_k"):
+        grouped_gemm_contiguous(y, w2, p.m_indices, align=16, which="down",
+                                config=permute_variant(False, False, split_k=2, sum_in_gemm=True))
 
 
 # Through the copy engine a tile reads its padding rows as they are (never-written memory, which
@@ -176,25 +240,31 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from moe_kernels.kernels import permute as pm
 fn = pm._contiguous_gemm_kernel
-for tma, swap, persistent in ((True, False, 0), (True, True, 0), (False, True, 0), (True, False, 1)):
+for tma, swap, persistent, summed in ((True, False, 0, 0), (True, True, 0, 0), (False, True, 0, 0), (True, False, 1, 0),
+                                      (True, True, 1, 8)):
     pointers = dict(a_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", m_indices_ptr="*i32", a_scale_ptr="*fp32",
-                    w_scale_ptr="*fp32", rows_used_ptr="*i32", w_desc="tensordesc<bf16[64, 64]>" if tma else "*bf16",
+                    w_scale_ptr="*fp32", rows_used_ptr="*i32", row_assign_ptr="*i32", topk_weights_ptr="*fp32",
+                    w_desc="tensordesc<bf16[64, 64]>" if tma else "*bf16",
                     a_desc="tensordesc<bf16[64, 64]>" if tma else "*bf16")
     const = dict(GATED=True, EVEN_K=True, INPUT_PRECISION="tf32", SCALES=0, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64,
-                 SCALE_BN=128, SCALE_BK=128, TMA_W=tma, TMA_A=tma, SWAP_AB=swap, GROUP_M=8, PERSISTENT=persistent)
+                 SCALE_BN=128, SCALE_BK=128, TMA_W=tma, TMA_A=tma, SWAP_AB=swap, GROUP_M=8, PERSISTENT=persistent,
+                 SUM_TOP_K=summed, SPLIT_K=2 if summed else 1)
+    if summed:   # GEMM 2 adding into an fp32 [T, d] output
+        const["GATED"] = False
+        pointers["out_ptr"] = "*fp32"
     sig = {n: "constexpr" if n in const else pointers.get(n, "i32") for n in fn.arg_names}
     constants = {(i,): const[n] for i, n in enumerate(fn.arg_names) if n in const}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
     ptx = triton.compile(ASTSource(fn, sig, constants, attrs), target=GPUTarget("cuda", 90, 32),
                          options=dict(num_warps=4, num_stages=3)).asm["ptx"]
-    print(tma, swap, persistent, "cp.async.bulk.tensor" in ptx, "wgmma" in ptx)
+    print(tma, swap, persistent, "cp.async.bulk.tensor" in ptx, "wgmma" in ptx, "red.global" in ptx or "atom.global" in ptx)
 """
 
 
 def test_permute_tma_compiles_for_hopper():
     """Compiled for sm_90 on this machine (the interpreter cannot say whether Triton accepts a
     kernel): with TMA both operands arrive by bulk tensor copies, and the 64-row tiles are wgmma,
-    on the persistent grid too."""
+    on the persistent grid too; GEMM 2 summing the slots adds with global atomics."""
     import os
     import subprocess
     import sys
@@ -204,12 +274,13 @@ def test_permute_tma_compiles_for_hopper():
     done = subprocess.run([sys.executable, "-c", _COMPILE_PERMUTE_FOR_HOPPER], capture_output=True, text=True,
                           timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split("\n")[:4] == ["True False 0 True True", "True True 0 True True", "False True 0 False True",
-                                           "True False 1 True True"]
+    assert done.stdout.split("\n")[:5] == ["True False 0 True True False", "True True 0 True True False",
+                                           "False True 0 False True False", "True False 1 True True False",
+                                           "True True 1 True True True"]
 
 
 @needs_gpu
-@pytest.mark.parametrize("variant", PERMUTE_VARIANTS + PERSISTENT_VARIANTS)
+@pytest.mark.parametrize("variant", PERMUTE_VARIANTS + PERSISTENT_VARIANTS + SUMMED_VARIANTS)
 @pytest.mark.parametrize("num_tokens", [1, 64, 600])
 def test_permute_tma_and_transposed_tiles_gpu(variant, num_tokens):
     x, w1, w2, weights, ids = make_problem(num_tokens, 128, 8, 2048, 768, torch.bfloat16, seed=num_tokens)

@@ -85,7 +85,7 @@ LAYOUTS = {
                            swap_ab=True, sum_in_gemm=True, pdl=True, quant_in_gemm=True, fused_shared_expert=True,
                            tables=("index_gather",), rows="block_m"),
     "permute": Layout("permute", ".permute:permute_experts", _ALL_FORMATS, tma=True, persistent=True,
-                      swap_ab=True, sum_in_gemm=False, pdl=False, quant_in_gemm=False, fused_shared_expert=True,
+                      swap_ab=True, sum_in_gemm=True, pdl=False, quant_in_gemm=False, fused_shared_expert=True,
                       tables=("permute", "index_gather"), rows="align"),
     "masked": Layout("masked", ".masked:masked_experts", ("unquantized",), tma=False, persistent=False,
                      swap_ab=False, sum_in_gemm=False, pdl=False, quant_in_gemm=False, fused_shared_expert=True,

@@ -23,7 +23,13 @@ The pipeline, each step a Triton kernel with a torch reference beside it:
    and stores only ``silu(gate) * up``, so the ``[M_pad, 2F]`` intermediate never exists.
 3. :func:`~moe_kernels.kernels.combine.unpermute` - gathers each token's ``k`` rows, multiplies by the routing weights in
    float32, sums, and casts once (SGLang's ``post_reorder_deepgemm_triton_kernel`` does the same;
-   sgl-project/sglang ``python/sglang/kernels/ops/moe/ep_moe_kernels.py``).
+   sgl-project/sglang ``python/sglang/kernels/ops/moe/ep_moe_kernels.py``). Or, with
+   ``config.sum_in_gemm``, GEMM 2 does it in its epilogue: each row times its routing weight,
+   added with fp32 atomics into its token's row (``PermutedRows.row_assignments`` says which), so
+   neither GEMM 2's ``[M_pad, d]`` output nor the pass that reads it back exists.
+
+With ``tiles.persistent`` the GEMMs run one program per SM, which walks only the tiles of the
+rows the segments use (``PermutedRows.rows_used``, read on the device).
 
 :func:`permute_experts` chains them with no host synchronisation on the GPU: every size comes from
 the shapes, and the id check (``validate_ids``, on by default) is a device-side assert. Ids out of
@@ -69,7 +75,7 @@ from .config import MoEConfig, check_config, get_config
 from .formats import WeightFormat
 
 if HAS_TRITON:
-    from ._tile_gemm import expert_tile_product, store_tile, tile_position
+    from ._tile_gemm import add_tile, expert_tile_product, scale_rows, store_tile, tile_position
 
     # >>> book: permute-scatter
     @kernel
@@ -103,15 +109,18 @@ if HAS_TRITON:
 
     @kernel
     def _contiguous_tile(
-        pid_m, pid_n, a_ptr, stride_am, w_ptr, stride_we, stride_wn, out_ptr, stride_om,
+        pid_m, pid_n, split, a_ptr, stride_am, w_ptr, stride_we, stride_wn, out_ptr, stride_om,
         m_indices_ptr, num_rows, num_experts, N, K,
         a_scale_ptr, stride_as, w_scale_ptr, stride_wse, stride_wsn, stride_wsk,
         GATED: tl.constexpr, EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr, SCALES: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
         w_desc, TMA_W: tl.constexpr, a_desc, TMA_A: tl.constexpr, SWAP_AB: tl.constexpr,
+        row_assign_ptr, topk_weights_ptr, SUM_TOP_K: tl.constexpr, SPLIT_K: tl.constexpr,
     ):
-        """Tile (``pid_m``, ``pid_n``) of the contiguous grouped GEMM."""
+        """Tile (``pid_m``, ``pid_n``), K slice ``split``, of the contiguous grouped GEMM: stored
+        row for row, or (``SUM_TOP_K`` = k) times each row's routing weight and added into its
+        token's row of an fp32 ``[T, N]`` output (the top-k sum in GEMM 2's epilogue)."""
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         row_experts = tl.load(m_indices_ptr + rows, mask=rows < num_rows, other=-1)
         # A tile lies inside one segment (BLOCK_M divides align), so its real rows share one
@@ -132,10 +141,19 @@ if HAS_TRITON:
                                       a_scale_ptr, tl.where(row_real, offsets, pid_m * BLOCK_M) * stride_as,
                                       w_scale_ptr + expert.to(tl.int64) * stride_wse, stride_wsn, stride_wsk,
                                       GATED, EVEN_K, INPUT_PRECISION, SCALES, BLOCK_M, BLOCK_N, BLOCK_K,
+                                      split=split, SPLIT_K=SPLIT_K,
                                       w_desc=w_desc, w_desc_row=(expert * (N * (1 + GATED)) + pid_n * BLOCK_N)
                                       .to(tl.int32), TMA_W=TMA_W, SCALE_BN=SCALE_BN, SCALE_BK=SCALE_BK,
                                       SWAP_AB=SWAP_AB, a_desc=a_desc, a_desc_row=pid_m * BLOCK_M, TMA_A=TMA_A)
-            store_tile(out_ptr, offsets * stride_om, row_real, acc, pid_n, N, BLOCK_N)
+            if SUM_TOP_K == 0:
+                store_tile(out_ptr, offsets * stride_om, row_real, acc, pid_n, N, BLOCK_N)
+            else:
+                # Row r holds assignment a = (token a // k, slot a % k): the scatter-add that
+                # replaces the unpermute pass (its [M_pad, N] write and [T*k, N] read).
+                assignments = tl.load(row_assign_ptr + rows, mask=row_real, other=0)
+                acc = scale_rows(acc, topk_weights_ptr, assignments, row_real)
+                add_tile(out_ptr, (assignments // SUM_TOP_K).to(tl.int64) * stride_om, row_real, acc, pid_n, N,
+                         BLOCK_N)
 
     @kernel
     def _contiguous_gemm_kernel(
@@ -147,30 +165,34 @@ if HAS_TRITON:
         SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
         w_desc, TMA_W: tl.constexpr, a_desc, TMA_A: tl.constexpr, SWAP_AB: tl.constexpr,
         rows_used_ptr, GROUP_M: tl.constexpr, PERSISTENT: tl.constexpr,
+        row_assign_ptr, topk_weights_ptr, SUM_TOP_K: tl.constexpr, SPLIT_K: tl.constexpr,
     ):
         if PERSISTENT == 0:
-            # One program per tile of the whole buffer. Axis 0 (M tiles) varies fastest, so
-            # consecutive programs are consecutive tiles of the same expert and find that expert's
-            # weight tile in L2; tiles past the last segment exit at once.
-            _contiguous_tile(tl.program_id(0), tl.program_id(1), a_ptr, stride_am, w_ptr, stride_we, stride_wn,
+            # One program per tile (and K slice) of the whole buffer. Axis 0 (M tiles) varies
+            # fastest, so consecutive programs are consecutive tiles of the same expert and find
+            # that expert's weight tile in L2; tiles past the last segment exit at once.
+            _contiguous_tile(tl.program_id(0), tl.program_id(1) // SPLIT_K, tl.program_id(1) % SPLIT_K,
+                             a_ptr, stride_am, w_ptr, stride_we, stride_wn,
                              out_ptr, stride_om, m_indices_ptr, num_rows, num_experts, N, K,
                              a_scale_ptr, stride_as, w_scale_ptr, stride_wse, stride_wsn, stride_wsk,
                              GATED, EVEN_K, INPUT_PRECISION, SCALES, BLOCK_M, BLOCK_N, BLOCK_K, SCALE_BN, SCALE_BK,
-                             w_desc, TMA_W, a_desc, TMA_A, SWAP_AB)
+                             w_desc, TMA_W, a_desc, TMA_A, SWAP_AB, row_assign_ptr, topk_weights_ptr, SUM_TOP_K,
+                             SPLIT_K)
         else:
             # One program per SM, walking only the tiles of the rows the segments use (their
             # padded total, which the alignment wrote on the device: no host sync), GROUP_M
             # M-blocks down one N-tile at a time. The buffer's spare tail, sized for the worst
             # routing, costs nothing. (2: the tile and K loops flattened into one pipeline.)
             num_m_blocks = tl.minimum(tl.load(rows_used_ptr), num_rows) // BLOCK_M
-            num_tiles = num_m_blocks * tl.cdiv(N, BLOCK_N)
+            num_tiles = num_m_blocks * tl.cdiv(N, BLOCK_N) * SPLIT_K
             for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=PERSISTENT == 2):
-                pid_m, pid_n, _ = tile_position(tile, num_m_blocks, N, BLOCK_N, GROUP_M, 1)
-                _contiguous_tile(pid_m, pid_n, a_ptr, stride_am, w_ptr, stride_we, stride_wn,
+                pid_m, pid_n, split = tile_position(tile, num_m_blocks, N, BLOCK_N, GROUP_M, SPLIT_K)
+                _contiguous_tile(pid_m, pid_n, split, a_ptr, stride_am, w_ptr, stride_we, stride_wn,
                                  out_ptr, stride_om, m_indices_ptr, num_rows, num_experts, N, K,
                                  a_scale_ptr, stride_as, w_scale_ptr, stride_wse, stride_wsn, stride_wsk,
                                  GATED, EVEN_K, INPUT_PRECISION, SCALES, BLOCK_M, BLOCK_N, BLOCK_K, SCALE_BN,
-                                 SCALE_BK, w_desc, TMA_W, a_desc, TMA_A, SWAP_AB)
+                                 SCALE_BK, w_desc, TMA_W, a_desc, TMA_A, SWAP_AB, row_assign_ptr, topk_weights_ptr,
+                                 SUM_TOP_K, SPLIT_K)
 
 
 class PermutedRows(NamedTuple):
@@ -187,6 +209,8 @@ class PermutedRows(NamedTuple):
     * ``rows_used`` int32 ``[1]``: the rows the segments span, padding included (the alignment's
       ``num_tokens_post_padded``); rows past it belong to no segment. It stays on the device: a
       persistent GEMM reads it there to walk only these rows' tiles.
+    * ``row_assignments`` int32 ``[M_pad]``: the assignment each row holds (``t * k + j``), ``T*k``
+      on padding rows: the inverse of ``src2dst``, by which GEMM 2 can add each row into its token.
     """
 
     rows: torch.Tensor
@@ -195,6 +219,7 @@ class PermutedRows(NamedTuple):
     segment_starts: torch.Tensor
     segment_counts: torch.Tensor
     rows_used: torch.Tensor
+    row_assignments: torch.Tensor
 
 
 def _segments(topk_ids: torch.Tensor, num_experts: int, align: int):
@@ -230,7 +255,8 @@ def permute(hidden_states: torch.Tensor, topk_ids: torch.Tensor, num_experts: in
     segment_starts, segment_counts = _segments(topk_ids, num_experts, align)
     if not use_triton(hidden_states, topk_ids, rows):
         m_indices, src2dst = _permute_rows_reference(hidden_states, sorted_ids, block_experts, rows, topk, align)
-        return PermutedRows(rows, m_indices, src2dst, segment_starts, segment_counts, rows_used)
+        return PermutedRows(rows, m_indices, src2dst, segment_starts, segment_counts, rows_used,
+                            sorted_ids[:num_rows])
     m_indices = torch.empty(num_rows, dtype=torch.int32, device=rows.device)
     src2dst = torch.full((num_tokens, topk), -1, dtype=torch.int32, device=rows.device)
     if num_rows:
@@ -240,7 +266,7 @@ def permute(hidden_states: torch.Tensor, topk_ids: torch.Tensor, num_experts: in
             m_indices, src2dst, num_rows, num_assignments, topk, hidden_size, align,
             BLOCK_ROWS=block_rows, BLOCK_D=block_d, num_warps=4,
         )
-    return PermutedRows(rows, m_indices, src2dst, segment_starts, segment_counts, rows_used)
+    return PermutedRows(rows, m_indices, src2dst, segment_starts, segment_counts, rows_used, sorted_ids[:num_rows])
 
 
 def _permute_rows_reference(hidden_states, sorted_ids, block_experts, rows, topk, align):
@@ -265,15 +291,16 @@ def permute_reference(hidden_states, topk_ids, num_experts, *, align=128):
     rows = hidden_states.new_zeros(num_rows, hidden_states.shape[1])
     sorted_ids, block_experts, rows_used = moe_align_block_size_reference(topk_ids, align, num_experts)
     m_indices, src2dst = _permute_rows_reference(hidden_states, sorted_ids, block_experts, rows, topk, align)
-    return PermutedRows(rows, m_indices, src2dst, *_segments(topk_ids, num_experts, align), rows_used)
+    return PermutedRows(rows, m_indices, src2dst, *_segments(topk_ids, num_experts, align), rows_used,
+                        sorted_ids[:num_rows])
 
 
 def grouped_gemm_contiguous(x: torch.Tensor, w: torch.Tensor, m_indices: torch.Tensor, *, align: int,
                             silu_mul: bool = False, out: torch.Tensor | None = None,
                             config: MoEConfig | None = None, which: str = "gate_up",
                             x_scale: torch.Tensor | None = None, w_scale: torch.Tensor | None = None,
-                            out_dtype: torch.dtype | None = None, rows_used: torch.Tensor | None = None
-                            ) -> torch.Tensor:
+                            out_dtype: torch.dtype | None = None, rows_used: torch.Tensor | None = None,
+                            sum_slots: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """``out[r] = x[r] @ w[m_indices[r]]^T`` for every row whose ``m_indices`` is in ``[0, E)``.
 
     ``x`` ``[M_pad, K]`` holds ``align``-aligned expert segments (from :func:`permute`), ``w``
@@ -283,7 +310,10 @@ def grouped_gemm_contiguous(x: torch.Tensor, w: torch.Tensor, m_indices: torch.T
     fp8 operands come with ``x_scale`` (per row of ``x``) and ``w_scale`` and write ``out_dtype``.
     ``rows_used`` (:attr:`PermutedRows.rows_used`, on the device) lets a persistent grid
     (``tiles.persistent``) skip the buffer's rows past the last segment; without it every row's
-    tile is visited.
+    tile is visited. ``sum_slots`` = ``(row_assignments, topk_weights)`` (GEMM 2 only: from
+    :class:`PermutedRows` and the router) makes it the top-k sum as well: each row times its
+    routing weight is added into its token's row of ``out``, an fp32 ``[T, N_w]`` buffer the caller
+    has zeroed (with ``config.down.split_k`` > 1 each K slice adds its part).
     """
     func = "grouped_gemm_contiguous"
     fmt = check_operands(func, "x", x, "w", w, x_scale, w_scale)
@@ -306,20 +336,33 @@ def grouped_gemm_contiguous(x: torch.Tensor, w: torch.Tensor, m_indices: torch.T
     if which not in ("gate_up", "down"):
         fail(func, "which", "must be 'gate_up' or 'down'", repr(which))
     tiles = fmt.gemm_tiles(getattr(check_config(func, config, align=align, layout="permute"), which))
-    result = check_out(func, out, (num_rows, n), x, dtype=output_dtype(x, out_dtype))
+    top_k = 0
+    if sum_slots is None:
+        if tiles.split_k != 1:
+            fail(func, "config.down.split_k", "must be 1 unless GEMM 2 sums the slots (sum_slots given)",
+                 tiles.split_k)
+        result = check_out(func, out, (num_rows, n), x, dtype=output_dtype(x, out_dtype))
+    else:
+        row_assignments, topk_weights = _check_sum_slots(func, sum_slots, num_rows, x.device, silu_mul)
+        top_k = topk_weights.shape[1]
+        if out is None:
+            fail(func, "out", "must be the zeroed fp32 [T, N] buffer GEMM 2 adds into when sum_slots is given", None)
+        result = check_out(func, out, (topk_weights.shape[0], n), x, dtype=torch.float32)
     if not use_triton(x, w, m_indices, result):
         xf, wf = dequantized(x, w, x_scale, w_scale, fmt)
+        if sum_slots is not None:
+            return _summed_contiguous_reference(xf, wf, m_indices, row_assignments, topk_weights, result)
         return _grouped_gemm_contiguous_reference(xf, wf, m_indices, silu_mul, result)
     rerun = lambda x, w, out: grouped_gemm_contiguous(  # noqa: E731
         x, w, m_indices, align=align, silu_mul=silu_mul, out=out, config=config, which=which, x_scale=x_scale,
-        w_scale=w_scale, out_dtype=out.dtype, rows_used=rows_used)
+        w_scale=w_scale, out_dtype=out.dtype, rows_used=rows_used, sum_slots=sum_slots)
     if num_rows == 0 or in_float32_under_interpreter(rerun, result, x, w) is not None:
         return result
     scales = fmt.scale_arguments(x, w, x_scale, w_scale)
     # Contiguous rows: with tiles.tma both operands come through the copy engine (TMA), not only
     # the weights as in the index-gather layout, whose gathered rows cannot (gather is Blackwell's).
     w_desc, a_desc = weight_descriptor(w, tiles), rows_descriptor(x, config.block_m, tiles)
-    num_m_blocks, num_n_tiles = num_rows // config.block_m, cdiv(n, tiles.block_n)
+    num_m_blocks, num_n_tiles = num_rows // config.block_m, cdiv(n, tiles.block_n) * tiles.split_k
     if tiles.persistent:
         grid = (min(num_m_blocks * num_n_tiles, programs_per_device(x.device)),)
         if rows_used is None:   # (every row's tile, as the one-program-per-tile grid visits)
@@ -336,9 +379,36 @@ def grouped_gemm_contiguous(x: torch.Tensor, w: torch.Tensor, m_indices: torch.T
         w_desc=w if w_desc is None else w_desc, TMA_W=w_desc is not None, a_desc=x if a_desc is None else a_desc,
         TMA_A=a_desc is not None, SWAP_AB=tiles.swap_ab,
         rows_used_ptr=m_indices if rows_used is None else rows_used, GROUP_M=tiles.group_m,
-        PERSISTENT=tiles.persistent, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        PERSISTENT=tiles.persistent, row_assign_ptr=m_indices if sum_slots is None else row_assignments,
+        topk_weights_ptr=result if sum_slots is None else topk_weights, SUM_TOP_K=top_k, SPLIT_K=tiles.split_k,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     return result
+
+
+def _check_sum_slots(func, sum_slots, num_rows, device, silu_mul):
+    if silu_mul:
+        fail(func, "sum_slots", "must be None for GEMM 1 (the top-k sum follows GEMM 2)", "given")
+    if not isinstance(sum_slots, tuple) or len(sum_slots) != 2:
+        fail(func, "sum_slots", "must be (row_assignments, topk_weights)", type(sum_slots).__name__, TypeError)
+    row_assignments, topk_weights = sum_slots
+    check_tensor(func, "sum_slots[0]", row_assignments, ndim=1, dtypes=(torch.int32,), device=device, contiguous=True)
+    if row_assignments.shape[0] != num_rows:
+        fail(func, "sum_slots[0]", f"must hold one assignment per row of x ({num_rows}: PermutedRows.row_assignments)",
+             f"shape {tuple(row_assignments.shape)}")
+    check_tensor(func, "sum_slots[1]", topk_weights, ndim=2, device=device, contiguous=True)
+    return row_assignments, topk_weights
+
+
+def _summed_contiguous_reference(x, w, m_indices, row_assignments, topk_weights, out):
+    """Torch reference of GEMM 2 with the top-k sum: each real row, weighted, added into its token."""
+    top_k = topk_weights.shape[1]
+    for e in range(w.shape[0]):
+        rows = m_indices == e
+        assignment = row_assignments[rows].to(torch.int64)
+        weighted = expert_rows_product(x[rows], w[e], False) * topk_weights.flatten()[assignment, None].float()
+        out.index_add_(0, assignment // top_k, weighted.to(out.dtype))
+    return out
 
 
 def _grouped_gemm_contiguous_reference(x, w, m_indices, silu_mul, out):
@@ -373,6 +443,8 @@ def permute_experts(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Ten
         permuted = permute(hidden_states, topk_ids, num_experts, align=align, validate_ids=validate_ids)
         activated = grouped_gemm_contiguous(permuted.rows, w1, permuted.m_indices, align=align, silu_mul=True,
                                             config=config, which="gate_up", rows_used=permuted.rows_used)
+        if config.sum_in_gemm:
+            return _down_and_sum(activated, w2, permuted, topk_weights, config, align, hidden_states.dtype)
         y = grouped_gemm_contiguous(activated, w2, permuted.m_indices, align=align, out=permuted.rows,
                                     config=config, which="down", rows_used=permuted.rows_used)
         return unpermute(y, permuted.src2dst, topk_weights)
@@ -384,10 +456,22 @@ def permute_experts(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Ten
                                         config=config, which="gate_up", x_scale=rows_scale, w_scale=w1_scale,
                                         out_dtype=hidden_states.dtype, rows_used=permuted.rows_used)
     a, a_scale = fmt.quantize_activations(activated)
+    if config.sum_in_gemm:
+        return _down_and_sum(a, w2, permuted, topk_weights, config, align, hidden_states.dtype, a_scale, w2_scale)
     y = grouped_gemm_contiguous(a, w2, permuted.m_indices, align=align, config=config, which="down",
                                 x_scale=a_scale, w_scale=w2_scale, out_dtype=hidden_states.dtype,
                                 rows_used=permuted.rows_used)
     return unpermute(y, permuted.src2dst, topk_weights)
+
+
+def _down_and_sum(a, w2, permuted: PermutedRows, topk_weights, config, align, dtype, a_scale=None, w2_scale=None):
+    """GEMM 2 adding each row, times its routing weight, into its token (``config.sum_in_gemm``):
+    no ``[M_pad, d]`` output and no unpermute pass; one cast of the fp32 sums at the end."""
+    summed = torch.zeros(topk_weights.shape[0], w2.shape[1], dtype=torch.float32, device=a.device)
+    grouped_gemm_contiguous(a, w2, permuted.m_indices, align=align, config=config, which="down", x_scale=a_scale,
+                            w_scale=w2_scale, out=summed, rows_used=permuted.rows_used,
+                            sum_slots=(permuted.row_assignments, topk_weights))
+    return summed.to(dtype)
 
 
 def _permute_scales(x_scale: torch.Tensor, permuted: PermutedRows, topk: int) -> torch.Tensor:
