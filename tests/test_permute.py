@@ -238,7 +238,7 @@ torch.cuda.is_available = lambda: True
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from moe_kernels.kernels import permute as pm
+from moe_kernels.kernels import contiguous_gemm as pm
 fn = pm._contiguous_gemm_kernel
 for tma, swap, persistent, summed in ((True, False, 0, 0), (True, True, 0, 0), (False, True, 0, 0), (True, False, 1, 0),
                                       (True, True, 1, 8)):
