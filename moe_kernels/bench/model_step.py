@@ -153,12 +153,13 @@ def graph_step_ms(step, device, replays: int) -> tuple[float | None, str | None]
 
 
 def run(models, batches, *, context: int = 128, steps: int = 10, moe_layers: int | None = None, tiny: bool = False,
-        device="cuda", eager_loop_max_batch: int | None = None, log=print) -> dict:
+        device="cuda", eager_loop_max_batch: int | None = None, log=print, after_batch=None) -> dict:
     """Rows of (model, implementation, batch): eager and graph step times, per-token cost, the
     experts' share, and the byte model's experts time. transformers' ``eager`` experts (a Python
     loop over the experts a batch touches) runs only up to ``eager_loop_max_batch`` tokens when
     that is given (on the H200 it takes over a second a step at 64); above it, logits are compared
-    with the first implementation that ran."""
+    with the first implementation that ran. ``after_batch(data)``, if given, is called with the rows
+    so far after each batch (a run cut short still leaves its record)."""
     from transformers import StaticCache
 
     from ..integrations.transformers import _experts_modules
@@ -242,9 +243,15 @@ def run(models, batches, *, context: int = 128, steps: int = 10, moe_layers: int
                         if row.get(key) is not None and base[key] is not None:
                             row[key.replace("_ms", "_experts_ms")] = row[key] - base[key]
             del cache
+            if after_batch is not None:
+                after_batch(_data(rows, read_bw, context, models, moe_layers))
         del model
         if torch.device(device).type == "cuda":
             torch.cuda.empty_cache()
+    return _data(rows, read_bw, context, models, moe_layers)
+
+
+def _data(rows, read_bw, context, models, moe_layers) -> dict:
     note = None if "deepseek-v3" not in models else (
         f"DeepSeek-V3 at its real layer shapes with 1 dense and {moe_layers or 3} MoE layers (the whole model "
         "does not fit on one GPU)")
@@ -269,9 +276,12 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("python -m moe_kernels.bench model: needs a CUDA GPU", file=sys.stderr)
         return 2
+    def save(data):
+        write_record(args.name or "model-step", data, args.results_dir)
+
     data = run(args.models, args.batches, context=args.context[0], steps=args.steps[0],
                moe_layers=None if args.moe_layers is None else args.moe_layers[0],
-               eager_loop_max_batch=args.eager_loop_max_batch[0])
+               eager_loop_max_batch=args.eager_loop_max_batch[0], after_batch=save if args.record else None)
     if args.record:
-        write_record(args.name or "model-step", data, args.results_dir)
+        save(data)
     return 0
