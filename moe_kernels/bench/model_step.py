@@ -7,7 +7,9 @@ KV cache of ``context`` tokens per sequence with one prefill, then times one dec
 token per sequence) for each experts implementation the installed transformers offers
 (``eager``, ``grouped_mm``, ``batched_mm``) and ``moe_kernels``:
 
-* eager: ``steps`` steps back to back from Python, host time included (what ``generate`` pays);
+* eager: ``steps`` steps back to back from Python, host time included (what ``generate`` pays),
+  in rounds interleaved over the implementations (a slow drift of the host or of the GPU's
+  clocks then reaches each alike), the median round kept;
 * graph: the step captured in a CUDA graph and replayed (no host time), where the implementation
   can be captured (one that reads values back to the host cannot: None);
 * ``no_experts``: the same step with every experts call returning zeros, so that the step minus
@@ -43,6 +45,8 @@ from .cli import add_record_arguments, model_names, positive_ints, write_record
 DEFAULT_BATCHES = (1, 8, 64, 256, 512)
 IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm", "moe_kernels")
 NO_EXPERTS = "no_experts"
+#: Eager timing rounds per implementation, interleaved (one round of each in turn).
+EAGER_ROUNDS = 5
 #: transformers config class, model class, and the real sizes (each model's config.json on the
 #: Hugging Face hub: Qwen/Qwen3-30B-A3B, deepseek-ai/DeepSeek-V3).
 HF_CONFIGS = {
@@ -126,17 +130,17 @@ def _sync(device) -> None:
         torch.cuda.synchronize()
 
 
-def eager_step_ms(step, device, steps: int) -> float:
-    """Milliseconds per step, ``steps`` steps back to back from Python (median of 3 rounds)."""
-    rounds = []
-    for _ in range(3):
+def eager_step_ms(step, device, steps: int, rounds: int = 3) -> float:
+    """Milliseconds per step, ``steps`` steps back to back from Python (median of ``rounds`` rounds)."""
+    times = []
+    for _ in range(rounds):
         _sync(device)
         start = time.perf_counter()
         for _ in range(steps):
             step()
         _sync(device)
-        rounds.append((time.perf_counter() - start) / steps * 1e3)
-    return statistics.median(rounds)
+        times.append((time.perf_counter() - start) / steps * 1e3)
+    return statistics.median(times)
 
 
 def graph_step_ms(step, device, replays: int) -> tuple[float | None, str | None]:
@@ -207,6 +211,7 @@ def run(models, batches, *, context: int = 128, steps: int = 10, moe_layers: int
             if read_bw is not None and not tiny:
                 predicted = num_moe * costs.moe_layer_weight_bytes(batch, shape, "bf16") / read_bw * 1e3
             reference = None
+            runnable = []   # (implementation, its row), timed eagerly below
             for impl in impls:
                 row = {"model": name, "moe_layers": num_moe, "implementation": impl, "batch": batch,
                        "context": context, "predicted_experts_ms": predicted, "rewind_ms": rewind_ms}
@@ -227,13 +232,24 @@ def run(models, batches, *, context: int = 128, steps: int = 10, moe_layers: int
                 elif impl != NO_EXPERTS:
                     row["logits_rel_err"] = float(torch.linalg.norm(logits - reference) / torch.linalg.norm(reference))
                     row["logits_compared_with"] = reference_impl
-                eager = eager_step_ms(step, device, steps)
                 graph, graph_error = graph_step_ms(step, device, steps)
                 if graph_error:
                     row["graph_error"] = graph_error
-                row.update(eager_ms=eager, graph_ms=graph, eager_us_per_token=eager * 1e3 / batch,
-                           graph_us_per_token=None if graph is None else graph * 1e3 / batch)
-                log(f"{name:<14} {impl:<12} batch {batch:>4}: eager {eager:8.2f} ms  graph "
+                row.update(graph_ms=graph, graph_us_per_token=None if graph is None else graph * 1e3 / batch)
+                runnable.append((impl, row))
+            # Eager rounds interleaved over the implementations (each round ``steps`` steps of one),
+            # so that a drift of the host or of the GPU's clocks reaches every one alike; median.
+            rounds = {impl: [] for impl, _ in runnable}
+            for _ in range(EAGER_ROUNDS):
+                for impl, _ in runnable:
+                    model.set_experts_implementation(impl)
+                    rounds[impl].append(eager_step_ms(step, device, steps, rounds=1))
+            for impl, row in runnable:
+                eager = statistics.median(rounds[impl])
+                row.update(eager_ms=eager, eager_rounds_ms=rounds[impl], eager_us_per_token=eager * 1e3 / batch)
+                graph = row["graph_ms"]
+                log(f"{name:<14} {impl:<12} batch {batch:>4}: eager {eager:8.2f} ms (rounds "
+                    f"{min(rounds[impl]):.1f}-{max(rounds[impl]):.1f})  graph "
                     f"{'-' if graph is None else f'{graph:8.2f}'} ms  ({row['eager_us_per_token']:.1f} us/token eager)")
             base = {key: next(r for r in rows if r["model"] == name and r["batch"] == batch
                               and r["implementation"] == NO_EXPERTS).get(key) for key in ("eager_ms", "graph_ms")}
