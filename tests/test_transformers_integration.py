@@ -254,6 +254,17 @@ def test_enable_switches_a_model():
     assert model.config._experts_implementation == "moe_kernels"
 
 
+def test_experts_modules_found_without_the_expert_parallel_flag():
+    """transformers 5.17 (the H200's) sets no ``_is_expert_parallel`` on experts modules: they are
+    still found (``enable`` and ``bench model``'s layer count rely on it) and still run."""
+    model = tiny_model("qwen3_moe", seed=3)
+    modules = mt._experts_modules(model)
+    assert len(modules) == model.config.num_hidden_layers
+    for module in modules:
+        del module._is_expert_parallel   # (set in __init__ by later releases' decorator)
+    assert mt._experts_modules(model) == modules and mt.enable(model) is model
+
+
 # ---- fp8: transformers' FP8Experts with 128x128 block scales ----------------------------------------
 
 

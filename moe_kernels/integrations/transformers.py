@@ -307,8 +307,9 @@ def check_experts(module, *, func: str = "check_experts") -> ExpertsPlan:
 
 
 def _experts_modules(model):
-    """The experts modules of ``model``: those ``@use_experts_implementation`` set up."""
-    flags = ("has_gate", "is_transposed", "is_concatenated", "_is_expert_parallel")
+    """The experts modules of ``model``: those ``@use_experts_implementation`` set up (the flags
+    every release since 5.0 sets; ``_is_expert_parallel`` came later, 5.17 has none)."""
+    flags = ("has_gate", "is_transposed", "is_concatenated")
     return [m for m in model.modules() if all(hasattr(m, flag) for flag in flags)]
 
 
