@@ -35,10 +35,22 @@ def model_step_picture(ax_step, ax_token, rows: list[dict], mode: str = "graph")
         ax_step.plot(batches, ms, color="tab:red", lw=2, alpha=0.5, label="byte model: experts' weights")
         ax_token.plot(batches, [m * 1e3 / b for b, m in predicted], color="tab:red", lw=2, alpha=0.5,
                       label="byte model: experts' weights")
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    batches = sorted({r["batch"] for r in rows})
+    ticks = [batches[-1]]   # from the largest down, a tick only where its label has room (3x apart)
+    for b in reversed(batches[:-1]):
+        if ticks[-1] >= 3 * b:
+            ticks.append(b)
+    plain = FuncFormatter(lambda v, _: f"{v:,g}")
     for ax in (ax_step, ax_token):
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("batch (sequences decoding)")
-    ax_token.set_yscale("log")
+        ax.set_yscale("log")
+        ax.set_xticks(sorted(ticks))
+        ax.xaxis.set_major_formatter(plain)
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.yaxis.set_major_formatter(plain)
+        ax.set_xlabel("sequences decoding")
     ax_step.set_ylabel(f"ms per step ({'CUDA graph' if mode == 'graph' else 'eager'})")
     ax_token.set_ylabel("µs per token")
     return ax_step, ax_token
