@@ -32,6 +32,17 @@ def test_a_toy_model_steps_with_every_implementation():
         if row["implementation"] != model_step.NO_EXPERTS:
             assert "eager_experts_ms" in row
     assert not any("error" in r for r in rows if r["implementation"] in ("eager", "moe_kernels"))
+    # eager: EAGER_ROUNDS rounds per implementation, interleaved, each kept
+    assert all(len(r["eager_rounds_ms"]) == model_step.EAGER_ROUNDS for r in rows if "error" not in r)
+
+
+def test_the_record_is_written_after_every_batch():
+    """A run cut short keeps the batches it finished: after_batch sees the rows so far."""
+    seen = []
+    model_step.run(["qwen3-30b-a3b"], [1, 2], tiny=True, device="cpu", context=2, steps=1,
+                   after_batch=lambda data: seen.append(sorted({r["batch"] for r in data["rows"]})),
+                   log=lambda line: None)
+    assert seen == [[1], [1, 2]]
 
 
 def test_the_expert_loop_can_be_left_out_above_a_batch():

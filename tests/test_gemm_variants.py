@@ -159,16 +159,29 @@ def test_configs_that_cannot_work_name_their_field():
     for config, field in cases:
         with pytest.raises((ValueError, TypeError), match=field.replace(".", r"\.")):
             check_config("f", config)
-    for layout, field in (("permute", "config.sum_in_gemm"), ("masked", "config.gate_up.tma")):
-        bad = MoEConfig(16, GemmTiles(16, 16, tma=layout == "masked"), tiles, layout == "permute")
+    for field, bad in (("config.sum_in_gemm", MoEConfig(16, tiles, tiles, True)),
+                       ("config.gate_up.tma", MoEConfig(16, GemmTiles(16, 16, tma=True), tiles))):
         with pytest.raises(ValueError, match=field.replace(".", r"\.")):
-            check_config("f", bad, align=128, layout=layout)
+            check_config("f", bad, align=128, layout="masked")
+    # the permute layout sums in GEMM 2 (split K too) and walks a persistent grid
+    check_config("f", MoEConfig(16, tiles, GemmTiles(16, 16, split_k=2, persistent=2), True), align=128,
+                 layout="permute")
     with pytest.raises(ValueError, match=r"config\.down\.swap_ab.*masked layout"):
         check_config("f", MoEConfig(16, tiles, GemmTiles(16, 16, swap_ab=True)), align=128, layout="masked")
     for layout in ("permute", "masked"):
         for switch in ("pdl", "quant_in_gemm"):
             with pytest.raises(ValueError, match=rf"config\.{switch}.*{layout} layout"):
                 check_config("f", MoEConfig(16, tiles, tiles, **{switch: True}), align=128, layout=layout)
+
+
+def test_pdl_settings_are_checked():
+    from moe_kernels.kernels import index_gather
+
+    for kwargs, name in ((dict(trigger=3), "TRIGGER"), (dict(trigger=True), "TRIGGER"),
+                         (dict(prefetch_k=-2), "PREFETCH_K"), (dict(prefetch_k=1.5), "PREFETCH_K")):
+        with pytest.raises(ValueError, match=name):
+            index_gather._pdl_options("wait", 2, **kwargs)
+    assert index_gather._pdl_options("wait", 2)["PREFETCH_K"] == -1 and index_gather._pdl_options("", 2) == {}
 
 
 def test_pdl_is_a_speed_setting_off_where_the_gpu_cannot():

@@ -143,7 +143,7 @@ def test_permute_sums_the_slots_in_gemm_2(case, persistent, split_k):
         problems = list(skewed_problems())
     else:
         problems = [make_problem(**EDGE_SHAPES[case], hidden=24, inter=32, seed=7)]
-    tiles = GemmTiles(16, 16, persistent=persistent)
+    tiles = GemmTiles(16, 16, group_m=4, persistent=persistent)   # (partial groups of M-blocks too)
     config = MoEConfig(16, tiles, dataclasses.replace(tiles, split_k=split_k), sum_in_gemm=True)
     for x, w1, w2, weights, ids in problems:
         with record_launches() as launches:
@@ -158,7 +158,7 @@ def test_permute_sums_the_slots_in_16_bits_and_fp8(dtype):
     from moe_kernels.kernels.quant import quantize_weight
     from moe_kernels.reference import moe_reference_fp8
 
-    x, w1, w2, weights, ids = make_problem(9, 6, 2, 256, 128, dtype, seed=19)
+    x, w1, w2, weights, ids = make_problem(9, 6, 2, 256, 256, dtype, seed=19)   # K = 256: two slices of 128
     config = permute_variant(True, False, 1, 2, True, block_k=128)
     assert rel_err(permute_experts(x, w1, w2, weights, ids, align=16, config=config),
                    moe_reference(x, w1, w2, weights, ids)) < TOLERANCE[dtype]
@@ -179,16 +179,51 @@ def test_summed_gemm_2_arguments_are_checked():
     summed = torch.zeros(5, 24)
     with pytest.raises(ValueError, match="out"):
         grouped_gemm_contiguous(y, w2, p.m_indices, align=16, config=config, which="down",
-                                sum_slots=(p.row_assignments, weights))
+                                sum_slots=(p, weights))
     with pytest.raises(ValueError, match="sum_slots"):
         grouped_gemm_contiguous(p.rows, w1, p.m_indices, align=16, silu_mul=True, config=config,
-                                out=summed, sum_slots=(p.row_assignments, weights))
+                                out=summed, sum_slots=(p, weights))
     with pytest.raises(ValueError, match=r"sum_slots\[0\]"):
         grouped_gemm_contiguous(y, w2, p.m_indices, align=16, config=config, which="down", out=summed,
-                                sum_slots=(p.row_assignments[:-16], weights))
-    with pytest.raises(ValueError, match="split_k"):
-        grouped_gemm_contiguous(y, w2, p.m_indices, align=16, which="down",
-                                config=permute_variant(False, False, split_k=2, sum_in_gemm=True))
+                                sum_slots=(p._replace(row_assignments=p.row_assignments[:-16]), weights))
+    with pytest.raises(TypeError, match="sum_slots"):
+        grouped_gemm_contiguous(y, w2, p.m_indices, align=16, config=config, which="down", out=summed,
+                                sum_slots=(p.row_assignments, weights))
+    # weights of another routing (fewer tokens, another k) or of an integer dtype are refused, never
+    # used as addresses or silently mis-scaled
+    for bad, error in ((weights[:2], ValueError), (weights[:, :1].contiguous(), ValueError),
+                       (weights.to(torch.int32), TypeError)):
+        with pytest.raises(error, match=r"sum_slots\[1\]"):
+            grouped_gemm_contiguous(y, w2, p.m_indices, align=16, config=config, which="down", out=summed,
+                                    sum_slots=(p, bad))
+    # a config made for the summed GEMM 2 (split K) runs whole when GEMM 2 stores its rows
+    split = permute_variant(False, False, split_k=2, sum_in_gemm=True)
+    plain = permute_variant(False, False)
+    real = p.m_indices >= 0
+    assert torch.allclose(grouped_gemm_contiguous(y, w2, p.m_indices, align=16, which="down", config=split)[real],
+                          grouped_gemm_contiguous(y, w2, p.m_indices, align=16, which="down", config=plain)[real])
+
+
+def test_persistent_grid_stops_at_rows_used():
+    """The persistent grid reads its row count on the device: rows past ``rows_used`` are not
+    visited even when they name a real expert (here the whole buffer does), and a count that is
+    not a whole number of tiles still covers its last partial tile. Five 16-row blocks with
+    GROUP_M 4 leave a partial group of M-blocks. (A split-K config runs whole when GEMM 2 stores
+    its rows: split K needs the summed output.)"""
+    g = torch.Generator().manual_seed(4)
+    x, w = torch.randn(80, 32, generator=g), torch.randn(3, 24, 32, generator=g) / 6
+    m_indices = torch.arange(80, dtype=torch.int32) // 16 % 3
+    for persistent, split_k in ((1, 1), (2, 1), (1, 2)):
+        tiles = GemmTiles(16, 16, group_m=4, persistent=persistent)
+        config = MoEConfig(16, tiles, dataclasses.replace(tiles, split_k=split_k), sum_in_gemm=split_k > 1)
+        for used in (80, 40):
+            out = torch.full((80, 24), -7.0)
+            grouped_gemm_contiguous(x, w, m_indices, align=16, which="down", config=config, out=out,
+                                    rows_used=torch.tensor([used], dtype=torch.int32))
+            want = torch.stack([w[e] @ x[r] for r, e in enumerate(m_indices.tolist())])
+            visited = -(-used // 16) * 16   # (a partial last tile is walked whole)
+            assert torch.allclose(out[:visited], want[:visited], atol=1e-5)
+            assert bool((out[visited:] == -7.0).all()), (persistent, split_k, used)
 
 
 # Through the copy engine a tile reads its padding rows as they are (never-written memory, which
@@ -241,7 +276,7 @@ from triton.compiler import ASTSource
 from moe_kernels.kernels import contiguous_gemm as pm
 fn = pm._contiguous_gemm_kernel
 for tma, swap, persistent, summed in ((True, False, 0, 0), (True, True, 0, 0), (False, True, 0, 0), (True, False, 1, 0),
-                                      (True, True, 1, 8)):
+                                      (True, True, 1, 8), (True, False, 2, 0)):
     pointers = dict(a_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", m_indices_ptr="*i32", a_scale_ptr="*fp32",
                     w_scale_ptr="*fp32", rows_used_ptr="*i32", row_assign_ptr="*i32", topk_weights_ptr="*fp32",
                     w_desc="tensordesc<bf16[64, 64]>" if tma else "*bf16",
@@ -274,9 +309,9 @@ def test_permute_tma_compiles_for_hopper():
     done = subprocess.run([sys.executable, "-c", _COMPILE_PERMUTE_FOR_HOPPER], capture_output=True, text=True,
                           timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split("\n")[:5] == ["True False 0 True True False", "True True 0 True True False",
+    assert done.stdout.split("\n")[:6] == ["True False 0 True True False", "True True 0 True True False",
                                            "False True 0 False True False", "True False 1 True True False",
-                                           "True True 1 True True True"]
+                                           "True True 1 True True True", "True False 2 True True False"]
 
 
 @needs_gpu

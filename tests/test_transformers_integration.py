@@ -263,6 +263,11 @@ def test_experts_modules_found_without_the_expert_parallel_flag():
     for module in modules:
         del module._is_expert_parallel   # (set in __init__ by later releases' decorator)
     assert mt._experts_modules(model) == modules and mt.enable(model) is model
+    ids = torch.tensor([[5, 9, 2, 7]])
+    with torch.no_grad():
+        ours = model(input_ids=ids).logits
+        model.set_experts_implementation("eager")
+        assert rel_err(ours, model(input_ids=ids).logits) < 1e-5
 
 
 # ---- fp8: transformers' FP8Experts with 128x128 block scales ----------------------------------------

@@ -115,7 +115,7 @@ def _permute(row, hidden, w1, w2, weights, ids, E):
     tile_configs = _tile_configs()
     perm = permute.permute(hidden, ids, E, align=128, validate_ids=False)
     act_p = permute.grouped_gemm_contiguous(perm.rows, w1, perm.m_indices, align=128, silu_mul=True)
-    y_p = permute.grouped_gemm_contiguous(act_p, w2, perm.m_indices, align=128)
+    y_p = permute.grouped_gemm_contiguous(act_p, w2, perm.m_indices, align=128, which="down")
     best = _best({
         "permute copy": lambda c: permute.permute(hidden, ids, E, align=128, out=perm.rows, validate_ids=False),
         "gemm1": lambda c: permute.grouped_gemm_contiguous(perm.rows, w1, perm.m_indices, align=128, silu_mul=True,

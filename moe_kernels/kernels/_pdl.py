@@ -27,12 +27,13 @@ notes' session 10): prefetching the whole tile made the call 3-24% *slower* (Dee
 holds, so lines are fetched twice); without a prefetch, or with the first 256 columns, or with
 the signal moved to each program's end, the call is within 1.5% of the plain launch either way
 (Qwen3-30B-A3B 1 and 8 tokens, DeepSeek-V3 1 token, bf16 and fp8). A CUDA graph already launches
-GEMM 2 back to back with GEMM 1, so the gap PDL closes is small. The tuner keeps it off. What a GEMM 2 program reads before the wait (the block
-map and the weights) was written before GEMM 1 started: GEMM 1 itself is launched normally, after
-the alignment finished. GEMM 2 therefore takes the dependent launch only inside the layer
+GEMM 2 back to back with GEMM 1, so the gap PDL closes is small. The tuner keeps it off.
+
+What a GEMM 2 program reads before the wait (the block map and the weights) was written before
+GEMM 1 started: GEMM 1 itself is launched normally, after the alignment finished. GEMM 2 therefore takes the dependent launch only inside the layer
 (:func:`~moe_kernels.kernels.index_gather.run_experts`), right behind its own GEMM 1, never as a
 stand-alone call. (In fp8 a quantiser runs between the two: GEMM 2 then launches as the quantiser
-ends, and only the prefetch can overlap it.)
+ends, and only the prefetch could overlap it.)
 
 A speed setting (``MoEConfig.pdl``): on a GPU before Hopper, or under the interpreter (which has no
 grids to overlap), it is off, with the same numbers.

@@ -32,9 +32,11 @@ A worked example, two experts, segments of 16 rows::
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from .._checks import check_int, check_tensor, fail
+from .._checks import FLOAT_DTYPES, check_int, check_tensor, fail
 from .._runtime import HAS_TRITON, cdiv, kernel, note_launch, tl, use_triton
 from ._tile_gemm import (check_operands, check_out, dequantized, dot_precision, expert_rows_product, gemm_width,
                          in_float32_under_interpreter, output_dtype, programs_per_device, rows_descriptor,
@@ -53,7 +55,7 @@ if HAS_TRITON:
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
         w_desc, TMA_W: tl.constexpr, a_desc, TMA_A: tl.constexpr, SWAP_AB: tl.constexpr,
-        row_assign_ptr, topk_weights_ptr, SUM_TOP_K: tl.constexpr, SPLIT_K: tl.constexpr,
+        row_assign_ptr, topk_weights_ptr, num_assignments, SUM_TOP_K: tl.constexpr, SPLIT_K: tl.constexpr,
     ):
         """Tile (``pid_m``, ``pid_n``), K slice ``split``, of the contiguous grouped GEMM: stored
         row for row, or (``SUM_TOP_K`` = k) times each row's routing weight and added into its
@@ -87,9 +89,12 @@ if HAS_TRITON:
             else:
                 # Row r holds assignment a = (token a // k, slot a % k): the scatter-add that
                 # replaces the unpermute pass (its [M_pad, N] write and [T*k, N] read).
+                # An assignment outside the routing (a caller's mismatched arguments) is never used
+                # as an address.
                 assignments = tl.load(row_assign_ptr + rows, mask=row_real, other=0)
-                acc = scale_rows(acc, topk_weights_ptr, assignments, row_real)
-                add_tile(out_ptr, (assignments // SUM_TOP_K).to(tl.int64) * stride_om, row_real, acc, pid_n, N,
+                summed = row_real & (assignments >= 0) & (assignments < num_assignments)
+                acc = scale_rows(acc, topk_weights_ptr, assignments, summed)
+                add_tile(out_ptr, (assignments // SUM_TOP_K).to(tl.int64) * stride_om, summed, acc, pid_n, N,
                          BLOCK_N)
 
     @kernel
@@ -102,7 +107,7 @@ if HAS_TRITON:
         SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
         w_desc, TMA_W: tl.constexpr, a_desc, TMA_A: tl.constexpr, SWAP_AB: tl.constexpr,
         rows_used_ptr, GROUP_M: tl.constexpr, PERSISTENT: tl.constexpr,
-        row_assign_ptr, topk_weights_ptr, SUM_TOP_K: tl.constexpr, SPLIT_K: tl.constexpr,
+        row_assign_ptr, topk_weights_ptr, num_assignments, SUM_TOP_K: tl.constexpr, SPLIT_K: tl.constexpr,
     ):
         if PERSISTENT == 0:
             # One program per tile (and K slice) of the whole buffer. Axis 0 (M tiles) varies
@@ -113,14 +118,14 @@ if HAS_TRITON:
                              out_ptr, stride_om, m_indices_ptr, num_rows, num_experts, N, K,
                              a_scale_ptr, stride_as, w_scale_ptr, stride_wse, stride_wsn, stride_wsk,
                              GATED, EVEN_K, INPUT_PRECISION, SCALES, BLOCK_M, BLOCK_N, BLOCK_K, SCALE_BN, SCALE_BK,
-                             w_desc, TMA_W, a_desc, TMA_A, SWAP_AB, row_assign_ptr, topk_weights_ptr, SUM_TOP_K,
-                             SPLIT_K)
+                             w_desc, TMA_W, a_desc, TMA_A, SWAP_AB, row_assign_ptr, topk_weights_ptr,
+                             num_assignments, SUM_TOP_K, SPLIT_K)
         else:
             # One program per SM, walking only the tiles of the rows the segments use (their
             # padded total, which the alignment wrote on the device: no host sync), GROUP_M
             # M-blocks down one N-tile at a time. The buffer's spare tail, sized for the worst
             # routing, costs nothing. (2: the tile and K loops flattened into one pipeline.)
-            num_m_blocks = tl.minimum(tl.load(rows_used_ptr), num_rows) // BLOCK_M
+            num_m_blocks = tl.cdiv(tl.minimum(tl.load(rows_used_ptr), num_rows), BLOCK_M)
             num_tiles = num_m_blocks * tl.cdiv(N, BLOCK_N) * SPLIT_K
             for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=PERSISTENT == 2):
                 pid_m, pid_n, split = tile_position(tile, num_m_blocks, N, BLOCK_N, GROUP_M, SPLIT_K)
@@ -129,7 +134,7 @@ if HAS_TRITON:
                                  a_scale_ptr, stride_as, w_scale_ptr, stride_wse, stride_wsn, stride_wsk,
                                  GATED, EVEN_K, INPUT_PRECISION, SCALES, BLOCK_M, BLOCK_N, BLOCK_K, SCALE_BN,
                                  SCALE_BK, w_desc, TMA_W, a_desc, TMA_A, SWAP_AB, row_assign_ptr, topk_weights_ptr,
-                                 SUM_TOP_K, SPLIT_K)
+                                 num_assignments, SUM_TOP_K, SPLIT_K)
 
 
 def grouped_gemm_contiguous(x: torch.Tensor, w: torch.Tensor, m_indices: torch.Tensor, *, align: int,
@@ -137,7 +142,7 @@ def grouped_gemm_contiguous(x: torch.Tensor, w: torch.Tensor, m_indices: torch.T
                             config: MoEConfig | None = None, which: str = "gate_up",
                             x_scale: torch.Tensor | None = None, w_scale: torch.Tensor | None = None,
                             out_dtype: torch.dtype | None = None, rows_used: torch.Tensor | None = None,
-                            sum_slots: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                            sum_slots: tuple | None = None) -> torch.Tensor:
     """``out[r] = x[r] @ w[m_indices[r]]^T`` for every row whose ``m_indices`` is in ``[0, E)``.
 
     ``x`` ``[M_pad, K]`` holds ``align``-aligned expert segments (from :func:`permute`), ``w``
@@ -147,10 +152,12 @@ def grouped_gemm_contiguous(x: torch.Tensor, w: torch.Tensor, m_indices: torch.T
     fp8 operands come with ``x_scale`` (per row of ``x``) and ``w_scale`` and write ``out_dtype``.
     ``rows_used`` (:attr:`PermutedRows.rows_used`, on the device) lets a persistent grid
     (``tiles.persistent``) skip the buffer's rows past the last segment; without it every row's
-    tile is visited. ``sum_slots`` = ``(row_assignments, topk_weights)`` (GEMM 2 only: from
-    :class:`PermutedRows` and the router) makes it the top-k sum as well: each row times its
-    routing weight is added into its token's row of ``out``, an fp32 ``[T, N_w]`` buffer the caller
-    has zeroed (with ``config.down.split_k`` > 1 each K slice adds its part).
+    tile is visited. ``sum_slots`` = ``(permuted, topk_weights)`` (GEMM 2 only: the
+    :class:`~moe_kernels.kernels.permute.PermutedRows` ``x`` came from, and the router's
+    weights) makes it the top-k sum as well: each row times its routing weight is added into its
+    token's row of ``out``, an fp32 ``[T, N_w]`` buffer the caller has zeroed (with
+    ``config.down.split_k`` > 1 each K slice adds its part; without ``sum_slots`` a split-K
+    config runs whole).
     """
     func = "grouped_gemm_contiguous"
     fmt = check_operands(func, "x", x, "w", w, x_scale, w_scale)
@@ -175,9 +182,9 @@ def grouped_gemm_contiguous(x: torch.Tensor, w: torch.Tensor, m_indices: torch.T
     tiles = fmt.gemm_tiles(getattr(check_config(func, config, align=align, layout="permute"), which))
     top_k = 0
     if sum_slots is None:
-        if tiles.split_k != 1:
-            fail(func, "config.down.split_k", "must be 1 unless GEMM 2 sums the slots (sum_slots given)",
-                 tiles.split_k)
+        # Split-K partial products need a sum to land in: a config made for the summed GEMM 2
+        # runs whole here (as separate_sum_tiles does for index-gather).
+        tiles = dataclasses.replace(tiles, split_k=1)
         result = check_out(func, out, (num_rows, n), x, dtype=output_dtype(x, out_dtype))
     else:
         row_assignments, topk_weights = _check_sum_slots(func, sum_slots, num_rows, x.device, silu_mul)
@@ -217,23 +224,33 @@ def grouped_gemm_contiguous(x: torch.Tensor, w: torch.Tensor, m_indices: torch.T
         TMA_A=a_desc is not None, SWAP_AB=tiles.swap_ab,
         rows_used_ptr=m_indices if rows_used is None else rows_used, GROUP_M=tiles.group_m,
         PERSISTENT=tiles.persistent, row_assign_ptr=m_indices if sum_slots is None else row_assignments,
-        topk_weights_ptr=result if sum_slots is None else topk_weights, SUM_TOP_K=top_k, SPLIT_K=tiles.split_k,
+        topk_weights_ptr=result if sum_slots is None else topk_weights,
+        num_assignments=0 if sum_slots is None else topk_weights.numel(), SUM_TOP_K=top_k, SPLIT_K=tiles.split_k,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     return result
 
 
 def _check_sum_slots(func, sum_slots, num_rows, device, silu_mul):
+    """``(row_assignments, topk_weights)`` from ``sum_slots = (permuted, topk_weights)``, checked:
+    the weights must be the routing's own ``[T, k]`` (``permuted.src2dst``'s shape), since the
+    kernel scales and addresses by assignment ``t * k + j``."""
     if silu_mul:
         fail(func, "sum_slots", "must be None for GEMM 1 (the top-k sum follows GEMM 2)", "given")
-    if not isinstance(sum_slots, tuple) or len(sum_slots) != 2:
-        fail(func, "sum_slots", "must be (row_assignments, topk_weights)", type(sum_slots).__name__, TypeError)
-    row_assignments, topk_weights = sum_slots
-    check_tensor(func, "sum_slots[0]", row_assignments, ndim=1, dtypes=(torch.int32,), device=device, contiguous=True)
+    if not isinstance(sum_slots, tuple) or len(sum_slots) != 2 or not all(
+            hasattr(sum_slots[0], name) for name in ("row_assignments", "src2dst")):
+        fail(func, "sum_slots", "must be (PermutedRows, topk_weights)", type(sum_slots).__name__, TypeError)
+    permuted, topk_weights = sum_slots
+    row_assignments = permuted.row_assignments
+    check_tensor(func, "sum_slots[0].row_assignments", row_assignments, ndim=1, dtypes=(torch.int32,), device=device,
+                 contiguous=True)
     if row_assignments.shape[0] != num_rows:
-        fail(func, "sum_slots[0]", f"must hold one assignment per row of x ({num_rows}: PermutedRows.row_assignments)",
-             f"shape {tuple(row_assignments.shape)}")
-    check_tensor(func, "sum_slots[1]", topk_weights, ndim=2, device=device, contiguous=True)
+        fail(func, "sum_slots[0]", f"must be the PermutedRows of x (one assignment per row of x, {num_rows})",
+             f"{row_assignments.shape[0]} rows")
+    check_tensor(func, "sum_slots[1]", topk_weights, ndim=2, dtypes=FLOAT_DTYPES, device=device, contiguous=True)
+    if tuple(topk_weights.shape) != tuple(permuted.src2dst.shape):
+        fail(func, "sum_slots[1]", f"must be the routing weights of the routing x was permuted for, shape "
+             f"{tuple(permuted.src2dst.shape)} [T, k]", f"shape {tuple(topk_weights.shape)}")
     return row_assignments, topk_weights
 
 

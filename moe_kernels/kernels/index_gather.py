@@ -196,11 +196,12 @@ if HAS_TRITON:
         SCALES: tl.constexpr, SUM_TOP_K: tl.constexpr, SPLIT_K: tl.constexpr, w_desc, TMA_W: tl.constexpr,
         num_tiles, PERSISTENT: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, ID_CHECK: tl.constexpr,
         SWAP_AB: tl.constexpr, PDL_TRIGGER: tl.constexpr = 0, PDL_WAIT: tl.constexpr = False,
-        PREFETCH_LINE: tl.constexpr = 64, PREFETCH_K: tl.constexpr = -1, out_scale_ptr=None, stride_os=0, QUANT_GROUP: tl.constexpr = 0,
-        ROUND_TO: tl.constexpr = "",
+        PREFETCH_LINE: tl.constexpr = 64, PREFETCH_K: tl.constexpr = -1, out_scale_ptr=None, stride_os=0,
+        QUANT_GROUP: tl.constexpr = 0, ROUND_TO: tl.constexpr = "",
     ):
         # Programmatic dependent launch (moe_kernels.kernels._pdl): GEMM 1 lets GEMM 2 launch at
-        # once; GEMM 2 asks L2 for its first tile's weights, then waits for GEMM 1 to finish.
+        # once; GEMM 2 may ask L2 for its first tile's weights (PREFETCH_K columns; none by
+        # default), then waits for GEMM 1 to finish.
         if PDL_TRIGGER == 1:
             gdc_launch_dependents()
         if PDL_WAIT:
@@ -279,7 +280,14 @@ def _launch(a, w, out, topk_weights, blocks: BlockAssignment, *, n_out: int, top
 @functools.lru_cache(maxsize=None)
 def _pdl_options(role: str, element_size: int, trigger: int = 1, prefetch_k: int = -1) -> dict:
     """What a role in a programmatic dependent launch adds to the launch (the prefetch asks for
-    one 128-byte line per ``PREFETCH_LINE`` weight elements)."""
+    one 128-byte line per ``PREFETCH_LINE`` weight elements). ``trigger`` and ``prefetch_k`` are
+    the module settings ``_pdl.TRIGGER`` and ``_pdl.PREFETCH_K``, checked here."""
+    if isinstance(trigger, bool) or trigger not in (1, 2):
+        fail("moe_kernels.kernels._pdl", "TRIGGER", "must be 1 (as each program starts) or 2 (as it ends)",
+             repr(trigger))
+    if isinstance(prefetch_k, bool) or not isinstance(prefetch_k, int) or prefetch_k < -1:
+        fail("moe_kernels.kernels._pdl", "PREFETCH_K", "must be an int: -1 (all), 0 (none) or a column count",
+             repr(prefetch_k))
     if role == "trigger":
         return {"PDL_TRIGGER": trigger}
     if role == "wait":

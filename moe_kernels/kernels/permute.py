@@ -19,8 +19,10 @@ The pipeline, each step a Triton kernel with a torch reference beside it:
    ``src2dst`` (row of each assignment, SGLang's name).
 2. :func:`~moe_kernels.kernels.contiguous_gemm.grouped_gemm_contiguous` - ``[M_pad, K] x w[e]^T``
    where each ``BLOCK_M`` tile belongs to one expert, read from ``m_indices``; tiles of padding
-   exit at once and padding rows are never stored. The tile product is the core every layout shares (:mod:`moe_kernels.kernels._tile_gemm`). With ``silu_mul=True`` it computes the gate and up halves of ``w1`` together
-   and stores only ``silu(gate) * up``, so the ``[M_pad, 2F]`` intermediate never exists.
+   exit at once and padding rows are never stored. The tile product is the core every layout
+   shares (:mod:`moe_kernels.kernels._tile_gemm`). With ``silu_mul=True`` it computes the gate
+   and up halves of ``w1`` together and stores only ``silu(gate) * up``, so the ``[M_pad, 2F]``
+   intermediate never exists.
 3. :func:`~moe_kernels.kernels.combine.unpermute` - gathers each token's ``k`` rows, multiplies by the routing weights in
    float32, sums, and casts once (SGLang's ``post_reorder_deepgemm_triton_kernel`` does the same;
    sgl-project/sglang ``python/sglang/kernels/ops/moe/ep_moe_kernels.py``). Or, with
@@ -210,12 +212,14 @@ def permute_experts(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Ten
                     topk_ids: torch.Tensor, *, align: int = 128, config: MoEConfig | None = None,
                     validate_ids: bool = True, w1_scale: torch.Tensor | None = None,
                     w2_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """The MoE experts step in the contiguous layout: permute, two grouped GEMMs, unpermute.
+    """The MoE experts step in the contiguous layout: permute, two grouped GEMMs, unpermute (or,
+    with ``config.sum_in_gemm``, GEMM 2 adding each row into its token, and no unpermute).
 
     Same arguments and result as :func:`moe_kernels.kernels.index_gather.fused_experts` (fp8
     weights included: the permute then copies fp8 rows, half the bytes, and their scales): ``[T, d]``
     in ``hidden_states.dtype``. No host sync on the GPU. Live intermediates: ``[M_pad, d]`` and
-    ``[M_pad, F]`` (GEMM 2 writes into the packed input, which GEMM 1 has finished with).
+    ``[M_pad, F]`` (GEMM 2 writes into the packed input, which GEMM 1 has finished with; with
+    ``sum_in_gemm`` it writes an fp32 ``[T, d]`` instead).
     """
     func = "permute_experts"
     num_tokens, _, num_experts, d, f = check_moe_inputs(func, hidden_states, w1, w2, topk_weights, topk_ids)
@@ -258,7 +262,7 @@ def _down_and_sum(a, w2, permuted: PermutedRows, topk_weights, config, align, dt
     summed = torch.zeros(topk_weights.shape[0], w2.shape[1], dtype=torch.float32, device=a.device)
     grouped_gemm_contiguous(a, w2, permuted.m_indices, align=align, config=config, which="down", x_scale=a_scale,
                             w_scale=w2_scale, out=summed, rows_used=permuted.rows_used,
-                            sum_slots=(permuted.row_assignments, topk_weights))
+                            sum_slots=(permuted, topk_weights))
     return summed.to(dtype)
 
 
