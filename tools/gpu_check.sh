@@ -5,7 +5,7 @@
 # what: tests, ceilings, tune, refine, sweep, fp8, decode-step, layouts, routing, skew, shared, capacity, notebooks (default: tests
 # ceilings sweep). tune searches the tiles (TUNE_BATCHES, TUNE_BUDGET_S) and rewrites the tuned tables in
 # moe_kernels/kernels/configs/, which are packed too. notebooks executes every notebook with the GPU (its live cells run) into $OUT/notebooks
-# and lists the prose numbers that would change (needs Jupyter's nbclient and ipykernel).
+# and lists the prose numbers that would change (needs Jupyter: run tools/jupyter_wheels.sh here and carry .whl/jupyter).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 : "${MOE_KERNELS_COMMIT:?set MOE_KERNELS_COMMIT to the hash of the committed tree being measured}"
@@ -32,6 +32,12 @@ for step in "${steps[@]}"; do
         fp8) $PY -m moe_kernels.bench fp8 --record 2>&1 | tee "$OUT/fp8.log" | grep -E "GEMMs|permute|scaled|recorded|TB/s" \
                  | grep -E " (1|8|64|512|4096|16384) |recorded|TB/s" || status=1 ;;
         notebooks) mkdir -p "$OUT/notebooks"
+                   # Jupyter from the wheels tools/jupyter_wheels.sh downloaded (carry .whl/jupyter)
+                   if ! $PY -c "import nbclient, ipykernel, ipywidgets, matplotlib" 2>/dev/null && [ -d .whl/jupyter ]; then
+                       $PY -m pip install -q --no-index --find-links .whl/jupyter nbclient nbformat ipykernel \
+                           jupyter_client ipywidgets matplotlib 2>&1 | tail -n 3
+                   fi
+                   $PY -m ipykernel install --user --name python3 >/dev/null 2>&1 || true   # the kernel the runs ask for
                    for nb in notebooks/*.ipynb; do
                        $PY tools/execute_notebooks.py --check --out "$OUT/notebooks" "$nb" 2>&1 | grep -v "running over TCP" \
                            | tee -a "$OUT/notebooks.log" || status=1
