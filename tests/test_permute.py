@@ -90,6 +90,15 @@ def permute_variant(tma: bool, swap_ab: bool, persistent: int = 0, split_k: int 
     return MoEConfig(block_m, tiles, dataclasses.replace(tiles, split_k=split_k), sum_in_gemm=sum_in_gemm)
 
 
+def edge_problems(case: str, inter: int) -> list:
+    """The problems of one edge case: EDGE_SHAPES, no tokens, or the skewed routings."""
+    if case == "no tokens":
+        return [make_problem(0, 4, 2, 24, 16, seed=3)]
+    if case == "skewed":
+        return list(skewed_problems())
+    return [make_problem(**EDGE_SHAPES[case], hidden=24, inter=inter, seed=7)]
+
+
 @pytest.mark.parametrize("persistent", [1, 2])
 @pytest.mark.parametrize("case", sorted(EDGE_SHAPES) + ["no tokens", "skewed"])
 def test_persistent_permute_walks_only_the_used_tiles(case, persistent):
@@ -98,19 +107,15 @@ def test_persistent_permute_walks_only_the_used_tiles(case, persistent):
     case, segments of several 16-row tiles included (align 32), and the launch says so."""
     from moe_kernels._runtime import record_launches
 
-    if case == "no tokens":
-        problems = [make_problem(0, 4, 2, 24, 16, seed=3)]
-    elif case == "skewed":
-        problems = list(skewed_problems())
-    else:
-        problems = [make_problem(**EDGE_SHAPES[case], hidden=24, inter=16, seed=7)]
+    problems = edge_problems(case, inter=16)
     tiles = GemmTiles(16, 16, group_m=2, persistent=persistent)
     for x, w1, w2, weights, ids in problems:
         with record_launches() as launches:
             out = permute_experts(x, w1, w2, weights, ids, align=32, config=MoEConfig(16, tiles, tiles))
         assert rel_err(out, moe_reference(x, w1, w2, weights, ids)) < 1e-5
-        grids = [settings["grid"] for name, settings in launches if name == "permute.gemm"]
-        assert all(len(grid) == 1 and grid[0] <= 4 for grid in grids), grids
+        gemms = [settings for name, settings in launches if name == "permute.gemm"]
+        assert all(len(g["grid"]) == 1 and g["grid"][0] <= 4 and g["tiles"].persistent == persistent
+                   for g in gemms), gemms
 
 
 def test_persistent_permute_without_rows_used_visits_every_tile():
@@ -137,12 +142,7 @@ def test_permute_sums_the_slots_in_gemm_2(case, persistent, split_k):
     into its token (K split in two too); no unpermute pass is launched."""
     from moe_kernels._runtime import record_launches
 
-    if case == "no tokens":
-        problems = [make_problem(0, 4, 2, 24, 16, seed=3)]
-    elif case == "skewed":
-        problems = list(skewed_problems())
-    else:
-        problems = [make_problem(**EDGE_SHAPES[case], hidden=24, inter=32, seed=7)]
+    problems = edge_problems(case, inter=32)
     tiles = GemmTiles(16, 16, group_m=4, persistent=persistent)   # (partial groups of M-blocks too)
     config = MoEConfig(16, tiles, dataclasses.replace(tiles, split_k=split_k), sum_in_gemm=True)
     for x, w1, w2, weights, ids in problems:
@@ -150,6 +150,10 @@ def test_permute_sums_the_slots_in_gemm_2(case, persistent, split_k):
             out = permute_experts(x, w1, w2, weights, ids, align=16, config=config)
         assert out.dtype == x.dtype and rel_err(out, moe_reference(x, w1, w2, weights, ids)) < 1e-5
         assert not any(name.startswith("combine.") for name, _ in launches), launches
+        gemms = {g["gemm"]: g for name, g in launches if name == "permute.gemm"}
+        if gemms:   # (no tokens: nothing launched) GEMM 2 takes the summing variant, K split as asked
+            assert gemms["down"]["sum_top_k"] == ids.shape[1] and gemms["down"]["tiles"].split_k == split_k
+            assert gemms["gate_up"]["sum_top_k"] == 0 and gemms["gate_up"]["tiles"].split_k == 1
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")

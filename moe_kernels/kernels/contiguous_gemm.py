@@ -213,7 +213,7 @@ def grouped_gemm_contiguous(x: torch.Tensor, w: torch.Tensor, m_indices: torch.T
             rows_used = torch.full((1,), num_rows, dtype=torch.int32, device=x.device)
     else:
         grid = (num_m_blocks, num_n_tiles)
-    note_launch("permute.gemm", gemm=which, block_m=config.block_m, tiles=tiles, scales=scales[6],
+    note_launch("permute.gemm", gemm=which, block_m=config.block_m, tiles=tiles, scales=scales[6], sum_top_k=top_k,
                 tma_w=w_desc is not None, tma_a=a_desc is not None, grid=grid)
     _contiguous_gemm_kernel[grid](
         x, x.stride(0), w, w.stride(0), w.stride(1), result, result.stride(0),
