@@ -39,7 +39,7 @@ from moe_testing import headless_chromium, skip_or_fail_browser
 ROOT = Path(__file__).resolve().parent.parent
 NB_DIR = ROOT / "notebooks"
 # Two notebooks: one with the kernel-free explorer, one with the kernels on the page and live-GPU cells.
-NOTEBOOKS = ["02_experts_touched.ipynb", "05_grouped_gemm.ipynb"]
+NOTEBOOKS = ["02_experts_touched.ipynb", "05_grouped_gemm.ipynb", "11_measure_on_an_engine.ipynb"]
 EXTRA = ["figures"]                          # files the notebooks' Markdown refers to
 RUN_ALL_TIMEOUT_MS = int(os.environ.get("LAB_RUN_ALL_TIMEOUT_S", "300")) * 1000
 
