@@ -8,7 +8,7 @@ waits (_pdl.PREFETCH_K), against the plain launch, timing run_experts replayed f
 Writes $OUT/pdl_ab.json when OUT is set. Its first run (session 10 of notes/perf-fused-moe.md) was
 from a scratch copy at 4ab04aa; the numbers there are not a record with provenance.
 """
-import dataclasses, json, os, sys, time
+import dataclasses, json, os, sys
 import torch
 from moe_kernels.model.shapes import MODELS
 from moe_kernels.bench.problems import make_batch, make_weights
@@ -58,7 +58,5 @@ for fname in formats:
             res = {f"{'q ' if q else ''}{n}": round(min(v) * 1e3, 1) for (q, n), v in rounds.items()}
             print(fname, key, batch, json.dumps(res), flush=True)
             out.append({"format": fname, "model": key, "batch": batch, "us_lower_of_two_rounds": res})
-            del hidden, weights, ids
-        del w1, w2
 if os.environ.get("OUT"):
     json.dump(out, open(os.path.join(os.environ["OUT"], "pdl_ab.json"), "w"), indent=1)
