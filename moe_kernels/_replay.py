@@ -30,6 +30,9 @@ launch through Triton's own path (a new binary), inputs that share memory,
 or one that requires grad. Such a signature runs eagerly after :data:`MAX_REFUSALS` tries.
 Outputs are fresh at every replay (two streams or threads can replay one plan); a CUDA-graph
 capture, a launch hook or a launch trace runs eagerly. ``MOE_KERNELS_REPLAY=0`` turns it off.
+Once a plan has replayed twice on the same weights, :mod:`moe_kernels._replay_graphs` captures
+the replay into a CUDA graph, and later calls launch that (the inputs copied in, the output
+copied out): a decode call's host work becomes a handful of API calls.
 Use (on a GPU): ``plans.run(tensors, options, lambda: eager(...))``.
 """
 
@@ -42,6 +45,8 @@ import weakref
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from ._replay_graphs import PlanGraphs
 
 
 _Tensor = torch.Tensor
@@ -247,8 +252,12 @@ class Recording:
                 for event in kept]
         constants = tuple((slot, self.tensors[slot], self.tensors[slot].data_ptr(), self.tensors[slot].shape)
                           for slot in self.constants)
+        # What a CUDA graph of the plan would hold (moe_kernels._replay_graphs): every buffer the call
+        # made, the workspace's pieces included.
+        made = set(range(self.num_inputs, len(self.tensors))) - set(self.constants)
+        graph_bytes = sum(self.tensors[slot].untyped_storage().nbytes() for slot in made)
         return Plan(self.num_inputs, len(self.tensors), constants, kept, tuple(returned), many,
-                    (size, self.device) if size else None)
+                    (size, self.device) if size else None, graph_bytes)
 
 
     def _binding(self, event):
@@ -361,9 +370,12 @@ class _Recorder(TorchDispatchMode):
 class Plan:
     """A recorded call, replayed on new inputs of the same signature (see the module docstring)."""
 
-    def __init__(self, num_inputs, num_slots, constants, events, returned, many, workspace=None):
+    def __init__(self, num_inputs, num_slots, constants, events, returned, many, workspace=None, graph_bytes=0):
         self.num_inputs, self.num_slots, self.returned, self.many = num_inputs, num_slots, returned, many
         self.constants = constants
+        self.graph_bytes = graph_bytes
+        #: its CUDA graphs (moe_kernels._replay_graphs.PlanGraphs), set by CallPlans on a GPU
+        self.graphs = None
         #: (bytes, device) of the one buffer that holds every launch-only buffer (slot num_slots)
         self.workspace = workspace
         self.replays = 0
@@ -422,8 +434,11 @@ class Plan:
 class CallPlans:
     """The plans of one entry point, by signature key; a signature is recorded at its second call."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, pinned: tuple = ()):
         self.name = name
+        #: the inputs a CUDA graph of a plan reads in place (the weights: moe_kernels._replay_graphs);
+        #: the others it copies into static buffers
+        self.pinned = pinned
         self.plans = {}
         self.calls = {}       # key -> eager calls so far (recording starts at the second)
         self.last_refusal = None
@@ -434,10 +449,10 @@ class CallPlans:
         self.calls.clear()
 
     def __getstate__(self):   # a pickled layer keeps no plans (aten ops and launchers do not pickle)
-        return {"name": self.name}
+        return {"name": self.name, "pinned": self.pinned}
 
     def __setstate__(self, state):
-        self.__init__(state["name"])
+        self.__init__(state["name"], state.get("pinned", ()))
 
     def key(self, tensors, options):
         """The signature key of a call on ``tensors`` (a tuple, None for an optional one left out)
@@ -473,7 +488,13 @@ class CallPlans:
         ``eager()`` (recorded at the signature's second call)."""
         key = self.key(tensors, options)
         plan = self.get(key)
-        return plan.replay(tensors) if plan is not None else self.call(key, tensors, eager)
+        if plan is None:
+            return self.call(key, tensors, eager)
+        if plan.graphs is not None:   # one CUDA graph launch, once it has replayed on these weights twice
+            result = plan.graphs(tensors)
+            if result is not None:
+                return result
+        return plan.replay(tensors)
 
     def call(self, key, tensors, eager):
         """Run ``eager()`` (the call's own path); record it if this is the signature's second call."""
@@ -499,6 +520,8 @@ class CallPlans:
             return result
         if len(self.plans) >= MAX_PLANS:
             self.clear()
+        if recording.device is not None and recording.device.type == "cuda":
+            plan.graphs = PlanGraphs(plan, self.pinned)
         self.plans[key] = plan
         return result
 

@@ -321,11 +321,11 @@ from moe_testing import needs_gpu  # noqa: E402
 FORMATS = (None, "block", "channel", "tensor")
 
 
-def _small_layer(model, fmt, layout="index_gather", shared_expert="separate"):
+def _small_layer(model, fmt, layout="index_gather", shared_expert="separate", seed=0):
     from moe_kernels.layer import MoELayer
 
     layer = MoELayer.random(model, hidden_size=256, intermediate_size=256, dtype=torch.bfloat16, device="cuda",
-                            seed=0)
+                            seed=seed)
     if fmt is not None:
         layer = layer.quantized(fmt)
     if layout != "index_gather" or shared_expert != "separate":
@@ -363,6 +363,66 @@ def test_fused_experts_replays_as_it_runs_gpu(fmt, num_tokens, monkeypatch):
     plan = _PLANS.get(key)
     assert plan is not None and plan.replays >= 2, _PLANS.last_refusal
     assert all(torch.equal(a, b) for a, b in outputs)   # each replay wrote a fresh output
+    assert _graphs_of(plan) == 1, plan.graphs.refusal   # the fourth call ran as one CUDA graph
+
+
+def _graphs_of(plan):
+    """How many CUDA graphs a plan has captured, over its streams."""
+    return sum(len(s.graphs) for s in plan.graphs.by_stream.values())
+
+
+@needs_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", [None, "block"])
+def test_graphs_per_weight_set_and_stream_gpu(fmt, monkeypatch):
+    """A model's layers call fused_experts with one signature and their own weights: one graph
+    per weight set, each reading its own weights; a second stream gets its own static buffers.
+    Every call equals the eager call, in any order of the layers."""
+    from moe_kernels.kernels.index_gather import _PLANS, fused_experts
+
+    layers = [_small_layer("qwen3-30b-a3b", fmt, seed=seed) for seed in (0, 1)]   # other weights, one signature
+    e, k = layers[0].w13.shape[0], layers[0].routing.top_k
+    g = torch.Generator(device="cuda").manual_seed(7)
+    side = torch.cuda.Stream()
+    order = [0, 1, 0, 1, 1, 0, 0, 1, 0, 1, 1, 0]
+    for call, which in enumerate(order):
+        layer = layers[which]
+        x = torch.randn(5, 256, device="cuda", dtype=torch.bfloat16, generator=g)
+        ids = torch.rand(5, e, device="cuda", generator=g).argsort(1)[:, :k].int()
+        w = torch.rand(5, k, device="cuda", generator=g)
+        run = lambda: fused_experts(x, layer.w13, layer.w2, w, ids, w1_scale=layer.w13_scale,  # noqa: E731
+                                    w2_scale=layer.w2_scale)
+        stream = side if call >= 8 else torch.cuda.current_stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            got = run()
+        torch.cuda.current_stream().wait_stream(stream)
+        expected = _eagerly(run, monkeypatch)
+        assert torch.equal(got, expected), (call, which, (got.float() - expected.float()).abs().max())
+    plan = _PLANS.get(_PLANS.key((x, layer.w13, layer.w2, w, ids, layer.w13_scale, layer.w2_scale),
+                                 (None, None, None, True)))
+    assert plan is not None and len(plan.graphs.by_stream) == 2
+    assert _graphs_of(plan) >= 2, plan.graphs.refusal
+
+
+@needs_gpu
+@pytest.mark.gpu
+def test_plans_above_the_graph_limit_replay_plainly_gpu(monkeypatch):
+    """A plan whose buffers exceed MAX_GRAPH_BYTES (prefill) keeps the plain replay."""
+    from moe_kernels import _replay_graphs
+    from moe_kernels.kernels.index_gather import _PLANS, fused_experts
+
+    monkeypatch.setattr(_replay_graphs, "MAX_GRAPH_BYTES", 0)
+    layer = _small_layer("qwen3-30b-a3b", None)
+    e, k = layer.w13.shape[0], layer.routing.top_k
+    x = torch.randn(3, 256, device="cuda", dtype=torch.bfloat16)
+    ids = torch.rand(3, e, device="cuda").argsort(1)[:, :k].int()
+    w = torch.rand(3, k, device="cuda")
+    results = [fused_experts(x, layer.w13, layer.w2, w, ids, validate_ids=False) for _ in range(6)]
+    assert all(torch.equal(r, results[0]) for r in results)
+    plan = _PLANS.get(_PLANS.key((x, layer.w13, layer.w2, w, ids, None, None), (None, None, None, False)))
+    assert plan is not None and plan.replays >= 3 and _graphs_of(plan) == 0
+    assert "MAX_GRAPH_BYTES" in plan.graphs.refusal
 
 
 @needs_gpu
@@ -409,6 +469,7 @@ def test_layer_replays_as_it_runs_gpu(model, fmt, layout, shared, num_tokens, mo
         assert torch.equal(got, expected), (call, (got.float() - expected.float()).abs().max())
     replay = layer._replays.get(layer._replays.key((x,), ()))
     assert replay is not None and replay.replays >= 2, layer._replays.last_refusal
+    assert _graphs_of(replay) == 1, replay.graphs.refusal   # the fourth call ran as one CUDA graph
     # New weights: the layer forgets what it recorded, and the next calls use the new weights.
     layer.w2 = layer.w2 * 2 if layer.w2.dtype == torch.bfloat16 else layer.w2
     layer(x)

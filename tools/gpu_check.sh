@@ -38,10 +38,13 @@ for step in "${steps[@]}"; do
                            jupyter_client ipywidgets matplotlib 2>&1 | tail -n 3
                    fi
                    $PY -m ipykernel install --user --name python3 >/dev/null 2>&1 || true   # the kernel the runs ask for
+                   # (the kernel starts in notebooks/: a relative PYTHONPATH would not find the package)
                    for nb in notebooks/*.ipynb; do
-                       $PY tools/execute_notebooks.py --check --out "$OUT/notebooks" "$nb" 2>&1 | grep -v "running over TCP" \
-                           | tee -a "$OUT/notebooks.log" || status=1
-                   done ;;
+                       PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" $PY tools/execute_notebooks.py --check \
+                           --out "$OUT/notebooks" "$nb" 2>&1 | grep -v "running over TCP" | tee -a "$OUT/notebooks.log" || status=1
+                   done
+                   # one archive: the device tool brings back only a few files one by one
+                   tar czf "$OUT/notebooks.tgz" -C "$OUT" notebooks && rm -r "$OUT/notebooks" ;;
         decode-step) $PY -m moe_kernels.bench decode-step --fp8 --record 2>&1 | tee "$OUT/decode-step.log" | tail -n 14 || status=1 ;;
         *) $PY -m moe_kernels.bench "$step" --record 2>&1 | tee "$OUT/$step.log" | tail -n 20 || status=1 ;;
     esac

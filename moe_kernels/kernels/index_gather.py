@@ -478,7 +478,7 @@ def fused_experts(
 
 
 #: fused_experts' recorded calls, by argument signature.
-_PLANS = CallPlans("fused_experts")
+_PLANS = CallPlans("fused_experts", pinned=(1, 2, 5, 6))   # a CUDA graph reads w1, w2 and their scales in place
 
 
 def _fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, *, block_size_m, config, blocks,
