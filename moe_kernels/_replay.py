@@ -256,8 +256,10 @@ class Recording:
         # made, the workspace's pieces included.
         made = set(range(self.num_inputs, len(self.tensors))) - set(self.constants)
         graph_bytes = sum(self.tensors[slot].untyped_storage().nbytes() for slot in made)
-        return Plan(self.num_inputs, len(self.tensors), constants, kept, tuple(returned), many,
+        plan = Plan(self.num_inputs, len(self.tensors), constants, kept, tuple(returned), many,
                     (size, self.device) if size else None, graph_bytes)
+        plan.output_bytes = tuple(self.tensors[slot].nbytes for slot in returned)
+        return plan
 
 
     def _binding(self, event):
@@ -374,6 +376,7 @@ class Plan:
         self.num_inputs, self.num_slots, self.returned, self.many = num_inputs, num_slots, returned, many
         self.constants = constants
         self.graph_bytes = graph_bytes
+        self.output_bytes = ()   # bytes of each result (set by Recording.plan)
         #: its CUDA graphs (moe_kernels._replay_graphs.PlanGraphs), set by CallPlans on a GPU
         self.graphs = None
         #: (bytes, device) of the one buffer that holds every launch-only buffer (slot num_slots)

@@ -21,9 +21,11 @@ replay, never a stale address.
 the pool. The graph copies it, as its last node, into a static output buffer outside the pool
 (one per plan and stream), and the call clones that buffer before any other graph of the stream
 can run. The static inputs are outside the pool too. What a stream keeps is therefore one
-working set (the largest plan's intermediates) plus each plan's static inputs and output. Plans
-bigger than :data:`MAX_GRAPH_BYTES` (prefill) keep the plain replay: there the launches cost
-nothing next to the GEMMs, and a graph would pin their large buffers.
+working set (the largest plan's intermediates: what the caching allocator would keep cached
+after an eager call anyway) plus each plan's static inputs and output. Those add up over plans
+(a server's many prefill lengths), so they have a budget, :data:`MAX_STATIC_BYTES` for the
+process; past it, and for a plan whose buffers exceed :data:`MAX_GRAPH_BYTES`, the plain replay
+runs.
 
 **When not.** A call on a stream other than the one a plan's static buffers belong to builds its
 own set (per stream); a lock per plan keeps two threads' copy-replay-clone sequences apart. The
@@ -40,12 +42,15 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 
 import torch
 
-#: Plans whose intermediates, copied inputs and outputs together exceed this many bytes keep the
-#: plain replay (see the module docstring).
-MAX_GRAPH_BYTES = 256 * 2**20
+#: Plans whose buffers (intermediates and outputs) exceed this many bytes keep the plain replay.
+#: DeepSeek-V3's layer at 16,384 tokens needs about 5 GiB.
+MAX_GRAPH_BYTES = int(os.environ.get("MOE_KERNELS_REPLAY_GRAPH_MAX_MB", 8192)) * 2**20
+#: Static input and output buffers kept for graphs, over all plans and streams of the process.
+MAX_STATIC_BYTES = 4 * 2**30
 #: Graphs per plan and stream (one per set of pinned addresses) before new ones stop being made.
 MAX_GRAPHS_PER_PLAN = 256
 #: Replays on the same pinned addresses before a graph is captured (a one-off call never pays it).
@@ -54,6 +59,13 @@ ENABLED = os.environ.get("MOE_KERNELS_REPLAY_GRAPHS", "1") != "0"
 
 _pools = {}            # (device index, stream pointer) -> (pool handle, capture stream)
 _pools_lock = threading.Lock()
+static_bytes = 0       # held by the static buffers of every live plan (see MAX_STATIC_BYTES)
+
+
+def _release(nbytes: int) -> None:
+    global static_bytes
+    with _pools_lock:
+        static_bytes -= nbytes
 
 
 def split_inputs(num_inputs: int, pinned) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -83,6 +95,20 @@ class _StreamGraphs:
         self.graphs = {}            # pinned addresses -> torch.cuda.CUDAGraph
         self.seen = {}              # pinned addresses -> replays so far without a graph
         self.lock = threading.Lock()
+
+
+def _reserve(streams: _StreamGraphs, tensors, copied, plan) -> bool:
+    """Count a plan's static buffers on one stream against MAX_STATIC_BYTES (False: over it);
+    they are given back when the plan goes."""
+    global static_bytes
+    nbytes = sum(tensors[i].untyped_storage().nbytes() for i in copied if tensors[i] is not None)
+    nbytes += sum(plan.output_bytes)
+    with _pools_lock:
+        if static_bytes + nbytes > MAX_STATIC_BYTES:
+            return False
+        static_bytes += nbytes
+    weakref.finalize(streams, _release, nbytes)
+    return True
 
 
 class PlanGraphs:
@@ -117,6 +143,8 @@ class PlanGraphs:
                 if seen < REPLAYS_BEFORE_GRAPH or len(streams.graphs) >= MAX_GRAPHS_PER_PLAN:
                     if len(streams.seen) < 4 * MAX_GRAPHS_PER_PLAN:
                         streams.seen[pinned] = seen
+                    return None
+                if streams.static_inputs is None and not _reserve(streams, tensors, self.copied, self.plan):
                     return None
                 streams.seen.pop(pinned, None)
                 graph = streams.graphs[pinned] = self._capture(streams, tensors)

@@ -36,6 +36,16 @@ def test_a_toy_model_steps_with_every_implementation():
     assert all(len(r["eager_rounds_ms"]) == model_step.EAGER_ROUNDS for r in rows if "error" not in r)
 
 
+def test_a_profiled_batch_says_where_the_step_goes():
+    data = model_step.run(["qwen3-30b-a3b"], [2], tiny=True, device="cpu", context=2, steps=1, log=lambda line: None,
+                          profile_batches=(2,))
+    profiled = {r["implementation"]: r["profile"] for r in data["rows"] if "profile" in r}
+    assert "eager" not in profiled and "moe_kernels" in profiled
+    ours = profiled["moe_kernels"]
+    assert ours["experts_calls_per_step"] == 2 and ours["experts_host_us_per_step"] > 0   # two MoE layers
+    assert ours["by_host_time"] and all(e["us_per_step"] >= 0 for e in ours["by_host_time"])
+
+
 def test_the_record_is_written_after_every_batch():
     """A run cut short keeps the batches it finished: after_batch sees the rows so far."""
     seen = []

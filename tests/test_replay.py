@@ -407,12 +407,14 @@ def test_graphs_per_weight_set_and_stream_gpu(fmt, monkeypatch):
 
 @needs_gpu
 @pytest.mark.gpu
-def test_plans_above_the_graph_limit_replay_plainly_gpu(monkeypatch):
-    """A plan whose buffers exceed MAX_GRAPH_BYTES (prefill) keeps the plain replay."""
+@pytest.mark.parametrize("limit", ["MAX_GRAPH_BYTES", "MAX_STATIC_BYTES"])
+def test_plans_above_the_graph_limits_replay_plainly_gpu(limit, monkeypatch):
+    """A plan whose buffers exceed MAX_GRAPH_BYTES, or whose static buffers would exceed the
+    process's MAX_STATIC_BYTES, keeps the plain replay."""
     from moe_kernels import _replay_graphs
     from moe_kernels.kernels.index_gather import _PLANS, fused_experts
 
-    monkeypatch.setattr(_replay_graphs, "MAX_GRAPH_BYTES", 0)
+    monkeypatch.setattr(_replay_graphs, limit, 0)
     layer = _small_layer("qwen3-30b-a3b", None)
     e, k = layer.w13.shape[0], layer.routing.top_k
     x = torch.randn(3, 256, device="cuda", dtype=torch.bfloat16)
@@ -422,7 +424,7 @@ def test_plans_above_the_graph_limit_replay_plainly_gpu(monkeypatch):
     assert all(torch.equal(r, results[0]) for r in results)
     plan = _PLANS.get(_PLANS.key((x, layer.w13, layer.w2, w, ids, None, None), (None, None, None, False)))
     assert plan is not None and plan.replays >= 3 and _graphs_of(plan) == 0
-    assert "MAX_GRAPH_BYTES" in plan.graphs.refusal
+    assert limit == "MAX_STATIC_BYTES" or "MAX_GRAPH_BYTES" in plan.graphs.refusal
 
 
 @needs_gpu

@@ -156,8 +156,52 @@ def graph_step_ms(step, device, replays: int) -> tuple[float | None, str | None]
     return (None if us is None else us / 1e3), (errors[0] if errors else None)
 
 
+def profile_step(step, impl: str, device, *, steps: int = 3, top: int = 15) -> dict:
+    """Where one eager step's time goes, from torch's profiler over ``steps`` steps: the kernels
+    and operations with the most GPU time and the most host time per step, and the host time spent
+    inside the experts implementation (a profiler range around each of its calls)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    experts = ALL_EXPERTS_FUNCTIONS[impl] if impl in ALL_EXPERTS_FUNCTIONS.keys() else None
+
+    def ranged(*args, **kwargs):
+        with record_function("experts implementation"):
+            return experts(*args, **kwargs)
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.device(device).type == "cuda" else [])
+    if experts is not None:
+        ALL_EXPERTS_FUNCTIONS.register(impl, ranged)
+    try:
+        step()
+        _sync(device)
+        with profile(activities=activities) as prof:
+            for _ in range(steps):
+                step()
+            _sync(device)
+    finally:
+        if experts is not None:
+            ALL_EXPERTS_FUNCTIONS.register(impl, experts)
+    events = prof.key_averages()
+
+    def device_us(e):
+        return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+
+    def table(time_of):
+        ranked = sorted(events, key=time_of, reverse=True)[:top]
+        return [{"name": e.key[:140], "calls_per_step": e.count / steps, "us_per_step": time_of(e) / steps}
+                for e in ranked]
+
+    ranges = [e for e in events if e.key == "experts implementation"]
+    return {"steps": steps, "by_gpu_time": table(device_us), "by_host_time": table(lambda e: e.self_cpu_time_total),
+            "gpu_us_per_step": sum(device_us(e) for e in events) / steps,
+            "experts_host_us_per_step": ranges[0].cpu_time_total / steps if ranges else None,
+            "experts_calls_per_step": ranges[0].count / steps if ranges else None}
+
+
 def run(models, batches, *, context: int = 128, steps: int = 10, moe_layers: int | None = None, tiny: bool = False,
-        device="cuda", eager_loop_max_batch: int | None = None, log=print, after_batch=None) -> dict:
+        device="cuda", eager_loop_max_batch: int | None = None, log=print, after_batch=None,
+        profile_batches=()) -> dict:
     """Rows of (model, implementation, batch): eager and graph step times, per-token cost, the
     experts' share, and the byte model's experts time. transformers' ``eager`` experts (a Python
     loop over the experts a batch touches) runs only up to ``eager_loop_max_batch`` tokens when
@@ -251,6 +295,16 @@ def run(models, batches, *, context: int = 128, steps: int = 10, moe_layers: int
                 log(f"{name:<14} {impl:<12} batch {batch:>4}: eager {eager:8.2f} ms (rounds "
                     f"{min(rounds[impl]):.1f}-{max(rounds[impl]):.1f})  graph "
                     f"{'-' if graph is None else f'{graph:8.2f}'} ms  ({row['eager_us_per_token']:.1f} us/token eager)")
+            if batch in profile_batches:
+                for impl, row in runnable:
+                    if impl != "eager":   # (the Python loop: profiled long enough by its own time)
+                        model.set_experts_implementation(impl)
+                        row["profile"] = profile = profile_step(step, impl, device)
+                        log(f"{name:<14} {impl:<12} batch {batch:>4}: profiled, GPU "
+                            f"{profile['gpu_us_per_step'] / 1e3:.1f} ms/step, experts' host "
+                            f"{(profile['experts_host_us_per_step'] or 0) / 1e3:.1f} ms/step; top GPU: "
+                            + "; ".join(f"{e['name'][:40]} {e['us_per_step'] / 1e3:.1f}"
+                                        for e in profile["by_gpu_time"][:4]))
             base = {key: next(r for r in rows if r["model"] == name and r["batch"] == batch
                               and r["implementation"] == NO_EXPERTS).get(key) for key in ("eager_ms", "graph_ms")}
             for row in rows:
@@ -284,6 +338,8 @@ def main(argv=None) -> int:
                         help="run transformers' eager experts (a Python loop) up to this batch only")
     parser.add_argument("--moe-layers", type=positive_ints, default=None,
                         help="MoE layers to build (default: the model's own; DeepSeek-V3: 3)")
+    parser.add_argument("--profile-batches", type=positive_ints, default=[64, 512],
+                        help="batches at which one eager step per implementation is also profiled")
     add_record_arguments(parser, "model-step")
     args = parser.parse_args(argv)
     unknown = [m for m in args.models if m not in HF_CONFIGS]
@@ -297,7 +353,8 @@ def main(argv=None) -> int:
 
     data = run(args.models, args.batches, context=args.context[0], steps=args.steps[0],
                moe_layers=None if args.moe_layers is None else args.moe_layers[0],
-               eager_loop_max_batch=args.eager_loop_max_batch[0], after_batch=save if args.record else None)
+               eager_loop_max_batch=args.eager_loop_max_batch[0], after_batch=save if args.record else None,
+               profile_batches=tuple(args.profile_batches))
     if args.record:
         save(data)
     return 0
