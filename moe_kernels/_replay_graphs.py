@@ -24,8 +24,8 @@ can run. The static inputs are outside the pool too. What a stream keeps is ther
 working set (the largest plan's intermediates: what the caching allocator would keep cached
 after an eager call anyway) plus each plan's static inputs and output. Those add up over plans
 (a server's many prefill lengths), so they have a budget, :data:`MAX_STATIC_BYTES` for the
-process; past it, and for a plan whose buffers exceed :data:`MAX_GRAPH_BYTES`, the plain replay
-runs.
+process: a new graph that would pass it first drops the graphs of the plans used least recently.
+A plan whose buffers exceed :data:`MAX_GRAPH_BYTES` keeps the plain replay.
 
 **When not.** A call on a stream other than the one a plan's static buffers belong to builds its
 own set (per stream); a lock per plan keeps two threads' copy-replay-clone sequences apart. The
@@ -40,6 +40,7 @@ Worked example of the bookkeeping (no GPU needed): a plan of ``fused_experts`` w
 
 from __future__ import annotations
 
+import collections
 import os
 import threading
 import weakref
@@ -58,14 +59,18 @@ REPLAYS_BEFORE_GRAPH = 2
 ENABLED = os.environ.get("MOE_KERNELS_REPLAY_GRAPHS", "1") != "0"
 
 _pools = {}            # (device index, stream pointer) -> (pool handle, capture stream)
-_pools_lock = threading.Lock()
+_pools_lock = threading.RLock()   # (reentrant: a finalizer may run while it is held)
 static_bytes = 0       # held by the static buffers of every live plan (see MAX_STATIC_BYTES)
+_holders = collections.OrderedDict()   # id -> (weakref to a _StreamGraphs, [its bytes]), least recent first
 
 
-def _release(nbytes: int) -> None:
+def _release(key: int, held: list) -> None:
+    """A _StreamGraphs went: give its bytes back."""
     global static_bytes
     with _pools_lock:
-        static_bytes -= nbytes
+        static_bytes -= held[0]
+        held[0] = 0
+        _holders.pop(key, None)
 
 
 def split_inputs(num_inputs: int, pinned) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -96,19 +101,51 @@ class _StreamGraphs:
         self.seen = {}              # pinned addresses -> replays so far without a graph
         self.lock = threading.Lock()
 
+    def drop(self) -> None:
+        """Forget the graphs and static buffers (to make room for others; rebuilt if used again)."""
+        self.static_inputs = self.static_outputs = None
+        self.graphs, self.seen = {}, {}
+
 
 def _reserve(streams: _StreamGraphs, tensors, copied, plan) -> bool:
-    """Count a plan's static buffers on one stream against MAX_STATIC_BYTES (False: over it);
-    they are given back when the plan goes."""
+    """Count a plan's static buffers on one stream against MAX_STATIC_BYTES, first dropping the
+    graphs of the plans used least recently if that is needed to fit (False: it does not fit).
+    The bytes are given back when the plan goes, or its graphs are dropped."""
     global static_bytes
     nbytes = sum(tensors[i].untyped_storage().nbytes() for i in copied if tensors[i] is not None)
     nbytes += sum(plan.output_bytes)
+    if nbytes > MAX_STATIC_BYTES:
+        return False
     with _pools_lock:
+        for key in list(_holders):
+            if static_bytes + nbytes <= MAX_STATIC_BYTES:
+                break
+            entry = _holders.get(key)
+            other = None if entry is None else entry[0]()
+            # (a plan replaying in another thread keeps its graphs: its lock is not waited for)
+            if other is not None and other.lock.acquire(blocking=False):
+                try:
+                    other.drop()
+                finally:
+                    other.lock.release()
+                static_bytes -= entry[1][0]
+                entry[1][0] = 0
+                _holders.pop(key, None)
         if static_bytes + nbytes > MAX_STATIC_BYTES:
             return False
         static_bytes += nbytes
-    weakref.finalize(streams, _release, nbytes)
+        held = [nbytes]
+        _holders[id(streams)] = (weakref.ref(streams), held)
+    weakref.finalize(streams, _release, id(streams), held)
     return True
+
+
+def _used(streams: _StreamGraphs) -> None:
+    """Mark ``streams`` as the most recently used (the last to be dropped)."""
+    try:
+        _holders.move_to_end(id(streams))
+    except KeyError:
+        pass
 
 
 class PlanGraphs:
@@ -148,6 +185,7 @@ class PlanGraphs:
                     return None
                 streams.seen.pop(pinned, None)
                 graph = streams.graphs[pinned] = self._capture(streams, tensors)
+            _used(streams)
             static = streams.static_inputs
             for i in self.copied:
                 if tensors[i] is not None:

@@ -476,3 +476,41 @@ def test_layer_replays_as_it_runs_gpu(model, fmt, layout, shared, num_tokens, mo
     layer.w2 = layer.w2 * 2 if layer.w2.dtype == torch.bfloat16 else layer.w2
     layer(x)
     assert layer._replays.get(layer._replays.key((x,), ())) is None
+
+
+@needs_gpu
+@pytest.mark.gpu
+def test_graphs_of_the_least_recent_plan_make_room_gpu(monkeypatch):
+    """Past the static-buffer budget, a new graph drops the least recently used plan's graphs;
+    that plan still answers right (plainly, then through a new graph)."""
+    import gc
+
+    from moe_kernels import _replay_graphs
+    from moe_kernels.kernels.index_gather import _PLANS, fused_experts
+
+    _PLANS.clear()
+    gc.collect()
+    layer = _small_layer("qwen3-30b-a3b", None)
+    e, k = layer.w13.shape[0], layer.routing.top_k
+
+    def problem(tokens):
+        x = torch.randn(tokens, 256, device="cuda", dtype=torch.bfloat16)
+        ids = torch.rand(tokens, e, device="cuda").argsort(1)[:, :k].int()
+        return x, torch.rand(tokens, k, device="cuda"), ids
+
+    def plan_of(x, w, ids):
+        return _PLANS.get(_PLANS.key((x, layer.w13, layer.w2, w, ids, None, None), (None, None, None, True)))
+
+    a, b = problem(3), problem(5)
+    expected = {n: _eagerly(lambda p=p: fused_experts(p[0], layer.w13, layer.w2, p[1], p[2]), monkeypatch)
+                for n, p in ((3, a), (5, b))}
+    for _ in range(5):
+        assert torch.equal(fused_experts(a[0], layer.w13, layer.w2, a[1], a[2]), expected[3])
+    assert _graphs_of(plan_of(*a)) == 1
+    monkeypatch.setattr(_replay_graphs, "MAX_STATIC_BYTES", _replay_graphs.static_bytes + 1)
+    for _ in range(5):
+        assert torch.equal(fused_experts(b[0], layer.w13, layer.w2, b[1], b[2]), expected[5])
+    assert _graphs_of(plan_of(*b)) == 1 and _graphs_of(plan_of(*a)) == 0   # a made room for b
+    for _ in range(5):
+        assert torch.equal(fused_experts(a[0], layer.w13, layer.w2, a[1], a[2]), expected[3])
+    assert _graphs_of(plan_of(*a)) == 1 and _graphs_of(plan_of(*b)) == 0
