@@ -507,7 +507,9 @@ def test_graphs_of_the_least_recent_plan_make_room_gpu(monkeypatch):
     for _ in range(5):
         assert torch.equal(fused_experts(a[0], layer.w13, layer.w2, a[1], a[2]), expected[3])
     assert _graphs_of(plan_of(*a)) == 1
-    monkeypatch.setattr(_replay_graphs, "MAX_STATIC_BYTES", _replay_graphs.static_bytes + 1)
+    # room for b only if a's graph goes: b's copied inputs and its output, minus one byte
+    need_b = sum(t.untyped_storage().nbytes() for t in b) + expected[5].nbytes
+    monkeypatch.setattr(_replay_graphs, "MAX_STATIC_BYTES", _replay_graphs.static_bytes + need_b - 1)
     for _ in range(5):
         assert torch.equal(fused_experts(b[0], layer.w13, layer.w2, b[1], b[2]), expected[5])
     assert _graphs_of(plan_of(*b)) == 1 and _graphs_of(plan_of(*a)) == 0   # a made room for b

@@ -5,8 +5,8 @@ waits (_pdl.PREFETCH_K), against the plain launch, timing run_experts replayed f
 
     PYTHONPATH=. python tools/pdl_ab.py [model batches formats]   # e.g. qwen3-30b-a3b 1,8 none,block
 
-Writes $OUT/pdl_ab.json when OUT is set. Its first run (session 10 of notes/perf-fused-moe.md) was
-from a scratch copy at 4ab04aa; the numbers there are not a record with provenance.
+Writes $OUT/pdl_ab.json when OUT is set. Its run at 1125c7f is kept, with its provenance added, as
+results/nvidia-h200/pdl-ab.json (session 11 of notes/perf-fused-moe.md).
 """
 import dataclasses, json, os, sys
 import torch
