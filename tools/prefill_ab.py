@@ -1,0 +1,103 @@
+"""Prefill A/B on a GPU (issue 18): the permute layout's switches against index-gather and against
+cuBLAS on balanced groups, both GEMMs, bf16 and fp8 block, at prefill batches.
+
+For each (model, format, batch), every candidate is replayed from a CUDA graph of one call (L2
+not flushed: prefill weights do not fit in it anyway), two rounds interleaved over the candidates,
+the lower round median kept; TFLOP/s counts the routed GEMMs' FLOPs (2 * rows * 3 * d * F).
+
+    PYTHONPATH=. python tools/prefill_ab.py [models] [batches] [formats]
+    # e.g. qwen3-30b-a3b,deepseek-v3 1024,4096,16384 none,block     (writes $OUT/prefill_ab.json)
+
+Candidates (permute: 128-row segments; "tma": both operands through tensor descriptors):
+  index-gather          fused_experts with its tuned table (the default path)
+  permute default       permute_experts with its table (or the borrowed index-gather entry)
+  permute tma p1        128x256x64 tiles (128x128x128 in fp8), 8 warps, GROUP_M 8, TMA, persistent grid
+  permute tma p1 sum    the same with GEMM 2 adding each row into its token (sum_in_gemm)
+  bmm balanced          torch.bmm on ceil(T k / E) rows per expert, SiLU-mul between (bf16 only)
+"""
+import dataclasses
+import json
+import os
+import sys
+
+import torch
+
+from moe_kernels.bench.problems import make_batch, make_weights
+from moe_kernels.bench.sweep import _balanced_bmm
+from moe_kernels.bench.timing import graphed, median_ms
+from moe_kernels.kernels.config import GemmTiles, MoEConfig
+from moe_kernels.kernels.formats import FORMATS
+from moe_kernels.kernels.index_gather import fused_experts
+from moe_kernels.kernels.permute import permute_experts
+from moe_kernels.model.shapes import MODELS
+
+device = "cuda" if torch.cuda.is_available() else "cpu"   # (the CPU: a small shape under the interpreter)
+models = sys.argv[1].split(",") if len(sys.argv) > 1 else ["qwen3-30b-a3b", "deepseek-v3"]
+batches = [int(b) for b in sys.argv[2].split(",")] if len(sys.argv) > 2 else [1024, 4096, 16384]
+formats = sys.argv[3].split(",") if len(sys.argv) > 3 else ["none", "block"]
+
+
+def tma_config(fp8: bool, summed: bool) -> MoEConfig:
+    if fp8:   # the block-fp8 K loop: one 128-wide scale group per K step, 8 warps, 4 stages
+        tiles = GemmTiles(block_n=128, block_k=128, group_m=8, num_warps=8, num_stages=4, tma=True, persistent=1)
+    else:
+        tiles = GemmTiles(block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3, tma=True, persistent=1)
+    gate_up = dataclasses.replace(tiles, block_n=tiles.block_n // 2)   # GEMM 1 loads 2 x block_n weight rows
+    return MoEConfig(128, gate_up, tiles, sum_in_gemm=summed)
+
+
+rows = []
+for fname in formats:
+    fmt = FORMATS[fname]
+    for key in models:
+        model = MODELS[key]
+        if device == "cpu":
+            model = dataclasses.replace(model, hidden_size=256, moe_intermediate_size=256, num_experts=8, top_k=2)
+        e, k, d, f = model.num_experts, model.top_k, model.hidden_size, model.moe_intermediate_size
+        dtype = torch.bfloat16 if device == "cuda" else torch.float32
+        w1, w2 = make_weights(model, dtype, 0, device)
+        w1, w1s = fmt.quantize_weight(w1)
+        w2, w2s = fmt.quantize_weight(w2)
+        for batch in batches:
+            x, _, weights, ids = make_batch(model, batch, dtype, 1 + batch, device)
+            scales = dict(w1_scale=w1s, w2_scale=w2s)
+            fp8 = fmt.quantized
+            candidates = {
+                "index-gather": lambda: fused_experts(x, w1, w2, weights, ids, validate_ids=False, **scales),
+                "permute default": lambda: permute_experts(x, w1, w2, weights, ids, validate_ids=False, **scales),
+                "permute tma p1": lambda c=tma_config(fp8, False): permute_experts(x, w1, w2, weights, ids, config=c,
+                                                                                   validate_ids=False, **scales),
+                "permute tma p1 sum": lambda c=tma_config(fp8, True): permute_experts(x, w1, w2, weights, ids,
+                                                                                      config=c, validate_ids=False,
+                                                                                      **scales),
+            }
+            if not fp8 and device == "cuda":
+                candidates["bmm balanced"] = _balanced_bmm(model, batch, dtype, device)
+            reference = candidates["index-gather"]().float()
+            replays, errors = {}, {}
+            for name, call in candidates.items():
+                try:
+                    out = call()
+                    if name != "bmm balanced":
+                        err = float((out.float() - reference).norm() / reference.norm())
+                        if err > 0.05:
+                            errors[name] = f"rel err {err:.3g}"
+                    replays[name] = graphed(call) if device == "cuda" else call
+                except Exception as error:   # noqa: BLE001 - one candidate failing must not lose the others
+                    errors[name] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
+            times = {name: [] for name in replays}
+            for _ in range(2):
+                for name, replay in replays.items():
+                    times[name].append(median_ms(replay, 5, 40) * 1e3 if device == "cuda" else 1.0)
+            flops = 2 * batch * k * 3 * d * f
+            row = {"model": key, "format": fname, "batch": batch, "errors": errors,
+                   "us": {n: min(t) for n, t in times.items()},
+                   "tflops": {n: flops / min(t) / 1e6 for n, t in times.items()}}
+            rows.append(row)
+            print(key, fname, batch, {n: round(v, 1) for n, v in row["us"].items()},
+                  {n: round(v) for n, v in row["tflops"].items()}, errors or "", flush=True)
+            del x, weights, ids, reference, replays
+            torch.cuda.empty_cache()
+        del w1, w2
+if os.environ.get("OUT"):
+    json.dump(rows, open(os.path.join(os.environ["OUT"], "prefill_ab.json"), "w"), indent=1)
