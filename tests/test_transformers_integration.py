@@ -270,6 +270,26 @@ def test_experts_modules_found_without_the_expert_parallel_flag():
         assert rel_err(ours, model(input_ids=ids).logits) < 1e-5
 
 
+def test_the_plan_key_reads_attributes_as_getattr_does():
+    """check_experts' key looks attributes up without nn.Module's slow path for missing names; it
+    must see what ``getattr(module, name, None)`` sees: instance values, parameters, submodules,
+    class attributes, methods bound to the module, properties, and None for a missing name."""
+    model = tiny_model("qwen3_moe", seed=1)
+    module = mt._experts_modules(model)[0]
+    cls = type("Probed", (type(module),), {"from_class": 7, "computed": property(lambda self: self.from_class + 1),
+                                           "method": lambda self: None})
+    probed = cls.__new__(cls)
+    probed.__dict__.update(module.__dict__)
+    probed.has_bias = False
+    for name in ("gate_up_proj", "down_proj", "act_fn", "_apply_gate", "has_bias", "from_class", "computed",
+                 "method", "no_such_attribute", "training", "forward"):
+        ours, expected = mt._attribute(probed, name), getattr(probed, name, None)
+        assert ours is expected or ours == expected, name   # (a bound method is a new object each time)
+    probed.from_class = 9   # an instance value over the class's
+    assert mt._attribute(probed, "from_class") == 9 and mt._attribute(probed, "computed") == 10
+    assert mt._plan_key(module) == mt._plan_key(module) and mt.check_experts(module) is mt.check_experts(module)
+
+
 # ---- fp8: transformers' FP8Experts with 128x128 block scales ----------------------------------------
 
 

@@ -172,12 +172,37 @@ def _tensor_key(t):
     return t.data_ptr(), t._version, t.dtype, t.device, tuple(t.shape)
 
 
+_MISSING = object()
+_KEY_FLAGS = (*_FLAGS, "is_transposed", "block_size", "activation_scheme")
+
+
+def _attribute(module, name):
+    """``getattr(module, name, None)``, without its slow path: an attribute a module lacks (most of
+    the fp8 flags on a bf16 module) costs ``nn.Module.__getattr__`` a raised AttributeError, about a
+    microsecond each, at every layer of every step. Same answer: a data descriptor of the class
+    (a property) first, then the instance's dict, its parameters, buffers and submodules, then the
+    class attribute (bound through ``getattr`` when it is a method or another descriptor)."""
+    on_class = getattr(type(module), name, _MISSING)
+    if on_class is not _MISSING and hasattr(type(on_class), "__set__"):   # a property: computed
+        return getattr(module, name, None)
+    attrs = module.__dict__
+    value = attrs.get(name, _MISSING)
+    if value is not _MISSING:
+        return value
+    for store in ("_parameters", "_buffers", "_modules"):
+        values = attrs.get(store)
+        if values and name in values:
+            return values[name]
+    if on_class is _MISSING:
+        return None
+    return getattr(module, name, None) if hasattr(type(on_class), "__get__") else on_class
+
+
 def _plan_key(module) -> tuple:
-    gate = getattr(module, "_apply_gate", None)
-    act = getattr(module, "act_fn", None)
-    flags = tuple(getattr(module, name, None) for name in (*_FLAGS, "is_transposed", "block_size",
-                                                            "activation_scheme"))
-    tensors = tuple(_tensor_key(getattr(module, name, None)) for name in ("gate_up_proj", "down_proj", *_SCALES))
+    gate = _attribute(module, "_apply_gate")
+    act = _attribute(module, "act_fn")
+    flags = tuple(_attribute(module, name) for name in _KEY_FLAGS)
+    tensors = tuple(_tensor_key(_attribute(module, name)) for name in ("gate_up_proj", "down_proj", *_SCALES))
     return flags, getattr(gate, "__func__", gate), type(act), id(act), tensors
 
 
