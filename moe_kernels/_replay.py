@@ -30,9 +30,10 @@ launch through Triton's own path (a new binary), inputs that share memory,
 or one that requires grad. Such a signature runs eagerly after :data:`MAX_REFUSALS` tries.
 Outputs are fresh at every replay (two streams or threads can replay one plan); a CUDA-graph
 capture, a launch hook or a launch trace runs eagerly. ``MOE_KERNELS_REPLAY=0`` turns it off.
-Once a plan has replayed twice on the same weights, :mod:`moe_kernels._replay_graphs` captures
-the replay into a CUDA graph, and later calls launch that (the inputs copied in, the output
-copied out): a decode call's host work becomes a handful of API calls.
+Once a plan has replayed once on a set of weights, :mod:`moe_kernels._replay_graphs` captures
+the replay into a CUDA graph at the next call, and later calls launch that (the activations
+copied in, the weights read in place, the output copied out): a decode call's host work becomes
+a handful of API calls.
 Use (on a GPU): ``plans.run(tensors, options, lambda: eager(...))``.
 """
 
@@ -254,11 +255,17 @@ class Recording:
                           for slot in self.constants)
         # What a CUDA graph of the plan would hold (moe_kernels._replay_graphs): every buffer the call
         # made, the workspace's pieces included.
-        made = set(range(self.num_inputs, len(self.tensors))) - set(self.constants)
-        graph_bytes = sum(self.tensors[slot].untyped_storage().nbytes() for slot in made)
+        # What a CUDA graph of the plan would hold (moe_kernels._replay_graphs): the memory the
+        # call made, each storage once (a view is not more memory; a view of a weight is none).
+        outside = {self._storage(self.tensors[slot]) for slot in (*range(self.num_inputs), *self.constants)
+                   if self.tensors[slot] is not None}
+        made = {self._storage(t): t.untyped_storage().nbytes() for slot, t in enumerate(self.tensors)
+                if slot >= self.num_inputs and t is not None and self._storage(t) not in outside}
         plan = Plan(self.num_inputs, len(self.tensors), constants, kept, tuple(returned), many,
-                    (size, self.device) if size else None, graph_bytes)
-        plan.output_bytes = tuple(self.tensors[slot].nbytes for slot in returned)
+                    (size, self.device) if size else None, sum(made.values()))
+        plan.output_specs = tuple((tuple(self.tensors[slot].shape), self.tensors[slot].stride(),
+                                   self.tensors[slot].dtype) for slot in returned)
+        plan.returns_input_memory = any(self._storage(self.tensors[slot]) in outside for slot in returned)
         return plan
 
 
@@ -376,7 +383,8 @@ class Plan:
         self.num_inputs, self.num_slots, self.returned, self.many = num_inputs, num_slots, returned, many
         self.constants = constants
         self.graph_bytes = graph_bytes
-        self.output_bytes = ()   # bytes of each result (set by Recording.plan)
+        self.output_specs = ()   # (shape, strides, dtype) of each result (set by Recording.plan)
+        self.returns_input_memory = False
         #: its CUDA graphs (moe_kernels._replay_graphs.PlanGraphs), set by CallPlans on a GPU
         self.graphs = None
         #: (bytes, device) of the one buffer that holds every launch-only buffer (slot num_slots)
@@ -493,8 +501,8 @@ class CallPlans:
         plan = self.get(key)
         if plan is None:
             return self.call(key, tensors, eager)
-        if plan.graphs is not None:   # one CUDA graph launch, once it has replayed on these weights twice
-            result = plan.graphs(tensors)
+        if plan.graphs is not None:   # one CUDA graph launch, from the fourth call on the same weights
+            result = plan.graphs(plan, tensors)
             if result is not None:
                 return result
         return plan.replay(tensors)

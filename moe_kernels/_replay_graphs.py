@@ -2,9 +2,10 @@
 
 A replay (:mod:`moe_kernels._replay`) still launches every kernel from Python: an fp8 call is five
 to seven launches at 9-15 microseconds of host time each on the H200's host, 80-130 us in all,
-against 30-40 us of GPU time at batch 1. A CUDA graph launches them all with one call. So once a
-plan has replayed on the same *pinned* inputs (the weights, which the caller keeps in place)
-twice, its replay is captured into a graph and from then on a call is:
+against 30-40 us of GPU time at batch 1. A CUDA graph launches them all with one call. So when a
+plan has been replayed once on a set of *pinned* inputs (the weights, which the caller keeps in
+place), the next call with the same weights (the fourth of the signature) captures the replay
+into a graph, and from then on a call is:
 
 1. copy each *copied* input (the activations, ids and routing weights, which are new tensors at
    every call) into a static buffer the graph reads;
@@ -14,22 +15,29 @@ twice, its replay is captured into a graph and from then on a call is:
 About five host API calls whatever the number of kernels. Pinned inputs are read where they are:
 a graph is kept per tuple of their addresses (a model's layers call one plan with 48 different
 weight sets: 48 graphs), so a call whose weights sit elsewhere takes another graph or the plain
-replay, never a stale address.
+replay, never a stale address. (An entry point that pins nothing, like ``MoELayer``, has its
+weights as the plan's constants.) An entry point must not write into its copied inputs: the
+graph would write the static copy.
 
-**Memory.** Every graph of a stream allocates its intermediates from one private pool per
-(device, stream), so the graphs share that memory: safe because a graph's result never stays in
-the pool. The graph copies it, as its last node, into a static output buffer outside the pool
-(one per plan and stream), and the call clones that buffer before any other graph of the stream
-can run. The static inputs are outside the pool too. What a stream keeps is therefore one
-working set (the largest plan's intermediates: what the caching allocator would keep cached
-after an eager call anyway) plus each plan's static inputs and output. Those add up over plans
-(a server's many prefill lengths), so they have a budget, :data:`MAX_STATIC_BYTES` for the
-process: a new graph that would pass it first drops the graphs of the plans used least recently.
-A plan whose buffers exceed :data:`MAX_GRAPH_BYTES` keeps the plain replay.
+**Memory.** The graphs of one (device, stream) allocate their intermediates from one private
+pool, shared: safe because nothing outlives a replay in the pool. Each graph's last nodes copy
+its result into a static output buffer outside the pool (one per plan and stream), the call
+clones that buffer before it lets go of the plan's lock, and the static inputs are outside the
+pool too; replays of one stream run one after another. So a stream's graphs hold one working
+set (the largest captured plan's intermediates, kept until that stream's last graph goes, which
+``torch.cuda.empty_cache`` cannot return), beside what the caching allocator already keeps from
+the eager calls. Plans above :data:`MAX_GRAPH_BYTES` of intermediates keep the plain replay. The
+static inputs and outputs add up over plans (a server's many prefill lengths): they share a
+budget, :data:`MAX_STATIC_BYTES` per process, and a new graph that needs room first drops the
+graphs of the plans used least recently (a dropped plan waits longer before it captures again,
+so that two plans that do not fit together do not recapture at every call).
 
-**When not.** A call on a stream other than the one a plan's static buffers belong to builds its
-own set (per stream); a lock per plan keeps two threads' copy-replay-clone sequences apart. The
-graph path is off under ``MOE_KERNELS_REPLAY_GRAPHS=0`` (the plain replay remains).
+**When not.** The graph path falls back to the plain replay, for good on that plan and stream,
+if a capture fails (out of memory, an operation a capture does not allow); a copied input whose
+elements overlap (``expand``) or a result that shares an input's memory never graphs. A call on
+another stream builds its own static buffers and graphs (per stream); a lock per (plan, stream)
+keeps two threads' copy-replay-clone sequences apart, and a lock per stream serialises captures.
+``MOE_KERNELS_REPLAY_GRAPHS=0`` turns graphs off (the plain replay remains).
 
 Worked example of the bookkeeping (no GPU needed): a plan of ``fused_experts`` whose inputs are
 ``(x, w1, w2, weights, ids, None, None)`` pins the weights and copies the rest::
@@ -47,30 +55,22 @@ import weakref
 
 import torch
 
-#: Plans whose buffers (intermediates and outputs) exceed this many bytes keep the plain replay.
-#: DeepSeek-V3's layer at 16,384 tokens needs about 5 GiB.
-MAX_GRAPH_BYTES = int(os.environ.get("MOE_KERNELS_REPLAY_GRAPH_MAX_MB", 8192)) * 2**20
+#: Plans whose intermediates (every buffer the call makes, counted once per storage) exceed this
+#: many bytes keep the plain replay. DeepSeek-V3's layer at 16,384 tokens makes about 3.3 GB.
+MAX_GRAPH_BYTES = int(os.environ.get("MOE_KERNELS_REPLAY_GRAPH_MAX_MB", 4096)) * 2**20
 #: Static input and output buffers kept for graphs, over all plans and streams of the process.
 MAX_STATIC_BYTES = 4 * 2**30
 #: Graphs per plan and stream (one per set of pinned addresses) before new ones stop being made.
 MAX_GRAPHS_PER_PLAN = 256
-#: Replays on the same pinned addresses before a graph is captured (a one-off call never pays it).
+#: Plain replays on the same pinned addresses before a graph is captured (a one-off call never
+#: pays for a capture).
 REPLAYS_BEFORE_GRAPH = 2
 ENABLED = os.environ.get("MOE_KERNELS_REPLAY_GRAPHS", "1") != "0"
 
-_pools = {}            # (device index, stream pointer) -> (pool handle, capture stream)
-_pools_lock = threading.RLock()   # (reentrant: a finalizer may run while it is held)
-static_bytes = 0       # held by the static buffers of every live plan (see MAX_STATIC_BYTES)
-_holders = collections.OrderedDict()   # id -> (weakref to a _StreamGraphs, [its bytes]), least recent first
-
-
-def _release(key: int, held: list) -> None:
-    """A _StreamGraphs went: give its bytes back."""
-    global static_bytes
-    with _pools_lock:
-        static_bytes -= held[0]
-        held[0] = 0
-        _holders.pop(key, None)
+_lock = threading.RLock()   # the budget and the capture sides (reentrant: a finalizer may run under it)
+static_bytes = 0            # held by the static buffers of every live plan (see MAX_STATIC_BYTES)
+_holders = collections.OrderedDict()   # id -> weakref to a _StreamGraphs holding static bytes, least recent first
+_captures = {}              # (device, stream pointer) -> _CaptureSide
 
 
 def split_inputs(num_inputs: int, pinned) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -79,14 +79,56 @@ def split_inputs(num_inputs: int, pinned) -> tuple[tuple[int, ...], tuple[int, .
     return tuple(i for i in range(num_inputs) if i not in pinned), pinned
 
 
-def _stream_pool(device: int, stream_ptr: int):
-    """The memory pool and capture stream of ``stream`` on ``device`` (made once)."""
-    key = (device, stream_ptr)
-    with _pools_lock:
-        entry = _pools.get(key)
-        if entry is None:
-            entry = _pools[key] = (torch.cuda.graph_pool_handle(), torch.cuda.Stream(device=device))
-        return entry
+class _CaptureSide:
+    """Where the graphs of one (device, stream) are captured: a side stream (the legacy default
+    stream cannot be captured), a lock, and the live graphs, whose pool the next capture shares.
+    (A pool whose last graph is gone cannot be captured into again, so the pool is always taken
+    from a live graph, or a fresh one is made.)"""
+
+    def __init__(self, device: int):
+        self.stream = torch.cuda.Stream(device=device)
+        self.lock = threading.Lock()
+        self.graphs = weakref.WeakSet()
+        self.warm = False
+
+    def live_graph(self):
+        """A live graph of this side (whose pool a new capture shares), or None."""
+        for graph in list(self.graphs):
+            return graph
+        return None
+
+    def warm_up(self) -> None:
+        """cuBLAS makes a stream's handle and workspace at its first call there, which a capture
+        may not do: one small product per dtype on the side stream, once."""
+        if self.warm:
+            return
+        with torch.cuda.stream(self.stream):
+            for dtype in (torch.bfloat16, torch.float16, torch.float32):
+                a = torch.ones(16, 16, device=self.stream.device, dtype=dtype)
+                torch.mm(a, a)
+                if dtype != torch.float32:
+                    try:   # (the gate's float32-output product, where torch has it)
+                        torch.mm(a, a, out_dtype=torch.float32)
+                    except (TypeError, RuntimeError):
+                        pass
+        self.warm = True
+
+
+def _capture_side(device: int, stream_ptr: int) -> _CaptureSide:
+    with _lock:
+        side = _captures.get((device, stream_ptr))
+        if side is None:
+            side = _captures[(device, stream_ptr)] = _CaptureSide(device)
+        return side
+
+
+def _give_back(cell: list, key: int) -> None:
+    """Return the static bytes a _StreamGraphs held (when it is dropped, or when it goes)."""
+    global static_bytes
+    with _lock:
+        static_bytes -= cell[0]
+        cell[0] = 0
+        _holders.pop(key, None)
 
 
 class _StreamGraphs:
@@ -98,70 +140,70 @@ class _StreamGraphs:
         self.static_inputs = None   # position -> tensor, for the copied inputs
         self.static_outputs = None  # the clones' sources, outside the pool
         self.graphs = {}            # pinned addresses -> torch.cuda.CUDAGraph
-        self.seen = {}              # pinned addresses -> replays so far without a graph
+        self.seen = {}              # pinned addresses -> plain replays so far without a graph
+        self.backoff = 0            # extra replays to wait before a capture, after a drop or a refusal
+        self.refusal = None         # why this plan never graphs on this stream
         self.lock = threading.Lock()
+        self.held = [0]             # static bytes counted against MAX_STATIC_BYTES
+        weakref.finalize(self, _give_back, self.held, id(self))
 
     def drop(self) -> None:
-        """Forget the graphs and static buffers (to make room for others; rebuilt if used again)."""
+        """Forget the graphs and static buffers (to make room for others; rebuilt if used again,
+        after a longer wait). The caller holds ``self.lock``."""
         self.static_inputs = self.static_outputs = None
         self.graphs, self.seen = {}, {}
+        self.backoff = min(256, 2 * self.backoff + 16)
+        _give_back(self.held, id(self))
 
 
-def _reserve(streams: _StreamGraphs, tensors, copied, plan) -> bool:
-    """Count a plan's static buffers on one stream against MAX_STATIC_BYTES, first dropping the
-    graphs of the plans used least recently if that is needed to fit (False: it does not fit).
-    The bytes are given back when the plan goes, or its graphs are dropped."""
+def _reserve(streams: _StreamGraphs, nbytes: int) -> bool:
+    """Count ``nbytes`` of static buffers for ``streams`` against MAX_STATIC_BYTES, dropping the
+    graphs of the plans used least recently if that makes them fit, and nothing if it would not.
+    The caller holds ``streams.lock``."""
     global static_bytes
-    nbytes = sum(tensors[i].untyped_storage().nbytes() for i in copied if tensors[i] is not None)
-    nbytes += sum(plan.output_bytes)
-    if nbytes > MAX_STATIC_BYTES:
-        return False
-    with _pools_lock:
-        for key in list(_holders):
-            if static_bytes + nbytes <= MAX_STATIC_BYTES:
-                break
-            entry = _holders.get(key)
-            other = None if entry is None else entry[0]()
-            # (a plan replaying in another thread keeps its graphs: its lock is not waited for)
-            if other is not None and other.lock.acquire(blocking=False):
+    with _lock:
+        if static_bytes + nbytes > MAX_STATIC_BYTES:
+            chosen, freeing = [], 0
+            for key in list(_holders):
+                if static_bytes - freeing + nbytes <= MAX_STATIC_BYTES:
+                    break
+                ref = _holders.get(key)
+                other = None if ref is None else ref()
+                # (a plan replaying in another thread keeps its graphs: its lock is not waited for)
+                if other is not None and other is not streams and other.lock.acquire(blocking=False):
+                    chosen.append(other)
+                    freeing += other.held[0]
+            fits = static_bytes - freeing + nbytes <= MAX_STATIC_BYTES
+            for other in chosen:
                 try:
-                    other.drop()
+                    if fits:
+                        other.drop()
                 finally:
                     other.lock.release()
-                static_bytes -= entry[1][0]
-                entry[1][0] = 0
-                _holders.pop(key, None)
-        if static_bytes + nbytes > MAX_STATIC_BYTES:
-            return False
+            if not fits:
+                return False
         static_bytes += nbytes
-        held = [nbytes]
-        _holders[id(streams)] = (weakref.ref(streams), held)
-    weakref.finalize(streams, _release, id(streams), held)
-    return True
-
-
-def _used(streams: _StreamGraphs) -> None:
-    """Mark ``streams`` as the most recently used (the last to be dropped)."""
-    try:
-        _holders.move_to_end(id(streams))
-    except KeyError:
-        pass
+        streams.held[0] += nbytes
+        _holders[id(streams)] = weakref.ref(streams)
+        return True
 
 
 class PlanGraphs:
-    """The CUDA graphs of one :class:`~moe_kernels._replay.Plan` (see the module docstring)."""
+    """The CUDA graphs of one :class:`~moe_kernels._replay.Plan` (see the module docstring). It
+    holds no reference to the plan (the plan holds it), so that a forgotten plan and its weights
+    go at once, not at the next cyclic garbage collection."""
 
     def __init__(self, plan, pinned):
-        self.plan = plan
         self.copied, self.pinned = split_inputs(plan.num_inputs, pinned)
+        self.output_specs = plan.output_specs
         self.by_stream = {}
-        self.refusal = None   # why this plan never graphs (too big, a result that is an input, ...)
-        if any(slot < plan.num_inputs for slot in plan.returned):
-            self.refusal = "the result is an input"
+        self.refusal = None   # why this plan never graphs
+        if plan.returns_input_memory:
+            self.refusal = "the result shares memory with an input"
         elif plan.graph_bytes > MAX_GRAPH_BYTES:
-            self.refusal = f"{plan.graph_bytes} bytes of buffers, above MAX_GRAPH_BYTES"
+            self.refusal = f"{plan.graph_bytes} bytes of intermediates, above MAX_GRAPH_BYTES"
 
-    def __call__(self, tensors):
+    def __call__(self, plan, tensors):
         """The call's result through a graph, or None (the caller replays plainly)."""
         if self.refusal is not None or not ENABLED:
             return None
@@ -172,59 +214,93 @@ class PlanGraphs:
         streams = self.by_stream.get(stream_ptr)
         if streams is None:
             streams = self.by_stream.setdefault(stream_ptr, _StreamGraphs(device, stream_ptr))
+        if streams.refusal is not None:
+            return None
         pinned = tuple(None if tensors[i] is None else tensors[i].data_ptr() for i in self.pinned)
         with streams.lock:
             graph = streams.graphs.get(pinned)
             if graph is None:
                 seen = streams.seen.get(pinned, 0) + 1
-                if seen < REPLAYS_BEFORE_GRAPH or len(streams.graphs) >= MAX_GRAPHS_PER_PLAN:
+                if seen < REPLAYS_BEFORE_GRAPH + streams.backoff or len(streams.graphs) >= MAX_GRAPHS_PER_PLAN:
                     if len(streams.seen) < 4 * MAX_GRAPHS_PER_PLAN:
                         streams.seen[pinned] = seen
                     return None
-                if streams.static_inputs is None and not _reserve(streams, tensors, self.copied, self.plan):
-                    return None
                 streams.seen.pop(pinned, None)
-                graph = streams.graphs[pinned] = self._capture(streams, tensors)
-            _used(streams)
+                graph = self._new_graph(plan, streams, tensors, pinned)
+                if graph is None:
+                    return None
+            elif _holders:
+                try:
+                    _holders.move_to_end(id(streams))   # the most recently used: dropped last
+                except KeyError:
+                    pass
             static = streams.static_inputs
             for i in self.copied:
                 if tensors[i] is not None:
                     static[i].copy_(tensors[i])
             graph.replay()
-            self.plan.replays += 1
+            plan.replays += 1
             outputs = tuple(t.clone() for t in streams.static_outputs)
-        return outputs if self.plan.many else outputs[0]
+        return outputs if plan.many else outputs[0]
 
-    def _capture(self, streams: _StreamGraphs, tensors):
-        """Capture the plan's replay on the stream's static inputs and this call's pinned ones."""
-        plan = self.plan
+    def _new_graph(self, plan, streams: _StreamGraphs, tensors, pinned):
+        """Make the stream's static buffers if it has none, capture a graph on ``pinned``; None
+        (and the plain replay) when the budget has no room now or the capture fails."""
         if streams.static_inputs is None:
-            streams.static_inputs = {i: torch.empty_strided(tensors[i].shape, tensors[i].stride(),
-                                                            dtype=tensors[i].dtype, device=tensors[i].device)
-                                     for i in self.copied if tensors[i] is not None}
-        for i, static in streams.static_inputs.items():   # real ids before the warm-up: garbage could fail
-            static.copy_(tensors[i])                         # the device-side id check
-        args = [streams.static_inputs.get(i) if i in self.copied else tensors[i] for i in range(plan.num_inputs)]
-        pool, capture_stream = _stream_pool(streams.device, streams.stream_ptr)
+            copied = [tensors[i] for i in self.copied if tensors[i] is not None]
+            if any(torch._debug_has_internal_overlap(t) != 0 for t in copied):   # e.g. an expand()ed input
+                streams.refusal = "a copied input has overlapping elements"
+                return None
+            nbytes = sum(t.nbytes for t in copied) + sum(dtype.itemsize * _numel(shape)
+                                                          for shape, _, dtype in self.output_specs)
+            if not _reserve(streams, nbytes):
+                streams.backoff = min(256, 2 * streams.backoff + 16)
+                return None
+            with torch.inference_mode(False):   # (an inference tensor could not be written outside that mode)
+                streams.static_inputs = {i: torch.empty_strided(tensors[i].shape, tensors[i].stride(),
+                                                                dtype=tensors[i].dtype, device=tensors[i].device)
+                                         for i in self.copied if tensors[i] is not None}
+                streams.static_outputs = tuple(torch.empty_strided(shape, stride, dtype=dtype, device=tensors[0].device)
+                                               for shape, stride, dtype in self.output_specs)
+        try:
+            graph = _capture(plan, streams, tensors, self.copied)
+        except Exception as error:  # noqa: BLE001 - any failure leaves the plain replay, which works
+            streams.drop()
+            streams.refusal = f"the capture failed: {type(error).__name__}: {str(error)[:200]}"
+            return None
+        streams.graphs[pinned] = graph
+        return graph
+
+
+def _numel(shape) -> int:
+    n = 1
+    for size in shape:
+        n *= size
+    return n
+
+
+def _capture(plan, streams: _StreamGraphs, tensors, copied):
+    """Capture the plan's replay on the stream's static inputs and this call's pinned ones, its
+    result copied into the static outputs, on the stream's capture side."""
+    args = [streams.static_inputs.get(i) if i in copied else tensors[i] for i in range(plan.num_inputs)]
+    side = _capture_side(streams.device, streams.stream_ptr)
+    with side.lock:
+        side.warm_up()
         current = torch.cuda.current_stream()
-        capture_stream.wait_stream(current)
-        with torch.cuda.stream(capture_stream):
-            # Once outside the capture on the capture stream: cuBLAS makes its workspace for a
-            # stream at its first call there, which a capture may not do.
-            results = plan.replay(args)
-            results = results if plan.many else (results,)
-            if streams.static_outputs is None:
-                streams.static_outputs = tuple(torch.empty_like(t) for t in results)
-            del results
-            graph = torch.cuda.CUDAGraph()
-            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+        side.stream.wait_stream(current)
+        graph = torch.cuda.CUDAGraph()
+        live = side.live_graph()   # (kept referenced until the capture ends: its pool must stay alive)
+        with torch.cuda.stream(side.stream):
+            graph.capture_begin(pool=None if live is None else live.pool(), capture_error_mode="thread_local")
             try:
                 results = plan.replay(args)
                 for static, result in zip(streams.static_outputs, results if plan.many else (results,)):
-                    static.copy_(result)   # out of the pool: the pool's memory is free again after the graph
+                    static.copy_(result)   # out of the pool: nothing of this call stays there
                 del results
             finally:
                 graph.capture_end()
-        current.wait_stream(capture_stream)
-        plan.replays -= 2   # (the two replays above were this capture's, not calls)
-        return graph
+        current.wait_stream(side.stream)
+        side.graphs.add(graph)
+        del live
+    plan.replays -= 1   # (the captured replay ran nothing)
+    return graph

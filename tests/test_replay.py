@@ -414,6 +414,10 @@ def test_plans_above_the_graph_limits_replay_plainly_gpu(limit, monkeypatch):
     from moe_kernels import _replay_graphs
     from moe_kernels.kernels.index_gather import _PLANS, fused_experts
 
+    import gc
+
+    _PLANS.clear()   # (a plan of the other parametrisation would be reused with its refusal)
+    gc.collect()
     monkeypatch.setattr(_replay_graphs, limit, 0)
     layer = _small_layer("qwen3-30b-a3b", None)
     e, k = layer.w13.shape[0], layer.routing.top_k
@@ -424,7 +428,10 @@ def test_plans_above_the_graph_limits_replay_plainly_gpu(limit, monkeypatch):
     assert all(torch.equal(r, results[0]) for r in results)
     plan = _PLANS.get(_PLANS.key((x, layer.w13, layer.w2, w, ids, None, None), (None, None, None, False)))
     assert plan is not None and plan.replays >= 3 and _graphs_of(plan) == 0
-    assert limit == "MAX_STATIC_BYTES" or "MAX_GRAPH_BYTES" in plan.graphs.refusal
+    if limit == "MAX_GRAPH_BYTES":
+        assert "MAX_GRAPH_BYTES" in plan.graphs.refusal
+    else:   # no room in the budget: no refusal for good, a longer wait before the next try
+        assert plan.graphs.refusal is None and all(s.backoff > 0 for s in plan.graphs.by_stream.values())
 
 
 @needs_gpu
@@ -482,7 +489,8 @@ def test_layer_replays_as_it_runs_gpu(model, fmt, layout, shared, num_tokens, mo
 @pytest.mark.gpu
 def test_graphs_of_the_least_recent_plan_make_room_gpu(monkeypatch):
     """Past the static-buffer budget, a new graph drops the least recently used plan's graphs;
-    that plan still answers right (plainly, then through a new graph)."""
+    that plan still answers right (plainly, then, after a longer wait, through a new graph)."""
+    import collections
     import gc
 
     from moe_kernels import _replay_graphs
@@ -490,6 +498,9 @@ def test_graphs_of_the_least_recent_plan_make_room_gpu(monkeypatch):
 
     _PLANS.clear()
     gc.collect()
+    # A budget of this test's own: only its two plans count.
+    monkeypatch.setattr(_replay_graphs, "_holders", collections.OrderedDict())
+    monkeypatch.setattr(_replay_graphs, "static_bytes", 0)
     layer = _small_layer("qwen3-30b-a3b", None)
     e, k = layer.w13.shape[0], layer.routing.top_k
 
@@ -506,13 +517,69 @@ def test_graphs_of_the_least_recent_plan_make_room_gpu(monkeypatch):
                 for n, p in ((3, a), (5, b))}
     for _ in range(5):
         assert torch.equal(fused_experts(a[0], layer.w13, layer.w2, a[1], a[2]), expected[3])
-    assert _graphs_of(plan_of(*a)) == 1
+    assert _graphs_of(plan_of(*a)) == 1 and _replay_graphs.static_bytes > 0
     # room for b only if a's graph goes: b's copied inputs and its output, minus one byte
-    need_b = sum(t.untyped_storage().nbytes() for t in b) + expected[5].nbytes
+    need_b = sum(t.nbytes for t in b) + expected[5].nbytes
     monkeypatch.setattr(_replay_graphs, "MAX_STATIC_BYTES", _replay_graphs.static_bytes + need_b - 1)
     for _ in range(5):
         assert torch.equal(fused_experts(b[0], layer.w13, layer.w2, b[1], b[2]), expected[5])
     assert _graphs_of(plan_of(*b)) == 1 and _graphs_of(plan_of(*a)) == 0   # a made room for b
-    for _ in range(5):
+    for _ in range(2 + 16 + 2):   # a waits 16 more replays after being dropped, then takes b's place
         assert torch.equal(fused_experts(a[0], layer.w13, layer.w2, a[1], a[2]), expected[3])
     assert _graphs_of(plan_of(*a)) == 1 and _graphs_of(plan_of(*b)) == 0
+    _PLANS.clear()   # (their bytes given back to this test's budget, before the module's own returns)
+    gc.collect()
+    assert _replay_graphs.static_bytes == 0
+
+
+@needs_gpu
+@pytest.mark.gpu
+def test_graphs_capture_again_after_every_graph_went_gpu(monkeypatch):
+    """A stream's pool can only be captured into while one of its graphs lives: after every
+    graph of the stream is gone (plans forgotten), the next plan still captures a graph."""
+    import gc
+
+    from moe_kernels.kernels.index_gather import _PLANS, fused_experts
+
+    layer = _small_layer("qwen3-30b-a3b", None)
+    e, k = layer.w13.shape[0], layer.routing.top_k
+    for tokens in (3, 6):
+        _PLANS.clear()
+        gc.collect()
+        x = torch.randn(tokens, 256, device="cuda", dtype=torch.bfloat16)
+        ids = torch.rand(tokens, e, device="cuda").argsort(1)[:, :k].int()
+        w = torch.rand(tokens, k, device="cuda")
+        expected = _eagerly(lambda: fused_experts(x, layer.w13, layer.w2, w, ids), monkeypatch)
+        for _ in range(5):
+            assert torch.equal(fused_experts(x, layer.w13, layer.w2, w, ids), expected)
+        plan = _PLANS.get(_PLANS.key((x, layer.w13, layer.w2, w, ids, None, None), (None, None, None, True)))
+        assert _graphs_of(plan) == 1, [s.refusal for s in plan.graphs.by_stream.values()]
+
+
+@needs_gpu
+@pytest.mark.gpu
+def test_graphs_under_inference_mode_and_of_overlapping_inputs_gpu(monkeypatch):
+    """Static buffers made under torch.inference_mode() still take copies outside it; an input
+    whose elements overlap (an expand()ed weights tensor) keeps the plain replay, right."""
+    from moe_kernels.kernels.index_gather import _PLANS, fused_experts
+
+    layer = _small_layer("qwen3-30b-a3b", None, seed=2)
+    e, k = layer.w13.shape[0], layer.routing.top_k
+    x = torch.randn(4, 256, device="cuda", dtype=torch.bfloat16)
+    ids = torch.rand(4, e, device="cuda").argsort(1)[:, :k].int()
+    w = torch.rand(4, k, device="cuda")
+    expected = _eagerly(lambda: fused_experts(x, layer.w13, layer.w2, w, ids), monkeypatch)
+    with torch.inference_mode():
+        for _ in range(5):
+            assert torch.equal(fused_experts(x, layer.w13, layer.w2, w, ids), expected)
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(fused_experts(x, layer.w13, layer.w2, w, ids), expected)
+    plan = _PLANS.get(_PLANS.key((x, layer.w13, layer.w2, w, ids, None, None), (None, None, None, True)))
+    assert _graphs_of(plan) == 1
+    shared = torch.rand(1, k, device="cuda").expand(4, k)   # every token the same routing weights
+    expected = _eagerly(lambda: fused_experts(x, layer.w13, layer.w2, shared, ids), monkeypatch)
+    for _ in range(5):
+        assert torch.equal(fused_experts(x, layer.w13, layer.w2, shared, ids), expected)
+    plan = _PLANS.get(_PLANS.key((x, layer.w13, layer.w2, shared, ids, None, None), (None, None, None, True)))
+    assert _graphs_of(plan) == 0 and any("overlapping" in (s.refusal or "") for s in plan.graphs.by_stream.values())
