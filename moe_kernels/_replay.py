@@ -253,8 +253,6 @@ class Recording:
                 for event in kept]
         constants = tuple((slot, self.tensors[slot], self.tensors[slot].data_ptr(), self.tensors[slot].shape)
                           for slot in self.constants)
-        # What a CUDA graph of the plan would hold (moe_kernels._replay_graphs): every buffer the call
-        # made, the workspace's pieces included.
         # What a CUDA graph of the plan would hold (moe_kernels._replay_graphs): the memory the
         # call made, each storage once (a view is not more memory; a view of a weight is none).
         outside = {self._storage(self.tensors[slot]) for slot in (*range(self.num_inputs), *self.constants)
@@ -501,7 +499,7 @@ class CallPlans:
         plan = self.get(key)
         if plan is None:
             return self.call(key, tensors, eager)
-        if plan.graphs is not None:   # one CUDA graph launch, from the fourth call on the same weights
+        if plan.graphs is not None:   # one CUDA graph launch, once a plan has replayed on these weights
             result = plan.graphs(plan, tensors)
             if result is not None:
                 return result

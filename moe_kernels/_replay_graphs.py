@@ -32,12 +32,14 @@ budget, :data:`MAX_STATIC_BYTES` per process, and a new graph that needs room fi
 graphs of the plans used least recently (a dropped plan waits longer before it captures again,
 so that two plans that do not fit together do not recapture at every call).
 
-**When not.** The graph path falls back to the plain replay, for good on that plan and stream,
-if a capture fails (out of memory, an operation a capture does not allow); a copied input whose
-elements overlap (``expand``) or a result that shares an input's memory never graphs. A call on
-another stream builds its own static buffers and graphs (per stream); a lock per (plan, stream)
-keeps two threads' copy-replay-clone sequences apart, and a lock per stream serialises captures.
-``MOE_KERNELS_REPLAY_GRAPHS=0`` turns graphs off (the plain replay remains).
+**When not.** Out of memory, a call replays plainly and tries again later. A capture that fails
+otherwise (an operation a capture does not allow) leaves that plan and stream with the plain
+replay for good, and, if CUDA rejected the capture, the whole stream (its pool may be left
+unusable). A copied input whose elements overlap (``expand``) or a result that shares an input's
+memory never graphs. A call on another stream builds its own static buffers and graphs; a lock
+per (plan, stream) keeps two threads' copy-replay-clone sequences apart, and one capture runs at
+a time in the process. ``MOE_KERNELS_REPLAY_GRAPHS=0`` turns graphs off (the plain replay
+remains).
 
 Worked example of the bookkeeping (no GPU needed): a plan of ``fused_experts`` whose inputs are
 ``(x, w1, w2, weights, ids, None, None)`` pins the weights and copies the rest::
@@ -62,15 +64,17 @@ MAX_GRAPH_BYTES = int(os.environ.get("MOE_KERNELS_REPLAY_GRAPH_MAX_MB", 4096)) *
 MAX_STATIC_BYTES = 4 * 2**30
 #: Graphs per plan and stream (one per set of pinned addresses) before new ones stop being made.
 MAX_GRAPHS_PER_PLAN = 256
-#: Plain replays on the same pinned addresses before a graph is captured (a one-off call never
-#: pays for a capture).
+#: Replays on the same pinned addresses, the capturing one included, before a graph exists: 2 is
+#: one plain replay, then the capture (a one-off call never pays for a capture).
 REPLAYS_BEFORE_GRAPH = 2
 ENABLED = os.environ.get("MOE_KERNELS_REPLAY_GRAPHS", "1") != "0"
 
 _lock = threading.RLock()   # the budget and the capture sides (reentrant: a finalizer may run under it)
+_capture_lock = threading.Lock()   # one capture at a time in the process (captures are rare)
 static_bytes = 0            # held by the static buffers of every live plan (see MAX_STATIC_BYTES)
 _holders = collections.OrderedDict()   # id -> weakref to a _StreamGraphs holding static bytes, least recent first
 _captures = {}              # (device, stream pointer) -> _CaptureSide
+_broken = set()             # (device, stream pointer) where a capture failed: no more graphs there
 
 
 def split_inputs(num_inputs: int, pinned) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -87,9 +91,8 @@ class _CaptureSide:
 
     def __init__(self, device: int):
         self.stream = torch.cuda.Stream(device=device)
-        self.lock = threading.Lock()
         self.graphs = weakref.WeakSet()
-        self.warm = False
+        self.warm_threads = set()
 
     def live_graph(self):
         """A live graph of this side (whose pool a new capture shares), or None."""
@@ -98,20 +101,24 @@ class _CaptureSide:
         return None
 
     def warm_up(self) -> None:
-        """cuBLAS makes a stream's handle and workspace at its first call there, which a capture
-        may not do: one small product per dtype on the side stream, once."""
-        if self.warm:
+        """torch gives each thread its own cuBLAS handle, and each (handle, stream) its own
+        workspace, made at the first product there. Made inside a capture, the handle fails it and
+        the workspace lands in the graph's pool for good: so each thread that captures here first
+        runs one small product per dtype (and one with a bias, cuBLASLt's path) on the side stream."""
+        thread = threading.get_ident()
+        if thread in self.warm_threads:
             return
         with torch.cuda.stream(self.stream):
             for dtype in (torch.bfloat16, torch.float16, torch.float32):
                 a = torch.ones(16, 16, device=self.stream.device, dtype=dtype)
                 torch.mm(a, a)
+                torch.addmm(a[0], a, a)
                 if dtype != torch.float32:
                     try:   # (the gate's float32-output product, where torch has it)
                         torch.mm(a, a, out_dtype=torch.float32)
                     except (TypeError, RuntimeError):
                         pass
-        self.warm = True
+        self.warm_threads.add(thread)
 
 
 def _capture_side(device: int, stream_ptr: int) -> _CaptureSide:
@@ -214,7 +221,7 @@ class PlanGraphs:
         streams = self.by_stream.get(stream_ptr)
         if streams is None:
             streams = self.by_stream.setdefault(stream_ptr, _StreamGraphs(device, stream_ptr))
-        if streams.refusal is not None:
+        if streams.refusal is not None or (device, stream_ptr) in _broken:
             return None
         pinned = tuple(None if tensors[i] is None else tensors[i].data_ptr() for i in self.pinned)
         with streams.lock:
@@ -245,7 +252,8 @@ class PlanGraphs:
 
     def _new_graph(self, plan, streams: _StreamGraphs, tensors, pinned):
         """Make the stream's static buffers if it has none, capture a graph on ``pinned``; None
-        (and the plain replay) when the budget has no room now or the capture fails."""
+        (and the plain replay) when the budget or the GPU's memory has no room now, or the capture
+        fails."""
         if streams.static_inputs is None:
             copied = [tensors[i] for i in self.copied if tensors[i] is not None]
             if any(torch._debug_has_internal_overlap(t) != 0 for t in copied):   # e.g. an expand()ed input
@@ -256,19 +264,29 @@ class PlanGraphs:
             if not _reserve(streams, nbytes):
                 streams.backoff = min(256, 2 * streams.backoff + 16)
                 return None
-            with torch.inference_mode(False):   # (an inference tensor could not be written outside that mode)
-                streams.static_inputs = {i: torch.empty_strided(tensors[i].shape, tensors[i].stride(),
-                                                                dtype=tensors[i].dtype, device=tensors[i].device)
-                                         for i in self.copied if tensors[i] is not None}
-                streams.static_outputs = tuple(torch.empty_strided(shape, stride, dtype=dtype, device=tensors[0].device)
-                                               for shape, stride, dtype in self.output_specs)
+            try:
+                with torch.inference_mode(False):   # (an inference tensor could not be written outside it)
+                    streams.static_inputs = {i: torch.empty_strided(tensors[i].shape, tensors[i].stride(),
+                                                                    dtype=tensors[i].dtype, device=tensors[i].device)
+                                             for i in self.copied if tensors[i] is not None}
+                    streams.static_outputs = tuple(torch.empty_strided(shape, stride, dtype=dtype,
+                                                                       device=tensors[0].device)
+                                                   for shape, stride, dtype in self.output_specs)
+            except torch.OutOfMemoryError:   # no room now: the plain replay, and a later try
+                streams.drop()
+                return None
         try:
             graph = _capture(plan, streams, tensors, self.copied)
+        except torch.OutOfMemoryError:
+            streams.drop()
+            return None
         except Exception as error:  # noqa: BLE001 - any failure leaves the plain replay, which works
             streams.drop()
-            streams.refusal = f"the capture failed: {type(error).__name__}: {str(error)[:200]}"
+            cause = error.__context__ or error   # (capture_end's own error hides the first one)
+            streams.refusal = f"the capture failed: {type(cause).__name__}: {str(cause)[:200]}"
             return None
         streams.graphs[pinned] = graph
+        streams.backoff //= 2
         return graph
 
 
@@ -283,24 +301,58 @@ def _capture(plan, streams: _StreamGraphs, tensors, copied):
     """Capture the plan's replay on the stream's static inputs and this call's pinned ones, its
     result copied into the static outputs, on the stream's capture side."""
     args = [streams.static_inputs.get(i) if i in copied else tensors[i] for i in range(plan.num_inputs)]
-    side = _capture_side(streams.device, streams.stream_ptr)
-    with side.lock:
+    where = (streams.device, streams.stream_ptr)
+    side = _capture_side(*where)
+    if side.stream.cuda_stream == streams.stream_ptr:   # (torch's stream pool gave the caller's stream)
+        raise RuntimeError("the capture stream is the caller's stream")
+    with _capture_lock:
         side.warm_up()
         current = torch.cuda.current_stream()
         side.stream.wait_stream(current)
         graph = torch.cuda.CUDAGraph()
         live = side.live_graph()   # (kept referenced until the capture ends: its pool must stay alive)
+        pool = torch.cuda.graph_pool_handle() if live is None else live.pool()
         with torch.cuda.stream(side.stream):
-            graph.capture_begin(pool=None if live is None else live.pool(), capture_error_mode="thread_local")
+            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
             try:
                 results = plan.replay(args)
                 for static, result in zip(streams.static_outputs, results if plan.many else (results,)):
                     static.copy_(result)   # out of the pool: nothing of this call stays there
                 del results
-            finally:
+            except BaseException:
+                _end_failed_capture(graph, where, pool)
+                raise
+            try:
                 graph.capture_end()
+            except BaseException:
+                _end_failed_capture(None, where, pool)
+                raise
         current.wait_stream(side.stream)
         side.graphs.add(graph)
         del live
     plan.replays -= 1   # (the captured replay ran nothing)
     return graph
+
+
+def _end_failed_capture(graph, where, pool) -> None:
+    """After a capture failed: end it (if ``graph``: the error was raised while capturing). If
+    CUDA rejects the capture, ``capture_end`` raises before it tells torch's allocator to stop
+    allocating this stream's memory into ``pool``: that is done here, and the stream takes no more
+    graphs (its pool may be left in a state no later capture should share)."""
+    if graph is not None:
+        try:
+            graph.capture_end()
+            return   # (ended cleanly: the pool is as good as before)
+        except Exception:  # noqa: BLE001 - (the allocator is cleaned up below)
+            pass
+    _broken.add(where)
+    with _lock:
+        _captures.pop(where, None)
+    end = getattr(torch._C, "_cuda_endAllocateToPool", None)
+    release = getattr(torch._C, "_cuda_releasePool", None)
+    if end is not None and release is not None:
+        try:
+            end(where[0], pool)
+            release(where[0], pool)
+        except Exception:  # noqa: BLE001 - already ended: nothing was left allocating into the pool
+            pass

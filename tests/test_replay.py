@@ -512,23 +512,25 @@ def test_graphs_of_the_least_recent_plan_make_room_gpu(monkeypatch):
     def plan_of(x, w, ids):
         return _PLANS.get(_PLANS.key((x, layer.w13, layer.w2, w, ids, None, None), (None, None, None, True)))
 
-    a, b = problem(3), problem(5)
-    expected = {n: _eagerly(lambda p=p: fused_experts(p[0], layer.w13, layer.w2, p[1], p[2]), monkeypatch)
-                for n, p in ((3, a), (5, b))}
-    for _ in range(5):
-        assert torch.equal(fused_experts(a[0], layer.w13, layer.w2, a[1], a[2]), expected[3])
-    assert _graphs_of(plan_of(*a)) == 1 and _replay_graphs.static_bytes > 0
-    # room for b only if a's graph goes: b's copied inputs and its output, minus one byte
-    need_b = sum(t.nbytes for t in b) + expected[5].nbytes
-    monkeypatch.setattr(_replay_graphs, "MAX_STATIC_BYTES", _replay_graphs.static_bytes + need_b - 1)
-    for _ in range(5):
-        assert torch.equal(fused_experts(b[0], layer.w13, layer.w2, b[1], b[2]), expected[5])
-    assert _graphs_of(plan_of(*b)) == 1 and _graphs_of(plan_of(*a)) == 0   # a made room for b
-    for _ in range(2 + 16 + 2):   # a waits 16 more replays after being dropped, then takes b's place
-        assert torch.equal(fused_experts(a[0], layer.w13, layer.w2, a[1], a[2]), expected[3])
-    assert _graphs_of(plan_of(*a)) == 1 and _graphs_of(plan_of(*b)) == 0
-    _PLANS.clear()   # (their bytes given back to this test's budget, before the module's own returns)
-    gc.collect()
+    try:
+        a, b = problem(3), problem(5)
+        expected = {n: _eagerly(lambda p=p: fused_experts(p[0], layer.w13, layer.w2, p[1], p[2]), monkeypatch)
+                    for n, p in ((3, a), (5, b))}
+        for _ in range(5):
+            assert torch.equal(fused_experts(a[0], layer.w13, layer.w2, a[1], a[2]), expected[3])
+        assert _graphs_of(plan_of(*a)) == 1 and _replay_graphs.static_bytes > 0
+        # room for b only if a's graph goes: b's copied inputs and its output, minus one byte
+        need_b = sum(t.nbytes for t in b) + expected[5].nbytes
+        monkeypatch.setattr(_replay_graphs, "MAX_STATIC_BYTES", _replay_graphs.static_bytes + need_b - 1)
+        for _ in range(5):
+            assert torch.equal(fused_experts(b[0], layer.w13, layer.w2, b[1], b[2]), expected[5])
+        assert _graphs_of(plan_of(*b)) == 1 and _graphs_of(plan_of(*a)) == 0   # a made room for b
+        for _ in range(2 + 16 + 2):   # a waits 16 more replays after being dropped, then takes b's place
+            assert torch.equal(fused_experts(a[0], layer.w13, layer.w2, a[1], a[2]), expected[3])
+        assert _graphs_of(plan_of(*a)) == 1 and _graphs_of(plan_of(*b)) == 0
+    finally:   # (a and b give their bytes back to this test's budget, not the module's)
+        _PLANS.clear()
+        gc.collect()
     assert _replay_graphs.static_bytes == 0
 
 
@@ -563,6 +565,7 @@ def test_graphs_under_inference_mode_and_of_overlapping_inputs_gpu(monkeypatch):
     whose elements overlap (an expand()ed weights tensor) keeps the plain replay, right."""
     from moe_kernels.kernels.index_gather import _PLANS, fused_experts
 
+    _PLANS.clear()
     layer = _small_layer("qwen3-30b-a3b", None, seed=2)
     e, k = layer.w13.shape[0], layer.routing.top_k
     x = torch.randn(4, 256, device="cuda", dtype=torch.bfloat16)
