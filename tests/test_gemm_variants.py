@@ -1,5 +1,6 @@
 """The GEMM core's options against the float64 per-token reference: the top-k sum in GEMM 2's
-epilogue (``MoEConfig.sum_in_gemm``), split-K over GEMM 2's K loop (``GemmTiles.split_k``),
+epilogue (``MoEConfig.sum_in_gemm``), split-K over GEMM 2's K loop (``GemmTiles.split_k``) and over
+GEMM 1's (its SiLU·mul then a launch of its own),
 weight tiles through tensor descriptors (``GemmTiles.tma``), the persistent grid
 (``GemmTiles.persistent``) and the transposed tile product (``GemmTiles.swap_ab``), alone and
 together; and GEMM 2 as a programmatic dependent launch of GEMM 1 (``MoEConfig.pdl``).
@@ -85,6 +86,70 @@ def test_unchecked_ids_out_of_range_add_nothing():
     assert rel_err(out, want) < TOLERANCE[torch.float32]
 
 
+def split_up(config: MoEConfig, split: int) -> MoEConfig:
+    """``config`` with GEMM 1 split over ``split`` K slices."""
+    return dataclasses.replace(config, gate_up=dataclasses.replace(config.gate_up, split_k=split))
+
+
+@pytest.mark.parametrize("case", sorted(EDGE_SHAPES))
+@pytest.mark.parametrize("split", [2, 3])
+def test_gate_up_split_over_k_edge_cases(case, split):
+    """GEMM 1 split over K (partial gate and up sums added in fp32, SiLU·mul a launch of its own),
+    with GEMM 2 plain and summed-and-split, against the float64 reference."""
+    problem = make_problem(**EDGE_SHAPES[case], hidden=48, inter=40, seed=11)
+    check(problem, torch.float32, split_up(variant(16, False, 1, False), split))
+    check(problem, torch.float32, split_up(variant(16, True, 2, True, 1), split))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_gate_up_split_over_k_random_shapes(seed):
+    rnd = random.Random(900 + seed)
+    num_experts = rnd.randint(1, 9)
+    dtype = (torch.float32, torch.float16, torch.bfloat16)[seed % 3]
+    problem = make_problem(rnd.randint(1, 20), num_experts, rnd.randint(1, min(num_experts, 4)),
+                           rnd.choice([32, 48, 64]), rnd.choice([16, 24, 40]), dtype, seed=seed, fused_topk_like=True)
+    options = VARIANTS[rnd.randrange(len(VARIANTS))]
+    check(problem, dtype, split_up(variant(rnd.choice([16, 32]), *options), rnd.choice([2, 4])),
+          naive_block_assignment=rnd.choice([None, False, True]))
+
+
+def test_gate_up_split_takes_its_path():
+    """The launches say what ran: GEMM 1 ungated over all 2F rows, summing its K slices into fp32
+    (sum_top_k 1, split_k), then the SiLU·mul launch, then GEMM 2 as configured."""
+    from moe_kernels._runtime import record_launches
+
+    hidden, w1, w2, weights, ids = make_problem(5, 4, 2, 32, 16, seed=12)
+    with record_launches() as launches:
+        fm.fused_experts(hidden, w1, w2, weights, ids, config=split_up(variant(16, False, 1, False), 4))
+    gemms = [info for name, info in launches if name == "index_gather.gemm"]
+    names = [name for name, _ in launches]
+    assert names.index("activation.silu_mul") == names.index("index_gather.gemm") + 1
+    assert [(g["gemm"], g["tiles"].split_k, g["sum_top_k"]) for g in gemms] == [("gate_up", 4, 1), ("down", 1, 0)]
+    with record_launches() as launches:
+        fm.fused_experts(hidden, w1, w2, weights, ids, config=variant(16, False, 1, False))
+    assert "activation.silu_mul" not in [name for name, _ in launches]
+
+
+@pytest.mark.parametrize("granularity", ["block", "channel"])
+def test_fp8_gate_up_split_over_k(granularity):
+    problem = make_problem(9, 4, 2, 256, 256, torch.float32, seed=13, fused_topk_like=True)
+    config = split_up(MoEConfig(16, GemmTiles(32, 128), GemmTiles(32, 128)), 2)
+    check_fp8(problem, granularity, config, 2e-2)
+
+
+def test_dense_shared_expert_with_gate_up_split():
+    """The shared expert's dense path runs GEMM 1 through the same split."""
+    from moe_kernels.kernels.formats import FORMATS
+    from moe_kernels.kernels._tile_gemm import expert_rows_product
+
+    g = torch.Generator().manual_seed(14)
+    x, w1, w2 = torch.randn(7, 32, generator=g), torch.randn(48, 32, generator=g) / 6, torch.randn(32, 24, generator=g) / 5
+    out = fm.dense_expert(x, w1, w2, fmt=FORMATS["none"], config=split_up(variant(16, False, 1, False), 2))
+    want = expert_rows_product(expert_rows_product(x.double(), w1.double(), silu_mul=True), w2.double(),
+                               silu_mul=False)
+    assert rel_err(out, want) < TOLERANCE[torch.float32]
+
+
 def check_fp8(problem, granularity, config, tolerance):
     """fp8 experts with ``config`` against the float64 reference on the same quantised numbers."""
     hidden, w1, w2, weights, ids = problem
@@ -146,7 +211,7 @@ def test_quant_in_gemm_with_unchecked_bad_ids():
 def test_configs_that_cannot_work_name_their_field():
     tiles = GemmTiles(16, 16)
     cases = [
-        (MoEConfig(16, GemmTiles(16, 16, split_k=2), tiles, True), "config.gate_up.split_k"),
+        (MoEConfig(16, GemmTiles(16, 16, split_k=2), tiles, quant_in_gemm=True), "config.quant_in_gemm"),
         (MoEConfig(16, tiles, GemmTiles(16, 16, split_k=2)), "config.down.split_k"),
         (MoEConfig(16, tiles, GemmTiles(16, 16, split_k=0), True), "config.down.split_k"),
         (MoEConfig(16, tiles, tiles, 1), "config.sum_in_gemm"),
@@ -169,6 +234,8 @@ def test_configs_that_cannot_work_name_their_field():
     with pytest.raises(ValueError, match=r"config\.down\.swap_ab.*masked layout"):
         check_config("f", MoEConfig(16, tiles, GemmTiles(16, 16, swap_ab=True)), align=128, layout="masked")
     for layout in ("permute", "masked"):
+        with pytest.raises(ValueError, match=rf"config\.gate_up\.split_k.*{layout} layout"):
+            check_config("f", MoEConfig(16, GemmTiles(16, 16, split_k=2), tiles), align=128, layout=layout)
         for switch in ("pdl", "quant_in_gemm"):
             with pytest.raises(ValueError, match=rf"config\.{switch}.*{layout} layout"):
                 check_config("f", MoEConfig(16, tiles, tiles, **{switch: True}), align=128, layout=layout)
@@ -209,8 +276,8 @@ def test_stage_options_are_checked():
     with pytest.raises(ValueError, match=r"out.*\(4, 32\)"):
         fm.expert_down(inter, w2, weights, blocks, tiles=GemmTiles(16, 16), sum_slots=True,
                        out=torch.zeros(4, 2, 32, device=DEVICE))
-    with pytest.raises(ValueError, match=r"tiles\.split_k.*whole K"):
-        fm.expert_gate_up(hidden, w1, blocks, 2, tiles=GemmTiles(16, 16, split_k=2))
+    split = fm.expert_gate_up(hidden, w1, blocks, 2, tiles=GemmTiles(16, 16, split_k=2))   # GEMM 1 may split K
+    assert rel_err(split, inter) < TOLERANCE[torch.float32]
     for field, value in (("split_k", True), ("persistent", 1.0), ("persistent", True)):
         with pytest.raises((ValueError, TypeError), match=rf"tiles\.{field}"):
             fm.expert_down(inter, w2, weights, blocks, tiles=GemmTiles(16, 16, **{field: value}))
@@ -322,6 +389,55 @@ for case in cases:
 """
 
 
+_COMPILE_SPLIT_GATE_UP_FOR_HOPPER = """
+import re
+import torch
+torch.cuda.is_available = lambda: True   # build compiled (not interpreted) kernels; nothing is launched
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from moe_kernels.kernels import activation, index_gather as ig
+
+def ptx(fn, pointers, const, **options):
+    sig = {n: "constexpr" if n in const else pointers.get(n, "i32") for n in fn.arg_names}
+    constants = {(i,): const[n] for i, n in enumerate(fn.arg_names) if n in const}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
+    return triton.compile(ASTSource(fn, sig, constants, attrs), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=4, num_stages=3, **options)).asm["ptx"]
+
+for fp8, naive in ((False, True), (True, False)):
+    pointers = dict(a_ptr="*fp8e4nv" if fp8 else "*bf16", w_ptr="*fp8e4nv" if fp8 else "*bf16", out_ptr="*fp32",
+                    topk_weights_ptr="*fp32", sorted_token_ids_ptr="*i32", expert_ids_ptr="*i32",
+                    num_tokens_post_padded_ptr="*i32", a_scale_ptr="*fp32", w_scale_ptr="*fp32", w_desc="*bf16",
+                    out_scale_ptr="*fp32")
+    const = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, TOP_K=8, NAIVE_BLOCKS=naive, DENSE=False,
+                 GATED=False, MUL_ROUTED_WEIGHT=False, EVEN_K=True, INPUT_PRECISION="tf32", SCALES=int(fp8),
+                 SUM_TOP_K=1, SPLIT_K=4, TMA_W=False, PERSISTENT=0, SCALE_BN=128, SCALE_BK=128,
+                 ID_CHECK="topk_ids out of range" if naive else "", SWAP_AB=False, PDL_TRIGGER=False,
+                 PDL_WAIT=False, PREFETCH_LINE=64, QUANT_GROUP=0, ROUND_TO="")
+    code = ptx(ig._index_gather_gemm_kernel, pointers, const, debug=naive)
+    print(bool(re.search(r"(red|atom)\\.global\\.[a-z.]*add\\.f32", code)))   # the K slices' fp32 atomics
+code = ptx(activation._silu_mul_kernel, dict(h_ptr="*fp32", out_ptr="*bf16"), dict(BLOCK=1024))
+print("cvt.rn.bf16" in code)
+"""
+
+
+def test_split_gate_up_compiles_for_hopper():
+    """GEMM 1 split over K (ungated over 2F rows, K slices added with fp32 atomics; bf16 on the
+    naive map with its id check, fp8 block on the aligned one) and the SiLU·mul kernel compile for
+    sm_90; the atomics and the round-to-nearest bf16 store are in the PTX."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "MOE_KERNELS_BACKEND")}
+    done = subprocess.run([sys.executable, "-c", _COMPILE_SPLIT_GATE_UP_FOR_HOPPER], capture_output=True,
+                          text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split("\n")[:3] == ["True", "True", "True"], done.stdout
+
+
 def test_switches_compile_for_hopper():
     """Compiled for sm_90 on this machine (the interpreter never takes these branches): GEMM 1 with
     ``PDL_TRIGGER`` signals its dependents; GEMM 2 with ``PDL_WAIT`` prefetches its weights into L2
@@ -350,6 +466,20 @@ def test_switches_compile_for_hopper():
 def test_qwen3_shape_bf16_gpu(num_tokens, options):
     problem = make_problem(num_tokens, 128, 8, 2048, 768, torch.bfloat16, seed=num_tokens, fused_topk_like=True)
     check(problem, torch.bfloat16, variant(16 if num_tokens < 600 else 64, *options, block_n=64, block_k=128))
+
+
+@needs_gpu
+@pytest.mark.parametrize("num_tokens", [1, 8, 64])
+@pytest.mark.parametrize("split", [2, 4])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_gate_up_split_over_k_gpu(num_tokens, split, fp8):
+    """GEMM 1 split over K at Qwen3-30B-A3B's shape and the decode tiles, bf16 and fp8 block."""
+    problem = make_problem(num_tokens, 128, 8, 2048, 768, torch.bfloat16, seed=20 + num_tokens, fused_topk_like=True)
+    config = split_up(MoEConfig(16, GemmTiles(64, 128, num_stages=4), GemmTiles(128, 128, num_stages=4)), split)
+    if fp8:
+        check_fp8(problem, "block", config, 2e-2)
+    else:
+        check(problem, torch.bfloat16, config)
 
 
 @needs_gpu

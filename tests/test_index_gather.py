@@ -330,7 +330,8 @@ def test_bench_tuning_fp8_candidates_run_the_fp8_k_step():
     variants = [t for gated, _, t in tune_candidates.candidates(1.0, 16, base=base) if gated]
     assert [(t.block_n, t.tma) for t in variants if t.swap_ab] == [(64, False), (64, True), (128, False),
                                                                     (128, True)]
-    assert len([t for t in variants if not t.swap_ab]) == 6
+    assert len([t for t in variants if not t.swap_ab and t.split_k == 1]) == 6
+    assert [t.split_k for t in variants if t.split_k > 1] == [2, 4]   # GEMM 1 split over K, at decode
     wide = MoEConfig(64, GemmTiles(128, 64), GemmTiles(128, 64), False)
     assert not any(t.swap_ab for _, _, t in tune_candidates.candidates(100.0, 64, base=wide))
 

@@ -217,7 +217,7 @@ def tune(models, batches, *, dtype, seed, warmup_ms, rep_ms, workers, budget_s=m
         # fused quantiser needs GEMM 1 tiles of whole 128-column groups: a narrower tile is tried
         # widened to 128 columns (with as many stages as fit) for it.
         quant_ok = fmt.activations == "group"
-        wide_up = cfg.gate_up
+        wide_up = dataclasses.replace(cfg.gate_up, split_k=1)   # (the fused quantiser needs whole K sums)
         while quant_ok and wide_up.block_n % fmt.block[1]:
             stages = wide_up.num_stages
             while stages > 2 and not fits(cfg.block_m, fmt.block[1], wide_up.block_k, stages, True, fmt):

@@ -72,6 +72,14 @@ def down_variants(rows_per_expert: float) -> list[tuple[bool, int]]:
     return [(False, 1)] + [(True, s) for s in splits]
 
 
+def gate_up_splits(rows_per_expert: float) -> tuple[int, ...]:
+    """K splits ``--refine`` tries on GEMM 1 (besides 1): at decode a GEMM 1 of few rows has too
+    few tiles to keep every SM streaming (Qwen3-30B-A3B at batch 1: 96 programs for 132 SMs), and
+    a split adds programs without re-reading weights; the price is an fp32 buffer, its zeroing and
+    a SiLU·mul launch (moe_kernels.kernels.activation)."""
+    return (2, 4) if rows_per_expert < 16 else (2,) if rows_per_expert < 64 else ()
+
+
 #: A candidate that adds machinery (the top-k sum by atomics, split-K, TMA, a persistent grid, the
 #: transposed product) must beat the best plain one by more than this fraction, about the run-to-run
 #: spread of one timing, to be chosen: otherwise the deterministic pointer-load kernel wins.
@@ -116,6 +124,9 @@ def candidates(rho: float, block_m: int, gemm: str | None = None, base=None, fmt
                 continue
             for variant in dict.fromkeys(_refinements(tiles, block_m, gated, fmt)):
                 yield gated, False if gated else base.sum_in_gemm, variant
+            if gated:   # GEMM 1 split over K (its SiLU·mul then a launch of its own)
+                for split in gate_up_splits(rho):
+                    yield True, False, dataclasses.replace(tiles, split_k=split)
         return
     if gemm in (None, "gate_up"):
         yield from ((True, False, t) for t in tile_candidates(rho, block_m, True, fmt))

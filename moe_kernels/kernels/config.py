@@ -47,8 +47,9 @@ class GemmTiles:
     gate tile and the matching up tile). ``group_m`` M-blocks are visited before moving to the next
     N-tile, so that M-blocks of one expert share weight tiles in L2. ``split_k`` programs share
     one output tile, each over a slice of the K loop, and add their partial products: more
-    programs where the tiles are too few to fill the SMs (GEMM 2 only, when it sums the top-k
-    slots in its epilogue: see :class:`MoEConfig`). ``tma`` loads the weight tiles through
+    programs where the tiles are too few to fill the SMs (GEMM 2 when it sums the top-k slots in
+    its epilogue: see :class:`MoEConfig`; GEMM 1 of the index-gather layout, whose gate and up sums
+    then go to an fp32 buffer and SiLU·mul to a launch of its own, :mod:`moe_kernels.kernels.activation`). ``tma`` loads the weight tiles through
     Hopper's tensor-memory accelerator (index-gather and permute layouts), and the permute layout's
     activation tiles too (its rows are consecutive; index-gather's gathered rows keep pointer
     loads). ``persistent`` (index-gather and permute layouts): 0 launches one program per tile; 1
@@ -159,9 +160,6 @@ def check_config(func: str, config: object, *, align: int | None = None, layout:
     check_block_m(func, "config.block_m", config.block_m)
     config.gate_up.check(func, "config.gate_up")
     config.down.check(func, "config.down")
-    if config.gate_up.split_k != 1:
-        fail(func, "config.gate_up.split_k", "must be 1 (SiLU·mul in GEMM 1's epilogue needs the whole K sum)",
-             config.gate_up.split_k)
     for field in _SWITCHES:
         if not isinstance(getattr(config, field), bool):
             fail(func, f"config.{field}", "must be a bool", repr(getattr(config, field)), TypeError)
@@ -178,6 +176,12 @@ def check_config(func: str, config: object, *, align: int | None = None, layout:
         if value and not getattr(supports, field):
             fail(func, name, f"must be {0 if name.endswith('persistent') else False} for the {layout} layout ({what} "
                  "is not wired into it: see moe_kernels.kernels.layouts)", value)
+    if config.gate_up.split_k != 1 and not supports.split_gate_up:
+        fail(func, "config.gate_up.split_k", f"must be 1 for the {layout} layout (SiLU·mul in GEMM 1's epilogue "
+             "needs the whole K sum; only index_gather splits GEMM 1)", config.gate_up.split_k)
+    if config.gate_up.split_k != 1 and config.quant_in_gemm:
+        fail(func, "config.quant_in_gemm", "must be False when config.gate_up.split_k > 1 (GEMM 1's epilogue "
+             "sees partial sums only)", config.quant_in_gemm)
     if not supports.sum_in_gemm and (config.sum_in_gemm or config.down.split_k != 1):
         fail(func, "config.sum_in_gemm", f"must be False with down.split_k=1 for the {layout} layout (its rows are "
              "summed by the unpermute pass)", f"sum_in_gemm={config.sum_in_gemm}, split_k={config.down.split_k}")
@@ -329,8 +333,9 @@ def _adapted(config: MoEConfig, layout: str, align: int) -> MoEConfig | None:
     for gemm, t in tiles.items():
         # The persistent grid is not borrowed: another layout's tables chose it against that
         # layout's plain grid, and the permute layout's has not been measured against its own.
+        splits = supports.sum_in_gemm if gemm == "down" else supports.split_gate_up
         tiles[gemm] = dataclasses.replace(t, tma=t.tma and supports.tma, persistent=0,
-                                          split_k=t.split_k if supports.sum_in_gemm else 1,
+                                          split_k=t.split_k if splits else 1,
                                           swap_ab=t.swap_ab and supports.swap_ab)
     adapted = MoEConfig(config.block_m, tiles["gate_up"], tiles["down"],
                         **{f: getattr(config, f) and getattr(supports, f) for f in _SWITCHES})

@@ -62,6 +62,7 @@ from ._tile_gemm import (check_operands, check_out, dequantized, dot_precision, 
                          in_float32_under_interpreter, output_dtype, programs_per_device, weight_descriptor)
 from .blocks import (BlockAssignment, assign_blocks, assignments_by_block, build_blocks, check_blocks,  # noqa: F401
                      dense_blocks)
+from .activation import silu_mul_rows
 from .combine import sum_slots
 from .config import GemmTiles, MoEConfig, check_block_m, check_config, check_tiles, get_config, separate_sum_tiles
 from . import _pdl
@@ -238,11 +239,14 @@ if HAS_TRITON:
 
 
 def _launch(a, w, out, topk_weights, blocks: BlockAssignment, *, n_out: int, top_k: int, gated: bool,
-            tiles: GemmTiles, scales: tuple, sum_top_k: int = 0, pdl: str = "", quant: tuple | None = None) -> None:
+            tiles: GemmTiles, scales: tuple, sum_top_k: int = 0, pdl: str = "", quant: tuple | None = None,
+            first: bool | None = None) -> None:
     """One GEMM launch. ``pdl`` (see :mod:`moe_kernels.kernels._pdl`): "trigger" lets the next
     kernel launch early, "wait" is that next kernel (launched as a programmatic dependent, it
     prefetches its weights, then waits); "" neither. ``quant`` (GEMM 1): ``(scales, group,
-    round_to)``, the epilogue writes ``out`` as fp8 in 1 x ``group`` groups with their scales."""
+    round_to)``, the epilogue writes ``out`` as fp8 in 1 x ``group`` groups with their scales.
+    ``first``: this GEMM reads the naive map's ids first, so it checks them (default: GEMM 1,
+    i.e. ``gated``; GEMM 1 split over K runs ungated)."""
     num_valid_rows = a.shape[0] * top_k
     k_in = a.shape[1]
     num_tiles = blocks.num_m_blocks * cdiv(n_out, tiles.block_n) * tiles.split_k
@@ -254,9 +258,10 @@ def _launch(a, w, out, topk_weights, blocks: BlockAssignment, *, n_out: int, top
     # tensor: the constexpr flags compile the loads away.
     sorted_ids = blocks.expert_ids if blocks.sorted_token_ids is None else blocks.sorted_token_ids
     num_post_padded = blocks.expert_ids if blocks.sorted_token_ids is None else blocks.num_tokens_post_padded
-    id_check = blocks.id_check if gated else ""   # GEMM 1 reads the naive map's ids first
+    id_check = blocks.id_check if (gated if first is None else first) else ""   # GEMM 1 reads the naive ids first
     if recording():
-        note_launch("index_gather.gemm", gemm="gate_up" if gated else "down", block_m=blocks.block_m, tiles=tiles,
+        note_launch("index_gather.gemm", gemm="gate_up" if gated or first else "down", block_m=blocks.block_m,
+                    tiles=tiles,
                     naive=blocks.naive, dense=blocks.dense, scales=scales[6], sum_top_k=sum_top_k,
                     tma=w_desc is not None, grid=grid, id_check=bool(id_check), pdl=pdl, quant=quant is not None)
     _index_gather_gemm_kernel[grid](
@@ -320,8 +325,6 @@ def expert_gate_up(hidden_states: torch.Tensor, w1: torch.Tensor, blocks: BlockA
     numel = hidden_states.shape[0] * top_k
     check_blocks(func, blocks, numel)
     tiles = check_tiles(func, tiles)
-    if tiles.split_k != 1:
-        fail(func, "tiles.split_k", "must be 1 (SiLU·mul in GEMM 1's epilogue needs the whole K sum)", tiles.split_k)
     f = w1.shape[1] // 2
     out = check_out(func, out, (numel, f), hidden_states, dtype=output_dtype(hidden_states, out_dtype))
     return gate_up(hidden_states, w1, blocks, top_k, tiles=tiles, out=out, a_scale=a_scale, w_scale=w_scale, fmt=fmt)
@@ -337,8 +340,21 @@ def gate_up(x, w1, blocks, top_k, *, tiles, out, a_scale, w_scale, fmt, pdl: str
     rerun = lambda x, w, out: gate_up(x, w, blocks, top_k, tiles=tiles, out=out, a_scale=a_scale,  # noqa: E731
                                       w_scale=w_scale, fmt=fmt, pdl=pdl, quant=quant)
     if in_float32_under_interpreter(rerun, out, x, w1) is None:
-        _launch(x, w1, out, None, blocks, n_out=w1.shape[1] // 2, top_k=top_k, gated=True, tiles=tiles,
-                scales=fmt.scale_arguments(x, w1, a_scale, w_scale), pdl=pdl, quant=quant)
+        scales = fmt.scale_arguments(x, w1, a_scale, w_scale)
+        if tiles.split_k == 1:
+            _launch(x, w1, out, None, blocks, n_out=w1.shape[1] // 2, top_k=top_k, gated=True, tiles=tiles,
+                    scales=scales, pdl=pdl, quant=quant)
+        else:
+            # Split over K: each K slice adds its gate and up partial products into fp32 [rows, 2F]
+            # (an ungated GEMM over all 2F rows of w1, summing into its own row), then SiLU·mul
+            # in a launch of its own (moe_kernels.kernels.activation). Rows no block holds stay 0.
+            if quant is not None:
+                fail("gate_up", "quant", "must be None when tiles.split_k > 1 (the epilogue sees partial sums)",
+                     "a quantising epilogue")
+            sums = torch.zeros((out.shape[0], w1.shape[1]), device=out.device, dtype=torch.float32)
+            _launch(x, w1, sums, None, blocks, n_out=w1.shape[1], top_k=top_k, gated=False, tiles=tiles,
+                    scales=scales, sum_top_k=1, pdl=pdl, first=True)
+            silu_mul_rows(sums, out)
     return out
 
 
@@ -552,8 +568,9 @@ def run_experts(hidden_states, w1, w2, topk_weights, topk_ids, *, fmt, config: M
 def _quantizes_in_gemm(config: MoEConfig, fmt: WeightFormat, x: torch.Tensor, w1: torch.Tensor, out_dtype) -> bool:
     """Whether GEMM 1's epilogue quantises GEMM 2's input (``MoEConfig.quant_in_gemm``): fp8 with
     1 x G activation groups (the block format), an output tile of whole groups, and Triton."""
-    return (config.quant_in_gemm and fmt.activations == "group" and fmt.gemm_tiles(config.gate_up).block_n
-            % fmt.block[1] == 0 and (w1.shape[1] // 2) % fmt.block[1] == 0 and use_triton(x, w1)
+    return (config.quant_in_gemm and config.gate_up.split_k == 1 and fmt.activations == "group"
+            and fmt.gemm_tiles(config.gate_up).block_n % fmt.block[1] == 0 and (w1.shape[1] // 2) % fmt.block[1] == 0
+            and use_triton(x, w1)
             # The interpreter rounds fp32 -> bf16 by truncation inside a kernel (the unfused path rounds
             # to nearest, in torch): under it, bf16 activations keep the two launches.
             and not (INTERPRET and out_dtype == torch.bfloat16))

@@ -46,6 +46,9 @@ class Layout:
     swap_ab: bool
     #: GEMM 2 adds the top-k slots in its epilogue (``MoEConfig.sum_in_gemm``), and may split K.
     sum_in_gemm: bool
+    #: GEMM 1 may split K (``gate_up.split_k > 1``): its gate and up sums are added with atomics
+    #: into an fp32 buffer, and SiLU·mul runs as a launch of its own.
+    split_gate_up: bool
     #: GEMM 2 launched as a programmatic dependent of GEMM 1 (``MoEConfig.pdl``).
     pdl: bool
     #: GEMM 1's epilogue quantises GEMM 2's fp8 activations (``MoEConfig.quant_in_gemm``).
@@ -82,14 +85,14 @@ def _resolve(path: str):
 
 LAYOUTS = {
     "index_gather": Layout("index_gather", ".index_gather:fused_experts", _ALL_FORMATS, tma=True, persistent=True,
-                           swap_ab=True, sum_in_gemm=True, pdl=True, quant_in_gemm=True, fused_shared_expert=True,
-                           tables=("index_gather",), rows="block_m"),
+                           swap_ab=True, sum_in_gemm=True, split_gate_up=True, pdl=True, quant_in_gemm=True,
+                           fused_shared_expert=True, tables=("index_gather",), rows="block_m"),
     "permute": Layout("permute", ".permute:permute_experts", _ALL_FORMATS, tma=True, persistent=True,
-                      swap_ab=True, sum_in_gemm=True, pdl=False, quant_in_gemm=False, fused_shared_expert=True,
-                      tables=("permute", "index_gather"), rows="align"),
+                      swap_ab=True, sum_in_gemm=True, split_gate_up=False, pdl=False, quant_in_gemm=False,
+                      fused_shared_expert=True, tables=("permute", "index_gather"), rows="align"),
     "masked": Layout("masked", ".masked:masked_experts", ("unquantized",), tma=False, persistent=False,
-                     swap_ab=False, sum_in_gemm=False, pdl=False, quant_in_gemm=False, fused_shared_expert=True,
-                     tables=("masked", "index_gather"), rows="slab"),
+                     swap_ab=False, sum_in_gemm=False, split_gate_up=False, pdl=False, quant_in_gemm=False,
+                     fused_shared_expert=True, tables=("masked", "index_gather"), rows="slab"),
 }
 
 
