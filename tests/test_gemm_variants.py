@@ -130,7 +130,38 @@ def test_gate_up_split_takes_its_path():
     assert "activation.silu_mul" not in [name for name, _ in launches]
 
 
-@pytest.mark.parametrize("granularity", ["block", "channel"])
+def test_gate_up_split_more_slices_than_k_steps_and_bad_ids():
+    """A K (40) that is no multiple of the K step, split in more slices than it has steps (one
+    slice is empty and adds nothing), and unchecked ids out of range on both block maps."""
+    check(make_problem(5, 4, 2, 40, 24, seed=15), torch.float32, split_up(variant(16, False, 1, False), 4))
+    hidden, w1, w2, weights, ids = make_problem(7, 4, 2, 32, 16, seed=16)
+    bad = ids.clone()
+    bad[2, 1], bad[5, 0] = 9, -3
+    keep = (bad >= 0) & (bad < 4)
+    want = moe_reference(hidden, w1, w2, weights * keep, bad.clamp(0, 3))
+    for naive in (False, True):
+        out = fm.fused_experts(hidden, w1, w2, weights, bad, config=split_up(variant(16, False, 1, False), 2),
+                               validate_ids=False, naive_block_assignment=naive)
+        assert rel_err(out, want) < TOLERANCE[torch.float32]
+
+
+def test_gate_up_split_checks_the_naive_maps_ids():
+    """On the naive map GEMM 1 is the first kernel to read the ids, so it carries their device-side
+    check, split or not (on a CPU the check runs on the host: the block map's id_check is set here
+    to see which launch would carry it)."""
+    from moe_kernels._runtime import record_launches
+
+    hidden, w1, w2, weights, ids = make_problem(3, 4, 2, 32, 16, seed=17)
+    blocks = dataclasses.replace(fm.assign_blocks(ids, 16, 4, naive=True), id_check="topk_ids out of range")
+    for split in (1, 2):
+        with record_launches() as launches:
+            fm.fused_experts(hidden, w1, w2, weights, ids, config=split_up(variant(16, False, 1, False), split),
+                             blocks=blocks, validate_ids=False)
+        checked = [(info["gemm"], info["id_check"]) for name, info in launches if name == "index_gather.gemm"]
+        assert checked == [("gate_up", True), ("down", False)], (split, checked)
+
+
+@pytest.mark.parametrize("granularity", ["block", "channel", "tensor"])
 def test_fp8_gate_up_split_over_k(granularity):
     problem = make_problem(9, 4, 2, 256, 256, torch.float32, seed=13, fused_topk_like=True)
     config = split_up(MoEConfig(16, GemmTiles(32, 128), GemmTiles(32, 128)), 2)
@@ -528,9 +559,34 @@ def test_summed_split_tma_captures_and_replays():
         assert rel_err(out, moe_reference(*problem)) < 1e-2
 
 
+@needs_gpu
+@pytest.mark.parametrize("naive", [False, True])
+def test_gate_up_split_captures_and_replays(naive):
+    """GEMM 1 split over K inside a CUDA graph: the zero-fill and the SiLU·mul launch are captured
+    and replayed with it, on new hidden states, with GEMM 2 as a programmatic dependent too."""
+    problem = make_problem(6 if naive else 40, 32, 4, 512, 256, torch.bfloat16, seed=18, fused_topk_like=True)
+    config = dataclasses.replace(split_up(variant(16, False, 1, False, block_n=64, block_k=128), 4), pdl=True)
+    hidden, w1, w2, weights, ids = problem
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fm.fused_experts(hidden, w1, w2, weights, ids, config=config, naive_block_assignment=naive)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fm.fused_experts(hidden, w1, w2, weights, ids, config=config, naive_block_assignment=naive)
+    for seed in (19, 20):
+        hidden.copy_(torch.randn(*hidden.shape, generator=torch.Generator().manual_seed(seed)).to(hidden))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_err(out, moe_reference(*problem)) < 1e-2
+
+
 def _deterministic(config: MoEConfig, pdl: bool) -> MoEConfig:
-    """``config`` without the atomic top-k sum (so two runs give the same bits), ``pdl`` as asked."""
-    return dataclasses.replace(config, sum_in_gemm=False, down=dataclasses.replace(config.down, split_k=1), pdl=pdl)
+    """``config`` without the atomic sums (the top-k sum, either GEMM's K split: so two runs give the
+    same bits), ``pdl`` as asked."""
+    return dataclasses.replace(config, sum_in_gemm=False, gate_up=dataclasses.replace(config.gate_up, split_k=1),
+                               down=dataclasses.replace(config.down, split_k=1), pdl=pdl)
 
 
 @needs_gpu

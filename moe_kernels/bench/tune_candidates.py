@@ -122,6 +122,8 @@ def candidates(rho: float, block_m: int, gemm: str | None = None, base=None, fmt
         for tiles, gated in ((base.gate_up, True), (base.down, False)):
             if gemm not in (None, "gate_up" if gated else "down"):
                 continue
+            if gated:   # (unsplit first: a split the tables hold must still beat the plain kernel)
+                tiles = dataclasses.replace(tiles, split_k=1)
             for variant in dict.fromkeys(_refinements(tiles, block_m, gated, fmt)):
                 yield gated, False if gated else base.sum_in_gemm, variant
             if gated:   # GEMM 1 split over K (its SiLU·mul then a launch of its own)

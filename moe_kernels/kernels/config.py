@@ -103,7 +103,8 @@ class MoEConfig:
     ``sum_in_gemm`` (index-gather and permute layouts): GEMM 2 adds each routed row straight into an fp32
     ``[T, d]`` accumulator with atomics, instead of writing ``[T, k, d]`` for a separate top-k sum;
     one cast to the output dtype follows. It saves writing and re-reading ``k`` rows per token
-    and allows ``down.split_k > 1``; the order of the fp32 additions then varies from run to run.
+    and allows ``down.split_k > 1``; the order of the fp32 additions then varies from run to run
+    (as it does with ``gate_up.split_k > 1``, GEMM 1 split over K).
 
     ``pdl`` (index-gather layout, Hopper): GEMM 2 is launched as a programmatic dependent of GEMM 1,
     so that its launch overlaps GEMM 1's end (:mod:`moe_kernels.kernels._pdl`; measured within

@@ -313,7 +313,9 @@ def expert_gate_up(hidden_states: torch.Tensor, w1: torch.Tensor, blocks: BlockA
     ``silu(w1[e][:F] @ x_t) * (w1[e][F:] @ x_t)`` for assignment ``a`` = (token ``t``, expert ``e``).
 
     Rows follow the assignment order of ``topk_ids.flatten()``; ``blocks`` comes from
-    :func:`assign_blocks` for the same ``topk_ids``. fp8 inputs come with their scales
+    :func:`assign_blocks` for the same ``topk_ids``. With ``tiles.split_k > 1`` (K split, the
+    partial sums added with fp32 atomics, so the last bits vary from run to run) rows that no block
+    holds are written as zeros; unsplit, they keep what ``out`` held. fp8 inputs come with their scales
     (``a_scale`` from the weights' :meth:`~moe_kernels.kernels.formats.WeightFormat.quantize_activations`,
     ``w_scale`` the weight's) and write ``out_dtype`` (default bf16).
     """
@@ -352,8 +354,9 @@ def gate_up(x, w1, blocks, top_k, *, tiles, out, a_scale, w_scale, fmt, pdl: str
                 fail("gate_up", "quant", "must be None when tiles.split_k > 1 (the epilogue sees partial sums)",
                      "a quantising epilogue")
             sums = torch.zeros((out.shape[0], w1.shape[1]), device=out.device, dtype=torch.float32)
+            # (no PDL trigger: the SiLU·mul launch after it waits for it whole anyway)
             _launch(x, w1, sums, None, blocks, n_out=w1.shape[1], top_k=top_k, gated=False, tiles=tiles,
-                    scales=scales, sum_top_k=1, pdl=pdl, first=True)
+                    scales=scales, sum_top_k=1, first=True)
             silu_mul_rows(sums, out)
     return out
 
