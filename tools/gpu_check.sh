@@ -2,8 +2,9 @@
 # One GPU session: the GPU test suite, then the measurements the book plots, recorded with
 # provenance into results/<device>/ and packed into $OUT/results.tgz. Run from the repository root
 # of a committed tree:  MOE_KERNELS_COMMIT=$(git rev-parse HEAD) bash tools/gpu_check.sh [what...]
-# what: tests, ceilings, tune, refine, sweep, fp8, decode-step, layouts, routing, skew, shared, capacity, notebooks (default: tests
-# ceilings sweep). tune searches the tiles (TUNE_BATCHES, TUNE_BUDGET_S) and rewrites the tuned tables in
+# what: tests, ceilings, tune, refine, sweep, fp8, decode-step, layouts, routing, skew, shared, capacity, notebooks,
+# graphs (the CUDA-graph replay's and the split GEMM 1's GPU tests), host-probe, model-probe, prefill (default: tests
+# ceilings sweep). NOTEBOOKS="06 07" limits the notebooks step to those sections. tune searches the tiles (TUNE_BATCHES, TUNE_BUDGET_S) and rewrites the tuned tables in
 # moe_kernels/kernels/configs/, which are packed too. notebooks executes every notebook with the GPU (its live cells run) into $OUT/notebooks
 # and lists the prose numbers that would change (needs Jupyter: run tools/jupyter_wheels.sh here and carry .whl/jupyter).
 set -uo pipefail
@@ -40,12 +41,22 @@ for step in "${steps[@]}"; do
                    $PY -m ipykernel install --user --name python3 >/dev/null 2>&1 || true   # the kernel the runs ask for
                    # (the kernel starts in notebooks/: a relative PYTHONPATH would not find the package)
                    for nb in notebooks/*.ipynb; do
+                       if [ -n "${NOTEBOOKS:-}" ] && ! [[ " $NOTEBOOKS " == *" $(basename "$nb" | cut -c1-2) "* ]]; then
+                           continue
+                       fi
                        PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" $PY tools/execute_notebooks.py --check \
                            --out "$OUT/notebooks" "$nb" 2>&1 | grep -v "running over TCP" | tee -a "$OUT/notebooks.log" || status=1
                    done
                    # one archive: the device tool brings back only a few files one by one
                    tar czf "$OUT/notebooks.tgz" -C "$OUT" notebooks && rm -r "$OUT/notebooks" ;;
         decode-step) $PY -m moe_kernels.bench decode-step --fp8 --record 2>&1 | tee "$OUT/decode-step.log" | tail -n 14 || status=1 ;;
+        graphs) $PY -m pytest tests/test_replay.py tests/test_gemm_variants.py -m gpu -q -p no:cacheprovider \
+                    -W ignore::DeprecationWarning -k "graph or split or captures or replays" 2>&1 \
+                    | tee "$OUT/graph-tests.log" | tail -n 15 || status=1 ;;
+        host-probe) PYTHONPATH="$PWD" $PY tools/host_probe.py 2>&1 | tee "$OUT/host-probe.log" | grep -E "host" || status=1 ;;
+        model-probe) PYTHONPATH="$PWD" $PY tools/model_host_probe.py 1 64 2>&1 | tee "$OUT/model-probe.log" \
+                         | grep -E "batch|plans" || status=1 ;;
+        prefill) PYTHONPATH="$PWD" $PY tools/prefill_ab.py 2>&1 | tee "$OUT/prefill.log" | grep -v Warning || status=1 ;;
         *) $PY -m moe_kernels.bench "$step" --record 2>&1 | tee "$OUT/$step.log" | tail -n 20 || status=1 ;;
     esac
     tar czf "$OUT/results.tgz" results moe_kernels/kernels/configs   # after every step: a run cut short keeps what it measured
