@@ -8,6 +8,8 @@ Three numbers per (model, weight format, batch) and per entry point:
   whatever the GPU would have taken (``calls`` calls per round, the median of ``rounds``);
 * GPU: microseconds per call replayed from a CUDA graph (no host work at all; the L2 is not
   flushed between the calls of one graph, so small batches read weights partly from L2);
+* what the id check costs (``validate_ids=True`` over ``False``): host and GPU differences of
+  interleaved pairs of rounds (:func:`id_check_cost`; ``--id-check-only`` times only these);
 * the entry points: ``fused_experts`` with the id check (its default) and without, the experts
   step with trusted ids (what :class:`~moe_kernels.layer.MoELayer` runs: no check, no zero-fill),
   and ``MoELayer(x)``.
@@ -53,6 +55,48 @@ def host_us(fn, *, calls: int = 20, rounds: int = 7) -> tuple[float, float]:
         torch.cuda.synchronize()
     times.sort()
     return 1e6 * times[len(times) // 2], 1e6 * times[0]
+
+
+def id_check_cost(checked, unchecked, *, pairs: int = 15, calls: int = 20, graph_calls: int = 20) -> dict:
+    """What ``validate_ids=True`` costs, measured as a difference, not as two separate timings: the
+    host's and the GPU's rounds of the checked and the unchecked call alternate (ABBA, so neither
+    always goes first), and each pair gives one difference; the median of the differences is kept.
+    Timed apart, each call's rounds spread by 10-20 us on the H200's host, more than the check costs.
+
+    Host rounds queue ``calls`` calls behind a sleep of a tenth of :data:`SLEEP_CYCLES` (5-8 ms,
+    longer than the calls take on the host); GPU rounds replay a graph of ``graph_calls`` calls.
+    """
+    from .timing import captured
+
+    torch.cuda.synchronize()
+    host, gpu = [], []
+    graphs = [captured(fn, graph_calls) for fn in (checked, unchecked)]
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for pair in range(pairs):
+        order = (0, 1) if pair % 2 == 0 else (1, 0)
+        host_t, gpu_t = [0.0, 0.0], [0.0, 0.0]
+        for i in order:
+            fn = (checked, unchecked)[i]
+            torch.cuda._sleep(SLEEP_CYCLES // 10)
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            host_t[i] = (time.perf_counter() - t0) / calls
+            torch.cuda.synchronize()
+        for i in order:
+            if graphs[i] is None:
+                continue
+            start.record()
+            graphs[i].replay()
+            end.record()
+            end.synchronize()
+            gpu_t[i] = start.elapsed_time(end) * 1e-3 / graph_calls
+        host.append(host_t[0] - host_t[1])
+        gpu.append(None if None in graphs else gpu_t[0] - gpu_t[1])
+    host.sort()
+    middle = len(host) // 2
+    return {"id_check host_us": 1e6 * host[middle],
+            "id_check gpu_us": None if None in gpu else 1e6 * sorted(gpu)[middle], "id_check pairs": pairs}
 
 
 def entry_points(layer, x):
@@ -158,7 +202,7 @@ def launches_per_call(fn) -> int:
     return len(launches)
 
 
-def run(models, formats, batches, *, seed: int = 0, log=print) -> dict:
+def run(models, formats, batches, *, seed: int = 0, id_check_only: bool = False, log=print) -> dict:
     from ..layer import MoELayer
     from ..model.shapes import MODELS
     from .timing import graph_us
@@ -177,6 +221,14 @@ def run(models, formats, batches, *, seed: int = 0, log=print) -> dict:
                 calls = entry_points(layer, x)
                 big = batch >= 4096
                 row = {"model": name, "format": layer.weights.format.name, "batch": batch}
+                row.update(id_check_cost(calls["fused_experts"], calls["fused_experts unchecked"],
+                                         pairs=7 if big else 15, graph_calls=2 if big else 20))
+                check = (f"id check: host {row['id_check host_us']:+5.1f} us, gpu "
+                         f"{row['id_check gpu_us'] if row['id_check gpu_us'] is not None else float('nan'):+6.2f} us")
+                if id_check_only:
+                    rows.append(row)
+                    log(f"{name:<14} {row['format']:<11} {batch:>6} {check}")
+                    continue
                 for what, fn in calls.items():
                     # 20 calls per round at every batch: a decode loop calls back to back, and a round of
                     # 5 (the large batches' once, to save GPU time) also times what a round's first call
@@ -193,7 +245,7 @@ def run(models, formats, batches, *, seed: int = 0, log=print) -> dict:
                 log(" ".join([f"{name:<14} {row['format']:<11} {batch:>6}"]
                              + [f"{what}: host {row[what + ' host_us']:6.1f} (least "
                                 f"{row[what + ' host_us_least']:6.1f}) gpu {row[what + ' gpu_us'] or 0:8.1f}"
-                                for what in calls]))
+                                for what in calls] + [check]))
                 if batch == 4096:
                     a = {"model": name, "format": row["format"], **layer_against_gemms(layer, x)}
                     against.append(a)
@@ -224,6 +276,8 @@ def main(argv=None) -> int:
                         help="comma list of weight formats (none, block, channel, tensor)")
     parser.add_argument("--batches", type=positive_ints, default=list(DEFAULT_BATCHES), help="comma list of token counts")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--id-check-only", action="store_true",
+                        help="time only what validate_ids=True adds (interleaved pairs); records layer-id-check")
     add_record_arguments(parser, "layer-cost")
     args = parser.parse_args(argv)
     models, formats, batches = args.models, args.formats, args.batches
@@ -231,11 +285,12 @@ def main(argv=None) -> int:
         print("moe_kernels.bench layer: needs a CUDA GPU", file=sys.stderr)
         return 2
     started = time.perf_counter()
-    data = run(models, formats, batches, seed=args.seed)
+    data = run(models, formats, batches, seed=args.seed, id_check_only=args.id_check_only)
     data.update(config={"models": models, "formats": formats, "batches": batches, "seed": args.seed,
-                        "sleep_cycles": SLEEP_CYCLES}, wall_s=time.perf_counter() - started)
+                        "sleep_cycles": SLEEP_CYCLES, "id_check_only": args.id_check_only},
+                wall_s=time.perf_counter() - started)
     if args.record:
-        write_record(args.name or "layer-cost", data, args.results_dir)
+        write_record(args.name or ("layer-id-check" if args.id_check_only else "layer-cost"), data, args.results_dir)
     return 0
 
 

@@ -28,9 +28,10 @@ def eager_us(fn, warmup_ms: int = 10, rep_ms: int = 50) -> float:
     return 1e3 * median_ms(fn, warmup_ms, rep_ms)
 
 
-def graph_us(fn, calls: int = 20, replays: int = 20, errors: list | None = None):
-    """Microseconds per call of ``fn`` replayed from a CUDA graph, or None if it cannot be captured
-    (the reason appended to ``errors``, if given: a read-back to the host, or out of memory)."""
+def captured(fn, calls: int = 20, errors: list | None = None):
+    """A CUDA graph of ``calls`` calls of ``fn`` (compiled and warmed up first), replayed once; or
+    None if it cannot be captured (the reason appended to ``errors``, if given: a read-back to the
+    host, or out of memory)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     try:
@@ -51,6 +52,15 @@ def graph_us(fn, calls: int = 20, replays: int = 20, errors: list | None = None)
         return None
     graph.replay()
     torch.cuda.synchronize()
+    return graph
+
+
+def graph_us(fn, calls: int = 20, replays: int = 20, errors: list | None = None):
+    """Microseconds per call of ``fn`` replayed from a CUDA graph, or None if it cannot be captured
+    (the reason appended to ``errors``, if given: a read-back to the host, or out of memory)."""
+    graph = captured(fn, calls, errors)
+    if graph is None:
+        return None
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
     for _ in range(replays):
