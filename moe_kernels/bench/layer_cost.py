@@ -202,7 +202,8 @@ def launches_per_call(fn) -> int:
     return len(launches)
 
 
-def run(models, formats, batches, *, seed: int = 0, id_check_only: bool = False, log=print) -> dict:
+def run(models, formats, batches, *, seed: int = 0, id_check_only: bool = False, id_check_pairs: int = 15,
+        log=print) -> dict:
     from ..layer import MoELayer
     from ..model.shapes import MODELS
     from .timing import graph_us
@@ -222,7 +223,8 @@ def run(models, formats, batches, *, seed: int = 0, id_check_only: bool = False,
                 big = batch >= 4096
                 row = {"model": name, "format": layer.weights.format.name, "batch": batch}
                 row.update(id_check_cost(calls["fused_experts"], calls["fused_experts unchecked"],
-                                         pairs=7 if big else 15, graph_calls=2 if big else 20))
+                                         pairs=max(7, id_check_pairs // 2) if big else id_check_pairs,
+                                         graph_calls=2 if big else 20))
                 check = (f"id check: host {row['id_check host_us']:+5.1f} us, gpu "
                          f"{row['id_check gpu_us'] if row['id_check gpu_us'] is not None else float('nan'):+6.2f} us")
                 if id_check_only:
@@ -278,6 +280,8 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--id-check-only", action="store_true",
                         help="time only what validate_ids=True adds (interleaved pairs); records layer-id-check")
+    parser.add_argument("--id-check-pairs", type=int, default=15,
+                        help="interleaved pairs of rounds for the id check's cost (half that from 4096 tokens)")
     add_record_arguments(parser, "layer-cost")
     args = parser.parse_args(argv)
     models, formats, batches = args.models, args.formats, args.batches
@@ -285,9 +289,11 @@ def main(argv=None) -> int:
         print("moe_kernels.bench layer: needs a CUDA GPU", file=sys.stderr)
         return 2
     started = time.perf_counter()
-    data = run(models, formats, batches, seed=args.seed, id_check_only=args.id_check_only)
+    data = run(models, formats, batches, seed=args.seed, id_check_only=args.id_check_only,
+               id_check_pairs=args.id_check_pairs)
     data.update(config={"models": models, "formats": formats, "batches": batches, "seed": args.seed,
-                        "sleep_cycles": SLEEP_CYCLES, "id_check_only": args.id_check_only},
+                        "sleep_cycles": SLEEP_CYCLES, "id_check_only": args.id_check_only,
+                        "id_check_pairs": args.id_check_pairs},
                 wall_s=time.perf_counter() - started)
     if args.record:
         write_record(args.name or ("layer-id-check" if args.id_check_only else "layer-cost"), data, args.results_dir)
