@@ -1,8 +1,12 @@
 """Host time of the experts call inside a transformers model, on a GPU: Qwen3-30B-A3B's real layer
 shapes with two layers, one eager decode step at a time; for moe_kernels and no_experts, the host
 microseconds per experts call (a clock around each call) and whether fused_experts' plans run
-as CUDA graphs. ``PYTHONPATH=. python tools/model_host_probe.py [batch ...]``"""
+as CUDA graphs; then, for moe_kernels, cProfile over the experts calls alone (20 steps), the
+functions by their own time per call, and the arguments' layouts (what the model hands the
+kernels: a dtype cast or a strided view costs a copy). ``PYTHONPATH=. python tools/model_host_probe.py [batch ...]``"""
+import cProfile
 import inspect
+import pstats
 import sys
 import time
 
@@ -28,6 +32,7 @@ for batch in [int(b) for b in sys.argv[1:]] or [1, 64]:
     with torch.no_grad():
         model(input_ids=prompt, logits_to_keep=1, **{name: cache})
     lengths = cached_lengths(cache)
+    step_profiles = {}
     for impl in ("moe_kernels", "no_experts"):
         experts, clock = ALL_EXPERTS_FUNCTIONS[impl], []
 
@@ -47,10 +52,54 @@ for batch in [int(b) for b in sys.argv[1:]] or [1, 64]:
             with torch.no_grad():
                 model(input_ids=token, **{name: cache})
             steps.append(time.perf_counter() - start)
+        if impl == "moe_kernels":   # where the experts call's host time goes, inside the model
+            profiler, seen = cProfile.Profile(), []
+
+            def profiled(module, hidden, ids, weights):
+                if not seen:
+                    seen.append([(n, t.dtype, tuple(t.shape), t.stride(), t.is_contiguous())
+                                 for n, t in (("hidden_states", hidden), ("top_k_index", ids), ("top_k_weights", weights))])
+                profiler.enable()
+                out = experts(module, hidden, ids, weights)
+                profiler.disable()
+                return out
+
+            ALL_EXPERTS_FUNCTIONS.register(impl, profiled)
+            model.set_experts_implementation(impl)
+            for _ in range(20):
+                torch._foreach_mul_(lengths, 0)
+                torch._foreach_add_(lengths, 16)
+                with torch.no_grad():
+                    model(input_ids=token, **{name: cache})
+            print(f"batch {batch} moe_kernels arguments:", seen[0], flush=True)
+            stats = pstats.Stats(profiler)
+            calls = 20 * len(clock) // 30 if clock else 1   # experts calls in the 20 profiled steps
+            rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:25]
+            print(f"batch {batch} moe_kernels cProfile, us per experts call (own, cumulative), {calls} calls:")
+            for (file, line, func), (_, ncalls, own, cum, _) in rows:
+                print(f"   {1e6 * own / calls:7.1f} {1e6 * cum / calls:7.1f}  x{ncalls / calls:4.1f}  "
+                      f"{func} ({file.split('/')[-1]}:{line})", flush=True)
         ALL_EXPERTS_FUNCTIONS.register(impl, experts)
+        model.set_experts_implementation(impl)
+        step_profiles[impl] = profiler = cProfile.Profile()   # 10 whole steps, to compare below
+        for _ in range(10):
+            torch._foreach_mul_(lengths, 0)
+            torch._foreach_add_(lengths, 16)
+            with torch.no_grad():
+                profiler.enable()
+                model(input_ids=token, **{name: cache})
+                profiler.disable()
         tail = sorted(clock[-40:])
         print(f"batch {batch} {impl}: experts call host {1e6 * tail[len(tail) // 2]:.1f} us (least "
               f"{1e6 * tail[0]:.1f}), step host {1e3 * sorted(steps[-10:])[5]:.2f} ms", flush=True)
+    # Where a step with the kernels spends host time that a step without experts does not: the
+    # functions by their own time per step, moe_kernels minus no_experts (the experts call's own
+    # functions are above; this shows what moves outside it, e.g. a wait in a launch).
+    own = {impl: {k: v[2] / 10 for k, v in pstats.Stats(p).stats.items()} for impl, p in step_profiles.items()}
+    diff = sorted(((t - own["no_experts"].get(k, 0.0), k) for k, t in own["moe_kernels"].items()), reverse=True)
+    print(f"batch {batch} step host, own us per step, moe_kernels minus no_experts (top 15):")
+    for d, (file, line, func) in diff[:15]:
+        print(f"   {1e6 * d:8.1f}  {func} ({file.split('/')[-1]}:{line})", flush=True)
     print("  fused_experts plans (launches, graph refusal, graphs):",
           [(p.num_launches, p.graphs and p.graphs.refusal,
             p.graphs and sum(len(s.graphs) for s in p.graphs.by_stream.values())) for p in _PLANS.plans.values()],

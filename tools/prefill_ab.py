@@ -99,5 +99,10 @@ for fname in formats:
             del x, weights, ids, reference, replays
             torch.cuda.empty_cache()
         del w1, w2
+# A record with provenance (results/<device>/prefill-ab.json, packed by gpu_check.sh), and a copy in $OUT.
+from moe_kernels.results import record  # noqa: E402
+
+path = record("prefill-ab", {"rows": rows, "config": {"models": models, "batches": batches, "formats": formats}})
+print(f"recorded {path}")
 if os.environ.get("OUT"):
     json.dump(rows, open(os.path.join(os.environ["OUT"], "prefill_ab.json"), "w"), indent=1)
