@@ -36,6 +36,7 @@ running anything, which is how the tests pin the path an fp8 layer takes.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 
@@ -44,6 +45,7 @@ from ._replay import CallPlans
 from .checkpoint import load_layer
 from .kernels.config import ConfigChoice, MoEConfig, check_config, choose_config
 from .kernels.formats import WeightFormat
+from .kernels.gate_routing import gate_and_route
 from .kernels.index_gather import dense_expert, run_experts
 from .kernels.layouts import LAYOUTS, layout_named
 from .kernels.routing import router_logits
@@ -61,6 +63,11 @@ SHARED_EXPERT = ("separate", "fused")
 #: operations cost 110-140 us of host time per call; at 64 tokens the dense path's default tiles
 #: are 1.6x slower (54.4 against 34.8 us), so larger batches keep cuBLAS. fp8 always runs dense.
 DENSE_SHARED_MAX_TOKENS = 16
+#: Up to this many tokens the gate and the routing run as one launch
+#: (:func:`~moe_kernels.kernels.gate_routing.gate_and_route`) instead of the gate's GEMM and then the
+#: routing kernel. 0, i.e. off, until it is timed on the H200 (``bench routing --gate-routing``);
+#: ``MOE_KERNELS_GATE_ROUTING_MAX_TOKENS`` sets it for a process (how that benchmark tries it in a layer).
+GATE_ROUTING_MAX_TOKENS = int(os.environ.get("MOE_KERNELS_GATE_ROUTING_MAX_TOKENS", "0"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +85,8 @@ class LayerPlan:
     #: token: its own table lookup; fp8 always, 16/32-bit up to ``DENSE_SHARED_MAX_TOKENS``);
     #: None when the shared expert runs as cuBLAS GEMMs, fused, or there is none.
     shared_choice: ConfigChoice | None = None
+    #: The gate and the routing in one launch (:data:`GATE_ROUTING_MAX_TOKENS`).
+    gate_routing: bool = False
 
     @property
     def config(self) -> MoEConfig:
@@ -103,14 +112,23 @@ def plan_layer(func: str, weights: LayerWeights, routing: Routing, layout: str, 
             weights.format.quantized or num_tokens <= DENSE_SHARED_MAX_TOKENS):
         shared_choice = choose_config(num_tokens, 1, weights.shared_w2.shape[1], d,
                                       weights.format.element or activation_dtype, device, device_name=device_name)
-    return LayerPlan(num_tokens, layout, weights.format, choice, naive, shared_choice)
+    # One launch for the router at decode, when the gate has the activations' dtype (as checkpoints store it).
+    gate_routing = 0 < num_tokens <= GATE_ROUTING_MAX_TOKENS and weights.gate.dtype == activation_dtype
+    return LayerPlan(num_tokens, layout, weights.format, choice, naive, shared_choice, gate_routing)
 
 
 def run_layer(plan: LayerPlan, hidden_states: torch.Tensor, weights: LayerWeights, routing: Routing) -> torch.Tensor:
     """One checked call: gate, routing, (the shared slot), (the shared expert), the experts."""
     w, fmt = weights, plan.format
-    logits = router_logits(hidden_states, w.gate)
-    topk_weights, topk_ids = routing.route(hidden_states, logits, w.bias, checked=True)
+    if plan.gate_routing:
+        topk_weights, topk_ids, _ = gate_and_route(
+            hidden_states, w.gate, routing.top_k, routing.renormalize, routing.scoring_func,
+            num_expert_group=routing.num_expert_group,
+            topk_group=routing.topk_group if routing.num_expert_group is not None or w.bias is not None else None,
+            routed_scaling_factor=routing.routed_scaling_factor, e_score_correction_bias=w.bias)
+    else:
+        logits = router_logits(hidden_states, w.gate)
+        topk_weights, topk_ids = routing.route(hidden_states, logits, w.bias, checked=True)
     shared_gate = None if w.shared_gate is None else torch.sigmoid(router_logits(hidden_states, w.shared_gate))
     if w.shared_fused:   # the shared expert as slot k+1, id E, weight 1 (or its gate): routed weights are scaled
         # Made at every call (not kept in the plan): a CUDA graph captures the fill with the call.

@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # One GPU session: the GPU test suite, then the measurements the book plots, recorded with
 # provenance into results/<device>/ and packed into $OUT/results.tgz. Run from the repository root
-# of a committed tree:  MOE_KERNELS_COMMIT=$(git rev-parse HEAD) bash tools/gpu_check.sh [what...]
+# of a committed tree:  MOE_KERNELS_COMMIT=<full hash> bash tools/gpu_check.sh [what...]
+# Write the hash out here, where the tree was committed: on the device, git's metadata can be an older
+# tree's than the files it was sent (git rev-parse HEAD there named the session's first commit).
 # what: tests, ceilings, tune, refine, sweep, fp8, decode-step, layouts, routing, skew, shared, capacity, notebooks,
-# graphs (the CUDA-graph replay's and the split GEMM 1's GPU tests), host-probe, model-probe, prefill (default: tests
+# graphs (the CUDA-graph replay's and the split GEMM 1's GPU tests), host-probe, model-probe, prefill, gate-routing
+# (the router in one launch: its GPU tests and bench routing --gate-routing) (default: tests
 # ceilings sweep). NOTEBOOKS="06 07" limits the notebooks step to those sections. tune searches the tiles (TUNE_BATCHES, TUNE_BUDGET_S) and rewrites the tuned tables in
 # moe_kernels/kernels/configs/, which are packed too. notebooks executes every notebook with the GPU (its live cells run) into $OUT/notebooks
 # and lists the prose numbers that would change (needs Jupyter: run tools/jupyter_wheels.sh here and carry .whl/jupyter).
@@ -56,6 +59,10 @@ for step in "${steps[@]}"; do
         host-probe) PYTHONPATH="$PWD" $PY tools/host_probe.py 2>&1 | tee "$OUT/host-probe.log" | grep -E "host" || status=1 ;;
         model-probe) PYTHONPATH="$PWD" $PY tools/model_host_probe.py 1 64 2>&1 | tee "$OUT/model-probe.log" \
                          | grep -v Warning || status=1 ;;
+        gate-routing) $PY -m pytest tests/test_gate_routing.py -m gpu -q -p no:cacheprovider -W ignore::DeprecationWarning \
+                          2>&1 | tee "$OUT/gate-routing-tests.log" | tail -n 5 || status=1
+                      $PY -m moe_kernels.bench.routing --gate-routing --record 2>&1 | tee "$OUT/gate-routing.log" \
+                          | grep -v Warning || status=1 ;;
         prefill) PYTHONPATH="$PWD" $PY tools/prefill_ab.py 2>&1 | tee "$OUT/prefill.log" | grep -v Warning || status=1 ;;
         *) $PY -m moe_kernels.bench "$step" --record 2>&1 | tee "$OUT/$step.log" | tail -n 20 || status=1 ;;
     esac

@@ -8,7 +8,9 @@ kernels, replayed from a CUDA graph (GPU time per call, launch cost gone: how a 
 in an engine); see :mod:`moe_kernels.bench.timing`. Before timing, every kernel's output is compared
 with its reference (ids exact). ``--record`` writes ``results/<device>/routing_align.json``.
 ``--gate`` measures instead how often the gate on tensor cores picks other experts than float64
-logits (:func:`gate_agreement`; recorded as ``gate-agreement.json``).
+logits (:func:`gate_agreement`; recorded as ``gate-agreement.json``); ``--gate-routing`` times the
+router in one launch against the gate then the routing kernel (:func:`gate_routing_ab`;
+``gate-routing.json``).
 """
 
 from __future__ import annotations
@@ -109,6 +111,45 @@ def gate_agreement(model_name: str, num_tokens: int, *, skewed: bool, seed: int 
     return row
 
 
+def gate_routing_ab(model_name: str, num_tokens: int, *, seed: int = 0) -> dict:
+    """The router two ways at one batch, each replayed from a CUDA graph (GPU us per call): the gate
+    on tensor cores then the routing kernel (two launches, what the layer runs today), and
+    :func:`~moe_kernels.kernels.gate_routing.gate_and_route` (one launch, the gate split over the
+    SMs). Checked first: the one-launch ids and weights equal the routing kernel's on its own logits,
+    and its logits are within the tensor-core gate's error of ``router_logits``'."""
+    from ..kernels.gate_routing import gate_and_route, gate_tiles
+    from ..kernels.routing import router_logits
+    from ..layer_spec import Routing
+
+    model = MODELS[model_name]
+    d, num_experts = model.hidden_size, model.num_experts
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    gate = (torch.randn(num_experts, d, device="cuda", generator=generator) * d**-0.5).to(torch.bfloat16)
+    x = torch.randn(num_tokens, d, device="cuda", generator=generator).to(torch.bfloat16)
+    bias = 0.01 * torch.randn(num_experts, device="cuda", generator=generator) if model.num_expert_groups > 1 else None
+    rule = Routing.of(model)
+    grouped = dict(num_expert_group=rule.num_expert_group, topk_group=rule.topk_group,
+                   routed_scaling_factor=rule.routed_scaling_factor, e_score_correction_bias=bias)
+
+    def two_launches():
+        return rule.route(x, router_logits(x, gate), bias, checked=True)
+
+    def one_launch():
+        return gate_and_route(x, gate, rule.top_k, rule.renormalize, rule.scoring_func, **grouped)
+
+    weights, ids, logits = one_launch()
+    own = rule.route(x, logits, bias, checked=True)
+    if not (torch.equal(ids, own[1]) and torch.equal(weights, own[0])):
+        raise AssertionError(f"gate_and_route {model.name} at {num_tokens}: routing differs on its own logits")
+    error = float((logits - router_logits(x, gate)).abs().max())
+    differ = int((ids.sort(dim=1).values != two_launches()[1].sort(dim=1).values).any(dim=1).sum())
+    times = {name: [graph_us(fn) for _ in range(2)] for name, fn in (("two launches", two_launches),
+                                                                      ("one launch", one_launch))}
+    return {"model": model.name, "tokens": num_tokens, "two_launches_us": min(times["two launches"]),
+            "one_launch_us": min(times["one launch"]), "tiles": gate_tiles(num_tokens, num_experts, d),
+            "max_logit_difference": error, "tokens_with_other_ids": differ}
+
+
 def _same(a, b) -> bool:
     return all(torch.equal(x, y) if x.dtype != torch.float32 else torch.allclose(x, y, atol=1e-6, rtol=0)
                for x, y in zip(a, b))
@@ -138,10 +179,21 @@ def main(argv=None) -> int:
     parser.add_argument("--gate", action="store_true",
                         help="only the gate's id agreement (tensor-core and float32 gates against float64 logits); "
                              "with --record, results/<device>/gate-agreement.json")
+    parser.add_argument("--gate-routing", action="store_true",
+                        help="only the router in one launch (gate_and_route) against the gate then the routing "
+                             "kernel, graph-replayed; with --record, results/<device>/gate-routing.json")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("moe_kernels.bench.routing: needs a CUDA GPU", file=sys.stderr)
         return 2
+    if args.gate_routing:
+        rows = [gate_routing_ab(model, tokens) for model in ("qwen3-30b-a3b", "deepseek-v3")
+                for tokens in (1, 8, 16, 64, 128, 256, 512)]
+        for row in rows:
+            print(row, flush=True)
+        if args.record:
+            write_record(args.name or "gate-routing", {"rows": rows}, args.results_dir)
+        return 0
     if args.gate:
         rows = [gate_agreement(model, 4096, skewed=skewed, seed=seed) for model in ("qwen3-30b-a3b", "deepseek-v3")
                 for skewed in (False, True) for seed in range(8)]

@@ -41,7 +41,21 @@ if HAS_TRITON:
         USE_SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISE: tl.constexpr,
         BLOCK_T: tl.constexpr, G_PAD: tl.constexpr, S_PAD: tl.constexpr, K_PAD: tl.constexpr,
     ):
-        """One program routes BLOCK_T tokens over all experts, tiled group by group.
+        """One program routes BLOCK_T tokens over all experts, tiled group by group."""
+        route_grouped_tokens(logits_ptr, bias_ptr, weights_ptr, ids_ptr, tl.program_id(0) * BLOCK_T, num_tokens,
+                             logits_row_stride, num_groups, experts_per_group, topk_group, topk, renormalize,
+                             routed_scaling_factor, USE_SIGMOID, HAS_BIAS, PRECISE, BLOCK_T, G_PAD, S_PAD, K_PAD)
+
+    @kernel
+    def route_grouped_tokens(
+        logits_ptr, bias_ptr, weights_ptr, ids_ptr, first_token,
+        num_tokens, logits_row_stride, num_groups, experts_per_group, topk_group, topk,
+        renormalize, routed_scaling_factor,
+        USE_SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISE: tl.constexpr,
+        BLOCK_T: tl.constexpr, G_PAD: tl.constexpr, S_PAD: tl.constexpr, K_PAD: tl.constexpr,
+    ):
+        """Route tokens ``first_token`` to ``first_token + BLOCK_T`` (the routing kernel's body, which
+        :mod:`moe_kernels.kernels.gate_routing` also calls once the gate's logits are in).
 
         Column ``c`` of the [BLOCK_T, G_PAD * S_PAD] tile is member ``c % S_PAD`` of group
         ``c // S_PAD``: each group is padded on its own, so viewing the tile as
@@ -49,7 +63,6 @@ if HAS_TRITON:
         size is not a power of two.
         """
         NO_EXPERT: tl.constexpr = G_PAD * S_PAD
-        first_token = tl.program_id(0) * BLOCK_T
         token = first_token + tl.arange(0, BLOCK_T)[:, None]
         column = tl.broadcast_to(tl.arange(0, NO_EXPERT)[None, :], [BLOCK_T, NO_EXPERT])
         group = column // S_PAD

@@ -214,7 +214,15 @@ if HAS_TRITON:
         E_PAD: tl.constexpr, K_PAD: tl.constexpr,
     ):
         """One program routes BLOCK_T tokens over all experts (E padded to E_PAD)."""
-        first_token = tl.program_id(0) * BLOCK_T
+        route_tokens(logits_ptr, weights_ptr, ids_ptr, tl.program_id(0) * BLOCK_T, num_tokens, num_experts,
+                     logits_row_stride, topk, renormalize, 1.0, USE_SIGMOID, PRECISE, BLOCK_T, E_PAD, K_PAD)
+
+    @kernel
+    def route_tokens(logits_ptr, weights_ptr, ids_ptr, first_token, num_tokens, num_experts, logits_row_stride,
+                     topk, renormalize, scale, USE_SIGMOID: tl.constexpr, PRECISE: tl.constexpr,
+                     BLOCK_T: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr):
+        """Route tokens ``first_token`` to ``first_token + BLOCK_T`` (the body of the routing kernel,
+        which :mod:`moe_kernels.kernels.gate_routing` also calls once the gate's logits are in)."""
         token = first_token + tl.arange(0, BLOCK_T)[:, None]
         expert = tl.broadcast_to(tl.arange(0, E_PAD)[None, :], [BLOCK_T, E_PAD])
         is_expert = expert < num_experts
@@ -225,7 +233,7 @@ if HAS_TRITON:
         weights, ids = _take_topk(selection, scores, expert, is_expert, topk,
                                   BLOCK_T, K_PAD, E_PAD)
         _store_topk(weights, ids, weights_ptr, ids_ptr, first_token, num_tokens, topk,
-                    renormalize, 1.0, BLOCK_T, K_PAD)
+                    renormalize, scale, BLOCK_T, K_PAD)
 
 
 def _launch_config(num_tokens: int, tile_columns: int) -> tuple[int, int]:

@@ -1,0 +1,230 @@
+"""The gate and the routing in one launch: ``hidden_states @ gate.T``, then top-k (plain or grouped).
+
+At decode the router is two small launches, the gate's GEMM and the routing kernel, each with its
+own fixed cost; the gate alone reads the ``[E, d]`` gate matrix (3.7 MB for DeepSeek-V3) with a
+handful of tokens. :func:`gate_and_route` does both in one launch:
+
+* the grid tiles the logits ``[T, E]`` by token blocks of ``BLOCK_T`` and expert blocks of
+  ``BLOCK_E``, and splits ``d`` into ``SPLIT_K`` spans, so that even one token spreads the gate's
+  bytes over a hundred or more programs;
+* each program writes its float32 partial logits to a scratch ``[SPLIT_K, T, E]`` and counts
+  itself in with an atomic add on its token block's arrival counter;
+* the last program to arrive for a token block (it sees ``E_BLOCKS * SPLIT_K - 1`` arrivals before
+  its own) adds the ``SPLIT_K`` partials in a fixed order (the logits are deterministic, whatever
+  order the programs ran in), writes them to ``[T, E]`` and routes its tokens with the same code
+  as the routing kernels (:func:`~moe_kernels.kernels.routing.route_tokens`,
+  :func:`~moe_kernels.kernels.grouped_routing.route_grouped_tokens`).
+
+The gate's products are those of :func:`~moe_kernels.kernels.routing.gate` on a GPU: 16-bit
+operands on the tensor cores, float32 sums (in another order: near-ties between experts may break
+the other way, as between any two float32 GEMMs); float32 operands are multiplied in IEEE float32.
+
+A worked example, four experts, one token, top-2, checked against the two-step path::
+
+    >>> import torch
+    >>> from moe_kernels.kernels.routing import fused_topk, gate
+    >>> x = torch.tensor([[1.0, 2.0]])
+    >>> gate_weight = torch.tensor([[1.0, 0.0], [0.5, 0.5], [0.0, -1.0], [2.0, 0.0]])
+    >>> weights, ids, logits = gate_and_route(x, gate_weight, topk=2, renormalize=True)
+    >>> logits.tolist(), ids.tolist()
+    ([[1.0, 1.5, -2.0, 2.0]], [[3, 1]])
+    >>> two_steps = fused_topk(x, gate(x, gate_weight), 2, True)
+    >>> torch.equal(ids, two_steps[1]) and torch.allclose(weights, two_steps[0])
+    True
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._checks import check_int, check_number, check_tensor, fail
+from .._runtime import HAS_TRITON, INTERPRET, cdiv, kernel, next_power_of_2, note_launch, tl, use_triton
+from .grouped_routing import grouped_topk_reference
+from .routing import _FLOAT_DTYPES, _SCORING_FUNCS, _empty_outputs, fused_topk_reference
+
+__all__ = ["gate_and_route", "gate_and_route_reference", "gate_tiles"]
+
+#: Tokens per program: the tensor cores' smallest M tile (``tl.dot`` needs 16 rows).
+BLOCK_T = 16
+#: Bytes of partial logits the last program of a token block reads back (from L2), at most.
+_PARTIAL_BYTES = 128 * 1024
+#: About two programs per SM of an H100/H200 (132 SMs).
+_TARGET_PROGRAMS = 264
+
+if HAS_TRITON:
+    from .grouped_routing import route_grouped_tokens
+    from .routing import route_tokens
+
+    @kernel
+    def _gate_routing_kernel(
+        x_ptr, gate_ptr, bias_ptr, partial_ptr, logits_ptr, arrivals_ptr, weights_ptr, ids_ptr,
+        num_tokens, num_experts, hidden_size, stride_x, stride_gate, k_span,
+        topk, renormalize, scale, num_groups, experts_per_group, topk_group,
+        GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, USE_SIGMOID: tl.constexpr, PRECISE: tl.constexpr,
+        IEEE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+        SPLIT_K: tl.constexpr, E_COLS: tl.constexpr, G_PAD: tl.constexpr, S_PAD: tl.constexpr,
+        K_PAD: tl.constexpr,
+    ):
+        pid_t, pid_e, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        tokens = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+        experts = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
+        token_ok, expert_ok = tokens < num_tokens, experts < num_experts
+
+        # >>> book: gate-partial
+        # This program's share of the logits: BLOCK_T tokens x BLOCK_E experts over one span of d.
+        acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+        k_start = pid_k * k_span
+        for k0 in range(k_start, k_start + k_span, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < hidden_size
+            a = tl.load(x_ptr + tokens.to(tl.int64)[:, None] * stride_x + offs_k[None, :],
+                        mask=token_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(gate_ptr + experts.to(tl.int64)[:, None] * stride_gate + offs_k[None, :],
+                        mask=expert_ok[:, None] & k_ok[None, :], other=0.0)
+            if IEEE:   # float32 operands: no TF32 rounding, as the float32 gate
+                acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, tl.trans(b), acc)
+        partial = partial_ptr + (pid_k * num_tokens + tokens.to(tl.int64)[:, None]) * num_experts + experts[None, :]
+        tl.store(partial, acc, mask=token_ok[:, None] & expert_ok[None, :])
+        # Every thread's stores, then one release: the last program to arrive sees them all.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(arrivals_ptr + pid_t, 1, sem="acq_rel", scope="gpu")
+        # <<< book: gate-partial
+        if arrived == tl.num_programs(1) * SPLIT_K - 1:
+            # The token block's logits: its SPLIT_K partials added in a fixed order (read from L2:
+            # another SM wrote them), then routed by the routing kernels' own body.
+            columns = tl.arange(0, E_COLS)
+            mask = token_ok[:, None] & (columns < num_experts)[None, :]
+            offsets = tokens.to(tl.int64)[:, None] * num_experts + columns[None, :]
+            logits = tl.zeros([BLOCK_T, E_COLS], dtype=tl.float32)
+            for split in range(SPLIT_K):
+                logits += tl.load(partial_ptr + split * num_tokens * num_experts + offsets, mask=mask, other=0.0,
+                                  cache_modifier=".cg")
+            tl.store(logits_ptr + offsets, logits, mask=mask)
+            tl.debug_barrier()   # the routing below reads them back through other threads
+            if GROUPED:
+                route_grouped_tokens(logits_ptr, bias_ptr, weights_ptr, ids_ptr, pid_t * BLOCK_T, num_tokens,
+                                     num_experts, num_groups, experts_per_group, topk_group, topk, renormalize,
+                                     scale, USE_SIGMOID, HAS_BIAS, PRECISE, BLOCK_T, G_PAD, S_PAD, K_PAD)
+            else:
+                route_tokens(logits_ptr, weights_ptr, ids_ptr, pid_t * BLOCK_T, num_tokens, num_experts,
+                             num_experts, topk, renormalize, scale, USE_SIGMOID, PRECISE, BLOCK_T, E_COLS, K_PAD)
+
+
+def gate_tiles(num_tokens: int, num_experts: int, hidden_size: int) -> dict:
+    """The grid of :func:`gate_and_route`: expert blocks, K step, split of ``d`` and its span.
+
+    Enough programs to spread the gate's bytes over the SMs (about :data:`_TARGET_PROGRAMS`), but
+    no more partials per token block than its last program reads back in :data:`_PARTIAL_BYTES`.
+
+        >>> gate_tiles(1, 128, 2048)      # Qwen3-30B-A3B at one token: 4 x 16 programs
+        {'block_e': 32, 'block_k': 128, 'split_k': 16, 'k_span': 128, 'e_blocks': 4, 't_blocks': 1}
+        >>> gate_tiles(64, 256, 7168)     # DeepSeek-V3 at 64 tokens: 4 x 8 x 8 programs
+        {'block_e': 32, 'block_k': 128, 'split_k': 8, 'k_span': 896, 'e_blocks': 8, 't_blocks': 4}
+    """
+    block_e = 32 if num_experts > 16 else 16
+    block_k = min(128, max(16, next_power_of_2(hidden_size)))
+    t_blocks, e_blocks = max(1, cdiv(num_tokens, BLOCK_T)), cdiv(num_experts, block_e)
+    k_steps = cdiv(hidden_size, block_k)
+    by_bytes = max(1, _PARTIAL_BYTES // (BLOCK_T * next_power_of_2(num_experts) * 4))
+    wanted = max(1, _TARGET_PROGRAMS // (t_blocks * e_blocks))
+    split = max(1, min(k_steps, by_bytes, wanted))
+    k_span = cdiv(k_steps, split) * block_k
+    return {"block_e": block_e, "block_k": block_k, "split_k": cdiv(hidden_size, k_span), "k_span": k_span,
+            "e_blocks": e_blocks, "t_blocks": t_blocks}
+
+
+def _check(func, hidden_states, gate_weight, topk, renormalize, scoring_func, num_expert_group, topk_group,
+           routed_scaling_factor, e_score_correction_bias, dtypes=_FLOAT_DTYPES) -> None:
+    check_tensor(func, "hidden_states", hidden_states, ndim=2, dtypes=dtypes, last_dim_contiguous=True)
+    check_tensor(func, "gate_weight", gate_weight, ndim=2, dtypes=(hidden_states.dtype,),
+                 device=hidden_states.device, last_dim_contiguous=True)
+    num_experts, hidden_size = gate_weight.shape
+    if hidden_size != hidden_states.shape[1]:
+        fail(func, "gate_weight", f"must be [E, {hidden_states.shape[1]}] (d of hidden_states)",
+             f"shape {tuple(gate_weight.shape)}")
+    check_int(func, "num_experts", num_experts, lo=1)
+    if not isinstance(renormalize, bool):
+        fail(func, "renormalize", "must be a bool", type(renormalize).__name__, TypeError)
+    if scoring_func not in _SCORING_FUNCS:
+        fail(func, "scoring_func", "must be 'softmax' or 'sigmoid'", repr(scoring_func))
+    check_number(func, "routed_scaling_factor", routed_scaling_factor, gt=0)
+    grouped = num_expert_group is not None or e_score_correction_bias is not None
+    if not grouped:
+        check_int(func, "topk", topk, lo=1, hi=num_experts, what_hi="the number of experts, gate_weight.shape[0]")
+        if topk_group is not None:
+            fail(func, "topk_group", "must be None without num_expert_group", repr(topk_group))
+        return
+    # The grouped rule's own checks, on the logits' shape (an empty [0, E] stands in for them).
+    from .grouped_routing import _check_grouped
+
+    _check_grouped(func, gate_weight.new_empty((0, num_experts)), topk, num_expert_group or 1, topk_group or 1,
+                   routed_scaling_factor, e_score_correction_bias)
+
+
+def gate_and_route_reference(hidden_states, gate_weight, topk, renormalize, scoring_func="softmax", *,
+                             num_expert_group=None, topk_group=None, routed_scaling_factor=1.0,
+                             e_score_correction_bias=None):
+    """Torch reference for :func:`gate_and_route`: the gate in float64 (its logits returned in float64),
+    then the routing rule's float32 reference on them. Takes float64 inputs too."""
+    _check("gate_and_route_reference", hidden_states, gate_weight, topk, renormalize, scoring_func,
+           num_expert_group, topk_group, routed_scaling_factor, e_score_correction_bias,
+           dtypes=(*_FLOAT_DTYPES, torch.float64))
+    logits = hidden_states.double() @ gate_weight.double().T
+    if num_expert_group is None and e_score_correction_bias is None:
+        weights, ids = fused_topk_reference(hidden_states, logits.float(), topk, renormalize, scoring_func)
+        return weights * routed_scaling_factor, ids, logits
+    weights, ids = grouped_topk_reference(hidden_states, logits.float(), topk, renormalize, num_expert_group or 1,
+                                          topk_group or 1, scoring_func, routed_scaling_factor,
+                                          e_score_correction_bias)
+    return weights, ids, logits
+
+
+def gate_and_route(hidden_states: torch.Tensor, gate_weight: torch.Tensor, topk: int, renormalize: bool,
+                   scoring_func: str = "softmax", *, num_expert_group: int | None = None,
+                   topk_group: int | None = None, routed_scaling_factor: float = 1.0,
+                   e_score_correction_bias: torch.Tensor | None = None):
+    """The router in one launch: ``(topk_weights float32 [T, k], topk_ids int32 [T, k], logits float32 [T, E])``.
+
+    ``gate_weight`` is ``[E, d]`` in the dtype of ``hidden_states [T, d]``. The routing rule is
+    :func:`~moe_kernels.kernels.routing.fused_topk`'s (then the weights times
+    ``routed_scaling_factor``), or, with ``num_expert_group`` or ``e_score_correction_bias``,
+    :func:`~moe_kernels.kernels.grouped_routing.grouped_topk`'s, with the same arguments and checks.
+    Meant for decode batches: every token block re-reads the gate matrix (from L2 after the first),
+    so from a few hundred tokens the two-step path (a GEMM, then the routing kernel) reads less.
+    """
+    func = "gate_and_route"
+    _check(func, hidden_states, gate_weight, topk, renormalize, scoring_func, num_expert_group, topk_group,
+           routed_scaling_factor, e_score_correction_bias)
+    bias = e_score_correction_bias
+    if not use_triton(hidden_states, gate_weight, *([bias] if bias is not None else [])):
+        return gate_and_route_reference(hidden_states, gate_weight, topk, renormalize, scoring_func,
+                                        num_expert_group=num_expert_group, topk_group=topk_group,
+                                        routed_scaling_factor=routed_scaling_factor, e_score_correction_bias=bias)
+    num_tokens, hidden_size = hidden_states.shape
+    num_experts = gate_weight.shape[0]
+    device = hidden_states.device
+    weights, ids = _empty_outputs(num_tokens, topk, device)
+    logits = torch.empty((num_tokens, num_experts), dtype=torch.float32, device=device)
+    if num_tokens == 0:
+        return weights, ids, logits
+    grouped = num_expert_group is not None or bias is not None
+    groups = num_expert_group or 1
+    per_group = num_experts // groups
+    g_pad, s_pad = next_power_of_2(groups), next_power_of_2(per_group)
+    tiles = gate_tiles(num_tokens, num_experts, hidden_size)
+    partial = torch.empty((tiles["split_k"], num_tokens, num_experts), dtype=torch.float32, device=device)
+    arrivals = torch.zeros(tiles["t_blocks"], dtype=torch.int32, device=device)
+    e_cols = g_pad * s_pad if grouped else next_power_of_2(num_experts)
+    note_launch("gate_routing.gate_and_route", grouped=grouped, split_k=tiles["split_k"], block_e=tiles["block_e"])
+    _gate_routing_kernel[(tiles["t_blocks"], tiles["e_blocks"], tiles["split_k"])](
+        hidden_states, gate_weight, bias if bias is not None else logits, partial, logits, arrivals, weights, ids,
+        num_tokens, num_experts, hidden_size, hidden_states.stride(0), gate_weight.stride(0), tiles["k_span"],
+        topk, renormalize, float(routed_scaling_factor), groups, per_group, topk_group or 1,
+        GROUPED=grouped, HAS_BIAS=bias is not None, USE_SIGMOID=scoring_func == "sigmoid", PRECISE=not INTERPRET,
+        IEEE=hidden_states.dtype == torch.float32, BLOCK_T=BLOCK_T, BLOCK_E=tiles["block_e"],
+        BLOCK_K=tiles["block_k"], SPLIT_K=tiles["split_k"], E_COLS=e_cols, G_PAD=g_pad, S_PAD=s_pad,
+        K_PAD=next_power_of_2(topk), num_warps=8 if BLOCK_T * e_cols > 2048 else 4,
+    )
+    return weights, ids, logits

@@ -1,0 +1,244 @@
+"""The gate and the routing in one launch (moe_kernels.kernels.gate_routing).
+
+Three checks per case: the logits against float64; the ids and weights against the routing
+kernels run on the kernel's own logits (the same routing code, so equal bit for bit); and, on
+integer-valued inputs (exact float32 sums, so no near-ties can differ), the ids against the float64
+reference of the whole rule. CPU tests use float32 and float16 (the interpreter's bf16 dot is wrong).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_kernels._runtime import HAS_TRITON, record_launches
+from moe_kernels.kernels.gate_routing import gate_and_route, gate_and_route_reference, gate_tiles
+from moe_kernels.kernels.grouped_routing import grouped_topk
+from moe_kernels.kernels.routing import fused_topk
+from moe_testing import DEVICE, needs_gpu
+
+
+def inputs(num_tokens, num_experts, hidden, seed, dtype=torch.float32, integer=False):
+    generator = torch.Generator().manual_seed(seed)
+    if integer:   # small integers: every product and sum exact in float32
+        x = torch.randint(-3, 4, (num_tokens, hidden), generator=generator).float()
+        w = torch.randint(-3, 4, (num_experts, hidden), generator=generator).float()
+    else:
+        x = torch.randn(num_tokens, hidden, generator=generator)
+        w = torch.randn(num_experts, hidden, generator=generator) / hidden ** 0.5
+    return x.to(dtype).to(DEVICE), w.to(dtype).to(DEVICE)
+
+
+def routing_of(x, logits, topk, renormalize, scoring, **grouped):
+    """The routing kernels on given logits, with gate_and_route's arguments."""
+    if grouped.get("num_expert_group") is None and grouped.get("e_score_correction_bias") is None:
+        weights, ids = fused_topk(x, logits, topk, renormalize, scoring)
+        return weights * grouped.get("routed_scaling_factor", 1.0), ids
+    return grouped_topk(x, logits, topk, renormalize, grouped.get("num_expert_group") or 1,
+                        grouped.get("topk_group") or 1, scoring, grouped.get("routed_scaling_factor", 1.0),
+                        grouped.get("e_score_correction_bias"))
+
+
+def check_case(num_tokens, num_experts, hidden, topk, *, seed=0, dtype=torch.float32, renormalize=True,
+               scoring="softmax", **grouped):
+    x, w = inputs(num_tokens, num_experts, hidden, seed, dtype)
+    weights, ids, logits = gate_and_route(x, w, topk, renormalize, scoring, **grouped)
+    assert weights.shape == ids.shape == (num_tokens, topk) and logits.shape == (num_tokens, num_experts)
+    assert ids.dtype == torch.int32 and weights.dtype == torch.float32 and logits.dtype == torch.float32
+    want_logits = x.double() @ w.double().T
+    torch.testing.assert_close(logits.double(), want_logits, atol=1e-4 * hidden ** 0.5, rtol=1e-3)
+    # The routing on the kernel's own logits: the same code, so the same answer exactly.
+    want_weights, want_ids = routing_of(x, logits, topk, renormalize, scoring, **grouped)
+    assert torch.equal(ids, want_ids)
+    assert torch.equal(weights, want_weights)
+    # Integer inputs: exact logits, so the whole rule matches the float64 reference id for id.
+    xi, wi = inputs(num_tokens, num_experts, hidden, seed + 1, dtype, integer=True)
+    got = gate_and_route(xi, wi, topk, renormalize, scoring, **grouped)
+    want = gate_and_route_reference(xi.double(), wi.double(), topk, renormalize, scoring, **grouped)
+    assert torch.equal(got[2].double(), want[2])
+    assert torch.equal(got[1], want[1])
+    torch.testing.assert_close(got[0].double(), want[0].double(), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 5, 16, 17, 40])
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_plain_rule_against_references(num_tokens, scoring, dtype):
+    check_case(num_tokens, 40, 96, 4, seed=num_tokens, dtype=dtype, scoring=scoring, renormalize=num_tokens % 2 == 1)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 17])
+@pytest.mark.parametrize("bias", [False, True])
+def test_grouped_rule_against_references(num_tokens, bias):
+    generator = torch.Generator().manual_seed(3)
+    correction = (0.1 * torch.randn(32, generator=generator)).to(DEVICE) if bias else None
+    check_case(num_tokens, 32, 64, 4, seed=7, scoring="sigmoid", num_expert_group=4, topk_group=2,
+               routed_scaling_factor=2.5, e_score_correction_bias=correction)
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 16, 1), (3, 6, 33, 6), (2, 4, 8, 1), (20, 128, 48, 8), (1, 7, 300, 3)],
+                         ids=["E=1", "k=E, odd d", "tiny d", "E=128", "E=7, long d"])
+def test_edge_shapes(shape):
+    num_tokens, num_experts, hidden, topk = shape
+    check_case(num_tokens, num_experts, hidden, topk, seed=sum(shape))
+
+
+def test_no_tokens():
+    x, w = inputs(0, 8, 32, 0)
+    weights, ids, logits = gate_and_route(x, w, 2, True)
+    assert weights.shape == ids.shape == (0, 2) and logits.shape == (0, 8)
+
+
+def test_scaling_factor_multiplies_the_plain_weights():
+    x, w = inputs(3, 8, 32, 1)
+    once = gate_and_route(x, w, 2, True)[0]
+    scaled = gate_and_route(x, w, 2, True, routed_scaling_factor=2.5)[0]
+    torch.testing.assert_close(scaled, 2.5 * once)
+
+
+def test_split_over_d_is_taken_and_deterministic():
+    """The path: d split over several programs (the last one per token block adds the partials),
+    one launch; and two calls give the same bits (a fixed order of the partial sums)."""
+    x, w = inputs(2, 16, 512, 5)
+    tiles = gate_tiles(2, 16, 512)
+    assert tiles["split_k"] == 4 and tiles["e_blocks"] == 1
+    with record_launches() as launches:
+        first = gate_and_route(x, w, 3, True)
+    if HAS_TRITON:
+        assert [name for name, _ in launches] == ["gate_routing.gate_and_route"]
+        assert launches[0][1]["split_k"] == 4
+    second = gate_and_route(x, w, 3, True)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+def test_tiles_fill_the_machine_within_the_partial_budget():
+    for num_tokens, num_experts, hidden in [(1, 128, 2048), (64, 256, 7168), (512, 256, 7168), (1, 8, 4096)]:
+        tiles = gate_tiles(num_tokens, num_experts, hidden)
+        assert tiles["k_span"] % tiles["block_k"] == 0
+        assert (tiles["split_k"] - 1) * tiles["k_span"] < hidden <= tiles["split_k"] * tiles["k_span"]
+        assert tiles["split_k"] * 16 * num_experts * 4 <= 2 * 128 * 1024
+
+
+def test_nan_in_a_token_gives_valid_ids_and_spoils_no_other_token():
+    x, w = inputs(4, 16, 32, 2)
+    x[1, 3] = float("nan")
+    weights, ids, _ = gate_and_route(x, w, 3, True)
+    assert bool(((ids >= 0) & (ids < 16)).all())
+    clean = gate_and_route(x[[0, 2, 3]], w, 3, True)
+    assert torch.equal(ids[[0, 2, 3]], clean[1]) and torch.equal(weights[[0, 2, 3]], clean[0])
+
+
+@pytest.mark.parametrize("change, name", [
+    (dict(gate_weight="dtype"), "gate_weight"),
+    (dict(gate_weight="width"), "gate_weight"),
+    (dict(topk=9), "topk"),
+    (dict(scoring_func="relu"), "scoring_func"),
+    (dict(topk_group=2), "topk_group"),
+    (dict(num_expert_group=3, topk_group=1), "num_expert_group"),
+    (dict(routed_scaling_factor=float("nan")), "routed_scaling_factor"),
+    (dict(renormalize=1), "renormalize"),
+])
+def test_bad_input_names_the_argument(change, name):
+    x, w = inputs(2, 8, 16, 0)
+    if change.get("gate_weight") == "dtype":
+        w = w.half()
+    elif change.get("gate_weight") == "width":
+        w = w[:, :8]
+    kwargs = dict(topk=2, renormalize=True)
+    kwargs.update({k: v for k, v in change.items() if k != "gate_weight"})
+    with pytest.raises((ValueError, TypeError)) as error:
+        gate_and_route(x, w, **kwargs)
+    assert name in str(error.value)
+
+
+@needs_gpu
+@pytest.mark.parametrize("model", ["qwen3-30b-a3b", "deepseek-v3"])
+@pytest.mark.parametrize("num_tokens", [1, 8, 64, 100])
+def test_real_shapes_on_gpu(model, num_tokens):
+    """bf16 at the models' shapes: the routing on the kernel's logits exactly; the logits within the
+    tensor-core gate's error of torch.mm's; the ids of the two-step layer path but at near-ties."""
+    from moe_kernels.kernels.routing import router_logits
+    from moe_kernels.layer import MoELayer
+
+    layer = MoELayer.random(model, dtype=torch.bfloat16, device="cuda", seed=num_tokens)
+    routing, w = layer.routing, layer.weights
+    x = torch.randn(num_tokens, w.gate.shape[1], device="cuda", dtype=torch.bfloat16)
+    grouped = dict(num_expert_group=routing.num_expert_group, topk_group=routing.topk_group,
+                   routed_scaling_factor=routing.routed_scaling_factor, e_score_correction_bias=w.bias)
+    weights, ids, logits = gate_and_route(x, w.gate, routing.top_k, routing.renormalize, routing.scoring_func,
+                                          **grouped)
+    want_weights, want_ids = routing_of(x, logits, routing.top_k, routing.renormalize, routing.scoring_func,
+                                        **grouped)
+    assert torch.equal(ids, want_ids) and torch.equal(weights, want_weights)
+    torch.testing.assert_close(logits, router_logits(x, w.gate), atol=1e-2, rtol=1e-3)
+    two_step = routing.route(x, router_logits(x, w.gate), w.bias)
+    assert int((ids != two_step[1]).any(dim=1).sum()) <= max(1, num_tokens // 50)
+
+
+_COMPILE_FOR_HOPPER = """
+import re
+import torch
+torch.cuda.is_available = lambda: True   # build compiled (not interpreted) kernels; nothing is launched
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from moe_kernels.kernels import gate_routing
+
+fn = gate_routing._gate_routing_kernel
+for grouped, e_cols, split in ((False, 128, 16), (True, 256, 8)):
+    pointers = dict(x_ptr="*bf16", gate_ptr="*bf16", bias_ptr="*fp32", partial_ptr="*fp32", logits_ptr="*fp32",
+                    arrivals_ptr="*i32", weights_ptr="*fp32", ids_ptr="*i32", scale="fp32")
+    const = dict(GROUPED=grouped, HAS_BIAS=grouped, USE_SIGMOID=grouped, PRECISE=True, IEEE=False, BLOCK_T=16,
+                 BLOCK_E=32, BLOCK_K=128, SPLIT_K=split, E_COLS=e_cols, G_PAD=8 if grouped else 1,
+                 S_PAD=32 if grouped else 128, K_PAD=8)
+    sig = {n: "constexpr" if n in const else pointers.get(n, "i32") for n in fn.arg_names}
+    constants = {(i,): const[n] for i, n in enumerate(fn.arg_names) if n in const}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
+    ptx = triton.compile(ASTSource(fn, sig, constants, attrs), target=GPUTarget("cuda", 90, 32),
+                         options=dict(num_warps=8 if grouped else 4, num_stages=2)).asm["ptx"]
+    print(bool(re.search(r"atom[.a-z]*[.]acq_rel[.a-z]*[.]gpu[.a-z]*add|atom[.a-z]*[.]gpu[.a-z]*[.]acq_rel", ptx)),
+          "ld.global.cg" in ptx, "bar.sync" in ptx, bool(re.search(r"mma", ptx)))
+"""
+
+
+def test_compiles_for_hopper_with_its_release_and_acquire():
+    """Compiled for an H100/H200 (sm_90) on this machine: the arrival is an acquire-release atomic
+    at GPU scope after a CTA barrier, the partials are read through L2 (``.cg``), the gate's
+    products go to the tensor cores; for the plain rule (Qwen3's shape) and the grouped one
+    (DeepSeek-V3's)."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "MOE_KERNELS_BACKEND")}
+    done = subprocess.run([sys.executable, "-c", _COMPILE_FOR_HOPPER], capture_output=True, text=True, timeout=600,
+                          env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split("\n")[:2] == ["True True True True"] * 2, done.stdout
+
+
+@needs_gpu
+def test_repeated_calls_agree_bit_for_bit_on_gpu():
+    """The last program of each token block reads the other programs' partials after an
+    acquire-release count: a missing fence would show as a call that differs now and then.
+    200 calls at DeepSeek-V3's shape and 100 tokens (7 token blocks, 64 programs each), and
+    the same inside one CUDA graph replayed 50 times."""
+    x, w = (torch.randn(100, 7168, device="cuda", dtype=torch.bfloat16),
+            torch.randn(256, 7168, device="cuda", dtype=torch.bfloat16) / 85)
+    bias = 0.01 * torch.randn(256, device="cuda")
+    args = dict(topk=8, renormalize=True, scoring_func="sigmoid", num_expert_group=8, topk_group=4,
+                routed_scaling_factor=2.5, e_score_correction_bias=bias)
+    first = gate_and_route(x, w, **args)
+    for _ in range(200):
+        again = gate_and_route(x, w, **args)
+        assert all(torch.equal(a, b) for a, b in zip(first, again))
+    graph = torch.cuda.CUDAGraph()
+    gate_and_route(x, w, **args)
+    with torch.cuda.graph(graph):
+        captured = gate_and_route(x, w, **args)
+    for _ in range(50):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(first, captured))
