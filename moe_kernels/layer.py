@@ -45,7 +45,7 @@ from ._replay import CallPlans
 from .checkpoint import load_layer
 from .kernels.config import ConfigChoice, MoEConfig, check_config, choose_config
 from .kernels.formats import WeightFormat
-from .kernels.gate_routing import gate_and_route
+from .kernels.gate_routing import gate_and_route_checked
 from .kernels.index_gather import dense_expert, run_experts
 from .kernels.layouts import LAYOUTS, layout_named
 from .kernels.routing import router_logits
@@ -56,6 +56,17 @@ from .model.shapes import MODELS, MoEModel
 from .reference import moe_reference, moe_reference_fp8
 
 SHARED_EXPERT = ("separate", "fused")
+
+
+def _env_int(name: str, default: int) -> int:
+    """An integer setting from the environment, or a ValueError that names the variable."""
+    text = os.environ.get(name, "")
+    if not text:
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"environment variable {name} must be an integer, got {text!r}") from None
 #: Up to this many tokens a separate 16/32-bit shared expert runs as the routed experts' two GEMMs
 #: on a dense block map (two launches) instead of cuBLAS (two GEMMs and four elementwise torch
 #: operations). On the H200 (DeepSeek-V3's 88 MB shared expert, CUDA graphs) the two take the same
@@ -67,7 +78,7 @@ DENSE_SHARED_MAX_TOKENS = 16
 #: (:func:`~moe_kernels.kernels.gate_routing.gate_and_route`) instead of the gate's GEMM and then the
 #: routing kernel. 0, i.e. off, until it is timed on the H200 (``bench routing --gate-routing``);
 #: ``MOE_KERNELS_GATE_ROUTING_MAX_TOKENS`` sets it for a process (how that benchmark tries it in a layer).
-GATE_ROUTING_MAX_TOKENS = int(os.environ.get("MOE_KERNELS_GATE_ROUTING_MAX_TOKENS", "0"))
+GATE_ROUTING_MAX_TOKENS = _env_int("MOE_KERNELS_GATE_ROUTING_MAX_TOKENS", 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,7 +132,7 @@ def run_layer(plan: LayerPlan, hidden_states: torch.Tensor, weights: LayerWeight
     """One checked call: gate, routing, (the shared slot), (the shared expert), the experts."""
     w, fmt = weights, plan.format
     if plan.gate_routing:
-        topk_weights, topk_ids, _ = gate_and_route(
+        topk_weights, topk_ids, _ = gate_and_route_checked(
             hidden_states, w.gate, routing.top_k, routing.renormalize, routing.scoring_func,
             num_expert_group=routing.num_expert_group,
             topk_group=routing.topk_group if routing.num_expert_group is not None or w.bias is not None else None,

@@ -24,6 +24,7 @@ from CUDA graphs with the L2 flushed (the tile table an fp8 layer takes once was
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 
@@ -93,10 +94,8 @@ def id_check_cost(checked, unchecked, *, pairs: int = 15, calls: int = 20, graph
             gpu_t[i] = start.elapsed_time(end) * 1e-3 / graph_calls
         host.append(host_t[0] - host_t[1])
         gpu.append(None if None in graphs else gpu_t[0] - gpu_t[1])
-    host.sort()
-    middle = len(host) // 2
-    return {"id_check host_us": 1e6 * host[middle],
-            "id_check gpu_us": None if None in gpu else 1e6 * sorted(gpu)[middle], "id_check pairs": pairs}
+    return {"id_check host_us": 1e6 * statistics.median(host),
+            "id_check gpu_us": None if None in gpu else 1e6 * statistics.median(gpu), "id_check pairs": pairs}
 
 
 def entry_points(layer, x):
@@ -223,7 +222,7 @@ def run(models, formats, batches, *, seed: int = 0, id_check_only: bool = False,
                 big = batch >= 4096
                 row = {"model": name, "format": layer.weights.format.name, "batch": batch}
                 row.update(id_check_cost(calls["fused_experts"], calls["fused_experts unchecked"],
-                                         pairs=max(7, id_check_pairs // 2) if big else id_check_pairs,
+                                         pairs=min(id_check_pairs, max(7, id_check_pairs // 2)) if big else id_check_pairs,
                                          graph_calls=2 if big else 20))
                 check = (f"id check: host {row['id_check host_us']:+5.1f} us, gpu "
                          f"{row['id_check gpu_us'] if row['id_check gpu_us'] is not None else float('nan'):+6.2f} us")
@@ -280,7 +279,7 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--id-check-only", action="store_true",
                         help="time only what validate_ids=True adds (interleaved pairs); records layer-id-check")
-    parser.add_argument("--id-check-pairs", type=int, default=15,
+    parser.add_argument("--id-check-pairs", type=lambda text: positive_ints(text)[0], default=15,
                         help="interleaved pairs of rounds for the id check's cost (half that from 4096 tokens)")
     add_record_arguments(parser, "layer-cost")
     args = parser.parse_args(argv)

@@ -6,7 +6,7 @@ handful of tokens. :func:`gate_and_route` does both in one launch:
 
 * the grid tiles the logits ``[T, E]`` by token blocks of ``BLOCK_T`` and expert blocks of
   ``BLOCK_E``, and splits ``d`` into ``SPLIT_K`` spans, so that even one token spreads the gate's
-  bytes over a hundred or more programs;
+  bytes over many SMs (64 programs for Qwen3-30B-A3B's 0.5 MB gate, 224 for DeepSeek-V3's 3.7 MB);
 * each program writes its float32 partial logits to a scratch ``[SPLIT_K, T, E]`` and counts
   itself in with an atomic add on its token block's arrival counter;
 * the last program to arrive for a token block (it sees ``E_BLOCKS * SPLIT_K - 1`` arrivals before
@@ -18,6 +18,10 @@ handful of tokens. :func:`gate_and_route` does both in one launch:
 The gate's products are those of :func:`~moe_kernels.kernels.routing.gate` on a GPU: 16-bit
 operands on the tensor cores, float32 sums (in another order: near-ties between experts may break
 the other way, as between any two float32 GEMMs); float32 operands are multiplied in IEEE float32.
+
+The arrival counters are zeroed by a fill before the launch (a memset node in a CUDA graph): a
+buffer kept between calls and reset by the kernel would save it, but two calls on two streams
+would then share it.
 
 A worked example, four experts, one token, top-2, checked against the two-step path::
 
@@ -38,11 +42,11 @@ from __future__ import annotations
 import torch
 
 from .._checks import check_int, check_number, check_tensor, fail
-from .._runtime import HAS_TRITON, INTERPRET, cdiv, kernel, next_power_of_2, note_launch, tl, use_triton
+from .._runtime import HAS_TRITON, INTERPRET, cdiv, interpreted_bf16, kernel, next_power_of_2, note_launch, tl, use_triton
 from .grouped_routing import grouped_topk_reference
 from .routing import _FLOAT_DTYPES, _SCORING_FUNCS, _empty_outputs, fused_topk_reference
 
-__all__ = ["gate_and_route", "gate_and_route_reference", "gate_tiles"]
+__all__ = ["gate_and_route", "gate_and_route_checked", "gate_and_route_reference", "gate_tiles"]
 
 #: Tokens per program: the tensor cores' smallest M tile (``tl.dot`` needs 16 rows).
 BLOCK_T = 16
@@ -92,6 +96,8 @@ if HAS_TRITON:
         arrived = tl.atomic_add(arrivals_ptr + pid_t, 1, sem="acq_rel", scope="gpu")
         # <<< book: gate-partial
         if arrived == tl.num_programs(1) * SPLIT_K - 1:
+            # Thread 0's acquire, carried to every thread of the program before any of them reads.
+            tl.debug_barrier()
             # The token block's logits: its SPLIT_K partials added in a fixed order (read from L2:
             # another SM wrote them), then routed by the routing kernels' own body.
             columns = tl.arange(0, E_COLS)
@@ -120,6 +126,8 @@ def gate_tiles(num_tokens: int, num_experts: int, hidden_size: int) -> dict:
 
         >>> gate_tiles(1, 128, 2048)      # Qwen3-30B-A3B at one token: 4 x 16 programs
         {'block_e': 32, 'block_k': 128, 'split_k': 16, 'k_span': 128, 'e_blocks': 4, 't_blocks': 1}
+        >>> gate_tiles(1, 256, 7168)      # DeepSeek-V3 at one token: 8 x 28 programs
+        {'block_e': 32, 'block_k': 128, 'split_k': 28, 'k_span': 256, 'e_blocks': 8, 't_blocks': 1}
         >>> gate_tiles(64, 256, 7168)     # DeepSeek-V3 at 64 tokens: 4 x 8 x 8 programs
         {'block_e': 32, 'block_k': 128, 'split_k': 8, 'k_span': 896, 'e_blocks': 8, 't_blocks': 4}
     """
@@ -127,7 +135,8 @@ def gate_tiles(num_tokens: int, num_experts: int, hidden_size: int) -> dict:
     block_k = min(128, max(16, next_power_of_2(hidden_size)))
     t_blocks, e_blocks = max(1, cdiv(num_tokens, BLOCK_T)), cdiv(num_experts, block_e)
     k_steps = cdiv(hidden_size, block_k)
-    by_bytes = max(1, _PARTIAL_BYTES // (BLOCK_T * next_power_of_2(num_experts) * 4))
+    rows = min(num_tokens, BLOCK_T)   # the rows of partials a token block really has
+    by_bytes = max(1, _PARTIAL_BYTES // (max(rows, 1) * next_power_of_2(num_experts) * 4))
     wanted = max(1, _TARGET_PROGRAMS // (t_blocks * e_blocks))
     split = max(1, min(k_steps, by_bytes, wanted))
     k_span = cdiv(k_steps, split) * block_k
@@ -141,6 +150,7 @@ def _check(func, hidden_states, gate_weight, topk, renormalize, scoring_func, nu
     check_tensor(func, "gate_weight", gate_weight, ndim=2, dtypes=(hidden_states.dtype,),
                  device=hidden_states.device, last_dim_contiguous=True)
     num_experts, hidden_size = gate_weight.shape
+    check_int(func, "hidden_states.shape[1]", hidden_states.shape[1], lo=1)
     if hidden_size != hidden_states.shape[1]:
         fail(func, "gate_weight", f"must be [E, {hidden_states.shape[1]}] (d of hidden_states)",
              f"shape {tuple(gate_weight.shape)}")
@@ -197,11 +207,26 @@ def gate_and_route(hidden_states: torch.Tensor, gate_weight: torch.Tensor, topk:
     func = "gate_and_route"
     _check(func, hidden_states, gate_weight, topk, renormalize, scoring_func, num_expert_group, topk_group,
            routed_scaling_factor, e_score_correction_bias)
+    return gate_and_route_checked(hidden_states, gate_weight, topk, renormalize, scoring_func,
+                                  num_expert_group=num_expert_group, topk_group=topk_group,
+                                  routed_scaling_factor=routed_scaling_factor,
+                                  e_score_correction_bias=e_score_correction_bias)
+
+
+def gate_and_route_checked(hidden_states, gate_weight, topk, renormalize, scoring_func="softmax", *,
+                           num_expert_group=None, topk_group=None, routed_scaling_factor=1.0,
+                           e_score_correction_bias=None):
+    """:func:`gate_and_route` for arguments already checked (a layer checks its routing once)."""
     bias = e_score_correction_bias
     if not use_triton(hidden_states, gate_weight, *([bias] if bias is not None else [])):
-        return gate_and_route_reference(hidden_states, gate_weight, topk, renormalize, scoring_func,
-                                        num_expert_group=num_expert_group, topk_group=topk_group,
-                                        routed_scaling_factor=routed_scaling_factor, e_score_correction_bias=bias)
+        weights, ids, logits = gate_and_route_reference(
+            hidden_states, gate_weight, topk, renormalize, scoring_func, num_expert_group=num_expert_group,
+            topk_group=topk_group, routed_scaling_factor=routed_scaling_factor, e_score_correction_bias=bias)
+        return weights, ids, logits.float()
+    if interpreted_bf16(hidden_states, gate_weight):
+        # The interpreter's bf16 dot is wrong (triton issue 11584); the products of bf16 numbers are
+        # exact in float32, so float32 operands compute the same logits.
+        hidden_states, gate_weight = hidden_states.float(), gate_weight.float()
     num_tokens, hidden_size = hidden_states.shape
     num_experts = gate_weight.shape[0]
     device = hidden_states.device
@@ -217,7 +242,8 @@ def gate_and_route(hidden_states: torch.Tensor, gate_weight: torch.Tensor, topk:
     partial = torch.empty((tiles["split_k"], num_tokens, num_experts), dtype=torch.float32, device=device)
     arrivals = torch.zeros(tiles["t_blocks"], dtype=torch.int32, device=device)
     e_cols = g_pad * s_pad if grouped else next_power_of_2(num_experts)
-    note_launch("gate_routing.gate_and_route", grouped=grouped, split_k=tiles["split_k"], block_e=tiles["block_e"])
+    note_launch("gate_routing.gate_and_route", grouped=grouped, split_k=tiles["split_k"], block_e=tiles["block_e"],
+                programs=tiles["t_blocks"] * tiles["e_blocks"] * tiles["split_k"])
     _gate_routing_kernel[(tiles["t_blocks"], tiles["e_blocks"], tiles["split_k"])](
         hidden_states, gate_weight, bias if bias is not None else logits, partial, logits, arrivals, weights, ids,
         num_tokens, num_experts, hidden_size, hidden_states.stride(0), gate_weight.stride(0), tiles["k_span"],
