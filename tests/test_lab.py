@@ -11,10 +11,13 @@ reader sees in its Markdown cells:
 * a `{figure}` has its number, caption, alt text and a loaded image;
 * after Run All and Save, jupyterlab-myst's `user_expressions` equal those that
   tools/execute_notebooks.py committed (same format, same values);
-* after Run All, the kernel-free explorer draws its curves and redraws when a slider moves.
-
-Citations are the one construct JupyterLab cannot resolve (it has no bibliography): they show as
-their key, and are not counted as failures here; the site resolves them (tests/test_site.py).
+* after Run All, the kernel-free explorer draws its curves and redraws when a slider moves;
+* citations read as text: the sections cite with plain links, ``[Author, year](#ref-key "title")``,
+  because jupyterlab-myst reads no .bib file and shows a ``{cite}`` role as a warning key (a
+  yellow warning icon and the bare key: "⚠ lepikhin2020gshard"). Each link shows its "Author,
+  year", and no warning key (the icon, or a "⚠" character) appears anywhere in the rendered
+  notebook, opened or after Run All. (On the site the links point into the reference list:
+  tests/test_site.py.)
 
 Skips without Playwright, Chromium or JupyterLab unless REQUIRE_BROWSER=1.
 """
@@ -38,7 +41,8 @@ from moe_testing import headless_chromium, skip_or_fail_browser
 
 ROOT = Path(__file__).resolve().parent.parent
 NB_DIR = ROOT / "notebooks"
-# Two notebooks: one with the kernel-free explorer, one with the kernels on the page and live-GPU cells.
+# Three notebooks: the kernel-free explorer (02), the kernels on the page and a live-GPU cell (05), and
+# a whole (tiny) model run under Run All (11).
 NOTEBOOKS = ["02_experts_touched.ipynb", "05_grouped_gemm.ipynb", "11_measure_on_an_engine.ipynb"]
 EXTRA = ["figures"]                          # files the notebooks' Markdown refers to
 RUN_ALL_TIMEOUT_MS = int(os.environ.get("LAB_RUN_ALL_TIMEOUT_S", "300")) * 1000
@@ -66,6 +70,7 @@ CELLS_JS = """() => [...document.querySelectorAll('.jp-Notebook .jp-MarkdownCell
     details: [...myst.querySelectorAll('details')].map(d => ({open: d.open,
         summary: d.querySelector('summary').innerText})),
     footnoteRefs: myst.querySelectorAll('sup a[href^="#fn-"]').length,
+    citations: [...myst.querySelectorAll('a[href^="#ref-"]')].map(a => a.textContent),
     unresolved: [...myst.querySelectorAll('[title$="Not Found"]')].map(e => e.title + ': ' + e.textContent),
     figures: [...myst.querySelectorAll('figure')].map(f => ({
         caption: (f.querySelector('figcaption') || {}).innerText || '',
@@ -194,10 +199,26 @@ def _footnote_texts(page, i):
     return texts
 
 
+# The whole rendered notebook (Markdown and outputs), folded answers included (textContent, not innerText).
+NOTEBOOK_TEXT_JS = "() => document.querySelector('.jp-Notebook').textContent"
+# jupyterlab-myst's warning key: what it cannot resolve (a {cite} key, a cross-reference) shows as a
+# yellow warning icon (an SVG, not a character) and the bare key, in a span titled "... Not Found".
+WARNING_KEYS_JS = """() => [...document.querySelectorAll(
+    '.jp-Notebook .myst [title$="Not Found"], .jp-Notebook .myst .text-yellow-600')]
+    .map(e => (e.title || e.className) + ': ' + e.textContent)"""
+# [Author, year](#ref-key "title"): a citation as the sections write it.
+CITATION = re.compile(r'\[([^\]]+)\]\(#ref-\w+ "')
+
+
 def _check(page, nb, shots, tag):
     md = [c for c in nb.cells if c.cell_type == "markdown"]
     cells = page.evaluate(CELLS_JS)
     assert len(cells) == len(md)
+    # No warning key anywhere in the notebook: neither jupyterlab-myst's icon nor a "⚠" in the text.
+    shown = page.evaluate(NOTEBOOK_TEXT_JS)
+    warnings = [shown[max(0, m.start() - 40):m.end() + 60] for m in re.finditer("\u26a0", shown)]
+    warnings += page.evaluate(WARNING_KEYS_JS)
+    assert not warnings, f"{tag}: warning keys in the rendered notebook: {warnings[:5]}"
     footnotes = {}  # cell index -> its footnotes' texts (opening the answers does not change them)
     for i, dom in enumerate(cells):
         if dom and dom["footnoteRefs"]:
@@ -212,6 +233,8 @@ def _check(page, nb, shots, tag):
         role = RAW_ROLE.search(dom["text"])
         assert not role, f"{where}: raw {role.group(0)!r} shows: {dom['text'][:300]!r}"
         assert not dom["unresolved"], f"{where}: {dom['unresolved']}"   # citations included: none is a bare key
+        cited = [m.group(1) for m in CITATION.finditer(src)]
+        assert sorted(dom["citations"]) == sorted(cited), f"{where}: citations shown {dom['citations']}, written {cited}"
         stored = _stored(cell)
         # an expression without a result is shown as inline code: that is the failure we look for
         assert not set(stored) & set(dom["code"]), f"{where}: unevaluated {set(stored) & set(dom['code'])}"

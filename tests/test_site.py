@@ -483,3 +483,39 @@ def test_the_site_offers_the_whole_source(server, offline):
                    "notebooks/figures/12-baselines.svg", "results/nvidia-h200/decode-step.json"):
         assert f"moe-chapter/{needed}" in names, f"moe-chapter.zip lacks {needed}"
     assert not any("/.venv/" in n or "/_build/" in n for n in names)
+
+
+NOTEBOOK_PAGES = [p for p in PAGES if p.startswith("notebooks/")]
+
+
+@functools.cache
+def _source_archive():
+    """book/_ext/source_archive.py, the site's extension (not an importable package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("source_archive", ROOT / "book" / "_ext" / "source_archive.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("path", NOTEBOOK_PAGES)
+def test_every_section_says_how_to_get_the_source(path):
+    """Every section's page says, once and right under its title, that the page's download is the
+    notebook alone, and links to the whole source (moe-chapter.zip), which the build wrote beside
+    the pages (book/_ext/source_archive.py adds the note; the notebooks do not carry it)."""
+    ARCHIVE, NOTE_CLASS = _source_archive().ARCHIVE, _source_archive().NOTE_CLASS
+    assert sorted(NOTEBOOK_PAGES) == sorted(f"notebooks/{p.stem}.html" for p in (ROOT / "notebooks").glob("*.ipynb"))
+    page = (SITE / path).read_text()
+    notes = re.findall(rf'<div class="[^"]*\b{NOTE_CLASS}\b[^"]*">(.*?)</div>', page, re.S)
+    assert len(notes) == 1, f"{path}: {len(notes)} notes about the source"
+    hrefs = [h for h in re.findall(r'href="([^"]+)"', notes[0]) if h.endswith(ARCHIVE)]
+    assert hrefs, f"{path}: the note does not link to {ARCHIVE}"
+    assert ((SITE / path).parent / hrefs[0]).resolve() == (SITE / ARCHIVE).resolve(), hrefs[0]
+    assert (SITE / ARCHIVE).is_file(), f"the build wrote no {ARCHIVE}"
+    text = re.sub(r"<[^>]+>", "", notes[0])
+    assert "moe_kernels" in text and "make lab" in text, text
+    # near the top: right under the page's title, before its first paragraph
+    assert re.search(rf'</h1>\s*<div class="[^"]*\b{NOTE_CLASS}\b', page), f"{path}: the note is not under the title"
+    # and the notebook itself is untouched: the note comes from the build
+    assert ARCHIVE not in (ROOT / path.replace(".html", ".ipynb")).read_text()
