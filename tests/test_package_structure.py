@@ -117,3 +117,27 @@ def test_host_code_does_not_call_tritons_constexpr_functions():
                for number, line in enumerate(path.read_text().splitlines(), 1)
                if "triton.cdiv(" in line or "triton.next_power_of_2(" in line]
     assert not callers, "host calls of Triton's constexpr functions: " + ", ".join(callers)
+
+
+#: The longest line of code the book shows (a listing's lines, dedented): a phone scrolls a listing
+#: sideways, and lines this short need little of it (issue 20: 05's listings reached 113 characters).
+BOOK_LISTING_WIDTH = 88
+
+
+def test_book_listings_are_narrow():
+    """Every ``# >>> book: <name>`` block of the package, as ``kernel_source`` shows it."""
+    import re
+    import textwrap
+
+    blocks, too_wide = 0, []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        lines = path.read_text().splitlines()
+        for start, line in enumerate(lines):
+            found = re.fullmatch(r"\s*# >>> book: (\S+)", line)
+            if not found:
+                continue
+            end = next(i for i in range(start + 1, len(lines)) if lines[i].strip() == f"# <<< book: {found[1]}")
+            blocks += 1
+            shown = textwrap.dedent("\n".join(lines[start + 1:end])).splitlines()
+            too_wide += [f"{path.name} {found[1]}: {len(text)} chars" for text in shown if len(text) > BOOK_LISTING_WIDTH]
+    assert blocks >= 12 and not too_wide, too_wide

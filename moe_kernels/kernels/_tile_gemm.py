@@ -115,7 +115,7 @@ if HAS_TRITON:
             acc_up = empty_accumulator(BLOCK_M, BLOCK_N, SWAP_AB)
         # >>> book: block-scale-columns
         if SCALES == 1:
-            # The scale row of each output column (gate and up halves), fixed for the whole loop.
+            # The scale row of each output column (gate and up halves), fixed for the loop.
             w_scale_cols = w_scale_ptr + (w_rows // SCALE_BN) * stride_wsn
             if GATED:
                 up_scale_cols = w_scale_ptr + ((w_rows + N) // SCALE_BN) * stride_wsn
@@ -139,7 +139,8 @@ if HAS_TRITON:
                 group = (k * BLOCK_K) // SCALE_BK
                 a_scale = tl.load(a_scale_ptr + a_scale_rows + group)
                 w_scale = tl.load(w_scale_cols + group * stride_wsk)
-                acc += tile_dot(a, w, None, SWAP_AB, INPUT_PRECISION) * scale_outer(a_scale, w_scale, SWAP_AB)
+                product = tile_dot(a, w, None, SWAP_AB, INPUT_PRECISION)
+                acc += product * scale_outer(a_scale, w_scale, SWAP_AB)
             else:
                 acc = tile_dot(a, w, acc, SWAP_AB, INPUT_PRECISION)
             if GATED:
@@ -151,8 +152,8 @@ if HAS_TRITON:
                     up = tl.load(up_ptrs, mask=ks[:, None] < k_left, other=0.0)
                 if SCALES == 1:
                     up_scale = tl.load(up_scale_cols + group * stride_wsk)
-                    acc_up += tile_dot(a, up, None, SWAP_AB, INPUT_PRECISION) * scale_outer(a_scale, up_scale,
-                                                                                            SWAP_AB)
+                    product = tile_dot(a, up, None, SWAP_AB, INPUT_PRECISION)
+                    acc_up += product * scale_outer(a_scale, up_scale, SWAP_AB)
                 else:
                     acc_up = tile_dot(a, up, acc_up, SWAP_AB, INPUT_PRECISION)
                 up_ptrs += BLOCK_K
@@ -224,7 +225,8 @@ if HAS_TRITON:
     # >>> book: routed-weight
     @kernel
     def scale_rows(acc, weights_ptr, assignments, row_real):
-        """GEMM 2's epilogue: row ``i`` of ``acc`` times ``weights[assignments[i]]``, in fp32."""
+        """GEMM 2's epilogue: row ``i`` of ``acc`` times ``weights[assignments[i]]``, in
+        fp32."""
         weight = tl.load(weights_ptr + assignments, mask=row_real, other=0.0).to(tl.float32)
         return acc * weight[:, None]
     # <<< book: routed-weight
@@ -239,11 +241,13 @@ if HAS_TRITON:
     # >>> book: add-tile
     @kernel
     def add_tile(out_ptr, out_rows, row_real, acc, pid_n, N, BLOCK_N: tl.constexpr):
-        """``out[out_rows, cols] += acc`` in fp32 for the real rows and the columns ``< N``: rows of
-        one token (its k slots, in different blocks) and K slices of one tile meet here in any order."""
+        """``out[out_rows, cols] += acc`` in fp32 for the real rows and the columns ``< N``:
+        rows of one token (its k slots, in different blocks) and K slices of one tile meet
+        here in any order."""
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         ptrs = out_ptr + out_rows[:, None] + cols[None, :]
-        tl.atomic_add(ptrs, acc, mask=row_real[:, None] & (cols[None, :] < N), sem="relaxed")
+        mask = row_real[:, None] & (cols[None, :] < N)
+        tl.atomic_add(ptrs, acc, mask=mask, sem="relaxed")
     # <<< book: add-tile
 
 

@@ -75,21 +75,25 @@ if HAS_TRITON:
         token_ok, expert_ok = tokens < num_tokens, experts < num_experts
 
         # >>> book: gate-partial
-        # This program's share of the logits: BLOCK_T tokens x BLOCK_E experts over one span of d.
+        # This program's share of the logits:
+        # BLOCK_T tokens x BLOCK_E experts over one span of d.
         acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
         k_start = pid_k * k_span
         for k0 in range(k_start, k_start + k_span, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             k_ok = offs_k < hidden_size
-            a = tl.load(x_ptr + tokens.to(tl.int64)[:, None] * stride_x + offs_k[None, :],
+            x_rows = tokens.to(tl.int64)[:, None] * stride_x
+            a = tl.load(x_ptr + x_rows + offs_k[None, :],
                         mask=token_ok[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(gate_ptr + experts.to(tl.int64)[:, None] * stride_gate + offs_k[None, :],
+            gate_rows = experts.to(tl.int64)[:, None] * stride_gate
+            b = tl.load(gate_ptr + gate_rows + offs_k[None, :],
                         mask=expert_ok[:, None] & k_ok[None, :], other=0.0)
             if IEEE:   # float32 operands: no TF32 rounding, as the float32 gate
                 acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
             else:
                 acc = tl.dot(a, tl.trans(b), acc)
-        partial = partial_ptr + (pid_k * num_tokens + tokens.to(tl.int64)[:, None]) * num_experts + experts[None, :]
+        partial_rows = (pid_k * num_tokens + tokens.to(tl.int64)[:, None]) * num_experts
+        partial = partial_ptr + partial_rows + experts[None, :]
         tl.store(partial, acc, mask=token_ok[:, None] & expert_ok[None, :])
         # Every thread's stores, then one release: the last program to arrive sees them all.
         tl.debug_barrier()

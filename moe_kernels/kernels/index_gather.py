@@ -134,7 +134,8 @@ if HAS_TRITON:
             rows = tl.where(offs_m == 0, pid_m, num_valid_rows).to(tl.int64)
             in_use = True
         elif DENSE:
-            # One expert that every token uses (a shared expert): block m is rows m*BLOCK_M onward.
+            # One expert that every token uses (a shared expert):
+            # block m is rows m*BLOCK_M onward.
             rows = (pid_m * BLOCK_M + offs_m).to(tl.int64)
             in_use = True
         else:
@@ -142,44 +143,49 @@ if HAS_TRITON:
             # inside the last block of the grid) and store nothing.
             rows_used = tl.load(num_tokens_post_padded_ptr)
             in_use = pid_m * BLOCK_M < rows_used
-            rows = tl.load(sorted_token_ids_ptr + pid_m * BLOCK_M + offs_m, mask=pid_m * BLOCK_M + offs_m < rows_used,
+            slots = pid_m * BLOCK_M + offs_m
+            rows = tl.load(sorted_token_ids_ptr + slots, mask=slots < rows_used,
                            other=num_valid_rows).to(tl.int64)
         row_real = rows < num_valid_rows
         if DENSE:
             expert = pid_m.to(tl.int64) * 0   # expert 0, as an int64 scalar like a loaded id
         else:
             expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-        # -1: the block's expert is computed elsewhere (vLLM, under expert parallelism); an id out
-        # of range (unchecked input) must not become an address. Its rows are zero.
+        # -1: the block's expert is computed elsewhere (vLLM, under expert parallelism);
+        # an id out of range (unchecked input) must not become an address. Its rows are zero.
         known = (expert >= 0) & (expert < num_experts)
         if NAIVE_BLOCKS:
             if ID_CHECK != "":
-                # The naive map's labels are the caller's ids, read here first: the check lives here.
+                # The naive map's labels are the caller's ids, read here first:
+                # the check lives here.
                 tl.device_assert(known, ID_CHECK)
         if in_use & known:
             # Padding rows read row 0 (never stored), so the loads need no row mask.
             a_row = tl.where(row_real, rows // TOP_K, 0)
-            acc = expert_tile_product(a_ptr, a_row * stride_am, w_ptr + expert * stride_we, stride_wn, pid_n, N,
-                                      K, a_scale_ptr, a_row * stride_as, w_scale_ptr + expert * stride_wse,
-                                      stride_wsn, stride_wsk,
-                                      GATED, EVEN_K, INPUT_PRECISION, SCALES, BLOCK_M, BLOCK_N, BLOCK_K,
-                                      split, SPLIT_K, w_desc,
-                                      (expert * (N * (1 + GATED)) + pid_n * BLOCK_N).to(tl.int32), TMA_W,
-                                      SCALE_BN, SCALE_BK, SWAP_AB)
+            acc = expert_tile_product(
+                a_ptr, a_row * stride_am, w_ptr + expert * stride_we, stride_wn, pid_n, N, K,
+                a_scale_ptr, a_row * stride_as, w_scale_ptr + expert * stride_wse, stride_wsn,
+                stride_wsk, GATED, EVEN_K, INPUT_PRECISION, SCALES, BLOCK_M, BLOCK_N, BLOCK_K,
+                split, SPLIT_K, w_desc,
+                (expert * (N * (1 + GATED)) + pid_n * BLOCK_N).to(tl.int32), TMA_W,
+                SCALE_BN, SCALE_BK, SWAP_AB)
             if MUL_ROUTED_WEIGHT:
                 acc = scale_rows(acc, topk_weights_ptr, rows, row_real)
             if QUANT_GROUP > 0:
-                store_group_quantized(out_ptr, rows * stride_om, out_scale_ptr, rows * stride_os, row_real, acc,
-                                      pid_n, N, BLOCK_M, BLOCK_N, QUANT_GROUP, ROUND_TO)
+                store_group_quantized(out_ptr, rows * stride_om, out_scale_ptr,
+                                      rows * stride_os, row_real, acc, pid_n, N, BLOCK_M,
+                                      BLOCK_N, QUANT_GROUP, ROUND_TO)
             elif SUM_TOP_K == 0:
                 store_tile(out_ptr, rows * stride_om, row_real, acc, pid_n, N, BLOCK_N)
             else:
-                add_tile(out_ptr, (rows // SUM_TOP_K) * stride_om, row_real, acc, pid_n, N, BLOCK_N)
+                add_tile(out_ptr, (rows // SUM_TOP_K) * stride_om, row_real, acc, pid_n, N,
+                         BLOCK_N)
         elif in_use & (SUM_TOP_K == 0):   # (a summed output starts at zero: nothing to add)
             zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             if QUANT_GROUP > 0:
-                store_group_quantized(out_ptr, rows * stride_om, out_scale_ptr, rows * stride_os, row_real, zeros,
-                                      pid_n, N, BLOCK_M, BLOCK_N, QUANT_GROUP, ROUND_TO)
+                store_group_quantized(out_ptr, rows * stride_om, out_scale_ptr,
+                                      rows * stride_os, row_real, zeros, pid_n, N, BLOCK_M,
+                                      BLOCK_N, QUANT_GROUP, ROUND_TO)
             else:
                 store_tile(out_ptr, rows * stride_om, row_real, zeros, pid_n, N, BLOCK_N)
         # <<< book: index-gather-rows

@@ -90,15 +90,17 @@ if HAS_TRITON:
         first_row = (pid % tiles_per_expert) * BLOCK_M
         rows_used = tl.minimum(tl.load(masked_m_ptr + expert), m_max)
         if first_row >= rows_used:
-            return  # DeepGEMM's masked scheduler likewise runs only ceil(masked_m / BLOCK_M) tiles
+            # (DeepGEMM's masked scheduler likewise runs only ceil(masked_m / BLOCK_M) tiles)
+            return
         rows = first_row + tl.arange(0, BLOCK_M)
         row_real = rows < rows_used
         slab = expert.to(tl.int64)
         # Rows past masked_m read the tile's first row (real), so the loads need no row mask.
         a_rows = tl.where(row_real, rows, first_row).to(tl.int64) * stride_am
-        acc = expert_tile_product(a_ptr + slab * stride_ae, a_rows, w_ptr + slab * stride_we, stride_wn,
-                                  tl.program_id(1), N, K, a_ptr, a_rows, w_ptr, 0, 0,
-                                  GATED, EVEN_K, INPUT_PRECISION, 0, BLOCK_M, BLOCK_N, BLOCK_K)
+        acc = expert_tile_product(
+            a_ptr + slab * stride_ae, a_rows, w_ptr + slab * stride_we, stride_wn,
+            tl.program_id(1), N, K, a_ptr, a_rows, w_ptr, 0, 0,
+            GATED, EVEN_K, INPUT_PRECISION, 0, BLOCK_M, BLOCK_N, BLOCK_K)
         store_tile(out_ptr + slab * stride_oe, rows.to(tl.int64) * stride_om, row_real, acc,
                    tl.program_id(1), N, BLOCK_N)
         # <<< book: masked-early-exit

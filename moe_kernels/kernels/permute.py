@@ -79,9 +79,11 @@ if HAS_TRITON:
 
     # >>> book: permute-scatter
     @kernel
-    def copy_rows(src_ptr, src_rows, dst_ptr, dst_rows, row_mask, width, BLOCK_D: tl.constexpr):
-        """Copy ``width`` elements of each row at element offset ``src_rows`` to ``dst_rows``
-        (rows outside ``row_mask`` untouched): the data movement of every dispatch."""
+    def copy_rows(src_ptr, src_rows, dst_ptr, dst_rows, row_mask, width,
+                  BLOCK_D: tl.constexpr):
+        """Copy ``width`` elements of each row at element offset ``src_rows`` to
+        ``dst_rows`` (rows outside ``row_mask`` untouched): the data movement of every
+        dispatch."""
         for d0 in range(0, width, BLOCK_D):
             cols = d0 + tl.arange(0, BLOCK_D)
             mask = row_mask[:, None] & (cols < width)[None, :]
@@ -94,8 +96,8 @@ if HAS_TRITON:
         m_indices_ptr, src2dst_ptr, num_rows, num_assignments, topk, hidden_size, align,
         BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
     ):
-        # Row-driven: each packed row looks up which assignment it holds, so padding rows cost
-        # one index load and no data movement.
+        # Row-driven: each packed row looks up which assignment it holds, so padding rows
+        # cost one index load and no data movement.
         rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
         in_range = rows < num_rows
         assignment = tl.load(sorted_ids_ptr + rows, mask=in_range, other=num_assignments)
@@ -103,8 +105,8 @@ if HAS_TRITON:
         expert = tl.load(block_experts_ptr + rows // align, mask=in_range, other=-1)
         tl.store(m_indices_ptr + rows, tl.where(real, expert, -1), mask=in_range)
         tl.store(src2dst_ptr + assignment, rows, mask=real)
-        copy_rows(hidden_ptr, (assignment // topk).to(tl.int64) * stride_ht, rows_ptr, rows.to(tl.int64) * stride_rm,
-                  real, hidden_size, BLOCK_D)
+        copy_rows(hidden_ptr, (assignment // topk).to(tl.int64) * stride_ht, rows_ptr,
+                  rows.to(tl.int64) * stride_rm, real, hidden_size, BLOCK_D)
     # <<< book: permute-scatter
 
 

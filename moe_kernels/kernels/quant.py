@@ -60,15 +60,18 @@ if HAS_TRITON:
     @kernel
     def _quant_groups_kernel(x_ptr, stride_x, q_ptr, stride_q, s_ptr, stride_s, num_rows, K,
                              GROUP_SIZE: tl.constexpr, ROWS: tl.constexpr):
-        # ROWS rows of one 1xGROUP_SIZE column group per program: amax, scale, divide, round.
+        # ROWS rows of one 1xGROUP_SIZE column group per program:
+        # amax, scale, divide, round.
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         cols = tl.program_id(1) * GROUP_SIZE + tl.arange(0, GROUP_SIZE)
         mask = (rows < num_rows)[:, None] & (cols < K)[None, :]
         r64 = rows.to(tl.int64)
-        x = tl.load(x_ptr + r64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + r64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+        x = x.to(tl.float32)
         scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10) / 448.0
         q = tl.clamp(x / scale[:, None], -448.0, 448.0)
-        tl.store(q_ptr + r64[:, None] * stride_q + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+        q_ptrs = q_ptr + r64[:, None] * stride_q + cols[None, :]
+        tl.store(q_ptrs, q.to(q_ptr.dtype.element_ty), mask=mask)
         tl.store(s_ptr + r64 * stride_s + tl.program_id(1), scale, mask=rows < num_rows)
     # <<< book: quant-groups
 
