@@ -45,7 +45,8 @@ from ._replay import CallPlans
 from .checkpoint import load_layer
 from .kernels.config import ConfigChoice, MoEConfig, check_config, choose_config
 from .kernels.formats import WeightFormat
-from .kernels.gate_routing import gate_and_route_checked
+from .kernels import gate_routing as gate_routing_kernels
+from .kernels.blocks import aligned_blocks
 from .kernels.index_gather import dense_expert, run_experts
 from .kernels.layouts import LAYOUTS, layout_named
 from .kernels.routing import router_logits
@@ -98,6 +99,10 @@ class LayerPlan:
     shared_choice: ConfigChoice | None = None
     #: The gate and the routing in one launch (:data:`GATE_ROUTING_MAX_TOKENS`).
     gate_routing: bool = False
+    #: ... and the alignment too (:func:`~moe_kernels.kernels.gate_routing.gate_route_and_align`):
+    #: index-gather on an aligned block map, the shared expert not fused as a slot (its slot would
+    #: change the ids after the routing), at most ``ALIGN_MAX_ASSIGNMENTS`` assignments.
+    gate_alignment: bool = False
 
     @property
     def config(self) -> MoEConfig:
@@ -125,18 +130,27 @@ def plan_layer(func: str, weights: LayerWeights, routing: Routing, layout: str, 
                                       weights.format.element or activation_dtype, device, device_name=device_name)
     # One launch for the router at decode, when the gate has the activations' dtype (as checkpoints store it).
     gate_routing = 0 < num_tokens <= GATE_ROUTING_MAX_TOKENS and weights.gate.dtype == activation_dtype
-    return LayerPlan(num_tokens, layout, weights.format, choice, naive, shared_choice, gate_routing)
+    gate_alignment = (gate_routing and naive is False and not weights.shared_fused
+                      and num_tokens * routing.top_k <= gate_routing_kernels.ALIGN_MAX_ASSIGNMENTS)
+    return LayerPlan(num_tokens, layout, weights.format, choice, naive, shared_choice, gate_routing, gate_alignment)
 
 
 def run_layer(plan: LayerPlan, hidden_states: torch.Tensor, weights: LayerWeights, routing: Routing) -> torch.Tensor:
     """One checked call: gate, routing, (the shared slot), (the shared expert), the experts."""
     w, fmt = weights, plan.format
+    blocks = None
     if plan.gate_routing:
-        topk_weights, topk_ids, _ = gate_and_route_checked(
-            hidden_states, w.gate, routing.top_k, routing.renormalize, routing.scoring_func,
-            num_expert_group=routing.num_expert_group,
-            topk_group=routing.topk_group if routing.num_expert_group is not None or w.bias is not None else None,
-            routed_scaling_factor=routing.routed_scaling_factor, e_score_correction_bias=w.bias)
+        rule = dict(num_expert_group=routing.num_expert_group, routed_scaling_factor=routing.routed_scaling_factor,
+                    topk_group=routing.topk_group if routing.num_expert_group is not None or w.bias is not None
+                    else None, e_score_correction_bias=w.bias)
+        args = (hidden_states, w.gate, routing.top_k, routing.renormalize, routing.scoring_func)
+        if plan.gate_alignment:   # the router's launch aligns its ids too
+            block_m = plan.config.block_m
+            topk_weights, topk_ids, _, *alignment = gate_routing_kernels.gate_route_and_align_checked(
+                *args, block_size=block_m, **rule)
+            blocks = aligned_blocks(*alignment, block_m, topk_ids.numel(), w.num_experts)
+        else:
+            topk_weights, topk_ids, _ = gate_routing_kernels.gate_and_route_checked(*args, **rule)
     else:
         logits = router_logits(hidden_states, w.gate)
         topk_weights, topk_ids = routing.route(hidden_states, logits, w.bias, checked=True)
@@ -153,7 +167,7 @@ def run_layer(plan: LayerPlan, hidden_states: torch.Tensor, weights: LayerWeight
     if in_gemm:   # the shared output joins the top-k sum (no separate addition)
         return run_experts(hidden_states, w.w13, w.w2, topk_weights, topk_ids, fmt=fmt, config=plan.config,
                            w1_scale=w.w13_scale, w2_scale=w.w2_scale, naive=plan.naive_blocks, ids="trusted",
-                           func="MoELayer", activations=activations, add=shared)
+                           func="MoELayer", activations=activations, add=shared, blocks=blocks)
     scales = dict(w1_scale=w.w13_scale, w2_scale=w.w2_scale) if fmt.quantized else {}
     out = LAYOUTS[plan.layout].experts()(hidden_states, w.w13, w.w2, topk_weights, topk_ids, config=plan.config,
                                          validate_ids=False, **scales)

@@ -12,7 +12,11 @@ import pytest
 import torch
 
 from moe_kernels._runtime import HAS_TRITON, record_launches
-from moe_kernels.kernels.gate_routing import gate_and_route, gate_and_route_reference, gate_tiles
+from moe_kernels.kernels import gate_routing
+from moe_kernels.kernels.align import moe_align_block_size_reference
+from moe_kernels.kernels.blocks import check_alignment
+from moe_kernels.kernels.gate_routing import (gate_and_route, gate_and_route_reference, gate_route_and_align,
+                                             gate_tiles)
 from moe_kernels.kernels.grouped_routing import grouped_topk
 from moe_kernels.kernels.routing import fused_topk
 from moe_testing import DEVICE, needs_gpu
@@ -185,6 +189,77 @@ def test_bad_input_names_the_argument(change, name):
     assert name in str(error.value)
 
 
+def check_aligned(x, w, topk, block_size, *, launches_expected=1, **rule):
+    """gate_route_and_align against gate_and_route on the same inputs (the same router, so the same
+    bits) and its alignment against the float64-free reference of the ids (integers: exact)."""
+    with record_launches() as launches:
+        weights, ids, logits, sorted_ids, expert_ids, used = gate_route_and_align(
+            x, w, topk, True, block_size=block_size, **rule)
+    alone = gate_and_route(x, w, topk, True, **rule)
+    assert torch.equal(weights, alone[0]) and torch.equal(ids, alone[1]) and torch.equal(logits, alone[2])
+    want = moe_align_block_size_reference(ids, block_size, w.shape[0])
+    for got, wanted in zip((sorted_ids, expert_ids, used), want):
+        assert got.dtype == torch.int32 and torch.equal(got, wanted)
+    check_alignment(ids, block_size, w.shape[0], sorted_ids, expert_ids, used)
+    if HAS_TRITON and x.shape[0] > 0:
+        assert len(launches) == launches_expected, launches
+        assert launches[0][0] == "gate_routing.gate_and_route"
+        assert launches[0][1]["aligned"] == (launches_expected == 1)
+    return ids
+
+
+@pytest.mark.parametrize("case", [
+    dict(shape=(1, 8, 32, 2), block=4),                       # one token: every expert hit once
+    dict(shape=(5, 6, 33, 6), block=4),                       # k = E, odd d
+    dict(shape=(9, 5, 40, 1), block=1),                       # k = 1, blocks of one row
+    dict(shape=(40, 48, 600, 4), block=16),                   # 3 token blocks, d split, 2 expert blocks
+    dict(shape=(17, 40, 96, 4), block=64),                    # a block longer than all the assignments
+    dict(shape=(3, 1, 16, 1), block=16),                      # one expert
+    dict(shape=(33, 36, 700, 5), block=16, scoring_func="sigmoid", num_expert_group=3, topk_group=2, bias=True),
+], ids=["one token", "k=E", "k=1", "three token blocks", "block 64", "E=1", "grouped, bias"])
+def test_aligned_in_the_same_launch(case):
+    """The router's last token block aligns every token's ids (the others' read from L2):
+    one launch, the alignment equal to the reference's element for element."""
+    num_tokens, num_experts, hidden, topk = case.pop("shape")
+    block = case.pop("block")
+    if case.pop("bias", False):
+        generator = torch.Generator().manual_seed(num_experts)
+        case["e_score_correction_bias"] = (0.1 * torch.randn(num_experts, generator=generator)).to(DEVICE)
+    x, w = inputs(num_tokens, num_experts, hidden, seed=hidden)
+    check_aligned(x, w, topk, block, **case)
+
+
+def test_aligned_with_every_token_on_one_expert_and_an_empty_one():
+    """Expert 0's row dominates every token (one long segment over several blocks); expert 3 gets
+    nothing (no segment at all)."""
+    x, w = inputs(20, 4, 32, 3)
+    x = x.abs() + 0.1
+    w = w.clone()
+    w[0], w[3] = 1.0, -1.0
+    ids = check_aligned(x, w, 2, 4)
+    assert bool((ids[:, 0] == 0).all()) and not bool((ids == 3).any())
+
+
+def test_aligned_past_one_programs_share_runs_the_alignment_kernel(monkeypatch):
+    """Above ALIGN_MAX_ASSIGNMENTS the alignment is a launch of its own, with the same result."""
+    monkeypatch.setattr(gate_routing, "ALIGN_MAX_ASSIGNMENTS", 8)
+    x, w = inputs(5, 16, 32, 4)
+    check_aligned(x, w, 2, 4, launches_expected=2)
+
+
+def test_aligned_with_no_tokens():
+    x, w = inputs(0, 8, 32, 0)
+    *_, sorted_ids, expert_ids, used = gate_route_and_align(x, w, 2, True, block_size=4)
+    assert int(used) == 0 and sorted_ids.numel() == 8 * 3 and bool((expert_ids == -1).all())
+
+
+@pytest.mark.parametrize("block_size", [0, 2.5])
+def test_aligned_bad_block_size_names_it(block_size):
+    x, w = inputs(2, 8, 16, 0)
+    with pytest.raises((ValueError, TypeError), match="block_size"):
+        gate_route_and_align(x, w, 2, True, block_size=block_size)
+
+
 @needs_gpu
 @pytest.mark.parametrize("model", ["qwen3-30b-a3b", "deepseek-v3"])
 @pytest.mark.parametrize("num_tokens", [1, 8, 64, 100])
@@ -219,12 +294,15 @@ from triton.compiler import ASTSource
 from moe_kernels.kernels import gate_routing
 
 fn = gate_routing._gate_routing_kernel
-for grouped, e_cols, split in ((False, 128, 16), (True, 256, 8)):
+for grouped, e_cols, split, align in ((False, 128, 16, False), (True, 256, 8, False), (False, 128, 16, True),
+                                      (True, 256, 8, True)):
     pointers = dict(x_ptr="*bf16", gate_ptr="*bf16", bias_ptr="*fp32", partial_ptr="*fp32", logits_ptr="*fp32",
-                    arrivals_ptr="*i32", weights_ptr="*fp32", ids_ptr="*i32", scale="fp32")
+                    arrivals_ptr="*i32", weights_ptr="*fp32", ids_ptr="*i32", sorted_ids_ptr="*i32",
+                    expert_ids_ptr="*i32", used_ptr="*i32", scale="fp32")
     const = dict(GROUPED=grouped, HAS_BIAS=grouped, USE_SIGMOID=grouped, PRECISE=True, IEEE=False, BLOCK_T=16,
                  BLOCK_E=32, BLOCK_K=128, SPLIT_K=split, E_COLS=e_cols, G_PAD=8 if grouped else 1,
-                 S_PAD=32 if grouped else 128, K_PAD=8)
+                 S_PAD=32 if grouped else 128, K_PAD=8, ALIGN=align, NUM_BINS=e_cols, ALIGN_TILE=64, PAD_TILE=16,
+                 COUNT_TILE=1024, FILL_TILE=1024)
     sig = {n: "constexpr" if n in const else pointers.get(n, "i32") for n in fn.arg_names}
     constants = {(i,): const[n] for i, n in enumerate(fn.arg_names) if n in const}
     # (as the real launch specialises them: multiples of 16)
@@ -233,11 +311,17 @@ for grouped, e_cols, split in ((False, 128, 16), (True, 256, 8)):
              if sig[n].startswith("*") or n in aligned}
     ptx = triton.compile(ASTSource(fn, sig, constants, attrs), target=GPUTarget("cuda", 90, 32),
                          options=dict(num_warps=8 if grouped else 4, num_stages=2)).asm["ptx"]
-    atom = re.search(r"atom[.a-z]*[.]gpu[.]acq_rel[.a-z]*add|atom[.a-z]*[.]acq_rel[.]gpu[.a-z]*add", ptx)
+    atoms = list(re.finditer(r"atom[.a-z]*[.]gpu[.]acq_rel[.a-z]*add|atom[.a-z]*[.]acq_rel[.]gpu[.a-z]*add", ptx))
+    atom = atoms[0] if atoms else None
     read = ptx.find("ld.global.cg")
     # a barrier between the arrival and the first read of the other programs' partials
-    print(atom is not None, read > 0, atom is not None and "bar.sync" in ptx[atom.end():read],
-          bool(re.search(r"mma", ptx)))
+    line = [atom is not None, read > 0, atom is not None and "bar.sync" in ptx[atom.end():read],
+            bool(re.search(r"mma", ptx))]
+    if align:   # the second count (token blocks routed), a barrier, then the ids read through L2
+        found = re.compile(r"ld[.]global[.]cg([.]v[248])?[.]b32").search(ptx, atoms[-1].end()) if len(atoms) > 1 else None
+        ids_read = found.start() if found else -1
+        line += [len(atoms) == 2, ids_read > 0 and "bar.sync" in ptx[atoms[-1].end():ids_read]]
+    print(*line)
 """
 
 
@@ -245,7 +329,8 @@ def test_compiles_for_hopper_with_its_release_and_acquire():
     """Compiled for an H100/H200 (sm_90) on this machine: the arrival is an acquire-release atomic
     at GPU scope after a CTA barrier, the partials are read through L2 (``.cg``), the gate's
     products go to the tensor cores; for the plain rule (Qwen3's shape) and the grouped one
-    (DeepSeek-V3's)."""
+    (DeepSeek-V3's); with the alignment, a second such atomic (token blocks routed), then a
+    barrier, then the ids read through L2."""
     import os
     import subprocess
     import sys
@@ -255,7 +340,8 @@ def test_compiles_for_hopper_with_its_release_and_acquire():
     done = subprocess.run([sys.executable, "-c", _COMPILE_FOR_HOPPER], capture_output=True, text=True, timeout=600,
                           env=env)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split("\n")[:2] == ["True True True True"] * 2, done.stdout
+    assert done.stdout.split("\n")[:4] == ["True True True True"] * 2 + ["True True True True True True"] * 2, \
+        done.stdout
 
 
 @needs_gpu
@@ -278,6 +364,37 @@ def test_repeated_calls_agree_bit_for_bit_on_gpu():
     with torch.cuda.graph(graph):
         captured = gate_and_route(x, w, **args)
     for _ in range(50):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(first, captured))
+
+
+@needs_gpu
+@pytest.mark.parametrize("model, num_tokens, block", [("qwen3-30b-a3b", 8, 16), ("qwen3-30b-a3b", 64, 16),
+                                                      ("deepseek-v3", 16, 16), ("deepseek-v3", 100, 64)])
+def test_aligned_at_real_shapes_repeated_and_replayed_on_gpu(model, num_tokens, block):
+    """The alignment in the router's launch reads ids other SMs wrote: 100 calls equal to the
+    reference alignment of their own ids, then 30 replays of one CUDA graph."""
+    from moe_kernels.layer import MoELayer
+
+    layer = MoELayer.random(model, dtype=torch.bfloat16, device="cuda", seed=num_tokens)
+    routing, w = layer.routing, layer.weights
+    x = torch.randn(num_tokens, w.gate.shape[1], device="cuda", dtype=torch.bfloat16)
+    grouped = dict(num_expert_group=routing.num_expert_group, topk_group=routing.topk_group,
+                   routed_scaling_factor=routing.routed_scaling_factor, e_score_correction_bias=w.bias)
+    if routing.num_expert_group is None and w.bias is None:
+        grouped = dict(routed_scaling_factor=routing.routed_scaling_factor)
+    args = (x, w.gate, routing.top_k, routing.renormalize, routing.scoring_func)
+    first = gate_route_and_align(*args, block_size=block, **grouped)
+    want = moe_align_block_size_reference(first[1], block, w.gate.shape[0])
+    assert all(torch.equal(a, b) for a, b in zip(first[3:], want))
+    for _ in range(100):
+        again = gate_route_and_align(*args, block_size=block, **grouped)
+        assert all(torch.equal(a, b) for a, b in zip(first, again))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = gate_route_and_align(*args, block_size=block, **grouped)
+    for _ in range(30):
         graph.replay()
         torch.cuda.synchronize()
         assert all(torch.equal(a, b) for a, b in zip(first, captured))

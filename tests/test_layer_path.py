@@ -207,7 +207,8 @@ def test_real_layer_runs_its_plan_gpu(model_name, fmt):
 def test_router_in_one_launch_up_to_its_batch(model):
     """With ``GATE_ROUTING_MAX_TOKENS`` at 8, a layer up to 8 tokens routes with one launch
     (gate_and_route, no routing kernel after a GEMM) and gives the two-step layer's answer; at 9
-    tokens it takes the two steps again. (Off by default until timed on the H200.)"""
+    tokens it takes the two steps again. Where the block map is aligned (8 tokens: not naive), the
+    router's launch aligns too: no alignment kernel. (Off by default until timed on the H200.)"""
     import moe_kernels.layer as layer_module
 
     x = torch.randn(9, 256, generator=torch.Generator().manual_seed(2)).to(DEVICE)
@@ -215,12 +216,16 @@ def test_router_in_one_launch_up_to_its_batch(model):
     want = two_steps(x[:8])
     with mock.patch.object(layer_module, "GATE_ROUTING_MAX_TOKENS", 8):
         layer = small_layer("none", "index_gather", model=model)
-        for batch, fused in ((1, True), (8, True), (9, False)):
-            assert layer.plan(batch, dtype=x.dtype).gate_routing == fused
+        for batch, fused, aligned in ((1, True, False), (8, True, True), (9, False, False)):
+            plan = layer.plan(batch, dtype=x.dtype)
+            assert plan.gate_routing == fused and plan.gate_alignment == aligned
+            assert plan.naive_blocks == (batch == 1)
             with record_launches() as launches:
                 out = layer(x[:batch])
             names = [name for name, _ in launches]
             routing = "routing.grouped_topk" if model == "deepseek-v3" else "routing.fused_topk"
             assert ("gate_routing.gate_and_route" in names) == fused and (routing in names) == (not fused), names
+            assert ("align.moe_align_block_size" in names) == (batch > 1 and not aligned), names
+            assert [s["aligned"] for n, s in launches if n == "gate_routing.gate_and_route"] == [aligned] * fused
             assert rel_err(out, layer.reference(x[:batch])) < 1e-3
         torch.testing.assert_close(layer(x[:8]), want, atol=1e-5, rtol=1e-5)

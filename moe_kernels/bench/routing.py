@@ -117,8 +117,14 @@ def gate_routing_ab(model_name: str, num_tokens: int, *, seed: int = 0) -> dict:
     on tensor cores then the routing kernel (two launches, what the layer runs today), and
     :func:`~moe_kernels.kernels.gate_routing.gate_and_route` (one launch, the gate split over the
     SMs). Checked first: the one-launch ids and weights equal the routing kernel's on its own logits,
-    and its logits are within the tensor-core gate's error of ``router_logits``'."""
-    from ..kernels.gate_routing import gate_and_route, gate_tiles
+    and its logits are within the tensor-core gate's error of ``router_logits``'.
+
+    With the alignment (blocks of :func:`default_block_size` rows) two more: the two launches then
+    ``moe_align_block_size`` (three launches), and
+    :func:`~moe_kernels.kernels.gate_routing.gate_route_and_align` (one launch up to
+    ``ALIGN_MAX_ASSIGNMENTS`` assignments; ``aligned_in_launch`` says whether it was), its
+    alignment checked against the reference's of its ids."""
+    from ..kernels.gate_routing import ALIGN_MAX_ASSIGNMENTS, gate_and_route, gate_route_and_align, gate_tiles
     from ..kernels.routing import router_logits
     from ..layer_spec import Routing
 
@@ -138,16 +144,31 @@ def gate_routing_ab(model_name: str, num_tokens: int, *, seed: int = 0) -> dict:
     def one_launch():
         return gate_and_route(x, gate, rule.top_k, rule.renormalize, rule.scoring_func, **grouped)
 
+    block = default_block_size(num_tokens)
+
+    def three_launches():
+        weights, ids = two_launches()
+        return weights, ids, align.moe_align_block_size(ids, block, num_experts, validate_ids=False)
+
+    def one_launch_aligned():
+        return gate_route_and_align(x, gate, rule.top_k, rule.renormalize, rule.scoring_func, block_size=block,
+                                    **grouped)
+
     weights, ids, logits = one_launch()
     own = rule.route(x, logits, bias, checked=True)
     if not (torch.equal(ids, own[1]) and torch.equal(weights, own[0])):
         raise AssertionError(f"gate_and_route {model.name} at {num_tokens}: routing differs on its own logits")
     error = float((logits - router_logits(x, gate)).abs().max())
     differ = int((ids.sort(dim=1).values != two_launches()[1].sort(dim=1).values).any(dim=1).sum())
+    aligned = one_launch_aligned()
+    want = align.moe_align_block_size_reference(aligned[1], block, num_experts)
+    if not (torch.equal(aligned[1], ids) and all(torch.equal(a, b) for a, b in zip(aligned[3:], want))):
+        raise AssertionError(f"gate_route_and_align {model.name} at {num_tokens}: ids or alignment differ")
     # Warm: graph replays back to back (the gate stays in L2). Cold: do_bench flushes the L2 before
     # each replay, as a decode step does in effect (the experts' weights evict the gate). Two rounds
     # each, interleaved; the lower kept.
-    fns = (("two launches", two_launches), ("one launch", one_launch))
+    fns = (("two launches", two_launches), ("one launch", one_launch), ("three launches", three_launches),
+           ("one launch aligned", one_launch_aligned))
     warm = {name: [] for name, _ in fns}
     cold = {name: [] for name, _ in fns}
     for _ in range(2):
@@ -157,6 +178,10 @@ def gate_routing_ab(model_name: str, num_tokens: int, *, seed: int = 0) -> dict:
     return {"model": model.name, "tokens": num_tokens,
             "two_launches_us": min(warm["two launches"]), "one_launch_us": min(warm["one launch"]),
             "two_launches_flushed_us": min(cold["two launches"]), "one_launch_flushed_us": min(cold["one launch"]),
+            "block_size": block, "aligned_in_launch": num_tokens * rule.top_k <= ALIGN_MAX_ASSIGNMENTS,
+            "three_launches_us": min(warm["three launches"]), "one_launch_aligned_us": min(warm["one launch aligned"]),
+            "three_launches_flushed_us": min(cold["three launches"]),
+            "one_launch_aligned_flushed_us": min(cold["one launch aligned"]),
             "tiles": gate_tiles(num_tokens, num_experts, d), "max_logit_difference": error,
             "tokens_with_other_ids": differ}
 

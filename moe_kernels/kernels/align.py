@@ -145,26 +145,27 @@ def moe_align_block_size_reference(topk_ids: torch.Tensor, block_size: int, num_
 if HAS_TRITON:
 
     @kernel
-    def _load_experts(topk_ids_ptr, offsets, end, num_experts):
+    def _load_experts(topk_ids_ptr, offsets, end, num_experts, CACHE: tl.constexpr = ""):
         """Expert ids at ``offsets`` as int32, and which of them count.
 
         Ids outside ``[0, num_experts)`` (and offsets past ``end``) are reported invalid and
         replaced by 0, so that no later histogram, gather or store can leave its bounds.
+        ``CACHE=".cg"`` reads from L2, past this SM's L1: for ids another SM has just written.
         """
         in_bounds = offsets < end
-        raw = tl.load(topk_ids_ptr + offsets, mask=in_bounds, other=-1)
+        raw = tl.load(topk_ids_ptr + offsets, mask=in_bounds, other=-1, cache_modifier=CACHE)
         valid = in_bounds & (raw >= 0) & (raw < num_experts)
         return tl.where(valid, raw, 0).to(tl.int32), valid
 
     # >>> book: align-count
     @kernel
-    def _count_experts(topk_ids_ptr, begin, end, num_experts,
-                       NUM_BINS: tl.constexpr, COUNT_TILE: tl.constexpr):
+    def _count_experts(topk_ids_ptr, begin, end, num_experts, NUM_BINS: tl.constexpr,
+                       COUNT_TILE: tl.constexpr, CACHE: tl.constexpr = ""):
         """How many of the assignments ``[begin, end)`` each expert serves."""
         counts = tl.zeros([NUM_BINS], dtype=tl.int32)
         for tile_start in range(begin, end, COUNT_TILE):
-            experts, valid = _load_experts(
-                topk_ids_ptr, tile_start + tl.arange(0, COUNT_TILE), end, num_experts)
+            offsets = tile_start + tl.arange(0, COUNT_TILE)
+            experts, valid = _load_experts(topk_ids_ptr, offsets, end, num_experts, CACHE)
             counts += tl.histogram(experts, NUM_BINS, mask=valid)
         return counts
     # <<< book: align-count
@@ -187,7 +188,26 @@ if HAS_TRITON:
         COUNT_TILE: tl.constexpr, ROW_TILE: tl.constexpr, PAD_TILE: tl.constexpr,
         FILL_TILE: tl.constexpr, ID_CHECK: tl.constexpr = "",
     ):
-        """Program ``c`` places the assignments of chunk ``c``, then writes a share of the tail.
+        """Program ``c`` places the assignments of chunk ``c``, then writes a share of the tail
+        (:func:`_align_program`)."""
+        _align_program(
+            tl.program_id(0), tl.num_programs(0), topk_ids_ptr, chunk_counts_ptr, sorted_ids_ptr,
+            expert_ids_ptr, used_ptr, numel, num_experts, block_size, chunk_size, COUNTS_FROM_TABLE,
+            NUM_BINS, TILE, COUNT_TILE, ROW_TILE, PAD_TILE, FILL_TILE, ID_CHECK)
+
+    @kernel
+    def _align_program(
+        program, num_programs, topk_ids_ptr, chunk_counts_ptr, sorted_ids_ptr, expert_ids_ptr,
+        used_ptr, numel, num_experts, block_size, chunk_size,
+        COUNTS_FROM_TABLE: tl.constexpr, NUM_BINS: tl.constexpr, TILE: tl.constexpr,
+        COUNT_TILE: tl.constexpr, ROW_TILE: tl.constexpr, PAD_TILE: tl.constexpr,
+        FILL_TILE: tl.constexpr, ID_CHECK: tl.constexpr = "", CACHE: tl.constexpr = "",
+    ):
+        """Program ``program`` of ``num_programs``: place the assignments of chunk ``program``,
+        then write a share of the tail. One program with ``chunk_size >= numel`` aligns
+        everything: how another kernel runs the alignment in its last program
+        (:mod:`moe_kernels.kernels.gate_routing`, which reads the ids it has just written with
+        ``CACHE=".cg"``).
 
         Each program needs two histograms: ``total`` (all assignments) and ``before`` (the
         assignments of earlier chunks). Then expert ``e``'s next free row for this chunk is
@@ -197,8 +217,6 @@ if HAS_TRITON:
         id is read here once, so this is where an id outside ``[0, E)`` stops the kernel, with no
         extra launch and no host synchronisation.
         """
-        program = tl.program_id(0)
-        num_programs = tl.num_programs(0)
         capacity = numel + num_experts * (block_size - 1)
         num_blocks = tl.cdiv(capacity, block_size)
         num_chunks = tl.cdiv(numel, chunk_size)
@@ -217,9 +235,10 @@ if HAS_TRITON:
                 before += tl.sum(tl.where(rows[:, None] < program, table, 0), axis=0)
         else:
             split = tl.minimum(chunk_start, numel)
-            before = _count_experts(topk_ids_ptr, 0, split, num_experts, NUM_BINS, COUNT_TILE)
+            before = _count_experts(topk_ids_ptr, 0, split, num_experts, NUM_BINS, COUNT_TILE,
+                                    CACHE)
             total = before + _count_experts(topk_ids_ptr, split, numel, num_experts,
-                                            NUM_BINS, COUNT_TILE)
+                                            NUM_BINS, COUNT_TILE, CACHE)
 
         # >>> book: align-round-scan-scatter
         padded = (total + block_size - 1) // block_size * block_size
@@ -234,7 +253,7 @@ if HAS_TRITON:
         pad_lanes = tl.arange(0, PAD_TILE)
         for tile_start in range(chunk_start, chunk_end, TILE):
             offsets = tile_start + lanes
-            experts, valid = _load_experts(topk_ids_ptr, offsets, chunk_end, num_experts)
+            experts, valid = _load_experts(topk_ids_ptr, offsets, chunk_end, num_experts, CACHE)
             if ID_CHECK != "":
                 tl.device_assert(valid | (offsets >= chunk_end), ID_CHECK)
             # Rank inside the tile = earlier lanes with the same expert: keeps index order.

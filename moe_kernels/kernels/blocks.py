@@ -299,6 +299,13 @@ def build_blocks(func: str, topk_ids: torch.Tensor, block_m: int, num_experts: i
                                num_tokens_post_padded=None, num_m_blocks=numel, num_assignments=numel,
                                id_check=id_check)
     sorted_ids, expert_ids, num_post_padded = align_checked(func, topk_ids, block_m, num_experts, validate_ids)
+    return aligned_blocks(sorted_ids, expert_ids, num_post_padded, block_m, numel, num_experts)
+
+
+def aligned_blocks(sorted_ids: torch.Tensor, expert_ids: torch.Tensor, num_post_padded: torch.Tensor, block_m: int,
+                   numel: int, num_experts: int) -> BlockAssignment:
+    """The block map of an alignment this package computed (:func:`~moe_kernels.kernels.align.moe_align_block_size`,
+    or the router's :func:`~moe_kernels.kernels.gate_routing.gate_route_and_align`), unchecked."""
     # Each non-empty expert wastes at most block_m - 1 padding rows, and at most min(E, numel)
     # experts are non-empty: no need to launch programs for the worst case of every expert.
     bound = numel + min(num_experts, numel) * (block_m - 1)

@@ -15,6 +15,12 @@ handful of tokens. :func:`gate_and_route` does both in one launch:
   as the routing kernels (:func:`~moe_kernels.kernels.routing.route_tokens`,
   :func:`~moe_kernels.kernels.grouped_routing.route_grouped_tokens`).
 
+:func:`gate_route_and_align` adds the alignment to the same launch: each token block's last program,
+once it has routed its tokens, counts itself in on one more counter (token blocks routed); the last
+token block to arrive aligns every token's ids as one program, with the alignment kernel's own body
+(:mod:`moe_kernels.kernels.align`, reading the ids the other SMs wrote through L2). Gate, routing and
+alignment are then one launch where they were three.
+
 The gate's products are those of :func:`~moe_kernels.kernels.routing.gate` on a GPU: 16-bit
 operands on the tensor cores, float32 sums (in another order: near-ties between experts may break
 the other way, as between any two float32 GEMMs); float32 operands are multiplied in IEEE float32.
@@ -43,10 +49,13 @@ import torch
 
 from .._checks import check_int, check_number, check_tensor, fail
 from .._runtime import HAS_TRITON, INTERPRET, cdiv, interpreted_bf16, kernel, next_power_of_2, note_launch, tl, use_triton
+from .align import (_COUNT_TILE, _FILL_TILE, _MAX_PAD_TILE, _SINGLE_TILE, align_checked, alignment_buffer_sizes,
+                    moe_align_block_size_reference)
 from .grouped_routing import grouped_topk_reference
 from .routing import _FLOAT_DTYPES, _SCORING_FUNCS, _empty_outputs, fused_topk_reference
 
-__all__ = ["gate_and_route", "gate_and_route_checked", "gate_and_route_reference", "gate_tiles"]
+__all__ = ["gate_and_route", "gate_and_route_checked", "gate_and_route_reference", "gate_route_and_align",
+           "gate_route_and_align_checked", "gate_tiles"]
 
 #: Tokens per program: the tensor cores' smallest M tile (``tl.dot`` needs 16 rows).
 BLOCK_T = 16
@@ -54,20 +63,27 @@ BLOCK_T = 16
 _PARTIAL_BYTES = 128 * 1024
 #: About two programs per SM of an H100/H200 (132 SMs).
 _TARGET_PROGRAMS = 264
+#: Most assignments (T * k) :func:`gate_route_and_align` aligns inside its launch, in one program
+#: that ranks them 64 at a time (the alignment kernel places 64 per program): 1,024 is 128 tokens
+#: of Qwen3-30B-A3B or DeepSeek-V3. Not timed yet on the H200; above it the alignment is a launch of its own.
+ALIGN_MAX_ASSIGNMENTS = 1024
 
 if HAS_TRITON:
+    from .align import _align_program
     from .grouped_routing import route_grouped_tokens
     from .routing import route_tokens
 
     @kernel
     def _gate_routing_kernel(
         x_ptr, gate_ptr, bias_ptr, partial_ptr, logits_ptr, arrivals_ptr, weights_ptr, ids_ptr,
+        sorted_ids_ptr, expert_ids_ptr, used_ptr,
         num_tokens, num_experts, hidden_size, stride_x, stride_gate, k_span,
-        topk, renormalize, scale, num_groups, experts_per_group, topk_group,
+        topk, renormalize, scale, num_groups, experts_per_group, topk_group, block_size,
         GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, USE_SIGMOID: tl.constexpr, PRECISE: tl.constexpr,
         IEEE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
         SPLIT_K: tl.constexpr, E_COLS: tl.constexpr, G_PAD: tl.constexpr, S_PAD: tl.constexpr,
-        K_PAD: tl.constexpr,
+        K_PAD: tl.constexpr, ALIGN: tl.constexpr, NUM_BINS: tl.constexpr, ALIGN_TILE: tl.constexpr,
+        PAD_TILE: tl.constexpr, COUNT_TILE: tl.constexpr, FILL_TILE: tl.constexpr,
     ):
         pid_t, pid_e, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         tokens = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -120,6 +136,20 @@ if HAS_TRITON:
             else:
                 route_tokens(logits_ptr, weights_ptr, ids_ptr, pid_t * BLOCK_T, num_tokens, num_experts,
                              num_experts, topk, renormalize, scale, USE_SIGMOID, PRECISE, BLOCK_T, E_COLS, K_PAD)
+            if ALIGN:
+                # >>> book: gate-align
+                # The alignment needs every token's ids: the last token block to finish
+                # routing aligns them all, as one program (the alignment kernel's own body).
+                tl.debug_barrier()
+                t_blocks = tl.num_programs(0)
+                routed = tl.atomic_add(arrivals_ptr + t_blocks, 1, sem="acq_rel", scope="gpu")
+                if routed == t_blocks - 1:
+                    tl.debug_barrier()
+                    numel = num_tokens * topk
+                    _align_program(0, 1, ids_ptr, ids_ptr, sorted_ids_ptr, expert_ids_ptr, used_ptr,
+                                   numel, num_experts, block_size, numel, False, NUM_BINS,
+                                   ALIGN_TILE, COUNT_TILE, 1, PAD_TILE, FILL_TILE, "", ".cg")
+                # <<< book: gate-align
 
 
 def gate_tiles(num_tokens: int, num_experts: int, hidden_size: int) -> dict:
@@ -221,40 +251,116 @@ def gate_and_route_checked(hidden_states, gate_weight, topk, renormalize, scorin
                            num_expert_group=None, topk_group=None, routed_scaling_factor=1.0,
                            e_score_correction_bias=None):
     """:func:`gate_and_route` for arguments already checked (a layer checks its routing once)."""
-    bias = e_score_correction_bias
+    weights, ids, logits, _ = _gate_route(hidden_states, gate_weight, topk, renormalize, scoring_func,
+                                          num_expert_group, topk_group, routed_scaling_factor,
+                                          e_score_correction_bias, None)
+    return weights, ids, logits
+
+
+def gate_route_and_align(hidden_states: torch.Tensor, gate_weight: torch.Tensor, topk: int, renormalize: bool,
+                         scoring_func: str = "softmax", *, block_size: int, num_expert_group: int | None = None,
+                         topk_group: int | None = None, routed_scaling_factor: float = 1.0,
+                         e_score_correction_bias: torch.Tensor | None = None):
+    """:func:`gate_and_route` and then the alignment of its ids into blocks of ``block_size`` rows,
+    in the same launch: ``(topk_weights, topk_ids, logits, sorted_token_ids, expert_ids,
+    num_tokens_post_padded)``, the last three exactly as
+    :func:`~moe_kernels.kernels.align.moe_align_block_size` returns them for ``topk_ids``.
+
+    The last token block to finish routing aligns every assignment in one program (the alignment
+    kernel's own body, reading the ids from L2), so the router and the alignment cost one launch.
+    One program places :data:`ALIGN_MAX_ASSIGNMENTS` assignments at most; above that the
+    alignment runs as its own launch (same result).
+
+        >>> x = torch.tensor([[1.0, 2.0], [0.0, 1.0], [2.0, 0.0]])
+        >>> gate_weight = torch.tensor([[1.0, 0.0], [0.5, 0.5], [0.0, -1.0], [2.0, 0.0]])
+        >>> *_, sorted_ids, expert_ids, used = gate_route_and_align(x, gate_weight, 2, True, block_size=2)
+        >>> int(used), sorted_ids[: int(used)].tolist(), expert_ids[: int(used) // 2].tolist()
+        (6, [3, 5, 1, 2, 0, 4], [0, 1, 3])
+    """
+    func = "gate_route_and_align"
+    _check(func, hidden_states, gate_weight, topk, renormalize, scoring_func, num_expert_group, topk_group,
+           routed_scaling_factor, e_score_correction_bias)
+    alignment_buffer_sizes(func, hidden_states.new_empty((hidden_states.shape[0], topk), dtype=torch.int32),
+                           block_size, gate_weight.shape[0])
+    return gate_route_and_align_checked(hidden_states, gate_weight, topk, renormalize, scoring_func,
+                                        block_size=block_size, num_expert_group=num_expert_group,
+                                        topk_group=topk_group, routed_scaling_factor=routed_scaling_factor,
+                                        e_score_correction_bias=e_score_correction_bias)
+
+
+def gate_route_and_align_checked(hidden_states, gate_weight, topk, renormalize, scoring_func="softmax", *,
+                                 block_size, num_expert_group=None, topk_group=None, routed_scaling_factor=1.0,
+                                 e_score_correction_bias=None):
+    """:func:`gate_route_and_align` for arguments already checked."""
+    weights, ids, logits, alignment = _gate_route(hidden_states, gate_weight, topk, renormalize, scoring_func,
+                                                  num_expert_group, topk_group, routed_scaling_factor,
+                                                  e_score_correction_bias, block_size)
+    return (weights, ids, logits, *alignment)
+
+
+def _gate_route(hidden_states, gate_weight, topk, renormalize, scoring_func, num_expert_group, topk_group,
+                routed_scaling_factor, bias, block_size):
+    """The launch (or the torch fallback): weights, ids, logits and, when ``block_size`` is given,
+    the alignment ``(sorted_token_ids, expert_ids, num_tokens_post_padded)`` (else None)."""
+    num_tokens, hidden_size = hidden_states.shape
+    num_experts = gate_weight.shape[0]
     if not use_triton(hidden_states, gate_weight, *([bias] if bias is not None else [])):
         weights, ids, logits = gate_and_route_reference(
             hidden_states, gate_weight, topk, renormalize, scoring_func, num_expert_group=num_expert_group,
             topk_group=topk_group, routed_scaling_factor=routed_scaling_factor, e_score_correction_bias=bias)
-        return weights, ids, logits.float()
+        alignment = None if block_size is None else moe_align_block_size_reference(ids, block_size, num_experts)
+        return weights, ids, logits.float(), alignment
     if interpreted_bf16(hidden_states, gate_weight):
         # The interpreter's bf16 dot is wrong (triton issue 11584); the products of bf16 numbers are
         # exact in float32, so float32 operands compute the same logits.
         hidden_states, gate_weight = hidden_states.float(), gate_weight.float()
-    num_tokens, hidden_size = hidden_states.shape
-    num_experts = gate_weight.shape[0]
     device = hidden_states.device
     weights, ids = _empty_outputs(num_tokens, topk, device)
     logits = torch.empty((num_tokens, num_experts), dtype=torch.float32, device=device)
-    if num_tokens == 0:
-        return weights, ids, logits
+    numel = num_tokens * topk
+    align_here = block_size is not None and 0 < numel <= ALIGN_MAX_ASSIGNMENTS
+    if align_here:
+        rows, blocks = alignment_buffer_sizes("gate_route_and_align", ids, block_size, num_experts)
+        sorted_ids = torch.empty(rows, dtype=torch.int32, device=device)
+        expert_ids = torch.empty(blocks, dtype=torch.int32, device=device)
+        used = torch.empty(1, dtype=torch.int32, device=device)
+    if num_tokens > 0:
+        _launch(hidden_states, gate_weight, bias, topk, renormalize, scoring_func, num_expert_group, topk_group,
+                routed_scaling_factor, weights, ids, logits,
+                (sorted_ids, expert_ids, used, block_size) if align_here else None)
+    if block_size is None:
+        return weights, ids, logits, None
+    if not align_here:   # no tokens, or more assignments than one program should place
+        return weights, ids, logits, align_checked("gate_route_and_align", ids, block_size, num_experts, False)
+    return weights, ids, logits, (sorted_ids, expert_ids, used)
+
+
+def _launch(hidden_states, gate_weight, bias, topk, renormalize, scoring_func, num_expert_group, topk_group,
+            routed_scaling_factor, weights, ids, logits, alignment):
+    num_tokens, hidden_size = hidden_states.shape
+    num_experts = gate_weight.shape[0]
+    device = hidden_states.device
     grouped = num_expert_group is not None or bias is not None
     groups = num_expert_group or 1
     per_group = num_experts // groups
     g_pad, s_pad = next_power_of_2(groups), next_power_of_2(per_group)
     tiles = gate_tiles(num_tokens, num_experts, hidden_size)
     partial = torch.empty((tiles["split_k"], num_tokens, num_experts), dtype=torch.float32, device=device)
-    arrivals = torch.zeros(tiles["t_blocks"], dtype=torch.int32, device=device)
+    # One arrival counter per token block, and one for the token blocks routed (the alignment's).
+    arrivals = torch.zeros(tiles["t_blocks"] + (alignment is not None), dtype=torch.int32, device=device)
     e_cols = g_pad * s_pad if grouped else next_power_of_2(num_experts)
+    sorted_ids, expert_ids, used, block_size = alignment if alignment is not None else (ids, ids, ids, 1)
     note_launch("gate_routing.gate_and_route", grouped=grouped, split_k=tiles["split_k"], block_e=tiles["block_e"],
-                programs=tiles["t_blocks"] * tiles["e_blocks"] * tiles["split_k"])
+                programs=tiles["t_blocks"] * tiles["e_blocks"] * tiles["split_k"], aligned=alignment is not None)
     _gate_routing_kernel[(tiles["t_blocks"], tiles["e_blocks"], tiles["split_k"])](
         hidden_states, gate_weight, bias if bias is not None else logits, partial, logits, arrivals, weights, ids,
+        sorted_ids, expert_ids, used,
         num_tokens, num_experts, hidden_size, hidden_states.stride(0), gate_weight.stride(0), tiles["k_span"],
-        topk, renormalize, float(routed_scaling_factor), groups, per_group, topk_group or 1,
+        topk, renormalize, float(routed_scaling_factor), groups, per_group, topk_group or 1, block_size,
         GROUPED=grouped, HAS_BIAS=bias is not None, USE_SIGMOID=scoring_func == "sigmoid", PRECISE=not INTERPRET,
         IEEE=hidden_states.dtype == torch.float32, BLOCK_T=BLOCK_T, BLOCK_E=tiles["block_e"],
         BLOCK_K=tiles["block_k"], SPLIT_K=tiles["split_k"], E_COLS=e_cols, G_PAD=g_pad, S_PAD=s_pad,
-        K_PAD=next_power_of_2(topk), num_warps=8 if BLOCK_T * e_cols > 2048 else 4,
+        K_PAD=next_power_of_2(topk), ALIGN=alignment is not None, NUM_BINS=max(32, next_power_of_2(num_experts)),
+        ALIGN_TILE=_SINGLE_TILE, PAD_TILE=min(next_power_of_2(max(block_size - 1, 1)), _MAX_PAD_TILE),
+        COUNT_TILE=_COUNT_TILE, FILL_TILE=_FILL_TILE, num_warps=8 if BLOCK_T * e_cols > 2048 else 4,
     )
-    return weights, ids, logits
