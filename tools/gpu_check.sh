@@ -6,7 +6,9 @@
 # tree's than the files it was sent (git rev-parse HEAD there named the session's first commit).
 # what: tests, ceilings, tune, refine, sweep, fp8, decode-step, layouts, routing, skew, shared, capacity, notebooks,
 # graphs (the CUDA-graph replay's and the split GEMM 1's GPU tests), host-probe, model-probe, prefill, gate-routing
-# (the router in one launch: its GPU tests and bench routing --gate-routing) (default: tests
+# (the router in one launch, with and without the alignment: its GPU tests and bench routing --gate-routing),
+# id-check (bench layer --id-check-only, ID_CHECK_PAIRS pairs at ID_CHECK_BATCHES), model (bench model at
+# MODEL_BATCHES; all batches take over 600 s) (default: tests
 # ceilings sweep). NOTEBOOKS="06 07" limits the notebooks step to those sections. tune searches the tiles (TUNE_BATCHES, TUNE_BUDGET_S) and rewrites the tuned tables in
 # moe_kernels/kernels/configs/, which are packed too. notebooks executes every notebook with the GPU (its live cells run) into $OUT/notebooks
 # and lists the prose numbers that would change (needs Jupyter: run tools/jupyter_wheels.sh here and carry .whl/jupyter).
@@ -64,6 +66,11 @@ for step in "${steps[@]}"; do
                       $PY -m moe_kernels.bench.routing --gate-routing --record 2>&1 | tee "$OUT/gate-routing.log" \
                           | grep -v Warning || status=1 ;;
         prefill) PYTHONPATH="$PWD" $PY tools/prefill_ab.py 2>&1 | tee "$OUT/prefill.log" | grep -v Warning || status=1 ;;
+        id-check) $PY -m moe_kernels.bench layer --id-check-only --id-check-pairs "${ID_CHECK_PAIRS:-101}" \
+                      --batches "${ID_CHECK_BATCHES:-1,8,64,512,4096}" --record 2>&1 | tee "$OUT/id-check.log" \
+                      | tail -n 25 || status=1 ;;
+        model) $PY -m moe_kernels.bench model --batches "${MODEL_BATCHES:-1,8,64}" --record 2>&1 \
+                   | tee "$OUT/model.log" | grep -v Warning | tail -n 40 || status=1 ;;
         *) $PY -m moe_kernels.bench "$step" --record 2>&1 | tee "$OUT/$step.log" | tail -n 20 || status=1 ;;
     esac
     tar czf "$OUT/results.tgz" results moe_kernels/kernels/configs   # after every step: a run cut short keeps what it measured
