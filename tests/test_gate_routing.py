@@ -247,23 +247,6 @@ def test_aligned_past_one_programs_share_runs_the_alignment_kernel(monkeypatch):
     check_aligned(x, w, 2, 4, launches_expected=2)
 
 
-def test_counters_are_kept_and_left_at_zero():
-    """No fill before the launch: the arrival counters are one buffer kept between calls, and every
-    launch (token blocks of 1 to 4, with and without the alignment) leaves them at zero."""
-    if not HAS_TRITON:
-        pytest.skip("without Triton the reference runs: no counters")
-    x, w = inputs(64, 24, 200, 5)
-    gate_and_route(x[:1], w, 2, True)
-    counters = gate_routing._arrival_counters(x.device, 1)
-    for tokens, align in ((1, False), (40, True), (17, False), (64, True), (3, True)):
-        if align:
-            check_aligned(x[:tokens], w, 2, 4)
-        else:
-            gate_and_route(x[:tokens], w, 2, True)
-        assert gate_routing._arrival_counters(x.device, 1) is counters
-        assert int(counters.abs().sum()) == 0, counters[:8]
-
-
 def test_aligned_with_no_tokens():
     x, w = inputs(0, 8, 32, 0)
     *_, sorted_ids, expert_ids, used = gate_route_and_align(x, w, 2, True, block_size=4)

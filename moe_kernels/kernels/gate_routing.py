@@ -25,13 +25,9 @@ The gate's products are those of :func:`~moe_kernels.kernels.routing.gate` on a 
 operands on the tensor cores, float32 sums (in another order: near-ties between experts may break
 the other way, as between any two float32 GEMMs); float32 operands are multiplied in IEEE float32.
 
-The arrival counters are kept between calls, one buffer per device and CUDA stream
-(:func:`_arrival_counters`), and every launch leaves them at zero: the last program of a token
-block resets its counter (every other program of the block has counted by then), and the aligner
-resets the routed count. So no fill runs before the launch (it would be a memset node of its own in
-a CUDA graph). Calls on one stream run in order; calls on two streams have two buffers. (A CUDA
-graph reads the buffer of the stream it was captured on: replaying it on another stream while
-calls run on that one would share the counters.)
+The arrival counters are zeroed by a fill before the launch (a memset node in a CUDA graph): a
+buffer kept between calls and reset by the kernel would save it, but two calls on two streams
+would then share it.
 
 A worked example, four experts, one token, top-2, checked against the two-step path::
 
@@ -122,7 +118,6 @@ if HAS_TRITON:
         if arrived == tl.num_programs(1) * SPLIT_K - 1:
             # Thread 0's acquire, carried to every thread of the program before any of them reads.
             tl.debug_barrier()
-            tl.store(arrivals_ptr + pid_t, 0)   # all arrived: zero again for the next launch
             # The token block's logits: its SPLIT_K partials added in a fixed order (read from L2:
             # another SM wrote them), then routed by the routing kernels' own body.
             columns = tl.arange(0, E_COLS)
@@ -150,7 +145,6 @@ if HAS_TRITON:
                 routed = tl.atomic_add(arrivals_ptr + t_blocks, 1, sem="acq_rel", scope="gpu")
                 if routed == t_blocks - 1:
                     tl.debug_barrier()
-                    tl.store(arrivals_ptr + t_blocks, 0)
                     numel = num_tokens * topk
                     _align_program(0, 1, ids_ptr, ids_ptr, sorted_ids_ptr, expert_ids_ptr, used_ptr,
                                    numel, num_experts, block_size, numel, False, NUM_BINS,
@@ -341,25 +335,6 @@ def _gate_route(hidden_states, gate_weight, topk, renormalize, scoring_func, num
     return weights, ids, logits, (sorted_ids, expert_ids, used)
 
 
-#: The arrival counters, by (device, stream): zero between launches (each launch resets what it counts).
-_COUNTERS: dict = {}
-
-
-def _arrival_counters(device: torch.device, size: int) -> torch.Tensor:
-    """At least ``size`` int32 counters at zero for a launch on ``device``'s current stream, kept
-    between calls (made once, with one fill, and replaced by a larger buffer when a launch needs more)."""
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        key = (index, torch._C._cuda_getCurrentRawStream(index))
-    else:
-        key = (str(device), 0)
-    counters = _COUNTERS.get(key)
-    if counters is None or counters.numel() < size:
-        counters = torch.zeros(max(size, 64), dtype=torch.int32, device=device)
-        _COUNTERS[key] = counters
-    return counters
-
-
 def _launch(hidden_states, gate_weight, bias, topk, renormalize, scoring_func, num_expert_group, topk_group,
             routed_scaling_factor, weights, ids, logits, alignment):
     num_tokens, hidden_size = hidden_states.shape
@@ -372,7 +347,7 @@ def _launch(hidden_states, gate_weight, bias, topk, renormalize, scoring_func, n
     tiles = gate_tiles(num_tokens, num_experts, hidden_size)
     partial = torch.empty((tiles["split_k"], num_tokens, num_experts), dtype=torch.float32, device=device)
     # One arrival counter per token block, and one for the token blocks routed (the alignment's).
-    arrivals = _arrival_counters(device, tiles["t_blocks"] + (alignment is not None))
+    arrivals = torch.zeros(tiles["t_blocks"] + (alignment is not None), dtype=torch.int32, device=device)
     e_cols = g_pad * s_pad if grouped else next_power_of_2(num_experts)
     sorted_ids, expert_ids, used, block_size = alignment if alignment is not None else (ids, ids, ids, 1)
     note_launch("gate_routing.gate_and_route", grouped=grouped, split_k=tiles["split_k"], block_e=tiles["block_e"],
