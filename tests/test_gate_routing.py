@@ -317,10 +317,13 @@ for grouped, e_cols, split, align in ((False, 128, 16, False), (True, 256, 8, Fa
     # a barrier between the arrival and the first read of the other programs' partials
     line = [atom is not None, read > 0, atom is not None and "bar.sync" in ptx[atom.end():read],
             bool(re.search(r"mma", ptx))]
-    if align:   # the second count (token blocks routed), a barrier, then the ids read through L2
+    if align:   # the routing's stores, a barrier, the second count (token blocks routed), a barrier,
+        # then the ids read through L2
         found = re.compile(r"ld[.]global[.]cg([.]v[248])?[.]b32").search(ptx, atoms[-1].end()) if len(atoms) > 1 else None
         ids_read = found.start() if found else -1
-        line += [len(atoms) == 2, ids_read > 0 and "bar.sync" in ptx[atoms[-1].end():ids_read]]
+        last_store = ptx.rfind("st.global", 0, atoms[-1].start())
+        line += [len(atoms) == 2 and 0 < last_store and "bar.sync" in ptx[last_store:atoms[-1].start()],
+                 ids_read > 0 and "bar.sync" in ptx[atoms[-1].end():ids_read]]
     print(*line)
 """
 
@@ -329,8 +332,8 @@ def test_compiles_for_hopper_with_its_release_and_acquire():
     """Compiled for an H100/H200 (sm_90) on this machine: the arrival is an acquire-release atomic
     at GPU scope after a CTA barrier, the partials are read through L2 (``.cg``), the gate's
     products go to the tensor cores; for the plain rule (Qwen3's shape) and the grouped one
-    (DeepSeek-V3's); with the alignment, a second such atomic (token blocks routed), then a
-    barrier, then the ids read through L2."""
+    (DeepSeek-V3's); with the alignment, a barrier after the routing's stores, a second such
+    atomic (token blocks routed), then a barrier, then the ids read through L2."""
     import os
     import subprocess
     import sys
@@ -356,25 +359,28 @@ def test_repeated_calls_agree_bit_for_bit_on_gpu():
     args = dict(topk=8, renormalize=True, scoring_func="sigmoid", num_expert_group=8, topk_group=4,
                 routed_scaling_factor=2.5, e_score_correction_bias=bias)
     first = gate_and_route(x, w, **args)
-    for _ in range(200):
-        again = gate_and_route(x, w, **args)
-        assert all(torch.equal(a, b) for a, b in zip(first, again))
+    calls = [gate_and_route(x, w, **args) for _ in range(200)]   # queued, compared after one sync
     graph = torch.cuda.CUDAGraph()
     gate_and_route(x, w, **args)
     with torch.cuda.graph(graph):
         captured = gate_and_route(x, w, **args)
+    replays = []
     for _ in range(50):
         graph.replay()
-        torch.cuda.synchronize()
-        assert all(torch.equal(a, b) for a, b in zip(first, captured))
+        replays.append([t.clone() for t in captured])   # on the stream: a bad replay stays visible
+    torch.cuda.synchronize()
+    for outputs in calls + replays:
+        assert all(torch.equal(a, b) for a, b in zip(first, outputs))
 
 
 @needs_gpu
 @pytest.mark.parametrize("model, num_tokens, block", [("qwen3-30b-a3b", 8, 16), ("qwen3-30b-a3b", 64, 16),
                                                       ("deepseek-v3", 16, 16), ("deepseek-v3", 100, 64)])
 def test_aligned_at_real_shapes_repeated_and_replayed_on_gpu(model, num_tokens, block):
-    """The alignment in the router's launch reads ids other SMs wrote: 100 calls equal to the
-    reference alignment of their own ids, then 30 replays of one CUDA graph."""
+    """The alignment in the router's launch reads ids other SMs wrote: 100 calls queued back to
+    back, then 30 replays of one CUDA graph (each replay's outputs cloned on the stream, so that a
+    bad replay is not hidden by the next), compared after one synchronisation with the first
+    call, whose alignment equals the reference's of its ids."""
     from moe_kernels.layer import MoELayer
 
     layer = MoELayer.random(model, dtype=torch.bfloat16, device="cuda", seed=num_tokens)
@@ -388,13 +394,37 @@ def test_aligned_at_real_shapes_repeated_and_replayed_on_gpu(model, num_tokens, 
     first = gate_route_and_align(*args, block_size=block, **grouped)
     want = moe_align_block_size_reference(first[1], block, w.gate.shape[0])
     assert all(torch.equal(a, b) for a, b in zip(first[3:], want))
-    for _ in range(100):
-        again = gate_route_and_align(*args, block_size=block, **grouped)
-        assert all(torch.equal(a, b) for a, b in zip(first, again))
+    calls = [gate_route_and_align(*args, block_size=block, **grouped) for _ in range(100)]
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = gate_route_and_align(*args, block_size=block, **grouped)
+    replays = []
     for _ in range(30):
         graph.replay()
-        torch.cuda.synchronize()
-        assert all(torch.equal(a, b) for a, b in zip(first, captured))
+        replays.append([t.clone() for t in captured])
+    torch.cuda.synchronize()
+    for outputs in calls + replays:
+        assert all(torch.equal(a, b) for a, b in zip(first, outputs))
+
+
+@needs_gpu
+def test_aligned_with_changing_batches_back_to_back_on_gpu():
+    """Token counts that change from call to call, queued on one stream with no synchronisation
+    (1 to 7 token blocks, at DeepSeek-V3's shape): each call's alignment is the reference's of its
+    own ids."""
+    from moe_kernels.layer import MoELayer
+
+    layer = MoELayer.random("deepseek-v3", dtype=torch.bfloat16, device="cuda", seed=5)
+    routing, w = layer.routing, layer.weights
+    x = torch.randn(100, w.gate.shape[1], device="cuda", dtype=torch.bfloat16)
+    grouped = dict(num_expert_group=routing.num_expert_group, topk_group=routing.topk_group,
+                   routed_scaling_factor=routing.routed_scaling_factor, e_score_correction_bias=w.bias)
+    sizes = [1, 100, 17, 3, 64, 33, 2, 100, 16] * 4
+    outputs = [gate_route_and_align(x[:n], w.gate, routing.top_k, routing.renormalize, routing.scoring_func,
+                                    block_size=16, **grouped) for n in sizes]
+    torch.cuda.synchronize()
+    for n, out in zip(sizes, outputs):
+        want = moe_align_block_size_reference(out[1], 16, w.gate.shape[0])
+        assert all(torch.equal(a, b) for a, b in zip(out[3:], want)), n
+        alone = gate_and_route(x[:n], w.gate, routing.top_k, routing.renormalize, routing.scoring_func, **grouped)
+        assert torch.equal(out[1], alone[1]), n

@@ -229,3 +229,54 @@ def test_router_in_one_launch_up_to_its_batch(model):
             assert [s["aligned"] for n, s in launches if n == "gate_routing.gate_and_route"] == [aligned] * fused
             assert rel_err(out, layer.reference(x[:batch])) < 1e-3
         torch.testing.assert_close(layer(x[:8]), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(BACKEND == "torch", reason="no Triton: the torch references launch nothing")
+def test_router_aligns_only_where_its_ids_are_the_gemms_ids():
+    """The router's launch aligns only where the ids it writes are the ones the GEMMs read, and
+    one program may place them all: not with the shared expert fused as slot E (its column is
+    added after the routing), not above ALIGN_MAX_ASSIGNMENTS (then the alignment kernel runs)."""
+    import moe_kernels.layer as layer_module
+    from moe_kernels.kernels import gate_routing
+
+    x = torch.randn(8, 256, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    with mock.patch.object(layer_module, "GATE_ROUTING_MAX_TOKENS", 8):
+        fused_slot = small_layer("none", "index_gather", shared_expert="fused")
+        plan = fused_slot.plan(8, dtype=x.dtype)
+        assert plan.gate_routing and plan.naive_blocks is False and not plan.gate_alignment
+        with mock.patch.object(gate_routing, "ALIGN_MAX_ASSIGNMENTS", 63):   # 8 tokens x top-8 = 64
+            layer = small_layer("none", "index_gather")
+            plan = layer.plan(8, dtype=x.dtype)
+            assert plan.gate_routing and plan.naive_blocks is False and not plan.gate_alignment
+            with record_launches() as launches:
+                out = layer(x)
+            names = [name for name, _ in launches]
+            assert "gate_routing.gate_and_route" in names and "align.moe_align_block_size" in names, names
+            assert rel_err(out, layer.reference(x)) < 1e-3
+
+
+@needs_gpu
+@pytest.mark.parametrize("model_name, batch", [("qwen3-30b-a3b", 8), ("deepseek-v3", 64)])
+def test_router_in_one_launch_replays_and_graphs_on_two_streams_gpu(model_name, batch):
+    """The router's launch (with the alignment) through the replay path: the layer's calls are
+    recorded, replayed, then captured as a CUDA graph (the fourth call on), on the default stream
+    and on a second stream in turn; every output matches the first, eager, call."""
+    import moe_kernels.layer as layer_module
+
+    with mock.patch.object(layer_module, "GATE_ROUTING_MAX_TOKENS", 128):
+        layer = MoELayer.random(model_name, dtype=torch.bfloat16, device="cuda", seed=1)
+        plan = layer.plan(batch, dtype=torch.bfloat16)
+        assert plan.gate_routing and plan.gate_alignment
+        x = torch.randn(batch, MODELS[model_name].hidden_size, device="cuda", dtype=torch.bfloat16)
+        first = layer(x).clone()
+        side = torch.cuda.Stream()
+        outputs = []
+        for call in range(12):
+            stream = side if call % 2 else torch.cuda.current_stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                outputs.append(layer(x).clone())
+            torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        for out in outputs:   # (the top-k sum's fp32 atomics may add in another order)
+            assert rel_err(out, first) < 1e-2

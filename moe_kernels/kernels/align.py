@@ -150,7 +150,9 @@ if HAS_TRITON:
 
         Ids outside ``[0, num_experts)`` (and offsets past ``end``) are reported invalid and
         replaced by 0, so that no later histogram, gather or store can leave its bounds.
-        ``CACHE=".cg"`` reads from L2, past this SM's L1: for ids another SM has just written.
+        ``CACHE=".cg"`` reads from L2, past this SM's L1: for ids other SMs have just written (the
+        acquire and the CTA barrier before the read already make them visible; ``.cg`` keeps
+        the read off L1 as well).
         """
         in_bounds = offsets < end
         raw = tl.load(topk_ids_ptr + offsets, mask=in_bounds, other=-1, cache_modifier=CACHE)

@@ -25,9 +25,10 @@ The gate's products are those of :func:`~moe_kernels.kernels.routing.gate` on a 
 operands on the tensor cores, float32 sums (in another order: near-ties between experts may break
 the other way, as between any two float32 GEMMs); float32 operands are multiplied in IEEE float32.
 
-The arrival counters are zeroed by a fill before the launch (a memset node in a CUDA graph): a
-buffer kept between calls and reset by the kernel would save it, but two calls on two streams
-would then share it.
+The arrival counters are zeroed by a fill before the launch (a memset node in a CUDA graph). A
+buffer kept between calls and reset by the kernel would save it, but calls on two streams would
+then share it, and so would every replay and CUDA graph of a recorded layer call
+(:mod:`moe_kernels._replay` keeps a tensor made outside the call as a constant).
 
 A worked example, four experts, one token, top-2, checked against the two-step path::
 
@@ -65,7 +66,8 @@ _PARTIAL_BYTES = 128 * 1024
 _TARGET_PROGRAMS = 264
 #: Most assignments (T * k) :func:`gate_route_and_align` aligns inside its launch, in one program
 #: that ranks them 64 at a time (the alignment kernel places 64 per program): 1,024 is 128 tokens
-#: of Qwen3-30B-A3B or DeepSeek-V3. Not timed yet on the H200; above it the alignment is a launch of its own.
+#: of Qwen3-30B-A3B or DeepSeek-V3. Not timed yet on the H200; above it (and with no tokens) the
+#: alignment is a launch of its own.
 ALIGN_MAX_ASSIGNMENTS = 1024
 
 if HAS_TRITON:
@@ -268,8 +270,8 @@ def gate_route_and_align(hidden_states: torch.Tensor, gate_weight: torch.Tensor,
 
     The last token block to finish routing aligns every assignment in one program (the alignment
     kernel's own body, reading the ids from L2), so the router and the alignment cost one launch.
-    One program places :data:`ALIGN_MAX_ASSIGNMENTS` assignments at most; above that the
-    alignment runs as its own launch (same result).
+    One program places :data:`ALIGN_MAX_ASSIGNMENTS` assignments at most; above that, and with no
+    tokens, the alignment runs as its own launch (same result).
 
         >>> x = torch.tensor([[1.0, 2.0], [0.0, 1.0], [2.0, 0.0]])
         >>> gate_weight = torch.tensor([[1.0, 0.0], [0.5, 0.5], [0.0, -1.0], [2.0, 0.0]])
