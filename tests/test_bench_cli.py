@@ -87,3 +87,25 @@ def torch_cuda_available() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["tune", "--shared", "--models", "qwen3-30b-a3b"], "with --shared, every model must have a shared expert"),
+    (["tune", "--shared", "--refine", "--models", "deepseek-v3"], "argument --shared: not with --refine"),
+])
+def test_tuning_shared_experts_needs_models_that_have_one(capsys, argv, says):
+    assert says in _argparse_error(capsys, argv)
+
+
+def test_shared_expert_compile_jobs_run_the_dense_block_map():
+    """``tune --shared`` compiles each candidate on the dense block map that the layer's shared
+    expert runs on: GEMM 1 (split over K too) and GEMM 2 without the top-k sum, here on the CPU
+    (the interpreter, float32), every job compiled."""
+    from moe_kernels.bench.tune import _compile_jobs
+    from moe_kernels.kernels.config import GemmTiles
+
+    jobs = [{"d": 32, "f": 16, "top_k": 1, "block_m": 16, "naive": False, "dense": True, "gated": gated,
+             "sum_slots": False, "device": "cpu", "dtype": "float32", "format": "none",
+             "tiles": {**GemmTiles(16, 16, split_k=split).__dict__}}
+            for gated, split in ((True, 1), (True, 2), (False, 1))]
+    assert _compile_jobs(jobs) == 3

@@ -7,7 +7,7 @@
 # what: tests, ceilings, tune, refine, sweep, fp8, decode-step, layouts, routing, skew, shared, capacity, notebooks,
 # graphs (the CUDA-graph replay's and the split GEMM 1's GPU tests), host-probe, model-probe, prefill, gate-routing
 # (the router in one launch, with and without the alignment: its GPU tests and bench routing --gate-routing),
-# id-check (bench layer --id-check-only, ID_CHECK_PAIRS pairs at ID_CHECK_BATCHES), model (bench model at
+# tune-shared (the shared expert's tiles, bf16 and fp8, tables written), id-check (bench layer --id-check-only, ID_CHECK_PAIRS pairs at ID_CHECK_BATCHES), model (bench model at
 # MODEL_BATCHES; all batches take over 600 s) (default: tests
 # ceilings sweep). NOTEBOOKS="06 07" limits the notebooks step to those sections. tune searches the tiles (TUNE_BATCHES, TUNE_BUDGET_S) and rewrites the tuned tables in
 # moe_kernels/kernels/configs/, which are packed too. notebooks executes every notebook with the GPU (its live cells run) into $OUT/notebooks
@@ -35,6 +35,12 @@ for step in "${steps[@]}"; do
                         --warmup-ms 2 --rep-ms 10 --workers "$(nproc)" --record --write-tables \
                         2>&1 | tee "$OUT/refine-$format.log" | grep -E "batch|wrote|recorded|precompiled" || status=1
                 done ;;
+        tune-shared) for format in none block; do   # DeepSeek-V3's shared expert on its dense block map; E=1 tables
+                         $PY -m moe_kernels.bench tune --shared --models deepseek-v3 --format $format \
+                             --batches "${SHARED_BATCHES:-1,2,4,8,16,32,64,128}" --warmup-ms 2 --rep-ms 10 \
+                             --workers "$(nproc)" --record --write-tables 2>&1 | tee "$OUT/tune-shared-$format.log" \
+                             | grep -E "batch|wrote|recorded|precompiled" || status=1
+                     done ;;
         fp8) $PY -m moe_kernels.bench fp8 --record 2>&1 | tee "$OUT/fp8.log" | grep -E "GEMMs|permute|scaled|recorded|TB/s" \
                  | grep -E " (1|8|64|512|4096|16384) |recorded|TB/s" || status=1 ;;
         notebooks) mkdir -p "$OUT/notebooks"

@@ -11,6 +11,11 @@ top-k sum are timed separately, each replayed from a CUDA graph
 (:func:`~moe_kernels.bench.tune_candidates.plainest_best`). The candidates are compiled first in
 parallel processes (:func:`precompile`); ``--budget-s`` stops tuning new batches after a while.
 
+``--shared`` tunes the models' shared experts instead: one expert of ``num_shared_experts * F``
+rows that every token uses, timed on the dense block map the layer runs it on (no index, GEMM 2
+storing each row once, GEMM 1 also split over K: at decode it has a single M block, so few
+programs); its tables are the ``E=1`` ones, which the layer's shared-expert lookup reads.
+
 ``--format block`` tunes fp8 weights with 128x128 block scales (activations quantised outside
 the timed GEMMs, as the layer does before each); its tables are the fp8 ones. ``--refine`` times
 only the configuration the kernels pick today, with and without TMA, on each grid and, for a
@@ -36,7 +41,7 @@ import time
 
 import torch
 
-from ..model.shapes import MODELS
+from ..model.shapes import MODELS, shared_expert_shape
 from .cli import add_record_arguments, add_run_arguments, at_least, log_line, start_run, write_record
 from .problems import make_batch, make_weights
 from .timing import graphed, median_ms
@@ -49,9 +54,9 @@ def _compile_jobs(jobs: list[dict]) -> int:
     """Run each job's kernel once on a tiny problem of the same shape class, so Triton compiles
     it into its on-disk cache; used from worker processes to compile configurations in parallel."""
     from ..kernels.config import GemmTiles
-    from ..kernels.blocks import assign_blocks
+    from ..kernels.blocks import assign_blocks, dense_blocks
     from ..kernels.formats import FORMATS
-    from ..kernels.index_gather import expert_down, expert_gate_up
+    from ..kernels.index_gather import down, expert_down, expert_gate_up
 
     done = 0
     for job in jobs:
@@ -61,8 +66,16 @@ def _compile_jobs(jobs: list[dict]) -> int:
         on = dict(device=job["device"], dtype=getattr(torch, job["dtype"]))
         try:
             ids = torch.zeros(4, top_k, dtype=torch.int32, device=job["device"])
-            blocks = assign_blocks(ids, block_m, 1, naive=job["naive"], validate_ids=False)   # as timed
-            if job["gated"]:
+            if job.get("dense"):   # a shared expert: one expert, every row, no index (as timed)
+                blocks = dense_blocks(4, block_m, ids)
+            else:
+                blocks = assign_blocks(ids, block_m, 1, naive=job["naive"], validate_ids=False)   # as timed
+            if job.get("dense") and not job["gated"]:
+                w, w_scale = fmt.quantize_weight(torch.randn(1, d, f, **on))
+                y, y_scale = fmt.quantize_activations(torch.randn(4, f, **on))
+                down(y, w, None, blocks, tiles=tiles, out=torch.empty(4, d, **on), a_scale=y_scale, w_scale=w_scale,
+                     fmt=fmt, sum_slots=False)
+            elif job["gated"]:
                 w, w_scale = fmt.quantize_weight(torch.randn(1, 2 * f, d, **on))
                 x, x_scale = fmt.quantize_activations(torch.randn(4, d, **on))
                 expert_gate_up(x, w, blocks, top_k, tiles=tiles, a_scale=x_scale, w_scale=w_scale,
@@ -110,11 +123,11 @@ def tune(models, batches, *, dtype, seed, warmup_ms, rep_ms, workers, budget_s=m
     :data:`~moe_kernels.kernels.formats.FORMATS` ("none": ``dtype`` weights; "block": fp8 with
     128x128 block scales, whose tables are the fp8 ones)."""
     from ..kernels._pdl import pdl_available
-    from ..kernels.blocks import assign_blocks, use_naive_block_assignment
+    from ..kernels.blocks import assign_blocks, dense_blocks, use_naive_block_assignment
     from ..kernels.combine import moe_sum
     from ..kernels.config import MoEConfig, get_config
     from ..kernels.formats import FORMATS
-    from ..kernels.index_gather import expert_down, expert_gate_up, run_experts
+    from ..kernels.index_gather import dense_expert, down, expert_down, expert_gate_up, run_experts
 
     fmt = FORMATS[weight_format]
     table_dtype = fmt.element or dtype
@@ -125,13 +138,14 @@ def tune(models, batches, *, dtype, seed, warmup_ms, rep_ms, workers, budget_s=m
     for batch in batches:
         for key, model in models.items():
             rho = batch * model.top_k / model.num_experts
-            naive = use_naive_block_assignment(batch, model.top_k, model.num_experts)
+            dense = model.num_experts == 1   # a shared expert (--shared): the dense block map
+            naive = not dense and use_naive_block_assignment(batch, model.top_k, model.num_experts)
             base = get_config(batch, model.num_experts, model.moe_intermediate_size, model.hidden_size,
                               table_dtype, device) if refine else None
             for bm in [base.block_m] if refine else block_m_candidates(rho):
-                for gated, summed, tiles in candidates(rho, bm, base=base, fmt=fmt):
+                for gated, summed, tiles in candidates(rho, bm, base=base, fmt=fmt, dense=dense):
                     jobs.append({"d": model.hidden_size, "f": model.moe_intermediate_size, "top_k": model.top_k,
-                                 "block_m": bm, "naive": naive, "gated": gated, "sum_slots": summed,
+                                 "block_m": bm, "naive": naive, "dense": dense, "gated": gated, "sum_slots": summed,
                                  "device": str(device), "dtype": str(dtype).replace("torch.", ""),
                                  "format": weight_format, "tiles": dataclasses.asdict(tiles)})
             plans.append((key, batch, rho))
@@ -163,8 +177,10 @@ def tune(models, batches, *, dtype, seed, warmup_ms, rep_ms, workers, budget_s=m
         tried = []
         base = get_config(batch, model.num_experts, model.moe_intermediate_size, model.hidden_size, table_dtype,
                           device) if refine else None
+        dense = model.num_experts == 1
         for bm in [base.block_m] if refine else block_m_candidates(rho):
-            blocks = assign_blocks(ids, bm, model.num_experts, validate_ids=False)
+            blocks = (dense_blocks(batch, bm, ids) if dense
+                      else assign_blocks(ids, bm, model.num_experts, validate_ids=False))
 
             def timed(call, what):
                 # Replayed from a CUDA graph, as the layer runs in an engine: launch overhead excluded.
@@ -180,7 +196,11 @@ def tune(models, batches, *, dtype, seed, warmup_ms, rep_ms, workers, budget_s=m
 
             def down_and_sum(t, sum_in_gemm):
                 # GEMM 2 with the top-k sum, whichever way it is done, into the [T, d] output.
-                if sum_in_gemm:
+                if dense:   # one row per token, weight 1, stored once: as dense_expert runs it
+                    def run():
+                        down(y, w2, None, blocks, tiles=t, out=out, a_scale=y_scale, w_scale=w2_scale, fmt=fmt,
+                             sum_slots=False)
+                elif sum_in_gemm:
                     def run():
                         summed.zero_()
                         expert_down(y, w2, weights, blocks, tiles=t, out=summed, sum_slots=True, a_scale=y_scale,
@@ -193,13 +213,13 @@ def tune(models, batches, *, dtype, seed, warmup_ms, rep_ms, workers, budget_s=m
                 return run
 
             up_times = {t: timed(gate_up(t), {"gemm": "gate_up", "tiles": dataclasses.asdict(t)})
-                        for _, _, t in candidates(rho, bm, gemm="gate_up", base=base, fmt=fmt)}
+                        for _, _, t in candidates(rho, bm, gemm="gate_up", base=base, fmt=fmt, dense=dense)}
             best_up = plainest_best(up_times, plain_tiles)
             gate_up(best_up)()   # real data for GEMM 2, quantised as the layer quantises it
             y, y_scale = fmt.quantize_activations(inter)
             down_times = {(sm, t): timed(down_and_sum(t, sm), {"gemm": "down", "sum_in_gemm": sm,
                                                                "tiles": dataclasses.asdict(t)})
-                          for _, sm, t in candidates(rho, bm, gemm="down", base=base, fmt=fmt)}
+                          for _, sm, t in candidates(rho, bm, gemm="down", base=base, fmt=fmt, dense=dense)}
             best_sum, best_down = plainest_best(down_times, lambda key: not key[0] and plain_tiles(key[1]))
             for t, ms in up_times.items():
                 tried.append({"gemm": "gate_up", "block_m": bm, "tiles": dataclasses.asdict(t), "ms": ms})
@@ -225,8 +245,14 @@ def tune(models, batches, *, dtype, seed, warmup_ms, rep_ms, workers, budget_s=m
             wide_up = dataclasses.replace(wide_up, block_n=fmt.block[1], num_stages=stages)
         combos = [(pdl, quant) for pdl in ((False, True) if pdl_available(torch.device(device)) else (False,))
                   for quant in ((False, True) if quant_ok else (False,))]
-        blocks = assign_blocks(ids, cfg.block_m, model.num_experts, validate_ids=False)
-        switch_ms = {}
+        if dense:   # dense_expert runs neither switch: the tiles alone, timed as it runs them
+            combos = []
+            switch_ms = {cfg: median_ms(graphed(lambda: dense_expert(
+                hidden, w1[0], w2[0], fmt=fmt, config=cfg, w1_scale=None if w1_scale is None else w1_scale[0],
+                w2_scale=None if w2_scale is None else w2_scale[0])), warmup_ms, rep_ms)}
+        blocks = (dense_blocks(batch, cfg.block_m, ids) if dense
+                  else assign_blocks(ids, cfg.block_m, model.num_experts, validate_ids=False))
+        switch_ms = {} if not dense else switch_ms
         for pdl, quant in combos if len(combos) > 1 else ():
             both = dataclasses.replace(cfg, pdl=pdl, quant_in_gemm=quant, gate_up=wide_up if quant else cfg.gate_up)
             try:
@@ -236,7 +262,7 @@ def tune(models, batches, *, dtype, seed, warmup_ms, rep_ms, workers, budget_s=m
             except Exception as err:  # noqa: BLE001 - recorded, and the plain launch kept
                 tried.append({"gemm": "both", "pdl": pdl, "quant_in_gemm": quant, "error": str(err)[:120]})
                 switch_ms[both] = math.inf
-        if switch_ms:
+        if switch_ms and not dense:
             cfg = plainest_best(switch_ms, lambda c: not c.pdl and not c.quant_in_gemm)
         log(f"{key:<14} {fmt.name:<11} batch {batch:>6}: {total * 1e3:8.1f} us (gate_up {t_up * 1e3:.1f} + down "
             f"and sum {t_down * 1e3:.1f}) block_m {cfg.block_m} gate_up {short(cfg.gate_up)} down {short(cfg.down)}"
@@ -286,17 +312,30 @@ def main(argv: list[str] | None = None) -> int:
                         help="weights: bf16 (none) or fp8 with 128x128 block scales (block)")
     parser.add_argument("--write-tables", action="store_true",
                         help="write the best configs as the tables the kernels load (kernels/configs/)")
+    parser.add_argument("--shared", action="store_true",
+                        help="tune the models' shared experts instead (one expert, every token, on the dense block "
+                             "map the layer runs them on); with --write-tables, the E=1 tables")
     dtype = torch.bfloat16
+    args = parser.parse_args(argv)
+    models = {m: MODELS[m] for m in args.models}
+    if args.shared:
+        if args.refine:
+            parser.error("argument --shared: not with --refine (a shared expert's table comes from a full tune)")
+        without = [m for m, model in models.items() if model.num_shared_experts < 1]
+        if without:
+            parser.error(f"argument --models: with --shared, every model must have a shared expert; "
+                         f"{', '.join(without)} has none")
+        models = {f"{m}:shared": shared_expert_shape(model) for m, model in models.items()}
     args, config = start_run(parser, argv, dtype)
     if config is None:
         return 2
     started = time.perf_counter()
-    entries = tune({m: MODELS[m] for m in args.models}, args.batches, dtype=dtype, seed=args.seed,
+    entries = tune(models, args.batches, dtype=dtype, seed=args.seed,
                    warmup_ms=args.warmup_ms, rep_ms=args.rep_ms, workers=args.workers, budget_s=args.budget_s,
                    log=log_line, refine=args.refine, weight_format=args.format)
     data = {"config": config, "device": torch.cuda.get_device_name(), "entries": entries}
     # (a refine times a few variants of today's tables: its record must not replace a full tune's)
-    name = args.name or ("fused-moe-tuning" + ("-refine" if args.refine else "")
+    name = args.name or ("fused-moe-tuning" + ("-shared" if args.shared else "") + ("-refine" if args.refine else "")
                          + ("" if args.format == "none" else f"-fp8-{args.format}"))
     if args.write_tables:
         from ..kernels.formats import FORMATS

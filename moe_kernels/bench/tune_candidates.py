@@ -112,12 +112,31 @@ def plainest_best(times: dict, is_plain) -> object:
     return best
 
 
-def candidates(rho: float, block_m: int, gemm: str | None = None, base=None, fmt=None):
+def candidates(rho: float, block_m: int, gemm: str | None = None, base=None, fmt=None, dense: bool = False):
     """``(gated, sum_in_gemm, tiles)`` to try for GEMM 1 (``gemm="gate_up"``), GEMM 2 (``"down"``)
     or both (None) at ``rho`` rows per expert and M tile ``block_m``, for weights of format
     ``fmt``. With ``base`` (a :class:`~moe_kernels.kernels.config.MoEConfig`, ``--refine``): its
     own tiles, each with and without TMA and in the three grids, and for a 16- or 32-row M tile
-    the same tiles transposed (``swap_ab``) onto 64- and 128-row weight tiles, and nothing else."""
+    the same tiles transposed (``swap_ab``) onto 64- and 128-row weight tiles, and nothing else.
+
+    ``dense``: one expert that every token uses (a shared expert, ``bench tune --shared``). Its
+    GEMM 2 writes each row once, with no top-k sum, so it is tried unsplit and without the sum in
+    its epilogue (as the layer runs it); its GEMM 1 has one M block at decode, so few programs, and
+    the plain tiles are tried split over K too.
+
+        >>> gate_up = list(candidates(1, 16, "gate_up", dense=True))
+        >>> sorted({t.split_k for _, _, t in gate_up}), {(s, t.split_k) for _, s, t in candidates(1, 16, "down", dense=True)}
+        ([1, 2, 4], {(False, 1)})
+    """
+    if dense and base is None:
+        if gemm in (None, "gate_up"):
+            tiles = tile_candidates(rho, block_m, True, fmt)
+            yield from ((True, False, t) for t in tiles)
+            for split in gate_up_splits(rho):
+                yield from ((True, False, dataclasses.replace(t, split_k=split)) for t in tiles if plain_tiles(t))
+        if gemm in (None, "down"):
+            yield from ((False, False, t) for t in tile_candidates(rho, block_m, False, fmt))
+        return
     if base is not None:
         for tiles, gated in ((base.gate_up, True), (base.down, False)):
             if gemm not in (None, "gate_up" if gated else "down"):

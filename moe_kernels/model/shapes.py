@@ -18,6 +18,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from numbers import Real
 
@@ -162,6 +163,22 @@ class MoEModel:
 
     def short(self) -> str:
         return f"{self.name} (d={self.hidden_size}, F={self.moe_intermediate_size}, E={self.num_experts}, k={self.top_k})"
+
+
+def shared_expert_shape(model: MoEModel) -> MoEModel:
+    """The model's shared expert(s) as a one-expert, top-1 shape: what the layer runs on a dense
+    block map (every token, one expert of width ``num_shared_experts * F``, the shared experts
+    stacked), and what the tuner tunes for it (``bench tune --shared``).
+
+        >>> shared = shared_expert_shape(MODELS["deepseek-v3"])
+        >>> shared.num_experts, shared.top_k, shared.moe_intermediate_size, shared.hidden_size
+        (1, 1, 2048, 7168)
+    """
+    if model.num_shared_experts < 1:
+        fail("shared_expert_shape", "model", "must have a shared expert (num_shared_experts >= 1)", model.name)
+    return dataclasses.replace(model, name=f"{model.name} shared expert", num_experts=1, top_k=1,
+                               moe_intermediate_size=model.num_shared_experts * model.moe_intermediate_size,
+                               num_expert_groups=1, topk_groups=1, num_shared_experts=0)
 
 
 @dataclass(frozen=True)
