@@ -17,6 +17,12 @@ prepared beforehand (the splice itself is a few small torch kernels; SGLang does
 top-k kernel). Both ways use the tiles tuned for the routed shape, so the comparison is about
 fusion, not tile choice.
 
+The shared expert alone is timed two ways too: as two cuBLAS GEMMs (``shared_us``) and on the
+routed experts' kernels over a dense block map with the layer's tiles for it
+(:func:`~moe_kernels.kernels.index_gather.dense_expert`, ``shared_dense_us``: the tuned E=1 table
+where ``bench tune --shared`` wrote one), each against its own floor, the 88 MB of its weights over
+the measured read bandwidth (``shared_floor_us``; the larger of that and its FLOPs over the GEMM rate).
+
 Bytes are counted for the ids drawn: the routed experts touched plus the shared expert
 (``3 d F`` bf16 weights each), activations in and out; FLOPs are ``6 d F`` per row of the
 ``k + 1`` per token. The floor is ``max(bytes / bandwidth, FLOPs / GEMM rate)`` with both
@@ -45,7 +51,7 @@ from .cli import add_record_arguments, positive_ints, write_record
 
 BATCHES = (1, 8, 64, 512, 4096)
 MAX_REL_ERR = 1e-2  # bf16 outputs of a 7168 x 2048 expert FFN
-TIMED = ("separate_us", "routed_us", "shared_us", "fused_us", "fused_gemms_us")
+TIMED = ("separate_us", "routed_us", "shared_us", "shared_dense_us", "fused_us", "fused_gemms_us")
 
 
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -77,6 +83,8 @@ def measure(batch: int, w1_all: torch.Tensor, w2_all: torch.Tensor, ceilings: di
     from .problems import make_batch
     from ..reference import moe_reference
     from ..kernels.routing import append_shared_expert
+    from ..kernels.config import choose_config
+    from ..kernels.formats import FORMATS
     from ..kernels.shared import moe_with_shared_fused, moe_with_shared_separate, shared_expert_separate
     from .timing import graph_us
 
@@ -95,11 +103,18 @@ def measure(batch: int, w1_all: torch.Tensor, w2_all: torch.Tensor, ceilings: di
     def fused():
         return moe_with_shared_fused(hidden, w1_all, w2_all, weights, ids, config=config, validate_ids=False)
 
+    shared_choice = choose_config(batch, 1, f, d, dtype, hidden.device)   # as the layer looks it up
+
+    def shared_dense():
+        return index_gather.dense_expert(hidden, w1_shared, w2_shared, fmt=FORMATS["none"],
+                                         config=shared_choice.config)
+
     weights9, ids9 = append_shared_expert(weights, ids, num_experts)
     reference = moe_reference(hidden, w1_all, w2_all, weights9, ids9)
     out_separate, out_fused = separate(), fused()
     errors = {"rel_err_separate": _rel_err(out_separate, reference), "rel_err_fused": _rel_err(out_fused, reference),
-              "rel_err_between": _rel_err(out_fused, out_separate.double())}
+              "rel_err_between": _rel_err(out_fused, out_separate.double()),
+              "rel_err_shared_dense": _rel_err(shared_dense(), shared_expert_separate(hidden, w1_shared, w2_shared))}
     del reference, out_separate, out_fused
     if not all(err < MAX_REL_ERR for err in errors.values()):
         raise RuntimeError(f"batch {batch}: outputs disagree {errors} (limit {MAX_REL_ERR})")
@@ -109,6 +124,7 @@ def measure(batch: int, w1_all: torch.Tensor, w2_all: torch.Tensor, ceilings: di
         "routed_us": graph_us(lambda: index_gather.fused_experts(hidden, w1, w2, weights, ids, config=config,
                                                               validate_ids=False)),
         "shared_us": graph_us(lambda: shared_expert_separate(hidden, w1_shared, w2_shared)),
+        "shared_dense_us": graph_us(shared_dense),
         "fused_us": graph_us(fused),
         "fused_gemms_us": graph_us(lambda: index_gather.fused_experts(hidden, w1_all, w2_all, weights9, ids9,
                                                                    config=config, validate_ids=False)),
@@ -116,11 +132,16 @@ def measure(batch: int, w1_all: torch.Tensor, w2_all: torch.Tensor, ceilings: di
     work = count_work(model, ids, dtype.itemsize)
     nbytes = work["routed_weight_bytes"] + work["shared_weight_bytes"] + work["activation_bytes"]
     floor_s = max(nbytes / ceilings["hbm_bandwidth"], work["flops"] / ceilings["gemm_rate_bf16"])
+    shared_floor_s = max(work["shared_weight_bytes"] / ceilings["read_bandwidth"],
+                         batch * model.expert_flops_per_token / ceilings["gemm_rate_bf16"])
     return {
         "batch": batch,
         **work,
         "experts_touched_model": costs.experts_touched(batch, num_experts, top_k),
         "floor_us": floor_s * 1e6,
+        "shared_floor_us": shared_floor_s * 1e6,
+        "shared_config": {"source": shared_choice.source, "table": shared_choice.table, "entry": shared_choice.entry,
+                          **shared_choice.config.to_dict()},
         "naive_blocks_separate": use_naive_block_assignment(batch, top_k, num_experts),
         "naive_blocks_fused": use_naive_block_assignment(batch, top_k + 1, num_experts + 1),
         **errors,
@@ -137,6 +158,7 @@ def _print_row(row: dict) -> None:
     print(f"B={row['batch']:5d} touched {row['experts_touched']:3d} shared share {share:6.2%} | "
           f"separate {us('separate_us')} (routed {us('routed_us')} + shared {us('shared_us')}) | "
           f"fused {us('fused_us')} (GEMMs {us('fused_gemms_us')}) | floor {row['floor_us']:8.1f} us | "
+          f"shared dense {us('shared_dense_us')} floor {row['shared_floor_us']:6.1f} | "
           f"err {max(row['rel_err_separate'], row['rel_err_fused']):.1e}", flush=True)
 
 
@@ -167,9 +189,10 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("moe_kernels.bench.shared: needs a CUDA GPU", file=sys.stderr)
         return 2
-    from .ceilings import measure_gemm_rate, measure_hbm_bandwidth
+    from .ceilings import measure_gemm_rate, measure_hbm_bandwidth, measure_read_bandwidth
 
-    ceilings = {"hbm_bandwidth": measure_hbm_bandwidth(), "gemm_rate_bf16": measure_gemm_rate()}
+    ceilings = {"hbm_bandwidth": measure_hbm_bandwidth(), "read_bandwidth": measure_read_bandwidth(),
+                "gemm_rate_bf16": measure_gemm_rate()}
     print(f"ceilings: {ceilings['hbm_bandwidth'] / 1e12:.2f} TB/s, {ceilings['gemm_rate_bf16'] / 1e12:.0f} TFLOP/s")
     w1_all, w2_all = weights_with_shared_expert(MODELS["deepseek-v3"], args.seed)
     rows = []
