@@ -109,3 +109,51 @@ def test_shared_expert_compile_jobs_run_the_dense_block_map():
              "tiles": {**GemmTiles(16, 16, split_k=split).__dict__}}
             for gated, split in ((True, 1), (True, 2), (False, 1))]
     assert _compile_jobs(jobs) == 3
+
+
+def test_tuning_a_shared_expert_end_to_end_on_the_cpu(monkeypatch):
+    """``tune(..., shared=True)`` on a small one-expert shape, the timers replaced by a stand-in
+    that runs each candidate once (the interpreter) and the candidates trimmed: every entry is a
+    config the layer's lookup accepts for the index-gather layout, with nothing dense_expert would
+    ignore (no sum in GEMM 2, no split GEMM 2, no PDL, no quantising epilogue); and the table it
+    would write is the one the layer asks for its shared expert."""
+    import dataclasses
+
+    import torch
+
+    from moe_kernels import MODELS, MoELayer
+    from moe_kernels.bench import tune as tune_module
+    from moe_kernels.bench import tune_candidates
+    from moe_kernels.kernels.config import GemmTiles, MoEConfig, check_config, table_name
+    from moe_kernels.model.shapes import shared_expert_shape
+
+    small = dataclasses.replace(MODELS["deepseek-v3"], hidden_size=64, moe_intermediate_size=32, num_shared_experts=2)
+    shape = shared_expert_shape(small)
+    calls = iter(range(10**6))
+
+    def once(fn, *args):   # a stand-in timer: run the call, give each candidate its own time
+        fn()
+        return 1.0 + (next(calls) % 7) / 10
+
+    monkeypatch.setattr(tune_module, "graphed", lambda fn: fn)
+    monkeypatch.setattr(tune_module, "median_ms", once)
+    monkeypatch.setattr(tune_candidates, "tile_candidates", lambda rho, bm, gated, fmt=None: [
+        GemmTiles(16, 32, 1, 4, 2), GemmTiles(32, 32, 1, 4, 2)])
+    entries = tune_module.tune({"small:shared": shape}, [1, 16], dtype=torch.float32, seed=0, warmup_ms=0, rep_ms=0,
+                               workers=0, log=lambda line: None, device="cpu", shared=True)
+    assert [e["M"] for e in entries] == [1, 16] and {(e["E"], e["N"], e["K"]) for e in entries} == {(1, 64, 64)}
+    for entry in entries:
+        config = check_config("test", MoEConfig.from_dict(entry["config"]), layout="index_gather")
+        assert not (config.sum_in_gemm or config.pdl or config.quant_in_gemm) and config.down.split_k == 1
+        tried = {t["tiles"]["split_k"] for t in entry["tried"] if t.get("gemm") == "gate_up"}
+        assert tried == {1, 2, 4} if entry["M"] == 1 else tried == {1, 2}   # GEMM 1 split at decode
+    for key in ("deepseek-v3",):   # the real shape: the table the layer's shared-expert lookup asks for
+        layer = MoELayer.random(key, dtype=torch.float32, device="cpu", seed=0, hidden_size=256, intermediate_size=64)
+        asked = layer.plan(1, dtype=torch.float32).shared_choice.asked
+        model = dataclasses.replace(MODELS[key], hidden_size=256, moe_intermediate_size=64)
+        tuned = shared_expert_shape(model)
+        assert asked == table_name(asked.split(",")[0].split("=")[1].replace("_", " "), tuned.num_experts,
+                                   tuned.moe_intermediate_size, tuned.hidden_size, torch.float32, "index_gather")
+    with pytest.raises(ValueError, match="refine"):
+        tune_module.tune({"small:shared": shape}, [1], dtype=torch.float32, seed=0, warmup_ms=0, rep_ms=0, workers=0,
+                         device="cpu", shared=True, refine=True)

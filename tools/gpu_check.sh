@@ -35,11 +35,15 @@ for step in "${steps[@]}"; do
                         --warmup-ms 2 --rep-ms 10 --workers "$(nproc)" --record --write-tables \
                         2>&1 | tee "$OUT/refine-$format.log" | grep -E "batch|wrote|recorded|precompiled" || status=1
                 done ;;
-        tune-shared) for format in none block; do   # DeepSeek-V3's shared expert on its dense block map; E=1 tables
-                         $PY -m moe_kernels.bench tune --shared --models deepseek-v3 --format $format \
-                             --batches "${SHARED_BATCHES:-1,2,4,8,16,32,64,128}" --warmup-ms 2 --rep-ms 10 \
-                             --workers "$(nproc)" --record --write-tables 2>&1 | tee "$OUT/tune-shared-$format.log" \
-                             | grep -E "batch|wrote|recorded|precompiled" || status=1
+        tune-shared) # DeepSeek-V3's shared expert on its dense block map; E=1 tables. bf16 runs it there up to
+                     # 16 tokens (cuBLAS above: layer.DENSE_SHARED_MAX_TOKENS), fp8 at every batch.
+                     for format in none block; do
+                         batches=${SHARED_BATCHES:-1,2,4,8,16}
+                         [ "$format" = block ] && batches=${SHARED_FP8_BATCHES:-1,2,4,8,16,32,64,128}
+                         $PY -m moe_kernels.bench tune --shared --models deepseek-v3 --format $format --batches "$batches" \
+                             --warmup-ms 2 --rep-ms 10 --budget-s "${SHARED_BUDGET_S:-200}" --workers "$(nproc)" \
+                             --record --write-tables 2>&1 | tee "$OUT/tune-shared-$format.log" \
+                             | grep -E "batch|wrote|recorded|precompiled|budget" || status=1
                      done ;;
         fp8) $PY -m moe_kernels.bench fp8 --record 2>&1 | tee "$OUT/fp8.log" | grep -E "GEMMs|permute|scaled|recorded|TB/s" \
                  | grep -E " (1|8|64|512|4096|16384) |recorded|TB/s" || status=1 ;;

@@ -110,7 +110,7 @@ def precompile(jobs: list[dict], workers: int, log=print) -> None:
 
 
 def tune(models, batches, *, dtype, seed, warmup_ms, rep_ms, workers, budget_s=math.inf, log=print,
-         device="cuda", refine=False, weight_format: str = "none") -> list[dict]:
+         device="cuda", refine=False, weight_format: str = "none", shared: bool = False) -> list[dict]:
     """For each model and batch, the fastest (block_m, GEMM 1 tiles, GEMM 2 tiles) measured.
 
     ``models`` maps names to models; batches are tuned in the order given until ``budget_s``
@@ -121,7 +121,10 @@ def tune(models, batches, *, dtype, seed, warmup_ms, rep_ms, workers, budget_s=m
     call with each combination of the switches between the GEMMs (``MoEConfig.pdl``,
     ``MoEConfig.quant_in_gemm``). ``weight_format`` is a key of
     :data:`~moe_kernels.kernels.formats.FORMATS` ("none": ``dtype`` weights; "block": fp8 with
-    128x128 block scales, whose tables are the fp8 ones)."""
+    128x128 block scales, whose tables are the fp8 ones). ``shared``: ``models`` are shared
+    experts (:func:`~moe_kernels.model.shapes.shared_expert_shape`), tuned on the dense block map
+    as the layer runs them (not with ``refine``)."""
+    from .._checks import fail
     from ..kernels._pdl import pdl_available
     from ..kernels.blocks import assign_blocks, dense_blocks, use_naive_block_assignment
     from ..kernels.combine import moe_sum
@@ -131,6 +134,11 @@ def tune(models, batches, *, dtype, seed, warmup_ms, rep_ms, workers, budget_s=m
 
     fmt = FORMATS[weight_format]
     table_dtype = fmt.element or dtype
+    if shared and refine:
+        fail("tune", "refine", "must be False with shared=True (a shared expert's table comes from a full tune)", refine)
+    if shared and any(model.num_experts != 1 or model.top_k != 1 for model in models.values()):
+        fail("tune", "models", "must be one-expert, top-1 shapes with shared=True (shared_expert_shape)",
+             sorted(models))
 
     start = time.perf_counter()
     plans = []
@@ -138,7 +146,7 @@ def tune(models, batches, *, dtype, seed, warmup_ms, rep_ms, workers, budget_s=m
     for batch in batches:
         for key, model in models.items():
             rho = batch * model.top_k / model.num_experts
-            dense = model.num_experts == 1   # a shared expert (--shared): the dense block map
+            dense = shared   # a shared expert (--shared): the dense block map
             naive = not dense and use_naive_block_assignment(batch, model.top_k, model.num_experts)
             base = get_config(batch, model.num_experts, model.moe_intermediate_size, model.hidden_size,
                               table_dtype, device) if refine else None
@@ -177,7 +185,7 @@ def tune(models, batches, *, dtype, seed, warmup_ms, rep_ms, workers, budget_s=m
         tried = []
         base = get_config(batch, model.num_experts, model.moe_intermediate_size, model.hidden_size, table_dtype,
                           device) if refine else None
-        dense = model.num_experts == 1
+        dense = shared
         for bm in [base.block_m] if refine else block_m_candidates(rho):
             blocks = (dense_blocks(batch, bm, ids) if dense
                       else assign_blocks(ids, bm, model.num_experts, validate_ids=False))
@@ -245,14 +253,17 @@ def tune(models, batches, *, dtype, seed, warmup_ms, rep_ms, workers, budget_s=m
             wide_up = dataclasses.replace(wide_up, block_n=fmt.block[1], num_stages=stages)
         combos = [(pdl, quant) for pdl in ((False, True) if pdl_available(torch.device(device)) else (False,))
                   for quant in ((False, True) if quant_ok else (False,))]
+        switch_ms = {}
         if dense:   # dense_expert runs neither switch: the tiles alone, timed as it runs them
             combos = []
-            switch_ms = {cfg: median_ms(graphed(lambda: dense_expert(
-                hidden, w1[0], w2[0], fmt=fmt, config=cfg, w1_scale=None if w1_scale is None else w1_scale[0],
-                w2_scale=None if w2_scale is None else w2_scale[0])), warmup_ms, rep_ms)}
+            try:
+                switch_ms[cfg] = median_ms(graphed(lambda: dense_expert(
+                    hidden, w1[0], w2[0], fmt=fmt, config=cfg, w1_scale=None if w1_scale is None else w1_scale[0],
+                    w2_scale=None if w2_scale is None else w2_scale[0])), warmup_ms, rep_ms)
+            except Exception as err:  # noqa: BLE001 - recorded; the tiles stay chosen
+                tried.append({"gemm": "both", "error": str(err)[:120]})
         blocks = (dense_blocks(batch, cfg.block_m, ids) if dense
                   else assign_blocks(ids, cfg.block_m, model.num_experts, validate_ids=False))
-        switch_ms = {} if not dense else switch_ms
         for pdl, quant in combos if len(combos) > 1 else ():
             both = dataclasses.replace(cfg, pdl=pdl, quant_in_gemm=quant, gate_up=wide_up if quant else cfg.gate_up)
             try:
@@ -265,7 +276,7 @@ def tune(models, batches, *, dtype, seed, warmup_ms, rep_ms, workers, budget_s=m
         if switch_ms and not dense:
             cfg = plainest_best(switch_ms, lambda c: not c.pdl and not c.quant_in_gemm)
         log(f"{key:<14} {fmt.name:<11} batch {batch:>6}: {total * 1e3:8.1f} us (gate_up {t_up * 1e3:.1f} + down "
-            f"and sum {t_down * 1e3:.1f}) block_m {cfg.block_m} gate_up {short(cfg.gate_up)} down {short(cfg.down)}"
+            f"{'' if dense else 'and sum '}{t_down * 1e3:.1f}) block_m {cfg.block_m} gate_up {short(cfg.gate_up)} down {short(cfg.down)}"
             f"{' summed in GEMM 2' if cfg.sum_in_gemm else ''}"
             + "".join(f"; experts call{' with PDL' if c.pdl else ''}{' quantising in GEMM 1' if c.quant_in_gemm else ''}"
                       f" {ms * 1e3:.1f} us" for c, ms in (switch_ms or {}).items()))
@@ -322,17 +333,22 @@ def main(argv: list[str] | None = None) -> int:
         if args.refine:
             parser.error("argument --shared: not with --refine (a shared expert's table comes from a full tune)")
         without = [m for m, model in models.items() if model.num_shared_experts < 1]
-        if without:
+        if args.models == parser.get_default("models"):   # not asked for: the models that have one
+            models = {m: model for m, model in models.items() if m not in without}
+        elif without:
             parser.error(f"argument --models: with --shared, every model must have a shared expert; "
                          f"{', '.join(without)} has none")
         models = {f"{m}:shared": shared_expert_shape(model) for m, model in models.items()}
     args, config = start_run(parser, argv, dtype)
     if config is None:
         return 2
+    if args.shared:   # the record names the shapes tuned, not the routed ones
+        config.update(models={k: dataclasses.asdict(m) for k, m in models.items()},
+                      routing="none: one expert that every token uses (a shared expert)")
     started = time.perf_counter()
     entries = tune(models, args.batches, dtype=dtype, seed=args.seed,
                    warmup_ms=args.warmup_ms, rep_ms=args.rep_ms, workers=args.workers, budget_s=args.budget_s,
-                   log=log_line, refine=args.refine, weight_format=args.format)
+                   log=log_line, refine=args.refine, weight_format=args.format, shared=args.shared)
     data = {"config": config, "device": torch.cuda.get_device_name(), "entries": entries}
     # (a refine times a few variants of today's tables: its record must not replace a full tune's)
     name = args.name or ("fused-moe-tuning" + ("-shared" if args.shared else "") + ("-refine" if args.refine else "")
@@ -343,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.record:
             log_line("--write-tables without --record: the tables will name a record that this run does not write")
         where = f"{args.results_dir or 'results'}/{_device_dir()}/{name}.json"
-        write_tables(entries, FORMATS[args.format].element or dtype, where, args.format, log_line)
+        write_tables(entries, FORMATS[args.format].element or dtype, where, args.format, log_line, shared=args.shared)
     data["wall_s"] = time.perf_counter() - started
     if args.record:
         write_record(name, data, args.results_dir, log_line)

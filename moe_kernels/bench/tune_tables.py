@@ -15,9 +15,11 @@ import json
 
 import torch
 
-def write_tables(entries: list[dict], dtype: torch.dtype, record: str, weight_format: str, log) -> None:
+def write_tables(entries: list[dict], dtype: torch.dtype, record: str, weight_format: str, log,
+                 shared: bool = False) -> None:
     """One table per tuned shape: the best config at each token count tuned (merged into the
-    entries an existing table has at other token counts)."""
+    entries an existing table has at other token counts). ``shared``: the entries tuned a shared
+    expert (``tune --shared``), which the ``measured`` block says."""
     from ..kernels.config import MoEConfig, load_table, table_name, write_table
 
     device = torch.cuda.get_device_name()
@@ -28,12 +30,17 @@ def write_tables(entries: list[dict], dtype: torch.dtype, record: str, weight_fo
         name = table_name(device, e, n, k, dtype, "index_gather")
         old = load_table(name) or {}
         kept = sorted(set(old) - set(configs))
-        measured = {"device": device, "torch": torch.__version__, "triton": _triton_version(),
-                    "routing": "uniform (top-k of iid normal logits)",
+        routing, method = ("uniform (top-k of iid normal logits)",
+                           "python -m moe_kernels.bench tune --write-tables (GEMM 1 and GEMM 2 with its top-k sum timed "
+                           "separately, each replayed from a CUDA graph, L2 flushed)")
+        if shared:
+            routing, method = ("none: one expert that every token uses (a shared expert)",
+                               "python -m moe_kernels.bench tune --shared --write-tables (GEMM 1 and GEMM 2 on the "
+                               "dense block map timed separately, each replayed from a CUDA graph, L2 flushed)")
+        measured = {"device": device, "torch": torch.__version__, "triton": _triton_version(), "routing": routing,
                     "weights": "bf16" if weight_format == "none" else f"fp8, format {weight_format!r} "
                                "(128x128 block scales, 1x128 activation groups)",
-                    "method": "python -m moe_kernels.bench tune --write-tables (GEMM 1 and GEMM 2 with its top-k "
-                              "sum timed separately, each replayed from a CUDA graph, L2 flushed)",
+                    "method": method,
                     "record": record, "tuned_token_counts": sorted(configs)}
         if kept:   # say where the entries this run did not tune come from
             measured["other_token_counts"] = sources_of(_table_measured(name), kept)
