@@ -198,3 +198,17 @@ def check_dispatch_inputs(func: str, hidden_states, topk_ids, num_experts: int) 
         fail(func, "topk_ids", f"must have shape [{hidden.shape[0]}, k] with k >= 1",
              f"shape {tuple(topk_ids.shape)}")
     return hidden
+
+
+def env_int(name: str, default: int) -> int:
+    """An integer setting from the environment variable ``name`` (``default`` when unset or empty),
+    or a ValueError that names the variable."""
+    import os
+
+    text = os.environ.get(name, "")
+    if not text:
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"environment variable {name} must be an integer, got {text!r}") from None

@@ -36,11 +36,10 @@ running anything, which is how the tests pin the path an fp8 layer takes.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 
-from ._checks import FLOAT_DTYPES, check_device, check_dtype, check_int, check_number, fail
+from ._checks import FLOAT_DTYPES, check_device, check_dtype, check_int, check_number, env_int, fail
 from ._replay import CallPlans
 from .checkpoint import load_layer
 from .kernels.config import ConfigChoice, MoEConfig, check_config, choose_config
@@ -48,7 +47,8 @@ from .kernels.formats import WeightFormat
 from .kernels import gate_routing as gate_routing_kernels
 from .kernels.blocks import aligned_blocks
 from .kernels.index_gather import dense_expert, run_experts
-from .kernels.layouts import LAYOUTS, layout_named
+from .kernels.layout_choice import AUTO, check_layout, choose_layout
+from .kernels.layouts import LAYOUTS
 from .kernels.routing import router_logits
 from .kernels.shared import shared_ffn
 from .layer_spec import LayerWeights, Routing, check_hidden
@@ -57,17 +57,6 @@ from .model.shapes import MODELS, MoEModel
 from .reference import moe_reference, moe_reference_fp8
 
 SHARED_EXPERT = ("separate", "fused")
-
-
-def _env_int(name: str, default: int) -> int:
-    """An integer setting from the environment, or a ValueError that names the variable."""
-    text = os.environ.get(name, "")
-    if not text:
-        return default
-    try:
-        return int(text)
-    except ValueError:
-        raise ValueError(f"environment variable {name} must be an integer, got {text!r}") from None
 #: Up to this many tokens a separate 16/32-bit shared expert runs as the routed experts' two GEMMs
 #: on a dense block map (two launches) instead of cuBLAS (two GEMMs and four elementwise torch
 #: operations). On the H200 (DeepSeek-V3's 88 MB shared expert, CUDA graphs) the two take the same
@@ -79,7 +68,7 @@ DENSE_SHARED_MAX_TOKENS = 16
 #: (:func:`~moe_kernels.kernels.gate_routing.gate_and_route`) instead of the gate's GEMM and then the
 #: routing kernel. 0, i.e. off, until it is timed on the H200 (``bench routing --gate-routing``);
 #: ``MOE_KERNELS_GATE_ROUTING_MAX_TOKENS`` sets it for a process (how that benchmark tries it in a layer).
-GATE_ROUTING_MAX_TOKENS = _env_int("MOE_KERNELS_GATE_ROUTING_MAX_TOKENS", 0)
+GATE_ROUTING_MAX_TOKENS = env_int("MOE_KERNELS_GATE_ROUTING_MAX_TOKENS", 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,11 +86,10 @@ class LayerPlan:
     #: token: its own table lookup; fp8 always, 16/32-bit up to ``DENSE_SHARED_MAX_TOKENS``);
     #: None when the shared expert runs as cuBLAS GEMMs, fused, or there is none.
     shared_choice: ConfigChoice | None = None
-    #: The gate and the routing in one launch (:data:`GATE_ROUTING_MAX_TOKENS`).
+    #: The gate and the routing in one launch (:data:`GATE_ROUTING_MAX_TOKENS`), and the alignment
+    #: too (``gate_alignment``: an aligned index-gather map, no fused shared slot, which would change
+    #: the ids after the routing, at most ``ALIGN_MAX_ASSIGNMENTS`` assignments).
     gate_routing: bool = False
-    #: ... and the alignment too (:func:`~moe_kernels.kernels.gate_routing.gate_route_and_align`):
-    #: index-gather on an aligned block map, the shared expert not fused as a slot (its slot would
-    #: change the ids after the routing), at most ``ALIGN_MAX_ASSIGNMENTS`` assignments.
     gate_alignment: bool = False
 
     @property
@@ -112,11 +100,19 @@ class LayerPlan:
 def plan_layer(func: str, weights: LayerWeights, routing: Routing, layout: str, num_tokens: int,
                activation_dtype: torch.dtype, device: torch.device, *, config: MoEConfig | None = None,
                device_name: str | None = None) -> LayerPlan:
-    """The :class:`LayerPlan` of a call (``config`` given: that config, checked for ``layout``)."""
+    """The :class:`LayerPlan` of a call (``config`` given: that config, checked for ``layout``;
+    ``layout="auto"``: :func:`~moe_kernels.kernels.layout_choice.choose_layout`'s layout and tiles)."""
     e, f, d = weights.num_experts, weights.w2.shape[2], weights.w2.shape[1]
+    table_dtype = weights.format.element or activation_dtype
+    measured = None
+    if layout == AUTO:
+        picked = choose_layout(num_tokens, e, f, d, table_dtype, device, device_name=device_name)
+        layout = picked.layout if LAYOUTS[picked.layout].supports(weights.format) else "index_gather"
+        measured = picked if layout == picked.layout and picked.config is not None else None
     m = m_max_token_budget(num_tokens) if layout == "masked" else num_tokens
-    choice = choose_config(m, e, f, d, weights.format.element or activation_dtype, device, layout=layout,
-                           device_name=device_name)
+    choice = choose_config(m, e, f, d, table_dtype, device, layout=layout, device_name=device_name)
+    if measured is not None and config is None:   # the tiles the crossover was measured with
+        choice = ConfigChoice(measured.config, "layout-choice", choice.asked, measured.source)
     if config is not None:
         choice = ConfigChoice(check_config(func, config, layout=layout), "argument", choice.asked)
     naive = None
@@ -145,10 +141,9 @@ def run_layer(plan: LayerPlan, hidden_states: torch.Tensor, weights: LayerWeight
                     else None, e_score_correction_bias=w.bias)
         args = (hidden_states, w.gate, routing.top_k, routing.renormalize, routing.scoring_func)
         if plan.gate_alignment:   # the router's launch aligns its ids too
-            block_m = plan.config.block_m
             topk_weights, topk_ids, _, *alignment = gate_routing_kernels.gate_route_and_align_checked(
-                *args, block_size=block_m, **rule)
-            blocks = aligned_blocks(*alignment, block_m, topk_ids.numel(), w.num_experts)
+                *args, block_size=plan.config.block_m, **rule)
+            blocks = aligned_blocks(*alignment, plan.config.block_m, topk_ids.numel(), w.num_experts)
         else:
             topk_weights, topk_ids, _ = gate_routing_kernels.gate_and_route_checked(*args, **rule)
     else:
@@ -192,15 +187,15 @@ def moe_layer(hidden_states: torch.Tensor, weights: LayerWeights, *, routing: Ro
     """The MoE layer's output ``[T, d]`` (the residual add is outside the layer).
 
     ``config`` overrides the grouped GEMMs' tiles (default: the tuned table for the routed shape,
-    else the heuristic); ``layout`` picks the grouped-GEMM layout. The function form checks the
-    routing rules and plans at every call; :class:`MoELayer` does both once.
+    else the heuristic); ``layout`` picks the grouped-GEMM layout (``"auto"``: by batch). The
+    function form checks the routing rules and plans at every call; :class:`MoELayer` does both once.
     """
     func = "moe_layer"
     if not isinstance(weights, LayerWeights):
         fail(func, "weights", "must be a LayerWeights", type(weights).__name__, TypeError)
     if not isinstance(routing, Routing):
         fail(func, "routing", "must be a Routing", type(routing).__name__, TypeError)
-    layout_named(func, layout).check_format(func, weights.format)
+    check_layout(func, layout, weights.format)
     check_hidden(func, hidden_states, weights)
     routing.check_against(func, weights.gate, weights.bias)
     plan = plan_layer(func, weights, routing, layout, hidden_states.shape[0], hidden_states.dtype,
@@ -211,7 +206,8 @@ def moe_layer(hidden_states: torch.Tensor, weights: LayerWeights, *, routing: Ro
 class MoELayer(torch.nn.Module):
     """A real model's MoE layer: its tensors (as buffers: inference only) and its routing rules.
 
-    ``layout`` picks the grouped-GEMM layout; ``shared_expert`` (``"separate"`` or ``"fused"``)
+    ``layout`` picks the grouped-GEMM layout (``"auto"``: by batch, from measured crossovers,
+    :mod:`moe_kernels.kernels.layout_choice`); ``shared_expert`` (``"separate"`` or ``"fused"``)
     how a shared expert runs. Build one with :meth:`random` (a model's shape, random weights) or
     :meth:`from_pretrained_layer` (one layer of a Hugging Face checkpoint).
     """
@@ -224,7 +220,7 @@ class MoELayer(torch.nn.Module):
             fail(func, "weights", "must be a LayerWeights", type(weights).__name__, TypeError)
         if not isinstance(routing, Routing):
             fail(func, "routing", "must be a Routing", type(routing).__name__, TypeError)
-        layout_named(func, layout).check_format(func, weights.format)
+        check_layout(func, layout, weights.format)
         if shared_expert not in SHARED_EXPERT:
             fail(func, "shared_expert", "must be 'separate' or 'fused'", repr(shared_expert))
         routing.check_against(func, weights.gate, weights.bias)
@@ -247,7 +243,7 @@ class MoELayer(torch.nn.Module):
                                    shared_fused=self._shared_fused)
             if not isinstance(self.routing, Routing):
                 fail("MoELayer", "routing", "must be a Routing", type(self.routing).__name__, TypeError)
-            layout_named("MoELayer", self.layout).check_format("MoELayer", weights.format)
+            check_layout("MoELayer", self.layout, weights.format)
             self.routing.check_against("MoELayer", weights.gate, weights.bias)
             self._checked, self._plans = weights, {}
             self._replays.clear()

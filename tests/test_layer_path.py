@@ -280,3 +280,64 @@ def test_router_in_one_launch_replays_and_graphs_on_two_streams_gpu(model_name, 
         torch.cuda.synchronize()
         for out in outputs:   # (the top-k sum's fp32 atomics may add in another order)
             assert rel_err(out, first) < 1e-2
+
+
+# ---- layout="auto": the layer picks the layout by batch from measured crossovers -------------------
+
+
+@pytest.mark.parametrize("model_name, fmt, device_name, batch, layout", [
+    ("deepseek-v3", "none", H200, 1, "index_gather"), ("deepseek-v3", "none", H200, 64, "index_gather"),
+    ("deepseek-v3", "none", H200, 1024, "index_gather"), ("deepseek-v3", "none", H200, 4096, "permute"),
+    ("deepseek-v3", "none", H200, 16384, "permute"), ("deepseek-v3", "block", H200, 16384, "index_gather"),
+    ("qwen3-30b-a3b", "none", H200, 16384, "index_gather"), ("deepseek-v3", "none", "NVIDIA A100", 16384,
+                                                             "index_gather"),
+])
+def test_auto_layout_follows_the_measured_crossover(model_name, fmt, device_name, batch, layout):
+    """DeepSeek-V3's bf16 experts ran faster on the permute layout (TMA, persistent grid) from 4,096
+    tokens on the H200 (prefill-ab.json): there, and only there, "auto" takes it, with the tiles it
+    was measured with; everywhere else index-gather with its own table."""
+    from moe_kernels.kernels.layout_choice import load_choices, shape_key
+
+    model = MODELS[model_name]
+    plan = meta_layer(model_name, fmt, "auto").plan(batch, device_name=device_name)
+    assert plan.layout == layout
+    if layout == "permute":
+        key = shape_key(device_name, model.num_experts, model.moe_intermediate_size, model.hidden_size,
+                        table_dtype(fmt))
+        assert plan.choice.source == "layout-choice" and plan.config == load_choices()[key][2]
+        assert plan.config.down.tma and plan.config.down.persistent
+    else:
+        forced = meta_layer(model_name, fmt, "index_gather").plan(batch, device_name=device_name)
+        assert plan.choice == forced.choice
+    # layout= still forces one: the permute layout at 4096 borrows the index-gather table as before.
+    if layout == "permute":
+        assert meta_layer(model_name, fmt, "permute").plan(batch, device_name=device_name).choice.source == "borrowed"
+
+
+def test_auto_layout_runs_and_names_itself_in_errors():
+    """On the CPU (no measurement for it) "auto" runs index-gather, with the same answer; a bad
+    layout name is an error that lists "auto" among the choices."""
+    layer = small_layer("none", "auto")
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    assert layer.plan(5, dtype=x.dtype).layout == "index_gather"
+    assert rel_err(layer(x), layer.reference(x)) < 1e-3
+    with pytest.raises(ValueError, match="'masked' or 'auto'"):
+        small_layer("none", "fastest")
+
+
+def test_a_corrupt_choices_file_is_an_error_that_names_it(tmp_path, monkeypatch):
+    from moe_kernels.kernels import layout_choice
+
+    bad = tmp_path / "layout-choices.json"
+    bad.write_text('{"choices": {"k": {"layout": "nosuch", "from_tokens": 1, "config": '
+                   '{"block_m": 16, "gate_up": {"block_n": 32, "block_k": 64}, "down": {"block_n": 64, "block_k": 64}}}}}')
+    monkeypatch.setattr(layout_choice, "CHOICES_FILE", bad)
+    layout_choice.load_choices.cache_clear()
+    try:
+        with pytest.raises(ValueError, match=r"layout-choices.json\['k'\].layout"):
+            layout_choice.load_choices()
+        bad.write_text("not json")
+        with pytest.raises(ValueError, match="layout-choices.json"):
+            layout_choice.load_choices()
+    finally:
+        layout_choice.load_choices.cache_clear()

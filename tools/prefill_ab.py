@@ -102,7 +102,12 @@ for fname in formats:
 # A record with provenance (results/<device>/prefill-ab.json, packed by gpu_check.sh), and a copy in $OUT.
 from moe_kernels.results import record  # noqa: E402
 
-path = record("prefill-ab", {"rows": rows, "config": {"models": models, "batches": batches, "formats": formats}})
+# The tiles of the fixed variants (the others take their tables): what a layout choice made from this
+# record runs (moe_kernels/kernels/configs/layout-choices.json).
+variants = {f"permute tma p1{' sum' if summed else ''} ({'fp8' if fp8 else 'bf16'})": tma_config(fp8, summed).to_dict()
+            for fp8 in (False, True) for summed in (False, True)}
+path = record("prefill-ab", {"rows": rows, "config": {"models": models, "batches": batches, "formats": formats,
+                                                      "variant_configs": variants}})
 print(f"recorded {path}")
 if os.environ.get("OUT"):
     json.dump(rows, open(os.path.join(os.environ["OUT"], "prefill_ab.json"), "w"), indent=1)
