@@ -105,14 +105,15 @@ def plan_layer(func: str, weights: LayerWeights, routing: Routing, layout: str, 
     e, f, d = weights.num_experts, weights.w2.shape[2], weights.w2.shape[1]
     table_dtype = weights.format.element or activation_dtype
     measured = None
-    if layout == AUTO:
-        picked = choose_layout(num_tokens, e, f, d, table_dtype, device, device_name=device_name)
-        layout = picked.layout if LAYOUTS[picked.layout].supports(weights.format) else "index_gather"
-        measured = picked if layout == picked.layout and picked.config is not None else None
+    if layout == AUTO:   # measured for the routed experts alone, with the layer's own tiles: only then
+        picked = (choose_layout(num_tokens, e, f, d, weights.format.name, device, device_name=device_name)
+                  if config is None and not weights.shared_fused else None)
+        layout = picked.layout if picked is not None else "index_gather"
+        measured = picked if picked is not None and picked.config is not None else None
     m = m_max_token_budget(num_tokens) if layout == "masked" else num_tokens
     choice = choose_config(m, e, f, d, table_dtype, device, layout=layout, device_name=device_name)
-    if measured is not None and config is None:   # the tiles the crossover was measured with
-        choice = ConfigChoice(measured.config, "layout-choice", choice.asked, measured.source)
+    if measured is not None:   # the tiles the crossover was measured with
+        choice = ConfigChoice(measured.config, "layout-choice", choice.asked, "layout-choices", measured.from_tokens)
     if config is not None:
         choice = ConfigChoice(check_config(func, config, layout=layout), "argument", choice.asked)
     naive = None

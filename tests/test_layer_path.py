@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from moe_kernels import MODELS, LayerWeights, MoELayer, Routing
+from moe_kernels.layer import plan_layer
 from moe_kernels._runtime import BACKEND, record_launches
 from moe_kernels.kernels.config import load_table, table_name
 from moe_kernels.kernels.formats import FORMATS
@@ -287,7 +288,8 @@ def test_router_in_one_launch_replays_and_graphs_on_two_streams_gpu(model_name, 
 
 @pytest.mark.parametrize("model_name, fmt, device_name, batch, layout", [
     ("deepseek-v3", "none", H200, 1, "index_gather"), ("deepseek-v3", "none", H200, 64, "index_gather"),
-    ("deepseek-v3", "none", H200, 1024, "index_gather"), ("deepseek-v3", "none", H200, 4096, "permute"),
+    ("deepseek-v3", "none", H200, 1024, "index_gather"), ("deepseek-v3", "none", H200, 4095, "index_gather"),
+    ("deepseek-v3", "none", H200, 4096, "permute"),
     ("deepseek-v3", "none", H200, 16384, "permute"), ("deepseek-v3", "block", H200, 16384, "index_gather"),
     ("qwen3-30b-a3b", "none", H200, 16384, "index_gather"), ("deepseek-v3", "none", "NVIDIA A100", 16384,
                                                              "index_gather"),
@@ -303,15 +305,39 @@ def test_auto_layout_follows_the_measured_crossover(model_name, fmt, device_name
     assert plan.layout == layout
     if layout == "permute":
         key = shape_key(device_name, model.num_experts, model.moe_intermediate_size, model.hidden_size,
-                        table_dtype(fmt))
+                        FORMATS[fmt].name)
         assert plan.choice.source == "layout-choice" and plan.config == load_choices()[key][2]
+        assert plan.choice.table == "layout-choices" and plan.choice.entry == 4096
         assert plan.config.down.tma and plan.config.down.persistent
     else:
         forced = meta_layer(model_name, fmt, "index_gather").plan(batch, device_name=device_name)
         assert plan.choice == forced.choice
-    # layout= still forces one: the permute layout at 4096 borrows the index-gather table as before.
+    # layout= still forces one: the permute layout at 4096 borrows the index-gather table as before;
+    # a config given, or the shared expert fused as a slot (not measured), keep index-gather.
     if layout == "permute":
         assert meta_layer(model_name, fmt, "permute").plan(batch, device_name=device_name).choice.source == "borrowed"
+        assert meta_layer(model_name, fmt, "auto", "fused").plan(batch, device_name=device_name).layout == "index_gather"
+        weights, routing = meta_layer(model_name, fmt, "auto").weights, Routing.of(model)
+        given = plan_layer("test", weights, routing, "auto", batch, torch.bfloat16, torch.device("meta"),
+                           config=plan.config.with_block_m(64), device_name=device_name)
+        assert given.layout == "index_gather" and given.choice.source == "argument"
+
+
+def test_auto_layout_runs_the_layout_it_picks(monkeypatch):
+    """Through the layer's call: where the choice says permute (here a stand-in choice with plain
+    tiles, on the CPU), the permute layout runs with those tiles, and the answer is the reference's."""
+    import moe_kernels.layer as layer_module
+    from moe_kernels.kernels.config import GemmTiles, MoEConfig
+    from moe_kernels.kernels.layout_choice import LayoutChoice
+
+    tiles = GemmTiles(32, 32, 1, 4, 2)
+    picked = LayoutChoice("permute", MoEConfig(16, GemmTiles(16, 32, 1, 4, 2), tiles), 4)
+    monkeypatch.setattr(layer_module, "choose_layout", lambda *args, **kwargs: picked)
+    layer = small_layer("none", "auto")
+    x = torch.randn(6, 256, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    plan = layer.plan(6, dtype=x.dtype)
+    assert plan.layout == "permute" and plan.config == picked.config and plan.choice.source == "layout-choice"
+    assert rel_err(layer(x), layer.reference(x)) < 1e-3
 
 
 def test_auto_layout_runs_and_names_itself_in_errors():
@@ -332,12 +358,35 @@ def test_a_corrupt_choices_file_is_an_error_that_names_it(tmp_path, monkeypatch)
     bad.write_text('{"choices": {"k": {"layout": "nosuch", "from_tokens": 1, "config": '
                    '{"block_m": 16, "gate_up": {"block_n": 32, "block_k": 64}, "down": {"block_n": 64, "block_k": 64}}}}}')
     monkeypatch.setattr(layout_choice, "CHOICES_FILE", bad)
-    layout_choice.load_choices.cache_clear()
+    layout_choice.forget_choices()
     try:
-        with pytest.raises(ValueError, match=r"layout-choices.json\['k'\].layout"):
+        with pytest.raises(ValueError, match=r"layout-choices.json\['k'\]"):   # no format in the key
             layout_choice.load_choices()
-        bad.write_text("not json")
-        with pytest.raises(ValueError, match="layout-choices.json"):
+        bad.write_text(bad.read_text().replace('"k"', '"k,format=fp8-block"').replace('"nosuch"', '"masked"'))
+        layout_choice.forget_choices()
+        with pytest.raises(ValueError, match=r"\.layout.*must be a layout that runs fp8-block"):
             layout_choice.load_choices()
+        for text in ("not json", '{"choices": []}'):
+            bad.write_text(text)
+            layout_choice.forget_choices()
+            with pytest.raises(ValueError, match="layout-choices.json"):
+                layout_choice.load_choices()
     finally:
-        layout_choice.load_choices.cache_clear()
+        layout_choice.forget_choices()
+
+
+@needs_gpu
+def test_auto_layout_at_a_prefill_batch_through_replays_and_graphs_gpu():
+    """DeepSeek-V3 bf16 at 4,096 tokens with layout="auto": on the H200 the permute layout with TMA
+    on both operands and a persistent grid (elsewhere index-gather); six calls (recorded, replayed,
+    then a CUDA graph) agree with the index-gather layer."""
+    layer = MoELayer.random("deepseek-v3", dtype=torch.bfloat16, device="cuda", seed=2, layout="auto")
+    plan = layer.plan(4096, dtype=torch.bfloat16)
+    if torch.cuda.get_device_name() == H200:
+        assert plan.layout == "permute" and plan.choice.source == "layout-choice"
+    x = torch.randn(4096, MODELS["deepseek-v3"].hidden_size, device="cuda", dtype=torch.bfloat16)
+    outputs = [layer(x).clone() for _ in range(6)]
+    layer.layout = "index_gather"
+    want = layer(x)
+    for out in outputs:
+        assert rel_err(out, want) < 1e-2

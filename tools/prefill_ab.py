@@ -103,7 +103,7 @@ for fname in formats:
 from moe_kernels.results import record  # noqa: E402
 
 # The tiles of the fixed variants (the others take their tables): what a layout choice made from this
-# record runs (moe_kernels/kernels/configs/layout-choices.json).
+# record runs (moe_kernels/kernels/layout-choices.json).
 variants = {f"permute tma p1{' sum' if summed else ''} ({'fp8' if fp8 else 'bf16'})": tma_config(fp8, summed).to_dict()
             for fp8 in (False, True) for summed in (False, True)}
 path = record("prefill-ab", {"rows": rows, "config": {"models": models, "batches": batches, "formats": formats,

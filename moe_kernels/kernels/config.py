@@ -316,8 +316,9 @@ class ConfigChoice:
     ``source`` is ``"table"`` (the layout's own tuned table), ``"borrowed"`` (another layout's
     table for the same shape, its machinery switched off where this layout lacks it) or
     ``"default"`` (:func:`default_config`: no table for this device, shape and dtype, or not a
-    GPU); a layer also records ``"argument"`` (a config it was given) and ``"layout-choice"`` (the
-    tiles a measured layout crossover was timed with, :mod:`moe_kernels.kernels.layout_choice`). ``asked`` is the table the lookup tried first, also on a CPU, where none is read;
+    GPU); a layer also records ``"argument"`` (a config it was given) and ``"layout-choice"``
+    (the tiles a measured layout crossover was timed with, :mod:`moe_kernels.kernels.layout_choice`).
+    ``asked`` is the table the lookup tried first, also on a CPU, where none is read;
     ``table``/``entry`` the file stem and token count of the entry taken."""
 
     config: MoEConfig
