@@ -290,11 +290,26 @@ if HAS_TRITON:
             tl.store(expert_ids_ptr + tail_blocks, -1, mask=tail_blocks < num_blocks)
 
 
+def align_bins_and_pad_tile(num_experts: int, block_size: int) -> tuple[int, int]:
+    """The alignment's histogram bins (a power of two >= 32) and its padding store's width, for any
+    kernel that runs the alignment's body (this module's, or the router's last program)."""
+    return max(32, next_power_of_2(num_experts)), min(next_power_of_2(max(block_size - 1, 1)), _MAX_PAD_TILE)
+
+
+def empty_alignment(numel: int, block_size: int, num_experts: int, device: torch.device):
+    """The alignment's three int32 output buffers, unfilled: ``numel + E*(block_size-1)`` rows,
+    a label per block of them, and the used length."""
+    capacity = numel + num_experts * (block_size - 1)
+    return (torch.empty(capacity, dtype=torch.int32, device=device),
+            torch.empty(-(-capacity // block_size), dtype=torch.int32, device=device),
+            torch.empty(1, dtype=torch.int32, device=device))
+
+
 def _launch_alignment(topk_ids, block_size, num_experts, sorted_ids, expert_ids, used, id_check: str = ""):
     """Run the Triton alignment of contiguous ``topk_ids`` into preallocated int32 buffers
     (``id_check``: the message of the device-side id assert, or "" for none)."""
     numel = topk_ids.numel()
-    num_bins = max(32, next_power_of_2(num_experts))
+    num_bins, pad_tile = align_bins_and_pad_tile(num_experts, block_size)
     fill_programs = cdiv(sorted_ids.numel(), _FILL_ROWS_PER_PROGRAM)
     if numel <= SINGLE_LAUNCH_MAX_NUMEL:
         tile, warps = _SINGLE_TILE, _SINGLE_WARPS
@@ -309,7 +324,6 @@ def _launch_alignment(topk_ids, block_size, num_experts, sorted_ids, expert_ids,
         _chunk_count_kernel[(num_chunks,)](
             topk_ids, chunk_counts, numel, num_experts, chunk_size,
             NUM_BINS=num_bins, COUNT_TILE=_COUNT_TILE, num_warps=warps)
-    pad_tile = min(next_power_of_2(max(block_size - 1, 1)), _MAX_PAD_TILE)
     note_launch("align.moe_align_block_size", block_size=block_size, launches=1 + (numel > SINGLE_LAUNCH_MAX_NUMEL),
                 id_check=bool(id_check))
     _align_kernel[(max(num_chunks, fill_programs, 1),)](
@@ -367,17 +381,12 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_size: int, num_experts: i
 def align_checked(func: str, topk_ids: torch.Tensor, block_size: int, num_experts: int, validate_ids: bool):
     """:func:`moe_align_block_size` after its argument checks, the id check done where it is
     cheapest: on the host on the CPU, inside the kernel on a GPU (blaming ``func``)."""
-    capacity = topk_ids.numel() + num_experts * (block_size - 1)
-    num_blocks = -(-capacity // block_size)
     id_check = ""
     if validate_ids:
         id_check = device_id_check(func, "topk_ids", topk_ids, num_experts)
     if not use_triton(topk_ids):
         return moe_align_block_size_reference(topk_ids, block_size, num_experts)
-    device = topk_ids.device
-    sorted_ids = torch.empty(capacity, dtype=torch.int32, device=device)
-    expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=device)
-    used = torch.empty(1, dtype=torch.int32, device=device)
+    sorted_ids, expert_ids, used = empty_alignment(topk_ids.numel(), block_size, num_experts, topk_ids.device)
     _launch_alignment(topk_ids.contiguous(), block_size, num_experts, sorted_ids, expert_ids, used, id_check)
     return sorted_ids, expert_ids, used
 

@@ -50,8 +50,8 @@ import torch
 
 from .._checks import check_int, check_number, check_tensor, fail
 from .._runtime import HAS_TRITON, INTERPRET, cdiv, interpreted_bf16, kernel, next_power_of_2, note_launch, tl, use_triton
-from .align import (_COUNT_TILE, _FILL_TILE, _MAX_PAD_TILE, _SINGLE_TILE, align_checked, alignment_buffer_sizes,
-                    moe_align_block_size_reference)
+from .align import (_COUNT_TILE, _FILL_TILE, _SINGLE_TILE, align_bins_and_pad_tile, align_checked,
+                    alignment_buffer_sizes, empty_alignment, moe_align_block_size_reference)
 from .grouped_routing import grouped_topk_reference
 from .routing import _FLOAT_DTYPES, _SCORING_FUNCS, _empty_outputs, fused_topk_reference
 
@@ -321,20 +321,13 @@ def _gate_route(hidden_states, gate_weight, topk, renormalize, scoring_func, num
     logits = torch.empty((num_tokens, num_experts), dtype=torch.float32, device=device)
     numel = num_tokens * topk
     align_here = block_size is not None and 0 < numel <= ALIGN_MAX_ASSIGNMENTS
-    if align_here:
-        rows, blocks = alignment_buffer_sizes("gate_route_and_align", ids, block_size, num_experts)
-        sorted_ids = torch.empty(rows, dtype=torch.int32, device=device)
-        expert_ids = torch.empty(blocks, dtype=torch.int32, device=device)
-        used = torch.empty(1, dtype=torch.int32, device=device)
+    alignment = empty_alignment(numel, block_size, num_experts, device) if align_here else None
     if num_tokens > 0:
         _launch(hidden_states, gate_weight, bias, topk, renormalize, scoring_func, num_expert_group, topk_group,
-                routed_scaling_factor, weights, ids, logits,
-                (sorted_ids, expert_ids, used, block_size) if align_here else None)
-    if block_size is None:
-        return weights, ids, logits, None
-    if not align_here:   # no tokens, or more assignments than one program should place
-        return weights, ids, logits, align_checked("gate_route_and_align", ids, block_size, num_experts, False)
-    return weights, ids, logits, (sorted_ids, expert_ids, used)
+                routed_scaling_factor, weights, ids, logits, (*alignment, block_size) if align_here else None)
+    if block_size is not None and not align_here:   # no tokens, or more than one program should place
+        alignment = align_checked("gate_route_and_align", ids, block_size, num_experts, False)
+    return weights, ids, logits, alignment
 
 
 def _launch(hidden_states, gate_weight, bias, topk, renormalize, scoring_func, num_expert_group, topk_group,
@@ -352,6 +345,7 @@ def _launch(hidden_states, gate_weight, bias, topk, renormalize, scoring_func, n
     arrivals = torch.zeros(tiles["t_blocks"] + (alignment is not None), dtype=torch.int32, device=device)
     e_cols = g_pad * s_pad if grouped else next_power_of_2(num_experts)
     sorted_ids, expert_ids, used, block_size = alignment if alignment is not None else (ids, ids, ids, 1)
+    num_bins, pad_tile = align_bins_and_pad_tile(num_experts, block_size)
     note_launch("gate_routing.gate_and_route", grouped=grouped, split_k=tiles["split_k"], block_e=tiles["block_e"],
                 programs=tiles["t_blocks"] * tiles["e_blocks"] * tiles["split_k"], aligned=alignment is not None)
     _gate_routing_kernel[(tiles["t_blocks"], tiles["e_blocks"], tiles["split_k"])](
@@ -362,7 +356,6 @@ def _launch(hidden_states, gate_weight, bias, topk, renormalize, scoring_func, n
         GROUPED=grouped, HAS_BIAS=bias is not None, USE_SIGMOID=scoring_func == "sigmoid", PRECISE=not INTERPRET,
         IEEE=hidden_states.dtype == torch.float32, BLOCK_T=BLOCK_T, BLOCK_E=tiles["block_e"],
         BLOCK_K=tiles["block_k"], SPLIT_K=tiles["split_k"], E_COLS=e_cols, G_PAD=g_pad, S_PAD=s_pad,
-        K_PAD=next_power_of_2(topk), ALIGN=alignment is not None, NUM_BINS=max(32, next_power_of_2(num_experts)),
-        ALIGN_TILE=_SINGLE_TILE, PAD_TILE=min(next_power_of_2(max(block_size - 1, 1)), _MAX_PAD_TILE),
-        COUNT_TILE=_COUNT_TILE, FILL_TILE=_FILL_TILE, num_warps=8 if BLOCK_T * e_cols > 2048 else 4,
+        K_PAD=next_power_of_2(topk), ALIGN=alignment is not None, NUM_BINS=num_bins, ALIGN_TILE=_SINGLE_TILE,
+        PAD_TILE=pad_tile, COUNT_TILE=_COUNT_TILE, FILL_TILE=_FILL_TILE, num_warps=8 if BLOCK_T * e_cols > 2048 else 4,
     )
