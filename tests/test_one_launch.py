@@ -1,0 +1,147 @@
+"""Both expert GEMMs in one launch (moe_kernels/kernels/one_launch.py) against the float64 per-token
+reference: random shapes and the edge cases, slices that do not divide F, tiles wider than d,
+every fp8 format (W8A16: the weights dequantised, the activations not), ids out of range, and
+which kernel a call launches.
+
+Runs on default_device(): the Triton interpreter on a CPU machine (float32 and float16), the
+compiled kernel on a GPU (bf16 and fp8 at the models' own shapes too).
+"""
+
+import random
+
+import pytest
+import torch
+
+from moe_kernels._runtime import BACKEND, record_launches
+from moe_kernels.kernels.formats import FORMATS
+from moe_kernels.kernels.index_gather import fused_experts
+from moe_kernels.kernels.one_launch import (OneLaunchTiles, grid_programs, one_launch_experts,
+                                            one_launch_reference)
+from moe_kernels.reference import moe_reference
+from moe_testing import (DEVICE, EDGE_SHAPES, ON_GPU, TOLERANCE, assert_device_assert, make_problem, needs_gpu,
+                         rel_err, skewed_problems)
+
+pytestmark = pytest.mark.usefixtures("true_fp32")
+
+SMALL = OneLaunchTiles(block_f=16, block_d=16)
+
+
+def check(problem, dtype, tiles=SMALL, **kwargs):
+    hidden, w1, w2, weights, ids = problem
+    out = one_launch_experts(hidden, w1, w2, weights, ids, tiles=tiles, **kwargs)
+    assert out.shape == hidden.shape and out.dtype == hidden.dtype
+    err = rel_err(out, moe_reference(hidden, w1, w2, weights, ids))
+    assert err < TOLERANCE[dtype], f"relative error {err:.2e} >= {TOLERANCE[dtype]:.0e}"
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_shapes(seed):
+    rnd = random.Random(900 + seed)
+    num_experts = rnd.randint(1, 9)
+    dtype = (torch.float32, torch.float16)[seed % 2]
+    problem = make_problem(rnd.randint(1, 12), num_experts, rnd.randint(1, num_experts),
+                           rnd.choice([16, 40, 64]), rnd.choice([8, 24, 40]), dtype, seed=seed,
+                           fused_topk_like=seed % 3 == 0)
+    check(problem, dtype, OneLaunchTiles(rnd.choice([8, 16, 32]), rnd.choice([16, 32, 128]), 4))
+
+
+@pytest.mark.parametrize("case", sorted(EDGE_SHAPES))
+def test_edge_cases(case):
+    check(make_problem(**EDGE_SHAPES[case], hidden=48, inter=40, seed=3), torch.float32)
+
+
+def test_an_idle_expert_and_every_token_on_one():
+    for problem in skewed_problems():
+        check(problem, torch.float32)
+
+
+def test_no_tokens():
+    hidden, w1, w2, weights, ids = make_problem(3, 4, 2, 32, 16, seed=4)
+    out = one_launch_experts(hidden[:0], w1, w2, weights[:0], ids[:0], tiles=SMALL)
+    assert out.shape == (0, 32)
+
+
+def test_the_same_answer_as_fused_experts():
+    hidden, w1, w2, weights, ids = make_problem(2, 6, 3, 64, 32, seed=5)
+    ours = one_launch_experts(hidden, w1, w2, weights, ids, tiles=SMALL)
+    assert rel_err(ours, fused_experts(hidden, w1, w2, weights, ids).double()) < 1e-5
+
+
+def test_grid_and_the_launch_it_names():
+    hidden, w1, w2, weights, ids = make_problem(3, 5, 2, 32, 40, seed=6)
+    assert grid_programs(3, 2, 40, SMALL) == 3 * 2 * 3   # 40 rows of F in slices of 16: 3
+    if BACKEND == "torch":
+        pytest.skip("no Triton here: the torch reference runs")
+    with record_launches() as launches:
+        one_launch_experts(hidden, w1, w2, weights, ids, tiles=SMALL)
+    assert launches == [("one_launch.experts", {"format": "unquantized", **SMALL.as_dict()})]
+
+
+@pytest.mark.parametrize("fmt", ["block", "channel", "tensor"])
+def test_fp8_formats_are_w8a16(fmt):
+    # d and F of whole 128 blocks; the weights dequantised exactly, the activations unquantised
+    hidden, w1, w2, weights, ids = make_problem(3, 4, 2, 256, 128, seed=7)
+    (q1, s1), (q2, s2) = FORMATS[fmt].quantize_weight(w1), FORMATS[fmt].quantize_weight(w2)
+    out = one_launch_experts(hidden, q1, q2, weights, ids, tiles=OneLaunchTiles(32, 64), w1_scale=s1, w2_scale=s2)
+    dequantized = (FORMATS[fmt].dequantize_weight(q.float(), s) for q, s in ((q1, s1), (q2, s2)))
+    assert rel_err(out, moe_reference(hidden, *dequantized, weights, ids)) < 1e-5
+    assert rel_err(out, one_launch_reference(hidden, q1, q2, weights, ids, w1_scale=s1, w2_scale=s2).double()) < 1e-5
+
+
+def test_unchecked_bad_ids_add_nothing_and_spoil_no_other_token():
+    hidden, w1, w2, weights, ids = make_problem(4, 5, 2, 32, 16, seed=8)
+    bad = ids.clone()
+    bad[1, 0], bad[2, 1] = 5, -3
+    out = one_launch_experts(hidden, w1, w2, weights, bad, tiles=SMALL, validate_ids=False)
+    kept = torch.where((bad >= 0) & (bad < 5), weights, torch.zeros_like(weights))
+    assert rel_err(out, moe_reference(hidden, w1, w2, kept, bad.clamp(0, 4))) < 1e-5
+
+
+def test_bad_ids_are_named():
+    hidden, w1, w2, weights, ids = make_problem(2, 4, 2, 32, 16, seed=9)
+    bad = ids.clone()
+    bad[0, 1] = 4
+    if ON_GPU:
+        assert_device_assert(f"""
+            from moe_kernels.kernels.one_launch import one_launch_experts
+            x, w1, w2 = (torch.randn(*s, device="cuda") for s in ((2, 32), (4, 32, 32), (4, 32, 16)))
+            one_launch_experts(x, w1, w2, torch.rand(2, 2, device="cuda"),
+                               torch.tensor({bad.tolist()}, device="cuda"))""",
+                             "one_launch_experts: argument 'topk_ids' must hold expert ids in [0, 4)")
+        return
+    with pytest.raises(ValueError, match=r"one_launch_experts: argument 'topk_ids' must hold expert ids in \[0, 4\)"):
+        one_launch_experts(hidden, w1, w2, weights, bad, tiles=SMALL)
+
+
+@pytest.mark.parametrize("name, value, message", [
+    ("block_f", 256, "must be <= 128"), ("block_f", 24, "must be a power of two"),
+    ("block_d", 8, "must be >= 16"), ("num_warps", 3, "must be a power of two")])
+def test_bad_tiles_are_named(name, value, message):
+    with pytest.raises(ValueError, match=f"OneLaunchTiles: argument '{name}' {message}"):
+        OneLaunchTiles(**{**SMALL.as_dict(), name: value})
+
+
+def test_tiles_of_another_type_are_named():
+    hidden, w1, w2, weights, ids = make_problem(1, 4, 2, 32, 16, seed=10)
+    with pytest.raises(TypeError, match="one_launch_experts: argument 'tiles' must be a OneLaunchTiles"):
+        one_launch_experts(hidden, w1, w2, weights, ids, tiles={"block_f": 16})
+
+
+@needs_gpu
+@pytest.mark.parametrize("model, fmt", [("qwen3-30b-a3b", "none"), ("qwen3-30b-a3b", "block"),
+                                        ("deepseek-v3", "none"), ("deepseek-v3", "block")])
+@pytest.mark.parametrize("batch", [1, 5])
+def test_model_shapes_on_the_gpu(model, fmt, batch):
+    from moe_kernels.bench.problems import make_batch, make_weights
+    from moe_kernels.model.shapes import MODELS
+
+    shape = MODELS[model]
+    w1, w2 = make_weights(shape, torch.bfloat16, 0, DEVICE)
+    (q1, s1), (q2, s2) = FORMATS[fmt].quantize_weight(w1), FORMATS[fmt].quantize_weight(w2)
+    del w1, w2
+    x, _, weights, ids = make_batch(shape, batch, torch.bfloat16, batch, DEVICE)
+    for tiles in (OneLaunchTiles(32, 256, 4), OneLaunchTiles(64, 512, 8), OneLaunchTiles(16, 128, 4)):
+        out = one_launch_experts(x, q1, q2, weights, ids, tiles=tiles, w1_scale=s1, w2_scale=s2)
+        ref = one_launch_reference(x, q1, q2, weights, ids, w1_scale=s1, w2_scale=s2)
+        assert rel_err(out, ref.double()) < TOLERANCE[torch.bfloat16]

@@ -1,0 +1,119 @@
+"""Decode A/B (issue 17): both expert GEMMs in one launch (moe_kernels/kernels/one_launch.py)
+against the tuned two-GEMM path, at decode batches, bf16 and fp8 block, with the read floor
+measured in the same process.
+
+For each (model, format, batch): the two GEMMs as the sweep times them (``fused_experts`` with its
+tuned table and the block map made beforehand: GEMM 1, GEMM 2 and the top-k sum), the whole
+``fused_experts`` call (its block map too), and the one-launch kernel at every tile of a small
+grid (its fill included). Each candidate is replayed from a CUDA graph of one call with L2 flushed
+before each replay (``do_bench``), two rounds interleaved over the candidates, the lower of the two
+round medians kept. The floor is the touched experts' weight bytes over the read bandwidth
+measured here; "read" is a plain read of the same bytes in one kernel.
+
+    PYTHONPATH=. python tools/one_launch_ab.py [models] [batches] [formats]
+    # e.g. qwen3-30b-a3b,deepseek-v3 1,2,4,8 none,block   (records results/<device>/one-launch-ab.json)
+"""
+import dataclasses
+import itertools
+import json
+import os
+import sys
+
+import torch
+
+from moe_kernels.bench.problems import make_batch, make_weights
+from moe_kernels.bench.timing import graphed, median_ms
+from moe_kernels.kernels.blocks import assign_blocks
+from moe_kernels.kernels.config import get_config
+from moe_kernels.kernels.formats import FORMATS
+from moe_kernels.kernels.index_gather import fused_experts
+from moe_kernels.kernels.one_launch import OneLaunchTiles, one_launch_experts
+from moe_kernels.model.shapes import MODELS
+
+device = "cuda" if torch.cuda.is_available() else "cpu"   # (the CPU: a small shape under the interpreter)
+models = sys.argv[1].split(",") if len(sys.argv) > 1 else ["qwen3-30b-a3b", "deepseek-v3"]
+batches = [int(b) for b in sys.argv[2].split(",")] if len(sys.argv) > 2 else [1, 2, 4, 8]
+formats = sys.argv[3].split(",") if len(sys.argv) > 3 else ["none", "block"]
+TILES = [OneLaunchTiles(f, dd, w) for f, dd, w in itertools.product((16, 32, 64), (128, 256, 512), (4, 8))]
+if device == "cpu":
+    TILES = TILES[:2]
+
+if device == "cuda":
+    from moe_kernels.bench.ceilings import measure_read_bandwidth, measure_read_time_by_size
+    from moe_kernels.bench.sweep import read_seconds
+
+    read_bandwidth = measure_read_bandwidth()
+    read_by_size = measure_read_time_by_size()
+    print(f"read bandwidth {read_bandwidth / 1e12:.2f} TB/s", flush=True)
+else:
+    read_bandwidth, read_by_size = 1e12, None
+
+rows = []
+for fname in formats:
+    fmt = FORMATS[fname]
+    for key in models:
+        model = MODELS[key]
+        if device == "cpu":
+            model = dataclasses.replace(model, hidden_size=256, moe_intermediate_size=128, num_experts=8, top_k=2)
+        e, k, d, f = model.num_experts, model.top_k, model.hidden_size, model.moe_intermediate_size
+        dtype = torch.bfloat16 if device == "cuda" else torch.float32
+        w1, w2 = make_weights(model, dtype, 0, device)
+        w1, w1s = fmt.quantize_weight(w1)
+        w2, w2s = fmt.quantize_weight(w2)
+        scales = dict(w1_scale=w1s, w2_scale=w2s)
+        for batch in batches:
+            x, _, weights, ids = make_batch(model, batch, dtype, 1 + batch, device)
+            config = get_config(batch, e, f, d, w1.dtype, x.device)
+            blocks = assign_blocks(ids, config.block_m, e, validate_ids=False)
+            candidates = {
+                "two GEMMs": lambda: fused_experts(x, w1, w2, weights, ids, config=config, blocks=blocks,
+                                                   validate_ids=False, **scales),
+                "fused_experts": lambda: fused_experts(x, w1, w2, weights, ids, validate_ids=False, **scales),
+            }
+            for tiles in TILES:
+                candidates[f"one launch f{tiles.block_f} d{tiles.block_d} w{tiles.num_warps}"] = (
+                    lambda t=tiles: one_launch_experts(x, w1, w2, weights, ids, tiles=t, validate_ids=False,
+                                                       **scales))
+            reference = candidates["two GEMMs"]().float()
+            replays, errors, rel = {}, {}, {}
+            for name, call in candidates.items():
+                try:
+                    out = call()
+                    rel[name] = float((out.float() - reference).norm() / reference.norm())
+                    if rel[name] > (0.1 if fmt.quantized else 0.05):   # fp8: W8A16 against W8A8
+                        errors[name] = f"rel err {rel[name]:.3g}"
+                    replays[name] = graphed(call) if device == "cuda" else call
+                except Exception as error:   # noqa: BLE001 - one candidate failing must not lose the others
+                    errors[name] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
+            times = {name: [] for name in replays}
+            for _ in range(2):
+                for name, replay in replays.items():
+                    times[name].append(median_ms(replay, 2, 20) * 1e3 if device == "cuda" else 1.0)
+            touched = int(torch.unique(ids).numel())
+            nbytes = touched * (w1[0].numel() + w2[0].numel()) * w1.element_size()
+            if w1s is not None:
+                nbytes += touched * (w1s[0].numel() + w2s[0].numel()) * 4
+            us = {n: min(t) for n, t in times.items()}
+            best = min((n for n in us if n.startswith("one launch")), key=us.get, default=None)
+            row = {"model": key, "format": fname, "batch": batch, "experts_touched": touched, "bytes": nbytes,
+                   "floor_us": nbytes / read_bandwidth * 1e6,
+                   "read_same_bytes_us": read_seconds(read_by_size, nbytes) * 1e6 if read_by_size else None,
+                   "us": us, "rounds_us": times, "rel_err_vs_two_gemms": rel, "errors": errors,
+                   "best_one_launch": best, "two_gemm_config": config.to_dict()}
+            rows.append(row)
+            print(f"{key} {fname} {batch}: floor {row['floor_us']:.1f} us, two GEMMs {us.get('two GEMMs', 0):.1f}, "
+                  f"fused_experts {us.get('fused_experts', 0):.1f}, best one launch {best} "
+                  f"{us.get(best, 0):.1f} (rel err {rel.get(best, 0):.1e})", errors or "", flush=True)
+            del x, weights, ids, reference, replays, blocks
+            if device == "cuda":
+                torch.cuda.empty_cache()
+        del w1, w2
+
+from moe_kernels.results import record  # noqa: E402
+
+path = record("one-launch-ab", {"rows": rows, "config": {
+    "models": models, "batches": batches, "formats": formats, "read_bandwidth": read_bandwidth,
+    "tiles": [t.as_dict() for t in TILES]}})
+print(f"recorded {path}")
+if os.environ.get("OUT"):
+    json.dump(rows, open(os.path.join(os.environ["OUT"], "one_launch_ab.json"), "w"), indent=1)
