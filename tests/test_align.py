@@ -383,3 +383,39 @@ def test_naive_helpers_check_arguments():
         naive_block_assignment(torch.zeros((1, 2), dtype=torch.int64), 0)
     with pytest.raises(TypeError, match="argument 'topk_ids' must have dtype"):
         naive_block_assignment(torch.zeros((1, 2)), 16)
+
+
+_COMPILE_FOR_HOPPER = """
+import torch
+torch.cuda.is_available = lambda: True   # build compiled (not interpreted) kernels; nothing is launched
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from moe_kernels.kernels import align
+
+fn = align._align_kernel
+for from_table, check in ((False, ""), (True, "align: argument 'topk_ids' must hold expert ids in [0, 128)")):
+    const = dict(COUNTS_FROM_TABLE=from_table, NUM_BINS=128, TILE=64, COUNT_TILE=1024, ROW_TILE=64, PAD_TILE=16,
+                 FILL_TILE=1024, ID_CHECK=check)
+    sig = {n: "constexpr" if n in const else ("*i32" if n.endswith("_ptr") else "i32") for n in fn.arg_names}
+    constants = {(i,): const[n] for i, n in enumerate(fn.arg_names) if n in const}
+    ptx = triton.compile(ASTSource(fn, sig, constants, {}), target=GPUTarget("cuda", 90, 32),
+                         options=dict(num_warps=4, debug=bool(check), sanitize_overflow=False)).asm["ptx"]
+    print(len(ptx) > 0)
+"""
+
+
+def test_compiles_for_hopper():
+    """The alignment kernel compiled for an H100/H200 (sm_90) on this machine, with and without its
+    id check (the CPU tests otherwise run it under the interpreter only, which accepts code that a
+    compiler may refuse)."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "MOE_KERNELS_BACKEND")}
+    done = subprocess.run([sys.executable, "-c", _COMPILE_FOR_HOPPER], capture_output=True, text=True, timeout=600,
+                          env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["True", "True"], done.stdout

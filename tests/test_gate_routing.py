@@ -264,7 +264,7 @@ def test_aligned_bad_block_size_names_it(block_size):
 @pytest.mark.parametrize("model", ["qwen3-30b-a3b", "deepseek-v3"])
 @pytest.mark.parametrize("num_tokens", [1, 8, 64, 100])
 def test_real_shapes_on_gpu(model, num_tokens):
-    """bf16 at the models' shapes: the routing on the kernel's logits exactly; the logits within the
+    """bf16 at the models' shapes: the routing on the kernel's logits (ids exactly); the logits within the
     tensor-core gate's error of torch.mm's; the ids of the two-step layer path but at near-ties."""
     from moe_kernels.kernels.routing import router_logits
     from moe_kernels.layer import MoELayer
@@ -278,7 +278,10 @@ def test_real_shapes_on_gpu(model, num_tokens):
                                           **grouped)
     want_weights, want_ids = routing_of(x, logits, routing.top_k, routing.renormalize, routing.scoring_func,
                                         **grouped)
-    assert torch.equal(ids, want_ids) and torch.equal(weights, want_weights)
+    # (the same ids; the weights to float32's last bits: the routing kernel on its own reduces
+    # the softmax or sigmoid sums over another tile of tokens, in another order)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_weights, rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(logits, router_logits(x, w.gate), atol=1e-2, rtol=1e-3)
     two_step = routing.route(x, router_logits(x, w.gate), w.bias)
     assert int((ids != two_step[1]).any(dim=1).sum()) <= max(1, num_tokens // 50)

@@ -43,7 +43,7 @@ def test_random_shapes(seed):
     problem = make_problem(rnd.randint(1, 12), num_experts, rnd.randint(1, num_experts),
                            rnd.choice([16, 40, 64]), rnd.choice([8, 24, 40]), dtype, seed=seed,
                            fused_topk_like=seed % 3 == 0)
-    check(problem, dtype, OneLaunchTiles(rnd.choice([8, 16, 32]), rnd.choice([16, 32, 128]), 4))
+    check(problem, dtype, OneLaunchTiles(rnd.choice([8, 16, 32]), rnd.choice([16, 32, 128]), 4, rnd.choice([1, 3])))
 
 
 @pytest.mark.parametrize("case", sorted(EDGE_SHAPES))
@@ -116,7 +116,7 @@ def test_bad_ids_are_named():
 
 @pytest.mark.parametrize("name, value, message", [
     ("block_f", 256, "must be <= 128"), ("block_f", 24, "must be a power of two"),
-    ("block_d", 8, "must be >= 16"), ("num_warps", 3, "must be a power of two")])
+    ("block_d", 8, "must be >= 16"), ("num_warps", 3, "must be a power of two"), ("num_stages", 0, "must be >= 1")])
 def test_bad_tiles_are_named(name, value, message):
     with pytest.raises(ValueError, match=f"OneLaunchTiles: argument '{name}' {message}"):
         OneLaunchTiles(**{**SMALL.as_dict(), name: value})
@@ -141,7 +141,7 @@ def test_model_shapes_on_the_gpu(model, fmt, batch):
     (q1, s1), (q2, s2) = FORMATS[fmt].quantize_weight(w1), FORMATS[fmt].quantize_weight(w2)
     del w1, w2
     x, _, weights, ids = make_batch(shape, batch, torch.bfloat16, batch, DEVICE)
-    for tiles in (OneLaunchTiles(32, 256, 4), OneLaunchTiles(64, 512, 8), OneLaunchTiles(16, 128, 4)):
+    for tiles in (OneLaunchTiles(32, 256, 4), OneLaunchTiles(64, 512, 8, 3), OneLaunchTiles(16, 128, 4, 2)):
         out = one_launch_experts(x, q1, q2, weights, ids, tiles=tiles, w1_scale=s1, w2_scale=s2)
         ref = one_launch_reference(x, q1, q2, weights, ids, w1_scale=s1, w2_scale=s2)
         assert rel_err(out, ref.double()) < TOLERANCE[torch.bfloat16]
@@ -161,7 +161,7 @@ for weights, scales in (("*bf16", 0), ("*fp8e4nv", 1), ("*fp8e4nv", 2)):
     pointers = dict(x_ptr="*bf16", w1_ptr=weights, w2_ptr=weights, topk_weights_ptr="*fp32", topk_ids_ptr="*i32",
                     acc_ptr="*fp32", arrivals_ptr="*i32", out_ptr="*bf16", w1_scale_ptr="*fp32",
                     w2_scale_ptr="*fp32")
-    const = dict(TOP_K=8, SLICES=24, BLOCK_F=32, BLOCK_D=256, SCALES=scales, ID_CHECK="")
+    const = dict(TOP_K=8, SLICES=24, BLOCK_F=32, BLOCK_D=256, SCALES=scales, ID_CHECK="", STAGES=1 + scales)
     sig = {n: "constexpr" if n in const else pointers.get(n, "i32") for n in fn.arg_names}
     constants = {(i,): const[n] for i, n in enumerate(fn.arg_names) if n in const}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}

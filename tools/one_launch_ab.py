@@ -34,7 +34,8 @@ device = "cuda" if torch.cuda.is_available() else "cpu"   # (the CPU: a small sh
 models = sys.argv[1].split(",") if len(sys.argv) > 1 else ["qwen3-30b-a3b", "deepseek-v3"]
 batches = [int(b) for b in sys.argv[2].split(",")] if len(sys.argv) > 2 else [1, 2, 4, 8]
 formats = sys.argv[3].split(",") if len(sys.argv) > 3 else ["none", "block"]
-TILES = [OneLaunchTiles(f, dd, w) for f, dd, w in itertools.product((16, 32, 64), (128, 256, 512), (4, 8))]
+TILES = ([OneLaunchTiles(f, 512, w, s) for f, w, s in itertools.product((16, 32, 64), (4, 8), (1, 3))]
+         + [OneLaunchTiles(128, 256, 8, s) for s in (1, 3)])
 if device == "cpu":
     TILES = TILES[:2]
 
@@ -71,7 +72,7 @@ for fname in formats:
                 "fused_experts": lambda: fused_experts(x, w1, w2, weights, ids, validate_ids=False, **scales),
             }
             for tiles in TILES:
-                candidates[f"one launch f{tiles.block_f} d{tiles.block_d} w{tiles.num_warps}"] = (
+                candidates[f"one launch f{tiles.block_f} d{tiles.block_d} w{tiles.num_warps} s{tiles.num_stages}"] = (
                     lambda t=tiles: one_launch_experts(x, w1, w2, weights, ids, tiles=t, validate_ids=False,
                                                        **scales))
             reference = candidates["two GEMMs"]().float()

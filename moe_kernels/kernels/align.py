@@ -195,7 +195,7 @@ if HAS_TRITON:
         _align_program(
             tl.program_id(0), tl.num_programs(0), topk_ids_ptr, chunk_counts_ptr, sorted_ids_ptr,
             expert_ids_ptr, used_ptr, numel, num_experts, block_size, chunk_size, COUNTS_FROM_TABLE,
-            NUM_BINS, TILE, COUNT_TILE, ROW_TILE, PAD_TILE, FILL_TILE, ID_CHECK)
+            NUM_BINS, TILE, COUNT_TILE, ROW_TILE, PAD_TILE, FILL_TILE, ID_CHECK, "")
 
     @kernel
     def _align_program(

@@ -63,18 +63,20 @@ __all__ = ["OneLaunchTiles", "grid_programs", "one_launch_experts", "one_launch_
 class OneLaunchTiles:
     """The one-launch kernel's shape: ``block_f`` intermediate rows per program (a power of two,
     at most 128, so that a slice never straddles a 128-row scale block), ``block_d`` columns of
-    ``d`` per step (a power of two, at least 16), warps per program."""
+    ``d`` per step (a power of two, at least 16), warps per program, and the software pipeline's
+    depth over the steps (``num_stages``: Triton's ``tl.range``; 1 loads each step as it comes)."""
 
     block_f: int = 32
     block_d: int = 256
     num_warps: int = 4
+    num_stages: int = 1
 
     def __post_init__(self):
         func = "OneLaunchTiles"
-        for name, lo, hi in (("block_f", 1, 128), ("block_d", 16, 4096), ("num_warps", 1, 16)):
+        for name, lo, hi in (("block_f", 1, 128), ("block_d", 16, 4096), ("num_warps", 1, 16), ("num_stages", 1, 8)):
             value = getattr(self, name)
             check_int(func, name, value, lo=lo, hi=hi)
-            if value & (value - 1):
+            if name != "num_stages" and value & (value - 1):
                 fail(func, name, "must be a power of two", value)
 
     def as_dict(self) -> dict:
@@ -119,7 +121,7 @@ if HAS_TRITON:
         stride_x, stride_w1e, stride_w1n, stride_w2e, stride_w2n, stride_out,
         stride_s1e, stride_s1n, stride_s1k, stride_s2e, stride_s2n, stride_s2k,
         TOP_K: tl.constexpr, SLICES: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr,
-        SCALES: tl.constexpr, ID_CHECK: tl.constexpr,
+        SCALES: tl.constexpr, ID_CHECK: tl.constexpr, STAGES: tl.constexpr,
     ):
         # >>> book: one-launch
         pid = tl.program_id(0)
@@ -140,7 +142,7 @@ if HAS_TRITON:
             gate = tl.zeros([BLOCK_F], dtype=tl.float32)
             up = tl.zeros([BLOCK_F], dtype=tl.float32)
             # GEMM 1: the slice's gate and up rows times the token's row, all of d
-            for k0 in range(0, D, BLOCK_D):
+            for k0 in tl.range(0, D, BLOCK_D, num_stages=STAGES):
                 k = k0 + cols
                 k_ok = k < D
                 xk = tl.load(x_ptr + token * stride_x + k, mask=k_ok, other=0.0)
@@ -166,7 +168,7 @@ if HAS_TRITON:
             h = tl.where(row_ok, h, 0.0) * weight
             # GEMM 2: the slice's columns of w2, a partial sum of the output row
             w2_cols = w2_ptr + expert * stride_w2e + rows[None, :]
-            for n0 in range(0, D, BLOCK_D):
+            for n0 in tl.range(0, D, BLOCK_D, num_stages=STAGES):
                 n = n0 + cols
                 n_ok = n < D
                 w = tl.load(w2_cols + n.to(tl.int64)[:, None] * stride_w2n,
@@ -246,7 +248,7 @@ def run_one_launch(hidden_states, w1, w2, topk_weights, topk_ids, *, fmt, tiles:
         w1 if w1_scale is None else w1_scale, w2 if w2_scale is None else w2_scale, num_experts, d, f,
         hidden_states.stride(0), w1.stride(0), w1.stride(1), w2.stride(0), w2.stride(1), out.stride(0), *s1, *s2,
         TOP_K=top_k, SLICES=slices, BLOCK_F=tiles.block_f, BLOCK_D=tiles.block_d, SCALES=fmt.scale_code,
-        ID_CHECK=id_check, num_warps=tiles.num_warps, **device_assert_options(id_check))
+        ID_CHECK=id_check, STAGES=tiles.num_stages, num_warps=tiles.num_warps, **device_assert_options(id_check))
     return out
 
 
