@@ -100,6 +100,45 @@ for batch in [int(b) for b in sys.argv[1:]] or [1, 64]:
     print(f"batch {batch} step host, own us per step, moe_kernels minus no_experts (top 15):")
     for d, (file, line, func) in diff[:15]:
         print(f"   {1e6 * d:8.1f}  {func} ({file.split('/')[-1]}:{line})", flush=True)
+    # The experts call's host time taken apart without a profiler (cProfile inflates calls of many
+    # small functions): the same arguments as the model hands them, 200 calls, one sync at the end.
+    experts_modules = [m for m in model.modules() if hasattr(m, "gate_up_proj") and hasattr(m, "is_concatenated")]
+    from moe_kernels.integrations.transformers import check_experts, moe_kernels_experts
+    from moe_kernels.kernels.index_gather import fused_experts
+
+    hidden = torch.randn(batch, model.config.hidden_size, device=device, dtype=experts_modules[0].gate_up_proj.dtype)
+    ids = torch.stack([torch.randperm(model.config.num_experts, device=device)[:model.config.num_experts_per_tok]
+                       for _ in range(batch)])   # int64, as the model hands them
+    weights = torch.rand(batch, ids.shape[1], device=device, dtype=hidden.dtype)
+
+    def host_us(call, modules):
+        for _ in range(3):
+            for m in modules:
+                call(m)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(100):
+            for m in modules:
+                call(m)
+        took = (time.perf_counter() - start) / (100 * len(modules))
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return 1e6 * took
+
+    parts = {
+        "check_experts": lambda m: check_experts(m),
+        "fused_experts (int64 ids, as handed)": lambda m: fused_experts(hidden, m.gate_up_proj, m.down_proj, weights,
+                                                                         ids),
+        "fused_experts (int32 ids)": lambda m, i=ids.to(torch.int32): fused_experts(hidden, m.gate_up_proj,
+                                                                                    m.down_proj, weights, i),
+        "moe_kernels_experts": lambda m: moe_kernels_experts(m, hidden, ids, weights),
+    }
+    with torch.no_grad():
+        for label, call in parts.items():
+            one, two = host_us(call, experts_modules[:1]), host_us(call, experts_modules[:2])
+            print(f"batch {batch} host us per call, {label}: one module {one:.1f}, two alternating {two:.1f}",
+                  flush=True)
     print("  fused_experts plans (launches, graph refusal, graphs):",
           [(p.num_launches, p.graphs and p.graphs.refusal,
             p.graphs and sum(len(s.graphs) for s in p.graphs.by_stream.values())) for p in _PLANS.plans.values()],
