@@ -50,6 +50,20 @@ else:
     read_bandwidth, read_by_size = 1e12, None
 
 rows = []
+
+
+def save():
+    """The record so far (rewritten after every row: a run cut short keeps what it measured)."""
+    from moe_kernels.results import record
+
+    path = record("one-launch-ab", {"rows": rows, "config": {
+        "models": models, "batches": batches, "formats": formats, "read_bandwidth": read_bandwidth,
+        "tiles": [t.as_dict() for t in TILES]}})
+    if os.environ.get("OUT"):
+        json.dump(rows, open(os.path.join(os.environ["OUT"], "one_launch_ab.json"), "w"), indent=1)
+    return path
+
+
 for fname in formats:
     fmt = FORMATS[fname]
     for key in models:
@@ -102,6 +116,7 @@ for fname in formats:
                    "us": us, "rounds_us": times, "rel_err_vs_two_gemms": rel, "errors": errors,
                    "best_one_launch": best, "two_gemm_config": config.to_dict()}
             rows.append(row)
+            save()
             print(f"{key} {fname} {batch}: floor {row['floor_us']:.1f} us, two GEMMs {us.get('two GEMMs', 0):.1f}, "
                   f"fused_experts {us.get('fused_experts', 0):.1f}, best one launch {best} "
                   f"{us.get(best, 0):.1f} (rel err {rel.get(best, 0):.1e})", errors or "", flush=True)
@@ -110,11 +125,5 @@ for fname in formats:
                 torch.cuda.empty_cache()
         del w1, w2
 
-from moe_kernels.results import record  # noqa: E402
 
-path = record("one-launch-ab", {"rows": rows, "config": {
-    "models": models, "batches": batches, "formats": formats, "read_bandwidth": read_bandwidth,
-    "tiles": [t.as_dict() for t in TILES]}})
-print(f"recorded {path}")
-if os.environ.get("OUT"):
-    json.dump(rows, open(os.path.join(os.environ["OUT"], "one_launch_ab.json"), "w"), indent=1)
+print(f"recorded {save()}")
