@@ -141,7 +141,7 @@ def test_model_shapes_on_the_gpu(model, fmt, batch):
     (q1, s1), (q2, s2) = FORMATS[fmt].quantize_weight(w1), FORMATS[fmt].quantize_weight(w2)
     del w1, w2
     x, _, weights, ids = make_batch(shape, batch, torch.bfloat16, batch, DEVICE)
-    for tiles in (OneLaunchTiles(32, 256, 4), OneLaunchTiles(64, 512, 8, 3), OneLaunchTiles(16, 128, 4, 2)):
+    for tiles in (OneLaunchTiles(32, 256, 4), OneLaunchTiles(64, 256, 8, 2), OneLaunchTiles(16, 512, 4, 3)):
         out = one_launch_experts(x, q1, q2, weights, ids, tiles=tiles, w1_scale=s1, w2_scale=s2)
         ref = one_launch_reference(x, q1, q2, weights, ids, w1_scale=s1, w2_scale=s2)
         assert rel_err(out, ref.double()) < TOLERANCE[torch.bfloat16]

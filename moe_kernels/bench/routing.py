@@ -156,7 +156,8 @@ def gate_routing_ab(model_name: str, num_tokens: int, *, seed: int = 0) -> dict:
 
     weights, ids, logits = one_launch()
     own = rule.route(x, logits, bias, checked=True)
-    if not (torch.equal(ids, own[1]) and torch.equal(weights, own[0])):
+    # (ids exactly; weights to float32's last bits: the routing kernel alone sums over another tile of tokens)
+    if not (torch.equal(ids, own[1]) and torch.allclose(weights, own[0], rtol=1e-5, atol=1e-7)):
         raise AssertionError(f"gate_and_route {model.name} at {num_tokens}: routing differs on its own logits")
     error = float((logits - router_logits(x, gate)).abs().max())
     differ = int((ids.sort(dim=1).values != two_launches()[1].sort(dim=1).values).any(dim=1).sum())

@@ -145,7 +145,7 @@ def moe_align_block_size_reference(topk_ids: torch.Tensor, block_size: int, num_
 if HAS_TRITON:
 
     @kernel
-    def _load_experts(topk_ids_ptr, offsets, end, num_experts, CACHE: tl.constexpr = ""):
+    def _load_experts(topk_ids_ptr, offsets, end, num_experts, CACHE: tl.constexpr):
         """Expert ids at ``offsets`` as int32, and which of them count.
 
         Ids outside ``[0, num_experts)`` (and offsets past ``end``) are reported invalid and
@@ -162,7 +162,7 @@ if HAS_TRITON:
     # >>> book: align-count
     @kernel
     def _count_experts(topk_ids_ptr, begin, end, num_experts, NUM_BINS: tl.constexpr,
-                       COUNT_TILE: tl.constexpr, CACHE: tl.constexpr = ""):
+                       COUNT_TILE: tl.constexpr, CACHE: tl.constexpr):
         """How many of the assignments ``[begin, end)`` each expert serves."""
         counts = tl.zeros([NUM_BINS], dtype=tl.int32)
         for tile_start in range(begin, end, COUNT_TILE):
@@ -179,7 +179,7 @@ if HAS_TRITON:
         chunk = tl.program_id(0)
         begin = chunk * chunk_size
         counts = _count_experts(topk_ids_ptr, begin, tl.minimum(begin + chunk_size, numel),
-                                num_experts, NUM_BINS, COUNT_TILE)
+                                num_experts, NUM_BINS, COUNT_TILE, "")
         tl.store(chunk_counts_ptr + chunk * NUM_BINS + tl.arange(0, NUM_BINS), counts)
 
     @kernel(do_not_specialize=["numel", "chunk_size"])
@@ -203,7 +203,7 @@ if HAS_TRITON:
         used_ptr, numel, num_experts, block_size, chunk_size,
         COUNTS_FROM_TABLE: tl.constexpr, NUM_BINS: tl.constexpr, TILE: tl.constexpr,
         COUNT_TILE: tl.constexpr, ROW_TILE: tl.constexpr, PAD_TILE: tl.constexpr,
-        FILL_TILE: tl.constexpr, ID_CHECK: tl.constexpr = "", CACHE: tl.constexpr = "",
+        FILL_TILE: tl.constexpr, ID_CHECK: tl.constexpr, CACHE: tl.constexpr,
     ):
         """Program ``program`` of ``num_programs``: place the assignments of chunk ``program``,
         then write a share of the tail. One program with ``chunk_size >= numel`` aligns
