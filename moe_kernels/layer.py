@@ -127,7 +127,7 @@ def plan_layer(func: str, weights: LayerWeights, routing: Routing, layout: str, 
                                       weights.format.element or activation_dtype, device, device_name=device_name)
     # One launch for the router at decode, when the gate has the activations' dtype (as checkpoints store it).
     gate_routing = 0 < num_tokens <= GATE_ROUTING_MAX_TOKENS and weights.gate.dtype == activation_dtype
-    gate_alignment = (gate_routing and naive is False and not weights.shared_fused
+    gate_alignment = (gate_routing and naive is False and not weights.shared_fused and choice.config.one_launch is None
                       and num_tokens * routing.top_k <= gate_routing_kernels.ALIGN_MAX_ASSIGNMENTS)
     return LayerPlan(num_tokens, layout, weights.format, choice, naive, shared_choice, gate_routing, gate_alignment)
 
@@ -158,7 +158,9 @@ def run_layer(plan: LayerPlan, hidden_states: torch.Tensor, weights: LayerWeight
         topk_ids = torch.cat([topk_ids, torch.full_like(topk_ids[:, :1], w.num_experts)], dim=1)
     in_gemm = plan.layout == "index_gather"
     # fp8: the routed and the shared experts read the same quantised activations; quantise once.
-    activations = fmt.quantize_activations(hidden_states) if fmt.quantized and in_gemm else None
+    # (both GEMMs in one launch read the unquantised activations: quantised only for a shared expert)
+    quantize = fmt.quantized and in_gemm and (plan.config.one_launch is None or w.shared_w13 is not None)
+    activations = fmt.quantize_activations(hidden_states) if quantize else None
     shared = None if w.shared_w13 is None else shared_expert_output(plan, hidden_states, w, shared_gate, activations)
     if in_gemm:   # the shared output joins the top-k sum (no separate addition)
         return run_experts(hidden_states, w.w13, w.w2, topk_weights, topk_ids, fmt=fmt, config=plan.config,

@@ -7,14 +7,19 @@ Runs on default_device(): the Triton interpreter on a CPU machine (float32 and f
 compiled kernel on a GPU (bf16 and fp8 at the models' own shapes too).
 """
 
+import dataclasses
 import random
 
 import pytest
 import torch
 
 from moe_kernels._runtime import BACKEND, record_launches
+from moe_kernels.kernels.blocks import assign_blocks
+from moe_kernels.kernels.config import GemmTiles, MoEConfig, check_config
 from moe_kernels.kernels.formats import FORMATS
 from moe_kernels.kernels.index_gather import fused_experts
+from moe_kernels.layer import MoELayer
+from moe_kernels.model.shapes import MODELS
 from moe_kernels.kernels.one_launch import (OneLaunchTiles, grid_programs, one_launch_experts,
                                             one_launch_reference)
 from moe_kernels.reference import moe_reference
@@ -128,6 +133,58 @@ def test_tiles_of_another_type_are_named():
         one_launch_experts(hidden, w1, w2, weights, ids, tiles={"block_f": 16})
 
 
+# ---- as a tile choice: MoEConfig.one_launch -------------------------------------------------------------
+
+ONE = MoEConfig(16, GemmTiles(16, 16), GemmTiles(16, 16), one_launch=SMALL)
+
+
+def test_config_round_trip_and_old_tables():
+    assert MoEConfig.from_dict(ONE.to_dict()) == ONE
+    plain = MoEConfig(16, GemmTiles(16, 16), GemmTiles(16, 16))
+    assert "one_launch" not in plain.to_dict() and MoEConfig.from_dict(plain.to_dict()) == plain
+    with pytest.raises(ValueError, match=r"argument 'd\['one_launch'\]' must be None or a dict of OneLaunchTiles"):
+        MoEConfig.from_dict({**plain.to_dict(), "one_launch": {"block_f": 16, "block_z": 2}})
+
+
+@pytest.mark.parametrize("layout", ["permute", "masked"])
+def test_other_layouts_refuse_it(layout):
+    with pytest.raises(ValueError, match=f"argument 'config.one_launch' must be None for the {layout} layout"):
+        check_config("f", ONE, layout=layout)
+    with pytest.raises(TypeError, match="argument 'config.one_launch' must be None or a OneLaunchTiles"):
+        check_config("f", dataclasses.replace(ONE, one_launch={"block_f": 16}))
+
+
+@pytest.mark.skipif(BACKEND == "torch", reason="no Triton here: the torch reference runs")
+def test_fused_experts_takes_it_only_without_a_block_map():
+    hidden, w1, w2, weights, ids = make_problem(3, 6, 2, 32, 16, seed=11)
+    ref = moe_reference(hidden, w1, w2, weights, ids)
+    with record_launches() as launches:
+        out = fused_experts(hidden, w1, w2, weights, ids, config=ONE)
+    assert [name for name, _ in launches] == ["one_launch.experts"] and rel_err(out, ref) < 1e-5
+    blocks = assign_blocks(ids, 16, 6)
+    with record_launches() as launches:
+        out = fused_experts(hidden, w1, w2, weights, ids, config=ONE, blocks=blocks)
+    assert "one_launch.experts" not in [name for name, _ in launches] and rel_err(out, ref) < 1e-5
+
+
+@pytest.mark.skipif(BACKEND == "torch", reason="no Triton here: the torch reference runs")
+@pytest.mark.parametrize("fmt", ["none", "block"])
+def test_a_layer_with_a_shared_expert_adds_it_in_the_same_sum(fmt):
+    style = dataclasses.replace(MODELS["deepseek-v3"], num_experts=16)
+    layer = MoELayer.random(style, hidden_size=256, intermediate_size=128, dtype=torch.float32, device=DEVICE,
+                            seed=2)
+    layer = layer if fmt == "none" else layer.quantized(fmt)
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    with record_launches() as launches:
+        out = layer(x, config=ONE)
+    names = [name for name, _ in launches]
+    # the routed experts in one launch; the two GEMMs left are the shared expert's, on its dense map
+    assert names.count("one_launch.experts") == 1 and "align.moe_align_block_size" not in names, names
+    assert all(settings["dense"] for name, settings in launches if name == "index_gather.gemm"), launches
+    # fp8: the routed experts run W8A16, the reference W8A8 (a few percent apart); bf16: exact arithmetic
+    assert rel_err(out, layer.reference(x)) < (0.1 if fmt == "block" else 1e-5)
+
+
 @needs_gpu
 @pytest.mark.parametrize("model, fmt", [("qwen3-30b-a3b", "none"), ("qwen3-30b-a3b", "block"),
                                         ("deepseek-v3", "none"), ("deepseek-v3", "block")])
@@ -159,9 +216,10 @@ from moe_kernels.kernels import one_launch
 fn = one_launch._one_launch_kernel
 for weights, scales in (("*bf16", 0), ("*fp8e4nv", 1), ("*fp8e4nv", 2)):
     pointers = dict(x_ptr="*bf16", w1_ptr=weights, w2_ptr=weights, topk_weights_ptr="*fp32", topk_ids_ptr="*i32",
-                    acc_ptr="*fp32", arrivals_ptr="*i32", out_ptr="*bf16", w1_scale_ptr="*fp32",
+                    acc_ptr="*fp32", arrivals_ptr="*i32", out_ptr="*bf16", add_ptr="*bf16", w1_scale_ptr="*fp32",
                     w2_scale_ptr="*fp32")
-    const = dict(TOP_K=8, SLICES=24, BLOCK_F=32, BLOCK_D=256, SCALES=scales, ID_CHECK="", STAGES=1 + scales)
+    const = dict(TOP_K=8, SLICES=24, BLOCK_F=32, BLOCK_D=256, SCALES=scales, ID_CHECK="", STAGES=1 + scales,
+                 HAS_ADD=scales == 2)
     sig = {n: "constexpr" if n in const else pointers.get(n, "i32") for n in fn.arg_names}
     constants = {(i,): const[n] for i, n in enumerate(fn.arg_names) if n in const}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}

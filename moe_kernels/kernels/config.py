@@ -92,6 +92,31 @@ class GemmTiles:
         return self
 
 
+@dataclasses.dataclass(frozen=True)
+class OneLaunchTiles:
+    """Both GEMMs in one launch (:mod:`moe_kernels.kernels.one_launch`): ``block_f`` intermediate
+    rows per program (a power of two, at most 128, so that a slice never straddles a 128-row
+    scale block), ``block_d`` columns of ``d`` per step (a power of two, at least 16), warps per
+    program, and the software pipeline's depth over the steps (``num_stages``: Triton's
+    ``tl.range``; 1 loads each step as it comes)."""
+
+    block_f: int = 32
+    block_d: int = 256
+    num_warps: int = 4
+    num_stages: int = 1
+
+    def __post_init__(self):
+        func = "OneLaunchTiles"
+        for name, lo, hi in (("block_f", 1, 128), ("block_d", 16, 4096), ("num_warps", 1, 16), ("num_stages", 1, 8)):
+            value = getattr(self, name)
+            check_int(func, name, value, lo=lo, hi=hi)
+            if name != "num_stages" and value & (value - 1):
+                fail(func, name, "must be a power of two", value)
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
 #: MoEConfig's switches (bools, default off), each a feature a layout may lack (moe_kernels.kernels.layouts).
 _SWITCHES = ("sum_in_gemm", "pdl", "quant_in_gemm")
 
@@ -120,9 +145,14 @@ class MoEConfig:
     sum_in_gemm: bool = False
     pdl: bool = False
     quant_in_gemm: bool = False
+    #: Both GEMMs in one launch instead (index-gather layout, no block map: tiny batches).
+    one_launch: OneLaunchTiles | None = None
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        if self.one_launch is None:   # (the tables written before it existed hold no such key)
+            del d["one_launch"]
+        return d
 
     @staticmethod
     def from_dict(d: dict, *, func: str = "MoEConfig.from_dict", name: str = "d") -> "MoEConfig":
@@ -131,7 +161,7 @@ class MoEConfig:
         if not isinstance(d, dict):
             fail(func, name, "must be a dict (MoEConfig.to_dict())", type(d).__name__, TypeError)
         missing = [key for key in ("block_m", "gate_up", "down") if key not in d]
-        unknown = sorted(set(d) - {"block_m", "gate_up", "down", *_SWITCHES})
+        unknown = sorted(set(d) - {"block_m", "gate_up", "down", "one_launch", *_SWITCHES})
         if missing or unknown:
             fail(func, name, f"must have the keys block_m, gate_up, down (and optionally {', '.join(_SWITCHES)})",
                  f"{'missing ' + ', '.join(missing) if missing else ''}{'; ' if missing and unknown else ''}"
@@ -144,7 +174,15 @@ class MoEConfig:
                 fail(func, f"{name}['{gemm}']", f"must be a dict of GemmTiles fields ({', '.join(sorted(fields))}) "
                      "with block_n and block_k", repr(entry))
             tiles[gemm] = GemmTiles(**entry)
-        return MoEConfig(d["block_m"], tiles["gate_up"], tiles["down"], **{k: d[k] for k in _SWITCHES if k in d})
+        one_launch = d.get("one_launch")
+        if one_launch is not None:
+            fields = {f.name for f in dataclasses.fields(OneLaunchTiles)}
+            if not isinstance(one_launch, dict) or set(one_launch) - fields:
+                fail(func, f"{name}['one_launch']", f"must be None or a dict of OneLaunchTiles fields "
+                     f"({', '.join(sorted(fields))})", repr(one_launch))
+            one_launch = OneLaunchTiles(**one_launch)
+        return MoEConfig(d["block_m"], tiles["gate_up"], tiles["down"], **{k: d[k] for k in _SWITCHES if k in d},
+                         one_launch=one_launch)
 
     def with_block_m(self, block_m: int) -> "MoEConfig":
         return dataclasses.replace(self, block_m=block_m)
@@ -164,6 +202,13 @@ def check_config(func: str, config: object, *, align: int | None = None, layout:
     for field in _SWITCHES:
         if not isinstance(getattr(config, field), bool):
             fail(func, f"config.{field}", "must be a bool", repr(getattr(config, field)), TypeError)
+    if config.one_launch is not None:
+        if not isinstance(config.one_launch, OneLaunchTiles):
+            fail(func, "config.one_launch", "must be None or a OneLaunchTiles", type(config.one_launch).__name__,
+                 TypeError)
+        if not layout_named(func, layout).one_launch:
+            fail(func, "config.one_launch", f"must be None for the {layout} layout (both GEMMs in one launch read "
+                 "the routing's ids directly, with no block map: index_gather only)", config.one_launch)
     if config.down.split_k != 1 and not config.sum_in_gemm:
         fail(func, "config.down.split_k", "must be 1 unless config.sum_in_gemm=True (split-K partial products "
              "are added with atomics, into the summed output)", config.down.split_k)
@@ -341,7 +386,8 @@ def _adapted(config: MoEConfig, layout: str, align: int) -> MoEConfig | None:
                                           split_k=t.split_k if splits else 1,
                                           swap_ab=t.swap_ab and supports.swap_ab)
     adapted = MoEConfig(config.block_m, tiles["gate_up"], tiles["down"],
-                        **{f: getattr(config, f) and getattr(supports, f) for f in _SWITCHES})
+                        **{f: getattr(config, f) and getattr(supports, f) for f in _SWITCHES},
+                        one_launch=config.one_launch if supports.one_launch else None)
     while supports.rows == "align" and align % adapted.block_m:
         if adapted.block_m <= 16:
             return None

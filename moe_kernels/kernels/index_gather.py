@@ -68,6 +68,7 @@ from .config import GemmTiles, MoEConfig, check_block_m, check_config, check_til
 from . import _pdl
 from ._pdl import LINE_BYTES, pdl_available
 from .formats import WeightFormat
+from .one_launch import run_one_launch
 from .quant import FP8
 
 if HAS_TRITON:
@@ -540,8 +541,13 @@ def run_experts(hidden_states, w1, w2, topk_weights, topk_ids, *, fmt, config: M
     so that an id outside ``[0, E)``, which lands in no block, adds nothing). ``activations``:
     ``fmt.quantize_activations(hidden_states)`` when the caller has it already (a shared expert
     reads the same); ``add``: a ``[T, d]`` tensor the top-k sum adds in fp32 (a shared expert's
-    output), instead of a separate addition.
+    output), instead of a separate addition. A config with ``one_launch`` tiles and no ``blocks``
+    runs both GEMMs in one launch (:mod:`moe_kernels.kernels.one_launch`; fp8 as W8A16, so it
+    ignores ``activations``).
     """
+    if config.one_launch is not None and blocks is None:   # both GEMMs in one launch (no block map)
+        return run_one_launch(hidden_states, w1, w2, topk_weights, topk_ids, fmt=fmt, tiles=config.one_launch,
+                              w1_scale=w1_scale, w2_scale=w2_scale, ids=ids, func=func, add=add)
     num_tokens, top_k = topk_ids.shape
     d = w2.shape[1]
     if blocks is None:

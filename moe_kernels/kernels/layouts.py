@@ -61,6 +61,9 @@ class Layout:
     #: What its rows are aligned to: "block_m" (the M tile), "align" (segments of ``align`` rows,
     #: which ``block_m`` must divide) or "slab" (``[E, m_max]`` slabs).
     rows: str
+    #: Both GEMMs of a tiny batch in one launch (``MoEConfig.one_launch``,
+    #: :mod:`moe_kernels.kernels.one_launch`).
+    one_launch: bool = False
 
     def supports(self, fmt) -> bool:
         return fmt.name in self.formats
@@ -86,7 +89,7 @@ def _resolve(path: str):
 LAYOUTS = {
     "index_gather": Layout("index_gather", ".index_gather:fused_experts", _ALL_FORMATS, tma=True, persistent=True,
                            swap_ab=True, sum_in_gemm=True, split_gate_up=True, pdl=True, quant_in_gemm=True,
-                           fused_shared_expert=True, tables=("index_gather",), rows="block_m"),
+                           fused_shared_expert=True, tables=("index_gather",), rows="block_m", one_launch=True),
     "permute": Layout("permute", ".permute:permute_experts", _ALL_FORMATS, tma=True, persistent=True,
                       swap_ab=True, sum_in_gemm=True, split_gate_up=False, pdl=False, quant_in_gemm=False,
                       fused_shared_expert=True, tables=("permute", "index_gather"), rows="align"),

@@ -47,40 +47,15 @@ itself, so two tokens on one expert read it twice (L2 may catch the second read)
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
-from .._checks import check_int, check_moe_inputs, device_id_check, fail
+from .._checks import check_moe_inputs, device_id_check, fail
 from .._runtime import HAS_TRITON, cdiv, device_assert_options, kernel, note_launch, tl, use_triton
 from ._tile_gemm import in_float32_under_interpreter
+from .config import OneLaunchTiles
 from .formats import WeightFormat
 
 __all__ = ["OneLaunchTiles", "grid_programs", "one_launch_experts", "one_launch_reference", "run_one_launch"]
-
-
-@dataclasses.dataclass(frozen=True)
-class OneLaunchTiles:
-    """The one-launch kernel's shape: ``block_f`` intermediate rows per program (a power of two,
-    at most 128, so that a slice never straddles a 128-row scale block), ``block_d`` columns of
-    ``d`` per step (a power of two, at least 16), warps per program, and the software pipeline's
-    depth over the steps (``num_stages``: Triton's ``tl.range``; 1 loads each step as it comes)."""
-
-    block_f: int = 32
-    block_d: int = 256
-    num_warps: int = 4
-    num_stages: int = 1
-
-    def __post_init__(self):
-        func = "OneLaunchTiles"
-        for name, lo, hi in (("block_f", 1, 128), ("block_d", 16, 4096), ("num_warps", 1, 16), ("num_stages", 1, 8)):
-            value = getattr(self, name)
-            check_int(func, name, value, lo=lo, hi=hi)
-            if name != "num_stages" and value & (value - 1):
-                fail(func, name, "must be a power of two", value)
-
-    def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
 
 
 def grid_programs(num_tokens: int, top_k: int, f: int, tiles: OneLaunchTiles) -> int:
@@ -116,12 +91,12 @@ if HAS_TRITON:
 
     @kernel
     def _one_launch_kernel(
-        x_ptr, w1_ptr, w2_ptr, topk_weights_ptr, topk_ids_ptr, acc_ptr, arrivals_ptr, out_ptr,
+        x_ptr, w1_ptr, w2_ptr, topk_weights_ptr, topk_ids_ptr, acc_ptr, arrivals_ptr, out_ptr, add_ptr,
         w1_scale_ptr, w2_scale_ptr, num_experts, D, F,
-        stride_x, stride_w1e, stride_w1n, stride_w2e, stride_w2n, stride_out,
+        stride_x, stride_w1e, stride_w1n, stride_w2e, stride_w2n, stride_out, stride_add,
         stride_s1e, stride_s1n, stride_s1k, stride_s2e, stride_s2n, stride_s2k,
         TOP_K: tl.constexpr, SLICES: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr,
-        SCALES: tl.constexpr, ID_CHECK: tl.constexpr, STAGES: tl.constexpr,
+        SCALES: tl.constexpr, ID_CHECK: tl.constexpr, STAGES: tl.constexpr, HAS_ADD: tl.constexpr,
     ):
         # >>> book: one-launch
         pid = tl.program_id(0)
@@ -187,6 +162,8 @@ if HAS_TRITON:
                 n = n0 + tl.arange(0, BLOCK_D)
                 row = tl.load(acc_ptr + token * D + n, mask=n < D, other=0.0,
                               cache_modifier=".cg")   # (from L2: other SMs added)
+                if HAS_ADD:   # a shared expert's output joins the fp32 sum
+                    row += tl.load(add_ptr + token * stride_add + n, mask=n < D, other=0.0).to(tl.float32)
                 tl.store(out_ptr + token * stride_out + n,
                          row.to(out_ptr.dtype.element_ty), mask=n < D)
         # <<< book: one-launch
@@ -211,27 +188,30 @@ def one_launch_experts(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.
 
 
 def run_one_launch(hidden_states, w1, w2, topk_weights, topk_ids, *, fmt, tiles: OneLaunchTiles, w1_scale=None,
-                   w2_scale=None, ids: str = "validate", func: str = "one_launch_experts") -> torch.Tensor:
+                   w2_scale=None, ids: str = "validate", func: str = "one_launch_experts", add=None) -> torch.Tensor:
     """:func:`one_launch_experts` after its checks. ``ids``: ``"validate"`` (a device assert in
-    the kernel; at once on the CPU), ``"trusted"`` or ``"unchecked"`` (a bad id adds nothing)."""
+    the kernel; at once on the CPU), ``"trusted"`` or ``"unchecked"`` (a bad id adds nothing).
+    ``add``: a ``[T, d]`` tensor (rows contiguous, e.g. a shared expert's output) added in the
+    fp32 sum before its one rounding."""
     num_tokens, top_k = topk_ids.shape
     num_experts, d, f = w2.shape
     out = torch.empty((num_tokens, d), device=hidden_states.device, dtype=hidden_states.dtype)
     if not use_triton(hidden_states, w1, w2):
         if ids == "validate":
             device_id_check(func, "topk_ids", topk_ids, num_experts)
-        return out.copy_(one_launch_reference(hidden_states, w1, w2, topk_weights, topk_ids, fmt=fmt,
-                                              w1_scale=w1_scale, w2_scale=w2_scale))
+        ref = one_launch_reference(hidden_states, w1, w2, topk_weights, topk_ids, fmt=fmt, w1_scale=w1_scale,
+                                   w2_scale=w2_scale, add=add)
+        return out.copy_(ref)
     if num_tokens == 0 or d == 0:
         return out
     if f == 0:
-        return out.zero_()
+        return out.zero_() if add is None else out.copy_(add)
 
-    def rerun(x, w1, w2, out):   # the interpreter's bf16: the same launch in float32, rounded once
+    def rerun(x, w1, w2, *extra, out):   # the interpreter's bf16: the same launch in float32, rounded once
         out.copy_(run_one_launch(x, w1, w2, topk_weights, topk_ids, fmt=fmt, tiles=tiles, w1_scale=w1_scale,
-                                 w2_scale=w2_scale, ids=ids, func=func))
+                                 w2_scale=w2_scale, ids=ids, func=func, add=extra[0] if extra else None))
 
-    if in_float32_under_interpreter(rerun, out, hidden_states, w1, w2) is not None:
+    if in_float32_under_interpreter(rerun, out, hidden_states, w1, w2, *(() if add is None else (add,))) is not None:
         return out
     id_check = device_id_check(func, "topk_ids", topk_ids, num_experts) if ids == "validate" else ""
     # One fill: the fp32 rows the slices add into, then one arrival counter per token.
@@ -244,11 +224,13 @@ def run_one_launch(hidden_states, w1, w2, topk_weights, topk_ids, *, fmt, tiles:
     slices = cdiv(f, tiles.block_f)
     note_launch("one_launch.experts", format=fmt.name, **tiles.as_dict())
     _one_launch_kernel[(num_tokens * top_k * slices,)](
-        hidden_states, w1, w2, weights, ids_flat, acc, arrivals, out,
+        hidden_states, w1, w2, weights, ids_flat, acc, arrivals, out, out if add is None else add,
         w1 if w1_scale is None else w1_scale, w2 if w2_scale is None else w2_scale, num_experts, d, f,
-        hidden_states.stride(0), w1.stride(0), w1.stride(1), w2.stride(0), w2.stride(1), out.stride(0), *s1, *s2,
+        hidden_states.stride(0), w1.stride(0), w1.stride(1), w2.stride(0), w2.stride(1), out.stride(0),
+        0 if add is None else add.stride(0), *s1, *s2,
         TOP_K=top_k, SLICES=slices, BLOCK_F=tiles.block_f, BLOCK_D=tiles.block_d, SCALES=fmt.scale_code,
-        ID_CHECK=id_check, STAGES=tiles.num_stages, num_warps=tiles.num_warps, **device_assert_options(id_check))
+        ID_CHECK=id_check, STAGES=tiles.num_stages, HAS_ADD=add is not None, num_warps=tiles.num_warps,
+        **device_assert_options(id_check))
     return out
 
 
@@ -261,7 +243,7 @@ def _scale_strides(scale) -> tuple[int, int, int]:
 
 
 def one_launch_reference(hidden_states, w1, w2, topk_weights, topk_ids, *, fmt=None, w1_scale=None,
-                         w2_scale=None) -> torch.Tensor:
+                         w2_scale=None, add=None) -> torch.Tensor:
     """Torch reference for :func:`one_launch_experts`: float32 products of the dequantised weights
     with the unquantised activations (W8A16 for fp8), ``h`` rounded to the activations' dtype,
     float32 sums; a bad id adds nothing."""
@@ -280,4 +262,4 @@ def one_launch_reference(hidden_states, w1, w2, topk_weights, topk_ids, *, fmt=N
             down = fmt.dequantize_weight(w2[expert:expert + 1], None if w2_scale is None else
                                          w2_scale[expert:expert + 1])[0].float()
             out[token] += down @ h
-    return out.to(hidden_states.dtype)
+    return (out if add is None else out + add.float()).to(hidden_states.dtype)
