@@ -163,7 +163,8 @@ if HAS_TRITON:
                 row = tl.load(acc_ptr + token * D + n, mask=n < D, other=0.0,
                               cache_modifier=".cg")   # (from L2: other SMs added)
                 if HAS_ADD:   # a shared expert's output joins the fp32 sum
-                    row += tl.load(add_ptr + token * stride_add + n, mask=n < D, other=0.0).to(tl.float32)
+                    extra = tl.load(add_ptr + token * stride_add + n, mask=n < D, other=0.0)
+                    row += extra.to(tl.float32)
                 tl.store(out_ptr + token * stride_out + n,
                          row.to(out_ptr.dtype.element_ty), mask=n < D)
         # <<< book: one-launch
