@@ -67,10 +67,11 @@ DENSE_SHARED_MAX_TOKENS = 16
 #: Up to this many tokens the gate and the routing run as one launch
 #: (:func:`~moe_kernels.kernels.gate_routing.gate_and_route`) instead of the gate's GEMM and then the
 #: routing kernel. 0, i.e. off: timed on the H200 (``results/nvidia-h200/gate-routing.json``, CUDA
-#: graphs) the one launch was slower at every decode batch up to 128 tokens (DeepSeek-V3 at one
-#: token 25.7 us against 12.5 for the two launches; Qwen3-30B-A3B 12.7 against 8.0), and with the
-#: alignment folded in slower still (30.1 against 17.1 for three launches). Its split-d partials
-#: and the one program per token block that adds and routes them cost more than a launch saves.
+#: graphs) the one launch was slower at every batch for DeepSeek-V3 (25.7 us against 12.5 for the
+#: two launches at one token) and for Qwen3-30B-A3B up to 64 tokens (12.7 against 8.0 at one), level
+#: or slightly faster from 128; with the alignment folded in, slower still (DeepSeek-V3 at one token
+#: 30.1 against 17.1 for three launches). Its split-d partials and the one program per token block
+#: that adds and routes them cost more than a launch saves.
 #: ``MOE_KERNELS_GATE_ROUTING_MAX_TOKENS`` sets it for a process (how that benchmark tries it in a layer).
 GATE_ROUTING_MAX_TOKENS = env_int("MOE_KERNELS_GATE_ROUTING_MAX_TOKENS", 0)
 

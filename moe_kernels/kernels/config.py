@@ -98,7 +98,9 @@ class OneLaunchTiles:
     rows per program (a power of two, at most 128, so that a slice never straddles a 128-row
     scale block), ``block_d`` columns of ``d`` per step (a power of two, at least 16), warps per
     program, and the software pipeline's depth over the steps (``num_stages``: Triton's
-    ``tl.range``; 1 loads each step as it comes)."""
+    ``tl.range``; 1 loads each step as it comes). Wide tiles in deep pipelines may not fit in
+    shared memory (on the H200, 64 x 512 and 128 x 256 with 3 stages did not: Triton's
+    OutOfResources at the first launch)."""
 
     block_f: int = 32
     block_d: int = 256
@@ -163,7 +165,8 @@ class MoEConfig:
         missing = [key for key in ("block_m", "gate_up", "down") if key not in d]
         unknown = sorted(set(d) - {"block_m", "gate_up", "down", "one_launch", *_SWITCHES})
         if missing or unknown:
-            fail(func, name, f"must have the keys block_m, gate_up, down (and optionally {', '.join(_SWITCHES)})",
+            fail(func, name, f"must have the keys block_m, gate_up, down (and optionally {', '.join(_SWITCHES)}, "
+                 "one_launch)",
                  f"{'missing ' + ', '.join(missing) if missing else ''}{'; ' if missing and unknown else ''}"
                  f"{'unknown ' + ', '.join(unknown) if unknown else ''}")
         tiles = {}

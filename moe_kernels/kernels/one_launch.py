@@ -90,6 +90,19 @@ if HAS_TRITON:
             return tl.full(rows.shape, 1.0, tl.float32)
 
     @kernel
+    def _rounded(v, ROUND: tl.constexpr):
+        """``v`` (float32) rounded to nearest even in fp16 (``ROUND == 1``) or bf16 (2), as float32.
+        bf16 by its bits: the interpreter's float32 -> bf16 conversion truncates."""
+        if ROUND == 1:
+            return v.to(tl.float16).to(tl.float32)
+        elif ROUND == 2:
+            bits = v.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            return bits.to(tl.float32, bitcast=True)
+        else:
+            return v
+
+    @kernel
     def _one_launch_kernel(
         x_ptr, w1_ptr, w2_ptr, topk_weights_ptr, topk_ids_ptr, acc_ptr, arrivals_ptr, out_ptr, add_ptr,
         w1_scale_ptr, w2_scale_ptr, num_experts, D, F,
@@ -97,6 +110,7 @@ if HAS_TRITON:
         stride_s1e, stride_s1n, stride_s1k, stride_s2e, stride_s2n, stride_s2k,
         TOP_K: tl.constexpr, SLICES: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr,
         SCALES: tl.constexpr, ID_CHECK: tl.constexpr, STAGES: tl.constexpr, HAS_ADD: tl.constexpr,
+        ROUND: tl.constexpr,
     ):
         # >>> book: one-launch
         pid = tl.program_id(0)
@@ -138,7 +152,7 @@ if HAS_TRITON:
                 up *= _row_scales(w1_scale_ptr, expert, F + rows, row_ok, 0,
                                   stride_s1e, stride_s1n, stride_s1k, SCALES)
             h = gate / (1.0 + tl.exp(-gate)) * up
-            h = h.to(x_ptr.dtype.element_ty).to(tl.float32)   # as GEMM 1 stores it
+            h = _rounded(h, ROUND)   # to the activations' dtype, as GEMM 1 stores it
             weight = tl.load(topk_weights_ptr + assignment).to(tl.float32)
             h = tl.where(row_ok, h, 0.0) * weight
             # GEMM 2: the slice's columns of w2, a partial sum of the output row
@@ -188,8 +202,13 @@ def one_launch_experts(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.
                           w2_scale=w2_scale, ids="validate" if validate_ids else "unchecked", func=func)
 
 
+#: How each slice rounds ``h`` before GEMM 2: to the activations' dtype (the kernel's ``ROUND``).
+_ROUND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
 def run_one_launch(hidden_states, w1, w2, topk_weights, topk_ids, *, fmt, tiles: OneLaunchTiles, w1_scale=None,
-                   w2_scale=None, ids: str = "validate", func: str = "one_launch_experts", add=None) -> torch.Tensor:
+                   w2_scale=None, ids: str = "validate", func: str = "one_launch_experts", add=None,
+                   _round_to=None) -> torch.Tensor:
     """:func:`one_launch_experts` after its checks. ``ids``: ``"validate"`` (a device assert in
     the kernel; at once on the CPU), ``"trusted"`` or ``"unchecked"`` (a bad id adds nothing).
     ``add``: a ``[T, d]`` tensor (rows contiguous, e.g. a shared expert's output) added in the
@@ -210,7 +229,8 @@ def run_one_launch(hidden_states, w1, w2, topk_weights, topk_ids, *, fmt, tiles:
 
     def rerun(x, w1, w2, *extra, out):   # the interpreter's bf16: the same launch in float32, rounded once
         out.copy_(run_one_launch(x, w1, w2, topk_weights, topk_ids, fmt=fmt, tiles=tiles, w1_scale=w1_scale,
-                                 w2_scale=w2_scale, ids=ids, func=func, add=extra[0] if extra else None))
+                                 w2_scale=w2_scale, ids=ids, func=func, add=extra[0] if extra else None,
+                                 _round_to=hidden_states.dtype))
 
     if in_float32_under_interpreter(rerun, out, hidden_states, w1, w2, *(() if add is None else (add,))) is not None:
         return out
@@ -230,7 +250,8 @@ def run_one_launch(hidden_states, w1, w2, topk_weights, topk_ids, *, fmt, tiles:
         hidden_states.stride(0), w1.stride(0), w1.stride(1), w2.stride(0), w2.stride(1), out.stride(0),
         0 if add is None else add.stride(0), *s1, *s2,
         TOP_K=top_k, SLICES=slices, BLOCK_F=tiles.block_f, BLOCK_D=tiles.block_d, SCALES=fmt.scale_code,
-        ID_CHECK=id_check, STAGES=tiles.num_stages, HAS_ADD=add is not None, num_warps=tiles.num_warps,
+        ID_CHECK=id_check, STAGES=tiles.num_stages, HAS_ADD=add is not None,
+        ROUND=_ROUND[_round_to or hidden_states.dtype], num_warps=tiles.num_warps,
         **device_assert_options(id_check))
     return out
 
