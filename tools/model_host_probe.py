@@ -111,20 +111,15 @@ for batch in [int(b) for b in sys.argv[1:]] or [1, 64]:
                        for _ in range(batch)])   # int64, as the model hands them
     weights = torch.rand(batch, ids.shape[1], device=device, dtype=hidden.dtype)
 
-    def host_us(call, modules):
-        for _ in range(3):
-            for m in modules:
-                call(m)
+    def host_us(call, modules, calls=20):
+        """Host us per call over one round of ``calls`` calls, the GPU idle at its start (a sync
+        before the clock) and its queue short enough (~5 entries a call) never to block a launch."""
         if device == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
-        for _ in range(100):
-            for m in modules:
-                call(m)
-        took = (time.perf_counter() - start) / (100 * len(modules))
-        if device == "cuda":
-            torch.cuda.synchronize()
-        return 1e6 * took
+        for i in range(calls):
+            call(modules[i % len(modules)])
+        return 1e6 * (time.perf_counter() - start) / calls
 
     parts = {
         "check_experts": lambda m: check_experts(m),
@@ -134,11 +129,22 @@ for batch in [int(b) for b in sys.argv[1:]] or [1, 64]:
                                                                                     m.down_proj, weights, i),
         "moe_kernels_experts": lambda m: moe_kernels_experts(m, hidden, ids, weights),
     }
+    # The parts interleaved, round by round (an earlier run timed them one after another and each
+    # line came out slower than the one before it), one module and two alternating; medians of 15.
+    rounds = {(label, n): [] for label in parts for n in (1, 2)}
     with torch.no_grad():
-        for label, call in parts.items():
-            one, two = host_us(call, experts_modules[:1]), host_us(call, experts_modules[:2])
-            print(f"batch {batch} host us per call, {label}: one module {one:.1f}, two alternating {two:.1f}",
-                  flush=True)
+        for call in parts.values():   # warm: plans recorded and captured
+            for _ in range(4):
+                for m in experts_modules[:2]:
+                    call(m)
+        for _ in range(15):
+            for label, call in parts.items():
+                for n in (1, 2):
+                    rounds[label, n].append(host_us(call, experts_modules[:n]))
+    for label in parts:
+        one, two = (sorted(rounds[label, n])[7] for n in (1, 2))
+        print(f"batch {batch} host us per call, {label}: one module {one:.1f}, two alternating {two:.1f} "
+              "(medians of 15 interleaved rounds of 20 calls)", flush=True)
     print("  fused_experts plans (launches, graph refusal, graphs):",
           [(p.num_launches, p.graphs and p.graphs.refusal,
             p.graphs and sum(len(s.graphs) for s in p.graphs.by_stream.values())) for p in _PLANS.plans.values()],
