@@ -7,7 +7,8 @@
 # what: tests, ceilings, tune, refine, sweep, fp8, decode-step, layouts, routing, skew, shared, capacity, notebooks,
 # graphs (the CUDA-graph replay's and the split GEMM 1's GPU tests), host-probe, model-probe, prefill, gate-routing
 # (the router in one launch, with and without the alignment: its GPU tests and bench routing --gate-routing),
-# tune-shared (the shared expert's tiles, bf16 and fp8, tables written), id-check (bench layer --id-check-only, ID_CHECK_PAIRS pairs at ID_CHECK_BATCHES), model (bench model at
+# tune-shared (the shared expert's tiles, bf16 and fp8, tables written), id-check (bench layer --id-check-only, ID_CHECK_PAIRS pairs at ID_CHECK_BATCHES),
+# id-check-gemm1 (the check's cost inside GEMM 1 alone, naive block map), one-launch (both GEMMs in one launch against two), model (bench model at
 # MODEL_BATCHES; all batches take over 600 s) (default: tests
 # ceilings sweep). NOTEBOOKS="06 07" limits the notebooks step to those sections. tune searches the tiles (TUNE_BATCHES, TUNE_BUDGET_S) and rewrites the tuned tables in
 # moe_kernels/kernels/configs/, which are packed too. notebooks executes every notebook with the GPU (its live cells run) into $OUT/notebooks
@@ -76,6 +77,10 @@ for step in "${steps[@]}"; do
                       $PY -m moe_kernels.bench.routing --gate-routing --record 2>&1 | tee "$OUT/gate-routing.log" \
                           | grep -v Warning || status=1 ;;
         prefill) PYTHONPATH="$PWD" $PY tools/prefill_ab.py 2>&1 | tee "$OUT/prefill.log" | grep -v Warning || status=1 ;;
+        one-launch) PYTHONPATH="$PWD" $PY tools/one_launch_ab.py 2>&1 | tee "$OUT/one-launch.log" | grep -v Warning \
+                        || status=1 ;;
+        id-check-gemm1) PYTHONPATH="$PWD" $PY tools/id_check_gemm1_ab.py 2>&1 | tee "$OUT/id-check-gemm1.log" \
+                            | grep -v Warning || status=1 ;;
         id-check) $PY -m moe_kernels.bench layer --id-check-only --id-check-pairs "${ID_CHECK_PAIRS:-101}" \
                       --batches "${ID_CHECK_BATCHES:-1,8,64,512,4096}" --record 2>&1 | tee "$OUT/id-check.log" \
                       | tail -n 25 || status=1 ;;

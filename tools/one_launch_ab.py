@@ -13,7 +13,6 @@ measured here; "read" is a plain read of the same bytes in one kernel.
     PYTHONPATH=. python tools/one_launch_ab.py [models] [batches] [formats]
     # e.g. qwen3-30b-a3b,deepseek-v3 1,2,4,8 none,block   (records results/<device>/one-launch-ab.json)
 """
-import dataclasses
 import itertools
 import json
 import os
@@ -21,14 +20,13 @@ import sys
 
 import torch
 
-from moe_kernels.bench.problems import make_batch, make_weights
+from moe_kernels.bench.problems import make_batch, tool_weights
 from moe_kernels.bench.timing import graphed, median_ms
 from moe_kernels.kernels.blocks import assign_blocks
 from moe_kernels.kernels.config import get_config
 from moe_kernels.kernels.formats import FORMATS
 from moe_kernels.kernels.index_gather import fused_experts
 from moe_kernels.kernels.one_launch import OneLaunchTiles, one_launch_experts
-from moe_kernels.model.shapes import MODELS
 
 device = "cuda" if torch.cuda.is_available() else "cpu"   # (the CPU: a small shape under the interpreter)
 models = sys.argv[1].split(",") if len(sys.argv) > 1 else ["qwen3-30b-a3b", "deepseek-v3"]
@@ -67,14 +65,8 @@ def save():
 for fname in formats:
     fmt = FORMATS[fname]
     for key in models:
-        model = MODELS[key]
-        if device == "cpu":
-            model = dataclasses.replace(model, hidden_size=256, moe_intermediate_size=128, num_experts=8, top_k=2)
+        model, dtype, w1, w1s, w2, w2s = tool_weights(key, fmt, device)
         e, k, d, f = model.num_experts, model.top_k, model.hidden_size, model.moe_intermediate_size
-        dtype = torch.bfloat16 if device == "cuda" else torch.float32
-        w1, w2 = make_weights(model, dtype, 0, device)
-        w1, w1s = fmt.quantize_weight(w1)
-        w2, w2s = fmt.quantize_weight(w2)
         scales = dict(w1_scale=w1s, w2_scale=w2s)
         for batch in batches:
             x, _, weights, ids = make_batch(model, batch, dtype, 1 + batch, device)

@@ -8,9 +8,11 @@ model (:mod:`moe_kernels.model.costs`) assumes.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from ..model.shapes import MoEModel
+from ..model.shapes import MODELS, MoEModel
 
 
 def make_weights(model: MoEModel, dtype: torch.dtype, seed: int, device="cuda"):
@@ -31,3 +33,18 @@ def make_batch(model: MoEModel, num_tokens: int, dtype: torch.dtype, seed: int, 
     logits = torch.randn(num_tokens, model.num_experts, device=device, dtype=torch.float32, generator=g)
     weights, ids = fused_topk(hidden, logits, model.top_k, True)
     return hidden, logits, weights, ids
+
+
+def tool_weights(key: str, fmt, device, **cpu_shape):
+    """A model's routed experts for the A/B scripts in ``tools/``: ``(model, dtype, w1, w1_scale,
+    w2, w2_scale)``, bf16 weights stored in ``fmt`` (a :class:`~moe_kernels.kernels.formats.WeightFormat`)
+    on a GPU; on the CPU (the Triton interpreter) float32, the model shrunk to ``cpu_shape``
+    (:class:`MoEModel` fields over d = 256, F = 128, 8 experts, top-2)."""
+    model = MODELS[key]
+    if torch.device(device).type == "cpu":
+        shape = {"hidden_size": 256, "moe_intermediate_size": 128, "num_experts": 8, "top_k": 2, **cpu_shape}
+        model = dataclasses.replace(model, **shape)
+    dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    w1, w2 = make_weights(model, dtype, 0, device)
+    (w1, w1_scale), (w2, w2_scale) = fmt.quantize_weight(w1), fmt.quantize_weight(w2)
+    return model, dtype, w1, w1_scale, w2, w2_scale

@@ -1,0 +1,64 @@
+"""What the id check costs GEMM 1 alone (issue 16): at decode batches small enough for the naive
+block map there is no alignment launch, so ``validate_ids=True`` puts its device assert in GEMM 1,
+whose checked variant is compiled with ``debug=True``. This times the same call with a block map
+that carries the check and one that does not (``fused_experts(..., blocks=..., validate_ids=False)``:
+nothing else differs), both replayed from a CUDA graph with L2 flushed, in interleaved rounds; the
+median of the round differences is kept, as ``bench layer``'s id check does.
+
+    PYTHONPATH=. python tools/id_check_gemm1_ab.py [models] [batches] [formats] [rounds]
+    # e.g. qwen3-30b-a3b,deepseek-v3 1,2 none,block 41   (records results/<device>/id-check-gemm1.json)
+"""
+import statistics
+import sys
+
+import torch
+
+from moe_kernels.bench.problems import make_batch, tool_weights
+from moe_kernels.bench.timing import graphed, median_ms
+from moe_kernels.kernels.blocks import assign_blocks
+from moe_kernels.kernels.config import get_config
+from moe_kernels.kernels.formats import FORMATS
+from moe_kernels.kernels.index_gather import fused_experts
+
+device = "cuda" if torch.cuda.is_available() else "cpu"   # (the CPU: a small shape under the interpreter)
+models = sys.argv[1].split(",") if len(sys.argv) > 1 else ["qwen3-30b-a3b", "deepseek-v3"]
+batches = [int(b) for b in sys.argv[2].split(",")] if len(sys.argv) > 2 else [1, 2]
+formats = sys.argv[3].split(",") if len(sys.argv) > 3 else ["none", "block"]
+rounds = int(sys.argv[4]) if len(sys.argv) > 4 else 41
+
+rows = []
+for fname in formats:
+    fmt = FORMATS[fname]
+    for key in models:
+        model, dtype, w1, w1s, w2, w2s = tool_weights(key, fmt, device, num_experts=16)
+        e, d, f = model.num_experts, model.hidden_size, model.moe_intermediate_size
+        for batch in batches:
+            x, _, weights, ids = make_batch(model, batch, dtype, 1 + batch, device)
+            config = get_config(batch, e, f, d, w1.dtype, x.device)
+            maps = {checked: assign_blocks(ids, config.block_m, e, validate_ids=checked) for checked in (True, False)}
+            if not maps[True].naive:
+                print(f"{key} {fname} {batch}: the aligned map (the check sits in the alignment): skipped")
+                continue
+            calls = {checked: (lambda b=b: fused_experts(x, w1, w2, weights, ids, config=config, blocks=b,
+                                                          validate_ids=False, w1_scale=w1s, w2_scale=w2s))
+                     for checked, b in maps.items()}
+            same = torch.equal(calls[True](), calls[False]())
+            replays = {checked: graphed(call) if device == "cuda" else call for checked, call in calls.items()}
+            times = {True: [], False: []}
+            for i in range(rounds):   # ABBA: each variant first in half the rounds
+                for checked in ((True, False) if i % 2 == 0 else (False, True)):
+                    times[checked].append(median_ms(replays[checked], 1, 5) * 1e3 if device == "cuda" else 1.0)
+            diffs = [a - b for a, b in zip(times[True], times[False])]
+            row = {"model": key, "format": fname, "batch": batch, "id_check": maps[True].id_check != "",
+                   "checked_us": statistics.median(times[True]), "unchecked_us": statistics.median(times[False]),
+                   "difference_us": statistics.median(diffs), "rounds": rounds, "outputs_equal": same}
+            rows.append(row)
+            print(f"{key} {fname} {batch}: checked {row['checked_us']:.2f} us, unchecked {row['unchecked_us']:.2f}, "
+                  f"difference {row['difference_us']:+.2f} (median of {rounds} rounds), equal outputs {same}",
+                  flush=True)
+
+from moe_kernels.results import record  # noqa: E402
+
+path = record("id-check-gemm1", {"rows": rows, "config": {"models": models, "batches": batches, "formats": formats,
+                                                          "rounds": rounds}})
+print(f"recorded {path}")
