@@ -21,7 +21,7 @@ import sys
 import torch
 
 from moe_kernels.bench.problems import make_batch, tool_weights
-from moe_kernels.bench.timing import graphed, median_ms
+from moe_kernels.bench.timing import time_candidates
 from moe_kernels.kernels.blocks import assign_blocks
 from moe_kernels.kernels.config import get_config
 from moe_kernels.kernels.formats import FORMATS
@@ -82,20 +82,9 @@ for fname in formats:
                     lambda t=tiles: one_launch_experts(x, w1, w2, weights, ids, tiles=t, validate_ids=False,
                                                        **scales))
             reference = candidates["two GEMMs"]().float()
-            replays, errors, rel = {}, {}, {}
-            for name, call in candidates.items():
-                try:
-                    out = call()
-                    rel[name] = float((out.float() - reference).norm() / reference.norm())
-                    if rel[name] > (0.1 if fmt.quantized else 0.05):   # fp8: W8A16 against W8A8
-                        errors[name] = f"rel err {rel[name]:.3g}"
-                    replays[name] = graphed(call) if device == "cuda" else call
-                except Exception as error:   # noqa: BLE001 - one candidate failing must not lose the others
-                    errors[name] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
-            times = {name: [] for name in replays}
-            for _ in range(2):
-                for name, replay in replays.items():
-                    times[name].append(median_ms(replay, 2, 20) * 1e3 if device == "cuda" else 1.0)
+            # (fp8: the one launch is W8A16, the two GEMMs W8A8: a few percent apart)
+            times, errors, rel = time_candidates(candidates, reference, tolerance=0.1 if fmt.quantized else 0.05,
+                                                 warmup_ms=2, rep_ms=20)
             touched = int(torch.unique(ids).numel())
             nbytes = touched * (w1[0].numel() + w2[0].numel()) * w1.element_size()
             if w1s is not None:
@@ -112,7 +101,7 @@ for fname in formats:
             print(f"{key} {fname} {batch}: floor {row['floor_us']:.1f} us, two GEMMs {us.get('two GEMMs', 0):.1f}, "
                   f"fused_experts {us.get('fused_experts', 0):.1f}, best one launch {best} "
                   f"{us.get(best, 0):.1f} (rel err {rel.get(best, 0):.1e})", errors or "", flush=True)
-            del x, weights, ids, reference, replays, blocks
+            del x, weights, ids, reference, blocks
             if device == "cuda":
                 torch.cuda.empty_cache()
         del w1, w2

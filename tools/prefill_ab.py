@@ -24,7 +24,7 @@ import torch
 
 from moe_kernels.bench.problems import make_batch, tool_weights
 from moe_kernels.bench.sweep import _balanced_bmm
-from moe_kernels.bench.timing import graphed, median_ms
+from moe_kernels.bench.timing import time_candidates
 from moe_kernels.kernels.config import GemmTiles, MoEConfig
 from moe_kernels.kernels.formats import FORMATS
 from moe_kernels.kernels.index_gather import fused_experts
@@ -67,21 +67,8 @@ for fname in formats:
             if not fp8 and device == "cuda":
                 candidates["bmm balanced"] = _balanced_bmm(model, batch, dtype, device)
             reference = candidates["index-gather"]().float()
-            replays, errors = {}, {}
-            for name, call in candidates.items():
-                try:
-                    out = call()
-                    if name != "bmm balanced":
-                        err = float((out.float() - reference).norm() / reference.norm())
-                        if err > 0.05:
-                            errors[name] = f"rel err {err:.3g}"
-                    replays[name] = graphed(call) if device == "cuda" else call
-                except Exception as error:   # noqa: BLE001 - one candidate failing must not lose the others
-                    errors[name] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
-            times = {name: [] for name in replays}
-            for _ in range(2):
-                for name, replay in replays.items():
-                    times[name].append(median_ms(replay, 5, 40) * 1e3 if device == "cuda" else 1.0)
+            times, errors, _ = time_candidates(candidates, reference, tolerance=0.05, warmup_ms=5, rep_ms=40,
+                                               unchecked=("bmm balanced",))
             flops = 2 * batch * k * 3 * d * f
             row = {"model": key, "format": fname, "batch": batch, "errors": errors,
                    "us": {n: min(t) for n, t in times.items()},
@@ -89,7 +76,7 @@ for fname in formats:
             rows.append(row)
             print(key, fname, batch, {n: round(v, 1) for n, v in row["us"].items()},
                   {n: round(v) for n, v in row["tflops"].items()}, errors or "", flush=True)
-            del x, weights, ids, reference, replays
+            del x, weights, ids, reference
             torch.cuda.empty_cache()
         del w1, w2
 # A record with provenance (results/<device>/prefill-ab.json, packed by gpu_check.sh), and a copy in $OUT.

@@ -93,6 +93,33 @@ def graphed(fn: Callable) -> Callable:
     return graph.replay
 
 
+def time_candidates(candidates: dict, reference: torch.Tensor, *, tolerance: float, warmup_ms: float,
+                    rep_ms: float, rounds: int = 2, unchecked: tuple = ()) -> tuple[dict, dict, dict]:
+    """The A/B scripts' timer (``tools/*_ab.py``): each candidate called once and compared with
+    ``reference`` (except those named in ``unchecked``), then replayed from a CUDA graph of one call,
+    ``rounds`` rounds interleaved over the candidates. Returns ``(times_us, errors, rel)``: every
+    round's median per candidate, the candidates that failed or differ by more than ``tolerance``
+    (the reason), and each compared candidate's relative error. A candidate that fails is kept out
+    of the timing, never stops the others. Without a GPU (the interpreter) every time reads 1.0."""
+    cuda = torch.cuda.is_available() and reference.is_cuda
+    replays, errors, rel = {}, {}, {}
+    for name, call in candidates.items():
+        try:
+            out = call()
+            if name not in unchecked:
+                rel[name] = rel_err(out, reference)
+                if rel[name] > tolerance:
+                    errors[name] = f"rel err {rel[name]:.3g}"
+            replays[name] = graphed(call) if cuda else call
+        except Exception as error:   # noqa: BLE001 - one candidate failing must not lose the others
+            errors[name] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
+    times = {name: [] for name in replays}
+    for _ in range(rounds):
+        for name, replay in replays.items():
+            times[name].append(median_ms(replay, warmup_ms, rep_ms) * 1e3 if cuda else 1.0)
+    return times, errors, rel
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """``|out - ref| / |ref|`` in the Frobenius norm, computed in float32.
 
