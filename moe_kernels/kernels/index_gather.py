@@ -469,11 +469,12 @@ def fused_experts(
     ``[T, d]``, ``topk_weights`` / ``topk_ids`` ``[T, k]`` (0-based expert ids).
 
     ``config`` defaults to :func:`moe_kernels.kernels.config.get_config`; ``block_size_m``
-    overrides its M tile. A config with ``one_launch`` tiles runs both GEMMs in one launch
-    (:mod:`moe_kernels.kernels.one_launch`), which needs no block map: ``block_size_m`` and
-    ``naive_block_assignment`` then change nothing, and a ``blocks`` given runs the two GEMMs. ``blocks`` passes a precomputed :func:`assign_blocks` result (its
+    overrides its M tile. ``blocks`` passes a precomputed :func:`assign_blocks` result (its
     ``block_m`` wins), e.g. to time the GEMMs without the alignment. ``naive_block_assignment``
-    forces the small-batch path on or off (default: vLLM's rule, see :func:`assign_blocks`).
+    forces the small-batch path on or off (default: vLLM's rule, see :func:`assign_blocks`). A
+    config with ``one_launch`` tiles runs both GEMMs in one launch
+    (:mod:`moe_kernels.kernels.one_launch`), which needs no block map: ``block_size_m`` and
+    ``naive_block_assignment`` then change nothing, and a ``blocks`` given runs the two GEMMs.
     ``validate_ids`` checks that every id lies in ``[0, E)``: on the CPU with an immediate
     ValueError; on a GPU inside the first kernel that reads the ids (the alignment, or GEMM 1
     for tiny batches) as a device-side assert, which costs no launch and no host sync and can be
