@@ -9,7 +9,8 @@ Three numbers per (model, weight format, batch) and per entry point:
 * GPU: microseconds per call replayed from a CUDA graph (no host work at all; the L2 is not
   flushed between the calls of one graph, so small batches read weights partly from L2);
 * what the id check costs (``validate_ids=True`` over ``False``): host and GPU differences of
-  interleaved pairs of rounds (:func:`id_check_cost`; ``--id-check-only`` times only these);
+  interleaved pairs of rounds, the GPU's with the L2 flushed before each call and back to back
+  without (:func:`id_check_cost`; ``--id-check-only`` times only these);
 * the entry points: ``fused_experts`` with the id check (its default) and without, the experts
   step with trusted ids (what :class:`~moe_kernels.layer.MoELayer` runs: no check, no zero-fill),
   and ``MoELayer(x)``.
@@ -65,17 +66,27 @@ def id_check_cost(checked, unchecked, *, pairs: int = 15, calls: int = 20, graph
     Timed apart, each call's rounds spread by 10-20 us on the H200's host, more than the check costs.
 
     Host rounds queue ``calls`` calls behind a sleep of a tenth of :data:`SLEEP_CYCLES` (5-8 ms,
-    longer than the calls take on the host); GPU rounds replay a graph of ``graph_calls`` calls.
+    longer than the calls take on the host). Two GPU differences:
+
+    * ``gpu_us``: one call replayed from a CUDA graph with the L2 flushed before it (the median of
+      ``do_bench``, as every other GPU time of the package): the weights come from HBM, as in a
+      model whose layers each read their own;
+    * ``gpu_back_to_back_us``: a graph of ``graph_calls`` calls replayed once, nothing flushed, so
+      that each call after the first finds the same weights in L2. Small batches' weights (38 MB
+      for Qwen3's 8 fp8 experts) fit the H200's L2, where two captures of the same kernels placed
+      at other addresses can differ by a few microseconds either way; at 066a7b1 this column read
+      -5.0 to +3.75 us over rows whose kernels differ in one scalar compare.
     """
-    from .timing import captured
+    from .timing import captured, graphed, median_ms
 
     torch.cuda.synchronize()
-    host, gpu = [], []
+    host, gpu, back_to_back = [], [], []
     graphs = [captured(fn, graph_calls) for fn in (checked, unchecked)]
+    singles = [graphed(fn) if graph is not None else None for fn, graph in zip((checked, unchecked), graphs)]
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for pair in range(pairs):
         order = (0, 1) if pair % 2 == 0 else (1, 0)
-        host_t, gpu_t = [0.0, 0.0], [0.0, 0.0]
+        host_t, gpu_t, flushed_t = [0.0, 0.0], [0.0, 0.0], [0.0, 0.0]
         for i in order:
             fn = (checked, unchecked)[i]
             torch.cuda._sleep(SLEEP_CYCLES // 10)
@@ -92,10 +103,17 @@ def id_check_cost(checked, unchecked, *, pairs: int = 15, calls: int = 20, graph
             end.record()
             end.synchronize()
             gpu_t[i] = start.elapsed_time(end) * 1e-3 / graph_calls
+        for i in order:
+            if singles[i] is not None:
+                flushed_t[i] = median_ms(singles[i], 1, 5) * 1e-3
         host.append(host_t[0] - host_t[1])
-        gpu.append(None if None in graphs else gpu_t[0] - gpu_t[1])
+        unusable = None in graphs
+        back_to_back.append(None if unusable else gpu_t[0] - gpu_t[1])
+        gpu.append(None if unusable else flushed_t[0] - flushed_t[1])
     return {"id_check host_us": 1e6 * statistics.median(host),
-            "id_check gpu_us": None if None in gpu else 1e6 * statistics.median(gpu), "id_check pairs": pairs}
+            "id_check gpu_us": None if None in gpu else 1e6 * statistics.median(gpu),
+            "id_check gpu_back_to_back_us": None if None in back_to_back else 1e6 * statistics.median(back_to_back),
+            "id_check pairs": pairs}
 
 
 def entry_points(layer, x):
@@ -224,8 +242,10 @@ def run(models, formats, batches, *, seed: int = 0, id_check_only: bool = False,
                 row.update(id_check_cost(calls["fused_experts"], calls["fused_experts unchecked"],
                                          pairs=min(id_check_pairs, max(7, id_check_pairs // 2)) if big else id_check_pairs,
                                          graph_calls=2 if big else 20))
-                check = (f"id check: host {row['id_check host_us']:+5.1f} us, gpu "
-                         f"{row['id_check gpu_us'] if row['id_check gpu_us'] is not None else float('nan'):+6.2f} us")
+                gpu, back = (float("nan") if row[key] is None else row[key]
+                             for key in ("id_check gpu_us", "id_check gpu_back_to_back_us"))
+                check = (f"id check: host {row['id_check host_us']:+5.1f} us, gpu (L2 flushed) {gpu:+6.2f} us, "
+                         f"back to back {back:+6.2f} us")
                 if id_check_only:
                     rows.append(row)
                     log(f"{name:<14} {row['format']:<11} {batch:>6} {check}")
