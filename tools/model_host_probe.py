@@ -4,11 +4,13 @@ microseconds per experts call (a clock around each call) and whether fused_exper
 as CUDA graphs; then, for moe_kernels, cProfile over the experts calls alone (20 steps), the
 functions by their own time per call, and the arguments' layouts (what the model hands the
 kernels: a dtype cast or a strided view costs a copy). ``PYTHONPATH=. python tools/model_host_probe.py [batch ...]``"""
+import collections
 import cProfile
 import inspect
 import pstats
 import sys
 import time
+import warnings
 
 import torch
 from transformers import StaticCache
@@ -33,6 +35,44 @@ for batch in [int(b) for b in sys.argv[1:]] or [1, 64]:
         model(input_ids=prompt, logits_to_keep=1, **{name: cache})
     lengths = cached_lengths(cache)
     step_profiles = {}
+    # Does a step wait for the GPU anywhere (a read-back, a nonzero)? torch's sync debug mode warns at
+    # each synchronising call: if a step has one per layer, the GPU's work is not hidden behind the
+    # host's and an eager step costs host time plus GPU time, not the larger of the two.
+    for impl in [i for i in ("moe_kernels", "no_experts", "grouped_mm", "batched_mm") if i in impls]:
+        model.set_experts_implementation(impl)
+        for _ in range(4):   # warm: fused_experts records its plans at a call's second sight, graphs at the fourth
+            torch._foreach_mul_(lengths, 0)
+            torch._foreach_add_(lengths, 16)
+            with torch.no_grad():
+                model(input_ids=token, **{name: cache})
+        torch._foreach_mul_(lengths, 0)
+        torch._foreach_add_(lengths, 16)
+        if device == "cuda":
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            with torch.no_grad():
+                model(input_ids=token, **{name: cache})
+            launched = time.perf_counter() - start
+            torch.cuda.synchronize()
+            print(f"batch {batch} {impl}: one step's host {1e3 * launched:.2f} ms, to the GPU's end "
+                  f"{1e3 * (time.perf_counter() - start):.2f} ms", flush=True)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if device == "cuda":
+                torch.cuda.set_sync_debug_mode("warn")
+            try:
+                torch._foreach_mul_(lengths, 0)
+                torch._foreach_add_(lengths, 16)
+                with torch.no_grad():
+                    model(input_ids=token, **{name: cache})
+            finally:
+                if device == "cuda":
+                    torch.cuda.set_sync_debug_mode("default")
+        syncs = collections.Counter(str(w.message).splitlines()[0][:120] + " @ " + f"{w.filename.split('/')[-1]}:{w.lineno}"
+                                    for w in caught if "synchroniz" in str(w.message))
+        print(f"batch {batch} {impl}: synchronising calls in one step: {sum(syncs.values())}", flush=True)
+        for where, n in syncs.most_common(6):
+            print(f"   x{n}  {where}", flush=True)
     for impl in ("moe_kernels", "no_experts"):
         experts, clock = ALL_EXPERTS_FUNCTIONS[impl], []
 
