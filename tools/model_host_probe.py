@@ -68,8 +68,9 @@ for batch in [int(b) for b in sys.argv[1:]] or [1, 64]:
             finally:
                 if device == "cuda":
                     torch.cuda.set_sync_debug_mode("default")
+        # torch's warning at a synchronising call (the mode also warns once that it is a prototype: not counted)
         syncs = collections.Counter(str(w.message).splitlines()[0][:120] + " @ " + f"{w.filename.split('/')[-1]}:{w.lineno}"
-                                    for w in caught if "synchroniz" in str(w.message))
+                                    for w in caught if "called a synchronizing" in str(w.message))
         print(f"batch {batch} {impl}: synchronising calls in one step: {sum(syncs.values())}", flush=True)
         for where, n in syncs.most_common(6):
             print(f"   x{n}  {where}", flush=True)
