@@ -9,7 +9,7 @@
 # (the router in one launch, with and without the alignment: its GPU tests and bench routing --gate-routing),
 # tune-shared (the shared expert's tiles, bf16 and fp8, tables written), id-check (bench layer --id-check-only, ID_CHECK_PAIRS pairs at ID_CHECK_BATCHES),
 # id-check-gemm1 (the check's cost inside GEMM 1 alone, naive block map), one-launch (both GEMMs in one launch against two), model (bench model at
-# MODEL_BATCHES; all batches take over 600 s) (default: tests
+# MODEL_BATCHES, MODEL_ROUNDS eager rounds, recorded as MODEL_NAME or model-step; 1,8,64 took 170 s at fb84557) (default: tests
 # ceilings sweep). NOTEBOOKS="06 07" limits the notebooks step to those sections. tune searches the tiles (TUNE_BATCHES, TUNE_BUDGET_S) and rewrites the tuned tables in
 # moe_kernels/kernels/configs/, which are packed too. notebooks executes every notebook with the GPU (its live cells run) into $OUT/notebooks
 # and lists the prose numbers that would change (needs Jupyter: run tools/jupyter_wheels.sh here and carry .whl/jupyter).
@@ -86,7 +86,8 @@ for step in "${steps[@]}"; do
         id-check) $PY -m moe_kernels.bench layer --id-check-only --id-check-pairs "${ID_CHECK_PAIRS:-101}" \
                       --batches "${ID_CHECK_BATCHES:-1,8,64,512,4096}" --record 2>&1 | tee "$OUT/id-check.log" \
                       | tail -n 25 || status=1 ;;
-        model) $PY -m moe_kernels.bench model --batches "${MODEL_BATCHES:-1,8,64}" --record 2>&1 \
+        model) $PY -m moe_kernels.bench model --batches "${MODEL_BATCHES:-1,8,64}" --rounds "${MODEL_ROUNDS:-5}" \
+                   --record ${MODEL_NAME:+--name "$MODEL_NAME"} 2>&1 \
                    | tee "$OUT/model.log" | grep -v Warning | tail -n 40 || status=1 ;;
         *) $PY -m moe_kernels.bench "$step" --record 2>&1 | tee "$OUT/$step.log" | tail -n 20 || status=1 ;;
     esac

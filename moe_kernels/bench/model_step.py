@@ -201,7 +201,7 @@ def profile_step(step, impl: str, device, *, steps: int = 3, top: int = 15) -> d
 
 def run(models, batches, *, context: int = 128, steps: int = 10, moe_layers: int | None = None, tiny: bool = False,
         device="cuda", eager_loop_max_batch: int | None = None, log=print, after_batch=None,
-        profile_batches=()) -> dict:
+        profile_batches=(), eager_rounds: int = EAGER_ROUNDS) -> dict:
     """Rows of (model, implementation, batch): eager and graph step times, per-token cost, the
     experts' share, and the byte model's experts time. transformers' ``eager`` experts (a Python
     loop over the experts a batch touches) runs only up to ``eager_loop_max_batch`` tokens when
@@ -284,7 +284,7 @@ def run(models, batches, *, context: int = 128, steps: int = 10, moe_layers: int
             # Eager rounds interleaved over the implementations (each round ``steps`` steps of one),
             # so that a drift of the host or of the GPU's clocks reaches every one alike; median.
             rounds = {impl: [] for impl, _ in runnable}
-            for _ in range(EAGER_ROUNDS):
+            for _ in range(eager_rounds):
                 for impl, _ in runnable:
                     model.set_experts_implementation(impl)
                     rounds[impl].append(eager_step_ms(step, device, steps, rounds=1))
@@ -334,6 +334,8 @@ def main(argv=None) -> int:
     parser.add_argument("--batches", type=positive_ints, default=list(DEFAULT_BATCHES))
     parser.add_argument("--context", type=positive_ints, default=[128], help="tokens in each sequence's KV cache")
     parser.add_argument("--steps", type=positive_ints, default=[10], help="decode steps per timing round")
+    parser.add_argument("--rounds", type=positive_ints, default=[EAGER_ROUNDS],
+                        help="eager timing rounds per implementation, interleaved (the median is kept)")
     parser.add_argument("--eager-loop-max-batch", type=positive_ints, default=[8],
                         help="run transformers' eager experts (a Python loop) up to this batch only")
     parser.add_argument("--moe-layers", type=positive_ints, default=None,
@@ -354,7 +356,7 @@ def main(argv=None) -> int:
     data = run(args.models, args.batches, context=args.context[0], steps=args.steps[0],
                moe_layers=None if args.moe_layers is None else args.moe_layers[0],
                eager_loop_max_batch=args.eager_loop_max_batch[0], after_batch=save if args.record else None,
-               profile_batches=tuple(args.profile_batches))
+               profile_batches=tuple(args.profile_batches), eager_rounds=args.rounds[0])
     if args.record:
         save(data)
     return 0
