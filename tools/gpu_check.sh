@@ -64,9 +64,13 @@ for step in "${steps[@]}"; do
                            --out "$OUT/notebooks" "$nb" 2>&1 | grep -v "running over TCP" | tee -a "$OUT/notebooks.log" || status=1
                        # one archive (the device tool brings back only a few files one by one), rewritten
                        # after each notebook: a call cut by its time limit keeps the ones that ran
-                       tar czf "$OUT/notebooks.tgz" -C "$OUT" notebooks
+                       # (written aside, then moved: a call killed mid-tar keeps the last whole archive)
+                       if [ -d "$OUT/notebooks" ]; then
+                           tar czf "$OUT/notebooks.tgz.tmp" -C "$OUT" notebooks \
+                               && mv -f "$OUT/notebooks.tgz.tmp" "$OUT/notebooks.tgz" || status=1
+                       fi
                    done
-                   rm -r "$OUT/notebooks" ;;
+                   [ -s "$OUT/notebooks.tgz" ] && rm -r "$OUT/notebooks" ;;
         decode-step) $PY -m moe_kernels.bench decode-step --fp8 --record 2>&1 | tee "$OUT/decode-step.log" | tail -n 14 || status=1 ;;
         graphs) $PY -m pytest tests/test_replay.py tests/test_gemm_variants.py -m gpu -q -p no:cacheprovider \
                     -W ignore::DeprecationWarning -k "graph or split or captures or replays" 2>&1 \

@@ -56,22 +56,26 @@ for batch in [int(b) for b in sys.argv[1:]] or [1, 64]:
             torch.cuda.synchronize()
             print(f"batch {batch} {impl}: one step's host {1e3 * launched:.2f} ms, to the GPU's end "
                   f"{1e3 * (time.perf_counter() - start):.2f} ms", flush=True)
+        if device != "cuda":
+            print(f"batch {batch} {impl}: synchronising calls: n/a (no GPU)", flush=True)
+            continue
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            if device == "cuda":
-                torch.cuda.set_sync_debug_mode("warn")
+            before = torch.cuda.get_sync_debug_mode()
+            torch.cuda.set_sync_debug_mode("warn")
             try:
                 torch._foreach_mul_(lengths, 0)
                 torch._foreach_add_(lengths, 16)
                 with torch.no_grad():
                     model(input_ids=token, **{name: cache})
             finally:
-                if device == "cuda":
-                    torch.cuda.set_sync_debug_mode("default")
+                torch.cuda.set_sync_debug_mode(before)
         # torch's warning at a synchronising call (the mode also warns once that it is a prototype: not counted)
         syncs = collections.Counter(str(w.message).splitlines()[0][:120] + " @ " + f"{w.filename.split('/')[-1]}:{w.lineno}"
                                     for w in caught if "called a synchronizing" in str(w.message))
-        print(f"batch {batch} {impl}: synchronising calls in one step: {sum(syncs.values())}", flush=True)
+        # (the mode sees torch's synchronising calls, not torch.cuda.synchronize() or an event's wait)
+        print(f"batch {batch} {impl}: synchronising calls torch's sync debug mode sees in one step: "
+              f"{sum(syncs.values())}", flush=True)
         for where, n in syncs.most_common(6):
             print(f"   x{n}  {where}", flush=True)
     for impl in ("moe_kernels", "no_experts"):

@@ -1,0 +1,60 @@
+"""GEMM 1 with and without the naive map's id check, compiled for an H100/H200 (sm_90) on this
+machine, no GPU needed (issue 16): what the checked build (``ID_CHECK`` set, ``debug=True``)
+changes in the code the GPU runs. The tile is Qwen3-30B-A3B's fp8 one-token entry on the H200
+(16 x 128 x 128, 4 warps, 4 stages, TMA weights, swap_ab, PDL trigger, the fp8 quantiser in the
+epilogue). Prints, per build: ptxas's registers, stack and spills, and the SASS's count of the
+instructions that matter here (the call to ``__assertfail``, L2 prefetches, TMA loads, wgmma).
+
+    pip install --no-deps --target /tmp/t36 triton==3.6.0   # the H200's Triton (.ci/run installs it too)
+    PYTHONPATH=/tmp/t36:. python tools/id_check_sass.py     # with that Triton's own ptxas and cuobjdump
+
+When this tool was added (Triton 3.6.0): unchecked 104 registers, checked 102; no stack, no spills
+either way; the same 8 TMA loads and 16 wgmma; the checked build adds one CALL (to ``__assertfail``,
+behind an untaken branch).
+"""
+import os
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+torch.cuda.is_available = lambda: True   # build compiled (not interpreted) kernels; nothing is launched
+os.environ.pop("TRITON_INTERPRET", None)
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from moe_kernels._runtime import device_assert_options  # noqa: E402
+from moe_kernels.kernels import index_gather as ig  # noqa: E402
+
+BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+fn = ig._index_gather_gemm_kernel
+pointers = dict(a_ptr="*fp8e4nv", w_ptr="*fp8e4nv", out_ptr="*fp8e4nv", topk_weights_ptr="*fp32",
+                sorted_token_ids_ptr="*i64", expert_ids_ptr="*i64", num_tokens_post_padded_ptr="*i64",
+                a_scale_ptr="*fp32", w_scale_ptr="*fp32", w_desc="tensordesc<fp8e4nv[128,128]>",
+                out_scale_ptr="*fp32")
+for check in ("", "fused_experts: argument 'topk_ids' must hold expert ids in [0, 128)"):
+    const = dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, GROUP_M=1, TOP_K=8, NAIVE_BLOCKS=True, DENSE=False, GATED=True,
+                 MUL_ROUTED_WEIGHT=False, EVEN_K=True, INPUT_PRECISION="tf32", SCALES=1, SUM_TOP_K=0, SPLIT_K=1,
+                 TMA_W=True, PERSISTENT=0, SCALE_BN=128, SCALE_BK=128, ID_CHECK=check, SWAP_AB=True,
+                 PDL_TRIGGER=1, PDL_WAIT=False, PREFETCH_LINE=64, PREFETCH_K=-1, QUANT_GROUP=128, ROUND_TO="bf16")
+    sig = {n: "constexpr" if n in const else pointers.get(n, "i32") for n in fn.arg_names}
+    constants = {(i,): const[n] for i, n in enumerate(fn.arg_names) if n in const}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
+    options = dict(num_warps=4, num_stages=4, **device_assert_options(check))
+    ptx = triton.compile(ASTSource(fn, sig, constants, attrs), target=GPUTarget("cuda", 90, 32),
+                         options=options).asm["ptx"]
+    with tempfile.TemporaryDirectory() as tmp:
+        src, obj = Path(tmp) / "k.ptx", Path(tmp) / "k.o"
+        src.write_text(ptx)
+        info = subprocess.run([BIN / "ptxas", "-v", "--gpu-name=sm_90a", src, "-o", obj], capture_output=True,
+                              text=True, check=True).stderr
+        sass = subprocess.run([BIN / "cuobjdump", "-sass", obj], capture_output=True, text=True, check=True).stdout
+    usage = " ".join(re.findall(r"Used \d+ registers|\d+ bytes stack frame|\d+ bytes spill stores", info))
+    counts = {name: len(re.findall(pattern, sass)) for name, pattern in
+              (("CALL", r"\bCALL\."), ("L2 prefetch", r"CCTL\.E\.PF2"), ("TMA load", r"UTMALDG"),
+               ("wgmma", r"HGMMA|QGMMA"))}
+    print(f"{'checked' if check else 'unchecked':>9}: {usage}; SASS " + ", ".join(f"{k} {v}" for k, v in counts.items()))
