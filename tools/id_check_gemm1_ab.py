@@ -3,7 +3,8 @@ block map there is no alignment launch, so ``validate_ids=True`` puts its device
 whose checked variant is compiled with ``debug=True``. This times the same call with a block map
 that carries the check and one that does not (``fused_experts(..., blocks=..., validate_ids=False)``:
 nothing else differs), both replayed from a CUDA graph with L2 flushed, in interleaved rounds; the
-median of the round differences is kept, as ``bench layer``'s id check does.
+median of the round differences is kept, as ``bench layer``'s id check does. Then each replay once
+more under the profiler: every kernel's time and the gap before it, to place the difference.
 
     PYTHONPATH=. python tools/id_check_gemm1_ab.py [models] [batches] [formats] [rounds]
     # e.g. qwen3-30b-a3b,deepseek-v3 1,2 none,block 41   (records results/<device>/id-check-gemm1.json)
@@ -25,6 +26,35 @@ models = sys.argv[1].split(",") if len(sys.argv) > 1 else ["qwen3-30b-a3b", "dee
 batches = [int(b) for b in sys.argv[2].split(",")] if len(sys.argv) > 2 else [1, 2]
 formats = sys.argv[3].split(",") if len(sys.argv) > 3 else ["none", "block"]
 rounds = int(sys.argv[4]) if len(sys.argv) > 4 else 41
+
+
+
+def kernel_times(replay, replays: int = 7) -> list[dict]:
+    """Each kernel of one graph replay, in order, from the profiler's CUDA activity (L2 flushed before
+    each replay): its name, its duration and the gap since the previous kernel ended (medians of
+    ``replays``), so that a difference between two variants can be placed in a kernel or a gap."""
+    from torch.profiler import ProfilerActivity, profile
+
+    flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
+    runs = []
+    for _ in range(replays):
+        flush.zero_()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            replay()
+            torch.cuda.synchronize()
+        kernels = sorted((e for e in prof.events() if e.device_type.name == "CUDA" and "memset" not in e.name.lower()),
+                         key=lambda e: e.time_range.start)
+        runs.append([(e.name.split("(")[0][:40], e.time_range.start, e.time_range.end) for e in kernels])
+    if not runs or len({len(r) for r in runs}) != 1:
+        return []
+    out = []
+    for i in range(len(runs[0])):
+        out.append({"name": runs[0][i][0],
+                    "us": statistics.median(r[i][2] - r[i][1] for r in runs),
+                    "gap_us": statistics.median((r[i][1] - r[i - 1][2]) if i else 0.0 for r in runs)})
+    return out
+
 
 rows = []
 for fname in formats:
@@ -52,6 +82,16 @@ for fname in formats:
             row = {"model": key, "format": fname, "batch": batch, "id_check": maps[True].id_check != "",
                    "checked_us": statistics.median(times[True]), "unchecked_us": statistics.median(times[False]),
                    "difference_us": statistics.median(diffs), "rounds": rounds, "outputs_equal": same}
+            if device == "cuda":   # where the difference sits: inside a kernel, or between two
+                try:   # (a profiler that cannot see graph kernels must not cost the timings above)
+                    row["kernels"] = {("checked" if checked else "unchecked"): kernel_times(replay)
+                                      for checked, replay in replays.items()}
+                except Exception as error:  # noqa: BLE001
+                    row["kernels"], row["kernels_error"] = {}, repr(error)[:300]
+                    print(f"   kernels: {row['kernels_error']}", flush=True)
+                for name, kernels in row["kernels"].items():
+                    print(f"   {name:>9}: " + "; ".join(f"{k['name']} {k['us']:.2f} us (gap before {k['gap_us']:.2f})"
+                                                       for k in kernels), flush=True)
             rows.append(row)
             print(f"{key} {fname} {batch}: checked {row['checked_us']:.2f} us, unchecked {row['unchecked_us']:.2f}, "
                   f"difference {row['difference_us']:+.2f} (median of {rounds} rounds), equal outputs {same}",
