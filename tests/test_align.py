@@ -388,26 +388,22 @@ def test_naive_helpers_check_arguments():
 _COMPILE_FOR_HOPPER = """
 import torch
 torch.cuda.is_available = lambda: True   # build compiled (not interpreted) kernels; nothing is launched
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from moe_kernels.kernels import align
+from moe_kernels.sm90_compile import compile_for_sm90
 
-sig = {n: "constexpr" if n in ("NUM_BINS", "COUNT_TILE") else ("*i32" if n.endswith("_ptr") else "i32")
-       for n in align._chunk_count_kernel.arg_names}
-constants = {(i,): 128 if n == "NUM_BINS" else 1024 for i, n in enumerate(align._chunk_count_kernel.arg_names)
-             if sig[n] == "constexpr"}
-ptx = triton.compile(ASTSource(align._chunk_count_kernel, sig, constants, {}), target=GPUTarget("cuda", 90, 32),
-                     options=dict(num_warps=4)).asm["ptx"]
+def int_pointers(fn):
+    return {n: "*i32" for n in fn.arg_names if n.endswith("_ptr")}
+
+fn = align._chunk_count_kernel
+ptx = compile_for_sm90(fn, dict(NUM_BINS=128, COUNT_TILE=1024), int_pointers(fn), pointers_aligned=False,
+                       num_warps=4).asm["ptx"]
 print(len(ptx) > 0)
 fn = align._align_kernel
 for from_table, check in ((False, ""), (True, "align: argument 'topk_ids' must hold expert ids in [0, 128)")):
     const = dict(COUNTS_FROM_TABLE=from_table, NUM_BINS=128, TILE=64, COUNT_TILE=1024, ROW_TILE=64, PAD_TILE=16,
                  FILL_TILE=1024, ID_CHECK=check)
-    sig = {n: "constexpr" if n in const else ("*i32" if n.endswith("_ptr") else "i32") for n in fn.arg_names}
-    constants = {(i,): const[n] for i, n in enumerate(fn.arg_names) if n in const}
-    ptx = triton.compile(ASTSource(fn, sig, constants, {}), target=GPUTarget("cuda", 90, 32),
-                         options=dict(num_warps=4, debug=bool(check), sanitize_overflow=False)).asm["ptx"]
+    ptx = compile_for_sm90(fn, const, int_pointers(fn), pointers_aligned=False, num_warps=4, debug=bool(check),
+                           sanitize_overflow=False).asm["ptx"]
     print(len(ptx) > 0)
 """
 

@@ -291,10 +291,8 @@ _COMPILE_FOR_HOPPER = """
 import re
 import torch
 torch.cuda.is_available = lambda: True   # build compiled (not interpreted) kernels; nothing is launched
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from moe_kernels.kernels import gate_routing
+from moe_kernels.sm90_compile import compile_for_sm90
 
 fn = gate_routing._gate_routing_kernel
 for grouped, e_cols, split, align in ((False, 128, 16, False), (True, 256, 8, False), (False, 128, 16, True),
@@ -306,14 +304,10 @@ for grouped, e_cols, split, align in ((False, 128, 16, False), (True, 256, 8, Fa
                  BLOCK_E=32, BLOCK_K=128, SPLIT_K=split, E_COLS=e_cols, G_PAD=8 if grouped else 1,
                  S_PAD=32 if grouped else 128, K_PAD=8, ALIGN=align, NUM_BINS=e_cols, ALIGN_TILE=64, PAD_TILE=16,
                  COUNT_TILE=1024, FILL_TILE=1024)
-    sig = {n: "constexpr" if n in const else pointers.get(n, "i32") for n in fn.arg_names}
-    constants = {(i,): const[n] for i, n in enumerate(fn.arg_names) if n in const}
     # (as the real launch specialises them: multiples of 16)
     aligned = ("stride_x", "stride_gate", "hidden_size", "k_span", "num_experts")
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-             if sig[n].startswith("*") or n in aligned}
-    ptx = triton.compile(ASTSource(fn, sig, constants, attrs), target=GPUTarget("cuda", 90, 32),
-                         options=dict(num_warps=8 if grouped else 4, num_stages=2)).asm["ptx"]
+    ptx = compile_for_sm90(fn, const, pointers, aligned=aligned, num_warps=8 if grouped else 4,
+                           num_stages=2).asm["ptx"]
     atoms = list(re.finditer(r"atom[.a-z]*[.]gpu[.]acq_rel[.a-z]*add|atom[.a-z]*[.]acq_rel[.]gpu[.a-z]*add", ptx))
     atom = atoms[0] if atoms else None
     read = ptx.find("ld.global.cg")

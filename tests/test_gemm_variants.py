@@ -345,10 +345,8 @@ _COMPILE_FOR_HOPPER = """
 import re, sys
 import torch
 torch.cuda.is_available = lambda: True   # build compiled (not interpreted) kernels; nothing is launched
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from moe_kernels.kernels import index_gather as ig
+from moe_kernels.sm90_compile import compile_for_sm90
 
 fn = ig._index_gather_gemm_kernel
 for dtype, scales, swap in (("bf16", 0, False), ("bf16", 0, True), ("fp8e4nv", 1, True)):
@@ -359,11 +357,7 @@ for dtype, scales, swap in (("bf16", 0, False), ("bf16", 0, True), ("fp8e4nv", 1
                  MUL_ROUTED_WEIGHT=False, EVEN_K=True, INPUT_PRECISION="tf32", SCALES=scales, SUM_TOP_K=0, SPLIT_K=1,
                  TMA_W=False, PERSISTENT=0, SCALE_BN=128, SCALE_BK=128, ID_CHECK="", SWAP_AB=swap,
                  PDL_TRIGGER=False, PDL_WAIT=False, PREFETCH_LINE=64, QUANT_GROUP=0, ROUND_TO="")
-    sig = {n: "constexpr" if n in const else pointers.get(n, "i32") for n in fn.arg_names}
-    constants = {(i,): const[n] for i, n in enumerate(fn.arg_names) if n in const}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
-    ptx = triton.compile(ASTSource(fn, sig, constants, attrs), target=GPUTarget("cuda", 90, 32),
-                         options=dict(num_warps=4, num_stages=3)).asm["ptx"]
+    ptx = compile_for_sm90(fn, const, pointers, num_warps=4, num_stages=3).asm["ptx"]
     print(dtype, swap, "wgmma" in ptx, len(re.findall(r"mma[.]sync", ptx)) > 0)
 """
 
@@ -391,10 +385,8 @@ _COMPILE_SWITCHES_FOR_HOPPER = """
 import sys
 import torch
 torch.cuda.is_available = lambda: True   # build compiled (not interpreted) kernels; nothing is launched
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from moe_kernels.kernels import index_gather as ig
+from moe_kernels.sm90_compile import compile_for_sm90
 
 fn = ig._index_gather_gemm_kernel
 cases = [dict(PDL_TRIGGER=True, GATED=True), dict(PDL_WAIT=True), dict(PDL_WAIT=True, NAIVE_BLOCKS=True), dict(),
@@ -410,11 +402,7 @@ for case in cases:
                  SPLIT_K=1, TMA_W=False, PERSISTENT=0, SCALE_BN=128, SCALE_BK=128, ID_CHECK="", SWAP_AB=False,
                  PDL_TRIGGER=False, PDL_WAIT=False, PREFETCH_LINE=64, QUANT_GROUP=0, ROUND_TO="")
     const.update(case, MUL_ROUTED_WEIGHT=not case.get("GATED", False))
-    sig = {n: "constexpr" if n in const else pointers.get(n, "i32") for n in fn.arg_names}
-    constants = {(i,): const[n] for i, n in enumerate(fn.arg_names) if n in const}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
-    ptx = triton.compile(ASTSource(fn, sig, constants, attrs), target=GPUTarget("cuda", 90, 32),
-                         options=dict(num_warps=4, num_stages=3, launch_pdl=const["PDL_WAIT"])).asm["ptx"]
+    ptx = compile_for_sm90(fn, const, pointers, num_warps=4, num_stages=3, launch_pdl=const["PDL_WAIT"]).asm["ptx"]
     found = ["griddepcontrol.launch_dependents", "griddepcontrol.wait", "prefetch.global.L2", "e4m3x2.f32"]
     print(" ".join(str(word in ptx) for word in found))
 """
@@ -424,17 +412,11 @@ _COMPILE_SPLIT_GATE_UP_FOR_HOPPER = """
 import re
 import torch
 torch.cuda.is_available = lambda: True   # build compiled (not interpreted) kernels; nothing is launched
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from moe_kernels.kernels import activation, index_gather as ig
+from moe_kernels.sm90_compile import compile_for_sm90
 
 def ptx(fn, pointers, const, **options):
-    sig = {n: "constexpr" if n in const else pointers.get(n, "i32") for n in fn.arg_names}
-    constants = {(i,): const[n] for i, n in enumerate(fn.arg_names) if n in const}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
-    return triton.compile(ASTSource(fn, sig, constants, attrs), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=4, num_stages=3, **options)).asm["ptx"]
+    return compile_for_sm90(fn, const, pointers, num_warps=4, num_stages=3, **options).asm["ptx"]
 
 for fp8, naive in ((False, True), (True, False)):
     pointers = dict(a_ptr="*fp8e4nv" if fp8 else "*bf16", w_ptr="*fp8e4nv" if fp8 else "*bf16", out_ptr="*fp32",

@@ -218,10 +218,8 @@ _COMPILE_FOR_HOPPER = """
 import re
 import torch
 torch.cuda.is_available = lambda: True   # build compiled (not interpreted) kernels; nothing is launched
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from moe_kernels.kernels import one_launch
+from moe_kernels.sm90_compile import compile_for_sm90
 
 fn = one_launch._one_launch_kernel
 for weights, scales in (("*bf16", 0), ("*fp8e4nv", 1), ("*fp8e4nv", 2)):
@@ -230,11 +228,7 @@ for weights, scales in (("*bf16", 0), ("*fp8e4nv", 1), ("*fp8e4nv", 2)):
                     w2_scale_ptr="*fp32")
     const = dict(TOP_K=8, SLICES=24, BLOCK_F=32, BLOCK_D=256, SCALES=scales, ID_CHECK="", STAGES=1 + scales,
                  HAS_ADD=scales == 2, ROUND=2)
-    sig = {n: "constexpr" if n in const else pointers.get(n, "i32") for n in fn.arg_names}
-    constants = {(i,): const[n] for i, n in enumerate(fn.arg_names) if n in const}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
-    ptx = triton.compile(ASTSource(fn, sig, constants, attrs), target=GPUTarget("cuda", 90, 32),
-                         options=dict(num_warps=4, num_stages=2)).asm["ptx"]
+    ptx = compile_for_sm90(fn, const, pointers, num_warps=4, num_stages=2).asm["ptx"]
     adds = [m.start() for m in re.finditer(r"(red|atom)[.a-z]*[.]global[.a-z0-9]*[.]f32", ptx)]
     arrival = re.search(r"atom[.a-z]*[.](gpu[.]acq_rel|acq_rel[.]gpu)[.a-z]*add", ptx)
     read = ptx.find("ld.global.cg", arrival.end()) if arrival else -1

@@ -274,10 +274,8 @@ def test_permute_tma_fp8(granularity):
 _COMPILE_PERMUTE_FOR_HOPPER = """
 import torch
 torch.cuda.is_available = lambda: True
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from moe_kernels.kernels import contiguous_gemm as pm
+from moe_kernels.sm90_compile import compile_for_sm90
 fn = pm._contiguous_gemm_kernel
 for tma, swap, persistent, summed in ((True, False, 0, 0), (True, True, 0, 0), (False, True, 0, 0), (True, False, 1, 0),
                                       (True, True, 1, 8), (True, False, 2, 0)):
@@ -291,11 +289,7 @@ for tma, swap, persistent, summed in ((True, False, 0, 0), (True, True, 0, 0), (
     if summed:   # GEMM 2 adding into an fp32 [T, d] output
         const["GATED"] = False
         pointers["out_ptr"] = "*fp32"
-    sig = {n: "constexpr" if n in const else pointers.get(n, "i32") for n in fn.arg_names}
-    constants = {(i,): const[n] for i, n in enumerate(fn.arg_names) if n in const}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
-    ptx = triton.compile(ASTSource(fn, sig, constants, attrs), target=GPUTarget("cuda", 90, 32),
-                         options=dict(num_warps=4, num_stages=3)).asm["ptx"]
+    ptx = compile_for_sm90(fn, const, pointers, num_warps=4, num_stages=3).asm["ptx"]
     print(tma, swap, persistent, "cp.async.bulk.tensor" in ptx, "wgmma" in ptx, "red.global" in ptx or "atom.global" in ptx)
 """
 

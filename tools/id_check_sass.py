@@ -24,11 +24,10 @@ torch.cuda.is_available = lambda: True   # build compiled (not interpreted) kern
 os.environ.pop("TRITON_INTERPRET", None)
 
 import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
 
 from moe_kernels._runtime import device_assert_options  # noqa: E402
 from moe_kernels.kernels import index_gather as ig  # noqa: E402
+from moe_kernels.sm90_compile import compile_for_sm90  # noqa: E402
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 fn = ig._index_gather_gemm_kernel
@@ -41,12 +40,7 @@ for check in ("", "fused_experts: argument 'topk_ids' must hold expert ids in [0
                  MUL_ROUTED_WEIGHT=False, EVEN_K=True, INPUT_PRECISION="tf32", SCALES=1, SUM_TOP_K=0, SPLIT_K=1,
                  TMA_W=True, PERSISTENT=0, SCALE_BN=128, SCALE_BK=128, ID_CHECK=check, SWAP_AB=True,
                  PDL_TRIGGER=1, PDL_WAIT=False, PREFETCH_LINE=64, PREFETCH_K=-1, QUANT_GROUP=128, ROUND_TO="bf16")
-    sig = {n: "constexpr" if n in const else pointers.get(n, "i32") for n in fn.arg_names}
-    constants = {(i,): const[n] for i, n in enumerate(fn.arg_names) if n in const}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
-    options = dict(num_warps=4, num_stages=4, **device_assert_options(check))
-    ptx = triton.compile(ASTSource(fn, sig, constants, attrs), target=GPUTarget("cuda", 90, 32),
-                         options=options).asm["ptx"]
+    ptx = compile_for_sm90(fn, const, pointers, num_warps=4, num_stages=4, **device_assert_options(check)).asm["ptx"]
     with tempfile.TemporaryDirectory() as tmp:
         src, obj = Path(tmp) / "k.ptx", Path(tmp) / "k.o"
         src.write_text(ptx)

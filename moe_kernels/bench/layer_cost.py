@@ -59,18 +59,6 @@ def host_us(fn, *, calls: int = 20, rounds: int = 7) -> tuple[float, float]:
     return 1e6 * times[len(times) // 2], 1e6 * times[0]
 
 
-def _graphed_or_none(fn):
-    """A one-call CUDA graph's replay of ``fn``, or None where it cannot be captured (out of memory
-    for a second graph at a large batch): the row then has no GPU difference, and the run goes on."""
-    from .timing import graphed
-
-    try:
-        return graphed(fn)
-    except RuntimeError:
-        torch.cuda.synchronize()
-        return None
-
-
 def id_check_cost(checked, unchecked, *, pairs: int = 15, calls: int = 20, graph_calls: int = 20) -> dict:
     """What ``validate_ids=True`` costs, measured as a difference, not as two separate timings: the
     host's and the GPU's rounds of the checked and the unchecked call alternate (ABBA, so neither
@@ -95,7 +83,8 @@ def id_check_cost(checked, unchecked, *, pairs: int = 15, calls: int = 20, graph
     torch.cuda.synchronize()
     host, gpu, back_to_back = [], [], []
     graphs = [captured(fn, graph_calls) for fn in (checked, unchecked)]
-    singles = [_graphed_or_none(fn) if graph is not None else None for fn, graph in zip((checked, unchecked), graphs)]
+    # (one call per graph; None where it cannot be captured, e.g. no memory for a second graph at a large batch)
+    singles = [captured(fn, 1) if graph is not None else None for fn, graph in zip((checked, unchecked), graphs)]
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for pair in range(pairs):
         order = (0, 1) if pair % 2 == 0 else (1, 0)
@@ -118,7 +107,7 @@ def id_check_cost(checked, unchecked, *, pairs: int = 15, calls: int = 20, graph
             gpu_t[i] = start.elapsed_time(end) * 1e-3 / graph_calls
         for i in order:
             if None not in singles:
-                flushed_t[i] = median_ms(singles[i], 1, 5) * 1e-3
+                flushed_t[i] = median_ms(singles[i].replay, 1, 5) * 1e-3
         host.append(host_t[0] - host_t[1])
         back_to_back.append(None if None in graphs else gpu_t[0] - gpu_t[1])
         gpu.append(None if None in singles else flushed_t[0] - flushed_t[1])

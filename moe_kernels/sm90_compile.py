@@ -1,0 +1,48 @@
+"""A Triton kernel of the package compiled for an H100/H200 (sm_90) on any machine, with no GPU.
+
+The CPU tests run every kernel under Triton's interpreter, which executes it as Python and so
+accepts code that the compiler refuses (a nested function's string default once failed every GPU
+call while every CPU test passed). Compiling for sm_90 here says whether the compiler takes a kernel
+and what it makes of it: wgmma or ``mma.sync``, TMA loads, atomics, a call to ``__assertfail``. CI
+does it with the H200's Triton (3.6); ``tools/id_check_sass.py`` reads the SASS of one such build.
+
+The package picks interpreted or compiled kernels when it is imported, so a process that compiles
+must say it has a GPU first, and must not set ``TRITON_INTERPRET``::
+
+    import torch
+    torch.cuda.is_available = lambda: True   # compiled, not interpreted, kernels; nothing is launched
+    from moe_kernels.sm90_compile import compile_for_sm90
+    from moe_kernels.kernels import one_launch
+
+    kernel = compile_for_sm90(one_launch._one_launch_kernel,
+                              {"TOP_K": 8, "SLICES": 24, "BLOCK_F": 32, "BLOCK_D": 256, "SCALES": 0,
+                               "ID_CHECK": "", "STAGES": 1, "HAS_ADD": False, "ROUND": 2},
+                              {"x_ptr": "*bf16", "w1_ptr": "*bf16", ...}, num_warps=4)
+    "atom" in kernel.asm["ptx"]
+
+Every argument not named as a constant or a pointer is a 32-bit integer (``scalar``); pointers
+are taken as 16-byte aligned, as the launches specialise them, and so are the integers named in
+``aligned``.
+"""
+
+from __future__ import annotations
+
+
+def compile_for_sm90(fn, constants: dict, pointers: dict | None = None, *, scalar: str = "i32",
+                     aligned: tuple = (), pointers_aligned: bool = True, **options):
+    """``fn`` (a ``@kernel`` function) compiled for sm_90 with ``constants`` (name -> value of each
+    ``tl.constexpr`` argument), ``pointers`` (name -> Triton type: ``"*bf16"``, a tensor
+    descriptor's ``"tensordesc<fp8e4nv[128,128]>"``, or a scalar type such as ``"fp32"``) and the
+    launch ``options`` (``num_warps``, ``num_stages``, ``debug``, ...): Triton's compiled kernel,
+    whose ``asm`` holds ``"ptx"`` and ``"cubin"``."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    pointers = pointers or {}
+    names = fn.arg_names
+    signature = {n: "constexpr" if n in constants else pointers.get(n, scalar) for n in names}
+    values = {(i,): constants[n] for i, n in enumerate(names) if n in constants}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if (pointers_aligned and signature[n].startswith("*")) or n in aligned}
+    return triton.compile(ASTSource(fn, signature, values, attrs), target=GPUTarget("cuda", 90, 32), options=options)
