@@ -145,12 +145,15 @@ def test_gate_up_split_more_slices_than_k_steps_and_bad_ids():
         assert rel_err(out, want) < TOLERANCE[torch.float32]
 
 
-def test_gate_up_split_checks_the_naive_maps_ids():
-    """On the naive map GEMM 1 is the first kernel to read the ids, so it carries their device-side
-    check, split or not (on a CPU the check runs on the host: the block map's id_check is set here
-    to see which launch would carry it)."""
+@pytest.mark.parametrize("check_in", ["gate_up", "down"])
+def test_one_gemm_checks_the_naive_maps_ids(monkeypatch, check_in):
+    """On the naive map one GEMM carries the ids' device-side check, the one that
+    NAIVE_ID_CHECK_IN names, with GEMM 1 split over K or not (on a CPU the check runs on the host:
+    the block map's id_check is set here to see which launch would carry it)."""
     from moe_kernels._runtime import record_launches
+    from moe_kernels.kernels import index_gather
 
+    monkeypatch.setattr(index_gather, "NAIVE_ID_CHECK_IN", check_in)
     hidden, w1, w2, weights, ids = make_problem(3, 4, 2, 32, 16, seed=17)
     blocks = dataclasses.replace(fm.assign_blocks(ids, 16, 4, naive=True), id_check="topk_ids out of range")
     for split in (1, 2):
@@ -158,7 +161,17 @@ def test_gate_up_split_checks_the_naive_maps_ids():
             fm.fused_experts(hidden, w1, w2, weights, ids, config=split_up(variant(16, False, 1, False), split),
                              blocks=blocks, validate_ids=False)
         checked = [(info["gemm"], info["id_check"]) for name, info in launches if name == "index_gather.gemm"]
-        assert checked == [("gate_up", True), ("down", False)], (split, checked)
+        assert checked == [("gate_up", check_in == "gate_up"), ("down", check_in == "down")], (split, checked)
+
+
+def test_naive_id_check_setting_is_checked(monkeypatch):
+    from moe_kernels.kernels import index_gather
+
+    monkeypatch.setattr(index_gather, "NAIVE_ID_CHECK_IN", "gemm1")
+    hidden, w1, w2, weights, ids = make_problem(3, 4, 2, 32, 16, seed=17)
+    with pytest.raises(ValueError, match="NAIVE_ID_CHECK_IN.*'gate_up' or 'down'"):
+        fm.fused_experts(hidden, w1, w2, weights, ids, config=variant(16, False, 1, False), validate_ids=False,
+                         naive_block_assignment=True)
 
 
 @pytest.mark.parametrize("granularity", ["block", "channel", "tensor"])

@@ -7,8 +7,9 @@
 # what: tests, ceilings, tune, refine, sweep, fp8, decode-step, layouts, routing, skew, shared, capacity, notebooks,
 # graphs (the CUDA-graph replay's and the split GEMM 1's GPU tests), host-probe, model-probe, prefill, gate-routing
 # (the router in one launch, with and without the alignment: its GPU tests and bench routing --gate-routing),
-# tune-shared (the shared expert's tiles, bf16 and fp8, tables written), id-check (bench layer --id-check-only, ID_CHECK_PAIRS pairs at ID_CHECK_BATCHES),
-# id-check-gemm1 (the check's cost inside GEMM 1 alone, naive block map), one-launch (both GEMMs in one launch against two), model (bench model at
+# tune-shared (the shared expert's tiles, bf16 and fp8, tables written), id-check (bench layer --id-check-only, ID_CHECK_PAIRS pairs at ID_CHECK_BATCHES,
+# recorded as ID_CHECK_NAME or layer-id-check), id-check-gemm1 (the check's cost in GEMM 1 and in GEMM 2 against none,
+# naive block map; ID_CHECK_GEMM1_ARGS: the tool's arguments), one-launch (both GEMMs in one launch against two), model (bench model at
 # MODEL_BATCHES, MODEL_ROUNDS eager rounds, recorded as MODEL_NAME or model-step; 1,8,64 took 170 s at fb84557) (default: tests
 # ceilings sweep). NOTEBOOKS="06 07" limits the notebooks step to those sections. tune searches the tiles (TUNE_BATCHES, TUNE_BUDGET_S) and rewrites the tuned tables in
 # moe_kernels/kernels/configs/, which are packed too. notebooks executes every notebook with the GPU (its live cells run) into $OUT/notebooks
@@ -85,10 +86,10 @@ for step in "${steps[@]}"; do
         prefill) PYTHONPATH="$PWD" $PY tools/prefill_ab.py 2>&1 | tee "$OUT/prefill.log" | grep -v Warning || status=1 ;;
         one-launch) PYTHONPATH="$PWD" $PY tools/one_launch_ab.py 2>&1 | tee "$OUT/one-launch.log" | grep -v Warning \
                         || status=1 ;;
-        id-check-gemm1) PYTHONPATH="$PWD" $PY tools/id_check_gemm1_ab.py 2>&1 | tee "$OUT/id-check-gemm1.log" \
+        id-check-gemm1) PYTHONPATH="$PWD" $PY tools/id_check_gemm1_ab.py ${ID_CHECK_GEMM1_ARGS:-} 2>&1 | tee "$OUT/id-check-gemm1.log" \
                             | grep -v Warning || status=1 ;;
         id-check) $PY -m moe_kernels.bench layer --id-check-only --id-check-pairs "${ID_CHECK_PAIRS:-101}" \
-                      --batches "${ID_CHECK_BATCHES:-1,8,64,512,4096}" --record 2>&1 | tee "$OUT/id-check.log" \
+                      --batches "${ID_CHECK_BATCHES:-1,8,64,512,4096}" --record ${ID_CHECK_NAME:+--name "$ID_CHECK_NAME"} 2>&1 | tee "$OUT/${ID_CHECK_NAME:-id-check}.log" \
                       | tail -n 25 || status=1 ;;
         model) $PY -m moe_kernels.bench model --batches "${MODEL_BATCHES:-1,8,64}" --rounds "${MODEL_ROUNDS:-5}" \
                    --record ${MODEL_NAME:+--name "$MODEL_NAME"} 2>&1 \

@@ -2,13 +2,15 @@
 block map there is no alignment launch, so ``validate_ids=True`` puts its device assert in GEMM 1,
 whose checked variant is compiled with ``debug=True``. This times the same call with a block map
 that carries the check and one that does not (``fused_experts(..., blocks=..., validate_ids=False)``:
-nothing else differs), both replayed from a CUDA graph with L2 flushed, in interleaved rounds; the
-median of the round differences is kept, as ``bench layer``'s id check does. Then each replay once
+nothing else differs), and with the check moved to GEMM 2 (``index_gather.NAIVE_ID_CHECK_IN``);
+each replayed from a CUDA graph with L2 flushed, in interleaved rounds (every order of the three in
+turn); the median of the round differences is kept, as ``bench layer``'s id check does. Then each replay once
 more under the profiler: every kernel's time and the gap before it, to place the difference.
 
     PYTHONPATH=. python tools/id_check_gemm1_ab.py [models] [batches] [formats] [rounds]
     # e.g. qwen3-30b-a3b,deepseek-v3 1,2 none,block 41   (records results/<device>/id-check-gemm1.json)
 """
+import itertools
 import statistics
 import sys
 
@@ -56,6 +58,11 @@ def kernel_times(replay, replays: int = 7) -> list[dict]:
     return out
 
 
+from moe_kernels.kernels import index_gather  # noqa: E402
+
+VARIANTS = ("unchecked", "gate_up", "down")   # no check; the check in GEMM 1; the check in GEMM 2
+ORDERS = list(itertools.permutations(VARIANTS))   # each variant first, second and last equally often
+
 rows = []
 for fname in formats:
     fmt = FORMATS[fname]
@@ -69,23 +76,30 @@ for fname in formats:
             if not maps[True].naive:
                 print(f"{key} {fname} {batch}: the aligned map (the check sits in the alignment): skipped")
                 continue
-            calls = {checked: (lambda b=b: fused_experts(x, w1, w2, weights, ids, config=config, blocks=b,
-                                                          validate_ids=False, w1_scale=w1s, w2_scale=w2s))
-                     for checked, b in maps.items()}
-            same = torch.equal(calls[True](), calls[False]())
-            replays = {checked: graphed(call) if device == "cuda" else call for checked, call in calls.items()}
-            times = {True: [], False: []}
-            for i in range(rounds):   # ABBA: each variant first in half the rounds
-                for checked in ((True, False) if i % 2 == 0 else (False, True)):
-                    times[checked].append(median_ms(replays[checked], 1, 5) * 1e3 if device == "cuda" else 1.0)
-            diffs = [a - b for a, b in zip(times[True], times[False])]
+
+            def call(variant):
+                # The setting is read as the GEMMs launch: a graph keeps what its capture read.
+                index_gather.NAIVE_ID_CHECK_IN = "gate_up" if variant == "unchecked" else variant
+                return fused_experts(x, w1, w2, weights, ids, config=config, blocks=maps[variant != "unchecked"],
+                                     validate_ids=False, w1_scale=w1s, w2_scale=w2s)
+
+            outputs = {v: call(v) for v in VARIANTS}
+            same = all(torch.equal(outputs[v], outputs["unchecked"]) for v in VARIANTS)
+            replays = {v: graphed(lambda v=v: call(v)) if device == "cuda" else (lambda v=v: call(v))
+                       for v in VARIANTS}
+            index_gather.NAIVE_ID_CHECK_IN = "gate_up"
+            times = {v: [] for v in VARIANTS}
+            for i in range(rounds):
+                for v in ORDERS[i % len(ORDERS)]:
+                    times[v].append(median_ms(replays[v], 1, 5) * 1e3 if device == "cuda" else 1.0)
+            diff = {v: statistics.median(a - b for a, b in zip(times[v], times["unchecked"])) for v in VARIANTS[1:]}
             row = {"model": key, "format": fname, "batch": batch, "id_check": maps[True].id_check != "",
-                   "checked_us": statistics.median(times[True]), "unchecked_us": statistics.median(times[False]),
-                   "difference_us": statistics.median(diffs), "rounds": rounds, "outputs_equal": same}
+                   "checked_us": statistics.median(times["gate_up"]), "unchecked_us": statistics.median(times["unchecked"]),
+                   "difference_us": diff["gate_up"], "checked_in_down_us": statistics.median(times["down"]),
+                   "difference_down_us": diff["down"], "rounds": rounds, "outputs_equal": same}
             if device == "cuda":   # where the difference sits: inside a kernel, or between two
                 try:   # (a profiler that cannot see graph kernels must not cost the timings above)
-                    row["kernels"] = {("checked" if checked else "unchecked"): kernel_times(replay)
-                                      for checked, replay in replays.items()}
+                    row["kernels"] = {v: kernel_times(replays[v]) for v in VARIANTS}
                 except Exception as error:  # noqa: BLE001
                     row["kernels"], row["kernels_error"] = {}, repr(error)[:300]
                     print(f"   kernels: {row['kernels_error']}", flush=True)
@@ -93,9 +107,9 @@ for fname in formats:
                     print(f"   {name:>9}: " + "; ".join(f"{k['name']} {k['us']:.2f} us (gap before {k['gap_us']:.2f})"
                                                        for k in kernels), flush=True)
             rows.append(row)
-            print(f"{key} {fname} {batch}: checked {row['checked_us']:.2f} us, unchecked {row['unchecked_us']:.2f}, "
-                  f"difference {row['difference_us']:+.2f} (median of {rounds} rounds), equal outputs {same}",
-                  flush=True)
+            print(f"{key} {fname} {batch}: unchecked {row['unchecked_us']:.2f} us; checked in GEMM 1 "
+                  f"{row['checked_us']:.2f} ({diff['gate_up']:+.2f}), in GEMM 2 {row['checked_in_down_us']:.2f} "
+                  f"({diff['down']:+.2f}) (medians of {rounds} rounds), equal outputs {same}", flush=True)
 
 from moe_kernels.results import record  # noqa: E402
 

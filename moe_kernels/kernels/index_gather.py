@@ -51,6 +51,7 @@ Worked example: two tokens, top-2 of three experts, ``block_m = 16``::
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -245,15 +246,23 @@ if HAS_TRITON:
             gdc_launch_dependents()
 
 
+#: Which GEMM of the naive block map carries its id check, a device assert (the map's labels are
+#: the caller's ids, read by no launch before the GEMMs): "gate_up" (GEMM 1) or "down" (GEMM 2).
+#: Either is safe: neither GEMM reads through an id outside [0, E), checked or not; an assert only
+#: says so. What each costs: ``tools/id_check_gemm1_ab.py`` times both against no check. Read once
+#: from ``MOE_KERNELS_NAIVE_ID_CHECK_IN`` (so that a benchmark process can run the other).
+NAIVE_ID_CHECK_IN = os.environ.get("MOE_KERNELS_NAIVE_ID_CHECK_IN", "gate_up")
+
+
 def _launch(a, w, out, topk_weights, blocks: BlockAssignment, *, n_out: int, top_k: int, gated: bool,
             tiles: GemmTiles, scales: tuple, sum_top_k: int = 0, pdl: str = "", quant: tuple | None = None,
-            first: bool | None = None) -> None:
+            role: str = "") -> None:
     """One GEMM launch. ``pdl`` (see :mod:`moe_kernels.kernels._pdl`): "trigger" lets the next
     kernel launch early, "wait" is that next kernel (launched as a programmatic dependent, it
     prefetches its weights, then waits); "" neither. ``quant`` (GEMM 1): ``(scales, group,
     round_to)``, the epilogue writes ``out`` as fp8 in 1 x ``group`` groups with their scales.
-    ``first``: this GEMM reads the naive map's ids first, so it checks them (default: GEMM 1,
-    i.e. ``gated``; GEMM 1 split over K runs ungated)."""
+    ``role``: "gate_up" or "down" (default: by ``gated``; GEMM 1 split over K runs ungated and
+    says so); the GEMM that :data:`NAIVE_ID_CHECK_IN` names carries the naive map's id check."""
     num_valid_rows = a.shape[0] * top_k
     k_in = a.shape[1]
     num_tiles = blocks.num_m_blocks * cdiv(n_out, tiles.block_n) * tiles.split_k
@@ -265,9 +274,13 @@ def _launch(a, w, out, topk_weights, blocks: BlockAssignment, *, n_out: int, top
     # tensor: the constexpr flags compile the loads away.
     sorted_ids = blocks.expert_ids if blocks.sorted_token_ids is None else blocks.sorted_token_ids
     num_post_padded = blocks.expert_ids if blocks.sorted_token_ids is None else blocks.num_tokens_post_padded
-    id_check = blocks.id_check if (gated if first is None else first) else ""   # GEMM 1 reads the naive ids first
+    role = role or ("gate_up" if gated else "down")
+    if NAIVE_ID_CHECK_IN not in ("gate_up", "down"):
+        fail("moe_kernels.kernels.index_gather", "NAIVE_ID_CHECK_IN", "must be 'gate_up' or 'down'",
+             repr(NAIVE_ID_CHECK_IN))
+    id_check = blocks.id_check if role == NAIVE_ID_CHECK_IN else ""
     if recording():
-        note_launch("index_gather.gemm", gemm="gate_up" if gated or first else "down", block_m=blocks.block_m,
+        note_launch("index_gather.gemm", gemm=role, block_m=blocks.block_m,
                     tiles=tiles,
                     naive=blocks.naive, dense=blocks.dense, scales=scales[6], sum_top_k=sum_top_k,
                     tma=w_desc is not None, grid=grid, id_check=bool(id_check), pdl=pdl, quant=quant is not None)
@@ -363,7 +376,7 @@ def gate_up(x, w1, blocks, top_k, *, tiles, out, a_scale, w_scale, fmt, pdl: str
             sums = torch.zeros((out.shape[0], w1.shape[1]), device=out.device, dtype=torch.float32)
             # (no PDL trigger: the SiLU·mul launch after it waits for it whole anyway)
             _launch(x, w1, sums, None, blocks, n_out=w1.shape[1], top_k=top_k, gated=False, tiles=tiles,
-                    scales=scales, sum_top_k=1, first=True)
+                    scales=scales, sum_top_k=1, role="gate_up")
             silu_mul_rows(sums, out)
     return out
 
