@@ -2,15 +2,19 @@
 machine, no GPU needed (issue 16): what the checked build (``ID_CHECK`` set, ``debug=True``)
 changes in the code the GPU runs. The tile is Qwen3-30B-A3B's fp8 one-token entry on the H200
 (16 x 128 x 128, 4 warps, 4 stages, TMA weights, swap_ab, PDL trigger, the fp8 quantiser in the
-epilogue). Prints, per build: ptxas's registers, stack and spills, and the SASS's count of the
-instructions that matter here (the call to ``__assertfail``, L2 prefetches, TMA loads, wgmma).
+epilogue). Prints, per build: ptxas's registers, stack and spills, the SASS's count of the
+instructions that matter here (the call to ``__assertfail``, L2 prefetches, TMA loads, wgmma), and
+where the first global load, the first TMA load and the call sit.
 
     pip install --no-deps --target /tmp/t36 triton==3.6.0   # the H200's Triton (.ci/run installs it too)
     PYTHONPATH=/tmp/t36:. python tools/id_check_sass.py     # with that Triton's own ptxas and cuobjdump
 
 When this tool was added (Triton 3.6.0): unchecked 104 registers, checked 102; no stack, no spills
 either way; the same 8 TMA loads and 16 wgmma; the checked build adds one CALL (to ``__assertfail``,
-behind an untaken branch).
+behind an untaken branch). With the assert at the top of the tile, the call sat at 0x05e0, after
+the expert id's load and before the first TMA load, which moved from 0x0c40 to 0x0d50: the tile's
+loads waited for the id. With the assert after the tile's store (since session 16), the checked
+build's first TMA load is at 0x0c40, as in the unchecked one, and the call at the end (0x53e0).
 """
 import os
 import re
@@ -51,4 +55,13 @@ for check in ("", "fused_experts: argument 'topk_ids' must hold expert ids in [0
     counts = {name: len(re.findall(pattern, sass)) for name, pattern in
               (("CALL", r"\bCALL\."), ("L2 prefetch", r"CCTL\.E\.PF2"), ("TMA load", r"UTMALDG"),
                ("wgmma", r"HGMMA|QGMMA"))}
-    print(f"{'checked' if check else 'unchecked':>9}: {usage}; SASS " + ", ".join(f"{k} {v}" for k, v in counts.items()))
+    # Where things sit: the SASS address of the first global load, the first TMA load and the
+    # call (an assert holds back what comes after it, so where it sits matters as much as its cost).
+    first = {}
+    for name, pattern in (("LDG", r"\bLDG\."), ("TMA load", r"UTMALDG"), ("CALL", r"\bCALL\."),
+                          ("last wgmma", r"HGMMA|QGMMA")):
+        hits = re.findall(r"/\*([0-9a-f]{4,})\*/\s+[^;]*?(?:" + pattern + r")", sass)
+        if hits:
+            first[name] = int(hits[-1 if name.startswith("last") else 0], 16)
+    print(f"{'checked' if check else 'unchecked':>9}: {usage}; SASS " + ", ".join(f"{k} {v}" for k, v in counts.items())
+          + "; at " + ", ".join(f"{k} {v:#06x}" for k, v in first.items()))
