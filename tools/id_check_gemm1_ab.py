@@ -1,11 +1,12 @@
-"""What the id check costs GEMM 1 alone (issue 16): at decode batches small enough for the naive
-block map there is no alignment launch, so ``validate_ids=True`` puts its device assert in GEMM 1,
-whose checked variant is compiled with ``debug=True``. This times the same call with a block map
-that carries the check and one that does not (``fused_experts(..., blocks=..., validate_ids=False)``:
-nothing else differs), and with the check moved to GEMM 2 (``index_gather.NAIVE_ID_CHECK_IN``);
-each replayed from a CUDA graph with L2 flushed, in interleaved rounds (every order of the three in
-turn); the median of the round differences is kept, as ``bench layer``'s id check does. Then each replay once
-more under the profiler: every kernel's time and the gap before it, to place the difference.
+"""What the id check costs each GEMM (issue 16): at decode batches small enough for the naive
+block map there is no alignment launch, so ``validate_ids=True`` puts its device assert in one of
+the two GEMMs (``index_gather.NAIVE_ID_CHECK_IN``), whose checked build is compiled with
+``debug=True``. This times the same call with a block map that carries the check and one that does
+not (``fused_experts(..., blocks=..., validate_ids=False)``: nothing else differs), the check in
+GEMM 1 and in GEMM 2; each replayed from a CUDA graph with L2 flushed, in interleaved rounds (every
+order of the three in turn); the median of the round differences is kept, as ``bench layer``'s id
+check does. Then each replay once more under the profiler: every kernel's time and the gap before
+it, to place the difference.
 
     PYTHONPATH=. python tools/id_check_gemm1_ab.py [models] [batches] [formats] [rounds]
     # e.g. qwen3-30b-a3b,deepseek-v3 1,2 none,block 41   (records results/<device>/id-check-gemm1.json)

@@ -272,9 +272,9 @@ def assign_blocks(topk_ids: torch.Tensor, block_m: int, num_experts: int, *, nai
     own :func:`moe_kernels.kernels.align.naive_block_assignment` builds the same map as explicit
     tensors, which the aligned path also accepts.
 
-    ``validate_ids`` checks the ids on either path: on the CPU at once; on a GPU inside the first
-    kernel that reads them (the alignment, or GEMM 1 on the naive path), as a device-side assert
-    that costs no launch and no host sync.
+    ``validate_ids`` checks the ids on either path: on the CPU at once; on a GPU inside a kernel
+    that reads them (the alignment, or on the naive path GEMM 2: ``index_gather.NAIVE_ID_CHECK_IN``),
+    as a device-side assert that costs no launch and no host sync.
     """
     func = "assign_blocks"
     check_tensor(func, "topk_ids", topk_ids, ndim=2, dtypes=ID_DTYPES)

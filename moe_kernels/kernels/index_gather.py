@@ -187,10 +187,10 @@ if HAS_TRITON:
                 store_tile(out_ptr, rows * stride_om, row_real, zeros, pid_n, N, BLOCK_N)
         if NAIVE_BLOCKS:
             if ID_CHECK != "":
-                # The naive map's labels are the caller's ids, read by no kernel before this
-                # one: the check lives here. Last, not first: an assert is a call that no load
-                # may move above, so first it would hold the tile's loads behind the id's
-                # (measured on the H200: +4 to +7 us at DeepSeek-V3 fp8, 8 tokens).
+                # The naive map's labels are the caller's ids, which no kernel before the
+                # GEMMs reads: one GEMM checks them (NAIVE_ID_CHECK_IN). Last, not first: an
+                # assert is a call that no load may move above, so first it held the tile's
+                # loads behind the id's (GEMM 2, DeepSeek-V3 fp8, 8 tokens: +8 us, now none).
                 tl.device_assert(known, ID_CHECK)
         # <<< book: index-gather-rows
 
@@ -249,11 +249,13 @@ if HAS_TRITON:
 
 
 #: Which GEMM of the naive block map carries its id check, a device assert (the map's labels are
-#: the caller's ids, read by no launch before the GEMMs): "gate_up" (GEMM 1) or "down" (GEMM 2).
-#: Either is safe: neither GEMM reads through an id outside [0, E), checked or not; an assert only
-#: says so. What each costs: ``tools/id_check_gemm1_ab.py`` times both against no check. Read once
-#: from ``MOE_KERNELS_NAIVE_ID_CHECK_IN`` (so that a benchmark process can run the other).
-NAIVE_ID_CHECK_IN = os.environ.get("MOE_KERNELS_NAIVE_ID_CHECK_IN", "gate_up")
+#: the caller's ids, read by no launch before the GEMMs): "down" (GEMM 2) or "gate_up" (GEMM 1).
+#: Either is safe: neither GEMM reads through an id outside [0, E), checked or not; the assert
+#: only says so. GEMM 2, because there it costs nothing measurable, and in GEMM 1 it does not
+#: (``tools/id_check_gemm1_ab.py``, H200, both GEMMs with the L2 flushed, check minus none, us:
+#: GEMM 1 +9.6 at DeepSeek-V3 fp8 8 tokens and +2.8 at Qwen3 fp8 1 token, GEMM 2 -0.3 and +0.1;
+#: why fp8's GEMM 1 pays is not known). Read once from ``MOE_KERNELS_NAIVE_ID_CHECK_IN``.
+NAIVE_ID_CHECK_IN = os.environ.get("MOE_KERNELS_NAIVE_ID_CHECK_IN", "down")
 
 
 def _launch(a, w, out, topk_weights, blocks: BlockAssignment, *, n_out: int, top_k: int, gated: bool,
@@ -491,8 +493,8 @@ def fused_experts(
     (:mod:`moe_kernels.kernels.one_launch`), which needs no block map: ``block_size_m`` and
     ``naive_block_assignment`` then change nothing, and a ``blocks`` given runs the two GEMMs.
     ``validate_ids`` checks that every id lies in ``[0, E)``: on the CPU with an immediate
-    ValueError; on a GPU inside the first kernel that reads the ids (the alignment, or GEMM 1
-    for tiny batches) as a device-side assert, which costs no launch and no host sync and can be
+    ValueError; on a GPU inside a kernel that reads the ids (the alignment, or GEMM 2 for tiny
+    batches) as a device-side assert, which costs no launch and no host sync and can be
     captured in a CUDA graph. Ids out of range never become addresses, checked or not
     (unchecked, they add nothing).
 
