@@ -34,6 +34,15 @@ def test_a_toy_model_steps_with_every_implementation():
     assert not any("error" in r for r in rows if r["implementation"] in ("eager", "moe_kernels"))
     # eager: EAGER_ROUNDS rounds per implementation, interleaved, each kept
     assert all(len(r["eager_rounds_ms"]) == model_step.EAGER_ROUNDS for r in rows if "error" not in r)
+    # the order turns by one place each round: each implementation leads one round
+    timed = [r for r in rows if "error" not in r]
+    orders = timed[0]["eager_round_orders"]
+    assert [order[0] for order in orders] == [r["implementation"] for r in timed][:model_step.EAGER_ROUNDS]
+    assert all(sorted(order) == sorted(r["implementation"] for r in timed) for order in orders)
+    ours = next(r for r in timed if r["implementation"] == "moe_kernels")
+    others = {r["implementation"] for r in timed} - {"moe_kernels", model_step.NO_EXPERTS}
+    assert set(ours["eager_rounds_faster_than"]) == others
+    assert all(0 <= n <= model_step.EAGER_ROUNDS for n in ours["eager_rounds_faster_than"].values())
 
 
 def test_a_profiled_batch_says_where_the_step_goes():

@@ -9,7 +9,8 @@ token per sequence) for each experts implementation the installed transformers o
 
 * eager: ``steps`` steps back to back from Python, host time included (what ``generate`` pays),
   in rounds interleaved over the implementations (a slow drift of the host or of the GPU's
-  clocks then reaches each alike), the median round kept;
+  clocks then reaches each alike; the order turns each round), the median round kept, and for
+  ``moe_kernels`` the rounds in which it was faster than each other implementation;
 * graph: the step captured in a CUDA graph and replayed (no host time), where the implementation
   can be captured (one that reads values back to the host cannot: None);
 * ``no_experts``: the same step with every experts call returning zeros, so that the step minus
@@ -283,18 +284,34 @@ def run(models, batches, *, context: int = 128, steps: int = 10, moe_layers: int
                 runnable.append((impl, row))
             # Eager rounds interleaved over the implementations (each round ``steps`` steps of one),
             # so that a drift of the host or of the GPU's clocks reaches every one alike; median.
+            # The order turns by one place each round, so that none always follows the same one
+            # (the Python loop's rounds take 10-100x the others' and leave the host in another
+            # state); the orders are recorded.
             rounds = {impl: [] for impl, _ in runnable}
-            for _ in range(eager_rounds):
-                for impl, _ in runnable:
+            orders = []
+            for turn in range(eager_rounds):
+                order = [impl for impl, _ in runnable]
+                order = order[turn % len(order):] + order[:turn % len(order)] if order else order
+                orders.append(order)
+                for impl in order:
                     model.set_experts_implementation(impl)
                     rounds[impl].append(eager_step_ms(step, device, steps, rounds=1))
             for impl, row in runnable:
                 eager = statistics.median(rounds[impl])
-                row.update(eager_ms=eager, eager_rounds_ms=rounds[impl], eager_us_per_token=eager * 1e3 / batch)
+                row.update(eager_ms=eager, eager_rounds_ms=rounds[impl], eager_round_orders=orders,
+                           eager_us_per_token=eager * 1e3 / batch)
                 graph = row["graph_ms"]
                 log(f"{name:<14} {impl:<12} batch {batch:>4}: eager {eager:8.2f} ms (rounds "
                     f"{min(rounds[impl]):.1f}-{max(rounds[impl]):.1f})  graph "
                     f"{'-' if graph is None else f'{graph:8.2f}'} ms  ({row['eager_us_per_token']:.1f} us/token eager)")
+            ours = next((row for impl, row in runnable if impl == "moe_kernels"), None)
+            if ours is not None:   # round by round against each other implementation (the host's
+                # speed moves 10-50% between rounds; within a round the two ran seconds apart)
+                ours["eager_rounds_faster_than"] = {
+                    impl: sum(a < b for a, b in zip(rounds["moe_kernels"], rounds[impl]))
+                    for impl, _ in runnable if impl not in ("moe_kernels", NO_EXPERTS)}
+                log(f"{name:<14} moe_kernels  batch {batch:>4}: faster in " + ", ".join(
+                    f"{n} of {eager_rounds} rounds than {impl}" for impl, n in ours["eager_rounds_faster_than"].items()))
             if batch in profile_batches:
                 for impl, row in runnable:
                     if impl != "eager":   # (the Python loop: profiled long enough by its own time)
