@@ -7,7 +7,7 @@ instructions that matter here (the call to ``__assertfail``, L2 prefetches, TMA 
 where the first global load, the first TMA load and the call sit.
 
     pip install --no-deps --target /tmp/t36 triton==3.6.0   # the H200's Triton (.ci/run installs it too)
-    PYTHONPATH=/tmp/t36:. python tools/id_check_sass.py     # with that Triton's own ptxas and cuobjdump
+    PYTHONPATH=/tmp/t36:. python tools/id_check_sass.py [qwen3-1 | deepseek-v3-8]   # that Triton's ptxas
 
 When this tool was added (Triton 3.6.0): unchecked 104 registers, checked 102; no stack, no spills
 either way; the same 8 TMA loads and 16 wgmma; the checked build adds one CALL (to ``__assertfail``,
@@ -19,6 +19,7 @@ build's first TMA load is at 0x0c40, as in the unchecked one, and the call at th
 import os
 import re
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -35,16 +36,22 @@ from moe_kernels.sm90_compile import compile_for_sm90  # noqa: E402
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 fn = ig._index_gather_gemm_kernel
-pointers = dict(a_ptr="*fp8e4nv", w_ptr="*fp8e4nv", out_ptr="*fp8e4nv", topk_weights_ptr="*fp32",
+#: GEMM 1's fp8 tiles from the H200 tables: Qwen3-30B-A3B at one token (the default), DeepSeek-V3 at
+#: 8 tokens (BLOCK_N 64, 5 stages, no quantising epilogue, no PDL trigger).
+TILES = {"qwen3-1": dict(BLOCK_N=128, PDL_TRIGGER=1, QUANT_GROUP=128, ROUND_TO="bf16", num_stages=4, out="*fp8e4nv"),
+         "deepseek-v3-8": dict(BLOCK_N=64, PDL_TRIGGER=0, QUANT_GROUP=0, ROUND_TO="", num_stages=5, out="*bf16")}
+tile = dict(TILES[sys.argv[1] if len(sys.argv) > 1 else "qwen3-1"])
+stages, out_type = tile.pop("num_stages"), tile.pop("out")
+pointers = dict(a_ptr="*fp8e4nv", w_ptr="*fp8e4nv", out_ptr=out_type, topk_weights_ptr="*fp32",
                 sorted_token_ids_ptr="*i64", expert_ids_ptr="*i64", num_tokens_post_padded_ptr="*i64",
-                a_scale_ptr="*fp32", w_scale_ptr="*fp32", w_desc="tensordesc<fp8e4nv[128,128]>",
-                out_scale_ptr="*fp32")
+                a_scale_ptr="*fp32", w_scale_ptr="*fp32",
+                w_desc=f"tensordesc<fp8e4nv[{tile['BLOCK_N']},128]>", out_scale_ptr="*fp32")
 for check in ("", "fused_experts: argument 'topk_ids' must hold expert ids in [0, 128)"):
-    const = dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, GROUP_M=1, TOP_K=8, NAIVE_BLOCKS=True, DENSE=False, GATED=True,
+    const = dict(BLOCK_M=16, BLOCK_K=128, GROUP_M=1, TOP_K=8, NAIVE_BLOCKS=True, DENSE=False, GATED=True,
                  MUL_ROUTED_WEIGHT=False, EVEN_K=True, INPUT_PRECISION="tf32", SCALES=1, SUM_TOP_K=0, SPLIT_K=1,
                  TMA_W=True, PERSISTENT=0, SCALE_BN=128, SCALE_BK=128, ID_CHECK=check, SWAP_AB=True,
-                 PDL_TRIGGER=1, PDL_WAIT=False, PREFETCH_LINE=64, PREFETCH_K=-1, QUANT_GROUP=128, ROUND_TO="bf16")
-    ptx = compile_for_sm90(fn, const, pointers, num_warps=4, num_stages=4, **device_assert_options(check)).asm["ptx"]
+                 PDL_WAIT=False, PREFETCH_LINE=64, PREFETCH_K=-1, **tile)
+    ptx = compile_for_sm90(fn, const, pointers, num_warps=4, num_stages=stages, **device_assert_options(check)).asm["ptx"]
     with tempfile.TemporaryDirectory() as tmp:
         src, obj = Path(tmp) / "k.ptx", Path(tmp) / "k.o"
         src.write_text(ptx)
