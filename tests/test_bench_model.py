@@ -34,11 +34,12 @@ def test_a_toy_model_steps_with_every_implementation():
     assert not any("error" in r for r in rows if r["implementation"] in ("eager", "moe_kernels"))
     # eager: EAGER_ROUNDS rounds per implementation, interleaved, each kept
     assert all(len(r["eager_rounds_ms"]) == model_step.EAGER_ROUNDS for r in rows if "error" not in r)
-    # the order turns by one place each round: each implementation leads one round
+    # the rounds' orders follow the balanced design over the implementations that ran
     timed = [r for r in rows if "error" not in r]
-    orders = timed[0]["eager_round_orders"]
-    assert [order[0] for order in orders] == [r["implementation"] for r in timed][:model_step.EAGER_ROUNDS]
-    assert all(sorted(order) == sorted(r["implementation"] for r in timed) for order in orders)
+    names = [r["implementation"] for r in timed]
+    design = model_step.balanced_orders(len(names))
+    assert timed[0]["eager_round_orders"] == [[names[i] for i in design[t % len(design)]]
+                                             for t in range(model_step.EAGER_ROUNDS)]
     ours = next(r for r in timed if r["implementation"] == "moe_kernels")
     others = {r["implementation"] for r in timed} - {"moe_kernels", model_step.NO_EXPERTS}
     assert set(ours["eager_rounds_faster_than"]) == others
@@ -104,3 +105,16 @@ def test_the_command_checks_its_arguments_before_any_gpu_work(capsys):
     with pytest.raises(SystemExit) as exit_:
         model_step.main(["--models", "mixtral-8x7b"])
     assert exit_.value.code == 2 and "no transformers config" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("n", range(1, 8))
+def test_balanced_orders_put_each_after_each_other_equally_often(n):
+    import collections
+
+    orders = model_step.balanced_orders(n)
+    assert len(orders) == (2 * n if n % 2 else n)
+    assert all(sorted(order) == list(range(n)) for order in orders)
+    follows = collections.Counter((a, b) for order in orders for a, b in zip(order, order[1:]))
+    assert len(follows) == n * (n - 1) and len(set(follows.values())) <= 1
+    places = collections.Counter((x, i) for order in orders for i, x in enumerate(order))
+    assert len(set(places.values())) == 1

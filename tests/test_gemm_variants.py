@@ -164,6 +164,18 @@ def test_one_gemm_checks_the_naive_maps_ids(monkeypatch, check_in):
         assert checked == [("gate_up", check_in == "gate_up"), ("down", check_in == "down")], (split, checked)
 
 
+def test_naive_id_check_environment_is_checked():
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "MOE_KERNELS_NAIVE_ID_CHECK_IN": "gemm2"}
+    done = subprocess.run([sys.executable, "-c", "import moe_kernels.kernels.index_gather"], capture_output=True,
+                          text=True, timeout=300, env=env)
+    assert done.returncode != 0
+    assert "MOE_KERNELS_NAIVE_ID_CHECK_IN' must be 'down' or 'gate_up'" in done.stderr, done.stderr[-2000:]
+
+
 def test_naive_id_check_setting_is_checked(monkeypatch):
     from moe_kernels.kernels import index_gather
 
@@ -418,6 +430,15 @@ for case in cases:
     ptx = compile_for_sm90(fn, const, pointers, num_warps=4, num_stages=3, launch_pdl=const["PDL_WAIT"]).asm["ptx"]
     found = ["griddepcontrol.launch_dependents", "griddepcontrol.wait", "prefetch.global.L2", "e4m3x2.f32"]
     print(" ".join(str(word in ptx) for word in found))
+# GEMM 2 on the naive map with the ids' check (where the layer puts it), as Qwen3's one-token GEMM 2
+# runs: TMA weights, swapped operands, a programmatic dependent; the assert's call is in the code.
+from moe_kernels._runtime import device_assert_options
+pointers.update(a_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", w_desc="tensordesc<bf16[128,128]>")
+const.update(GATED=False, SCALES=0, QUANT_GROUP=0, ROUND_TO="", NAIVE_BLOCKS=True, MUL_ROUTED_WEIGHT=True,
+             TMA_W=True, SWAP_AB=True, PDL_TRIGGER=False, PDL_WAIT=True, ID_CHECK="topk_ids out of range")
+ptx = compile_for_sm90(fn, const, pointers, num_warps=4, num_stages=3, launch_pdl=True,
+                       **device_assert_options(const["ID_CHECK"])).asm["ptx"]
+print("__assertfail" in ptx, "griddepcontrol.wait" in ptx)
 """
 
 
@@ -468,7 +489,8 @@ def test_switches_compile_for_hopper():
     """Compiled for sm_90 on this machine (the interpreter never takes these branches): GEMM 1 with
     ``PDL_TRIGGER`` signals its dependents; GEMM 2 with ``PDL_WAIT`` prefetches its weights into L2
     and waits, on the aligned and the naive block map; with neither, no such instruction; an fp8
-    GEMM 1 with ``QUANT_GROUP`` converts its output to e4m3 in the epilogue."""
+    GEMM 1 with ``QUANT_GROUP`` converts its output to e4m3 in the epilogue; GEMM 2 on the naive
+    map with the ids' check (TMA, swapped operands, PDL) carries the assert."""
     import os
     import subprocess
     import sys
@@ -479,8 +501,9 @@ def test_switches_compile_for_hopper():
     done = subprocess.run([sys.executable, "-c", _COMPILE_SWITCHES_FOR_HOPPER], capture_output=True, text=True,
                           timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split("\n")[:5] == ["True False False False", "False True True False", "False True True False",
-                                           "False False False False", "False False False True"], done.stdout
+    assert done.stdout.split("\n")[:6] == ["True False False False", "False True True False", "False True True False",
+                                           "False False False False", "False False False True",
+                                           "True True"], done.stdout
 
 
 # ---- GPU: the models' own shapes, bf16 and fp8, and CUDA-graph capture -----------------------------

@@ -350,8 +350,8 @@ def test_bench_tuning_compile_job_runs_each_format(weight_format):
 @needs_gpu
 @pytest.mark.parametrize("naive", [True, False])
 def test_bad_id_stops_the_kernel_that_reads_it(naive):
-    """On a GPU the id check is a device assert in the first kernel that reads the ids: GEMM 1 on
-    the naive path, the alignment otherwise (no launch, no host sync of its own)."""
+    """On a GPU the id check is a device assert in a kernel that reads the ids: GEMM 2 on the
+    naive path, the alignment otherwise (no launch, no host sync of its own)."""
     assert_device_assert(f"""
         from moe_kernels import fused_experts
         x, w1, w2 = (torch.randn(1, 32, device="cuda"), torch.randn(64, 32, 32, device="cuda"),

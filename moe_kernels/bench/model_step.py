@@ -9,7 +9,8 @@ token per sequence) for each experts implementation the installed transformers o
 
 * eager: ``steps`` steps back to back from Python, host time included (what ``generate`` pays),
   in rounds interleaved over the implementations (a slow drift of the host or of the GPU's
-  clocks then reaches each alike; the order turns each round), the median round kept, and for
+  clocks then reaches each alike; the orders balanced, :func:`balanced_orders`), the median
+  round kept, and for
   ``moe_kernels`` the rounds in which it was faster than each other implementation;
 * graph: the step captured in a CUDA graph and replayed (no host time), where the implementation
   can be captured (one that reads values back to the host cannot: None);
@@ -129,6 +130,22 @@ def cached_lengths(cache) -> list:
 def _sync(device) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
+
+
+def balanced_orders(n: int) -> list[list[int]]:
+    """Orders of ``n`` things in which each thing comes right after each other one equally often
+    (a Williams design: ``n`` orders for an even ``n``, ``2n`` for an odd one, each also reversed),
+    and each takes each place equally often; rounds in a multiple of ``len(orders)`` complete it.
+
+    >>> balanced_orders(4)
+    [[0, 1, 3, 2], [1, 2, 0, 3], [2, 3, 1, 0], [3, 0, 2, 1]]
+    """
+    first, low, high = [0], 1, n - 1
+    while len(first) < n:   # 0, 1, n-1, 2, n-2, ...
+        first.append(low if len(first) % 2 else high)
+        low, high = (low + 1, high) if len(first) % 2 == 0 else (low, high - 1)
+    orders = [[(x + shift) % n for x in first] for shift in range(n)] if n else [[]]
+    return orders + [order[::-1] for order in orders] if n % 2 else orders
 
 
 def eager_step_ms(step, device, steps: int, rounds: int = 3) -> float:
@@ -284,14 +301,15 @@ def run(models, batches, *, context: int = 128, steps: int = 10, moe_layers: int
                 runnable.append((impl, row))
             # Eager rounds interleaved over the implementations (each round ``steps`` steps of one),
             # so that a drift of the host or of the GPU's clocks reaches every one alike; median.
-            # The order turns by one place each round, so that none always follows the same one
-            # (the Python loop's rounds take 10-100x the others' and leave the host in another
-            # state); the orders are recorded.
+            # The orders follow a balanced design (balanced_orders), so that no implementation
+            # always runs after the same one (the Python loop's rounds take 10-100x the others'
+            # and leave the host in another state); the orders are recorded.
             rounds = {impl: [] for impl, _ in runnable}
+            names = [impl for impl, _ in runnable]
+            design = balanced_orders(len(names))
             orders = []
             for turn in range(eager_rounds):
-                order = [impl for impl, _ in runnable]
-                order = order[turn % len(order):] + order[:turn % len(order)] if order else order
+                order = [names[i] for i in design[turn % len(design)]] if names else []
                 orders.append(order)
                 for impl in order:
                     model.set_experts_implementation(impl)

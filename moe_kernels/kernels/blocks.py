@@ -222,8 +222,9 @@ class BlockAssignment:
     #: ``T*k``, the assignments the map was built for (None: not recorded), so that a map built for
     #: another batch can be refused instead of leaving rows of the output unwritten.
     num_assignments: int | None = None
-    #: A naive map's ids are checked by the first GEMM that reads them, on the GPU: the message
-    #: of that device-side assert ("" when the ids need no check, or were checked on the host).
+    #: A naive map's ids are checked by one of the GEMMs that read them (GEMM 2 unless
+    #: ``index_gather.NAIVE_ID_CHECK_IN`` says otherwise), on the GPU: the message of that
+    #: device-side assert ("" when the ids need no check, or were checked on the host).
     id_check: str = ""
     #: One expert that every row uses, rows in order (a shared expert through the grouped GEMMs):
     #: block ``m`` is rows ``m * block_m`` onward, all of expert 0, and no index tensor is read
@@ -293,7 +294,7 @@ def build_blocks(func: str, topk_ids: torch.Tensor, block_m: int, num_experts: i
     if naive is None:
         naive = numel * 4 <= num_experts   # use_naive_block_assignment, without its argument checks
     if naive:
-        # The naive map uses the ids themselves as the block labels; GEMM 1 reads each once.
+        # The naive map uses the ids themselves as the block labels; each GEMM reads each once.
         id_check = device_id_check(func, "topk_ids", topk_ids, num_experts) if validate_ids else ""
         return _trusted_blocks(block_m=block_m, expert_ids=topk_ids.reshape(-1).contiguous(), sorted_token_ids=None,
                                num_tokens_post_padded=None, num_m_blocks=numel, num_assignments=numel,

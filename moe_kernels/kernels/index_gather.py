@@ -188,9 +188,9 @@ if HAS_TRITON:
         if NAIVE_BLOCKS:
             if ID_CHECK != "":
                 # The naive map's labels are the caller's ids, which no kernel before the
-                # GEMMs reads: one GEMM checks them (NAIVE_ID_CHECK_IN). Last, not first: an
-                # assert is a call that no load may move above, so first it held the tile's
-                # loads behind the id's (GEMM 2, DeepSeek-V3 fp8, 8 tokens: +8 us, now none).
+                # GEMMs reads: one GEMM reports a bad one (NAIVE_ID_CHECK_IN). At the end of
+                # the tile, where nothing waits for it; `known` above is what keeps a bad id
+                # from becoming an address, checked or not.
                 tl.device_assert(known, ID_CHECK)
         # <<< book: index-gather-rows
 
@@ -251,11 +251,17 @@ if HAS_TRITON:
 #: Which GEMM of the naive block map carries its id check, a device assert (the map's labels are
 #: the caller's ids, read by no launch before the GEMMs): "down" (GEMM 2) or "gate_up" (GEMM 1).
 #: Either is safe: neither GEMM reads through an id outside [0, E), checked or not; the assert
-#: only says so. GEMM 2, because there it costs nothing measurable, and in GEMM 1 it does not
-#: (``tools/id_check_gemm1_ab.py``, H200, both GEMMs with the L2 flushed, check minus none, us:
-#: GEMM 1 +9.6 at DeepSeek-V3 fp8 8 tokens and +2.8 at Qwen3 fp8 1 token, GEMM 2 -0.3 and +0.1;
-#: why fp8's GEMM 1 pays is not known). Read once from ``MOE_KERNELS_NAIVE_ID_CHECK_IN``.
+#: only says so. GEMM 2, because there the layer's check costs no GPU time beyond the run-to-run
+#: spread (``bench layer --id-check-only`` on the H200: -2.43..+1.22 us at 1, 8 and 64 tokens,
+#: both models, bf16 and fp8), where in GEMM 1 it read up to +5.15 (DeepSeek-V3 fp8, 8 tokens);
+#: timed alone, Qwen3's fp8 GEMM 1 kernel at one token is 2.9 us slower checked. Why a checked fp8
+#: GEMM 1 is slower is not known (its SASS has the same loads, no spills). Read at import from
+#: ``MOE_KERNELS_NAIVE_ID_CHECK_IN``; a change later reaches only calls not yet recorded
+#: (``moe_kernels._replay.forget_all_plans()`` forgets the recorded ones and their graphs).
 NAIVE_ID_CHECK_IN = os.environ.get("MOE_KERNELS_NAIVE_ID_CHECK_IN", "down")
+if NAIVE_ID_CHECK_IN not in ("gate_up", "down"):
+    fail("moe_kernels", "MOE_KERNELS_NAIVE_ID_CHECK_IN", "must be 'down' or 'gate_up' (unset: 'down')",
+         repr(NAIVE_ID_CHECK_IN))
 
 
 def _launch(a, w, out, topk_weights, blocks: BlockAssignment, *, n_out: int, top_k: int, gated: bool,
@@ -266,11 +272,20 @@ def _launch(a, w, out, topk_weights, blocks: BlockAssignment, *, n_out: int, top
     prefetches its weights, then waits); "" neither. ``quant`` (GEMM 1): ``(scales, group,
     round_to)``, the epilogue writes ``out`` as fp8 in 1 x ``group`` groups with their scales.
     ``role``: "gate_up" or "down" (default: by ``gated``; GEMM 1 split over K runs ungated and
-    says so); the GEMM that :data:`NAIVE_ID_CHECK_IN` names carries the naive map's id check."""
+    says so); the GEMM that :data:`NAIVE_ID_CHECK_IN` names carries the naive map's id check (a
+    launch with no tiles checks on the GPU without a kernel of its own: ``torch._assert_async``)."""
     num_valid_rows = a.shape[0] * top_k
     k_in = a.shape[1]
+    role = role or ("gate_up" if gated else "down")
+    if NAIVE_ID_CHECK_IN not in ("gate_up", "down"):
+        fail("moe_kernels.kernels.index_gather", "NAIVE_ID_CHECK_IN", "must be 'gate_up' or 'down' (it is read "
+             "from MOE_KERNELS_NAIVE_ID_CHECK_IN)", repr(NAIVE_ID_CHECK_IN))
+    id_check = blocks.id_check if role == NAIVE_ID_CHECK_IN else ""
     num_tiles = blocks.num_m_blocks * cdiv(n_out, tiles.block_n) * tiles.split_k
     if num_tiles == 0 or n_out == 0:
+        if id_check and blocks.expert_ids.numel():   # (no kernel to carry the check: no host sync either)
+            ids = blocks.expert_ids
+            torch._assert_async(((ids >= 0) & (ids < w.shape[0])).all(), id_check)
         return
     grid = (min(num_tiles, programs_per_device(a.device)) if tiles.persistent else num_tiles,)
     w_desc = weight_descriptor(w, tiles)
@@ -278,11 +293,6 @@ def _launch(a, w, out, topk_weights, blocks: BlockAssignment, *, n_out: int, top
     # tensor: the constexpr flags compile the loads away.
     sorted_ids = blocks.expert_ids if blocks.sorted_token_ids is None else blocks.sorted_token_ids
     num_post_padded = blocks.expert_ids if blocks.sorted_token_ids is None else blocks.num_tokens_post_padded
-    role = role or ("gate_up" if gated else "down")
-    if NAIVE_ID_CHECK_IN not in ("gate_up", "down"):
-        fail("moe_kernels.kernels.index_gather", "NAIVE_ID_CHECK_IN", "must be 'gate_up' or 'down'",
-             repr(NAIVE_ID_CHECK_IN))
-    id_check = blocks.id_check if role == NAIVE_ID_CHECK_IN else ""
     if recording():
         note_launch("index_gather.gemm", gemm=role, block_m=blocks.block_m,
                     tiles=tiles,
@@ -341,7 +351,8 @@ def expert_gate_up(hidden_states: torch.Tensor, w1: torch.Tensor, blocks: BlockA
     partial sums added with fp32 atomics, so the last bits vary from run to run) rows that no block
     holds are written as zeros; unsplit, they keep what ``out`` held. fp8 inputs come with their scales
     (``a_scale`` from the weights' :meth:`~moe_kernels.kernels.formats.WeightFormat.quantize_activations`,
-    ``w_scale`` the weight's) and write ``out_dtype`` (default bf16).
+    ``w_scale`` the weight's) and write ``out_dtype`` (default bf16). A naive map built with
+    ``validate_ids`` has its ids checked by GEMM 2 (:data:`NAIVE_ID_CHECK_IN`), not here.
     """
     func = "expert_gate_up"
     fmt = check_operands(func, "hidden_states", hidden_states, "w1", w1, a_scale, w_scale)
@@ -395,6 +406,8 @@ def expert_down(intermediate: torch.Tensor, w2: torch.Tensor, topk_weights: torc
     ``a_scale``); the result is ``[T, k, d]`` (assignment order), the routing weight applied in fp32
     before the cast. With ``sum_slots`` the epilogue adds the rows of token ``t`` into row ``t`` of
     an fp32 ``out [T, d]`` instead (atomics; zeros unless given), and ``tiles.split_k`` may exceed 1.
+    A naive map built with ``validate_ids`` has its ids checked here, on a GPU (a device assert;
+    :data:`NAIVE_ID_CHECK_IN`).
     """
     func = "expert_down"
     fmt = check_operands(func, "intermediate", intermediate, "w2", w2, a_scale, w_scale)
