@@ -168,6 +168,8 @@ def check_moe_inputs(func: str, hidden_states, w1, w2, topk_weights, topk_ids, *
                  last_dim_contiguous=True)
     check_tensor(func, "topk_ids", topk_ids, ndim=2, dtypes=ID_DTYPES, device=device)
     num_tokens, hidden_size = hidden.shape
+    if hidden_size == 0:
+        fail(func, "hidden_states", "must have a hidden size d >= 1 (shape [T, d])", f"shape {tuple(hidden.shape)}")
     num_experts, two_f, _ = w1.shape
     if w1.shape[2] != hidden_size or two_f % 2 or two_f == 0:
         fail(func, "w1", f"must have shape [E, 2F, d={hidden_size}] with 2F even and > 0 (gate rows then up rows)",

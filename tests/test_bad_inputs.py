@@ -222,6 +222,8 @@ BAD_INPUTS = [
     case("fused_experts-hidden-int", fused_experts, TypeError, "hidden_states", **{**GOOD, "hidden_states": X.int()}),
     case("fused_experts-hidden-column-major", fused_experts, ValueError, "hidden_states",
          **{**GOOD, "hidden_states": col_major(X)}),
+    case("fused_experts-hidden-0-wide", fused_experts, ValueError, "hidden_states",
+         **{**GOOD, "hidden_states": X[:, :0], "w1": W1[:, :, :0], "w2": W2[:, :0]}),
     case("fused_experts-w1-fp16", fused_experts, TypeError, "w1", **{**GOOD, "w1": W1.half()}),
     case("fused_experts-w1-2d", fused_experts, ValueError, "w1", **{**GOOD, "w1": W1[0]}),
     case("fused_experts-w1-other-device", fused_experts, ValueError, "w1", **{**GOOD, "w1": meta(W1)}),

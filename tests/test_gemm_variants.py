@@ -173,7 +173,26 @@ def test_naive_id_check_environment_is_checked():
     done = subprocess.run([sys.executable, "-c", "import moe_kernels.kernels.index_gather"], capture_output=True,
                           text=True, timeout=300, env=env)
     assert done.returncode != 0
-    assert "MOE_KERNELS_NAIVE_ID_CHECK_IN' must be 'down' or 'gate_up'" in done.stderr, done.stderr[-2000:]
+    assert "environment variable MOE_KERNELS_NAIVE_ID_CHECK_IN must be 'down' or 'gate_up'" in done.stderr, \
+        done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("role", ["gate_up", "down"])
+def test_a_gemm_with_no_tiles_still_checks_the_naive_ids(monkeypatch, role):
+    """A GEMM with nothing to compute launches no kernel, so the naive map's check it carries runs
+    through torch's _assert_async (on a CPU it raises at once, with the same message)."""
+    from moe_kernels.kernels import index_gather
+
+    monkeypatch.setattr(index_gather, "NAIVE_ID_CHECK_IN", role)
+    ids = torch.tensor([[0, 5]])
+    blocks = dataclasses.replace(fm.assign_blocks(ids, 16, 4, naive=True, validate_ids=False),
+                                 id_check="topk_ids out of range")
+    x, w = torch.zeros(1, 8), torch.zeros(4, 0, 8)
+    with pytest.raises(RuntimeError, match="topk_ids out of range"):
+        index_gather._launch(x, w, torch.zeros(2, 0), None, blocks, n_out=0, top_k=2, gated=role == "gate_up",
+                             tiles=GemmTiles(64, 32), scales=())
+    index_gather._launch(x, w, torch.zeros(2, 0), None, dataclasses.replace(blocks, id_check=""), n_out=0,
+                         top_k=2, gated=role == "gate_up", tiles=GemmTiles(64, 32), scales=())   # unchecked: nothing
 
 
 def test_naive_id_check_setting_is_checked(monkeypatch):
@@ -430,13 +449,18 @@ for case in cases:
     ptx = compile_for_sm90(fn, const, pointers, num_warps=4, num_stages=3, launch_pdl=const["PDL_WAIT"]).asm["ptx"]
     found = ["griddepcontrol.launch_dependents", "griddepcontrol.wait", "prefetch.global.L2", "e4m3x2.f32"]
     print(" ".join(str(word in ptx) for word in found))
-# GEMM 2 on the naive map with the ids' check (where the layer puts it), as Qwen3's one-token GEMM 2
-# runs: TMA weights, swapped operands, a programmatic dependent; the assert's call is in the code.
+# GEMM 2 on the naive map with the ids' check (where the layer puts it), with the switches of
+# Qwen3's fp8 one-token GEMM 2: block-scaled fp8, TMA weights, swapped operands, a programmatic
+# dependent; the assert's call is in the code.
 from moe_kernels._runtime import device_assert_options
-pointers.update(a_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", w_desc="tensordesc<bf16[128,128]>")
-const.update(GATED=False, SCALES=0, QUANT_GROUP=0, ROUND_TO="", NAIVE_BLOCKS=True, MUL_ROUTED_WEIGHT=True,
-             TMA_W=True, SWAP_AB=True, PDL_TRIGGER=False, PDL_WAIT=True, ID_CHECK="topk_ids out of range")
-ptx = compile_for_sm90(fn, const, pointers, num_warps=4, num_stages=3, launch_pdl=True,
+pointers = dict(a_ptr="*fp8e4nv", w_ptr="*fp8e4nv", out_ptr="*bf16", topk_weights_ptr="*fp32",
+                sorted_token_ids_ptr="*i64", expert_ids_ptr="*i64", num_tokens_post_padded_ptr="*i64",
+                a_scale_ptr="*fp32", w_scale_ptr="*fp32", w_desc="tensordesc<fp8e4nv[128,128]>", out_scale_ptr="*fp32")
+const = dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, GROUP_M=1, TOP_K=1, NAIVE_BLOCKS=True, DENSE=False, GATED=False,
+             MUL_ROUTED_WEIGHT=True, EVEN_K=True, INPUT_PRECISION="tf32", SCALES=1, SUM_TOP_K=0, SPLIT_K=1,
+             TMA_W=True, PERSISTENT=0, SCALE_BN=128, SCALE_BK=128, ID_CHECK="topk_ids out of range", SWAP_AB=True,
+             PDL_TRIGGER=False, PDL_WAIT=True, PREFETCH_LINE=64, QUANT_GROUP=0, ROUND_TO="")
+ptx = compile_for_sm90(fn, const, pointers, num_warps=4, num_stages=4, launch_pdl=True,
                        **device_assert_options(const["ID_CHECK"])).asm["ptx"]
 print("__assertfail" in ptx, "griddepcontrol.wait" in ptx)
 """
@@ -489,8 +513,8 @@ def test_switches_compile_for_hopper():
     """Compiled for sm_90 on this machine (the interpreter never takes these branches): GEMM 1 with
     ``PDL_TRIGGER`` signals its dependents; GEMM 2 with ``PDL_WAIT`` prefetches its weights into L2
     and waits, on the aligned and the naive block map; with neither, no such instruction; an fp8
-    GEMM 1 with ``QUANT_GROUP`` converts its output to e4m3 in the epilogue; GEMM 2 on the naive
-    map with the ids' check (TMA, swapped operands, PDL) carries the assert."""
+    GEMM 1 with ``QUANT_GROUP`` converts its output to e4m3 in the epilogue; an fp8 GEMM 2 on the
+    naive map with the ids' check (TMA, swapped operands, PDL) carries the assert."""
     import os
     import subprocess
     import sys

@@ -96,7 +96,8 @@ for fname in formats:
                     times[v].append(median_ms(replays[v], 1, 5) * 1e3 if device == "cuda" else 1.0)
             diff = {v: statistics.median(a - b for a, b in zip(times[v], times["unchecked"])) for v in VARIANTS[1:]}
             row = {"model": key, "format": fname, "batch": batch, "id_check": maps[True].id_check != "",
-                   "checked_us": statistics.median(times["gate_up"]), "unchecked_us": statistics.median(times["unchecked"]),
+                   "checked_us": statistics.median(times["gate_up"]),
+                   "unchecked_us": statistics.median(times["unchecked"]),
                    "difference_us": diff["gate_up"], "checked_in_down_us": statistics.median(times["down"]),
                    "difference_down_us": diff["down"], "rounds": rounds, "outputs_equal": same}
             if device == "cuda":   # where the difference sits: inside a kernel, or between two

@@ -65,7 +65,7 @@ for check in ("", "fused_experts: argument 'topk_ids' must hold expert ids in [0
               (("CALL", r"\bCALL\."), ("L2 prefetch", r"CCTL\.E\.PF2"), ("TMA load", r"UTMALDG"),
                ("wgmma", r"HGMMA|QGMMA"))}
     # Where things sit: the SASS address of the first global load, the first TMA load and the
-    # call (an assert holds back what comes after it, so where it sits matters as much as its cost).
+    # call, to compare the two builds' code ahead of the tile's loads.
     first = {}
     for name, pattern in (("LDG", r"\bLDG\."), ("TMA load", r"UTMALDG"), ("CALL", r"\bCALL\."),
                           ("last wgmma", r"HGMMA|QGMMA")):

@@ -134,8 +134,9 @@ def _sync(device) -> None:
 
 def balanced_orders(n: int) -> list[list[int]]:
     """Orders of ``n`` things in which each thing comes right after each other one equally often
-    (a Williams design: ``n`` orders for an even ``n``, ``2n`` for an odd one, each also reversed),
-    and each takes each place equally often; rounds in a multiple of ``len(orders)`` complete it.
+    (a Williams design: ``n`` orders for an even ``n``; for an odd one ``2n``, each order followed
+    by its reverse, so that a run cut short is still nearly balanced), and each takes each place
+    equally often; rounds in a multiple of ``len(orders)`` complete it.
 
     >>> balanced_orders(4)
     [[0, 1, 3, 2], [1, 2, 0, 3], [2, 3, 1, 0], [3, 0, 2, 1]]
@@ -145,7 +146,7 @@ def balanced_orders(n: int) -> list[list[int]]:
         first.append(low if len(first) % 2 else high)
         low, high = (low + 1, high) if len(first) % 2 == 0 else (low, high - 1)
     orders = [[(x + shift) % n for x in first] for shift in range(n)] if n else [[]]
-    return orders + [order[::-1] for order in orders] if n % 2 else orders
+    return [o for order in orders for o in (order, order[::-1])] if n % 2 else orders
 
 
 def eager_step_ms(step, device, steps: int, rounds: int = 3) -> float:
@@ -299,15 +300,16 @@ def run(models, batches, *, context: int = 128, steps: int = 10, moe_layers: int
                     row["graph_error"] = graph_error
                 row.update(graph_ms=graph, graph_us_per_token=None if graph is None else graph * 1e3 / batch)
                 runnable.append((impl, row))
-            # Eager rounds interleaved over the implementations (each round ``steps`` steps of one),
-            # so that a drift of the host or of the GPU's clocks reaches every one alike; median.
-            # The orders follow a balanced design (balanced_orders), so that no implementation
-            # always runs after the same one (the Python loop's rounds take 10-100x the others'
-            # and leave the host in another state); the orders are recorded.
+            # Eager rounds interleaved over the implementations (each round ``steps`` steps of one), so
+            # that a drift of the host or of the GPU's clocks reaches every one alike; median. The orders
+            # are balanced (no implementation always after the same one: the Python loop's rounds take
+            # 10-100x the others' and leave the host in another state) and recorded.
             rounds = {impl: [] for impl, _ in runnable}
             names = [impl for impl, _ in runnable]
             design = balanced_orders(len(names))
-            orders = []
+            orders = []   # (below: a multiple of len(design) rounds completes the balance)
+            if names and eager_rounds % len(design):
+                log(f"{name:<14} batch {batch:>4}: {eager_rounds} rounds, {len(design)} balanced orders: incomplete")
             for turn in range(eager_rounds):
                 order = [names[i] for i in design[turn % len(design)]] if names else []
                 orders.append(order)
@@ -328,8 +330,9 @@ def run(models, batches, *, context: int = 128, steps: int = 10, moe_layers: int
                 ours["eager_rounds_faster_than"] = {
                     impl: sum(a < b for a, b in zip(rounds["moe_kernels"], rounds[impl]))
                     for impl, _ in runnable if impl not in ("moe_kernels", NO_EXPERTS)}
-                log(f"{name:<14} moe_kernels  batch {batch:>4}: faster in " + ", ".join(
-                    f"{n} of {eager_rounds} rounds than {impl}" for impl, n in ours["eager_rounds_faster_than"].items()))
+                faster = ours["eager_rounds_faster_than"]
+                log(f"{name:<14} moe_kernels  batch {batch:>4}: faster in "
+                    + ", ".join(f"{n} of {eager_rounds} rounds than {impl}" for impl, n in faster.items()))
             if batch in profile_batches:
                 for impl, row in runnable:
                     if impl != "eager":   # (the Python loop: profiled long enough by its own time)

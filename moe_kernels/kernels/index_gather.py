@@ -253,15 +253,15 @@ if HAS_TRITON:
 #: Either is safe: neither GEMM reads through an id outside [0, E), checked or not; the assert
 #: only says so. GEMM 2, because there the layer's check costs no GPU time beyond the run-to-run
 #: spread (``bench layer --id-check-only`` on the H200: -2.43..+1.22 us at 1, 8 and 64 tokens,
-#: both models, bf16 and fp8), where in GEMM 1 it read up to +5.15 (DeepSeek-V3 fp8, 8 tokens);
-#: timed alone, Qwen3's fp8 GEMM 1 kernel at one token is 2.9 us slower checked. Why a checked fp8
-#: GEMM 1 is slower is not known (its SASS has the same loads, no spills). Read at import from
+#: both models, bf16 and fp8), while a checked fp8 GEMM 1 measured slower: about 3 us in Qwen3's
+#: GEMM 1 kernel at one token, twice (``tools/id_check_gemm1_ab.py``, the profile of each replay).
+#: Why is not known (the same TTGIR but the assert, the same loads, no spills). Read at import from
 #: ``MOE_KERNELS_NAIVE_ID_CHECK_IN``; a change later reaches only calls not yet recorded
 #: (``moe_kernels._replay.forget_all_plans()`` forgets the recorded ones and their graphs).
-NAIVE_ID_CHECK_IN = os.environ.get("MOE_KERNELS_NAIVE_ID_CHECK_IN", "down")
+NAIVE_ID_CHECK_IN = os.environ.get("MOE_KERNELS_NAIVE_ID_CHECK_IN") or "down"
 if NAIVE_ID_CHECK_IN not in ("gate_up", "down"):
-    fail("moe_kernels", "MOE_KERNELS_NAIVE_ID_CHECK_IN", "must be 'down' or 'gate_up' (unset: 'down')",
-         repr(NAIVE_ID_CHECK_IN))
+    raise ValueError("environment variable MOE_KERNELS_NAIVE_ID_CHECK_IN must be 'down' or 'gate_up' (unset: "
+                     f"'down'), got {NAIVE_ID_CHECK_IN!r}")
 
 
 def _launch(a, w, out, topk_weights, blocks: BlockAssignment, *, n_out: int, top_k: int, gated: bool,
@@ -273,7 +273,7 @@ def _launch(a, w, out, topk_weights, blocks: BlockAssignment, *, n_out: int, top
     round_to)``, the epilogue writes ``out`` as fp8 in 1 x ``group`` groups with their scales.
     ``role``: "gate_up" or "down" (default: by ``gated``; GEMM 1 split over K runs ungated and
     says so); the GEMM that :data:`NAIVE_ID_CHECK_IN` names carries the naive map's id check (a
-    launch with no tiles checks on the GPU without a kernel of its own: ``torch._assert_async``)."""
+    GEMM with no tiles checks through torch's ``_assert_async``: no Triton launch, no host sync)."""
     num_valid_rows = a.shape[0] * top_k
     k_in = a.shape[1]
     role = role or ("gate_up" if gated else "down")
@@ -352,7 +352,7 @@ def expert_gate_up(hidden_states: torch.Tensor, w1: torch.Tensor, blocks: BlockA
     holds are written as zeros; unsplit, they keep what ``out`` held. fp8 inputs come with their scales
     (``a_scale`` from the weights' :meth:`~moe_kernels.kernels.formats.WeightFormat.quantize_activations`,
     ``w_scale`` the weight's) and write ``out_dtype`` (default bf16). A naive map built with
-    ``validate_ids`` has its ids checked by GEMM 2 (:data:`NAIVE_ID_CHECK_IN`), not here.
+    ``validate_ids`` has its ids checked by GEMM 2 by default (:data:`NAIVE_ID_CHECK_IN`), not here.
     """
     func = "expert_gate_up"
     fmt = check_operands(func, "hidden_states", hidden_states, "w1", w1, a_scale, w_scale)
@@ -406,8 +406,8 @@ def expert_down(intermediate: torch.Tensor, w2: torch.Tensor, topk_weights: torc
     ``a_scale``); the result is ``[T, k, d]`` (assignment order), the routing weight applied in fp32
     before the cast. With ``sum_slots`` the epilogue adds the rows of token ``t`` into row ``t`` of
     an fp32 ``out [T, d]`` instead (atomics; zeros unless given), and ``tiles.split_k`` may exceed 1.
-    A naive map built with ``validate_ids`` has its ids checked here, on a GPU (a device assert;
-    :data:`NAIVE_ID_CHECK_IN`).
+    A naive map built with ``validate_ids`` has its ids checked here by default, on a GPU (a device
+    assert; :data:`NAIVE_ID_CHECK_IN`).
     """
     func = "expert_down"
     fmt = check_operands(func, "intermediate", intermediate, "w2", w2, a_scale, w_scale)
