@@ -5,7 +5,8 @@
 # Write the hash out here, where the tree was committed: on the device, git's metadata can be an older
 # tree's than the files it was sent (git rev-parse HEAD there named the session's first commit).
 # what: tests, ceilings, tune, refine, sweep, fp8, decode-step, layouts, routing, skew, shared, capacity, notebooks,
-# graphs (the CUDA-graph replay's and the split GEMM 1's GPU tests), host-probe, model-probe, prefill, gate-routing
+# graphs (the CUDA-graph replay's and the split GEMM 1's GPU tests), assert-tests (the index-gather and CUDA-graph
+# GPU tests, the device-side id asserts among them), host-probe, model-probe, prefill, gate-routing
 # (the router in one launch, with and without the alignment: its GPU tests and bench routing --gate-routing),
 # tune-shared (the shared expert's tiles, bf16 and fp8, tables written), id-check (bench layer --id-check-only, ID_CHECK_PAIRS pairs at ID_CHECK_BATCHES,
 # recorded as ID_CHECK_NAME or layer-id-check), id-check-gemm1 (the check's cost in GEMM 1 and in GEMM 2 against none,
@@ -76,6 +77,8 @@ for step in "${steps[@]}"; do
         graphs) $PY -m pytest tests/test_replay.py tests/test_gemm_variants.py -m gpu -q -p no:cacheprovider \
                     -W ignore::DeprecationWarning -k "graph or split or captures or replays" 2>&1 \
                     | tee "$OUT/graph-tests.log" | tail -n 15 || status=1 ;;
+        assert-tests) $PY -m pytest tests/test_index_gather.py tests/test_cuda_graphs.py -m gpu -q -p no:cacheprovider \
+                          -W ignore::DeprecationWarning 2>&1 | tee "$OUT/assert-tests.log" | tail -n 15 || status=1 ;;
         host-probe) PYTHONPATH="$PWD" $PY tools/host_probe.py 2>&1 | tee "$OUT/host-probe.log" | grep -E "host" || status=1 ;;
         model-probe) PYTHONPATH="$PWD" $PY tools/model_host_probe.py 1 64 2>&1 | tee "$OUT/model-probe.log" \
                          | grep -v Warning || status=1 ;;
