@@ -177,24 +177,6 @@ def test_naive_id_check_environment_is_checked():
         done.stderr[-2000:]
 
 
-@pytest.mark.parametrize("role", ["gate_up", "down"])
-def test_a_gemm_with_no_tiles_still_checks_the_naive_ids(monkeypatch, role):
-    """A GEMM with nothing to compute launches no kernel, so the naive map's check it carries runs
-    through torch's _assert_async (on a CPU it raises at once, with the same message)."""
-    from moe_kernels.kernels import index_gather
-
-    monkeypatch.setattr(index_gather, "NAIVE_ID_CHECK_IN", role)
-    ids = torch.tensor([[0, 5]])
-    blocks = dataclasses.replace(fm.assign_blocks(ids, 16, 4, naive=True, validate_ids=False),
-                                 id_check="topk_ids out of range")
-    x, w = torch.zeros(1, 8), torch.zeros(4, 0, 8)
-    with pytest.raises(RuntimeError, match="topk_ids out of range"):
-        index_gather._launch(x, w, torch.zeros(2, 0), None, blocks, n_out=0, top_k=2, gated=role == "gate_up",
-                             tiles=GemmTiles(64, 32), scales=())
-    index_gather._launch(x, w, torch.zeros(2, 0), None, dataclasses.replace(blocks, id_check=""), n_out=0,
-                         top_k=2, gated=role == "gate_up", tiles=GemmTiles(64, 32), scales=())   # unchecked: nothing
-
-
 def test_naive_id_check_setting_is_checked(monkeypatch):
     from moe_kernels.kernels import index_gather
 

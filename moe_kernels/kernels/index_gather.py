@@ -272,8 +272,7 @@ def _launch(a, w, out, topk_weights, blocks: BlockAssignment, *, n_out: int, top
     prefetches its weights, then waits); "" neither. ``quant`` (GEMM 1): ``(scales, group,
     round_to)``, the epilogue writes ``out`` as fp8 in 1 x ``group`` groups with their scales.
     ``role``: "gate_up" or "down" (default: by ``gated``; GEMM 1 split over K runs ungated and
-    says so); the GEMM that :data:`NAIVE_ID_CHECK_IN` names carries the naive map's id check (a
-    GEMM with no tiles checks through torch's ``_assert_async``: no Triton launch, no host sync)."""
+    says so); the GEMM that :data:`NAIVE_ID_CHECK_IN` names carries the naive map's id check."""
     num_valid_rows = a.shape[0] * top_k
     k_in = a.shape[1]
     role = role or ("gate_up" if gated else "down")
@@ -282,10 +281,7 @@ def _launch(a, w, out, topk_weights, blocks: BlockAssignment, *, n_out: int, top
              "from MOE_KERNELS_NAIVE_ID_CHECK_IN)", repr(NAIVE_ID_CHECK_IN))
     id_check = blocks.id_check if role == NAIVE_ID_CHECK_IN else ""
     num_tiles = blocks.num_m_blocks * cdiv(n_out, tiles.block_n) * tiles.split_k
-    if num_tiles == 0 or n_out == 0:
-        if id_check and blocks.expert_ids.numel():   # (no kernel to carry the check: no host sync either)
-            ids = blocks.expert_ids
-            torch._assert_async(((ids >= 0) & (ids < w.shape[0])).all(), id_check)
+    if num_tiles == 0 or n_out == 0:   # (no ids, since every caller refuses a width of 0: none to check)
         return
     grid = (min(num_tiles, programs_per_device(a.device)) if tiles.persistent else num_tiles,)
     w_desc = weight_descriptor(w, tiles)
@@ -357,8 +353,9 @@ def expert_gate_up(hidden_states: torch.Tensor, w1: torch.Tensor, blocks: BlockA
     func = "expert_gate_up"
     fmt = check_operands(func, "hidden_states", hidden_states, "w1", w1, a_scale, w_scale)
     check_int(func, "top_k", top_k, lo=1)
-    if w1.shape[2] != hidden_states.shape[1] or w1.shape[1] % 2:
-        fail(func, "w1", f"must have shape [E, 2F, d={hidden_states.shape[1]}]", f"shape {tuple(w1.shape)}")
+    if w1.shape[2] != hidden_states.shape[1] or w1.shape[1] % 2 or w1.shape[1] == 0:
+        fail(func, "w1", f"must have shape [E, 2F, d={hidden_states.shape[1]}] with 2F even and > 0",
+             f"shape {tuple(w1.shape)}")
     numel = hidden_states.shape[0] * top_k
     check_blocks(func, blocks, numel)
     tiles = check_tiles(func, tiles)
@@ -416,8 +413,8 @@ def expert_down(intermediate: torch.Tensor, w2: torch.Tensor, topk_weights: torc
     if intermediate.shape[0] != num_tokens * top_k:
         fail(func, "intermediate", f"must have T*k = {num_tokens * top_k} rows (one per assignment)",
              f"shape {tuple(intermediate.shape)}")
-    if w2.shape[2] != intermediate.shape[1]:
-        fail(func, "w2", f"must have shape [E, d, F={intermediate.shape[1]}]", f"shape {tuple(w2.shape)}")
+    if w2.shape[2] != intermediate.shape[1] or w2.shape[1] == 0:
+        fail(func, "w2", f"must have shape [E, d, F={intermediate.shape[1]}] with d >= 1", f"shape {tuple(w2.shape)}")
     check_blocks(func, blocks, num_tokens * top_k)
     tiles = check_tiles(func, tiles)
     d = w2.shape[1]
