@@ -11,7 +11,7 @@
 # tune-shared (the shared expert's tiles, bf16 and fp8, tables written), id-check (bench layer --id-check-only, ID_CHECK_PAIRS pairs at ID_CHECK_BATCHES,
 # recorded as ID_CHECK_NAME or layer-id-check), id-check-gemm1 (the check's cost in GEMM 1 and in GEMM 2 against none,
 # naive block map; ID_CHECK_GEMM1_ARGS: the tool's arguments), one-launch (both GEMMs in one launch against two), model (bench model at
-# MODEL_BATCHES, MODEL_ROUNDS eager rounds of MODEL_STEPS steps, recorded as MODEL_NAME or model-step; 1,8,64 took 170 s at fb84557) (default: tests
+# MODEL_BATCHES, MODEL_ROUNDS eager rounds of MODEL_STEPS steps, recorded as MODEL_NAME or model-step; MODEL_ARGS: more of its arguments; 1,8,64 took 170 s at fb84557) (default: tests
 # ceilings sweep). NOTEBOOKS="06 07" limits the notebooks step to those sections. tune searches the tiles (TUNE_BATCHES, TUNE_BUDGET_S) and rewrites the tuned tables in
 # moe_kernels/kernels/configs/, which are packed too. notebooks executes every notebook with the GPU (its live cells run) into $OUT/notebooks
 # and lists the prose numbers that would change (needs Jupyter: run tools/jupyter_wheels.sh here and carry .whl/jupyter).
@@ -95,7 +95,7 @@ for step in "${steps[@]}"; do
                       --batches "${ID_CHECK_BATCHES:-1,8,64,512,4096}" --record ${ID_CHECK_NAME:+--name "$ID_CHECK_NAME"} 2>&1 | tee "$OUT/${ID_CHECK_NAME:-id-check}.log" \
                       | tail -n 25 || status=1 ;;
         model) $PY -m moe_kernels.bench model --batches "${MODEL_BATCHES:-1,8,64}" --rounds "${MODEL_ROUNDS:-5}" --steps "${MODEL_STEPS:-10}" \
-                   --record ${MODEL_NAME:+--name "$MODEL_NAME"} 2>&1 \
+                   ${MODEL_ARGS:-} --record ${MODEL_NAME:+--name "$MODEL_NAME"} 2>&1 \
                    | tee "$OUT/model.log" | grep -v Warning | tail -n 40 || status=1 ;;
         *) $PY -m moe_kernels.bench "$step" --record 2>&1 | tee "$OUT/$step.log" | tail -n 20 || status=1 ;;
     esac
