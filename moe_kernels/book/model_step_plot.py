@@ -1,6 +1,6 @@
 """A whole model's decode step against batch, per experts implementation (section 11's figure).
 
-Reads the rows of ``python -m moe_kernels.bench model`` (``results/<device>/model-step.json``):
+Reads the rows of ``python -m moe_kernels.bench model`` (``results/<device>/model-step*.json``):
 one per (implementation, batch) with its step time (eager and CUDA graph), the step with the
 experts skipped, and the byte model's time for the experts' weights.
 """
