@@ -34,6 +34,7 @@ from moe_kernels.kernels.dropping import moe_with_capacity
 from moe_kernels.kernels.index_gather import expert_down, expert_gate_up
 from moe_kernels.kernels.masked import grouped_gemm_masked, masked_dispatch
 from moe_kernels.bench.baselines import torch_grouped_mm_experts
+from moe_kernels.bench.ceilings import weight_reader
 from moe_kernels.kernels.permute import grouped_gemm_contiguous, permute
 from moe_kernels.kernels.shared import shared_expert_separate
 from moe_kernels.model import buffers, capacity, costs, memory, shapes, skew
@@ -349,6 +350,12 @@ BAD_INPUTS = [
     case("torch_grouped_mm-align-0", torch_grouped_mm_experts, ValueError, "align", **GOOD, align=0),
     case("torch_grouped_mm-ids-float", torch_grouped_mm_experts, TypeError, "topk_ids",
          **{**GOOD, "topk_ids": TI.float()}),
+    case("weight_reader-none", weight_reader, ValueError, "tensors"),
+    case("weight_reader-not-a-tensor", weight_reader, TypeError, "tensors[0]", [1.0] * 64),
+    case("weight_reader-strided", weight_reader, ValueError, "tensors[1]", torch.ones(64), torch.ones(64, 2)[:, 0],
+         block=16),
+    case("weight_reader-bytes", weight_reader, ValueError, "tensors[0]", torch.ones(24), block=16),
+    case("weight_reader-block-0", weight_reader, ValueError, "block", torch.ones(64), block=0),
     # ---- masked ------------------------------------------------------------------------------------
     case("masked_dispatch-m_max-0", masked_dispatch, ValueError, "m_max", X, TI, E, m_max=0),
     case("masked_dispatch-m_max-too-small", masked_dispatch, ValueError, "m_max", X, ids_of(1), E, m_max=2),

@@ -16,6 +16,7 @@ import sys
 
 import torch
 
+from .._checks import check_int, check_tensor, fail
 from .._runtime import HAS_TRITON, kernel, tl
 from .timing import graphed, median_ms
 from .cli import add_record_arguments, write_record
@@ -49,6 +50,40 @@ def measure_read_bandwidth(nbytes: int = 4 * 1024**3, block: int = 8192) -> floa
     partial = torch.empty(n // block, device="cuda")
     ms = _median_ms(lambda: _read_kernel[(n // block,)](x, partial, BLOCK=block, num_warps=8))
     return 4 * n / (ms * 1e-3)
+
+
+def weight_reader(*tensors: torch.Tensor, block: int = 8192):
+    """A function that reads each of ``tensors`` once with the read kernel, one launch per tensor,
+    as a layer's GEMMs stream their weights one launch after another: time it beside them (by the
+    same method, e.g. from the same kind of CUDA graph) for what a kernel that does nothing but read
+    those bytes takes. Each tensor must be contiguous, of ``4 * block`` bytes or a multiple; its
+    bytes are read as float32 whatever its dtype (only the traffic matters: each program stores the
+    sum of its ``block`` numbers).
+
+        >>> w1, w2 = torch.ones(4, 16), torch.full((2, 16), 2.0)   # 256 and 128 bytes
+        >>> [p.tolist() for p in weight_reader(w1, w2, block=16)()]   # 4 programs, then 2
+        [[16.0, 16.0, 16.0, 16.0], [32.0, 32.0]]
+    """
+    func = "weight_reader"
+    check_int(func, "block", block, lo=1)
+    if not tensors:
+        fail(func, "tensors", "must hold at least one tensor", "none")
+    views, partials = [], []
+    for i, t in enumerate(tensors):
+        check_tensor(func, f"tensors[{i}]", t, contiguous=True)
+        nbytes = t.numel() * t.element_size()
+        if nbytes == 0 or nbytes % (4 * block):
+            fail(func, f"tensors[{i}]", f"must be a positive multiple of 4 * block = {4 * block} bytes",
+                 f"{nbytes} bytes")
+        views.append(t.reshape(-1).view(torch.uint8).view(torch.float32))
+        partials.append(torch.empty(views[-1].numel() // block, device=t.device))
+
+    def read():
+        for x, partial in zip(views, partials):
+            _read_kernel[(partial.numel(),)](x, partial, BLOCK=block, num_warps=8)
+        return partials
+
+    return read
 
 
 def measure_read_time_by_size(sizes=tuple(2**i * 1024**2 for i in range(3, 13)), block: int = 8192) -> list[dict]:

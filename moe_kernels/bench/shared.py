@@ -22,6 +22,9 @@ routed experts' kernels over a dense block map with the layer's tiles for it
 (:func:`~moe_kernels.kernels.index_gather.dense_expert`, ``shared_dense_us``: the tuned E=1 table
 where ``bench tune --shared`` wrote one), each against its own floor, the 88 MB of its weights over
 the measured read bandwidth (``shared_floor_us``; the larger of that and its FLOPs over the GEMM rate).
+Beside them, timed by the same method, a plain read of the same two weight tensors, one launch each
+(``shared_read_us``, :func:`~moe_kernels.bench.ceilings.weight_reader`): the floor leaves out what
+any two launches that stream 88 MB pay (start, ramp, tail), and a time below this is out of reach.
 
 Bytes are counted for the ids drawn: the routed experts touched plus the shared expert
 (``3 d F`` bf16 weights each), activations in and out; FLOPs are ``6 d F`` per row of the
@@ -51,7 +54,7 @@ from .cli import add_record_arguments, positive_ints, write_record
 
 BATCHES = (1, 8, 64, 512, 4096)
 MAX_REL_ERR = 1e-2  # bf16 outputs of a 7168 x 2048 expert FFN
-TIMED = ("separate_us", "routed_us", "shared_us", "shared_dense_us", "fused_us", "fused_gemms_us")
+TIMED = ("separate_us", "routed_us", "shared_us", "shared_dense_us", "shared_read_us", "fused_us", "fused_gemms_us")
 
 
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -86,6 +89,7 @@ def measure(batch: int, w1_all: torch.Tensor, w2_all: torch.Tensor, ceilings: di
     from ..kernels.config import choose_config
     from ..kernels.formats import FORMATS
     from ..kernels.shared import moe_with_shared_fused, moe_with_shared_separate, shared_expert_separate
+    from .ceilings import weight_reader
     from .timing import graph_us
 
     num_experts, top_k = model.num_experts, model.top_k
@@ -125,6 +129,7 @@ def measure(batch: int, w1_all: torch.Tensor, w2_all: torch.Tensor, ceilings: di
                                                               validate_ids=False)),
         "shared_us": graph_us(lambda: shared_expert_separate(hidden, w1_shared, w2_shared)),
         "shared_dense_us": graph_us(shared_dense),
+        "shared_read_us": graph_us(weight_reader(w1_shared, w2_shared)),
         "fused_us": graph_us(fused),
         "fused_gemms_us": graph_us(lambda: index_gather.fused_experts(hidden, w1_all, w2_all, weights9, ids9,
                                                                    config=config, validate_ids=False)),
@@ -158,7 +163,7 @@ def _print_row(row: dict) -> None:
     print(f"B={row['batch']:5d} touched {row['experts_touched']:3d} shared share {share:6.2%} | "
           f"separate {us('separate_us')} (routed {us('routed_us')} + shared {us('shared_us')}) | "
           f"fused {us('fused_us')} (GEMMs {us('fused_gemms_us')}) | floor {row['floor_us']:8.1f} us | "
-          f"shared dense {us('shared_dense_us')} floor {row['shared_floor_us']:6.1f} | "
+          f"shared dense {us('shared_dense_us')} read {us('shared_read_us')} floor {row['shared_floor_us']:6.1f} | "
           f"err {max(row['rel_err_separate'], row['rel_err_fused']):.1e}", flush=True)
 
 
