@@ -13,7 +13,7 @@ if not mt.available():
     pytest.skip(f"transformers {transformers.__version__} has no experts registry (transformers >= 5 has)",
                 allow_module_level=True)
 
-from moe_kernels.bench import model_step  # noqa: E402
+from moe_kernels.bench import model_step, timing  # noqa: E402
 from moe_kernels.model.shapes import MODELS  # noqa: E402
 
 
@@ -37,13 +37,26 @@ def test_a_toy_model_steps_with_every_implementation():
     # the rounds' orders follow the balanced design over the implementations that ran
     timed = [r for r in rows if "error" not in r]
     names = [r["implementation"] for r in timed]
-    design = model_step.balanced_orders(len(names))
+    design = timing.balanced_orders(len(names))
     assert timed[0]["eager_round_orders"] == [[names[i] for i in design[t % len(design)]]
                                              for t in range(model_step.EAGER_ROUNDS)]
     ours = next(r for r in timed if r["implementation"] == "moe_kernels")
     others = {r["implementation"] for r in timed} - {"moe_kernels", model_step.NO_EXPERTS}
     assert set(ours["eager_rounds_faster_than"]) == others
     assert all(0 <= n <= model_step.EAGER_ROUNDS for n in ours["eager_rounds_faster_than"].values())
+
+
+def test_a_deepseek_v3_toy_steps_with_its_dense_layer_and_shared_expert():
+    """DeepSeek-V3 runs on the GPU with one dense layer and a few MoE layers (its MLA attention, grouped
+    routing and shared expert); the same path at toy sizes: our logits match the Python loop's."""
+    data = model_step.run(["deepseek-v3"], [2], tiny=True, device="cpu", context=3, steps=1, log=lambda line: None)
+    model = model_step.build_model("deepseek-v3", device="cpu", dtype=torch.float32, tiny=True)
+    assert [type(layer.mlp).__name__ for layer in model.model.layers] == ["DeepseekV3MLP", "DeepseekV3MoE"]
+    rows = {r["implementation"]: r for r in data["rows"]}
+    ours = rows["moe_kernels"]
+    assert "error" not in ours and ours["moe_layers"] == 1 and ours["logits_compared_with"] == "eager"
+    assert ours["logits_rel_err"] < 1e-5 and ours["eager_ms"] > 0
+    assert data["note"].startswith("DeepSeek-V3 at toy sizes with 1 dense and 1 MoE layer (")
 
 
 def test_a_profiled_batch_says_where_the_step_goes():
@@ -111,7 +124,7 @@ def test_the_command_checks_its_arguments_before_any_gpu_work(capsys):
 def test_balanced_orders_put_each_after_each_other_equally_often(n):
     import collections
 
-    orders = model_step.balanced_orders(n)
+    orders = timing.balanced_orders(n)
     assert len(orders) == (2 * n if n % 2 else n)
     assert all(sorted(order) == list(range(n)) for order in orders)
     follows = collections.Counter((a, b) for order in orders for a, b in zip(order, order[1:]))

@@ -9,7 +9,7 @@ token per sequence) for each experts implementation the installed transformers o
 
 * eager: ``steps`` steps back to back from Python, host time included (what ``generate`` pays),
   in rounds interleaved over the implementations (a slow drift of the host or of the GPU's
-  clocks then reaches each alike; the orders balanced, :func:`balanced_orders`), the median
+  clocks then reaches each alike; the orders balanced, :func:`~.timing.balanced_orders`), the median
   round kept, and for
   ``moe_kernels`` the rounds in which it was faster than each other implementation;
 * graph: the step captured in a CUDA graph and replayed (no host time), where the implementation
@@ -29,7 +29,7 @@ Beside each: the byte model's time for the experts' weights the batch touches in
 same run). DeepSeek-V3 (671 B parameters) does not fit on one GPU: it runs its real layer shapes
 with ``--moe-layers`` MoE layers (default 3) after one dense layer, and the record says so.
 
-``tiny=True`` (the tests, on a CPU) runs the same code on a two-layer toy config in float32.
+``tiny=True`` (the tests, on a CPU) runs the same code on a toy config of the model in float32.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ import time
 import torch
 
 from .cli import add_record_arguments, model_names, positive_ints, write_record
+from .timing import balanced_orders
 
 DEFAULT_BATCHES = (1, 8, 64, 256, 512)
 IMPLEMENTATIONS = ("eager", "grouped_mm", "batched_mm", "moe_kernels")
@@ -65,21 +66,31 @@ HF_CONFIGS = {
         qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, max_position_embeddings=163840,
         rms_norm_eps=1e-6, tie_word_embeddings=False)),
 }
-#: Two layers of toy sizes (the CPU tests): the same code path, seconds under the interpreter.
-TINY = dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
-            max_position_embeddings=256, intermediate_size=64, moe_intermediate_size=16, num_experts=8,
-            num_experts_per_tok=2, norm_topk_prob=True)
+#: Toy sizes of each model's config (the CPU tests): the same code path, seconds under the
+#: interpreter. Qwen3: two MoE layers; DeepSeek-V3: one dense layer, then MoE layers with a shared
+#: expert, grouped routing and MLA attention, as on the GPU.
+TINY = {
+    "qwen3-30b-a3b": dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                          num_key_value_heads=2, max_position_embeddings=256, intermediate_size=64,
+                          moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True),
+    "deepseek-v3": dict(vocab_size=96, hidden_size=32, num_attention_heads=2, num_key_value_heads=2,
+                        max_position_embeddings=256, intermediate_size=64, moe_intermediate_size=16,
+                        n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
+                        routed_scaling_factor=2.5, norm_topk_prob=True, kv_lora_rank=16, q_lora_rank=None,
+                        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16),
+}
 
 
 def build_model(name: str, *, device, dtype, moe_layers: int | None = None, tiny: bool = False):
     """``name``'s transformers model with random weights on ``device`` (built there directly),
-    in eval mode. DeepSeek-V3 keeps one dense layer and ``moe_layers`` MoE layers (default 3)."""
+    in eval mode (``tiny``: :data:`TINY`'s sizes). DeepSeek-V3 keeps one dense layer and
+    ``moe_layers`` MoE layers (default 3; tiny, 1)."""
     import transformers
 
-    config_class, model_class, sizes = HF_CONFIGS["qwen3-30b-a3b" if tiny else name]
-    sizes = dict(TINY) if tiny else dict(sizes)
-    if name == "deepseek-v3" and not tiny:
-        sizes.update(first_k_dense_replace=1, num_hidden_layers=1 + (moe_layers or 3))
+    config_class, model_class, sizes = HF_CONFIGS[name]
+    sizes = dict(TINY[name]) if tiny else dict(sizes)
+    if name == "deepseek-v3":
+        sizes.update(first_k_dense_replace=1, num_hidden_layers=1 + (moe_layers or (1 if tiny else 3)))
     elif moe_layers is not None:
         sizes["num_hidden_layers"] = moe_layers
     config = getattr(transformers, config_class)(**sizes)
@@ -130,23 +141,6 @@ def cached_lengths(cache) -> list:
 def _sync(device) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
-
-
-def balanced_orders(n: int) -> list[list[int]]:
-    """Orders of ``n`` things in which each thing comes right after each other one equally often
-    (a Williams design: ``n`` orders for an even ``n``; for an odd one ``2n``, each order followed
-    by its reverse, so that a run cut short is still nearly balanced), and each takes each place
-    equally often; rounds in a multiple of ``len(orders)`` complete it.
-
-    >>> balanced_orders(4)
-    [[0, 1, 3, 2], [1, 2, 0, 3], [2, 3, 1, 0], [3, 0, 2, 1]]
-    """
-    first, low, high = [0], 1, n - 1
-    while len(first) < n:   # 0, 1, n-1, 2, n-2, ...
-        first.append(low if len(first) % 2 else high)
-        low, high = (low + 1, high) if len(first) % 2 == 0 else (low, high - 1)
-    orders = [[(x + shift) % n for x in first] for shift in range(n)] if n else [[]]
-    return [o for order in orders for o in (order, order[::-1])] if n % 2 else orders
 
 
 def eager_step_ms(step, device, steps: int, rounds: int = 3) -> float:
@@ -352,17 +346,18 @@ def run(models, batches, *, context: int = 128, steps: int = 10, moe_layers: int
                             row[key.replace("_ms", "_experts_ms")] = row[key] - base[key]
             del cache
             if after_batch is not None:
-                after_batch(_data(rows, read_bw, context, models, moe_layers))
+                after_batch(_data(rows, read_bw, context, tiny))
         del model
         if torch.device(device).type == "cuda":
             torch.cuda.empty_cache()
-    return _data(rows, read_bw, context, models, moe_layers)
+    return _data(rows, read_bw, context, tiny)
 
 
-def _data(rows, read_bw, context, models, moe_layers) -> dict:
-    note = None if "deepseek-v3" not in models else (
-        f"DeepSeek-V3 at its real layer shapes with 1 dense and {moe_layers or 3} MoE layers (the whole model "
-        "does not fit on one GPU)")
+def _data(rows, read_bw, context, tiny=False) -> dict:
+    moe_layers = next((r["moe_layers"] for r in rows if r["model"] == "deepseek-v3"), None)
+    note = None if moe_layers is None else (f"DeepSeek-V3 at {'toy sizes' if tiny else 'its real layer shapes'} "
+                                            f"with 1 dense and {moe_layers} MoE layer{'s' * (moe_layers != 1)} (the whole "
+                                            "model does not fit on one GPU)")
     return {"rows": rows, "read_bandwidth": read_bw, "context": context, "note": note}
 
 

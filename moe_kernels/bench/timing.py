@@ -13,7 +13,8 @@ Two ways to time a call, and why both are reported:
 
 The sweeps and the tuner time with :func:`median_ms` (a ``do_bench`` median in milliseconds),
 replaying from a graph of one call made by :func:`graphed`; :func:`rel_err` compares an output
-with its reference. The timers need a CUDA GPU.
+with its reference; :func:`balanced_orders` orders interleaved rounds of several variants so that
+none always follows the same one. The timers need a CUDA GPU.
 """
 
 from __future__ import annotations
@@ -127,3 +128,20 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
         0.0199...
     """
     return float(torch.linalg.norm(out.float() - ref.float()) / torch.linalg.norm(ref.float()).clamp_min(1e-30))
+
+
+def balanced_orders(n: int) -> list[list[int]]:
+    """Orders of ``n`` things in which each thing comes right after each other one equally often
+    (a Williams design: ``n`` orders for an even ``n``; for an odd one ``2n``, each order followed
+    by its reverse, so that a run cut short is still nearly balanced), and each takes each place
+    equally often; rounds in a multiple of ``len(orders)`` complete it.
+
+    >>> balanced_orders(4)
+    [[0, 1, 3, 2], [1, 2, 0, 3], [2, 3, 1, 0], [3, 0, 2, 1]]
+    """
+    first, low, high = [0], 1, n - 1
+    while len(first) < n:   # 0, 1, n-1, 2, n-2, ...
+        first.append(low if len(first) % 2 else high)
+        low, high = (low + 1, high) if len(first) % 2 == 0 else (low, high - 1)
+    orders = [[(x + shift) % n for x in first] for shift in range(n)] if n else [[]]
+    return [o for order in orders for o in (order, order[::-1])] if n % 2 else orders
