@@ -356,6 +356,9 @@ BAD_INPUTS = [
          block=16),
     case("weight_reader-bytes", weight_reader, ValueError, "tensors[0]", torch.ones(24), block=16),
     case("weight_reader-block-0", weight_reader, ValueError, "block", torch.ones(64), block=0),
+    case("weight_reader-block-24", weight_reader, ValueError, "block", torch.ones(96), block=24),
+    case("weight_reader-unaligned", weight_reader, ValueError, "tensors[0]",
+         torch.ones(65, dtype=torch.float16)[1:], block=8),
     # ---- masked ------------------------------------------------------------------------------------
     case("masked_dispatch-m_max-0", masked_dispatch, ValueError, "m_max", X, TI, E, m_max=0),
     case("masked_dispatch-m_max-too-small", masked_dispatch, ValueError, "m_max", X, ids_of(1), E, m_max=2),

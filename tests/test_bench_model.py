@@ -56,7 +56,8 @@ def test_a_deepseek_v3_toy_steps_with_its_dense_layer_and_shared_expert():
     ours = rows["moe_kernels"]
     assert "error" not in ours and ours["moe_layers"] == 1 and ours["logits_compared_with"] == "eager"
     assert ours["logits_rel_err"] < 1e-5 and ours["eager_ms"] > 0
-    assert data["note"].startswith("DeepSeek-V3 at toy sizes with 1 dense and 1 MoE layer (")
+    assert data["note"] == "DeepSeek-V3 at toy sizes with 1 dense and 1 MoE layer"
+    assert (data["steps"], data["eager_rounds"]) == (1, model_step.EAGER_ROUNDS)
 
 
 def test_a_profiled_batch_says_where_the_step_goes():

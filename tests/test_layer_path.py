@@ -115,6 +115,22 @@ def test_a_16bit_shared_expert_runs_dense_at_decode_and_on_cublas_above():
     assert layer.plan(DENSE_SHARED_MAX_TOKENS + 1, device_name="NVIDIA H200").shared_choice is None   # cuBLAS
 
 
+def test_the_shared_experts_tables_stand_only_for_the_batches_they_were_tuned_near():
+    """The shared expert's E=1 tables were tuned at 1-16 tokens (bf16) and 1-128 (fp8): a batch more
+    than TABLE_REACH from every entry takes the defaults, not tiles tuned for another regime."""
+    from moe_kernels.kernels.config import TABLE_REACH
+
+    layer = meta_layer("deepseek-v3", "block", "index_gather")   # fp8: its shared expert always runs dense
+    for tokens, source, entry in ((1, "table", 1), (128, "table", 128), (int(128 * TABLE_REACH), "table", 128),
+                                  (int(128 * TABLE_REACH) + 1, "default", None), (4096, "default", None)):
+        choice = layer.plan(tokens, device_name="NVIDIA H200").shared_choice
+        assert (choice.source, choice.entry) == (source, entry), tokens
+        assert "E=1," in choice.asked and "dtype=float8_e4m3fn" in choice.asked
+    # the routed experts' tables span 1-16,384 tokens: every batch up to twice that takes an entry
+    for tokens in (3, 100, 5000, 32768):
+        assert layer.plan(tokens, device_name="NVIDIA H200").choice.source == "table", tokens
+
+
 # ---- what the launches say ---------------------------------------------------------------------------
 
 

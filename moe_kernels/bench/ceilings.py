@@ -66,11 +66,15 @@ def weight_reader(*tensors: torch.Tensor, block: int = 8192):
     """
     func = "weight_reader"
     check_int(func, "block", block, lo=1)
+    if block & (block - 1):
+        fail(func, "block", "must be a power of two (the kernel's tl.arange)", block)
     if not tensors:
         fail(func, "tensors", "must hold at least one tensor", "none")
     views, partials = [], []
     for i, t in enumerate(tensors):
         check_tensor(func, f"tensors[{i}]", t, contiguous=True)
+        if t.data_ptr() % 4:   # read as float32: a view that starts inside a word cannot be
+            fail(func, f"tensors[{i}]", "must start on a 4-byte boundary", f"address {t.data_ptr():#x}")
         nbytes = t.numel() * t.element_size()
         if nbytes == 0 or nbytes % (4 * block):
             fail(func, f"tensors[{i}]", f"must be a positive multiple of 4 * block = {4 * block} bytes",

@@ -346,19 +346,20 @@ def run(models, batches, *, context: int = 128, steps: int = 10, moe_layers: int
                             row[key.replace("_ms", "_experts_ms")] = row[key] - base[key]
             del cache
             if after_batch is not None:
-                after_batch(_data(rows, read_bw, context, tiny))
+                after_batch(_data(rows, read_bw, context, steps, eager_rounds, tiny))
         del model
         if torch.device(device).type == "cuda":
             torch.cuda.empty_cache()
-    return _data(rows, read_bw, context, tiny)
+    return _data(rows, read_bw, context, steps, eager_rounds, tiny)
 
 
-def _data(rows, read_bw, context, tiny=False) -> dict:
+def _data(rows, read_bw, context, steps, eager_rounds, tiny=False) -> dict:
     moe_layers = next((r["moe_layers"] for r in rows if r["model"] == "deepseek-v3"), None)
-    note = None if moe_layers is None else (f"DeepSeek-V3 at {'toy sizes' if tiny else 'its real layer shapes'} "
-                                            f"with 1 dense and {moe_layers} MoE layer{'s' * (moe_layers != 1)} (the whole "
-                                            "model does not fit on one GPU)")
-    return {"rows": rows, "read_bandwidth": read_bw, "context": context, "note": note}
+    note = None if moe_layers is None else (
+        f"DeepSeek-V3 at {'toy sizes' if tiny else 'its real layer shapes'} with 1 dense and {moe_layers} MoE "
+        f"layer{'s' * (moe_layers != 1)}" + ("" if tiny else " (the whole model does not fit on one GPU)"))
+    return {"rows": rows, "read_bandwidth": read_bw, "context": context, "steps": steps,
+            "eager_rounds": eager_rounds, "note": note}
 
 
 def main(argv=None) -> int:

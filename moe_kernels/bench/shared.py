@@ -24,7 +24,7 @@ where ``bench tune --shared`` wrote one), each against its own floor, the 88 MB 
 the measured read bandwidth (``shared_floor_us``; the larger of that and its FLOPs over the GEMM rate).
 Beside them, timed by the same method, a plain read of the same two weight tensors, one launch each
 (``shared_read_us``, :func:`~moe_kernels.bench.ceilings.weight_reader`): the floor leaves out what
-any two launches that stream 88 MB pay (start, ramp, tail), and a time below this is out of reach.
+any two launches that stream 88 MB pay (start, ramp, tail): a plain-read reference for the GEMMs.
 
 Bytes are counted for the ids drawn: the routed experts touched plus the shared expert
 (``3 d F`` bf16 weights each), activations in and out; FLOPs are ``6 d F`` per row of the

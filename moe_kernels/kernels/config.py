@@ -12,7 +12,8 @@ the alignment block size; for the permute layout it must divide the segment alig
 Measured configurations are data, not code: ``configs/<name>.json`` beside this file, one file per
 (device, E, N = F, K = d, dtype, layout), holding the best configuration per token count ``M``
 (vLLM keeps its tuned tables the same way, as JSON beside its kernel). :func:`get_config` takes
-the entry at the nearest ``M`` (by ratio) when a file matches, else :func:`default_config`.
+the entry at the nearest ``M`` (by ratio, within :data:`TABLE_REACH`) when a file matches, else
+:func:`default_config`.
 ``python -m moe_kernels.bench tune`` writes these files.
 
     >>> cfg = get_config(64, 256, 2048, 7168, torch.bfloat16, "cpu")   # no table for the CPU
@@ -338,6 +339,22 @@ def nearest_entry(table: dict[int, MoEConfig], M: int) -> int:
     return min(table, key=lambda m: (abs(math.log(m / max(M, 1))), m))
 
 
+#: How far, as a ratio of token counts, a tuned entry stands for a batch. The tuner writes entries
+#: at most 2x apart, so inside a table's range every batch has one within reach; beyond it, tiles
+#: tuned for 128 tokens say nothing about 4096 (the shared expert's fp8 table stops at 128), and
+#: the defaults are taken instead.
+TABLE_REACH = 2.0
+
+
+def within_reach(entry: int, M: int) -> bool:
+    """Whether the entry tuned at ``entry`` tokens stands for a batch of ``M`` (:data:`TABLE_REACH`).
+
+        >>> within_reach(128, 256), within_reach(128, 257), within_reach(1, 0)
+        (True, False, True)
+    """
+    return max(entry, max(M, 1)) <= TABLE_REACH * min(entry, max(M, 1))
+
+
 def write_table(device_name: str, E: int, N: int, K: int, dtype: torch.dtype, layout: str,
                 configs: dict[int, MoEConfig], measured: dict) -> Path:
     """Write a tuned table (``measured`` says where and how; see the tuner)."""
@@ -433,6 +450,8 @@ def _choose(M, E, N, K, dtype, device, layout, align, device_name) -> ConfigChoi
         if not table:
             continue
         entry = nearest_entry(table, M)
+        if not within_reach(entry, M):
+            continue
         config = table[entry] if source_layout == layout else _adapted(table[entry], layout, align)
         if config is not None and (LAYOUTS[layout].rows != "align" or align % config.block_m == 0):
             return ConfigChoice(config, "table" if source_layout == layout else "borrowed", asked, name, entry)
@@ -446,7 +465,8 @@ def get_config(M: int, E: int, N: int, K: int, dtype: torch.dtype, device: torch
                layout: str = "index_gather", align: int = 128) -> MoEConfig:
     """The tile configuration for ``M`` tokens over ``E`` experts with ``F = N``, ``d = K``, for
     weights of ``dtype`` (the table key: the activations' dtype, or fp8 for fp8 weights): the
-    ``layout``'s tuned entry for this GPU when a table exists, else another layout's tuned entry
+    ``layout``'s tuned entry for this GPU when a table has one within :data:`TABLE_REACH` of ``M``,
+    else another layout's tuned entry
     for the same shape adapted to this layout, else :func:`default_config`
     (:func:`choose_config` says which)."""
     return choose_config(M, E, N, K, dtype, device, layout=layout, align=align).config
