@@ -1,8 +1,8 @@
 """Prefill A/B on a GPU (issue 18): the permute layout's switches against index-gather and against
 cuBLAS on balanced groups, both GEMMs, bf16 and fp8 block, at prefill batches.
 
-For each (model, format, batch), every candidate is replayed from a CUDA graph of one call (L2
-not flushed: prefill weights do not fit in it anyway), two rounds interleaved over the candidates,
+For each (model, format, batch), every candidate is replayed from a CUDA graph of one call (the L2
+flushed before each replay by triton's do_bench), two rounds interleaved over the candidates,
 the lower round median kept; TFLOP/s counts the routed GEMMs' FLOPs (2 * rows * 3 * d * F).
 
     PYTHONPATH=. python tools/prefill_ab.py [models] [batches] [formats]
