@@ -42,7 +42,7 @@ import torch
 from ._checks import FLOAT_DTYPES, check_device, check_dtype, check_int, check_number, env_int, fail
 from ._replay import CallPlans
 from .checkpoint import load_layer
-from .kernels.config import ConfigChoice, MoEConfig, check_config, choose_config
+from .kernels.config import TABLE_REACH, ConfigChoice, MoEConfig, check_config, choose_config
 from .kernels.formats import WeightFormat
 from .kernels import gate_routing as gate_routing_kernels
 from .kernels.blocks import aligned_blocks
@@ -128,8 +128,8 @@ def plan_layer(func: str, weights: LayerWeights, routing: Routing, layout: str, 
     shared_choice = None
     if weights.shared_w13 is not None and not weights.shared_fused and (
             weights.format.quantized or num_tokens <= DENSE_SHARED_MAX_TOKENS):
-        shared_choice = choose_config(num_tokens, 1, weights.shared_w2.shape[1], d,
-                                      weights.format.element or activation_dtype, device, device_name=device_name)
+        shared_choice = choose_config(num_tokens, 1, weights.shared_w2.shape[1], d, weights.format.element or
+                                      activation_dtype, device, device_name=device_name, reach=TABLE_REACH)
     # One launch for the router at decode, when the gate has the activations' dtype (as checkpoints store it).
     gate_routing = 0 < num_tokens <= GATE_ROUTING_MAX_TOKENS and weights.gate.dtype == activation_dtype
     gate_alignment = (gate_routing and naive is False and not weights.shared_fused and choice.config.one_launch is None

@@ -116,19 +116,30 @@ def test_a_16bit_shared_expert_runs_dense_at_decode_and_on_cublas_above():
 
 
 def test_the_shared_experts_tables_stand_only_for_the_batches_they_were_tuned_near():
-    """The shared expert's E=1 tables were tuned at 1-16 tokens (bf16) and 1-128 (fp8): a batch more
-    than TABLE_REACH from every entry takes the defaults, not tiles tuned for another regime."""
+    """The shared expert's E=1 tables were tuned at decode sizes (bf16 1-16 tokens, fp8 1-128): a batch
+    more than TABLE_REACH past a table's largest entry takes the defaults, not its decode tiles. The
+    routed experts' tables keep their nearest entry at any batch."""
     from moe_kernels.kernels.config import TABLE_REACH
 
     layer = meta_layer("deepseek-v3", "block", "index_gather")   # fp8: its shared expert always runs dense
-    for tokens, source, entry in ((1, "table", 1), (128, "table", 128), (int(128 * TABLE_REACH), "table", 128),
-                                  (int(128 * TABLE_REACH) + 1, "default", None), (4096, "default", None)):
+    top = int(128 * TABLE_REACH)
+    for tokens, source, entry in ((0, "table", 1), (1, "table", 1), (128, "table", 128), (top, "table", 128),
+                                  (top + 1, "default", None), (4096, "default", None)):
         choice = layer.plan(tokens, device_name="NVIDIA H200").shared_choice
         assert (choice.source, choice.entry) == (source, entry), tokens
         assert "E=1," in choice.asked and "dtype=float8_e4m3fn" in choice.asked
-    # the routed experts' tables span 1-16,384 tokens: every batch up to twice that takes an entry
-    for tokens in (3, 100, 5000, 32768):
+    for tokens in (3, 100, 5000, 32769, 200_000):
         assert layer.plan(tokens, device_name="NVIDIA H200").choice.source == "table", tokens
+    bf16 = meta_layer("deepseek-v3", "none", "index_gather")   # dense up to 16 tokens: always within reach
+    assert bf16.plan(16, device_name="NVIDIA H200").shared_choice.entry == 16
+
+
+def test_a_reach_must_be_a_number_of_at_least_one():
+    from moe_kernels.kernels.config import choose_config
+
+    for reach, error in ((0.5, ValueError), (float("nan"), ValueError), ("2", TypeError)):
+        with pytest.raises(error, match="argument 'reach'"):
+            choose_config(8, 1, 2048, 7168, torch.bfloat16, "cpu", reach=reach)
 
 
 # ---- what the launches say ---------------------------------------------------------------------------

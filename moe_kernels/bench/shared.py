@@ -86,7 +86,7 @@ def measure(batch: int, w1_all: torch.Tensor, w2_all: torch.Tensor, ceilings: di
     from .problems import make_batch
     from ..reference import moe_reference
     from ..kernels.routing import append_shared_expert
-    from ..kernels.config import choose_config
+    from ..kernels.config import TABLE_REACH, choose_config
     from ..kernels.formats import FORMATS
     from ..kernels.shared import moe_with_shared_fused, moe_with_shared_separate, shared_expert_separate
     from .ceilings import weight_reader
@@ -107,7 +107,7 @@ def measure(batch: int, w1_all: torch.Tensor, w2_all: torch.Tensor, ceilings: di
     def fused():
         return moe_with_shared_fused(hidden, w1_all, w2_all, weights, ids, config=config, validate_ids=False)
 
-    shared_choice = choose_config(batch, 1, f, d, dtype, hidden.device)   # as the layer looks it up
+    shared_choice = choose_config(batch, 1, f, d, dtype, hidden.device, reach=TABLE_REACH)   # as the layer does
 
     def shared_dense():
         return index_gather.dense_expert(hidden, w1_shared, w2_shared, fmt=FORMATS["none"],

@@ -12,8 +12,7 @@ the alignment block size; for the permute layout it must divide the segment alig
 Measured configurations are data, not code: ``configs/<name>.json`` beside this file, one file per
 (device, E, N = F, K = d, dtype, layout), holding the best configuration per token count ``M``
 (vLLM keeps its tuned tables the same way, as JSON beside its kernel). :func:`get_config` takes
-the entry at the nearest ``M`` (by ratio, within :data:`TABLE_REACH`) when a file matches, else
-:func:`default_config`.
+the entry at the nearest ``M`` (by ratio) when a file matches, else :func:`default_config`.
 ``python -m moe_kernels.bench tune`` writes these files.
 
     >>> cfg = get_config(64, 256, 2048, 7168, torch.bfloat16, "cpu")   # no table for the CPU
@@ -33,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from .._checks import check_device, check_dtype, check_int, fail
+from .._checks import check_device, check_dtype, check_int, check_number, fail
 from .._replay import forget_all_plans
 from .layouts import LAYOUTS, layout_named
 
@@ -339,20 +338,24 @@ def nearest_entry(table: dict[int, MoEConfig], M: int) -> int:
     return min(table, key=lambda m: (abs(math.log(m / max(M, 1))), m))
 
 
-#: How far, as a ratio of token counts, a tuned entry stands for a batch. The tuner writes entries
-#: at most 2x apart, so inside a table's range every batch has one within reach; beyond it, tiles
-#: tuned for 128 tokens say nothing about 4096 (the shared expert's fp8 table stops at 128), and
-#: the defaults are taken instead.
+#: How far past its ends, as a ratio of token counts, a table that covers only part of the range
+#: stands for a batch: the shared expert's E=1 tables are tuned at decode sizes (bf16 1-16 tokens,
+#: fp8 1-128), and tiles tuned for 128 tokens say nothing about 4096. Lookups that pass
+#: ``reach=TABLE_REACH`` to :func:`choose_config` (the layer's shared expert) take the defaults
+#: beyond it; the routed experts' tables keep the nearest entry at any batch.
 TABLE_REACH = 2.0
 
 
-def within_reach(entry: int, M: int) -> bool:
-    """Whether the entry tuned at ``entry`` tokens stands for a batch of ``M`` (:data:`TABLE_REACH`).
+def covers(table: dict[int, MoEConfig], M: int, reach: float) -> bool:
+    """Whether ``table`` stands for a batch of ``M``: between its smallest entry over ``reach`` and
+    its largest times ``reach`` (gaps inside it are the tuner's choice, not checked here).
 
-        >>> within_reach(128, 256), within_reach(128, 257), within_reach(1, 0)
-        (True, False, True)
+        >>> table = dict.fromkeys([1, 2, 4, 128])
+        >>> covers(table, 256, 2.0), covers(table, 257, 2.0), covers(table, 0, 2.0), covers(table, 30, 2.0)
+        (True, False, True, True)
     """
-    return max(entry, max(M, 1)) <= TABLE_REACH * min(entry, max(M, 1))
+    m = max(M, 1)
+    return min(table) <= reach * m and m <= reach * max(table)
 
 
 def write_table(device_name: str, E: int, N: int, K: int, dtype: torch.dtype, layout: str,
@@ -380,10 +383,10 @@ class ConfigChoice:
 
     ``source`` is ``"table"`` (the layout's own tuned table), ``"borrowed"`` (another layout's
     table for the same shape, its machinery switched off where this layout lacks it) or
-    ``"default"`` (:func:`default_config`: no table for this device, shape and dtype, or not a
-    GPU); a layer also records ``"argument"`` (a config it was given) and ``"layout-choice"``
-    (the tiles a measured layout crossover was timed with, :mod:`moe_kernels.kernels.layout_choice`).
-    ``asked`` is the table the lookup tried first, also on a CPU, where none is read;
+    ``"default"`` (:func:`default_config`: no table for this device, shape and dtype, none that
+    covers the batch within the ``reach`` asked, or not a GPU); a layer also records
+    ``"argument"`` (a config it was given) and ``"layout-choice"`` (the tiles a measured layout
+    crossover was timed with, :mod:`moe_kernels.kernels.layout_choice`). ``asked`` is the table the lookup tried first, also on a CPU, where none is read;
     ``table``/``entry`` the file stem and token count of the entry taken."""
 
     config: MoEConfig
@@ -416,25 +419,29 @@ def _adapted(config: MoEConfig, layout: str, align: int) -> MoEConfig | None:
 
 
 def choose_config(M: int, E: int, N: int, K: int, dtype: torch.dtype, device: torch.device | str, *,
-                  layout: str = "index_gather", align: int = 128, device_name: str | None = None) -> ConfigChoice:
+                  layout: str = "index_gather", align: int = 128, device_name: str | None = None,
+                  reach: float | None = None) -> ConfigChoice:
     """:func:`get_config`'s choice with its provenance (a :class:`ConfigChoice`); cached, so a
     decode loop pays for the lookup once per batch size. ``device_name`` looks the tables up as
-    on that GPU, whatever ``device`` is (how a CPU test pins what an H200 would run)."""
+    on that GPU, whatever ``device`` is (how a CPU test pins what an H200 would run). With
+    ``reach``, a table that does not :func:`cover <covers>` ``M`` is passed over."""
     try:
-        return _cached_choice(M, E, N, K, dtype, device, layout, align, device_name)
+        return _cached_choice(M, E, N, K, dtype, device, layout, align, device_name, reach)
     except TypeError as err:   # an unhashable argument: let the checks name it
         if "unhashable" not in str(err):
             raise
-        return _choose(M, E, N, K, dtype, device, layout, align, device_name)
+        return _choose(M, E, N, K, dtype, device, layout, align, device_name, reach)
 
 
-def _choose(M, E, N, K, dtype, device, layout, align, device_name) -> ConfigChoice:
+def _choose(M, E, N, K, dtype, device, layout, align, device_name, reach=None) -> ConfigChoice:
     func = "get_config"
     check_int(func, "M", M, lo=0)
     for name, value in (("E", E), ("N", N), ("K", K)):
         check_int(func, name, value, lo=1)
     check_dtype(func, "dtype", dtype)
     _check_layout(func, layout, align)
+    if reach is not None:
+        check_number(func, "reach", reach, ge=1)
     if device_name is not None and not isinstance(device_name, str):
         fail(func, "device_name", "must be a GPU name such as 'NVIDIA H200' (or None)", repr(device_name), TypeError)
     # With device_name: the tables as on that GPU, whatever this machine has.
@@ -449,9 +456,9 @@ def _choose(M, E, N, K, dtype, device, layout, align, device_name) -> ConfigChoi
         table = load_table(name)
         if not table:
             continue
-        entry = nearest_entry(table, M)
-        if not within_reach(entry, M):
+        if reach is not None and not covers(table, M, reach):
             continue
+        entry = nearest_entry(table, M)
         config = table[entry] if source_layout == layout else _adapted(table[entry], layout, align)
         if config is not None and (LAYOUTS[layout].rows != "align" or align % config.block_m == 0):
             return ConfigChoice(config, "table" if source_layout == layout else "borrowed", asked, name, entry)
@@ -465,8 +472,7 @@ def get_config(M: int, E: int, N: int, K: int, dtype: torch.dtype, device: torch
                layout: str = "index_gather", align: int = 128) -> MoEConfig:
     """The tile configuration for ``M`` tokens over ``E`` experts with ``F = N``, ``d = K``, for
     weights of ``dtype`` (the table key: the activations' dtype, or fp8 for fp8 weights): the
-    ``layout``'s tuned entry for this GPU when a table has one within :data:`TABLE_REACH` of ``M``,
-    else another layout's tuned entry
+    ``layout``'s tuned entry for this GPU when a table exists, else another layout's tuned entry
     for the same shape adapted to this layout, else :func:`default_config`
     (:func:`choose_config` says which)."""
     return choose_config(M, E, N, K, dtype, device, layout=layout, align=align).config

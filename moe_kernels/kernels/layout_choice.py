@@ -2,12 +2,13 @@
 
 Index-gather runs every batch unless a measurement says otherwise. For one GPU, routed-expert
 shape and weight format, ``layout-choices.json`` beside this module may name another layout, the
-tiles it was measured with, the token count from which it ran the experts faster than
-index-gather at every batch measured, and the record that showed it. On the H200, DeepSeek-V3's
-bf16 experts run 8-10% faster from 4,096 tokens on the permute layout with TMA loads of both
-operands on a persistent grid (``results/nvidia-h200/prefill-ab.json``: 8202 against 8943 us at
-4,096 tokens, 21937 against 24232 at 16,384; index-gather was faster at 1,024, and 2,048 was not
-measured):
+tiles it was measured with, the token count from which it runs (the first batch at which it was
+measured clearly faster than index-gather; the entry's ``note`` says why there), and the record
+that showed it. On the H200, DeepSeek-V3's bf16 experts run 8-10% faster from 4,096 tokens on the
+permute layout with TMA loads of both operands on a persistent grid
+(``results/nvidia-h200/prefill-ab.json``: 8202 against 8943 us at 4,096 tokens, 21937 against
+24232 at 16,384; index-gather was faster at 1,024, and at 2,048 the permute layout was 2% faster
+in one run, ``prefill-ab-2048.json``, not enough to move the switch):
 
     >>> choice = choose_layout(4096, 256, 2048, 7168, "unquantized", "cpu", device_name="NVIDIA H200")
     >>> choice.layout, choice.config.down.persistent, choice.from_tokens
