@@ -46,9 +46,7 @@ def measure_read_bandwidth(nbytes: int = 4 * 1024**3, block: int = 8192) -> floa
     weight streaming, which only reads. Higher than the copy figure, whose writes cost more."""
     _require_cuda("measure_read_bandwidth")
     n = nbytes // 4 // block * block
-    x = torch.rand(n, device="cuda")
-    partial = torch.empty(n // block, device="cuda")
-    ms = _median_ms(lambda: _read_kernel[(n // block,)](x, partial, BLOCK=block, num_warps=8))
+    ms = _median_ms(weight_reader(torch.rand(n, device="cuda"), block=block))
     return 4 * n / (ms * 1e-3)
 
 
@@ -98,12 +96,9 @@ def measure_read_time_by_size(sizes=tuple(2**i * 1024**2 for i in range(3, 13)),
     out = []
     for nbytes in sizes:
         n = max(nbytes // 4 // block, 1) * block
-        x = torch.rand(n, device="cuda")
-        partial = torch.empty(n // block, device="cuda")
-        replay = graphed(lambda x=x, partial=partial, n=n: _read_kernel[(n // block,)](x, partial, BLOCK=block,
-                                                                                        num_warps=8))
-        out.append({"bytes": 4 * n, "seconds": _median_ms(replay) * 1e-3})
-        del x, partial
+        reader = weight_reader(torch.rand(n, device="cuda"), block=block)   # kept alive: the graph reads its tensor
+        out.append({"bytes": 4 * n, "seconds": _median_ms(graphed(reader)) * 1e-3})
+        del reader
     return out
 
 

@@ -386,8 +386,9 @@ class ConfigChoice:
     ``"default"`` (:func:`default_config`: no table for this device, shape and dtype, none that
     covers the batch within the ``reach`` asked, or not a GPU); a layer also records
     ``"argument"`` (a config it was given) and ``"layout-choice"`` (the tiles a measured layout
-    crossover was timed with, :mod:`moe_kernels.kernels.layout_choice`). ``asked`` is the table the lookup tried first, also on a CPU, where none is read;
-    ``table``/``entry`` the file stem and token count of the entry taken."""
+    crossover was timed with, :mod:`moe_kernels.kernels.layout_choice`). ``asked`` is the table
+    the lookup tried first, also on a CPU, where none is read; ``table``/``entry`` the file stem
+    and token count of the entry taken."""
 
     config: MoEConfig
     source: str
