@@ -29,8 +29,13 @@ def test_a_toy_model_steps_with_every_implementation():
         assert row["eager_ms"] > 0 and row["eager_us_per_token"] == pytest.approx(row["eager_ms"] * 500)
         if row["implementation"] not in (model_step.NO_EXPERTS, "eager"):
             assert row["logits_compared_with"] == "eager" and row["logits_rel_err"] < 1e-5, row
+            assert row["routing_agreement"] == [1.0, 1.0], row   # float32: every token routed alike, both layers
         if row["implementation"] != model_step.NO_EXPERTS:
             assert "eager_experts_ms" in row
+            # the first MoE layer's output against float64 (its own inputs): a float32 rounding
+            assert row["first_moe_layer_rel_err"] < 1e-5, row
+        else:
+            assert "first_moe_layer_rel_err" not in row and "routing_agreement" not in row
     assert not any("error" in r for r in rows if r["implementation"] in ("eager", "moe_kernels"))
     # eager: EAGER_ROUNDS rounds per implementation, interleaved, each kept
     assert all(len(r["eager_rounds_ms"]) == model_step.EAGER_ROUNDS for r in rows if "error" not in r)
@@ -56,6 +61,7 @@ def test_a_deepseek_v3_toy_steps_with_its_dense_layer_and_shared_expert():
     ours = rows["moe_kernels"]
     assert "error" not in ours and ours["moe_layers"] == 1 and ours["logits_compared_with"] == "eager"
     assert ours["logits_rel_err"] < 1e-5 and ours["eager_ms"] > 0
+    assert ours["routing_agreement"] == [1.0] and ours["first_moe_layer_rel_err"] < 1e-5
     assert data["note"] == "DeepSeek-V3 at toy sizes with 1 dense and 1 MoE layer"
     assert (data["steps"], data["eager_rounds"]) == (1, model_step.EAGER_ROUNDS)
 
@@ -132,3 +138,27 @@ def test_balanced_orders_put_each_after_each_other_equally_often(n):
     assert len(follows) == n * (n - 1) and len(set(follows.values())) <= 1
     places = collections.Counter((x, i) for order in orders for i, x in enumerate(order))
     assert len(set(places.values())) == 1
+
+
+def test_the_recorded_calls_tell_a_rounding_from_a_rerouted_token():
+    """model_accuracy on a toy model: the first layer's error is the implementation's own (a
+    wrong output shows, a right one does not), and the agreement counts the tokens whose expert
+    set changed, per layer."""
+    from moe_kernels.bench.model_accuracy import ExpertsCalls, recording_experts_calls
+
+    model = model_step.build_model("qwen3-30b-a3b", device="cpu", dtype=torch.float32, tiny=True)
+    mt.register()
+    model.set_experts_implementation("moe_kernels")
+    tokens = torch.randint(3, model.config.vocab_size, (4, 3), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), recording_experts_calls(model) as calls:
+        model(input_ids=tokens)
+    assert len(calls.ids) == 2 and calls.ids[0].shape == (12, model.config.num_experts_per_tok)
+    assert calls.first_layer_rel_err() < 1e-6
+    module, hidden, index, weights, output = calls.first
+    calls.first = (module, hidden, index, weights, output * 1.01)   # a 1% error shows as one
+    assert calls.first_layer_rel_err() == pytest.approx(0.01, rel=1e-3)
+    other = ExpertsCalls()
+    other.ids = [calls.ids[0].clone(), calls.ids[1].clone()]
+    other.ids[1][:3] = -1   # three of twelve tokens routed elsewhere in the second layer
+    assert calls.agreement(other) == [1.0, 0.75]
+    assert all(not m._forward_hooks for m in mt._experts_modules(model))   # the hooks are gone after the step

@@ -329,6 +329,18 @@ def test_fp8_block_experts_pass_their_scales():
     assert out.dtype == torch.float32 and rel_err(out, ref) < 1e-5
 
 
+def test_the_model_bench_checks_an_fp8_layer_against_its_fp8_reference():
+    """bench model's first-layer check (model_accuracy) reads fp8 experts through their plan too."""
+    from moe_kernels.bench.model_accuracy import recording_experts_calls
+
+    mt.register()
+    experts = fp8_experts()
+    x, ids, weights = routed_tokens(num_tokens=5, d=128)
+    with torch.no_grad(), recording_experts_calls(experts) as calls:
+        experts(x, ids, weights)
+    assert len(calls.ids) == 1 and calls.first_layer_rel_err() < 1e-5
+
+
 def _ue8m0(scale):
     return torch.nn.Parameter(scale.detach().to(torch.float8_e8m0fnu), requires_grad=False)
 

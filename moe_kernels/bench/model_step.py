@@ -21,8 +21,13 @@ Each step first rewinds the cache's device-side lengths to ``context`` (two laun
 repeats at the same position; the rewind alone is timed too (``rewind_ms``) and is inside every
 step time.
 
-Each implementation's logits are compared with ``eager``'s (the relative error is in each row), and
-one that fails on this machine gets its error in its row instead of times.
+Each implementation's logits are compared with the first implementation's (the relative error is
+in each row), and one that fails on this machine gets its error in its row instead of times. Two
+numbers say where a difference comes from (:mod:`~.model_accuracy`): the first MoE layer's output
+against float64 (``first_moe_layer_rel_err``, each implementation's own rounding) and, per MoE
+layer, the fraction of tokens routed as in the first implementation's step (``routing_agreement``:
+a nearly tied router score can send a token elsewhere once the layers before differ by a rounding).
+``profile_batches`` also profile one step per implementation (:mod:`~.model_profile`).
 
 Beside each: the byte model's time for the experts' weights the batch touches in all MoE layers
 (:func:`~moe_kernels.model.costs.moe_layer_weight_bytes` over the read bandwidth measured in the
@@ -43,6 +48,8 @@ import time
 import torch
 
 from .cli import add_record_arguments, model_names, positive_ints, write_record
+from .model_accuracy import recording_experts_calls
+from .model_profile import profile_step
 from .timing import balanced_orders
 
 DEFAULT_BATCHES = (1, 8, 64, 256, 512)
@@ -143,6 +150,12 @@ def _sync(device) -> None:
         torch.cuda.synchronize()
 
 
+def _free_cached_memory(device) -> None:
+    """Hand the caching allocator's idle blocks back (DeepSeek-V3's layers fill the H200 at 512 tokens)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def eager_step_ms(step, device, steps: int, rounds: int = 3) -> float:
     """Milliseconds per step, ``steps`` steps back to back from Python (median of ``rounds`` rounds)."""
     times = []
@@ -165,51 +178,9 @@ def graph_step_ms(step, device, replays: int) -> tuple[float | None, str | None]
     from .timing import graph_us
 
     errors = []
+    _free_cached_memory(device)   # the graph's private pool cannot use blocks the eager steps cached
     us = graph_us(step, calls=1, replays=replays, errors=errors)
     return (None if us is None else us / 1e3), (errors[0] if errors else None)
-
-
-def profile_step(step, impl: str, device, *, steps: int = 3, top: int = 15) -> dict:
-    """Where one eager step's time goes, from torch's profiler over ``steps`` steps: the kernels
-    and operations with the most GPU time and the most host time per step, and the host time spent
-    inside the experts implementation (a profiler range around each of its calls)."""
-    from torch.profiler import ProfilerActivity, profile, record_function
-    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
-
-    experts = ALL_EXPERTS_FUNCTIONS[impl] if impl in ALL_EXPERTS_FUNCTIONS.keys() else None
-
-    def ranged(*args, **kwargs):
-        with record_function("experts implementation"):
-            return experts(*args, **kwargs)
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.device(device).type == "cuda" else [])
-    if experts is not None:
-        ALL_EXPERTS_FUNCTIONS.register(impl, ranged)
-    try:
-        step()
-        _sync(device)
-        with profile(activities=activities) as prof:
-            for _ in range(steps):
-                step()
-            _sync(device)
-    finally:
-        if experts is not None:
-            ALL_EXPERTS_FUNCTIONS.register(impl, experts)
-    events = prof.key_averages()
-
-    def device_us(e):
-        return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
-
-    def table(time_of):
-        ranked = sorted(events, key=time_of, reverse=True)[:top]
-        return [{"name": e.key[:140], "calls_per_step": e.count / steps, "us_per_step": time_of(e) / steps}
-                for e in ranked]
-
-    ranges = [e for e in events if e.key == "experts implementation"]
-    return {"steps": steps, "by_gpu_time": table(device_us), "by_host_time": table(lambda e: e.self_cpu_time_total),
-            "gpu_us_per_step": sum(device_us(e) for e in events) / steps,
-            "experts_host_us_per_step": ranges[0].cpu_time_total / steps if ranges else None,
-            "experts_calls_per_step": ranges[0].count / steps if ranges else None}
 
 
 def run(models, batches, *, context: int = 128, steps: int = 10, moe_layers: int | None = None, tiny: bool = False,
@@ -279,16 +250,21 @@ def run(models, batches, *, context: int = 128, steps: int = 10, moe_layers: int
                     continue
                 model.set_experts_implementation(impl)
                 try:
-                    logits = step().float()   # also compiles and warms up
+                    with recording_experts_calls(model) as calls:   # (model_accuracy: why logits differ)
+                        logits = step().float()   # also compiles and warms up
                 except Exception as error:   # e.g. an implementation this torch lacks on this device
                     row.update(error=repr(error)[:300], eager_ms=None, graph_ms=None)
                     log(f"{name:<14} {impl:<12} batch {batch:>4}: failed: {row['error']}")
+                    _free_cached_memory(device)
                     continue
+                if impl != NO_EXPERTS:
+                    row["first_moe_layer_rel_err"] = calls.first_layer_rel_err()
                 if reference is None and impl != NO_EXPERTS:
-                    reference, reference_impl = logits, impl
+                    reference, reference_impl, reference_calls = logits, impl, calls
                 elif impl != NO_EXPERTS:
                     row["logits_rel_err"] = float(torch.linalg.norm(logits - reference) / torch.linalg.norm(reference))
                     row["logits_compared_with"] = reference_impl
+                    row["routing_agreement"] = calls.agreement(reference_calls)
                 graph, graph_error = graph_step_ms(step, device, steps)
                 if graph_error:
                     row["graph_error"] = graph_error
