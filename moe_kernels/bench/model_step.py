@@ -179,7 +179,7 @@ def graph_step_ms(step, device, replays: int) -> tuple[float | None, str | None]
 
     errors = []
     _free_cached_memory(device)   # the graph's private pool cannot use blocks the eager steps cached
-    us = graph_us(step, calls=1, replays=replays, errors=errors)
+    us = graph_us(step, calls=1, replays=replays, errors=errors, free_cached=True)
     return (None if us is None else us / 1e3), (errors[0] if errors else None)
 
 

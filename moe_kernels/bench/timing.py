@@ -29,10 +29,12 @@ def eager_us(fn, warmup_ms: int = 10, rep_ms: int = 50) -> float:
     return 1e3 * median_ms(fn, warmup_ms, rep_ms)
 
 
-def captured(fn, calls: int = 20, errors: list | None = None):
+def captured(fn, calls: int = 20, errors: list | None = None, free_cached: bool = False):
     """A CUDA graph of ``calls`` calls of ``fn`` (compiled and warmed up first), replayed once; or
     None if it cannot be captured (the reason appended to ``errors``, if given: a read-back to the
-    host, or out of memory)."""
+    host, or out of memory). ``free_cached``: hand the allocator's idle blocks back between the
+    warm-up and the capture (the warm-up's blocks belong to its side stream, and the capture
+    allocates from a pool of its own: a step that fills most of the GPU needs them back)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     try:
@@ -40,6 +42,9 @@ def captured(fn, calls: int = 20, errors: list | None = None):
             for _ in range(2):  # compile and warm up outside the capture
                 fn()
         torch.cuda.current_stream().wait_stream(stream)
+        if free_cached:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
         graph = torch.cuda.CUDAGraph()
         with warnings.catch_warnings():   # a call that launches nothing (the naive block map) is an empty
             warnings.filterwarnings("ignore", "The CUDA Graph is empty")   # graph: timed as such, no warning
@@ -56,10 +61,11 @@ def captured(fn, calls: int = 20, errors: list | None = None):
     return graph
 
 
-def graph_us(fn, calls: int = 20, replays: int = 20, errors: list | None = None):
+def graph_us(fn, calls: int = 20, replays: int = 20, errors: list | None = None, free_cached: bool = False):
     """Microseconds per call of ``fn`` replayed from a CUDA graph, or None if it cannot be captured
-    (the reason appended to ``errors``, if given: a read-back to the host, or out of memory)."""
-    graph = captured(fn, calls, errors)
+    (the reason appended to ``errors``, if given: a read-back to the host, or out of memory;
+    ``free_cached``: see :func:`captured`)."""
+    graph = captured(fn, calls, errors, free_cached)
     if graph is None:
         return None
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
