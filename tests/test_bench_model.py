@@ -162,3 +162,19 @@ def test_the_recorded_calls_tell_a_rounding_from_a_rerouted_token():
     other.ids[1][:3] = -1   # three of twelve tokens routed elsewhere in the second layer
     assert calls.agreement(other) == [1.0, 0.75]
     assert all(not m._forward_hooks for m in mt._experts_modules(model))   # the hooks are gone after the step
+
+
+def test_the_recorded_calls_refuse_what_they_cannot_read():
+    """An experts call without its three arguments, and steps with different numbers of MoE layers,
+    get an error naming what is wrong, not a KeyError or a silently shortened comparison."""
+    from moe_kernels.bench.model_accuracy import ExpertsCalls
+
+    calls = ExpertsCalls()
+    with pytest.raises(ValueError, match="must pass hidden_states, top_k_index, top_k_weights.*'top_k_weights'"):
+        calls.record(None, (torch.zeros(2, 4), torch.zeros(2, 2, dtype=torch.long)), {}, torch.zeros(2, 4))
+    calls.record(None, (torch.zeros(1, 2, 4),), {"top_k_index": torch.tensor([[[1, 0], [2, 3]]]),
+                                                 "top_k_weights": torch.ones(1, 2, 2)}, torch.zeros(1, 2, 4))
+    assert calls.ids[0].tolist() == [[0, 1], [2, 3]] and calls.first[1].shape == (2, 4)   # tokens on one axis
+    other = ExpertsCalls()
+    with pytest.raises(ValueError, match="argument 'other' must hold as many MoE layers' calls as this step"):
+        calls.agreement(other)

@@ -116,15 +116,16 @@ def test_a_16bit_shared_expert_runs_dense_at_decode_and_on_cublas_above():
 
 
 def test_the_shared_experts_tables_stand_only_for_the_batches_they_were_tuned_near():
-    """The shared expert's E=1 tables were tuned at decode sizes (bf16 1-16 tokens, fp8 1-128): a batch
-    more than TABLE_REACH past a table's largest entry takes the defaults, not its decode tiles. The
-    routed experts' tables keep their nearest entry at any batch."""
+    """The shared expert's E=1 tables hold the batches they were tuned at (bf16 1-16 tokens, where the
+    layer runs it dense; fp8 1-16,384): a batch more than TABLE_REACH past a table's largest entry takes
+    the defaults, not the tiles of a much smaller batch. The routed experts' tables keep their nearest
+    entry at any batch."""
     from moe_kernels.kernels.config import TABLE_REACH
 
     layer = meta_layer("deepseek-v3", "block", "index_gather")   # fp8: its shared expert always runs dense
-    top = int(128 * TABLE_REACH)
-    for tokens, source, entry in ((0, "table", 1), (1, "table", 1), (128, "table", 128), (top, "table", 128),
-                                  (top + 1, "default", None), (4096, "default", None)):
+    top = int(16384 * TABLE_REACH)
+    for tokens, source, entry in ((0, "table", 1), (1, "table", 1), (128, "table", 128), (256, "table", 256),
+                                  (16384, "table", 16384), (top, "table", 16384), (top + 1, "default", None)):
         choice = layer.plan(tokens, device_name="NVIDIA H200").shared_choice
         assert (choice.source, choice.entry) == (source, entry), tokens
         assert "E=1," in choice.asked and "dtype=float8_e4m3fn" in choice.asked

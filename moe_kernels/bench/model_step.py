@@ -43,13 +43,13 @@ import argparse
 import inspect
 import statistics
 import sys
-import time
 
 import torch
 
 from .cli import add_record_arguments, model_names, positive_ints, write_record
 from .model_accuracy import recording_experts_calls
 from .model_profile import profile_step
+from .model_timing import allocated_bytes, eager_step_ms, free_cached_memory, graph_step_ms, peak_bytes
 from .timing import balanced_orders
 
 DEFAULT_BATCHES = (1, 8, 64, 256, 512)
@@ -145,44 +145,6 @@ def cached_lengths(cache) -> list:
     return lengths
 
 
-def _sync(device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
-
-
-def _free_cached_memory(device) -> None:
-    """Hand the caching allocator's idle blocks back (DeepSeek-V3's layers fill the H200 at 512 tokens)."""
-    if torch.device(device).type == "cuda":
-        torch.cuda.empty_cache()
-
-
-def eager_step_ms(step, device, steps: int, rounds: int = 3) -> float:
-    """Milliseconds per step, ``steps`` steps back to back from Python (median of ``rounds`` rounds)."""
-    times = []
-    for _ in range(rounds):
-        _sync(device)
-        start = time.perf_counter()
-        for _ in range(steps):
-            step()
-        _sync(device)
-        times.append((time.perf_counter() - start) / steps * 1e3)
-    return statistics.median(times)
-
-
-def graph_step_ms(step, device, replays: int) -> tuple[float | None, str | None]:
-    """Milliseconds per step replayed from a CUDA graph (:func:`~moe_kernels.bench.timing.graph_us`,
-    one step per graph), and why not (None, the error) where the step cannot be captured; (None,
-    None) without a GPU."""
-    if torch.device(device).type != "cuda":
-        return None, None
-    from .timing import graph_us
-
-    errors = []
-    _free_cached_memory(device)   # the graph's private pool cannot use blocks the eager steps cached
-    us = graph_us(step, calls=1, replays=replays, errors=errors, free_cached=True)
-    return (None if us is None else us / 1e3), (errors[0] if errors else None)
-
-
 def run(models, batches, *, context: int = 128, steps: int = 10, moe_layers: int | None = None, tiny: bool = False,
         device="cuda", eager_loop_max_batch: int | None = None, log=print, after_batch=None,
         profile_batches=(), eager_rounds: int = EAGER_ROUNDS) -> dict:
@@ -249,23 +211,28 @@ def run(models, batches, *, context: int = 128, steps: int = 10, moe_layers: int
                                eager_ms=None, graph_ms=None)
                     continue
                 model.set_experts_implementation(impl)
+                held = allocated_bytes(device, reset_peak=True)
                 try:
                     with recording_experts_calls(model) as calls:   # (model_accuracy: why logits differ)
                         logits = step().float()   # also compiles and warms up
                 except Exception as error:   # e.g. an implementation this torch lacks on this device
-                    row.update(error=repr(error)[:300], eager_ms=None, graph_ms=None)
+                    row.update(error=repr(error)[:600], eager_ms=None, graph_ms=None)
                     log(f"{name:<14} {impl:<12} batch {batch:>4}: failed: {row['error']}")
-                    _free_cached_memory(device)
+                    free_cached_memory(device)
                     continue
+                step_bytes = peak_bytes(device) - held   # what one step allocates beyond what stays
                 if impl != NO_EXPERTS:
-                    row["first_moe_layer_rel_err"] = calls.first_layer_rel_err()
+                    try:
+                        row["first_moe_layer_rel_err"] = calls.first_layer_rel_err()
+                    except Exception as error:   # a module the check refuses, or no memory for float64
+                        row["first_moe_layer_error"] = repr(error)[:600]
                 if reference is None and impl != NO_EXPERTS:
                     reference, reference_impl, reference_calls = logits, impl, calls
                 elif impl != NO_EXPERTS:
                     row["logits_rel_err"] = float(torch.linalg.norm(logits - reference) / torch.linalg.norm(reference))
                     row["logits_compared_with"] = reference_impl
                     row["routing_agreement"] = calls.agreement(reference_calls)
-                graph, graph_error = graph_step_ms(step, device, steps)
+                graph, graph_error = graph_step_ms(step, device, steps, step_bytes=step_bytes)
                 if graph_error:
                     row["graph_error"] = graph_error
                 row.update(graph_ms=graph, graph_us_per_token=None if graph is None else graph * 1e3 / batch)
