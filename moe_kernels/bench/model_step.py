@@ -221,6 +221,7 @@ def run(models, batches, *, context: int = 128, steps: int = 10, moe_layers: int
                     free_cached_memory(device)
                     continue
                 step_bytes = peak_bytes(device) - held   # what one step allocates beyond what stays
+                row["step_gib"] = step_bytes / 2**30
                 if impl != NO_EXPERTS:
                     try:
                         row["first_moe_layer_rel_err"] = calls.first_layer_rel_err()
