@@ -10,7 +10,8 @@
 # (the router in one launch, with and without the alignment: its GPU tests and bench routing --gate-routing),
 # tune-shared (the shared expert's tiles, bf16 and fp8, tables written), id-check (bench layer --id-check-only, ID_CHECK_PAIRS pairs at ID_CHECK_BATCHES,
 # recorded as ID_CHECK_NAME or layer-id-check), id-check-gemm1 (the check's cost in GEMM 1 and in GEMM 2 against none,
-# naive block map; ID_CHECK_GEMM1_ARGS: the tool's arguments), one-launch (both GEMMs in one launch against two), model (bench model at
+# naive block map; ID_CHECK_GEMM1_ARGS: the tool's arguments), one-launch (both GEMMs in one launch against two), launch-floor (what one more
+# kernel in a CUDA graph costs), tile-read (the GEMMs' weight-tile pattern read alone; TILE_READ_ARGS: models formats), model (bench model at
 # MODEL_BATCHES, MODEL_ROUNDS eager rounds of MODEL_STEPS steps, recorded as MODEL_NAME or model-step; MODEL_ARGS: more of its arguments; 1,8,64 took 170 s at fb84557) (default: tests
 # ceilings sweep). NOTEBOOKS="06 07" limits the notebooks step to those sections. tune searches the tiles (TUNE_BATCHES, TUNE_BUDGET_S) and rewrites the tuned tables in
 # moe_kernels/kernels/configs/, which are packed too. notebooks executes every notebook with the GPU (its live cells run) into $OUT/notebooks
@@ -89,6 +90,10 @@ for step in "${steps[@]}"; do
         prefill) PYTHONPATH="$PWD" $PY tools/prefill_ab.py 2>&1 | tee "$OUT/prefill.log" | grep -v Warning || status=1 ;;
         one-launch) PYTHONPATH="$PWD" $PY tools/one_launch_ab.py 2>&1 | tee "$OUT/one-launch.log" | grep -v Warning \
                         || status=1 ;;
+        launch-floor) PYTHONPATH="$PWD" $PY tools/launch_floor.py 2>&1 | tee "$OUT/launch-floor.log" | grep -v Warning \
+                          || status=1 ;;
+        tile-read) PYTHONPATH="$PWD" $PY tools/tile_read_ab.py ${TILE_READ_ARGS:-} 2>&1 | tee "$OUT/tile-read.log" \
+                       | grep -v Warning || status=1 ;;
         id-check-gemm1) PYTHONPATH="$PWD" $PY tools/id_check_gemm1_ab.py ${ID_CHECK_GEMM1_ARGS:-} 2>&1 | tee "$OUT/id-check-gemm1.log" \
                             | grep -v Warning || status=1 ;;
         id-check) $PY -m moe_kernels.bench layer --id-check-only --id-check-pairs "${ID_CHECK_PAIRS:-101}" \

@@ -1,0 +1,74 @@
+"""The GPU experiments in tools/ that the next device session runs, checked here without one: their
+kernels compute the right values under the interpreter, and compile for Hopper (sm_90) as the
+experiment needs them to (the tile reader's loads through a cp.async pipeline; the launch chain's
+programmatic-dependent-launch instructions). A tool that fails on the device costs a session's
+GPU minutes; these cost seconds."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_tool(code_or_path, *, interpret: bool, timeout=600):
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "MOE_KERNELS_BACKEND")}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), str(ROOT)) if p)
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    args = [sys.executable, str(code_or_path)] if isinstance(code_or_path, Path) else [sys.executable, "-c", code_or_path]
+    return subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+
+
+@pytest.mark.parametrize("tool, says", [("launch_floor.py", "chain values correct"),
+                                        ("tile_read_ab.py", "tile sums correct")])
+def test_the_tools_compute_their_values_without_a_gpu(tool, says):
+    pytest.importorskip("triton")
+    done = run_tool(ROOT / "tools" / tool, interpret=True)
+    assert done.returncode == 0 and says in done.stdout, done.stderr[-3000:]
+
+
+_COMPILE_TOOLS_FOR_HOPPER = """
+import importlib.util, re
+import torch
+torch.cuda.is_available = lambda: True   # build compiled (not interpreted) kernels; nothing is launched
+from moe_kernels.sm90_compile import compile_for_sm90
+
+
+def tool(name):
+    spec = importlib.util.spec_from_file_location(name, f"tools/{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+reader = tool("tile_read_ab")
+for dtype in ("bf16", "fp8e4nv"):
+    for dot in (True, False):
+        k = compile_for_sm90(reader._tile_read, {"BLOCK_N": 128, "BLOCK_K": 128, "STAGES": 4, "DOT": dot},
+                             {"w_ptr": "*" + dtype, "a_ptr": "*" + dtype, "out_ptr": "*fp32"},
+                             aligned=("N", "K", "stride_e"), num_warps=8)
+        ptx = k.asm["ptx"]
+        print(dtype, dot, "cp.async.cg" in ptx, "mma.sync" in ptx)
+chain = tool("launch_floor")
+for pdl in (False, True):
+    ptx = compile_for_sm90(chain._add_one, {"PDL": pdl, "BLOCK": 128}, {"x_ptr": "*fp32", "y_ptr": "*fp32"},
+                           num_warps=4, launch_pdl=pdl).asm["ptx"]
+    print("pdl", pdl, "griddepcontrol.wait" in ptx, "griddepcontrol.launch_dependents" in ptx)
+"""
+
+
+def test_the_tools_kernels_compile_for_hopper_as_the_experiments_need():
+    """The tile reader streams through the GEMM's cp.async pipeline (with and without its 16-row
+    mma.sync), and the launch chain's PDL variant waits on and releases the next kernel."""
+    pytest.importorskip("triton.backends.nvidia")
+    done = run_tool(_COMPILE_TOOLS_FOR_HOPPER, interpret=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split("\n")[:6] == ["bf16 True True True", "bf16 False True False", "fp8e4nv True True True",
+                                           "fp8e4nv False True False", "pdl False False False",
+                                           "pdl True True True"], done.stdout
