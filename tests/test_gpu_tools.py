@@ -48,13 +48,19 @@ def tool(name):
 
 
 reader = tool("tile_read_ab")
-for dtype in ("bf16", "fp8e4nv"):
-    for dot in (True, False):
-        k = compile_for_sm90(reader._tile_read, {"BLOCK_N": 128, "BLOCK_K": 128, "STAGES": 4, "DOT": dot},
-                             {"w_ptr": "*" + dtype, "a_ptr": "*" + dtype, "out_ptr": "*fp32"},
-                             aligned=("N", "K", "stride_e"), num_warps=8)
-        ptx = k.asm["ptx"]
-        print(dtype, dot, "cp.async.cg" in ptx, "mma.sync" in ptx)
+for gated in (False, True):
+    for dtype, size in (("bf16", 2), ("fp8e4nv", 1)):
+        tiles = reader.candidates(gated, size)
+        biggest = max(tiles, key=lambda c: reader.shared_bytes(gated, c["block_n"], c["block_k"], c["stages"], size))
+        for c in (biggest, next(c for c in tiles if not c["dot"])):
+            k = compile_for_sm90(reader._tile_read, {"GATED": gated, "BLOCK_N": c["block_n"], "BLOCK_K": c["block_k"],
+                                                     "STAGES": c["stages"], "DOT": c["dot"]},
+                                 {"w_ptr": "*" + dtype, "a_ptr": "*" + dtype, "out_ptr": "*fp32"},
+                                 aligned=("N", "K", "stride_e"), num_warps=c["warps"])
+            ptx = k.asm["ptx"]
+            predicted = reader.shared_bytes(gated, c["block_n"], c["block_k"], c["stages"], size)
+            print(gated, dtype, c["dot"], "cp.async.cg" in ptx, "mma.sync" in ptx,
+                  k.metadata.shared <= min(predicted, reader.SHARED_BYTES))
 chain = tool("launch_floor")
 for pdl in (False, True):
     ptx = compile_for_sm90(chain._add_one, {"PDL": pdl, "BLOCK": 128}, {"x_ptr": "*fp32", "y_ptr": "*fp32"},
@@ -65,10 +71,11 @@ for pdl in (False, True):
 
 def test_the_tools_kernels_compile_for_hopper_as_the_experiments_need():
     """The tile reader streams through the GEMM's cp.async pipeline (with and without its 16-row
-    mma.sync), and the launch chain's PDL variant waits on and releases the next kernel."""
+    mma.sync), gated or not, and its largest candidate fits the shared memory the tool predicts (and
+    an SM has); the launch chain's PDL variant waits on and releases the next kernel."""
     pytest.importorskip("triton.backends.nvidia")
     done = run_tool(_COMPILE_TOOLS_FOR_HOPPER, interpret=False)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split("\n")[:6] == ["bf16 True True True", "bf16 False True False", "fp8e4nv True True True",
-                                           "fp8e4nv False True False", "pdl False False False",
-                                           "pdl True True True"], done.stdout
+    expected = [f"{gated} {dtype} {dot} True {dot} True" for gated in (False, True) for dtype in ("bf16", "fp8e4nv")
+                for dot in (True, False)]
+    assert done.stdout.split("\n")[:10] == expected + ["pdl False False False", "pdl True True True"], done.stdout
