@@ -37,7 +37,7 @@ import torch
 from moe_kernels._runtime import tl, triton
 from moe_kernels.model.shapes import MODELS
 
-#: Shared memory one program may take on an H100/H200 (227 KiB), and the fraction kept as margin.
+#: Shared memory one program may take on an H100/H200 (227 KiB).
 SHARED_BYTES = 227 * 1024
 
 

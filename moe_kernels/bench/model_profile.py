@@ -11,10 +11,7 @@ from __future__ import annotations
 
 import torch
 
-
-def _synchronize(device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
+from .model_timing import synchronize
 
 
 def profile_step(step, impl: str, device, *, steps: int = 3, top: int = 15) -> dict:
@@ -35,11 +32,11 @@ def profile_step(step, impl: str, device, *, steps: int = 3, top: int = 15) -> d
         ALL_EXPERTS_FUNCTIONS.register(impl, ranged)
     try:
         step()
-        _synchronize(device)
+        synchronize(device)
         with profile(activities=activities) as prof:
             for _ in range(steps):
                 step()
-            _synchronize(device)
+            synchronize(device)
     finally:
         if experts is not None:
             ALL_EXPERTS_FUNCTIONS.register(impl, experts)

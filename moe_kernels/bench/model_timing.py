@@ -13,7 +13,8 @@ import time
 import torch
 
 
-def _sync(device) -> None:
+def synchronize(device) -> None:
+    """Wait for ``device``'s work (nothing to wait for on a CPU)."""
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
 
@@ -60,11 +61,11 @@ def eager_step_ms(step, device, steps: int, rounds: int = 3) -> float:
     """Milliseconds per step, ``steps`` steps back to back from Python (median of ``rounds`` rounds)."""
     times = []
     for _ in range(rounds):
-        _sync(device)
+        synchronize(device)
         start = time.perf_counter()
         for _ in range(steps):
             step()
-        _sync(device)
+        synchronize(device)
         times.append((time.perf_counter() - start) / steps * 1e3)
     return statistics.median(times)
 
