@@ -7,7 +7,7 @@
 # what: tests, ceilings, tune, refine, sweep, fp8, decode-step, layouts, routing, skew, shared, capacity, notebooks,
 # graphs (the CUDA-graph replay's and the split GEMM 1's GPU tests), assert-tests (the index-gather and CUDA-graph
 # GPU tests, the device-side id asserts among them), host-probe, model-probe, prefill, gate-routing
-# (the router in one launch, with and without the alignment: its GPU tests and bench routing --gate-routing),
+# (the router in one launch and in two chained launches, with and without the alignment: their GPU tests and bench routing --gate-routing),
 # tune-shared (the shared expert's tiles, bf16 and fp8, tables written), id-check (bench layer --id-check-only, ID_CHECK_PAIRS pairs at ID_CHECK_BATCHES,
 # recorded as ID_CHECK_NAME or layer-id-check), id-check-gemm1 (the check's cost in GEMM 1 and in GEMM 2 against none,
 # naive block map; ID_CHECK_GEMM1_ARGS: the tool's arguments), one-launch (both GEMMs in one launch against two), launch-floor (what one more
@@ -83,7 +83,7 @@ for step in "${steps[@]}"; do
         host-probe) PYTHONPATH="$PWD" $PY tools/host_probe.py 2>&1 | tee "$OUT/host-probe.log" | grep -E "host" || status=1 ;;
         model-probe) PYTHONPATH="$PWD" $PY tools/model_host_probe.py 1 64 2>&1 | tee "$OUT/model-probe.log" \
                          | grep -v Warning || status=1 ;;
-        gate-routing) $PY -m pytest tests/test_gate_routing.py -m gpu -q -p no:cacheprovider -W ignore::DeprecationWarning \
+        gate-routing) $PY -m pytest tests/test_gate_routing.py tests/test_chained_routing.py tests/test_routing.py -m gpu -q -p no:cacheprovider -W ignore::DeprecationWarning \
                           2>&1 | tee "$OUT/gate-routing-tests.log" | tail -n 5 || status=1
                       $PY -m moe_kernels.bench.routing --gate-routing --record 2>&1 | tee "$OUT/gate-routing.log" \
                           | grep -v Warning || status=1 ;;

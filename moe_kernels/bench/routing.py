@@ -9,8 +9,8 @@ in an engine); see :mod:`moe_kernels.bench.timing`. Before timing, every kernel'
 with its reference (ids exact). ``--record`` writes ``results/<device>/routing_align.json``.
 ``--gate`` measures instead how often the gate on tensor cores picks other experts than float64
 logits (:func:`gate_agreement`; recorded as ``gate-agreement.json``); ``--gate-routing`` times the
-router in one launch against the gate then the routing kernel (:func:`gate_routing_ab`;
-``gate-routing.json``).
+router in one launch and in two chained launches against the gate then the routing kernel
+(:func:`gate_routing_ab`; ``gate-routing.json``).
 """
 
 from __future__ import annotations
@@ -112,18 +112,26 @@ def gate_agreement(model_name: str, num_tokens: int, *, skewed: bool, seed: int 
 
 
 def gate_routing_ab(model_name: str, num_tokens: int, *, seed: int = 0) -> dict:
-    """The router two ways at one batch, each replayed from a CUDA graph (GPU us per call, with the L2
-    warm and flushed): the gate
-    on tensor cores then the routing kernel (two launches, what the layer runs today), and
-    :func:`~moe_kernels.kernels.gate_routing.gate_and_route` (one launch, the gate split over the
-    SMs). Checked first: the one-launch ids and weights equal the routing kernel's on its own logits,
-    and its logits are within the tensor-core gate's error of ``router_logits``'.
+    """The router several ways at one batch, each replayed from a CUDA graph (GPU us per call, with
+    the L2 warm and flushed):
 
-    With the alignment (blocks of :func:`default_block_size` rows) two more: the two launches then
-    ``moe_align_block_size`` (three launches), and
-    :func:`~moe_kernels.kernels.gate_routing.gate_route_and_align` (one launch up to
-    ``ALIGN_MAX_ASSIGNMENTS`` assignments; ``aligned_in_launch`` says whether it was), its
-    alignment checked against the reference's of its ids."""
+    * the gate on tensor cores then the routing kernel (two launches), and
+      :func:`~moe_kernels.kernels.gate_routing.gate_and_route` (one launch, the gate split over the SMs);
+    * with the alignment (blocks of :func:`default_block_size` rows): the two launches then
+      ``moe_align_block_size`` (three launches, what the layer runs today), the same with the
+      routing kernel's top-k by one partial sort (``three launches sorted``), and
+      :func:`~moe_kernels.kernels.gate_routing.gate_route_and_align` (one launch up to
+      ``ALIGN_MAX_ASSIGNMENTS`` assignments; ``aligned_in_launch`` says whether it was);
+    * up to ``chained_routing.MAX_TOKENS`` tokens,
+      :func:`~moe_kernels.kernels.chained_routing.gate_route_chained` (two launches chained by PDL,
+      routing and alignment in one program): ``chained`` (sorted top-k, PDL), ``chained rounds``
+      (k rounds of argmax), ``chained no pdl``, and ``chained routing only`` (no alignment).
+
+    Checked first: the one-launch ids and weights equal the routing kernel's on its own logits, its
+    logits are within the tensor-core gate's error of ``router_logits``', its alignment equals the
+    reference's of its ids, and every chained variant returns the one-launch router's ids, logits
+    and alignment (weights to float32's last bits)."""
+    from ..kernels import chained_routing, routing
     from ..kernels.gate_routing import ALIGN_MAX_ASSIGNMENTS, gate_and_route, gate_route_and_align, gate_tiles
     from ..kernels.routing import router_logits
     from ..layer_spec import Routing
@@ -137,6 +145,7 @@ def gate_routing_ab(model_name: str, num_tokens: int, *, seed: int = 0) -> dict:
     rule = Routing.of(model)
     grouped = dict(num_expert_group=rule.num_expert_group, topk_group=rule.topk_group,
                    routed_scaling_factor=rule.routed_scaling_factor, e_score_correction_bias=bias)
+    block = default_block_size(num_tokens)
 
     def two_launches():
         return rule.route(x, router_logits(x, gate), bias, checked=True)
@@ -144,15 +153,25 @@ def gate_routing_ab(model_name: str, num_tokens: int, *, seed: int = 0) -> dict:
     def one_launch():
         return gate_and_route(x, gate, rule.top_k, rule.renormalize, rule.scoring_func, **grouped)
 
-    block = default_block_size(num_tokens)
-
     def three_launches():
         weights, ids = two_launches()
         return weights, ids, align.moe_align_block_size(ids, block, num_experts, validate_ids=False)
 
+    def three_launches_sorted():
+        routing.TOPK_BY_SORT = True   # read at the launch (the capture records the sorted kernel)
+        try:
+            return three_launches()
+        finally:
+            routing.TOPK_BY_SORT = False
+
     def one_launch_aligned():
         return gate_route_and_align(x, gate, rule.top_k, rule.renormalize, rule.scoring_func, block_size=block,
                                     **grouped)
+
+    def chained(sorted_topk=True, pdl=True, aligned=True):
+        return lambda: chained_routing.gate_route_chained(
+            x, gate, rule.top_k, rule.renormalize, rule.scoring_func, block_size=block if aligned else None,
+            sorted_topk=sorted_topk, pdl=pdl, **grouped)
 
     weights, ids, logits = one_launch()
     own = rule.route(x, logits, bias, checked=True)
@@ -165,26 +184,39 @@ def gate_routing_ab(model_name: str, num_tokens: int, *, seed: int = 0) -> dict:
     want = align.moe_align_block_size_reference(aligned[1], block, num_experts)
     if not (torch.equal(aligned[1], ids) and all(torch.equal(a, b) for a, b in zip(aligned[3:], want))):
         raise AssertionError(f"gate_route_and_align {model.name} at {num_tokens}: ids or alignment differ")
+    sorted_three, plain_three = three_launches_sorted(), three_launches()
+    if not (torch.equal(sorted_three[1], plain_three[1]) and torch.allclose(sorted_three[0], plain_three[0])
+            and all(torch.equal(a, b) for a, b in zip(sorted_three[2], plain_three[2]))):
+        raise AssertionError(f"routing kernels {model.name} at {num_tokens}: the sorted top-k differs from the rounds")
+    fns = {"two launches": two_launches, "one launch": one_launch, "three launches": three_launches,
+           "three launches sorted": three_launches_sorted, "one launch aligned": one_launch_aligned}
+    if 0 < num_tokens <= chained_routing.MAX_TOKENS:
+        fns.update({"chained": chained(), "chained rounds": chained(sorted_topk=False),
+                    "chained no pdl": chained(pdl=False), "chained routing only": chained(aligned=False)})
+        for name in ("chained", "chained rounds", "chained no pdl", "chained routing only"):
+            got = fns[name]()
+            same = (torch.equal(got[1], aligned[1]) and torch.equal(got[2], aligned[2])
+                    and torch.allclose(got[0], aligned[0], rtol=1e-6, atol=1e-7)
+                    and all(torch.equal(a, b) for a, b in zip(got[3:], aligned[3:])))
+            if not same:
+                raise AssertionError(f"{name} {model.name} at {num_tokens}: differs from the one-launch router")
     # Warm: graph replays back to back (the gate stays in L2). Cold: do_bench flushes the L2 before
     # each replay, as a decode step does in effect (the experts' weights evict the gate). Two rounds
     # each, interleaved; the lower kept.
-    fns = (("two launches", two_launches), ("one launch", one_launch), ("three launches", three_launches),
-           ("one launch aligned", one_launch_aligned))
-    warm = {name: [] for name, _ in fns}
-    cold = {name: [] for name, _ in fns}
+    warm = {name: [] for name in fns}
+    cold = {name: [] for name in fns}
     for _ in range(2):
-        for name, fn in fns:
+        for name, fn in fns.items():
             warm[name].append(graph_us(fn))
             cold[name].append(1e3 * median_ms(graphed(fn), 5, 30))
-    return {"model": model.name, "tokens": num_tokens,
-            "two_launches_us": min(warm["two launches"]), "one_launch_us": min(warm["one launch"]),
-            "two_launches_flushed_us": min(cold["two launches"]), "one_launch_flushed_us": min(cold["one launch"]),
-            "block_size": block, "aligned_in_launch": num_tokens * rule.top_k <= ALIGN_MAX_ASSIGNMENTS,
-            "three_launches_us": min(warm["three launches"]), "one_launch_aligned_us": min(warm["one launch aligned"]),
-            "three_launches_flushed_us": min(cold["three launches"]),
-            "one_launch_aligned_flushed_us": min(cold["one launch aligned"]),
-            "tiles": gate_tiles(num_tokens, num_experts, d), "max_logit_difference": error,
-            "tokens_with_other_ids": differ}
+    row = {"model": model.name, "tokens": num_tokens, "block_size": block,
+           "aligned_in_launch": num_tokens * rule.top_k <= ALIGN_MAX_ASSIGNMENTS,
+           "tiles": gate_tiles(num_tokens, num_experts, d), "max_logit_difference": error,
+           "tokens_with_other_ids": differ}
+    for name in fns:
+        key = name.replace(" ", "_")
+        row[f"{key}_us"], row[f"{key}_flushed_us"] = min(warm[name]), min(cold[name])
+    return row
 
 
 def _same(a, b) -> bool:
@@ -217,17 +249,20 @@ def main(argv=None) -> int:
                         help="only the gate's id agreement (tensor-core and float32 gates against float64 logits); "
                              "with --record, results/<device>/gate-agreement.json")
     parser.add_argument("--gate-routing", action="store_true",
-                        help="only the router in one launch (gate_and_route) against the gate then the routing "
-                             "kernel, graph-replayed; with --record, results/<device>/gate-routing.json")
+                        help="only the router in one launch (gate_and_route) and in two chained launches "
+                             "(gate_route_chained) against the gate then the routing kernel, graph-replayed; with --record, results/<device>/gate-routing.json")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("moe_kernels.bench.routing: needs a CUDA GPU", file=sys.stderr)
         return 2
     if args.gate_routing:
-        rows = [gate_routing_ab(model, tokens) for model in ("qwen3-30b-a3b", "deepseek-v3")
-                for tokens in (1, 8, 16, 64, 128, 256, 512)]
-        for row in rows:
-            print(row, flush=True)
+        rows = []
+        for model in ("qwen3-30b-a3b", "deepseek-v3"):
+            for tokens in (1, 8, 16, 64, 128, 256, 512):
+                rows.append(gate_routing_ab(model, tokens))
+                times = "  ".join(f"{key[:-3]} {value:.1f}" for key, value in rows[-1].items()
+                                  if key.endswith("_us") and not key.endswith("flushed_us"))
+                print(f"{model} {tokens}: {times}", flush=True)
         if args.record:
             write_record(args.name or "gate-routing", {"rows": rows}, args.results_dir)
         return 0

@@ -77,17 +77,12 @@ if HAS_TRITON:
     from .routing import route_tokens
 
     @kernel
-    def _gate_routing_kernel(
-        x_ptr, gate_ptr, bias_ptr, partial_ptr, logits_ptr, arrivals_ptr, weights_ptr, ids_ptr,
-        sorted_ids_ptr, expert_ids_ptr, used_ptr,
-        num_tokens, num_experts, hidden_size, stride_x, stride_gate, k_span,
-        topk, renormalize, scale, num_groups, experts_per_group, topk_group, block_size,
-        GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, USE_SIGMOID: tl.constexpr, PRECISE: tl.constexpr,
-        IEEE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-        SPLIT_K: tl.constexpr, E_COLS: tl.constexpr, G_PAD: tl.constexpr, S_PAD: tl.constexpr,
-        K_PAD: tl.constexpr, ALIGN: tl.constexpr, NUM_BINS: tl.constexpr, ALIGN_TILE: tl.constexpr,
-        PAD_TILE: tl.constexpr, COUNT_TILE: tl.constexpr, FILL_TILE: tl.constexpr,
-    ):
+    def store_gate_partial(x_ptr, gate_ptr, partial_ptr, num_tokens, num_experts, hidden_size, stride_x, stride_gate,
+                           k_span, IEEE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+                           BLOCK_K: tl.constexpr):
+        """Program ``(token block, expert block, span of d)``'s float32 partial logits, stored at
+        ``partial[span, tokens, experts]`` (also the first launch of
+        :mod:`moe_kernels.kernels.chained_routing`)."""
         pid_t, pid_e, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         tokens = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
         experts = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
@@ -114,31 +109,63 @@ if HAS_TRITON:
         partial_rows = (pid_k * num_tokens + tokens.to(tl.int64)[:, None]) * num_experts
         partial = partial_ptr + partial_rows + experts[None, :]
         tl.store(partial, acc, mask=token_ok[:, None] & expert_ok[None, :])
+        # <<< book: gate-partial
+
+    @kernel
+    def add_partials_and_route(partial_ptr, bias_ptr, logits_ptr, weights_ptr, ids_ptr, first_token, num_tokens,
+                               num_experts, topk, renormalize, scale, num_groups, experts_per_group, topk_group,
+                               GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, USE_SIGMOID: tl.constexpr,
+                               PRECISE: tl.constexpr, SORTED: tl.constexpr, BLOCK_T: tl.constexpr,
+                               SPLIT_K: tl.constexpr, E_COLS: tl.constexpr, G_PAD: tl.constexpr, S_PAD: tl.constexpr,
+                               K_PAD: tl.constexpr):
+        """Tokens ``first_token`` to ``first_token + BLOCK_T``: their logits, the ``SPLIT_K`` partials
+        added in a fixed order (the logits are deterministic, whatever order the programs that wrote
+        them ran in), stored, then routed by the routing kernels' own body."""
+        tokens = first_token + tl.arange(0, BLOCK_T)
+        columns = tl.arange(0, E_COLS)
+        mask = (tokens < num_tokens)[:, None] & (columns < num_experts)[None, :]
+        offsets = tokens.to(tl.int64)[:, None] * num_experts + columns[None, :]
+        logits = tl.zeros([BLOCK_T, E_COLS], dtype=tl.float32)
+        # Unrolled, so that every partial's load is in flight at once (read from L2, ``.cg``: other
+        # SMs wrote them); a loop would wait for each in turn.
+        for split in tl.static_range(SPLIT_K):
+            logits += tl.load(partial_ptr + split * num_tokens * num_experts + offsets, mask=mask, other=0.0,
+                              cache_modifier=".cg")
+        tl.store(logits_ptr + offsets, logits, mask=mask)
+        tl.debug_barrier()   # the routing below reads them back through other threads
+        if GROUPED:
+            route_grouped_tokens(logits_ptr, bias_ptr, weights_ptr, ids_ptr, first_token, num_tokens,
+                                 num_experts, num_groups, experts_per_group, topk_group, topk, renormalize,
+                                 scale, USE_SIGMOID, HAS_BIAS, PRECISE, BLOCK_T, G_PAD, S_PAD, K_PAD, SORTED)
+        else:
+            route_tokens(logits_ptr, weights_ptr, ids_ptr, first_token, num_tokens, num_experts,
+                         num_experts, topk, renormalize, scale, USE_SIGMOID, PRECISE, BLOCK_T, E_COLS, K_PAD, SORTED)
+
+    @kernel
+    def _gate_routing_kernel(
+        x_ptr, gate_ptr, bias_ptr, partial_ptr, logits_ptr, arrivals_ptr, weights_ptr, ids_ptr,
+        sorted_ids_ptr, expert_ids_ptr, used_ptr,
+        num_tokens, num_experts, hidden_size, stride_x, stride_gate, k_span,
+        topk, renormalize, scale, num_groups, experts_per_group, topk_group, block_size,
+        GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, USE_SIGMOID: tl.constexpr, PRECISE: tl.constexpr,
+        IEEE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+        SPLIT_K: tl.constexpr, E_COLS: tl.constexpr, G_PAD: tl.constexpr, S_PAD: tl.constexpr,
+        K_PAD: tl.constexpr, ALIGN: tl.constexpr, NUM_BINS: tl.constexpr, ALIGN_TILE: tl.constexpr,
+        PAD_TILE: tl.constexpr, COUNT_TILE: tl.constexpr, FILL_TILE: tl.constexpr,
+    ):
+        pid_t = tl.program_id(0)
+        store_gate_partial(x_ptr, gate_ptr, partial_ptr, num_tokens, num_experts, hidden_size, stride_x, stride_gate,
+                           k_span, IEEE, BLOCK_T, BLOCK_E, BLOCK_K)
         # Every thread's stores, then one release: the last program to arrive sees them all.
         tl.debug_barrier()
         arrived = tl.atomic_add(arrivals_ptr + pid_t, 1, sem="acq_rel", scope="gpu")
-        # <<< book: gate-partial
         if arrived == tl.num_programs(1) * SPLIT_K - 1:
             # Thread 0's acquire, carried to every thread of the program before any of them reads.
             tl.debug_barrier()
-            # The token block's logits: its SPLIT_K partials added in a fixed order (read from L2:
-            # another SM wrote them), then routed by the routing kernels' own body.
-            columns = tl.arange(0, E_COLS)
-            mask = token_ok[:, None] & (columns < num_experts)[None, :]
-            offsets = tokens.to(tl.int64)[:, None] * num_experts + columns[None, :]
-            logits = tl.zeros([BLOCK_T, E_COLS], dtype=tl.float32)
-            for split in range(SPLIT_K):
-                logits += tl.load(partial_ptr + split * num_tokens * num_experts + offsets, mask=mask, other=0.0,
-                                  cache_modifier=".cg")
-            tl.store(logits_ptr + offsets, logits, mask=mask)
-            tl.debug_barrier()   # the routing below reads them back through other threads
-            if GROUPED:
-                route_grouped_tokens(logits_ptr, bias_ptr, weights_ptr, ids_ptr, pid_t * BLOCK_T, num_tokens,
-                                     num_experts, num_groups, experts_per_group, topk_group, topk, renormalize,
-                                     scale, USE_SIGMOID, HAS_BIAS, PRECISE, BLOCK_T, G_PAD, S_PAD, K_PAD)
-            else:
-                route_tokens(logits_ptr, weights_ptr, ids_ptr, pid_t * BLOCK_T, num_tokens, num_experts,
-                             num_experts, topk, renormalize, scale, USE_SIGMOID, PRECISE, BLOCK_T, E_COLS, K_PAD)
+            add_partials_and_route(partial_ptr, bias_ptr, logits_ptr, weights_ptr, ids_ptr, pid_t * BLOCK_T, num_tokens,
+                                   num_experts, topk, renormalize, scale, num_groups, experts_per_group, topk_group,
+                                   GROUPED, HAS_BIAS, USE_SIGMOID, PRECISE, False, BLOCK_T, SPLIT_K, E_COLS, G_PAD,
+                                   S_PAD, K_PAD)
             if ALIGN:
                 # >>> book: gate-align
                 # The alignment needs every token's ids: the last token block to finish
@@ -302,9 +329,10 @@ def gate_route_and_align_checked(hidden_states, gate_weight, topk, renormalize, 
 
 
 def _gate_route(hidden_states, gate_weight, topk, renormalize, scoring_func, num_expert_group, topk_group,
-                routed_scaling_factor, bias, block_size):
+                routed_scaling_factor, bias, block_size, launch=None, caller="gate_route_and_align"):
     """The launch (or the torch fallback): weights, ids, logits and, when ``block_size`` is given,
-    the alignment ``(sorted_token_ids, expert_ids, num_tokens_post_padded)`` (else None)."""
+    the alignment ``(sorted_token_ids, expert_ids, num_tokens_post_padded)`` (else None). ``launch``:
+    another router's launch, with this one's arguments (:mod:`moe_kernels.kernels.chained_routing`'s)."""
     num_tokens, hidden_size = hidden_states.shape
     num_experts = gate_weight.shape[0]
     if not use_triton(hidden_states, gate_weight, *([bias] if bias is not None else [])):
@@ -324,10 +352,11 @@ def _gate_route(hidden_states, gate_weight, topk, renormalize, scoring_func, num
     align_here = block_size is not None and 0 < numel <= ALIGN_MAX_ASSIGNMENTS
     alignment = empty_alignment(numel, block_size, num_experts, device) if align_here else None
     if num_tokens > 0:
-        _launch(hidden_states, gate_weight, bias, topk, renormalize, scoring_func, num_expert_group, topk_group,
-                routed_scaling_factor, weights, ids, logits, (*alignment, block_size) if align_here else None)
+        (launch or _launch)(hidden_states, gate_weight, bias, topk, renormalize, scoring_func, num_expert_group,
+                            topk_group, routed_scaling_factor, weights, ids, logits,
+                            (*alignment, block_size) if align_here else None)
     if block_size is not None and not align_here:   # no tokens, or more than one program should place
-        alignment = align_checked("gate_route_and_align", ids, block_size, num_experts, False)
+        alignment = align_checked(caller, ids, block_size, num_experts, False)
     return weights, ids, logits, alignment
 
 

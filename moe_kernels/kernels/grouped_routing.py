@@ -28,10 +28,12 @@ import torch
 
 from .._checks import check_int, check_number, check_tensor, fail
 from .._runtime import HAS_TRITON, INTERPRET, cdiv, kernel, next_power_of_2, note_launch, tl, use_triton
+from . import routing
 from .routing import _FLOAT_DTYPES, _check_common, _empty_outputs, _launch_config, _rank_descending, _scores
 
 if HAS_TRITON:
     from .routing import _load_scores, _store_topk, _take_topk
+    from .sorted_topk import take_topk_sorted
 
     @kernel
     def _grouped_topk_kernel(
@@ -40,11 +42,13 @@ if HAS_TRITON:
         renormalize, routed_scaling_factor,
         USE_SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISE: tl.constexpr,
         BLOCK_T: tl.constexpr, G_PAD: tl.constexpr, S_PAD: tl.constexpr, K_PAD: tl.constexpr,
+        SORTED: tl.constexpr,
     ):
         """One program routes BLOCK_T tokens over all experts, tiled group by group."""
         route_grouped_tokens(logits_ptr, bias_ptr, weights_ptr, ids_ptr, tl.program_id(0) * BLOCK_T, num_tokens,
                              logits_row_stride, num_groups, experts_per_group, topk_group, topk, renormalize,
-                             routed_scaling_factor, USE_SIGMOID, HAS_BIAS, PRECISE, BLOCK_T, G_PAD, S_PAD, K_PAD)
+                             routed_scaling_factor, USE_SIGMOID, HAS_BIAS, PRECISE, BLOCK_T, G_PAD, S_PAD, K_PAD,
+                             SORTED)
 
     @kernel
     def route_grouped_tokens(
@@ -53,9 +57,11 @@ if HAS_TRITON:
         renormalize, routed_scaling_factor,
         USE_SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, PRECISE: tl.constexpr,
         BLOCK_T: tl.constexpr, G_PAD: tl.constexpr, S_PAD: tl.constexpr, K_PAD: tl.constexpr,
+        SORTED: tl.constexpr = False,
     ):
         """Route tokens ``first_token`` to ``first_token + BLOCK_T`` (the routing kernel's body, which
-        :mod:`moe_kernels.kernels.gate_routing` also calls once the gate's logits are in).
+        :mod:`moe_kernels.kernels.gate_routing` also calls once the gate's logits are in). ``SORTED``:
+        the top-k by one partial sort (:mod:`moe_kernels.kernels.sorted_topk`), not k rounds.
 
         Column ``c`` of the [BLOCK_T, G_PAD * S_PAD] tile is member ``c % S_PAD`` of group
         ``c // S_PAD``: each group is padded on its own, so viewing the tile as
@@ -106,8 +112,12 @@ if HAS_TRITON:
         # <<< book: group-mask
 
         # Top-k experts of the kept groups; weights from the unbiased scores.
-        weights, ids = _take_topk(selection, scores, expert, is_expert & kept_columns, topk,
-                                  BLOCK_T, K_PAD, NO_EXPERT)
+        if SORTED:
+            weights, ids = take_topk_sorted(selection, scores, expert, is_expert & kept_columns, topk,
+                                            BLOCK_T, K_PAD, NO_EXPERT)
+        else:
+            weights, ids = _take_topk(selection, scores, expert, is_expert & kept_columns, topk,
+                                      BLOCK_T, K_PAD, NO_EXPERT)
         _store_topk(weights, ids, weights_ptr, ids_ptr, first_token, num_tokens, topk,
                     renormalize, routed_scaling_factor, BLOCK_T, K_PAD)
 
@@ -231,6 +241,6 @@ def grouped_topk_checked(hidden_states, gating_output, topk, renormalize, num_ex
         topk, renormalize, float(routed_scaling_factor),
         USE_SIGMOID=scoring_func == "sigmoid", HAS_BIAS=has_bias, PRECISE=not INTERPRET,
         BLOCK_T=block_t,
-        G_PAD=g_pad, S_PAD=s_pad, K_PAD=next_power_of_2(topk), num_warps=num_warps,
+        G_PAD=g_pad, S_PAD=s_pad, K_PAD=next_power_of_2(topk), SORTED=routing.TOPK_BY_SORT, num_warps=num_warps,
     )
     return weights, ids

@@ -49,6 +49,9 @@ _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # 16 fp32 values per thread per live tile: DeepSeek-V3's E=256 gives 8 tokens per program, so a
 # 16384-token batch spreads over 2048 programs.
 _TILE_ELEMENTS = 2048
+#: The routing kernels take the top-k by one partial sort (:mod:`moe_kernels.kernels.sorted_topk`)
+#: instead of k rounds of argmax: the same ids and weights. A speed setting, read at each launch.
+TOPK_BY_SORT = False
 
 
 # --------------------------------------------------------------------------------------------
@@ -145,6 +148,8 @@ def fused_topk_reference(hidden_states, gating_output, topk, renormalize, scorin
 if HAS_TRITON:
     from triton.language.extra import libdevice
 
+    from .sorted_topk import take_topk_sorted
+
     @kernel
     def _exp(x, PRECISE: tl.constexpr):
         # Compiled, tl.exp is ex2.approx, a few ulps off the expf that torch's CUDA softmax and
@@ -211,18 +216,19 @@ if HAS_TRITON:
         logits_ptr, weights_ptr, ids_ptr,
         num_tokens, num_experts, logits_row_stride, topk, renormalize,
         USE_SIGMOID: tl.constexpr, PRECISE: tl.constexpr, BLOCK_T: tl.constexpr,
-        E_PAD: tl.constexpr, K_PAD: tl.constexpr,
+        E_PAD: tl.constexpr, K_PAD: tl.constexpr, SORTED: tl.constexpr,
     ):
         """One program routes BLOCK_T tokens over all experts (E padded to E_PAD)."""
         route_tokens(logits_ptr, weights_ptr, ids_ptr, tl.program_id(0) * BLOCK_T, num_tokens, num_experts,
-                     logits_row_stride, topk, renormalize, 1.0, USE_SIGMOID, PRECISE, BLOCK_T, E_PAD, K_PAD)
+                     logits_row_stride, topk, renormalize, 1.0, USE_SIGMOID, PRECISE, BLOCK_T, E_PAD, K_PAD, SORTED)
 
     @kernel
     def route_tokens(logits_ptr, weights_ptr, ids_ptr, first_token, num_tokens, num_experts, logits_row_stride,
                      topk, renormalize, scale, USE_SIGMOID: tl.constexpr, PRECISE: tl.constexpr,
-                     BLOCK_T: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr):
+                     BLOCK_T: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr, SORTED: tl.constexpr = False):
         """Route tokens ``first_token`` to ``first_token + BLOCK_T`` (the body of the routing kernel,
-        which :mod:`moe_kernels.kernels.gate_routing` also calls once the gate's logits are in)."""
+        which :mod:`moe_kernels.kernels.gate_routing` also calls once the gate's logits are in).
+        ``SORTED``: the top-k by one partial sort (:mod:`moe_kernels.kernels.sorted_topk`), not k rounds."""
         token = first_token + tl.arange(0, BLOCK_T)[:, None]
         expert = tl.broadcast_to(tl.arange(0, E_PAD)[None, :], [BLOCK_T, E_PAD])
         is_expert = expert < num_experts
@@ -230,8 +236,11 @@ if HAS_TRITON:
                               logits_row_stride, USE_SIGMOID, PRECISE)
         # NaN ranks as -inf (as in the reference), keeping the comparisons total.
         selection = tl.where(scores == scores, scores, float("-inf"))
-        weights, ids = _take_topk(selection, scores, expert, is_expert, topk,
-                                  BLOCK_T, K_PAD, E_PAD)
+        if SORTED:
+            weights, ids = take_topk_sorted(selection, scores, expert, is_expert, topk, BLOCK_T, K_PAD, E_PAD)
+        else:
+            weights, ids = _take_topk(selection, scores, expert, is_expert, topk,
+                                      BLOCK_T, K_PAD, E_PAD)
         _store_topk(weights, ids, weights_ptr, ids_ptr, first_token, num_tokens, topk,
                     renormalize, scale, BLOCK_T, K_PAD)
 
@@ -297,7 +306,7 @@ def topk_checked(hidden_states: Tensor, gating_output: Tensor, topk: int, renorm
         gating_output, weights, ids,
         num_tokens, num_experts, gating_output.stride(0), topk, renormalize,
         USE_SIGMOID=scoring_func == "sigmoid", PRECISE=not INTERPRET, BLOCK_T=block_t, E_PAD=e_pad,
-        K_PAD=next_power_of_2(topk), num_warps=num_warps,
+        K_PAD=next_power_of_2(topk), SORTED=TOPK_BY_SORT, num_warps=num_warps,
     )
     return weights, ids
 

@@ -1,0 +1,304 @@
+"""The router in two chained launches (moe_kernels.kernels.chained_routing) and the top-k by one
+partial sort (moe_kernels.kernels.sorted_topk).
+
+The chained router adds the same partials in the same order as the one-launch router
+(moe_kernels.kernels.gate_routing) and routes and aligns them with the same bodies, so its outputs
+equal that router's bit for bit; on integer-valued inputs (exact sums) its ids also equal the
+float64 reference's. The sorted top-k is checked against the k rounds of argmax it replaces, in
+the routing kernels on their own, and both against the float32 references. CPU tests use float32
+and float16 (the interpreter's bf16 dot is wrong).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_kernels._runtime import HAS_TRITON, record_launches
+from moe_kernels.kernels import chained_routing, gate_routing, routing
+from moe_kernels.kernels.align import moe_align_block_size_reference
+from moe_kernels.kernels.blocks import check_alignment
+from moe_kernels.kernels.chained_routing import MAX_TOKENS, gate_route_chained
+from moe_kernels.kernels.gate_routing import gate_and_route, gate_and_route_reference, gate_route_and_align
+from moe_kernels.kernels.grouped_routing import grouped_topk, grouped_topk_reference
+from moe_kernels.kernels.routing import fused_topk, fused_topk_reference
+from moe_testing import DEVICE, needs_gpu
+from test_gate_routing import inputs
+
+
+def check_chained(x, w, topk, *, block_size=None, sorted_topk=True, launches_expected=2, **rule):
+    """gate_route_chained against the one-launch router on the same inputs (equal bit for bit) and,
+    with ``block_size``, its alignment against the reference's of its ids (integers: exact)."""
+    with record_launches() as launches:
+        got = gate_route_chained(x, w, topk, True, block_size=block_size, sorted_topk=sorted_topk, **rule)
+    if block_size is None:
+        want = gate_and_route(x, w, topk, True, **rule)
+    else:
+        want = gate_route_and_align(x, w, topk, True, block_size=block_size, **rule)
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    if block_size is not None:
+        ids = got[1]
+        for a, b in zip(got[3:], moe_align_block_size_reference(ids, block_size, w.shape[0])):
+            assert torch.equal(a, b)
+        check_alignment(ids, block_size, w.shape[0], *got[3:])
+    if HAS_TRITON and x.shape[0] > 0:   # the path, not only the value
+        names = [name for name, _ in launches]
+        assert names[:2] == ["chained_routing.gate", "chained_routing.route"], launches
+        assert len(launches) == launches_expected, launches
+        settings = launches[1][1]
+        assert settings["sorted_topk"] == sorted_topk and settings["pdl"] is False   # (no GPU to chain on)
+        assert settings["aligned"] == (block_size is not None and launches_expected == 2)
+    return got
+
+
+CASES = [
+    dict(shape=(1, 8, 32, 2), block=4),                       # one token: every expert hit once at most
+    dict(shape=(5, 6, 33, 6), block=4),                       # k = E, odd d
+    dict(shape=(9, 5, 40, 1), block=1),                       # k = 1, blocks of one row
+    dict(shape=(40, 48, 600, 4), block=16),                   # three route blocks, d split, 2 expert blocks
+    dict(shape=(17, 40, 96, 3), block=64),                    # k not a power of two; a block past every row
+    dict(shape=(3, 1, 16, 1), block=16),                      # one expert
+    dict(shape=(33, 36, 700, 5), block=16, scoring_func="sigmoid", num_expert_group=3, topk_group=2, bias=True),
+    dict(shape=(12, 32, 64, 6), block=8, scoring_func="sigmoid", num_expert_group=4, topk_group=2,
+         routed_scaling_factor=2.5),
+]
+CASE_IDS = ["one token", "k=E", "k=1", "three route blocks", "k=3, block 64", "E=1", "grouped, bias",
+            "grouped, scaled"]
+
+
+def case_arguments(case):
+    case = dict(case)
+    num_tokens, num_experts, hidden, topk = case.pop("shape")
+    block = case.pop("block")
+    if case.pop("bias", False):
+        generator = torch.Generator().manual_seed(num_experts)
+        case["e_score_correction_bias"] = (0.1 * torch.randn(num_experts, generator=generator)).to(DEVICE)
+    x, w = inputs(num_tokens, num_experts, hidden, seed=hidden)
+    return x, w, topk, block, case
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("sorted_topk", [True, False], ids=["sorted", "rounds"])
+@pytest.mark.parametrize("aligned", [True, False], ids=["aligned", "routed"])
+def test_equals_the_one_launch_router(case, sorted_topk, aligned):
+    x, w, topk, block, rule = case_arguments(case)
+    check_chained(x, w, topk, block_size=block if aligned else None, sorted_topk=sorted_topk, **rule)
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["plain", "grouped"])
+def test_integer_inputs_match_the_float64_reference(grouped):
+    """Exact logits, so the whole rule matches the float64 reference id for id (many ties: small
+    integers repeat), with weights to float32's last bits."""
+    rule = dict(scoring_func="sigmoid", num_expert_group=4, topk_group=2) if grouped else {}
+    x, w = inputs(21, 16, 48, 5, integer=True)
+    got = gate_route_chained(x, w, 4, True, **rule)
+    want = gate_and_route_reference(x.double(), w.double(), 4, True, **rule)
+    assert torch.equal(got[2].double(), want[2])
+    assert torch.equal(got[1], want[1])
+    torch.testing.assert_close(got[0].double(), want[0].double(), atol=1e-6, rtol=1e-5)
+
+
+def test_every_token_on_one_expert_and_an_empty_one():
+    x, w = inputs(20, 4, 32, 3)
+    x = x.abs() + 0.1
+    w = w.clone()
+    w[0], w[3] = 1.0, -1.0
+    ids = check_chained(x, w, 2, block_size=4)[1]
+    assert bool((ids[:, 0] == 0).all()) and not bool((ids == 3).any())
+
+
+def test_equal_scores_go_to_the_lower_ids():
+    """A zero gate: every logit 0, every score equal, so the ids are 0..k-1 in order."""
+    x, w = inputs(3, 16, 32, 0)
+    weights, ids, _ = gate_route_chained(x, torch.zeros_like(w), 5, True)
+    assert ids.tolist() == [[0, 1, 2, 3, 4]] * 3
+    torch.testing.assert_close(weights, torch.full_like(weights, 0.2))
+
+
+def test_most_tokens_in_one_program_and_past_one_programs_alignment(monkeypatch):
+    """MAX_TOKENS tokens (eight route blocks in turn); and above ALIGN_MAX_ASSIGNMENTS the alignment
+    is a launch of its own, with the same result."""
+    x, w = inputs(MAX_TOKENS, 8, 16, 6)
+    check_chained(x, w, 2, block_size=4)
+    monkeypatch.setattr(gate_routing, "ALIGN_MAX_ASSIGNMENTS", 8)
+    x, w = inputs(5, 16, 32, 4)
+    got = check_chained(x, w, 2, block_size=4, launches_expected=3)
+    assert got[1].shape == (5, 2)
+
+
+def test_no_tokens():
+    x, w = inputs(0, 8, 32, 0)
+    weights, ids, logits, sorted_ids, expert_ids, used = gate_route_chained(x, w, 2, True, block_size=4)
+    assert weights.shape == ids.shape == (0, 2) and logits.shape == (0, 8)
+    assert int(used) == 0 and sorted_ids.numel() == 8 * 3 and bool((expert_ids == -1).all())
+
+
+def test_nan_in_a_token_gives_valid_ids_and_spoils_no_other_token():
+    x, w = inputs(4, 16, 32, 2)
+    x[1, 3] = float("nan")
+    weights, ids, _ = gate_route_chained(x, w, 3, True)
+    assert bool(((ids >= 0) & (ids < 16)).all())
+    clean = gate_route_chained(x[[0, 2, 3]], w, 3, True)
+    assert torch.equal(ids[[0, 2, 3]], clean[1]) and torch.equal(weights[[0, 2, 3]], clean[0])
+
+
+@pytest.mark.parametrize("change, name", [
+    (dict(tokens=MAX_TOKENS + 1), "hidden_states"),
+    (dict(sorted_topk=1), "sorted_topk"),
+    (dict(pdl="yes"), "pdl"),
+    (dict(block_size=0), "block_size"),
+    (dict(topk=9), "topk"),
+    (dict(scoring_func="relu"), "scoring_func"),
+])
+def test_bad_input_names_the_argument(change, name):
+    x, w = inputs(change.pop("tokens", 2), 8, 16, 0)
+    kwargs = dict(topk=2, renormalize=True)
+    kwargs.update(change)
+    with pytest.raises((ValueError, TypeError)) as error:
+        gate_route_chained(x, w, **kwargs)
+    assert name in str(error.value)
+
+
+@pytest.mark.parametrize("num_tokens, num_experts, topk", [(1, 8, 2), (7, 128, 8), (33, 12, 3), (5, 6, 6),
+                                                          (4, 1, 1)])
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+def test_sorted_topk_in_the_routing_kernel(monkeypatch, num_tokens, num_experts, topk, scoring):
+    """fused_topk with the sorted top-k: the same ids and weights as the k rounds, and the
+    reference's ids (ties included: integer logits repeat)."""
+    generator = torch.Generator().manual_seed(num_experts)
+    logits = torch.randint(-4, 5, (num_tokens, num_experts), generator=generator).float().to(DEVICE)
+    x = torch.zeros(num_tokens, 8, device=DEVICE)
+    rounds = fused_topk(x, logits, topk, True, scoring)
+    monkeypatch.setattr(routing, "TOPK_BY_SORT", True)
+    by_sort = fused_topk(x, logits, topk, True, scoring)
+    assert torch.equal(by_sort[1], rounds[1]) and torch.equal(by_sort[0], rounds[0])
+    want = fused_topk_reference(x, logits, topk, True, scoring)
+    assert torch.equal(by_sort[1], want[1])
+    torch.testing.assert_close(by_sort[0], want[0], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_sorted_topk_in_the_grouped_routing_kernel(monkeypatch, bias):
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randint(-4, 5, (9, 24), generator=generator).float().to(DEVICE)
+    correction = (0.25 * torch.randint(-2, 3, (24,), generator=generator).float()).to(DEVICE) if bias else None
+    x = torch.zeros(9, 8, device=DEVICE)
+    args = (x, logits, 5, True, 4, 2, "sigmoid", 2.5, correction)
+    rounds = grouped_topk(*args)
+    monkeypatch.setattr(routing, "TOPK_BY_SORT", True)
+    by_sort = grouped_topk(*args)
+    assert torch.equal(by_sort[1], rounds[1]) and torch.equal(by_sort[0], rounds[0])
+    want = grouped_topk_reference(*args)
+    assert torch.equal(by_sort[1], want[1])
+
+
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+def test_sorted_topk_with_infinities_and_nan(monkeypatch, scoring):
+    """-inf logits, +inf and a NaN (which ranks as -inf): with k = E every expert is still picked
+    exactly once, in the reference's order, as by the k rounds."""
+    logits = torch.tensor([[float("-inf"), 1.0, float("nan"), float("-inf")],
+                           [float("inf"), 1.0, float("-inf"), 0.5]], device=DEVICE)
+    x = torch.zeros(2, 8, device=DEVICE)
+    rounds = fused_topk(x, logits, 4, False, scoring)
+    monkeypatch.setattr(routing, "TOPK_BY_SORT", True)
+    weights, ids = fused_topk(x, logits, 4, False, scoring)
+    assert torch.equal(ids, rounds[1]) and torch.equal(ids, fused_topk_reference(x, logits, 4, False, scoring)[1])
+    assert sorted(ids[0].tolist()) == [0, 1, 2, 3] == sorted(ids[1].tolist())
+    torch.testing.assert_close(weights, rounds[0], equal_nan=True)
+
+
+@needs_gpu
+@pytest.mark.parametrize("model", ["qwen3-30b-a3b", "deepseek-v3"])
+@pytest.mark.parametrize("num_tokens", [1, 8, 64, 128])
+@pytest.mark.parametrize("pdl", [True, False], ids=["pdl", "plain"])
+def test_real_shapes_on_gpu(model, num_tokens, pdl):
+    """bf16 at the models' shapes, chained (with and without PDL, sorted and rounds) against the
+    one-launch router: the same logits; the same ids; the weights to float32's last bits (the
+    renormalising sum may be reduced in another order); the same alignment."""
+    from moe_kernels.layer import MoELayer
+
+    layer = MoELayer.random(model, dtype=torch.bfloat16, device="cuda", seed=num_tokens)
+    rule, w = layer.routing, layer.weights
+    x = torch.randn(num_tokens, w.gate.shape[1], device="cuda", dtype=torch.bfloat16)
+    grouped = dict(num_expert_group=rule.num_expert_group, topk_group=rule.topk_group,
+                   routed_scaling_factor=rule.routed_scaling_factor, e_score_correction_bias=w.bias)
+    args = (x, w.gate, rule.top_k, rule.renormalize, rule.scoring_func)
+    want = gate_route_and_align(*args, block_size=16, **grouped)
+    for sorted_topk in (True, False):
+        with record_launches() as launches:
+            got = gate_route_chained(*args, block_size=16, sorted_topk=sorted_topk, pdl=pdl, **grouped)
+        assert launches[1][1]["pdl"] == pdl and launches[1][1]["sorted_topk"] == sorted_topk
+        assert torch.equal(got[2], want[2]) and torch.equal(got[1], want[1])
+        torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=1e-7)
+        for a, b in zip(got[3:], want[3:]):
+            assert torch.equal(a, b)
+
+
+@needs_gpu
+def test_repeated_calls_and_graph_replays_agree_on_gpu():
+    """The routing program reads the partials after ``gdc_wait``: a launch that did not wait would
+    show as a call that differs now and then. 200 calls at DeepSeek-V3's shape and 100 tokens, and
+    the same in one CUDA graph replayed 50 times."""
+    x, w = (torch.randn(100, 7168, device="cuda", dtype=torch.bfloat16),
+            torch.randn(256, 7168, device="cuda", dtype=torch.bfloat16) / 85)
+    bias = 0.01 * torch.randn(256, device="cuda")
+    args = dict(topk=8, renormalize=True, scoring_func="sigmoid", num_expert_group=8, topk_group=4,
+                routed_scaling_factor=2.5, e_score_correction_bias=bias, block_size=16)
+    first = gate_route_chained(x, w, **args)
+    calls = [gate_route_chained(x, w, **args) for _ in range(200)]
+    assert all(all(torch.equal(a, b) for a, b in zip(call, first)) for call in calls)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        gate_route_chained(x, w, **args)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = gate_route_chained(x, w, **args)
+    for _ in range(50):
+        graph.replay()
+        assert all(torch.equal(a, b) for a, b in zip(replayed, first))
+
+
+_COMPILE_FOR_HOPPER = """
+import re
+import torch
+torch.cuda.is_available = lambda: True   # build compiled (not interpreted) kernels; nothing is launched
+from moe_kernels.kernels import chained_routing
+from moe_kernels.sm90_compile import compile_for_sm90
+
+gate = compile_for_sm90(chained_routing._chained_gate_kernel,
+                        dict(IEEE=False, BLOCK_T=16, BLOCK_E=32, BLOCK_K=128, PDL=True),
+                        dict(x_ptr="*bf16", gate_ptr="*bf16", partial_ptr="*fp32"),
+                        aligned=("stride_x", "stride_gate", "hidden_size", "k_span", "num_experts"), num_warps=4)
+ptx = gate.asm["ptx"]
+print(ptx.find("griddepcontrol.launch_dependents") < ptx.find("mma") and "griddepcontrol.launch_dependents" in ptx)
+pointers = dict(partial_ptr="*fp32", bias_ptr="*fp32", logits_ptr="*fp32", weights_ptr="*fp32", ids_ptr="*i32",
+                sorted_ids_ptr="*i32", expert_ids_ptr="*i32", used_ptr="*i32", scale="fp32")
+for grouped, e_cols, split, block_t in ((False, 128, 16, 1), (True, 256, 28, 1), (True, 256, 8, 16)):
+    const = dict(GROUPED=grouped, HAS_BIAS=grouped, USE_SIGMOID=grouped, PRECISE=True, SORTED=True, BLOCK_T=block_t,
+                 SPLIT_K=split, E_COLS=e_cols, G_PAD=8 if grouped else 1, S_PAD=32 if grouped else 128, K_PAD=8,
+                 ALIGN=True, NUM_BINS=e_cols, ALIGN_TILE=64, PAD_TILE=16, COUNT_TILE=1024, FILL_TILE=1024, PDL=True)
+    ptx = compile_for_sm90(chained_routing._chained_route_kernel, const, pointers, aligned=("num_experts",),
+                           num_warps=8).asm["ptx"]
+    wait, read = ptx.find("griddepcontrol.wait"), ptx.find("ld.global.cg")
+    print(0 <= wait < read)
+"""
+
+
+def test_compiles_for_hopper_with_its_dependent_launch():
+    """Compiled for an H100/H200 (sm_90) on this machine: the gate lets the next launch start before
+    its products (tensor cores), and the routing program waits (``griddepcontrol.wait``) before its
+    first read of the partials (through L2); at Qwen3's shape and DeepSeek-V3's, one token and 16."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "MOE_KERNELS_BACKEND")}
+    done = subprocess.run([sys.executable, "-c", _COMPILE_FOR_HOPPER], capture_output=True, text=True, timeout=600,
+                          env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split("\n")[:4] == ["True"] * 4, done.stdout
