@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from moe_kernels._runtime import HAS_TRITON, record_launches
-from moe_kernels.kernels import chained_routing, gate_routing, routing
+from moe_kernels.kernels import chained_routing, routing
 from moe_kernels.kernels.align import moe_align_block_size_reference
 from moe_kernels.kernels.blocks import check_alignment
 from moe_kernels.kernels.chained_routing import MAX_TOKENS, gate_route_chained
@@ -26,7 +26,7 @@ from moe_testing import DEVICE, needs_gpu
 from test_gate_routing import inputs
 
 
-def check_chained(x, w, topk, *, block_size=None, sorted_topk=True, launches_expected=2, **rule):
+def check_chained(x, w, topk, *, block_size=None, sorted_topk=True, aligner="chained_routing.align", **rule):
     """gate_route_chained against the one-launch router on the same inputs (equal bit for bit) and,
     with ``block_size``, its alignment against the reference's of its ids (integers: exact)."""
     with record_launches() as launches:
@@ -46,10 +46,9 @@ def check_chained(x, w, topk, *, block_size=None, sorted_topk=True, launches_exp
     if HAS_TRITON and x.shape[0] > 0:   # the path, not only the value
         names = [name for name, _ in launches]
         assert names[:2] == ["chained_routing.gate", "chained_routing.route"], launches
-        assert len(launches) == launches_expected, launches
+        assert names[2:] == ([] if block_size is None else [aligner]), launches
         settings = launches[1][1]
         assert settings["sorted_topk"] == sorted_topk and settings["pdl"] is False   # (no GPU to chain on)
-        assert settings["aligned"] == (block_size is not None and launches_expected == 2)
     return got
 
 
@@ -57,14 +56,14 @@ CASES = [
     dict(shape=(1, 8, 32, 2), block=4),                       # one token: every expert hit once at most
     dict(shape=(5, 6, 33, 6), block=4),                       # k = E, odd d
     dict(shape=(9, 5, 40, 1), block=1),                       # k = 1, blocks of one row
-    dict(shape=(40, 48, 600, 4), block=16),                   # three route blocks, d split, 2 expert blocks
+    dict(shape=(40, 48, 600, 4), block=16),                   # three token blocks, d split, 2 expert blocks
     dict(shape=(17, 40, 96, 3), block=64),                    # k not a power of two; a block past every row
     dict(shape=(3, 1, 16, 1), block=16),                      # one expert
     dict(shape=(33, 36, 700, 5), block=16, scoring_func="sigmoid", num_expert_group=3, topk_group=2, bias=True),
     dict(shape=(12, 32, 64, 6), block=8, scoring_func="sigmoid", num_expert_group=4, topk_group=2,
          routed_scaling_factor=2.5),
 ]
-CASE_IDS = ["one token", "k=E", "k=1", "three route blocks", "k=3, block 64", "E=1", "grouped, bias",
+CASE_IDS = ["one token", "k=E", "k=1", "three token blocks", "k=3, block 64", "E=1", "grouped, bias",
             "grouped, scaled"]
 
 
@@ -117,14 +116,14 @@ def test_equal_scores_go_to_the_lower_ids():
     torch.testing.assert_close(weights, torch.full_like(weights, 0.2))
 
 
-def test_most_tokens_in_one_program_and_past_one_programs_alignment(monkeypatch):
-    """MAX_TOKENS tokens (eight route blocks in turn); and above ALIGN_MAX_ASSIGNMENTS the alignment
-    is a launch of its own, with the same result."""
-    x, w = inputs(MAX_TOKENS, 8, 16, 6)
+def test_many_tokens_and_past_the_alignment_launchs_reach(monkeypatch):
+    """130 tokens (nine token blocks in the gate, one routing program each); and above
+    ALIGN_MAX_ASSIGNMENTS the alignment kernel of its own (moe_align_block_size), with the same result."""
+    x, w = inputs(130, 8, 16, 6)
     check_chained(x, w, 2, block_size=4)
-    monkeypatch.setattr(gate_routing, "ALIGN_MAX_ASSIGNMENTS", 8)
+    monkeypatch.setattr(chained_routing, "ALIGN_MAX_ASSIGNMENTS", 8)
     x, w = inputs(5, 16, 32, 4)
-    got = check_chained(x, w, 2, block_size=4, launches_expected=3)
+    got = check_chained(x, w, 2, block_size=4, aligner="align.moe_align_block_size")
     assert got[1].shape == (5, 2)
 
 
@@ -211,7 +210,7 @@ def test_sorted_topk_with_infinities_and_nan(monkeypatch, scoring):
 
 @needs_gpu
 @pytest.mark.parametrize("model", ["qwen3-30b-a3b", "deepseek-v3"])
-@pytest.mark.parametrize("num_tokens", [1, 8, 64, 128])
+@pytest.mark.parametrize("num_tokens", [1, 8, 64, 200])
 @pytest.mark.parametrize("pdl", [True, False], ids=["pdl", "plain"])
 def test_real_shapes_on_gpu(model, num_tokens, pdl):
     """bf16 at the models' shapes, chained (with and without PDL, sorted and rounds) against the
@@ -229,7 +228,10 @@ def test_real_shapes_on_gpu(model, num_tokens, pdl):
     for sorted_topk in (True, False):
         with record_launches() as launches:
             got = gate_route_chained(*args, block_size=16, sorted_topk=sorted_topk, pdl=pdl, **grouped)
-        assert launches[1][1]["pdl"] == pdl and launches[1][1]["sorted_topk"] == sorted_topk
+        assert [name for name, _ in launches] == ["chained_routing.gate", "chained_routing.route",
+                                                  "chained_routing.align"]
+        assert all(settings["pdl"] == pdl for _, settings in launches)
+        assert launches[1][1]["sorted_topk"] == sorted_topk
         assert torch.equal(got[2], want[2]) and torch.equal(got[1], want[1])
         torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=1e-7)
         for a, b in zip(got[3:], want[3:]):
@@ -276,22 +278,29 @@ gate = compile_for_sm90(chained_routing._chained_gate_kernel,
 ptx = gate.asm["ptx"]
 print(ptx.find("griddepcontrol.launch_dependents") < ptx.find("mma") and "griddepcontrol.launch_dependents" in ptx)
 pointers = dict(partial_ptr="*fp32", bias_ptr="*fp32", logits_ptr="*fp32", weights_ptr="*fp32", ids_ptr="*i32",
-                sorted_ids_ptr="*i32", expert_ids_ptr="*i32", used_ptr="*i32", scale="fp32")
-for grouped, e_cols, split, block_t in ((False, 128, 16, 1), (True, 256, 28, 1), (True, 256, 8, 16)):
-    const = dict(GROUPED=grouped, HAS_BIAS=grouped, USE_SIGMOID=grouped, PRECISE=True, SORTED=True, BLOCK_T=block_t,
+                scale="fp32")
+for grouped, e_cols, split, warps in ((False, 128, 16, 1), (True, 256, 28, 2)):
+    const = dict(GROUPED=grouped, HAS_BIAS=grouped, USE_SIGMOID=grouped, PRECISE=True, SORTED=True, BLOCK_T=1,
                  SPLIT_K=split, E_COLS=e_cols, G_PAD=8 if grouped else 1, S_PAD=32 if grouped else 128, K_PAD=8,
-                 ALIGN=True, NUM_BINS=e_cols, ALIGN_TILE=64, PAD_TILE=16, COUNT_TILE=1024, FILL_TILE=1024, PDL=True)
+                 PDL=True, TRIGGER=True)
     ptx = compile_for_sm90(chained_routing._chained_route_kernel, const, pointers, aligned=("num_experts",),
-                           num_warps=8).asm["ptx"]
-    wait, read = ptx.find("griddepcontrol.wait"), ptx.find("ld.global.cg")
-    print(0 <= wait < read)
+                           num_warps=warps).asm["ptx"]
+    wait, trigger, read = (ptx.find(op) for op in ("griddepcontrol.wait", "griddepcontrol.launch_dependents",
+                                                    "ld.global.cg"))
+    print(0 <= wait < read and 0 <= trigger < read)
+ptx = compile_for_sm90(chained_routing._chained_align_kernel,
+                       dict(NUM_BINS=128, TILE=64, PAD_TILE=16, COUNT_TILE=1024, FILL_TILE=1024, PDL=True),
+                       dict(ids_ptr="*i32", sorted_ids_ptr="*i32", expert_ids_ptr="*i32", used_ptr="*i32"),
+                       num_warps=8).asm["ptx"]
+print(0 <= ptx.find("griddepcontrol.wait") < ptx.find("ld.global.cg"))
 """
 
 
 def test_compiles_for_hopper_with_its_dependent_launch():
     """Compiled for an H100/H200 (sm_90) on this machine: the gate lets the next launch start before
-    its products (tensor cores), and the routing program waits (``griddepcontrol.wait``) before its
-    first read of the partials (through L2); at Qwen3's shape and DeepSeek-V3's, one token and 16."""
+    its products (tensor cores); the routing programs wait (``griddepcontrol.wait``) and let the
+    alignment start before their first read of the partials (through L2), at Qwen3's shape and
+    DeepSeek-V3's; the alignment waits before it reads the ids."""
     import os
     import subprocess
     import sys

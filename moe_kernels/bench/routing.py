@@ -123,9 +123,10 @@ def gate_routing_ab(model_name: str, num_tokens: int, *, seed: int = 0) -> dict:
       :func:`~moe_kernels.kernels.gate_routing.gate_route_and_align` (one launch up to
       ``ALIGN_MAX_ASSIGNMENTS`` assignments; ``aligned_in_launch`` says whether it was);
     * up to ``chained_routing.MAX_TOKENS`` tokens,
-      :func:`~moe_kernels.kernels.chained_routing.gate_route_chained` (two launches chained by PDL,
-      routing and alignment in one program): ``chained`` (sorted top-k, PDL), ``chained rounds``
-      (k rounds of argmax), ``chained no pdl``, and ``chained routing only`` (no alignment).
+      :func:`~moe_kernels.kernels.chained_routing.gate_route_chained` (the split gate, the routing
+      and the alignment, three launches chained by PDL): ``chained`` (sorted top-k, PDL),
+      ``chained rounds`` (k rounds of argmax), ``chained no pdl``, and ``chained routing only``
+      (no alignment: two launches).
 
     Checked first: the one-launch ids and weights equal the routing kernel's on its own logits, its
     logits are within the tensor-core gate's error of ``router_logits``', its alignment equals the

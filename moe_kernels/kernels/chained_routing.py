@@ -1,4 +1,4 @@
-"""The router at decode as two launches chained by programmatic dependent launch (PDL).
+"""The router at decode as launches chained by programmatic dependent launch (PDL).
 
 :mod:`moe_kernels.kernels.gate_routing` puts the gate, the routing and the alignment in one launch:
 the gate's split-``d`` partials are spread over the SMs and the last program to arrive (an atomic
@@ -7,30 +7,31 @@ that one launch was *slower* than the cuBLAS gate, the routing kernel and the al
 after another (``gate-routing.json``). What it adds: a fill, atomics with acquire/release order,
 and one program, started only when the last partial is in, that does everything else.
 
-This module keeps the split gate and drops the counter. Two launches:
+This module keeps the split gate and drops the counter: each step is a launch of its own, and
+programmatic dependent launch (PDL: Hopper and newer, Triton's ``launch_pdl``) starts each launch
+before the one it depends on has ended, so that it is resident and waiting, not launched, when its
+inputs are ready:
 
 1. :func:`~moe_kernels.kernels.gate_routing.store_gate_partial` over the grid of
-   :func:`~moe_kernels.kernels.gate_routing.gate_tiles`: each program writes its float32 partial
-   logits, and first of all lets the next launch start (``gdc_launch_dependents``);
-2. one program that waits for the first launch's memory (``gdc_wait``), then for each block of
-   tokens adds the partials in a fixed order, stores the logits and routes them (the routing
-   kernels' own body), and then aligns every assignment (the alignment kernel's own body).
+   :func:`~moe_kernels.kernels.gate_routing.gate_tiles`: each program first lets the next launch
+   start (``gdc_launch_dependents``), then writes its float32 partial logits;
+2. one program per token: it waits for the first launch's memory (``gdc_wait``), adds the token's
+   partials in a fixed order, stores its logits and routes it (the routing kernels' own body, on
+   one warp, or two for E = 256, where a reduction is a few shuffles inside a warp);
+3. with a ``block_size``, the alignment kernel's single-launch body (every program counts every id,
+   then places its share), waiting in turn for the routing's ids.
 
-With PDL (Hopper and newer, launched through Triton's ``launch_pdl``) the second launch is already
-resident when the first ends, so the pair costs about one launch's latency and a half, not two
-(``launch-floor.json``: 0.6-0.7 us per extra kernel with PDL, 1.0-1.2 without, back to back in a
-CUDA graph). Without PDL (an older GPU, the interpreter) the same two kernels run one after the
-other, with the same results.
+``launch-floor.json`` (the H200, back to back in a CUDA graph): one more kernel costs 0.96-1.17 us
+without PDL, 0.57-0.69 with it.
 
-Outputs are those of :func:`~moe_kernels.kernels.gate_routing.gate_route_and_align` exactly: the
-same partials added in the same order give the same logits bit for bit, and the same routing and
-alignment bodies run on them. ``sorted_topk`` picks the top-k by one partial sort
-(:mod:`moe_kernels.kernels.sorted_topk`) instead of ``k`` rounds of argmax: the same ids, in the
-same order, and the same weights.
+Outputs are those of :func:`~moe_kernels.kernels.gate_routing.gate_and_route` and
+:func:`~moe_kernels.kernels.gate_routing.gate_route_and_align` exactly: the same partials added in
+the same order give the same logits bit for bit, and the same routing and alignment bodies run on
+them. ``sorted_topk`` picks the top-k by one partial sort (:mod:`moe_kernels.kernels.sorted_topk`)
+instead of ``k`` rounds of argmax: the same ids, in the same order, and the same weights. Without
+PDL (an older GPU, the interpreter) the same kernels run one after the other, with the same results.
 
-One program routes every token, so this is for decode batches: up to :data:`MAX_TOKENS` tokens
-(and the alignment in the same program up to ``ALIGN_MAX_ASSIGNMENTS`` assignments, else its own
-launch), a clear error above.
+For decode batches: up to :data:`MAX_TOKENS` tokens, a clear error above.
 
 Worked example, four experts, three tokens, top-2, aligned into blocks of two rows::
 
@@ -47,22 +48,28 @@ Worked example, four experts, three tokens, top-2, aligned into blocks of two ro
 
 from __future__ import annotations
 
-import torch
-
 import functools
 
+import torch
+
 from .._checks import fail
-from .._runtime import HAS_TRITON, INTERPRET, kernel, next_power_of_2, note_launch, tl
+from .._runtime import HAS_TRITON, INTERPRET, cdiv, kernel, next_power_of_2, note_launch, tl
 from ._pdl import pdl_available
-from .align import _COUNT_TILE, _FILL_TILE, _SINGLE_TILE, align_bins_and_pad_tile, alignment_buffer_sizes
+from .align import (_COUNT_TILE, _FILL_ROWS_PER_PROGRAM, _FILL_TILE, _SINGLE_TILE, _SINGLE_WARPS,
+                    SINGLE_LAUNCH_MAX_NUMEL, align_bins_and_pad_tile, alignment_buffer_sizes)
 from .gate_routing import BLOCK_T as GATE_BLOCK_T, _check, _gate_route, gate_tiles
 
 __all__ = ["MAX_TOKENS", "gate_route_chained", "gate_route_chained_checked"]
 
-#: Most tokens the one routing program takes: it routes them a block at a time, one after another.
-MAX_TOKENS = 128
-#: Tokens the routing program holds at once (fewer when the batch is smaller).
-_ROUTE_BLOCK = 16
+#: Most tokens: every block of 16 tokens re-reads the gate matrix (from L2 after the first), so
+#: from a few hundred tokens the cuBLAS gate then the routing kernel read less.
+MAX_TOKENS = 512
+#: Most assignments the alignment launch places (its single-launch path: every program counts every
+#: id); above, :func:`~moe_kernels.kernels.align.moe_align_block_size` runs with its own launches.
+ALIGN_MAX_ASSIGNMENTS = SINGLE_LAUNCH_MAX_NUMEL
+#: Tokens per routing program: one, so that a batch's tokens are routed side by side, each by one
+#: warp or two (E <= 128 or 256), where the reductions of the top-k are shuffles within a warp.
+_ROUTE_BLOCK = 1
 
 if HAS_TRITON:
     from ._pdl import gdc_launch_dependents, gdc_wait
@@ -80,28 +87,33 @@ if HAS_TRITON:
 
     @kernel
     def _chained_route_kernel(
-        partial_ptr, bias_ptr, logits_ptr, weights_ptr, ids_ptr, sorted_ids_ptr, expert_ids_ptr, used_ptr,
-        num_tokens, num_experts, topk, renormalize, scale, num_groups, experts_per_group, topk_group, block_size,
+        partial_ptr, bias_ptr, logits_ptr, weights_ptr, ids_ptr,
+        num_tokens, num_experts, topk, renormalize, scale, num_groups, experts_per_group, topk_group,
         GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, USE_SIGMOID: tl.constexpr, PRECISE: tl.constexpr,
         SORTED: tl.constexpr, BLOCK_T: tl.constexpr, SPLIT_K: tl.constexpr, E_COLS: tl.constexpr,
-        G_PAD: tl.constexpr, S_PAD: tl.constexpr, K_PAD: tl.constexpr, ALIGN: tl.constexpr, NUM_BINS: tl.constexpr,
-        ALIGN_TILE: tl.constexpr, PAD_TILE: tl.constexpr, COUNT_TILE: tl.constexpr, FILL_TILE: tl.constexpr,
-        PDL: tl.constexpr,
+        G_PAD: tl.constexpr, S_PAD: tl.constexpr, K_PAD: tl.constexpr, PDL: tl.constexpr, TRIGGER: tl.constexpr,
     ):
-        """The one program: add, route and (``ALIGN``) align every token."""
+        """Program ``p`` adds and routes tokens ``p * BLOCK_T`` to ``(p + 1) * BLOCK_T``."""
         if PDL:   # launched before the gate's partials are all written: wait for them here
             gdc_wait()
-        for first_token in range(0, num_tokens, BLOCK_T):
-            add_partials_and_route(partial_ptr, bias_ptr, logits_ptr, weights_ptr, ids_ptr, first_token, num_tokens,
-                                   num_experts, topk, renormalize, scale, num_groups, experts_per_group, topk_group,
-                                   GROUPED, HAS_BIAS, USE_SIGMOID, PRECISE, SORTED, BLOCK_T, SPLIT_K, E_COLS, G_PAD,
-                                   S_PAD, K_PAD)
-        if ALIGN:
-            tl.debug_barrier()   # every thread's ids stored before any thread reads them back
-            numel = num_tokens * topk
-            _align_program(0, 1, ids_ptr, ids_ptr, sorted_ids_ptr, expert_ids_ptr, used_ptr, numel, num_experts,
-                           block_size, numel, False, NUM_BINS, ALIGN_TILE, COUNT_TILE, 1, PAD_TILE, FILL_TILE, "",
-                           ".cg")
+        if TRIGGER:   # the alignment may launch: it waits for this launch's ids itself
+            gdc_launch_dependents()
+        add_partials_and_route(partial_ptr, bias_ptr, logits_ptr, weights_ptr, ids_ptr, tl.program_id(0) * BLOCK_T,
+                               num_tokens, num_experts, topk, renormalize, scale, num_groups, experts_per_group,
+                               topk_group, GROUPED, HAS_BIAS, USE_SIGMOID, PRECISE, SORTED, BLOCK_T, SPLIT_K, E_COLS,
+                               G_PAD, S_PAD, K_PAD)
+
+    @kernel
+    def _chained_align_kernel(ids_ptr, sorted_ids_ptr, expert_ids_ptr, used_ptr, numel, num_experts, block_size,
+                              NUM_BINS: tl.constexpr, TILE: tl.constexpr, PAD_TILE: tl.constexpr,
+                              COUNT_TILE: tl.constexpr, FILL_TILE: tl.constexpr, PDL: tl.constexpr):
+        """The alignment kernel's single-launch body (every program counts every id, then places its
+        chunk of ``TILE`` assignments and writes its share of the tail), after the routing's ids."""
+        if PDL:
+            gdc_wait()
+        _align_program(tl.program_id(0), tl.num_programs(0), ids_ptr, ids_ptr, sorted_ids_ptr, expert_ids_ptr,
+                       used_ptr, numel, num_experts, block_size, TILE, False, NUM_BINS, TILE, COUNT_TILE, 1, PAD_TILE,
+                       FILL_TILE, "", ".cg")
 
 
 def gate_route_chained(hidden_states: torch.Tensor, gate_weight: torch.Tensor, topk: int, renormalize: bool,
@@ -144,7 +156,8 @@ def gate_route_chained_checked(hidden_states, gate_weight, topk, renormalize, sc
     launch = functools.partial(_launch, sorted_topk=sorted_topk, pdl=pdl and pdl_available(hidden_states.device))
     weights, ids, logits, alignment = _gate_route(hidden_states, gate_weight, topk, renormalize, scoring_func,
                                                   num_expert_group, topk_group, routed_scaling_factor,
-                                                  e_score_correction_bias, block_size, launch, "gate_route_chained")
+                                                  e_score_correction_bias, block_size, launch, "gate_route_chained",
+                                                  ALIGN_MAX_ASSIGNMENTS)
     return (weights, ids, logits) if block_size is None else (weights, ids, logits, *alignment)
 
 
@@ -160,25 +173,31 @@ def _launch(hidden_states, gate_weight, bias, topk, renormalize, scoring_func, n
     tiles = gate_tiles(num_tokens, num_experts, hidden_size)
     partial = torch.empty((tiles["split_k"], num_tokens, num_experts), dtype=torch.float32,
                           device=hidden_states.device)
-    sorted_ids, expert_ids, used, block_size = alignment if alignment is not None else (ids, ids, ids, 1)
-    num_bins, pad_tile = align_bins_and_pad_tile(num_experts, block_size)
-    route_block = min(_ROUTE_BLOCK, next_power_of_2(num_tokens))
+    route_block = _ROUTE_BLOCK
     note_launch("chained_routing.gate", split_k=tiles["split_k"], pdl=pdl)
     _chained_gate_kernel[(tiles["t_blocks"], tiles["e_blocks"], tiles["split_k"])](
         hidden_states, gate_weight, partial, num_tokens, num_experts, hidden_size, hidden_states.stride(0),
         gate_weight.stride(0), tiles["k_span"], IEEE=hidden_states.dtype == torch.float32,
         BLOCK_T=GATE_BLOCK_T, BLOCK_E=tiles["block_e"], BLOCK_K=tiles["block_k"], PDL=pdl, num_warps=4,
     )
-    note_launch("chained_routing.route", grouped=grouped, pdl=pdl, sorted_topk=sorted_topk,
-                aligned=alignment is not None, route_block=route_block)
-    _chained_route_kernel[(1,)](
-        partial, bias if bias is not None else logits, logits, weights, ids, sorted_ids, expert_ids, used,
-        num_tokens, num_experts, topk, renormalize, float(routed_scaling_factor), groups, per_group,
-        topk_group or 1, block_size,
+    note_launch("chained_routing.route", grouped=grouped, pdl=pdl, sorted_topk=sorted_topk, route_block=route_block)
+    _chained_route_kernel[(cdiv(num_tokens, route_block),)](
+        partial, bias if bias is not None else logits, logits, weights, ids,
+        num_tokens, num_experts, topk, renormalize, float(routed_scaling_factor), groups, per_group, topk_group or 1,
         GROUPED=grouped, HAS_BIAS=bias is not None, USE_SIGMOID=scoring_func == "sigmoid", PRECISE=not INTERPRET,
         SORTED=sorted_topk, BLOCK_T=route_block, SPLIT_K=tiles["split_k"], E_COLS=e_cols, G_PAD=g_pad, S_PAD=s_pad,
-        K_PAD=next_power_of_2(topk), ALIGN=alignment is not None, NUM_BINS=num_bins, ALIGN_TILE=_SINGLE_TILE,
-        PAD_TILE=pad_tile, COUNT_TILE=_COUNT_TILE, FILL_TILE=_FILL_TILE, PDL=pdl,
-        num_warps=8 if alignment is not None or route_block * e_cols > 2048 else 4,
-        **({"launch_pdl": True} if pdl else {}),
+        K_PAD=next_power_of_2(topk), PDL=pdl, TRIGGER=pdl and alignment is not None,
+        num_warps=min(4, max(1, route_block * e_cols // 128)), **({"launch_pdl": True} if pdl else {}),
+    )
+    if alignment is None:
+        return
+    sorted_ids, expert_ids, used, block_size = alignment
+    numel = num_tokens * topk
+    num_bins, pad_tile = align_bins_and_pad_tile(num_experts, block_size)
+    programs = max(cdiv(numel, _SINGLE_TILE), cdiv(sorted_ids.numel(), _FILL_ROWS_PER_PROGRAM), 1)
+    note_launch("chained_routing.align", pdl=pdl, programs=programs)
+    _chained_align_kernel[(programs,)](
+        ids, sorted_ids, expert_ids, used, numel, num_experts, block_size,
+        NUM_BINS=num_bins, TILE=_SINGLE_TILE, PAD_TILE=pad_tile, COUNT_TILE=_COUNT_TILE, FILL_TILE=_FILL_TILE,
+        PDL=pdl, num_warps=_SINGLE_WARPS, **({"launch_pdl": True} if pdl else {}),
     )

@@ -329,10 +329,11 @@ def gate_route_and_align_checked(hidden_states, gate_weight, topk, renormalize, 
 
 
 def _gate_route(hidden_states, gate_weight, topk, renormalize, scoring_func, num_expert_group, topk_group,
-                routed_scaling_factor, bias, block_size, launch=None, caller="gate_route_and_align"):
+                routed_scaling_factor, bias, block_size, launch=None, caller="gate_route_and_align", align_max=None):
     """The launch (or the torch fallback): weights, ids, logits and, when ``block_size`` is given,
     the alignment ``(sorted_token_ids, expert_ids, num_tokens_post_padded)`` (else None). ``launch``:
-    another router's launch, with this one's arguments (:mod:`moe_kernels.kernels.chained_routing`'s)."""
+    another router's launch, with this one's arguments (:mod:`moe_kernels.kernels.chained_routing`'s), which
+    aligns up to ``align_max`` assignments (default :data:`ALIGN_MAX_ASSIGNMENTS`)."""
     num_tokens, hidden_size = hidden_states.shape
     num_experts = gate_weight.shape[0]
     if not use_triton(hidden_states, gate_weight, *([bias] if bias is not None else [])):
@@ -349,7 +350,7 @@ def _gate_route(hidden_states, gate_weight, topk, renormalize, scoring_func, num
     weights, ids = _empty_outputs(num_tokens, topk, device)
     logits = torch.empty((num_tokens, num_experts), dtype=torch.float32, device=device)
     numel = num_tokens * topk
-    align_here = block_size is not None and 0 < numel <= ALIGN_MAX_ASSIGNMENTS
+    align_here = block_size is not None and 0 < numel <= (ALIGN_MAX_ASSIGNMENTS if align_max is None else align_max)
     alignment = empty_alignment(numel, block_size, num_experts, device) if align_here else None
     if num_tokens > 0:
         (launch or _launch)(hidden_states, gate_weight, bias, topk, renormalize, scoring_func, num_expert_group,
