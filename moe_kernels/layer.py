@@ -39,13 +39,12 @@ import dataclasses
 
 import torch
 
-from ._checks import FLOAT_DTYPES, check_device, check_dtype, check_int, check_number, env_int, fail
+from ._checks import FLOAT_DTYPES, check_device, check_dtype, check_int, check_number, fail
 from ._replay import CallPlans
 from .checkpoint import load_layer
+from .layer_router import choose_router, route
 from .kernels.config import TABLE_REACH, ConfigChoice, MoEConfig, check_config, choose_config
 from .kernels.formats import WeightFormat
-from .kernels import gate_routing as gate_routing_kernels
-from .kernels.blocks import aligned_blocks
 from .kernels.index_gather import dense_expert, run_experts
 from .kernels.layout_choice import AUTO, check_layout, choose_layout
 from .kernels.layouts import LAYOUTS
@@ -64,16 +63,6 @@ SHARED_EXPERT = ("separate", "fused")
 #: operations cost 110-140 us of host time per call; at 64 tokens the dense path's default tiles
 #: are 1.6x slower (54.4 against 34.8 us), so larger batches keep cuBLAS. fp8 always runs dense.
 DENSE_SHARED_MAX_TOKENS = 16
-#: Up to this many tokens the gate and the routing run as one launch
-#: (:func:`~moe_kernels.kernels.gate_routing.gate_and_route`) instead of the gate's GEMM and then the
-#: routing kernel. 0, i.e. off: timed on the H200 (``results/nvidia-h200/gate-routing.json``, CUDA
-#: graphs) the one launch was slower at every batch for DeepSeek-V3 (25.7 us against 12.5 for the
-#: two launches at one token) and for Qwen3-30B-A3B up to 64 tokens (12.7 against 8.0 at one), level
-#: or slightly faster from 128; with the alignment folded in, slower still (DeepSeek-V3 at one token
-#: 30.1 against 17.1 for three launches). Its split-d partials and the one program per token block
-#: that adds and routes them cost more than a launch saves.
-#: ``MOE_KERNELS_GATE_ROUTING_MAX_TOKENS`` sets it for a process (how that benchmark tries it in a layer).
-GATE_ROUTING_MAX_TOKENS = env_int("MOE_KERNELS_GATE_ROUTING_MAX_TOKENS", 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,11 +80,13 @@ class LayerPlan:
     #: token: its own table lookup; fp8 always, 16/32-bit up to ``DENSE_SHARED_MAX_TOKENS``);
     #: None when the shared expert runs as cuBLAS GEMMs, fused, or there is none.
     shared_choice: ConfigChoice | None = None
-    #: The gate and the routing in one launch (:data:`GATE_ROUTING_MAX_TOKENS`), and the alignment
-    #: too (``gate_alignment``: an aligned index-gather map, no fused shared slot, which would change
-    #: the ids after the routing, at most ``ALIGN_MAX_ASSIGNMENTS`` assignments).
+    #: The gate and the routing in one router (one launch, :data:`GATE_ROUTING_MAX_TOKENS`, or
+    #: ``chained`` launches, :data:`CHAINED_ROUTER_MAX_TOKENS`), and the alignment too
+    #: (``gate_alignment``: an aligned index-gather map, no fused shared slot, which would change the
+    #: ids after the routing, at most the router's ``ALIGN_MAX_ASSIGNMENTS`` assignments).
     gate_routing: bool = False
     gate_alignment: bool = False
+    chained: bool = False
 
     @property
     def config(self) -> MoEConfig:
@@ -130,31 +121,16 @@ def plan_layer(func: str, weights: LayerWeights, routing: Routing, layout: str, 
             weights.format.quantized or num_tokens <= DENSE_SHARED_MAX_TOKENS):
         shared_choice = choose_config(num_tokens, 1, weights.shared_w2.shape[1], d, weights.format.element or
                                       activation_dtype, device, device_name=device_name, reach=TABLE_REACH)
-    # One launch for the router at decode, when the gate has the activations' dtype (as checkpoints store it).
-    gate_routing = 0 < num_tokens <= GATE_ROUTING_MAX_TOKENS and weights.gate.dtype == activation_dtype
-    gate_alignment = (gate_routing and naive is False and not weights.shared_fused and choice.config.one_launch is None
-                      and num_tokens * routing.top_k <= gate_routing_kernels.ALIGN_MAX_ASSIGNMENTS)
-    return LayerPlan(num_tokens, layout, weights.format, choice, naive, shared_choice, gate_routing, gate_alignment)
+    # The router (moe_kernels.layer_router): the two steps, or one router that may align the ids too.
+    router = choose_router(num_tokens, weights.gate.dtype == activation_dtype, routing.top_k,
+                           naive is False and not weights.shared_fused and choice.config.one_launch is None)
+    return LayerPlan(num_tokens, layout, weights.format, choice, naive, shared_choice, *router)
 
 
 def run_layer(plan: LayerPlan, hidden_states: torch.Tensor, weights: LayerWeights, routing: Routing) -> torch.Tensor:
     """One checked call: gate, routing, (the shared slot), (the shared expert), the experts."""
     w, fmt = weights, plan.format
-    blocks = None
-    if plan.gate_routing:
-        rule = dict(num_expert_group=routing.num_expert_group, routed_scaling_factor=routing.routed_scaling_factor,
-                    topk_group=routing.topk_group if routing.num_expert_group is not None or w.bias is not None
-                    else None, e_score_correction_bias=w.bias)
-        args = (hidden_states, w.gate, routing.top_k, routing.renormalize, routing.scoring_func)
-        if plan.gate_alignment:   # the router's launch aligns its ids too
-            topk_weights, topk_ids, _, *alignment = gate_routing_kernels.gate_route_and_align_checked(
-                *args, block_size=plan.config.block_m, **rule)
-            blocks = aligned_blocks(*alignment, plan.config.block_m, topk_ids.numel(), w.num_experts)
-        else:
-            topk_weights, topk_ids, _ = gate_routing_kernels.gate_and_route_checked(*args, **rule)
-    else:
-        logits = router_logits(hidden_states, w.gate)
-        topk_weights, topk_ids = routing.route(hidden_states, logits, w.bias, checked=True)
+    topk_weights, topk_ids, blocks = route(plan, hidden_states, w, routing)
     shared_gate = None if w.shared_gate is None else torch.sigmoid(router_logits(hidden_states, w.shared_gate))
     if w.shared_fused:   # the shared expert as slot k+1, id E, weight 1 (or its gate): routed weights are scaled
         # Made at every call (not kept in the plan): a CUDA graph captures the fill with the call.

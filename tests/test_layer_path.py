@@ -179,9 +179,11 @@ def test_launches_follow_the_plan(fmt, batch):
         for g, tiles in zip(shared, (plan.shared_choice.config.gate_up, plan.shared_choice.config.down)):
             assert g["tiles"] == plan.format.gemm_tiles(tiles) and g["scales"] == plan.format.scale_code
     names = [name for name, _ in launches]
-    # One alignment at most (the routed map's; none on the naive path), one top-k sum, into which
-    # the shared expert's output is added.
-    assert names.count("align.moe_align_block_size") == (0 if plan.naive_blocks else 1), names
+    # One alignment at most (the routed map's, by the alignment kernel or in the router's chain; none
+    # on the naive path), one top-k sum, into which the shared expert's output is added.
+    aligners = names.count("align.moe_align_block_size") + names.count("chained_routing.align")
+    assert aligners == (0 if plan.naive_blocks else 1), names
+    assert ("chained_routing.align" in names) == plan.gate_alignment == (plan.chained and not plan.naive_blocks)
     sums = [settings for name, settings in launches if name == "combine.moe_sum"]
     assert len(sums) == 1 and sums[0]["add"] == (layer.weights.shared_w13 is not None), names
 
@@ -233,69 +235,107 @@ def test_real_layer_runs_its_plan_gpu(model_name, fmt):
 
 @pytest.mark.skipif(BACKEND == "torch", reason="no Triton: the torch references launch nothing")
 @pytest.mark.parametrize("model", ["deepseek-v3", "qwen3-30b-a3b"])
-def test_router_in_one_launch_up_to_its_batch(model):
-    """With ``GATE_ROUTING_MAX_TOKENS`` at 8, a layer up to 8 tokens routes with one launch
-    (gate_and_route, no routing kernel after a GEMM) and gives the two-step layer's answer; at 9
-    tokens it takes the two steps again. Where the block map is aligned (8 tokens: not naive), the
-    router's launch aligns too: no alignment kernel. (Off by default until timed on the H200.)"""
-    import moe_kernels.layer as layer_module
+def test_router_chained_up_to_its_batch(model):
+    """By default a layer up to CHAINED_ROUTER_MAX_TOKENS tokens routes with the chained router (the
+    split gate, one program per token and, on an aligned block map, the alignment: no routing or
+    alignment kernel of the two steps), and gives the two-step layer's answer; above it, the two steps."""
+    import moe_kernels.layer_router as layer_router
 
     x = torch.randn(9, 256, generator=torch.Generator().manual_seed(2)).to(DEVICE)
-    two_steps = small_layer("none", "index_gather", model=model)
-    want = two_steps(x[:8])
-    with mock.patch.object(layer_module, "GATE_ROUTING_MAX_TOKENS", 8):
+    with mock.patch.object(layer_router, "CHAINED_ROUTER_MAX_TOKENS", 0):
+        two_steps = small_layer("none", "index_gather", model=model)
+        assert not two_steps.plan(8, dtype=x.dtype).gate_routing
+        want = two_steps(x[:8])
+    with mock.patch.object(layer_router, "CHAINED_ROUTER_MAX_TOKENS", 8):
         layer = small_layer("none", "index_gather", model=model)
-        for batch, fused, aligned in ((1, True, False), (8, True, True), (9, False, False)):
+        for batch, chained, aligned in ((1, True, False), (8, True, True), (9, False, False)):
             plan = layer.plan(batch, dtype=x.dtype)
-            assert plan.gate_routing == fused and plan.gate_alignment == aligned
+            assert (plan.gate_routing, plan.chained, plan.gate_alignment) == (chained, chained, aligned)
             assert plan.naive_blocks == (batch == 1)
             with record_launches() as launches:
                 out = layer(x[:batch])
             names = [name for name, _ in launches]
             routing = "routing.grouped_topk" if model == "deepseek-v3" else "routing.fused_topk"
-            assert ("gate_routing.gate_and_route" in names) == fused and (routing in names) == (not fused), names
+            assert ("chained_routing.route" in names) == chained and (routing in names) == (not chained), names
+            assert ("chained_routing.align" in names) == aligned, names
             assert ("align.moe_align_block_size" in names) == (batch > 1 and not aligned), names
-            assert [s["aligned"] for n, s in launches if n == "gate_routing.gate_and_route"] == [aligned] * fused
+            assert "gate_routing.gate_and_route" not in names
             assert rel_err(out, layer.reference(x[:batch])) < 1e-3
         torch.testing.assert_close(layer(x[:8]), want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.skipif(BACKEND == "torch", reason="no Triton: the torch references launch nothing")
-def test_router_aligns_only_where_its_ids_are_the_gemms_ids():
-    """The router's launch aligns only where the ids it writes are the ones the GEMMs read, and
-    one program may place them all: not with the shared expert fused as slot E (its column is
-    added after the routing), not above ALIGN_MAX_ASSIGNMENTS (then the alignment kernel runs)."""
-    import moe_kernels.layer as layer_module
-    from moe_kernels.kernels import gate_routing
+@pytest.mark.parametrize("model", ["deepseek-v3", "qwen3-30b-a3b"])
+def test_router_in_one_launch_up_to_its_batch(model):
+    """With ``GATE_ROUTING_MAX_TOKENS`` at 8 (and the chained router off), a layer up to 8 tokens routes
+    with one launch (gate_and_route, no routing kernel after a GEMM) and gives the two-step layer's
+    answer; at 9 tokens it takes the two steps again. Where the block map is aligned (8 tokens: not
+    naive), the router's launch aligns too: no alignment kernel. (Off by default: slower on the H200.)"""
+    import moe_kernels.layer_router as layer_router
 
+    x = torch.randn(9, 256, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    with mock.patch.object(layer_router, "CHAINED_ROUTER_MAX_TOKENS", 0):
+        two_steps = small_layer("none", "index_gather", model=model)
+        want = two_steps(x[:8])
+        with mock.patch.object(layer_router, "GATE_ROUTING_MAX_TOKENS", 8):
+            layer = small_layer("none", "index_gather", model=model)
+            for batch, fused, aligned in ((1, True, False), (8, True, True), (9, False, False)):
+                plan = layer.plan(batch, dtype=x.dtype)
+                assert plan.gate_routing == fused and plan.gate_alignment == aligned and not plan.chained
+                assert plan.naive_blocks == (batch == 1)
+                with record_launches() as launches:
+                    out = layer(x[:batch])
+                names = [name for name, _ in launches]
+                routing = "routing.grouped_topk" if model == "deepseek-v3" else "routing.fused_topk"
+                assert ("gate_routing.gate_and_route" in names) == fused and (routing in names) == (not fused), names
+                assert ("align.moe_align_block_size" in names) == (batch > 1 and not aligned), names
+                assert [s["aligned"] for n, s in launches if n == "gate_routing.gate_and_route"] == [aligned] * fused
+                assert rel_err(out, layer.reference(x[:batch])) < 1e-3
+            torch.testing.assert_close(layer(x[:8]), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(BACKEND == "torch", reason="no Triton: the torch references launch nothing")
+@pytest.mark.parametrize("router", ["one launch", "chained"])
+def test_router_aligns_only_where_its_ids_are_the_gemms_ids(router):
+    """The router aligns only where the ids it writes are the ones the GEMMs read, and within its
+    reach: not with the shared expert fused as slot E (its column is added after the routing), not
+    above the router's ALIGN_MAX_ASSIGNMENTS (then the alignment kernel runs)."""
+    import moe_kernels.layer_router as layer_router
+    from moe_kernels.kernels import chained_routing, gate_routing
+
+    one_launch = router == "one launch"
     x = torch.randn(8, 256, generator=torch.Generator().manual_seed(3)).to(DEVICE)
-    with mock.patch.object(layer_module, "GATE_ROUTING_MAX_TOKENS", 8):
+    with mock.patch.object(layer_router, "GATE_ROUTING_MAX_TOKENS", 8 if one_launch else 0):
         fused_slot = small_layer("none", "index_gather", shared_expert="fused")
         plan = fused_slot.plan(8, dtype=x.dtype)
         assert plan.gate_routing and plan.naive_blocks is False and not plan.gate_alignment
-        with mock.patch.object(gate_routing, "ALIGN_MAX_ASSIGNMENTS", 63):   # 8 tokens x top-8 = 64
+        assert plan.chained == (not one_launch)
+        reach = gate_routing if one_launch else chained_routing
+        with mock.patch.object(reach, "ALIGN_MAX_ASSIGNMENTS", 63):   # 8 tokens x top-8 = 64
             layer = small_layer("none", "index_gather")
             plan = layer.plan(8, dtype=x.dtype)
             assert plan.gate_routing and plan.naive_blocks is False and not plan.gate_alignment
             with record_launches() as launches:
                 out = layer(x)
             names = [name for name, _ in launches]
-            assert "gate_routing.gate_and_route" in names and "align.moe_align_block_size" in names, names
+            router_launch = "gate_routing.gate_and_route" if one_launch else "chained_routing.route"
+            assert router_launch in names and "align.moe_align_block_size" in names, names
             assert rel_err(out, layer.reference(x)) < 1e-3
 
 
 @needs_gpu
 @pytest.mark.parametrize("model_name, batch", [("qwen3-30b-a3b", 8), ("deepseek-v3", 64)])
-def test_router_in_one_launch_replays_and_graphs_on_two_streams_gpu(model_name, batch):
-    """The router's launch (with the alignment) through the replay path: the layer's calls are
-    recorded, replayed, then captured as a CUDA graph (the fourth call on), on the default stream
-    and on a second stream in turn; every output matches the first, eager, call."""
-    import moe_kernels.layer as layer_module
+@pytest.mark.parametrize("one_launch", [True, False], ids=["one launch", "chained"])
+def test_router_replays_and_graphs_on_two_streams_gpu(model_name, batch, one_launch):
+    """The router (one launch, or chained by PDL; with the alignment) through the replay path: the
+    layer's calls are recorded, replayed, then captured as a CUDA graph (the fourth call on), on the
+    default stream and on a second stream in turn; every output matches the first, eager, call."""
+    import moe_kernels.layer_router as layer_router
 
-    with mock.patch.object(layer_module, "GATE_ROUTING_MAX_TOKENS", 128):
+    with mock.patch.object(layer_router, "GATE_ROUTING_MAX_TOKENS", 128 if one_launch else 0):
         layer = MoELayer.random(model_name, dtype=torch.bfloat16, device="cuda", seed=1)
         plan = layer.plan(batch, dtype=torch.bfloat16)
-        assert plan.gate_routing and plan.gate_alignment
+        assert plan.gate_routing and plan.gate_alignment and plan.chained == (not one_launch)
         x = torch.randn(batch, MODELS[model_name].hidden_size, device="cuda", dtype=torch.bfloat16)
         first = layer(x).clone()
         side = torch.cuda.Stream()

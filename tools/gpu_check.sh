@@ -11,7 +11,7 @@
 # tune-shared (the shared expert's tiles, bf16 and fp8, tables written), id-check (bench layer --id-check-only, ID_CHECK_PAIRS pairs at ID_CHECK_BATCHES,
 # recorded as ID_CHECK_NAME or layer-id-check), id-check-gemm1 (the check's cost in GEMM 1 and in GEMM 2 against none,
 # naive block map; ID_CHECK_GEMM1_ARGS: the tool's arguments), one-launch (both GEMMs in one launch against two), launch-floor (what one more
-# kernel in a CUDA graph costs), tile-read (the GEMMs' weight-tile pattern read alone; TILE_READ_ARGS: models formats), model (bench model at
+# kernel in a CUDA graph costs), layer (bench layer at LAYER_BATCHES as LAYER_NAME, after the layer-path GPU tests), tile-read (the GEMMs' weight-tile pattern read alone; TILE_READ_ARGS: models formats), model (bench model at
 # MODEL_BATCHES, MODEL_ROUNDS eager rounds of MODEL_STEPS steps, recorded as MODEL_NAME or model-step; MODEL_ARGS: more of its arguments; 1,8,64 took 170 s at fb84557) (default: tests
 # ceilings sweep). NOTEBOOKS="06 07" limits the notebooks step to those sections. tune searches the tiles (TUNE_BATCHES, TUNE_BUDGET_S) and rewrites the tuned tables in
 # moe_kernels/kernels/configs/, which are packed too. notebooks executes every notebook with the GPU (its live cells run) into $OUT/notebooks
@@ -96,6 +96,13 @@ for step in "${steps[@]}"; do
                        | grep -v Warning || status=1 ;;
         id-check-gemm1) PYTHONPATH="$PWD" $PY tools/id_check_gemm1_ab.py ${ID_CHECK_GEMM1_ARGS:-} 2>&1 | tee "$OUT/id-check-gemm1.log" \
                             | grep -v Warning || status=1 ;;
+        layer) # the layer as a caller sees it (host, GPU, the layer against its GEMMs) at LAYER_BATCHES, recorded as
+               # LAYER_NAME or layer-cost; first the GPU tests of the layer's paths, the routers and the graphs
+               $PY -m pytest tests/test_layer_path.py tests/test_chained_routing.py tests/test_cuda_graphs.py \
+                   tests/test_replay.py -m gpu -q -p no:cacheprovider -W ignore::DeprecationWarning 2>&1 \
+                   | tee "$OUT/layer-tests.log" | tail -n 5 || status=1
+               $PY -m moe_kernels.bench layer --batches "${LAYER_BATCHES:-1,8,64,256}" --record \
+                   --name "${LAYER_NAME:-layer-cost}" ${LAYER_ARGS:-} 2>&1 | tee "$OUT/layer.log" | grep -v Warning | tail -n 40 || status=1 ;;
         id-check) $PY -m moe_kernels.bench layer --id-check-only --id-check-pairs "${ID_CHECK_PAIRS:-101}" \
                       --batches "${ID_CHECK_BATCHES:-1,8,64,512,4096}" --record ${ID_CHECK_NAME:+--name "$ID_CHECK_NAME"} 2>&1 | tee "$OUT/${ID_CHECK_NAME:-id-check}.log" \
                       | tail -n 25 || status=1 ;;

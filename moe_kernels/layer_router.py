@@ -1,0 +1,83 @@
+"""Which router a layer call runs, and running it: the gate, the routing and, where it can, the alignment.
+
+Three routers give the same ids (:mod:`moe_kernels.kernels.gate_routing` and
+:mod:`moe_kernels.kernels.chained_routing` add the gate's partial products in a fixed order; the
+two-step path's cuBLAS gate may break a near-tie the other way, as any two float32 GEMMs may):
+
+* the two steps: the gate on tensor cores (:func:`~moe_kernels.kernels.routing.router_logits`), then
+  the rule's routing kernel, then, for an aligned block map, the alignment kernel;
+* one launch (:func:`~moe_kernels.kernels.gate_routing.gate_and_route`): the split gate whose last
+  program routes, up to :data:`GATE_ROUTING_MAX_TOKENS` (off: slower on the H200);
+* launches chained by PDL (:func:`~moe_kernels.kernels.chained_routing.gate_route_chained`): the split
+  gate, one routing program per token and the alignment, up to :data:`CHAINED_ROUTER_MAX_TOKENS`.
+
+A worked choice (Qwen3-30B-A3B's top-8, a bf16 gate for bf16 activations, an aligned block map)::
+
+    >>> choose_router(64, True, 8, True)   # (gate_routing, gate_alignment, chained)
+    (True, True, True)
+    >>> choose_router(1024, True, 8, True)   # past the chained router's reach: the two steps
+    (False, False, False)
+"""
+
+from __future__ import annotations
+
+from ._checks import env_int
+from .kernels import chained_routing, gate_routing
+from .kernels.blocks import aligned_blocks
+from .kernels.routing import router_logits
+
+__all__ = ["CHAINED_ROUTER_MAX_TOKENS", "GATE_ROUTING_MAX_TOKENS", "choose_router", "route"]
+
+#: Up to this many tokens the router is :mod:`moe_kernels.kernels.chained_routing`'s launches chained by
+#: PDL (the split gate, one routing program per token, the alignment) instead of the cuBLAS gate, the
+#: routing kernel and the alignment kernel. Timed on the H200 (``gate-routing.json``, CUDA graphs, L2
+#: warm, with the alignment): 8.0-11.6 us against 12.7-18.9 for Qwen3-30B-A3B at 1-256 tokens,
+#: 11.6-24.8 against 17.2-26.9 for DeepSeek-V3; at 512 DeepSeek-V3's gate, re-read for every 16 tokens,
+#: makes it slower (38.4 against 29.7). ``MOE_KERNELS_CHAINED_ROUTER_MAX_TOKENS`` sets it for a process.
+CHAINED_ROUTER_MAX_TOKENS = env_int("MOE_KERNELS_CHAINED_ROUTER_MAX_TOKENS", 256)
+#: Up to this many tokens (taking precedence) the router is one launch
+#: (:func:`~moe_kernels.kernels.gate_routing.gate_and_route`, an arrival counter per token block): 0,
+#: off, slower than the two steps on the H200 (``gate-routing.json``: DeepSeek-V3 at one token 21.5
+#: against 12.4 us). ``MOE_KERNELS_GATE_ROUTING_MAX_TOKENS`` sets it for a process.
+GATE_ROUTING_MAX_TOKENS = env_int("MOE_KERNELS_GATE_ROUTING_MAX_TOKENS", 0)
+
+
+def choose_router(num_tokens: int, gate_in_activation_dtype: bool, top_k: int, alignable: bool):
+    """``(gate_routing, gate_alignment, chained)`` for a call at ``num_tokens`` tokens: whether the gate
+    and the routing run as one router (a launch or a chain; only with the gate in the activations'
+    dtype, as checkpoints store it), whether that router aligns the ids too (``alignable``: an aligned
+    index-gather block map whose ids are the router's, i.e. no shared expert fused as slot E after the
+    routing, and not the one-launch GEMMs; at most the router's ``ALIGN_MAX_ASSIGNMENTS``), and whether
+    it is the chained one."""
+    one_launch = 0 < num_tokens <= GATE_ROUTING_MAX_TOKENS
+    chained = not one_launch and 0 < num_tokens <= min(CHAINED_ROUTER_MAX_TOKENS, chained_routing.MAX_TOKENS)
+    fused = (one_launch or chained) and gate_in_activation_dtype
+    router = chained_routing if chained else gate_routing
+    aligned = fused and alignable and num_tokens * top_k <= router.ALIGN_MAX_ASSIGNMENTS
+    return fused, aligned, fused and chained
+
+
+def route(plan, hidden_states, weights, routing):
+    """The call's ``(topk_weights, topk_ids, blocks)``: ``blocks`` the aligned block map when the router
+    aligned the ids (``plan.gate_alignment``), else None (the experts then build their own)."""
+    w = weights
+    if not plan.gate_routing:
+        logits = router_logits(hidden_states, w.gate)
+        return (*routing.route(hidden_states, logits, w.bias, checked=True), None)
+    rule = dict(num_expert_group=routing.num_expert_group, routed_scaling_factor=routing.routed_scaling_factor,
+                topk_group=routing.topk_group if routing.num_expert_group is not None or w.bias is not None else None,
+                e_score_correction_bias=w.bias)
+    args = (hidden_states, w.gate, routing.top_k, routing.renormalize, routing.scoring_func)
+    block_size = plan.config.block_m if plan.gate_alignment else None
+    if plan.chained:
+        topk_weights, topk_ids, _, *alignment = chained_routing.gate_route_chained_checked(
+            *args, block_size=block_size, **rule)
+    elif plan.gate_alignment:   # the router's launch aligns its ids too
+        topk_weights, topk_ids, _, *alignment = gate_routing.gate_route_and_align_checked(
+            *args, block_size=block_size, **rule)
+    else:
+        topk_weights, topk_ids, _ = gate_routing.gate_and_route_checked(*args, **rule)
+    blocks = None
+    if plan.gate_alignment:
+        blocks = aligned_blocks(*alignment, block_size, topk_ids.numel(), w.num_experts)
+    return topk_weights, topk_ids, blocks
