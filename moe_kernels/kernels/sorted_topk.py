@@ -51,6 +51,7 @@ if HAS_TRITON:
         :func:`~moe_kernels.kernels.routing._take_topk` returns them (slots from ``topk`` on: weight
         0, an id the caller's store masks). ``NO_EXPERT`` is the column count ``N``."""
         columns = tl.broadcast_to(tl.arange(0, NO_EXPERT)[None, :], [BLOCK_T, NO_EXPERT])
+        # >>> book: sorted-topk
         bits = (selection + 0.0).to(tl.int32, bitcast=True)   # (+ 0.0: -0.0 becomes +0.0)
         ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
         keys = (ordered.to(tl.int64) << 32) | (NO_EXPERT - 1 - columns).to(tl.int64)
@@ -62,4 +63,5 @@ if HAS_TRITON:
         # Slots from topk on are zero, as the rounds leave them: the renormalisation sums every slot.
         slot = tl.arange(0, K_PAD)[None, :]
         weights = tl.where(slot < topk, tl.gather(weight_source, chosen, 1), 0.0)
+        # <<< book: sorted-topk
         return weights, tl.gather(expert_ids, chosen, 1)
