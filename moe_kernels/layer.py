@@ -80,8 +80,8 @@ class LayerPlan:
     #: token: its own table lookup; fp8 always, 16/32-bit up to ``DENSE_SHARED_MAX_TOKENS``);
     #: None when the shared expert runs as cuBLAS GEMMs, fused, or there is none.
     shared_choice: ConfigChoice | None = None
-    #: The gate and the routing in one router (one launch, :data:`GATE_ROUTING_MAX_TOKENS`, or
-    #: ``chained`` launches, :data:`CHAINED_ROUTER_MAX_TOKENS`), and the alignment too
+    #: The gate and the routing in one router (:mod:`moe_kernels.layer_router`: one launch up to
+    #: ``GATE_ROUTING_MAX_TOKENS``, or ``chained`` launches up to ``CHAINED_ROUTER_MAX_TOKENS``), and the alignment too
     #: (``gate_alignment``: an aligned index-gather map, no fused shared slot, which would change the
     #: ids after the routing, at most the router's ``ALIGN_MAX_ASSIGNMENTS`` assignments).
     gate_routing: bool = False
@@ -293,8 +293,12 @@ class MoELayer(torch.nn.Module):
         return run_layer(plan, hidden_states, weights, self.routing)
 
     def reference(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """The layer in float64, token by token: the torch reference router on the same float32
-        logits, then each token's experts (and the shared expert) evaluated directly."""
+        """The layer in float64, token by token: the torch reference router on the two-step path's
+        float32 logits (the tensor-core gate), then each token's experts (and the shared expert)
+        evaluated directly. Up to ``CHAINED_ROUTER_MAX_TOKENS`` the layer itself routes on the split
+        gate's logits (:mod:`moe_kernels.layer_router`), the same products summed in another order:
+        at a near-tie between two experts (logits within float32 rounding) the two may pick
+        differently, as any two float32 GEMMs may."""
         w = self.weights
         check_hidden("MoELayer.reference", hidden_states, w)
         topk_weights, topk_ids = self.routing.route(hidden_states, router_logits(hidden_states, w.gate), w.bias,

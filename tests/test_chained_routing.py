@@ -1,10 +1,10 @@
-"""The router in two chained launches (moe_kernels.kernels.chained_routing) and the top-k by one
+"""The router in launches chained by PDL (moe_kernels.kernels.chained_routing) and the top-k by one
 partial sort (moe_kernels.kernels.sorted_topk).
 
 The chained router adds the same partials in the same order as the one-launch router
 (moe_kernels.kernels.gate_routing) and routes and aligns them with the same bodies, so its outputs
-equal that router's bit for bit; on integer-valued inputs (exact sums) its ids also equal the
-float64 reference's. The sorted top-k is checked against the k rounds of argmax it replaces, in
+equal that router's bit for bit under the interpreter (on a GPU the weights to float32's last
+bits); on integer-valued inputs (exact sums) its ids also equal the float64 reference's. The sorted top-k is checked against the k rounds of argmax it replaces, in
 the routing kernels on their own, and both against the float32 references. CPU tests use float32
 and float16 (the interpreter's bf16 dot is wrong).
 """
@@ -129,6 +129,8 @@ def test_many_tokens_and_past_the_alignment_launchs_reach(monkeypatch):
 
 def test_no_tokens():
     x, w = inputs(0, 8, 32, 0)
+    weights, ids, logits = gate_route_chained(x, w, 2, True)
+    assert weights.shape == ids.shape == (0, 2) and logits.shape == (0, 8)
     weights, ids, logits, sorted_ids, expert_ids, used = gate_route_chained(x, w, 2, True, block_size=4)
     assert weights.shape == ids.shape == (0, 2) and logits.shape == (0, 8)
     assert int(used) == 0 and sorted_ids.numel() == 8 * 3 and bool((expert_ids == -1).all())
@@ -198,13 +200,15 @@ def test_sorted_topk_with_infinities_and_nan(monkeypatch, scoring):
     """-inf logits, +inf and a NaN (which ranks as -inf): with k = E every expert is still picked
     exactly once, in the reference's order, as by the k rounds."""
     logits = torch.tensor([[float("-inf"), 1.0, float("nan"), float("-inf")],
-                           [float("inf"), 1.0, float("-inf"), 0.5]], device=DEVICE)
-    x = torch.zeros(2, 8, device=DEVICE)
+                           [float("inf"), 1.0, float("-inf"), 0.5],
+                           [-0.0, 0.0, -1e-45, 1e-45],           # signed zeros tie; subnormals order
+                           [-3.0e38, -1.5, -2.5, -1.5]], device=DEVICE)   # negatives, a tie among them
+    x = torch.zeros(4, 8, device=DEVICE)
     rounds = fused_topk(x, logits, 4, False, scoring)
     monkeypatch.setattr(routing, "TOPK_BY_SORT", True)
     weights, ids = fused_topk(x, logits, 4, False, scoring)
     assert torch.equal(ids, rounds[1]) and torch.equal(ids, fused_topk_reference(x, logits, 4, False, scoring)[1])
-    assert sorted(ids[0].tolist()) == [0, 1, 2, 3] == sorted(ids[1].tolist())
+    assert all(sorted(row) == [0, 1, 2, 3] for row in ids.tolist())
     torch.testing.assert_close(weights, rounds[0], equal_nan=True)
 
 
@@ -240,28 +244,32 @@ def test_real_shapes_on_gpu(model, num_tokens, pdl):
 
 @needs_gpu
 def test_repeated_calls_and_graph_replays_agree_on_gpu():
-    """The routing program reads the partials after ``gdc_wait``: a launch that did not wait would
-    show as a call that differs now and then. 200 calls at DeepSeek-V3's shape and 100 tokens, and
-    the same in one CUDA graph replayed 50 times."""
-    x, w = (torch.randn(100, 7168, device="cuda", dtype=torch.bfloat16),
-            torch.randn(256, 7168, device="cuda", dtype=torch.bfloat16) / 85)
+    """The routing programs read the partials after ``gdc_wait``: a launch that did not wait would
+    read partials of the call before. Two inputs alternate, so such stale partials would be another
+    input's: 200 calls at DeepSeek-V3's shape and 100 tokens, and 50 replays of one CUDA graph whose
+    input is refilled with either in turn, each against its own first eager result."""
+    xs = [torch.randn(100, 7168, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    w = torch.randn(256, 7168, device="cuda", dtype=torch.bfloat16) / 85
     bias = 0.01 * torch.randn(256, device="cuda")
     args = dict(topk=8, renormalize=True, scoring_func="sigmoid", num_expert_group=8, topk_group=4,
                 routed_scaling_factor=2.5, e_score_correction_bias=bias, block_size=16)
-    first = gate_route_chained(x, w, **args)
-    calls = [gate_route_chained(x, w, **args) for _ in range(200)]
-    assert all(all(torch.equal(a, b) for a, b in zip(call, first)) for call in calls)
+    firsts = [gate_route_chained(x, w, **args) for x in xs]
+    assert not torch.equal(firsts[0][1], firsts[1][1])   # the two inputs route differently
+    calls = [gate_route_chained(xs[i % 2], w, **args) for i in range(200)]
+    assert all(all(torch.equal(a, b) for a, b in zip(call, firsts[i % 2])) for i, call in enumerate(calls))
+    static = xs[0].clone()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        gate_route_chained(x, w, **args)
+        gate_route_chained(static, w, **args)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        replayed = gate_route_chained(x, w, **args)
-    for _ in range(50):
+        replayed = gate_route_chained(static, w, **args)
+    for i in range(50):
+        static.copy_(xs[i % 2])
         graph.replay()
-        assert all(torch.equal(a, b) for a, b in zip(replayed, first))
+        assert all(torch.equal(a, b) for a, b in zip(replayed, firsts[i % 2]))
 
 
 _COMPILE_FOR_HOPPER = """
@@ -311,3 +319,24 @@ def test_compiles_for_hopper_with_its_dependent_launch():
                           env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split("\n")[:4] == ["True"] * 4, done.stdout
+
+
+def test_the_layer_chooses_its_router():
+    """choose_router's edges: the chain up to CHAINED_ROUTER_MAX_TOKENS (aligned only where the map is
+    alignable and within its reach), the two steps above it or with a gate in another dtype, and the
+    one-launch router first when GATE_ROUTING_MAX_TOKENS reaches the batch."""
+    from unittest import mock
+
+    import moe_kernels.layer_router as layer_router
+    from moe_kernels.layer_router import CHAINED_ROUTER_MAX_TOKENS, choose_router
+
+    assert choose_router(CHAINED_ROUTER_MAX_TOKENS, True, 8, True) == (True, True, True)
+    assert choose_router(CHAINED_ROUTER_MAX_TOKENS + 1, True, 8, True) == (False, False, False)
+    assert choose_router(8, False, 8, True) == (False, False, False)   # a float32 gate for bf16 activations
+    assert choose_router(8, True, 8, False) == (True, False, True)     # naive map or fused shared slot
+    assert choose_router(0, True, 8, True) == (False, False, False)
+    with mock.patch.object(chained_routing, "ALIGN_MAX_ASSIGNMENTS", 63):
+        assert choose_router(8, True, 8, True) == (True, False, True)
+    with mock.patch.object(layer_router, "GATE_ROUTING_MAX_TOKENS", 8):
+        assert choose_router(8, True, 8, True) == (True, True, False)
+        assert choose_router(9, True, 8, True) == (True, True, True)

@@ -7,7 +7,7 @@
 # what: tests, ceilings, tune, refine, sweep, fp8, decode-step, layouts, routing, skew, shared, capacity, notebooks,
 # graphs (the CUDA-graph replay's and the split GEMM 1's GPU tests), assert-tests (the index-gather and CUDA-graph
 # GPU tests, the device-side id asserts among them), host-probe, model-probe, prefill, gate-routing
-# (the router in one launch and in two chained launches, with and without the alignment: their GPU tests and bench routing --gate-routing),
+# (the router in one launch and in launches chained by PDL, with and without the alignment: their GPU tests and bench routing --gate-routing),
 # tune-shared (the shared expert's tiles, bf16 and fp8, tables written), id-check (bench layer --id-check-only, ID_CHECK_PAIRS pairs at ID_CHECK_BATCHES,
 # recorded as ID_CHECK_NAME or layer-id-check), id-check-gemm1 (the check's cost in GEMM 1 and in GEMM 2 against none,
 # naive block map; ID_CHECK_GEMM1_ARGS: the tool's arguments), one-launch (both GEMMs in one launch against two), launch-floor (what one more
@@ -97,12 +97,12 @@ for step in "${steps[@]}"; do
         id-check-gemm1) PYTHONPATH="$PWD" $PY tools/id_check_gemm1_ab.py ${ID_CHECK_GEMM1_ARGS:-} 2>&1 | tee "$OUT/id-check-gemm1.log" \
                             | grep -v Warning || status=1 ;;
         layer) # the layer as a caller sees it (host, GPU, the layer against its GEMMs) at LAYER_BATCHES, recorded as
-               # LAYER_NAME or layer-cost; first the GPU tests of the layer's paths, the routers and the graphs
+               # LAYER_NAME or layer-cost-new (layer-cost.json is the record the book compares with); first the GPU tests of the layer's paths, the routers and the graphs
                $PY -m pytest tests/test_layer_path.py tests/test_chained_routing.py tests/test_cuda_graphs.py \
                    tests/test_replay.py -m gpu -q -p no:cacheprovider -W ignore::DeprecationWarning 2>&1 \
                    | tee "$OUT/layer-tests.log" | tail -n 5 || status=1
                $PY -m moe_kernels.bench layer --batches "${LAYER_BATCHES:-1,8,64,256}" --record \
-                   --name "${LAYER_NAME:-layer-cost}" ${LAYER_ARGS:-} 2>&1 | tee "$OUT/layer.log" | grep -v Warning | tail -n 40 || status=1 ;;
+                   --name "${LAYER_NAME:-layer-cost-new}" ${LAYER_ARGS:-} 2>&1 | tee "$OUT/layer.log" | grep -v Warning | tail -n 40 || status=1 ;;
         id-check) $PY -m moe_kernels.bench layer --id-check-only --id-check-pairs "${ID_CHECK_PAIRS:-101}" \
                       --batches "${ID_CHECK_BATCHES:-1,8,64,512,4096}" --record ${ID_CHECK_NAME:+--name "$ID_CHECK_NAME"} 2>&1 | tee "$OUT/${ID_CHECK_NAME:-id-check}.log" \
                       | tail -n 25 || status=1 ;;

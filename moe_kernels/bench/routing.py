@@ -9,7 +9,7 @@ in an engine); see :mod:`moe_kernels.bench.timing`. Before timing, every kernel'
 with its reference (ids exact). ``--record`` writes ``results/<device>/routing_align.json``.
 ``--gate`` measures instead how often the gate on tensor cores picks other experts than float64
 logits (:func:`gate_agreement`; recorded as ``gate-agreement.json``); ``--gate-routing`` times the
-router in one launch and in two chained launches against the gate then the routing kernel
+router in one launch and in launches chained by PDL against the gate then the routing kernel
 (:func:`gate_routing_ab`; ``gate-routing.json``).
 """
 
@@ -118,7 +118,7 @@ def gate_routing_ab(model_name: str, num_tokens: int, *, seed: int = 0) -> dict:
     * the gate on tensor cores then the routing kernel (two launches), and
       :func:`~moe_kernels.kernels.gate_routing.gate_and_route` (one launch, the gate split over the SMs);
     * with the alignment (blocks of :func:`default_block_size` rows): the two launches then
-      ``moe_align_block_size`` (three launches, what the layer runs today), the same with the
+      ``moe_align_block_size`` (three launches, what the layer ran before the chain), the same with the
       routing kernel's top-k by one partial sort (``three launches sorted``), and
       :func:`~moe_kernels.kernels.gate_routing.gate_route_and_align` (one launch up to
       ``ALIGN_MAX_ASSIGNMENTS`` assignments; ``aligned_in_launch`` says whether it was);
@@ -159,11 +159,11 @@ def gate_routing_ab(model_name: str, num_tokens: int, *, seed: int = 0) -> dict:
         return weights, ids, align.moe_align_block_size(ids, block, num_experts, validate_ids=False)
 
     def three_launches_sorted():
-        routing.TOPK_BY_SORT = True   # read at the launch (the capture records the sorted kernel)
+        before, routing.TOPK_BY_SORT = routing.TOPK_BY_SORT, True   # read at the launch (captured so)
         try:
             return three_launches()
         finally:
-            routing.TOPK_BY_SORT = False
+            routing.TOPK_BY_SORT = before
 
     def one_launch_aligned():
         return gate_route_and_align(x, gate, rule.top_k, rule.renormalize, rule.scoring_func, block_size=block,
@@ -250,7 +250,7 @@ def main(argv=None) -> int:
                         help="only the gate's id agreement (tensor-core and float32 gates against float64 logits); "
                              "with --record, results/<device>/gate-agreement.json")
     parser.add_argument("--gate-routing", action="store_true",
-                        help="only the router in one launch (gate_and_route) and in two chained launches "
+                        help="only the router in one launch (gate_and_route) and in launches chained by PDL "
                              "(gate_route_chained) against the gate then the routing kernel, graph-replayed; with --record, results/<device>/gate-routing.json")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():

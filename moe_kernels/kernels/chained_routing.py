@@ -25,9 +25,11 @@ inputs are ready:
 without PDL, 0.57-0.69 with it.
 
 Outputs are those of :func:`~moe_kernels.kernels.gate_routing.gate_and_route` and
-:func:`~moe_kernels.kernels.gate_routing.gate_route_and_align` exactly: the same partials added in
-the same order give the same logits bit for bit, and the same routing and alignment bodies run on
-them. ``sorted_topk`` picks the top-k by one partial sort (:mod:`moe_kernels.kernels.sorted_topk`)
+:func:`~moe_kernels.kernels.gate_routing.gate_route_and_align`: the same partials added in the same
+order give the same logits bit for bit, and the same routing and alignment bodies run on them, so
+the ids and the alignment are the same; the weights are too under the interpreter, and to
+float32's last bits on a GPU (one token per program there, sixteen in the one-launch router: the
+softmax's and the renormalisation's sums are reduced in another order). ``sorted_topk`` picks the top-k by one partial sort (:mod:`moe_kernels.kernels.sorted_topk`)
 instead of ``k`` rounds of argmax: the same ids, in the same order, and the same weights. Without
 PDL (an older GPU, the interpreter) the same kernels run one after the other, with the same results.
 
@@ -121,7 +123,7 @@ def gate_route_chained(hidden_states: torch.Tensor, gate_weight: torch.Tensor, t
                        num_expert_group: int | None = None, topk_group: int | None = None,
                        routed_scaling_factor: float = 1.0, e_score_correction_bias: torch.Tensor | None = None,
                        sorted_topk: bool = True, pdl: bool = True):
-    """The router (and, with ``block_size``, the alignment) in two chained launches:
+    """The router (and, with ``block_size``, the alignment) in launches chained by PDL:
     ``(topk_weights, topk_ids, logits)``, or with ``block_size`` also
     ``(sorted_token_ids, expert_ids, num_tokens_post_padded)``, exactly as
     :func:`~moe_kernels.kernels.gate_routing.gate_and_route` and
@@ -133,8 +135,8 @@ def gate_route_chained(hidden_states: torch.Tensor, gate_weight: torch.Tensor, t
     _check(func, hidden_states, gate_weight, topk, renormalize, scoring_func, num_expert_group, topk_group,
            routed_scaling_factor, e_score_correction_bias)
     if hidden_states.shape[0] > MAX_TOKENS:
-        fail(func, "hidden_states", f"must have at most {MAX_TOKENS} tokens (one program routes them all; "
-             "gate_routing.gate_and_route or the gate then routing.fused_topk take more)",
+        fail(func, "hidden_states", f"must have at most {MAX_TOKENS} tokens (every 16 tokens re-read the gate; "
+             "the gate then routing.fused_topk take more)",
              f"{hidden_states.shape[0]} tokens")
     if block_size is not None:
         alignment_buffer_sizes(func, hidden_states.new_empty((hidden_states.shape[0], topk), dtype=torch.int32),

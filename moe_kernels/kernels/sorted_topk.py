@@ -57,10 +57,11 @@ if HAS_TRITON:
         keys = (ordered.to(tl.int64) << 32) | (NO_EXPERT - 1 - columns).to(tl.int64)
         keys = tl.where(available, keys, -9223372036854775808)
         top = tl.topk(keys, K_PAD)   # descending
-        # The low 32 bits (a truncating cast) give the column back. An unavailable entry's are 0,
-        # column N - 1: a real column to gather from, in a slot the store masks.
+        # The low 32 bits (a truncating cast) give the column back. An unavailable
+        # entry's are 0, column N - 1: a real column, in a slot the store masks.
         chosen = (NO_EXPERT - 1) - top.to(tl.int32)
-        # Slots from topk on are zero, as the rounds leave them: the renormalisation sums every slot.
+        # Slots from topk on are 0, as the rounds leave them (the renormalisation
+        # sums every slot).
         slot = tl.arange(0, K_PAD)[None, :]
         weights = tl.where(slot < topk, tl.gather(weight_source, chosen, 1), 0.0)
         # <<< book: sorted-topk
