@@ -154,12 +154,17 @@ def test_tiles_fill_the_machine_within_the_partial_budget():
         assert tiles["split_k"] * 16 * num_experts * 4 <= 2 * 128 * 1024
 
 
-def test_nan_in_a_token_gives_valid_ids_and_spoils_no_other_token():
+@pytest.mark.parametrize("router", ["one launch", "chained"])
+def test_nan_in_a_token_gives_valid_ids_and_spoils_no_other_token(router):
+    """For the one-launch router and the chained one (moe_kernels.kernels.chained_routing)."""
+    from moe_kernels.kernels.chained_routing import gate_route_chained
+
+    route = gate_and_route if router == "one launch" else gate_route_chained
     x, w = inputs(4, 16, 32, 2)
     x[1, 3] = float("nan")
-    weights, ids, _ = gate_and_route(x, w, 3, True)
+    weights, ids, _ = route(x, w, 3, True)
     assert bool(((ids >= 0) & (ids < 16)).all())
-    clean = gate_and_route(x[[0, 2, 3]], w, 3, True)
+    clean = route(x[[0, 2, 3]], w, 3, True)
     assert torch.equal(ids[[0, 2, 3]], clean[1]) and torch.equal(weights[[0, 2, 3]], clean[0])
 
 
