@@ -26,11 +26,14 @@ from moe_testing import DEVICE, needs_gpu
 from test_gate_routing import inputs
 
 
-def check_chained(x, w, topk, *, block_size=None, sorted_topk=True, aligner="chained_routing.align", **rule):
-    """gate_route_chained against the one-launch router on the same inputs (equal bit for bit) and,
-    with ``block_size``, its alignment against the reference's of its ids (integers: exact)."""
+def check_chained(x, w, topk, *, block_size=None, sorted_topk=True, aligner="chained_routing.align",
+                  gate_block_t=16, **rule):
+    """gate_route_chained against the one-launch router on the same inputs (equal bit for bit: the same
+    16-token gate blocks, unless the inputs are integers) and, with ``block_size``, its alignment against
+    the reference's of its ids (integers: exact)."""
     with record_launches() as launches:
-        got = gate_route_chained(x, w, topk, True, block_size=block_size, sorted_topk=sorted_topk, **rule)
+        got = gate_route_chained(x, w, topk, True, block_size=block_size, sorted_topk=sorted_topk,
+                                 gate_block_t=gate_block_t, **rule)
     if block_size is None:
         want = gate_and_route(x, w, topk, True, **rule)
     else:
@@ -49,6 +52,7 @@ def check_chained(x, w, topk, *, block_size=None, sorted_topk=True, aligner="cha
         assert names[2:] == ([] if block_size is None else [aligner]), launches
         settings = launches[1][1]
         assert settings["sorted_topk"] == sorted_topk and settings["pdl"] is False   # (no GPU to chain on)
+        assert launches[0][1]["block_t"] == (gate_block_t or chained_routing.gate_block_tokens(x.shape[0]))
     return got
 
 
@@ -127,6 +131,46 @@ def test_many_tokens_and_past_the_alignment_launchs_reach(monkeypatch):
     assert got[1].shape == (5, 2)
 
 
+@pytest.mark.parametrize("gate_block_t", [16, 32, 64, None], ids=["16", "32", "64", "default"])
+@pytest.mark.parametrize("grouped", [False, True], ids=["plain", "grouped"])
+def test_wider_gate_blocks_sum_the_same_products(gate_block_t, grouped):
+    """The gate's token block (64 from WIDE_GATE_FROM_TOKENS, with 64-expert blocks and up to 32 spans
+    of d): on integer inputs, where every sum is exact in any order, the same logits, ids, weights and
+    alignment as the one-launch router's 16-token blocks. 150 tokens: three 64-token blocks, the last
+    one short; 80 experts: two 64-expert blocks, the last one short."""
+    rule = dict(scoring_func="sigmoid", num_expert_group=4, topk_group=2) if grouped else {}
+    x, w = inputs(150, 80, 300, 7, integer=True)
+    got = check_chained(x, w, 6, block_size=16, gate_block_t=gate_block_t, **rule)
+    assert got[1].shape == (150, 6)
+
+
+def test_the_gate_block_by_batch():
+    """16-token blocks (the one-launch router's tiles) below WIDE_GATE_FROM_TOKENS, 64 from it; the
+    wide grid of DeepSeek-V3 at 512 tokens reads each gate row 8 times, not 32."""
+    wide = chained_routing.WIDE_GATE_FROM_TOKENS
+    assert chained_routing.gate_block_tokens(wide - 1) == 16 and chained_routing.gate_block_tokens(wide) == 64
+    tiles = chained_routing.chained_gate_tiles(512, 256, 7168, 64)
+    assert (tiles["t_blocks"], tiles["e_blocks"], tiles["split_k"]) == (8, 4, 8)
+    # 16-token blocks: exactly the one-launch router's grid
+    assert chained_routing.chained_gate_tiles(64, 256, 7168, 16) == chained_routing.gate_tiles(64, 256, 7168)
+    # at most 32 spans of d for a routing program to add, however wide the gate
+    assert chained_routing.chained_gate_tiles(64, 256, 7168, 64)["split_k"] <= 32
+
+
+def test_the_alignment_without_its_tail_places_the_same_rows(monkeypatch):
+    """ALIGN_BODY "no tail" (only for timing the launch's parts): the used rows and blocks as the full
+    body's; what it leaves out is the tail past them."""
+    x, w = inputs(6, 16, 32, 2)
+    full = gate_route_chained(x, w, 3, True, block_size=4)
+    monkeypatch.setattr(chained_routing, "ALIGN_BODY", "no tail")
+    with record_launches() as launches:
+        partial = gate_route_chained(x, w, 3, True, block_size=4)
+    assert launches[-1][1]["body"] == "no tail"
+    used = int(full[5])
+    assert int(partial[5]) == used and torch.equal(partial[3][:used], full[3][:used])
+    assert torch.equal(partial[4][: used // 4], full[4][: used // 4])
+
+
 def test_no_tokens():
     x, w = inputs(0, 8, 32, 0)
     weights, ids, logits = gate_route_chained(x, w, 2, True)
@@ -140,6 +184,8 @@ def test_no_tokens():
     (dict(tokens=MAX_TOKENS + 1), "hidden_states"),
     (dict(sorted_topk=1), "sorted_topk"),
     (dict(pdl="yes"), "pdl"),
+    (dict(gate_block_t=48), "gate_block_t"),
+    (dict(gate_block_t=True), "gate_block_t"),
     (dict(block_size=0), "block_size"),
     (dict(topk=9), "topk"),
     (dict(scoring_func="relu"), "scoring_func"),
@@ -270,12 +316,14 @@ torch.cuda.is_available = lambda: True   # build compiled (not interpreted) kern
 from moe_kernels.kernels import chained_routing
 from moe_kernels.sm90_compile import compile_for_sm90
 
-gate = compile_for_sm90(chained_routing._chained_gate_kernel,
-                        dict(IEEE=False, BLOCK_T=16, BLOCK_E=32, BLOCK_K=128, PDL=True),
-                        dict(x_ptr="*bf16", gate_ptr="*bf16", partial_ptr="*fp32"),
-                        aligned=("stride_x", "stride_gate", "hidden_size", "k_span", "num_experts"), num_warps=4)
-ptx = gate.asm["ptx"]
-print(ptx.find("griddepcontrol.launch_dependents") < ptx.find("mma") and "griddepcontrol.launch_dependents" in ptx)
+for block_t, block_e in ((16, 32), (64, 64)):   # the narrow gate and the wide one (WIDE_GATE_FROM_TOKENS)
+    gate = compile_for_sm90(chained_routing._chained_gate_kernel,
+                            dict(IEEE=False, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=128, PDL=True),
+                            dict(x_ptr="*bf16", gate_ptr="*bf16", partial_ptr="*fp32"),
+                            aligned=("stride_x", "stride_gate", "hidden_size", "k_span", "num_experts"), num_warps=4)
+    ptx = gate.asm["ptx"]
+    trigger = ptx.find("griddepcontrol.launch_dependents")
+    print(0 <= trigger < ptx.find("mma"), end=" " if block_t == 16 else chr(10))
 pointers = dict(partial_ptr="*fp32", bias_ptr="*fp32", logits_ptr="*fp32", weights_ptr="*fp32", ids_ptr="*i32",
                 scale="fp32")
 for grouped, e_cols, split, warps in ((False, 128, 16, 1), (True, 256, 28, 2)):
@@ -288,7 +336,8 @@ for grouped, e_cols, split, warps in ((False, 128, 16, 1), (True, 256, 28, 2)):
                                                     "ld.global.cg"))
     print(0 <= wait < read and 0 <= trigger < read)
 ptx = compile_for_sm90(chained_routing._chained_align_kernel,
-                       dict(NUM_BINS=128, TILE=64, PAD_TILE=16, COUNT_TILE=1024, FILL_TILE=1024, PDL=True),
+                       dict(NUM_BINS=128, TILE=64, PAD_TILE=16, COUNT_TILE=1024, FILL_TILE=1024, PDL=True,
+                            BODY="full"),
                        dict(ids_ptr="*i32", sorted_ids_ptr="*i32", expert_ids_ptr="*i32", used_ptr="*i32"),
                        num_warps=8).asm["ptx"]
 print(0 <= ptx.find("griddepcontrol.wait") < ptx.find("ld.global.cg"))
@@ -309,7 +358,7 @@ def test_compiles_for_hopper_with_its_dependent_launch():
     done = subprocess.run([sys.executable, "-c", _COMPILE_FOR_HOPPER], capture_output=True, text=True, timeout=600,
                           env=env)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split("\n")[:4] == ["True"] * 4, done.stdout
+    assert done.stdout.split("\n")[:4] == ["True True"] + ["True"] * 3, done.stdout
 
 
 def test_the_layer_chooses_its_router():

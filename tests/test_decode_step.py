@@ -178,9 +178,27 @@ def test_measure_times_every_stage_after_checking():
     run = decode_step.measure("deepseek-v3", 9, dtype=torch.float32, device=DEVICE, seed=3, timer=fake_timer,
                               **SMALL)
     assert list(run["stages_us"]) == list(decode_step.STAGES)
-    assert len(calls) == len(decode_step.STAGES) + 1 and run["layer_us"] == 1.5
+    # every stage, the chained router and the whole layer
+    assert len(calls) == len(decode_step.STAGES) + 2 and run["layer_us"] == run["router_chained_us"] == 1.5
     assert run["trace"]["rel_error"] < 1e-5 and run["config"]["block_m"] == 16
     json.dumps(run)  # recordable as is
+
+
+def test_the_chained_router_stage_routes_as_the_trace():
+    """What the decode-step bench times as ``router_chained_us``: the same ids as the traced layer's
+    routing (a float32 layer here: the gate's sums differ only in order), and its alignment."""
+    from moe_kernels.kernels.align import moe_align_block_size_reference
+    from moe_kernels.trace import make_layer, route
+
+    layer = make_layer("deepseek-v3", 9, dtype=torch.float32, device=DEVICE, seed=3, **SMALL)
+    weights, ids, _, *alignment = decode_step.chained_router(layer, 16, False)()
+    want_weights, want_ids = route(layer)
+    assert torch.equal(ids.sort(dim=1).values, want_ids.sort(dim=1).values)
+    torch.testing.assert_close(weights.sum(dim=1), want_weights.sum(dim=1))
+    assert all(torch.equal(a, b) for a, b in zip(alignment, moe_align_block_size_reference(ids, 16, layer.model.num_experts)))
+    assert len(decode_step.chained_router(layer, 16, True)()) == 3   # the naive block map: no alignment
+    big = make_layer("deepseek-v3", 513, dtype=torch.float32, device=DEVICE, seed=3, **SMALL)
+    assert decode_step.chained_router(big, 16, False) is None   # past the chain's reach
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without a GPU")

@@ -85,7 +85,7 @@ for step in "${steps[@]}"; do
                          | grep -v Warning || status=1 ;;
         gate-routing) $PY -m pytest tests/test_gate_routing.py tests/test_chained_routing.py tests/test_routing.py -m gpu -q -p no:cacheprovider -W ignore::DeprecationWarning \
                           2>&1 | tee "$OUT/gate-routing-tests.log" | tail -n 5 || status=1
-                      $PY -m moe_kernels.bench.routing --gate-routing --record 2>&1 | tee "$OUT/gate-routing.log" \
+                      $PY -m moe_kernels.bench.routing --gate-routing --record ${GATE_ROUTING_ARGS:-} 2>&1 | tee "$OUT/gate-routing.log" \
                           | grep -v Warning || status=1 ;;
         prefill) PYTHONPATH="$PWD" $PY tools/prefill_ab.py 2>&1 | tee "$OUT/prefill.log" | grep -v Warning || status=1 ;;
         one-launch) PYTHONPATH="$PWD" $PY tools/one_launch_ab.py 2>&1 | tee "$OUT/one-launch.log" | grep -v Warning \

@@ -23,6 +23,28 @@ from ..kernels.index_gather import expert_down, expert_gate_up
 from ..model.shapes import MODELS, MoEModel
 from .cli import add_record_arguments, positive_ints, write_record
 
+def chained_router(layer, block_m: int, naive: bool) -> Callable | None:
+    """The router as :class:`~moe_kernels.layer.MoELayer` runs it at decode (up to its
+    ``CHAINED_ROUTER_MAX_TOKENS``): :func:`~moe_kernels.kernels.chained_routing.gate_route_chained`, the
+    gate in the activations' dtype, the routing and, unless the block map is naive, the alignment, in
+    launches chained by PDL. It replaces the ``routing`` and ``alignment`` stages (whose float32 gate is
+    the trace's); None above its reach."""
+    from ..kernels.chained_routing import MAX_TOKENS, gate_route_chained
+    from ..layer_spec import Routing
+
+    hidden = layer.hidden_states
+    if not 0 < hidden.shape[0] <= MAX_TOKENS:
+        return None
+    rule = Routing.of(layer.model)
+    gate = layer.gate_weight.to(hidden.dtype)
+    bias = layer.correction_bias
+    grouped = rule.num_expert_group is not None or bias is not None
+    return lambda: gate_route_chained(
+        hidden, gate, rule.top_k, rule.renormalize, rule.scoring_func, block_size=None if naive else block_m,
+        num_expert_group=rule.num_expert_group, topk_group=(rule.topk_group or 1) if grouped else None,
+        routed_scaling_factor=rule.routed_scaling_factor, e_score_correction_bias=bias)
+
+
 # Largest relative error against the float64 reference that :func:`measure` accepts before timing.
 _TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 2e-2}
 
@@ -43,7 +65,8 @@ def measure(model: MoEModel | str, num_tokens: int, *, dtype: torch.dtype, devic
     Each stage is timed on its own, reading the previous stage's real outputs and writing into
     preallocated buffers (``timer`` is :func:`moe_kernels.bench.timing.graph_us` on the GPU: a CUDA-graph
     replay, no launch overhead, no host synchronisation allowed). ``layer`` times the stages
-    chained, from the hidden states to the output.
+    chained, from the hidden states to the output. ``router_chained_us``: :func:`chained_router`, what
+    the layer runs instead of ``routing`` + ``alignment`` at decode.
     """
     model, _, _ = _check_layer_args("measure", model, num_tokens, hidden_size, intermediate_size, dtype, seed)
     layer = make_layer(model, num_tokens, hidden_size=hidden_size, intermediate_size=intermediate_size,
@@ -82,9 +105,10 @@ def measure(model: MoEModel | str, num_tokens: int, *, dtype: torch.dtype, devic
     if run.shared_w1 is not None:
         stage_fns["shared expert"] = lambda: shared_expert(run)
     stages_us = {name: timer(stage_fns[name]) for name in STAGES if name in stage_fns}
+    chained = chained_router(run, config.block_m, trace.naive)
     return {"model": model.name, "num_tokens": num_tokens, "dtype": trace.dtype, "seed": seed,
             "config": config.to_dict(), "trace": trace.to_dict(), "stages_us": stages_us,
-            "layer_us": timer(whole_layer)}
+            "router_chained_us": None if chained is None else timer(chained), "layer_us": timer(whole_layer)}
 
 
 STAGES_FP8 = ("routing", "alignment", "quantise", "gemm1", "requantise", "gemm2", "sum", "shared expert")
@@ -145,11 +169,13 @@ def measure_fp8(model: MoEModel | str, num_tokens: int, *, device, seed: int,
         return out + stage_fns["shared expert"]()
 
     stages_us = {name: timer(stage_fns[name]) for name in STAGES_FP8}
+    chained = chained_router(layer, config.block_m, trace.naive)
     fp8_bytes = trace.experts_touched * model.expert_params   # one byte per weight
     return {"model": model.name, "num_tokens": num_tokens, "dtype": "fp8 block (128x128 weights, 1x128 activations)",
             "seed": seed, "config": config.to_dict(), "experts_touched": trace.experts_touched,
             "routed_bytes_fp8": fp8_bytes, "routed_scale_bytes": trace.experts_touched * 4 * (w1s[0].numel() + w2s[0].numel()),
-            "rel_error_vs_quantised_reference": rel_error, "stages_us": stages_us, "layer_us": timer(whole_layer)}
+            "rel_error_vs_quantised_reference": rel_error, "stages_us": stages_us,
+            "router_chained_us": None if chained is None else timer(chained), "layer_us": timer(whole_layer)}
 
 
 def _print_run(run: dict, bandwidth: float | None) -> None:
@@ -161,6 +187,9 @@ def _print_run(run: dict, bandwidth: float | None) -> None:
         print(f"  {name:<14} {us:9.1f} us" if us is not None else f"  {name:<14}   (not capturable)")
     total = sum(v for v in run["stages_us"].values() if v is not None)
     print(f"  {'sum of stages':<14} {total:9.1f} us;  whole layer graphed {run['layer_us']:.1f} us")
+    if run["router_chained_us"] is not None:
+        print(f"  router chained {run['router_chained_us']:9.1f} us (gate, routing and alignment, instead of "
+              "routing + alignment)")
     if bandwidth:
         floor = t["routed_bytes_bf16"] / bandwidth * 1e6
         print(f"  routed bf16 weights {t['routed_bytes_bf16'] / 1e9:.2f} GB at {bandwidth / 1e12:.2f} TB/s: "
@@ -197,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
             run = measure_fp8(args.model, num_tokens, device="cuda", seed=args.seed, timer=graph_us)
             print(f"fp8: relative error vs the quantised reference {run['rel_error_vs_quantised_reference']:.1e}; "
                   + ", ".join(f"{n} {us:.1f}" for n, us in run["stages_us"].items())
+                  + f"; router chained {run['router_chained_us'] or float('nan'):.1f}"
                   + f" us; layer {run['layer_us']:.1f} us; fp8 floor {run['routed_bytes_fp8'] / bandwidth * 1e6:.1f} us")
             runs_fp8.append(run)
             torch.cuda.empty_cache()

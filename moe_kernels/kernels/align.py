@@ -203,10 +203,10 @@ if HAS_TRITON:
         used_ptr, numel, num_experts, block_size, chunk_size,
         COUNTS_FROM_TABLE: tl.constexpr, NUM_BINS: tl.constexpr, TILE: tl.constexpr,
         COUNT_TILE: tl.constexpr, ROW_TILE: tl.constexpr, PAD_TILE: tl.constexpr,
-        FILL_TILE: tl.constexpr, ID_CHECK: tl.constexpr, CACHE: tl.constexpr,
+        FILL_TILE: tl.constexpr, ID_CHECK: tl.constexpr, CACHE: tl.constexpr, FILL_TAIL: tl.constexpr = True,
     ):
         """Program ``program`` of ``num_programs``: place the assignments of chunk ``program``,
-        then write a share of the tail. One program with ``chunk_size >= numel`` aligns
+        then write a share of the tail (``FILL_TAIL``; off only to time the rest). One program with ``chunk_size >= numel`` aligns
         everything: how another kernel runs the alignment in its last program
         (:mod:`moe_kernels.kernels.gate_routing`, which reads the ids it has just written with
         ``CACHE=".cg"``).
@@ -280,14 +280,15 @@ if HAS_TRITON:
             next_free += tl.histogram(experts, NUM_BINS, mask=valid)
 
         # Unused tail, shared round-robin between all programs.
-        fill_lanes = tl.arange(0, FILL_TILE)
-        stride = num_programs * FILL_TILE
-        for start in range(used + program * FILL_TILE, capacity, stride):
-            tail_rows = start + fill_lanes
-            tl.store(sorted_ids_ptr + tail_rows, numel, mask=tail_rows < capacity)
-        for start in range(used // block_size + program * FILL_TILE, num_blocks, stride):
-            tail_blocks = start + fill_lanes
-            tl.store(expert_ids_ptr + tail_blocks, -1, mask=tail_blocks < num_blocks)
+        if FILL_TAIL:
+            fill_lanes = tl.arange(0, FILL_TILE)
+            stride = num_programs * FILL_TILE
+            for start in range(used + program * FILL_TILE, capacity, stride):
+                tail_rows = start + fill_lanes
+                tl.store(sorted_ids_ptr + tail_rows, numel, mask=tail_rows < capacity)
+            for start in range(used // block_size + program * FILL_TILE, num_blocks, stride):
+                tail_blocks = start + fill_lanes
+                tl.store(expert_ids_ptr + tail_blocks, -1, mask=tail_blocks < num_blocks)
 
 
 def align_bins_and_pad_tile(num_experts: int, block_size: int) -> tuple[int, int]:

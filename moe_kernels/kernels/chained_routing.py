@@ -61,7 +61,7 @@ from .align import (_COUNT_TILE, _FILL_ROWS_PER_PROGRAM, _FILL_TILE, _SINGLE_TIL
                     SINGLE_LAUNCH_MAX_NUMEL, align_bins_and_pad_tile, alignment_buffer_sizes)
 from .gate_routing import BLOCK_T as GATE_BLOCK_T, _check, _gate_route, gate_tiles
 
-__all__ = ["MAX_TOKENS", "gate_route_chained", "gate_route_chained_checked"]
+__all__ = ["MAX_TOKENS", "gate_block_tokens", "gate_route_chained", "gate_route_chained_checked"]
 
 #: Most tokens: every block of 16 tokens re-reads the gate matrix (from L2 after the first), so
 #: from a few hundred tokens the cuBLAS gate then the routing kernel read less.
@@ -69,6 +69,19 @@ MAX_TOKENS = 512
 #: Most assignments the alignment launch places (its single-launch path: every program counts every
 #: id); above, :func:`~moe_kernels.kernels.align.moe_align_block_size` runs with its own launches.
 ALIGN_MAX_ASSIGNMENTS = SINGLE_LAUNCH_MAX_NUMEL
+#: From this many tokens the gate's programs take 64 tokens each (and 64 experts), not 16: a program
+#: reads its rows of ``x`` and of the gate once per token block and expert block, so wider blocks
+#: read less from L2 (DeepSeek-V3 at 512 tokens: 59 MB instead of 176).
+WIDE_GATE_FROM_TOKENS = 128
+#: Token blocks the gate may take, and the most partials per token a routing program adds (its
+#: loads are unrolled).
+GATE_BLOCK_CHOICES = (16, 32, 64)
+_MAX_SPLIT = 32
+#: What the alignment launch runs: "full", or, only to time its parts (``bench routing
+#: --gate-routing``), "no tail" or "wait only" (see ``_chained_align_kernel``); and its warps. Read at
+#: each launch.
+ALIGN_BODY = "full"
+ALIGN_WARPS = _SINGLE_WARPS
 #: Tokens per routing program: one, so that a batch's tokens are routed side by side, each by one
 #: warp or two (E <= 128 or 256), where the reductions of the top-k are shuffles within a warp.
 _ROUTE_BLOCK = 1
@@ -108,21 +121,54 @@ if HAS_TRITON:
     @kernel
     def _chained_align_kernel(ids_ptr, sorted_ids_ptr, expert_ids_ptr, used_ptr, numel, num_experts, block_size,
                               NUM_BINS: tl.constexpr, TILE: tl.constexpr, PAD_TILE: tl.constexpr,
-                              COUNT_TILE: tl.constexpr, FILL_TILE: tl.constexpr, PDL: tl.constexpr):
+                              COUNT_TILE: tl.constexpr, FILL_TILE: tl.constexpr, PDL: tl.constexpr,
+                              BODY: tl.constexpr):
         """The alignment kernel's single-launch body (every program counts every id, then places its
-        chunk of ``TILE`` assignments and writes its share of the tail), after the routing's ids."""
+        chunk of ``TILE`` assignments and writes its share of the tail), after the routing's ids.
+        ``BODY`` (:data:`ALIGN_BODY`): "full"; for timing its parts, "no tail" (the tail past the used
+        rows left unwritten) or "wait only" (the wait and one read of the ids: the launch's floor)."""
         if PDL:
             gdc_wait()
-        _align_program(tl.program_id(0), tl.num_programs(0), ids_ptr, ids_ptr, sorted_ids_ptr, expert_ids_ptr,
-                       used_ptr, numel, num_experts, block_size, TILE, False, NUM_BINS, TILE, COUNT_TILE, 1, PAD_TILE,
-                       FILL_TILE, "", ".cg")
+        if BODY == "wait only":
+            if tl.program_id(0) == 0:
+                tl.store(used_ptr, tl.load(ids_ptr, cache_modifier=".cg"))
+        else:
+            _align_program(tl.program_id(0), tl.num_programs(0), ids_ptr, ids_ptr, sorted_ids_ptr, expert_ids_ptr,
+                           used_ptr, numel, num_experts, block_size, TILE, False, NUM_BINS, TILE, COUNT_TILE, 1,
+                           PAD_TILE, FILL_TILE, "", ".cg", BODY == "full")
+
+
+def gate_block_tokens(num_tokens: int) -> int:
+    """Tokens per gate program at ``num_tokens``: 16 (the one-launch router's, so that the two give the
+    same logits bit for bit), 64 from :data:`WIDE_GATE_FROM_TOKENS`.
+
+        >>> gate_block_tokens(64), gate_block_tokens(512)
+        (16, 64)
+    """
+    return 64 if num_tokens >= WIDE_GATE_FROM_TOKENS else GATE_BLOCK_T
+
+
+def chained_gate_tiles(num_tokens: int, num_experts: int, hidden_size: int, block_t: int) -> dict:
+    """The gate's grid in the chain: :func:`~moe_kernels.kernels.gate_routing.gate_tiles`, the same as the
+    one-launch router's with 16-token blocks; wider blocks split ``d`` into at most 32 spans (each
+    routing program adds its one token's partials, unrolled), not by the one-launch router's budget for
+    a whole token block.
+
+        >>> chained_gate_tiles(512, 256, 7168, 64)   # DeepSeek-V3: 8 x 4 x 8 programs
+        {'block_e': 64, 'block_k': 128, 'split_k': 8, 'k_span': 896, 'e_blocks': 4, 't_blocks': 8}
+    """
+    if block_t == GATE_BLOCK_T:
+        return gate_tiles(num_tokens, num_experts, hidden_size)
+    rows = max(1, min(num_tokens, block_t))
+    return gate_tiles(num_tokens, num_experts, hidden_size, block_t=block_t,
+                      partial_bytes=rows * next_power_of_2(num_experts) * 4 * _MAX_SPLIT)
 
 
 def gate_route_chained(hidden_states: torch.Tensor, gate_weight: torch.Tensor, topk: int, renormalize: bool,
                        scoring_func: str = "softmax", *, block_size: int | None = None,
                        num_expert_group: int | None = None, topk_group: int | None = None,
                        routed_scaling_factor: float = 1.0, e_score_correction_bias: torch.Tensor | None = None,
-                       sorted_topk: bool = True, pdl: bool = True):
+                       sorted_topk: bool = True, pdl: bool = True, gate_block_t: int | None = None):
     """The router (and, with ``block_size``, the alignment) in launches chained by PDL:
     ``(topk_weights, topk_ids, logits)``, or with ``block_size`` also
     ``(sorted_token_ids, expert_ids, num_tokens_post_padded)``, exactly as
@@ -130,7 +176,10 @@ def gate_route_chained(hidden_states: torch.Tensor, gate_weight: torch.Tensor, t
     :func:`~moe_kernels.kernels.gate_routing.gate_route_and_align` return them. Same arguments and
     checks, and ``hidden_states`` holds at most :data:`MAX_TOKENS` tokens. ``sorted_topk``: the
     top-k by one partial sort (else ``k`` rounds of argmax; same result). ``pdl``: chain the
-    launches where the GPU can (else they run one after the other; same result)."""
+    launches where the GPU can (else they run one after the other; same result). ``gate_block_t``:
+    tokens per gate program, one of :data:`GATE_BLOCK_CHOICES` (default :func:`gate_block_tokens`);
+    other than 16 the partials are summed in another grouping, so the logits may differ from the
+    one-launch router's in float32's last bits (equal where every product and sum is exact)."""
     func = "gate_route_chained"
     _check(func, hidden_states, gate_weight, topk, renormalize, scoring_func, num_expert_group, topk_group,
            routed_scaling_factor, e_score_correction_bias)
@@ -144,18 +193,21 @@ def gate_route_chained(hidden_states: torch.Tensor, gate_weight: torch.Tensor, t
     for name, value in (("sorted_topk", sorted_topk), ("pdl", pdl)):
         if not isinstance(value, bool):
             fail(func, name, "must be a bool", type(value).__name__, TypeError)
+    if gate_block_t is not None and (isinstance(gate_block_t, bool) or gate_block_t not in GATE_BLOCK_CHOICES):
+        fail(func, "gate_block_t", f"must be None or one of {GATE_BLOCK_CHOICES}", repr(gate_block_t))
     return gate_route_chained_checked(hidden_states, gate_weight, topk, renormalize, scoring_func,
                                       block_size=block_size, num_expert_group=num_expert_group, topk_group=topk_group,
                                       routed_scaling_factor=routed_scaling_factor,
                                       e_score_correction_bias=e_score_correction_bias, sorted_topk=sorted_topk,
-                                      pdl=pdl)
+                                      pdl=pdl, gate_block_t=gate_block_t)
 
 
 def gate_route_chained_checked(hidden_states, gate_weight, topk, renormalize, scoring_func="softmax", *,
                                block_size=None, num_expert_group=None, topk_group=None, routed_scaling_factor=1.0,
-                               e_score_correction_bias=None, sorted_topk=True, pdl=True):
+                               e_score_correction_bias=None, sorted_topk=True, pdl=True, gate_block_t=None):
     """:func:`gate_route_chained` for arguments already checked."""
-    launch = functools.partial(_launch, sorted_topk=sorted_topk, pdl=pdl and pdl_available(hidden_states.device))
+    launch = functools.partial(_launch, sorted_topk=sorted_topk, pdl=pdl and pdl_available(hidden_states.device),
+                               gate_block_t=gate_block_t or gate_block_tokens(hidden_states.shape[0]))
     weights, ids, logits, alignment = _gate_route(hidden_states, gate_weight, topk, renormalize, scoring_func,
                                                   num_expert_group, topk_group, routed_scaling_factor,
                                                   e_score_correction_bias, block_size, launch, "gate_route_chained",
@@ -164,7 +216,7 @@ def gate_route_chained_checked(hidden_states, gate_weight, topk, renormalize, sc
 
 
 def _launch(hidden_states, gate_weight, bias, topk, renormalize, scoring_func, num_expert_group, topk_group,
-            routed_scaling_factor, weights, ids, logits, alignment, *, sorted_topk, pdl):
+            routed_scaling_factor, weights, ids, logits, alignment, *, sorted_topk, pdl, gate_block_t):
     num_tokens, hidden_size = hidden_states.shape
     num_experts = gate_weight.shape[0]
     grouped = num_expert_group is not None or bias is not None
@@ -172,15 +224,15 @@ def _launch(hidden_states, gate_weight, bias, topk, renormalize, scoring_func, n
     per_group = num_experts // groups
     g_pad, s_pad = next_power_of_2(groups), next_power_of_2(per_group)
     e_cols = g_pad * s_pad if grouped else next_power_of_2(num_experts)
-    tiles = gate_tiles(num_tokens, num_experts, hidden_size)
+    tiles = chained_gate_tiles(num_tokens, num_experts, hidden_size, gate_block_t)
     partial = torch.empty((tiles["split_k"], num_tokens, num_experts), dtype=torch.float32,
                           device=hidden_states.device)
     route_block = _ROUTE_BLOCK
-    note_launch("chained_routing.gate", split_k=tiles["split_k"], pdl=pdl)
+    note_launch("chained_routing.gate", split_k=tiles["split_k"], block_t=gate_block_t, pdl=pdl)
     _chained_gate_kernel[(tiles["t_blocks"], tiles["e_blocks"], tiles["split_k"])](
         hidden_states, gate_weight, partial, num_tokens, num_experts, hidden_size, hidden_states.stride(0),
         gate_weight.stride(0), tiles["k_span"], IEEE=hidden_states.dtype == torch.float32,
-        BLOCK_T=GATE_BLOCK_T, BLOCK_E=tiles["block_e"], BLOCK_K=tiles["block_k"], PDL=pdl, num_warps=4,
+        BLOCK_T=gate_block_t, BLOCK_E=tiles["block_e"], BLOCK_K=tiles["block_k"], PDL=pdl, num_warps=4,
     )
     note_launch("chained_routing.route", grouped=grouped, pdl=pdl, sorted_topk=sorted_topk, route_block=route_block)
     _chained_route_kernel[(cdiv(num_tokens, route_block),)](
@@ -197,9 +249,9 @@ def _launch(hidden_states, gate_weight, bias, topk, renormalize, scoring_func, n
     numel = num_tokens * topk
     num_bins, pad_tile = align_bins_and_pad_tile(num_experts, block_size)
     programs = max(cdiv(numel, _SINGLE_TILE), cdiv(sorted_ids.numel(), _FILL_ROWS_PER_PROGRAM), 1)
-    note_launch("chained_routing.align", pdl=pdl, programs=programs)
+    note_launch("chained_routing.align", pdl=pdl, programs=programs, body=ALIGN_BODY, warps=ALIGN_WARPS)
     _chained_align_kernel[(programs,)](
         ids, sorted_ids, expert_ids, used, numel, num_experts, block_size,
         NUM_BINS=num_bins, TILE=_SINGLE_TILE, PAD_TILE=pad_tile, COUNT_TILE=_COUNT_TILE, FILL_TILE=_FILL_TILE,
-        PDL=pdl, num_warps=_SINGLE_WARPS, **({"launch_pdl": True} if pdl else {}),
+        PDL=pdl, BODY=ALIGN_BODY, num_warps=ALIGN_WARPS, **({"launch_pdl": True} if pdl else {}),
     )

@@ -182,11 +182,14 @@ if HAS_TRITON:
                 # <<< book: gate-align
 
 
-def gate_tiles(num_tokens: int, num_experts: int, hidden_size: int) -> dict:
+def gate_tiles(num_tokens: int, num_experts: int, hidden_size: int, *, block_t: int = BLOCK_T,
+               partial_bytes: int = _PARTIAL_BYTES) -> dict:
     """The grid of :func:`gate_and_route`: expert blocks, K step, split of ``d`` and its span.
 
     Enough programs to spread the gate's bytes over the SMs (about :data:`_TARGET_PROGRAMS`), but
-    no more partials per token block than its last program reads back in :data:`_PARTIAL_BYTES`.
+    no more partials per token block than its reader takes back in ``partial_bytes``. ``block_t``
+    tokens per program (16, the tensor cores' smallest M tile, by default); from 64 the expert
+    blocks are 64 wide too, so that fewer programs re-read the same rows of ``x`` and of the gate.
 
         >>> gate_tiles(1, 128, 2048)      # Qwen3-30B-A3B at one token: 4 x 16 programs
         {'block_e': 32, 'block_k': 128, 'split_k': 16, 'k_span': 128, 'e_blocks': 4, 't_blocks': 1}
@@ -194,13 +197,15 @@ def gate_tiles(num_tokens: int, num_experts: int, hidden_size: int) -> dict:
         {'block_e': 32, 'block_k': 128, 'split_k': 28, 'k_span': 256, 'e_blocks': 8, 't_blocks': 1}
         >>> gate_tiles(64, 256, 7168)     # DeepSeek-V3 at 64 tokens: 4 x 8 x 8 programs
         {'block_e': 32, 'block_k': 128, 'split_k': 8, 'k_span': 896, 'e_blocks': 8, 't_blocks': 4}
+        >>> gate_tiles(512, 256, 7168, block_t=64, partial_bytes=2**22)   # 8 x 4 x 8 programs
+        {'block_e': 64, 'block_k': 128, 'split_k': 8, 'k_span': 896, 'e_blocks': 4, 't_blocks': 8}
     """
-    block_e = 32 if num_experts > 16 else 16
+    block_e = 64 if block_t >= 64 and num_experts >= 64 else 32 if num_experts > 16 else 16
     block_k = min(128, max(16, next_power_of_2(hidden_size)))
-    t_blocks, e_blocks = max(1, cdiv(num_tokens, BLOCK_T)), cdiv(num_experts, block_e)
+    t_blocks, e_blocks = max(1, cdiv(num_tokens, block_t)), cdiv(num_experts, block_e)
     k_steps = cdiv(hidden_size, block_k)
-    rows = min(num_tokens, BLOCK_T)   # the rows of partials a token block really has
-    by_bytes = max(1, _PARTIAL_BYTES // (max(rows, 1) * next_power_of_2(num_experts) * 4))
+    rows = min(num_tokens, block_t)   # the rows of partials a token block really has
+    by_bytes = max(1, partial_bytes // (max(rows, 1) * next_power_of_2(num_experts) * 4))
     wanted = max(1, _TARGET_PROGRAMS // (t_blocks * e_blocks))
     split = max(1, min(k_steps, by_bytes, wanted))
     k_span = cdiv(k_steps, split) * block_k
