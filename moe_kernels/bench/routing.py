@@ -127,7 +127,8 @@ def gate_routing_ab(model_name: str, num_tokens: int, *, seed: int = 0) -> dict:
       and the alignment, three launches chained by PDL): ``chained`` (sorted top-k, PDL),
       ``chained rounds`` (k rounds of argmax), ``chained no pdl``, and ``chained routing only``
       (no alignment: two launches); the alignment launch's parts (``chained align wait only``: its
-      wait and one read, the floor of a third launch; ``no tail``; ``4 warps``); and the gate's token
+      wait and one read, the floor of a third launch; ``no tail``; ``4 warps``; ``chunked``, the
+      many-program body where the default is one program); and the gate's token
       block (``chained gate 16/32/64``, with and without the alignment).
 
     Checked first: the one-launch ids and weights equal the routing kernel's on its own logits, its
@@ -172,16 +173,21 @@ def gate_routing_ab(model_name: str, num_tokens: int, *, seed: int = 0) -> dict:
         return gate_route_and_align(x, gate, rule.top_k, rule.renormalize, rule.scoring_func, block_size=block,
                                     **grouped)
 
-    def chained(sorted_topk=True, pdl=True, aligned=True, gate_block_t=None, body="full", warps=None):
+    def chained(sorted_topk=True, pdl=True, aligned=True, gate_block_t=None, body="full", warps=None,
+                one_tile_max=None):
+        settings = ("ALIGN_BODY", "ALIGN_WARPS", "ONE_TILE_MAX_ASSIGNMENTS")   # read at the launch
+
         def call():
-            before = chained_routing.ALIGN_BODY, chained_routing.ALIGN_WARPS   # read at the launch
-            chained_routing.ALIGN_BODY, chained_routing.ALIGN_WARPS = body, warps or before[1]
+            before = [getattr(chained_routing, name) for name in settings]
+            for name, value, old in zip(settings, (body, warps, one_tile_max), before):
+                setattr(chained_routing, name, old if value is None else value)
             try:
                 return chained_routing.gate_route_chained(
                     x, gate, rule.top_k, rule.renormalize, rule.scoring_func, block_size=block if aligned else None,
                     sorted_topk=sorted_topk, pdl=pdl, gate_block_t=gate_block_t, **grouped)
             finally:
-                chained_routing.ALIGN_BODY, chained_routing.ALIGN_WARPS = before
+                for name, old in zip(settings, before):
+                    setattr(chained_routing, name, old)
         return call
 
     weights, ids, logits = one_launch()
@@ -208,7 +214,10 @@ def gate_routing_ab(model_name: str, num_tokens: int, *, seed: int = 0) -> dict:
                     # the alignment launch's parts: its floor (the wait and one read), without the tail, 4 warps
                     "chained align wait only": chained(body="wait only"),
                     "chained align no tail": chained(body="no tail"),
-                    "chained align 4 warps": chained(warps=4)})
+                    "chained align 4 warps": chained(warps=4),
+                    # up to ONE_TILE_MAX_ASSIGNMENTS the alignment is one program reading the ids once; this
+                    # is the chunked body there instead
+                    "chained align chunked": chained(one_tile_max=0)})
         # The gate's token block (16: the one-launch router's tiles; 64 from WIDE_GATE_FROM_TOKENS)
         for block_t in chained_routing.GATE_BLOCK_CHOICES:
             fns[f"chained gate {block_t}"] = chained(gate_block_t=block_t)
@@ -229,10 +238,14 @@ def gate_routing_ab(model_name: str, num_tokens: int, *, seed: int = 0) -> dict:
             else:   # another grouping of the same partial products: float32 rounding, and a near-tie may flip
                 flipped = (got[1] != aligned[1]).any(dim=1)
                 other_ids[name] = int(flipped.sum())
-                same = (torch.allclose(got[2], aligned[2], rtol=1e-5, atol=1e-5) and other_ids[name] <= num_tokens // 100
+                # (the tolerance: twice the one-launch gate's distance from cuBLAS's, another reordering)
+                close = float((got[2] - aligned[2]).abs().max()) <= max(2 * error, 1e-5)
+                same = (close and other_ids[name] <= num_tokens // 100
                         and (bool(flipped.any()) or all(torch.equal(a, b) for a, b in zip(got[3:], want_aligned[3:]))))
             if not same:
-                raise AssertionError(f"{name} {model.name} at {num_tokens}: differs from the one-launch router")
+                raise AssertionError(f"{name} {model.name} at {num_tokens}: differs from the one-launch router "
+                                     f"(largest logit difference {float((got[2] - aligned[2]).abs().max()):.2e}, "
+                                     f"the gates' {error:.2e}; tokens with other ids {other_ids.get(name, 0)})")
     # Warm: graph replays back to back (the gate stays in L2). Cold: do_bench flushes the L2 before
     # each replay, as a decode step does in effect (the experts' weights evict the gate). Two rounds
     # each, interleaved; the lower kept.

@@ -77,18 +77,22 @@ WIDE_GATE_FROM_TOKENS = 128
 #: loads are unrolled).
 GATE_BLOCK_CHOICES = (16, 32, 64)
 _MAX_SPLIT = 32
+#: Up to this many assignments (16 tokens of top-8) the alignment launch is one program that reads the
+#: ids once (``align_one_tile``): its [n, n] rank comparison grows with the square.
+ONE_TILE_MAX_ASSIGNMENTS = 128
 #: What the alignment launch runs: "full", or, only to time its parts (``bench routing
 #: --gate-routing``), "no tail" or "wait only" (see ``_chained_align_kernel``); and its warps. Read at
 #: each launch.
 ALIGN_BODY = "full"
 ALIGN_WARPS = _SINGLE_WARPS
+ONE_TILE_WARPS = 4
 #: Tokens per routing program: one, so that a batch's tokens are routed side by side, each by one
 #: warp or two (E <= 128 or 256), where the reductions of the top-k are shuffles within a warp.
 _ROUTE_BLOCK = 1
 
 if HAS_TRITON:
     from ._pdl import gdc_launch_dependents, gdc_wait
-    from .align import _align_program
+    from .align import _align_program, align_one_tile
     from .gate_routing import add_partials_and_route, store_gate_partial
 
     @kernel
@@ -122,9 +126,11 @@ if HAS_TRITON:
     def _chained_align_kernel(ids_ptr, sorted_ids_ptr, expert_ids_ptr, used_ptr, numel, num_experts, block_size,
                               NUM_BINS: tl.constexpr, TILE: tl.constexpr, PAD_TILE: tl.constexpr,
                               COUNT_TILE: tl.constexpr, FILL_TILE: tl.constexpr, PDL: tl.constexpr,
-                              BODY: tl.constexpr):
+                              BODY: tl.constexpr, ONE_TILE: tl.constexpr):
         """The alignment kernel's single-launch body (every program counts every id, then places its
-        chunk of ``TILE`` assignments and writes its share of the tail), after the routing's ids.
+        chunk of ``TILE`` assignments and writes its share of the tail), after the routing's ids; with
+        ``ONE_TILE``, up to :data:`ONE_TILE_MAX_ASSIGNMENTS`, all of it in one program from one read
+        (:func:`~moe_kernels.kernels.align.align_one_tile`).
         ``BODY`` (:data:`ALIGN_BODY`): "full"; for timing its parts, "no tail" (the tail past the used
         rows left unwritten) or "wait only" (the wait and one read of the ids: the launch's floor)."""
         if PDL:
@@ -132,6 +138,9 @@ if HAS_TRITON:
         if BODY == "wait only":
             if tl.program_id(0) == 0:
                 tl.store(used_ptr, tl.load(ids_ptr, cache_modifier=".cg"))
+        elif ONE_TILE:   # a few tokens: one program, one read of the ids
+            align_one_tile(ids_ptr, sorted_ids_ptr, expert_ids_ptr, used_ptr, numel, num_experts, block_size,
+                           NUM_BINS, TILE, PAD_TILE, FILL_TILE, ".cg", BODY == "full")
         else:
             _align_program(tl.program_id(0), tl.num_programs(0), ids_ptr, ids_ptr, sorted_ids_ptr, expert_ids_ptr,
                            used_ptr, numel, num_experts, block_size, TILE, False, NUM_BINS, TILE, COUNT_TILE, 1,
@@ -248,10 +257,15 @@ def _launch(hidden_states, gate_weight, bias, topk, renormalize, scoring_func, n
     sorted_ids, expert_ids, used, block_size = alignment
     numel = num_tokens * topk
     num_bins, pad_tile = align_bins_and_pad_tile(num_experts, block_size)
-    programs = max(cdiv(numel, _SINGLE_TILE), cdiv(sorted_ids.numel(), _FILL_ROWS_PER_PROGRAM), 1)
-    note_launch("chained_routing.align", pdl=pdl, programs=programs, body=ALIGN_BODY, warps=ALIGN_WARPS)
+    one_tile = numel <= ONE_TILE_MAX_ASSIGNMENTS
+    if one_tile:
+        programs, tile, warps = 1, max(16, next_power_of_2(numel)), ONE_TILE_WARPS
+    else:
+        programs = max(cdiv(numel, _SINGLE_TILE), cdiv(sorted_ids.numel(), _FILL_ROWS_PER_PROGRAM), 1)
+        tile, warps = _SINGLE_TILE, ALIGN_WARPS
+    note_launch("chained_routing.align", pdl=pdl, programs=programs, body=ALIGN_BODY, warps=warps, one_tile=one_tile)
     _chained_align_kernel[(programs,)](
         ids, sorted_ids, expert_ids, used, numel, num_experts, block_size,
-        NUM_BINS=num_bins, TILE=_SINGLE_TILE, PAD_TILE=pad_tile, COUNT_TILE=_COUNT_TILE, FILL_TILE=_FILL_TILE,
-        PDL=pdl, BODY=ALIGN_BODY, num_warps=ALIGN_WARPS, **({"launch_pdl": True} if pdl else {}),
+        NUM_BINS=num_bins, TILE=tile, PAD_TILE=pad_tile, COUNT_TILE=_COUNT_TILE, FILL_TILE=_FILL_TILE,
+        PDL=pdl, BODY=ALIGN_BODY, ONE_TILE=one_tile, num_warps=warps, **({"launch_pdl": True} if pdl else {}),
     )
