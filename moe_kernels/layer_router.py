@@ -30,15 +30,15 @@ __all__ = ["CHAINED_ROUTER_MAX_TOKENS", "GATE_ROUTING_MAX_TOKENS", "choose_route
 
 #: Up to this many tokens the router is :mod:`moe_kernels.kernels.chained_routing`'s launches chained by
 #: PDL (the split gate, one routing program per token, the alignment) instead of the cuBLAS gate, the
-#: routing kernel and the alignment kernel. Timed on the H200 (``gate-routing.json``, CUDA graphs, L2
-#: warm, with the alignment): 8.0-11.6 us against 12.7-18.9 for Qwen3-30B-A3B at 1-256 tokens,
-#: 11.6-24.8 against 17.2-26.9 for DeepSeek-V3; at 512 DeepSeek-V3's gate, re-read for every 16 tokens,
-#: makes it slower (38.4 against 29.7). ``MOE_KERNELS_CHAINED_ROUTER_MAX_TOKENS`` sets it for a process.
-CHAINED_ROUTER_MAX_TOKENS = env_int("MOE_KERNELS_CHAINED_ROUTER_MAX_TOKENS", 256)
+#: routing kernel and the alignment kernel: all of the chain's reach. Timed on the H200
+#: (``gate-routing.json``, CUDA graphs, L2 warm, with the alignment): 5.5-14.2 us against 12.6-20.5 for
+#: Qwen3-30B-A3B at 1-512 tokens, 9.6-24.1 against 17.2-29.7 for DeepSeek-V3 (its gate in 64-token
+#: blocks from 128 tokens). ``MOE_KERNELS_CHAINED_ROUTER_MAX_TOKENS`` sets it for a process.
+CHAINED_ROUTER_MAX_TOKENS = env_int("MOE_KERNELS_CHAINED_ROUTER_MAX_TOKENS", 512)
 #: Up to this many tokens (taking precedence) the router is one launch
 #: (:func:`~moe_kernels.kernels.gate_routing.gate_and_route`, an arrival counter per token block): 0,
-#: off, slower than the two steps on the H200 (``gate-routing.json``: DeepSeek-V3 at one token 21.5
-#: against 12.4 us). ``MOE_KERNELS_GATE_ROUTING_MAX_TOKENS`` sets it for a process.
+#: off, slower than the two steps on the H200 (``gate-routing.json``: DeepSeek-V3 at one token 21.4
+#: against 12.6 us). ``MOE_KERNELS_GATE_ROUTING_MAX_TOKENS`` sets it for a process.
 GATE_ROUTING_MAX_TOKENS = env_int("MOE_KERNELS_GATE_ROUTING_MAX_TOKENS", 0)
 
 

@@ -25,8 +25,10 @@ inputs are ready:
 without PDL, 0.57-0.69 with it.
 
 Outputs are those of :func:`~moe_kernels.kernels.gate_routing.gate_and_route` and
-:func:`~moe_kernels.kernels.gate_routing.gate_route_and_align`: the same partials added in the same
-order give the same logits bit for bit, and the same routing and alignment bodies run on them, so
+:func:`~moe_kernels.kernels.gate_routing.gate_route_and_align`: with the same 16-token gate blocks
+(below :data:`WIDE_GATE_FROM_TOKENS`; above it the partials group the products otherwise, so the
+logits agree to float32's rounding and a near-tie may route another way) the same partials added in
+the same order give the same logits bit for bit, and the same routing and alignment bodies run on them, so
 the ids and the alignment are the same; the weights are too under the interpreter, and to
 float32's last bits on a GPU (one token per program there, sixteen in the one-launch router: the
 softmax's and the renormalisation's sums are reduced in another order). ``sorted_topk`` picks the top-k by one partial sort (:mod:`moe_kernels.kernels.sorted_topk`)
@@ -63,23 +65,29 @@ from .gate_routing import BLOCK_T as GATE_BLOCK_T, _check, _gate_route, gate_til
 
 __all__ = ["MAX_TOKENS", "gate_block_tokens", "gate_route_chained", "gate_route_chained_checked"]
 
-#: Most tokens: every block of 16 tokens re-reads the gate matrix (from L2 after the first), so
-#: from a few hundred tokens the cuBLAS gate then the routing kernel read less.
+#: Most tokens: every token block of the gate re-reads the gate matrix (from L2 after the first), and
+#: one routing program per token has nothing to share; past a few hundred tokens the cuBLAS gate and
+#: the routing kernel read less.
 MAX_TOKENS = 512
 #: Most assignments the alignment launch places (its single-launch path: every program counts every
 #: id); above, :func:`~moe_kernels.kernels.align.moe_align_block_size` runs with its own launches.
 ALIGN_MAX_ASSIGNMENTS = SINGLE_LAUNCH_MAX_NUMEL
 #: From this many tokens the gate's programs take 64 tokens each (and 64 experts), not 16: a program
 #: reads its rows of ``x`` and of the gate once per token block and expert block, so wider blocks
-#: read less from L2 (DeepSeek-V3 at 512 tokens: 59 MB instead of 176).
+#: read less from L2 (DeepSeek-V3 at 512 tokens: 59 MB instead of 176). On the H200
+#: (``gate-routing.json``, with the alignment, graphs, L2 warm) DeepSeek-V3's chain took 17.4 / 24.3 /
+#: 37.8 us with 16-token blocks at 128 / 256 / 512 tokens, 16.3 / 19.0 / 24.2 with 64; Qwen3-30B-A3B's
+#: moved by less than 1 us either way.
 WIDE_GATE_FROM_TOKENS = 128
 #: Token blocks the gate may take, and the most partials per token a routing program adds (its
 #: loads are unrolled).
 GATE_BLOCK_CHOICES = (16, 32, 64)
 _MAX_SPLIT = 32
-#: Up to this many assignments (16 tokens of top-8) the alignment launch is one program that reads the
-#: ids once (``align_one_tile``): its [n, n] rank comparison grows with the square.
-ONE_TILE_MAX_ASSIGNMENTS = 128
+#: Up to this many assignments (8 tokens of top-8) the alignment launch is one program that reads the
+#: ids once (``align_one_tile``). Its [n, n] rank comparison grows with the square: on the H200
+#: (``gate-routing.json``, the chain with its alignment, graphs, L2 warm) it saved 2.4-2.5 us at one
+#: token (Qwen3-30B-A3B 7.9 -> 5.5, DeepSeek-V3 12.1 -> 9.6) and 0.5-1.1 at 8, and lost 0.1-0.2 at 16.
+ONE_TILE_MAX_ASSIGNMENTS = 64
 #: What the alignment launch runs: "full", or, only to time its parts (``bench routing
 #: --gate-routing``), "no tail" or "wait only" (see ``_chained_align_kernel``); and its warps. Read at
 #: each launch.
