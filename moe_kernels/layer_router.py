@@ -37,7 +37,7 @@ __all__ = ["CHAINED_ROUTER_MAX_TOKENS", "GATE_ROUTING_MAX_TOKENS", "choose_route
 CHAINED_ROUTER_MAX_TOKENS = env_int("MOE_KERNELS_CHAINED_ROUTER_MAX_TOKENS", 512)
 #: Up to this many tokens (taking precedence) the router is one launch
 #: (:func:`~moe_kernels.kernels.gate_routing.gate_and_route`, an arrival counter per token block): 0,
-#: off, slower than the two steps on the H200 (``gate-routing.json``: DeepSeek-V3 at one token 21.4
+#: off, slower than the two steps on the H200 (``gate-routing.json``: DeepSeek-V3 at one token 21.7
 #: against 12.6 us). ``MOE_KERNELS_GATE_ROUTING_MAX_TOKENS`` sets it for a process.
 GATE_ROUTING_MAX_TOKENS = env_int("MOE_KERNELS_GATE_ROUTING_MAX_TOKENS", 0)
 

@@ -160,18 +160,29 @@ def test_the_gate_block_by_batch():
     assert chained_routing.chained_gate_tiles(64, 256, 7168, 64)["split_k"] <= 32
 
 
-def test_the_alignment_without_its_tail_places_the_same_rows(monkeypatch):
-    """ALIGN_BODY "no tail" (only for timing the launch's parts): the used rows and blocks as the full
-    body's; what it leaves out is the tail past them."""
-    x, w = inputs(6, 16, 32, 2)
-    full = gate_route_chained(x, w, 3, True, block_size=4)
+@pytest.mark.parametrize("num_tokens, topk", [(6, 3), (20, 4)], ids=["one program", "chunked"])
+def test_the_alignment_without_its_tail_places_the_same_rows(monkeypatch, num_tokens, topk):
+    """ALIGN_BODY "no tail" (only for timing the launch's parts), in both bodies: the used rows and
+    blocks as the full body's; what it leaves out is the tail past them."""
+    x, w = inputs(num_tokens, 16, 32, 2)
+    full = gate_route_chained(x, w, topk, True, block_size=4)
     monkeypatch.setattr(chained_routing, "ALIGN_BODY", "no tail")
     with record_launches() as launches:
-        partial = gate_route_chained(x, w, 3, True, block_size=4)
+        partial = gate_route_chained(x, w, topk, True, block_size=4)
     assert launches[-1][1]["body"] == "no tail"
+    assert launches[-1][1]["one_tile"] == (num_tokens * topk <= chained_routing.ONE_TILE_MAX_ASSIGNMENTS)
     used = int(full[5])
     assert int(partial[5]) == used and torch.equal(partial[3][:used], full[3][:used])
     assert torch.equal(partial[4][: used // 4], full[4][: used // 4])
+
+
+@pytest.mark.parametrize("num_tokens, topk", [(8, 8), (13, 5)], ids=["64: one program", "65: chunked"])
+def test_the_alignment_at_the_one_program_edge(num_tokens, topk):
+    """ONE_TILE_MAX_ASSIGNMENTS = 64 assignments exactly (one program, a full tile of ids) and one more
+    (the chunked body): both equal the one-launch router and the reference (check_chained pins the path)."""
+    assert chained_routing.ONE_TILE_MAX_ASSIGNMENTS == 64
+    x, w = inputs(num_tokens, 16, 48, 9)
+    check_chained(x, w, topk, block_size=4)
 
 
 def test_no_tokens():
@@ -189,6 +200,7 @@ def test_no_tokens():
     (dict(pdl="yes"), "pdl"),
     (dict(gate_block_t=48), "gate_block_t"),
     (dict(gate_block_t=True), "gate_block_t"),
+    (dict(gate_block_t=16.0), "gate_block_t"),
     (dict(block_size=0), "block_size"),
     (dict(topk=9), "topk"),
     (dict(scoring_func="relu"), "scoring_func"),
@@ -278,6 +290,9 @@ def test_real_shapes_on_gpu(model, num_tokens, pdl):
                                                   "chained_routing.align"]
         assert all(settings["pdl"] == pdl for _, settings in launches)
         assert launches[1][1]["sorted_topk"] == sorted_topk
+        # the alignment's path: one program up to ONE_TILE_MAX_ASSIGNMENTS (1 and 8 tokens), chunked above
+        one_tile = num_tokens * rule.top_k <= chained_routing.ONE_TILE_MAX_ASSIGNMENTS
+        assert launches[2][1]["one_tile"] == one_tile and (launches[2][1]["programs"] == 1) == one_tile
         assert torch.equal(got[2], want[2]) and torch.equal(got[1], want[1])
         torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=1e-7)
         for a, b in zip(got[3:], want[3:]):
@@ -287,6 +302,8 @@ def test_real_shapes_on_gpu(model, num_tokens, pdl):
     got = gate_route_chained(*args, block_size=16, pdl=pdl, **grouped)
     torch.testing.assert_close(got[2], want[2], rtol=0, atol=1e-4)
     assert int((got[1] != want[1]).any(dim=1).sum()) <= num_tokens // 100
+    for a, b in zip(got[3:], moe_align_block_size_reference(got[1], 16, w.gate.shape[0])):
+        assert torch.equal(a, b)
 
 
 @needs_gpu

@@ -24,11 +24,12 @@ from ..model.shapes import MODELS, MoEModel
 from .cli import add_record_arguments, positive_ints, write_record
 
 def chained_router(layer, block_m: int, naive: bool) -> Callable | None:
-    """The router as :class:`~moe_kernels.layer.MoELayer` runs it at decode (up to its
-    ``CHAINED_ROUTER_MAX_TOKENS``): :func:`~moe_kernels.kernels.chained_routing.gate_route_chained`, the
-    gate in the activations' dtype, the routing and, unless the block map is naive, the alignment, in
-    launches chained by PDL. It replaces the ``routing`` and ``alignment`` stages (whose float32 gate is
-    the trace's); None above its reach."""
+    """The router as :class:`~moe_kernels.layer.MoELayer` runs it at decode for a checkpoint's gate (stored
+    in the activations' dtype; the trace's gate is float32, cast here, and a float32 gate would make the
+    layer take the two steps instead): :func:`~moe_kernels.kernels.chained_routing.gate_route_chained`,
+    the gate, the routing and, unless the block map is naive, the alignment, in launches chained by PDL.
+    It replaces the ``routing`` and ``alignment`` stages; None above the chain's ``MAX_TOKENS`` (the
+    layer's ``CHAINED_ROUTER_MAX_TOKENS`` may stop earlier)."""
     from ..kernels.chained_routing import MAX_TOKENS, gate_route_chained
     from ..layer_spec import Routing
 

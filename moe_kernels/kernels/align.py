@@ -291,47 +291,6 @@ if HAS_TRITON:
                 tl.store(expert_ids_ptr + tail_blocks, -1, mask=tail_blocks < num_blocks)
 
 
-if HAS_TRITON:
-
-    @kernel
-    def align_one_tile(topk_ids_ptr, sorted_ids_ptr, expert_ids_ptr, used_ptr, numel, num_experts, block_size,
-                       NUM_BINS: tl.constexpr, TILE: tl.constexpr, PAD_TILE: tl.constexpr, FILL_TILE: tl.constexpr,
-                       CACHE: tl.constexpr, FILL_TAIL: tl.constexpr = True):
-        """The whole alignment of ``numel <= TILE`` assignments in one program, from one read of the
-        ids: :func:`_align_program` with one chunk, less its separate counting pass (a second read of
-        the ids and a ``COUNT_TILE``-wide histogram). For the router's chain at a few tokens, where the
-        alignment is a chain of dependent steps, each a round trip to L2 or through shared memory,
-        and no work to hide them."""
-        lanes = tl.arange(0, TILE)
-        experts, valid = _load_experts(topk_ids_ptr, lanes, numel, num_experts, CACHE)
-        total = tl.histogram(experts, NUM_BINS, mask=valid)
-        padded = (total + block_size - 1) // block_size * block_size
-        segment_start = tl.cumsum(padded, axis=0) - padded
-        real_end = segment_start + total
-        used = tl.sum(padded, axis=0)
-        tl.store(used_ptr, used)
-        same_earlier = ((experts[:, None] == experts[None, :]) & valid[None, :]
-                        & (lanes[None, :] < lanes[:, None]))
-        row = tl.gather(segment_start, experts, 0) + tl.sum(same_earlier.to(tl.int32), axis=1)
-        tl.store(sorted_ids_ptr + row, lanes, mask=valid)
-        tl.store(expert_ids_ptr + row // block_size, experts, mask=valid & (row % block_size == 0))
-        expert_real_end = tl.gather(real_end, experts, 0)
-        is_last = valid & (row + 1 == expert_real_end)
-        segment_end = (expert_real_end + block_size - 1) // block_size * block_size
-        pad_lanes = tl.arange(0, PAD_TILE)
-        for pad_start in range(0, block_size - 1, PAD_TILE):
-            pad_rows = expert_real_end[:, None] + pad_start + pad_lanes[None, :]
-            tl.store(sorted_ids_ptr + pad_rows, numel, mask=is_last[:, None] & (pad_rows < segment_end[:, None]))
-        if FILL_TAIL:
-            capacity = numel + num_experts * (block_size - 1)
-            fill_lanes = tl.arange(0, FILL_TILE)
-            for start in range(used, capacity, FILL_TILE):
-                tl.store(sorted_ids_ptr + start + fill_lanes, numel, mask=start + fill_lanes < capacity)
-            num_blocks = tl.cdiv(capacity, block_size)
-            for start in range(used // block_size, num_blocks, FILL_TILE):
-                tl.store(expert_ids_ptr + start + fill_lanes, -1, mask=start + fill_lanes < num_blocks)
-
-
 def align_bins_and_pad_tile(num_experts: int, block_size: int) -> tuple[int, int]:
     """The alignment's histogram bins (a power of two >= 32) and its padding store's width, for any
     kernel that runs the alignment's body (this module's, or the router's last program)."""

@@ -13,13 +13,16 @@ before the one it depends on has ended, so that it is resident and waiting, not 
 inputs are ready:
 
 1. :func:`~moe_kernels.kernels.gate_routing.store_gate_partial` over the grid of
-   :func:`~moe_kernels.kernels.gate_routing.gate_tiles`: each program first lets the next launch
-   start (``gdc_launch_dependents``), then writes its float32 partial logits;
+   :func:`chained_gate_tiles` (16 tokens per program, 64 from :data:`WIDE_GATE_FROM_TOKENS`): each
+   program first lets the next launch start (``gdc_launch_dependents``), then writes its float32
+   partial logits;
 2. one program per token: it waits for the first launch's memory (``gdc_wait``), adds the token's
    partials in a fixed order, stores its logits and routes it (the routing kernels' own body, on
    one warp, or two for E = 256, where a reduction is a few shuffles inside a warp);
-3. with a ``block_size``, the alignment kernel's single-launch body (every program counts every id,
-   then places its share), waiting in turn for the routing's ids.
+3. with a ``block_size``, waiting in turn for the routing's ids, the alignment: up to
+   :data:`ONE_TILE_MAX_ASSIGNMENTS` one program from one read of the ids (:func:`align_one_tile`),
+   above it the alignment kernel's single-launch body (every program counts every id, then places
+   its share).
 
 ``launch-floor.json`` (the H200, back to back in a CUDA graph): one more kernel costs 0.96-1.17 us
 without PDL, 0.57-0.69 with it.
@@ -86,7 +89,10 @@ _MAX_SPLIT = 32
 #: Up to this many assignments (8 tokens of top-8) the alignment launch is one program that reads the
 #: ids once (``align_one_tile``). Its [n, n] rank comparison grows with the square: on the H200
 #: (``gate-routing.json``, the chain with its alignment, graphs, L2 warm) it saved 2.4-2.5 us at one
-#: token (Qwen3-30B-A3B 7.9 -> 5.5, DeepSeek-V3 12.1 -> 9.6) and 0.5-1.1 at 8, and lost 0.1-0.2 at 16.
+#: token (Qwen3-30B-A3B 7.9 -> 5.5, DeepSeek-V3 12.1 -> 9.6) and 0.5-1.1 at 8, and lost 0.1-0.3 at 16.
+#: Inside a layer it runs less often than that suggests: where each token is its own block (the naive
+#: map: up to 4 tokens of Qwen3-30B-A3B, 8 of DeepSeek-V3) the layer aligns nothing, so there it is
+#: Qwen3-30B-A3B at 5-8 tokens (0.5 us at 8).
 ONE_TILE_MAX_ASSIGNMENTS = 64
 #: What the alignment launch runs: "full", or, only to time its parts (``bench routing
 #: --gate-routing``), "no tail" or "wait only" (see ``_chained_align_kernel``); and its warps. Read at
@@ -100,8 +106,46 @@ _ROUTE_BLOCK = 1
 
 if HAS_TRITON:
     from ._pdl import gdc_launch_dependents, gdc_wait
-    from .align import _align_program, align_one_tile
+    from .align import _align_program, _load_experts
     from .gate_routing import add_partials_and_route, store_gate_partial
+
+    @kernel
+    def align_one_tile(topk_ids_ptr, sorted_ids_ptr, expert_ids_ptr, used_ptr, numel, num_experts, block_size,
+                       NUM_BINS: tl.constexpr, TILE: tl.constexpr, PAD_TILE: tl.constexpr, FILL_TILE: tl.constexpr,
+                       CACHE: tl.constexpr, FILL_TAIL: tl.constexpr = True):
+        """The whole alignment of ``numel <= TILE`` assignments in one program, from one read of the
+        ids: :func:`~moe_kernels.kernels.align._align_program` with one chunk, less its separate
+        counting pass (a second read of the ids and a ``COUNT_TILE``-wide histogram). For the router's chain at a few tokens, where the
+        alignment is a chain of dependent steps, each a round trip to L2 or through shared memory,
+        and no work to hide them."""
+        lanes = tl.arange(0, TILE)
+        experts, valid = _load_experts(topk_ids_ptr, lanes, numel, num_experts, CACHE)
+        total = tl.histogram(experts, NUM_BINS, mask=valid)
+        padded = (total + block_size - 1) // block_size * block_size
+        segment_start = tl.cumsum(padded, axis=0) - padded
+        real_end = segment_start + total
+        used = tl.sum(padded, axis=0)
+        tl.store(used_ptr, used)
+        same_earlier = ((experts[:, None] == experts[None, :]) & valid[None, :]
+                        & (lanes[None, :] < lanes[:, None]))
+        row = tl.gather(segment_start, experts, 0) + tl.sum(same_earlier.to(tl.int32), axis=1)
+        tl.store(sorted_ids_ptr + row, lanes, mask=valid)
+        tl.store(expert_ids_ptr + row // block_size, experts, mask=valid & (row % block_size == 0))
+        expert_real_end = tl.gather(real_end, experts, 0)
+        is_last = valid & (row + 1 == expert_real_end)
+        segment_end = (expert_real_end + block_size - 1) // block_size * block_size
+        pad_lanes = tl.arange(0, PAD_TILE)
+        for pad_start in range(0, block_size - 1, PAD_TILE):
+            pad_rows = expert_real_end[:, None] + pad_start + pad_lanes[None, :]
+            tl.store(sorted_ids_ptr + pad_rows, numel, mask=is_last[:, None] & (pad_rows < segment_end[:, None]))
+        if FILL_TAIL:
+            capacity = numel + num_experts * (block_size - 1)
+            fill_lanes = tl.arange(0, FILL_TILE)
+            for start in range(used, capacity, FILL_TILE):
+                tl.store(sorted_ids_ptr + start + fill_lanes, numel, mask=start + fill_lanes < capacity)
+            num_blocks = tl.cdiv(capacity, block_size)
+            for start in range(used // block_size, num_blocks, FILL_TILE):
+                tl.store(expert_ids_ptr + start + fill_lanes, -1, mask=start + fill_lanes < num_blocks)
 
     @kernel
     def _chained_gate_kernel(x_ptr, gate_ptr, partial_ptr, num_tokens, num_experts, hidden_size, stride_x,
@@ -138,7 +182,7 @@ if HAS_TRITON:
         """The alignment kernel's single-launch body (every program counts every id, then places its
         chunk of ``TILE`` assignments and writes its share of the tail), after the routing's ids; with
         ``ONE_TILE``, up to :data:`ONE_TILE_MAX_ASSIGNMENTS`, all of it in one program from one read
-        (:func:`~moe_kernels.kernels.align.align_one_tile`).
+        (:func:`align_one_tile`).
         ``BODY`` (:data:`ALIGN_BODY`): "full"; for timing its parts, "no tail" (the tail past the used
         rows left unwritten) or "wait only" (the wait and one read of the ids: the launch's floor)."""
         if PDL:
@@ -201,8 +245,8 @@ def gate_route_chained(hidden_states: torch.Tensor, gate_weight: torch.Tensor, t
     _check(func, hidden_states, gate_weight, topk, renormalize, scoring_func, num_expert_group, topk_group,
            routed_scaling_factor, e_score_correction_bias)
     if hidden_states.shape[0] > MAX_TOKENS:
-        fail(func, "hidden_states", f"must have at most {MAX_TOKENS} tokens (every 16 tokens re-read the gate; "
-             "the gate then routing.fused_topk take more)",
+        fail(func, "hidden_states", f"must have at most {MAX_TOKENS} tokens (every token block re-reads the gate; "
+             "take the gate then routing.fused_topk for more)",
              f"{hidden_states.shape[0]} tokens")
     if block_size is not None:
         alignment_buffer_sizes(func, hidden_states.new_empty((hidden_states.shape[0], topk), dtype=torch.int32),
@@ -210,7 +254,7 @@ def gate_route_chained(hidden_states: torch.Tensor, gate_weight: torch.Tensor, t
     for name, value in (("sorted_topk", sorted_topk), ("pdl", pdl)):
         if not isinstance(value, bool):
             fail(func, name, "must be a bool", type(value).__name__, TypeError)
-    if gate_block_t is not None and (isinstance(gate_block_t, bool) or gate_block_t not in GATE_BLOCK_CHOICES):
+    if gate_block_t is not None and (type(gate_block_t) is not int or gate_block_t not in GATE_BLOCK_CHOICES):
         fail(func, "gate_block_t", f"must be None or one of {GATE_BLOCK_CHOICES}", repr(gate_block_t))
     return gate_route_chained_checked(hidden_states, gate_weight, topk, renormalize, scoring_func,
                                       block_size=block_size, num_expert_group=num_expert_group, topk_group=topk_group,

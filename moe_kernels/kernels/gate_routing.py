@@ -68,7 +68,7 @@ _TARGET_PROGRAMS = 264
 #: that ranks them 64 at a time (the alignment kernel places 64 per program): 1,024 is 128 tokens
 #: of Qwen3-30B-A3B or DeepSeek-V3. Above it (and with no tokens) the alignment is a launch of its
 #: own. Timed on the H200 (``gate-routing.json``): the one program aligning 512 assignments (64
-#: tokens) added 22-23 us to the launch, where the alignment's own launch adds 5-6; at 1,024, 51-64.
+#: tokens) added 22-23 us to the launch, where the alignment's own launch adds 5-6; at 1,024, 51-65.
 ALIGN_MAX_ASSIGNMENTS = 1024
 
 if HAS_TRITON:
