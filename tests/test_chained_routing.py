@@ -144,7 +144,9 @@ def test_wider_gate_blocks_sum_the_same_products(gate_block_t, grouped):
     rule = dict(scoring_func="sigmoid", num_expert_group=4, topk_group=2) if grouped else {}
     x, w = inputs(150, 80, 300, 7, integer=True)
     got = check_chained(x, w, 6, block_size=16, gate_block_t=gate_block_t, **rule)
-    assert got[1].shape == (150, 6)
+    want = gate_and_route_reference(x.double(), w.double(), 6, True, **rule)   # and the float64 rule's
+    assert torch.equal(got[2].double(), want[2]) and torch.equal(got[1], want[1])
+    torch.testing.assert_close(got[0].double(), want[0].double(), atol=1e-6, rtol=1e-5)
 
 
 def test_the_gate_block_by_batch():

@@ -206,8 +206,8 @@ if HAS_TRITON:
         FILL_TILE: tl.constexpr, ID_CHECK: tl.constexpr, CACHE: tl.constexpr, FILL_TAIL: tl.constexpr = True,
     ):
         """Program ``program`` of ``num_programs``: place the assignments of chunk ``program``,
-        then write a share of the tail (``FILL_TAIL``; off only to time the rest). One program with ``chunk_size >= numel`` aligns
-        everything: how another kernel runs the alignment in its last program
+        then write a share of the tail (``FILL_TAIL``; off only to time the rest). One program with
+        ``chunk_size >= numel`` aligns everything: how another kernel runs the alignment in its last program
         (:mod:`moe_kernels.kernels.gate_routing`, which reads the ids it has just written with
         ``CACHE=".cg"``).
 
@@ -252,7 +252,6 @@ if HAS_TRITON:
 
         next_free = segment_start + before
         lanes = tl.arange(0, TILE)
-        pad_lanes = tl.arange(0, PAD_TILE)
         for tile_start in range(chunk_start, chunk_end, TILE):
             offsets = tile_start + lanes
             experts, valid = _load_experts(topk_ids_ptr, offsets, chunk_end, num_experts, CACHE)
@@ -269,26 +268,30 @@ if HAS_TRITON:
             tl.store(expert_ids_ptr + row // block_size, experts,
                      mask=valid & (row % block_size == 0))
             # <<< book: align-round-scan-scatter
-            # The expert's last assignment pads its segment up to the block boundary.
-            expert_real_end = tl.gather(real_end, experts, 0)
-            is_last = valid & (row + 1 == expert_real_end)
-            segment_end = (expert_real_end + block_size - 1) // block_size * block_size
-            for pad_start in range(0, block_size - 1, PAD_TILE):
-                pad_rows = expert_real_end[:, None] + pad_start + pad_lanes[None, :]
-                tl.store(sorted_ids_ptr + pad_rows, numel,
-                         mask=is_last[:, None] & (pad_rows < segment_end[:, None]))
+            pad_segment_ends(sorted_ids_ptr, experts, valid, row, real_end, numel, block_size, PAD_TILE)
             next_free += tl.histogram(experts, NUM_BINS, mask=valid)
-
-        # Unused tail, shared round-robin between all programs.
         if FILL_TAIL:
-            fill_lanes = tl.arange(0, FILL_TILE)
-            stride = num_programs * FILL_TILE
-            for start in range(used + program * FILL_TILE, capacity, stride):
-                tail_rows = start + fill_lanes
-                tl.store(sorted_ids_ptr + tail_rows, numel, mask=tail_rows < capacity)
-            for start in range(used // block_size + program * FILL_TILE, num_blocks, stride):
-                tail_blocks = start + fill_lanes
-                tl.store(expert_ids_ptr + tail_blocks, -1, mask=tail_blocks < num_blocks)
+            fill_tail(sorted_ids_ptr, expert_ids_ptr, used, capacity, num_blocks, numel, block_size, program,
+                      num_programs, FILL_TILE)
+
+    @kernel
+    def pad_segment_ends(sorted_ids_ptr, experts, valid, row, real_end, numel, block_size, PAD_TILE: tl.constexpr):
+        """Each expert's last real row (``row + 1 == real_end``) pads its segment to the block with ``numel``."""
+        end = tl.gather(real_end, experts, 0)
+        pad_rows = end[:, None] + tl.arange(0, PAD_TILE)[None, :]
+        for pad_start in range(0, block_size - 1, PAD_TILE):
+            tl.store(sorted_ids_ptr + pad_rows + pad_start, numel, mask=(valid & (row + 1 == end))[:, None]
+                     & (pad_rows + pad_start < ((end + block_size - 1) // block_size * block_size)[:, None]))
+
+    @kernel
+    def fill_tail(sorted_ids_ptr, expert_ids_ptr, used, capacity, num_blocks, numel, block_size, program,
+                  num_programs, FILL_TILE: tl.constexpr):
+        """The rows past ``used`` (``numel``) and their blocks (-1), round-robin over ``num_programs``."""
+        lanes, stride = tl.arange(0, FILL_TILE), num_programs * FILL_TILE
+        for start in range(used + program * FILL_TILE, capacity, stride):
+            tl.store(sorted_ids_ptr + start + lanes, numel, mask=start + lanes < capacity)
+        for start in range(used // block_size + program * FILL_TILE, num_blocks, stride):
+            tl.store(expert_ids_ptr + start + lanes, -1, mask=start + lanes < num_blocks)
 
 
 def align_bins_and_pad_tile(num_experts: int, block_size: int) -> tuple[int, int]:
@@ -390,10 +393,3 @@ def align_checked(func: str, topk_ids: torch.Tensor, block_size: int, num_expert
     sorted_ids, expert_ids, used = empty_alignment(topk_ids.numel(), block_size, num_experts, topk_ids.device)
     _launch_alignment(topk_ids.contiguous(), block_size, num_experts, sorted_ids, expert_ids, used, id_check)
     return sorted_ids, expert_ids, used
-
-
-# ----------------------------------------------------------------------------------------------
-# Invariant checker
-# ----------------------------------------------------------------------------------------------
-
-

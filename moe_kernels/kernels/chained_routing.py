@@ -31,11 +31,11 @@ Outputs are those of :func:`~moe_kernels.kernels.gate_routing.gate_and_route` an
 :func:`~moe_kernels.kernels.gate_routing.gate_route_and_align`: with the same 16-token gate blocks
 (below :data:`WIDE_GATE_FROM_TOKENS`; above it the partials group the products otherwise, so the
 logits agree to float32's rounding and a near-tie may route another way) the same partials added in
-the same order give the same logits bit for bit, and the same routing and alignment bodies run on them, so
-the ids and the alignment are the same; the weights are too under the interpreter, and to
+the same order give the same logits bit for bit, and the same routing and alignment bodies run on
+them, so the ids and the alignment are the same; the weights are too under the interpreter, and to
 float32's last bits on a GPU (one token per program there, sixteen in the one-launch router: the
-softmax's and the renormalisation's sums are reduced in another order). ``sorted_topk`` picks the top-k by one partial sort (:mod:`moe_kernels.kernels.sorted_topk`)
-instead of ``k`` rounds of argmax: the same ids, in the same order, and the same weights. Without
+softmax's and the renormalisation's sums are reduced in another order). ``sorted_topk`` picks the
+top-k by one partial sort (:mod:`moe_kernels.kernels.sorted_topk`) instead of ``k`` rounds of argmax: the same ids, in the same order, and the same weights. Without
 PDL (an older GPU, the interpreter) the same kernels run one after the other, with the same results.
 
 For decode batches: up to :data:`MAX_TOKENS` tokens, a clear error above.
@@ -106,7 +106,7 @@ _ROUTE_BLOCK = 1
 
 if HAS_TRITON:
     from ._pdl import gdc_launch_dependents, gdc_wait
-    from .align import _align_program, _load_experts
+    from .align import _align_program, _load_experts, fill_tail, pad_segment_ends
     from .gate_routing import add_partials_and_route, store_gate_partial
 
     @kernel
@@ -115,9 +115,10 @@ if HAS_TRITON:
                        CACHE: tl.constexpr, FILL_TAIL: tl.constexpr = True):
         """The whole alignment of ``numel <= TILE`` assignments in one program, from one read of the
         ids: :func:`~moe_kernels.kernels.align._align_program` with one chunk, less its separate
-        counting pass (a second read of the ids and a ``COUNT_TILE``-wide histogram). For the router's chain at a few tokens, where the
-        alignment is a chain of dependent steps, each a round trip to L2 or through shared memory,
-        and no work to hide them."""
+        counting pass (a second read of the ids and a ``COUNT_TILE``-wide histogram); the same padding
+        and tail (:func:`~moe_kernels.kernels.align.pad_segment_ends`, ``fill_tail``). For the router's
+        chain at a few tokens, where the alignment is a chain of dependent steps, each a round trip to
+        L2 or through shared memory, and no work to hide them."""
         lanes = tl.arange(0, TILE)
         experts, valid = _load_experts(topk_ids_ptr, lanes, numel, num_experts, CACHE)
         total = tl.histogram(experts, NUM_BINS, mask=valid)
@@ -131,21 +132,11 @@ if HAS_TRITON:
         row = tl.gather(segment_start, experts, 0) + tl.sum(same_earlier.to(tl.int32), axis=1)
         tl.store(sorted_ids_ptr + row, lanes, mask=valid)
         tl.store(expert_ids_ptr + row // block_size, experts, mask=valid & (row % block_size == 0))
-        expert_real_end = tl.gather(real_end, experts, 0)
-        is_last = valid & (row + 1 == expert_real_end)
-        segment_end = (expert_real_end + block_size - 1) // block_size * block_size
-        pad_lanes = tl.arange(0, PAD_TILE)
-        for pad_start in range(0, block_size - 1, PAD_TILE):
-            pad_rows = expert_real_end[:, None] + pad_start + pad_lanes[None, :]
-            tl.store(sorted_ids_ptr + pad_rows, numel, mask=is_last[:, None] & (pad_rows < segment_end[:, None]))
+        pad_segment_ends(sorted_ids_ptr, experts, valid, row, real_end, numel, block_size, PAD_TILE)
         if FILL_TAIL:
             capacity = numel + num_experts * (block_size - 1)
-            fill_lanes = tl.arange(0, FILL_TILE)
-            for start in range(used, capacity, FILL_TILE):
-                tl.store(sorted_ids_ptr + start + fill_lanes, numel, mask=start + fill_lanes < capacity)
-            num_blocks = tl.cdiv(capacity, block_size)
-            for start in range(used // block_size, num_blocks, FILL_TILE):
-                tl.store(expert_ids_ptr + start + fill_lanes, -1, mask=start + fill_lanes < num_blocks)
+            fill_tail(sorted_ids_ptr, expert_ids_ptr, used, capacity, tl.cdiv(capacity, block_size), numel, block_size,
+                      0, 1, FILL_TILE)
 
     @kernel
     def _chained_gate_kernel(x_ptr, gate_ptr, partial_ptr, num_tokens, num_experts, hidden_size, stride_x,
