@@ -31,7 +31,10 @@ device = "cuda" if torch.cuda.is_available() else "cpu"   # (the CPU: a small sh
 models = sys.argv[1].split(",") if len(sys.argv) > 1 else ["qwen3-30b-a3b"]
 batches = [int(b) for b in sys.argv[2].split(",")] if len(sys.argv) > 2 else [1, 8, 64, 256, 512]
 formats = sys.argv[3].split(",") if len(sys.argv) > 3 else ["none", "block"]
-VARIANTS = [(2, 0), (8, 0), (32, 0), (8, 1)] if device == "cuda" else [(1, 0), (4, 1)]   # (lag, prefetch)
+ALL = 1 << 30   # a lag of every block: all of GEMM 1's tiles first
+# (lag, prefetch, warps: None for GEMM 1's)
+VARIANTS = ([(32, 0, None), (64, 0, None), (ALL, 0, None), (ALL, 1, None), (ALL, 0, 4), (ALL, 0, 8)] if device == "cuda"
+            else [(1, 0, None), (ALL, 1, 4)])
 
 if device == "cuda":
     from moe_kernels.bench.ceilings import measure_read_bandwidth, measure_read_time_by_size
@@ -52,13 +55,13 @@ def save():
 
     path = record("streamed-pair-ab", {"rows": rows, "config": {
         "models": models, "batches": batches, "formats": formats, "read_bandwidth": read_bandwidth,
-        "variants": [{"lag": lag, "prefetch": pf} for lag, pf in VARIANTS]}})
+        "variants": [{"lag": lag, "prefetch": pf, "warps": w} for lag, pf, w in VARIANTS]}})
     if os.environ.get("OUT"):
         json.dump(rows, open(os.path.join(os.environ["OUT"], "streamed_pair_ab.json"), "w"), indent=1)
     return path
 
 
-def streamed(x, w1, w2, weights, blocks, top_k, fmt, scales, gate_up, down, lag, prefetch):
+def streamed(x, w1, w2, weights, blocks, top_k, fmt, scales, gate_up, down, lag, prefetch, warps):
     """The streamed pair with the two-GEMM path's quantiser before it and top-k sum after it."""
     sp.PREFETCH = prefetch
     xq, x_scale = fmt.quantize_activations(x)
@@ -68,7 +71,7 @@ def streamed(x, w1, w2, weights, blocks, top_k, fmt, scales, gate_up, down, lag,
         h = torch.empty((numel, f), device=x.device, dtype=torch.float8_e4m3fn)
         quant = (torch.empty((numel, f // fmt.block[1]), device=x.device, dtype=torch.float32), fmt.block[1], "bf16")
     per_slot = sp.streamed_pair(xq, w1, w2, weights, blocks, top_k, gate_up=gate_up, down=down, lag=lag, h=h,
-                                x_scale=x_scale, fmt=fmt, quant=quant,
+                                x_scale=x_scale, fmt=fmt, quant=quant, num_warps=warps,
                                 out=torch.empty((x.shape[0], top_k, w2.shape[1]), device=x.device, dtype=x.dtype),
                                 **scales)
     return sum_slots(per_slot)
@@ -91,10 +94,10 @@ for fname in formats:
                 "two GEMMs": lambda: fused_experts(x, w1, w2, weights, ids, config=config, blocks=blocks,
                                                    validate_ids=False, **scales),
             }
-            for lag, pf in VARIANTS:
-                candidates[f"stream lag {lag}{' prefetch' if pf else ''}"] = (
-                    lambda lag=lag, pf=pf: streamed(x, w1, w2, weights, blocks, k, fmt, scales, gate_up, config.down,
-                                                    lag, pf))
+            for lag, pf, warps in VARIANTS:
+                name = f"stream lag {'all' if lag == ALL else lag}{' prefetch' if pf else ''}{f' w{warps}' if warps else ''}"
+                candidates[name] = (lambda lag=lag, pf=pf, warps=warps: streamed(
+                    x, w1, w2, weights, blocks, k, fmt, scales, gate_up, config.down, lag, pf, warps))
             reference = candidates["two GEMMs"]().float()
             times, errors, rel = time_candidates(candidates, reference, tolerance=0.02, warmup_ms=2, rep_ms=20)
             touched = int(torch.unique(ids).numel())

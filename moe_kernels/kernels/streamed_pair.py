@@ -8,22 +8,26 @@ however it is read, and so does GEMM 1's. But GEMM 2 does not need *all* of GEMM
 M-block ``m`` needs only block ``m``'s rows of the intermediate ``h``.
 
 So here one launch runs the tiles of both GEMMs. Programs take a ticket, one atomic add each, and
-the ticket names the work; tickets are dealt in *slots* of ``n1 + n2`` (GEMM 1's N-tiles of one
-block, then GEMM 2's):
+the ticket names the work. With ``n1`` GEMM 1 N-tiles and ``n2`` GEMM 2 N-tiles per M-block and a
+``lag`` of ``L`` blocks, the tickets are, in order:
 
-* slot ``s``, ticket ``r < n1``: GEMM 1's tile ``r`` of block ``s`` (``h = silu(x W1g^T) * (x
-  W1u^T)``, written to ``h``), then one more arrival in ``arrivals[s]`` (a release: the tile's
-  stores are visible before the count);
-* slot ``s``, ticket ``r >= n1``: GEMM 2's tile ``r - n1`` of block ``s - LAG``, which first waits
-  until ``arrivals[s - LAG] == n1`` (an acquire), then reads that block's ``h`` rows and writes
-  ``topk_weight * (h W2^T)`` like the two-launch GEMM 2.
+* GEMM 1's tiles of blocks ``0 .. L-1``;
+* for each block ``b`` from 0: GEMM 1's tiles of block ``b + L``, then GEMM 2's tiles of block ``b``;
+* GEMM 2's tiles of the last ``L`` blocks.
 
-A ticket is taken only by a running program, and GEMM 1's tickets of block ``m`` all come before
-GEMM 2's of block ``m``: whoever waits, waits for programs that already hold their SMs, so the
-wait always ends (no order of dispatch is assumed). ``LAG`` blocks of slack keep the waits short:
-by the time GEMM 2 reaches block ``m``, GEMM 1 has moved ``LAG`` blocks on. The weights are read
-exactly as often as by the two launches; ``h`` goes through L2 as before. With ``PREFETCH`` a GEMM 2
-program asks L2 for its weight tile before it waits (the wait then hides part of its read).
+A GEMM 1 tile writes its rows of ``h = silu(x W1g^T) * (x W1u^T)``, then adds one arrival to its
+block's count (a release: the tile's stores are visible before the count). A GEMM 2 tile waits
+until its block's count reaches ``n1`` (an acquire), then reads that block's ``h`` rows and writes
+``topk_weight * (h W2^T)`` like the two-launch GEMM 2.
+
+A ticket is taken only by a running program, and GEMM 1's tickets of block ``b`` all come before
+GEMM 2's of block ``b``: whoever waits, waits for programs that already hold their SMs, so the
+wait always ends (no order of dispatch is assumed). The lag keeps the waits short: a GEMM 1 tile
+streams far more weights than a GEMM 2 tile (Qwen3-30B-A3B: 1 MB against 0.2 MB at 128 columns),
+so GEMM 2 catches up with GEMM 1 unless it starts well behind. A lag of every block runs all of GEMM
+1 first, like two launches but with no boundary between them. The weights are read exactly as
+often as by the two launches; ``h`` goes through L2 as before. With ``PREFETCH`` a GEMM 2 program
+asks L2 for its weight tile before it waits.
 
     >>> import torch
     >>> from moe_kernels.kernels.blocks import assign_blocks
@@ -38,8 +42,8 @@ program asks L2 for its weight tile before it waits (the wait then hides part of
     >>> blocks = assign_blocks(ids, 16, 4, naive=False)
     >>> tiles = GemmTiles(block_n=16, block_k=16)
     >>> per_slot = streamed_pair(x, w1, w2, weights, blocks, 2, gate_up=tiles, down=tiles, lag=1)
-    >>> blocks.num_m_blocks, tickets(blocks.num_m_blocks, 32, 32, tiles, tiles, lag=1)   # (5 + 1) x (2 + 2)
-    (5, 24)
+    >>> blocks.num_m_blocks, tickets(blocks.num_m_blocks, 32, 32, tiles, tiles)   # 5 x (2 + 2)
+    (5, 20)
     >>> ref = moe_reference(x, w1, w2, weights, ids)
     >>> bool(torch.allclose(per_slot.sum(1).double(), ref, atol=1e-4))
     True
@@ -64,14 +68,14 @@ PREFETCH = 0
 _LINE_BYTES = 128
 
 
-def tickets(num_m_blocks: int, f: int, d: int, gate_up: GemmTiles, down: GemmTiles, *, lag: int) -> int:
-    """Programs of one launch: ``num_m_blocks + lag`` slots of GEMM 1's and GEMM 2's N-tiles."""
-    return (num_m_blocks + lag) * (cdiv(f, gate_up.block_n) + cdiv(d, down.block_n))
+def tickets(num_m_blocks: int, f: int, d: int, gate_up: GemmTiles, down: GemmTiles) -> int:
+    """Programs of one launch: every block's GEMM 1 and GEMM 2 N-tiles, one program each."""
+    return num_m_blocks * (cdiv(f, gate_up.block_n) + cdiv(d, down.block_n))
 
 
 if HAS_TRITON:
 
-    @kernel(do_not_specialize=["num_m_blocks", "num_valid_rows", "num_experts"])
+    @kernel(do_not_specialize=["num_m_blocks", "num_valid_rows", "num_experts", "lag"])
     def _streamed_pair_kernel(
         x_ptr, w1_ptr, h_ptr, w2_ptr, out_ptr, topk_weights_ptr, sorted_token_ids_ptr, expert_ids_ptr,
         num_tokens_post_padded_ptr, counters_ptr,
@@ -79,13 +83,13 @@ if HAS_TRITON:
         stride_xm, stride_w1e, stride_w1n, stride_hm, stride_w2e, stride_w2n, stride_om,
         x_scale_ptr, stride_xs, w1_scale_ptr, stride_w1se, stride_w1sn, stride_w1sk,
         h_scale_ptr, stride_hs, w2_scale_ptr, stride_w2se, stride_w2sn, stride_w2sk,
-        w1_desc, w2_desc,
+        w1_desc, w2_desc, lag,
         BLOCK_M: tl.constexpr, TOP_K: tl.constexpr, NAIVE_BLOCKS: tl.constexpr, SCALES: tl.constexpr,
         SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, INPUT_PRECISION: tl.constexpr, ID_CHECK_1: tl.constexpr,
         ID_CHECK_2: tl.constexpr,
         BN1: tl.constexpr, BK1: tl.constexpr, SWAP1: tl.constexpr, TMA1: tl.constexpr, EVEN_K1: tl.constexpr,
         BN2: tl.constexpr, BK2: tl.constexpr, SWAP2: tl.constexpr, TMA2: tl.constexpr, EVEN_K2: tl.constexpr,
-        QUANT_GROUP: tl.constexpr, ROUND_TO: tl.constexpr, LAG: tl.constexpr, PREFETCH_W2: tl.constexpr,
+        QUANT_GROUP: tl.constexpr, ROUND_TO: tl.constexpr, PREFETCH_W2: tl.constexpr,
         PREFETCH_LINE: tl.constexpr,
     ):
         # >>> book: streamed-pair
@@ -93,43 +97,50 @@ if HAS_TRITON:
         ticket = tl.atomic_add(counters_ptr, 1, sem="relaxed")
         n1 = tl.cdiv(F, BN1)
         n2 = tl.cdiv(D, BN2)
-        slot = ticket // (n1 + n2)
-        r = ticket % (n1 + n2)
+        # Tickets: the first `lag` blocks' GEMM 1 tiles; then slots of block b + lag's GEMM 1 tiles
+        # followed by block b's GEMM 2 tiles; then the last `lag` blocks' GEMM 2 tiles.
+        lead = lag * n1
+        middle = (num_m_blocks - lag) * (n1 + n2)
+        in_lead = ticket < lead
+        in_middle = (ticket >= lead) & (ticket < lead + middle)
+        slot = (ticket - lead) // (n1 + n2)
+        r = (ticket - lead) % (n1 + n2)
+        past = ticket - lead - middle
+        gemm1_block = tl.where(in_lead, ticket // n1, tl.where(in_middle & (r < n1), slot + lag, -1))
+        gemm1_tile = tl.where(in_lead, ticket, (slot + lag) * n1 + r)
+        gemm2_block = tl.where(in_middle, slot, num_m_blocks - lag + past // n2)
+        gemm2_tile = tl.where(in_middle, slot * n2 + r - n1, (num_m_blocks - lag) * n2 + past)
         arrivals = counters_ptr + 1
-        if r < n1:
-            if slot < num_m_blocks:   # GEMM 1: tile r of block `slot`, into h
-                _index_gather_tile(
-                    slot * n1 + r, x_ptr, w1_ptr, h_ptr, topk_weights_ptr, sorted_token_ids_ptr, expert_ids_ptr,
-                    num_tokens_post_padded_ptr, num_m_blocks, num_valid_rows, num_experts, F, D,
-                    stride_xm, stride_w1e, stride_w1n, stride_hm,
-                    x_scale_ptr, stride_xs, w1_scale_ptr, stride_w1se, stride_w1sn, stride_w1sk,
-                    BLOCK_M, BN1, BK1, 1, TOP_K, NAIVE_BLOCKS, False, True, False, EVEN_K1,
-                    INPUT_PRECISION, SCALES, 0, 1, w1_desc, TMA1, SCALE_BN, SCALE_BK, ID_CHECK_1, SWAP1,
-                    h_scale_ptr, stride_hs, QUANT_GROUP, ROUND_TO)
-                # Every thread's stores of the tile, then one release: a reader that sees the
-                # count sees the rows.
-                tl.debug_barrier()
-                tl.atomic_add(arrivals + slot, 1, sem="release")
-        else:
-            block = slot - LAG
-            if (block >= 0) & (block < num_m_blocks):   # GEMM 2: tile r - n1 of `block`, from h
-                tile = block * n2 + (r - n1)
-                if PREFETCH_W2:
-                    _prefetch_tile_weights(tile, w2_ptr, expert_ids_ptr, num_tokens_post_padded_ptr, num_m_blocks,
-                                           num_experts, D, F, stride_w2e, stride_w2n, BLOCK_M, BN2, 1, 1,
-                                           NAIVE_BLOCKS, False, PREFETCH_LINE)
-                seen = tl.atomic_add(arrivals + block, 0, sem="acquire")
-                while seen < n1:
-                    seen = tl.atomic_add(arrivals + block, 0, sem="acquire")
-                tl.debug_barrier()
-                _index_gather_tile(
-                    tile, h_ptr, w2_ptr, out_ptr, topk_weights_ptr, sorted_token_ids_ptr, expert_ids_ptr,
-                    num_tokens_post_padded_ptr, num_m_blocks, num_valid_rows, num_experts, D, F,
-                    stride_hm, stride_w2e, stride_w2n, stride_om,
-                    h_scale_ptr, stride_hs, w2_scale_ptr, stride_w2se, stride_w2sn, stride_w2sk,
-                    BLOCK_M, BN2, BK2, 1, 1, NAIVE_BLOCKS, False, False, True, EVEN_K2,
-                    INPUT_PRECISION, SCALES, 0, 1, w2_desc, TMA2, SCALE_BN, SCALE_BK, ID_CHECK_2, SWAP2,
-                    h_scale_ptr, stride_hs, 0, "")
+        if gemm1_block >= 0:   # GEMM 1: one N-tile of a block, into h
+            _index_gather_tile(
+                gemm1_tile, x_ptr, w1_ptr, h_ptr, topk_weights_ptr, sorted_token_ids_ptr, expert_ids_ptr,
+                num_tokens_post_padded_ptr, num_m_blocks, num_valid_rows, num_experts, F, D,
+                stride_xm, stride_w1e, stride_w1n, stride_hm,
+                x_scale_ptr, stride_xs, w1_scale_ptr, stride_w1se, stride_w1sn, stride_w1sk,
+                BLOCK_M, BN1, BK1, 1, TOP_K, NAIVE_BLOCKS, False, True, False, EVEN_K1,
+                INPUT_PRECISION, SCALES, 0, 1, w1_desc, TMA1, SCALE_BN, SCALE_BK, ID_CHECK_1, SWAP1,
+                h_scale_ptr, stride_hs, QUANT_GROUP, ROUND_TO)
+            # Every thread's stores of the tile, then one release: a reader that sees the count
+            # sees the rows.
+            tl.debug_barrier()
+            tl.atomic_add(arrivals + gemm1_block, 1, sem="release")
+        else:   # GEMM 2: one N-tile of a block, from h, once GEMM 1 is done with that block
+            if PREFETCH_W2:
+                _prefetch_tile_weights(gemm2_tile, w2_ptr, expert_ids_ptr, num_tokens_post_padded_ptr, num_m_blocks,
+                                       num_experts, D, F, stride_w2e, stride_w2n, BLOCK_M, BN2, 1, 1,
+                                       NAIVE_BLOCKS, False, PREFETCH_LINE)
+            seen = tl.atomic_add(arrivals + gemm2_block, 0, sem="acquire")
+            while seen < n1:
+                seen = tl.atomic_add(arrivals + gemm2_block, 0, sem="acquire")
+            tl.debug_barrier()
+            _index_gather_tile(
+                gemm2_tile, h_ptr, w2_ptr, out_ptr, topk_weights_ptr, sorted_token_ids_ptr, expert_ids_ptr,
+                num_tokens_post_padded_ptr, num_m_blocks, num_valid_rows, num_experts, D, F,
+                stride_hm, stride_w2e, stride_w2n, stride_om,
+                h_scale_ptr, stride_hs, w2_scale_ptr, stride_w2se, stride_w2sn, stride_w2sk,
+                BLOCK_M, BN2, BK2, 1, 1, NAIVE_BLOCKS, False, False, True, EVEN_K2,
+                INPUT_PRECISION, SCALES, 0, 1, w2_desc, TMA2, SCALE_BN, SCALE_BK, ID_CHECK_2, SWAP2,
+                h_scale_ptr, stride_hs, 0, "")
         # <<< book: streamed-pair
 
 
@@ -148,7 +159,7 @@ def check_streamable(func: str, gate_up: GemmTiles, down: GemmTiles, lag: object
 
 def streamed_pair(x, w1, w2, topk_weights, blocks: BlockAssignment, top_k: int, *, gate_up: GemmTiles,
                   down: GemmTiles, lag: int, out=None, h=None, x_scale=None, w1_scale=None, w2_scale=None,
-                  fmt=None, quant=None, id_check: tuple = ("", "")):
+                  fmt=None, quant=None, id_check: tuple = ("", ""), num_warps: int | None = None):
     """Both GEMMs of the index-gather layer in one launch: returns ``out`` ``[T, k, d]``, row
     ``(t, j)`` = ``topk_weights[t, j] * (W2[e] @ silu·mul(W1[e] @ x[t]))``, as
     :func:`~moe_kernels.kernels.index_gather.expert_gate_up` followed by
@@ -178,7 +189,7 @@ def streamed_pair(x, w1, w2, topk_weights, blocks: BlockAssignment, top_k: int, 
         scales2 = (h, 0, w2, 0, 0, 0, 0, 128, 128)
     if numel == 0 or blocks.num_m_blocks == 0:
         return out
-    grid = (tickets(blocks.num_m_blocks, f, d, gate_up, down, lag=lag),)
+    grid = (tickets(blocks.num_m_blocks, f, d, gate_up, down),)
     counters = torch.zeros(1 + blocks.num_m_blocks, device=x.device, dtype=torch.int32)
     w1_desc, w2_desc = weight_descriptor(w1, gate_up), weight_descriptor(w2, down)
     sorted_ids = blocks.expert_ids if blocks.sorted_token_ids is None else blocks.sorted_token_ids
@@ -193,17 +204,17 @@ def streamed_pair(x, w1, w2, topk_weights, blocks: BlockAssignment, top_k: int, 
         blocks.num_m_blocks, numel, e, d_in, f,
         x.stride(0), w1.stride(0), w1.stride(1), h.stride(0), w2.stride(0), w2.stride(1), d,
         *scales1[:6], quant_args[0], quant_args[1], *scales2[2:6],
-        w1_desc if w1_desc is not None else w1, w2_desc if w2_desc is not None else w2,
+        w1_desc if w1_desc is not None else w1, w2_desc if w2_desc is not None else w2, min(lag, blocks.num_m_blocks),
         BLOCK_M=blocks.block_m, TOP_K=top_k, NAIVE_BLOCKS=blocks.naive, SCALES=scales1[6],
         SCALE_BN=scales1[7], SCALE_BK=scales1[8], INPUT_PRECISION=dot_precision(x.dtype),
         ID_CHECK_1=id_check[0], ID_CHECK_2=id_check[1],
         BN1=gate_up.block_n, BK1=gate_up.block_k, SWAP1=gate_up.swap_ab, TMA1=w1_desc is not None,
         EVEN_K1=d_in % gate_up.block_k == 0,
         BN2=down.block_n, BK2=down.block_k, SWAP2=down.swap_ab, TMA2=w2_desc is not None, EVEN_K2=f % down.block_k == 0,
-        QUANT_GROUP=quant_args[2], ROUND_TO=quant_args[3], LAG=lag,
+        QUANT_GROUP=quant_args[2], ROUND_TO=quant_args[3],
         PREFETCH_W2=bool(PREFETCH) and not INTERPRET,   # (the interpreter runs no inline asm)
         PREFETCH_LINE=_LINE_BYTES // w2.element_size(),
-        num_warps=gate_up.num_warps, num_stages=gate_up.num_stages,
+        num_warps=num_warps or gate_up.num_warps, num_stages=gate_up.num_stages,
         **device_assert_options(id_check[0] or id_check[1]),
     )
     return out
