@@ -33,8 +33,9 @@ batches = [int(b) for b in sys.argv[2].split(",")] if len(sys.argv) > 2 else [1,
 formats = sys.argv[3].split(",") if len(sys.argv) > 3 else ["none", "block"]
 ALL = 1 << 30   # a lag of every block: all of GEMM 1's tiles first
 # (lag, prefetch, warps: None for GEMM 1's)
-VARIANTS = ([(32, 0, None), (64, 0, None), (ALL, 0, None), (ALL, 1, None), (ALL, 0, 4), (ALL, 0, 8)] if device == "cuda"
-            else [(1, 0, None), (ALL, 1, 4)])
+# (lag, prefetch, warps: None for GEMM 1's, tickets: 0 = by program id)
+VARIANTS = ([(32, 0, None, 1), (ALL, 0, None, 1), (32, 0, None, 0), (64, 0, None, 0), (ALL, 0, None, 0),
+             (ALL, 0, 4, 0)] if device == "cuda" else [(1, 0, None, 1), (ALL, 1, 4, 0)])
 
 if device == "cuda":
     from moe_kernels.bench.ceilings import measure_read_bandwidth, measure_read_time_by_size
@@ -55,15 +56,15 @@ def save():
 
     path = record("streamed-pair-ab", {"rows": rows, "config": {
         "models": models, "batches": batches, "formats": formats, "read_bandwidth": read_bandwidth,
-        "variants": [{"lag": lag, "prefetch": pf, "warps": w} for lag, pf, w in VARIANTS]}})
+        "variants": [{"lag": lag, "prefetch": pf, "warps": w, "tickets": t} for lag, pf, w, t in VARIANTS]}})
     if os.environ.get("OUT"):
         json.dump(rows, open(os.path.join(os.environ["OUT"], "streamed_pair_ab.json"), "w"), indent=1)
     return path
 
 
-def streamed(x, w1, w2, weights, blocks, top_k, fmt, scales, gate_up, down, lag, prefetch, warps):
+def streamed(x, w1, w2, weights, blocks, top_k, fmt, scales, gate_up, down, lag, prefetch, warps, tickets):
     """The streamed pair with the two-GEMM path's quantiser before it and top-k sum after it."""
-    sp.PREFETCH = prefetch
+    sp.PREFETCH, sp.TICKETS = prefetch, tickets
     xq, x_scale = fmt.quantize_activations(x)
     numel, f = x.shape[0] * top_k, w1.shape[1] // 2
     quant = h = None
@@ -94,10 +95,11 @@ for fname in formats:
                 "two GEMMs": lambda: fused_experts(x, w1, w2, weights, ids, config=config, blocks=blocks,
                                                    validate_ids=False, **scales),
             }
-            for lag, pf, warps in VARIANTS:
-                name = f"stream lag {'all' if lag == ALL else lag}{' prefetch' if pf else ''}{f' w{warps}' if warps else ''}"
-                candidates[name] = (lambda lag=lag, pf=pf, warps=warps: streamed(
-                    x, w1, w2, weights, blocks, k, fmt, scales, gate_up, config.down, lag, pf, warps))
+            for lag, pf, warps, tickets in VARIANTS:
+                name = (f"stream lag {'all' if lag == ALL else lag}{' prefetch' if pf else ''}"
+                        f"{f' w{warps}' if warps else ''}{'' if tickets else ' by pid'}")
+                candidates[name] = (lambda lag=lag, pf=pf, warps=warps, tickets=tickets: streamed(
+                    x, w1, w2, weights, blocks, k, fmt, scales, gate_up, config.down, lag, pf, warps, tickets))
             reference = candidates["two GEMMs"]().float()
             times, errors, rel = time_candidates(candidates, reference, tolerance=0.02, warmup_ms=2, rep_ms=20)
             touched = int(torch.unique(ids).numel())

@@ -64,6 +64,9 @@ if HAS_TRITON:
 
 #: GEMM 2's programs ask L2 for their weight tile before they wait (1) or not (0); compiled kernels only.
 PREFETCH = 0
+#: Programs take their work by ticket, an atomic add (1); or, to measure what the tickets cost, by
+#: program id (0), which is safe only on a GPU that starts programs in order (not promised by CUDA).
+TICKETS = 1
 #: Bytes per L2 line: one prefetch instruction each.
 _LINE_BYTES = 128
 
@@ -89,12 +92,15 @@ if HAS_TRITON:
         ID_CHECK_2: tl.constexpr,
         BN1: tl.constexpr, BK1: tl.constexpr, SWAP1: tl.constexpr, TMA1: tl.constexpr, EVEN_K1: tl.constexpr,
         BN2: tl.constexpr, BK2: tl.constexpr, SWAP2: tl.constexpr, TMA2: tl.constexpr, EVEN_K2: tl.constexpr,
-        QUANT_GROUP: tl.constexpr, ROUND_TO: tl.constexpr, PREFETCH_W2: tl.constexpr,
+        QUANT_GROUP: tl.constexpr, ROUND_TO: tl.constexpr, PREFETCH_W2: tl.constexpr, TICKETS: tl.constexpr,
         PREFETCH_LINE: tl.constexpr,
     ):
         # >>> book: streamed-pair
         # counters: [0] the next ticket, [1:] arrivals of GEMM 1's tiles per block; zeros at launch.
-        ticket = tl.atomic_add(counters_ptr, 1, sem="relaxed")
+        if TICKETS:
+            ticket = tl.atomic_add(counters_ptr, 1, sem="relaxed")
+        else:   # (measurement only: relies on the GPU dispatching programs in order to make progress)
+            ticket = tl.program_id(0)
         n1 = tl.cdiv(F, BN1)
         n2 = tl.cdiv(D, BN2)
         # Tickets: the first `lag` blocks' GEMM 1 tiles; then slots of block b + lag's GEMM 1 tiles
@@ -213,6 +219,7 @@ def streamed_pair(x, w1, w2, topk_weights, blocks: BlockAssignment, top_k: int, 
         BN2=down.block_n, BK2=down.block_k, SWAP2=down.swap_ab, TMA2=w2_desc is not None, EVEN_K2=f % down.block_k == 0,
         QUANT_GROUP=quant_args[2], ROUND_TO=quant_args[3],
         PREFETCH_W2=bool(PREFETCH) and not INTERPRET,   # (the interpreter runs no inline asm)
+        TICKETS=bool(TICKETS),
         PREFETCH_LINE=_LINE_BYTES // w2.element_size(),
         num_warps=num_warps or gate_up.num_warps, num_stages=gate_up.num_stages,
         **device_assert_options(id_check[0] or id_check[1]),
