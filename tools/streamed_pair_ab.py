@@ -34,8 +34,8 @@ formats = sys.argv[3].split(",") if len(sys.argv) > 3 else ["none", "block"]
 ALL = 1 << 30   # a lag of every block: all of GEMM 1's tiles first
 # (lag, prefetch, warps: None for GEMM 1's)
 # (lag, prefetch, warps: None for GEMM 1's, tickets: 0 = by program id)
-VARIANTS = ([(32, 0, None, 1), (ALL, 0, None, 1), (32, 0, None, 0), (64, 0, None, 0), (ALL, 0, None, 0),
-             (ALL, 0, 4, 0)] if device == "cuda" else [(1, 0, None, 1), (ALL, 1, 4, 0)])
+VARIANTS = ([(32, 0, None, 1), (32, 0, 4, 1), (32, 0, 8, 1), (32, 0, None, 0)] if device == "cuda"
+            else [(1, 0, None, 1), (ALL, 1, 4, 0)])
 
 if device == "cuda":
     from moe_kernels.bench.ceilings import measure_read_bandwidth, measure_read_time_by_size
@@ -95,6 +95,12 @@ for fname in formats:
                 "two GEMMs": lambda: fused_experts(x, w1, w2, weights, ids, config=config, blocks=blocks,
                                                    validate_ids=False, **scales),
             }
+            if fmt.quantized:   # the two launches with GEMM 1's quantising epilogue too, and GEMM 2 as its dependent
+                for pdl in (False, True):
+                    fused = dataclasses.replace(config, gate_up=gate_up, quant_in_gemm=True, pdl=pdl)
+                    candidates[f"two GEMMs quant in GEMM 1{' + PDL' if pdl else ''}"] = (
+                        lambda fused=fused: fused_experts(x, w1, w2, weights, ids, config=fused, blocks=blocks,
+                                                          validate_ids=False, **scales))
             for lag, pf, warps, tickets in VARIANTS:
                 name = (f"stream lag {'all' if lag == ALL else lag}{' prefetch' if pf else ''}"
                         f"{f' w{warps}' if warps else ''}{'' if tickets else ' by pid'}")
@@ -118,7 +124,7 @@ for fname in formats:
             save()
             print(f"{key} {fname} {batch}: floor {row['floor_us']:.1f} us, read {row['read_same_bytes_us'] or 0:.1f}, "
                   f"two GEMMs {us.get('two GEMMs', 0):.1f}, "
-                  + ", ".join(f"{n[7:]} {t:.1f}" for n, t in us.items() if n.startswith("stream"))
+                  + ", ".join(f"{n} {t:.1f}" for n, t in us.items() if n != "two GEMMs")
                   + f" (rel err {max(rel.values(), default=0):.1e})", errors or "", flush=True)
             del x, weights, ids, reference, blocks
             if device == "cuda":
