@@ -224,10 +224,15 @@ def test_real_layer_runs_its_plan_gpu(model_name, fmt):
         with record_launches() as launches:
             layer(x)
         torch.cuda.synchronize()
-        gemms = [settings for name, settings in launches if name == "index_gather.gemm" and not settings["dense"]]
-        assert [g["tiles"] for g in gemms] == [plan.format.gemm_tiles(plan.config.gate_up),
-                                               plan.format.gemm_tiles(plan.config.down)]
-        assert all(g["scales"] == plan.format.scale_code for g in gemms)
+        expected = [plan.format.gemm_tiles(plan.config.gate_up), plan.format.gemm_tiles(plan.config.down)]
+        if plan.config.stream_lag is not None:   # both GEMMs as one stream of tiles (the table's choice)
+            streams = [settings for name, settings in launches if name == "streamed_pair"]
+            assert [[s["gate_up"], s["down"]] for s in streams] == [expected], launches
+            assert streams[0]["lag"] == plan.config.stream_lag and streams[0]["quant"] == plan.format.quantized
+        else:
+            gemms = [settings for name, settings in launches if name == "index_gather.gemm" and not settings["dense"]]
+            assert [g["tiles"] for g in gemms] == expected
+            assert all(g["scales"] == plan.format.scale_code for g in gemms)
         del x
     del layer
     torch.cuda.empty_cache()

@@ -149,11 +149,15 @@ class MoEConfig:
     quant_in_gemm: bool = False
     #: Both GEMMs in one launch instead (index-gather layout, no block map: tiny batches).
     one_launch: OneLaunchTiles | None = None
+    #: Both GEMMs as one stream of tiles, GEMM 2's a lag of this many blocks behind GEMM 1's
+    #: (index-gather layout; :mod:`moe_kernels.kernels.streamed_pair`); None: two launches.
+    stream_lag: int | None = None
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
-        if self.one_launch is None:   # (the tables written before it existed hold no such key)
-            del d["one_launch"]
+        for key in ("one_launch", "stream_lag"):   # (the tables written before they existed hold no such key)
+            if d[key] is None:
+                del d[key]
         return d
 
     @staticmethod
@@ -163,10 +167,10 @@ class MoEConfig:
         if not isinstance(d, dict):
             fail(func, name, "must be a dict (MoEConfig.to_dict())", type(d).__name__, TypeError)
         missing = [key for key in ("block_m", "gate_up", "down") if key not in d]
-        unknown = sorted(set(d) - {"block_m", "gate_up", "down", "one_launch", *_SWITCHES})
+        unknown = sorted(set(d) - {"block_m", "gate_up", "down", "one_launch", "stream_lag", *_SWITCHES})
         if missing or unknown:
             fail(func, name, f"must have the keys block_m, gate_up, down (and optionally {', '.join(_SWITCHES)}, "
-                 "one_launch)",
+                 "one_launch, stream_lag)",
                  f"{'missing ' + ', '.join(missing) if missing else ''}{'; ' if missing and unknown else ''}"
                  f"{'unknown ' + ', '.join(unknown) if unknown else ''}")
         tiles = {}
@@ -185,7 +189,7 @@ class MoEConfig:
                      f"({', '.join(sorted(fields))})", repr(one_launch))
             one_launch = OneLaunchTiles(**one_launch)
         return MoEConfig(d["block_m"], tiles["gate_up"], tiles["down"], **{k: d[k] for k in _SWITCHES if k in d},
-                         one_launch=one_launch)
+                         one_launch=one_launch, stream_lag=d.get("stream_lag"))
 
     def with_block_m(self, block_m: int) -> "MoEConfig":
         return dataclasses.replace(self, block_m=block_m)
@@ -212,6 +216,23 @@ def check_config(func: str, config: object, *, align: int | None = None, layout:
         if not layout_named(func, layout).one_launch:
             fail(func, "config.one_launch", f"must be None for the {layout} layout (both GEMMs in one launch read "
                  "the routing's ids directly, with no block map: index_gather only)", config.one_launch)
+    lag = config.stream_lag
+    if lag is not None:
+        if isinstance(lag, bool) or not isinstance(lag, int) or lag < 0:
+            fail(func, "config.stream_lag", "must be None (two launches) or an int >= 0 (blocks between GEMM 1's "
+                 "tiles and GEMM 2's in one stream)", repr(lag), TypeError if not isinstance(lag, int) else ValueError)
+        if not layout_named(func, layout).streamed:
+            fail(func, "config.stream_lag", f"must be None for the {layout} layout (the streamed pair reads the "
+                 "index-gather block map: index_gather only)", lag)
+        for gemm in ("gate_up", "down"):
+            tiles = getattr(config, gemm)
+            if tiles.split_k != 1 or tiles.persistent:
+                fail(func, f"config.{gemm}", "must have split_k=1 and persistent=0 when config.stream_lag is set "
+                     "(in the stream a tile is one program's, and the tickets are the schedule)",
+                     f"split_k={tiles.split_k}, persistent={tiles.persistent}")
+        if config.sum_in_gemm:
+            fail(func, "config.sum_in_gemm", "must be False when config.stream_lag is set (the stream writes the "
+                 "[T, k, d] rows)", config.sum_in_gemm)
     if config.down.split_k != 1 and not config.sum_in_gemm:
         fail(func, "config.down.split_k", "must be 1 unless config.sum_in_gemm=True (split-K partial products "
              "are added with atomics, into the summed output)", config.down.split_k)
@@ -411,7 +432,8 @@ def _adapted(config: MoEConfig, layout: str, align: int) -> MoEConfig | None:
                                           swap_ab=t.swap_ab and supports.swap_ab)
     adapted = MoEConfig(config.block_m, tiles["gate_up"], tiles["down"],
                         **{f: getattr(config, f) and getattr(supports, f) for f in _SWITCHES},
-                        one_launch=config.one_launch if supports.one_launch else None)
+                        one_launch=config.one_launch if supports.one_launch else None,
+                        stream_lag=config.stream_lag if supports.streamed else None)
     while supports.rows == "align" and align % adapted.block_m:
         if adapted.block_m <= 16:
             return None

@@ -57,8 +57,8 @@ import torch
 
 from .._checks import FLOAT_DTYPES, check_ids_in_range, check_int, check_moe_inputs, check_tensor, fail
 from .._replay import CallPlans
-from .._runtime import (HAS_TRITON, INTERPRET, cdiv, device_assert_options, kernel, note_launch, recording, tl,
-                        use_triton)
+from .._runtime import (HAS_TRITON, INTERPRET, cdiv, device_assert_options, interpreted_bf16, kernel, note_launch,
+                        recording, tl, use_triton)
 from ._tile_gemm import (check_operands, check_out, dequantized, dot_precision, expert_rows_product,
                          in_float32_under_interpreter, output_dtype, programs_per_device, weight_descriptor)
 from .blocks import (BlockAssignment, assign_blocks, assignments_by_block, build_blocks, check_blocks,  # noqa: F401
@@ -73,10 +73,8 @@ from .one_launch import run_one_launch
 from .quant import FP8
 
 if HAS_TRITON:
-    from ._pdl import gdc_launch_dependents, gdc_wait, prefetch_rows_to_l2
-    from ._tile_gemm import add_tile, expert_tile_product, scale_rows, store_tile
-    from ._tile_gemm import tile_position as _tile_position
-    from .quant import store_group_quantized
+    from ._pdl import gdc_launch_dependents, gdc_wait
+    from .gather_tile import _index_gather_tile, _prefetch_tile_weights
 
 
 # ----------------------------------------------------------------------------------------------
@@ -84,115 +82,6 @@ if HAS_TRITON:
 # ----------------------------------------------------------------------------------------------
 
 if HAS_TRITON:
-
-    @kernel
-    def _prefetch_tile_weights(tile, w_ptr, expert_ids_ptr, num_tokens_post_padded_ptr, num_m_blocks, num_experts,
-                               N, K, stride_we, stride_wn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                               GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, NAIVE_BLOCKS: tl.constexpr,
-                               DENSE: tl.constexpr, LINE: tl.constexpr):
-        """Ask L2 for the weight rows ``tile`` will read (see :mod:`moe_kernels.kernels._pdl`): the
-        block map it reads here was written before the kernel before this one started."""
-        pid_m, pid_n, _ = _tile_position(tile, num_m_blocks, N, BLOCK_N, GROUP_M, SPLIT_K)
-        if DENSE:
-            expert = pid_m.to(tl.int64) * 0
-            in_use = True
-        else:
-            expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-            if NAIVE_BLOCKS:
-                in_use = True
-            else:
-                in_use = pid_m * BLOCK_M < tl.load(num_tokens_post_padded_ptr)
-        if in_use & (expert >= 0) & (expert < num_experts):
-            # Rows past the last (N not a multiple of BLOCK_N) ask for the last row again: a
-            # prefetch must not point past the weights, even one L2 never answers.
-            rows = tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N), N - 1)
-            # (8 lines of each row per step of the prefetch loop: BLOCK_N x 8 instructions at a time)
-            prefetch_rows_to_l2(w_ptr + expert * stride_we + rows.to(tl.int64) * stride_wn, K, LINE, 8)
-
-    @kernel
-    def _index_gather_tile(
-        tile, a_ptr, w_ptr, out_ptr, topk_weights_ptr,
-        sorted_token_ids_ptr, expert_ids_ptr, num_tokens_post_padded_ptr,
-        num_m_blocks, num_valid_rows, num_experts, N, K,
-        stride_am, stride_we, stride_wn, stride_om,
-        a_scale_ptr, stride_as, w_scale_ptr, stride_wse, stride_wsn, stride_wsk,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-        TOP_K: tl.constexpr, NAIVE_BLOCKS: tl.constexpr, DENSE: tl.constexpr, GATED: tl.constexpr,
-        MUL_ROUTED_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-        SCALES: tl.constexpr, SUM_TOP_K: tl.constexpr, SPLIT_K: tl.constexpr, w_desc, TMA_W: tl.constexpr,
-        SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, ID_CHECK: tl.constexpr, SWAP_AB: tl.constexpr,
-        out_scale_ptr, stride_os, QUANT_GROUP: tl.constexpr, ROUND_TO: tl.constexpr,
-    ):
-        # out[row] = A[row // TOP_K] @ W[expert]^T for the rows of one M-block; W is [E, N', K].
-        # QUANT_GROUP > 0 (GEMM 1, fp8 block weights): out is GEMM 2's fp8 input, with its 1 x
-        # QUANT_GROUP scales at out_scale_ptr, quantised here instead of by a separate launch.
-        # SUM_TOP_K > 0: out[row // SUM_TOP_K] += that instead (fp32 atomics), over SPLIT_K K slices.
-        pid_m, pid_n, split = _tile_position(tile, num_m_blocks, N, BLOCK_N, GROUP_M, SPLIT_K)
-
-        # >>> book: index-gather-rows
-        offs_m = tl.arange(0, BLOCK_M)
-        if NAIVE_BLOCKS:
-            # Block m is assignment m alone: row 0 is real, the others are padding.
-            rows = tl.where(offs_m == 0, pid_m, num_valid_rows).to(tl.int64)
-            in_use = True
-        elif DENSE:
-            # One expert that every token uses (a shared expert):
-            # block m is rows m*BLOCK_M onward.
-            rows = (pid_m * BLOCK_M + offs_m).to(tl.int64)
-            in_use = True
-        else:
-            # The early exit: blocks past the last one in use read no ids (the id buffer may end
-            # inside the last block of the grid) and store nothing.
-            rows_used = tl.load(num_tokens_post_padded_ptr)
-            in_use = pid_m * BLOCK_M < rows_used
-            slots = pid_m * BLOCK_M + offs_m
-            rows = tl.load(sorted_token_ids_ptr + slots, mask=slots < rows_used,
-                           other=num_valid_rows).to(tl.int64)
-        row_real = rows < num_valid_rows
-        if DENSE:
-            expert = pid_m.to(tl.int64) * 0   # expert 0, as an int64 scalar like a loaded id
-        else:
-            expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-        # -1: the block's expert is computed elsewhere (vLLM, under expert parallelism);
-        # an id out of range (unchecked input) must not become an address. Its rows are zero.
-        known = (expert >= 0) & (expert < num_experts)
-        if in_use & known:
-            # Padding rows read row 0 (never stored), so the loads need no row mask.
-            a_row = tl.where(row_real, rows // TOP_K, 0)
-            acc = expert_tile_product(
-                a_ptr, a_row * stride_am, w_ptr + expert * stride_we, stride_wn, pid_n, N, K,
-                a_scale_ptr, a_row * stride_as, w_scale_ptr + expert * stride_wse, stride_wsn,
-                stride_wsk, GATED, EVEN_K, INPUT_PRECISION, SCALES, BLOCK_M, BLOCK_N, BLOCK_K,
-                split, SPLIT_K, w_desc,
-                (expert * (N * (1 + GATED)) + pid_n * BLOCK_N).to(tl.int32), TMA_W,
-                SCALE_BN, SCALE_BK, SWAP_AB)
-            if MUL_ROUTED_WEIGHT:
-                acc = scale_rows(acc, topk_weights_ptr, rows, row_real)
-            if QUANT_GROUP > 0:
-                store_group_quantized(out_ptr, rows * stride_om, out_scale_ptr,
-                                      rows * stride_os, row_real, acc, pid_n, N, BLOCK_M,
-                                      BLOCK_N, QUANT_GROUP, ROUND_TO)
-            elif SUM_TOP_K == 0:
-                store_tile(out_ptr, rows * stride_om, row_real, acc, pid_n, N, BLOCK_N)
-            else:
-                add_tile(out_ptr, (rows // SUM_TOP_K) * stride_om, row_real, acc, pid_n, N,
-                         BLOCK_N)
-        elif in_use & (SUM_TOP_K == 0):   # (a summed output starts at zero: nothing to add)
-            zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            if QUANT_GROUP > 0:
-                store_group_quantized(out_ptr, rows * stride_om, out_scale_ptr,
-                                      rows * stride_os, row_real, zeros, pid_n, N, BLOCK_M,
-                                      BLOCK_N, QUANT_GROUP, ROUND_TO)
-            else:
-                store_tile(out_ptr, rows * stride_om, row_real, zeros, pid_n, N, BLOCK_N)
-        if NAIVE_BLOCKS:
-            if ID_CHECK != "":
-                # The naive map's labels are the caller's ids, which no kernel before the
-                # GEMMs reads: one GEMM reports a bad one (NAIVE_ID_CHECK_IN). At the end of
-                # the tile, where nothing waits for it; `known` above is what keeps a bad id
-                # from becoming an address, checked or not.
-                tl.device_assert(known, ID_CHECK)
-        # <<< book: index-gather-rows
 
     # (num_experts is not specialised: a tuner that compiles on a one-expert problem gets the binary
     # the 128- and 256-expert layers run.)
@@ -592,22 +481,58 @@ def run_experts(hidden_states, w1, w2, topk_weights, topk_ids, *, fmt, config: M
     x, x_scale = fmt.quantize_activations(hidden_states) if activations is None else activations
     # GEMM 2 as a programmatic dependent of GEMM 1 (moe_kernels.kernels._pdl), where the GPU can.
     pdl = "trigger" if config.pdl and pdl_available(device) else ""
-    if _quantizes_in_gemm(config, fmt, x, w1, out_dtype):
-        y, y_scale = _gate_up_quantized(x, w1, blocks, top_k, config=config, fmt=fmt, a_scale=x_scale,
-                                        w_scale=w1_scale, out_dtype=out_dtype, pdl=pdl)
+    if _streams(config, fmt, x, w1, out_dtype):   # both GEMMs as one stream of tiles
+        _streamed(x, w1, w2, topk_weights, blocks, top_k, config=config, fmt=fmt, x_scale=x_scale, w1_scale=w1_scale,
+                  w2_scale=w2_scale, out=per_slot, out_dtype=out_dtype)
     else:
-        intermediate = torch.empty((num_tokens * top_k, w1.shape[1] // 2), device=device, dtype=out_dtype)
-        gate_up(x, w1, blocks, top_k, tiles=config.gate_up, out=intermediate, a_scale=x_scale, w_scale=w1_scale,
-                fmt=fmt, pdl=pdl)
-        y, y_scale = fmt.quantize_activations(intermediate)
-    down(y, w2, topk_weights if topk_weights.is_contiguous() else topk_weights.contiguous(), blocks,
-         tiles=config.down, out=per_slot, a_scale=y_scale, w_scale=w2_scale, fmt=fmt, sum_slots=summed,
-         pdl="wait" if pdl else "")
+        if _quantizes_in_gemm(config, fmt, x, w1, out_dtype):
+            y, y_scale = _gate_up_quantized(x, w1, blocks, top_k, config=config, fmt=fmt, a_scale=x_scale,
+                                            w_scale=w1_scale, out_dtype=out_dtype, pdl=pdl)
+        else:
+            intermediate = torch.empty((num_tokens * top_k, w1.shape[1] // 2), device=device, dtype=out_dtype)
+            gate_up(x, w1, blocks, top_k, tiles=config.gate_up, out=intermediate, a_scale=x_scale, w_scale=w1_scale,
+                    fmt=fmt, pdl=pdl)
+            y, y_scale = fmt.quantize_activations(intermediate)
+        down(y, w2, topk_weights if topk_weights.is_contiguous() else topk_weights.contiguous(), blocks,
+             tiles=config.down, out=per_slot, a_scale=y_scale, w_scale=w2_scale, fmt=fmt, sum_slots=summed,
+             pdl="wait" if pdl else "")
     if summed:   # the addend joins the fp32 sum before its one rounding
         return (per_slot if add is None else per_slot.add_(add)).to(out_dtype)
     if top_k == 1 and add is None:   # one slot per token: nothing to sum
         return per_slot.view(num_tokens, d)
     return sum_slots(per_slot, add=add)
+
+
+def _streams(config: MoEConfig, fmt: WeightFormat, x: torch.Tensor, w1: torch.Tensor, out_dtype) -> bool:
+    """Whether both GEMMs run as one stream of tiles (``MoEConfig.stream_lag``): compiled or
+    interpreted Triton with 16/32-bit weights, or on a GPU with fp8 block weights whose GEMM 1 tile
+    is whole quantisation groups (the stream's GEMM 1 always quantises GEMM 2's input in its
+    epilogue). Elsewhere the two launches run, with the same numbers."""
+    if config.stream_lag is None or config.sum_in_gemm or not use_triton(x, w1) or interpreted_bf16(x, w1):
+        return False
+    if not fmt.quantized:
+        return True
+    return (not INTERPRET and fmt.activations == "group" and (w1.shape[1] // 2) % fmt.block[1] == 0
+            and fmt.gemm_tiles(config.gate_up).block_n % fmt.block[1] == 0)
+
+
+def _streamed(x, w1, w2, topk_weights, blocks, top_k, *, config, fmt, x_scale, w1_scale, w2_scale, out, out_dtype):
+    """Both GEMMs as one stream of tiles into ``out`` ``[T, k, d]`` (fp8: GEMM 1's epilogue
+    quantises ``h`` in 1 x 128 groups, as with ``quant_in_gemm``)."""
+    from .streamed_pair import streamed_pair   # (it builds on this module's tile)
+
+    numel, f = x.shape[0] * top_k, w1.shape[1] // 2
+    quant = None
+    if fmt.quantized:
+        group = fmt.block[1]
+        h = torch.empty((numel, f), device=x.device, dtype=FP8)
+        quant = (torch.empty((numel, f // group), device=x.device, dtype=torch.float32), group, _ROUND_TO[out_dtype])
+    else:
+        h = torch.empty((numel, f), device=x.device, dtype=x.dtype)
+    check = ("", blocks.id_check) if NAIVE_ID_CHECK_IN == "down" else (blocks.id_check, "")
+    streamed_pair(x, w1, w2, topk_weights if topk_weights.is_contiguous() else topk_weights.contiguous(), blocks,
+                  top_k, gate_up=config.gate_up, down=config.down, lag=config.stream_lag, out=out, h=h,
+                  x_scale=x_scale, w1_scale=w1_scale, w2_scale=w2_scale, fmt=fmt, quant=quant, id_check=check)
 
 
 def _quantizes_in_gemm(config: MoEConfig, fmt: WeightFormat, x: torch.Tensor, w1: torch.Tensor, out_dtype) -> bool:

@@ -64,6 +64,8 @@ class Layout:
     #: Both GEMMs of a tiny batch in one launch (``MoEConfig.one_launch``,
     #: :mod:`moe_kernels.kernels.one_launch`).
     one_launch: bool = False
+    #: Both GEMMs as one stream of tiles (``MoEConfig.stream_lag``, :mod:`moe_kernels.kernels.streamed_pair`).
+    streamed: bool = False
 
     def supports(self, fmt) -> bool:
         return fmt.name in self.formats
@@ -89,7 +91,8 @@ def _resolve(path: str):
 LAYOUTS = {
     "index_gather": Layout("index_gather", ".index_gather:fused_experts", _ALL_FORMATS, tma=True, persistent=True,
                            swap_ab=True, sum_in_gemm=True, split_gate_up=True, pdl=True, quant_in_gemm=True,
-                           fused_shared_expert=True, tables=("index_gather",), rows="block_m", one_launch=True),
+                           fused_shared_expert=True, tables=("index_gather",), rows="block_m", one_launch=True,
+                           streamed=True),
     "permute": Layout("permute", ".permute:permute_experts", _ALL_FORMATS, tma=True, persistent=True,
                       swap_ab=True, sum_in_gemm=True, split_gate_up=False, pdl=False, quant_in_gemm=False,
                       fused_shared_expert=True, tables=("permute", "index_gather"), rows="align"),

@@ -60,7 +60,7 @@ from .blocks import BlockAssignment
 from .config import GemmTiles
 
 if HAS_TRITON:
-    from .index_gather import _index_gather_tile, _prefetch_tile_weights
+    from .gather_tile import _index_gather_tile, _prefetch_tile_weights
 
 #: GEMM 2's programs ask L2 for their weight tile before they wait (1) or not (0); compiled kernels only.
 PREFETCH = 0
@@ -95,7 +95,6 @@ if HAS_TRITON:
         QUANT_GROUP: tl.constexpr, ROUND_TO: tl.constexpr, PREFETCH_W2: tl.constexpr, TICKETS: tl.constexpr,
         PREFETCH_LINE: tl.constexpr,
     ):
-        # >>> book: streamed-pair
         # counters: [0] the next ticket, [1:] arrivals of GEMM 1's tiles per block; zeros at launch.
         if TICKETS:
             ticket = tl.atomic_add(counters_ptr, 1, sem="relaxed")
@@ -147,7 +146,6 @@ if HAS_TRITON:
                 BLOCK_M, BN2, BK2, 1, 1, NAIVE_BLOCKS, False, False, True, EVEN_K2,
                 INPUT_PRECISION, SCALES, 0, 1, w2_desc, TMA2, SCALE_BN, SCALE_BK, ID_CHECK_2, SWAP2,
                 h_scale_ptr, stride_hs, 0, "")
-        # <<< book: streamed-pair
 
 
 def check_streamable(func: str, gate_up: GemmTiles, down: GemmTiles, lag: object) -> None:

@@ -1,0 +1,133 @@
+"""One tile of the index-gather layout: the program that finds its rows through ``sorted_token_ids``.
+
+Split out of :mod:`moe_kernels.kernels.index_gather` so that two launchers can share it: the
+layout's own grouped GEMM (one GEMM per launch) and :mod:`moe_kernels.kernels.streamed_pair`
+(both GEMMs in one launch), which the layout's ``run_experts`` calls. ``_index_gather_tile`` owns
+one ``(M-block, N-tile)``: it reads the block's rows and expert, computes the tile on the common
+core (:func:`~moe_kernels.kernels._tile_gemm.expert_tile_product`) and stores it; blocks past the
+last one in use store nothing, and an expert id outside ``[0, E)`` is never used as an address.
+``_prefetch_tile_weights`` asks L2 for the weight rows a tile will read (see
+:mod:`moe_kernels.kernels._pdl`). Both are ``@kernel`` functions called from other kernels; the
+tests run them through their launchers.
+"""
+
+from __future__ import annotations
+
+from .._runtime import HAS_TRITON, kernel, tl
+
+if HAS_TRITON:
+    from ._pdl import prefetch_rows_to_l2
+    from ._tile_gemm import add_tile, expert_tile_product, scale_rows, store_tile
+    from ._tile_gemm import tile_position as _tile_position
+    from .quant import store_group_quantized
+
+if HAS_TRITON:
+
+    @kernel
+    def _prefetch_tile_weights(tile, w_ptr, expert_ids_ptr, num_tokens_post_padded_ptr, num_m_blocks, num_experts,
+                               N, K, stride_we, stride_wn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                               GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, NAIVE_BLOCKS: tl.constexpr,
+                               DENSE: tl.constexpr, LINE: tl.constexpr):
+        """Ask L2 for the weight rows ``tile`` will read (see :mod:`moe_kernels.kernels._pdl`): the
+        block map it reads here was written before the kernel before this one started."""
+        pid_m, pid_n, _ = _tile_position(tile, num_m_blocks, N, BLOCK_N, GROUP_M, SPLIT_K)
+        if DENSE:
+            expert = pid_m.to(tl.int64) * 0
+            in_use = True
+        else:
+            expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+            if NAIVE_BLOCKS:
+                in_use = True
+            else:
+                in_use = pid_m * BLOCK_M < tl.load(num_tokens_post_padded_ptr)
+        if in_use & (expert >= 0) & (expert < num_experts):
+            # Rows past the last (N not a multiple of BLOCK_N) ask for the last row again: a
+            # prefetch must not point past the weights, even one L2 never answers.
+            rows = tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N), N - 1)
+            # (8 lines of each row per step of the prefetch loop: BLOCK_N x 8 instructions at a time)
+            prefetch_rows_to_l2(w_ptr + expert * stride_we + rows.to(tl.int64) * stride_wn, K, LINE, 8)
+
+    @kernel
+    def _index_gather_tile(
+        tile, a_ptr, w_ptr, out_ptr, topk_weights_ptr,
+        sorted_token_ids_ptr, expert_ids_ptr, num_tokens_post_padded_ptr,
+        num_m_blocks, num_valid_rows, num_experts, N, K,
+        stride_am, stride_we, stride_wn, stride_om,
+        a_scale_ptr, stride_as, w_scale_ptr, stride_wse, stride_wsn, stride_wsk,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+        TOP_K: tl.constexpr, NAIVE_BLOCKS: tl.constexpr, DENSE: tl.constexpr, GATED: tl.constexpr,
+        MUL_ROUTED_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+        SCALES: tl.constexpr, SUM_TOP_K: tl.constexpr, SPLIT_K: tl.constexpr, w_desc, TMA_W: tl.constexpr,
+        SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, ID_CHECK: tl.constexpr, SWAP_AB: tl.constexpr,
+        out_scale_ptr, stride_os, QUANT_GROUP: tl.constexpr, ROUND_TO: tl.constexpr,
+    ):
+        # out[row] = A[row // TOP_K] @ W[expert]^T for the rows of one M-block; W is [E, N', K].
+        # QUANT_GROUP > 0 (GEMM 1, fp8 block weights): out is GEMM 2's fp8 input, with its 1 x
+        # QUANT_GROUP scales at out_scale_ptr, quantised here instead of by a separate launch.
+        # SUM_TOP_K > 0: out[row // SUM_TOP_K] += that instead (fp32 atomics), over SPLIT_K K slices.
+        pid_m, pid_n, split = _tile_position(tile, num_m_blocks, N, BLOCK_N, GROUP_M, SPLIT_K)
+
+        # >>> book: index-gather-rows
+        offs_m = tl.arange(0, BLOCK_M)
+        if NAIVE_BLOCKS:
+            # Block m is assignment m alone: row 0 is real, the others are padding.
+            rows = tl.where(offs_m == 0, pid_m, num_valid_rows).to(tl.int64)
+            in_use = True
+        elif DENSE:
+            # One expert that every token uses (a shared expert):
+            # block m is rows m*BLOCK_M onward.
+            rows = (pid_m * BLOCK_M + offs_m).to(tl.int64)
+            in_use = True
+        else:
+            # The early exit: blocks past the last one in use read no ids (the id buffer may end
+            # inside the last block of the grid) and store nothing.
+            rows_used = tl.load(num_tokens_post_padded_ptr)
+            in_use = pid_m * BLOCK_M < rows_used
+            slots = pid_m * BLOCK_M + offs_m
+            rows = tl.load(sorted_token_ids_ptr + slots, mask=slots < rows_used,
+                           other=num_valid_rows).to(tl.int64)
+        row_real = rows < num_valid_rows
+        if DENSE:
+            expert = pid_m.to(tl.int64) * 0   # expert 0, as an int64 scalar like a loaded id
+        else:
+            expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+        # -1: the block's expert is computed elsewhere (vLLM, under expert parallelism);
+        # an id out of range (unchecked input) must not become an address. Its rows are zero.
+        known = (expert >= 0) & (expert < num_experts)
+        if in_use & known:
+            # Padding rows read row 0 (never stored), so the loads need no row mask.
+            a_row = tl.where(row_real, rows // TOP_K, 0)
+            acc = expert_tile_product(
+                a_ptr, a_row * stride_am, w_ptr + expert * stride_we, stride_wn, pid_n, N, K,
+                a_scale_ptr, a_row * stride_as, w_scale_ptr + expert * stride_wse, stride_wsn,
+                stride_wsk, GATED, EVEN_K, INPUT_PRECISION, SCALES, BLOCK_M, BLOCK_N, BLOCK_K,
+                split, SPLIT_K, w_desc,
+                (expert * (N * (1 + GATED)) + pid_n * BLOCK_N).to(tl.int32), TMA_W,
+                SCALE_BN, SCALE_BK, SWAP_AB)
+            if MUL_ROUTED_WEIGHT:
+                acc = scale_rows(acc, topk_weights_ptr, rows, row_real)
+            if QUANT_GROUP > 0:
+                store_group_quantized(out_ptr, rows * stride_om, out_scale_ptr,
+                                      rows * stride_os, row_real, acc, pid_n, N, BLOCK_M,
+                                      BLOCK_N, QUANT_GROUP, ROUND_TO)
+            elif SUM_TOP_K == 0:
+                store_tile(out_ptr, rows * stride_om, row_real, acc, pid_n, N, BLOCK_N)
+            else:
+                add_tile(out_ptr, (rows // SUM_TOP_K) * stride_om, row_real, acc, pid_n, N,
+                         BLOCK_N)
+        elif in_use & (SUM_TOP_K == 0):   # (a summed output starts at zero: nothing to add)
+            zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            if QUANT_GROUP > 0:
+                store_group_quantized(out_ptr, rows * stride_om, out_scale_ptr,
+                                      rows * stride_os, row_real, zeros, pid_n, N, BLOCK_M,
+                                      BLOCK_N, QUANT_GROUP, ROUND_TO)
+            else:
+                store_tile(out_ptr, rows * stride_om, row_real, zeros, pid_n, N, BLOCK_N)
+        if NAIVE_BLOCKS:
+            if ID_CHECK != "":
+                # The naive map's labels are the caller's ids, which no kernel before the
+                # GEMMs reads: one GEMM reports a bad one (NAIVE_ID_CHECK_IN). At the end of
+                # the tile, where nothing waits for it; `known` above is what keeps a bad id
+                # from becoming an address, checked or not.
+                tl.device_assert(known, ID_CHECK)
+        # <<< book: index-gather-rows
