@@ -125,19 +125,25 @@ if HAS_TRITON:
                 BLOCK_M, BN1, BK1, 1, TOP_K, NAIVE_BLOCKS, False, True, False, EVEN_K1,
                 INPUT_PRECISION, SCALES, 0, 1, w1_desc, TMA1, SCALE_BN, SCALE_BK, ID_CHECK_1, SWAP1,
                 h_scale_ptr, stride_hs, QUANT_GROUP, ROUND_TO)
-            # Every thread's stores of the tile, then one release: a reader that sees the count
-            # sees the rows.
+            # >>> book: stream-arrival
+            # Every thread's stores of the tile, then one release: a reader
+            # that sees the count sees the rows.
             tl.debug_barrier()
             tl.atomic_add(arrivals + gemm1_block, 1, sem="release")
+            # <<< book: stream-arrival
         else:   # GEMM 2: one N-tile of a block, from h, once GEMM 1 is done with that block
             if PREFETCH_W2:
                 _prefetch_tile_weights(gemm2_tile, w2_ptr, expert_ids_ptr, num_tokens_post_padded_ptr, num_m_blocks,
                                        num_experts, D, F, stride_w2e, stride_w2n, BLOCK_M, BN2, 1, 1,
                                        NAIVE_BLOCKS, False, PREFETCH_LINE)
+            # >>> book: stream-wait
+            # Wait until all n1 GEMM 1 tiles of this block have arrived (an
+            # acquire: their rows of h are then visible), then read them.
             seen = tl.atomic_add(arrivals + gemm2_block, 0, sem="acquire")
             while seen < n1:
                 seen = tl.atomic_add(arrivals + gemm2_block, 0, sem="acquire")
             tl.debug_barrier()
+            # <<< book: stream-wait
             _index_gather_tile(
                 gemm2_tile, h_ptr, w2_ptr, out_ptr, topk_weights_ptr, sorted_token_ids_ptr, expert_ids_ptr,
                 num_tokens_post_padded_ptr, num_m_blocks, num_valid_rows, num_experts, D, F,
