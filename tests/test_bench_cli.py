@@ -157,3 +157,41 @@ def test_tuning_a_shared_expert_end_to_end_on_the_cpu(monkeypatch):
     with pytest.raises(ValueError, match="refine"):
         tune_module.tune({"small:shared": shape}, [1], dtype=torch.float32, seed=0, warmup_ms=0, rep_ms=0, workers=0,
                          device="cpu", shared=True, refine=True)
+
+
+def test_tuning_tries_both_gemms_as_one_stream_on_the_cpu(monkeypatch):
+    """``tune`` on a small routed shape, with a stand-in timer under which the streamed pair is the
+    fastest experts call: the entry takes ``stream_lag`` (the tuner's lag, GEMM 1's warps or the other
+    count), records each stream it timed, and stays a config the layer's lookup accepts."""
+    import dataclasses
+
+    import torch
+
+    from moe_kernels import MODELS
+    from moe_kernels._runtime import BACKEND, record_launches
+    from moe_kernels.bench import tune as tune_module
+    from moe_kernels.bench import tune_candidates
+    from moe_kernels.kernels.config import GemmTiles, MoEConfig, check_config
+
+    if BACKEND == "torch":
+        pytest.skip("no Triton: the torch references launch nothing")
+    small = dataclasses.replace(MODELS["qwen3-30b-a3b"], hidden_size=64, moe_intermediate_size=32, num_experts=4,
+                                top_k=2)
+    calls = iter(range(10**6))
+
+    def timed(fn, *args):   # a stand-in timer: the stream runs fastest, the rest get distinct times
+        with record_launches() as launches:
+            fn()
+        streamed = any(name == "streamed_pair" for name, _ in launches)
+        return 0.5 if streamed else 1.0 + (next(calls) % 7) / 10
+
+    monkeypatch.setattr(tune_module, "graphed", lambda fn: fn)
+    monkeypatch.setattr(tune_module, "median_ms", timed)
+    monkeypatch.setattr(tune_candidates, "tile_candidates", lambda rho, bm, gated, fmt=None: [GemmTiles(16, 32, 1, 4, 2)])
+    entries = tune_module.tune({"small": small}, [8], dtype=torch.float32, seed=0, warmup_ms=0, rep_ms=0, workers=0,
+                               log=lambda line: None, device="cpu")
+    (entry,) = entries
+    config = check_config("test", MoEConfig.from_dict(entry["config"]), layout="index_gather")
+    assert config.stream_lag == tune_module.STREAM_LAG
+    streams = [s for s in entry["experts_ms_by_switches"] if s["stream_lag"] is not None]
+    assert sorted(s["gate_up_warps"] for s in streams) == [4, 8] and all(s["ms"] == 0.5 for s in streams)

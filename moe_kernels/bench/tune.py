@@ -22,7 +22,9 @@ only the configuration the kernels pick today, with and without TMA, on each gri
 16- or 32-row M tile, transposed onto 64- and 128-row weight tiles. Either way the chosen tiles
 are then timed as one experts call with and without the switches that act between the GEMMs: GEMM
 2 launched as a programmatic dependent of GEMM 1 (``MoEConfig.pdl``, Hopper) and, in fp8, GEMM 1's
-epilogue quantising GEMM 2's input (``MoEConfig.quant_in_gemm``). ``--record`` writes ``results/<device>/<name>.json``;
+epilogue quantising GEMM 2's input (``MoEConfig.quant_in_gemm``), and both GEMMs as one stream of tiles
+(``MoEConfig.stream_lag``, at a lag of :data:`STREAM_LAG` blocks, with GEMM 1's warps and with the other
+count). ``--record`` writes ``results/<device>/<name>.json``;
 ``--write-tables`` writes the best configs as the tables the kernels load
 (``moe_kernels/kernels/configs/``). Timing needs a CUDA GPU; the candidate lists are plain Python.
 """
@@ -48,6 +50,10 @@ from .timing import graphed, median_ms
 from .tune_candidates import (MACHINERY_MARGIN, block_m_candidates, candidates, down_variants,  # noqa: F401
                               fits, plain_tiles, plainest_best, short, tile_candidates)
 from .tune_tables import write_tables
+
+#: The lag the tuner gives the streamed pair: 32 blocks measured best of 2-64 and "all" on Qwen3-30B-A3B
+#: (``results/nvidia-h200/streamed-pair-ab*.json``).
+STREAM_LAG = 32
 
 
 def _compile_jobs(jobs: list[dict]) -> int:
@@ -253,6 +259,17 @@ def tune(models, batches, *, dtype, seed, warmup_ms, rep_ms, workers, budget_s=m
             wide_up = dataclasses.replace(wide_up, block_n=fmt.block[1], num_stages=stages)
         combos = [(pdl, quant) for pdl in ((False, True) if pdl_available(torch.device(device)) else (False,))
                   for quant in ((False, True) if quant_ok else (False,))]
+        # Both GEMMs as one stream of tiles (MoEConfig.stream_lag; moe_kernels.kernels.streamed_pair): GEMM 1's
+        # tiles (whole groups in fp8: the stream quantises in GEMM 1's epilogue), a lag of STREAM_LAG blocks, the
+        # kernel's warps GEMM 1's or the other count (8 warps made the fp8 stream 1.29x slower at 256 tokens).
+        streams = []
+        if not dense and not cfg.sum_in_gemm and cfg.down.split_k == 1 and not cfg.down.persistent:
+            stream_up = dataclasses.replace(wide_up if fmt.quantized else cfg.gate_up, split_k=1, persistent=0)
+            if not fmt.quantized or quant_ok:
+                streams = [dataclasses.replace(cfg, stream_lag=STREAM_LAG, gate_up=dataclasses.replace(stream_up,
+                                                                                                     num_warps=w))
+                           for w in dict.fromkeys((stream_up.num_warps, 12 - stream_up.num_warps if
+                                                   stream_up.num_warps in (4, 8) else 4))]
         switch_ms = {}
         if dense:   # dense_expert runs neither switch: the tiles alone, timed as it runs them
             combos = []
@@ -264,27 +281,32 @@ def tune(models, batches, *, dtype, seed, warmup_ms, rep_ms, workers, budget_s=m
                 tried.append({"gemm": "both", "error": str(err)[:120]})
         blocks = (dense_blocks(batch, cfg.block_m, ids) if dense
                   else assign_blocks(ids, cfg.block_m, model.num_experts, validate_ids=False))
-        for pdl, quant in combos if len(combos) > 1 else ():
-            both = dataclasses.replace(cfg, pdl=pdl, quant_in_gemm=quant, gate_up=wide_up if quant else cfg.gate_up)
+        variants = [dataclasses.replace(cfg, pdl=pdl, quant_in_gemm=quant, gate_up=wide_up if quant else cfg.gate_up)
+                    for pdl, quant in combos] if len(combos) > 1 or streams else []
+        for both in variants + streams:
+            pdl, quant = both.pdl, both.quant_in_gemm
             try:
                 switch_ms[both] = median_ms(graphed(lambda c=both: run_experts(
                     hidden, w1, w2, weights, ids, fmt=fmt, config=c, w1_scale=w1_scale, w2_scale=w2_scale,
                     blocks=blocks, ids="trusted")), warmup_ms, rep_ms)
             except Exception as err:  # noqa: BLE001 - recorded, and the plain launch kept
-                tried.append({"gemm": "both", "pdl": pdl, "quant_in_gemm": quant, "error": str(err)[:120]})
+                tried.append({"gemm": "both", "pdl": pdl, "quant_in_gemm": quant, "stream_lag": both.stream_lag,
+                              "error": str(err)[:120]})
                 switch_ms[both] = math.inf
         if switch_ms and not dense:
-            cfg = plainest_best(switch_ms, lambda c: not c.pdl and not c.quant_in_gemm)
+            cfg = plainest_best(switch_ms, lambda c: not c.pdl and not c.quant_in_gemm and c.stream_lag is None)
         log(f"{key:<14} {fmt.name:<11} batch {batch:>6}: {total * 1e3:8.1f} us (gate_up {t_up * 1e3:.1f} + down "
             f"{'' if dense else 'and sum '}{t_down * 1e3:.1f}) block_m {cfg.block_m} gate_up {short(cfg.gate_up)} down {short(cfg.down)}"
             f"{' summed in GEMM 2' if cfg.sum_in_gemm else ''}"
             + "".join(f"; experts call{' with PDL' if c.pdl else ''}{' quantising in GEMM 1' if c.quant_in_gemm else ''}"
+                      f"{f' as one stream ({c.gate_up.num_warps} warps)' if c.stream_lag is not None else ''}"
                       f" {ms * 1e3:.1f} us" for c, ms in (switch_ms or {}).items()))
         entries.append({"model": key, "format": weight_format, "E": model.num_experts,
                         "N": model.moe_intermediate_size, "K": model.hidden_size, "M": batch, "config": cfg.to_dict(),
                         "gemm_ms": {"gate_up": t_up, "down": t_down},
                         "experts_ms_by_switches": [{"pdl": c.pdl, "quant_in_gemm": c.quant_in_gemm,
-                                                    "gate_up_block_n": c.gate_up.block_n, "ms": ms}
+                                                    "stream_lag": c.stream_lag, "gate_up_block_n": c.gate_up.block_n,
+                                                    "gate_up_warps": c.gate_up.num_warps, "ms": ms}
                                                    for c, ms in (switch_ms or {}).items()],
                         "tried": [t for t in tried if t.get("ms", 0) != math.inf]})
         del hidden, x, x_scale, weights, ids, inter, per_slot, summed, out, y, y_scale
