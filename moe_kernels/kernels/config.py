@@ -150,7 +150,10 @@ class MoEConfig:
     #: Both GEMMs in one launch instead (index-gather layout, no block map: tiny batches).
     one_launch: OneLaunchTiles | None = None
     #: Both GEMMs as one stream of tiles, GEMM 2's a lag of this many blocks behind GEMM 1's
-    #: (index-gather layout; :mod:`moe_kernels.kernels.streamed_pair`); None: two launches.
+    #: (index-gather layout; :mod:`moe_kernels.kernels.streamed_pair`); None: two launches. The one
+    #: kernel runs with ``gate_up``'s warps and stages (``down``'s are not used), walks the tiles in
+    #: its own order (``group_m`` unused), has no launch between the GEMMs (``pdl`` unused) and in
+    #: fp8 always quantises GEMM 2's input in GEMM 1's epilogue (as ``quant_in_gemm`` does).
     stream_lag: int | None = None
 
     def to_dict(self) -> dict:
@@ -220,7 +223,11 @@ def check_config(func: str, config: object, *, align: int | None = None, layout:
     if lag is not None:
         if isinstance(lag, bool) or not isinstance(lag, int) or lag < 0:
             fail(func, "config.stream_lag", "must be None (two launches) or an int >= 0 (blocks between GEMM 1's "
-                 "tiles and GEMM 2's in one stream)", repr(lag), TypeError if not isinstance(lag, int) else ValueError)
+                 "tiles and GEMM 2's in one stream)", repr(lag),
+                 ValueError if isinstance(lag, int) and not isinstance(lag, bool) else TypeError)
+        if config.one_launch is not None:
+            fail(func, "config.stream_lag", "must be None when config.one_launch is set (both GEMMs run in the one "
+                 "launch already)", lag)
         if not layout_named(func, layout).streamed:
             fail(func, "config.stream_lag", f"must be None for the {layout} layout (the streamed pair reads the "
                  "index-gather block map: index_gather only)", lag)

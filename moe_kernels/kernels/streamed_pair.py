@@ -5,7 +5,8 @@ programs begin only when the first kernel's last program has finished, and while
 drains, fewer and fewer SMs are streaming weights. Measured on the H200 (the notes' session 19), a
 read of Qwen3-30B-A3B's GEMM 2 weights (403 MB) in one kernel costs a fixed 13-14 us over its floor
 however it is read, and so does GEMM 1's. But GEMM 2 does not need *all* of GEMM 1: the tile of
-M-block ``m`` needs only block ``m``'s rows of the intermediate ``h``.
+M-block ``m`` needs only block ``m``'s rows of the intermediate ``h`` (its padding rows read row 0
+of ``h``, whatever it holds: they are never stored).
 
 So here one launch runs the tiles of both GEMMs. Programs take a ticket, one atomic add each, and
 the ticket names the work. With ``n1`` GEMM 1 N-tiles and ``n2`` GEMM 2 N-tiles per M-block and a
@@ -23,11 +24,19 @@ until its block's count reaches ``n1`` (an acquire), then reads that block's ``h
 A ticket is taken only by a running program, and GEMM 1's tickets of block ``b`` all come before
 GEMM 2's of block ``b``: whoever waits, waits for programs that already hold their SMs, so the
 wait always ends (no order of dispatch is assumed). The lag keeps the waits short: a GEMM 1 tile
-streams far more weights than a GEMM 2 tile (Qwen3-30B-A3B: 1 MB against 0.2 MB at 128 columns),
+streams far more weights than a GEMM 2 tile (Qwen3-30B-A3B in bf16, 128 columns: 1 MB against
+0.2 MB),
 so GEMM 2 catches up with GEMM 1 unless it starts well behind. A lag of every block runs all of GEMM
 1 first, like two launches but with no boundary between them. The weights are read exactly as
 often as by the two launches; ``h`` goes through L2 as before. With ``PREFETCH`` a GEMM 2 program
 asks L2 for its weight tile before it waits.
+
+Measured on the H200 (section 12, Table 12.3; ``tools/streamed_pair_ab.py``): in bf16 within
+0.99-1.02x of the two launches at 8-512 Qwen3-30B-A3B tokens (the boundary between two launches in a
+CUDA graph costs little; the tickets and GEMM 2 running with GEMM 1's warps and stages cost about as
+much); in fp8 0.92-0.93x at 256-512 tokens with 4 warps, where the H200 table takes it. The prefetch
+was slower everywhere (``PREFETCH = 0``); lags of 2-8 blocks lost up to 1.7x (a waiting program
+holds its SM).
 
     >>> import torch
     >>> from moe_kernels.kernels.blocks import assign_blocks
@@ -182,6 +191,13 @@ def streamed_pair(x, w1, w2, topk_weights, blocks: BlockAssignment, top_k: int, 
     message of GEMM 1 and of GEMM 2 (a naive map's ids, checked by one of them).
     """
     check_streamable("streamed_pair", gate_up, down, lag)
+    if fmt is not None and fmt.quantized:
+        if fmt.activations != "group":
+            fail("streamed_pair", "fmt", "must be unquantised or fp8 with 1 x G activation groups (the block format: "
+                 "GEMM 1's epilogue quantises GEMM 2's input per group)", fmt.name)
+        if quant is None:
+            fail("streamed_pair", "quant", "must be (h_scale, group, round_to) for fp8 weights (GEMM 1's epilogue "
+                 "quantises h)", None)
     num_tokens = x.shape[0]
     numel = num_tokens * top_k
     e, two_f, d_in = w1.shape
