@@ -25,9 +25,8 @@ A ticket is taken only by a running program, and GEMM 1's tickets of block ``b``
 GEMM 2's of block ``b``: whoever waits, waits for programs that already hold their SMs, so the
 wait always ends (no order of dispatch is assumed). The lag keeps the waits short: a GEMM 1 tile
 streams far more weights than a GEMM 2 tile (Qwen3-30B-A3B in bf16, 128 columns: 1 MB against
-0.2 MB),
-so GEMM 2 catches up with GEMM 1 unless it starts well behind. A lag of every block runs all of GEMM
-1 first, like two launches but with no boundary between them. The weights are read exactly as
+0.2 MB), so GEMM 2 catches up with GEMM 1 unless it starts well behind. A lag of every block runs
+all of GEMM 1 first, like two launches but with no boundary between them. The weights are read exactly as
 often as by the two launches; ``h`` goes through L2 as before. With ``PREFETCH`` a GEMM 2 program
 asks L2 for its weight tile before it waits.
 
