@@ -163,6 +163,17 @@ def assert_device_assert(code, message):
     assert "device-side assert" in output and message in output, output[-3000:]
 
 
+def compiled_for_hopper(script: str) -> list[str]:
+    """Run ``script`` (a kernel compiled for sm_90 with :mod:`moe_kernels.sm90_compile`, printing what
+    its PTX shows) in a fresh interpreter that does not interpret kernels, and return its output lines.
+    Skips where Triton has no NVIDIA backend; a failed build fails the test with its error."""
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "MOE_KERNELS_BACKEND")}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.split("\n")
+
+
 # ---- the browser tests (tests/test_site.py, tests/test_lab.py) -------------------------------------
 
 CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")

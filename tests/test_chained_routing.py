@@ -22,7 +22,7 @@ from moe_kernels.kernels.chained_routing import MAX_TOKENS, gate_route_chained
 from moe_kernels.kernels.gate_routing import gate_and_route, gate_and_route_reference, gate_route_and_align
 from moe_kernels.kernels.grouped_routing import grouped_topk, grouped_topk_reference
 from moe_kernels.kernels.routing import fused_topk, fused_topk_reference
-from moe_testing import DEVICE, needs_gpu
+from moe_testing import DEVICE, compiled_for_hopper, needs_gpu
 from test_gate_routing import inputs
 
 
@@ -379,16 +379,8 @@ def test_compiles_for_hopper_with_its_dependent_launch():
     its products (tensor cores); the routing programs wait (``griddepcontrol.wait``) and let the
     alignment start before their first read of the partials (through L2), at Qwen3's shape and
     DeepSeek-V3's; the alignment waits before it reads the ids (chunked, and in one program)."""
-    import os
-    import subprocess
-    import sys
-
-    pytest.importorskip("triton.backends.nvidia")
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "MOE_KERNELS_BACKEND")}
-    done = subprocess.run([sys.executable, "-c", _COMPILE_FOR_HOPPER], capture_output=True, text=True, timeout=600,
-                          env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split("\n")[:4] == ["True True", "True", "True", "True True"], done.stdout
+    lines = compiled_for_hopper(_COMPILE_FOR_HOPPER)
+    assert lines[:4] == ["True True", "True", "True", "True True"], lines
 
 
 def test_the_layer_chooses_its_router():

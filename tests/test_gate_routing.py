@@ -19,7 +19,7 @@ from moe_kernels.kernels.gate_routing import (gate_and_route, gate_and_route_ref
                                              gate_tiles)
 from moe_kernels.kernels.grouped_routing import grouped_topk
 from moe_kernels.kernels.routing import fused_topk
-from moe_testing import DEVICE, needs_gpu
+from moe_testing import DEVICE, compiled_for_hopper, needs_gpu
 
 
 def inputs(num_tokens, num_experts, hidden, seed, dtype=torch.float32, integer=False):
@@ -336,17 +336,8 @@ def test_compiles_for_hopper_with_its_release_and_acquire():
     products go to the tensor cores; for the plain rule (Qwen3's shape) and the grouped one
     (DeepSeek-V3's); with the alignment, a barrier after the routing's stores, a second such
     atomic (token blocks routed), then a barrier, then the ids read through L2."""
-    import os
-    import subprocess
-    import sys
-
-    pytest.importorskip("triton.backends.nvidia")
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "MOE_KERNELS_BACKEND")}
-    done = subprocess.run([sys.executable, "-c", _COMPILE_FOR_HOPPER], capture_output=True, text=True, timeout=600,
-                          env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split("\n")[:4] == ["True True True True"] * 2 + ["True True True True True True"] * 2, \
-        done.stdout
+    lines = compiled_for_hopper(_COMPILE_FOR_HOPPER)
+    assert lines[:4] == ["True True True True"] * 2 + ["True True True True True True"] * 2, lines
 
 
 @needs_gpu

@@ -19,7 +19,7 @@ from moe_kernels.kernels import index_gather as fm
 from moe_kernels.kernels.config import GemmTiles, MoEConfig, check_config
 from moe_kernels.kernels.quant import quantize_weight
 from moe_kernels.reference import moe_reference, moe_reference_fp8
-from moe_testing import DEVICE, EDGE_SHAPES, TOLERANCE, make_problem, needs_gpu, rel_err
+from moe_testing import DEVICE, EDGE_SHAPES, TOLERANCE, compiled_for_hopper, make_problem, needs_gpu, rel_err
 
 pytestmark = pytest.mark.usefixtures("true_fp32")
 
@@ -394,17 +394,9 @@ def test_swap_ab_reaches_hoppers_wgmma():
     in fp8 with block scales. (The interpreter runs a kernel as Python, so it cannot tell whether
     the compiler accepts it: the first swap_ab kernel returned two shapes from one helper, which
     Python allows and Triton refuses.)"""
-    import os
-    import subprocess
-    import sys
-
-    pytest.importorskip("triton.backends.nvidia")
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "MOE_KERNELS_BACKEND")}
-    done = subprocess.run([sys.executable, "-c", _COMPILE_FOR_HOPPER], capture_output=True, text=True, timeout=600,
-                          env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
+    lines = compiled_for_hopper(_COMPILE_FOR_HOPPER)
     expected = ["bf16 False False True", "bf16 True True False", "fp8e4nv True True False"]
-    assert done.stdout.split("\n")[:3] == expected, done.stdout
+    assert lines[:3] == expected, lines
 
 
 _COMPILE_SWITCHES_FOR_HOPPER = """
@@ -479,16 +471,8 @@ def test_split_gate_up_compiles_for_hopper():
     """GEMM 1 split over K (ungated over 2F rows, K slices added with fp32 atomics; bf16 on the
     naive map with its id check, fp8 block on the aligned one) and the SiLU·mul kernel compile for
     sm_90; the atomics and the round-to-nearest bf16 store are in the PTX."""
-    import os
-    import subprocess
-    import sys
-
-    pytest.importorskip("triton.backends.nvidia")
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "MOE_KERNELS_BACKEND")}
-    done = subprocess.run([sys.executable, "-c", _COMPILE_SPLIT_GATE_UP_FOR_HOPPER], capture_output=True,
-                          text=True, timeout=600, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split("\n")[:3] == ["True", "True", "True"], done.stdout
+    lines = compiled_for_hopper(_COMPILE_SPLIT_GATE_UP_FOR_HOPPER)
+    assert lines[:3] == ["True", "True", "True"], lines
 
 
 def test_switches_compile_for_hopper():
@@ -497,19 +481,10 @@ def test_switches_compile_for_hopper():
     and waits, on the aligned and the naive block map; with neither, no such instruction; an fp8
     GEMM 1 with ``QUANT_GROUP`` converts its output to e4m3 in the epilogue; an fp8 GEMM 2 on the
     naive map with the ids' check (TMA, swapped operands, PDL) carries the assert."""
-    import os
-    import subprocess
-    import sys
-
-    pytest.importorskip("triton.backends.nvidia")
     pytest.importorskip("triton.language.extra.cuda.gdc")
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "MOE_KERNELS_BACKEND")}
-    done = subprocess.run([sys.executable, "-c", _COMPILE_SWITCHES_FOR_HOPPER], capture_output=True, text=True,
-                          timeout=600, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split("\n")[:6] == ["True False False False", "False True True False", "False True True False",
-                                           "False False False False", "False False False True",
-                                           "True True"], done.stdout
+    lines = compiled_for_hopper(_COMPILE_SWITCHES_FOR_HOPPER)
+    assert lines[:6] == ["True False False False", "False True True False", "False True True False",
+                         "False False False False", "False False False True", "True True"], lines
 
 
 # ---- GPU: the models' own shapes, bf16 and fp8, and CUDA-graph capture -----------------------------

@@ -53,6 +53,13 @@ def test_imports_with_one_notice_and_runs_references():
         ref = reference.moe_reference(x, w1, w2, w, ids)
         err = (out.double() - ref).norm() / ref.norm()
         assert err < 1e-5, err
+        from moe_kernels.kernels import streamed_pair   # both GEMMs as one stream: its reference
+        from moe_kernels.kernels.config import GemmTiles
+        tiles = GemmTiles(16, 16)
+        per_slot = streamed_pair.streamed_pair(x, w1, w2, w, blocks.assign_blocks(ids, 16, E), k, gate_up=tiles,
+                                               down=tiles, lag=1)
+        err = (per_slot.sum(1).double() - ref).norm() / ref.norm()
+        assert err < 1e-5, err
         print("ok", moe_kernels.describe())
         """
     )

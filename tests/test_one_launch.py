@@ -23,8 +23,8 @@ from moe_kernels.model.shapes import MODELS
 from moe_kernels.kernels.one_launch import (OneLaunchTiles, grid_programs, one_launch_experts,
                                             one_launch_reference)
 from moe_kernels.reference import moe_reference
-from moe_testing import (DEVICE, EDGE_SHAPES, ON_GPU, TOLERANCE, assert_device_assert, make_problem, needs_gpu,
-                         rel_err, skewed_problems)
+from moe_testing import (DEVICE, EDGE_SHAPES, ON_GPU, TOLERANCE, assert_device_assert, compiled_for_hopper, make_problem,
+                         needs_gpu, rel_err, skewed_problems)
 
 pytestmark = pytest.mark.usefixtures("true_fp32")
 
@@ -242,13 +242,5 @@ def test_compiles_for_hopper_with_its_release_and_acquire():
     scales): float32 atomic adds, then a CTA barrier, then the acquire-release arrival at GPU
     scope, then a barrier before the token's row is read back through L2 (``.cg``); no tensor-core
     instruction (the products are matrix-vector sums on the CUDA cores)."""
-    import os
-    import subprocess
-    import sys
-
-    pytest.importorskip("triton.backends.nvidia")
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "MOE_KERNELS_BACKEND")}
-    done = subprocess.run([sys.executable, "-c", _COMPILE_FOR_HOPPER], capture_output=True, text=True, timeout=600,
-                          env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split("\n")[:3] == ["True True True True"] * 3, done.stdout
+    lines = compiled_for_hopper(_COMPILE_FOR_HOPPER)
+    assert lines[:3] == ["True True True True"] * 3, lines

@@ -16,12 +16,13 @@ import torch
 
 from moe_kernels._runtime import BACKEND, record_launches
 from moe_kernels.kernels.blocks import assign_blocks
-from moe_kernels.kernels.config import GemmTiles, MoEConfig, check_config, choose_config
+from moe_kernels.kernels.config import GemmTiles, MoEConfig, check_config, check_stream, choose_config
 from moe_kernels.kernels.formats import FORMATS
 from moe_kernels.kernels.index_gather import fused_experts
-from moe_kernels.kernels.streamed_pair import check_streamable, streamed_pair, tickets
+from moe_kernels.kernels.streamed_pair import streamed_pair, streamed_pair_reference, tickets
 from moe_kernels.reference import moe_reference
-from moe_testing import DEVICE, EDGE_SHAPES, ON_GPU, TOLERANCE, make_problem, needs_gpu, rel_err, skewed_problems
+from moe_testing import (DEVICE, EDGE_SHAPES, ON_GPU, TOLERANCE, compiled_for_hopper, make_problem, needs_gpu, rel_err,
+                         skewed_problems)
 
 pytestmark = pytest.mark.usefixtures("true_fp32")
 
@@ -59,6 +60,29 @@ def test_an_idle_expert_and_every_token_on_one(lag):
         check(problem, torch.float32, lag=lag)
 
 
+@pytest.mark.parametrize("naive", [False, True])
+def test_the_torch_reference_is_the_kernel_in_float32(naive):
+    hidden, w1, w2, weights, ids = make_problem(7, 5, 2, 48, 24, seed=11)
+    blocks = assign_blocks(ids, 16, 5, naive=naive)
+    kernel_rows = streamed_pair(hidden, w1, w2, weights, blocks, 2, gate_up=SMALL, down=SMALL, lag=1)
+    h = torch.empty(14, 24, device=hidden.device)
+    reference_rows = streamed_pair_reference(hidden, w1, w2, weights, blocks, 2, h=h)
+    assert rel_err(kernel_rows, reference_rows.double()) < TOLERANCE[torch.float32]
+
+
+def test_bf16_called_directly_under_the_interpreter_takes_the_reference():
+    """The interpreter's bf16 dot is wrong: a direct bf16 call computes in float32 (the reference)."""
+    if ON_GPU or BACKEND == "torch":
+        pytest.skip("the interpreter's fallback")
+    hidden, w1, w2, weights, ids = make_problem(4, 4, 2, 32, 16, seed=12)
+    bf16 = [t.to(torch.bfloat16) for t in (hidden, w1, w2)]
+    blocks = assign_blocks(ids, 16, 4)
+    with record_launches() as launches:
+        per_slot = streamed_pair(*bf16, weights, blocks, 2, gate_up=SMALL, down=SMALL, lag=1)
+    assert launches == [] and per_slot.dtype == torch.bfloat16
+    assert rel_err(per_slot.sum(1), moe_reference(*bf16, weights, ids)) < TOLERANCE[torch.bfloat16]
+
+
 def test_no_tokens():
     hidden, w1, w2, weights, ids = make_problem(1, 4, 2, seed=1)
     blocks = assign_blocks(ids[:0], 16, 4, naive=False)
@@ -71,15 +95,16 @@ def test_tickets_cover_every_tile_once():
     assert tickets(5, 48, 64, SMALL, GemmTiles(32, 16)) == 5 * (3 + 2)
 
 
-@pytest.mark.parametrize("name, value, message", [
-    ("lag", -1, "must be an int >= 0"), ("lag", True, "must be an int >= 0"), ("lag", 2.0, "must be an int >= 0"),
-    ("gate_up", GemmTiles(16, 16, split_k=2), "gate_up.split_k"), ("down", GemmTiles(16, 16, persistent=1),
-                                                                    "down.persistent")])
-def test_bad_settings_are_named(name, value, message):
+@pytest.mark.parametrize("name, value, error, message", [
+    ("lag", -1, ValueError, "'lag' must be an int >= 0"), ("lag", True, TypeError, "'lag' must be an int >= 0"),
+    ("lag", 2.0, TypeError, "'lag' must be an int >= 0"),
+    ("gate_up", GemmTiles(16, 16, split_k=2), ValueError, "'gate_up' must have split_k=1"),
+    ("down", GemmTiles(16, 16, persistent=1), ValueError, "'down' must have split_k=1 and persistent=0")])
+def test_bad_settings_are_named(name, value, error, message):
     settings = dict(gate_up=SMALL, down=SMALL, lag=1)
     settings[name] = value
-    with pytest.raises(ValueError, match=message):
-        check_streamable("streamed_pair", **settings)
+    with pytest.raises(error, match=message):
+        check_stream("streamed_pair", **settings)
 
 
 def test_the_config_field_round_trips_and_old_tables_lack_it():
@@ -233,16 +258,8 @@ def test_compiles_for_hopper_with_its_release_and_acquire():
     """Compiled for an H100/H200 (sm_90) on this machine, bf16 and fp8: a CTA barrier before the
     release that counts a GEMM 1 tile in, an acquire load for GEMM 2's wait, both GEMMs' loads in the
     cp.async pipeline, and wgmma where the tile is transposed."""
-    import os
-    import subprocess
-    import sys
-
-    pytest.importorskip("triton.backends.nvidia")
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "MOE_KERNELS_BACKEND")}
-    done = subprocess.run([sys.executable, "-c", _COMPILE_FOR_HOPPER], capture_output=True, text=True, timeout=600,
-                          env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split("\n")[:2] == ["True True True True"] * 2, done.stdout
+    lines = compiled_for_hopper(_COMPILE_FOR_HOPPER)
+    assert lines[:2] == ["True True True True"] * 2, lines
 
 
 @needs_gpu

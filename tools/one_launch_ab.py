@@ -21,6 +21,7 @@ import sys
 import torch
 
 from moe_kernels.bench.problems import make_batch, tool_weights
+from moe_kernels.bench.ceilings import ReadFloor
 from moe_kernels.bench.timing import time_candidates
 from moe_kernels.kernels.blocks import assign_blocks
 from moe_kernels.kernels.config import get_config
@@ -37,15 +38,7 @@ TILES = ([OneLaunchTiles(f, 512, w, s) for f, w, s in itertools.product((16, 32,
 if device == "cpu":
     TILES = TILES[:2]
 
-if device == "cuda":
-    from moe_kernels.bench.ceilings import measure_read_bandwidth, measure_read_time_by_size
-    from moe_kernels.bench.sweep import read_seconds
-
-    read_bandwidth = measure_read_bandwidth()
-    read_by_size = measure_read_time_by_size()
-    print(f"read bandwidth {read_bandwidth / 1e12:.2f} TB/s", flush=True)
-else:
-    read_bandwidth, read_by_size = 1e12, None
+floor = ReadFloor(device)
 
 rows = []
 
@@ -55,7 +48,7 @@ def save():
     from moe_kernels.results import record
 
     path = record("one-launch-ab", {"rows": rows, "config": {
-        "models": models, "batches": batches, "formats": formats, "read_bandwidth": read_bandwidth,
+        "models": models, "batches": batches, "formats": formats, "read_bandwidth": floor.bandwidth,
         "tiles": [t.as_dict() for t in TILES]}})
     if os.environ.get("OUT"):
         json.dump(rows, open(os.path.join(os.environ["OUT"], "one_launch_ab.json"), "w"), indent=1)
@@ -85,15 +78,9 @@ for fname in formats:
             # (fp8: the one launch is W8A16, the two GEMMs W8A8: a few percent apart)
             times, errors, rel = time_candidates(candidates, reference, tolerance=0.1 if fmt.quantized else 0.05,
                                                  warmup_ms=2, rep_ms=20)
-            touched = int(torch.unique(ids).numel())
-            nbytes = touched * (w1[0].numel() + w2[0].numel()) * w1.element_size()
-            if w1s is not None:
-                nbytes += touched * (w1s[0].numel() + w2s[0].numel()) * 4
             us = {n: min(t) for n, t in times.items()}
             best = min((n for n in us if n.startswith("one launch")), key=us.get, default=None)
-            row = {"model": key, "format": fname, "batch": batch, "experts_touched": touched, "bytes": nbytes,
-                   "floor_us": nbytes / read_bandwidth * 1e6,
-                   "read_same_bytes_us": read_seconds(read_by_size, nbytes) * 1e6 if read_by_size else None,
+            row = {"model": key, "format": fname, "batch": batch, **floor.of_experts(ids, w1, w1s, w2, w2s),
                    "us": us, "rounds_us": times, "rel_err_vs_two_gemms": rel, "errors": errors,
                    "best_one_launch": best, "two_gemm_config": config.to_dict()}
             rows.append(row)

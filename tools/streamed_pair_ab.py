@@ -19,6 +19,7 @@ import sys
 import torch
 
 from moe_kernels.bench.problems import make_batch, tool_weights
+from moe_kernels.bench.ceilings import ReadFloor
 from moe_kernels.bench.timing import time_candidates
 from moe_kernels.kernels import streamed_pair as sp
 from moe_kernels.kernels.blocks import assign_blocks
@@ -37,15 +38,7 @@ ALL = 1 << 30   # a lag of every block: all of GEMM 1's tiles first
 VARIANTS = ([(32, 0, None, 1), (32, 0, 4, 1), (32, 0, 8, 1), (32, 0, None, 0)] if device == "cuda"
             else [(1, 0, None, 1), (ALL, 1, 4, 0)])
 
-if device == "cuda":
-    from moe_kernels.bench.ceilings import measure_read_bandwidth, measure_read_time_by_size
-    from moe_kernels.bench.sweep import read_seconds
-
-    read_bandwidth = measure_read_bandwidth()
-    read_by_size = measure_read_time_by_size()
-    print(f"read bandwidth {read_bandwidth / 1e12:.2f} TB/s", flush=True)
-else:
-    read_bandwidth, read_by_size = 1e12, None
+floor = ReadFloor(device)
 
 rows = []
 
@@ -55,7 +48,7 @@ def save():
     from moe_kernels.results import record
 
     path = record("streamed-pair-ab", {"rows": rows, "config": {
-        "models": models, "batches": batches, "formats": formats, "read_bandwidth": read_bandwidth,
+        "models": models, "batches": batches, "formats": formats, "read_bandwidth": floor.bandwidth,
         "variants": [{"lag": lag, "prefetch": pf, "warps": w, "tickets": t} for lag, pf, w, t in VARIANTS]}})
     if os.environ.get("OUT"):
         json.dump(rows, open(os.path.join(os.environ["OUT"], "streamed_pair_ab.json"), "w"), indent=1)
@@ -116,15 +109,9 @@ for fname in formats:
                     x, w1, w2, weights, blocks, k, fmt, scales, gate_up, config.down, lag, pf, warps, tickets))
             reference = candidates["two GEMMs"]().float()
             times, errors, rel = time_candidates(candidates, reference, tolerance=0.02, warmup_ms=2, rep_ms=20)
-            touched = int(torch.unique(ids).numel())
-            nbytes = touched * (w1[0].numel() + w2[0].numel()) * w1.element_size()
-            if w1s is not None:
-                nbytes += touched * (w1s[0].numel() + w2s[0].numel()) * 4
             us = {n: min(t) for n, t in times.items()}
             best = min((n for n in us if n.startswith("stream")), key=us.get, default=None)
-            row = {"model": key, "format": fname, "batch": batch, "experts_touched": touched, "bytes": nbytes,
-                   "floor_us": nbytes / read_bandwidth * 1e6,
-                   "read_same_bytes_us": read_seconds(read_by_size, nbytes) * 1e6 if read_by_size else None,
+            row = {"model": key, "format": fname, "batch": batch, **floor.of_experts(ids, w1, w1s, w2, w2s),
                    "us": us, "rounds_us": times, "rel_err_vs_two_gemms": rel, "errors": errors,
                    "best_stream": best, "two_gemm_config": config.to_dict(),
                    "stream_gate_up": dataclasses.asdict(gate_up)}

@@ -164,3 +164,28 @@ def main(argv: list[str] | None = None) -> int:
     if args.record:
         write_record(args.name or "ceilings", data, args.results_dir)
     return 0
+
+
+class ReadFloor:
+    """The A/B scripts' floor (``tools/*_ab.py``): the read bandwidth and a plain read's time by size,
+    measured once in the process (:func:`measure_read_bandwidth`, :func:`measure_read_time_by_size`);
+    without a GPU, placeholders (1 TB/s, no curve)."""
+
+    def __init__(self, device):
+        if torch.device(device).type == "cuda":
+            self.bandwidth, self.by_size = measure_read_bandwidth(), measure_read_time_by_size()
+            print(f"read bandwidth {self.bandwidth / 1e12:.2f} TB/s", flush=True)
+        else:
+            self.bandwidth, self.by_size = 1e12, None
+
+    def of_experts(self, ids: torch.Tensor, w1, w1_scale, w2, w2_scale) -> dict:
+        """A row's floor fields: the experts ``ids`` touch, their weight bytes (scales included), the
+        bytes over the read bandwidth, and a plain read of those bytes (None without a GPU), in us."""
+        from ..model.costs import read_seconds
+
+        touched = int(torch.unique(ids).numel())
+        nbytes = touched * (w1[0].numel() + w2[0].numel()) * w1.element_size()
+        if w1_scale is not None:
+            nbytes += touched * (w1_scale[0].numel() + w2_scale[0].numel()) * 4
+        return {"experts_touched": touched, "bytes": nbytes, "floor_us": nbytes / self.bandwidth * 1e6,
+                "read_same_bytes_us": read_seconds(self.by_size, nbytes) * 1e6 if self.by_size else None}

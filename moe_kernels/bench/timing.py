@@ -14,7 +14,8 @@ Two ways to time a call, and why both are reported:
 The sweeps and the tuner time with :func:`median_ms` (a ``do_bench`` median in milliseconds),
 replaying from a graph of one call made by :func:`graphed`; :func:`rel_err` compares an output
 with its reference; :func:`balanced_orders` orders interleaved rounds of several variants so that
-none always follows the same one. The timers need a CUDA GPU.
+none always follows the same one. The A/B scripts in ``tools/`` time with :func:`time_candidates`
+and divide by a :class:`~moe_kernels.bench.ceilings.ReadFloor`. The timers need a CUDA GPU.
 """
 
 from __future__ import annotations

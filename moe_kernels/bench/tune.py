@@ -266,10 +266,10 @@ def tune(models, batches, *, dtype, seed, warmup_ms, rep_ms, workers, budget_s=m
         if not dense and not cfg.sum_in_gemm and cfg.down.split_k == 1 and not cfg.down.persistent:
             stream_up = dataclasses.replace(wide_up if fmt.quantized else cfg.gate_up, split_k=1, persistent=0)
             if not fmt.quantized or quant_ok:
-                streams = [dataclasses.replace(cfg, stream_lag=STREAM_LAG, gate_up=dataclasses.replace(stream_up,
-                                                                                                     num_warps=w))
-                           for w in dict.fromkeys((stream_up.num_warps, 12 - stream_up.num_warps if
-                                                   stream_up.num_warps in (4, 8) else 4))]
+                other_warps = 8 if stream_up.num_warps == 4 else 4
+                streams = [dataclasses.replace(cfg, stream_lag=STREAM_LAG,
+                                               gate_up=dataclasses.replace(stream_up, num_warps=warps))
+                           for warps in dict.fromkeys((stream_up.num_warps, other_warps))]
         switch_ms = {}
         if dense:   # dense_expert runs neither switch: the tiles alone, timed as it runs them
             combos = []

@@ -219,27 +219,17 @@ def check_config(func: str, config: object, *, align: int | None = None, layout:
         if not layout_named(func, layout).one_launch:
             fail(func, "config.one_launch", f"must be None for the {layout} layout (both GEMMs in one launch read "
                  "the routing's ids directly, with no block map: index_gather only)", config.one_launch)
-    lag = config.stream_lag
-    if lag is not None:
-        if isinstance(lag, bool) or not isinstance(lag, int) or lag < 0:
-            fail(func, "config.stream_lag", "must be None (two launches) or an int >= 0 (blocks between GEMM 1's "
-                 "tiles and GEMM 2's in one stream)", repr(lag),
-                 ValueError if isinstance(lag, int) and not isinstance(lag, bool) else TypeError)
-        if config.one_launch is not None:
-            fail(func, "config.stream_lag", "must be None when config.one_launch is set (both GEMMs run in the one "
-                 "launch already)", lag)
+    if config.stream_lag is not None:
+        check_stream(func, config.gate_up, config.down, config.stream_lag, prefix="config.", lag_name="stream_lag")
         if not layout_named(func, layout).streamed:
             fail(func, "config.stream_lag", f"must be None for the {layout} layout (the streamed pair reads the "
-                 "index-gather block map: index_gather only)", lag)
-        for gemm in ("gate_up", "down"):
-            tiles = getattr(config, gemm)
-            if tiles.split_k != 1 or tiles.persistent:
-                fail(func, f"config.{gemm}", "must have split_k=1 and persistent=0 when config.stream_lag is set "
-                     "(in the stream a tile is one program's, and the tickets are the schedule)",
-                     f"split_k={tiles.split_k}, persistent={tiles.persistent}")
+                 "index-gather block map: index_gather only)", config.stream_lag)
         if config.sum_in_gemm:
             fail(func, "config.sum_in_gemm", "must be False when config.stream_lag is set (the stream writes the "
                  "[T, k, d] rows)", config.sum_in_gemm)
+        if config.one_launch is not None:
+            fail(func, "config.stream_lag", "must be None when config.one_launch is set (both GEMMs run in the one "
+                 "launch already)", config.stream_lag)
     if config.down.split_k != 1 and not config.sum_in_gemm:
         fail(func, "config.down.split_k", "must be 1 unless config.sum_in_gemm=True (split-K partial products "
              "are added with atomics, into the summed output)", config.down.split_k)
@@ -265,6 +255,24 @@ def check_config(func: str, config: object, *, align: int | None = None, layout:
     if align is not None and align % config.block_m:
         fail(func, "config.block_m", f"must divide align={align} (no tile may straddle two segments)", config.block_m)
     return config
+
+
+def check_stream(func: str, gate_up: GemmTiles, down: GemmTiles, lag: object, *, prefix: str = "",
+                 lag_name: str = "lag") -> None:
+    """The settings one stream of both GEMMs can run (:mod:`moe_kernels.kernels.streamed_pair`): a
+    lag of at least 0 blocks, and tiles with no split K and no persistent grid (in the stream a tile
+    is one program's, and the tickets are the schedule). Errors name ``prefix + field``."""
+    if isinstance(lag, bool) or not isinstance(lag, int):
+        fail(func, prefix + lag_name, "must be an int >= 0 (blocks between GEMM 1's tiles and GEMM 2's in one "
+             "stream; None in a config: two launches)", repr(lag), TypeError)
+    if lag < 0:
+        fail(func, prefix + lag_name, "must be an int >= 0 (blocks between GEMM 1's tiles and GEMM 2's in one "
+             "stream; None in a config: two launches)", lag)
+    for name, tiles in (("gate_up", gate_up), ("down", down)):
+        if tiles.split_k != 1 or tiles.persistent:
+            fail(func, f"{prefix}{name}", "must have split_k=1 and persistent=0 to run as one stream (a tile is "
+                 "one program's, and the tickets are the schedule)",
+                 f"split_k={tiles.split_k}, persistent={tiles.persistent}")
 
 
 def check_block_m(func: str, name: str, block_m: object) -> int:

@@ -8,12 +8,17 @@ core (:func:`~moe_kernels.kernels._tile_gemm.expert_tile_product`) and stores it
 last one in use store nothing, and an expert id outside ``[0, E)`` is never used as an address.
 ``_prefetch_tile_weights`` asks L2 for the weight rows a tile will read (see
 :mod:`moe_kernels.kernels._pdl`). Both are ``@kernel`` functions called from other kernels; the
-tests run them through their launchers.
+tests run them through their launchers. :func:`rows_reference` is the tile's torch reference: the
+rows of one GEMM as a block map assigns them, in float32.
 """
 
 from __future__ import annotations
 
+import torch
+
 from .._runtime import HAS_TRITON, kernel, tl
+from ._tile_gemm import expert_rows_product
+from .blocks import BlockAssignment, assignments_by_block
 
 if HAS_TRITON:
     from ._pdl import prefetch_rows_to_l2
@@ -131,3 +136,17 @@ if HAS_TRITON:
                 # from becoming an address, checked or not.
                 tl.device_assert(known, ID_CHECK)
         # <<< book: index-gather-rows
+
+
+def rows_reference(x, w, blocks: BlockAssignment, numel: int, top_k: int, routed_weights=None) -> torch.Tensor:
+    """float32 rows of one GEMM as the block map assigns them: GEMM 1 (``top_k`` rows share a
+    token, SiLU·mul) or GEMM 2 (``top_k=1``, times the routing weight); rows that no block holds
+    stay zero. The caller rounds the result into its output buffer."""
+    rows, experts = assignments_by_block(blocks, numel)
+    width = w.shape[1] if routed_weights is not None else w.shape[1] // 2
+    out = torch.zeros(numel, width, dtype=torch.float32, device=x.device)
+    for e in torch.unique(experts[(experts >= 0) & (experts < w.shape[0])]).tolist():
+        mine = rows[experts == e]
+        product = expert_rows_product(x[mine // top_k], w[e], silu_mul=routed_weights is None)
+        out[mine] = product if routed_weights is None else routed_weights[mine, None] * product
+    return out

@@ -59,7 +59,7 @@ from .._checks import FLOAT_DTYPES, check_ids_in_range, check_int, check_moe_inp
 from .._replay import CallPlans
 from .._runtime import (HAS_TRITON, INTERPRET, cdiv, device_assert_options, interpreted_bf16, kernel, note_launch,
                         recording, tl, use_triton)
-from ._tile_gemm import (check_operands, check_out, dequantized, dot_precision, expert_rows_product,
+from ._tile_gemm import (check_operands, check_out, dequantized, dot_precision,
                          in_float32_under_interpreter, output_dtype, programs_per_device, weight_descriptor)
 from .blocks import (BlockAssignment, assign_blocks, assignments_by_block, build_blocks, check_blocks,  # noqa: F401
                      dense_blocks)
@@ -69,6 +69,7 @@ from .config import GemmTiles, MoEConfig, check_block_m, check_config, check_til
 from . import _pdl
 from ._pdl import LINE_BYTES, pdl_available
 from .formats import WeightFormat
+from .gather_tile import rows_reference
 from .one_launch import run_one_launch
 from .quant import FP8
 
@@ -259,7 +260,7 @@ def gate_up(x, w1, blocks, top_k, *, tiles, out, a_scale, w_scale, fmt, pdl: str
     tiles = fmt.gemm_tiles(tiles)
     if not use_triton(x, w1, out):
         xf, wf = dequantized(x, w1, a_scale, w_scale, fmt)
-        return out.copy_(_rows_reference(xf, wf, blocks, x.shape[0] * top_k, top_k))
+        return out.copy_(rows_reference(xf, wf, blocks, x.shape[0] * top_k, top_k))
     rerun = lambda x, w, out: gate_up(x, w, blocks, top_k, tiles=tiles, out=out, a_scale=a_scale,  # noqa: E731
                                       w_scale=w_scale, fmt=fmt, pdl=pdl, quant=quant)
     if in_float32_under_interpreter(rerun, out, x, w1) is None:
@@ -329,7 +330,7 @@ def down(y, w2, topk_weights, blocks, *, tiles, out, a_scale, w_scale, fmt, sum_
     if not use_triton(y, w2, out):
         yf, wf = dequantized(y, w2, a_scale, w_scale, fmt)
         weights = torch.ones(num_tokens, device=y.device) if topk_weights is None else topk_weights.reshape(-1).float()
-        per_slot = _rows_reference(yf, wf, blocks, num_tokens * top_k, 1, weights)
+        per_slot = rows_reference(yf, wf, blocks, num_tokens * top_k, 1, weights)
         per_slot = per_slot.view(num_tokens, top_k, d)
         return out.add_(per_slot.sum(1)) if sum_slots else out.copy_(per_slot.view(out.shape))
     rerun = lambda y, w, out: down(y, w, topk_weights, blocks, tiles=tiles, out=out, a_scale=a_scale,  # noqa: E731
@@ -343,20 +344,6 @@ def down(y, w2, topk_weights, blocks, *, tiles, out, a_scale, w_scale, fmt, sum_
 # ----------------------------------------------------------------------------------------------
 # The torch reference of the two GEMMs (used without Triton, and by the tests)
 # ----------------------------------------------------------------------------------------------
-
-
-def _rows_reference(x, w, blocks: BlockAssignment, numel: int, top_k: int, routed_weights=None) -> torch.Tensor:
-    """float32 rows of one GEMM as the block map assigns them: GEMM 1 (``top_k`` rows share a
-    token, SiLU·mul) or GEMM 2 (``top_k=1``, times the routing weight); rows that no block holds
-    stay zero. The caller rounds the result into its output buffer."""
-    rows, experts = assignments_by_block(blocks, numel)
-    width = w.shape[1] if routed_weights is not None else w.shape[1] // 2
-    out = torch.zeros(numel, width, dtype=torch.float32, device=x.device)
-    for e in torch.unique(experts[(experts >= 0) & (experts < w.shape[0])]).tolist():
-        mine = rows[experts == e]
-        product = expert_rows_product(x[mine // top_k], w[e], silu_mul=routed_weights is None)
-        out[mine] = product if routed_weights is None else routed_weights[mine, None] * product
-    return out
 
 
 # ----------------------------------------------------------------------------------------------

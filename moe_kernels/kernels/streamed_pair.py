@@ -62,10 +62,12 @@ from __future__ import annotations
 import torch
 
 from .._checks import fail
-from .._runtime import HAS_TRITON, INTERPRET, cdiv, device_assert_options, kernel, note_launch, recording, tl
-from ._tile_gemm import dot_precision, weight_descriptor
+from .._runtime import (HAS_TRITON, INTERPRET, cdiv, device_assert_options, interpreted_bf16, kernel, note_launch,
+                        recording, tl, use_triton)
+from ._tile_gemm import dequantized, dot_precision, weight_descriptor
 from .blocks import BlockAssignment
-from .config import GemmTiles
+from .config import GemmTiles, check_stream
+from .gather_tile import rows_reference
 
 if HAS_TRITON:
     from .gather_tile import _index_gather_tile, _prefetch_tile_weights
@@ -162,17 +164,31 @@ if HAS_TRITON:
                 h_scale_ptr, stride_hs, 0, "")
 
 
-def check_streamable(func: str, gate_up: GemmTiles, down: GemmTiles, lag: object) -> None:
-    """The tiles one stream can run: no split K, no persistent grid (the tickets are the
-    schedule), and a lag of at least 0 blocks."""
-    for name, tiles in (("gate_up", gate_up), ("down", down)):
-        if tiles.split_k != 1:
-            fail(func, f"{name}.split_k", "must be 1 for the streamed pair (a tile is one program's)", tiles.split_k)
-        if tiles.persistent:
-            fail(func, f"{name}.persistent", "must be 0 for the streamed pair (its tickets are the schedule)",
-                 tiles.persistent)
-    if isinstance(lag, bool) or not isinstance(lag, int) or lag < 0:
-        fail(func, "lag", "must be an int >= 0 (blocks between GEMM 1's tiles and GEMM 2's)", repr(lag))
+def streamed_pair_reference(x, w1, w2, topk_weights, blocks: BlockAssignment, top_k: int, *, h, x_scale=None,
+                            w1_scale=None, w2_scale=None, fmt=None, quant=None) -> torch.Tensor:
+    """Torch reference of :func:`streamed_pair`: float32 ``[T, k, d]`` rows, the two GEMMs as the
+    block map assigns them (:func:`~moe_kernels.kernels.gather_tile.rows_reference`), with ``h``
+    rounded between them as the kernel stores it: to ``h``'s dtype, or in fp8 to ``quant[2]`` and
+    then quantised per group (``h`` and ``quant[0]`` are written too). Rows no block holds are zero."""
+    quantized = fmt is not None and fmt.quantized
+    xf, w1f = dequantized(x, w1, x_scale, w1_scale, fmt) if quantized else (x, w1)
+    numel = x.shape[0] * top_k
+    h32 = rows_reference(xf.float(), w1f.float(), blocks, numel, top_k)
+    if quantized:
+        rounded = h32.to(_ROUNDED[quant[2]])
+        hq, h_scale = fmt.quantize_activations(rounded, reference=True)
+        h.copy_(hq)
+        quant[0].copy_(h_scale)
+        hf, w2f = dequantized(hq, w2, h_scale, w2_scale, fmt)
+    else:
+        hf, w2f = h.copy_(h32), w2
+    weights = topk_weights.reshape(-1).float()
+    per_slot = rows_reference(hf.float(), w2f.float(), blocks, numel, 1, weights)
+    return per_slot.view(x.shape[0], top_k, w2.shape[1])
+
+
+#: What GEMM 1's quantising epilogue rounds ``h`` to first (``quant[2]``).
+_ROUNDED = {"bf16": torch.bfloat16, "fp16": torch.float16, "": torch.float32}
 
 
 def streamed_pair(x, w1, w2, topk_weights, blocks: BlockAssignment, top_k: int, *, gate_up: GemmTiles,
@@ -189,7 +205,7 @@ def streamed_pair(x, w1, w2, topk_weights, blocks: BlockAssignment, top_k: int, 
     ``h`` for GEMM 2, as ``MoEConfig.quant_in_gemm`` does. ``id_check``: the device-assert
     message of GEMM 1 and of GEMM 2 (a naive map's ids, checked by one of them).
     """
-    check_streamable("streamed_pair", gate_up, down, lag)
+    check_stream("streamed_pair", gate_up, down, lag)
     if fmt is not None and fmt.quantized:
         if fmt.activations != "group":
             fail("streamed_pair", "fmt", "must be unquantised or fp8 with 1 x G activation groups (the block format: "
@@ -205,6 +221,10 @@ def streamed_pair(x, w1, w2, topk_weights, blocks: BlockAssignment, top_k: int, 
         out = torch.empty((num_tokens, top_k, d), device=x.device, dtype=x.dtype if quant is None else torch.bfloat16)
     if h is None:
         h = torch.empty((numel, f), device=x.device, dtype=x.dtype)
+    if not use_triton(x, w1, out) or interpreted_bf16(x, w1, w2):
+        # No compiled kernel, or the interpreter's wrong bf16 dot: the torch reference, in float32.
+        return out.copy_(streamed_pair_reference(x, w1, w2, topk_weights, blocks, top_k, h=h, x_scale=x_scale,
+                                                 w1_scale=w1_scale, w2_scale=w2_scale, fmt=fmt, quant=quant))
     if fmt is not None and fmt.quantized:
         gate_up, down = fmt.gemm_tiles(gate_up), fmt.gemm_tiles(down)
         scales1 = fmt.scale_arguments(x, w1, x_scale, w1_scale)
