@@ -1,0 +1,198 @@
+"""Prefill A/B (issue 18): the permute layout's two grouped GEMMs alone, tile by tile, against cuBLAS on
+balanced groups, and the stages around them, bf16 and fp8 block, with the GEMM rates measured in the
+same process.
+
+Earlier prefill records timed the whole experts call (permute, GEMMs, unpermute), so they could not say
+how far the GEMMs themselves are from the balanced ``torch.bmm`` that issue 18 measures them against.
+Here each GEMM runs alone on real routing (random logits' top-k, segments aligned to 128 rows), on the
+packed rows ``permute`` made once, into its own output buffer (padding rows are never written, so they
+stay zero and the check compares like with like). Candidates:
+
+  gemm1 / gemm2 <tiles>   grouped_gemm_contiguous with those tiles (TMA on both operands), rows_used read
+                          on the device; "nopromo": fp8 weights with one scale per row and per expert
+                          after the loop (the tensor format): the block-scale K loop's upper bound
+  bmm1 / bmm2             torch.bmm on ceil(T k / E) rows per expert, the same FLOPs (bf16 only)
+  permute, quantize, unpermute, permute scales   the stages of permute_experts around the GEMMs
+  experts permute / index-gather   the whole experts call, permute with the best GEMM tiles of this run
+                          against fused_experts with its table
+
+Each candidate is replayed from a CUDA graph of one call, the L2 flushed before each replay, two rounds
+interleaved, the lower round median kept. TFLOP/s count the routed rows' FLOPs (2 T k d 2F for GEMM 1,
+2 T k F d for GEMM 2).
+
+    PYTHONPATH=. python tools/prefill_gemm_ab.py [models] [batches] [formats]
+    # e.g. qwen3-30b-a3b,deepseek-v3 4096,16384 none,block   (records results/<device>/prefill-gemm-ab.json)
+"""
+import dataclasses
+import json
+import os
+import sys
+
+import torch
+
+from moe_kernels.bench.ceilings import measure_fp8_gemm_rate, measure_gemm_rate
+from moe_kernels.bench.problems import make_batch, tool_weights
+from moe_kernels.bench.timing import time_candidates
+from moe_kernels.kernels.combine import unpermute
+from moe_kernels.kernels.config import GemmTiles, MoEConfig
+from moe_kernels.kernels.contiguous_gemm import grouped_gemm_contiguous
+from moe_kernels.kernels.formats import FORMATS, FP8_TENSOR
+from moe_kernels.kernels.index_gather import fused_experts
+from moe_kernels.kernels.permute import _permute_scales, permute, permute_experts
+
+device = "cuda" if torch.cuda.is_available() else "cpu"   # (the CPU: a small shape under the interpreter)
+models = sys.argv[1].split(",") if len(sys.argv) > 1 else ["qwen3-30b-a3b", "deepseek-v3"]
+batches = [int(b) for b in sys.argv[2].split(",")] if len(sys.argv) > 2 else [4096, 16384]
+formats = sys.argv[3].split(",") if len(sys.argv) > 3 else ["none", "block"]
+ALIGN = 128
+
+
+def tiles(n, k, warps, stages, group_m=8, persistent=1):
+    return GemmTiles(block_n=n, block_k=k, group_m=group_m, num_warps=warps, num_stages=stages, tma=True,
+                     persistent=persistent)
+
+
+# name -> tiles; GEMM 1's block_n counts output columns (it loads 2 x block_n weight rows: gate and up)
+GEMM1 = {
+    "none": {"n128 k64 w8 s3": tiles(128, 64, 8, 3), "n128 k64 w8 s3 g1": tiles(128, 64, 8, 3, 1),
+             "n128 k64 w8 s4": tiles(128, 64, 8, 4), "n64 k64 w4 s4": tiles(64, 64, 4, 4),
+             "n64 k64 w8 s4": tiles(64, 64, 8, 4), "n128 k64 w8 s3 flat": tiles(128, 64, 8, 3, persistent=2),
+             "n128 k64 w8 s3 grid": tiles(128, 64, 8, 3, persistent=0)},
+    "block": {"n64 k128 w8 s4": tiles(64, 128, 8, 4), "n64 k128 w8 s3": tiles(64, 128, 8, 3),
+              "n128 k128 w8 s3": tiles(128, 128, 8, 3), "n64 k128 w4 s4": tiles(64, 128, 4, 4),
+              "n64 k128 w8 s4 g1": tiles(64, 128, 8, 4, 1), "n64 k128 w8 s4 grid": tiles(64, 128, 8, 4, persistent=0)},
+}
+GEMM2 = {
+    "none": {"n256 k64 w8 s3": tiles(256, 64, 8, 3), "n256 k64 w8 s3 g1": tiles(256, 64, 8, 3, 1),
+             "n128 k64 w8 s4": tiles(128, 64, 8, 4), "n128 k64 w4 s4": tiles(128, 64, 4, 4),
+             "n256 k64 w8 s3 flat": tiles(256, 64, 8, 3, persistent=2),
+             "n256 k64 w8 s3 grid": tiles(256, 64, 8, 3, persistent=0)},
+    "block": {"n128 k128 w8 s4": tiles(128, 128, 8, 4), "n128 k128 w8 s3": tiles(128, 128, 8, 3),
+              "n256 k128 w8 s3": tiles(256, 128, 8, 3), "n128 k128 w4 s4": tiles(128, 128, 4, 4),
+              "n128 k128 w8 s4 g1": tiles(128, 128, 8, 4, 1),
+              "n128 k128 w8 s4 grid": tiles(128, 128, 8, 4, persistent=0)},
+}
+if device == "cpu":   # (the interpreter: two small tiles each, to check the script)
+    GEMM1 = {f: {"n32 k32": tiles(32, 32, 4, 2), "n32 k32 grid": tiles(32, 32, 4, 2, persistent=0)} for f in GEMM1}
+    GEMM2 = {f: {"n32 k32": tiles(32, 32, 4, 2), "n32 k32 flat": tiles(32, 32, 4, 2, persistent=2)} for f in GEMM2}
+
+rates = ({"bf16": measure_gemm_rate(), "fp8": measure_fp8_gemm_rate()} if device == "cuda"
+         else {"bf16": None, "fp8": None})
+print("GEMM rates (TFLOP/s):", {n: round(r / 1e12) for n, r in rates.items() if r}, flush=True)
+rows = []
+
+
+def save():
+    from moe_kernels.results import record
+
+    path = record("prefill-gemm-ab", {"rows": rows, "config": {
+        "models": models, "batches": batches, "formats": formats, "align": ALIGN, "gemm_rates": rates,
+        "gemm1": {f: {n: dataclasses.asdict(t) for n, t in c.items()} for f, c in GEMM1.items()},
+        "gemm2": {f: {n: dataclasses.asdict(t) for n, t in c.items()} for f, c in GEMM2.items()}}})
+    if os.environ.get("OUT"):
+        json.dump(rows, open(os.path.join(os.environ["OUT"], "prefill_gemm_ab.json"), "w"), indent=1)
+    return path
+
+
+def timed(candidates, reference, unchecked=()):
+    times, errors, rel = time_candidates(candidates, reference, tolerance=0.02, warmup_ms=5, rep_ms=40,
+                                         unchecked=unchecked)
+    return {n: min(t) for n, t in times.items()}, times, errors, rel
+
+
+def balanced(e, rows, k_dim, n_dim, dtype):
+    a = torch.randn(e, rows, k_dim, device=device, dtype=dtype)
+    b = torch.randn(e, k_dim, n_dim, device=device, dtype=dtype) * k_dim**-0.5
+    return lambda: torch.bmm(a, b)
+
+
+for fname in formats:
+    fmt = FORMATS[fname]
+    fp8 = fmt.quantized
+    for key in models:
+        model, dtype, w1, w1s, w2, w2s = tool_weights(key, fmt, device)
+        e, k, d, f = model.num_experts, model.top_k, model.hidden_size, model.moe_intermediate_size
+        for batch in batches:
+            x, _, weights, ids = make_batch(model, batch, dtype, 1 + batch, device)
+            xq, x_scale = fmt.quantize_activations(x)
+            permuted = permute(xq, ids, e, align=ALIGN, validate_ids=False)
+            rows_scale = _permute_scales(x_scale, permuted, k) if fp8 else None
+            m_idx, used = permuted.m_indices, permuted.rows_used
+            num_rows = permuted.rows.shape[0]
+            ones = dict(x_scale=torch.ones(num_rows, device=device), w_scale=None)
+
+            def gemm1(t, out, nopromo=False):
+                scales = (dict(x_scale=ones["x_scale"], w_scale=torch.ones(FP8_TENSOR.scale_shape(*w1.shape),
+                                                                           device=device))
+                          if nopromo else dict(x_scale=rows_scale, w_scale=w1s))
+                return lambda: grouped_gemm_contiguous(permuted.rows, w1, m_idx, align=ALIGN, silu_mul=True,
+                                                       config=MoEConfig(ALIGN, t, t), which="gate_up", out=out,
+                                                       out_dtype=dtype, rows_used=used, **scales)
+
+            def buffer(width):
+                return torch.zeros(num_rows, width, device=device, dtype=dtype)
+
+            g1 = {f"gemm1 {n}": gemm1(t, buffer(f)) for n, t in GEMM1[fname].items()}
+            first1 = next(iter(GEMM1[fname].values()))
+            if fp8:
+                g1["gemm1 nopromo"] = gemm1(first1, buffer(f), nopromo=True)
+            else:
+                g1["bmm1"] = balanced(e, -(-batch * k // e), d, 2 * f, dtype)
+            h = next(iter(g1.values()))()
+            us1, rounds1, err1, rel1 = timed(g1, h.float(), unchecked=("gemm1 nopromo", "bmm1"))
+            a, a_scale = fmt.quantize_activations(h)
+
+            def gemm2(t, out, nopromo=False):
+                scales = (dict(x_scale=ones["x_scale"], w_scale=torch.ones(FP8_TENSOR.scale_shape(*w2.shape),
+                                                                           device=device))
+                          if nopromo else dict(x_scale=a_scale, w_scale=w2s))
+                return lambda: grouped_gemm_contiguous(a, w2, m_idx, align=ALIGN, config=MoEConfig(ALIGN, t, t),
+                                                       which="down", out=out, out_dtype=dtype, rows_used=used,
+                                                       **scales)
+
+            g2 = {f"gemm2 {n}": gemm2(t, buffer(d)) for n, t in GEMM2[fname].items()}
+            first2 = next(iter(GEMM2[fname].values()))
+            if fp8:
+                g2["gemm2 nopromo"] = gemm2(first2, buffer(d), nopromo=True)
+            else:
+                g2["bmm2"] = balanced(e, -(-batch * k // e), f, d, dtype)
+            y = next(iter(g2.values()))()
+            us2, rounds2, err2, rel2 = timed(g2, y.float(), unchecked=("gemm2 nopromo", "bmm2"))
+
+            best1 = min((n for n in us1 if n.startswith("gemm1 n")), key=us1.get)
+            best2 = min((n for n in us2 if n.startswith("gemm2 n")), key=us2.get)
+            best = MoEConfig(ALIGN, GEMM1[fname][best1[6:]], GEMM2[fname][best2[6:]])
+            scales = dict(w1_scale=w1s, w2_scale=w2s)
+            stages = {
+                "permute": lambda: permute(xq, ids, e, align=ALIGN, validate_ids=False, out=permuted.rows),
+                "unpermute": lambda: unpermute(y, permuted.src2dst, weights),
+                "experts permute": lambda: permute_experts(x, w1, w2, weights, ids, config=best,
+                                                           validate_ids=False, **scales),
+                "experts index-gather": lambda: fused_experts(x, w1, w2, weights, ids, validate_ids=False, **scales),
+            }
+            if fp8:
+                stages["quantize x"] = lambda: fmt.quantize_activations(x)[0]
+                stages["quantize h"] = lambda: fmt.quantize_activations(h)[0]
+                stages["permute scales"] = lambda: _permute_scales(x_scale, permuted, k)
+            whole = stages["experts index-gather"]().float()
+            us3, rounds3, err3, rel3 = timed(stages, whole, unchecked=tuple(n for n in stages if "experts" not in n))
+            flops1, flops2 = 2 * batch * k * d * 2 * f, 2 * batch * k * f * d
+            tflops = {**{n: flops1 / t / 1e6 for n, t in us1.items()}, **{n: flops2 / t / 1e6 for n, t in us2.items()},
+                      **{n: (flops1 + flops2) / us3[n] / 1e6 for n in us3 if "experts" in n}}
+            row = {"model": key, "format": fname, "batch": batch, "rows_used": int(used.item()),
+                   "rows_real": batch * k, "us": {**us1, **us2, **us3}, "tflops": tflops,
+                   "rounds_us": {**rounds1, **rounds2, **rounds3}, "errors": {**err1, **err2, **err3},
+                   "rel_err": {**rel1, **rel2, **rel3}, "best": [best1, best2]}
+            rows.append(row)
+            save()
+            print(f"{key} {fname} {batch}: rows {row['rows_used']}/{row['rows_real']}", flush=True)
+            for n, t in row["us"].items():
+                print(f"   {n:28s} {t:9.1f} us {tflops.get(n, 0):7.0f} TFLOP/s", flush=True)
+            if row["errors"]:
+                print("   errors:", row["errors"], flush=True)
+            del x, xq, weights, ids, permuted, h, a, y, g1, g2, stages
+            if device == "cuda":
+                torch.cuda.empty_cache()
+        del w1, w2
+
+print(f"recorded {save()}")
