@@ -8,13 +8,15 @@ Here each GEMM runs alone on real routing (random logits' top-k, segments aligne
 packed rows ``permute`` made once, into its own output buffer (padding rows are never written, so they
 stay zero and the check compares like with like). Candidates:
 
-  gemm1 / gemm2 <tiles>   grouped_gemm_contiguous with those tiles (TMA on both operands), rows_used read
-                          on the device; "nopromo": fp8 weights with one scale per row and per expert
-                          after the loop (the tensor format): the block-scale K loop's upper bound
+  m128 / m64 gemm1 / gemm2 <tiles>   grouped_gemm_contiguous with those tiles (TMA on both operands) on
+                          segments aligned to 128 or to 64 rows (M tiles of that height: a 64-row tile pads
+                          a segment's last tile less), rows_used read on the device; "no promotion": fp8
+                          weights with one scale per row and per expert after the loop (the tensor format),
+                          the block-scale K loop's upper bound
   bmm1 / bmm2             torch.bmm on ceil(T k / E) rows per expert, the same FLOPs (bf16 only)
   permute, quantize, unpermute, permute scales   the stages of permute_experts around the GEMMs
   experts permute / index-gather   the whole experts call, permute with the best GEMM tiles of this run
-                          against fused_experts with its table
+                          against fused_experts with its table (the align of the faster pair)
 
 Each candidate is replayed from a CUDA graph of one call, the L2 flushed before each replay, two rounds
 interleaved, the lower round median kept. TFLOP/s count the routed rows' FLOPs (2 T k d 2F for GEMM 1,
@@ -72,9 +74,25 @@ GEMM2 = {
               "n128 k128 w8 s4 g1": tiles(128, 128, 8, 4, 1),
               "n128 k128 w8 s4 grid": tiles(128, 128, 8, 4, persistent=0)},
 }
+# 64-row M tiles on segments aligned to 64 rows: less padding (a segment's last tile), smaller MMAs
+GEMM1_M64 = {
+    "none": {"n128 k64 w4 s4": tiles(128, 64, 4, 4), "n128 k64 w4 s3": tiles(128, 64, 4, 3),
+             "n128 k64 w8 s4": tiles(128, 64, 8, 4), "n64 k64 w4 s4": tiles(64, 64, 4, 4)},
+    "block": {"n128 k128 w4 s4": tiles(128, 128, 4, 4), "n64 k128 w4 s4": tiles(64, 128, 4, 4),
+              "n128 k128 w8 s3": tiles(128, 128, 8, 3)},
+}
+GEMM2_M64 = {
+    "none": {"n256 k64 w4 s4": tiles(256, 64, 4, 4), "n256 k64 w8 s3": tiles(256, 64, 8, 3),
+             "n128 k64 w4 s4": tiles(128, 64, 4, 4)},
+    "block": {"n256 k128 w4 s4": tiles(256, 128, 4, 4), "n128 k128 w4 s4": tiles(128, 128, 4, 4),
+              "n256 k128 w8 s3": tiles(256, 128, 8, 3)},
+}
 if device == "cpu":   # (the interpreter: two small tiles each, to check the script)
-    GEMM1 = {f: {"n32 k32": tiles(32, 32, 4, 2), "n32 k32 grid": tiles(32, 32, 4, 2, persistent=0)} for f in GEMM1}
-    GEMM2 = {f: {"n32 k32": tiles(32, 32, 4, 2), "n32 k32 flat": tiles(32, 32, 4, 2, persistent=2)} for f in GEMM2}
+    GEMM1 = GEMM1_M64 = {f: {"n32 k32": tiles(32, 32, 4, 2), "n32 k32 grid": tiles(32, 32, 4, 2, persistent=0)}
+                         for f in GEMM1}
+    GEMM2 = GEMM2_M64 = {f: {"n32 k32": tiles(32, 32, 4, 2), "n32 k32 flat": tiles(32, 32, 4, 2, persistent=2)}
+                         for f in GEMM2}
+LAYOUTS = {f: {ALIGN: (GEMM1[f], GEMM2[f]), 64: (GEMM1_M64[f], GEMM2_M64[f])} for f in GEMM1}
 
 rates = ({"bf16": measure_gemm_rate(), "fp8": measure_fp8_gemm_rate()} if device == "cuda"
          else {"bf16": None, "fp8": None})
@@ -87,8 +105,8 @@ def save():
 
     path = record("prefill-gemm-ab", {"rows": rows, "config": {
         "models": models, "batches": batches, "formats": formats, "align": ALIGN, "gemm_rates": rates,
-        "gemm1": {f: {n: dataclasses.asdict(t) for n, t in c.items()} for f, c in GEMM1.items()},
-        "gemm2": {f: {n: dataclasses.asdict(t) for n, t in c.items()} for f, c in GEMM2.items()}}})
+        "tiles": {f: {a: [{n: dataclasses.asdict(t) for n, t in c.items()} for c in pair] for a, pair in by.items()}
+                  for f, by in LAYOUTS.items()}}})
     if os.environ.get("OUT"):
         json.dump(rows, open(os.path.join(os.environ["OUT"], "prefill_gemm_ab.json"), "w"), indent=1)
     return path
@@ -106,6 +124,59 @@ def balanced(e, rows, k_dim, n_dim, dtype):
     return lambda: torch.bmm(a, b)
 
 
+
+def gemm_pair(align, tiles1, tiles2, x, xq, x_scale, ids, w1, w1s, w2, w2s, fmt, model, batch, dtype):
+    """Both GEMMs on segments aligned to ``align`` rows (the M tile), each tile candidate alone."""
+    e, k, d, f = model.num_experts, model.top_k, model.hidden_size, model.moe_intermediate_size
+    fp8 = fmt.quantized
+    permuted = permute(xq, ids, e, align=align, validate_ids=False)
+    rows_scale = _permute_scales(x_scale, permuted, k) if fp8 else None
+    m_idx, used = permuted.m_indices, permuted.rows_used
+    num_rows = permuted.rows.shape[0]
+    tag = f"m{align} "
+
+    def no_promotion(w):   # fp8 weights in the tensor format: one scale per row and per expert, after the loop
+        return dict(x_scale=torch.ones(num_rows, device=device),
+                    w_scale=torch.ones(FP8_TENSOR.scale_shape(*w.shape), device=device))
+
+    def gemm1(t, nopromo=False):
+        out = torch.zeros(num_rows, f, device=device, dtype=dtype)
+        scales = no_promotion(w1) if nopromo else dict(x_scale=rows_scale, w_scale=w1s)
+        return lambda: grouped_gemm_contiguous(permuted.rows, w1, m_idx, align=align, silu_mul=True,
+                                               config=MoEConfig(align, t, t), which="gate_up", out=out,
+                                               out_dtype=dtype, rows_used=used, **scales)
+
+    g1 = {f"{tag}gemm1 {n}": gemm1(t) for n, t in tiles1.items()}
+    if fp8:
+        g1[f"{tag}gemm1 no promotion"] = gemm1(next(iter(tiles1.values())), nopromo=True)
+    elif align == ALIGN:
+        g1["bmm1"] = balanced(e, -(-batch * k // e), d, 2 * f, dtype)
+    h = next(iter(g1.values()))()
+    us1, rounds1, err1, rel1 = timed(g1, h.float(), unchecked=(f"{tag}gemm1 no promotion", "bmm1"))
+    a, a_scale = fmt.quantize_activations(h)
+
+    def gemm2(t, nopromo=False):
+        out = torch.zeros(num_rows, d, device=device, dtype=dtype)
+        scales = no_promotion(w2) if nopromo else dict(x_scale=a_scale, w_scale=w2s)
+        return lambda: grouped_gemm_contiguous(a, w2, m_idx, align=align, config=MoEConfig(align, t, t),
+                                               which="down", out=out, out_dtype=dtype, rows_used=used, **scales)
+
+    g2 = {f"{tag}gemm2 {n}": gemm2(t) for n, t in tiles2.items()}
+    if fp8:
+        g2[f"{tag}gemm2 no promotion"] = gemm2(next(iter(tiles2.values())), nopromo=True)
+    elif align == ALIGN:
+        g2["bmm2"] = balanced(e, -(-batch * k // e), f, d, dtype)
+    y = next(iter(g2.values()))()
+    us2, rounds2, err2, rel2 = timed(g2, y.float(), unchecked=(f"{tag}gemm2 no promotion", "bmm2"))
+    tiled1 = {n: us1[n] for n in us1 if n[len(tag) + 6:] in tiles1 and n.startswith(tag)}
+    tiled2 = {n: us2[n] for n in us2 if n[len(tag) + 6:] in tiles2 and n.startswith(tag)}
+    best1, best2 = min(tiled1, key=tiled1.get), min(tiled2, key=tiled2.get)
+    return {"timings": (us1, rounds1, err1, rel1, us2, rounds2, err2, rel2), "best_names": (best1, best2),
+            "best": MoEConfig(align, tiles1[best1[len(tag) + 6:]], tiles2[best2[len(tag) + 6:]]),
+            "best_us": us1[best1] + us2[best2], "permuted": permuted, "h": h, "y": y,
+            "rows_used": int(used.item())}
+
+
 for fname in formats:
     fmt = FORMATS[fname]
     fp8 = fmt.quantized
@@ -115,58 +186,23 @@ for fname in formats:
         for batch in batches:
             x, _, weights, ids = make_batch(model, batch, dtype, 1 + batch, device)
             xq, x_scale = fmt.quantize_activations(x)
-            permuted = permute(xq, ids, e, align=ALIGN, validate_ids=False)
-            rows_scale = _permute_scales(x_scale, permuted, k) if fp8 else None
-            m_idx, used = permuted.m_indices, permuted.rows_used
-            num_rows = permuted.rows.shape[0]
-            ones = dict(x_scale=torch.ones(num_rows, device=device), w_scale=None)
-
-            def gemm1(t, out, nopromo=False):
-                scales = (dict(x_scale=ones["x_scale"], w_scale=torch.ones(FP8_TENSOR.scale_shape(*w1.shape),
-                                                                           device=device))
-                          if nopromo else dict(x_scale=rows_scale, w_scale=w1s))
-                return lambda: grouped_gemm_contiguous(permuted.rows, w1, m_idx, align=ALIGN, silu_mul=True,
-                                                       config=MoEConfig(ALIGN, t, t), which="gate_up", out=out,
-                                                       out_dtype=dtype, rows_used=used, **scales)
-
-            def buffer(width):
-                return torch.zeros(num_rows, width, device=device, dtype=dtype)
-
-            g1 = {f"gemm1 {n}": gemm1(t, buffer(f)) for n, t in GEMM1[fname].items()}
-            first1 = next(iter(GEMM1[fname].values()))
-            if fp8:
-                g1["gemm1 nopromo"] = gemm1(first1, buffer(f), nopromo=True)
-            else:
-                g1["bmm1"] = balanced(e, -(-batch * k // e), d, 2 * f, dtype)
-            h = next(iter(g1.values()))()
-            us1, rounds1, err1, rel1 = timed(g1, h.float(), unchecked=("gemm1 nopromo", "bmm1"))
-            a, a_scale = fmt.quantize_activations(h)
-
-            def gemm2(t, out, nopromo=False):
-                scales = (dict(x_scale=ones["x_scale"], w_scale=torch.ones(FP8_TENSOR.scale_shape(*w2.shape),
-                                                                           device=device))
-                          if nopromo else dict(x_scale=a_scale, w_scale=w2s))
-                return lambda: grouped_gemm_contiguous(a, w2, m_idx, align=ALIGN, config=MoEConfig(ALIGN, t, t),
-                                                       which="down", out=out, out_dtype=dtype, rows_used=used,
-                                                       **scales)
-
-            g2 = {f"gemm2 {n}": gemm2(t, buffer(d)) for n, t in GEMM2[fname].items()}
-            first2 = next(iter(GEMM2[fname].values()))
-            if fp8:
-                g2["gemm2 nopromo"] = gemm2(first2, buffer(d), nopromo=True)
-            else:
-                g2["bmm2"] = balanced(e, -(-batch * k // e), f, d, dtype)
-            y = next(iter(g2.values()))()
-            us2, rounds2, err2, rel2 = timed(g2, y.float(), unchecked=("gemm2 nopromo", "bmm2"))
-
-            best1 = min((n for n in us1 if n.startswith("gemm1 n")), key=us1.get)
-            best2 = min((n for n in us2 if n.startswith("gemm2 n")), key=us2.get)
-            best = MoEConfig(ALIGN, GEMM1[fname][best1[6:]], GEMM2[fname][best2[6:]])
+            found = {}
+            for align, (tiles1, tiles2) in LAYOUTS[fname].items():
+                found[align] = gemm_pair(align, tiles1, tiles2, x, xq, x_scale, ids, w1, w1s, w2, w2s, fmt, model,
+                                         batch, dtype)
+            us1, rounds1, err1, rel1, us2, rounds2, err2, rel2 = ({}, {}, {}, {}, {}, {}, {}, {})
+            for got in found.values():
+                for mine, theirs in zip((us1, rounds1, err1, rel1, us2, rounds2, err2, rel2), got["timings"]):
+                    mine.update(theirs)
+            # The whole experts call on the permute layout with the fastest pair of this run.
+            best_align = min(found, key=lambda a: found[a]["best_us"])
+            best, permuted, h, y = (found[best_align][n] for n in ("best", "permuted", "h", "y"))
+            best1, best2 = found[best_align]["best_names"]
             scales = dict(w1_scale=w1s, w2_scale=w2s)
             stages = {
-                "permute": lambda: permute(xq, ids, e, align=ALIGN, validate_ids=False, out=permuted.rows),
+                "permute": lambda: permute(xq, ids, e, align=best_align, validate_ids=False, out=permuted.rows),
                 "unpermute": lambda: unpermute(y, permuted.src2dst, weights),
-                "experts permute": lambda: permute_experts(x, w1, w2, weights, ids, config=best,
+                "experts permute": lambda: permute_experts(x, w1, w2, weights, ids, config=best, align=best_align,
                                                            validate_ids=False, **scales),
                 "experts index-gather": lambda: fused_experts(x, w1, w2, weights, ids, validate_ids=False, **scales),
             }
@@ -179,18 +215,19 @@ for fname in formats:
             flops1, flops2 = 2 * batch * k * d * 2 * f, 2 * batch * k * f * d
             tflops = {**{n: flops1 / t / 1e6 for n, t in us1.items()}, **{n: flops2 / t / 1e6 for n, t in us2.items()},
                       **{n: (flops1 + flops2) / us3[n] / 1e6 for n in us3 if "experts" in n}}
-            row = {"model": key, "format": fname, "batch": batch, "rows_used": int(used.item()),
+            row = {"model": key, "format": fname, "batch": batch, "align": best_align,
+                   "rows_used": {a: got["rows_used"] for a, got in found.items()},
                    "rows_real": batch * k, "us": {**us1, **us2, **us3}, "tflops": tflops,
                    "rounds_us": {**rounds1, **rounds2, **rounds3}, "errors": {**err1, **err2, **err3},
                    "rel_err": {**rel1, **rel2, **rel3}, "best": [best1, best2]}
             rows.append(row)
             save()
-            print(f"{key} {fname} {batch}: rows {row['rows_used']}/{row['rows_real']}", flush=True)
+            print(f"{key} {fname} {batch}: rows {row['rows_used']} of {row['rows_real']}", flush=True)
             for n, t in row["us"].items():
                 print(f"   {n:28s} {t:9.1f} us {tflops.get(n, 0):7.0f} TFLOP/s", flush=True)
             if row["errors"]:
                 print("   errors:", row["errors"], flush=True)
-            del x, xq, weights, ids, permuted, h, a, y, g1, g2, stages
+            del x, xq, weights, ids, permuted, h, y, stages, found
             if device == "cuda":
                 torch.cuda.empty_cache()
         del w1, w2
