@@ -79,11 +79,10 @@ if HAS_TRITON:
         * 1, blocks: ``A`` scaled per row per ``SCALE_BK`` columns (``a_scale_ptr + a_scale_rows +
           k // SCALE_BK``), ``W`` per ``SCALE_BN x SCALE_BK`` block (``w_scale_ptr + (n // SCALE_BN) *
           stride_wsn + (k // SCALE_BK) * stride_wsk``), applied to every K step's product inside
-          the loop (``BLOCK_K`` divides ``SCALE_BK``); DeepSeek-V3's blocks are 128 x 128. Each
-          step's scales are loaded during the step before (the compiler's pipeline stages only
-          the loads that feed ``tl.dot``; a scale loaded in its own step left its latency in
-          every step). ``SCALES`` = 4 is the same product with each step loading its own scales,
-          kept to measure that (``tools/scale_ahead_ab.py``);
+          the loop (``BLOCK_K`` divides ``SCALE_BK``); DeepSeek-V3's blocks are 128 x 128. A
+          tile whose columns lie in one scale block (``BLOCK_N`` divides ``SCALE_BN``) loads one
+          weight scale per step and folds it into the rows' scales; ``SCALES`` = 4 keeps one
+          scale per column there too, the general path, to measure the difference;
         * 2, channels: one scale per row of ``A`` and per row ``n`` of ``W``, after the loop;
         * 3, tensor: one scale per row of ``A`` and one for this expert's ``W``, after the loop.
 
@@ -118,21 +117,20 @@ if HAS_TRITON:
             up_ptrs = w_ptrs + N * stride_wn
             acc_up = empty_accumulator(BLOCK_M, BLOCK_N, SWAP_AB)
         # >>> book: block-scale-columns
-        if SCALES == 1 or SCALES == 4:
+        blocked: tl.constexpr = (SCALES == 1) or (SCALES == 4)
+        one_block: tl.constexpr = (SCALES == 1) and (SCALE_BN % BLOCK_N == 0)
+        if one_block:
+            # The tile's columns lie in one scale block: one weight scale per K step
+            # (gate and up halves), not a register per column.
+            w_scale_cols = w_scale_ptr + ((pid_n * BLOCK_N) // SCALE_BN) * stride_wsn
+            if GATED:
+                up_scale_cols = w_scale_ptr + ((pid_n * BLOCK_N + N) // SCALE_BN) * stride_wsn
+        elif blocked:
             # The scale row of each output column (gate and up halves), fixed for the loop.
             w_scale_cols = w_scale_ptr + (w_rows // SCALE_BN) * stride_wsn
             if GATED:
                 up_scale_cols = w_scale_ptr + ((w_rows + N) // SCALE_BN) * stride_wsn
         # <<< book: block-scale-columns
-        if SCALES == 1:
-            # The first step's scales; the loop loads each next step's while this one runs.
-            # (Masked: a K slice of a split may be empty, and then no scale may be read.)
-            group = (k_first * BLOCK_K) // SCALE_BK
-            rows_in, cols_in = step_masks(k_first, k_last, BLOCK_M, BLOCK_N)
-            a_scale_next = tl.load(a_scale_ptr + a_scale_rows + group, mask=rows_in, other=1.0)
-            w_scale_next = tl.load(w_scale_cols + group * stride_wsk, mask=cols_in, other=1.0)
-            if GATED:
-                up_scale_next = tl.load(up_scale_cols + group * stride_wsk, mask=cols_in, other=1.0)
         # >>> book: k-loop
         for k in range(k_first, k_last):
             k_left = K - k * BLOCK_K
@@ -148,24 +146,14 @@ if HAS_TRITON:
                 w = tl.load(w_ptrs)
             else:
                 w = tl.load(w_ptrs, mask=ks[:, None] < k_left, other=0.0)
-            if SCALES == 1:
-                # This step's scales arrived during the last step; ask for the next step's now,
-                # so that their latency hides behind this step's product.
-                a_scale, w_scale = a_scale_next, w_scale_next
-                group = ((k + 1) * BLOCK_K) // SCALE_BK
-                rows_in, cols_in = step_masks(k + 1, k_last, BLOCK_M, BLOCK_N)
-                a_scale_next = tl.load(a_scale_ptr + a_scale_rows + group, mask=rows_in, other=1.0)
-                w_scale_next = tl.load(w_scale_cols + group * stride_wsk, mask=cols_in, other=1.0)
-                if GATED:
-                    up_scale = up_scale_next
-                    up_scale_next = tl.load(up_scale_cols + group * stride_wsk, mask=cols_in,
-                                            other=1.0)
-            if SCALES == 4:   # (measurement only: the scales loaded in the step that uses them)
+            if blocked:
                 group = (k * BLOCK_K) // SCALE_BK
                 a_scale = tl.load(a_scale_ptr + a_scale_rows + group)
                 w_scale = tl.load(w_scale_cols + group * stride_wsk)
-                if GATED:
-                    up_scale = tl.load(up_scale_cols + group * stride_wsk)
+                product = tile_dot(a, w, None, SWAP_AB, INPUT_PRECISION)
+                acc += product * scale_outer(a_scale, w_scale, SWAP_AB)
+            else:
+                acc = tile_dot(a, w, acc, SWAP_AB, INPUT_PRECISION)
             if GATED:
                 if TMA_W:
                     up = w_desc.load([w_desc_row + N, k * BLOCK_K]).T
@@ -173,20 +161,13 @@ if HAS_TRITON:
                     up = tl.load(up_ptrs)
                 else:
                     up = tl.load(up_ptrs, mask=ks[:, None] < k_left, other=0.0)
-                up_ptrs += BLOCK_K
-            if SCALES == 1 or SCALES == 4:
-                # Both products before either is scaled: the second MMA runs while the first
-                # one's result is promoted.
-                product = tile_dot(a, w, None, SWAP_AB, INPUT_PRECISION)
-                if GATED:
-                    up_product = tile_dot(a, up, None, SWAP_AB, INPUT_PRECISION)
-                acc += product * scale_outer(a_scale, w_scale, SWAP_AB)
-                if GATED:
-                    acc_up += up_product * scale_outer(a_scale, up_scale, SWAP_AB)
-            else:
-                acc = tile_dot(a, w, acc, SWAP_AB, INPUT_PRECISION)
-                if GATED:
+                if blocked:
+                    up_scale = tl.load(up_scale_cols + group * stride_wsk)
+                    product = tile_dot(a, up, None, SWAP_AB, INPUT_PRECISION)
+                    acc_up += product * scale_outer(a_scale, up_scale, SWAP_AB)
+                else:
                     acc_up = tile_dot(a, up, acc_up, SWAP_AB, INPUT_PRECISION)
+                up_ptrs += BLOCK_K
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
         # <<< book: k-loop
@@ -209,14 +190,6 @@ if HAS_TRITON:
             acc = acc * tl.sigmoid(acc) * acc_up
         # <<< book: epilogue
         return acc
-
-    @kernel
-    def step_masks(k, k_last, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        """Whether K step ``k`` exists (``k < k_last``), as one mask per tile row and one per
-        column: the scales loaded a step ahead must not be read past the last step."""
-        rows_in = tl.full((BLOCK_M,), k, tl.int32) < k_last
-        cols_in = tl.full((BLOCK_N,), k, tl.int32) < k_last
-        return rows_in, cols_in
 
     @kernel
     def tile_position(tile, num_m_blocks, N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr):
@@ -253,8 +226,16 @@ if HAS_TRITON:
 
     @kernel
     def scale_outer(a_scale, w_scale, SWAP_AB: tl.constexpr):
-        """The block-scale product of one K step, laid out like :func:`tile_dot`'s result."""
-        if SWAP_AB:
+        """The block-scale product of one K step, laid out like :func:`tile_dot`'s result:
+        rows' scales times columns' scales, or times the one scale of all columns (a scalar
+        ``w_scale``: the rows' scales are multiplied by it first, one multiply per row)."""
+        if len(w_scale.shape) == 0:
+            scaled = a_scale * w_scale
+            if SWAP_AB:
+                out = scaled[None, :]
+            else:
+                out = scaled[:, None]
+        elif SWAP_AB:
             out = w_scale[:, None] * a_scale[None, :]
         else:
             out = a_scale[:, None] * w_scale[None, :]
