@@ -271,6 +271,100 @@ def test_permute_tma_fp8(granularity):
     assert rel_err(out, want) < 1e-3
 
 
+# ------------------------------------------------------------------------------------------
+# GEMM 1 reading its rows through the permutation (MoEConfig.gather_rows): no copy in
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_gathered_rows_random(seed):
+    """Random shapes, segment alignments and tiles (persistent grid, TMA weights, transposed tile,
+    the top-k sum in GEMM 2), against the float64 reference: the permute kernel copies nothing
+    and GEMM 1 reads every row from its token (gather_top_k = k, no activation TMA)."""
+    from moe_kernels._runtime import record_launches
+
+    shape, rng = random_shape(1000 + seed, [torch.float32, torch.float16])
+    align = rng.choice([16, 32])
+    tma, swap_ab, persistent = rng.choice([(False, False, 0), (True, False, 1), (True, True, 0), (False, False, 2)])
+    summed = rng.choice([False, True])
+    config = dataclasses.replace(permute_variant(tma, swap_ab, persistent, sum_in_gemm=summed), gather_rows=True)
+    x, w1, w2, weights, ids = make_problem(**shape, seed=seed)
+    with record_launches() as launches:
+        out = permute_experts(x, w1, w2, weights, ids, align=align, config=config)
+    assert out.shape == x.shape and out.dtype == x.dtype
+    assert rel_err(out, moe_reference(x, w1, w2, weights, ids)) < TOLERANCE[x.dtype]
+    gemms = {g["gemm"]: g for name, g in launches if name == "permute.gemm"}
+    if gemms:   # (no launch where the interpreter runs the torch fallback)
+        assert gemms["gate_up"]["gather_top_k"] == ids.shape[1] and not gemms["gate_up"]["tma_a"]
+        assert gemms["down"]["gather_top_k"] == 0
+
+
+@pytest.mark.parametrize("case", sorted(EDGE_SHAPES) + ["no tokens", "skewed"])
+def test_gathered_rows_edge_cases(case):
+    """One token, one expert, k = 1, k = E, several tiles per expert, no tokens, an empty expert and
+    every token on one expert, with GEMM 1 reading through the permutation."""
+    config = dataclasses.replace(SMALL_TILES, gather_rows=True)
+    for x, w1, w2, weights, ids in edge_problems(case, inter=16):
+        out = permute_experts(x, w1, w2, weights, ids, align=16, config=config)
+        assert out.shape == x.shape
+        assert rel_err(out, moe_reference(x, w1, w2, weights, ids)) < TOLERANCE[torch.float32]
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("granularity", ["block", "channel"])
+def test_gathered_rows_fp8(granularity):
+    """fp8: GEMM 1 reads each token's fp8 row and its scales where they are (no permuted copy of
+    either); the same numbers as the copied rows."""
+    from moe_kernels.kernels.quant import quantize_weight
+    from moe_kernels.reference import moe_reference_fp8
+
+    x, w1, w2, weights, ids = make_problem(9, 6, 2, 256, 128, seed=19)
+    w1q, w1s = quantize_weight(w1, granularity)
+    w2q, w2s = quantize_weight(w2, granularity)
+    copied = permute_variant(True, False, 1, block_k=128)
+    outs = [permute_experts(x, w1q, w2q, weights, ids, align=16, config=dataclasses.replace(copied, gather_rows=g),
+                            w1_scale=w1s, w2_scale=w2s) for g in (False, True)]
+    want = moe_reference_fp8(x, w1q, w2q, weights, ids, w1_scale=w1s, w2_scale=w2s, granularity=granularity,
+                             intermediate_dtype=x.dtype)
+    assert rel_err(outs[1], want) < 1e-3 and torch.equal(outs[0], outs[1])
+
+
+def test_permute_without_copy_writes_the_same_indices():
+    x, _, _, _, ids = make_problem(11, 5, 2, 32, 16, seed=3)
+    copied, indices_only = permute(x, ids, 5, align=16), permute(x, ids, 5, align=16, copy=False)
+    assert indices_only.rows is None
+    for field in ("m_indices", "src2dst", "segment_starts", "segment_counts", "rows_used", "row_assignments"):
+        assert torch.equal(getattr(copied, field), getattr(indices_only, field)), field
+
+
+def test_gathered_rows_arguments_are_checked():
+    x, w1, w2, weights, ids = make_problem(6, 4, 2, 32, 16, seed=4)
+    p = permute(x, ids, 4, align=16, copy=False)
+    other = permute(x, ids, 4, align=32, copy=False)   # (more padding rows)
+    gemm = dict(align=16, silu_mul=True, config=SMALL_TILES)
+    cases = [
+        (lambda: grouped_gemm_contiguous(x, w1, p.m_indices, gather_from=(p,), **gemm), TypeError, "gather_from"),
+        (lambda: grouped_gemm_contiguous(x[:5], w1, p.m_indices, gather_from=p, **gemm), ValueError, "'x'"),
+        (lambda: grouped_gemm_contiguous(x, w1, other.m_indices, gather_from=p, **gemm), ValueError, "m_indices"),
+        (lambda: grouped_gemm_contiguous(x[:, :16].contiguous(), w2, p.m_indices, align=16, which="down",
+                                         config=SMALL_TILES, gather_from=p, sum_slots=(p, weights),
+                                         out=torch.zeros(6, 32, device=DEVICE)), ValueError, "gather_from"),
+        (lambda: permute(x, ids, 4, align=16, copy=1), TypeError, "copy"),
+        (lambda: permute(x, ids, 4, align=16, copy=False, out=torch.empty(64, 32, device=DEVICE)), ValueError, "out"),
+        (lambda: permute_module.permute_experts(x, w1, w2, weights, ids, align=16, config=dataclasses.replace(
+            SMALL_TILES, gather_rows=1)), TypeError, "gather_rows"),
+    ]
+    for call, exception, message in cases:
+        with pytest.raises(exception, match=message):
+            call()
+    from moe_kernels.kernels.index_gather import fused_experts
+    with pytest.raises(ValueError, match="gather_rows"):   # index-gather reads through sorted ids already
+        fused_experts(x, w1, w2, weights, ids, config=dataclasses.replace(SMALL_TILES, gather_rows=True))
+    assert "gather_rows" not in SMALL_TILES.to_dict()
+    on = dataclasses.replace(SMALL_TILES, gather_rows=True)
+    assert MoEConfig.from_dict(on.to_dict()) == on
+
+
 _COMPILE_PERMUTE_FOR_HOPPER = """
 import torch
 torch.cuda.is_available = lambda: True
@@ -291,6 +385,11 @@ for tma, swap, persistent, summed in ((True, False, 0, 0), (True, True, 0, 0), (
         pointers["out_ptr"] = "*fp32"
     ptx = compile_for_sm90(fn, const, pointers, num_warps=4, num_stages=3).asm["ptx"]
     print(tma, swap, persistent, "cp.async.bulk.tensor" in ptx, "wgmma" in ptx, "red.global" in ptx or "atom.global" in ptx)
+pointers.update(out_ptr="*bf16", w_desc="tensordesc<bf16[64, 64]>", a_desc="*bf16")
+const.update(GATED=True, TMA_W=True, TMA_A=False, SWAP_AB=False, PERSISTENT=1, SUM_TOP_K=0, SPLIT_K=1, GATHER_TOP_K=8)
+ptx = compile_for_sm90(fn, const, pointers, num_warps=4, num_stages=3,
+                       aligned=("stride_am", "stride_we", "stride_wn", "stride_om", "N", "K")).asm["ptx"]
+print("gathered", "cp.async.bulk.tensor" in ptx, "cp.async.cg" in ptx or "cp.async.ca" in ptx, "wgmma" in ptx)
 """
 
 
@@ -310,6 +409,9 @@ def test_permute_tma_compiles_for_hopper():
     assert done.stdout.split("\n")[:6] == ["True False 0 True True False", "True True 0 True True False",
                                            "False True 0 False True False", "True False 1 True True False",
                                            "True True 1 True True True", "True False 2 True True False"]
+    # GEMM 1 reading its rows through the permutation: weights by bulk copies, rows by cp.async
+    # (pointer loads the pipeline stages), wgmma.
+    assert done.stdout.split("\n")[6] == "gathered True True True", done.stdout
 
 
 @needs_gpu
@@ -320,6 +422,27 @@ def test_permute_tma_and_transposed_tiles_gpu(variant, num_tokens):
     config = permute_variant(*variant, block_m=64 if num_tokens == 600 else 16, block_k=128)
     out = permute_experts(x, w1, w2, weights, ids, config=config)
     assert rel_err(out, moe_reference(x, w1, w2, weights, ids)) < 1e-2
+
+
+@needs_gpu
+@pytest.mark.parametrize("num_tokens", [1, 64, 600, 4096])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_gathered_rows_gpu(num_tokens, fp8):
+    """GEMM 1 through the permutation at Qwen3-30B-A3B's shape, bf16 and fp8 block: the same bits
+    as the copied rows (the same products in the same order, only the rows' addresses differ)."""
+    from moe_kernels.kernels.quant import quantize_weight
+
+    x, w1, w2, weights, ids = make_problem(num_tokens, 128, 8, 2048, 768, torch.bfloat16, seed=num_tokens)
+    scales = {}
+    if fp8:
+        (w1, w1s), (w2, w2s) = quantize_weight(w1, "block"), quantize_weight(w2, "block")
+        scales = dict(w1_scale=w1s, w2_scale=w2s)
+    copied = permute_variant(True, False, 1, block_m=64, block_n=64, block_k=128)
+    outs = [permute_experts(x, w1, w2, weights, ids, align=64, config=dataclasses.replace(copied, gather_rows=g),
+                            **scales) for g in (False, True)]
+    assert torch.equal(outs[0], outs[1])
+    if not fp8:
+        assert rel_err(outs[1], moe_reference(x, w1, w2, weights, ids)) < 1e-2
 
 
 @needs_gpu

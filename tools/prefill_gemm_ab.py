@@ -12,10 +12,13 @@ stay zero and the check compares like with like). Candidates:
                           segments aligned to 128 or to 64 rows (M tiles of that height: a 64-row tile pads
                           a segment's last tile less), rows_used read on the device; "no promotion": fp8
                           weights with one scale per row and per expert after the loop (the tensor format),
-                          the block-scale K loop's upper bound
+                          the block-scale K loop's upper bound; "gathered": GEMM 1 reading each row from
+                          its token through the permutation (MoEConfig.gather_rows: no copy in, pointer
+                          loads for the rows), on the first two tiles
   bmm1 / bmm2             torch.bmm on ceil(T k / E) rows per expert, the same FLOPs (bf16 only)
-  permute, quantize, unpermute, permute scales   the stages of permute_experts around the GEMMs
-  experts permute / index-gather   the whole experts call, permute with the best GEMM tiles of this run
+  permute, permute indices only, quantize, unpermute, permute scales   the stages around the GEMMs
+  experts permute (gathered) / index-gather   the whole experts call, permute with the best GEMM tiles of
+                          this run (and GEMM 1 reading through the permutation)
                           against fused_experts with its table (the align of the faster pair)
 
 Each candidate is replayed from a CUDA graph of one call, the L2 flushed before each replay, two rounds
@@ -146,7 +149,15 @@ def gemm_pair(align, tiles1, tiles2, x, xq, x_scale, ids, w1, w1s, w2, w2s, fmt,
                                                config=MoEConfig(align, t, t), which="gate_up", out=out,
                                                out_dtype=dtype, rows_used=used, **scales)
 
+    def gathered(t):   # GEMM 1 reading each row from its token (MoEConfig.gather_rows): no copy in
+        out = torch.zeros(num_rows, f, device=device, dtype=dtype)
+        return lambda: grouped_gemm_contiguous(xq, w1, m_idx, align=align, silu_mul=True, config=MoEConfig(align, t, t),
+                                               which="gate_up", out=out, out_dtype=dtype, rows_used=used,
+                                               x_scale=x_scale, w_scale=w1s, gather_from=permuted)
+
     g1 = {f"{tag}gemm1 {n}": gemm1(t) for n, t in tiles1.items()}
+    for n, t in list(tiles1.items())[:2]:
+        g1[f"{tag}gemm1 {n} gathered"] = gathered(t)
     if fp8:
         g1[f"{tag}gemm1 no promotion"] = gemm1(next(iter(tiles1.values())), nopromo=True)
     elif align == ALIGN:
@@ -168,7 +179,7 @@ def gemm_pair(align, tiles1, tiles2, x, xq, x_scale, ids, w1, w1s, w2, w2s, fmt,
         g2["bmm2"] = balanced(e, -(-batch * k // e), f, d, dtype)
     y = next(iter(g2.values()))()
     us2, rounds2, err2, rel2 = timed(g2, y.float(), unchecked=(f"{tag}gemm2 no promotion", "bmm2"))
-    tiled1 = {n: us1[n] for n in us1 if n[len(tag) + 6:] in tiles1 and n.startswith(tag)}
+    tiled1 = {n: us1[n] for n in us1 if n[len(tag) + 6:] in tiles1 and n.startswith(tag)}   # (copied rows)
     tiled2 = {n: us2[n] for n in us2 if n[len(tag) + 6:] in tiles2 and n.startswith(tag)}
     best1, best2 = min(tiled1, key=tiled1.get), min(tiled2, key=tiled2.get)
     return {"timings": (us1, rounds1, err1, rel1, us2, rounds2, err2, rel2), "best_names": (best1, best2),
@@ -202,8 +213,12 @@ for fname in formats:
             stages = {
                 "permute": lambda: permute(xq, ids, e, align=best_align, validate_ids=False, out=permuted.rows),
                 "unpermute": lambda: unpermute(y, permuted.src2dst, weights),
+                "permute indices only": lambda: permute(xq, ids, e, align=best_align, validate_ids=False, copy=False),
                 "experts permute": lambda: permute_experts(x, w1, w2, weights, ids, config=best, align=best_align,
                                                            validate_ids=False, **scales),
+                "experts permute gathered": lambda: permute_experts(
+                    x, w1, w2, weights, ids, config=dataclasses.replace(best, gather_rows=True), align=best_align,
+                    validate_ids=False, **scales),
                 "experts index-gather": lambda: fused_experts(x, w1, w2, weights, ids, validate_ids=False, **scales),
             }
             if fp8:

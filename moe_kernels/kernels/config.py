@@ -120,7 +120,7 @@ class OneLaunchTiles:
 
 
 #: MoEConfig's switches (bools, default off), each a feature a layout may lack (moe_kernels.kernels.layouts).
-_SWITCHES = ("sum_in_gemm", "pdl", "quant_in_gemm")
+_SWITCHES = ("sum_in_gemm", "pdl", "quant_in_gemm", "gather_rows")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,6 +147,11 @@ class MoEConfig:
     sum_in_gemm: bool = False
     pdl: bool = False
     quant_in_gemm: bool = False
+    #: Permute layout: no copy of the rows into their segments. GEMM 1 reads each row from its
+    #: token through the permutation (pointer loads), and writes its output into the segments, so
+    #: that GEMM 2 still reads contiguous rows (through TMA with ``down.tma``): one pass over the
+    #: activations fewer (:func:`moe_kernels.kernels.permute.permute_experts`).
+    gather_rows: bool = False
     #: Both GEMMs in one launch instead (index-gather layout, no block map: tiny batches).
     one_launch: OneLaunchTiles | None = None
     #: Both GEMMs as one stream of tiles, GEMM 2's a lag of this many blocks behind GEMM 1's
@@ -161,6 +166,8 @@ class MoEConfig:
         for key in ("one_launch", "stream_lag"):   # (the tables written before they existed hold no such key)
             if d[key] is None:
                 del d[key]
+        if not d["gather_rows"]:
+            del d["gather_rows"]
         return d
 
     @staticmethod
@@ -238,7 +245,8 @@ def check_config(func: str, config: object, *, align: int | None = None, layout:
                  for f, what in (("persistent", "the persistent grid"), ("tma", "tensor-descriptor loads"),
                                  ("swap_ab", "the transposed tile product"))]
     machinery += [(f"config.{f}", getattr(config, f), f, what) for f, what in (
-        ("pdl", "programmatic dependent launch"), ("quant_in_gemm", "GEMM 1's fp8 epilogue"))]
+        ("pdl", "programmatic dependent launch"), ("quant_in_gemm", "GEMM 1's fp8 epilogue"),
+        ("gather_rows", "GEMM 1 reading rows through the permutation"))]
     for name, value, field, what in machinery:
         if value and not getattr(supports, field):
             fail(func, name, f"must be {0 if name.endswith('persistent') else False} for the {layout} layout ({what} "

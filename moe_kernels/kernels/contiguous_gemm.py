@@ -56,10 +56,13 @@ if HAS_TRITON:
         SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
         w_desc, TMA_W: tl.constexpr, a_desc, TMA_A: tl.constexpr, SWAP_AB: tl.constexpr,
         row_assign_ptr, topk_weights_ptr, num_assignments, SUM_TOP_K: tl.constexpr, SPLIT_K: tl.constexpr,
+        GATHER_TOP_K: tl.constexpr,
     ):
         """Tile (``pid_m``, ``pid_n``), K slice ``split``, of the contiguous grouped GEMM: stored
         row for row, or (``SUM_TOP_K`` = k) times each row's routing weight and added into its
-        token's row of an fp32 ``[T, N]`` output (the top-k sum in GEMM 2's epilogue)."""
+        token's row of an fp32 ``[T, N]`` output (the top-k sum in GEMM 2's epilogue). With
+        ``GATHER_TOP_K`` = k, ``A`` is the ``[T, K]`` token rows and row ``r`` reads token
+        ``row_assign[r] // k`` (rows through the permutation, not copied into the segments)."""
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         row_experts = tl.load(m_indices_ptr + rows, mask=rows < num_rows, other=-1)
         # A tile lies inside one segment (BLOCK_M divides align), so its real rows share one
@@ -74,10 +77,24 @@ if HAS_TRITON:
             # are never stored.
             row_real = row_experts == expert
             offsets = rows.to(tl.int64)
-            a_rows = tl.where(row_real, offsets, pid_m * BLOCK_M) * stride_am
+            if GATHER_TOP_K > 0:
+                # >>> book: gathered-rows
+                # Row r holds assignment a = (token a // k, slot a % k): read the token's row of A
+                # where it is. Padding rows read the tile's first row's token (never stored); an
+                # assignment outside the routing is never used as an address.
+                assignment = tl.load(row_assign_ptr + rows, mask=row_real, other=0)
+                first = tl.load(row_assign_ptr + pid_m * BLOCK_M)
+                usable = row_real & (assignment >= 0) & (assignment < num_assignments)
+                assignment = tl.where(usable, assignment, first)
+                assignment = tl.minimum(tl.maximum(assignment, 0), num_assignments - 1)
+                source = (assignment // GATHER_TOP_K).to(tl.int64)
+                # <<< book: gathered-rows
+            else:
+                source = tl.where(row_real, offsets, pid_m * BLOCK_M)
+            a_rows = source * stride_am
             acc = expert_tile_product(a_ptr, a_rows, w_ptr + expert.to(tl.int64) * stride_we,
                                       stride_wn, pid_n, N, K,
-                                      a_scale_ptr, tl.where(row_real, offsets, pid_m * BLOCK_M) * stride_as,
+                                      a_scale_ptr, source * stride_as,
                                       w_scale_ptr + expert.to(tl.int64) * stride_wse, stride_wsn, stride_wsk,
                                       GATED, EVEN_K, INPUT_PRECISION, SCALES, BLOCK_M, BLOCK_N, BLOCK_K,
                                       split=split, SPLIT_K=SPLIT_K,
@@ -108,6 +125,7 @@ if HAS_TRITON:
         w_desc, TMA_W: tl.constexpr, a_desc, TMA_A: tl.constexpr, SWAP_AB: tl.constexpr,
         rows_used_ptr, GROUP_M: tl.constexpr, PERSISTENT: tl.constexpr,
         row_assign_ptr, topk_weights_ptr, num_assignments, SUM_TOP_K: tl.constexpr, SPLIT_K: tl.constexpr,
+        GATHER_TOP_K: tl.constexpr = 0,
     ):
         if PERSISTENT == 0:
             # One program per tile (and K slice) of the whole buffer. Axis 0 (M tiles) varies
@@ -119,7 +137,7 @@ if HAS_TRITON:
                              a_scale_ptr, stride_as, w_scale_ptr, stride_wse, stride_wsn, stride_wsk,
                              GATED, EVEN_K, INPUT_PRECISION, SCALES, BLOCK_M, BLOCK_N, BLOCK_K, SCALE_BN, SCALE_BK,
                              w_desc, TMA_W, a_desc, TMA_A, SWAP_AB, row_assign_ptr, topk_weights_ptr,
-                             num_assignments, SUM_TOP_K, SPLIT_K)
+                             num_assignments, SUM_TOP_K, SPLIT_K, GATHER_TOP_K)
         else:
             # One program per SM, walking only the tiles of the rows the segments use (their
             # padded total, which the alignment wrote on the device: no host sync), GROUP_M
@@ -134,7 +152,7 @@ if HAS_TRITON:
                                  a_scale_ptr, stride_as, w_scale_ptr, stride_wse, stride_wsn, stride_wsk,
                                  GATED, EVEN_K, INPUT_PRECISION, SCALES, BLOCK_M, BLOCK_N, BLOCK_K, SCALE_BN,
                                  SCALE_BK, w_desc, TMA_W, a_desc, TMA_A, SWAP_AB, row_assign_ptr, topk_weights_ptr,
-                                 num_assignments, SUM_TOP_K, SPLIT_K)
+                                 num_assignments, SUM_TOP_K, SPLIT_K, GATHER_TOP_K)
 
 
 def grouped_gemm_contiguous(x: torch.Tensor, w: torch.Tensor, m_indices: torch.Tensor, *, align: int,
@@ -142,7 +160,7 @@ def grouped_gemm_contiguous(x: torch.Tensor, w: torch.Tensor, m_indices: torch.T
                             config: MoEConfig | None = None, which: str = "gate_up",
                             x_scale: torch.Tensor | None = None, w_scale: torch.Tensor | None = None,
                             out_dtype: torch.dtype | None = None, rows_used: torch.Tensor | None = None,
-                            sum_slots: tuple | None = None) -> torch.Tensor:
+                            sum_slots: tuple | None = None, gather_from=None) -> torch.Tensor:
     """``out[r] = x[r] @ w[m_indices[r]]^T`` for every row whose ``m_indices`` is in ``[0, E)``.
 
     ``x`` ``[M_pad, K]`` holds ``align``-aligned expert segments (from :func:`permute`), ``w``
@@ -157,7 +175,10 @@ def grouped_gemm_contiguous(x: torch.Tensor, w: torch.Tensor, m_indices: torch.T
     weights) makes it the top-k sum as well: each row times its routing weight is added into its
     token's row of ``out``, an fp32 ``[T, N_w]`` buffer the caller has zeroed (with
     ``config.down.split_k`` > 1 each K slice adds its part; without ``sum_slots`` a split-K
-    config runs whole).
+    config runs whole). ``gather_from`` (a :class:`~moe_kernels.kernels.permute.PermutedRows`,
+    made with ``copy=False``): ``x`` is the ``[T, K]`` token rows themselves (``x_scale`` per token)
+    and row ``r`` reads token ``row_assignments[r] // k``, through pointer loads: the segments'
+    rows are never copied (``MoEConfig.gather_rows``).
     """
     func = "grouped_gemm_contiguous"
     fmt = check_operands(func, "x", x, "w", w, x_scale, w_scale)
@@ -166,6 +187,10 @@ def grouped_gemm_contiguous(x: torch.Tensor, w: torch.Tensor, m_indices: torch.T
     num_rows, k = x.shape
     if w.shape[2] != k:
         fail(func, "w", f"must have shape [E, N, {k}] to match x", f"shape {tuple(w.shape)}")
+    gather_top_k = 0
+    if gather_from is not None:
+        row_assignments, gather_top_k = _check_gather_from(func, gather_from, x, m_indices, sum_slots)
+        num_rows = m_indices.shape[0]
     if m_indices.shape[0] != num_rows or num_rows % align:
         fail(func, "m_indices", f"must have one entry per row of x ({num_rows}, a multiple of align={align})",
              f"shape {tuple(m_indices.shape)}")
@@ -194,18 +219,22 @@ def grouped_gemm_contiguous(x: torch.Tensor, w: torch.Tensor, m_indices: torch.T
         result = check_out(func, out, (topk_weights.shape[0], n), x, dtype=torch.float32)
     if not use_triton(x, w, m_indices, result):
         xf, wf = dequantized(x, w, x_scale, w_scale, fmt)
+        if gather_from is not None:   # the rows the kernel reads, as a copy
+            xf = xf[_gathered_tokens(row_assignments, gather_top_k, x.shape[0])]
         if sum_slots is not None:
             return _summed_contiguous_reference(xf, wf, m_indices, row_assignments, topk_weights, result)
         return _grouped_gemm_contiguous_reference(xf, wf, m_indices, silu_mul, result)
     rerun = lambda x, w, out: grouped_gemm_contiguous(  # noqa: E731
         x, w, m_indices, align=align, silu_mul=silu_mul, out=out, config=config, which=which, x_scale=x_scale,
-        w_scale=w_scale, out_dtype=out.dtype, rows_used=rows_used, sum_slots=sum_slots)
+        w_scale=w_scale, out_dtype=out.dtype, rows_used=rows_used, sum_slots=sum_slots, gather_from=gather_from)
     if num_rows == 0 or in_float32_under_interpreter(rerun, result, x, w) is not None:
         return result
     scales = fmt.scale_arguments(x, w, x_scale, w_scale)
     # Contiguous rows: with tiles.tma both operands come through the copy engine (TMA), not only
     # the weights as in the index-gather layout, whose gathered rows cannot (gather is Blackwell's).
-    w_desc, a_desc = weight_descriptor(w, tiles), rows_descriptor(x, config.block_m, tiles)
+    # (gathered rows are not consecutive: pointer loads, as in the index-gather layout)
+    w_desc = weight_descriptor(w, tiles)
+    a_desc = None if gather_top_k else rows_descriptor(x, config.block_m, tiles)
     num_m_blocks, num_n_tiles = num_rows // config.block_m, cdiv(n, tiles.block_n) * tiles.split_k
     if tiles.persistent:
         grid = (min(num_m_blocks * num_n_tiles, programs_per_device(x.device)),)
@@ -214,7 +243,7 @@ def grouped_gemm_contiguous(x: torch.Tensor, w: torch.Tensor, m_indices: torch.T
     else:
         grid = (num_m_blocks, num_n_tiles)
     note_launch("permute.gemm", gemm=which, block_m=config.block_m, tiles=tiles, scales=scales[6], sum_top_k=top_k,
-                tma_w=w_desc is not None, tma_a=a_desc is not None, grid=grid)
+                gather_top_k=gather_top_k, tma_w=w_desc is not None, tma_a=a_desc is not None, grid=grid)
     _contiguous_gemm_kernel[grid](
         x, x.stride(0), w, w.stride(0), w.stride(1), result, result.stride(0),
         m_indices, num_rows, w.shape[0], n, k, *scales[:6],
@@ -223,12 +252,42 @@ def grouped_gemm_contiguous(x: torch.Tensor, w: torch.Tensor, m_indices: torch.T
         w_desc=w if w_desc is None else w_desc, TMA_W=w_desc is not None, a_desc=x if a_desc is None else a_desc,
         TMA_A=a_desc is not None, SWAP_AB=tiles.swap_ab,
         rows_used_ptr=m_indices if rows_used is None else rows_used, GROUP_M=tiles.group_m,
-        PERSISTENT=tiles.persistent, row_assign_ptr=m_indices if sum_slots is None else row_assignments,
+        PERSISTENT=tiles.persistent,
+        row_assign_ptr=m_indices if sum_slots is None and gather_from is None else row_assignments,
         topk_weights_ptr=result if sum_slots is None else topk_weights,
-        num_assignments=0 if sum_slots is None else topk_weights.numel(), SUM_TOP_K=top_k, SPLIT_K=tiles.split_k,
+        num_assignments=(topk_weights.numel() if sum_slots is not None
+                         else gather_from.src2dst.numel() if gather_from is not None else 0),
+        SUM_TOP_K=top_k, SPLIT_K=tiles.split_k, GATHER_TOP_K=gather_top_k,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     return result
+
+
+def _check_gather_from(func, gather_from, x, m_indices, sum_slots):
+    """``(row_assignments, k)`` of ``gather_from`` (a PermutedRows for token rows ``x [T, K]``)."""
+    if sum_slots is not None:
+        fail(func, "gather_from", "must be None when sum_slots is given (GEMM 1 gathers, GEMM 2 sums)", "given")
+    if not all(hasattr(gather_from, name) for name in ("row_assignments", "src2dst")):
+        fail(func, "gather_from", "must be the PermutedRows of the routing (permute(..., copy=False))",
+             type(gather_from).__name__, TypeError)
+    row_assignments = gather_from.row_assignments
+    check_tensor(func, "gather_from.row_assignments", row_assignments, ndim=1, dtypes=(torch.int32,),
+                 device=x.device, contiguous=True)
+    tokens, top_k = gather_from.src2dst.shape
+    if x.shape[0] != tokens:
+        fail(func, "x", f"must be the [T, K] token rows the permutation was made for (T = {tokens}) with "
+             "gather_from", f"shape {tuple(x.shape)}")
+    if row_assignments.shape[0] != m_indices.shape[0]:
+        fail(func, "m_indices", f"must have one entry per row of the permutation ({row_assignments.shape[0]})",
+             f"shape {tuple(m_indices.shape)}")
+    return row_assignments, top_k
+
+
+def _gathered_tokens(row_assignments, top_k, num_tokens):
+    """The token each row reads (padding rows, and assignments outside the routing: token 0)."""
+    assignment = row_assignments.to(torch.int64)
+    usable = (assignment >= 0) & (assignment < num_tokens * top_k)
+    return torch.where(usable, assignment // top_k, 0)
 
 
 def _check_sum_slots(func, sum_slots, num_rows, device, silu_mul):

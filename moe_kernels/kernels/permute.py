@@ -31,7 +31,10 @@ The pipeline, each step a Triton kernel with a torch reference beside it:
    neither GEMM 2's ``[M_pad, d]`` output nor the pass that reads it back exists.
 
 With ``tiles.persistent`` the GEMMs run one program per SM, which walks only the tiles of the
-rows the segments use (``PermutedRows.rows_used``, read on the device).
+rows the segments use (``PermutedRows.rows_used``, read on the device). With
+``config.gather_rows`` step 1 writes the indices only and GEMM 1 reads each row from its token
+(``row_assignments[r] // k``) with pointer loads: the copy in is gone, GEMM 1's output is still
+written segment by segment, so GEMM 2 reads contiguous rows as before.
 
 :func:`permute_experts` chains them with no host synchronisation on the GPU: every size comes from
 the shapes, and the id check (``validate_ids``, on by default) is a device-side assert. Ids out of
@@ -94,10 +97,11 @@ if HAS_TRITON:
     def _permute_rows_kernel(
         hidden_ptr, stride_ht, sorted_ids_ptr, block_experts_ptr, rows_ptr, stride_rm,
         m_indices_ptr, src2dst_ptr, num_rows, num_assignments, topk, hidden_size, align,
-        BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr, COPY: tl.constexpr,
     ):
         # Row-driven: each packed row looks up which assignment it holds, so padding rows
-        # cost one index load and no data movement.
+        # cost one index load and no data movement. (COPY False: the indices only, for a
+        # GEMM 1 that reads each row from its token: MoEConfig.gather_rows.)
         rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
         in_range = rows < num_rows
         assignment = tl.load(sorted_ids_ptr + rows, mask=in_range, other=num_assignments)
@@ -105,8 +109,9 @@ if HAS_TRITON:
         expert = tl.load(block_experts_ptr + rows // align, mask=in_range, other=-1)
         tl.store(m_indices_ptr + rows, tl.where(real, expert, -1), mask=in_range)
         tl.store(src2dst_ptr + assignment, rows, mask=real)
-        copy_rows(hidden_ptr, (assignment // topk).to(tl.int64) * stride_ht, rows_ptr,
-                  rows.to(tl.int64) * stride_rm, real, hidden_size, BLOCK_D)
+        if COPY:
+            copy_rows(hidden_ptr, (assignment // topk).to(tl.int64) * stride_ht,
+                      rows_ptr, rows.to(tl.int64) * stride_rm, real, hidden_size, BLOCK_D)
     # <<< book: permute-scatter
 
 
@@ -115,7 +120,8 @@ class PermutedRows(NamedTuple):
 
     * ``rows`` ``[M_pad, d]``: expert ``e``'s rows are ``rows[segment_starts[e] :
       segment_starts[e] + segment_counts[e]]``; padding rows are left unwritten (whatever the
-      buffer held) and nothing that is stored depends on them.
+      buffer held) and nothing that is stored depends on them. None from ``permute(copy=False)``:
+      the indices only.
     * ``m_indices`` int32 ``[M_pad]``: the expert of each row, -1 on padding rows.
     * ``src2dst`` int32 ``[T, k]``: the row that holds assignment ``(t, j)`` (-1 for an
       out-of-range id left unvalidated, which no segment holds).
@@ -151,49 +157,56 @@ def _check_permute_args(func, hidden_states, topk_ids, num_experts, align):
 
 
 def permute(hidden_states: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, *, align: int = 128,
-            out: torch.Tensor | None = None, validate_ids: bool = True) -> PermutedRows:
+            out: torch.Tensor | None = None, validate_ids: bool = True, copy: bool = True) -> PermutedRows:
     """Copy each assignment's activation row into its expert's ``align``-row-aligned segment.
 
     ``hidden_states`` ``[T, d]``, ``topk_ids`` ``[T, k]`` (0-based expert ids). ``out``, if given,
     is the ``[max_padded_rows(T*k, E, align), d]`` buffer to fill. ``validate_ids`` checks the ids
     as :func:`moe_kernels.kernels.index_gather.fused_experts` does (on a GPU inside the alignment
-    kernel, which reads every id anyway: no launch, no host sync).
+    kernel, which reads every id anyway: no launch, no host sync). ``copy=False`` writes the
+    indices only (``rows`` is None): for a GEMM 1 that reads each row from its token
+    (:func:`~moe_kernels.kernels.contiguous_gemm.grouped_gemm_contiguous`'s ``gather_from``).
     """
     func = "permute"
     _check_permute_args(func, hidden_states, topk_ids, num_experts, align)
+    if not isinstance(copy, bool):
+        fail(func, "copy", "must be a bool", repr(copy), TypeError)
+    if out is not None and not copy:
+        fail(func, "out", "must be None with copy=False (no rows are copied)", "a tensor")
     num_tokens, hidden_size = hidden_states.shape
     topk = topk_ids.shape[1]
     num_assignments = num_tokens * topk
     num_rows = max_padded_rows(num_assignments, num_experts, align)
-    rows = check_out(func, out, (num_rows, hidden_size), hidden_states)
+    rows = check_out(func, out, (num_rows, hidden_size), hidden_states) if copy else None
     sorted_ids, block_experts, rows_used = align_checked(func, topk_ids, align, num_experts, validate_ids)
     segment_starts, segment_counts = _segments(topk_ids, num_experts, align)
-    if not use_triton(hidden_states, topk_ids, rows):
-        m_indices, src2dst = _permute_rows_reference(hidden_states, sorted_ids, block_experts, rows, topk, align)
+    if not use_triton(hidden_states, topk_ids):
+        m_indices, src2dst = _permute_rows_reference(hidden_states, sorted_ids, block_experts, num_rows, topk, align,
+                                                     rows)
         return PermutedRows(rows, m_indices, src2dst, segment_starts, segment_counts, rows_used,
                             sorted_ids[:num_rows])
-    m_indices = torch.empty(num_rows, dtype=torch.int32, device=rows.device)
-    src2dst = torch.full((num_tokens, topk), -1, dtype=torch.int32, device=rows.device)
+    m_indices = torch.empty(num_rows, dtype=torch.int32, device=hidden_states.device)
+    src2dst = torch.full((num_tokens, topk), -1, dtype=torch.int32, device=hidden_states.device)
     if num_rows:
         block_rows, block_d = 16, min(next_power_of_2(max(hidden_size, 1)), 256)
         _permute_rows_kernel[(cdiv(num_rows, block_rows),)](
-            hidden_states, hidden_states.stride(0), sorted_ids, block_experts, rows, rows.stride(0),
-            m_indices, src2dst, num_rows, num_assignments, topk, hidden_size, align,
-            BLOCK_ROWS=block_rows, BLOCK_D=block_d, num_warps=4,
+            hidden_states, hidden_states.stride(0), sorted_ids, block_experts, hidden_states if rows is None else rows,
+            0 if rows is None else rows.stride(0), m_indices, src2dst, num_rows, num_assignments, topk, hidden_size,
+            align, BLOCK_ROWS=block_rows, BLOCK_D=block_d, COPY=copy, num_warps=4,
         )
     return PermutedRows(rows, m_indices, src2dst, segment_starts, segment_counts, rows_used, sorted_ids[:num_rows])
 
 
-def _permute_rows_reference(hidden_states, sorted_ids, block_experts, rows, topk, align):
-    """Torch reference of the scatter kernel: fills ``rows``; returns ``(m_indices, src2dst)``."""
-    num_rows = rows.shape[0]
+def _permute_rows_reference(hidden_states, sorted_ids, block_experts, num_rows, topk, align, rows=None):
+    """Torch reference of the scatter kernel: fills ``rows`` (if given); returns ``(m_indices, src2dst)``."""
     num_assignments = hidden_states.shape[0] * topk
     assignment = sorted_ids[:num_rows].to(torch.int64)
     real = assignment < num_assignments
-    row_index = torch.arange(num_rows, device=rows.device)
+    row_index = torch.arange(num_rows, device=hidden_states.device)
     m_indices = torch.where(real, block_experts.to(torch.int64)[row_index // align], -1)
-    rows[real] = hidden_states[assignment[real] // topk]
-    src2dst = torch.full((num_assignments,), -1, dtype=torch.int32, device=rows.device)
+    if rows is not None:
+        rows[real] = hidden_states[assignment[real] // topk]
+    src2dst = torch.full((num_assignments,), -1, dtype=torch.int32, device=hidden_states.device)
     src2dst[assignment[real]] = row_index[real].to(torch.int32)
     return m_indices.to(torch.int32), src2dst.view(-1, topk)
 
@@ -205,7 +218,8 @@ def permute_reference(hidden_states, topk_ids, num_experts, *, align=128):
     num_rows = max_padded_rows(topk_ids.numel(), num_experts, align)
     rows = hidden_states.new_zeros(num_rows, hidden_states.shape[1])
     sorted_ids, block_experts, rows_used = moe_align_block_size_reference(topk_ids, align, num_experts)
-    m_indices, src2dst = _permute_rows_reference(hidden_states, sorted_ids, block_experts, rows, topk, align)
+    m_indices, src2dst = _permute_rows_reference(hidden_states, sorted_ids, block_experts, num_rows, topk, align,
+                                                 rows)
     return PermutedRows(rows, m_indices, src2dst, *_segments(topk_ids, num_experts, align), rows_used,
                         sorted_ids[:num_rows])
 
@@ -221,7 +235,9 @@ def permute_experts(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Ten
     weights included: the permute then copies fp8 rows, half the bytes, and their scales): ``[T, d]``
     in ``hidden_states.dtype``. No host sync on the GPU. Live intermediates: ``[M_pad, d]`` and
     ``[M_pad, F]`` (GEMM 2 writes into the packed input, which GEMM 1 has finished with; with
-    ``sum_in_gemm`` it writes an fp32 ``[T, d]`` instead).
+    ``sum_in_gemm`` it writes an fp32 ``[T, d]`` instead). With ``config.gather_rows`` nothing is
+    copied in: GEMM 1 reads each row from its token through the permutation, and GEMM 2 writes a
+    new ``[M_pad, d]`` buffer.
     """
     func = "permute_experts"
     num_tokens, _, num_experts, d, f = check_moe_inputs(func, hidden_states, w1, w2, topk_weights, topk_ids)
@@ -233,22 +249,32 @@ def permute_experts(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Ten
         config = get_config(num_tokens, num_experts, f, d, w1.dtype, hidden_states.device, layout="permute",
                             align=align)
     check_config(func, config, align=align, layout="permute")
+    x, x_scale = fmt.quantize_activations(hidden_states)
+    # >>> book: gathered-permute
+    # With gather_rows, GEMM 1 reads each row from its token: nothing is copied.
+    gather = config.gather_rows
+    permuted = permute(x, topk_ids, num_experts, align=align, validate_ids=validate_ids,
+                       copy=not gather)
+    if gather:
+        rows, rows_scale = x, x_scale
+    elif x_scale is None:
+        rows, rows_scale = permuted.rows, None
+    else:   # (per-row scales: the padding rows' garbage reaches no real row)
+        rows = permuted.rows
+        rows_scale = _permute_scales(x_scale, permuted, topk_ids.shape[1])
+    activated = grouped_gemm_contiguous(
+        rows, w1, permuted.m_indices, align=align, silu_mul=True, config=config,
+        which="gate_up", x_scale=rows_scale, w_scale=w1_scale,
+        out_dtype=hidden_states.dtype, rows_used=permuted.rows_used,
+        gather_from=permuted if gather else None)
+    # <<< book: gathered-permute
     if not fmt.quantized:
-        permuted = permute(hidden_states, topk_ids, num_experts, align=align, validate_ids=validate_ids)
-        activated = grouped_gemm_contiguous(permuted.rows, w1, permuted.m_indices, align=align, silu_mul=True,
-                                            config=config, which="gate_up", rows_used=permuted.rows_used)
         if config.sum_in_gemm:
             return _down_and_sum(activated, w2, permuted, topk_weights, config, align, hidden_states.dtype)
+        # (GEMM 2 writes into the packed input, which GEMM 1 has finished with)
         y = grouped_gemm_contiguous(activated, w2, permuted.m_indices, align=align, out=permuted.rows,
                                     config=config, which="down", rows_used=permuted.rows_used)
         return unpermute(y, permuted.src2dst, topk_weights)
-    x, x_scale = fmt.quantize_activations(hidden_states)
-    permuted = permute(x, topk_ids, num_experts, align=align, validate_ids=validate_ids)
-    rows_scale = _permute_scales(x_scale, permuted, topk_ids.shape[1])
-    # Every activation scale is per row, so the padding rows' garbage reaches no real row's scale.
-    activated = grouped_gemm_contiguous(permuted.rows, w1, permuted.m_indices, align=align, silu_mul=True,
-                                        config=config, which="gate_up", x_scale=rows_scale, w_scale=w1_scale,
-                                        out_dtype=hidden_states.dtype, rows_used=permuted.rows_used)
     a, a_scale = fmt.quantize_activations(activated)
     if config.sum_in_gemm:
         return _down_and_sum(a, w2, permuted, topk_weights, config, align, hidden_states.dtype, a_scale, w2_scale)
