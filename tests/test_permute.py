@@ -294,7 +294,8 @@ def test_gathered_rows_random(seed):
     assert out.shape == x.shape and out.dtype == x.dtype
     assert rel_err(out, moe_reference(x, w1, w2, weights, ids)) < TOLERANCE[x.dtype]
     gemms = {g["gemm"]: g for name, g in launches if name == "permute.gemm"}
-    if gemms:   # (no launch where the interpreter runs the torch fallback)
+    assert gemms or not HAS_TRITON   # (without Triton the torch reference runs: no launches)
+    if gemms:
         assert gemms["gate_up"]["gather_top_k"] == ids.shape[1] and not gemms["gate_up"]["tma_a"]
         assert gemms["down"]["gather_top_k"] == 0
 
@@ -303,11 +304,17 @@ def test_gathered_rows_random(seed):
 def test_gathered_rows_edge_cases(case):
     """One token, one expert, k = 1, k = E, several tiles per expert, no tokens, an empty expert and
     every token on one expert, with GEMM 1 reading through the permutation."""
+    from moe_kernels._runtime import record_launches
+
     config = dataclasses.replace(SMALL_TILES, gather_rows=True)
     for x, w1, w2, weights, ids in edge_problems(case, inter=16):
-        out = permute_experts(x, w1, w2, weights, ids, align=16, config=config)
+        with record_launches() as launches:
+            out = permute_experts(x, w1, w2, weights, ids, align=16, config=config)
         assert out.shape == x.shape
         assert rel_err(out, moe_reference(x, w1, w2, weights, ids)) < TOLERANCE[torch.float32]
+        gate_up = [g for name, g in launches if name == "permute.gemm" and g["gemm"] == "gate_up"]
+        assert all(g["gather_top_k"] == ids.shape[1] for g in gate_up)
+        assert gate_up or x.shape[0] == 0 or not HAS_TRITON
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
@@ -321,12 +328,55 @@ def test_gathered_rows_fp8(granularity):
     x, w1, w2, weights, ids = make_problem(9, 6, 2, 256, 128, seed=19)
     w1q, w1s = quantize_weight(w1, granularity)
     w2q, w2s = quantize_weight(w2, granularity)
+    from moe_kernels._runtime import record_launches
+
     copied = permute_variant(True, False, 1, block_k=128)
-    outs = [permute_experts(x, w1q, w2q, weights, ids, align=16, config=dataclasses.replace(copied, gather_rows=g),
-                            w1_scale=w1s, w2_scale=w2s) for g in (False, True)]
+    with record_launches() as launches:
+        outs = [permute_experts(x, w1q, w2q, weights, ids, align=16, config=dataclasses.replace(copied, gather_rows=g),
+                                w1_scale=w1s, w2_scale=w2s) for g in (False, True)]
+    gate_up = [g["gather_top_k"] for name, g in launches if name == "permute.gemm" and g["gemm"] == "gate_up"]
+    assert gate_up == [0, 2] or not HAS_TRITON
     want = moe_reference_fp8(x, w1q, w2q, weights, ids, w1_scale=w1s, w2_scale=w2s, granularity=granularity,
                              intermediate_dtype=x.dtype)
     assert rel_err(outs[1], want) < 1e-3 and torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("silu_mul", [False, True])
+@pytest.mark.parametrize("block_n, swap_ab, per_column", [(64, False, False), (128, False, False), (128, True, False),
+                                                          (128, False, True), (256, False, False)])
+def test_block_scales_one_per_tile_and_per_column(block_n, swap_ab, per_column, silu_mul, monkeypatch):
+    """fp8 block weights whose 128 x 128 blocks are scaled by different powers of ten, so that a
+    tile applying another block's scale is off by 10x or more: a tile within one scale block
+    (BLOCK_N <= 128) applies one weight scale per K step, the per-column path (SCALES = 4, and a
+    256-column tile, which spans two blocks) one per column; both agree with the dequantised
+    reference, transposed or not, gated or not."""
+    from moe_kernels.kernels._tile_gemm import expert_rows_product
+    from moe_kernels.kernels.formats import FP8_BLOCK, WeightFormat
+    from moe_kernels.kernels.quant import quantize_activations, quantize_weight
+
+    if per_column:   # the scale code the launcher passes: 1 (blocks) -> 4 (blocks, a scale per column)
+        scale_arguments = WeightFormat.scale_arguments
+        monkeypatch.setattr(WeightFormat, "scale_arguments", lambda self, *a: (
+            lambda out: out[:6] + ((4 if out[6] == 1 else out[6]),) + out[7:])(scale_arguments(self, *a)))
+    gen = torch.Generator().manual_seed(block_n)
+    experts, rows, k = 2, 512, 256
+    w = torch.randn(experts, rows, k, generator=gen)
+    for n_block in range(rows // 128):
+        for k_block in range(k // 128):
+            w[:, n_block * 128:(n_block + 1) * 128, k_block * 128:(k_block + 1) * 128] *= 10.0 ** (n_block - k_block)
+    wq, ws = quantize_weight(w.to(DEVICE), "block")
+    m_indices = torch.tensor([0] * 10 + [-1] * 6 + [1] * 16, dtype=torch.int32, device=DEVICE)
+    x = torch.randn(32, k, generator=gen).to(DEVICE)
+    xq, xs = quantize_activations(x, "group")
+    tiles = GemmTiles(block_n, 128, swap_ab=swap_ab)
+    out = grouped_gemm_contiguous(xq, wq, m_indices, align=16, silu_mul=silu_mul, config=MoEConfig(16, tiles, tiles),
+                                  which="gate_up" if silu_mul else "down", x_scale=xs, w_scale=ws,
+                                  out_dtype=torch.float32)
+    xf, wf = xq.float() * xs.repeat_interleave(128, dim=1), FP8_BLOCK.dequantize_weight(wq, ws)
+    for e in range(experts):
+        real = m_indices == e
+        assert rel_err(out[real], expert_rows_product(xf[real], wf[e], silu_mul)) < 1e-5
 
 
 def test_permute_without_copy_writes_the_same_indices():
@@ -357,6 +407,20 @@ def test_gathered_rows_arguments_are_checked():
     for call, exception, message in cases:
         with pytest.raises(exception, match=message):
             call()
+    # A gated fp8 block GEMM whose up half does not start a scale block (F = 192): a tile's up half
+    # would straddle two blocks, and reads one scale. Refused, as fused_experts refuses it.
+    from moe_kernels.kernels.blocks import assign_blocks
+    from moe_kernels.kernels.index_gather import expert_gate_up
+    from moe_kernels.kernels.quant import quantize_activations, quantize_weight
+
+    w1q, w1s = quantize_weight(torch.randn(2, 384, 128, device=DEVICE), "block")
+    xq, xs = quantize_activations(torch.randn(16, 128, device=DEVICE), "group")
+    with pytest.raises(ValueError, match="argument 'w' must have F a multiple of 128"):
+        grouped_gemm_contiguous(xq, w1q, torch.zeros(16, dtype=torch.int32, device=DEVICE), align=16, silu_mul=True,
+                                config=SMALL_TILES, x_scale=xs, w_scale=w1s)
+    with pytest.raises(ValueError, match="argument 'w1' must have F a multiple of 128"):
+        expert_gate_up(xq, w1q, assign_blocks(ids[:, :1] % 2, 16, 2), 1, tiles=GemmTiles(16, 32), a_scale=xs,
+                       w_scale=w1s)
     from moe_kernels.kernels.index_gather import fused_experts
     with pytest.raises(ValueError, match="gather_rows"):   # index-gather reads through sorted ids already
         fused_experts(x, w1, w2, weights, ids, config=dataclasses.replace(SMALL_TILES, gather_rows=True))

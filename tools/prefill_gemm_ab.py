@@ -25,8 +25,9 @@ Each candidate is replayed from a CUDA graph of one call, the L2 flushed before 
 interleaved, the lower round median kept. TFLOP/s count the routed rows' FLOPs (2 T k d 2F for GEMM 1,
 2 T k F d for GEMM 2).
 
-    PYTHONPATH=. python tools/prefill_gemm_ab.py [models] [batches] [formats]
-    # e.g. qwen3-30b-a3b,deepseek-v3 4096,16384 none,block   (records results/<device>/prefill-gemm-ab.json)
+    PYTHONPATH=. python tools/prefill_gemm_ab.py [models] [batches] [formats] [record name]
+    # e.g. qwen3-30b-a3b,deepseek-v3 4096,16384 none,block prefill-gemm-ab-gathered
+    #   (records results/<device>/<record name>.json; default prefill-gemm-ab)
 """
 import dataclasses
 import json
@@ -49,6 +50,7 @@ device = "cuda" if torch.cuda.is_available() else "cpu"   # (the CPU: a small sh
 models = sys.argv[1].split(",") if len(sys.argv) > 1 else ["qwen3-30b-a3b", "deepseek-v3"]
 batches = [int(b) for b in sys.argv[2].split(",")] if len(sys.argv) > 2 else [4096, 16384]
 formats = sys.argv[3].split(",") if len(sys.argv) > 3 else ["none", "block"]
+RECORD = sys.argv[4] if len(sys.argv) > 4 else "prefill-gemm-ab"
 ALIGN = 128
 
 
@@ -106,7 +108,7 @@ rows = []
 def save():
     from moe_kernels.results import record
 
-    path = record("prefill-gemm-ab", {"rows": rows, "config": {
+    path = record(RECORD, {"rows": rows, "config": {
         "models": models, "batches": batches, "formats": formats, "align": ALIGN, "gemm_rates": rates,
         "tiles": {f: {a: [{n: dataclasses.asdict(t) for n, t in c.items()} for c in pair] for a, pair in by.items()}
                   for f, by in LAYOUTS.items()}}})

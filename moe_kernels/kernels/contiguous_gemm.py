@@ -78,7 +78,6 @@ if HAS_TRITON:
             row_real = row_experts == expert
             offsets = rows.to(tl.int64)
             if GATHER_TOP_K > 0:
-                # >>> book: gathered-rows
                 # Row r holds assignment a = (token a // k, slot a % k): read the token's row of A
                 # where it is. Padding rows read the tile's first row's token (never stored); an
                 # assignment outside the routing is never used as an address.
@@ -88,7 +87,6 @@ if HAS_TRITON:
                 assignment = tl.where(usable, assignment, first)
                 assignment = tl.minimum(tl.maximum(assignment, 0), num_assignments - 1)
                 source = (assignment // GATHER_TOP_K).to(tl.int64)
-                # <<< book: gathered-rows
             else:
                 source = tl.where(row_real, offsets, pid_m * BLOCK_M)
             a_rows = source * stride_am
@@ -195,6 +193,8 @@ def grouped_gemm_contiguous(x: torch.Tensor, w: torch.Tensor, m_indices: torch.T
         fail(func, "m_indices", f"must have one entry per row of x ({num_rows}, a multiple of align={align})",
              f"shape {tuple(m_indices.shape)}")
     n = gemm_width(func, w, silu_mul)
+    if silu_mul:   # (a tile's up half reads one scale block: it must start one)
+        fmt.check_gated(func, "w", w)
     if rows_used is not None:
         check_tensor(func, "rows_used", rows_used, ndim=1, dtypes=(torch.int32,), device=x.device)
         if rows_used.shape[0] != 1:
@@ -273,6 +273,7 @@ def _check_gather_from(func, gather_from, x, m_indices, sum_slots):
     row_assignments = gather_from.row_assignments
     check_tensor(func, "gather_from.row_assignments", row_assignments, ndim=1, dtypes=(torch.int32,),
                  device=x.device, contiguous=True)
+    check_tensor(func, "gather_from.src2dst", gather_from.src2dst, ndim=2, device=x.device)
     tokens, top_k = gather_from.src2dst.shape
     if x.shape[0] != tokens:
         fail(func, "x", f"must be the [T, K] token rows the permutation was made for (T = {tokens}) with "

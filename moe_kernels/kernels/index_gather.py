@@ -246,6 +246,7 @@ def expert_gate_up(hidden_states: torch.Tensor, w1: torch.Tensor, blocks: BlockA
     if w1.shape[2] != hidden_states.shape[1] or w1.shape[1] % 2 or w1.shape[1] == 0:
         fail(func, "w1", f"must have shape [E, 2F, d={hidden_states.shape[1]}] with 2F even and > 0",
              f"shape {tuple(w1.shape)}")
+    fmt.check_gated(func, "w1", w1)   # (a tile's up half reads one scale block: it must start one)
     numel = hidden_states.shape[0] * top_k
     check_blocks(func, blocks, numel)
     tiles = check_tiles(func, tiles)

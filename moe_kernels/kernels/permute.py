@@ -232,7 +232,8 @@ def permute_experts(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Ten
     with ``config.sum_in_gemm``, GEMM 2 adding each row into its token, and no unpermute).
 
     Same arguments and result as :func:`moe_kernels.kernels.index_gather.fused_experts` (fp8
-    weights included: the permute then copies fp8 rows, half the bytes, and their scales): ``[T, d]``
+    weights included: the permute then copies fp8 rows, half the bytes, and their scales, unless
+    ``config.gather_rows``): ``[T, d]``
     in ``hidden_states.dtype``. No host sync on the GPU. Live intermediates: ``[M_pad, d]`` and
     ``[M_pad, F]`` (GEMM 2 writes into the packed input, which GEMM 1 has finished with; with
     ``sum_in_gemm`` it writes an fp32 ``[T, d]`` instead). With ``config.gather_rows`` nothing is
@@ -250,7 +251,6 @@ def permute_experts(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Ten
                             align=align)
     check_config(func, config, align=align, layout="permute")
     x, x_scale = fmt.quantize_activations(hidden_states)
-    # >>> book: gathered-permute
     # With gather_rows, GEMM 1 reads each row from its token: nothing is copied.
     gather = config.gather_rows
     permuted = permute(x, topk_ids, num_experts, align=align, validate_ids=validate_ids,
@@ -267,7 +267,6 @@ def permute_experts(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Ten
         which="gate_up", x_scale=rows_scale, w_scale=w1_scale,
         out_dtype=hidden_states.dtype, rows_used=permuted.rows_used,
         gather_from=permuted if gather else None)
-    # <<< book: gathered-permute
     if not fmt.quantized:
         if config.sum_in_gemm:
             return _down_and_sum(activated, w2, permuted, topk_weights, config, align, hidden_states.dtype)
@@ -296,7 +295,7 @@ def _down_and_sum(a, w2, permuted: PermutedRows, topk_weights, config, align, dt
 
 def _permute_scales(x_scale: torch.Tensor, permuted: PermutedRows, topk: int) -> torch.Tensor:
     """The per-row activation scales in the packed rows' order."""
-    rows = permuted.rows.shape[0]
+    rows = permuted.m_indices.shape[0]
     # Row r of the packed buffer holds assignment src2dst^-1(r); unmatched (padding) rows keep 1.
     packed = x_scale.new_ones((rows + 1,) + tuple(x_scale.shape[1:]))
     dst = permuted.src2dst.flatten().to(torch.int64)

@@ -213,6 +213,7 @@ def streamed_pair(x, w1, w2, topk_weights, blocks: BlockAssignment, top_k: int, 
         if quant is None:
             fail("streamed_pair", "quant", "must be (h_scale, group, round_to) for fp8 weights (GEMM 1's epilogue "
                  "quantises h)", None)
+        fmt.check_gated("streamed_pair", "w1", w1)
     num_tokens = x.shape[0]
     numel = num_tokens * top_k
     e, two_f, d_in = w1.shape
