@@ -27,6 +27,7 @@ interleaved, the lower round median kept. TFLOP/s count the routed rows' FLOPs (
 
     PYTHONPATH=. python tools/prefill_gemm_ab.py [models] [batches] [formats] [record name]
     # e.g. qwen3-30b-a3b,deepseek-v3 4096,16384 none,block prefill-gemm-ab-gathered
+    #   PREFILL_AB_TILES=2 PREFILL_AB_ALIGNS=128: each table's first two tiles, 128-row segments only
     #   (records results/<device>/<record name>.json; default prefill-gemm-ab)
 """
 import dataclasses
@@ -98,6 +99,14 @@ if device == "cpu":   # (the interpreter: two small tiles each, to check the scr
     GEMM2 = GEMM2_M64 = {f: {"n32 k32": tiles(32, 32, 4, 2), "n32 k32 flat": tiles(32, 32, 4, 2, persistent=2)}
                          for f in GEMM2}
 LAYOUTS = {f: {ALIGN: (GEMM1[f], GEMM2[f]), 64: (GEMM1_M64[f], GEMM2_M64[f])} for f in GEMM1}
+# A shorter run: PREFILL_AB_TILES=n keeps each table's first n tiles, PREFILL_AB_ALIGNS=128 the 128-row segments only.
+if os.environ.get("PREFILL_AB_TILES"):
+    keep = int(os.environ["PREFILL_AB_TILES"])
+    LAYOUTS = {f: {a: tuple(dict(list(c.items())[:keep]) for c in pair) for a, pair in by.items()}
+               for f, by in LAYOUTS.items()}
+if os.environ.get("PREFILL_AB_ALIGNS"):
+    aligns = [int(a) for a in os.environ["PREFILL_AB_ALIGNS"].split(",")]
+    LAYOUTS = {f: {a: pair for a, pair in by.items() if a in aligns} for f, by in LAYOUTS.items()}
 
 rates = ({"bf16": measure_gemm_rate(), "fp8": measure_fp8_gemm_rate()} if device == "cuda"
          else {"bf16": None, "fp8": None})
