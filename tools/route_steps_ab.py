@@ -1,0 +1,94 @@
+"""Issue 19: where DeepSeek-V3's router spends its time at decode, step by step, without changing a kernel.
+
+The chained router (``chained_routing.gate_route_chained``: the split gate, one routing program per
+token, PDL between them) takes 7.4-7.7 us for DeepSeek-V3 at 1-16 tokens against 3.8-4.3 for
+Qwen3-30B-A3B (``gate-routing.json``). Two things differ: the gate (256 x 7168 against 128 x 2048, 7x
+the bytes) and the rule (sigmoid, a correction bias, 8 groups of which 4 are kept, top-8 of 256,
+against softmax top-8 of 128). Here the same chain runs on shapes and rules that move one thing at a
+time, so that the differences between rows split the 3-4 us:
+
+  qwen3 softmax            E=128, d=2048, softmax top-8 (the reference)
+  e256 d2048 softmax       E=256 on Qwen3's hidden size: the wider routing program, a small gate
+  e256 d2048 grouped+bias  the real rule on a small gate: its steps with the gate of the row above
+  e256 d7168 softmax       DeepSeek-V3's gate, the plain rule
+  e256 d7168 sigmoid       sigmoid top-8, no groups, no bias
+  e256 d7168 grouped       sigmoid, 8 groups, 4 kept, no bias
+  e256 d7168 grouped+bias  DeepSeek-V3's rule (what the layer runs)
+  ... no pdl / argmax topk the same without PDL, or with k rounds of argmax instead of the sort
+  ... + align              with the alignment launch (block size 16)
+  cublas gate d7168 / d2048  x @ W^T alone (torch), for the gate's share
+
+Each row is one CUDA graph of the call: "warm" replays a graph of 20 calls back to back (the gate
+stays in L2, as in ``bench routing``), "flushed" replays a graph of one call with the L2 flushed
+before each replay (triton's do_bench). Two rounds each, interleaved, the lower kept.
+
+    PYTHONPATH=. python tools/route_steps_ab.py [tokens, default 1,8,64,256]
+"""
+import json
+import os
+import sys
+
+import torch
+
+from moe_kernels.bench.timing import graph_us, graphed, median_ms
+from moe_kernels.kernels import chained_routing
+
+device = "cuda" if torch.cuda.is_available() else "cpu"
+token_counts = [int(t) for t in sys.argv[1].split(",")] if len(sys.argv) > 1 else [1, 8, 64, 256]
+GROUPED = dict(scoring_func="sigmoid", num_expert_group=8, topk_group=4, routed_scaling_factor=2.5)
+rows = []
+
+
+def router(x, w, bias=None, **kwargs):
+    rule = dict(kwargs)
+    pdl = rule.pop("pdl", True)
+    sorted_topk = rule.pop("sorted_topk", True)
+    block = rule.pop("block_size", None)
+    return lambda: chained_routing.gate_route_chained(x, w, 8, True, e_score_correction_bias=bias, pdl=pdl,
+                                                      sorted_topk=sorted_topk, block_size=block, **rule)[1]
+
+
+for tokens in token_counts:
+    torch.manual_seed(tokens)
+    gates = {(e, d): torch.randn(e, d, device=device, dtype=torch.bfloat16) * d**-0.5
+             for e, d in ((128, 2048), (256, 2048), (256, 7168))}
+    xs = {d: torch.randn(tokens, d, device=device, dtype=torch.bfloat16) for d in (2048, 7168)}
+    bias = torch.randn(256, device=device, dtype=torch.float32) * 0.1
+    q, s, b = (xs[2048], gates[128, 2048]), (xs[2048], gates[256, 2048]), (xs[7168], gates[256, 7168])
+    candidates = {
+        "qwen3 softmax": router(*q),
+        "e256 d2048 softmax": router(*s),
+        "e256 d2048 grouped+bias": router(*s, bias, **GROUPED),
+        "e256 d7168 softmax": router(*b),
+        "e256 d7168 sigmoid": router(*b, scoring_func="sigmoid"),
+        "e256 d7168 grouped": router(*b, **GROUPED),
+        "e256 d7168 grouped+bias": router(*b, bias, **GROUPED),
+        "e256 d7168 grouped+bias no pdl": router(*b, bias, pdl=False, **GROUPED),
+        "e256 d7168 grouped+bias argmax topk": router(*b, bias, sorted_topk=False, **GROUPED),
+        "e256 d7168 grouped+bias + align": router(*b, bias, block_size=16, **GROUPED),
+        "qwen3 softmax + align": router(*q, block_size=16),
+        "cublas gate d7168": lambda: xs[7168] @ gates[256, 7168].t(),
+        "cublas gate d2048": lambda: xs[2048] @ gates[128, 2048].t(),
+    }
+    for fn in candidates.values():   # compile and check that each runs
+        fn()
+    warm = {n: [] for n in candidates}
+    cold = {n: [] for n in candidates}
+    for _ in range(2):
+        for name, fn in candidates.items():
+            warm[name].append(graph_us(fn) if device == "cuda" else 1.0)
+            cold[name].append(1e3 * median_ms(graphed(fn), 5, 30) if device == "cuda" else 1.0)
+    row = {"tokens": tokens, "warm_us": {n: min(t) for n, t in warm.items()},
+           "flushed_us": {n: min(t) for n, t in cold.items()}, "rounds": {"warm": warm, "flushed": cold}}
+    rows.append(row)
+    print(f"tokens {tokens}:", flush=True)
+    for n in candidates:
+        print(f"   {n:38s} warm {row['warm_us'][n]:6.2f} us  flushed {row['flushed_us'][n]:6.2f} us", flush=True)
+
+from moe_kernels.results import record   # noqa: E402
+
+path = record("route-steps-ab", {"rows": rows, "config": {"tokens": token_counts, "grouped_rule": GROUPED,
+                                                          "top_k": 8, "renormalize": True, "dtype": "bfloat16"}})
+if os.environ.get("OUT"):
+    json.dump(rows, open(os.path.join(os.environ["OUT"], "route_steps_ab.json"), "w"), indent=1)
+print(f"recorded {path}")
