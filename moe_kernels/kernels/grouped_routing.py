@@ -88,25 +88,24 @@ if HAS_TRITON:
         per_group = tl.reshape(selection, [BLOCK_T, G_PAD, S_PAD])
         top1 = tl.max(per_group, axis=2)
         if HAS_BIAS:
-            member_id = tl.arange(0, S_PAD)[None, None, :]
-            first = tl.min(tl.where(per_group == top1[:, :, None], member_id, S_PAD), axis=2)
-            top2 = tl.max(tl.where(member_id == first[:, :, None], float("-inf"), per_group),
-                          axis=2)
-            group_scores = top1 + top2
+            # The second best is top1 again if two members hold it (a tie counts twice, as
+            # torch's topk(2) counts it), else the best of the members below it.
+            at_top = per_group == top1[:, :, None]
+            holders = tl.sum(at_top.to(tl.int32), axis=2)
+            below = tl.max(tl.where(at_top, float("-inf"), per_group), axis=2)
+            group_scores = top1 + tl.where(holders > 1, top1, below)
         else:
             group_scores = top1
         group_scores = tl.where(group_scores == group_scores, group_scores, float("-inf"))
 
-        # Keep the topk_group best groups (lowest group id on ties).
-        group_ids = tl.broadcast_to(tl.arange(0, G_PAD)[None, :], [BLOCK_T, G_PAD])
-        group_open = group_ids < num_groups
-        kept = group_ids < 0
-        for _ in range(topk_group):
-            best = tl.max(tl.where(group_open, group_scores, float("-inf")), axis=1)
-            is_best = group_open & (group_scores == best[:, None])
-            chosen = tl.min(tl.where(is_best, group_ids, G_PAD), axis=1)
-            kept = kept | (group_ids == chosen[:, None])
-            group_open = group_open & (group_ids != chosen[:, None])
+        # Keep the topk_group best groups (lowest group id on ties): a group's rank is the
+        # number of real groups ahead of it, every group's counted at once.
+        group_id = tl.arange(0, G_PAD)
+        mine, other = group_scores[:, :, None], group_scores[:, None, :]
+        other_id, my_id = group_id[None, None, :], group_id[None, :, None]
+        ahead = (other > mine) | ((other == mine) & (other_id < my_id))
+        rank = tl.sum((ahead & (other_id < num_groups)).to(tl.int32), axis=2)
+        kept = (group_id[None, :] < num_groups) & (rank < topk_group)
         kept_columns = tl.reshape(tl.broadcast_to(kept[:, :, None], [BLOCK_T, G_PAD, S_PAD]),
                                   [BLOCK_T, NO_EXPERT])
         # <<< book: group-mask
