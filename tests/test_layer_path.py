@@ -363,14 +363,17 @@ def test_router_replays_and_graphs_on_two_streams_gpu(model_name, batch, one_lau
     ("deepseek-v3", "none", H200, 1, "index_gather"), ("deepseek-v3", "none", H200, 64, "index_gather"),
     ("deepseek-v3", "none", H200, 1024, "index_gather"), ("deepseek-v3", "none", H200, 4095, "index_gather"),
     ("deepseek-v3", "none", H200, 4096, "permute"),
-    ("deepseek-v3", "none", H200, 16384, "permute"), ("deepseek-v3", "block", H200, 16384, "index_gather"),
+    ("deepseek-v3", "none", H200, 16384, "permute"), ("deepseek-v3", "block", H200, 2048, "index_gather"),
+    ("deepseek-v3", "block", H200, 4095, "index_gather"), ("deepseek-v3", "block", H200, 4096, "permute"),
+    ("deepseek-v3", "block", H200, 16384, "permute"), ("qwen3-30b-a3b", "block", H200, 16384, "index_gather"),
     ("qwen3-30b-a3b", "none", H200, 16384, "index_gather"), ("deepseek-v3", "none", "NVIDIA A100", 16384,
                                                              "index_gather"),
 ])
 def test_auto_layout_follows_the_measured_crossover(model_name, fmt, device_name, batch, layout):
-    """DeepSeek-V3's bf16 experts ran faster on the permute layout (TMA, persistent grid) from 4,096
-    tokens on the H200 (prefill-ab.json): there, and only there, "auto" takes it, with the tiles it
-    was measured with; everywhere else index-gather with its own table."""
+    """DeepSeek-V3's experts ran faster on the permute layout (TMA, persistent grid) from 4,096
+    tokens on the H200, bf16 (prefill-ab.json) and fp8 block (prefill-gemm-ab-gathered.json): there,
+    and only there, "auto" takes it, with the tiles it was measured with; everywhere else
+    index-gather with its own table."""
     from moe_kernels.kernels.layout_choice import load_choices, shape_key
 
     model = MODELS[model_name]

@@ -8,13 +8,17 @@ that showed it. On the H200, DeepSeek-V3's bf16 experts run 8-10% faster from 4,
 permute layout with TMA loads of both operands on a persistent grid
 (``results/nvidia-h200/prefill-ab.json``: 8202 against 8943 us at 4,096 tokens, 21937 against
 24232 at 16,384; index-gather was faster at 1,024, and at 2,048 the permute layout was 2% faster
-in one run, ``prefill-ab-2048.json``, not enough to move the switch):
+in one run, ``prefill-ab-2048.json``, not enough to move the switch). Its fp8 block experts too, from
+4,096 tokens, on 128-row segments with 8-warp tiles (``prefill-gemm-ab-gathered.json``: 6278 against
+6826 us at 4,096 tokens, 19476 against 19745 at 16,384; slower at 2,048 in ``fp8-prefill-ab.json``):
 
     >>> choice = choose_layout(4096, 256, 2048, 7168, "unquantized", "cpu", device_name="NVIDIA H200")
     >>> choice.layout, choice.config.down.persistent, choice.from_tokens
     ('permute', 1, 4096)
     >>> choose_layout(1024, 256, 2048, 7168, "unquantized", "cpu", device_name="NVIDIA H200").layout
     'index_gather'
+    >>> choose_layout(4096, 256, 2048, 7168, "fp8-block", "cpu", device_name="NVIDIA H200").layout
+    'permute'
 
 Without an entry (another GPU, shape or format, or no GPU) the choice is index-gather, with the
 tiles its own lookup gives (``config`` None). The layer asks only when it was given no tiles and
