@@ -89,7 +89,11 @@ def test_plan_takes_the_table_of_its_format(model_name, layout, fmt, batch):
             supports = LAYOUTS[layout]
             assert tiles.tma == (source.tma and supports.tma) and tiles.swap_ab == (source.swap_ab and supports.swap_ab)
             assert not tiles.persistent
-        assert not plan.config.sum_in_gemm
+            split_ok = supports.sum_in_gemm if gemm == "down" else supports.split_gate_up
+            assert tiles.split_k == (source.split_k if split_ok else 1)
+        # GEMM 2's sum into the tokens is kept where the layout has it (the permute layout does)
+        entry = table[plan.choice.entry]
+        assert plan.config.sum_in_gemm == (entry.sum_in_gemm and LAYOUTS[layout].sum_in_gemm)
 
 
 def test_the_fp8_and_bf16_tables_differ_where_the_old_bug_hid():
