@@ -195,3 +195,39 @@ def test_tuning_tries_both_gemms_as_one_stream_on_the_cpu(monkeypatch):
     assert config.stream_lag == tune_module.STREAM_LAG
     streams = [s for s in entry["experts_ms_by_switches"] if s["stream_lag"] is not None]
     assert sorted(s["gate_up_warps"] for s in streams) == [4, 8] and all(s["ms"] == 0.5 for s in streams)
+
+
+def test_rewritten_table_keeps_its_notes_on_the_entries_it_keeps(tmp_path, monkeypatch):
+    """A tuning run that rewrites some entries of a table keeps the table's notes (changes made after
+    an earlier run, each about some token counts) for the entries it keeps, cut to those token counts,
+    at the top of the new ``measured`` block, and drops a note whose entries it replaced: a note must
+    never end up describing another entry (it once did, inside another run's source group)."""
+    import json
+
+    import torch
+
+    import moe_kernels.kernels.config as config_module
+    from moe_kernels.bench import tune_tables
+    from moe_kernels.kernels.config import GemmTiles, MoEConfig, load_table
+
+    monkeypatch.setattr(config_module, "CONFIG_DIR", tmp_path)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "NVIDIA H200")
+    monkeypatch.setattr(tune_tables, "_triton_version", lambda: "3.6.0")
+    load_table.cache_clear()
+    plain = MoEConfig(16, GemmTiles(32, 32), GemmTiles(32, 32)).to_dict()
+    name = config_module.table_name("NVIDIA H200", 8, 64, 32, torch.bfloat16, "index_gather")
+    earlier = {"method": "an earlier run", "record": "results/x/earlier.json", "tuned_token_counts": [256, 512],
+               "stream": {"tokens": [256, 512], "change": "stream_lag 32"},
+               "prefill": {"tokens": [1024], "change": "64-row tiles"}, "k512": {"tokens": [512], "change": "K 128"}}
+    (tmp_path / f"{name}.json").write_text(json.dumps(
+        {"measured": earlier, "configs": {str(m): plain for m in (1, 256, 512, 1024)}}))
+    entries = [{"E": 8, "N": 64, "K": 32, "M": m, "config": plain} for m in (1, 512)]
+    tune_tables.write_tables(entries, torch.bfloat16, "results/x/new.json", "none", lambda *args: None)
+    measured = json.loads((tmp_path / f"{name}.json").read_text())["measured"]
+    load_table.cache_clear()
+    assert measured["tuned_token_counts"] == [1, 512]
+    assert measured["stream"] == {"tokens": [256], "change": "stream_lag 32"}
+    assert measured["prefill"] == {"tokens": [1024], "change": "64-row tiles"} and "k512" not in measured
+    groups = {tuple(group["tokens"]): group["measured"] for group in measured["other_token_counts"]}
+    assert set(groups) == {(256,), (1024,)}
+    assert all(not tune_tables.is_note(value) for block in groups.values() for value in block.values())

@@ -106,6 +106,8 @@ if os.environ.get("PREFILL_AB_TILES"):
                for f, by in LAYOUTS.items()}
 if os.environ.get("PREFILL_AB_ALIGNS"):
     aligns = [int(a) for a in os.environ["PREFILL_AB_ALIGNS"].split(",")]
+    if not set(aligns) <= {ALIGN, 64}:
+        sys.exit(f"PREFILL_AB_ALIGNS must list 128 and/or 64, got {os.environ['PREFILL_AB_ALIGNS']!r}")
     LAYOUTS = {f: {a: pair for a, pair in by.items() if a in aligns} for f, by in LAYOUTS.items()}
 
 rates = ({"bf16": measure_gemm_rate(), "fp8": measure_fp8_gemm_rate()} if device == "cuda"
@@ -118,7 +120,8 @@ def save():
     from moe_kernels.results import record
 
     path = record(RECORD, {"rows": rows, "config": {
-        "models": models, "batches": batches, "formats": formats, "align": ALIGN, "gemm_rates": rates,
+        "models": models, "batches": batches, "formats": formats, "aligns": sorted(LAYOUTS[formats[0]]),
+        "gemm_rates": rates,
         "tiles": {f: {a: [{n: dataclasses.asdict(t) for n, t in c.items()} for c in pair] for a, pair in by.items()}
                   for f, by in LAYOUTS.items()}}})
     if os.environ.get("OUT"):

@@ -1,14 +1,16 @@
 """Issue 19: where DeepSeek-V3's router spends its time at decode, step by step, without changing a kernel.
 
 The chained router (``chained_routing.gate_route_chained``: the split gate, one routing program per
-token, PDL between them) takes 7.4-7.7 us for DeepSeek-V3 at 1-16 tokens against 3.8-4.3 for
-Qwen3-30B-A3B (``gate-routing.json``). Two things differ: the gate (256 x 7168 against 128 x 2048, 7x
-the bytes) and the rule (sigmoid, a correction bias, 8 groups of which 4 are kept, top-8 of 256,
-against softmax top-8 of 128). Here the same chain runs on shapes and rules that move one thing at a
-time, so that the differences between rows split the 3-4 us:
+token, PDL between them) took 7.4-7.7 us for DeepSeek-V3 at 1-16 tokens against 3.8-4.3 for
+Qwen3-30B-A3B (``gate-routing.json`` at 22dc97c, before the group mask by ranks). Two things differ:
+the gate (256 x 7168 against 128 x 2048, 7x the bytes) and the rule (sigmoid, a correction bias, 8
+groups of which 4 are kept, top-8 of 256, against softmax top-8 of 128). Here the same chain runs on
+shapes and rules that move one or two things at a time, so that the differences between rows split
+the 3-4 us:
 
   qwen3 softmax            E=128, d=2048, softmax top-8 (the reference)
-  e256 d2048 softmax       E=256 on Qwen3's hidden size: the wider routing program, a small gate
+  e256 d2048 softmax       E=256 on Qwen3's hidden size: the wider routing program, and a gate of
+                           twice Qwen3's bytes (256 x 2048)
   e256 d2048 grouped+bias  the real rule on a small gate: its steps with the gate of the row above
   e256 d7168 softmax       DeepSeek-V3's gate, the plain rule
   e256 d7168 sigmoid       sigmoid top-8, no groups, no bias
@@ -16,7 +18,7 @@ time, so that the differences between rows split the 3-4 us:
   e256 d7168 grouped+bias  DeepSeek-V3's rule (what the layer runs)
   ... no pdl / argmax topk the same without PDL, or with k rounds of argmax instead of the sort
   ... + align              with the alignment launch (block size 16)
-  cublas gate d7168 / d2048  x @ W^T alone (torch), for the gate's share
+  cublas gate d7168 / d2048  x @ W^T alone (torch): DeepSeek-V3's 256 x 7168 gate, Qwen3's 128 x 2048
 
 Each row is one CUDA graph of the call: "warm" replays a graph of 20 calls back to back (the gate
 stays in L2, as in ``bench routing``), "flushed" replays a graph of one call with the L2 flushed

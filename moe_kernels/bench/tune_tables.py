@@ -42,10 +42,35 @@ def write_tables(entries: list[dict], dtype: torch.dtype, record: str, weight_fo
                                "(128x128 block scales, 1x128 activation groups)",
                     "method": method,
                     "record": record, "tuned_token_counts": sorted(configs)}
+        earlier = _table_measured(name)
+        notes = {key: value for key, value in earlier.items() if is_note(value)}
         if kept:   # say where the entries this run did not tune come from
-            measured["other_token_counts"] = sources_of(_table_measured(name), kept)
+            measured["other_token_counts"] = sources_of({key: value for key, value in earlier.items()
+                                                         if key not in notes}, kept)
+        measured.update(kept_notes(notes, kept))
         path = write_table(device, e, n, k, dtype, "index_gather", {**old, **configs}, measured)
         log(f"wrote {path}")
+
+
+def is_note(value) -> bool:
+    """A note in a table's ``measured`` block: a change made by hand or by an A/B after a tuning run,
+    ``{"tokens": [...], "change": ..., "record": ..., ...}``, about the entries at those token counts."""
+    return isinstance(value, dict) and isinstance(value.get("tokens"), list)
+
+
+def kept_notes(notes: dict, kept: list[int]) -> dict:
+    """The notes about entries a new run keeps: each with its token counts cut to the kept ones, and
+    dropped when none is left (the run replaced every entry it was about).
+
+        >>> kept_notes({"a": {"tokens": [256, 512], "change": "x"}, "b": {"tokens": [512]}}, [1, 256])
+        {'a': {'tokens': [256], 'change': 'x'}}
+    """
+    out = {}
+    for key, note in notes.items():
+        tokens = [t for t in note["tokens"] if t in kept]
+        if tokens:
+            out[key] = {**note, "tokens": tokens}
+    return out
 
 
 def sources_of(measured: dict, tokens: list[int]) -> list[dict]:

@@ -10,7 +10,8 @@ permute layout with TMA loads of both operands on a persistent grid
 24232 at 16,384; index-gather was faster at 1,024, and at 2,048 the permute layout was 2% faster
 in one run, ``prefill-ab-2048.json``, not enough to move the switch). Its fp8 block experts too, from
 4,096 tokens, on 128-row segments with 8-warp tiles (``prefill-gemm-ab-gathered.json``: 6278 against
-6826 us at 4,096 tokens, 19476 against 19745 at 16,384; slower at 2,048 in ``fp8-prefill-ab.json``):
+6826 us at 4,096 tokens, 19476 against 19745 at 16,384; with GEMM 1 at 3 stages, slower at 2,048 in
+``fp8-prefill-ab.json``):
 
     >>> choice = choose_layout(4096, 256, 2048, 7168, "unquantized", "cpu", device_name="NVIDIA H200")
     >>> choice.layout, choice.config.down.persistent, choice.from_tokens
