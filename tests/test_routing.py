@@ -164,6 +164,17 @@ def integer_logits(num_tokens, num_experts, seed):
     return torch.randint(-1, 2, (num_tokens, num_experts), generator=generator).float().to(DEVICE)
 
 
+def test_dropped_groups_never_fill_the_top_k():
+    """A kept group with fewer real scores than the top-k needs: the rest are its NaN members (ranked
+    as -inf), never an expert of a dropped group, in the kernel and in its reference alike."""
+    logits = torch.tensor([[-80.0, -30.0, 0.0, float("nan")]], device=DEVICE)
+    args = (tokens(1), logits, 2, False, 2, 1, "sigmoid")
+    weights, ids = grouped_topk(*args)
+    ref_weights, ref_ids = grouped_topk_reference(*args)
+    assert ids.tolist() == [[2, 3]] and torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_weights, equal_nan=True)
+
+
 @pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
 def test_ties_break_to_lower_id(scoring):
     logits = integer_logits(8, 24, seed=1)  # three values over 24 experts: ties everywhere

@@ -173,7 +173,11 @@ def grouped_topk_reference(hidden_states, gating_output, topk, renormalize, num_
     kept_groups = _rank_descending(group_scores, topk_group)
     group_is_kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept_groups, True)
     expert_is_kept = group_is_kept.repeat_interleave(experts_per_group, dim=1)
-    ids = _rank_descending(selection.masked_fill(~expert_is_kept, float("-inf")), topk)
+    # Every expert of a kept group ranks above every expert of a dropped one, even where its score
+    # is -inf or was NaN (the kernel masks dropped groups by availability, not by a -inf score).
+    order = _rank_descending(selection, selection.shape[1])
+    kept_first = torch.sort((~expert_is_kept).gather(1, order).to(torch.int8), dim=1, stable=True).indices
+    ids = order.gather(1, kept_first)[:, :topk]
     weights = scores.gather(1, ids)  # the unbiased scores, whatever steered the choice
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
