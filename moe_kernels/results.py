@@ -94,6 +94,17 @@ def record(name: str, data: dict, directory: Path | None = None) -> Path:
     return path
 
 
+def record_tool(name: str, rows: list, config: dict) -> Path:
+    """An A/B tool's record, ``{"rows": rows, "config": config}`` written by :func:`record`; where
+    ``$OUT`` is set (a device run, whose files come back from that folder alone) the same file is
+    copied there too, provenance included. Tools call it after every row, so a run cut short keeps
+    what it measured."""
+    path = record(name, {"rows": rows, "config": config})
+    if os.environ.get("OUT"):
+        (Path(os.environ["OUT"]) / path.name).write_text(path.read_text())
+    return path
+
+
 def load(name: str, device: str = "nvidia-h200") -> dict:
     """Read a recorded result; raises FileNotFoundError naming the file if it was never recorded."""
     path = RESULTS_DIR / device / f"{name}.json"

@@ -231,3 +231,20 @@ def test_rewritten_table_keeps_its_notes_on_the_entries_it_keeps(tmp_path, monke
     groups = {tuple(group["tokens"]): group["measured"] for group in measured["other_token_counts"]}
     assert set(groups) == {(256,), (1024,)}
     assert all(not tune_tables.is_note(value) for block in groups.values() for value in block.values())
+
+
+def test_a_tool_record_comes_back_with_its_provenance(tmp_path, monkeypatch):
+    """record_tool writes the record under results/ and, in a device run ($OUT set), the same file
+    into $OUT, provenance included: what comes back from the device is the record, not rows alone."""
+    import json
+
+    from moe_kernels import results
+
+    monkeypatch.setattr(results, "RESULTS_DIR", tmp_path / "results")
+    monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.setenv("MOE_KERNELS_COMMIT", "0" * 40)
+    path = results.record_tool("some-ab", [{"us": 1.0}], {"batches": [8]})
+    back = json.loads((tmp_path / "some-ab.json").read_text())
+    assert back == json.loads(path.read_text()) and path.parent.parent == tmp_path / "results"
+    assert back["data"] == {"rows": [{"us": 1.0}], "config": {"batches": [8]}}
+    assert back["provenance"]["git_commit"] == "0" * 40

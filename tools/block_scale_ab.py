@@ -21,20 +21,19 @@ interleaved, the lower round median kept.
     PYTHONPATH=. python tools/block_scale_ab.py [models] [decode batches] [prefill batches]
     # e.g. qwen3-30b-a3b,deepseek-v3 8,64,256,512 4096,16384   (records results/<device>/block-scale-ab.json)
 """
-import json
-import os
 import sys
 
 import torch
 
 from moe_kernels.bench.ceilings import ReadFloor, measure_fp8_gemm_rate
 from moe_kernels.bench.problems import make_batch, tool_weights
-from moe_kernels.bench.timing import time_candidates
+from moe_kernels.bench.timing import time_lowest
 from moe_kernels.kernels.config import GemmTiles, MoEConfig
 from moe_kernels.kernels.contiguous_gemm import grouped_gemm_contiguous
 from moe_kernels.kernels.formats import FORMATS, WeightFormat
 from moe_kernels.kernels.index_gather import fused_experts
 from moe_kernels.kernels.permute import _permute_scales, permute
+from moe_kernels.results import record_tool
 
 device = "cuda" if torch.cuda.is_available() else "cpu"   # (the CPU: a small shape under the interpreter)
 models = sys.argv[1].split(",") if len(sys.argv) > 1 else ["qwen3-30b-a3b", "deepseek-v3"]
@@ -79,20 +78,13 @@ def per_column(call):
 
 
 def save():
-    from moe_kernels.results import record
-
-    path = record("block-scale-ab", {"rows": rows, "config": {
-        "models": models, "decode": decode, "prefill": prefill, "read_bandwidth": floor.bandwidth,
-        "fp8_gemm_rate": fp8_rate, "align": ALIGN}})
-    if os.environ.get("OUT"):
-        json.dump(rows, open(os.path.join(os.environ["OUT"], "block_scale_ab.json"), "w"), indent=1)
-    return path
+    return record_tool("block-scale-ab", rows, {"models": models, "decode": decode, "prefill": prefill,
+                                                "read_bandwidth": floor.bandwidth, "fp8_gemm_rate": fp8_rate,
+                                                "align": ALIGN})
 
 
 def timed(candidates, reference, unchecked=()):
-    times, errors, rel = time_candidates(candidates, reference, tolerance=0.02, warmup_ms=2, rep_ms=30,
-                                         unchecked=unchecked)
-    return {n: min(t) for n, t in times.items()}, times, errors, rel
+    return time_lowest(candidates, reference, tolerance=0.02, warmup_ms=2, rep_ms=30, unchecked=unchecked)
 
 
 for key in models:

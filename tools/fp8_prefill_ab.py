@@ -10,9 +10,6 @@ replay, two rounds interleaved, the lower round median kept; TFLOP/s over the ro
     PYTHONPATH=. python tools/fp8_prefill_ab.py [models] [batches]
     # e.g. qwen3-30b-a3b,deepseek-v3 1024,2048,4096,8192,16384   (records results/<device>/fp8-prefill-ab.json)
 """
-import dataclasses
-import json
-import os
 import sys
 
 import torch
@@ -24,6 +21,7 @@ from moe_kernels.kernels.config import GemmTiles, MoEConfig, get_config
 from moe_kernels.kernels.formats import FORMATS
 from moe_kernels.kernels.index_gather import fused_experts
 from moe_kernels.kernels.permute import permute_experts
+from moe_kernels.results import record_tool
 
 device = "cuda" if torch.cuda.is_available() else "cpu"   # (the CPU: a small shape under the interpreter)
 models = sys.argv[1].split(",") if len(sys.argv) > 1 else ["qwen3-30b-a3b", "deepseek-v3"]
@@ -58,14 +56,9 @@ rows = []
 
 
 def save():
-    from moe_kernels.results import record
-
-    path = record("fp8-prefill-ab", {"rows": rows, "config": {
+    return record_tool("fp8-prefill-ab", rows, {
         "models": models, "batches": batches, "fp8_gemm_rate": fp8_rate,
-        "candidates": {n: {"layout": layout, "config": c.to_dict()} for n, (layout, c) in CANDIDATES.items()}}})
-    if os.environ.get("OUT"):
-        json.dump(rows, open(os.path.join(os.environ["OUT"], "fp8_prefill_ab.json"), "w"), indent=1)
-    return path
+        "candidates": {n: {"layout": layout, "config": c.to_dict()} for n, (layout, c) in CANDIDATES.items()}})
 
 
 for key in models:

@@ -14,8 +14,6 @@ measured here; "read" is a plain read of the same bytes in one kernel.
     # e.g. qwen3-30b-a3b,deepseek-v3 1,2,4,8 none,block   (records results/<device>/one-launch-ab.json)
 """
 import itertools
-import json
-import os
 import sys
 
 import torch
@@ -28,6 +26,7 @@ from moe_kernels.kernels.config import get_config
 from moe_kernels.kernels.formats import FORMATS
 from moe_kernels.kernels.index_gather import fused_experts
 from moe_kernels.kernels.one_launch import OneLaunchTiles, one_launch_experts
+from moe_kernels.results import record_tool
 
 device = "cuda" if torch.cuda.is_available() else "cpu"   # (the CPU: a small shape under the interpreter)
 models = sys.argv[1].split(",") if len(sys.argv) > 1 else ["qwen3-30b-a3b", "deepseek-v3"]
@@ -45,14 +44,8 @@ rows = []
 
 def save():
     """The record so far (rewritten after every row: a run cut short keeps what it measured)."""
-    from moe_kernels.results import record
-
-    path = record("one-launch-ab", {"rows": rows, "config": {
-        "models": models, "batches": batches, "formats": formats, "read_bandwidth": floor.bandwidth,
-        "tiles": [t.as_dict() for t in TILES]}})
-    if os.environ.get("OUT"):
-        json.dump(rows, open(os.path.join(os.environ["OUT"], "one_launch_ab.json"), "w"), indent=1)
-    return path
+    return record_tool("one-launch-ab", rows, {"models": models, "batches": batches, "formats": formats,
+                                               "read_bandwidth": floor.bandwidth, "tiles": [t.as_dict() for t in TILES]})
 
 
 for fname in formats:

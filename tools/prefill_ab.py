@@ -6,7 +6,7 @@ flushed before each replay by triton's do_bench), two rounds interleaved over th
 the lower round median kept; TFLOP/s counts the routed GEMMs' FLOPs (2 * rows * 3 * d * F).
 
     PYTHONPATH=. python tools/prefill_ab.py [models] [batches] [formats]
-    # e.g. qwen3-30b-a3b,deepseek-v3 1024,4096,16384 none,block     (writes $OUT/prefill_ab.json)
+    # e.g. qwen3-30b-a3b,deepseek-v3 1024,4096,16384 none,block     (the record also as $OUT/prefill-ab.json)
 
 Candidates (permute: 128-row segments; "tma": both operands through tensor descriptors):
   index-gather          fused_experts with its tuned table (the default path)
@@ -16,8 +16,6 @@ Candidates (permute: 128-row segments; "tma": both operands through tensor descr
   bmm balanced          torch.bmm on ceil(T k / E) rows per expert, SiLU-mul between (bf16 only)
 """
 import dataclasses
-import json
-import os
 import sys
 
 import torch
@@ -80,14 +78,12 @@ for fname in formats:
             torch.cuda.empty_cache()
         del w1, w2
 # A record with provenance (results/<device>/prefill-ab.json, packed by gpu_check.sh), and a copy in $OUT.
-from moe_kernels.results import record  # noqa: E402
+from moe_kernels.results import record_tool  # noqa: E402
 
 # The tiles of the fixed variants (the others take their tables): what a layout choice made from this
 # record runs (moe_kernels/kernels/layout-choices.json).
 variants = {f"permute tma p1{' sum' if summed else ''} ({'fp8' if fp8 else 'bf16'})": tma_config(fp8, summed).to_dict()
             for fp8 in (False, True) for summed in (False, True)}
-path = record("prefill-ab", {"rows": rows, "config": {"models": models, "batches": batches, "formats": formats,
-                                                      "variant_configs": variants}})
+path = record_tool("prefill-ab", rows, {"models": models, "batches": batches, "formats": formats,
+                                        "variant_configs": variants})
 print(f"recorded {path}")
-if os.environ.get("OUT"):
-    json.dump(rows, open(os.path.join(os.environ["OUT"], "prefill_ab.json"), "w"), indent=1)

@@ -31,7 +31,6 @@ interleaved, the lower round median kept. TFLOP/s count the routed rows' FLOPs (
     #   (records results/<device>/<record name>.json; default prefill-gemm-ab)
 """
 import dataclasses
-import json
 import os
 import sys
 
@@ -39,13 +38,14 @@ import torch
 
 from moe_kernels.bench.ceilings import measure_fp8_gemm_rate, measure_gemm_rate
 from moe_kernels.bench.problems import make_batch, tool_weights
-from moe_kernels.bench.timing import time_candidates
+from moe_kernels.bench.timing import time_lowest
 from moe_kernels.kernels.combine import unpermute
 from moe_kernels.kernels.config import GemmTiles, MoEConfig
 from moe_kernels.kernels.contiguous_gemm import grouped_gemm_contiguous
 from moe_kernels.kernels.formats import FORMATS, FP8_TENSOR
 from moe_kernels.kernels.index_gather import fused_experts
 from moe_kernels.kernels.permute import _permute_scales, permute, permute_experts
+from moe_kernels.results import record_tool
 
 device = "cuda" if torch.cuda.is_available() else "cpu"   # (the CPU: a small shape under the interpreter)
 models = sys.argv[1].split(",") if len(sys.argv) > 1 else ["qwen3-30b-a3b", "deepseek-v3"]
@@ -117,22 +117,15 @@ rows = []
 
 
 def save():
-    from moe_kernels.results import record
-
-    path = record(RECORD, {"rows": rows, "config": {
+    return record_tool(RECORD, rows, {
         "models": models, "batches": batches, "formats": formats, "aligns": sorted(LAYOUTS[formats[0]]),
         "gemm_rates": rates,
         "tiles": {f: {a: [{n: dataclasses.asdict(t) for n, t in c.items()} for c in pair] for a, pair in by.items()}
-                  for f, by in LAYOUTS.items()}}})
-    if os.environ.get("OUT"):
-        json.dump(rows, open(os.path.join(os.environ["OUT"], "prefill_gemm_ab.json"), "w"), indent=1)
-    return path
+                  for f, by in LAYOUTS.items()}})
 
 
 def timed(candidates, reference, unchecked=()):
-    times, errors, rel = time_candidates(candidates, reference, tolerance=0.02, warmup_ms=5, rep_ms=40,
-                                         unchecked=unchecked)
-    return {n: min(t) for n, t in times.items()}, times, errors, rel
+    return time_lowest(candidates, reference, tolerance=0.02, warmup_ms=5, rep_ms=40, unchecked=unchecked)
 
 
 def balanced(e, rows, k_dim, n_dim, dtype):

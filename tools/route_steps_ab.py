@@ -26,14 +26,13 @@ before each replay (triton's do_bench). Two rounds each, interleaved, the lower 
 
     PYTHONPATH=. python tools/route_steps_ab.py [tokens, default 1,8,64,256]
 """
-import json
-import os
 import sys
 
 import torch
 
 from moe_kernels.bench.timing import graph_us, graphed, median_ms
 from moe_kernels.kernels import chained_routing
+from moe_kernels.results import record_tool
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
 token_counts = [int(t) for t in sys.argv[1].split(",")] if len(sys.argv) > 1 else [1, 8, 64, 256]
@@ -87,10 +86,6 @@ for tokens in token_counts:
     for n in candidates:
         print(f"   {n:38s} warm {row['warm_us'][n]:6.2f} us  flushed {row['flushed_us'][n]:6.2f} us", flush=True)
 
-from moe_kernels.results import record   # noqa: E402
-
-path = record("route-steps-ab", {"rows": rows, "config": {"tokens": token_counts, "grouped_rule": GROUPED,
-                                                          "top_k": 8, "renormalize": True, "dtype": "bfloat16"}})
-if os.environ.get("OUT"):
-    json.dump(rows, open(os.path.join(os.environ["OUT"], "route_steps_ab.json"), "w"), indent=1)
+path = record_tool("route-steps-ab", rows, {"tokens": token_counts, "grouped_rule": GROUPED, "top_k": 8,
+                                           "renormalize": True, "dtype": "bfloat16"})
 print(f"recorded {path}")

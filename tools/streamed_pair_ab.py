@@ -12,8 +12,6 @@ the L2 flushed before each replay, two rounds interleaved, the lower of the two 
     # e.g. qwen3-30b-a3b 1,8,64,256,512 none,block   (records results/<device>/streamed-pair-ab.json)
 """
 import dataclasses
-import json
-import os
 import sys
 
 import torch
@@ -27,6 +25,7 @@ from moe_kernels.kernels.combine import sum_slots
 from moe_kernels.kernels.config import get_config
 from moe_kernels.kernels.formats import FORMATS
 from moe_kernels.kernels.index_gather import fused_experts
+from moe_kernels.results import record_tool
 
 device = "cuda" if torch.cuda.is_available() else "cpu"   # (the CPU: a small shape under the interpreter)
 models = sys.argv[1].split(",") if len(sys.argv) > 1 else ["qwen3-30b-a3b"]
@@ -45,14 +44,9 @@ rows = []
 
 def save():
     """The record so far (rewritten after every row: a run cut short keeps what it measured)."""
-    from moe_kernels.results import record
-
-    path = record("streamed-pair-ab", {"rows": rows, "config": {
+    return record_tool("streamed-pair-ab", rows, {
         "models": models, "batches": batches, "formats": formats, "read_bandwidth": floor.bandwidth,
-        "variants": [{"lag": lag, "prefetch": pf, "warps": w, "tickets": t} for lag, pf, w, t in VARIANTS]}})
-    if os.environ.get("OUT"):
-        json.dump(rows, open(os.path.join(os.environ["OUT"], "streamed_pair_ab.json"), "w"), indent=1)
-    return path
+        "variants": [{"lag": lag, "prefetch": pf, "warps": w, "tickets": t} for lag, pf, w, t in VARIANTS]})
 
 
 def streamed(x, w1, w2, weights, blocks, top_k, fmt, scales, gate_up, down, lag, prefetch, warps, tickets):
