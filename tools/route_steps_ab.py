@@ -19,23 +19,28 @@ the 3-4 us:
   ... no pdl / argmax topk the same without PDL, or with k rounds of argmax instead of the sort
   ... + align              with the alignment launch (block size 16)
   cublas gate d7168 / d2048  x @ W^T alone (torch): DeepSeek-V3's 256 x 7168 gate, Qwen3's 128 x 2048
+  ... route N warps        the routing program on N warps (``chained_routing.ROUTE_WARPS``; by default
+                           one per 128 score columns: 1 for Qwen3, 2 for DeepSeek-V3)
+  ... gate ~N programs     the gate's grid sized for about N programs, not 264
+                           (``gate_routing._TARGET_PROGRAMS``: fewer, longer programs, or more, shorter)
 
 Each row is one CUDA graph of the call: "warm" replays a graph of 20 calls back to back (the gate
 stays in L2, as in ``bench routing``), "flushed" replays a graph of one call with the L2 flushed
 before each replay (triton's do_bench). Two rounds each, interleaved, the lower kept.
 
-    PYTHONPATH=. python tools/route_steps_ab.py [tokens, default 1,8,64,256]
+    PYTHONPATH=. python tools/route_steps_ab.py [tokens, default 1,8,64,256] [record name, default route-steps-ab]
 """
 import sys
 
 import torch
 
 from moe_kernels.bench.timing import graph_us, graphed, median_ms
-from moe_kernels.kernels import chained_routing
+from moe_kernels.kernels import chained_routing, gate_routing
 from moe_kernels.results import record_tool
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
 token_counts = [int(t) for t in sys.argv[1].split(",")] if len(sys.argv) > 1 else [1, 8, 64, 256]
+record_name = sys.argv[2] if len(sys.argv) > 2 else "route-steps-ab"
 GROUPED = dict(scoring_func="sigmoid", num_expert_group=8, topk_group=4, routed_scaling_factor=2.5)
 rows = []
 
@@ -47,6 +52,19 @@ def router(x, w, bias=None, **kwargs):
     block = rule.pop("block_size", None)
     return lambda: chained_routing.gate_route_chained(x, w, 8, True, e_score_correction_bias=bias, pdl=pdl,
                                                       sorted_topk=sorted_topk, block_size=block, **rule)[1]
+
+
+def with_setting(fn, module, name, value):
+    """``fn`` run with ``module.name`` set to ``value`` (restored after): a launch reads these module
+    constants when it is made, so a CUDA graph captured through this keeps the setting."""
+    def run():
+        old = getattr(module, name)
+        setattr(module, name, value)
+        try:
+            return fn()
+        finally:
+            setattr(module, name, old)
+    return run
 
 
 for tokens in token_counts:
@@ -68,11 +86,25 @@ for tokens in token_counts:
         "e256 d7168 grouped+bias argmax topk": router(*b, bias, sorted_topk=False, **GROUPED),
         "e256 d7168 grouped+bias + align": router(*b, bias, block_size=16, **GROUPED),
         "qwen3 softmax + align": router(*q, block_size=16),
+        "e256 d7168 grouped+bias route 4 warps": with_setting(router(*b, bias, **GROUPED), chained_routing,
+                                                              "ROUTE_WARPS", 4),
+        "e256 d7168 grouped+bias route 1 warp": with_setting(router(*b, bias, **GROUPED), chained_routing,
+                                                             "ROUTE_WARPS", 1),
+        "qwen3 softmax route 2 warps": with_setting(router(*q), chained_routing, "ROUTE_WARPS", 2),
+        "e256 d7168 grouped+bias gate ~132 programs": with_setting(router(*b, bias, **GROUPED), gate_routing,
+                                                                   "_TARGET_PROGRAMS", 132),
+        "e256 d7168 grouped+bias gate ~528 programs": with_setting(router(*b, bias, **GROUPED), gate_routing,
+                                                                   "_TARGET_PROGRAMS", 528),
+        "qwen3 softmax gate ~132 programs": with_setting(router(*q), gate_routing, "_TARGET_PROGRAMS", 132),
+        "qwen3 softmax gate ~528 programs": with_setting(router(*q), gate_routing, "_TARGET_PROGRAMS", 528),
         "cublas gate d7168": lambda: xs[7168] @ gates[256, 7168].t(),
         "cublas gate d2048": lambda: xs[2048] @ gates[128, 2048].t(),
     }
-    for fn in candidates.values():   # compile and check that each runs
-        fn()
+    outputs = {name: fn() for name, fn in candidates.items()}   # compile and check that each runs
+    for name in candidates:   # a switch changes the launch, not the ids (random logits: no near-ties)
+        base = "qwen3 softmax" if name.startswith("qwen3 softmax ") else "e256 d7168 grouped+bias"
+        if (" warp" in name or " programs" in name) and not torch.equal(outputs[name], outputs[base]):
+            raise SystemExit(f"route_steps_ab: {name!r} routed {tokens} tokens differently from {base!r}")
     warm = {n: [] for n in candidates}
     cold = {n: [] for n in candidates}
     for _ in range(2):
@@ -86,6 +118,6 @@ for tokens in token_counts:
     for n in candidates:
         print(f"   {n:38s} warm {row['warm_us'][n]:6.2f} us  flushed {row['flushed_us'][n]:6.2f} us", flush=True)
 
-path = record_tool("route-steps-ab", rows, {"tokens": token_counts, "grouped_rule": GROUPED, "top_k": 8,
+path = record_tool(record_name, rows, {"tokens": token_counts, "grouped_rule": GROUPED, "top_k": 8,
                                            "renormalize": True, "dtype": "bfloat16"})
 print(f"recorded {path}")

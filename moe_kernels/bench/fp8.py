@@ -11,6 +11,15 @@ For each model and batch, from CUDA-graph replays (``do_bench`` flushes the L2 b
   on sm90) over the same permuted segments, the activation quantisers included;
 * ``quantiser``: the 1x128 activation quantiser alone, at the layer's width.
 
+Beside the ``bf16 GEMMs`` and ``fp8 block GEMMs`` rows of each batch up to
+:data:`READ_BOUND_MAX_BATCH` (where the layer streams weights), two reads of the same bytes that
+bound what any kernel can do under this timing: ``read_same_bytes_s``, one plain read kernel of the
+row's bytes (interpolated in the read-time curve ``ceilings["read_by_size"]`` measured in the same
+run, as the bf16 sweep does), and ``read_two_launches_s``, measured per row: GEMM 1's weight bytes
+then GEMM 2's, read by two launches of the read kernel in one CUDA graph, as the two GEMMs stream
+them (:func:`~moe_kernels.bench.ceilings.weight_reader` over the first ``experts_touched`` experts of
+each weight tensor; the activations, under 1% of the bytes, are left out).
+
 Floors use ceilings measured in the same run: fp8 bytes of the touched experts over the read
 bandwidth, FLOPs over the fp8 rate of ``torch._scaled_mm`` (per-tensor scales) and, for
 reference, of a block-scaled ``_scaled_mm`` (1x128 activations, 128x128 weights) on 8192^3.
@@ -26,7 +35,7 @@ import time
 
 import torch
 
-from ..model.costs import count_work
+from ..model.costs import count_work, read_seconds
 from ..model.shapes import MODELS
 from .cli import add_record_arguments, add_run_arguments, write_record
 from .problems import make_batch, make_weights
@@ -72,6 +81,24 @@ def _scaled_grouped_mm_layer(hidden, w1q, w1s, w2q, w2s, weights, ids, num_exper
     return unpermute(y, p.src2dst, weights)
 
 
+#: Largest batch whose rows get the read bounds: decode, where the layer streams its weights.
+READ_BOUND_MAX_BATCH = 512
+
+
+def read_bounds(work, gemm1_weights: torch.Tensor, gemm2_weights: torch.Tensor, curve, warmup_ms: float,
+                rep_ms: float) -> dict:
+    """A row's two reads of its own bytes (see the module's docstring), in seconds: one read kernel
+    over ``work.bytes`` (from ``curve``, a measured read-time curve; absent without one), and two
+    launches reading the first ``work.experts_touched`` experts of each GEMM's ``[E, ...]`` weights."""
+    from .ceilings import weight_reader
+
+    touched = work.experts_touched
+    out = {"read_same_bytes_s": read_seconds(curve, work.bytes)} if curve else {}
+    reader = weight_reader(gemm1_weights[:touched], gemm2_weights[:touched])
+    out["read_two_launches_s"] = median_ms(graphed(reader), warmup_ms, rep_ms) * 1e-3
+    return out
+
+
 def sweep(models, batches, *, seed, warmup_ms, rep_ms, ceilings, log=print) -> list[dict]:
     from ..kernels.blocks import assign_blocks
     from ..kernels.config import get_config
@@ -113,6 +140,7 @@ def sweep(models, batches, *, seed, warmup_ms, rep_ms, ceilings, log=print) -> l
                                              (c1, c2, c1s, c2s, "channel")),
                 "quantiser": (lambda: per_token_group_quant_fp8(hidden), 1, None),
             }
+            read_weights = {"bf16 GEMMs": (w1, w2), "fp8 block GEMMs": (b1, b2)}
             for name, (call, bytes_per_weight, quantised) in calls.items():
                 work = count_work(model, ids, bytes_per_weight)
                 rate = rate16 if bytes_per_weight == 2 else rate8
@@ -132,12 +160,17 @@ def sweep(models, batches, *, seed, warmup_ms, rep_ms, ceilings, log=print) -> l
                         row["rel_err_vs_bf16"] = rel_err(out, calls["bf16 GEMMs"][0]())
                     del out
                     row["time_s"] = median_ms(graphed(call), warmup_ms, rep_ms) * 1e-3
+                    if name in read_weights and batch <= READ_BOUND_MAX_BATCH:
+                        row.update(read_bounds(work, *read_weights[name], ceilings.get("read_by_size"),
+                                               warmup_ms, rep_ms))
                 except Exception as err:  # noqa: BLE001 - one path failing must not stop the sweep
                     row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
                 rows.append(row)
                 t = row.get("time_s")
                 log(f"{key:<14} {batch:>6} {name:<26} " + (f"{t * 1e6:>10.1f} us {t / row['floor_s']:>6.2f}x floor "
-                    f"{row['flops'] / t / 1e12:>7.1f} TFLOP/s" if t else row.get("error", "")))
+                    f"{row['flops'] / t / 1e12:>7.1f} TFLOP/s" if t else row.get("error", ""))
+                    + "".join(f" {label} {row[field] / row['floor_s']:.2f}x" for field, label in (
+                        ("read_same_bytes_s", "read"), ("read_two_launches_s", "two reads")) if field in row))
             torch.cuda.empty_cache()
         del w1, w2, fp8
         torch.cuda.empty_cache()
@@ -152,12 +185,13 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("moe_kernels.bench fp8: needs a CUDA GPU", file=sys.stderr)
         return 2
-    from .ceilings import measure_fp8_gemm_rate, measure_gemm_rate, measure_read_bandwidth
+    from .ceilings import measure_fp8_gemm_rate, measure_gemm_rate, measure_read_bandwidth, measure_read_time_by_size
 
     started = time.perf_counter()
     ceilings = {"read_bandwidth": measure_read_bandwidth(), "gemm_rate_bf16": measure_gemm_rate(),
                 "gemm_rate_fp8": measure_fp8_gemm_rate(), "gemm_rate_fp8_block_scaled": measure_block_scaled_rate()}
     print({k: (f"{v / 1e12:.2f}" if v else v) for k, v in ceilings.items()}, "(TB/s, TFLOP/s)", flush=True)
+    ceilings["read_by_size"] = measure_read_time_by_size()
     models = {m: MODELS[m] for m in args.models}
     rows = sweep(models, args.batches, seed=args.seed, warmup_ms=args.warmup_ms, rep_ms=args.rep_ms,
                  ceilings=ceilings, log=lambda line: print(line, flush=True))

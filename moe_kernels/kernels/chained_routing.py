@@ -103,6 +103,10 @@ ONE_TILE_WARPS = 4
 #: Tokens per routing program: one, so that a batch's tokens are routed side by side, each by one
 #: warp or two (E <= 128 or 256), where the reductions of the top-k are shuffles within a warp.
 _ROUTE_BLOCK = 1
+#: Warps of a routing program: None gives one per 128 score columns, at most 4 (one for E = 128, two
+#: for E = 256); a number, that many (a measurement switch for ``tools/route_steps_ab.py``). Read at
+#: each launch.
+ROUTE_WARPS = None
 
 if HAS_TRITON:
     from ._pdl import gdc_launch_dependents, gdc_wait
@@ -293,7 +297,7 @@ def _launch(hidden_states, gate_weight, bias, topk, renormalize, scoring_func, n
         GROUPED=grouped, HAS_BIAS=bias is not None, USE_SIGMOID=scoring_func == "sigmoid", PRECISE=not INTERPRET,
         SORTED=sorted_topk, BLOCK_T=route_block, SPLIT_K=tiles["split_k"], E_COLS=e_cols, G_PAD=g_pad, S_PAD=s_pad,
         K_PAD=next_power_of_2(topk), PDL=pdl, TRIGGER=pdl and alignment is not None,
-        num_warps=min(4, max(1, route_block * e_cols // 128)), **({"launch_pdl": True} if pdl else {}),
+        num_warps=ROUTE_WARPS or min(4, max(1, route_block * e_cols // 128)), **({"launch_pdl": True} if pdl else {}),
     )
     if alignment is None:
         return

@@ -1,0 +1,73 @@
+"""Issue 18: the whole routed layer at prefill on each layout, and what ``layout="auto"`` picks.
+
+``layout-choices.json`` sends DeepSeek-V3's fp8-block layer to the permute layout from 4,096 tokens,
+chosen from the experts call alone (``prefill-gemm-ab-gathered.json``). This times the layer as a
+caller runs it, ``MoELayer(x)``: the gate, the routing, the alignment or the permutation, the
+quantisers (fp8), both GEMMs and the top-k sum. Rows: Qwen3-30B-A3B and DeepSeek-V3 (its shared
+expert left out: the routed layer of issue 18's targets), bf16 and fp8 block weights, each batch, on
+``index_gather``, ``permute`` and ``auto`` (the plan's layout and table entry recorded). Each call is
+replayed from a CUDA graph of one call with the L2 flushed before each replay, two rounds
+interleaved, the lower round median kept (``timing.time_lowest``); each layout's output is checked
+against the index-gather layer's. TFLOP/s over the routed GEMMs' FLOPs (``T k 6 d F``).
+
+    PYTHONPATH=. python tools/layer_layout_ab.py [models] [batches]   # GPU: records layer-layout-ab.json
+    PYTHONPATH=. TRITON_INTERPRET=1 python tools/layer_layout_ab.py   # CPU: a small shape, the checks only
+"""
+import dataclasses
+import sys
+
+import torch
+
+from moe_kernels import MoELayer
+from moe_kernels.bench.timing import time_lowest
+from moe_kernels.model.shapes import MODELS
+from moe_kernels.results import record_tool
+
+device = "cuda" if torch.cuda.is_available() else "cpu"   # (the CPU: a small shape under the interpreter)
+models = sys.argv[1].split(",") if len(sys.argv) > 1 else ["qwen3-30b-a3b", "deepseek-v3"]
+batches = [int(b) for b in sys.argv[2].split(",")] if len(sys.argv) > 2 else [1024, 4096, 16384]
+if device == "cpu":
+    batches = [3, 40]
+LAYOUTS = ("index_gather", "permute", "auto")
+rows = []
+
+for key in models:
+    model = dataclasses.replace(MODELS[key], num_shared_experts=0)   # the routed layer alone
+    shrink = {} if device == "cuda" else {"hidden_size": 128, "intermediate_size": 128}
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32   # (the interpreter's bf16 dot is wrong)
+    base = MoELayer.random(model, dtype=dtype, device=device, seed=0, **shrink)
+    d = shrink.get("hidden_size", model.hidden_size)
+    f = shrink.get("intermediate_size", model.moe_intermediate_size)
+    for fmt in ("none", "block"):
+        layer = base if fmt == "none" else base.quantized("block")
+        for batch in batches:
+            x = torch.randn(batch, d, device=device, dtype=dtype, generator=torch.Generator(device).manual_seed(batch))
+            plans, candidates = {}, {}
+            for layout in LAYOUTS:
+                layer.layout = layout
+                plan = layer.plan(batch)
+                plans[layout] = {"layout": plan.layout, "config_source": plan.choice.source,
+                                 "config": dataclasses.asdict(plan.config)}
+
+                def call(layout=layout):
+                    layer.layout = layout
+                    return layer(x)
+                candidates[layout] = call
+            reference = candidates["index_gather"]()
+            lowest, rounds, errors, rel = time_lowest(candidates, reference, tolerance=3e-2, warmup_ms=5, rep_ms=30,
+                                                      unchecked=("index_gather",))
+            flops = batch * model.top_k * 6 * d * f
+            row = {"model": key, "format": fmt, "batch": batch, "us": lowest, "rounds_us": rounds, "errors": errors,
+                   "rel_err_vs_index_gather": rel, "plans": plans, "routed_flops": flops,
+                   "tflops": {name: flops / (us * 1e-6) / 1e12 for name, us in lowest.items()}}
+            rows.append(row)
+            record_tool("layer-layout-ab", rows, {"models": models, "batches": batches, "layouts": LAYOUTS,
+                                                  "shared_expert": "left out", "dtype": str(dtype)})
+            print(f"{key:<14} {fmt:<5} {batch:>6}: " + "  ".join(
+                f"{name} {us:9.1f} us {row['tflops'][name]:6.1f} TFLOP/s" for name, us in lowest.items())
+                + f"  (auto -> {plans['auto']['layout']}, {plans['auto']['config_source']})"
+                + (f"  errors {errors}" if errors else ""), flush=True)
+        del layer
+    del base
+    if device == "cuda":
+        torch.cuda.empty_cache()
