@@ -18,7 +18,8 @@ inputs are ready:
    partial logits;
 2. one program per token: it waits for the first launch's memory (``gdc_wait``), adds the token's
    partials in a fixed order, stores its logits and routes it (the routing kernels' own body, on
-   one warp, or two for E = 256, where a reduction is a few shuffles inside a warp);
+   one warp for up to 128 experts, where a reduction is a few shuffles inside a warp, four above
+   (:func:`route_warps`);
 3. with a ``block_size``, waiting in turn for the routing's ids, the alignment: up to
    :data:`ONE_TILE_MAX_ASSIGNMENTS` one program from one read of the ids (:func:`align_one_tile`),
    above it the alignment kernel's single-launch body (every program counts every id, then places
@@ -100,13 +101,26 @@ ONE_TILE_MAX_ASSIGNMENTS = 64
 ALIGN_BODY = "full"
 ALIGN_WARPS = _SINGLE_WARPS
 ONE_TILE_WARPS = 4
-#: Tokens per routing program: one, so that a batch's tokens are routed side by side, each by one
-#: warp or two (E <= 128 or 256), where the reductions of the top-k are shuffles within a warp.
+#: Tokens per routing program: one, so that a batch's tokens are routed side by side (each on the
+#: warps of :func:`route_warps`).
 _ROUTE_BLOCK = 1
-#: Warps of a routing program: None gives one per 128 score columns, at most 4 (one for E = 128, two
-#: for E = 256); a number, that many (a measurement switch for ``tools/route_steps_ab.py``). Read at
-#: each launch.
+#: Warps of a routing program: None for :func:`route_warps`'s rule; a number, that many (a measurement
+#: switch for ``tools/route_steps_ab.py``). Read at each launch.
 ROUTE_WARPS = None
+
+
+def route_warps(score_columns: int) -> int:
+    """Warps of one token's routing program over ``score_columns`` (the padded experts): one up to
+    128, where every reduction of the top-k is a few shuffles inside a warp, four above. Measured on
+    the H200 (``route-steps-ab-variants.json``, the chain without alignment, graphs, L2 warm):
+    DeepSeek-V3's rule over 256 columns took 7.0 / 6.8 / 8.5 / 11.2 us at 1 / 8 / 64 / 256 tokens on
+    two warps, 5.9 / 5.8 / 7.4 / 10.0 on four and 9.1 / 8.6 / 10.2 / 11.9 on one; Qwen3-30B-A3B's
+    softmax over 128 took 3.8 / 4.1 / 5.3 / 6.4 on one warp and 4.0 / 4.1 / 5.5 / 6.4 on two.
+
+        >>> route_warps(128), route_warps(256)
+        (1, 4)
+    """
+    return ROUTE_WARPS or (1 if score_columns <= 128 else 4)
 
 if HAS_TRITON:
     from ._pdl import gdc_launch_dependents, gdc_wait
@@ -297,7 +311,7 @@ def _launch(hidden_states, gate_weight, bias, topk, renormalize, scoring_func, n
         GROUPED=grouped, HAS_BIAS=bias is not None, USE_SIGMOID=scoring_func == "sigmoid", PRECISE=not INTERPRET,
         SORTED=sorted_topk, BLOCK_T=route_block, SPLIT_K=tiles["split_k"], E_COLS=e_cols, G_PAD=g_pad, S_PAD=s_pad,
         K_PAD=next_power_of_2(topk), PDL=pdl, TRIGGER=pdl and alignment is not None,
-        num_warps=ROUTE_WARPS or min(4, max(1, route_block * e_cols // 128)), **({"launch_pdl": True} if pdl else {}),
+        num_warps=route_warps(route_block * e_cols), **({"launch_pdl": True} if pdl else {}),
     )
     if alignment is None:
         return
