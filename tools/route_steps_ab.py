@@ -22,7 +22,8 @@ the 3-4 us:
   ... route N warps        the routing program on N warps (``chained_routing.ROUTE_WARPS``; by default
                            ``chained_routing.route_warps``: 1 for Qwen3's 128 experts, 4 for 256)
   ... gate ~N programs     the gate's grid sized for about N programs, not 264
-                           (``gate_routing._TARGET_PROGRAMS``: fewer, longer programs)
+                           (``gate_routing._TARGET_PROGRAMS``: fewer, longer programs), and with
+                           at most 8 K steps a program (``gate_routing._MAX_K_STEPS``)
 
 Each row is one CUDA graph of the call: "warm" replays a graph of 20 calls back to back (the gate
 stays in L2, as in ``bench routing``), "flushed" replays a graph of one call with the L2 flushed
@@ -95,6 +96,10 @@ for tokens in token_counts:
         "e256 d7168 grouped+bias gate ~132 programs": with_setting(router(*b, bias, **GROUPED), gate_routing,
                                                                    "_TARGET_PROGRAMS", 132),
         "qwen3 softmax gate ~132 programs": with_setting(router(*q), gate_routing, "_TARGET_PROGRAMS", 132),
+        "e256 d7168 grouped+bias gate ~132 programs <=8 steps": with_setting(with_setting(
+            router(*b, bias, **GROUPED), gate_routing, "_TARGET_PROGRAMS", 132), gate_routing, "_MAX_K_STEPS", 8),
+        "qwen3 softmax gate ~132 programs <=8 steps": with_setting(with_setting(
+            router(*q), gate_routing, "_TARGET_PROGRAMS", 132), gate_routing, "_MAX_K_STEPS", 8),
         "cublas gate d7168": lambda: xs[7168] @ gates[256, 7168].t(),
         "cublas gate d2048": lambda: xs[2048] @ gates[128, 2048].t(),
     }

@@ -64,6 +64,9 @@ BLOCK_T = 16
 _PARTIAL_BYTES = 128 * 1024
 #: About two programs per SM of an H100/H200 (132 SMs).
 _TARGET_PROGRAMS = 264
+#: Most K steps one program takes when the grid aims at fewer programs: None, no such cap (a
+#: measurement switch with ``_TARGET_PROGRAMS``, ``tools/route_steps_ab.py``).
+_MAX_K_STEPS = None
 #: Most assignments (T * k) :func:`gate_route_and_align` aligns inside its launch, in one program
 #: that ranks them 64 at a time (the alignment kernel places 64 per program): 1,024 is 128 tokens
 #: of Qwen3-30B-A3B or DeepSeek-V3. Above it (and with no tokens) the alignment is a launch of its
@@ -208,6 +211,8 @@ def gate_tiles(num_tokens: int, num_experts: int, hidden_size: int, *, block_t: 
     by_bytes = max(1, partial_bytes // (max(rows, 1) * next_power_of_2(num_experts) * 4))
     wanted = max(1, _TARGET_PROGRAMS // (t_blocks * e_blocks))
     split = max(1, min(k_steps, by_bytes, wanted))
+    if _MAX_K_STEPS:   # (a program of more steps splits further, within the partials' budget)
+        split = max(split, min(k_steps, by_bytes, cdiv(k_steps, _MAX_K_STEPS)))
     k_span = cdiv(k_steps, split) * block_k
     return {"block_e": block_e, "block_k": block_k, "split_k": cdiv(hidden_size, k_span), "k_span": k_span,
             "e_blocks": e_blocks, "t_blocks": t_blocks}
