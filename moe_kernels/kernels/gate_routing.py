@@ -6,7 +6,7 @@ handful of tokens. :func:`gate_and_route` does both in one launch:
 
 * the grid tiles the logits ``[T, E]`` by token blocks of ``BLOCK_T`` and expert blocks of
   ``BLOCK_E``, and splits ``d`` into ``SPLIT_K`` spans, so that even one token spreads the gate's
-  bytes over many SMs (64 programs for Qwen3-30B-A3B's 0.5 MB gate, 224 for DeepSeek-V3's 3.7 MB);
+  bytes over many SMs (64 programs for Qwen3-30B-A3B's 0.5 MB gate, 112 for DeepSeek-V3's 3.7 MB);
 * each program writes its float32 partial logits to a scratch ``[SPLIT_K, T, E]`` and counts
   itself in with an atomic add on its token block's arrival counter;
 * the last program to arrive for a token block (it sees ``E_BLOCKS * SPLIT_K - 1`` arrivals before
@@ -62,11 +62,14 @@ __all__ = ["gate_and_route", "gate_and_route_checked", "gate_and_route_reference
 BLOCK_T = 16
 #: Bytes of partial logits the last program of a token block reads back (from L2), at most.
 _PARTIAL_BYTES = 128 * 1024
-#: About two programs per SM of an H100/H200 (132 SMs).
-_TARGET_PROGRAMS = 264
-#: Most K steps one program takes when the grid aims at fewer programs: None, no such cap (a
-#: measurement switch with ``_TARGET_PROGRAMS``, ``tools/route_steps_ab.py``).
-_MAX_K_STEPS = None
+#: About one program per SM of an H100/H200 (132 SMs), each of at most :data:`_MAX_K_STEPS` K steps.
+#: On the H200 (``route-steps-ab-gate.json``, the chain without alignment, graphs, L2 warm) aiming at
+#: 132 programs instead of 264 took Qwen3-30B-A3B from 5.4 to 4.3 us at 64 tokens and 7.1 to 6.0 at
+#: 512 (one K step a program became two), DeepSeek-V3 from 8.4 to 7.5 at 128 and 10.0 to 9.1 at 256;
+#: where it gave DeepSeek-V3 programs of 14 steps (64 and 512 tokens) it lost 0.2-0.4 us at 8 steps
+#: and more at 14, so a longer program splits again (there the grid is the 264-program one).
+_TARGET_PROGRAMS = 132
+_MAX_K_STEPS = 7
 #: Most assignments (T * k) :func:`gate_route_and_align` aligns inside its launch, in one program
 #: that ranks them 64 at a time (the alignment kernel places 64 per program): 1,024 is 128 tokens
 #: of Qwen3-30B-A3B or DeepSeek-V3. Above it (and with no tokens) the alignment is a launch of its
@@ -189,17 +192,20 @@ def gate_tiles(num_tokens: int, num_experts: int, hidden_size: int, *, block_t: 
                partial_bytes: int = _PARTIAL_BYTES) -> dict:
     """The grid of :func:`gate_and_route`: expert blocks, K step, split of ``d`` and its span.
 
-    Enough programs to spread the gate's bytes over the SMs (about :data:`_TARGET_PROGRAMS`), but
-    no more partials per token block than its reader takes back in ``partial_bytes``. ``block_t``
+    Enough programs to spread the gate's bytes over the SMs (about :data:`_TARGET_PROGRAMS`, none of
+    more than :data:`_MAX_K_STEPS` K steps), but no more partials per token block than its reader
+    takes back in ``partial_bytes``. ``block_t``
     tokens per program (16, the tensor cores' smallest M tile, by default); from 64 the expert
     blocks are 64 wide too, so that fewer programs re-read the same rows of ``x`` and of the gate.
 
         >>> gate_tiles(1, 128, 2048)      # Qwen3-30B-A3B at one token: 4 x 16 programs
         {'block_e': 32, 'block_k': 128, 'split_k': 16, 'k_span': 128, 'e_blocks': 4, 't_blocks': 1}
-        >>> gate_tiles(1, 256, 7168)      # DeepSeek-V3 at one token: 8 x 28 programs
-        {'block_e': 32, 'block_k': 128, 'split_k': 28, 'k_span': 256, 'e_blocks': 8, 't_blocks': 1}
-        >>> gate_tiles(64, 256, 7168)     # DeepSeek-V3 at 64 tokens: 4 x 8 x 8 programs
+        >>> gate_tiles(1, 256, 7168)      # DeepSeek-V3 at one token: 8 x 14 programs
+        {'block_e': 32, 'block_k': 128, 'split_k': 14, 'k_span': 512, 'e_blocks': 8, 't_blocks': 1}
+        >>> gate_tiles(64, 256, 7168)     # DeepSeek-V3 at 64 tokens: 4 x 8 x 8 programs of 7 steps
         {'block_e': 32, 'block_k': 128, 'split_k': 8, 'k_span': 896, 'e_blocks': 8, 't_blocks': 4}
+        >>> gate_tiles(64, 128, 2048)     # Qwen3-30B-A3B at 64 tokens: 4 x 4 x 8 programs of 2 steps
+        {'block_e': 32, 'block_k': 128, 'split_k': 8, 'k_span': 256, 'e_blocks': 4, 't_blocks': 4}
         >>> gate_tiles(512, 256, 7168, block_t=64, partial_bytes=2**22)   # 8 x 4 x 8 programs
         {'block_e': 64, 'block_k': 128, 'split_k': 8, 'k_span': 896, 'e_blocks': 4, 't_blocks': 8}
     """
@@ -211,7 +217,7 @@ def gate_tiles(num_tokens: int, num_experts: int, hidden_size: int, *, block_t: 
     by_bytes = max(1, partial_bytes // (max(rows, 1) * next_power_of_2(num_experts) * 4))
     wanted = max(1, _TARGET_PROGRAMS // (t_blocks * e_blocks))
     split = max(1, min(k_steps, by_bytes, wanted))
-    if _MAX_K_STEPS:   # (a program of more steps splits further, within the partials' budget)
+    if _MAX_K_STEPS:   # a program of more steps splits further, within the partials' budget
         split = max(split, min(k_steps, by_bytes, cdiv(k_steps, _MAX_K_STEPS)))
     k_span = cdiv(k_steps, split) * block_k
     return {"block_e": block_e, "block_k": block_k, "split_k": cdiv(hidden_size, k_span), "k_span": k_span,
