@@ -66,8 +66,9 @@ _PARTIAL_BYTES = 128 * 1024
 #: On the H200 (``route-steps-ab-gate.json``, the chain without alignment, graphs, L2 warm) aiming at
 #: 132 programs instead of 264 took Qwen3-30B-A3B from 5.4 to 4.3 us at 64 tokens and 7.1 to 6.0 at
 #: 512 (one K step a program became two), DeepSeek-V3 from 8.4 to 7.5 at 128 and 10.0 to 9.1 at 256;
-#: where it gave DeepSeek-V3 programs of 14 steps (64 and 512 tokens) it lost 0.2-0.4 us at 8 steps
-#: and more at 14, so a longer program splits again (there the grid is the 264-program one).
+#: where it gave DeepSeek-V3 programs of 14 steps (64 and 512 tokens) it lost 0.9 us at 64 (1.9 at 512
+#: with the L2 flushed), and 0.2-0.4 us capped at 8 steps, so a longer program splits again (there the
+#: grid is the 264-program one).
 _TARGET_PROGRAMS = 132
 _MAX_K_STEPS = 7
 #: Most assignments (T * k) :func:`gate_route_and_align` aligns inside its launch, in one program
