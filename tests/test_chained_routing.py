@@ -355,12 +355,13 @@ for block_t, block_e in ((16, 32), (64, 64)):   # the narrow gate and the wide o
     print(0 <= trigger < ptx.find("mma"), end=" " if block_t == 16 else chr(10))
 pointers = dict(partial_ptr="*fp32", bias_ptr="*fp32", logits_ptr="*fp32", weights_ptr="*fp32", ids_ptr="*i32",
                 scale="fp32")
-for grouped, e_cols, split in ((False, 128, 16), (True, 256, 28)):   # on the warps the launch gives them
+for grouped, e_cols, (e, d) in ((False, 128, (128, 2048)), (True, 256, (256, 7168))):   # as the launch runs them
+    split = chained_routing.chained_gate_tiles(1, e, d, 16)["split_k"]
     const = dict(GROUPED=grouped, HAS_BIAS=grouped, USE_SIGMOID=grouped, PRECISE=True, SORTED=True, BLOCK_T=1,
                  SPLIT_K=split, E_COLS=e_cols, G_PAD=8 if grouped else 1, S_PAD=32 if grouped else 128, K_PAD=8,
                  PDL=True, TRIGGER=True)
     ptx = compile_for_sm90(chained_routing._chained_route_kernel, const, pointers, aligned=("num_experts",),
-                           num_warps=chained_routing.route_warps(e_cols)).asm["ptx"]
+                           num_warps=chained_routing.route_warps(e_cols, grouped)).asm["ptx"]
     wait, trigger, read = (ptx.find(op) for op in ("griddepcontrol.wait", "griddepcontrol.launch_dependents",
                                                     "ld.global.cg"))
     print(0 <= wait < read and 0 <= trigger < read)

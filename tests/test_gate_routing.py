@@ -15,8 +15,8 @@ from moe_kernels._runtime import HAS_TRITON, record_launches
 from moe_kernels.kernels import gate_routing
 from moe_kernels.kernels.align import moe_align_block_size_reference
 from moe_kernels.kernels.blocks import check_alignment
-from moe_kernels.kernels.gate_routing import (gate_and_route, gate_and_route_reference, gate_route_and_align,
-                                             gate_tiles)
+from moe_kernels.kernels.gate_grid import gate_tiles
+from moe_kernels.kernels.gate_routing import gate_and_route, gate_and_route_reference, gate_route_and_align
 from moe_kernels.kernels.grouped_routing import grouped_topk
 from moe_kernels.kernels.routing import fused_topk
 from moe_testing import DEVICE, compiled_for_hopper, needs_gpu

@@ -6,8 +6,10 @@ caller runs it, ``MoELayer(x)``: the gate, the routing, the alignment or the per
 quantisers (fp8), both GEMMs and the top-k sum. Rows: Qwen3-30B-A3B and DeepSeek-V3 (its shared
 expert left out: the routed layer of issue 18's targets), bf16 and fp8 block weights, each batch, on
 ``index_gather``, ``permute`` and ``auto`` (the plan's layout and table entry recorded). Each call is
-replayed from a CUDA graph of one call with the L2 flushed before each replay, two rounds
-interleaved, the lower round median kept (``timing.time_lowest``); each layout's output is checked
+replayed from a CUDA graph of one call with the L2 flushed before each replay, four rounds
+interleaved, every other one in reverse order (in the first run, 4e65cda, two rounds in one order had
+two identical plans 6.6% apart: the later one always ran after the slowest candidate), the lowest
+round median kept (``timing.time_lowest``); each layout's output is checked
 against the index-gather layer's. TFLOP/s over the routed GEMMs' FLOPs (``T k 6 d F``).
 
     PYTHONPATH=. python tools/layer_layout_ab.py [models] [batches]   # GPU: records layer-layout-ab.json
@@ -29,6 +31,7 @@ batches = [int(b) for b in sys.argv[2].split(",")] if len(sys.argv) > 2 else [10
 if device == "cpu":
     batches = [3, 40]
 LAYOUTS = ("index_gather", "permute", "auto")
+ROUNDS = 4
 rows = []
 
 for key in models:
@@ -55,13 +58,14 @@ for key in models:
                 candidates[layout] = call
             reference = candidates["index_gather"]()
             lowest, rounds, errors, rel = time_lowest(candidates, reference, tolerance=3e-2, warmup_ms=5, rep_ms=30,
-                                                      unchecked=("index_gather",))
+                                                      unchecked=("index_gather",), rounds=ROUNDS, alternate=True)
             flops = batch * model.top_k * 6 * d * f
             row = {"model": key, "format": fmt, "batch": batch, "us": lowest, "rounds_us": rounds, "errors": errors,
                    "rel_err_vs_index_gather": rel, "plans": plans, "routed_flops": flops,
                    "tflops": {name: flops / (us * 1e-6) / 1e12 for name, us in lowest.items()}}
             rows.append(row)
             record_tool("layer-layout-ab", rows, {"models": models, "batches": batches, "layouts": LAYOUTS,
+                                                  "rounds": ROUNDS, "order": "reversed every other round",
                                                   "shared_expert": "left out", "dtype": str(dtype)})
             print(f"{key:<14} {fmt:<5} {batch:>6}: " + "  ".join(
                 f"{name} {us:9.1f} us {row['tflops'][name]:6.1f} TFLOP/s" for name, us in lowest.items())

@@ -20,10 +20,12 @@ the 3-4 us:
   ... + align              with the alignment launch (block size 16)
   cublas gate d7168 / d2048  x @ W^T alone (torch): DeepSeek-V3's 256 x 7168 gate, Qwen3's 128 x 2048
   ... route N warps        the routing program on N warps (``chained_routing.ROUTE_WARPS``; by default
-                           ``chained_routing.route_warps``: 1 for Qwen3's 128 experts, 4 for 256)
-  ... gate ~N programs     the gate's grid sized for about N programs, not 264
-                           (``gate_routing._TARGET_PROGRAMS``: fewer, longer programs), and with
-                           at most 8 K steps a program (``gate_routing._MAX_K_STEPS``)
+                           ``chained_routing.route_warps``: 1 for Qwen3's 128 experts, 2 for softmax
+                           over 256, 4 for DeepSeek-V3's grouped rule)
+  ... gate ~N programs     the gate's grid sized for about N programs (``gate_grid._TARGET_PROGRAMS``;
+                           the default, since 1acf7da, aims at 132 and falls back to 264 where a
+                           program would take more than 7 K steps): "~132 programs" without that
+                           fall-back, "~264 programs" the grid before (``_MAX_K_STEPS`` None)
 
 Each row is one CUDA graph of the call: "warm" replays a graph of 20 calls back to back (the gate
 stays in L2, as in ``bench routing``), "flushed" replays a graph of one call with the L2 flushed
@@ -36,7 +38,7 @@ import sys
 import torch
 
 from moe_kernels.bench.timing import graph_us, graphed, median_ms
-from moe_kernels.kernels import chained_routing, gate_routing
+from moe_kernels.kernels import chained_routing, gate_grid
 from moe_kernels.results import record_tool
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -93,13 +95,13 @@ for tokens in token_counts:
                                                               "ROUTE_WARPS", 8),
         "e256 d7168 softmax route 2 warps": with_setting(router(*b), chained_routing, "ROUTE_WARPS", 2),
         "qwen3 softmax route 2 warps": with_setting(router(*q), chained_routing, "ROUTE_WARPS", 2),
-        "e256 d7168 grouped+bias gate ~132 programs": with_setting(router(*b, bias, **GROUPED), gate_routing,
-                                                                   "_TARGET_PROGRAMS", 132),
-        "qwen3 softmax gate ~132 programs": with_setting(router(*q), gate_routing, "_TARGET_PROGRAMS", 132),
-        "e256 d7168 grouped+bias gate ~132 programs <=8 steps": with_setting(with_setting(
-            router(*b, bias, **GROUPED), gate_routing, "_TARGET_PROGRAMS", 132), gate_routing, "_MAX_K_STEPS", 8),
-        "qwen3 softmax gate ~132 programs <=8 steps": with_setting(with_setting(
-            router(*q), gate_routing, "_TARGET_PROGRAMS", 132), gate_routing, "_MAX_K_STEPS", 8),
+        "e256 d7168 grouped+bias gate ~132 programs": with_setting(router(*b, bias, **GROUPED), gate_grid,
+                                                                   "_MAX_K_STEPS", None),
+        "qwen3 softmax gate ~132 programs": with_setting(router(*q), gate_grid, "_MAX_K_STEPS", None),
+        "e256 d7168 grouped+bias gate ~264 programs": with_setting(with_setting(
+            router(*b, bias, **GROUPED), gate_grid, "_TARGET_PROGRAMS", 264), gate_grid, "_MAX_K_STEPS", None),
+        "qwen3 softmax gate ~264 programs": with_setting(with_setting(
+            router(*q), gate_grid, "_TARGET_PROGRAMS", 264), gate_grid, "_MAX_K_STEPS", None),
         "cublas gate d7168": lambda: xs[7168] @ gates[256, 7168].t(),
         "cublas gate d2048": lambda: xs[2048] @ gates[128, 2048].t(),
     }

@@ -12,13 +12,14 @@ For each model and batch, from CUDA-graph replays (``do_bench`` flushes the L2 b
 * ``quantiser``: the 1x128 activation quantiser alone, at the layer's width.
 
 Beside the ``bf16 GEMMs`` and ``fp8 block GEMMs`` rows of each batch up to
-:data:`READ_BOUND_MAX_BATCH` (where the layer streams weights), two reads of the same bytes that
-bound what any kernel can do under this timing: ``read_same_bytes_s``, one plain read kernel of the
-row's bytes (interpolated in the read-time curve ``ceilings["read_by_size"]`` measured in the same
-run, as the bf16 sweep does), and ``read_two_launches_s``, measured per row: GEMM 1's weight bytes
-then GEMM 2's, read by two launches of the read kernel in one CUDA graph, as the two GEMMs stream
-them (:func:`~moe_kernels.bench.ceilings.weight_reader` over the first ``experts_touched`` experts of
-each weight tensor; the activations, under 1% of the bytes, are left out).
+:data:`READ_BOUND_MAX_BATCH` (where the layer streams weights), two plain reads of as many bytes, the
+yardstick for a kernel that streams them under this timing: ``read_same_bytes_s``, one read kernel
+over the row's bytes (interpolated in the read-time curve ``ceilings["read_by_size"]`` measured in
+the same run, as the bf16 sweep does; past the curve's largest size, 4 GiB, it is that read's
+bandwidth, i.e. the floor), and ``read_two_launches_s``, measured per row: as many bytes as GEMM 1's
+weights, then as GEMM 2's, read by two launches of the read kernel in one CUDA graph (not chained by
+PDL, which the GEMMs are), as the two GEMMs stream them (:func:`~moe_kernels.bench.ceilings.weight_reader`
+over the first ``experts_touched`` experts of each weight tensor; no scales, no activations).
 
 Floors use ceilings measured in the same run: fp8 bytes of the touched experts over the read
 bandwidth, FLOPs over the fp8 rate of ``torch._scaled_mm`` (per-tensor scales) and, for
@@ -160,17 +161,21 @@ def sweep(models, batches, *, seed, warmup_ms, rep_ms, ceilings, log=print) -> l
                         row["rel_err_vs_bf16"] = rel_err(out, calls["bf16 GEMMs"][0]())
                     del out
                     row["time_s"] = median_ms(graphed(call), warmup_ms, rep_ms) * 1e-3
-                    if name in read_weights and batch <= READ_BOUND_MAX_BATCH:
-                        row.update(read_bounds(work, *read_weights[name], ceilings.get("read_by_size"),
-                                               warmup_ms, rep_ms))
                 except Exception as err:  # noqa: BLE001 - one path failing must not stop the sweep
                     row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+                if name in read_weights and batch <= READ_BOUND_MAX_BATCH:
+                    try:   # (a read that fails is the read's error, not the layout's)
+                        row.update(read_bounds(work, *read_weights[name], ceilings.get("read_by_size"),
+                                               warmup_ms, rep_ms))
+                    except Exception as err:  # noqa: BLE001
+                        row["read_error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
                 rows.append(row)
                 t = row.get("time_s")
                 log(f"{key:<14} {batch:>6} {name:<26} " + (f"{t * 1e6:>10.1f} us {t / row['floor_s']:>6.2f}x floor "
                     f"{row['flops'] / t / 1e12:>7.1f} TFLOP/s" if t else row.get("error", ""))
                     + "".join(f" {label} {row[field] / row['floor_s']:.2f}x" for field, label in (
-                        ("read_same_bytes_s", "read"), ("read_two_launches_s", "two reads")) if field in row))
+                        ("read_same_bytes_s", "read"), ("read_two_launches_s", "two reads")) if field in row)
+                    + (f" read failed: {row['read_error']}" if "read_error" in row else ""))
             torch.cuda.empty_cache()
         del w1, w2, fp8
         torch.cuda.empty_cache()

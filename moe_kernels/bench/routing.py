@@ -137,7 +137,8 @@ def gate_routing_ab(model_name: str, num_tokens: int, *, seed: int = 0) -> dict:
     its ids, logits and alignment (weights to float32's last bits); the other gate blocks its logits
     to float32's rounding, and the same ids on at least 99% of the tokens (the count is recorded)."""
     from ..kernels import chained_routing, routing
-    from ..kernels.gate_routing import ALIGN_MAX_ASSIGNMENTS, gate_and_route, gate_route_and_align, gate_tiles
+    from ..kernels.gate_grid import gate_tiles
+    from ..kernels.gate_routing import ALIGN_MAX_ASSIGNMENTS, gate_and_route, gate_route_and_align
     from ..kernels.routing import router_logits
     from ..layer_spec import Routing
 

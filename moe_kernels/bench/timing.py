@@ -101,13 +101,25 @@ def graphed(fn: Callable) -> Callable:
     return graph.replay
 
 
+def round_order(names: list, round_index: int, alternate: bool) -> list:
+    """The order candidates are timed in, in round ``round_index``: as given, or with ``alternate``
+    reversed in every odd round, so that no candidate always runs right after the same one (under
+    a power cap the clocks a candidate gets follow the work just before it).
+
+        >>> round_order(["a", "b", "c"], 0, True), round_order(["a", "b", "c"], 1, True)
+        (['a', 'b', 'c'], ['c', 'b', 'a'])
+    """
+    return list(reversed(names)) if alternate and round_index % 2 else list(names)
+
+
 def time_candidates(candidates: dict, reference: torch.Tensor, *, tolerance: float, warmup_ms: float,
-                    rep_ms: float, rounds: int = 2, unchecked: tuple = ()) -> tuple[dict, dict, dict]:
+                    rep_ms: float, rounds: int = 2, unchecked: tuple = (), alternate: bool = False
+                    ) -> tuple[dict, dict, dict]:
     """The A/B scripts' timer (``tools/*_ab.py``): each candidate called once and compared with
     ``reference`` (except those named in ``unchecked``), then replayed from a CUDA graph of one call,
-    ``rounds`` rounds interleaved over the candidates. Returns ``(times_us, errors, rel)``: every
-    round's median per candidate, the candidates that failed or differ by more than ``tolerance``
-    (the reason), and each compared candidate's relative error. A candidate that fails is kept out
+    ``rounds`` rounds interleaved over the candidates (in :func:`round_order`). Returns
+    ``(times_us, errors, rel)``: every round's median per candidate, the candidates that failed or
+    differ by more than ``tolerance`` (the reason), and each compared candidate's relative error. A candidate that fails is kept out
     of the timing, never stops the others. Without a GPU (the interpreter) every time reads 1.0."""
     cuda = torch.cuda.is_available() and reference.is_cuda
     replays, errors, rel = {}, {}, {}
@@ -122,9 +134,9 @@ def time_candidates(candidates: dict, reference: torch.Tensor, *, tolerance: flo
         except Exception as error:   # noqa: BLE001 - one candidate failing must not lose the others
             errors[name] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
     times = {name: [] for name in replays}
-    for _ in range(rounds):
-        for name, replay in replays.items():
-            times[name].append(median_ms(replay, warmup_ms, rep_ms) * 1e3 if cuda else 1.0)
+    for r in range(rounds):
+        for name in round_order(list(replays), r, alternate):
+            times[name].append(median_ms(replays[name], warmup_ms, rep_ms) * 1e3 if cuda else 1.0)
     return times, errors, rel
 
 

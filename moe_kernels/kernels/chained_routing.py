@@ -18,8 +18,8 @@ inputs are ready:
    partial logits;
 2. one program per token: it waits for the first launch's memory (``gdc_wait``), adds the token's
    partials in a fixed order, stores its logits and routes it (the routing kernels' own body, on
-   one warp for up to 128 experts, where a reduction is a few shuffles inside a warp, four above
-   (:func:`route_warps`);
+   one warp per 128 experts, where a reduction is a few shuffles inside a warp, four for
+   DeepSeek-V3's grouped rule (:func:`route_warps`);
 3. with a ``block_size``, waiting in turn for the routing's ids, the alignment: up to
    :data:`ONE_TILE_MAX_ASSIGNMENTS` one program from one read of the ids (:func:`align_one_tile`),
    above it the alignment kernel's single-launch body (every program counts every id, then places
@@ -65,7 +65,8 @@ from .._runtime import HAS_TRITON, INTERPRET, cdiv, kernel, next_power_of_2, not
 from ._pdl import pdl_available
 from .align import (_COUNT_TILE, _FILL_ROWS_PER_PROGRAM, _FILL_TILE, _SINGLE_TILE, _SINGLE_WARPS,
                     SINGLE_LAUNCH_MAX_NUMEL, align_bins_and_pad_tile, alignment_buffer_sizes)
-from .gate_routing import BLOCK_T as GATE_BLOCK_T, _check, _gate_route, gate_tiles
+from .gate_grid import BLOCK_T as GATE_BLOCK_T, gate_tiles
+from .gate_routing import _check, _gate_route
 
 __all__ = ["MAX_TOKENS", "gate_block_tokens", "gate_route_chained", "gate_route_chained_checked"]
 
@@ -109,18 +110,22 @@ _ROUTE_BLOCK = 1
 ROUTE_WARPS = None
 
 
-def route_warps(score_columns: int) -> int:
-    """Warps of one token's routing program over ``score_columns`` (the padded experts): one up to
-    128, where every reduction of the top-k is a few shuffles inside a warp, four above. Measured on
-    the H200 (``route-steps-ab-variants.json``, the chain without alignment, graphs, L2 warm):
-    DeepSeek-V3's rule over 256 columns took 7.0 / 6.8 / 8.5 / 11.2 us at 1 / 8 / 64 / 256 tokens on
-    two warps, 5.9 / 5.8 / 7.4 / 10.0 on four and 9.1 / 8.6 / 10.2 / 11.9 on one; Qwen3-30B-A3B's
-    softmax over 128 took 3.8 / 4.1 / 5.3 / 6.4 on one warp and 4.0 / 4.1 / 5.5 / 6.4 on two.
+def route_warps(score_columns: int, grouped: bool) -> int:
+    """Warps of one token's routing program over ``score_columns`` (the padded experts): one per 128
+    columns, where every reduction of the top-k is a few shuffles inside a warp; four for the grouped
+    rule over more than 128, whose group mask and group scores are reductions over a ``[groups,
+    members]`` view. Measured on the H200 (the chain without alignment, graphs, L2 warm, us at 1 / 8 /
+    64 / 256 tokens): DeepSeek-V3's grouped rule over 256 columns took 7.0 / 6.8 / 8.5 / 11.2 on two
+    warps, 5.9 / 5.8 / 7.4 / 10.0 on four and 9.1 / 8.6 / 10.2 / 11.9 on one
+    (``route-steps-ab-variants.json``; eight were no faster: ``route-steps-ab-warps.json``), while
+    plain softmax over 256 was no faster on four than on two (5.7 / 5.8 / 7.3 / 9.8 against 5.6 / 5.8
+    / 7.3 / 9.5), nor Qwen3-30B-A3B's over 128 on two than on one (4.0 / 4.1 / 5.5 / 6.4 against 3.8
+    / 4.1 / 5.3 / 6.4).
 
-        >>> route_warps(128), route_warps(256)
-        (1, 4)
+        >>> route_warps(128, False), route_warps(256, False), route_warps(256, True)
+        (1, 2, 4)
     """
-    return ROUTE_WARPS or (1 if score_columns <= 128 else 4)
+    return ROUTE_WARPS or (4 if grouped and score_columns > 128 else min(4, max(1, score_columns // 128)))
 
 if HAS_TRITON:
     from ._pdl import gdc_launch_dependents, gdc_wait
@@ -219,7 +224,7 @@ def gate_block_tokens(num_tokens: int) -> int:
 
 
 def chained_gate_tiles(num_tokens: int, num_experts: int, hidden_size: int, block_t: int) -> dict:
-    """The gate's grid in the chain: :func:`~moe_kernels.kernels.gate_routing.gate_tiles`, the same as the
+    """The gate's grid in the chain: :func:`~moe_kernels.kernels.gate_grid.gate_tiles`, the same as the
     one-launch router's with 16-token blocks; wider blocks split ``d`` into at most 32 spans (each
     routing program adds its one token's partials, unrolled), not by the one-launch router's budget for
     a whole token block.
@@ -311,7 +316,7 @@ def _launch(hidden_states, gate_weight, bias, topk, renormalize, scoring_func, n
         GROUPED=grouped, HAS_BIAS=bias is not None, USE_SIGMOID=scoring_func == "sigmoid", PRECISE=not INTERPRET,
         SORTED=sorted_topk, BLOCK_T=route_block, SPLIT_K=tiles["split_k"], E_COLS=e_cols, G_PAD=g_pad, S_PAD=s_pad,
         K_PAD=next_power_of_2(topk), PDL=pdl, TRIGGER=pdl and alignment is not None,
-        num_warps=route_warps(route_block * e_cols), **({"launch_pdl": True} if pdl else {}),
+        num_warps=route_warps(route_block * e_cols, grouped), **({"launch_pdl": True} if pdl else {}),
     )
     if alignment is None:
         return

@@ -52,25 +52,13 @@ from .._checks import check_int, check_number, check_tensor, fail
 from .._runtime import HAS_TRITON, INTERPRET, cdiv, interpreted_bf16, kernel, next_power_of_2, note_launch, tl, use_triton
 from .align import (_COUNT_TILE, _FILL_TILE, _SINGLE_TILE, align_bins_and_pad_tile, align_checked,
                     alignment_buffer_sizes, empty_alignment, moe_align_block_size_reference)
+from .gate_grid import BLOCK_T, gate_tiles
 from .grouped_routing import grouped_topk_reference
 from .routing import _FLOAT_DTYPES, _SCORING_FUNCS, _empty_outputs, fused_topk_reference
 
 __all__ = ["gate_and_route", "gate_and_route_checked", "gate_and_route_reference", "gate_route_and_align",
-           "gate_route_and_align_checked", "gate_tiles"]
+           "gate_route_and_align_checked"]
 
-#: Tokens per program: the tensor cores' smallest M tile (``tl.dot`` needs 16 rows).
-BLOCK_T = 16
-#: Bytes of partial logits the last program of a token block reads back (from L2), at most.
-_PARTIAL_BYTES = 128 * 1024
-#: About one program per SM of an H100/H200 (132 SMs), each of at most :data:`_MAX_K_STEPS` K steps.
-#: On the H200 (``route-steps-ab-gate.json``, the chain without alignment, graphs, L2 warm) aiming at
-#: 132 programs instead of 264 took Qwen3-30B-A3B from 5.4 to 4.3 us at 64 tokens and 7.1 to 6.0 at
-#: 512 (one K step a program became two), DeepSeek-V3 from 8.4 to 7.5 at 128 and 10.0 to 9.1 at 256;
-#: where it gave DeepSeek-V3 programs of 14 steps (64 and 512 tokens) it lost 0.9 us at 64 (1.9 at 512
-#: with the L2 flushed), and 0.2-0.4 us capped at 8 steps, so a longer program splits again (there the
-#: grid is the 264-program one).
-_TARGET_PROGRAMS = 132
-_MAX_K_STEPS = 7
 #: Most assignments (T * k) :func:`gate_route_and_align` aligns inside its launch, in one program
 #: that ranks them 64 at a time (the alignment kernel places 64 per program): 1,024 is 128 tokens
 #: of Qwen3-30B-A3B or DeepSeek-V3. Above it (and with no tokens) the alignment is a launch of its
@@ -187,42 +175,6 @@ if HAS_TRITON:
                                    numel, num_experts, block_size, numel, False, NUM_BINS,
                                    ALIGN_TILE, COUNT_TILE, 1, PAD_TILE, FILL_TILE, "", ".cg")
                 # <<< book: gate-align
-
-
-def gate_tiles(num_tokens: int, num_experts: int, hidden_size: int, *, block_t: int = BLOCK_T,
-               partial_bytes: int = _PARTIAL_BYTES) -> dict:
-    """The grid of :func:`gate_and_route`: expert blocks, K step, split of ``d`` and its span.
-
-    Enough programs to spread the gate's bytes over the SMs (about :data:`_TARGET_PROGRAMS`, none of
-    more than :data:`_MAX_K_STEPS` K steps), but no more partials per token block than its reader
-    takes back in ``partial_bytes``. ``block_t``
-    tokens per program (16, the tensor cores' smallest M tile, by default); from 64 the expert
-    blocks are 64 wide too, so that fewer programs re-read the same rows of ``x`` and of the gate.
-
-        >>> gate_tiles(1, 128, 2048)      # Qwen3-30B-A3B at one token: 4 x 16 programs
-        {'block_e': 32, 'block_k': 128, 'split_k': 16, 'k_span': 128, 'e_blocks': 4, 't_blocks': 1}
-        >>> gate_tiles(1, 256, 7168)      # DeepSeek-V3 at one token: 8 x 14 programs
-        {'block_e': 32, 'block_k': 128, 'split_k': 14, 'k_span': 512, 'e_blocks': 8, 't_blocks': 1}
-        >>> gate_tiles(64, 256, 7168)     # DeepSeek-V3 at 64 tokens: 4 x 8 x 8 programs of 7 steps
-        {'block_e': 32, 'block_k': 128, 'split_k': 8, 'k_span': 896, 'e_blocks': 8, 't_blocks': 4}
-        >>> gate_tiles(64, 128, 2048)     # Qwen3-30B-A3B at 64 tokens: 4 x 4 x 8 programs of 2 steps
-        {'block_e': 32, 'block_k': 128, 'split_k': 8, 'k_span': 256, 'e_blocks': 4, 't_blocks': 4}
-        >>> gate_tiles(512, 256, 7168, block_t=64, partial_bytes=2**22)   # 8 x 4 x 8 programs
-        {'block_e': 64, 'block_k': 128, 'split_k': 8, 'k_span': 896, 'e_blocks': 4, 't_blocks': 8}
-    """
-    block_e = 64 if block_t >= 64 and num_experts >= 64 else 32 if num_experts > 16 else 16
-    block_k = min(128, max(16, next_power_of_2(hidden_size)))
-    t_blocks, e_blocks = max(1, cdiv(num_tokens, block_t)), cdiv(num_experts, block_e)
-    k_steps = cdiv(hidden_size, block_k)
-    rows = min(num_tokens, block_t)   # the rows of partials a token block really has
-    by_bytes = max(1, partial_bytes // (max(rows, 1) * next_power_of_2(num_experts) * 4))
-    wanted = max(1, _TARGET_PROGRAMS // (t_blocks * e_blocks))
-    split = max(1, min(k_steps, by_bytes, wanted))
-    if _MAX_K_STEPS:   # a program of more steps splits further, within the partials' budget
-        split = max(split, min(k_steps, by_bytes, cdiv(k_steps, _MAX_K_STEPS)))
-    k_span = cdiv(k_steps, split) * block_k
-    return {"block_e": block_e, "block_k": block_k, "split_k": cdiv(hidden_size, k_span), "k_span": k_span,
-            "e_blocks": e_blocks, "t_blocks": t_blocks}
 
 
 def _check(func, hidden_states, gate_weight, topk, renormalize, scoring_func, num_expert_group, topk_group,
