@@ -31,14 +31,14 @@ __all__ = ["CHAINED_ROUTER_MAX_TOKENS", "GATE_ROUTING_MAX_TOKENS", "choose_route
 #: Up to this many tokens the router is :mod:`moe_kernels.kernels.chained_routing`'s launches chained by
 #: PDL (the split gate, one routing program per token, the alignment) instead of the cuBLAS gate, the
 #: routing kernel and the alignment kernel: all of the chain's reach. Timed on the H200
-#: (``gate-routing.json``, CUDA graphs, L2 warm, with the alignment): 5.5-14.2 us against 12.6-20.5 for
-#: Qwen3-30B-A3B at 1-512 tokens, 9.6-24.1 against 17.2-29.7 for DeepSeek-V3 (its gate in 64-token
-#: blocks from 128 tokens). ``MOE_KERNELS_CHAINED_ROUTER_MAX_TOKENS`` sets it for a process.
+#: (``gate-routing.json`` at 1acf7da, CUDA graphs, L2 warm, with the alignment): 5.5-13.0 us against
+#: 12.5-20.4 for Qwen3-30B-A3B at 1-512 tokens, 7.7-22.3 against 17.2-28.5 for DeepSeek-V3 (its gate in
+#: 64-token blocks from 128 tokens). ``MOE_KERNELS_CHAINED_ROUTER_MAX_TOKENS`` sets it for a process.
 CHAINED_ROUTER_MAX_TOKENS = env_int("MOE_KERNELS_CHAINED_ROUTER_MAX_TOKENS", 512)
 #: Up to this many tokens (taking precedence) the router is one launch
 #: (:func:`~moe_kernels.kernels.gate_routing.gate_and_route`, an arrival counter per token block): 0,
-#: off, slower than the two steps on the H200 (``gate-routing.json``: DeepSeek-V3 at one token 21.7
-#: against 12.6 us). ``MOE_KERNELS_GATE_ROUTING_MAX_TOKENS`` sets it for a process.
+#: off, slower than the two steps on the H200 (``gate-routing.json`` at 1acf7da: DeepSeek-V3 at one
+#: token 20.0 against 12.4 us). ``MOE_KERNELS_GATE_ROUTING_MAX_TOKENS`` sets it for a process.
 GATE_ROUTING_MAX_TOKENS = env_int("MOE_KERNELS_GATE_ROUTING_MAX_TOKENS", 0)
 
 

@@ -80,9 +80,9 @@ ALIGN_MAX_ASSIGNMENTS = SINGLE_LAUNCH_MAX_NUMEL
 #: From this many tokens the gate's programs take 64 tokens each (and 64 experts), not 16: a program
 #: reads its rows of ``x`` and of the gate once per token block and expert block, so wider blocks
 #: read less from L2 (DeepSeek-V3 at 512 tokens: 59 MB instead of 176). On the H200
-#: (``gate-routing.json``, with the alignment, graphs, L2 warm) DeepSeek-V3's chain took 17.4 / 24.3 /
-#: 37.8 us with 16-token blocks at 128 / 256 / 512 tokens, 16.3 / 19.0 / 24.2 with 64; Qwen3-30B-A3B's
-#: moved by less than 1 us either way.
+#: (``gate-routing.json`` at 1acf7da, with the alignment, graphs, L2 warm) DeepSeek-V3's chain took 15.7 /
+#: 22.0 / 35.1 us with 16-token blocks at 128 / 256 / 512 tokens, 13.3 / 16.1 / 22.4 with 64 (17.4 / 24.3 /
+#: 37.8 against 16.3 / 19.0 / 24.2 when it was chosen); Qwen3-30B-A3B's: 1.7 us less at 512, within 0.1 below.
 WIDE_GATE_FROM_TOKENS = 128
 #: Token blocks the gate may take, and the most partials per token a routing program adds (its
 #: loads are unrolled).
@@ -91,7 +91,8 @@ _MAX_SPLIT = 32
 #: Up to this many assignments (8 tokens of top-8) the alignment launch is one program that reads the
 #: ids once (``align_one_tile``). Its [n, n] rank comparison grows with the square: on the H200
 #: (``gate-routing.json``, the chain with its alignment, graphs, L2 warm) it saved 2.4-2.5 us at one
-#: token (Qwen3-30B-A3B 7.9 -> 5.5, DeepSeek-V3 12.1 -> 9.6) and 0.5-1.1 at 8, and lost 0.1-0.3 at 16.
+#: token when it was chosen (Qwen3-30B-A3B 7.9 -> 5.5, DeepSeek-V3 12.1 -> 9.6), 0.5-1.1 at 8, and lost
+#: 0.1-0.3 at 16; at 1acf7da 7.8 -> 5.5 and 10.1 -> 7.7 at one token, 0.6-0.9 at 8, 0-0.1 at 16.
 #: Inside a layer it runs less often than that suggests: where each token is its own block (the naive
 #: map: up to 4 tokens of Qwen3-30B-A3B, 8 of DeepSeek-V3) the layer aligns nothing, so there it is
 #: Qwen3-30B-A3B at 5-8 tokens (0.5 us at 8).
