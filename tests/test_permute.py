@@ -341,6 +341,71 @@ def test_gathered_rows_fp8(granularity):
     assert rel_err(outs[1], want) < 1e-3 and torch.equal(outs[0], outs[1])
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")   # (TMA tiles read the padding rows' garbage)
+@pytest.mark.parametrize("seed", range(10))
+def test_short_last_tile_random(seed):
+    """A segment's last tile with at most half its rows real on half-height tiles (a second launch of
+    each GEMM), on random shapes, alignments and grids, against the float64 reference; each GEMM
+    launches twice, the second on half the M tile."""
+    from moe_kernels._runtime import record_launches
+
+    shape, rng = random_shape(2000 + seed, [torch.float32, torch.float16])
+    align = rng.choice([32, 64])
+    tma, swap_ab, persistent = rng.choice([(False, False, 0), (True, False, 1), (False, False, 2), (True, True, 0)])
+    summed = rng.choice([False, True])
+    config = dataclasses.replace(permute_variant(tma, swap_ab, persistent, sum_in_gemm=summed, block_m=32),
+                                 short_last_tile=True, gather_rows=rng.choice([False, True]))
+    x, w1, w2, weights, ids = make_problem(**shape, seed=seed)
+    with record_launches() as launches:
+        out = permute_experts(x, w1, w2, weights, ids, align=align, config=config)
+    assert rel_err(out, moe_reference(x, w1, w2, weights, ids)) < TOLERANCE[x.dtype]
+    gemms = [(g["gemm"], g["block_m"], g["short_last"]) for name, g in launches if name == "permute.gemm"]
+    assert gemms == [("gate_up", 32, 1), ("gate_up", 16, 2), ("down", 32, 1), ("down", 16, 2)] or not HAS_TRITON
+
+
+@pytest.mark.parametrize("case", sorted(EDGE_SHAPES) + ["no tokens", "skewed"])
+def test_short_last_tile_edge_cases(case):
+    """One token, one expert, k = 1, k = E, several tiles per expert, no tokens, an empty expert and
+    every token on one expert, with the short last tiles."""
+    config = dataclasses.replace(SMALL_TILES, block_m=32, short_last_tile=True)
+    for x, w1, w2, weights, ids in edge_problems(case, inter=16):
+        out = permute_experts(x, w1, w2, weights, ids, align=32, config=config)
+        assert out.shape == x.shape
+        assert rel_err(out, moe_reference(x, w1, w2, weights, ids)) < TOLERANCE[torch.float32]
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="the kernels' tile split; the torch reference has no tiles")
+def test_short_last_tile_splits_the_tiles_between_the_launches(monkeypatch):
+    """Segments of 9, 16, 17 and 32 real rows in 32-row tiles: the full launch alone stores the 17-
+    and 32-row segments, the half launch alone the 9- and 16-row ones (a tile exactly half full runs
+    short), and never a padding row; both together store every real row, as the plain launch does."""
+    from moe_kernels.kernels import contiguous_gemm
+
+    counts = [9, 16, 17, 32]
+    m_indices = torch.cat([torch.cat([torch.full((c,), e, dtype=torch.int32),
+                                      torch.full((32 - c,), -1, dtype=torch.int32)]) for e, c in enumerate(counts)])
+    x, w, tiles = torch.randn(m_indices.numel(), 16), torch.randn(len(counts), 16, 16), GemmTiles(16, 16)
+
+    def stored(launches, short):
+        if launches is not None:
+            monkeypatch.setattr(contiguous_gemm, "_launches", lambda config: launches)
+        config = MoEConfig(32, tiles, tiles, short_last_tile=short)
+        out = grouped_gemm_contiguous(x, w, m_indices, align=32, config=config,
+                                      out=torch.full((m_indices.numel(), 16), float("nan")))
+        monkeypatch.undo()
+        return out
+
+    rows_of = {e: m_indices == e for e in range(len(counts))}
+    full, half = stored(((32, 1),), True), stored(((16, 2),), True)
+    assert [not torch.isnan(full[rows_of[e]]).any() for e in range(4)] == [False, False, True, True]
+    assert [not torch.isnan(half[rows_of[e]]).any() for e in range(4)] == [True, True, False, False]
+    assert [torch.isnan(half[rows_of[e]]).all() for e in (2, 3)] == [True, True]
+    assert [torch.isnan(full[rows_of[e]]).all() for e in (0, 1)] == [True, True]
+    both, plain = stored(None, True), stored(None, False)
+    assert torch.isnan(both[m_indices < 0]).all() and not torch.isnan(both[m_indices >= 0]).any()
+    assert torch.allclose(both, plain, rtol=1e-6, atol=1e-6, equal_nan=True)
+
+
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 @pytest.mark.parametrize("silu_mul", [False, True])
 @pytest.mark.parametrize("block_n, swap_ab, per_column", [(64, False, False), (128, False, False), (128, True, False),
@@ -454,6 +519,14 @@ const.update(GATED=True, TMA_W=True, TMA_A=False, SWAP_AB=False, PERSISTENT=1, S
 ptx = compile_for_sm90(fn, const, pointers, num_warps=4, num_stages=3,
                        aligned=("stride_am", "stride_we", "stride_wn", "stride_om", "N", "K")).asm["ptx"]
 print("gathered", "cp.async.bulk.tensor" in ptx, "cp.async.cg" in ptx or "cp.async.ca" in ptx, "wgmma" in ptx)
+# The short last tiles (MoEConfig.short_last_tile): the full launch on 128-row tiles and the half
+# launch on 64-row ones, both through TMA on the persistent grid, both wgmma.
+for block_m, short in ((128, 1), (64, 2)):
+    pointers.update(w_desc="tensordesc<bf16[64, 64]>", a_desc=f"tensordesc<bf16[{block_m}, 64]>")
+    const.update(TMA_A=True, GATHER_TOP_K=0, BLOCK_M=block_m, SHORT_LAST=short)
+    ptx = compile_for_sm90(fn, const, pointers, num_warps=8, num_stages=3,
+                           aligned=("stride_am", "stride_we", "stride_wn", "stride_om", "N", "K")).asm["ptx"]
+    print("short", short, "cp.async.bulk.tensor" in ptx, "wgmma" in ptx, end=" " if short == 1 else chr(10))
 """
 
 
@@ -476,6 +549,7 @@ def test_permute_tma_compiles_for_hopper():
     # GEMM 1 reading its rows through the permutation: weights by bulk copies, rows by cp.async
     # (pointer loads the pipeline stages), wgmma.
     assert done.stdout.split("\n")[6] == "gathered True True True", done.stdout
+    assert done.stdout.split("\n")[7] == "short 1 True True short 2 True True", done.stdout
 
 
 @needs_gpu
@@ -505,6 +579,29 @@ def test_gathered_rows_gpu(num_tokens, fp8):
     outs = [permute_experts(x, w1, w2, weights, ids, align=64, config=dataclasses.replace(copied, gather_rows=g),
                             **scales) for g in (False, True)]
     assert torch.equal(outs[0], outs[1])
+    if not fp8:
+        assert rel_err(outs[1], moe_reference(x, w1, w2, weights, ids)) < 1e-2
+
+
+@needs_gpu
+@pytest.mark.parametrize("num_tokens", [1, 600, 4096])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_short_last_tile_gpu(num_tokens, fp8):
+    """The short last tiles at Qwen3-30B-A3B's shape on the prefill tiles (128-row segments, TMA, the
+    persistent grid), bf16 and fp8 block: within the tolerance of the full tiles (wgmma on 64 rows
+    against 128), and of the reference in bf16."""
+    from moe_kernels.kernels.quant import quantize_weight
+
+    x, w1, w2, weights, ids = make_problem(num_tokens, 128, 8, 2048, 768, torch.bfloat16, seed=num_tokens)
+    scales = {}
+    if fp8:
+        (w1, w1s), (w2, w2s) = quantize_weight(w1, "block"), quantize_weight(w2, "block")
+        scales = dict(w1_scale=w1s, w2_scale=w2s)
+    tiles = GemmTiles(128, 64 if not fp8 else 128, group_m=8, num_warps=8, num_stages=3, tma=True, persistent=1)
+    config = MoEConfig(128, tiles, tiles)
+    outs = [permute_experts(x, w1, w2, weights, ids, align=128, config=dataclasses.replace(config, short_last_tile=s),
+                            **scales) for s in (False, True)]
+    assert rel_err(outs[1], outs[0]) < 1e-2
     if not fp8:
         assert rel_err(outs[1], moe_reference(x, w1, w2, weights, ids)) < 1e-2
 

@@ -14,11 +14,13 @@ stay zero and the check compares like with like). Candidates:
                           weights with one scale per row and per expert after the loop (the tensor format),
                           the block-scale K loop's upper bound; "gathered": GEMM 1 reading each row from
                           its token through the permutation (MoEConfig.gather_rows: no copy in, pointer
-                          loads for the rows), on the first two tiles
+                          loads for the rows), on the first two tiles; "short": a segment's last tile with at
+                          most half its rows real on a half-height tile, in a second launch
+                          (MoEConfig.short_last_tile), on the first two tiles of the 128-row segments
   bmm1 / bmm2             torch.bmm on ceil(T k / E) rows per expert, the same FLOPs (bf16 only)
   permute, permute indices only, quantize, unpermute, permute scales   the stages around the GEMMs
-  experts permute (gathered) / index-gather   the whole experts call, permute with the best GEMM tiles of
-                          this run (and GEMM 1 reading through the permutation)
+  experts permute (gathered, short) / index-gather   the whole experts call, permute with the best GEMM
+                          tiles of this run (and GEMM 1 reading through the permutation; the short last tiles)
                           against fused_experts with its table (the align of the faster pair)
 
 Each candidate is replayed from a CUDA graph of one call, the L2 flushed before each replay, two rounds
@@ -149,11 +151,12 @@ def gemm_pair(align, tiles1, tiles2, x, xq, x_scale, ids, w1, w1s, w2, w2s, fmt,
         return dict(x_scale=torch.ones(num_rows, device=device),
                     w_scale=torch.ones(FP8_TENSOR.scale_shape(*w.shape), device=device))
 
-    def gemm1(t, nopromo=False):
+    def gemm1(t, nopromo=False, short=False):
         out = torch.zeros(num_rows, f, device=device, dtype=dtype)
         scales = no_promotion(w1) if nopromo else dict(x_scale=rows_scale, w_scale=w1s)
+        config = MoEConfig(align, t, t, short_last_tile=short)
         return lambda: grouped_gemm_contiguous(permuted.rows, w1, m_idx, align=align, silu_mul=True,
-                                               config=MoEConfig(align, t, t), which="gate_up", out=out,
+                                               config=config, which="gate_up", out=out,
                                                out_dtype=dtype, rows_used=used, **scales)
 
     def gathered(t):   # GEMM 1 reading each row from its token (MoEConfig.gather_rows): no copy in
@@ -165,6 +168,8 @@ def gemm_pair(align, tiles1, tiles2, x, xq, x_scale, ids, w1, w1s, w2, w2s, fmt,
     g1 = {f"{tag}gemm1 {n}": gemm1(t) for n, t in tiles1.items()}
     for n, t in list(tiles1.items())[:2]:
         g1[f"{tag}gemm1 {n} gathered"] = gathered(t)
+        if align == ALIGN:
+            g1[f"{tag}gemm1 {n} short"] = gemm1(t, short=True)
     if fp8:
         g1[f"{tag}gemm1 no promotion"] = gemm1(next(iter(tiles1.values())), nopromo=True)
     elif align == ALIGN:
@@ -173,13 +178,17 @@ def gemm_pair(align, tiles1, tiles2, x, xq, x_scale, ids, w1, w1s, w2, w2s, fmt,
     us1, rounds1, err1, rel1 = timed(g1, h.float(), unchecked=(f"{tag}gemm1 no promotion", "bmm1"))
     a, a_scale = fmt.quantize_activations(h)
 
-    def gemm2(t, nopromo=False):
+    def gemm2(t, nopromo=False, short=False):
         out = torch.zeros(num_rows, d, device=device, dtype=dtype)
         scales = no_promotion(w2) if nopromo else dict(x_scale=a_scale, w_scale=w2s)
-        return lambda: grouped_gemm_contiguous(a, w2, m_idx, align=align, config=MoEConfig(align, t, t),
+        config = MoEConfig(align, t, t, short_last_tile=short)
+        return lambda: grouped_gemm_contiguous(a, w2, m_idx, align=align, config=config,
                                                which="down", out=out, out_dtype=dtype, rows_used=used, **scales)
 
     g2 = {f"{tag}gemm2 {n}": gemm2(t) for n, t in tiles2.items()}
+    if align == ALIGN:
+        for n, t in list(tiles2.items())[:2]:
+            g2[f"{tag}gemm2 {n} short"] = gemm2(t, short=True)
     if fp8:
         g2[f"{tag}gemm2 no promotion"] = gemm2(next(iter(tiles2.values())), nopromo=True)
     elif align == ALIGN:
@@ -192,7 +201,9 @@ def gemm_pair(align, tiles1, tiles2, x, xq, x_scale, ids, w1, w1s, w2, w2s, fmt,
     return {"timings": (us1, rounds1, err1, rel1, us2, rounds2, err2, rel2), "best_names": (best1, best2),
             "best": MoEConfig(align, tiles1[best1[len(tag) + 6:]], tiles2[best2[len(tag) + 6:]]),
             "best_us": us1[best1] + us2[best2], "permuted": permuted, "h": h, "y": y,
-            "rows_used": int(used.item())}
+            "rows_used": int(used.item()),
+            # the rows the short last tiles multiply: each segment's rows rounded up to half a tile
+            "rows_short": int(((permuted.segment_counts + align // 2 - 1) // (align // 2) * (align // 2)).sum())}
 
 
 for fname in formats:
@@ -223,6 +234,9 @@ for fname in formats:
                 "permute indices only": lambda: permute(xq, ids, e, align=best_align, validate_ids=False, copy=False),
                 "experts permute": lambda: permute_experts(x, w1, w2, weights, ids, config=best, align=best_align,
                                                            validate_ids=False, **scales),
+                "experts permute short": lambda: permute_experts(
+                    x, w1, w2, weights, ids, config=dataclasses.replace(best, short_last_tile=True), align=best_align,
+                    validate_ids=False, **scales),
                 "experts permute gathered": lambda: permute_experts(
                     x, w1, w2, weights, ids, config=dataclasses.replace(best, gather_rows=True), align=best_align,
                     validate_ids=False, **scales),
@@ -239,6 +253,7 @@ for fname in formats:
                       **{n: (flops1 + flops2) / us3[n] / 1e6 for n in us3 if "experts" in n}}
             row = {"model": key, "format": fname, "batch": batch, "align": best_align,
                    "rows_used": {a: got["rows_used"] for a, got in found.items()},
+                   "rows_short": found[ALIGN]["rows_short"] if ALIGN in found else None,
                    "rows_real": batch * k, "us": {**us1, **us2, **us3}, "tflops": tflops,
                    "rounds_us": {**rounds1, **rounds2, **rounds3}, "errors": {**err1, **err2, **err3},
                    "rel_err": {**rel1, **rel2, **rel3}, "best": [best1, best2]}

@@ -120,7 +120,7 @@ class OneLaunchTiles:
 
 
 #: MoEConfig's switches (bools, default off), each a feature a layout may lack (moe_kernels.kernels.layouts).
-_SWITCHES = ("sum_in_gemm", "pdl", "quant_in_gemm", "gather_rows")
+_SWITCHES = ("sum_in_gemm", "pdl", "quant_in_gemm", "gather_rows", "short_last_tile")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,6 +152,10 @@ class MoEConfig:
     #: that GEMM 2 still reads contiguous rows (through TMA with ``down.tma``): one pass over the
     #: activations fewer (:func:`moe_kernels.kernels.permute.permute_experts`).
     gather_rows: bool = False
+    #: Permute layout: a segment's last M tile with at most ``block_m // 2`` real rows runs as a
+    #: ``block_m // 2``-row tile, in a second launch of each GEMM, so that its padding rows are
+    #: not multiplied (:func:`moe_kernels.kernels.contiguous_gemm.grouped_gemm_contiguous`).
+    short_last_tile: bool = False
     #: Both GEMMs in one launch instead (index-gather layout, no block map: tiny batches).
     one_launch: OneLaunchTiles | None = None
     #: Both GEMMs as one stream of tiles, GEMM 2's a lag of this many blocks behind GEMM 1's
@@ -166,8 +170,9 @@ class MoEConfig:
         for key in ("one_launch", "stream_lag"):   # (the tables written before they existed hold no such key)
             if d[key] is None:
                 del d[key]
-        if not d["gather_rows"]:
-            del d["gather_rows"]
+        for key in ("gather_rows", "short_last_tile"):   # (nor these)
+            if not d[key]:
+                del d[key]
         return d
 
     @staticmethod
@@ -246,7 +251,8 @@ def check_config(func: str, config: object, *, align: int | None = None, layout:
                                  ("swap_ab", "the transposed tile product"))]
     machinery += [(f"config.{f}", getattr(config, f), f, what) for f, what in (
         ("pdl", "programmatic dependent launch"), ("quant_in_gemm", "GEMM 1's fp8 epilogue"),
-        ("gather_rows", "GEMM 1 reading rows through the permutation"))]
+        ("gather_rows", "GEMM 1 reading rows through the permutation"),
+        ("short_last_tile", "a segment's last tile on half the rows"))]
     for name, value, field, what in machinery:
         if value and not getattr(supports, field):
             fail(func, name, f"must be {0 if name.endswith('persistent') else False} for the {layout} layout ({what} "
@@ -260,6 +266,9 @@ def check_config(func: str, config: object, *, align: int | None = None, layout:
     if not supports.sum_in_gemm and (config.sum_in_gemm or config.down.split_k != 1):
         fail(func, "config.sum_in_gemm", f"must be False with down.split_k=1 for the {layout} layout (its rows are "
              "summed by the unpermute pass)", f"sum_in_gemm={config.sum_in_gemm}, split_k={config.down.split_k}")
+    if config.short_last_tile and config.block_m < 32:
+        fail(func, "config.block_m", "must be at least 32 with config.short_last_tile (its half tile is a tl.dot "
+             "tile of at least 16 rows)", config.block_m)
     if align is not None and align % config.block_m:
         fail(func, "config.block_m", f"must divide align={align} (no tile may straddle two segments)", config.block_m)
     return config

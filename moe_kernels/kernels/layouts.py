@@ -68,6 +68,8 @@ class Layout:
     streamed: bool = False
     #: GEMM 1 reads its rows through the permutation instead of copied ones (``MoEConfig.gather_rows``).
     gather_rows: bool = False
+    #: A segment's last tile with at most half its rows real runs on half the rows (``MoEConfig.short_last_tile``).
+    short_last_tile: bool = False
 
     def supports(self, fmt) -> bool:
         return fmt.name in self.formats
@@ -97,7 +99,8 @@ LAYOUTS = {
                            streamed=True),
     "permute": Layout("permute", ".permute:permute_experts", _ALL_FORMATS, tma=True, persistent=True,
                       swap_ab=True, sum_in_gemm=True, split_gate_up=False, pdl=False, quant_in_gemm=False,
-                      fused_shared_expert=True, tables=("permute", "index_gather"), rows="align", gather_rows=True),
+                      fused_shared_expert=True, tables=("permute", "index_gather"), rows="align", gather_rows=True,
+                      short_last_tile=True),
     "masked": Layout("masked", ".masked:masked_experts", ("unquantized",), tma=False, persistent=False,
                      swap_ab=False, sum_in_gemm=False, split_gate_up=False, pdl=False, quant_in_gemm=False,
                      fused_shared_expert=True, tables=("masked", "index_gather"), rows="slab"),
