@@ -363,6 +363,58 @@ def test_short_last_tile_random(seed):
     assert gemms == [("gate_up", 32, 1), ("gate_up", 16, 2), ("down", 32, 1), ("down", 16, 2)] or not HAS_TRITON
 
 
+#: Real rows per expert for the short last tiles on 32-row tiles: none, a few, exactly half a tile, just
+#: over it, whole tiles, and several tiles with a short or a long last one.
+SHORT_TILE_COUNTS = [0, 1, 16, 17, 31, 32, 33, 48, 49, 64, 65]
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")   # (TMA tiles read the padding rows' garbage)
+@pytest.mark.parametrize("align", [32, 64, 128])
+@pytest.mark.parametrize("tma, swap_ab, persistent, summed, split_k, gathered", [
+    (False, False, 0, False, 1, False), (True, False, 1, True, 2, False), (True, True, 0, False, 1, False),
+    (False, False, 2, True, 1, True), (True, False, 1, False, 1, True)])
+def test_short_last_tile_fixed_counts(align, tma, swap_ab, persistent, summed, split_k, gathered):
+    """Segments of every kind (SHORT_TILE_COUNTS, top-1) in 32-row tiles, segments aligned to one to
+    four tiles, with TMA, the transposed tile, each grid, the summed GEMM 2 split over K and gathered
+    rows: both launches have tiles to run (a long segment's full tiles and its last one, short or
+    not), and the result is the float64 reference's."""
+    ids = torch.repeat_interleave(torch.arange(len(SHORT_TILE_COUNTS)), torch.tensor(SHORT_TILE_COUNTS))
+    ids = ids[torch.randperm(ids.numel(), generator=torch.Generator().manual_seed(align))][:, None].to(DEVICE)
+    x, w1, w2, weights, ids = make_problem(ids.shape[0], len(SHORT_TILE_COUNTS), 1, 24, 16, seed=align,
+                                           topk_ids=ids.to(torch.int32))
+    config = dataclasses.replace(permute_variant(tma, swap_ab, persistent, split_k, summed, block_m=32),
+                                 short_last_tile=True, gather_rows=gathered)
+    out = permute_experts(x, w1, w2, weights, ids, align=align, config=config)
+    assert rel_err(out, moe_reference(x, w1, w2, weights, ids)) < TOLERANCE[torch.float32]
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="the kernels' tile split; the torch reference has no tiles")
+@pytest.mark.parametrize("layout", ["second half only", "middle of the first half", "both halves"])
+def test_short_last_tile_needs_no_real_rows_first(layout):
+    """The public GEMM promises every row whose id is an expert's, wherever a tile's real rows sit
+    (permute puts them first; a caller's m_indices need not): each launch looks at a whole half, not
+    one row."""
+    pattern = {"second half only": [-1] * 20 + [0] * 12, "middle of the first half": [-1] * 4 + [0] * 8 + [-1] * 20,
+               "both halves": [-1] * 10 + [0] * 12 + [-1] * 10}[layout]
+    m_indices = torch.tensor(pattern, dtype=torch.int32)
+    x, w, tiles = torch.randn(32, 16), torch.randn(1, 16, 16), GemmTiles(16, 16)
+    outs = [grouped_gemm_contiguous(x, w, m_indices, align=32, config=MoEConfig(32, tiles, tiles, short_last_tile=s),
+                                    out=torch.full((32, 16), float("nan"))) for s in (False, True)]
+    real = m_indices >= 0
+    assert not torch.isnan(outs[1][real]).any() and torch.isnan(outs[1][~real]).all()
+    assert torch.allclose(outs[1], outs[0], rtol=1e-6, atol=1e-6, equal_nan=True)
+
+
+def test_short_last_tile_is_dropped_where_a_borrowed_tile_shrinks_below_32_rows():
+    """A borrowed config whose M tile is halved to fit the segments keeps the short tiles only while
+    their half is a tl.dot tile (16 rows or more)."""
+    from moe_kernels.kernels.config import _adapted
+
+    tiles = GemmTiles(16, 16)
+    assert _adapted(MoEConfig(64, tiles, tiles, short_last_tile=True), "permute", 32).short_last_tile
+    assert not _adapted(MoEConfig(32, tiles, tiles, short_last_tile=True), "permute", 16).short_last_tile
+
+
 @pytest.mark.parametrize("case", sorted(EDGE_SHAPES) + ["no tokens", "skewed"])
 def test_short_last_tile_edge_cases(case):
     """One token, one expert, k = 1, k = E, several tiles per expert, no tokens, an empty expert and
@@ -523,7 +575,7 @@ print("gathered", "cp.async.bulk.tensor" in ptx, "cp.async.cg" in ptx or "cp.asy
 # launch on 64-row ones, both through TMA on the persistent grid, both wgmma.
 for block_m, short in ((128, 1), (64, 2)):
     pointers.update(w_desc="tensordesc<bf16[64, 64]>", a_desc=f"tensordesc<bf16[{block_m}, 64]>")
-    const.update(TMA_A=True, GATHER_TOP_K=0, BLOCK_M=block_m, SHORT_LAST=short)
+    const.update(TMA_A=True, GATHER_TOP_K=0, BLOCK_M=block_m, SHORT_LAST=short, M_STEP=short)
     ptx = compile_for_sm90(fn, const, pointers, num_warps=8, num_stages=3,
                            aligned=("stride_am", "stride_we", "stride_wn", "stride_om", "N", "K")).asm["ptx"]
     print("short", short, "cp.async.bulk.tensor" in ptx, "wgmma" in ptx, end=" " if short == 1 else chr(10))

@@ -203,6 +203,7 @@ def gemm_pair(align, tiles1, tiles2, x, xq, x_scale, ids, w1, w1s, w2, w2s, fmt,
             "best_us": us1[best1] + us2[best2], "permuted": permuted, "h": h, "y": y,
             "rows_used": int(used.item()),
             # the rows the short last tiles multiply: each segment's rows rounded up to half a tile
+            # (of this align's tile: "experts permute short" runs the best align's)
             "rows_short": int(((permuted.segment_counts + align // 2 - 1) // (align // 2) * (align // 2)).sum())}
 
 
@@ -253,7 +254,7 @@ for fname in formats:
                       **{n: (flops1 + flops2) / us3[n] / 1e6 for n in us3 if "experts" in n}}
             row = {"model": key, "format": fname, "batch": batch, "align": best_align,
                    "rows_used": {a: got["rows_used"] for a, got in found.items()},
-                   "rows_short": found[ALIGN]["rows_short"] if ALIGN in found else None,
+                   "rows_short": {a: got["rows_short"] for a, got in found.items()},
                    "rows_real": batch * k, "us": {**us1, **us2, **us3}, "tflops": tflops,
                    "rounds_us": {**rounds1, **rounds2, **rounds3}, "errors": {**err1, **err2, **err3},
                    "rel_err": {**rel1, **rel2, **rel3}, "best": [best1, best2]}

@@ -470,6 +470,8 @@ def _adapted(config: MoEConfig, layout: str, align: int) -> MoEConfig | None:
         if adapted.block_m <= 16:
             return None
         adapted = adapted.with_block_m(adapted.block_m // 2)
+    if adapted.short_last_tile and adapted.block_m < 32:   # (its half tile would be under 16 rows)
+        adapted = dataclasses.replace(adapted, short_last_tile=False)
     return adapted
 
 

@@ -68,8 +68,8 @@ if HAS_TRITON:
         ``GATHER_TOP_K`` = k, ``A`` is the ``[T, K]`` token rows and row ``r`` reads token
         ``row_assign[r] // k`` (rows through the permutation, not copied into the segments).
         ``SHORT_LAST`` (``MoEConfig.short_last_tile``): 1, the full tiles' launch, leaves a tile whose
-        second half holds no real row to 2, the launch of half-height tiles (``BLOCK_M`` halved),
-        which runs only those tiles' first halves."""
+        second half holds no real row to 2, the launch of half-height tiles (``BLOCK_M`` halved,
+        ``pid_m`` the first half of a full tile), which runs those tiles' first halves."""
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         row_experts = tl.load(m_indices_ptr + rows, mask=rows < num_rows, other=-1)
         # A tile lies inside one segment (BLOCK_M divides align), so its real rows share one
@@ -79,16 +79,15 @@ if HAS_TRITON:
         run = (expert >= 0) & (expert < num_experts)
         # >>> book: short-last-tile
         if SHORT_LAST == 1:
-            # Full tiles: one whose middle row is padding has at most half its rows real (a
-            # segment's real rows come first). The half-height launch runs it.
-            middle = tl.load(m_indices_ptr + pid_m * BLOCK_M + BLOCK_M // 2)
-            run = run & (middle == expert)
+            # Full tiles: a tile with no real row in its second half is the half launch's.
+            second_half = tl.arange(0, BLOCK_M) >= BLOCK_M // 2
+            run = run & (tl.max(tl.where(second_half, row_experts, -1), axis=0) == expert)
         elif SHORT_LAST == 2:
-            # Half-height tiles (BLOCK_M is half the full tile): the first half of a full tile
-            # whose second half is padding. Every other half belongs to the full launch.
-            after = (pid_m + 1) * BLOCK_M
+            # Half-height tiles (BLOCK_M is half the full tile, pid_m even: the first halves):
+            # run where the full tile's second half has no row of this tile's expert.
+            after = rows + BLOCK_M
             second = tl.load(m_indices_ptr + after, mask=after < num_rows, other=-1)
-            run = run & (pid_m % 2 == 0) & (second != expert)
+            run = run & (tl.max((second == expert).to(tl.int32), axis=0) == 0)
         # <<< book: short-last-tile
         if run:
             # A segment's real rows come first, so the tile's first row is real: padding rows read
@@ -144,13 +143,14 @@ if HAS_TRITON:
         w_desc, TMA_W: tl.constexpr, a_desc, TMA_A: tl.constexpr, SWAP_AB: tl.constexpr,
         rows_used_ptr, GROUP_M: tl.constexpr, PERSISTENT: tl.constexpr,
         row_assign_ptr, topk_weights_ptr, num_assignments, SUM_TOP_K: tl.constexpr, SPLIT_K: tl.constexpr,
-        GATHER_TOP_K: tl.constexpr = 0, SHORT_LAST: tl.constexpr = 0,
+        GATHER_TOP_K: tl.constexpr = 0, SHORT_LAST: tl.constexpr = 0, M_STEP: tl.constexpr = 1,
     ):
+        # (M_STEP 2: the half launch of short last tiles visits the first half of each full tile only.)
         if PERSISTENT == 0:
             # One program per tile (and K slice) of the whole buffer. Axis 0 (M tiles) varies
             # fastest, so consecutive programs are consecutive tiles of the same expert and find
             # that expert's weight tile in L2; tiles past the last segment exit at once.
-            _contiguous_tile(tl.program_id(0), tl.program_id(1) // SPLIT_K, tl.program_id(1) % SPLIT_K,
+            _contiguous_tile(tl.program_id(0) * M_STEP, tl.program_id(1) // SPLIT_K, tl.program_id(1) % SPLIT_K,
                              a_ptr, stride_am, w_ptr, stride_we, stride_wn,
                              out_ptr, stride_om, m_indices_ptr, num_rows, num_experts, N, K,
                              a_scale_ptr, stride_as, w_scale_ptr, stride_wse, stride_wsn, stride_wsk,
@@ -162,11 +162,11 @@ if HAS_TRITON:
             # padded total, which the alignment wrote on the device: no host sync), GROUP_M
             # M-blocks down one N-tile at a time. The buffer's spare tail, sized for the worst
             # routing, costs nothing. (2: the tile and K loops flattened into one pipeline.)
-            num_m_blocks = tl.cdiv(tl.minimum(tl.load(rows_used_ptr), num_rows), BLOCK_M)
+            num_m_blocks = tl.cdiv(tl.minimum(tl.load(rows_used_ptr), num_rows), BLOCK_M * M_STEP)
             num_tiles = num_m_blocks * tl.cdiv(N, BLOCK_N) * SPLIT_K
             for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=PERSISTENT == 2):
                 pid_m, pid_n, split = tile_position(tile, num_m_blocks, N, BLOCK_N, GROUP_M, SPLIT_K)
-                _contiguous_tile(pid_m, pid_n, split, a_ptr, stride_am, w_ptr, stride_we, stride_wn,
+                _contiguous_tile(pid_m * M_STEP, pid_n, split, a_ptr, stride_am, w_ptr, stride_we, stride_wn,
                                  out_ptr, stride_om, m_indices_ptr, num_rows, num_experts, N, K,
                                  a_scale_ptr, stride_as, w_scale_ptr, stride_wse, stride_wsn, stride_wsk,
                                  GATED, EVEN_K, INPUT_PRECISION, SCALES, BLOCK_M, BLOCK_N, BLOCK_K, SCALE_BN,
@@ -259,7 +259,8 @@ def grouped_gemm_contiguous(x: torch.Tensor, w: torch.Tensor, m_indices: torch.T
     # real to a second launch of half-height tiles: their padding rows are not multiplied.
     for block_m, short_last in _launches(config):
         a_desc = None if gather_top_k else rows_descriptor(x, block_m, tiles)
-        num_m_blocks, num_n_tiles = num_rows // block_m, cdiv(n, tiles.block_n) * tiles.split_k
+        # (the half launch's programs take the first half of each full tile: as many as the full launch's)
+        num_m_blocks, num_n_tiles = num_rows // config.block_m, cdiv(n, tiles.block_n) * tiles.split_k
         if tiles.persistent:
             grid = (min(num_m_blocks * num_n_tiles, programs_per_device(x.device)),)
             if rows_used is None:   # (every row's tile, as the one-program-per-tile grid visits)
@@ -283,6 +284,7 @@ def grouped_gemm_contiguous(x: torch.Tensor, w: torch.Tensor, m_indices: torch.T
             num_assignments=(topk_weights.numel() if sum_slots is not None
                              else gather_from.src2dst.numel() if gather_from is not None else 0),
             SUM_TOP_K=top_k, SPLIT_K=tiles.split_k, GATHER_TOP_K=gather_top_k, SHORT_LAST=short_last,
+            M_STEP=config.block_m // block_m,
             num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         )
     return result
