@@ -105,6 +105,23 @@ def record_tool(name: str, rows: list, config: dict) -> Path:
     return path
 
 
+def print_timings(title: str, us: dict, tflops: dict, errors: dict) -> None:
+    """An A/B tool's row as it prints it: a title, then each candidate's microseconds and TFLOP/s
+    (0 where it has none), then the errors, if any.
+
+        >>> print_timings("qwen3 4096:", {"gemm1": 430.25, "permute": 120.0}, {"gemm1": 468.4}, {})
+        qwen3 4096:
+           gemm1         430.2 us     468 TFLOP/s
+           permute       120.0 us       0 TFLOP/s
+    """
+    print(title, flush=True)
+    width = max(map(len, us), default=0) + 2
+    for name, t in us.items():
+        print(f"   {name:{width}s} {t:9.1f} us {tflops.get(name, 0):7.0f} TFLOP/s", flush=True)
+    if errors:
+        print("   errors:", errors, flush=True)
+
+
 def load(name: str, device: str = "nvidia-h200") -> dict:
     """Read a recorded result; raises FileNotFoundError naming the file if it was never recorded."""
     path = RESULTS_DIR / device / f"{name}.json"

@@ -33,7 +33,7 @@ from moe_kernels.kernels.contiguous_gemm import grouped_gemm_contiguous
 from moe_kernels.kernels.formats import FORMATS, WeightFormat
 from moe_kernels.kernels.index_gather import fused_experts
 from moe_kernels.kernels.permute import _permute_scales, permute
-from moe_kernels.results import record_tool
+from moe_kernels.results import print_timings, record_tool
 
 device = "cuda" if torch.cuda.is_available() else "cpu"   # (the CPU: a small shape under the interpreter)
 models = sys.argv[1].split(",") if len(sys.argv) > 1 else ["qwen3-30b-a3b", "deepseek-v3"]
@@ -148,11 +148,7 @@ for key in models:
                "errors": {**err1, **err2}, "rel_err": {**rel1, **rel2}}
         rows.append(row)
         save()
-        print(f"{key} prefill {batch}:", flush=True)
-        for n, t in row["us"].items():
-            print(f"   {n:34s} {t:9.1f} us {tflops[n]:6.0f} TFLOP/s", flush=True)
-        if row["errors"]:
-            print("   errors:", row["errors"], flush=True)
+        print_timings(f"{key} prefill {batch}:", row["us"], tflops, row["errors"])
         del x, xq, permuted, h, a, y, g1, g2
         if device == "cuda":
             torch.cuda.empty_cache()

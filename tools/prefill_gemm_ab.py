@@ -47,7 +47,7 @@ from moe_kernels.kernels.contiguous_gemm import grouped_gemm_contiguous
 from moe_kernels.kernels.formats import FORMATS, FP8_TENSOR
 from moe_kernels.kernels.index_gather import fused_experts
 from moe_kernels.kernels.permute import _permute_scales, permute, permute_experts
-from moe_kernels.results import record_tool
+from moe_kernels.results import print_timings, record_tool
 
 device = "cuda" if torch.cuda.is_available() else "cpu"   # (the CPU: a small shape under the interpreter)
 models = sys.argv[1].split(",") if len(sys.argv) > 1 else ["qwen3-30b-a3b", "deepseek-v3"]
@@ -260,11 +260,8 @@ for fname in formats:
                    "rel_err": {**rel1, **rel2, **rel3}, "best": [best1, best2]}
             rows.append(row)
             save()
-            print(f"{key} {fname} {batch}: rows {row['rows_used']} of {row['rows_real']}", flush=True)
-            for n, t in row["us"].items():
-                print(f"   {n:28s} {t:9.1f} us {tflops.get(n, 0):7.0f} TFLOP/s", flush=True)
-            if row["errors"]:
-                print("   errors:", row["errors"], flush=True)
+            print_timings(f"{key} {fname} {batch}: rows {row['rows_used']} of {row['rows_real']}", row["us"], tflops,
+                          row["errors"])
             del x, xq, weights, ids, permuted, h, y, stages, found
             if device == "cuda":
                 torch.cuda.empty_cache()
