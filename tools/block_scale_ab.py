@@ -77,6 +77,16 @@ def per_column(call):
     return run
 
 
+def scale_variants(gemm, tiles, make, like):
+    """``gemm``'s candidates: each of ``tiles`` with one weight scale per tile and step, and with a
+    scale per column (``make(tiles, out)`` gives the call; each candidate its own output like ``like``)."""
+    out = {}
+    for n, t in tiles.items():
+        out[f"{gemm} {n} one scale"] = make(t, torch.zeros_like(like))
+        out[f"{gemm} {n} per column"] = per_column(make(t, torch.zeros_like(like)))
+    return out
+
+
 def save():
     return record_tool("block-scale-ab", rows, {"models": models, "decode": decode, "prefill": prefill,
                                                 "read_bandwidth": floor.bandwidth, "fp8_gemm_rate": fp8_rate,
@@ -122,10 +132,7 @@ for key in models:
                                                    config=MoEConfig(ALIGN, t, t), which="gate_up", x_scale=rows_scale,
                                                    w_scale=w1s, **common)
 
-        g1 = {}
-        for n, t in GEMM1.items():
-            g1[f"gemm1 {n} one scale"] = gemm1(t, torch.zeros_like(h))
-            g1[f"gemm1 {n} per column"] = per_column(gemm1(t, torch.zeros_like(h)))
+        g1 = scale_variants("gemm1", GEMM1, gemm1, h)
         gemm1(next(iter(GEMM1.values())), h)()
         us1, rounds1, err1, rel1 = timed(g1, h.float())
         a, a_scale = BLOCK.quantize_activations(h)
@@ -135,10 +142,7 @@ for key in models:
             return lambda: grouped_gemm_contiguous(a, w2, permuted.m_indices, out=out, config=MoEConfig(ALIGN, t, t),
                                                    which="down", x_scale=a_scale, w_scale=w2s, **common)
 
-        g2 = {}
-        for n, t in GEMM2.items():
-            g2[f"gemm2 {n} one scale"] = gemm2(t, torch.zeros_like(y))
-            g2[f"gemm2 {n} per column"] = per_column(gemm2(t, torch.zeros_like(y)))
+        g2 = scale_variants("gemm2", GEMM2, gemm2, y)
         gemm2(next(iter(GEMM2.values())), y)()
         us2, rounds2, err2, rel2 = timed(g2, y.float())
         flops1, flops2 = 2 * batch * k * d * 2 * f, 2 * batch * k * f * d
