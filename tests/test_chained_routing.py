@@ -162,6 +162,25 @@ def test_the_gate_block_by_batch():
     assert chained_routing.chained_gate_tiles(64, 256, 7168, 64)["split_k"] <= 32
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="the launches' settings")
+@pytest.mark.parametrize("rule, num_experts, warps", [("softmax", 128, 1), ("softmax", 256, 2), ("grouped", 256, 4)])
+def test_the_routing_program_runs_on_the_measured_warps_and_the_gate_on_its_grid(rule, num_experts, warps):
+    """The path, at one token of DeepSeek-V3's width: Qwen3-30B-A3B's softmax over 128 experts on one
+    warp, softmax over 256 on two, DeepSeek-V3's grouped rule over 256 on four (route_warps, as
+    measured); the gate split as gate_grid.gate_tiles says (14 spans of 512 for a 256 x 7168 gate)."""
+    from moe_kernels.kernels.gate_grid import gate_tiles
+
+    x, w = inputs(1, num_experts, 7168, 3)
+    grouped = dict(scoring_func="sigmoid", num_expert_group=8, topk_group=4,
+                   e_score_correction_bias=torch.zeros(num_experts, device=DEVICE)) if rule == "grouped" else {}
+    with record_launches() as launches:
+        gate_route_chained(x, w, 8, True, **grouped)
+    settings = dict(launches)
+    assert settings["chained_routing.route"]["warps"] == warps
+    assert settings["chained_routing.gate"]["split_k"] == gate_tiles(1, num_experts, 7168)["split_k"]
+    assert gate_tiles(1, 256, 7168)["split_k"] == 14
+
+
 @pytest.mark.parametrize("num_tokens, topk", [(6, 3), (20, 4)], ids=["one program", "chunked"])
 def test_the_alignment_without_its_tail_places_the_same_rows(monkeypatch, num_tokens, topk):
     """ALIGN_BODY "no tail" (only for timing the launch's parts), in both bodies: the used rows and

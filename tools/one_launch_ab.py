@@ -45,7 +45,8 @@ rows = []
 def save():
     """The record so far (rewritten after every row: a run cut short keeps what it measured)."""
     return record_tool("one-launch-ab", rows, {"models": models, "batches": batches, "formats": formats,
-                                               "read_bandwidth": floor.bandwidth, "tiles": [t.as_dict() for t in TILES]})
+                                               "read_bandwidth": floor.bandwidth,
+                                               "tiles": [t.as_dict() for t in TILES]})
 
 
 for fname in formats:

@@ -119,8 +119,9 @@ def time_candidates(candidates: dict, reference: torch.Tensor, *, tolerance: flo
     ``reference`` (except those named in ``unchecked``), then replayed from a CUDA graph of one call,
     ``rounds`` rounds interleaved over the candidates (in :func:`round_order`). Returns
     ``(times_us, errors, rel)``: every round's median per candidate, the candidates that failed or
-    differ by more than ``tolerance`` (the reason), and each compared candidate's relative error. A candidate that fails is kept out
-    of the timing, never stops the others. Without a GPU (the interpreter) every time reads 1.0."""
+    differ by more than ``tolerance`` (the reason), and each compared candidate's relative error. A
+    candidate that fails is kept out of the timing, never stops the others. Without a GPU (the
+    interpreter) every time reads 1.0."""
     cuda = torch.cuda.is_available() and reference.is_cuda
     replays, errors, rel = {}, {}, {}
     for name, call in candidates.items():

@@ -310,14 +310,16 @@ def _launch(hidden_states, gate_weight, bias, topk, renormalize, scoring_func, n
         gate_weight.stride(0), tiles["k_span"], IEEE=hidden_states.dtype == torch.float32,
         BLOCK_T=gate_block_t, BLOCK_E=tiles["block_e"], BLOCK_K=tiles["block_k"], PDL=pdl, num_warps=4,
     )
-    note_launch("chained_routing.route", grouped=grouped, pdl=pdl, sorted_topk=sorted_topk, route_block=route_block)
+    warps = route_warps(route_block * e_cols, grouped)
+    note_launch("chained_routing.route", grouped=grouped, pdl=pdl, sorted_topk=sorted_topk, route_block=route_block,
+                warps=warps)
     _chained_route_kernel[(cdiv(num_tokens, route_block),)](
         partial, bias if bias is not None else logits, logits, weights, ids,
         num_tokens, num_experts, topk, renormalize, float(routed_scaling_factor), groups, per_group, topk_group or 1,
         GROUPED=grouped, HAS_BIAS=bias is not None, USE_SIGMOID=scoring_func == "sigmoid", PRECISE=not INTERPRET,
         SORTED=sorted_topk, BLOCK_T=route_block, SPLIT_K=tiles["split_k"], E_COLS=e_cols, G_PAD=g_pad, S_PAD=s_pad,
         K_PAD=next_power_of_2(topk), PDL=pdl, TRIGGER=pdl and alignment is not None,
-        num_warps=route_warps(route_block * e_cols, grouped), **({"launch_pdl": True} if pdl else {}),
+        num_warps=warps, **({"launch_pdl": True} if pdl else {}),
     )
     if alignment is None:
         return
