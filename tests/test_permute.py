@@ -741,8 +741,17 @@ def test_permute_layout(seed):
     assert torch.equal(ref.m_indices, p.m_indices)
 
 
+@pytest.fixture(params=["tile", "slots"])
+def unpermute_body(request, monkeypatch):
+    """Each way :func:`unpermute` can read a token's rows (``combine.UNPERMUTE_BODY``)."""
+    from moe_kernels.kernels import combine
+
+    monkeypatch.setattr(combine, "UNPERMUTE_BODY", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("seed", range(6))
-def test_unpermute_round_trip_and_weights(seed):
+def test_unpermute_round_trip_and_weights(seed, unpermute_body):
     shape, rng = random_shape(300 + seed, [torch.float32])
     x, _, _, weights, ids = make_problem(**shape, seed=seed)
     p = permute(x, ids, shape["num_experts"], align=rng.choice([1, 16]))
@@ -757,12 +766,64 @@ def test_unpermute_round_trip_and_weights(seed):
     assert rel_err(unpermute_reference(p.rows, p.src2dst, weights), expected) < 1e-6
 
 
-def test_unpermute_accumulates_in_fp32():
+@pytest.mark.parametrize("tokens, k, d", [(0, 2, 8), (1, 1, 8), (3, 3, 40), (2, 6, 1100), (4, 8, 16), (2, 0, 8)])
+def test_unpermute_against_float64(tokens, k, d, unpermute_body):
+    """Each token's k rows (k a power of two or not, or none; rows wider than one 1024-column chunk)
+    times their weights, summed, against float64; a row named twice adds twice, a row out of range or
+    -1 adds nothing; the launch ran the body asked for."""
+    from moe_kernels._runtime import record_launches
+
+    gen = torch.Generator().manual_seed(tokens * 100 + k * 10 + d)
+    y = torch.randn(7, d, generator=gen).to(DEVICE)
+    src2dst = torch.randint(-1, 9, (tokens, k), generator=gen, dtype=torch.int32).to(DEVICE)   # 7, 8: outside
+    weights = (torch.rand(tokens, k, generator=gen) + 0.5).to(DEVICE)
+    with record_launches() as launches:
+        out = unpermute(y, src2dst, weights)
+    inside = (src2dst >= 0) & (src2dst < 7)
+    rows = y.double()[torch.where(inside, src2dst, 0).long()]                       # [T, k, d]
+    want = (rows * (weights.double() * inside)[..., None]).sum(dim=1)
+    assert out.shape == (tokens, d) and rel_err(out, want) < 1e-6
+    assert rel_err(unpermute_reference(y, src2dst, weights), want) < 1e-6
+    ran = [settings["body"] for name, settings in launches if name == "combine.unpermute"]
+    assert ran == ([unpermute_body] if tokens and d else []), launches
+
+
+def test_unpermute_accumulates_in_fp32(unpermute_body):
     """A partial sum past the fp16 range (120000) must not turn the answer (60000) into inf."""
     y = torch.tensor([[60000.0], [60000.0], [-60000.0]], dtype=torch.float16, device=DEVICE)
     out = unpermute(y, torch.tensor([[0, 1, 2]], dtype=torch.int32, device=DEVICE),
                     torch.ones(1, 3, device=DEVICE))
     assert out.item() == 60000.0
+
+
+_COMPILE_UNPERMUTE_FOR_HOPPER = """
+import re
+import torch
+torch.cuda.is_available = lambda: True
+from moe_kernels.kernels import combine
+from moe_kernels.sm90_compile import compile_for_sm90
+for slot_loop, block_topk, block_d in ((False, 8, 512), (True, 8, 1024)):
+    ptx = compile_for_sm90(combine._unpermute_kernel, dict(BLOCK_TOPK=block_topk, BLOCK_D=block_d, SLOT_LOOP=slot_loop),
+                           dict(y_ptr="*bf16", src2dst_ptr="*i32", weights_ptr="*fp32", out_ptr="*bf16"),
+                           aligned=("stride_ym", "stride_wt", "stride_ot", "hidden_size", "topk"), num_warps=4).asm["ptx"]
+    print(slot_loop, len(re.findall("ld.global.v4", ptx)), "bar.sync" in ptx)
+"""
+
+
+def test_unpermute_bodies_compile_for_hopper():
+    """Compiled for sm_90 (Triton 3.6 in CI): the tile body sums its [8, 512] tile across warps
+    (shared memory and barriers); the slots body loads each of the 8 rows' 1024 columns as one
+    16-byte load per thread and adds them in registers, with no barrier."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "MOE_KERNELS_BACKEND")}
+    done = subprocess.run([sys.executable, "-c", _COMPILE_UNPERMUTE_FOR_HOPPER], capture_output=True, text=True,
+                          timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split("\n")[:2] == ["False 4 True", "True 8 False"], done.stdout
 
 
 # ------------------------------------------------------------------------------------------

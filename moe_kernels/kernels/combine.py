@@ -28,6 +28,16 @@ from .._checks import FLOAT_DTYPES, check_tensor, fail
 from .._runtime import HAS_TRITON, cdiv, kernel, next_power_of_2, note_launch, tl, use_triton
 from ._tile_gemm import check_out, in_float32_under_interpreter
 
+#: How :func:`unpermute` reads a token's ``k`` rows: ``"tile"``, as one ``[k, BLOCK_D]`` tile summed
+#: over its first axis (the reduction crosses warps: shared memory and barriers); or ``"slots"``, one
+#: row chunk per slot in an unrolled loop, added in registers, the shape of :func:`moe_sum`'s kernel.
+#: On the H200 (``layout-stages.json``) ``moe_sum`` moved its bytes at the copy bandwidth (DeepSeek-V3,
+#: 8,192 tokens: 245 us for 1.06 GB) while this gather took 2.4 times as long on the same bytes (595
+#: us); "slots" is the candidate, "tile" stays until the device has timed both
+#: (``tools/unpermute_ab.py``). The two add the same products in another order: the sums agree to
+#: float32's rounding, not bit for bit. Read at each call.
+UNPERMUTE_BODY = "tile"
+
 if HAS_TRITON:
 
     @kernel
@@ -46,19 +56,35 @@ if HAS_TRITON:
     @kernel
     def _unpermute_kernel(
         y_ptr, stride_ym, num_rows, src2dst_ptr, weights_ptr, stride_wt, out_ptr, stride_ot,
-        topk, hidden_size, BLOCK_TOPK: tl.constexpr, BLOCK_D: tl.constexpr,
+        topk, hidden_size, BLOCK_TOPK: tl.constexpr, BLOCK_D: tl.constexpr, SLOT_LOOP: tl.constexpr,
     ):
         token = tl.program_id(0).to(tl.int64)
-        slots = tl.arange(0, BLOCK_TOPK)
-        src_rows = tl.load(src2dst_ptr + token * topk + slots, mask=slots < topk, other=-1)
-        present = (slots < topk) & (src_rows >= 0) & (src_rows < num_rows)
-        weights = tl.load(weights_ptr + token * stride_wt + slots, mask=present, other=0.0).to(tl.float32)
         cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
         col_mask = cols < hidden_size
-        safe_rows = tl.where(present, src_rows, 0).to(tl.int64)
-        y = tl.load(y_ptr + safe_rows[:, None] * stride_ym + cols[None, :],
-                    mask=present[:, None] & col_mask[None, :], other=0.0).to(tl.float32)
-        total = tl.sum(y * weights[:, None], axis=0)
+        if SLOT_LOOP:
+            # One row chunk per slot, unrolled: each thread adds its columns of the k rows in
+            # registers (no reduction across warps), and nothing is stored before the last load,
+            # so all k rows' loads can be in flight at once (moe_sum's shape, with an index per row).
+            total = tl.zeros((BLOCK_D,), dtype=tl.float32)
+            for slot in tl.static_range(BLOCK_TOPK):
+                # (the row index broadcast over the chunk: the mask of a masked load is a tensor)
+                src_row = tl.load(src2dst_ptr + token * topk + slot) + tl.zeros((BLOCK_D,), dtype=tl.int32)
+                present = (src_row >= 0) & (src_row < num_rows)
+                # (every slot's weight exists; a row that is not there adds nothing)
+                weight = tl.where(present, tl.load(weights_ptr + token * stride_wt + slot).to(tl.float32), 0.0)
+                safe_row = tl.where(present, src_row, 0).to(tl.int64)
+                y = tl.load(y_ptr + safe_row * stride_ym + cols, mask=present & col_mask, other=0.0)
+                total += y.to(tl.float32) * weight
+        else:
+            # The k rows as one [k, BLOCK_D] tile, summed over its first axis.
+            slots = tl.arange(0, BLOCK_TOPK)
+            src_rows = tl.load(src2dst_ptr + token * topk + slots, mask=slots < topk, other=-1)
+            present = (slots < topk) & (src_rows >= 0) & (src_rows < num_rows)
+            weights = tl.load(weights_ptr + token * stride_wt + slots, mask=present, other=0.0).to(tl.float32)
+            safe_rows = tl.where(present, src_rows, 0).to(tl.int64)
+            y = tl.load(y_ptr + safe_rows[:, None] * stride_ym + cols[None, :],
+                        mask=present[:, None] & col_mask[None, :], other=0.0).to(tl.float32)
+            total = tl.sum(y * weights[:, None], axis=0)
         tl.store(out_ptr + token * stride_ot + cols, total.to(out_ptr.dtype.element_ty), mask=col_mask)
 
 
@@ -125,11 +151,16 @@ def unpermute(y_rows: torch.Tensor, src2dst: torch.Tensor, topk_weights: torch.T
     rerun = lambda y, out: unpermute(y, src2dst, topk_weights, out=out)  # noqa: E731
     if in_float32_under_interpreter(rerun, out, y_rows) is not None:
         return out
-    block_d = min(next_power_of_2(hidden_size), 512)
+    slot_loop = UNPERMUTE_BODY == "slots"
+    if slot_loop:   # k rows unrolled (BLOCK_TOPK = k exactly), each chunk as wide as moe_sum's
+        block_topk, block_d = topk, min(next_power_of_2(hidden_size), 1024)
+    else:
+        block_topk, block_d = max(next_power_of_2(topk), 2), min(next_power_of_2(hidden_size), 512)
+    note_launch("combine.unpermute", body=UNPERMUTE_BODY, block_d=block_d)
     _unpermute_kernel[(num_tokens, cdiv(hidden_size, block_d))](
         y_rows, y_rows.stride(0), y_rows.shape[0], src2dst, topk_weights, topk_weights.stride(0),
         out, out.stride(0), topk, hidden_size,
-        BLOCK_TOPK=max(next_power_of_2(topk), 2), BLOCK_D=block_d, num_warps=4,
+        BLOCK_TOPK=block_topk, BLOCK_D=block_d, SLOT_LOOP=slot_loop, num_warps=4,
     )
     return out
 
