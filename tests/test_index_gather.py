@@ -309,6 +309,9 @@ def test_bench_tuning_candidates_fit_shared_memory():
                     assert t.num_stages * (bm + weight_tiles * t.block_n) * t.block_k * 2 <= 220 * 1024
                     assert not t.swap_ab or (bm <= 32 and t.block_n >= 64)   # transposed only to reach wgmma
                 assert any(t.swap_ab for t in tiles) == (bm <= 32 and any(t.block_n >= 64 for t in tiles))
+                # two stages only for wide tiles at decode (two programs per SM where three stages allow one)
+                assert all(t.block_n >= 128 and rho < 128 for t in tiles if t.num_stages == 2)
+    assert any(t.num_stages == 2 and t.block_n == 256 and t.swap_ab for t in tune.tile_candidates(32, 32, False))
 
 
 def test_bench_tuning_fp8_candidates_run_the_fp8_k_step():

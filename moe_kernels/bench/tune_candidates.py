@@ -35,6 +35,11 @@ def tile_candidates(rows_per_expert: float, block_m: int, gated: bool, fmt=None)
     (narrow N tiles) with long K tiles and deep pipelines; where it computes, wide tiles and
     more warps."""
     streaming = [(n, k, 1, 4, s) for n in (16, 32, 64, 128, 256) for k in (128, 256) for s in (3, 4, 5)]
+    # Wide tiles on two stages: three stages of a 256 x 128 bf16 weight tile fill an SM's shared
+    # memory (one program per SM), two leave room for a second program, whose stream can cover the
+    # first one's start and end. A GEMM 2 has short K loops (Qwen3-30B-A3B's: 6 steps of 128), so
+    # each program's start and end are a large share of its time.
+    streaming += [(n, 128, 1, 4, 2) for n in (128, 256)]
     balanced = [(n, k, 8, w, s) for n in (64, 128) for k in (64, 128) for w in (4, 8) for s in (3, 4)]
     computing = [(n, 64, 8, w, s) for n in (64, 128, 256) for w in (4, 8) for s in (3, 4)]
     if rows_per_expert < 16:
