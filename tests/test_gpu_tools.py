@@ -79,3 +79,34 @@ def test_the_tools_kernels_compile_for_hopper_as_the_experiments_need():
     expected = [f"{gated} {dtype} {dot} True {dot} True" for gated in (False, True) for dtype in ("bf16", "fp8e4nv")
                 for dot in (True, False)]
     assert done.stdout.split("\n")[:10] == expected + ["pdl False False False", "pdl True True True"], done.stdout
+
+
+_COMPILE_GLUON_FOR_HOPPER = """
+import runpy, sys
+sys.argv = ["tools/gluon_block_fp8_ab.py", "--compile-only"]
+runpy.run_path("tools/gluon_block_fp8_ab.py", run_name="__main__")
+"""
+
+
+def test_gluon_block_fp8_compiles_for_hopper():
+    """The Gluon block-fp8 GEMM (tools/gluon_block_fp8_ab.py) builds for sm_90a in both orders, 8 warps,
+    BLOCK_N 128 and 64: the overlapped one waits with one MMA outstanding (``wgmma.wait_group 1``, the
+    promotion under the next MMA), the in-order one never does; neither spills, and ptxas serialises
+    neither's wgmmas. Gluon's API is Triton 3.6's here (CI's ``.ci-triton36``): other Triton skips."""
+    import re
+
+    triton = pytest.importorskip("triton")
+    if not triton.__version__.startswith("3.6."):
+        pytest.skip(f"the tool is written for Triton 3.6's Gluon API (this is Triton {triton.__version__})")
+    pytest.importorskip("triton.experimental.gluon")
+    pytest.importorskip("triton.backends.nvidia")
+    done = run_tool(_COMPILE_GLUON_FOR_HOPPER, interpret=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    builds = re.findall(r"^(overlap|in-order) block_n=(\d+) .*?waits ([\d,]+), registers \d+, spills (\d+)/(\d+) .*"
+                        r"ptxas wgmma warnings (\d+)$", done.stdout, re.M)
+    assert sorted((order, n) for order, n, *_ in builds) == [("in-order", "128"), ("in-order", "64"),
+                                                            ("overlap", "128"), ("overlap", "64")], done.stdout
+    for order, _, waits, spill_stores, spill_loads, warnings in builds:
+        waits = {int(w) for w in waits.split(",")}
+        assert (1 in waits) == (order == "overlap") and 0 in waits, done.stdout
+        assert (spill_stores, spill_loads, warnings) == ("0", "0", "0"), done.stdout
