@@ -660,3 +660,57 @@ def test_pdl_with_the_other_machinery_gpu(options):
     TMA and the transposed tile (the atomics' order varies: checked against the float64 reference)."""
     problem = make_problem(64, 128, 8, 2048, 768, torch.bfloat16, seed=60, fused_topk_like=True)
     check(problem, torch.bfloat16, dataclasses.replace(variant(16, *options, block_n=64, block_k=128), pdl=True))
+
+
+_COMPILE_FLATTENED_FOR_HOPPER = """
+import torch
+torch.cuda.is_available = lambda: True   # build compiled (not interpreted) kernels; nothing is launched
+from moe_kernels.kernels import contiguous_gemm as pm, index_gather as ig
+from moe_kernels.sm90_compile import compile_for_sm90
+
+
+def nested_for(ttgir):
+    # whether a scf.for holds another one (TTGIR is printed two spaces per region level)
+    lines = ttgir.split(chr(10))
+    for n, line in enumerate(lines):
+        if "scf.for" in line:
+            indent = len(line) - len(line.lstrip())
+            for inner in lines[n + 1:]:
+                if len(inner) - len(inner.lstrip()) == indent and inner.lstrip().startswith("}"):
+                    break
+                if "scf.for" in inner:
+                    return True
+    return False
+
+
+aligned = ("stride_am", "stride_we", "stride_wn", "stride_om", "N", "K")
+for persistent in (1, 2):
+    pointers = dict(a_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", topk_weights_ptr="*fp32",
+                    sorted_token_ids_ptr="*i32", expert_ids_ptr="*i32", num_tokens_post_padded_ptr="*i32",
+                    a_scale_ptr="*fp32", w_scale_ptr="*fp32", w_desc="tensordesc<bf16[256, 128]>")
+    const = dict(BLOCK_M=32, BLOCK_N=256, BLOCK_K=128, GROUP_M=8, TOP_K=8, NAIVE_BLOCKS=False, DENSE=False, GATED=False,
+                 MUL_ROUTED_WEIGHT=True, EVEN_K=True, INPUT_PRECISION="tf32", SCALES=0, SUM_TOP_K=0, SPLIT_K=1,
+                 TMA_W=True, PERSISTENT=persistent, SCALE_BN=128, SCALE_BK=128, ID_CHECK="", SWAP_AB=True,
+                 PDL_TRIGGER=False, PDL_WAIT=False, PREFETCH_LINE=64, QUANT_GROUP=0, ROUND_TO="")
+    ttgir = compile_for_sm90(ig._index_gather_gemm_kernel, const, pointers, num_warps=4, num_stages=3,
+                             aligned=aligned).asm["ttgir"]
+    pointers = dict(a_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", m_indices_ptr="*i32", a_scale_ptr="*fp32",
+                    w_scale_ptr="*fp32", rows_used_ptr="*i32", row_assign_ptr="*i32", topk_weights_ptr="*fp32",
+                    w_desc="tensordesc<bf16[128, 64]>", a_desc="tensordesc<bf16[128, 64]>")
+    const = dict(GATED=True, EVEN_K=True, INPUT_PRECISION="tf32", SCALES=0, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64,
+                 SCALE_BN=128, SCALE_BK=128, TMA_W=True, TMA_A=True, SWAP_AB=False, GROUP_M=8, PERSISTENT=persistent,
+                 SUM_TOP_K=0, SPLIT_K=1, GATHER_TOP_K=0, SHORT_LAST=0, M_STEP=1)
+    ttgir_permute = compile_for_sm90(pm._contiguous_gemm_kernel, const, pointers, num_warps=8, num_stages=3,
+                                     aligned=aligned).asm["ttgir"]
+    print(persistent, nested_for(ttgir), nested_for(ttgir_permute))
+"""
+
+
+def test_flattened_persistent_loops_fuse_for_hopper():
+    """``persistent=2`` asks Triton to flatten a persistent program's tile loop and K loop into one software
+    pipeline (the next tile's first loads under this tile's epilogue). Triton 3.6 does so only when the
+    K loop sits under no branch and runs as many steps in every tile; until the tile bodies were written
+    for it (``FLAT``), both layouts compiled ``persistent=2`` exactly like ``persistent=1``: a loop in a loop.
+    Compiled for sm_90 here: with 1 the K loop stays inside the tile loop, with 2 there is one loop."""
+    lines = compiled_for_hopper(_COMPILE_FLATTENED_FOR_HOPPER)
+    assert lines[:2] == ["1 True True", "2 False False"], lines

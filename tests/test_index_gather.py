@@ -3,6 +3,7 @@
 Runs on default_device(): the Triton interpreter on a CPU machine, the compiled kernels on a GPU.
 """
 
+import dataclasses
 import random
 import re
 from functools import partial
@@ -12,7 +13,7 @@ import torch
 
 import moe_testing
 from moe_kernels.kernels import blocks as block_map
-from moe_kernels.kernels import combine, config
+from moe_kernels.kernels import combine, config, gather_tile
 from moe_kernels.kernels import index_gather as fm
 from moe_kernels.reference import moe_reference, silu_and_mul_reference
 from moe_testing import DEVICE, ON_GPU, TOLERANCE, assert_device_assert, needs_gpu, rel_err
@@ -169,20 +170,27 @@ def test_stages_write_every_row(naive):
     assert rel_err(out, moe_reference(hidden, w1, w2, weights, ids)) < 1e-5
 
 
-def test_expert_minus_one_writes_zeros():
-    # A block whose expert id is -1 (vLLM: an expert held by another GPU) contributes zeros.
+@pytest.mark.parametrize("persistent", [0, 1, 2])
+@pytest.mark.parametrize("label", [-1, 4])
+def test_expert_minus_one_writes_zeros(label, persistent):
+    # A block whose expert id is -1 (vLLM: an expert held by another GPU) contributes zeros, and so
+    # does one whose id is past the experts (unchecked input), on every grid: the flattened
+    # persistent loop (2) runs such a tile's K loop on expert 0's weights and keeps zeros.
     hidden, w1, w2, weights, ids = make_problem(3, 4, 2, 32, 16, torch.float32, seed=16)
     blocks = block_map.assign_blocks(ids, 16, 4, naive=False)
     first_expert = int(blocks.expert_ids[0])
     expert_ids = blocks.expert_ids.clone()
-    expert_ids[0] = -1
+    expert_ids[0] = label
     hidden_blocks = block_map.BlockAssignment(16, expert_ids, blocks.sorted_token_ids, blocks.num_tokens_post_padded,
                                        blocks.num_m_blocks)
-    tiles = config.default_config(3, 4, 16, 32).gate_up
+    tiles = dataclasses.replace(config.default_config(3, 4, 16, 32).gate_up, persistent=persistent)
     inter = torch.full((6, 16), float("nan"), device=DEVICE)
     fm.expert_gate_up(hidden, w1, hidden_blocks, 2, tiles=tiles, out=inter)
     on_missing = (ids.reshape(-1) == first_expert)
     assert (inter[on_missing] == 0).all() and torch.isfinite(inter).all()
+    others = ~on_missing
+    want = gather_tile.rows_reference(hidden, w1, blocks, 6, 2)
+    assert rel_err(inter[others], want[others]) < 1e-5
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -60,7 +60,7 @@ if HAS_TRITON:
         SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
         w_desc, TMA_W: tl.constexpr, a_desc, TMA_A: tl.constexpr, SWAP_AB: tl.constexpr,
         row_assign_ptr, topk_weights_ptr, num_assignments, SUM_TOP_K: tl.constexpr, SPLIT_K: tl.constexpr,
-        GATHER_TOP_K: tl.constexpr, SHORT_LAST: tl.constexpr,
+        GATHER_TOP_K: tl.constexpr, SHORT_LAST: tl.constexpr, FLAT: tl.constexpr = False,
     ):
         """Tile (``pid_m``, ``pid_n``), K slice ``split``, of the contiguous grouped GEMM: stored
         row for row, or (``SUM_TOP_K`` = k) times each row's routing weight and added into its
@@ -69,7 +69,8 @@ if HAS_TRITON:
         ``row_assign[r] // k`` (rows through the permutation, not copied into the segments).
         ``SHORT_LAST`` (``MoEConfig.short_last_tile``): 1, the full tiles' launch, leaves a tile whose
         second half holds no real row to 2, the launch of half-height tiles (``BLOCK_M`` halved,
-        ``pid_m`` the first half of a full tile), which runs those tiles' first halves."""
+        ``pid_m`` the first half of a full tile), which runs those tiles' first halves. ``FLAT``: called
+        from a tile loop that Triton flattens with the K loop into one pipeline (see below)."""
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         row_experts = tl.load(m_indices_ptr + rows, mask=rows < num_rows, other=-1)
         # A tile lies inside one segment (BLOCK_M divides align), so its real rows share one
@@ -89,13 +90,20 @@ if HAS_TRITON:
             second = tl.load(m_indices_ptr + after, mask=after < num_rows, other=-1)
             run = run & (tl.max((second == expert).to(tl.int32), axis=0) == 0)
         # <<< book: short-last-tile
-        if run:
+        if FLAT:
+            # Triton flattens the tile loop and the K loop only if the K loop sits under no branch:
+            # every tile enters, and one that must not run (all padding, or an unknown expert)
+            # multiplies expert 0's weights, an address that exists, and stores no row.
+            expert = tl.where(run, expert, 0)
+        if run | FLAT:
             # A segment's real rows come first, so the tile's first row is real: padding rows read
             # it (loads need no row mask, and never see the buffer's unwritten garbage) and are not
             # stored. Through the copy engine (TMA_A) a tile reads its rows as they are, padding
             # included: a row of the product depends on its own row of A only, and padding rows
             # are never stored.
             row_real = row_experts == expert
+            if FLAT:
+                row_real = tl.where(run, row_real, False)
             offsets = rows.to(tl.int64)
             if GATHER_TOP_K > 0:
                 # Row r holds assignment a = (token a // k, slot a % k): read the token's row of A
@@ -161,7 +169,9 @@ if HAS_TRITON:
             # One program per SM, walking only the tiles of the rows the segments use (their
             # padded total, which the alignment wrote on the device: no host sync), GROUP_M
             # M-blocks down one N-tile at a time. The buffer's spare tail, sized for the worst
-            # routing, costs nothing. (2: the tile and K loops flattened into one pipeline.)
+            # routing, costs nothing. (2: the tile and K loops flattened into one pipeline, so that
+            # the next tile's first loads start under this tile's epilogue; not with short last
+            # tiles, whose launches skip tiles by a test around the K loop.)
             num_m_blocks = tl.cdiv(tl.minimum(tl.load(rows_used_ptr), num_rows), BLOCK_M * M_STEP)
             num_tiles = num_m_blocks * tl.cdiv(N, BLOCK_N) * SPLIT_K
             for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=PERSISTENT == 2):
@@ -171,7 +181,8 @@ if HAS_TRITON:
                                  a_scale_ptr, stride_as, w_scale_ptr, stride_wse, stride_wsn, stride_wsk,
                                  GATED, EVEN_K, INPUT_PRECISION, SCALES, BLOCK_M, BLOCK_N, BLOCK_K, SCALE_BN,
                                  SCALE_BK, w_desc, TMA_W, a_desc, TMA_A, SWAP_AB, row_assign_ptr, topk_weights_ptr,
-                                 num_assignments, SUM_TOP_K, SPLIT_K, GATHER_TOP_K, SHORT_LAST)
+                                 num_assignments, SUM_TOP_K, SPLIT_K, GATHER_TOP_K, SHORT_LAST,
+                                 (PERSISTENT == 2) and (SHORT_LAST == 0))
 
 
 def grouped_gemm_contiguous(x: torch.Tensor, w: torch.Tensor, m_indices: torch.Tensor, *, align: int,

@@ -64,9 +64,11 @@ if HAS_TRITON:
         MUL_ROUTED_WEIGHT: tl.constexpr, EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr,
         SCALES: tl.constexpr, SUM_TOP_K: tl.constexpr, SPLIT_K: tl.constexpr, w_desc, TMA_W: tl.constexpr,
         SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, ID_CHECK: tl.constexpr, SWAP_AB: tl.constexpr,
-        out_scale_ptr, stride_os, QUANT_GROUP: tl.constexpr, ROUND_TO: tl.constexpr,
+        out_scale_ptr, stride_os, QUANT_GROUP: tl.constexpr, ROUND_TO: tl.constexpr, FLAT: tl.constexpr = False,
     ):
         # out[row] = A[row // TOP_K] @ W[expert]^T for the rows of one M-block; W is [E, N', K].
+        # FLAT: called from a loop over tiles that Triton is asked to flatten with this K loop into one
+        # software pipeline (the next tile's loads under this tile's epilogue): see below.
         # QUANT_GROUP > 0 (GEMM 1, fp8 block weights): out is GEMM 2's fp8 input, with its 1 x
         # QUANT_GROUP scales at out_scale_ptr, quantised here instead of by a separate launch.
         # SUM_TOP_K > 0: out[row // SUM_TOP_K] += that instead (fp32 atomics), over SPLIT_K K slices.
@@ -99,7 +101,13 @@ if HAS_TRITON:
         # -1: the block's expert is computed elsewhere (vLLM, under expert parallelism);
         # an id out of range (unchecked input) must not become an address. Its rows are zero.
         known = (expert >= 0) & (expert < num_experts)
-        if in_use & known:
+        if FLAT:
+            # Triton flattens the tile loop and this K loop only if the K loop sits under no branch
+            # and runs as many steps in every tile. Every tile the flattened loop visits is in use
+            # (that loop ends at the last block in use); one whose expert is unknown multiplies
+            # expert 0's weights, an address that exists, and keeps zeros.
+            expert = tl.where(known, expert, 0)
+        if (in_use & known) | FLAT:
             # Padding rows read row 0 (never stored), so the loads need no row mask.
             a_row = tl.where(row_real, rows // TOP_K, 0)
             acc = expert_tile_product(
@@ -109,6 +117,8 @@ if HAS_TRITON:
                 split, SPLIT_K, w_desc,
                 (expert * (N * (1 + GATED)) + pid_n * BLOCK_N).to(tl.int32), TMA_W,
                 SCALE_BN, SCALE_BK, SWAP_AB)
+            if FLAT:
+                acc = tl.where(known, acc, 0.0)
             if MUL_ROUTED_WEIGHT:
                 acc = scale_rows(acc, topk_weights_ptr, rows, row_real)
             if QUANT_GROUP > 0:

@@ -125,15 +125,22 @@ if HAS_TRITON:
                 INPUT_PRECISION, SCALES, SUM_TOP_K, SPLIT_K, w_desc, TMA_W, SCALE_BN, SCALE_BK, ID_CHECK, SWAP_AB,
                 out_scale_ptr, stride_os, QUANT_GROUP, ROUND_TO)
         else:
-            for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=PERSISTENT == 2):
+            tiles = num_tiles
+            m_blocks = num_m_blocks
+            if (PERSISTENT == 2) and (not NAIVE_BLOCKS) and (not DENSE):
+                # The flattened loop visits the blocks in use only (the tile then needs no branch
+                # around its K loop, which Triton's flattening requires), in the same grouped order.
+                m_blocks = tl.minimum(tl.cdiv(tl.load(num_tokens_post_padded_ptr), BLOCK_M), num_m_blocks)
+                tiles = m_blocks * tl.cdiv(N, BLOCK_N) * SPLIT_K
+            for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=PERSISTENT == 2):
                 _index_gather_tile(
                     tile, a_ptr, w_ptr, out_ptr, topk_weights_ptr, sorted_token_ids_ptr, expert_ids_ptr,
-                    num_tokens_post_padded_ptr, num_m_blocks, num_valid_rows, num_experts, N, K,
+                    num_tokens_post_padded_ptr, m_blocks, num_valid_rows, num_experts, N, K,
                     stride_am, stride_we, stride_wn, stride_om,
                     a_scale_ptr, stride_as, w_scale_ptr, stride_wse, stride_wsn, stride_wsk,
                     BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, TOP_K, NAIVE_BLOCKS, DENSE, GATED, MUL_ROUTED_WEIGHT, EVEN_K,
                     INPUT_PRECISION, SCALES, SUM_TOP_K, SPLIT_K, w_desc, TMA_W, SCALE_BN, SCALE_BK, ID_CHECK,
-                    SWAP_AB, out_scale_ptr, stride_os, QUANT_GROUP, ROUND_TO)
+                    SWAP_AB, out_scale_ptr, stride_os, QUANT_GROUP, ROUND_TO, PERSISTENT == 2)
         if PDL_TRIGGER == 2:
             gdc_launch_dependents()
 
