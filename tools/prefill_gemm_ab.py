@@ -10,7 +10,9 @@ stay zero and the check compares like with like). Candidates:
 
   m128 / m64 gemm1 / gemm2 <tiles>   grouped_gemm_contiguous with those tiles (TMA on both operands) on
                           segments aligned to 128 or to 64 rows (M tiles of that height: a 64-row tile pads
-                          a segment's last tile less), rows_used read on the device; "no promotion": fp8
+                          a segment's last tile less), rows_used read on the device; "flat": the tile loop
+                          and the K loop flattened into one pipeline (persistent=2; "grid": one program per
+                          tile; "g1": GROUP_M 1); "no promotion": fp8
                           weights with one scale per row and per expert after the loop (the tensor format),
                           the block-scale K loop's upper bound; "gathered": GEMM 1 reading each row from
                           its token through the permutation (MoEConfig.gather_rows: no copy in, pointer
@@ -63,23 +65,25 @@ def tiles(n, k, warps, stages, group_m=8, persistent=1):
 
 
 # name -> tiles; GEMM 1's block_n counts output columns (it loads 2 x block_n weight rows: gate and up)
+# (Each table's second tile is its first on the flattened persistent loop, so that PREFILL_AB_TILES=2 times both:
+# until Session 25 persistent=2 compiled exactly like persistent=1.)
 GEMM1 = {
-    "none": {"n128 k64 w8 s3": tiles(128, 64, 8, 3), "n128 k64 w8 s3 g1": tiles(128, 64, 8, 3, 1),
-             "n128 k64 w8 s4": tiles(128, 64, 8, 4), "n64 k64 w4 s4": tiles(64, 64, 4, 4),
-             "n64 k64 w8 s4": tiles(64, 64, 8, 4), "n128 k64 w8 s3 flat": tiles(128, 64, 8, 3, persistent=2),
+    "none": {"n128 k64 w8 s3": tiles(128, 64, 8, 3), "n128 k64 w8 s3 flat": tiles(128, 64, 8, 3, persistent=2),
+             "n128 k64 w8 s3 g1": tiles(128, 64, 8, 3, 1), "n128 k64 w8 s4": tiles(128, 64, 8, 4),
+             "n64 k64 w4 s4": tiles(64, 64, 4, 4), "n64 k64 w8 s4": tiles(64, 64, 8, 4),
              "n128 k64 w8 s3 grid": tiles(128, 64, 8, 3, persistent=0)},
-    "block": {"n64 k128 w8 s4": tiles(64, 128, 8, 4), "n64 k128 w8 s3": tiles(64, 128, 8, 3),
-              "n128 k128 w8 s3": tiles(128, 128, 8, 3), "n64 k128 w4 s4": tiles(64, 128, 4, 4),
-              "n64 k128 w8 s4 g1": tiles(64, 128, 8, 4, 1), "n64 k128 w8 s4 grid": tiles(64, 128, 8, 4, persistent=0)},
+    "block": {"n64 k128 w8 s4": tiles(64, 128, 8, 4), "n64 k128 w8 s4 flat": tiles(64, 128, 8, 4, persistent=2),
+              "n64 k128 w8 s3": tiles(64, 128, 8, 3), "n128 k128 w8 s3": tiles(128, 128, 8, 3),
+              "n64 k128 w4 s4": tiles(64, 128, 4, 4), "n64 k128 w8 s4 g1": tiles(64, 128, 8, 4, 1),
+              "n64 k128 w8 s4 grid": tiles(64, 128, 8, 4, persistent=0)},
 }
 GEMM2 = {
-    "none": {"n256 k64 w8 s3": tiles(256, 64, 8, 3), "n256 k64 w8 s3 g1": tiles(256, 64, 8, 3, 1),
-             "n128 k64 w8 s4": tiles(128, 64, 8, 4), "n128 k64 w4 s4": tiles(128, 64, 4, 4),
-             "n256 k64 w8 s3 flat": tiles(256, 64, 8, 3, persistent=2),
-             "n256 k64 w8 s3 grid": tiles(256, 64, 8, 3, persistent=0)},
-    "block": {"n128 k128 w8 s4": tiles(128, 128, 8, 4), "n128 k128 w8 s3": tiles(128, 128, 8, 3),
-              "n256 k128 w8 s3": tiles(256, 128, 8, 3), "n128 k128 w4 s4": tiles(128, 128, 4, 4),
-              "n128 k128 w8 s4 g1": tiles(128, 128, 8, 4, 1),
+    "none": {"n256 k64 w8 s3": tiles(256, 64, 8, 3), "n256 k64 w8 s3 flat": tiles(256, 64, 8, 3, persistent=2),
+             "n256 k64 w8 s3 g1": tiles(256, 64, 8, 3, 1), "n128 k64 w8 s4": tiles(128, 64, 8, 4),
+             "n128 k64 w4 s4": tiles(128, 64, 4, 4), "n256 k64 w8 s3 grid": tiles(256, 64, 8, 3, persistent=0)},
+    "block": {"n128 k128 w8 s4": tiles(128, 128, 8, 4), "n128 k128 w8 s4 flat": tiles(128, 128, 8, 4, persistent=2),
+              "n128 k128 w8 s3": tiles(128, 128, 8, 3), "n256 k128 w8 s3": tiles(256, 128, 8, 3),
+              "n128 k128 w4 s4": tiles(128, 128, 4, 4), "n128 k128 w8 s4 g1": tiles(128, 128, 8, 4, 1),
               "n128 k128 w8 s4 grid": tiles(128, 128, 8, 4, persistent=0)},
 }
 # 64-row M tiles on segments aligned to 64 rows: less padding (a segment's last tile), smaller MMAs
