@@ -15,6 +15,7 @@ runs under the next MMA (what DeepGEMM does in CUDA). Candidates, on each GEMM a
   gluon overlap      the Gluon kernel, promotion of step s after issuing step s+1 (wait_group 1)
   gluon in order     the same kernel, wait_group 0 after each MMA, then its promotion (the A/B's control)
   triton             grouped_gemm_contiguous, n128 k128 w8 s4, TMA, persistent (the package's path)
+  triton flat        the same with its tile and K loops flattened into one pipeline (persistent=2)
 
 on DeepSeek-V3's (GEMM 1: N 4096 (gate and up, no SiLU here), K 7168; GEMM 2: N 7168, K 2048; 256 experts)
 and Qwen3-30B-A3B's shapes (GEMM 1: N 1536, K 2048; GEMM 2: N 2048, K 768; 128 experts), T tokens with
@@ -35,6 +36,7 @@ Needs Triton 3.6 (its Gluon API; later versions changed it).
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -440,7 +442,9 @@ def main(argv):
     models = argv[0].split(",") if argv else ["qwen3-30b-a3b", "deepseek-v3"]
     batches = [int(b) for b in argv[1].split(",")] if len(argv) > 1 else [4096, 16384]
     tiles = GemmTiles(block_n=128, block_k=128, group_m=8, num_warps=8, num_stages=4, tma=True, persistent=1)
-    config = MoEConfig(128, tiles, tiles)
+    configs = {"triton": MoEConfig(128, tiles, tiles),   # and the tile and K loops flattened (persistent=2)
+               "triton flat": MoEConfig(128, dataclasses.replace(tiles, persistent=2),
+                                        dataclasses.replace(tiles, persistent=2))}
     fp8_rate = measure_fp8_gemm_rate()
     print(f"triton {triton.__version__}; dense fp8 _scaled_mm: {fp8_rate / 1e12:.0f} TFLOP/s", flush=True)
     rows = []
@@ -451,7 +455,7 @@ def main(argv):
             "gluon": {"block_m": TILE_M, "block_n": 128, "block_k": TILE_K, "stages": 4, "num_warps": 8,
                       "group_m": GROUP_M, "grid": "one program per tile"},
             "triton_tiles": {"block_n": 128, "block_k": 128, "group_m": 8, "num_warps": 8, "num_stages": 4,
-                             "tma": True, "persistent": 1}})
+                             "tma": True, "persistent": "1 ('triton') and 2 ('triton flat')"}})
 
     for key in models:
         experts, top_k, gemms = MODEL_SHAPES[key]
@@ -465,20 +469,20 @@ def main(argv):
                 x, x_scale = activations(num_rows, k, seed=batch + k)
                 ref = reference(x, x_scale, w, w_scale, starts, counts)
                 outs = {name: torch.zeros(num_rows, n, device="cuda", dtype=torch.bfloat16)
-                        for name in ("gluon overlap", "gluon in order", "triton")}
+                        for name in ("gluon overlap", "gluon in order", *configs)}
 
                 def gluon_call(name, overlap):
                     return lambda: gluon_block_fp8_grouped(x, x_scale, w, w_scale, m_indices, overlap=overlap,
                                                            out=outs[name])
 
-                candidates = {
-                    "gluon overlap": gluon_call("gluon overlap", True),
-                    "gluon in order": gluon_call("gluon in order", False),
-                    "triton": lambda: grouped_gemm_contiguous(x, w, m_indices, align=128, x_scale=x_scale,
-                                                              w_scale=w_scale, config=config, which="gate_up",
-                                                              out=outs["triton"], out_dtype=torch.bfloat16,
-                                                              rows_used=rows_used),
-                }
+                def triton_call(name):
+                    return lambda: grouped_gemm_contiguous(x, w, m_indices, align=128, x_scale=x_scale, w_scale=w_scale,
+                                                           config=configs[name], which="gate_up", out=outs[name],
+                                                           out_dtype=torch.bfloat16, rows_used=rows_used)
+
+                candidates = {"gluon overlap": gluon_call("gluon overlap", True),
+                              "gluon in order": gluon_call("gluon in order", False),
+                              **{name: triton_call(name) for name in configs}}
                 us, rounds, errors, rel = time_lowest(candidates, ref, tolerance=1e-2, warmup_ms=2, rep_ms=10,
                                                       rounds=2, alternate=True)
                 flops = 2 * batch * top_k * n * k
