@@ -1,0 +1,146 @@
+"""What the compiler makes of every entry of the tuned index-gather tables, for sm_90 under the H200's
+Triton (3.6), on this machine, with no GPU: a check that costs no device time.
+
+The tables name tiles; what runs is what Triton and ptxas make of them. Two such surprises have been
+found by reading the compiled code rather than timing it: a 16-row tile compiles to ``mma.sync``, not
+Hopper's wgmma (hence ``swap_ab``), and ``persistent=2`` compiled to exactly ``persistent=1``'s code
+until Session 25 (the loops were never flattened). For each routed-experts table (both models, bf16
+and fp8 block) and each entry, GEMM 1 (gate and up, SiLU·mul) and GEMM 2 (times the routed weight,
+or the top-k sum in its epilogue where the entry says so) are compiled as the layer launches them at
+that token count (the naive block map where vLLM's rule takes it), and one line says:
+
+  mma        wgmma (Hopper's warpgroup MMA) or mma.sync
+  dot wait   the pendings of each ``warp_group_dot_wait`` in the TTGIR: 0 after every product means the
+             MMAs of consecutive K steps never overlap (the block-fp8 promotion waits for each product)
+  pipeline   the software pipeline's ring of shared-memory tiles (stages x: the tiles a K step loads)
+             and what fills it: TMA bulk copies, cp.async (pointer loads the pipeline issues ahead), or
+             plain loads (none pipelined; the ring is then 1)
+  loops      1 if the persistent grid's tile and K loops are one flattened loop, else the nesting
+  regs       ptxas's registers per thread, and its spill stores (bytes)
+
+Entries whose streams (``stream_lag``) or quantising epilogue (``quant_in_gemm``) change the launch are
+compiled without them (the two GEMMs as two launches), and say so.
+
+    PYTHONPATH=/tmp/t36 python tools/table_audit.py [tokens,...]   # Triton 3.6 from `pip install --target /tmp/t36`
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+torch.cuda.is_available = lambda: True   # compiled (not interpreted) kernels; nothing is launched
+
+import triton  # noqa: E402
+
+from moe_kernels.kernels import index_gather as ig  # noqa: E402
+from moe_kernels.kernels.blocks import use_naive_block_assignment  # noqa: E402
+from moe_kernels.sm90_compile import compile_for_sm90  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+TABLES = ROOT / "moe_kernels" / "kernels" / "configs"
+PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+ALIGNED = ("stride_am", "stride_we", "stride_wn", "stride_om", "N", "K", "stride_as", "stride_wse", "stride_wsn")
+
+
+def routed_tables():
+    """(name, E, F, d, fp8, path) of each routed-experts table (E > 1) in the package."""
+    for path in sorted(TABLES.glob("*layout=index_gather.json")):
+        fields = dict(part.split("=") for part in path.stem.split(","))
+        if int(fields["E"]) > 1:
+            yield (f"E={fields['E']} {'fp8' if 'float8' in fields['dtype'] else 'bf16'}", int(fields["E"]),
+                   int(fields["N"]), int(fields["K"]), "float8" in fields["dtype"], path)
+
+
+def build(tiles: dict, *, block_m: int, gated: bool, fp8: bool, naive: bool, top_k: int, summed: int):
+    """The index-gather GEMM compiled for sm_90 with one table entry's tiles, as launched."""
+    dtype = "fp8e4nv" if fp8 else "bf16"
+    tma, block_n, block_k = tiles["tma"], tiles["block_n"], tiles["block_k"]
+    pointers = dict(a_ptr="*" + dtype, w_ptr="*" + dtype, out_ptr="*fp32" if summed else "*bf16",
+                    topk_weights_ptr="*fp32", sorted_token_ids_ptr="*i32", expert_ids_ptr="*i32",
+                    num_tokens_post_padded_ptr="*i32", a_scale_ptr="*fp32", w_scale_ptr="*fp32",
+                    w_desc=f"tensordesc<{dtype}[{block_n}, {block_k}]>" if tma else "*" + dtype)
+    const = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=tiles["group_m"], TOP_K=top_k,
+                 NAIVE_BLOCKS=naive, DENSE=False, GATED=gated, MUL_ROUTED_WEIGHT=not gated, EVEN_K=True,
+                 INPUT_PRECISION="tf32", SCALES=1 if fp8 else 0, SUM_TOP_K=summed, SPLIT_K=tiles["split_k"],
+                 TMA_W=tma, PERSISTENT=tiles["persistent"], SCALE_BN=128, SCALE_BK=128, ID_CHECK="",
+                 SWAP_AB=tiles["swap_ab"], PDL_TRIGGER=False, PDL_WAIT=False, PREFETCH_LINE=64, QUANT_GROUP=0,
+                 ROUND_TO="")
+    return compile_for_sm90(ig._index_gather_gemm_kernel, const, pointers, aligned=ALIGNED,
+                            num_warps=tiles["num_warps"], num_stages=tiles["num_stages"])
+
+
+def loop_nesting(ttgir: str) -> int:
+    """The deepest nesting of ``scf.for`` loops (TTGIR is printed two spaces per region level)."""
+    depth, open_loops = 0, []
+    for line in ttgir.split("\n"):
+        indent = len(line) - len(line.lstrip())
+        while open_loops and line.lstrip().startswith("}") and indent <= open_loops[-1]:
+            open_loops.pop()
+        if "scf.for" in line:
+            open_loops.append(indent)
+            depth = max(depth, len(open_loops))
+    return depth
+
+
+def report(kernel) -> dict:
+    ttgir, ptx = kernel.asm["ttgir"], kernel.asm["ptx"]
+    waits = sorted({int(n) for n in re.findall(r"warp_group_dot_wait .*?pendings = (\d+)", ttgir)})
+    # the pipeline's ring of shared-memory tiles: [stages, rows, K] buffers (the [stages, 1] ones are barriers)
+    buffers = [int(n) for n, rows in re.findall(r"ttg\.local_alloc\s*: \(\) -> !ttg\.memdesc<(\d+)x(\d+)x\d+x", ttgir)
+               if int(rows) > 1]
+    by = ("TMA" if "cp.async.bulk.tensor" in ptx else "cp.async" if "cp.async" in ptx else "loads")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.ptx")
+        Path(path).write_text(ptx)
+        done = subprocess.run([str(PTXAS), "-v", "-arch=sm_90a", path, "-o", os.devnull], capture_output=True,
+                              text=True)
+    text = done.stdout + done.stderr
+    if done.returncode:
+        raise RuntimeError(f"ptxas ({PTXAS}) failed on the PTX of Triton {triton.__version__}: {text.strip()[-300:]}")
+    regs = int(re.search(r"Used (\d+) registers", text).group(1))
+    spills = int(re.search(r"(\d+) bytes spill stores", text).group(1))
+    return {"mma": "wgmma" if "wgmma.mma_async" in ptx else "mma.sync" if "mma.sync" in ptx else "-",
+            "dot_wait": waits, "stages": max(buffers, default=1), "by": by,
+            "loops": loop_nesting(ttgir), "regs": regs, "spills": spills}
+
+
+def main(argv):
+    only = {int(t) for t in argv[0].split(",")} if argv else None
+    print(f"triton {triton.__version__}, sm_90a; {'GEMM':5s} = mma | dot wait | pipeline | loops | regs/spills")
+    rows = []
+    for name, num_experts, f, d, fp8, path in routed_tables():
+        configs = json.loads(path.read_text())["configs"]
+        top_k = 8
+        for tokens, config in sorted(configs.items(), key=lambda kv: int(kv[0])):
+            if only and int(tokens) not in only:
+                continue
+            naive = use_naive_block_assignment(int(tokens), top_k, num_experts)
+            summed = top_k if config.get("sum_in_gemm") else 0
+            skipped = [s for s in ("stream_lag", "quant_in_gemm") if config.get(s)]
+            line = {}
+            for gemm, gated in (("gate_up", True), ("down", False)):
+                tiles = config[gemm]
+                if not gated and not summed and tiles["split_k"] > 1:
+                    tiles = {**tiles, "split_k": 1}   # (split-K GEMM 2 only with the sum in its epilogue)
+                line[gemm] = report(build(tiles, block_m=config["block_m"], gated=gated, fp8=fp8, naive=naive,
+                                          top_k=top_k, summed=0 if gated else summed))
+            rows.append({"table": name, "tokens": int(tokens), **line})
+            cells = [f"{g[:4]:4s} {r['mma']:8s} {','.join(map(str, r['dot_wait'])) or '-':3s} "
+                     f"{r['stages']}x{r['by']:8s} {r['loops']} {r['regs']:3d}/{r['spills']}"
+                     for g, r in line.items()]
+            flags = [f"{g[:4]} spills" for g, r in line.items() if r["spills"]]
+            print(f"{name:11s} {int(tokens):5d} {'naive' if naive else 'bm' + str(config['block_m']):5s} "
+                  + " | ".join(cells) + (f"  ({', '.join(skipped)} not compiled)" if skipped else "")
+                  + (f"  <- {', '.join(flags)}" if flags else ""), flush=True)
+    return rows
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
