@@ -9,7 +9,9 @@ and fp8 block) and each entry, GEMM 1 (gate and up, SiLU·mul) and GEMM 2 (times
 or the top-k sum in its epilogue where the entry says so) are compiled as the layer launches them at
 that token count (the naive block map where vLLM's rule takes it), and one line says:
 
-  mma        wgmma (Hopper's warpgroup MMA) or mma.sync
+  mma        wgmma (Hopper's warpgroup MMA) or mma.sync, and the tensor-core instructions in the SASS:
+             HGMMA (16-bit wgmma), QGMMA (fp8 wgmma) or HMMA (f16 mma.sync). Hopper has no fp8 mma.sync:
+             an fp8 tile on mma.sync runs as f16 HMMAs fed by F2FP conversions on the CUDA cores (flagged)
   dot wait   the pendings of each ``warp_group_dot_wait`` in the TTGIR: 0 after every product means the
              MMAs of consecutive K steps never overlap (the block-fp8 promotion waits for each product)
   pipeline   the software pipeline's ring of shared-memory tiles (stages x: the tiles a K step loads)
@@ -97,23 +99,28 @@ def report(kernel) -> dict:
                if int(rows) > 1]
     by = ("TMA" if "cp.async.bulk.tensor" in ptx else "cp.async" if "cp.async" in ptx else "loads")
     with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "k.ptx")
+        path, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
         Path(path).write_text(ptx)
-        done = subprocess.run([str(PTXAS), "-v", "-arch=sm_90a", path, "-o", os.devnull], capture_output=True,
-                              text=True)
-    text = done.stdout + done.stderr
-    if done.returncode:
-        raise RuntimeError(f"ptxas ({PTXAS}) failed on the PTX of Triton {triton.__version__}: {text.strip()[-300:]}")
+        done = subprocess.run([str(PTXAS), "-v", "-arch=sm_90a", path, "-o", cubin], capture_output=True, text=True)
+        text = done.stdout + done.stderr
+        if done.returncode:
+            raise RuntimeError(f"ptxas ({PTXAS}) failed on the PTX of Triton {triton.__version__}: {text.strip()[-300:]}")
+        sass = subprocess.run([str(PTXAS.parent / "cuobjdump"), "-sass", cubin], capture_output=True, text=True).stdout
+    # The SASS says what the tensor cores run: Hopper has no fp8 mma.sync, so an fp8 mma.sync tile becomes
+    # f16 HMMAs fed by F2FP conversions of every fp8 pair on the CUDA cores; wgmma is HGMMA (16-bit) or QGMMA (fp8).
+    opcodes = re.findall(r"^\s+/\*[0-9a-f]+\*/\s+([A-Z0-9]+)", sass, re.M)
+    tensor_ops = sorted({op for op in opcodes if op in ("HMMA", "HGMMA", "QGMMA")})
+    conversions = sum(op == "F2FP" for op in opcodes)
     regs = int(re.search(r"Used (\d+) registers", text).group(1))
     spills = int(re.search(r"(\d+) bytes spill stores", text).group(1))
     return {"mma": "wgmma" if "wgmma.mma_async" in ptx else "mma.sync" if "mma.sync" in ptx else "-",
             "dot_wait": waits, "stages": max(buffers, default=1), "by": by,
-            "loops": loop_nesting(ttgir), "regs": regs, "spills": spills}
+            "loops": loop_nesting(ttgir), "regs": regs, "spills": spills, "sass": tensor_ops, "f2fp": conversions}
 
 
 def main(argv):
     only = {int(t) for t in argv[0].split(",")} if argv else None
-    print(f"triton {triton.__version__}, sm_90a; {'GEMM':5s} = mma | dot wait | pipeline | loops | regs/spills")
+    print(f"triton {triton.__version__}, sm_90a; {'GEMM':5s} = mma SASS | dot wait | pipeline | loops | regs/spills")
     rows = []
     for name, num_experts, f, d, fp8, path in routed_tables():
         configs = json.loads(path.read_text())["configs"]
@@ -132,10 +139,11 @@ def main(argv):
                 line[gemm] = report(build(tiles, block_m=config["block_m"], gated=gated, fp8=fp8, naive=naive,
                                           top_k=top_k, summed=0 if gated else summed))
             rows.append({"table": name, "tokens": int(tokens), **line})
-            cells = [f"{g[:4]:4s} {r['mma']:8s} {','.join(map(str, r['dot_wait'])) or '-':3s} "
+            cells = [f"{g[:4]:4s} {r['mma']:8s} {'+'.join(r['sass']):5s} {','.join(map(str, r['dot_wait'])) or '-':3s} "
                      f"{r['stages']}x{r['by']:8s} {r['loops']} {r['regs']:3d}/{r['spills']}"
                      for g, r in line.items()]
             flags = [f"{g[:4]} spills" for g, r in line.items() if r["spills"]]
+            flags += [f"{g[:4]} fp8 as f16 ({r['f2fp']} F2FP)" for g, r in line.items() if fp8 and "HMMA" in r["sass"]]
             print(f"{name:11s} {int(tokens):5d} {'naive' if naive else 'bm' + str(config['block_m']):5s} "
                   + " | ".join(cells) + (f"  ({', '.join(skipped)} not compiled)" if skipped else "")
                   + (f"  <- {', '.join(flags)}" if flags else ""), flush=True)
