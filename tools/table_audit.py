@@ -104,7 +104,8 @@ def report(kernel) -> dict:
         done = subprocess.run([str(PTXAS), "-v", "-arch=sm_90a", path, "-o", cubin], capture_output=True, text=True)
         text = done.stdout + done.stderr
         if done.returncode:
-            raise RuntimeError(f"ptxas ({PTXAS}) failed on the PTX of Triton {triton.__version__}: {text.strip()[-300:]}")
+            raise RuntimeError(f"ptxas ({PTXAS}) failed on the PTX of Triton {triton.__version__}: "
+                               f"{text.strip()[-300:]}")
         sass = subprocess.run([str(PTXAS.parent / "cuobjdump"), "-sass", cubin], capture_output=True, text=True).stdout
     # The SASS says what the tensor cores run: Hopper has no fp8 mma.sync, so an fp8 mma.sync tile becomes
     # f16 HMMAs fed by F2FP conversions of every fp8 pair on the CUDA cores; wgmma is HGMMA (16-bit) or QGMMA (fp8).

@@ -54,7 +54,8 @@ def with_body(body, call):
 
 def save():
     return record_tool("unpermute-ab", rows, {"models": models, "batches": batches, "align": ALIGN,
-                                              "read_bandwidth": floor.bandwidth, "default_body": combine.UNPERMUTE_BODY})
+                                              "read_bandwidth": floor.bandwidth,
+                                              "default_body": combine.UNPERMUTE_BODY})
 
 
 for key in models:
