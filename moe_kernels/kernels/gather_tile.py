@@ -102,10 +102,11 @@ if HAS_TRITON:
         # an id out of range (unchecked input) must not become an address. Its rows are zero.
         known = (expert >= 0) & (expert < num_experts)
         if FLAT:
-            # Triton flattens the tile loop and this K loop only if the K loop sits under no branch
-            # and runs as many steps in every tile. Every tile the flattened loop visits is in use
-            # (that loop ends at the last block in use); one whose expert is unknown multiplies
-            # expert 0's weights, an address that exists, and keeps zeros.
+            # Triton flattens the tile loop and this K loop only if the K loop sits
+            # under no branch and runs as many steps in every tile. Every tile the
+            # flattened loop visits is in use (it ends at the last block in use); one
+            # whose expert is unknown multiplies expert 0 (an address that exists)
+            # and keeps zeros.
             expert = tl.where(known, expert, 0)
         if (in_use & known) | FLAT:
             # Padding rows read row 0 (never stored), so the loads need no row mask.
