@@ -940,3 +940,23 @@ def test_bad_inputs_raise_clear_errors():
         permute(x, ids, 3, align=16, out=torch.empty(5, 16, device=DEVICE))
     with pytest.raises(ValueError, match="'m_indices' must have one entry per row"):
         grouped_gemm_contiguous(x, w1, torch.zeros(4, dtype=torch.int32, device=DEVICE), align=16)
+
+
+@pytest.mark.parametrize("persistent", [0, 1, 2])
+def test_tiles_that_must_not_run_store_nothing_on_every_grid(persistent):
+    """Tiles of padding (-1), of an expert past E, and a malformed tile whose largest id is past E (its
+    rows of expert 0 included) store nothing, and real tiles the product, on each grid: the flattened
+    loop (2) enters the K loop for every tile, on expert 0's weights, and must mask all their rows."""
+    e = 3
+    x = torch.randn(80, 32, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    w = torch.randn(e, 24, 32, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    m_indices = torch.tensor([1] * 16 + [e] * 16 + [-1] * 16 + [0] * 8 + [e] * 8 + [2] * 10 + [-1] * 6,
+                             dtype=torch.int32, device=DEVICE)
+    tiles = GemmTiles(16, 16, persistent=persistent)
+    out = torch.full((80, 24), 7.0, device=DEVICE)
+    grouped_gemm_contiguous(x, w, m_indices, align=16, out=out, config=MoEConfig(16, tiles, tiles),
+                            rows_used=torch.tensor([80], dtype=torch.int32, device=DEVICE))
+    want = torch.full((80, 24), 7.0, dtype=torch.float64)
+    want[:16] = x[:16].double() @ w[1].double().T
+    want[64:74] = x[64:74].double() @ w[2].double().T
+    assert rel_err(out, want) < 1e-6

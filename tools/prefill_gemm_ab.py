@@ -31,7 +31,7 @@ interleaved, the lower round median kept. TFLOP/s count the routed rows' FLOPs (
 
     PYTHONPATH=. python tools/prefill_gemm_ab.py [models] [batches] [formats] [record name]
     # e.g. qwen3-30b-a3b,deepseek-v3 4096,16384 none,block prefill-gemm-ab-gathered
-    #   PREFILL_AB_TILES=2 PREFILL_AB_ALIGNS=128: each table's first two tiles, 128-row segments only
+    #   PREFILL_AB_TILES=3 PREFILL_AB_ALIGNS=128: each table's first three tiles, 128-row segments only
     #   (records results/<device>/<record name>.json; default prefill-gemm-ab)
 """
 import dataclasses
@@ -65,24 +65,25 @@ def tiles(n, k, warps, stages, group_m=8, persistent=1):
 
 
 # name -> tiles; GEMM 1's block_n counts output columns (it loads 2 x block_n weight rows: gate and up)
-# (Each table's second tile is its first on the flattened persistent loop, so that PREFILL_AB_TILES=2 times both:
-# until Session 25 persistent=2 compiled exactly like persistent=1.)
+# (Each table's third tile is its first on the flattened persistent loop, so that PREFILL_AB_TILES=3 times it beside
+# the two tiles the gathered rows and the short last tiles run on: until Session 25 persistent=2 compiled exactly
+# like persistent=1.)
 GEMM1 = {
-    "none": {"n128 k64 w8 s3": tiles(128, 64, 8, 3), "n128 k64 w8 s3 flat": tiles(128, 64, 8, 3, persistent=2),
-             "n128 k64 w8 s3 g1": tiles(128, 64, 8, 3, 1), "n128 k64 w8 s4": tiles(128, 64, 8, 4),
+    "none": {"n128 k64 w8 s3": tiles(128, 64, 8, 3), "n128 k64 w8 s3 g1": tiles(128, 64, 8, 3, 1),
+             "n128 k64 w8 s3 flat": tiles(128, 64, 8, 3, persistent=2), "n128 k64 w8 s4": tiles(128, 64, 8, 4),
              "n64 k64 w4 s4": tiles(64, 64, 4, 4), "n64 k64 w8 s4": tiles(64, 64, 8, 4),
              "n128 k64 w8 s3 grid": tiles(128, 64, 8, 3, persistent=0)},
-    "block": {"n64 k128 w8 s4": tiles(64, 128, 8, 4), "n64 k128 w8 s4 flat": tiles(64, 128, 8, 4, persistent=2),
-              "n64 k128 w8 s3": tiles(64, 128, 8, 3), "n128 k128 w8 s3": tiles(128, 128, 8, 3),
+    "block": {"n64 k128 w8 s4": tiles(64, 128, 8, 4), "n64 k128 w8 s3": tiles(64, 128, 8, 3),
+              "n64 k128 w8 s4 flat": tiles(64, 128, 8, 4, persistent=2), "n128 k128 w8 s3": tiles(128, 128, 8, 3),
               "n64 k128 w4 s4": tiles(64, 128, 4, 4), "n64 k128 w8 s4 g1": tiles(64, 128, 8, 4, 1),
               "n64 k128 w8 s4 grid": tiles(64, 128, 8, 4, persistent=0)},
 }
 GEMM2 = {
-    "none": {"n256 k64 w8 s3": tiles(256, 64, 8, 3), "n256 k64 w8 s3 flat": tiles(256, 64, 8, 3, persistent=2),
-             "n256 k64 w8 s3 g1": tiles(256, 64, 8, 3, 1), "n128 k64 w8 s4": tiles(128, 64, 8, 4),
+    "none": {"n256 k64 w8 s3": tiles(256, 64, 8, 3), "n256 k64 w8 s3 g1": tiles(256, 64, 8, 3, 1),
+             "n256 k64 w8 s3 flat": tiles(256, 64, 8, 3, persistent=2), "n128 k64 w8 s4": tiles(128, 64, 8, 4),
              "n128 k64 w4 s4": tiles(128, 64, 4, 4), "n256 k64 w8 s3 grid": tiles(256, 64, 8, 3, persistent=0)},
-    "block": {"n128 k128 w8 s4": tiles(128, 128, 8, 4), "n128 k128 w8 s4 flat": tiles(128, 128, 8, 4, persistent=2),
-              "n128 k128 w8 s3": tiles(128, 128, 8, 3), "n256 k128 w8 s3": tiles(256, 128, 8, 3),
+    "block": {"n128 k128 w8 s4": tiles(128, 128, 8, 4), "n128 k128 w8 s3": tiles(128, 128, 8, 3),
+              "n128 k128 w8 s4 flat": tiles(128, 128, 8, 4, persistent=2), "n256 k128 w8 s3": tiles(256, 128, 8, 3),
               "n128 k128 w4 s4": tiles(128, 128, 4, 4), "n128 k128 w8 s4 g1": tiles(128, 128, 8, 4, 1),
               "n128 k128 w8 s4 grid": tiles(128, 128, 8, 4, persistent=0)},
 }
@@ -105,6 +106,8 @@ if device == "cpu":   # (the interpreter: two small tiles each, to check the scr
     GEMM2 = GEMM2_M64 = {f: {"n32 k32": tiles(32, 32, 4, 2), "n32 k32 flat": tiles(32, 32, 4, 2, persistent=2)}
                          for f in GEMM2}
 LAYOUTS = {f: {ALIGN: (GEMM1[f], GEMM2[f]), 64: (GEMM1_M64[f], GEMM2_M64[f])} for f in GEMM1}
+
+
 def unflattened(tiles: dict) -> list:
     """The first two of ``tiles`` not on the flattened loop: the gathered rows and the short last tiles are timed
     on these (short last tiles never flatten: their launches skip tiles by a test around the K loop)."""

@@ -10,8 +10,9 @@ or the top-k sum in its epilogue where the entry says so) are compiled as the la
 that token count (the naive block map where vLLM's rule takes it), and one line says:
 
   mma        wgmma (Hopper's warpgroup MMA) or mma.sync, and the tensor-core instructions in the SASS:
-             HGMMA (16-bit wgmma), QGMMA (fp8 wgmma) or HMMA (f16 mma.sync). Hopper has no fp8 mma.sync:
-             an fp8 tile on mma.sync runs as f16 HMMAs fed by F2FP conversions on the CUDA cores (flagged)
+             HGMMA (16-bit wgmma), QGMMA (fp8 wgmma) or HMMA (f16 mma.sync). For an fp8 tile on mma.sync
+             Triton 3.6 upcasts the operands to f16 (``cvt.rn.f16x2.e4m3x2``, F2FP in the SASS, on the
+             CUDA cores) and multiplies on HMMA (flagged, with the kernel's F2FP count, epilogue included)
   dot wait   the pendings of each ``warp_group_dot_wait`` in the TTGIR: 0 after every product means the
              MMAs of consecutive K steps never overlap (the block-fp8 promotion waits for each product)
   pipeline   the software pipeline's ring of shared-memory tiles (stages x: the tiles a K step loads)
@@ -20,8 +21,8 @@ that token count (the naive block map where vLLM's rule takes it), and one line 
   loops      1 if the persistent grid's tile and K loops are one flattened loop, else the nesting
   regs       ptxas's registers per thread, and its spill stores (bytes)
 
-Entries whose streams (``stream_lag``) or quantising epilogue (``quant_in_gemm``) change the launch are
-compiled without them (the two GEMMs as two launches), and say so.
+Entries whose streams (``stream_lag``), quantising epilogue (``quant_in_gemm``) or programmatic dependent
+launch (``pdl``) change the launch are compiled without them (the two GEMMs as two plain launches), and say so.
 
     PYTHONPATH=/tmp/t36 python tools/table_audit.py [tokens,...]   # Triton 3.6 from `pip install --target /tmp/t36`
 """
@@ -60,7 +61,8 @@ def routed_tables():
                    int(fields["N"]), int(fields["K"]), "float8" in fields["dtype"], path)
 
 
-def build(tiles: dict, *, block_m: int, gated: bool, fp8: bool, naive: bool, top_k: int, summed: int):
+def build(tiles: dict, *, block_m: int, gated: bool, fp8: bool, naive: bool, top_k: int, summed: int,
+          routed_weight: bool):
     """The index-gather GEMM compiled for sm_90 with one table entry's tiles, as launched."""
     dtype = "fp8e4nv" if fp8 else "bf16"
     tma, block_n, block_k = tiles["tma"], tiles["block_n"], tiles["block_k"]
@@ -69,7 +71,7 @@ def build(tiles: dict, *, block_m: int, gated: bool, fp8: bool, naive: bool, top
                     num_tokens_post_padded_ptr="*i32", a_scale_ptr="*fp32", w_scale_ptr="*fp32",
                     w_desc=f"tensordesc<{dtype}[{block_n}, {block_k}]>" if tma else "*" + dtype)
     const = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=tiles["group_m"], TOP_K=top_k,
-                 NAIVE_BLOCKS=naive, DENSE=False, GATED=gated, MUL_ROUTED_WEIGHT=not gated, EVEN_K=True,
+                 NAIVE_BLOCKS=naive, DENSE=False, GATED=gated, MUL_ROUTED_WEIGHT=routed_weight, EVEN_K=True,
                  INPUT_PRECISION="tf32", SCALES=1 if fp8 else 0, SUM_TOP_K=summed, SPLIT_K=tiles["split_k"],
                  TMA_W=tma, PERSISTENT=tiles["persistent"], SCALE_BN=128, SCALE_BK=128, ID_CHECK="",
                  SWAP_AB=tiles["swap_ab"], PDL_TRIGGER=False, PDL_WAIT=False, PREFETCH_LINE=64, QUANT_GROUP=0,
@@ -107,8 +109,8 @@ def report(kernel) -> dict:
             raise RuntimeError(f"ptxas ({PTXAS}) failed on the PTX of Triton {triton.__version__}: "
                                f"{text.strip()[-300:]}")
         sass = subprocess.run([str(PTXAS.parent / "cuobjdump"), "-sass", cubin], capture_output=True, text=True).stdout
-    # The SASS says what the tensor cores run: Hopper has no fp8 mma.sync, so an fp8 mma.sync tile becomes
-    # f16 HMMAs fed by F2FP conversions of every fp8 pair on the CUDA cores; wgmma is HGMMA (16-bit) or QGMMA (fp8).
+    # The SASS says what the tensor cores run: for an fp8 mma.sync tile Triton 3.6 upcasts to f16 (F2FP on the CUDA
+    # cores) and issues HMMAs; wgmma is HGMMA (16-bit) or QGMMA (fp8).
     opcodes = re.findall(r"^\s+/\*[0-9a-f]+\*/\s+([A-Z0-9]+)", sass, re.M)
     tensor_ops = sorted({op for op in opcodes if op in ("HMMA", "HGMMA", "QGMMA")})
     conversions = sum(op == "F2FP" for op in opcodes)
@@ -131,14 +133,24 @@ def main(argv):
                 continue
             naive = use_naive_block_assignment(int(tokens), top_k, num_experts)
             summed = top_k if config.get("sum_in_gemm") else 0
-            skipped = [s for s in ("stream_lag", "quant_in_gemm") if config.get(s)]
+            skipped = [s for s in ("stream_lag", "quant_in_gemm", "pdl") if config.get(s)]
             line = {}
-            for gemm, gated in (("gate_up", True), ("down", False)):
+            for gemm in ("gate_up", "down"):
                 tiles = config[gemm]
-                if not gated and not summed and tiles["split_k"] > 1:
-                    tiles = {**tiles, "split_k": 1}   # (split-K GEMM 2 only with the sum in its epilogue)
-                line[gemm] = report(build(tiles, block_m=config["block_m"], gated=gated, fp8=fp8, naive=naive,
-                                          top_k=top_k, summed=0 if gated else summed))
+                if gemm == "gate_up":
+                    # GEMM 1 reads each token's row for its k slots; split over K it runs ungated, adding
+                    # its K slices into fp32 sums (its SiLU·mul a launch of its own)
+                    split = tiles["split_k"] > 1
+                    kernel = build(tiles, block_m=config["block_m"], gated=not split, fp8=fp8, naive=naive,
+                                   top_k=top_k, summed=1 if split else 0, routed_weight=False)
+                else:
+                    # GEMM 2's rows are the slots themselves (top_k 1), times their routing weights; split
+                    # over K only with the top-k sum in its epilogue
+                    if not summed and tiles["split_k"] > 1:
+                        tiles = {**tiles, "split_k": 1}
+                    kernel = build(tiles, block_m=config["block_m"], gated=False, fp8=fp8, naive=naive, top_k=1,
+                                   summed=summed, routed_weight=True)
+                line[gemm] = report(kernel)
             rows.append({"table": name, "tokens": int(tokens), **line})
             cells = [f"{g[:4]:4s} {r['mma']:8s} {'+'.join(r['sass']):5s} {','.join(map(str, r['dot_wait'])) or '-':3s} "
                      f"{r['stages']}x{r['by']:8s} {r['loops']} {r['regs']:3d}/{r['spills']}"

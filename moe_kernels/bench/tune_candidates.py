@@ -35,10 +35,12 @@ def tile_candidates(rows_per_expert: float, block_m: int, gated: bool, fmt=None)
     (narrow N tiles) with long K tiles and deep pipelines; where it computes, wide tiles and
     more warps."""
     streaming = [(n, k, 1, 4, s) for n in (16, 32, 64, 128, 256) for k in (128, 256) for s in (3, 4, 5)]
-    # Wide tiles on two stages: three stages of a 256 x 128 bf16 weight tile fill an SM's shared
-    # memory (one program per SM), two leave room for a second program, whose stream can cover the
-    # first one's start and end. A GEMM 2 has short K loops (Qwen3-30B-A3B's: 6 steps of 128), so
-    # each program's start and end are a large share of its time.
+    # Wide tiles on two stages: fewer stages, more programs per SM, whose streams can cover each
+    # other's start and end. A GEMM 2 has short K loops (Qwen3-30B-A3B's: 6 steps of 128), so each
+    # program's start and end are a large share of its time. In bf16 (Triton 3.6, sm_90, 16-row M
+    # tile): transposed 128 x 128 tiles take 108 KiB on three stages (two programs per SM), 72 KiB on
+    # two (three); untransposed 256 x 128 ones (mma.sync, one buffer fewer) 136 and 68 KiB (one and
+    # three). Transposed 256 x 128 tiles stay at one program either way (204, 136 KiB).
     streaming += [(n, 128, 1, 4, 2) for n in (128, 256)]
     balanced = [(n, k, 8, w, s) for n in (64, 128) for k in (64, 128) for w in (4, 8) for s in (3, 4)]
     computing = [(n, 64, 8, w, s) for n in (64, 128, 256) for w in (4, 8) for s in (3, 4)]
@@ -167,7 +169,8 @@ def _refinements(tiles, block_m: int, gated: bool, fmt=None):
     32-row M tile also transposed (A/B of the transposed product: its N tile becomes the MMA's M,
     so it needs 64 or more rows to reach wgmma), on 64- and 128-row weight tiles (or the tiles'
     own, if wider), with as many pipeline stages as still fit in shared memory."""
-    for persistent in (0, 1, 2):
+    # (split-K keeps the two loops of a persistent program nested: its 2 would time 1's code again)
+    for persistent in (0, 1, 2) if tiles.split_k == 1 else (0, 1):
         for tma in (False, True):
             yield dataclasses.replace(tiles, tma=tma, persistent=persistent, swap_ab=False)
     if block_m <= 32:

@@ -35,7 +35,9 @@ from ._tile_gemm import check_out, in_float32_under_interpreter
 #: 8,192 tokens: 245 us for 1.06 GB) while this gather took 2.4 times as long on the same bytes (595
 #: us); "slots" is the candidate, "tile" stays until the device has timed both
 #: (``tools/unpermute_ab.py``). The two add the same products in another order: the sums agree to
-#: float32's rounding, not bit for bit. Read at each call.
+#: float32's rounding, not bit for bit. Read at each call: a call recorded before a change (an
+#: ``MoELayer``'s plan and its CUDA graph) keeps the body it was recorded with
+#: (``moe_kernels._replay.forget_all_plans()`` forgets them).
 UNPERMUTE_BODY = "tile"
 
 if HAS_TRITON:

@@ -55,7 +55,8 @@ class GemmTiles:
     loads). ``persistent`` (index-gather and permute layouts): 0 launches one program per tile; 1
     one program per SM, each walking the tiles ``pid, pid + grid, ...`` (the permute layout's only
     those of the rows its segments use); 2 the same with the tile loop and the K loop flattened
-    into one software pipeline. ``swap_ab`` (index-gather and permute) computes
+    into one software pipeline (those of the blocks in use only; without split-K and short last
+    tiles, which keep the two loops nested, as 1 does). ``swap_ab`` (index-gather and permute) computes
     each tile transposed, ``W_tile @ A_tile^T``: the ``block_n`` weight rows become the MMA's M side
     and the few token rows its N side, because Hopper's wgmma needs an M side of 64 or more and a
     decode tile has 16 token rows (with 16- or 32-row M tiles Triton emits the older ``mma.sync``).

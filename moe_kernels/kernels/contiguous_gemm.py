@@ -97,7 +97,8 @@ if HAS_TRITON:
             expert = tl.where(run, expert, 0)
         if run | FLAT:
             # A segment's real rows come first, so the tile's first row is real: padding rows read
-            # it (loads need no row mask, and never see the buffer's unwritten garbage) and are not
+            # it (loads need no row mask, and never see the buffer's unwritten garbage; a FLAT tile
+            # that does not run reads its own rows, padding, and stores none) and are not
             # stored. Through the copy engine (TMA_A) a tile reads its rows as they are, padding
             # included: a row of the product depends on its own row of A only, and padding rows
             # are never stored.
@@ -171,7 +172,8 @@ if HAS_TRITON:
             # M-blocks down one N-tile at a time. The buffer's spare tail, sized for the worst
             # routing, costs nothing. (2: the tile and K loops flattened into one pipeline, so that
             # the next tile's first loads start under this tile's epilogue; not with short last
-            # tiles, whose launches skip tiles by a test around the K loop.)
+            # tiles, whose launches skip tiles by a test around the K loop, nor with split-K, whose
+            # K slices have bounds that differ by tile: Triton 3.6 then keeps the loops nested.)
             num_m_blocks = tl.cdiv(tl.minimum(tl.load(rows_used_ptr), num_rows), BLOCK_M * M_STEP)
             num_tiles = num_m_blocks * tl.cdiv(N, BLOCK_N) * SPLIT_K
             for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=PERSISTENT == 2):
@@ -182,7 +184,7 @@ if HAS_TRITON:
                                  GATED, EVEN_K, INPUT_PRECISION, SCALES, BLOCK_M, BLOCK_N, BLOCK_K, SCALE_BN,
                                  SCALE_BK, w_desc, TMA_W, a_desc, TMA_A, SWAP_AB, row_assign_ptr, topk_weights_ptr,
                                  num_assignments, SUM_TOP_K, SPLIT_K, GATHER_TOP_K, SHORT_LAST,
-                                 (PERSISTENT == 2) and (SHORT_LAST == 0))
+                                 (PERSISTENT == 2) and (SHORT_LAST == 0) and (SPLIT_K == 1))
 
 
 def grouped_gemm_contiguous(x: torch.Tensor, w: torch.Tensor, m_indices: torch.Tensor, *, align: int,

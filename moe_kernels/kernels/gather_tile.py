@@ -118,10 +118,10 @@ if HAS_TRITON:
                 split, SPLIT_K, w_desc,
                 (expert * (N * (1 + GATED)) + pid_n * BLOCK_N).to(tl.int32), TMA_W,
                 SCALE_BN, SCALE_BK, SWAP_AB)
-            if FLAT:
-                acc = tl.where(known, acc, 0.0)
             if MUL_ROUTED_WEIGHT:
                 acc = scale_rows(acc, topk_weights_ptr, rows, row_real)
+            if FLAT:   # (after the routed weight: zero times an inf weight would be NaN)
+                acc = tl.where(known, acc, 0.0)
             if QUANT_GROUP > 0:
                 store_group_quantized(out_ptr, rows * stride_om, out_scale_ptr,
                                       rows * stride_os, row_real, acc, pid_n, N, BLOCK_M,

@@ -105,16 +105,23 @@ if HAS_TRITON:
         # default), then waits for GEMM 1 to finish.
         if PDL_TRIGGER == 1:
             gdc_launch_dependents()
+        # FLAT (persistent=2 without split-K): the tile loop and the K loop flattened into one software
+        # pipeline, so that the next tile's loads start under this tile's epilogue. Triton 3.6 fuses
+        # them only if the K loop sits under no branch and has the same bounds in every tile (a split-K
+        # slice's bounds differ by tile): the flattened loop visits the blocks in use only, in the same
+        # grouped order, so that every tile it visits can enter the K loop.
+        FLAT: tl.constexpr = (PERSISTENT == 2) and (SPLIT_K == 1) and (not NAIVE_BLOCKS) and (not DENSE)
+        m_blocks = num_m_blocks
+        if FLAT:
+            m_blocks = tl.minimum(tl.cdiv(tl.load(num_tokens_post_padded_ptr), BLOCK_M), num_m_blocks)
         if PDL_WAIT:
             if PREFETCH_K != 0:
                 _prefetch_tile_weights(tl.program_id(0), w_ptr, expert_ids_ptr, num_tokens_post_padded_ptr,
-                                       num_m_blocks, num_experts, N, K if PREFETCH_K < 0 else tl.minimum(K, PREFETCH_K),
+                                       m_blocks, num_experts, N, K if PREFETCH_K < 0 else tl.minimum(K, PREFETCH_K),
                                        stride_we, stride_wn, BLOCK_M, BLOCK_N, GROUP_M, SPLIT_K, NAIVE_BLOCKS, DENSE,
                                        PREFETCH_LINE)
             gdc_wait()
-        # One tile per program, or (PERSISTENT) one program per SM walking tiles pid, pid + grid, ...;
-        # 2 also flattens the tile loop and the K loop into one software pipeline, so that the next
-        # tile's loads can start under this tile's epilogue.
+        # One tile per program, or (PERSISTENT) one program per SM walking tiles pid, pid + grid, ...
         if PERSISTENT == 0:
             _index_gather_tile(
                 tl.program_id(0), a_ptr, w_ptr, out_ptr, topk_weights_ptr, sorted_token_ids_ptr, expert_ids_ptr,
@@ -126,13 +133,9 @@ if HAS_TRITON:
                 out_scale_ptr, stride_os, QUANT_GROUP, ROUND_TO)
         else:
             tiles = num_tiles
-            m_blocks = num_m_blocks
-            if (PERSISTENT == 2) and (not NAIVE_BLOCKS) and (not DENSE):
-                # The flattened loop visits the blocks in use only (the tile then needs no branch
-                # around its K loop, which Triton's flattening requires), in the same grouped order.
-                m_blocks = tl.minimum(tl.cdiv(tl.load(num_tokens_post_padded_ptr), BLOCK_M), num_m_blocks)
-                tiles = m_blocks * tl.cdiv(N, BLOCK_N) * SPLIT_K
-            for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=PERSISTENT == 2):
+            if FLAT:
+                tiles = m_blocks * tl.cdiv(N, BLOCK_N)
+            for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=FLAT):
                 _index_gather_tile(
                     tile, a_ptr, w_ptr, out_ptr, topk_weights_ptr, sorted_token_ids_ptr, expert_ids_ptr,
                     num_tokens_post_padded_ptr, m_blocks, num_valid_rows, num_experts, N, K,
@@ -140,7 +143,7 @@ if HAS_TRITON:
                     a_scale_ptr, stride_as, w_scale_ptr, stride_wse, stride_wsn, stride_wsk,
                     BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, TOP_K, NAIVE_BLOCKS, DENSE, GATED, MUL_ROUTED_WEIGHT, EVEN_K,
                     INPUT_PRECISION, SCALES, SUM_TOP_K, SPLIT_K, w_desc, TMA_W, SCALE_BN, SCALE_BK, ID_CHECK,
-                    SWAP_AB, out_scale_ptr, stride_os, QUANT_GROUP, ROUND_TO, PERSISTENT == 2)
+                    SWAP_AB, out_scale_ptr, stride_os, QUANT_GROUP, ROUND_TO, FLAT)
         if PDL_TRIGGER == 2:
             gdc_launch_dependents()
 
