@@ -17,12 +17,12 @@ import torch
 from moe_kernels._runtime import HAS_TRITON, record_launches
 from moe_kernels.kernels import chained_routing, routing
 from moe_kernels.kernels.align import moe_align_block_size_reference
-from moe_kernels.kernels.blocks import check_alignment
+from moe_kernels.kernels.blocks import check_alignment, same_segments
 from moe_kernels.kernels.chained_routing import MAX_TOKENS, gate_route_chained
 from moe_kernels.kernels.gate_routing import gate_and_route, gate_and_route_reference, gate_route_and_align
 from moe_kernels.kernels.grouped_routing import grouped_topk, grouped_topk_reference
 from moe_kernels.kernels.routing import fused_topk, fused_topk_reference
-from moe_testing import DEVICE, compiled_for_hopper, needs_gpu
+from moe_testing import DEVICE, ON_GPU, compiled_for_hopper, needs_gpu
 from test_gate_routing import inputs
 
 
@@ -197,6 +197,32 @@ def test_the_alignment_without_its_tail_places_the_same_rows(monkeypatch, num_to
     assert torch.equal(partial[4][: used // 4], full[4][: used // 4])
 
 
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_the_ranked_alignment_places_every_row(monkeypatch, case):
+    """ALIGN_BODY "ranked": above one program's reach the routing programs count each expert's rows with
+    atomics (their ranks) and the alignment only scans the counts and scatters. Same routing as the full
+    body; the same segments, blocks, padding and tail as the reference, each segment the same assignments
+    (in the order the programs counted them: on a GPU any order, under the interpreter the reference's);
+    the launches say which body ran, and only that body's launches clear and count."""
+    x, w, topk, block, rule = case_arguments(case)
+    full = gate_route_chained(x, w, topk, True, block_size=block, **rule)
+    monkeypatch.setattr(chained_routing, "ALIGN_BODY", "ranked")
+    with record_launches() as launches:
+        got = gate_route_chained(x, w, topk, True, block_size=block, **rule)
+    for a, b in zip(got[:3], full[:3]):
+        assert torch.equal(a, b)
+    want = moe_align_block_size_reference(got[1], block, w.shape[0])
+    assert same_segments(got[3:], want, block)
+    if not ON_GPU:   # (programs one after another: counted in assignment order)
+        assert all(torch.equal(a, b) for a, b in zip(got[3:], want))
+    check_alignment(got[1], block, w.shape[0], *got[3:])
+    if HAS_TRITON:
+        ranked = x.shape[0] * topk > chained_routing.ONE_TILE_MAX_ASSIGNMENTS
+        settings = dict(launches)
+        assert settings["chained_routing.align"]["body"] == ("ranked" if ranked else "full"), launches
+        assert settings["chained_routing.route"]["ranks"] == settings["chained_routing.gate"]["clears_counts"] == ranked
+
+
 @pytest.mark.parametrize("num_tokens, topk", [(8, 8), (13, 5)], ids=["64: one program", "65: chunked"])
 def test_the_alignment_at_the_one_program_edge(num_tokens, topk):
     """ONE_TILE_MAX_ASSIGNMENTS = 64 assignments exactly (one program, a full tile of ids) and one more
@@ -366,7 +392,7 @@ from moe_kernels.sm90_compile import compile_for_sm90
 
 for block_t, block_e in ((16, 32), (64, 64)):   # the narrow gate and the wide one (WIDE_GATE_FROM_TOKENS)
     gate = compile_for_sm90(chained_routing._chained_gate_kernel,
-                            dict(IEEE=False, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=128, PDL=True),
+                            dict(IEEE=False, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=128, PDL=True, COUNT_BINS=0),
                             dict(x_ptr="*bf16", gate_ptr="*bf16", partial_ptr="*fp32"),
                             aligned=("stride_x", "stride_gate", "hidden_size", "k_span", "num_experts"), num_warps=4)
     ptx = gate.asm["ptx"]
@@ -378,7 +404,7 @@ for grouped, e_cols, (e, d) in ((False, 128, (128, 2048)), (True, 256, (256, 716
     split = chained_routing.chained_gate_tiles(1, e, d, 16)["split_k"]
     const = dict(GROUPED=grouped, HAS_BIAS=grouped, USE_SIGMOID=grouped, PRECISE=True, SORTED=True, BLOCK_T=1,
                  SPLIT_K=split, E_COLS=e_cols, G_PAD=8 if grouped else 1, S_PAD=32 if grouped else 128, K_PAD=8,
-                 PDL=True, TRIGGER=True)
+                 PDL=True, TRIGGER=True, RANKS=False)
     ptx = compile_for_sm90(chained_routing._chained_route_kernel, const, pointers, aligned=("num_experts",),
                            num_warps=chained_routing.route_warps(e_cols, grouped)).asm["ptx"]
     wait, trigger, read = (ptx.find(op) for op in ("griddepcontrol.wait", "griddepcontrol.launch_dependents",
@@ -401,6 +427,43 @@ def test_compiles_for_hopper_with_its_dependent_launch():
     DeepSeek-V3's; the alignment waits before it reads the ids (chunked, and in one program)."""
     lines = compiled_for_hopper(_COMPILE_FOR_HOPPER)
     assert lines[:4] == ["True True", "True", "True", "True True"], lines
+
+
+_COMPILE_RANKED_FOR_HOPPER = """
+import torch
+torch.cuda.is_available = lambda: True   # build compiled (not interpreted) kernels; nothing is launched
+from moe_kernels.kernels import chained_routing
+from moe_kernels.sm90_compile import compile_for_sm90
+
+gate = compile_for_sm90(chained_routing._chained_gate_kernel,
+                        dict(IEEE=False, BLOCK_T=16, BLOCK_E=32, BLOCK_K=128, PDL=True, COUNT_BINS=256),
+                        dict(x_ptr="*bf16", gate_ptr="*bf16", partial_ptr="*fp32", counts_ptr="*i32"),
+                        aligned=("stride_x", "stride_gate", "hidden_size", "k_span", "num_experts"), num_warps=4)
+split = chained_routing.chained_gate_tiles(64, 256, 7168, 16)["split_k"]
+route = compile_for_sm90(chained_routing._chained_route_kernel,
+                         dict(GROUPED=True, HAS_BIAS=True, USE_SIGMOID=True, PRECISE=True, SORTED=True, BLOCK_T=1,
+                              SPLIT_K=split, E_COLS=256, G_PAD=8, S_PAD=32, K_PAD=8, PDL=True, TRIGGER=True,
+                              RANKS=True),
+                         dict(partial_ptr="*fp32", bias_ptr="*fp32", logits_ptr="*fp32", weights_ptr="*fp32",
+                              ids_ptr="*i32", scale="fp32", counts_ptr="*i32", ranks_ptr="*i32"),
+                         aligned=("num_experts",), num_warps=4).asm["ptx"]
+align = compile_for_sm90(chained_routing._chained_align_kernel,
+                         dict(NUM_BINS=256, TILE=64, PAD_TILE=16, COUNT_TILE=1024, FILL_TILE=1024, PDL=True,
+                              BODY="ranked", ONE_TILE=False),
+                         dict(ids_ptr="*i32", sorted_ids_ptr="*i32", expert_ids_ptr="*i32", used_ptr="*i32",
+                              ranks_ptr="*i32", counts_ptr="*i32"), num_warps=8).asm["ptx"]
+wait, read = align.find("griddepcontrol.wait"), align.find("ld.global.cg")
+print("st.global" in gate.asm["ptx"], "atom.global" in route and "add" in route, 0 <= wait < read,
+      align.count("bar.sync"))
+"""
+
+
+def test_the_ranked_alignment_compiles_for_hopper():
+    """Compiled for sm_90: the gate clears the counters, the routing program counts with global atomics,
+    and the ranked alignment waits for the routing's memory before it reads the counts and ranks, with far
+    fewer block-wide barriers than the full body's 27."""
+    line = compiled_for_hopper(_COMPILE_RANKED_FOR_HOPPER)[0].split()
+    assert line[:3] == ["True", "True", "True"] and int(line[3]) < 20, line
 
 
 def test_the_layer_chooses_its_router():

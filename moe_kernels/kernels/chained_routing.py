@@ -23,7 +23,8 @@ inputs are ready:
 3. with a ``block_size``, waiting in turn for the routing's ids, the alignment: up to
    :data:`ONE_TILE_MAX_ASSIGNMENTS` one program from one read of the ids (:func:`align_one_tile`),
    above it the alignment kernel's single-launch body (every program counts every id, then places
-   its share).
+   its share), or with :data:`ALIGN_BODY` "ranked" (not yet timed) the counts the routing programs
+   made with atomics, so that the alignment only scans them and scatters (:func:`align_by_ranks`).
 
 ``launch-floor.json`` (the H200, back to back in a CUDA graph): one more kernel costs 0.96-1.17 us
 without PDL, 0.57-0.69 with it.
@@ -97,8 +98,9 @@ _MAX_SPLIT = 32
 #: map: up to 4 tokens of Qwen3-30B-A3B, 8 of DeepSeek-V3) the layer aligns nothing, so there it is
 #: Qwen3-30B-A3B at 5-8 tokens (0.5 us at 8).
 ONE_TILE_MAX_ASSIGNMENTS = 64
-#: What the alignment launch runs: "full", or, only to time its parts (``bench routing
-#: --gate-routing``), "no tail" or "wait only" (see ``_chained_align_kernel``); and its warps. Read at
+#: What the alignment launch runs: "full"; "ranked" (above :data:`ONE_TILE_MAX_ASSIGNMENTS`, not yet timed:
+#: the routing programs count the rows, a segment's rows in the order they were counted); or, only to
+#: time its parts (``bench routing --gate-routing``), "no tail" or "wait only"; and its warps. Read at
 #: each launch.
 ALIGN_BODY = "full"
 ALIGN_WARPS = _SINGLE_WARPS
@@ -165,9 +167,15 @@ if HAS_TRITON:
     @kernel
     def _chained_gate_kernel(x_ptr, gate_ptr, partial_ptr, num_tokens, num_experts, hidden_size, stride_x,
                              stride_gate, k_span, IEEE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-                             BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                             BLOCK_K: tl.constexpr, PDL: tl.constexpr, counts_ptr=None, COUNT_BINS: tl.constexpr = 0):
         if PDL:   # the routing program may launch now: it waits for this launch's memory itself
             gdc_launch_dependents()
+        if COUNT_BINS > 0:
+            # The ranked alignment's per-expert counters start at zero: one program clears them, and
+            # the routing programs, which count into them, wait for this whole launch first.
+            if (tl.program_id(0) == 0) & (tl.program_id(1) == 0) & (tl.program_id(2) == 0):
+                bins = tl.arange(0, COUNT_BINS)
+                tl.store(counts_ptr + bins, tl.zeros([COUNT_BINS], dtype=tl.int32), mask=bins < num_experts)
         store_gate_partial(x_ptr, gate_ptr, partial_ptr, num_tokens, num_experts, hidden_size, stride_x, stride_gate,
                            k_span, IEEE, BLOCK_T, BLOCK_E, BLOCK_K)
 
@@ -178,8 +186,10 @@ if HAS_TRITON:
         GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, USE_SIGMOID: tl.constexpr, PRECISE: tl.constexpr,
         SORTED: tl.constexpr, BLOCK_T: tl.constexpr, SPLIT_K: tl.constexpr, E_COLS: tl.constexpr,
         G_PAD: tl.constexpr, S_PAD: tl.constexpr, K_PAD: tl.constexpr, PDL: tl.constexpr, TRIGGER: tl.constexpr,
+        counts_ptr=None, ranks_ptr=None, RANKS: tl.constexpr = False,
     ):
-        """Program ``p`` adds and routes tokens ``p * BLOCK_T`` to ``(p + 1) * BLOCK_T``."""
+        """Program ``p`` adds and routes tokens ``p * BLOCK_T`` to ``(p + 1) * BLOCK_T`` (``RANKS``: and
+        counts their ids into ``counts``, keeping each one's rank among its expert's rows)."""
         if PDL:   # launched before the gate's partials are all written: wait for them here
             gdc_wait()
         if TRIGGER:   # the alignment may launch: it waits for this launch's ids itself
@@ -188,12 +198,51 @@ if HAS_TRITON:
                                num_tokens, num_experts, topk, renormalize, scale, num_groups, experts_per_group,
                                topk_group, GROUPED, HAS_BIAS, USE_SIGMOID, PRECISE, SORTED, BLOCK_T, SPLIT_K, E_COLS,
                                G_PAD, S_PAD, K_PAD)
+        if RANKS:
+            # The ids this program just stored, read back after a barrier. One atomic per id counts its expert's
+            # rows and returns the row's place among them: the alignment needs no histogram of every id.
+            tl.debug_barrier()
+            tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+            slots = tl.arange(0, K_PAD)
+            at = tokens[:, None] * topk + slots[None, :]
+            mine = (tokens < num_tokens)[:, None] & (slots < topk)[None, :]
+            experts = tl.load(ids_ptr + at, mask=mine, other=0)
+            rank = tl.atomic_add(counts_ptr + experts, 1, mask=mine, sem="relaxed")
+            tl.store(ranks_ptr + at, rank, mask=mine)
+
+    @kernel
+    def align_by_ranks(program, num_programs, ids_ptr, ranks_ptr, counts_ptr, sorted_ids_ptr, expert_ids_ptr,
+                       used_ptr, numel, num_experts, block_size, NUM_BINS: tl.constexpr, TILE: tl.constexpr,
+                       PAD_TILE: tl.constexpr, FILL_TILE: tl.constexpr):
+        """The alignment from the routing programs' counts and ranks: each program scans the ``E`` counts
+        into segments and places its assignments at ``segment_start[expert] + rank``."""
+        bins = tl.arange(0, NUM_BINS)
+        total = tl.load(counts_ptr + bins, mask=bins < num_experts, other=0, cache_modifier=".cg")
+        padded = (total + block_size - 1) // block_size * block_size
+        segment_start = tl.cumsum(padded, axis=0) - padded
+        real_end = segment_start + total
+        used = tl.sum(padded, axis=0)
+        if program == 0:
+            tl.store(used_ptr, used)
+        lanes = tl.arange(0, TILE)
+        for tile_start in range(program * TILE, numel, num_programs * TILE):
+            offsets = tile_start + lanes
+            valid = offsets < numel
+            experts = tl.load(ids_ptr + offsets, mask=valid, other=0, cache_modifier=".cg")
+            rank = tl.load(ranks_ptr + offsets, mask=valid, other=0, cache_modifier=".cg")
+            row = tl.gather(segment_start, experts, 0) + rank
+            tl.store(sorted_ids_ptr + row, offsets.to(tl.int32), mask=valid)
+            tl.store(expert_ids_ptr + row // block_size, experts, mask=valid & (row % block_size == 0))
+            pad_segment_ends(sorted_ids_ptr, experts, valid, row, real_end, numel, block_size, PAD_TILE)
+        capacity = numel + num_experts * (block_size - 1)
+        fill_tail(sorted_ids_ptr, expert_ids_ptr, used, capacity, tl.cdiv(capacity, block_size), numel, block_size,
+                  program, num_programs, FILL_TILE)
 
     @kernel
     def _chained_align_kernel(ids_ptr, sorted_ids_ptr, expert_ids_ptr, used_ptr, numel, num_experts, block_size,
                               NUM_BINS: tl.constexpr, TILE: tl.constexpr, PAD_TILE: tl.constexpr,
                               COUNT_TILE: tl.constexpr, FILL_TILE: tl.constexpr, PDL: tl.constexpr,
-                              BODY: tl.constexpr, ONE_TILE: tl.constexpr):
+                              BODY: tl.constexpr, ONE_TILE: tl.constexpr, ranks_ptr=None, counts_ptr=None):
         """The alignment kernel's single-launch body (every program counts every id, then places its
         chunk of ``TILE`` assignments and writes its share of the tail), after the routing's ids; with
         ``ONE_TILE``, up to :data:`ONE_TILE_MAX_ASSIGNMENTS`, all of it in one program from one read
@@ -205,6 +254,10 @@ if HAS_TRITON:
         if BODY == "wait only":
             if tl.program_id(0) == 0:
                 tl.store(used_ptr, tl.load(ids_ptr, cache_modifier=".cg"))
+        elif BODY == "ranked":   # counted by the routing programs: scan and scatter only
+            align_by_ranks(tl.program_id(0), tl.num_programs(0), ids_ptr, ranks_ptr, counts_ptr, sorted_ids_ptr,
+                           expert_ids_ptr, used_ptr, numel, num_experts, block_size, NUM_BINS, TILE, PAD_TILE,
+                           FILL_TILE)
         elif ONE_TILE:   # a few tokens: one program, one read of the ids
             align_one_tile(ids_ptr, sorted_ids_ptr, expert_ids_ptr, used_ptr, numel, num_experts, block_size,
                            NUM_BINS, TILE, PAD_TILE, FILL_TILE, ".cg", BODY == "full")
@@ -304,37 +357,44 @@ def _launch(hidden_states, gate_weight, bias, topk, renormalize, scoring_func, n
     partial = torch.empty((tiles["split_k"], num_tokens, num_experts), dtype=torch.float32,
                           device=hidden_states.device)
     route_block = _ROUTE_BLOCK
-    note_launch("chained_routing.gate", split_k=tiles["split_k"], block_t=gate_block_t, pdl=pdl)
+    numel = num_tokens * topk
+    one_tile = numel <= ONE_TILE_MAX_ASSIGNMENTS
+    # "ranked" where the chunked body would run: the routing programs count, the gate launch clears.
+    ranked = alignment is not None and ALIGN_BODY == "ranked" and not one_tile
+    counts = torch.empty(num_experts, dtype=torch.int32, device=ids.device) if ranked else None
+    ranks = torch.empty(numel, dtype=torch.int32, device=ids.device) if ranked else None
+    note_launch("chained_routing.gate", split_k=tiles["split_k"], block_t=gate_block_t, pdl=pdl, clears_counts=ranked)
     _chained_gate_kernel[(tiles["t_blocks"], tiles["e_blocks"], tiles["split_k"])](
         hidden_states, gate_weight, partial, num_tokens, num_experts, hidden_size, hidden_states.stride(0),
         gate_weight.stride(0), tiles["k_span"], IEEE=hidden_states.dtype == torch.float32,
         BLOCK_T=gate_block_t, BLOCK_E=tiles["block_e"], BLOCK_K=tiles["block_k"], PDL=pdl, num_warps=4,
+        counts_ptr=counts, COUNT_BINS=next_power_of_2(num_experts) if ranked else 0,
     )
     warps = route_warps(route_block * e_cols, grouped)
     note_launch("chained_routing.route", grouped=grouped, pdl=pdl, sorted_topk=sorted_topk, route_block=route_block,
-                warps=warps)
+                warps=warps, ranks=ranked)
     _chained_route_kernel[(cdiv(num_tokens, route_block),)](
         partial, bias if bias is not None else logits, logits, weights, ids,
         num_tokens, num_experts, topk, renormalize, float(routed_scaling_factor), groups, per_group, topk_group or 1,
         GROUPED=grouped, HAS_BIAS=bias is not None, USE_SIGMOID=scoring_func == "sigmoid", PRECISE=not INTERPRET,
         SORTED=sorted_topk, BLOCK_T=route_block, SPLIT_K=tiles["split_k"], E_COLS=e_cols, G_PAD=g_pad, S_PAD=s_pad,
         K_PAD=next_power_of_2(topk), PDL=pdl, TRIGGER=pdl and alignment is not None,
-        num_warps=warps, **({"launch_pdl": True} if pdl else {}),
+        counts_ptr=counts, ranks_ptr=ranks, RANKS=ranked, num_warps=warps, **({"launch_pdl": True} if pdl else {}),
     )
     if alignment is None:
         return
     sorted_ids, expert_ids, used, block_size = alignment
-    numel = num_tokens * topk
     num_bins, pad_tile = align_bins_and_pad_tile(num_experts, block_size)
-    one_tile = numel <= ONE_TILE_MAX_ASSIGNMENTS
+    body = "full" if ALIGN_BODY == "ranked" and not ranked else ALIGN_BODY
     if one_tile:
         programs, tile, warps = 1, max(16, next_power_of_2(numel)), ONE_TILE_WARPS
     else:
         programs = max(cdiv(numel, _SINGLE_TILE), cdiv(sorted_ids.numel(), _FILL_ROWS_PER_PROGRAM), 1)
         tile, warps = _SINGLE_TILE, ALIGN_WARPS
-    note_launch("chained_routing.align", pdl=pdl, programs=programs, body=ALIGN_BODY, warps=warps, one_tile=one_tile)
+    note_launch("chained_routing.align", pdl=pdl, programs=programs, body=body, warps=warps, one_tile=one_tile)
     _chained_align_kernel[(programs,)](
         ids, sorted_ids, expert_ids, used, numel, num_experts, block_size,
         NUM_BINS=num_bins, TILE=tile, PAD_TILE=pad_tile, COUNT_TILE=_COUNT_TILE, FILL_TILE=_FILL_TILE,
-        PDL=pdl, BODY=ALIGN_BODY, ONE_TILE=one_tile, num_warps=warps, **({"launch_pdl": True} if pdl else {}),
+        PDL=pdl, BODY=body, ONE_TILE=one_tile, ranks_ptr=ranks, counts_ptr=counts, num_warps=warps,
+        **({"launch_pdl": True} if pdl else {}),
     )
