@@ -207,12 +207,13 @@ def test_the_ranked_alignment_places_every_row(monkeypatch, case):
     x, w, topk, block, rule = case_arguments(case)
     full = gate_route_chained(x, w, topk, True, block_size=block, **rule)
     monkeypatch.setattr(chained_routing, "ALIGN_BODY", "ranked")
+    gate_route_chained(x, w, topk, True, block_size=block, **rule)   # (its counters' memory, freed with counts in it)
     with record_launches() as launches:
         got = gate_route_chained(x, w, topk, True, block_size=block, **rule)
     for a, b in zip(got[:3], full[:3]):
         assert torch.equal(a, b)
     want = moe_align_block_size_reference(got[1], block, w.shape[0])
-    assert same_segments(got[3:], want, block)
+    assert same_segments(got[3:], want, block, got[1].numel())
     if not ON_GPU:   # (programs one after another: counted in assignment order)
         assert all(torch.equal(a, b) for a, b in zip(got[3:], want))
     check_alignment(got[1], block, w.shape[0], *got[3:])
@@ -221,6 +222,38 @@ def test_the_ranked_alignment_places_every_row(monkeypatch, case):
         settings = dict(launches)
         assert settings["chained_routing.align"]["body"] == ("ranked" if ranked else "full"), launches
         assert settings["chained_routing.route"]["ranks"] == settings["chained_routing.gate"]["clears_counts"] == ranked
+
+
+@pytest.mark.parametrize("numel, num_experts, block", [(65, 5, 1), (130, 36, 16), (100, 1, 16), (200, 7, 64),
+                                                       (129, 17, 5), (100, 300, 64)])
+def test_the_ranked_alignment_takes_any_order_inside_a_segment(numel, num_experts, block):
+    """The ranked body alone, on counts and ranks made here in a random order inside each expert (as a GPU's
+    atomics may count them), some experts empty: the same segments as the reference, and every invariant of
+    an alignment (real rows first in each segment, the sentinel after, the blocks' labels, the tail)."""
+    from moe_kernels._runtime import cdiv
+    from moe_kernels.kernels import align
+
+    g = torch.Generator().manual_seed(numel * num_experts + block)
+    live = torch.randperm(num_experts, generator=g)[: max(1, num_experts * 2 // 3)]
+    ids = live[torch.randint(0, live.numel(), (numel,), generator=g)].to(torch.int32)
+    counts = torch.bincount(ids.long(), minlength=num_experts).to(torch.int32)
+    ranks = torch.empty(numel, dtype=torch.int32)
+    for e in range(num_experts):
+        rows = (ids == e).nonzero().flatten()
+        ranks[rows] = torch.randperm(rows.numel(), generator=g).to(torch.int32)
+    ids, counts, ranks = ids.to(DEVICE), counts.to(DEVICE), ranks.to(DEVICE)
+    sorted_ids, expert_ids, used = align.empty_alignment(numel, block, num_experts, ids.device)
+    for buffer in (sorted_ids, expert_ids, used):
+        buffer.fill_(-7)
+    bins, pad_tile = align.align_bins_and_pad_tile(num_experts, block)
+    programs = max(cdiv(numel, align._SINGLE_TILE), cdiv(sorted_ids.numel(), align._FILL_ROWS_PER_PROGRAM), 1)
+    chained_routing._chained_align_kernel[(programs,)](
+        ids, sorted_ids, expert_ids, used, numel, num_experts, block, NUM_BINS=bins, TILE=align._SINGLE_TILE,
+        PAD_TILE=pad_tile, COUNT_TILE=align._COUNT_TILE, FILL_TILE=align._FILL_TILE, PDL=False, BODY="ranked",
+        ONE_TILE=False, ranks_ptr=ranks, counts_ptr=counts, num_warps=8)
+    got = (sorted_ids, expert_ids, used)
+    assert same_segments(got, moe_align_block_size_reference(ids.view(-1, 1), block, num_experts), block, numel)
+    check_alignment(ids.view(-1, 1), block, num_experts, *got)
 
 
 @pytest.mark.parametrize("num_tokens, topk", [(8, 8), (13, 5)], ids=["64: one program", "65: chunked"])
@@ -452,9 +485,13 @@ align = compile_for_sm90(chained_routing._chained_align_kernel,
                               BODY="ranked", ONE_TILE=False),
                          dict(ids_ptr="*i32", sorted_ids_ptr="*i32", expert_ids_ptr="*i32", used_ptr="*i32",
                               ranks_ptr="*i32", counts_ptr="*i32"), num_warps=8).asm["ptx"]
+plain = compile_for_sm90(chained_routing._chained_gate_kernel,
+                        dict(IEEE=False, BLOCK_T=16, BLOCK_E=32, BLOCK_K=128, PDL=True, COUNT_BINS=0),
+                        dict(x_ptr="*bf16", gate_ptr="*bf16", partial_ptr="*fp32", counts_ptr="*i32"),
+                        aligned=("stride_x", "stride_gate", "hidden_size", "k_span", "num_experts"), num_warps=4)
+cleared = gate.asm["ptx"].count("st.global") - plain.asm["ptx"].count("st.global")   # the counters' clearing
 wait, read = align.find("griddepcontrol.wait"), align.find("ld.global.cg")
-print("st.global" in gate.asm["ptx"], "atom.global" in route and "add" in route, 0 <= wait < read,
-      align.count("bar.sync"))
+print(cleared > 0, "atom.global.gpu.relaxed.add" in route, 0 <= wait < read, align.count("bar.sync"))
 """
 
 

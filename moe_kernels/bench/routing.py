@@ -219,7 +219,8 @@ def gate_routing_ab(model_name: str, num_tokens: int, *, seed: int = 0) -> dict:
                     "chained align no tail": chained(body="no tail"),
                     "chained align other warps": chained(warps=8 if one_tile else 4),
                     # the counts made by the routing programs (atomics), the alignment only scans and scatters
-                    # (above one program's reach; a segment's rows in the order they were counted)
+                    # (above one program's reach, 64 assignments: below it this is "chained" again; a
+                    # segment's rows in the order they were counted)
                     "chained align ranked": chained(body="ranked"),
                     # up to ONE_TILE_MAX_ASSIGNMENTS the alignment is one program reading the ids once; this
                     # is the chunked body there instead
@@ -242,7 +243,7 @@ def gate_routing_ab(model_name: str, num_tokens: int, *, seed: int = 0) -> dict:
                 if "no tail" in name:   # the tail past the used rows is left unwritten: compare the rest
                     used = int(got[5])
                     want, mine = ((a[:used], b[: used // block], c) for a, b, c in (want, mine))
-                alignment_ok = (blocks.same_segments(mine, want, block) if "ranked" in name
+                alignment_ok = (blocks.same_segments(mine, want, block, got[1].numel()) if "ranked" in name
                                 else all(torch.equal(a, b) for a, b in zip(mine, want)))
             if block_t == 16:   # the one-launch router's gate tiles: the same sums in the same order
                 same = (torch.equal(got[1], aligned[1]) and torch.equal(got[2], aligned[2])

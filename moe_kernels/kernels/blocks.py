@@ -361,25 +361,28 @@ def check_blocks(func: str, blocks: object, numel: int) -> BlockAssignment:
     return blocks
 
 
-def same_segments(got, want, block_size: int) -> bool:
-    """Whether two alignments ``(sorted_token_ids, expert_ids, num_tokens_post_padded)`` with blocks of
-    ``block_size`` agree but for the order of the assignments inside each expert's segment: the same used
-    length, block labels, padding and tail, and each segment the same assignments. (An alignment whose
-    ranks come from atomics, as ``chained_routing``'s "ranked" body's do on a GPU, places a segment's
-    rows in the order the routing programs counted them; the GEMMs compute every row alike wherever it
-    sits.)
+def same_segments(got, want, block_size: int, numel: int) -> bool:
+    """Whether two alignments ``(sorted_token_ids, expert_ids, num_tokens_post_padded)`` of ``numel``
+    assignments in blocks of ``block_size`` agree but for the order of the real rows inside each expert's
+    segment: the same used length, block labels, padding rows (the sentinel ``numel``, at the same places)
+    and tail, and each segment the same assignments. (An alignment whose ranks come from atomics, as
+    ``chained_routing``'s "ranked" body's do on a GPU, places a segment's rows in the order the routing
+    programs counted them; the GEMMs compute every row alike wherever it sits.)
 
-        >>> ref = (torch.tensor([0, 2, 4, 1, 3, 4]), torch.tensor([0, 1]), torch.tensor([6]))
-        >>> same_segments((torch.tensor([2, 0, 4, 1, 3, 4]), *ref[1:]), ref, 3)
+        >>> want = (torch.tensor([0, 2, 4, 1, 3, 4, 4, 4]), torch.tensor([0, 1, -1]), torch.tensor([6]))
+        >>> same_segments((torch.tensor([2, 0, 4, 1, 3, 4, 4, 4]), *want[1:]), want, 3, 4)
         True
-        >>> same_segments((torch.tensor([1, 0, 4, 2, 3, 4]), *ref[1:]), ref, 3)   # 1 and 2 swap experts
+        >>> same_segments((torch.tensor([1, 0, 4, 2, 3, 4, 4, 4]), *want[1:]), want, 3, 4)   # 1, 2 swap experts
+        False
+        >>> same_segments((torch.tensor([4, 2, 0, 1, 3, 4, 4, 4]), *want[1:]), want, 3, 4)   # padding first
         False
     """
     (ids_a, experts_a, used_a), (ids_b, experts_b, used_b) = ((t.cpu() for t in x) for x in (got, want))
-    if not (torch.equal(used_a, used_b) and torch.equal(experts_a, experts_b) and ids_a.shape == ids_b.shape):
+    if not (torch.equal(used_a, used_b) and torch.equal(experts_a, experts_b) and ids_a.shape == ids_b.shape
+            and ids_a.dtype == ids_b.dtype):
         return False
     used = int(used_b)
-    if not torch.equal(ids_a[used:], ids_b[used:]):
+    if not (torch.equal(ids_a[used:], ids_b[used:]) and torch.equal(ids_a[:used] >= numel, ids_b[:used] >= numel)):
         return False
     segment = torch.repeat_interleave(experts_b[: used // block_size], block_size)
     return all(torch.equal(ids_a[:used][segment == e].sort().values, ids_b[:used][segment == e].sort().values)

@@ -30,15 +30,15 @@ inputs are ready:
 without PDL, 0.57-0.69 with it.
 
 Outputs are those of :func:`~moe_kernels.kernels.gate_routing.gate_and_route` and
-:func:`~moe_kernels.kernels.gate_routing.gate_route_and_align`: with the same 16-token gate blocks
-(below :data:`WIDE_GATE_FROM_TOKENS`; above it the partials group the products otherwise, so the
-logits agree to float32's rounding and a near-tie may route another way) the same partials added in
-the same order give the same logits bit for bit, and the same routing and alignment bodies run on
-them, so the ids and the alignment are the same; the weights are too under the interpreter, and to
-float32's last bits on a GPU (one token per program there, sixteen in the one-launch router: the
-softmax's and the renormalisation's sums are reduced in another order). ``sorted_topk`` picks the
-top-k by one partial sort (:mod:`moe_kernels.kernels.sorted_topk`) instead of ``k`` rounds of argmax: the same ids, in the same order, and the same weights. Without
-PDL (an older GPU, the interpreter) the same kernels run one after the other, with the same results.
+:func:`~moe_kernels.kernels.gate_routing.gate_route_and_align`: with the same 16-token gate blocks (below
+:data:`WIDE_GATE_FROM_TOKENS`; above it the partials group the products otherwise, so the logits agree to float32's
+rounding and a near-tie may route another way) the same partials added in the same order give the same logits bit for
+bit, and the same routing and alignment bodies run on them, so the ids and the alignment are the same (with "ranked"
+up to the order inside each segment); the weights are too under the interpreter, and to float32's last bits on a GPU
+(one token per program there, sixteen in the one-launch router: the softmax's and the renormalisation's sums are
+reduced in another order). ``sorted_topk`` picks the top-k by one partial sort
+(:mod:`moe_kernels.kernels.sorted_topk`) instead of ``k`` rounds of argmax: the same ids in the same order, the same
+weights. Without PDL (an older GPU, the interpreter) the same kernels run one after the other, with the same results.
 
 For decode batches: up to :data:`MAX_TOKENS` tokens, a clear error above.
 
@@ -199,8 +199,8 @@ if HAS_TRITON:
                                topk_group, GROUPED, HAS_BIAS, USE_SIGMOID, PRECISE, SORTED, BLOCK_T, SPLIT_K, E_COLS,
                                G_PAD, S_PAD, K_PAD)
         if RANKS:
-            # The ids this program just stored, read back after a barrier. One atomic per id counts its expert's
-            # rows and returns the row's place among them: the alignment needs no histogram of every id.
+            # The ids this program just stored (the router's: in [0, E)), read back after a barrier. One atomic per id
+            # counts its expert's rows and returns the row's place among them: no histogram of every id.
             tl.debug_barrier()
             tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
             slots = tl.arange(0, K_PAD)
@@ -247,8 +247,8 @@ if HAS_TRITON:
         chunk of ``TILE`` assignments and writes its share of the tail), after the routing's ids; with
         ``ONE_TILE``, up to :data:`ONE_TILE_MAX_ASSIGNMENTS`, all of it in one program from one read
         (:func:`align_one_tile`).
-        ``BODY`` (:data:`ALIGN_BODY`): "full"; for timing its parts, "no tail" (the tail past the used
-        rows left unwritten) or "wait only" (the wait and one read of the ids: the launch's floor)."""
+        ``BODY`` (:data:`ALIGN_BODY`): "full"; "ranked" (:func:`align_by_ranks`); for timing its parts, "no
+        tail" (the tail past the used rows left unwritten) or "wait only" (the wait and one read of the ids)."""
         if PDL:
             gdc_wait()
         if BODY == "wait only":
@@ -300,7 +300,7 @@ def gate_route_chained(hidden_states: torch.Tensor, gate_weight: torch.Tensor, t
                        sorted_topk: bool = True, pdl: bool = True, gate_block_t: int | None = None):
     """The router (and, with ``block_size``, the alignment) in launches chained by PDL:
     ``(topk_weights, topk_ids, logits)``, or with ``block_size`` also
-    ``(sorted_token_ids, expert_ids, num_tokens_post_padded)``, exactly as
+    ``(sorted_token_ids, expert_ids, num_tokens_post_padded)``, exactly (with "ranked", up to the order in a segment) as
     :func:`~moe_kernels.kernels.gate_routing.gate_and_route` and
     :func:`~moe_kernels.kernels.gate_routing.gate_route_and_align` return them. Same arguments and
     checks, and ``hidden_states`` holds at most :data:`MAX_TOKENS` tokens. ``sorted_topk``: the
