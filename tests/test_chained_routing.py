@@ -522,3 +522,13 @@ def test_the_layer_chooses_its_router():
     with mock.patch.object(layer_router, "GATE_ROUTING_MAX_TOKENS", 8):
         assert choose_router(8, True, 8, True) == (True, True, False)
         assert choose_router(9, True, 8, True) == (True, True, True)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="a setting of the launches (the torch fallback launches nothing)")
+def test_an_unknown_alignment_body_is_refused(monkeypatch):
+    """A misspelt ALIGN_BODY names the setting and the bodies there are (it would otherwise run the full body
+    without its tail)."""
+    monkeypatch.setattr(chained_routing, "ALIGN_BODY", "rankd")
+    x, w = inputs(20, 16, 32, 1)
+    with pytest.raises(ValueError, match="'ALIGN_BODY' must be one of .*'ranked'.*got 'rankd'"):
+        gate_route_chained(x, w, 4, True, block_size=4)

@@ -788,6 +788,15 @@ def test_unpermute_against_float64(tokens, k, d, unpermute_body):
     assert ran == ([unpermute_body] if tokens and d else []), launches
 
 
+def test_an_unknown_unpermute_body_is_refused(monkeypatch):
+    from moe_kernels.kernels import combine
+
+    monkeypatch.setattr(combine, "UNPERMUTE_BODY", "slot")
+    with pytest.raises(ValueError, match="'UNPERMUTE_BODY' must be 'tile' or 'slots', got 'slot'"):
+        unpermute(torch.randn(4, 8, device=DEVICE), torch.zeros(2, 2, dtype=torch.int32, device=DEVICE),
+                  torch.ones(2, 2, device=DEVICE))
+
+
 def test_unpermute_accumulates_in_fp32(unpermute_body):
     """A partial sum past the fp16 range (120000) must not turn the answer (60000) into inf."""
     y = torch.tensor([[60000.0], [60000.0], [-60000.0]], dtype=torch.float16, device=DEVICE)
@@ -805,7 +814,8 @@ from moe_kernels.sm90_compile import compile_for_sm90
 for slot_loop, block_topk, block_d in ((False, 8, 512), (True, 8, 1024)):
     ptx = compile_for_sm90(combine._unpermute_kernel, dict(BLOCK_TOPK=block_topk, BLOCK_D=block_d, SLOT_LOOP=slot_loop),
                            dict(y_ptr="*bf16", src2dst_ptr="*i32", weights_ptr="*fp32", out_ptr="*bf16"),
-                           aligned=("stride_ym", "stride_wt", "stride_ot", "hidden_size", "topk"), num_warps=4).asm["ptx"]
+                           aligned=("stride_ym", "stride_wt", "stride_ot", "hidden_size", "topk"),
+                           num_warps=4).asm["ptx"]
     print(slot_loop, len(re.findall("ld.global.v4", ptx)), "bar.sync" in ptx)
 """
 

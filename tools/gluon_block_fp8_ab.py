@@ -37,11 +37,8 @@ Needs Triton 3.6 (its Gluon API; later versions changed it).
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
-import subprocess
 import sys
-import tempfile
 
 import torch
 import triton
@@ -312,8 +309,6 @@ def gluon_block_fp8_grouped(x, x_scale, w, w_scale, m_indices, *, block_n=128, s
 
 # ---- --compile-only: sm_90a builds without a GPU --------------------------------------------------------------
 
-PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-
 
 def compile_for_sm90(block_n, stages, num_warps, overlap):
     """The kernel compiled for sm_90a (Gluon's own AST source: its IR is already TritonGPU)."""
@@ -346,18 +341,11 @@ def ptx_report(ptx):
 
 def ptxas_report(ptx):
     """ptxas -v for sm_90a: (registers, spill store bytes, spill load bytes, its warnings about wgmma)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "kernel.ptx")
-        with open(path, "w") as f:
-            f.write(ptx)
-        done = subprocess.run([PTXAS, "-v", "-arch=sm_90a", path, "-o", os.devnull], capture_output=True, text=True)
-    text = done.stdout + done.stderr
-    if done.returncode:
-        raise RuntimeError(f"ptxas failed: {text[-2000:]}")
-    regs = int(re.search(r"Used (\d+) registers", text).group(1))
-    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
-    warnings = [line.strip() for line in text.splitlines() if "wgmma" in line.lower()]
-    return regs, int(spills.group(1)), int(spills.group(2)), warnings
+    from moe_kernels.sm90_compile import assemble_for_sm90
+
+    built = assemble_for_sm90(ptx)
+    warnings = [line.strip() for line in built["log"].splitlines() if "wgmma" in line.lower()]
+    return built["registers"], built["spill_stores"], built["spill_loads"], warnings
 
 
 def compile_only():

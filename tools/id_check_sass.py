@@ -20,23 +20,16 @@ the checked fp8 GEMM 1 measured slower (2.9 us in Qwen3's kernel at one token).
 """
 import os
 import re
-import subprocess
 import sys
-import tempfile
-from pathlib import Path
 
 import torch
 
 torch.cuda.is_available = lambda: True   # build compiled (not interpreted) kernels; nothing is launched
 os.environ.pop("TRITON_INTERPRET", None)
 
-import triton  # noqa: E402
-
 from moe_kernels._runtime import device_assert_options  # noqa: E402
 from moe_kernels.kernels import index_gather as ig  # noqa: E402
-from moe_kernels.sm90_compile import compile_for_sm90  # noqa: E402
-
-BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+from moe_kernels.sm90_compile import assemble_for_sm90, compile_for_sm90  # noqa: E402
 fn = ig._index_gather_gemm_kernel
 #: GEMM 1's fp8 tiles from the H200 tables: Qwen3-30B-A3B at one token (the default), DeepSeek-V3 at
 #: 8 tokens (BLOCK_N 64, 5 stages, no quantising epilogue, no PDL trigger).
@@ -54,12 +47,8 @@ for check in ("", "fused_experts: argument 'topk_ids' must hold expert ids in [0
                  TMA_W=True, PERSISTENT=0, SCALE_BN=128, SCALE_BK=128, ID_CHECK=check, SWAP_AB=True,
                  PDL_WAIT=False, PREFETCH_LINE=64, PREFETCH_K=-1, **tile)
     ptx = compile_for_sm90(fn, const, pointers, num_warps=4, num_stages=stages, **device_assert_options(check)).asm["ptx"]
-    with tempfile.TemporaryDirectory() as tmp:
-        src, obj = Path(tmp) / "k.ptx", Path(tmp) / "k.o"
-        src.write_text(ptx)
-        info = subprocess.run([BIN / "ptxas", "-v", "--gpu-name=sm_90a", src, "-o", obj], capture_output=True,
-                              text=True, check=True).stderr
-        sass = subprocess.run([BIN / "cuobjdump", "-sass", obj], capture_output=True, text=True, check=True).stdout
+    built = assemble_for_sm90(ptx)
+    info, sass = built["log"], built["sass"]
     usage = " ".join(re.findall(r"Used \d+ registers|\d+ bytes stack frame|\d+ bytes spill stores", info))
     counts = {name: len(re.findall(pattern, sass)) for name, pattern in
               (("CALL", r"\bCALL\."), ("L2 prefetch", r"CCTL\.E\.PF2"), ("TMA load", r"UTMALDG"),

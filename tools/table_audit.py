@@ -29,11 +29,8 @@ launch (``pdl``) change the launch are compiled without them (the two GEMMs as t
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -44,11 +41,10 @@ import triton  # noqa: E402
 
 from moe_kernels.kernels import index_gather as ig  # noqa: E402
 from moe_kernels.kernels.blocks import use_naive_block_assignment  # noqa: E402
-from moe_kernels.sm90_compile import compile_for_sm90  # noqa: E402
+from moe_kernels.sm90_compile import assemble_for_sm90, compile_for_sm90, loop_nesting  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TABLES = ROOT / "moe_kernels" / "kernels" / "configs"
-PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 ALIGNED = ("stride_am", "stride_we", "stride_wn", "stride_om", "N", "K", "stride_as", "stride_wse", "stride_wsn")
 
 
@@ -80,19 +76,6 @@ def build(tiles: dict, *, block_m: int, gated: bool, fp8: bool, naive: bool, top
                             num_warps=tiles["num_warps"], num_stages=tiles["num_stages"])
 
 
-def loop_nesting(ttgir: str) -> int:
-    """The deepest nesting of ``scf.for`` loops (TTGIR is printed two spaces per region level)."""
-    depth, open_loops = 0, []
-    for line in ttgir.split("\n"):
-        indent = len(line) - len(line.lstrip())
-        while open_loops and line.lstrip().startswith("}") and indent <= open_loops[-1]:
-            open_loops.pop()
-        if "scf.for" in line:
-            open_loops.append(indent)
-            depth = max(depth, len(open_loops))
-    return depth
-
-
 def report(kernel) -> dict:
     ttgir, ptx = kernel.asm["ttgir"], kernel.asm["ptx"]
     waits = sorted({int(n) for n in re.findall(r"warp_group_dot_wait .*?pendings = (\d+)", ttgir)})
@@ -100,25 +83,16 @@ def report(kernel) -> dict:
     buffers = [int(n) for n, rows in re.findall(r"ttg\.local_alloc\s*: \(\) -> !ttg\.memdesc<(\d+)x(\d+)x\d+x", ttgir)
                if int(rows) > 1]
     by = ("TMA" if "cp.async.bulk.tensor" in ptx else "cp.async" if "cp.async" in ptx else "loads")
-    with tempfile.TemporaryDirectory() as tmp:
-        path, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
-        Path(path).write_text(ptx)
-        done = subprocess.run([str(PTXAS), "-v", "-arch=sm_90a", path, "-o", cubin], capture_output=True, text=True)
-        text = done.stdout + done.stderr
-        if done.returncode:
-            raise RuntimeError(f"ptxas ({PTXAS}) failed on the PTX of Triton {triton.__version__}: "
-                               f"{text.strip()[-300:]}")
-        sass = subprocess.run([str(PTXAS.parent / "cuobjdump"), "-sass", cubin], capture_output=True, text=True).stdout
+    built = assemble_for_sm90(ptx)
     # The SASS says what the tensor cores run: for an fp8 mma.sync tile Triton 3.6 upcasts to f16 (F2FP on the CUDA
     # cores) and issues HMMAs; wgmma is HGMMA (16-bit) or QGMMA (fp8).
-    opcodes = re.findall(r"^\s+/\*[0-9a-f]+\*/\s+([A-Z0-9]+)", sass, re.M)
+    opcodes = re.findall(r"^\s+/\*[0-9a-f]+\*/\s+([A-Z0-9]+)", built["sass"], re.M)
     tensor_ops = sorted({op for op in opcodes if op in ("HMMA", "HGMMA", "QGMMA")})
     conversions = sum(op == "F2FP" for op in opcodes)
-    regs = int(re.search(r"Used (\d+) registers", text).group(1))
-    spills = int(re.search(r"(\d+) bytes spill stores", text).group(1))
     return {"mma": "wgmma" if "wgmma.mma_async" in ptx else "mma.sync" if "mma.sync" in ptx else "-",
             "dot_wait": waits, "stages": max(buffers, default=1), "by": by,
-            "loops": loop_nesting(ttgir), "regs": regs, "spills": spills, "sass": tensor_ops, "f2fp": conversions}
+            "loops": loop_nesting(ttgir), "regs": built["registers"], "spills": built["spill_stores"],
+            "sass": tensor_ops, "f2fp": conversions}
 
 
 def main(argv):

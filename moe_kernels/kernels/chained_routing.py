@@ -98,11 +98,10 @@ _MAX_SPLIT = 32
 #: map: up to 4 tokens of Qwen3-30B-A3B, 8 of DeepSeek-V3) the layer aligns nothing, so there it is
 #: Qwen3-30B-A3B at 5-8 tokens (0.5 us at 8).
 ONE_TILE_MAX_ASSIGNMENTS = 64
-#: What the alignment launch runs: "full"; "ranked" (above :data:`ONE_TILE_MAX_ASSIGNMENTS`, not yet timed:
-#: the routing programs count the rows, a segment's rows in the order they were counted); or, only to
-#: time its parts (``bench routing --gate-routing``), "no tail" or "wait only"; and its warps. Read at
-#: each launch.
-ALIGN_BODY = "full"
+#: What the alignment launch runs (read at each launch): "full"; "ranked" (above :data:`ONE_TILE_MAX_ASSIGNMENTS`,
+#: untimed: the routing programs count the rows, a segment's rows in counting order); or, only to time its parts
+#: (``bench routing --gate-routing``), "no tail" or "wait only" (:data:`ALIGN_BODIES`); and its warps.
+ALIGN_BODY, ALIGN_BODIES = "full", ("full", "ranked", "no tail", "wait only")
 ALIGN_WARPS = _SINGLE_WARPS
 ONE_TILE_WARPS = 4
 #: Tokens per routing program: one, so that a batch's tokens are routed side by side (each on the
@@ -354,11 +353,11 @@ def _launch(hidden_states, gate_weight, bias, topk, renormalize, scoring_func, n
     g_pad, s_pad = next_power_of_2(groups), next_power_of_2(per_group)
     e_cols = g_pad * s_pad if grouped else next_power_of_2(num_experts)
     tiles = chained_gate_tiles(num_tokens, num_experts, hidden_size, gate_block_t)
-    partial = torch.empty((tiles["split_k"], num_tokens, num_experts), dtype=torch.float32,
-                          device=hidden_states.device)
-    route_block = _ROUTE_BLOCK
-    numel = num_tokens * topk
+    partial = torch.empty((tiles["split_k"], num_tokens, num_experts), dtype=torch.float32, device=ids.device)
+    route_block, numel = _ROUTE_BLOCK, num_tokens * topk
     one_tile = numel <= ONE_TILE_MAX_ASSIGNMENTS
+    if ALIGN_BODY not in ALIGN_BODIES:
+        fail("moe_kernels.kernels.chained_routing", "ALIGN_BODY", f"must be one of {ALIGN_BODIES}", repr(ALIGN_BODY))
     # "ranked" where the chunked body would run: the routing programs count, the gate launch clears.
     ranked = alignment is not None and ALIGN_BODY == "ranked" and not one_tile
     counts = torch.empty(num_experts, dtype=torch.int32, device=ids.device) if ranked else None

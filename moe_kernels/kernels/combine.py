@@ -146,6 +146,8 @@ def unpermute(y_rows: torch.Tensor, src2dst: torch.Tensor, topk_weights: torch.T
     num_tokens, topk = src2dst.shape
     hidden_size = y_rows.shape[1]
     out = check_out(func, out, (num_tokens, hidden_size), y_rows)
+    if UNPERMUTE_BODY not in ("tile", "slots"):
+        fail("moe_kernels.kernels.combine", "UNPERMUTE_BODY", "must be 'tile' or 'slots'", repr(UNPERMUTE_BODY))
     if not use_triton(y_rows, src2dst, topk_weights, out):
         return out.copy_(unpermute_reference(y_rows, src2dst, topk_weights))
     if num_tokens == 0 or hidden_size == 0:
