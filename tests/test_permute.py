@@ -791,6 +791,17 @@ def test_unpermute_against_float64(tokens, k, d, unpermute_body):
     assert ran == ([unpermute_body] if tokens and d else []), launches
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="the torch fallback launches no kernel")
+def test_unpermute_runs_the_slot_loop_by_default():
+    """The default body is the one the H200 timed at moe_sum's rate (unpermute-ab.json): "slots"."""
+    from moe_kernels._runtime import record_launches
+
+    with record_launches() as launches:
+        unpermute(torch.randn(4, 8, device=DEVICE), torch.zeros(2, 2, dtype=torch.int32, device=DEVICE),
+                  torch.ones(2, 2, device=DEVICE))
+    assert [s["body"] for name, s in launches if name == "combine.unpermute"] == ["slots"], launches
+
+
 def test_an_unknown_unpermute_body_is_refused(monkeypatch):
     from moe_kernels.kernels import combine
 

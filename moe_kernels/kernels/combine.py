@@ -28,17 +28,16 @@ from .._checks import FLOAT_DTYPES, check_tensor, fail
 from .._runtime import HAS_TRITON, cdiv, kernel, next_power_of_2, note_launch, tl, use_triton
 from ._tile_gemm import check_out, in_float32_under_interpreter
 
-#: How :func:`unpermute` reads a token's ``k`` rows: ``"tile"``, as one ``[k, BLOCK_D]`` tile summed
-#: over its first axis (the reduction crosses warps: shared memory and barriers); or ``"slots"``, one
-#: row chunk per slot in an unrolled loop, added in registers, the shape of :func:`moe_sum`'s kernel.
-#: On the H200 (``layout-stages.json``) ``moe_sum`` moved its bytes at the copy bandwidth (DeepSeek-V3,
-#: 8,192 tokens: 245 us for 1.06 GB) while this gather took 2.4 times as long on the same bytes (595
-#: us); "slots" is the candidate, "tile" stays until the device has timed both
-#: (``tools/unpermute_ab.py``). The two add the same products in another order: the sums agree to
-#: float32's rounding, not bit for bit. Read at each call: a call recorded before a change (an
-#: ``MoELayer``'s plan and its CUDA graph) keeps the body it was recorded with
-#: (``moe_kernels._replay.forget_all_plans()`` forgets them).
-UNPERMUTE_BODY = "tile"
+#: How :func:`unpermute` reads a token's ``k`` rows: ``"slots"``, one row chunk per slot in an
+#: unrolled loop, added in registers, the shape of :func:`moe_sum`'s kernel; or ``"tile"``, as one
+#: ``[k, BLOCK_D]`` tile summed over its first axis (the reduction crosses warps: shared memory and
+#: barriers). On the H200 (``unpermute-ab.json``, ``tools/unpermute_ab.py``) "slots" ran at
+#: ``moe_sum``'s rate on the same bytes and "tile" took 2.0-2.4 times as long (DeepSeek-V3, 16,384
+#: tokens: 494 against 1,186 us; ``moe_sum`` 487), so "slots" is the default. The two add the same
+#: products in another order: the sums agree to float32's rounding, not bit for bit. Read at each
+#: call: a call recorded before a change (an ``MoELayer``'s plan and its CUDA graph) keeps the body
+#: it was recorded with (``moe_kernels._replay.forget_all_plans()`` forgets them).
+UNPERMUTE_BODY = "slots"
 
 if HAS_TRITON:
 
