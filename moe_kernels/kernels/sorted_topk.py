@@ -56,7 +56,10 @@ if HAS_TRITON:
         ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
         keys = (ordered.to(tl.int64) << 32) | (NO_EXPERT - 1 - columns).to(tl.int64)
         keys = tl.where(available, keys, -9223372036854775808)
-        top = tl.topk(keys, K_PAD)   # descending
+        if K_PAD == 1:   # (Triton 3.6's tl.topk fails to compile k = 1 on a one-row block)
+            top = tl.max(keys, axis=1, keep_dims=True)
+        else:
+            top = tl.topk(keys, K_PAD)   # descending
         # The low 32 bits (a truncating cast) give the column back. An unavailable
         # entry's are 0, column N - 1: a real column, in a slot the store masks.
         chosen = (NO_EXPERT - 1) - top.to(tl.int32)
