@@ -22,9 +22,9 @@ inputs are ready:
    DeepSeek-V3's grouped rule (:func:`route_warps`);
 3. with a ``block_size``, waiting in turn for the routing's ids, the alignment: up to
    :data:`ONE_TILE_MAX_ASSIGNMENTS` one program from one read of the ids (:func:`align_one_tile`),
-   above it the alignment kernel's single-launch body (every program counts every id, then places
-   its share), or with :data:`ALIGN_BODY` "ranked" (not yet timed) the counts the routing programs
-   made with atomics, so that the alignment only scans them and scatters (:func:`align_by_ranks`).
+   above it (:data:`ALIGN_BODY` "ranked", the default) the counts the routing programs made with
+   atomics, so that the alignment only scans them and scatters (:func:`align_by_ranks`), or the
+   alignment kernel's single-launch body ("full": every program counts every id, then places its share).
 
 ``launch-floor.json`` (the H200, back to back in a CUDA graph): one more kernel costs 0.96-1.17 us
 without PDL, 0.57-0.69 with it.
@@ -98,10 +98,11 @@ _MAX_SPLIT = 32
 #: map: up to 4 tokens of Qwen3-30B-A3B, 8 of DeepSeek-V3) the layer aligns nothing, so there it is
 #: Qwen3-30B-A3B at 5-8 tokens (0.5 us at 8).
 ONE_TILE_MAX_ASSIGNMENTS = 64
-#: What the alignment launch runs (read at each launch): "full"; "ranked" (above :data:`ONE_TILE_MAX_ASSIGNMENTS`,
-#: untimed: the routing programs count the rows, a segment's rows in counting order); or, only to time its parts
-#: (``bench routing --gate-routing``), "no tail" or "wait only" (:data:`ALIGN_BODIES`); and its warps.
-ALIGN_BODY, ALIGN_BODIES = "full", ("full", "ranked", "no tail", "wait only")
+#: The alignment launch's body above :data:`ONE_TILE_MAX_ASSIGNMENTS` (read at each launch): "ranked" (rows
+#: counted by the routing; a segment's rows in any order on a GPU, ``blocks.same_segments``), "full", or to time
+#: parts, "no tail" or "wait only"; and its warps. H200, the chain with it (``gate-routing-ranked.json``): ranked
+#: 6.3-9.5 us, full 8.4-13.0 (Qwen3-30B-A3B, 16-512 tokens); DeepSeek-V3 8.7-16.6 against 11.4-22.3.
+ALIGN_BODY, ALIGN_BODIES = "ranked", ("full", "ranked", "no tail", "wait only")
 ALIGN_WARPS = _SINGLE_WARPS
 ONE_TILE_WARPS = 4
 #: Tokens per routing program: one, so that a batch's tokens are routed side by side (each on the
