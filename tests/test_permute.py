@@ -980,7 +980,7 @@ def test_tiles_that_must_not_run_store_nothing_on_every_grid(persistent):
     out = torch.full((80, 24), 7.0, device=DEVICE)
     grouped_gemm_contiguous(x, w, m_indices, align=16, out=out, config=MoEConfig(16, tiles, tiles),
                             rows_used=torch.tensor([80], dtype=torch.int32, device=DEVICE))
-    want = torch.full((80, 24), 7.0, dtype=torch.float64)
+    want = torch.full((80, 24), 7.0, dtype=torch.float64, device=DEVICE)
     want[:16] = x[:16].double() @ w[1].double().T
     want[64:74] = x[64:74].double() @ w[2].double().T
     assert rel_err(out, want) < 1e-6
