@@ -69,7 +69,7 @@ from typing import NamedTuple
 import torch
 
 from .._checks import check_dispatch_inputs, check_int, check_moe_inputs, fail
-from .._runtime import HAS_TRITON, cdiv, kernel, next_power_of_2, tl, use_triton
+from .._runtime import HAS_TRITON, cdiv, kernel, next_power_of_2, note_launch, tl, use_triton
 from ..model.buffers import expert_counts, max_padded_rows
 from ._tile_gemm import check_out
 from .align import align_checked, moe_align_block_size_reference
@@ -77,6 +77,16 @@ from .combine import unpermute
 from .config import MoEConfig, check_config, get_config
 from .contiguous_gemm import grouped_gemm_contiguous  # noqa: F401 (the layout's GEMM, also imported from here)
 from .formats import WeightFormat
+
+#: Which kernel runs the two GEMMs of a block-fp8 :func:`permute_experts` (read at each call): "triton"
+#: (:func:`~moe_kernels.kernels.contiguous_gemm.grouped_gemm_contiguous`) or "gluon"
+#: (:func:`~moe_kernels.kernels.gluon_block_fp8.block_fp8_grouped`, each K step's promotion under the
+#: next MMA: 794-885 TFLOP/s on the H200 where the Triton kernel ran 645-744, the GEMMs alone, 16,384
+#: tokens). "gluon" writes GEMM 1's gate and up columns in bf16 and runs SiLU·mul and the quantiser as
+#: launches of their own; it stays off until the whole call is timed. Where it cannot run (no Triton 3.6
+#: Gluon, not sm_90, bf16 activations only, segments of 128 rows, no ``gather_rows`` or ``sum_in_gemm``,
+#: N and K multiples of 128) the call takes the Triton kernel and its launch record says why.
+FP8_GEMM = "triton"
 
 if HAS_TRITON:
 
@@ -262,6 +272,8 @@ def permute_experts(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Ten
     else:   # (per-row scales: the padding rows' garbage reaches no real row)
         rows = permuted.rows
         rows_scale = _permute_scales(x_scale, permuted, topk_ids.shape[1])
+    if fmt.quantized and _fp8_gemm_kernel(fmt, config, align, hidden_states, w1, w2) == "gluon":
+        return _gluon_experts(rows, rows_scale, w1, w1_scale, w2, w2_scale, permuted, topk_weights, fmt)
     activated = grouped_gemm_contiguous(
         rows, w1, permuted.m_indices, align=align, silu_mul=True, config=config,
         which="gate_up", x_scale=rows_scale, w_scale=w1_scale,
@@ -280,6 +292,41 @@ def permute_experts(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Ten
     y = grouped_gemm_contiguous(a, w2, permuted.m_indices, align=align, config=config, which="down",
                                 x_scale=a_scale, w_scale=w2_scale, out_dtype=hidden_states.dtype,
                                 rows_used=permuted.rows_used)
+    return unpermute(y, permuted.src2dst, topk_weights)
+
+
+def _fp8_gemm_kernel(fmt, config, align, hidden_states, w1, w2) -> str:
+    """"gluon" where :data:`FP8_GEMM` asks for it and the Gluon kernel can run this call, else "triton"
+    (the launch record says why not)."""
+    if FP8_GEMM not in ("triton", "gluon"):
+        fail("moe_kernels.kernels.permute", "FP8_GEMM", "must be 'triton' or 'gluon'", repr(FP8_GEMM))
+    if FP8_GEMM == "triton":
+        return "triton"
+    from .gluon_block_fp8 import available
+
+    f, d = w2.shape[2], w2.shape[1]
+    why = available(hidden_states.device) or next((reason for refused, reason in (
+        (fmt.block != (128, 128), "weights not in 128 x 128 blocks"),
+        (hidden_states.dtype != torch.bfloat16, "activations not bf16"),
+        (align != 128, f"segments of {align} rows, not 128"),
+        (config.gather_rows or config.sum_in_gemm, "gather_rows or sum_in_gemm"),
+        (f % 128 or d % 128, "N or K not a multiple of 128"),
+        (not (w1.is_contiguous() and w2.is_contiguous()), "weights not contiguous")) if refused), None)
+    note_launch("permute.fp8_gemm", kernel="triton" if why else "gluon", refused=why)
+    return "triton" if why else "gluon"
+
+
+def _gluon_experts(rows, rows_scale, w1, w1_scale, w2, w2_scale, permuted: PermutedRows, topk_weights, fmt):
+    """Both GEMMs on the Gluon kernel: GEMM 1's gate and up columns in bf16 ``[M_pad, 2F]``, SiLU·mul, the
+    quantiser, GEMM 2 into bf16 ``[M_pad, d]``, the gather back. Padding rows are never written by either
+    GEMM; what SiLU·mul and the quantiser make of them stays in their own rows."""
+    from .activation import silu_mul_rows
+    from .gluon_block_fp8 import block_fp8_grouped
+
+    h = block_fp8_grouped(rows, rows_scale, w1, w1_scale, permuted.m_indices)
+    activated = silu_mul_rows(h, h.new_empty(h.shape[0], h.shape[1] // 2))
+    a, a_scale = fmt.quantize_activations(activated)
+    y = block_fp8_grouped(a, a_scale, w2, w2_scale, permuted.m_indices)
     return unpermute(y, permuted.src2dst, topk_weights)
 
 

@@ -1,0 +1,123 @@
+"""The permute layout's block-fp8 grouped GEMM with each K step's promotion under the next step's MMA
+(a Gluon kernel, Hopper, Triton 3.6), its checks, and its torch reference.
+
+``out[r] = dequant(x[r]) @ dequant(w[m_indices[r]])^T`` for every row ``r`` of a packed buffer whose
+rows come in 128-row segments, one expert each (:func:`~moe_kernels.kernels.permute.permute` with
+``align=128``; ``m_indices`` is -1 on padding rows). ``x`` holds fp8 rows with one float32 scale per
+row per 128 columns, ``w`` fp8 experts with one scale per 128 x 128 block (DeepSeek-V3's format,
+``formats.FORMATS["block"]``). Rows of padding are never written.
+
+Why a kernel of its own: a block-fp8 K step multiplies its 128-deep product by the row's and the block's
+scales before adding it to the accumulator (the promotion). Triton 3.6 compiles ``tl.dot`` then the
+promotion into a wait for every product (``wgmma.wait_group 0``), so the tensor cores idle while the CUDA
+cores promote. Gluon exposes the waits: the kernel (:mod:`moe_kernels.kernels._gluon_block_fp8_kernel`)
+issues step s+1's MMA before it promotes step s. On the H200 (``gluon-block-fp8-ab.json``, 16,384 tokens)
+that ran DeepSeek-V3's GEMM 1 at 798 TFLOP/s and GEMM 2 at 794, against 698 and 645 for the package's
+Triton kernel (:func:`~moe_kernels.kernels.contiguous_gemm.grouped_gemm_contiguous`).
+
+:func:`available` says where it runs: Triton 3.6 with Gluon for NVIDIA GPUs, an sm_90 device. Elsewhere
+:func:`block_fp8_grouped` refuses with that reason; :func:`block_fp8_grouped_reference` is the same
+product in torch. Two segments of 128 rows, the second half padding, two experts::
+
+    >>> import torch
+    >>> from moe_kernels.kernels.formats import FORMATS
+    >>> block = FORMATS["block"]
+    >>> g = torch.Generator().manual_seed(0)
+    >>> w, w_scale = block.quantize_weight(torch.randn(2, 128, 256, generator=g) / 16)
+    >>> x, x_scale = block.quantize_activations(torch.randn(256, 256, generator=g))
+    >>> m_indices = torch.tensor([0] * 128 + [1] * 64 + [-1] * 64, dtype=torch.int32)
+    >>> out = block_fp8_grouped_reference(x, x_scale, w, w_scale, m_indices)
+    >>> out.shape, bool((out[192:] == 0).all())                 # padding rows: nothing
+    (torch.Size([256, 128]), True)
+    >>> want = block.dequantize_activations(x[:1], x_scale[:1]) @ block.dequantize_weight(w, w_scale)[0].T
+    >>> bool(torch.allclose(out[:1].float(), want, rtol=1e-2, atol=1e-2))
+    True
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._checks import check_tensor, fail
+from ._gluon_block_fp8_kernel import GLUON_HOPPER, TILE_K, TILE_M
+
+__all__ = ["available", "block_fp8_grouped", "block_fp8_grouped_reference"]
+
+
+def available(device: torch.device | str) -> str | None:
+    """None where :func:`block_fp8_grouped` runs on ``device``, else why not (a sentence)."""
+    device = torch.device(device)
+    if not GLUON_HOPPER:
+        return "needs Triton 3.6's Gluon for NVIDIA GPUs (compiled kernels, not the interpreter)"
+    if device.type != "cuda":
+        return f"needs a CUDA device, got {device}"
+    if torch.cuda.get_device_capability(device) != (9, 0):
+        return f"needs an sm_90 GPU (Hopper), got sm_{''.join(map(str, torch.cuda.get_device_capability(device)))}"
+    return None
+
+
+def _check(func, x, x_scale, w, w_scale, m_indices, out, block_n):
+    check_tensor(func, "w", w, ndim=3, dtypes=(torch.float8_e4m3fn,), contiguous=True)
+    e, n, k = w.shape
+    check_tensor(func, "x", x, ndim=2, dtypes=(torch.float8_e4m3fn,), device=w.device, last_dim_contiguous=True)
+    if x.shape[1] != k or k == 0 or k % TILE_K:
+        fail(func, "x", f"must have K = w.shape[2] = {k} columns, a positive multiple of {TILE_K}", tuple(x.shape))
+    if x.shape[0] % TILE_M:
+        fail(func, "x", f"must have a multiple of {TILE_M} rows (segments aligned to {TILE_M})", tuple(x.shape))
+    if n % 128 or block_n not in (64, 128):
+        fail(func, "w", "must have N a multiple of 128 (block_n 64 or 128)", (tuple(w.shape), block_n))
+    check_tensor(func, "x_scale", x_scale, ndim=2, dtypes=(torch.float32,), device=w.device, last_dim_contiguous=True)
+    if tuple(x_scale.shape) != (x.shape[0], k // 128):
+        fail(func, "x_scale", f"must have shape {(x.shape[0], k // 128)}", tuple(x_scale.shape))
+    check_tensor(func, "w_scale", w_scale, ndim=3, dtypes=(torch.float32,), device=w.device, last_dim_contiguous=True)
+    if tuple(w_scale.shape) != (e, n // 128, k // 128):
+        fail(func, "w_scale", f"must have shape {(e, n // 128, k // 128)} (128 x 128 blocks)", tuple(w_scale.shape))
+    check_tensor(func, "m_indices", m_indices, ndim=1, dtypes=(torch.int32,), device=w.device, contiguous=True)
+    if m_indices.shape[0] != x.shape[0]:
+        fail(func, "m_indices", f"must have one entry per row of x ({x.shape[0]})", tuple(m_indices.shape))
+    # A tile's expert is an address the kernel does not check, so it is checked here, except while a CUDA graph
+    # captures the call, where reading the maximum back would end the capture.
+    capturing = m_indices.is_cuda and torch.cuda.is_current_stream_capturing()
+    if m_indices.numel() and not capturing and int(m_indices.max()) >= e:
+        fail(func, "m_indices", f"must hold experts in [0, {e}) or -1", int(m_indices.max()))
+    if out is not None:
+        check_tensor(func, "out", out, ndim=2, dtypes=(torch.bfloat16,), device=w.device, last_dim_contiguous=True)
+        if tuple(out.shape) != (x.shape[0], n):
+            fail(func, "out", f"must have shape {(x.shape[0], n)}", tuple(out.shape))
+
+
+def block_fp8_grouped(x, x_scale, w, w_scale, m_indices, *, out=None, overlap: bool = True, block_n: int = 128,
+                      stages: int = 4, num_warps: int = 8) -> torch.Tensor:
+    """``out[r] = dequant(x[r]) @ dequant(w[m_indices[r]])^T`` in bf16 (``[M_pad, N]``) for the rows with
+    ``m_indices >= 0``; others are not written (``out``, if given, keeps them). ``x`` fp8 ``[M_pad, K]`` in
+    128-row segments, ``x_scale`` float32 ``[M_pad, K/128]``, ``w`` fp8 ``[E, N, K]``, ``w_scale`` float32
+    ``[E, N/128, K/128]``, ``m_indices`` int32 ``[M_pad]``. ``overlap=False`` promotes each step in order
+    (the A/B's control). Tiles: 128 x ``block_n`` x 128, ``stages`` TMA buffers, one program per tile."""
+    func = "block_fp8_grouped"
+    reason = available(w.device if isinstance(w, torch.Tensor) else "cpu")
+    if reason is not None:
+        fail(func, "w", f"must be on a device this kernel runs on ({reason})", getattr(w, "device", w))
+    _check(func, x, x_scale, w, w_scale, m_indices, out, block_n)
+    from ._gluon_block_fp8_kernel import launch
+
+    if out is None:
+        out = torch.empty(x.shape[0], w.shape[1], device=x.device, dtype=torch.bfloat16)
+    if x.shape[0]:
+        launch(x, x_scale, w, w_scale, m_indices, out, overlap=overlap, block_n=block_n, stages=stages,
+               num_warps=num_warps)
+    return out
+
+
+def block_fp8_grouped_reference(x, x_scale, w, w_scale, m_indices) -> torch.Tensor:
+    """Torch reference for :func:`block_fp8_grouped`: each expert's rows dequantised and multiplied in
+    float32, rounded once to bf16; zero on the other rows."""
+    from .formats import FORMATS
+
+    block = FORMATS["block"]
+    out = torch.zeros(x.shape[0], w.shape[1], device=x.device, dtype=torch.float32)
+    for e in range(w.shape[0]):
+        rows = (m_indices == e).nonzero().flatten()
+        if rows.numel():
+            a = block.dequantize_activations(x[rows], x_scale[rows])
+            out[rows] = a @ block.dequantize_weight(w[e:e + 1], w_scale[e:e + 1])[0].T
+    return out.to(torch.bfloat16)

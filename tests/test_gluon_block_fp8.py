@@ -1,0 +1,168 @@
+"""The Gluon block-fp8 grouped GEMM (moe_kernels.kernels.gluon_block_fp8): its torch reference against
+float64 on the edge cases, its argument checks, where it refuses to run, and the permute layout's switch
+(permute.FP8_GEMM). The kernel itself runs only on an sm_90 GPU with Triton 3.6 (the GPU tests); its sm_90
+build is tested with the A/B tool's (tests/test_gpu_tools.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_kernels._runtime import HAS_TRITON, record_launches
+from moe_kernels.kernels import gluon_block_fp8, permute as permute_module
+from moe_kernels.kernels.formats import FORMATS
+from moe_kernels.kernels.gluon_block_fp8 import available, block_fp8_grouped, block_fp8_grouped_reference
+from moe_kernels.kernels.permute import permute_experts
+from moe_testing import DEVICE, make_problem, rel_err
+
+BLOCK = FORMATS["block"]
+
+# (rows per expert in 128-row segments: 0 is an empty expert; a trailing tile of padding in each)
+SEGMENTS = {
+    "one row": [1],
+    "an empty expert": [5, 0, 130],
+    "all rows on one expert": [0, 0, 256],
+    "several tiles per expert": [300, 129],
+    "one expert": [128],
+}
+
+
+def segmented(counts, seed, k=256, n=128, device="cpu"):
+    """fp8 block operands for experts with ``counts`` rows each, segments rounded up to 128 rows."""
+    g = torch.Generator().manual_seed(seed)
+    m_indices = torch.cat([torch.cat([torch.full((c,), e, dtype=torch.int32),
+                                      torch.full((-c % 128,), -1, dtype=torch.int32)]) for e, c in enumerate(counts)]
+                          + [torch.full((128,), -1, dtype=torch.int32)])
+    w, w_scale = BLOCK.quantize_weight(torch.randn(len(counts), n, k, generator=g) / 16)
+    x, x_scale = BLOCK.quantize_activations(torch.randn(m_indices.numel(), k, generator=g))
+    return [t.to(device) for t in (x, x_scale, w, w_scale, m_indices)]
+
+
+@pytest.mark.parametrize("case", sorted(SEGMENTS))
+def test_reference_against_float64(case):
+    """Each expert's rows: the dequantised operands' product (float64, per row), rounded to bf16; padding
+    rows zero."""
+    x, x_scale, w, w_scale, m_indices = segmented(SEGMENTS[case], seed=len(case))
+    out = block_fp8_grouped_reference(x, x_scale, w, w_scale, m_indices)
+    a = BLOCK.dequantize_activations(x, x_scale).double()
+    weights = BLOCK.dequantize_weight(w, w_scale).double()
+    for r, e in enumerate(m_indices.tolist()):
+        want = a[r] @ weights[e].T if e >= 0 else torch.zeros(w.shape[1], dtype=torch.float64)
+        assert torch.allclose(out[r].double(), want, rtol=1e-2, atol=1e-3), (case, r, e)
+
+
+def test_it_refuses_where_it_cannot_run():
+    """Without Triton 3.6's Gluon, a CUDA device or sm_90, the call fails naming why."""
+    x, x_scale, w, w_scale, m_indices = segmented([3], seed=1)
+    reason = available("cpu")
+    assert reason is not None
+    with pytest.raises(ValueError, match=r"argument 'w' must be on a device this kernel runs on \(needs"):
+        block_fp8_grouped(x, x_scale, w, w_scale, m_indices)
+
+
+@pytest.mark.parametrize("change, name", [
+    (lambda a: {**a, "x": a["x"].float()}, "x"),
+    (lambda a: {**a, "x": a["x"][:, :128]}, "x"),
+    (lambda a: {**a, "x": a["x"][:64], "x_scale": a["x_scale"][:64], "m_indices": a["m_indices"][:64]}, "x"),
+    (lambda a: {**a, "w": a["w"][:, :64].contiguous(), "w_scale": a["w_scale"][:, :1]}, "w"),
+    (lambda a: {**a, "x_scale": a["x_scale"][:, :1]}, "x_scale"),
+    (lambda a: {**a, "w_scale": a["w_scale"].double()}, "w_scale"),
+    (lambda a: {**a, "m_indices": a["m_indices"].long()}, "m_indices"),
+    (lambda a: {**a, "m_indices": a["m_indices"][:128]}, "m_indices"),
+    (lambda a: {**a, "m_indices": torch.where(a["m_indices"] == 0, 1, a["m_indices"])}, "m_indices"),
+    (lambda a: {**a, "out": torch.empty(8, 8, dtype=torch.bfloat16)}, "out"),
+])
+def test_bad_arguments_are_named(change, name):
+    """The checks run before any launch (here on the CPU, where the kernel itself cannot run)."""
+    x, x_scale, w, w_scale, m_indices = segmented([3], seed=2)
+    args = change(dict(x=x, x_scale=x_scale, w=w, w_scale=w_scale, m_indices=m_indices, out=None))
+    with pytest.raises((ValueError, TypeError), match=f"argument '{name}'"):
+        gluon_block_fp8._check("block_fp8_grouped", args["x"], args["x_scale"], args["w"], args["w_scale"],
+                               args["m_indices"], args["out"], 128)
+
+
+def fp8_problem(num_tokens, seed, dtype=torch.float32):
+    from moe_kernels.kernels.quant import quantize_weight
+
+    x, w1, w2, weights, ids = make_problem(num_tokens, 4, 2, 256, 128, dtype, seed=seed)
+    (w1q, w1s), (w2q, w2s) = quantize_weight(w1, "block"), quantize_weight(w2, "block")
+    return x, w1q, w2q, weights, ids, w1s, w2s
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_the_switch_falls_back_to_triton_and_says_why(monkeypatch):
+    """permute.FP8_GEMM = "gluon" where the Gluon kernel cannot run (here: this machine) takes the Triton
+    kernel, with the same result, and the launch record names the reason; a misspelt value is refused."""
+    x, w1q, w2q, weights, ids, w1s, w2s = fp8_problem(9, seed=3)
+    want = permute_experts(x, w1q, w2q, weights, ids, w1_scale=w1s, w2_scale=w2s)
+    monkeypatch.setattr(permute_module, "FP8_GEMM", "gluon")
+    with record_launches() as launches:
+        got = permute_experts(x, w1q, w2q, weights, ids, w1_scale=w1s, w2_scale=w2s)
+    assert torch.equal(got, want)
+    if HAS_TRITON:
+        chosen = [s for name, s in launches if name == "permute.fp8_gemm"]
+        assert len(chosen) == 1 and chosen[0]["kernel"] == "triton" and "needs" in chosen[0]["refused"], launches
+    monkeypatch.setattr(permute_module, "FP8_GEMM", "glucon")
+    with pytest.raises(ValueError, match="'FP8_GEMM' must be 'triton' or 'gluon', got 'glucon'"):
+        permute_experts(x, w1q, w2q, weights, ids, w1_scale=w1s, w2_scale=w2s)
+
+
+# ---- on an sm_90 GPU with Triton 3.6 ------------------------------------------------------------------------
+
+needs_gluon = pytest.mark.skipif(available(DEVICE) is not None, reason=f"the Gluon kernel: {available(DEVICE)}")
+
+
+@pytest.mark.gpu
+@needs_gluon
+@pytest.mark.parametrize("case", sorted(SEGMENTS))
+@pytest.mark.parametrize("overlap, block_n", [(True, 128), (False, 128), (True, 64)])
+@pytest.mark.parametrize("k", [128, 256, 384, 640])
+def test_the_kernel_against_its_reference_gpu(case, overlap, block_n, k):
+    """Every edge case, both orders and both N tiles, K loops of 1-5 steps (the overlapped loop runs two a
+    turn, then an odd one); rows of padding keep what ``out`` held."""
+    x, x_scale, w, w_scale, m_indices = segmented(SEGMENTS[case], seed=len(case), k=k, device="cuda")
+    out = torch.full((x.shape[0], w.shape[1]), 7.0, device="cuda", dtype=torch.bfloat16)
+    block_fp8_grouped(x, x_scale, w, w_scale, m_indices, out=out, overlap=overlap, block_n=block_n)
+    want = block_fp8_grouped_reference(x, x_scale, w, w_scale, m_indices)
+    real = m_indices >= 0
+    assert rel_err(out[real].float(), want[real].float()) < 5e-3
+    assert bool((out[~real] == 7.0).all())
+
+
+@pytest.mark.gpu
+@needs_gluon
+@pytest.mark.parametrize("num_tokens", [1, 64, 600])
+def test_the_permute_layout_on_the_gluon_kernel_gpu(monkeypatch, num_tokens):
+    """permute_experts with FP8_GEMM = "gluon": the launch record says the Gluon kernel ran, the result
+    agrees with the Triton kernel's and the fp8 reference's (GEMM 1's bf16 output rounds once more), and
+    a CUDA graph captures the call."""
+    from moe_kernels.reference import moe_reference_fp8
+
+    x, w1q, w2q, weights, ids, w1s, w2s = fp8_problem(num_tokens, seed=num_tokens, dtype=torch.bfloat16)
+    triton_out = permute_experts(x, w1q, w2q, weights, ids, w1_scale=w1s, w2_scale=w2s)
+    monkeypatch.setattr(permute_module, "FP8_GEMM", "gluon")
+    with record_launches() as launches:
+        got = permute_experts(x, w1q, w2q, weights, ids, w1_scale=w1s, w2_scale=w2s)
+    assert [s["kernel"] for name, s in launches if name == "permute.fp8_gemm"] == ["gluon"], launches
+    want = moe_reference_fp8(x, w1q, w2q, weights, ids, w1_scale=w1s, w2_scale=w2s, granularity="block",
+                             intermediate_dtype=x.dtype)
+    assert rel_err(got.float(), want.float()) < 2e-2 and rel_err(got.float(), triton_out.float()) < 2e-2
+    graph, static = torch.cuda.CUDAGraph(), x.clone()
+    permute_experts(static, w1q, w2q, weights, ids, w1_scale=w1s, w2_scale=w2s)   # (compiled outside the capture)
+    with torch.cuda.graph(graph):
+        captured = permute_experts(static, w1q, w2q, weights, ids, w1_scale=w1s, w2_scale=w2s, validate_ids=False)
+    graph.replay()
+    assert torch.equal(captured, got)
+
+
+@pytest.mark.gpu
+@needs_gluon
+def test_the_switch_refuses_what_the_kernel_cannot_take_gpu(monkeypatch):
+    """fp16 activations and 64-row segments go to the Triton kernel, the launch record saying why."""
+    x, w1q, w2q, weights, ids, w1s, w2s = fp8_problem(20, seed=5, dtype=torch.bfloat16)
+    monkeypatch.setattr(permute_module, "FP8_GEMM", "gluon")
+    for hidden, align, reason in ((x.half(), 128, "activations not bf16"), (x, 64, "segments of 64 rows")):
+        with record_launches() as launches:
+            permute_experts(hidden, w1q, w2q, weights, ids, align=align, w1_scale=w1s, w2_scale=w2s)
+        chosen = [s for name, s in launches if name == "permute.fp8_gemm"]
+        assert chosen[0]["kernel"] == "triton" and reason in chosen[0]["refused"], launches
