@@ -5,7 +5,10 @@ chosen from the experts call alone (``prefill-gemm-ab-gathered.json``). This tim
 caller runs it, ``MoELayer(x)``: the gate, the routing, the alignment or the permutation, the
 quantisers (fp8), both GEMMs and the top-k sum. Rows: Qwen3-30B-A3B and DeepSeek-V3 (its shared
 expert left out: the routed layer of issue 18's targets), bf16 and fp8 block weights, each batch, on
-``index_gather``, ``permute`` and ``auto`` (the plan's layout and table entry recorded). Each call is
+``index_gather``, ``permute`` and ``auto`` (the plan's layout and table entry recorded), and for fp8
+``permute gluon``: the permute layout with both GEMMs on the Gluon kernel (``permute.FP8_GEMM``, a layer of
+its own, so that no plan or graph recorded with the other kernel is replayed; the record says which kernel
+ran, or why the Gluon one could not). Each call is
 replayed from a CUDA graph of one call with the L2 flushed before each replay, four rounds
 interleaved, every other one in reverse order (in the first run, 4e65cda, two rounds in one order had
 two identical plans 6.6% apart: the later one always ran after the slowest candidate), the lowest
@@ -21,6 +24,8 @@ import sys
 import torch
 
 from moe_kernels import MoELayer
+from moe_kernels._runtime import record_launches
+from moe_kernels.kernels import permute as permute_module
 from moe_kernels.bench.timing import time_lowest
 from moe_kernels.model.shapes import MODELS
 from moe_kernels.results import record_tool
@@ -43,6 +48,7 @@ for key in models:
     f = shrink.get("intermediate_size", model.moe_intermediate_size)
     for fmt in ("none", "block"):
         layer = base if fmt == "none" else base.quantized("block")
+        gluon_layer = None if fmt == "none" else base.quantized("block")
         for batch in batches:
             x = torch.randn(batch, d, device=device, dtype=dtype, generator=torch.Generator(device).manual_seed(batch))
             plans, candidates = {}, {}
@@ -56,6 +62,19 @@ for key in models:
                     layer.layout = layout
                     return layer(x)
                 candidates[layout] = call
+
+            def gluon_call():
+                saved, permute_module.FP8_GEMM = permute_module.FP8_GEMM, "gluon"
+                try:
+                    return gluon_layer(x)
+                finally:
+                    permute_module.FP8_GEMM = saved
+            if gluon_layer is not None:
+                gluon_layer.layout = "permute"
+                with record_launches() as launches:
+                    gluon_call()
+                plans["permute gluon"] = {"fp8_gemm": [s for name, s in launches if name == "permute.fp8_gemm"]}
+                candidates["permute gluon"] = gluon_call
             reference = candidates["index_gather"]()
             lowest, rounds, errors, rel = time_lowest(candidates, reference, tolerance=3e-2, warmup_ms=5, rep_ms=30,
                                                       unchecked=("index_gather",), rounds=ROUNDS, alternate=True)
@@ -71,7 +90,7 @@ for key in models:
                 f"{name} {us:9.1f} us {row['tflops'][name]:6.1f} TFLOP/s" for name, us in lowest.items())
                 + f"  (auto -> {plans['auto']['layout']}, {plans['auto']['config_source']})"
                 + (f"  errors {errors}" if errors else ""), flush=True)
-        del layer
+        del layer, gluon_layer
     del base
     if device == "cuda":
         torch.cuda.empty_cache()
