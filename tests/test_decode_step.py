@@ -195,7 +195,9 @@ def test_the_chained_router_stage_routes_as_the_trace():
     want_weights, want_ids = route(layer)
     assert torch.equal(ids.sort(dim=1).values, want_ids.sort(dim=1).values)
     torch.testing.assert_close(weights.sum(dim=1), want_weights.sum(dim=1))
-    assert all(torch.equal(a, b) for a, b in zip(alignment, moe_align_block_size_reference(ids, 16, layer.model.num_experts)))
+    # (72 assignments: the ranked alignment, whose segments may order their rows otherwise on a GPU)
+    assert blocks.same_segments(alignment, moe_align_block_size_reference(ids, 16, layer.model.num_experts), 16,
+                                ids.numel())
     assert len(decode_step.chained_router(layer, 16, True)()) == 3   # the naive block map: no alignment
     big = make_layer("deepseek-v3", 513, dtype=torch.float32, device=DEVICE, seed=3, **SMALL)
     assert decode_step.chained_router(big, 16, False) is None   # past the chain's reach

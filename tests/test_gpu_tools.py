@@ -89,10 +89,10 @@ runpy.run_path("tools/gluon_block_fp8_ab.py", run_name="__main__")
 
 
 def test_gluon_block_fp8_compiles_for_hopper():
-    """The Gluon block-fp8 GEMM (tools/gluon_block_fp8_ab.py) builds for sm_90a in both orders, 8 warps,
-    BLOCK_N 128 and 64: the overlapped one waits with one MMA outstanding (``wgmma.wait_group 1``, the
-    promotion under the next MMA), the in-order one never does; neither spills, and ptxas serialises
-    neither's wgmmas. Gluon's API is Triton 3.6's here (CI's ``.ci-triton36``): other Triton skips."""
+    """The Gluon block-fp8 GEMM (kernels/gluon_block_fp8.py, built by tools/gluon_block_fp8_ab.py) builds
+    for sm_90a in both orders, 8 warps, BLOCK_N 128 and 64, plain and gated (SiLU·mul in the epilogue): the
+    overlapped one waits with one MMA outstanding (``wgmma.wait_group 1``, the promotion under the next
+    MMA), the in-order one never does; none spills, and ptxas serialises none's wgmmas. Gluon's API is Triton 3.6's here (CI's ``.ci-triton36``): other Triton skips."""
     import re
 
     triton = pytest.importorskip("triton")
@@ -102,11 +102,13 @@ def test_gluon_block_fp8_compiles_for_hopper():
     pytest.importorskip("triton.backends.nvidia")
     done = run_tool(_COMPILE_GLUON_FOR_HOPPER, interpret=False)
     assert done.returncode == 0, done.stderr[-3000:]
-    builds = re.findall(r"^(overlap|in-order) block_n=(\d+) .*?waits ([\d,]+), registers \d+, spills (\d+)/(\d+) .*"
-                        r"ptxas wgmma warnings (\d+)$", done.stdout, re.M)
-    assert sorted((order, n) for order, n, *_ in builds) == [("in-order", "128"), ("in-order", "64"),
-                                                            ("overlap", "128"), ("overlap", "64")], done.stdout
+    builds = re.findall(r"^((?:gated )?(?:overlap|in-order)) block_n=(\d+) .*?waits ([\d,]+), registers \d+, "
+                        r"spills (\d+)/(\d+) .*ptxas wgmma warnings (\d+)$", done.stdout, re.M)
+    assert sorted((order, n) for order, n, *_ in builds) == sorted(
+        (gated + order, n) for gated in ("", "gated ") for order in ("overlap", "in-order") for n in ("128", "64")), \
+        done.stdout
     for order, _, waits, spill_stores, spill_loads, warnings in builds:
+        order = order.removeprefix("gated ")
         waits = {int(w) for w in waits.split(",")}
         assert (1 in waits) == (order == "overlap") and 0 in waits, done.stdout
         assert (spill_stores, spill_loads, warnings) == ("0", "0", "0"), done.stdout

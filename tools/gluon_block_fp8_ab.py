@@ -72,18 +72,24 @@ def ptxas_report(ptx):
 
 def compile_only():
     print(f"triton {triton.__version__}, sm_90a builds, {TILE_M} x block_n x {TILE_K} tiles", flush=True)
-    for block_n in (128, 64):
-        for overlap in (True, False):
-            kernel = compile_for_sm90(block_n, 4, 8, overlap)
-            ptx = kernel.asm["ptx"]
-            count, waits = ptx_report(ptx)
-            regs, spill_stores, spill_loads, warnings = ptxas_report(ptx)
-            name = "overlap" if overlap else "in-order"
-            print(f"{name} block_n={block_n} warps=8 stages=4: wgmma {count}, waits {','.join(map(str, waits))}, "
-                  f"registers {regs}, spills {spill_stores}/{spill_loads} bytes (stores/loads), "
-                  f"shared {kernel.metadata.shared} bytes, ptxas wgmma warnings {len(warnings)}", flush=True)
-            for line in warnings:
-                print("   ", line, flush=True)
+    for gated in (False, True):   # (gated: GEMM 1 with SiLU·mul in its epilogue, the permute layout's fp8 path)
+        for block_n in (128, 64):
+            for overlap in (True, False):
+                compiled_one(gated, block_n, overlap)
+
+
+def compiled_one(gated, block_n, overlap):
+    """One sm_90a build's line: wgmma count, wait_group values in order, registers, spills, shared memory."""
+    kernel = compile_for_sm90(block_n, 4, 8, overlap, gated)
+    ptx = kernel.asm["ptx"]
+    count, waits = ptx_report(ptx)
+    regs, spill_stores, spill_loads, warnings = ptxas_report(ptx)
+    name = ("gated " if gated else "") + ("overlap" if overlap else "in-order")
+    print(f"{name} block_n={block_n} warps=8 stages=4: wgmma {count}, waits {','.join(map(str, waits))}, "
+          f"registers {regs}, spills {spill_stores}/{spill_loads} bytes (stores/loads), "
+          f"shared {kernel.metadata.shared} bytes, ptxas wgmma warnings {len(warnings)}", flush=True)
+    for line in warnings:
+        print("   ", line, flush=True)
 
 
 # ---- the A/B on a GPU ----------------------------------------------------------------------------------------

@@ -211,6 +211,9 @@ def gate_routing_ab(model_name: str, num_tokens: int, *, seed: int = 0) -> dict:
     other_ids = {}   # chained variants with another gate block: tokens whose ids a near-tie flipped
     one_tile = num_tokens * rule.top_k <= chained_routing.ONE_TILE_MAX_ASSIGNMENTS
     if 0 < num_tokens <= chained_routing.MAX_TOKENS:
+        # "chained" and its variants align with the full body (chained()'s default, the layer's until
+        # ALIGN_BODY became "ranked": above 64 assignments the layer now runs "chained align ranked"); the
+        # records keep that meaning so that they compare across sessions
         fns.update({"chained": chained(), "chained rounds": chained(sorted_topk=False),
                     "chained no pdl": chained(pdl=False), "chained routing only": chained(aligned=False),
                     # the alignment launch's parts: its floor (the wait and one read), without the tail, and

@@ -64,7 +64,8 @@ if GLUON_HOPPER:
     # ---- the K loop's pieces -------------------------------------------------------------------------------------
 
     @gluon.jit
-    def _load_step(x_desc, w_desc, a_bufs, b_bufs, ready, off_m, w_row, step, num_k, NUM_STAGES: gl.constexpr):
+    def _load_step(x_desc, w_desc, a_bufs, b_bufs, ready, off_m, w_row, step, num_k, NUM_STAGES: gl.constexpr,
+                   w_row_up=0, GATED: gl.constexpr = False):
         """TMA loads of K step ``step`` (its A and W tiles) into stage ``step % NUM_STAGES``, signalling
         that stage's barrier; nothing past the last step (``pred``: no expect, no copy, so the barrier's
         phase does not move and is never waited for). (Triton 3.6's shared-memory barrier analysis puts a
@@ -75,9 +76,18 @@ if GLUON_HOPPER:
         bar = ready.index(stage)
         # arrive.expect_tx: the barrier (count 1) completes its phase once both boxes' bytes have landed
         # (whole boxes: the tiles never cross the tensors' edges, K and N being multiples of the tiles)
-        mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes, pred=pred)
-        tma.async_copy_global_to_shared(x_desc, [off_m, step * BLOCK_K], bar, a_bufs.index(stage), pred)
-        tma.async_copy_global_to_shared(w_desc, [w_row, step * BLOCK_K], bar, b_bufs.index(stage), pred)
+        if GATED:   # the W tile's first half from the gate rows, its second from the matching up rows
+            half: gl.constexpr = w_desc.block_type.shape[0]
+            mbarrier.expect(bar, x_desc.block_type.nbytes + 2 * w_desc.block_type.nbytes, pred=pred)
+            tma.async_copy_global_to_shared(x_desc, [off_m, step * BLOCK_K], bar, a_bufs.index(stage), pred)
+            tma.async_copy_global_to_shared(w_desc, [w_row, step * BLOCK_K], bar,
+                                            b_bufs.index(stage).slice(0, half), pred)
+            tma.async_copy_global_to_shared(w_desc, [w_row_up, step * BLOCK_K], bar,
+                                            b_bufs.index(stage).slice(half, half), pred)
+        else:
+            mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes, pred=pred)
+            tma.async_copy_global_to_shared(x_desc, [off_m, step * BLOCK_K], bar, a_bufs.index(stage), pred)
+            tma.async_copy_global_to_shared(w_desc, [w_row, step * BLOCK_K], bar, b_bufs.index(stage), pred)
 
 
     @gluon.jit
@@ -95,24 +105,42 @@ if GLUON_HOPPER:
 
 
     @gluon.jit
-    def _step_scale(xs_ptrs, ws_ptr, step, num_k):
+    def _step_scale(xs_ptrs, ws_ptr, step, num_k, ws_up_ptr=0, GATED: gl.constexpr = False):
         """Step ``step``'s scale of each row of the tile, ``a_scale[row] * w_scale`` (one weight scale: the
         N tile lies in one 128-row scale block), in the accumulator's row layout. Clamped to the last step:
-        the scale one past it is loaded (the loop loads a step ahead) but never used."""
+        the scale one past it is loaded (the loop loads a step ahead) but never used. ``GATED``: the rows'
+        scales and the two weight scales, of the gate half and of the up half, kept apart."""
         s = gl.minimum(step, num_k - 1)
-        return gl.load(xs_ptrs + s) * gl.load(ws_ptr + s)
+        if GATED:
+            return gl.load(xs_ptrs + s), gl.load(ws_ptr + s), gl.load(ws_up_ptr + s)
+        else:
+            return gl.load(xs_ptrs + s) * gl.load(ws_ptr + s)
+
+
+    @gluon.jit
+    def _promote(acc, done, scale, GATED: gl.constexpr = False):
+        """``acc + done * scale``: the product of one K step, scaled, into the accumulator. ``GATED``: the
+        tile's first half of columns (gate) takes the gate's weight scale, the second (up) the up's."""
+        if GATED:
+            rows_scale, gate_scale, up_scale = scale
+            cols = gl.arange(0, done.shape[1], layout=gl.SliceLayout(0, done.type.layout))
+            column_scale = gl.where(cols < done.shape[1] // 2, gate_scale, up_scale)
+            return acc + done * column_scale[None, :] * rows_scale[:, None]
+        else:
+            return acc + done * scale[:, None]
 
 
     @gluon.jit
     def _overlapped_step(step, num_k, inflight, inflight_scale, dead, scale, acc, x_desc, w_desc, a_bufs, b_bufs,
-                         ready, off_m, w_row, xs_ptrs, ws_ptr, NUM_STAGES: gl.constexpr):
+                         ready, off_m, w_row, xs_ptrs, ws_ptr, NUM_STAGES: gl.constexpr, w_row_up=0, ws_up_ptr=0,
+                         GATED: gl.constexpr = False):
         """K step ``step`` with the promotion overlapped: MMA ``step`` is issued first, then MMA ``step - 1``
         (``inflight``, scales ``inflight_scale``) is waited for with one MMA left outstanding and promoted
         while MMA ``step`` runs. ``scale`` holds step ``step``'s scales (loaded a step ago). Returns the new
         in-flight product and its scales, the promoted product (now dead: its registers take the next MMA),
         the next step's scales and the accumulator."""
         # the next step's scales now, so that their loads' latency hides behind this step
-        following = _step_scale(xs_ptrs, ws_ptr, step + 1, num_k)
+        following = _step_scale(xs_ptrs, ws_ptr, step + 1, num_k, ws_up_ptr, GATED)
         issued = _issue_mma(a_bufs, b_bufs, ready, step, dead, NUM_STAGES)
         # wgmma.wait_group 1: every MMA but the one just issued is complete; the deps make the compiler
         # read ``inflight``'s registers only after the wait (``issued``'s are not read until the next step)
@@ -121,9 +149,10 @@ if GLUON_HOPPER:
         # warpgroups must be past MMA step-1 before its stage is refilled, or the copy overwrites tiles the
         # other warpgroup's MMA is still reading.
         gl.thread_barrier()
-        _load_step(x_desc, w_desc, a_bufs, b_bufs, ready, off_m, w_row, step - 1 + NUM_STAGES, num_k, NUM_STAGES)
+        _load_step(x_desc, w_desc, a_bufs, b_bufs, ready, off_m, w_row, step - 1 + NUM_STAGES, num_k, NUM_STAGES,
+                   w_row_up, GATED)
         # the promotion: on the CUDA cores, while the tensor cores run MMA ``step``
-        acc = acc + done * inflight_scale[:, None]
+        acc = _promote(acc, done, inflight_scale, GATED)
         # A fence for the compiler (the wait is a no-op here: at most MMA ``step`` is outstanding): it takes
         # ``acc``, so the promotion is computed before it, and the next MMA (which writes ``done``'s registers)
         # is issued after it. Without it LLVM sinks the promotion past the next MMA's issue and must copy
@@ -135,16 +164,17 @@ if GLUON_HOPPER:
 
     @gluon.jit
     def _in_order_step(step, num_k, dead, scale, acc, x_desc, w_desc, a_bufs, b_bufs, ready, off_m, w_row, xs_ptrs,
-                       ws_ptr, NUM_STAGES: gl.constexpr):
+                       ws_ptr, NUM_STAGES: gl.constexpr, w_row_up=0, ws_up_ptr=0, GATED: gl.constexpr = False):
         """K step ``step`` promoted in order (what Triton compiles ``tl.dot`` then the promotion to): issue the
         MMA, wait for it (``wait_group 0``), refill its stage, promote. The scales are loaded a step ahead,
         as in the overlapped order, so that the A/B differs in the overlap alone."""
-        following = _step_scale(xs_ptrs, ws_ptr, step + 1, num_k)
+        following = _step_scale(xs_ptrs, ws_ptr, step + 1, num_k, ws_up_ptr, GATED)
         issued = _issue_mma(a_bufs, b_bufs, ready, step, dead, NUM_STAGES)
         done = warpgroup_mma_wait(num_outstanding=0, deps=(issued, ))
         gl.thread_barrier()   # (both warpgroups past MMA ``step``: see _overlapped_step)
-        _load_step(x_desc, w_desc, a_bufs, b_bufs, ready, off_m, w_row, step + NUM_STAGES, num_k, NUM_STAGES)
-        acc = acc + done * scale[:, None]
+        _load_step(x_desc, w_desc, a_bufs, b_bufs, ready, off_m, w_row, step + NUM_STAGES, num_k, NUM_STAGES,
+                   w_row_up, GATED)
+        acc = _promote(acc, done, scale, GATED)
         # (the compiler fence of _overlapped_step: the promotion stays before the next MMA's issue, in order)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         return done, following, acc
@@ -155,29 +185,35 @@ if GLUON_HOPPER:
     @gluon.jit
     def _block_fp8_grouped_kernel(x_desc, w_desc, out_ptr, x_scale_ptr, w_scale_ptr, m_indices_ptr, num_rows, N, K,
                                   stride_om, stride_xs, stride_wse, stride_wsn, BLOCK_N: gl.constexpr,
-                                  NUM_STAGES: gl.constexpr, OVERLAP: gl.constexpr, GROUP: gl.constexpr):
+                                  NUM_STAGES: gl.constexpr, OVERLAP: gl.constexpr, GROUP: gl.constexpr,
+                                  GATED: gl.constexpr = False):
         """One program per [BLOCK_M, BLOCK_N] output tile of the permute layout's grouped GEMM:
-        ``out[r] = dequant(x[r]) @ dequant(w[m_indices[r]])^T`` for its rows with ``m_indices >= 0``."""
+        ``out[r] = dequant(x[r]) @ dequant(w[m_indices[r]])^T`` for its rows with ``m_indices >= 0``.
+        ``GATED`` (GEMM 1, ``w`` of ``N = 2F`` rows, gate then up): the MMA's N tile is BLOCK_N / 2 gate rows
+        and the matching up rows, and the tile stores ``silu(gate) * up``, BLOCK_N / 2 columns of ``[M, F]``."""
         NUM_WARPS: gl.constexpr = gl.num_warps()
         mma_layout: gl.constexpr = _mma_layout(BLOCK_N, NUM_WARPS)
         store_layout: gl.constexpr = _store_layout(BLOCK_N, NUM_WARPS)
         gl.static_assert(x_desc.block_type.shape[0] == BLOCK_M)
         gl.static_assert(x_desc.block_type.shape[1] == BLOCK_K)
-        gl.static_assert(w_desc.block_type.shape[0] == BLOCK_N)
-        gl.static_assert(128 % BLOCK_N == 0)   # an N tile inside one weight scale block: one weight scale per step
+        # the W box: the whole N tile, or each half of it (gated)
+        W_ROWS: gl.constexpr = BLOCK_N // 2 if GATED else BLOCK_N
+        gl.static_assert(w_desc.block_type.shape[0] == W_ROWS)
+        gl.static_assert(128 % W_ROWS == 0)   # each W box inside one weight scale block: one scale per step
         gl.static_assert(NUM_STAGES >= 2)
 
         # grouped order: GROUP M tiles (mostly one expert's) share each N tile while it is in L2
         pid = gl.program_id(0)
         num_pid_m = num_rows // BLOCK_M
-        num_pid_n = N // BLOCK_N
+        OUT_N = N // 2 if GATED else N   # the output's columns
+        num_pid_n = OUT_N // W_ROWS
         in_group = GROUP * num_pid_n
         first_m = (pid // in_group) * GROUP
         group_size = gl.minimum(num_pid_m - first_m, GROUP)
         pid_m = first_m + (pid % in_group) % group_size
         pid_n = (pid % in_group) // group_size
         off_m = pid_m * BLOCK_M
-        off_n = pid_n * BLOCK_N
+        off_n = pid_n * W_ROWS   # the first output column (gated: of gate row off_n and up row N/2 + off_n)
 
         # The tile's expert: segments are aligned to 128 rows, so the tile's real rows share one expert and
         # its padding rows hold -1; the max is that expert, or -1 for a tile of padding, which writes nothing.
@@ -195,15 +231,17 @@ if GLUON_HOPPER:
 
         num_k = K // BLOCK_K
         w_row = expert * N + off_n   # w viewed as [E * N, K]
+        w_row_up = w_row + N // 2    # (gated: the up rows of the same columns)
         # Scales in the accumulator's row layout (a slice of the MMA layout): each thread gets the scales of
         # exactly the rows its accumulator registers hold, so the promotion needs no layout conversion.
         scale_rows = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma_layout))
         xs_ptrs = x_scale_ptr + scale_rows * stride_xs              # + step: x_scale[row, step]
         ws_ptr = w_scale_ptr + expert * stride_wse + (off_n // 128) * stride_wsn   # + step: w_scale[e, n // 128, step]
+        ws_up_ptr = w_scale_ptr + expert * stride_wse + ((N // 2 + off_n) // 128) * stride_wsn   # (gated)
 
         # fill the ring: steps 0 .. NUM_STAGES - 1 (those that exist)
         for i in gl.static_range(NUM_STAGES):
-            _load_step(x_desc, w_desc, a_bufs, b_bufs, ready, off_m, w_row, i, num_k, NUM_STAGES)
+            _load_step(x_desc, w_desc, a_bufs, b_bufs, ready, off_m, w_row, i, num_k, NUM_STAGES, w_row_up, GATED)
 
         acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=mma_layout)
         if OVERLAP:
@@ -217,58 +255,90 @@ if GLUON_HOPPER:
             # opaque values defined here rather than constants LLVM would materialise after MMA 0's issue.
             y_dead = warpgroup_mma_wait(num_outstanding=0, deps=(gl.zeros([BLOCK_M, BLOCK_N], gl.float32,
                                                                           layout=mma_layout), ))
-            scale = _step_scale(xs_ptrs, ws_ptr, 0, num_k)
+            scale = _step_scale(xs_ptrs, ws_ptr, 0, num_k, ws_up_ptr, GATED)
             x_tok = _issue_mma(a_bufs, b_bufs, ready, 0, gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=mma_layout),
                                NUM_STAGES)
             x_scale = scale
-            scale = _step_scale(xs_ptrs, ws_ptr, 1, num_k)
+            scale = _step_scale(xs_ptrs, ws_ptr, 1, num_k, ws_up_ptr, GATED)
             for i in range((num_k - 1) // 2):
                 step = 1 + 2 * i
                 y_tok, y_scale, x_dead, scale, acc = _overlapped_step(step, num_k, x_tok, x_scale, y_dead, scale, acc,
                                                                       x_desc, w_desc, a_bufs, b_bufs, ready, off_m,
-                                                                      w_row, xs_ptrs, ws_ptr, NUM_STAGES)
+                                                                      w_row, xs_ptrs, ws_ptr, NUM_STAGES, w_row_up,
+                                                                      ws_up_ptr, GATED)
                 x_tok, x_scale, y_dead, scale, acc = _overlapped_step(step + 1, num_k, y_tok, y_scale, x_dead, scale, acc,
                                                                       x_desc, w_desc, a_bufs, b_bufs, ready, off_m,
-                                                                      w_row, xs_ptrs, ws_ptr, NUM_STAGES)
+                                                                      w_row, xs_ptrs, ws_ptr, NUM_STAGES, w_row_up,
+                                                                      ws_up_ptr, GATED)
             if (num_k - 1) % 2 == 1:   # an odd number of steps after the first: one more, then Y is the last
                 y_tok, y_scale, x_dead, scale, acc = _overlapped_step(num_k - 1, num_k, x_tok, x_scale, y_dead, scale,
                                                                       acc, x_desc, w_desc, a_bufs, b_bufs, ready, off_m,
-                                                                      w_row, xs_ptrs, ws_ptr, NUM_STAGES)
+                                                                      w_row, xs_ptrs, ws_ptr, NUM_STAGES, w_row_up,
+                                                                      ws_up_ptr, GATED)
                 last = warpgroup_mma_wait(num_outstanding=0, deps=(y_tok, ))
-                acc = acc + last * y_scale[:, None]
+                acc = _promote(acc, last, y_scale, GATED)
             else:
                 last = warpgroup_mma_wait(num_outstanding=0, deps=(x_tok, ))
-                acc = acc + last * x_scale[:, None]
+                acc = _promote(acc, last, x_scale, GATED)
         else:
-            scale = _step_scale(xs_ptrs, ws_ptr, 0, num_k)
+            scale = _step_scale(xs_ptrs, ws_ptr, 0, num_k, ws_up_ptr, GATED)
             dead = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=mma_layout)
             for step in range(num_k):
                 dead, scale, acc = _in_order_step(step, num_k, dead, scale, acc, x_desc, w_desc, a_bufs, b_bufs, ready,
-                                                  off_m, w_row, xs_ptrs, ws_ptr, NUM_STAGES)
+                                                  off_m, w_row, xs_ptrs, ws_ptr, NUM_STAGES, w_row_up, ws_up_ptr, GATED)
 
         for i in gl.static_range(NUM_STAGES):   # every fill was waited for: no copy is left in flight
             mbarrier.invalidate(ready.index(i))
 
         # Epilogue: bf16, through shared memory into 16-byte runs along N, only the rows of the expert (a
         # segment's last tile has padding rows, whose outputs belong to no token and are left as they were).
-        out = gl.convert_layout(acc.to(gl.bfloat16), store_layout)
-        cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, store_layout))
+        if GATED:
+            _store_gated(acc, out_ptr, m_indices_ptr, off_m, off_n, OUT_N, stride_om, W_ROWS, NUM_WARPS)
+        else:
+            out = gl.convert_layout(acc.to(gl.bfloat16), store_layout)
+            cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, store_layout))
+            offsets = rows.to(gl.int64)[:, None] * stride_om + cols[None, :]
+            mask = (row_experts >= 0)[:, None] & (cols < N)[None, :]
+            gl.store(out_ptr + offsets, out, mask=mask)
+
+
+    @gluon.jit
+    def _store_gated(acc, out_ptr, m_indices_ptr, off_m, off_n, OUT_N, stride_om, HALF: gl.constexpr,
+                     NUM_WARPS: gl.constexpr):
+        """GEMM 1's epilogue: ``silu(gate) * up`` from the fp32 tile (gate columns, then up columns), in fp32
+        and rounded once, as the Triton kernel's epilogue does. The two halves are read back from shared
+        memory, each in the store layout of a ``HALF``-column tile."""
+        half_layout: gl.constexpr = _store_layout(HALF, NUM_WARPS)
+        tile = gl.allocate_shared_memory(gl.float32, [BLOCK_M, 2 * HALF],
+                                         gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0]))
+        # (the tile's memory may be the K loop's buffers: every warpgroup past its last MMA before any stores)
+        gl.thread_barrier()
+        tile.store(acc)
+        gl.thread_barrier()
+        gate = tile.slice(0, HALF, dim=1).load(half_layout)
+        up = tile.slice(HALF, HALF, dim=1).load(half_layout)
+        y = gate * (1.0 / (1.0 + gl.exp(-gate))) * up
+        rows = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, half_layout))
+        real = gl.load(m_indices_ptr + rows) >= 0
+        cols = off_n + gl.arange(0, HALF, layout=gl.SliceLayout(0, half_layout))
         offsets = rows.to(gl.int64)[:, None] * stride_om + cols[None, :]
-        mask = (row_experts >= 0)[:, None] & (cols < N)[None, :]
-        gl.store(out_ptr + offsets, out, mask=mask)
+        gl.store(out_ptr + offsets, y.to(gl.bfloat16), mask=real[:, None] & (cols < OUT_N)[None, :])
 
 
-    def _descriptors(x, w, block_n):
+    def _descriptors(x, w, block_n, gated=False):
         """TMA descriptors of ``x`` ([M_pad, K], boxes of TILE_M x TILE_K) and of ``w`` viewed as
-        ``[E * N, K]`` (boxes of block_n x TILE_K), 128-byte swizzled (a 128-byte fp8 row of K)."""
+        ``[E * N, K]`` (boxes of block_n x TILE_K, or of block_n / 2 rows gated), 128-byte swizzled (a
+        128-byte fp8 row of K). The W box's layout is the whole N tile's, of which a gated box fills
+        each half (the swizzle repeats every 8 rows, so a half of 32 or 64 rows starts on its pattern)."""
         e, n, k = w.shape
         x_layout = gl.NVMMASharedLayout.get_default_for([TILE_M, TILE_K], gl.float8e4nv)
         w_layout = gl.NVMMASharedLayout.get_default_for([block_n, TILE_K], gl.float8e4nv)
+        box = block_n // 2 if gated else block_n
         return (TensorDescriptor.from_tensor(x, [TILE_M, TILE_K], x_layout),
-                TensorDescriptor.from_tensor(w.view(e * n, k), [block_n, TILE_K], w_layout))
+                TensorDescriptor.from_tensor(w.view(e * n, k), [box, TILE_K], w_layout))
 
 
-    def compile_for_sm90(block_n, stages, num_warps, overlap):
+    def compile_for_sm90(block_n, stages, num_warps, overlap, gated=False):
         """The kernel compiled for sm_90a (Gluon's own AST source: its IR is already TritonGPU)."""
         from triton.backends.compiler import GPUTarget
         from triton.experimental.gluon._runtime import GluonASTSource
@@ -278,8 +348,8 @@ if GLUON_HOPPER:
         # (host tensors only to spell the descriptors' types: shapes and addresses are not part of them)
         x = torch.empty(TILE_M, TILE_K, dtype=torch.float8_e4m3fn)
         w = torch.empty(1, 128, TILE_K, dtype=torch.float8_e4m3fn)
-        x_desc, w_desc = _descriptors(x, w, block_n)
-        constants = {"BLOCK_N": block_n, "NUM_STAGES": stages, "OVERLAP": overlap, "GROUP": GROUP_M}
+        x_desc, w_desc = _descriptors(x, w, block_n, gated)
+        constants = {"BLOCK_N": block_n, "NUM_STAGES": stages, "OVERLAP": overlap, "GROUP": GROUP_M, "GATED": gated}
         types = {"x_desc": mangle_type(x_desc), "w_desc": mangle_type(w_desc), "out_ptr": "*bf16",
                  "x_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "m_indices_ptr": "*i32"}
         signature = {name: "constexpr" if name in constants else types.get(name, "i32") for name in fn.arg_names}
@@ -290,13 +360,18 @@ if GLUON_HOPPER:
         return triton.compile(GluonASTSource(fn, signature, values, attrs), target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": num_warps})
 
-    def launch(x, x_scale, w, w_scale, m_indices, out, *, overlap, block_n, stages, num_warps):
+    def launch(x, x_scale, w, w_scale, m_indices, out, *, overlap, block_n, stages, num_warps, gated=False):
         """The kernel on arguments :func:`moe_kernels.kernels.gluon_block_fp8.block_fp8_grouped` checked."""
+        from .._replay import recording_now
+
+        recording = recording_now()
+        if recording is not None:   # (a replay would skip this launch: MoELayer's plans must not take it)
+            recording.refuse("a Gluon launch, which the replay does not record")
         num_rows, k = x.shape
         n = w.shape[1]
-        x_desc, w_desc = _descriptors(x, w, block_n)
-        grid = (num_rows // TILE_M * (n // block_n), )
+        x_desc, w_desc = _descriptors(x, w, block_n, gated)
+        grid = (num_rows // TILE_M * (out.shape[1] // (block_n // 2 if gated else block_n)), )
         _block_fp8_grouped_kernel[grid](x_desc, w_desc, out, x_scale, w_scale, m_indices, num_rows, n, k,
                                         out.stride(0), x_scale.stride(0), w_scale.stride(0), w_scale.stride(1),
                                         BLOCK_N=block_n, NUM_STAGES=stages, OVERLAP=overlap, GROUP=GROUP_M,
-                                        num_warps=num_warps)
+                                        GATED=gated, num_warps=num_warps)

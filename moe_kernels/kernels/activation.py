@@ -34,9 +34,8 @@ if HAS_TRITON:
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < F
-        # (in fp32 whatever h holds: the split GEMM 1's fp32 sums, or a bf16 GEMM 1 output)
-        gate = tl.load(h_ptr + row * stride_h + cols, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(h_ptr + row * stride_h + F + cols, mask=mask, other=0.0).to(tl.float32)
+        gate = tl.load(h_ptr + row * stride_h + cols, mask=mask, other=0.0)
+        up = tl.load(h_ptr + row * stride_h + F + cols, mask=mask, other=0.0)
         y = gate * tl.sigmoid(gate) * up   # (GEMM 1's epilogue, exactly)
         tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -49,8 +48,8 @@ def silu_mul_reference(h: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def silu_mul_rows(h: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``out [rows, F] = silu(h[:, :F]) * h[:, F:]`` for an fp32 or bf16 ``h [rows, 2F]`` (unchecked: the
-    callers, :func:`moe_kernels.kernels.index_gather.gate_up` and the permute layout's Gluon path, made both)."""
+    """``out [rows, F] = silu(h[:, :F]) * h[:, F:]`` for an fp32 ``h [rows, 2F]`` (unchecked: the
+    caller, :func:`moe_kernels.kernels.index_gather.gate_up`, made both)."""
     rows, f = out.shape
     if rows == 0 or f == 0:
         return out

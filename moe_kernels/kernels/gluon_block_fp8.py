@@ -5,7 +5,9 @@
 rows come in 128-row segments, one expert each (:func:`~moe_kernels.kernels.permute.permute` with
 ``align=128``; ``m_indices`` is -1 on padding rows). ``x`` holds fp8 rows with one float32 scale per
 row per 128 columns, ``w`` fp8 experts with one scale per 128 x 128 block (DeepSeek-V3's format,
-``formats.FORMATS["block"]``). Rows of padding are never written.
+``formats.FORMATS["block"]``). Rows of padding are never written. With ``gated=True`` (GEMM 1, ``w`` of
+``2F`` rows, gate then up) each tile multiplies gate rows and the matching up rows together and stores
+``silu(gate) * up``: ``[M_pad, F]``, with no ``[M_pad, 2F]`` intermediate.
 
 Why a kernel of its own: a block-fp8 K step multiplies its 128-deep product by the row's and the block's
 scales before adding it to the accumulator (the promotion). Triton 3.6 compiles ``tl.dot`` then the
@@ -32,6 +34,8 @@ product in torch. Two segments of 128 rows, the second half padding, two experts
     >>> want = block.dequantize_activations(x[:1], x_scale[:1]) @ block.dequantize_weight(w, w_scale)[0].T
     >>> bool(torch.allclose(out[:1].float(), want, rtol=1e-2, atol=1e-2))
     True
+    >>> block_fp8_grouped_reference(x, x_scale, w, w_scale, m_indices, gated=True).shape   # silu(gate) * up
+    torch.Size([256, 64])
 """
 
 from __future__ import annotations
@@ -56,16 +60,22 @@ def available(device: torch.device | str) -> str | None:
     return None
 
 
-def _check(func, x, x_scale, w, w_scale, m_indices, out, block_n):
+def _check(func, x, x_scale, w, w_scale, m_indices, out, block_n, gated=False, validate_ids=True):
     check_tensor(func, "w", w, ndim=3, dtypes=(torch.float8_e4m3fn,), contiguous=True)
     e, n, k = w.shape
+    if e == 0:
+        fail(func, "w", "must hold at least one expert", tuple(w.shape))
     check_tensor(func, "x", x, ndim=2, dtypes=(torch.float8_e4m3fn,), device=w.device, last_dim_contiguous=True)
+    if x.data_ptr() % 16 or x.stride(0) % 16:   # (the copy engine reads 16-byte aligned rows)
+        fail(func, "x", "must start on 16 bytes and have a row stride of a multiple of 16",
+             (x.data_ptr() % 16, x.stride(0)))
     if x.shape[1] != k or k == 0 or k % TILE_K:
         fail(func, "x", f"must have K = w.shape[2] = {k} columns, a positive multiple of {TILE_K}", tuple(x.shape))
     if x.shape[0] % TILE_M:
         fail(func, "x", f"must have a multiple of {TILE_M} rows (segments aligned to {TILE_M})", tuple(x.shape))
-    if n % 128 or block_n not in (64, 128):
-        fail(func, "w", "must have N a multiple of 128 (block_n 64 or 128)", (tuple(w.shape), block_n))
+    if n % (256 if gated else 128) or block_n not in (64, 128):
+        fail(func, "w", f"must have N a multiple of {256 if gated else 128} (gated: two halves of 128-row scale "
+             "blocks), block_n 64 or 128", (tuple(w.shape), block_n))
     check_tensor(func, "x_scale", x_scale, ndim=2, dtypes=(torch.float32,), device=w.device, last_dim_contiguous=True)
     if tuple(x_scale.shape) != (x.shape[0], k // 128):
         fail(func, "x_scale", f"must have shape {(x.shape[0], k // 128)}", tuple(x_scale.shape))
@@ -75,42 +85,57 @@ def _check(func, x, x_scale, w, w_scale, m_indices, out, block_n):
     check_tensor(func, "m_indices", m_indices, ndim=1, dtypes=(torch.int32,), device=w.device, contiguous=True)
     if m_indices.shape[0] != x.shape[0]:
         fail(func, "m_indices", f"must have one entry per row of x ({x.shape[0]})", tuple(m_indices.shape))
-    # A tile's expert is an address the kernel does not check, so it is checked here, except while a CUDA graph
-    # captures the call, where reading the maximum back would end the capture.
+    # A tile's expert is an address the kernel does not check (an id of E or more would read weight scales
+    # out of bounds), and a tile computes all its rows with its largest id: with ``validate_ids`` both are
+    # checked here, reading them back to the host (not while a CUDA graph captures the call, where that would
+    # end the capture). permute_experts, whose m_indices come from permute, skips it.
     capturing = m_indices.is_cuda and torch.cuda.is_current_stream_capturing()
-    if m_indices.numel() and not capturing and int(m_indices.max()) >= e:
-        fail(func, "m_indices", f"must hold experts in [0, {e}) or -1", int(m_indices.max()))
+    if validate_ids and m_indices.numel() and not capturing:
+        if int(m_indices.max()) >= e:
+            fail(func, "m_indices", f"must hold experts in [0, {e}) or -1", int(m_indices.max()))
+        tiles = m_indices.view(-1, TILE_M)
+        top = tiles.max(dim=1, keepdim=True).values
+        if bool(((tiles != top) & (tiles >= 0)).any()):
+            fail(func, "m_indices", f"must give each {TILE_M}-row tile one expert (and -1 on its padding rows)",
+                 "a tile with two experts")
     if out is not None:
         check_tensor(func, "out", out, ndim=2, dtypes=(torch.bfloat16,), device=w.device, last_dim_contiguous=True)
-        if tuple(out.shape) != (x.shape[0], n):
-            fail(func, "out", f"must have shape {(x.shape[0], n)}", tuple(out.shape))
+        width = n // 2 if gated else n
+        if tuple(out.shape) != (x.shape[0], width):
+            fail(func, "out", f"must have shape {(x.shape[0], width)}", tuple(out.shape))
 
 
-def block_fp8_grouped(x, x_scale, w, w_scale, m_indices, *, out=None, overlap: bool = True, block_n: int = 128,
-                      stages: int = 4, num_warps: int = 8) -> torch.Tensor:
+def block_fp8_grouped(x, x_scale, w, w_scale, m_indices, *, out=None, gated: bool = False, overlap: bool = True,
+                      block_n: int = 128, stages: int = 4, num_warps: int = 8, validate_ids: bool = True
+                      ) -> torch.Tensor:
     """``out[r] = dequant(x[r]) @ dequant(w[m_indices[r]])^T`` in bf16 (``[M_pad, N]``) for the rows with
     ``m_indices >= 0``; others are not written (``out``, if given, keeps them). ``x`` fp8 ``[M_pad, K]`` in
     128-row segments, ``x_scale`` float32 ``[M_pad, K/128]``, ``w`` fp8 ``[E, N, K]``, ``w_scale`` float32
-    ``[E, N/128, K/128]``, ``m_indices`` int32 ``[M_pad]``. ``overlap=False`` promotes each step in order
-    (the A/B's control). Tiles: 128 x ``block_n`` x 128, ``stages`` TMA buffers, one program per tile."""
+    ``[E, N/128, K/128]``, ``m_indices`` int32 ``[M_pad]``. ``gated``: ``silu(gate) * up`` of the two
+    halves of N, ``[M_pad, N/2]``. ``overlap=False`` promotes each step in order (the A/B's control).
+    ``validate_ids`` reads ``m_indices`` back to check it (a host sync; skipped while a graph captures).
+    Tiles: 128 x ``block_n`` x 128 (gated: ``block_n / 2`` gate and as many up rows), ``stages`` TMA
+    buffers, one program per tile."""
     func = "block_fp8_grouped"
     reason = available(w.device if isinstance(w, torch.Tensor) else "cpu")
     if reason is not None:
         fail(func, "w", f"must be on a device this kernel runs on ({reason})", getattr(w, "device", w))
-    _check(func, x, x_scale, w, w_scale, m_indices, out, block_n)
+    if not isinstance(gated, bool):
+        fail(func, "gated", "must be a bool", repr(gated), TypeError)
+    _check(func, x, x_scale, w, w_scale, m_indices, out, block_n, gated, validate_ids)
     from ._gluon_block_fp8_kernel import launch
 
     if out is None:
-        out = torch.empty(x.shape[0], w.shape[1], device=x.device, dtype=torch.bfloat16)
+        out = torch.empty(x.shape[0], w.shape[1] // 2 if gated else w.shape[1], device=x.device, dtype=torch.bfloat16)
     if x.shape[0]:
         launch(x, x_scale, w, w_scale, m_indices, out, overlap=overlap, block_n=block_n, stages=stages,
-               num_warps=num_warps)
+               num_warps=num_warps, gated=gated)
     return out
 
 
-def block_fp8_grouped_reference(x, x_scale, w, w_scale, m_indices) -> torch.Tensor:
+def block_fp8_grouped_reference(x, x_scale, w, w_scale, m_indices, *, gated: bool = False) -> torch.Tensor:
     """Torch reference for :func:`block_fp8_grouped`: each expert's rows dequantised and multiplied in
-    float32, rounded once to bf16; zero on the other rows."""
+    float32 (``gated``: then ``silu(gate) * up`` in float32), rounded once to bf16; zero on the other rows."""
     from .formats import FORMATS
 
     block = FORMATS["block"]
@@ -120,4 +145,8 @@ def block_fp8_grouped_reference(x, x_scale, w, w_scale, m_indices) -> torch.Tens
         if rows.numel():
             a = block.dequantize_activations(x[rows], x_scale[rows])
             out[rows] = a @ block.dequantize_weight(w[e:e + 1], w_scale[e:e + 1])[0].T
+    if gated:
+        half = w.shape[1] // 2
+        gate, up = out[:, :half], out[:, half:]
+        out = gate * torch.sigmoid(gate) * up
     return out.to(torch.bfloat16)

@@ -81,11 +81,13 @@ from .formats import WeightFormat
 #: Which kernel runs the two GEMMs of a block-fp8 :func:`permute_experts` (read at each call): "triton"
 #: (:func:`~moe_kernels.kernels.contiguous_gemm.grouped_gemm_contiguous`) or "gluon"
 #: (:func:`~moe_kernels.kernels.gluon_block_fp8.block_fp8_grouped`, each K step's promotion under the
-#: next MMA: 794-885 TFLOP/s on the H200 where the Triton kernel ran 645-744, the GEMMs alone, 16,384
-#: tokens). "gluon" writes GEMM 1's gate and up columns in bf16 and runs SiLU·mul and the quantiser as
-#: launches of their own; it stays off until the whole call is timed. Where it cannot run (no Triton 3.6
-#: Gluon, not sm_90, bf16 activations only, segments of 128 rows, no ``gather_rows`` or ``sum_in_gemm``,
-#: N and K multiples of 128) the call takes the Triton kernel and its launch record says why.
+#: next MMA: 619-885 TFLOP/s on the H200 where the Triton kernel ran 558-744, the GEMMs alone, 16,384
+#: tokens). "gluon" applies SiLU·mul in GEMM 1's epilogue and runs the quantiser as a launch of its own
+#: (intermediates: ``[M_pad, F]`` bf16 and fp8, GEMM 2's ``[M_pad, d]`` bf16); it stays off until the
+#: whole call is timed. Where it cannot run (no Triton 3.6 Gluon, not sm_90, bf16 activations only,
+#: segments of 128 rows, no ``gather_rows`` or ``sum_in_gemm``, F and d multiples of 128) the call takes
+#: the Triton kernel and its launch record says why. Read at each call; like ``combine.UNPERMUTE_BODY``, a
+#: plan recorded before a change keeps its kernel, and a recording refuses the Gluon launch (no replay).
 FP8_GEMM = "triton"
 
 if HAS_TRITON:
@@ -317,16 +319,15 @@ def _fp8_gemm_kernel(fmt, config, align, hidden_states, w1, w2) -> str:
 
 
 def _gluon_experts(rows, rows_scale, w1, w1_scale, w2, w2_scale, permuted: PermutedRows, topk_weights, fmt):
-    """Both GEMMs on the Gluon kernel: GEMM 1's gate and up columns in bf16 ``[M_pad, 2F]``, SiLU·mul, the
-    quantiser, GEMM 2 into bf16 ``[M_pad, d]``, the gather back. Padding rows are never written by either
-    GEMM; what SiLU·mul and the quantiser make of them stays in their own rows."""
-    from .activation import silu_mul_rows
+    """Both GEMMs on the Gluon kernel: GEMM 1 gated (``silu(gate) * up`` in its epilogue, bf16 ``[M_pad, F]``),
+    the quantiser, GEMM 2 into bf16 ``[M_pad, d]``, the gather back. Neither GEMM writes a padding row; what
+    the quantiser makes of them stays in their own rows."""
     from .gluon_block_fp8 import block_fp8_grouped
 
-    h = block_fp8_grouped(rows, rows_scale, w1, w1_scale, permuted.m_indices)
-    activated = silu_mul_rows(h, h.new_empty(h.shape[0], h.shape[1] // 2))
+    # (permute wrote m_indices: one expert per 128-row tile, ids in [0, E) or -1; no read-back)
+    activated = block_fp8_grouped(rows, rows_scale, w1, w1_scale, permuted.m_indices, gated=True, validate_ids=False)
     a, a_scale = fmt.quantize_activations(activated)
-    y = block_fp8_grouped(a, a_scale, w2, w2_scale, permuted.m_indices)
+    y = block_fp8_grouped(a, a_scale, w2, w2_scale, permuted.m_indices, validate_ids=False)
     return unpermute(y, permuted.src2dst, topk_weights)
 
 
