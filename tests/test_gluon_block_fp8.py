@@ -136,12 +136,12 @@ needs_gluon = pytest.mark.skipif(available(DEVICE) is not None, reason=f"the Glu
 @pytest.mark.gpu
 @needs_gluon
 @pytest.mark.parametrize("case", sorted(SEGMENTS))
-@pytest.mark.parametrize("overlap, block_n", [(True, 128), (False, 128), (True, 64)])
-@pytest.mark.parametrize("k", [128, 256, 384, 640])
+@pytest.mark.parametrize("overlap, block_n", [(True, 128), (False, 128), (True, 64), (False, 64)])
+@pytest.mark.parametrize("k", [128, 256, 384, 640, 1152])
 @pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
 def test_the_kernel_against_its_reference_gpu(case, overlap, block_n, k, gated):
-    """Every edge case, both orders and both N tiles, K loops of 1-5 steps (the overlapped loop runs two a
-    turn, then an odd one), plain and gated (N = 512: two column tiles of each half, the up half in other
+    """Every edge case, both orders and both N tiles, K loops of 1-9 steps (the overlapped loop runs two a
+    turn, then an odd one; at 9 every stage's barrier turns its phase twice), plain and gated (N = 512: two column tiles of each half, the up half in other
     scale blocks than the gate's); rows of padding keep what ``out`` held."""
     x, x_scale, w, w_scale, m_indices = segmented(SEGMENTS[case], seed=len(case), k=k, n=512, device="cuda")
     out = torch.full((x.shape[0], w.shape[1] // 2 if gated else w.shape[1]), 7.0, device="cuda",

@@ -121,11 +121,11 @@ if GLUON_HOPPER:
     def _promote(acc, done, scale, GATED: gl.constexpr = False):
         """``acc + done * scale``: the product of one K step, scaled, into the accumulator. ``GATED``: the
         tile's first half of columns (gate) takes the gate's weight scale, the second (up) the up's."""
-        if GATED:
+        if GATED:   # (each row's two scales once; the column test folds away, leaving one FMA an element)
             rows_scale, gate_scale, up_scale = scale
             cols = gl.arange(0, done.shape[1], layout=gl.SliceLayout(0, done.type.layout))
-            column_scale = gl.where(cols < done.shape[1] // 2, gate_scale, up_scale)
-            return acc + done * column_scale[None, :] * rows_scale[:, None]
+            gate_half = (cols < done.shape[1] // 2)[None, :]
+            return acc + done * gl.where(gate_half, (rows_scale * gate_scale)[:, None], (rows_scale * up_scale)[:, None])
         else:
             return acc + done * scale[:, None]
 
