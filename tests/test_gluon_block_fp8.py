@@ -72,6 +72,16 @@ def test_it_refuses_where_it_cannot_run():
         block_fp8_grouped(x, x_scale, w, w_scale, m_indices)
 
 
+@pytest.mark.parametrize("settings, name", [(dict(stages=1), "stages"), (dict(stages=7), "stages"),
+                                            (dict(block_n=256), "block_n"), (dict(gated=1), "gated"),
+                                            (dict(overlap="yes"), "overlap"), (dict(validate_ids=None), "validate_ids")])
+def test_bad_launch_settings_are_named(settings, name):
+    """Checked before the device: refused by name on any machine."""
+    x, x_scale, w, w_scale, m_indices = segmented([3], seed=1)
+    with pytest.raises((ValueError, TypeError), match=f"argument '{name}'"):
+        block_fp8_grouped(x, x_scale, w, w_scale, m_indices, **settings)
+
+
 @pytest.mark.parametrize("change, name", [
     (lambda a: {**a, "x": a["x"].float()}, "x"),
     (lambda a: {**a, "x": a["x"][:, :128]}, "x"),
@@ -168,6 +178,10 @@ def test_the_permute_layout_on_the_gluon_kernel_gpu(monkeypatch, num_tokens):
     with record_launches() as launches:
         got = permute_experts(x, w1q, w2q, weights, ids, w1_scale=w1s, w2_scale=w2s)
     assert [s["kernel"] for name, s in launches if name == "permute.fp8_gemm"] == ["gluon"], launches
+    # GEMM 1 gated (SiLU·mul in its epilogue), GEMM 2 plain, both overlapped on 128-column tiles
+    assert [(s["gated"], s["overlap"], s["block_n"]) for name, s in launches if name == "gluon_block_fp8.gemm"] == [
+        (True, True, 128), (False, True, 128)], launches
+    assert not any(name.startswith(("permute.gemm", "activation.")) for name, _ in launches), launches
     want = moe_reference_fp8(x, w1q, w2q, weights, ids, w1_scale=w1s, w2_scale=w2s, granularity="block",
                              intermediate_dtype=x.dtype)
     assert rel_err(got.float(), want.float()) < 2e-2 and rel_err(got.float(), triton_out.float()) < 2e-2

@@ -42,7 +42,8 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import check_tensor, fail
+from .._checks import check_int, check_tensor, fail
+from .._runtime import note_launch
 from ._gluon_block_fp8_kernel import GLUON_HOPPER, TILE_K, TILE_M
 
 __all__ = ["available", "block_fp8_grouped", "block_fp8_grouped_reference"]
@@ -73,9 +74,9 @@ def _check(func, x, x_scale, w, w_scale, m_indices, out, block_n, gated=False, v
         fail(func, "x", f"must have K = w.shape[2] = {k} columns, a positive multiple of {TILE_K}", tuple(x.shape))
     if x.shape[0] % TILE_M:
         fail(func, "x", f"must have a multiple of {TILE_M} rows (segments aligned to {TILE_M})", tuple(x.shape))
-    if n % (256 if gated else 128) or block_n not in (64, 128):
+    if n % (256 if gated else 128):
         fail(func, "w", f"must have N a multiple of {256 if gated else 128} (gated: two halves of 128-row scale "
-             "blocks), block_n 64 or 128", (tuple(w.shape), block_n))
+             "blocks)", tuple(w.shape))
     check_tensor(func, "x_scale", x_scale, ndim=2, dtypes=(torch.float32,), device=w.device, last_dim_contiguous=True)
     if tuple(x_scale.shape) != (x.shape[0], k // 128):
         fail(func, "x_scale", f"must have shape {(x.shape[0], k // 128)}", tuple(x_scale.shape))
@@ -106,8 +107,7 @@ def _check(func, x, x_scale, w, w_scale, m_indices, out, block_n, gated=False, v
 
 
 def block_fp8_grouped(x, x_scale, w, w_scale, m_indices, *, out=None, gated: bool = False, overlap: bool = True,
-                      block_n: int = 128, stages: int = 4, num_warps: int = 8, validate_ids: bool = True
-                      ) -> torch.Tensor:
+                      block_n: int = 128, stages: int = 4, validate_ids: bool = True) -> torch.Tensor:
     """``out[r] = dequant(x[r]) @ dequant(w[m_indices[r]])^T`` in bf16 (``[M_pad, N]``) for the rows with
     ``m_indices >= 0``; others are not written (``out``, if given, keeps them). ``x`` fp8 ``[M_pad, K]`` in
     128-row segments, ``x_scale`` float32 ``[M_pad, K/128]``, ``w`` fp8 ``[E, N, K]``, ``w_scale`` float32
@@ -115,27 +115,34 @@ def block_fp8_grouped(x, x_scale, w, w_scale, m_indices, *, out=None, gated: boo
     halves of N, ``[M_pad, N/2]``. ``overlap=False`` promotes each step in order (the A/B's control).
     ``validate_ids`` reads ``m_indices`` back to check it (a host sync; skipped while a graph captures).
     Tiles: 128 x ``block_n`` x 128 (gated: ``block_n / 2`` gate and as many up rows), ``stages`` TMA
-    buffers, one program per tile."""
+    buffers, 8 warps (two warpgroups of 64 rows: the builds tested), one program per tile. The launch record
+    (``gluon_block_fp8.gemm``) says which variant ran."""
     func = "block_fp8_grouped"
+    for name, flag in (("gated", gated), ("overlap", overlap), ("validate_ids", validate_ids)):
+        if not isinstance(flag, bool):
+            fail(func, name, "must be a bool", repr(flag), TypeError)
+    check_int(func, "stages", stages, lo=2, hi=6)   # (a ring of 2 buffers at least; 6 of 128-column tiles fill 192 KiB)
+    if block_n not in (64, 128):
+        fail(func, "block_n", "must be 64 or 128", repr(block_n))
     reason = available(w.device if isinstance(w, torch.Tensor) else "cpu")
     if reason is not None:
         fail(func, "w", f"must be on a device this kernel runs on ({reason})", getattr(w, "device", w))
-    if not isinstance(gated, bool):
-        fail(func, "gated", "must be a bool", repr(gated), TypeError)
     _check(func, x, x_scale, w, w_scale, m_indices, out, block_n, gated, validate_ids)
     from ._gluon_block_fp8_kernel import launch
 
     if out is None:
         out = torch.empty(x.shape[0], w.shape[1] // 2 if gated else w.shape[1], device=x.device, dtype=torch.bfloat16)
+    note_launch("gluon_block_fp8.gemm", gated=gated, overlap=overlap, block_n=block_n, stages=stages)
     if x.shape[0]:
-        launch(x, x_scale, w, w_scale, m_indices, out, overlap=overlap, block_n=block_n, stages=stages,
-               num_warps=num_warps, gated=gated)
+        launch(x, x_scale, w, w_scale, m_indices, out, overlap=overlap, block_n=block_n, stages=stages, num_warps=8,
+               gated=gated)
     return out
 
 
 def block_fp8_grouped_reference(x, x_scale, w, w_scale, m_indices, *, gated: bool = False) -> torch.Tensor:
     """Torch reference for :func:`block_fp8_grouped`: each expert's rows dequantised and multiplied in
     float32 (``gated``: then ``silu(gate) * up`` in float32), rounded once to bf16; zero on the other rows."""
+    from .activation import silu_mul_reference
     from .formats import FORMATS
 
     block = FORMATS["block"]
@@ -145,8 +152,4 @@ def block_fp8_grouped_reference(x, x_scale, w, w_scale, m_indices, *, gated: boo
         if rows.numel():
             a = block.dequantize_activations(x[rows], x_scale[rows])
             out[rows] = a @ block.dequantize_weight(w[e:e + 1], w_scale[e:e + 1])[0].T
-    if gated:
-        half = w.shape[1] // 2
-        gate, up = out[:, :half], out[:, half:]
-        out = gate * torch.sigmoid(gate) * up
-    return out.to(torch.bfloat16)
+    return silu_mul_reference(out, torch.bfloat16) if gated else out.to(torch.bfloat16)

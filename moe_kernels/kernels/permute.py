@@ -312,7 +312,7 @@ def _fp8_gemm_kernel(fmt, config, align, hidden_states, w1, w2) -> str:
         (hidden_states.dtype != torch.bfloat16, "activations not bf16"),
         (align != 128, f"segments of {align} rows, not 128"),
         (config.gather_rows or config.sum_in_gemm, "gather_rows or sum_in_gemm"),
-        (f % 128 or d % 128, "N or K not a multiple of 128"),
+        (f % 128 or d % 128, "F or d not a multiple of 128"),
         (not (w1.is_contiguous() and w2.is_contiguous()), "weights not contiguous")) if refused), None)
     note_launch("permute.fp8_gemm", kernel="triton" if why else "gluon", refused=why)
     return "triton" if why else "gluon"
