@@ -57,6 +57,16 @@ def random_topk_ids(generator, num_tokens, num_experts, topk):
     return torch.rand(num_tokens, num_experts, generator=generator).argsort(dim=1)[:, :topk]
 
 
+def exact_fp8_inputs(num_tokens, d, group, generator):
+    """``[T, d]`` float32 values that quantise to fp8 exactly per 1 x ``group`` (small integers times a power of
+    two, each group's largest 448 times it): the interpreter's fp8 rounding, wrong where it carries into the
+    exponent, never comes in, so a quantising kernel's indexing can be checked on the CPU."""
+    n = torch.randint(-16, 17, (num_tokens, d // group, group), generator=generator).float()
+    n[:, :, 0] = 448 * torch.where(torch.rand(num_tokens, d // group, generator=generator) < 0.5, -1.0, 1.0)
+    power = 2.0 ** torch.randint(-6, 4, (num_tokens, d // group, 1), generator=generator).float()
+    return (n * power).view(num_tokens, d)
+
+
 def random_shape(seed, dtypes):
     """Interpreter-sized make_problem arguments drawn from ``seed``, and the rng that drew them
     (tests draw their other choices from it)."""
@@ -151,6 +161,18 @@ def rel_err(out, ref):
 
 
 ROOT = Path(__file__).resolve().parent.parent
+
+def assert_same_floats(got, want):
+    """Float outputs (routing weights, logits) of two compiled kernels that run the same code: equal bit for
+    bit under the interpreter (numpy runs each operation as written); on a GPU each kernel's compiler contracts
+    multiply-adds and orders short sums on its own (the first GPU run of these tests saw it), so within a few
+    float32 ulps there. Ids are compared exactly elsewhere."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    if ON_GPU:
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-9)
+    else:
+        assert torch.equal(got, want)
+
 
 def assert_device_assert(code, message):
     """On a GPU a bad id is a device-side assert (no host sync), after which the process's CUDA

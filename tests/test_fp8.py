@@ -15,15 +15,17 @@ import pytest
 import torch
 
 from moe_kernels import MODELS, MoELayer, fused_experts, masked_experts, moe_reference, permute_experts
+from moe_kernels._runtime import HAS_TRITON, record_launches
 from moe_kernels.checkpoint import load_layer
 from moe_kernels.kernels.blocks import assign_blocks
 from moe_kernels.kernels.config import GemmTiles
+from moe_kernels.kernels import quant
 from moe_kernels.kernels.formats import FORMATS
 from moe_kernels.kernels.index_gather import expert_down, expert_gate_up
 from moe_kernels.kernels.quant import (FP8, dequantize_activations, dequantize_weight, per_token_group_quant_fp8,
                                        per_token_group_quant_fp8_reference, quantize_activations, quantize_weight)
 from moe_kernels.reference import moe_reference_fp8, silu_and_mul_reference
-from moe_testing import DEVICE, needs_gpu, rel_err
+from moe_testing import DEVICE, exact_fp8_inputs, needs_gpu, rel_err
 
 pytestmark = pytest.mark.usefixtures("true_fp32")
 GRANULARITIES = ["block", "channel", "tensor"]
@@ -55,6 +57,22 @@ def test_group_quantiser_matches_its_reference(shape):
         assert torch.allclose(q.float().abs().view(shape[0], -1, 128).amax(-1), torch.full_like(s, 448.0))
         err = (dequantize_activations(q, s, "group") - x).abs() / x.abs().view(shape[0], -1, 128).amax(-1).repeat_interleave(128, 1)
         assert float(err.max()) <= 1 / 16
+
+
+@pytest.mark.parametrize("tile", [(4, 1), (8, 4), (2, 8), (1, 16)])
+@pytest.mark.parametrize("shape, group", [((7, 128 * 11), 128), ((1, 2048), 128), ((9, 192), 64)])
+def test_group_quantiser_kernel_on_each_program_tile(monkeypatch, tile, shape, group):
+    """The quantiser kernel itself with each program tile (rows, column groups), edges masked: on values that
+    quantise exactly it runs under the interpreter too, and must give the reference's bits."""
+    monkeypatch.setattr(quant, "INTERPRETER_ROUNDS_FP8_WRONGLY", False)
+    monkeypatch.setattr(quant, "QUANT_TILE", tile)
+    x = exact_fp8_inputs(*shape, group, torch.Generator().manual_seed(shape[0])).to(DEVICE)
+    with record_launches() as launches:
+        q, s = per_token_group_quant_fp8(x, group)
+    if HAS_TRITON:
+        assert [(name, r["rows"]) for name, r in launches] == [("quant.groups", tile[0])], launches
+    q_ref, s_ref = per_token_group_quant_fp8_reference(x, group)
+    assert torch.equal(s, s_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
 
 
 def test_zero_group_gets_a_finite_scale():

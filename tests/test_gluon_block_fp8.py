@@ -182,6 +182,8 @@ def test_the_permute_layout_on_the_gluon_kernel_gpu(monkeypatch, num_tokens):
     assert [(s["gated"], s["overlap"], s["block_n"]) for name, s in launches if name == "gluon_block_fp8.gemm"] == [
         (True, True, 128), (False, True, 128)], launches
     assert not any(name.startswith(("permute.gemm", "activation.")) for name, _ in launches), launches
+    # the input quantised and scattered in one pass; GEMM 2's input by the quantiser
+    assert [name for name, _ in launches if name.startswith("quant")] == ["quant_scatter", "quant.groups"], launches
     want = moe_reference_fp8(x, w1q, w2q, weights, ids, w1_scale=w1s, w2_scale=w2s, granularity="block",
                              intermediate_dtype=x.dtype)
     assert rel_err(got.float(), want.float()) < 2e-2 and rel_err(got.float(), triton_out.float()) < 2e-2

@@ -77,6 +77,7 @@ from .combine import unpermute
 from .config import MoEConfig, check_config, get_config
 from .contiguous_gemm import grouped_gemm_contiguous  # noqa: F401 (the layout's GEMM, also imported from here)
 from .formats import WeightFormat
+from .quant_scatter import quantize_scatter
 
 #: Which kernel runs the two GEMMs of a block-fp8 :func:`permute_experts` (read at each call): "triton"
 #: (:func:`~moe_kernels.kernels.contiguous_gemm.grouped_gemm_contiguous`) or "gluon"
@@ -262,18 +263,22 @@ def permute_experts(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Ten
         config = get_config(num_tokens, num_experts, f, d, w1.dtype, hidden_states.device, layout="permute",
                             align=align)
     check_config(func, config, align=align, layout="permute")
-    x, x_scale = fmt.quantize_activations(hidden_states)
     # With gather_rows, GEMM 1 reads each row from its token: nothing is copied.
     gather = config.gather_rows
-    permuted = permute(x, topk_ids, num_experts, align=align, validate_ids=validate_ids,
-                       copy=not gather)
-    if gather:
-        rows, rows_scale = x, x_scale
-    elif x_scale is None:
-        rows, rows_scale = permuted.rows, None
-    else:   # (per-row scales: the padding rows' garbage reaches no real row)
-        rows = permuted.rows
-        rows_scale = _permute_scales(x_scale, permuted, topk_ids.shape[1])
+    if fmt.activations == "group" and not gather:   # each token quantised once, written to each of its rows
+        permuted = permute(hidden_states, topk_ids, num_experts, align=align, validate_ids=validate_ids, copy=False)
+        rows, rows_scale = quantize_scatter(hidden_states, permuted.src2dst, permuted.m_indices.shape[0],
+                                            group=fmt.block[1])
+    else:
+        x, x_scale = fmt.quantize_activations(hidden_states)
+        permuted = permute(x, topk_ids, num_experts, align=align, validate_ids=validate_ids, copy=not gather)
+        if gather:
+            rows, rows_scale = x, x_scale
+        elif x_scale is None:
+            rows, rows_scale = permuted.rows, None
+        else:   # (per-row scales: the padding rows' garbage reaches no real row)
+            rows = permuted.rows
+            rows_scale = _permute_scales(x_scale, permuted, topk_ids.shape[1])
     if fmt.quantized and _fp8_gemm_kernel(fmt, config, align, hidden_states, w1, w2) == "gluon":
         return _gluon_experts(rows, rows_scale, w1, w1_scale, w2, w2_scale, permuted, topk_weights, fmt)
     activated = grouped_gemm_contiguous(

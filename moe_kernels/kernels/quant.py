@@ -43,7 +43,7 @@ import torch
 
 from .._checks import FLOAT_DTYPES, check_int, check_tensor, fail
 from .. import _runtime
-from .._runtime import HAS_TRITON, cdiv, kernel, note_launch, tl, use_triton
+from .._runtime import HAS_TRITON, cdiv, kernel, next_power_of_2, note_launch, tl, use_triton
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -52,27 +52,35 @@ EPS = 1e-10
 #: Weight scale layouts, and the activation quantisations (see :mod:`moe_kernels.kernels.formats`
 #: for which goes with which).
 GRANULARITIES = ("block", "channel", "tensor")
+#: The quantiser's program: (rows, column groups). (4, 1) read 1 KiB of bf16 a program and ran DeepSeek-V3's
+#: GEMM 2 input (163,584 x 2,048 at 16,384 tokens) at about half the read bandwidth (403 us against 217 of
+#: bytes, ``permute-gluon-stages.json``).
+QUANT_TILE = (4, 1)
+#: Triton's interpreter (3.9) rounds fp32 -> fp8 wrongly when the rounding carries into the exponent
+#: (124.7 becomes 64, not 128; about 1% of values): under it the quantisers take torch's cast, unless a
+#: test whose values quantise exactly turns this off to run a kernel's indexing on the CPU.
+INTERPRETER_ROUNDS_FP8_WRONGLY = True
 ACTIVATION_SCHEMES = ("group", "token", "tensor")
 
 if HAS_TRITON:
 
     # >>> book: quant-groups
     @kernel
-    def _quant_groups_kernel(x_ptr, stride_x, q_ptr, stride_q, s_ptr, stride_s, num_rows, K,
-                             GROUP_SIZE: tl.constexpr, ROWS: tl.constexpr):
-        # ROWS rows of one 1xGROUP_SIZE column group per program:
-        # amax, scale, divide, round.
+    def _quant_groups_kernel(x_ptr, stride_x, q_ptr, stride_q, s_ptr, stride_s, num_rows, num_groups,
+                             GROUP_SIZE: tl.constexpr, ROWS: tl.constexpr, GROUPS: tl.constexpr):
+        # ROWS rows of GROUPS 1xGROUP_SIZE column groups per program: [ROWS, GROUPS, GROUP_SIZE].
+        # Per group: amax, scale, divide, round.
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-        cols = tl.program_id(1) * GROUP_SIZE + tl.arange(0, GROUP_SIZE)
-        mask = (rows < num_rows)[:, None] & (cols < K)[None, :]
-        r64 = rows.to(tl.int64)
-        x = tl.load(x_ptr + r64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+        groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+        cols = (groups[:, None] * GROUP_SIZE + tl.arange(0, GROUP_SIZE)[None, :])[None, :, :]
+        real = (rows < num_rows)[:, None] & (groups < num_groups)[None, :]
+        r64 = rows.to(tl.int64)[:, None]
+        x = tl.load(x_ptr + r64[:, :, None] * stride_x + cols, mask=real[:, :, None], other=0.0)
         x = x.to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10) / 448.0
-        q = tl.clamp(x / scale[:, None], -448.0, 448.0)
-        q_ptrs = q_ptr + r64[:, None] * stride_q + cols[None, :]
-        tl.store(q_ptrs, q.to(q_ptr.dtype.element_ty), mask=mask)
-        tl.store(s_ptr + r64 * stride_s + tl.program_id(1), scale, mask=rows < num_rows)
+        scale = tl.maximum(tl.max(tl.abs(x), axis=2), 1e-10) / 448.0
+        q = tl.clamp(x / scale[:, :, None], -448.0, 448.0)
+        tl.store(q_ptr + r64[:, :, None] * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=real[:, :, None])
+        tl.store(s_ptr + r64 * stride_s + groups[None, :], scale, mask=real)
     # <<< book: quant-groups
 
     @kernel
@@ -128,15 +136,16 @@ def _quant_groups(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch
     num_rows, k = x.shape
     q = torch.empty(num_rows, k, dtype=FP8, device=x.device)
     s = torch.empty(num_rows, k // group_size, dtype=torch.float32, device=x.device)
-    # Triton's interpreter (3.9) rounds fp32 -> fp8 wrongly when the rounding carries into the
-    # exponent (124.7 becomes 64, not 128; about 1% of values): on the CPU the cast is torch's.
-    if not use_triton(x) or _runtime.INTERPRET or num_rows == 0 or k == 0:
+    if not use_triton(x) or (_runtime.INTERPRET and INTERPRETER_ROUNDS_FP8_WRONGLY) or num_rows == 0 or k == 0:
         q_ref, s_ref = per_token_group_quant_fp8_reference(x, group_size)
         return q.copy_(q_ref), s.copy_(s_ref)
-    rows = 4
-    note_launch("quant.groups", group_size=group_size)
-    _quant_groups_kernel[(cdiv(num_rows, rows), k // group_size)](
-        x, x.stride(0), q, q.stride(0), s, s.stride(0), num_rows, k, GROUP_SIZE=group_size, ROWS=rows, num_warps=4)
+    rows, groups = QUANT_TILE
+    num_groups = k // group_size
+    groups = min(groups, next_power_of_2(num_groups))
+    note_launch("quant.groups", group_size=group_size, rows=rows, groups=groups)
+    _quant_groups_kernel[(cdiv(num_rows, rows), cdiv(num_groups, groups))](
+        x, x.stride(0), q, q.stride(0), s, s.stride(0), num_rows, num_groups, GROUP_SIZE=group_size, ROWS=rows,
+        GROUPS=groups, num_warps=4)
     return q, s
 
 
