@@ -74,7 +74,11 @@ def test_it_refuses_where_it_cannot_run():
 
 @pytest.mark.parametrize("settings, name", [(dict(stages=1), "stages"), (dict(stages=7), "stages"),
                                             (dict(block_n=256), "block_n"), (dict(gated=1), "gated"),
-                                            (dict(overlap="yes"), "overlap"), (dict(validate_ids=None), "validate_ids")])
+                                            (dict(overlap="yes"), "overlap"), (dict(validate_ids=None), "validate_ids"),
+                                            (dict(rows_used=torch.zeros(2, dtype=torch.int32)), "rows_used"),
+                                            (dict(rows_used=torch.zeros(1, dtype=torch.int64)), "rows_used"),
+                                            (dict(rows_used=torch.zeros(1, dtype=torch.int32), overlap=False),
+                                             "overlap")])
 def test_bad_launch_settings_are_named(settings, name):
     """Checked before the device: refused by name on any machine."""
     x, x_scale, w, w_scale, m_indices = segmented([3], seed=1)
@@ -157,6 +161,32 @@ def test_the_kernel_against_its_reference_gpu(case, overlap, block_n, k, gated):
     out = torch.full((x.shape[0], w.shape[1] // 2 if gated else w.shape[1]), 7.0, device="cuda",
                      dtype=torch.bfloat16)
     block_fp8_grouped(x, x_scale, w, w_scale, m_indices, out=out, gated=gated, overlap=overlap, block_n=block_n)
+    want = block_fp8_grouped_reference(x, x_scale, w, w_scale, m_indices, gated=gated)
+    real = m_indices >= 0
+    assert rel_err(out[real].float(), want[real].float()) < 5e-3
+    assert bool((out[~real] == 7.0).all())
+
+
+@pytest.mark.gpu
+@needs_gluon
+@pytest.mark.parametrize("case", sorted(SEGMENTS))
+@pytest.mark.parametrize("programs, stages", [(1, 4), (3, 2), (7, 3), (None, 4)])
+@pytest.mark.parametrize("k", [128, 256, 384, 640, 1152])
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
+def test_the_persistent_grid_against_the_reference_gpu(monkeypatch, case, programs, stages, k, gated):
+    """The persistent grid (rows_used given): a few programs each walking many tiles (the ring's steps and
+    barrier phases running on across tiles, K loops of 1-9 steps, fewer steps than stages included), or one
+    per SM; rows of padding and the rows past rows_used keep what ``out`` held."""
+    from moe_kernels.kernels import _gluon_block_fp8_persistent as persistent
+
+    monkeypatch.setattr(persistent, "PROGRAMS", programs)
+    x, x_scale, w, w_scale, m_indices = segmented(SEGMENTS[case], seed=len(case), k=k, n=512, device="cuda")
+    rows_used = torch.tensor([m_indices.shape[0] - 128], dtype=torch.int32, device="cuda")   # (the last: padding)
+    out = torch.full((x.shape[0], w.shape[1] // 2 if gated else w.shape[1]), 7.0, device="cuda",
+                     dtype=torch.bfloat16)
+    with record_launches() as launches:
+        block_fp8_grouped(x, x_scale, w, w_scale, m_indices, out=out, gated=gated, stages=stages, rows_used=rows_used)
+    assert [s["persistent"] for name, s in launches if name == "gluon_block_fp8.gemm"] == [True], launches
     want = block_fp8_grouped_reference(x, x_scale, w, w_scale, m_indices, gated=gated)
     real = m_indices >= 0
     assert rel_err(out[real].float(), want[real].float()) < 5e-3

@@ -14,12 +14,13 @@ runs under the next MMA (what DeepGEMM does in CUDA). Candidates, on each GEMM a
 
   gluon overlap      the Gluon kernel, promotion of step s after issuing step s+1 (wait_group 1)
   gluon in order     the same kernel, wait_group 0 after each MMA, then its promotion (the A/B's control)
-  gluon overlap n64  the overlapped kernel on 64-column N tiles: 96 KiB of shared memory and 128 registers
-                     a thread (ptxas, sm_90a), so two programs fit on an SM where the 128-column tile's
-                     131 KiB and 240 registers (61,440 of the SM's 65,536 for 256 threads) fit one; one
-                     program's epilogue and first loads then run under the other's K loop (GEMM 2's K loops
-                     are short: Qwen3-30B-A3B's 6 steps ran at 619 TFLOP/s where GEMM 1's 16 ran at 885).
-                     (Three stages of the 128-column tile would free shared memory but not registers.)
+  gluon persistent   the overlapped kernel on a persistent grid (one program per SM walks its tiles, the TMA
+                     loads running ahead across tiles, so that a tile's first steps land while the tile before
+                     it stores): the 128-column tile takes 240 registers a thread, one program an SM, and with
+                     one program per tile its first loads and its epilogue overlap nothing. GEMM 2's K loops are
+                     short (Qwen3-30B-A3B's 6 steps ran at 612 TFLOP/s where GEMM 1's 16 ran at 885). (Session 27
+                     timed a 64-column variant, two programs an SM: 3-31% slower than the 128-column tile.)
+  gluon persistent s3  the same with three stages
   triton             grouped_gemm_contiguous, n128 k128 w8 s4, TMA, persistent (the package's path)
   triton flat        the same with its tile and K loops flattened into one pipeline (persistent=2)
 
@@ -76,15 +77,21 @@ def compile_only():
         for block_n in (128, 64):
             for overlap in (True, False):
                 compiled_one(gated, block_n, overlap)
+        compiled_one(gated, 128, True, persistent=True)
 
 
-def compiled_one(gated, block_n, overlap):
+def compiled_one(gated, block_n, overlap, persistent=False):
     """One sm_90a build's line: wgmma count, wait_group values in order, registers, spills, shared memory."""
-    kernel = compile_for_sm90(block_n, 4, 8, overlap, gated)
+    if persistent:
+        from moe_kernels.kernels._gluon_block_fp8_persistent import compile_for_sm90 as compile_persistent
+
+        kernel = compile_persistent(block_n, 4, 8, gated)
+    else:
+        kernel = compile_for_sm90(block_n, 4, 8, overlap, gated)
     ptx = kernel.asm["ptx"]
     count, waits = ptx_report(ptx)
     regs, spill_stores, spill_loads, warnings = ptxas_report(ptx)
-    name = ("gated " if gated else "") + ("overlap" if overlap else "in-order")
+    name = ("gated " if gated else "") + ("persistent " if persistent else "") + ("overlap" if overlap else "in-order")
     print(f"{name} block_n={block_n} warps=8 stages=4: wgmma {count}, waits {','.join(map(str, waits))}, "
           f"registers {regs}, spills {spill_stores}/{spill_loads} bytes (stores/loads), "
           f"shared {kernel.metadata.shared} bytes, ptxas wgmma warnings {len(warnings)}", flush=True)
@@ -137,7 +144,8 @@ def activations(num_rows, k, seed):
 
 
 GLUON_VARIANTS = {"gluon overlap": dict(overlap=True), "gluon in order": dict(overlap=False),
-                  "gluon overlap n64": dict(overlap=True, block_n=64)}
+                  "gluon persistent": dict(overlap=True, persistent=True),
+                  "gluon persistent s3": dict(overlap=True, persistent=True, stages=3)}
 
 
 def main(argv):
@@ -179,9 +187,10 @@ def main(argv):
                 outs = {name: torch.zeros(num_rows, n, device="cuda", dtype=torch.bfloat16)
                         for name in (*GLUON_VARIANTS, *configs)}
 
-                def gluon_call(name, overlap, stages=4, block_n=128):
+                def gluon_call(name, overlap, stages=4, block_n=128, persistent=False):
                     return lambda: block_fp8_grouped(x, x_scale, w, w_scale, m_indices, overlap=overlap,
-                                                     stages=stages, block_n=block_n, out=outs[name])
+                                                     stages=stages, block_n=block_n, out=outs[name],
+                                                     rows_used=rows_used if persistent else None)
 
                 def triton_call(name):
                     return lambda: grouped_gemm_contiguous(x, w, m_indices, align=128, x_scale=x_scale, w_scale=w_scale,

@@ -6,7 +6,8 @@ caller runs it, ``MoELayer(x)``: the gate, the routing, the alignment or the per
 quantisers (fp8), both GEMMs and the top-k sum. Rows: Qwen3-30B-A3B and DeepSeek-V3 (its shared
 expert left out: the routed layer of issue 18's targets), bf16 and fp8 block weights, each batch, on
 ``index_gather``, ``permute`` and ``auto`` (the plan's layout and table entry recorded), and for fp8
-``permute gluon``: the permute layout with both GEMMs on the Gluon kernel (``permute.FP8_GEMM``, a layer of
+``permute gluon``: the permute layout with both GEMMs on the Gluon kernel (``permute.FP8_GEMM``; and
+``permute gluon persistent``, on its persistent grid, ``permute.GLUON_PERSISTENT``; each a layer of
 its own, so that no plan or graph recorded with the other kernel is replayed; the record says which kernel
 ran, or why the Gluon one could not). Each call is
 replayed from a CUDA graph of one call with the L2 flushed before each replay, four rounds
@@ -49,6 +50,7 @@ for key in models:
     for fmt in ("none", "block"):
         layer = base if fmt == "none" else base.quantized("block")
         gluon_layer = None if fmt == "none" else base.quantized("block")
+        gluon_persistent_layer = None if fmt == "none" else base.quantized("block")
         for batch in batches:
             x = torch.randn(batch, d, device=device, dtype=dtype, generator=torch.Generator(device).manual_seed(batch))
             plans, candidates = {}, {}
@@ -63,18 +65,24 @@ for key in models:
                     return layer(x)
                 candidates[layout] = call
 
-            def gluon_call():
-                saved, permute_module.FP8_GEMM = permute_module.FP8_GEMM, "gluon"
-                try:
-                    return gluon_layer(x)
-                finally:
-                    permute_module.FP8_GEMM = saved
+            def gluon_call(persistent, layer_of_its_own):
+                def call():
+                    saved = permute_module.FP8_GEMM, permute_module.GLUON_PERSISTENT
+                    permute_module.FP8_GEMM, permute_module.GLUON_PERSISTENT = "gluon", persistent
+                    try:
+                        return layer_of_its_own(x)
+                    finally:
+                        permute_module.FP8_GEMM, permute_module.GLUON_PERSISTENT = saved
+                return call
             if gluon_layer is not None:
-                gluon_layer.layout = "permute"
-                with record_launches() as launches:
-                    gluon_call()
-                plans["permute gluon"] = {"fp8_gemm": [s for name, s in launches if name == "permute.fp8_gemm"]}
-                candidates["permute gluon"] = gluon_call
+                for name, persistent, own in (("permute gluon", False, gluon_layer),
+                                              ("permute gluon persistent", True, gluon_persistent_layer)):
+                    own.layout = "permute"
+                    with record_launches() as launches:
+                        gluon_call(persistent, own)()
+                    plans[name] = {"fp8_gemm": [s for n, s in launches if n == "permute.fp8_gemm"],
+                                   "persistent": [s["persistent"] for n, s in launches if n == "gluon_block_fp8.gemm"]}
+                    candidates[name] = gluon_call(persistent, own)
             reference = candidates["index_gather"]()
             lowest, rounds, errors, rel = time_lowest(candidates, reference, tolerance=3e-2, warmup_ms=5, rep_ms=30,
                                                       unchecked=("index_gather",), rounds=ROUNDS, alternate=True)
@@ -90,7 +98,7 @@ for key in models:
                 f"{name} {us:9.1f} us {row['tflops'][name]:6.1f} TFLOP/s" for name, us in lowest.items())
                 + f"  (auto -> {plans['auto']['layout']}, {plans['auto']['config_source']})"
                 + (f"  errors {errors}" if errors else ""), flush=True)
-        del layer, gluon_layer
+        del layer, gluon_layer, gluon_persistent_layer
     del base
     if device == "cuda":
         torch.cuda.empty_cache()

@@ -71,8 +71,15 @@ if GLUON_HOPPER:
         phase does not move and is never waited for). (Triton 3.6's shared-memory barrier analysis puts a
         ``bar.sync`` between consecutive operations on one barrier array: before the copies and before each
         wait, a few per step in both orders; the copies are issued by one elected thread of warp 0.)"""
-        stage = step % NUM_STAGES
-        pred = step < num_k
+        _load_into(x_desc, w_desc, a_bufs, b_bufs, ready, step % NUM_STAGES, off_m, w_row, w_row_up, step,
+                   step < num_k, GATED)
+
+
+    @gluon.jit
+    def _load_into(x_desc, w_desc, a_bufs, b_bufs, ready, stage, off_m, w_row, w_row_up, step, pred,
+                   GATED: gl.constexpr = False):
+        """K step ``step``'s A tile (rows ``off_m``...) and W tile (rows ``w_row``..., gated also ``w_row_up``...)
+        into stage ``stage``, where ``pred``."""
         bar = ready.index(stage)
         # arrive.expect_tx: the barrier (count 1) completes its phase once both boxes' bytes have landed
         # (whole boxes: the tiles never cross the tensors' edges, K and N being multiples of the tiles)
@@ -183,6 +190,16 @@ if GLUON_HOPPER:
     # ---- the kernel ----------------------------------------------------------------------------------------------
 
     @gluon.jit
+    def _grouped_tile(tile, num_pid_m, num_pid_n, GROUP: gl.constexpr):
+        """Tile ``tile``'s (M index, N index) in the grouped order: GROUP M tiles (mostly one expert's) share
+        each N tile while it is in L2."""
+        in_group = GROUP * num_pid_n
+        first_m = (tile // in_group) * GROUP
+        group_size = gl.minimum(num_pid_m - first_m, GROUP)
+        return first_m + (tile % in_group) % group_size, (tile % in_group) // group_size
+
+
+    @gluon.jit
     def _block_fp8_grouped_kernel(x_desc, w_desc, out_ptr, x_scale_ptr, w_scale_ptr, m_indices_ptr, num_rows, N, K,
                                   stride_om, stride_xs, stride_wse, stride_wsn, BLOCK_N: gl.constexpr,
                                   NUM_STAGES: gl.constexpr, OVERLAP: gl.constexpr, GROUP: gl.constexpr,
@@ -202,16 +219,10 @@ if GLUON_HOPPER:
         gl.static_assert(128 % W_ROWS == 0)   # each W box inside one weight scale block: one scale per step
         gl.static_assert(NUM_STAGES >= 2)
 
-        # grouped order: GROUP M tiles (mostly one expert's) share each N tile while it is in L2
-        pid = gl.program_id(0)
         num_pid_m = num_rows // BLOCK_M
         OUT_N = N // 2 if GATED else N   # the output's columns
         num_pid_n = OUT_N // W_ROWS
-        in_group = GROUP * num_pid_n
-        first_m = (pid // in_group) * GROUP
-        group_size = gl.minimum(num_pid_m - first_m, GROUP)
-        pid_m = first_m + (pid % in_group) % group_size
-        pid_n = (pid % in_group) // group_size
+        pid_m, pid_n = _grouped_tile(gl.program_id(0), num_pid_m, num_pid_n, GROUP)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * W_ROWS   # the first output column (gated: of gate row off_n and up row N/2 + off_n)
 
@@ -345,33 +356,35 @@ if GLUON_HOPPER:
 
     def compile_for_sm90(block_n, stages, num_warps, overlap, gated=False):
         """The kernel compiled for sm_90a (Gluon's own AST source: its IR is already TritonGPU)."""
+        return compile_kernel_for_sm90(_block_fp8_grouped_kernel, block_n, gated, num_warps,
+                                       {"NUM_STAGES": stages, "OVERLAP": overlap})
+
+    def compile_kernel_for_sm90(fn, block_n, gated, num_warps, constants, pointers=()):
+        """``fn`` (this kernel, or its persistent grid's) compiled for sm_90a with ``constants`` besides
+        BLOCK_N, GROUP and GATED, and int32 ``pointers`` besides the kernel's own."""
         from triton.backends.compiler import GPUTarget
         from triton.experimental.gluon._runtime import GluonASTSource
         from triton.runtime.jit import mangle_type
 
-        fn = _block_fp8_grouped_kernel
         # (host tensors only to spell the descriptors' types: shapes and addresses are not part of them)
         x = torch.empty(TILE_M, TILE_K, dtype=torch.float8_e4m3fn)
         w = torch.empty(1, 128, TILE_K, dtype=torch.float8_e4m3fn)
         x_desc, w_desc = _descriptors(x, w, block_n, gated)
-        constants = {"BLOCK_N": block_n, "NUM_STAGES": stages, "OVERLAP": overlap, "GROUP": GROUP_M, "GATED": gated}
+        constants = {"BLOCK_N": block_n, "GROUP": GROUP_M, "GATED": gated, **constants}
         types = {"x_desc": mangle_type(x_desc), "w_desc": mangle_type(w_desc), "out_ptr": "*bf16",
-                 "x_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "m_indices_ptr": "*i32"}
+                 "x_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "m_indices_ptr": "*i32",
+                 **{name: "*i32" for name in pointers}}
         signature = {name: "constexpr" if name in constants else types.get(name, "i32") for name in fn.arg_names}
         values = {(i, ): constants[name] for i, name in enumerate(fn.arg_names) if name in constants}
         # pointers 16-byte aligned, and the sizes and row strides multiples of 16, as launches specialise them
-        aligned = {"out_ptr", "x_scale_ptr", "w_scale_ptr", "m_indices_ptr", "num_rows", "N", "K", "stride_om"}
+        aligned = {"out_ptr", "x_scale_ptr", "w_scale_ptr", "m_indices_ptr", "num_rows", "N", "K", "stride_om",
+                   *pointers}
         attrs = {(i, ): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if name in aligned}
         return triton.compile(GluonASTSource(fn, signature, values, attrs), target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": num_warps})
 
     def launch(x, x_scale, w, w_scale, m_indices, out, *, overlap, block_n, stages, num_warps, gated=False):
         """The kernel on arguments :func:`moe_kernels.kernels.gluon_block_fp8.block_fp8_grouped` checked."""
-        from .._replay import recording_now
-
-        recording = recording_now()
-        if recording is not None:   # (a replay would skip this launch: MoELayer's plans must not take it)
-            recording.refuse("a Gluon launch, which the replay does not record")
         num_rows, k = x.shape
         n = w.shape[1]
         x_desc, w_desc = _descriptors(x, w, block_n, gated)

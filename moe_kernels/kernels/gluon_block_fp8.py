@@ -107,7 +107,8 @@ def _check(func, x, x_scale, w, w_scale, m_indices, out, block_n, gated=False, v
 
 
 def block_fp8_grouped(x, x_scale, w, w_scale, m_indices, *, out=None, gated: bool = False, overlap: bool = True,
-                      block_n: int = 128, stages: int = 4, validate_ids: bool = True) -> torch.Tensor:
+                      block_n: int = 128, stages: int = 4, validate_ids: bool = True,
+                      rows_used: torch.Tensor | None = None) -> torch.Tensor:
     """``out[r] = dequant(x[r]) @ dequant(w[m_indices[r]])^T`` in bf16 (``[M_pad, N]``) for the rows with
     ``m_indices >= 0``; others are not written (``out``, if given, keeps them). ``x`` fp8 ``[M_pad, K]`` in
     128-row segments, ``x_scale`` float32 ``[M_pad, K/128]``, ``w`` fp8 ``[E, N, K]``, ``w_scale`` float32
@@ -115,8 +116,11 @@ def block_fp8_grouped(x, x_scale, w, w_scale, m_indices, *, out=None, gated: boo
     halves of N, ``[M_pad, N/2]``. ``overlap=False`` promotes each step in order (the A/B's control).
     ``validate_ids`` reads ``m_indices`` back to check it (a host sync; skipped while a graph captures).
     Tiles: 128 x ``block_n`` x 128 (gated: ``block_n / 2`` gate and as many up rows), ``stages`` TMA
-    buffers, 8 warps (two warpgroups of 64 rows: the builds tested), one program per tile. The launch record
-    (``gluon_block_fp8.gemm``) says which variant ran."""
+    buffers, 8 warps (two warpgroups of 64 rows: the builds tested), one program per tile. With ``rows_used``
+    (int32 ``[1]`` on the device: the rows the segments span, :class:`~moe_kernels.kernels.permute.PermutedRows`'
+    ``rows_used``) a persistent grid instead: one program per SM walks the tiles of those rows, its loads
+    running ahead across tiles (:mod:`moe_kernels.kernels._gluon_block_fp8_persistent`; promotion overlapped
+    only). The launch record (``gluon_block_fp8.gemm``) says which variant ran."""
     func = "block_fp8_grouped"
     for name, flag in (("gated", gated), ("overlap", overlap), ("validate_ids", validate_ids)):
         if not isinstance(flag, bool):
@@ -124,16 +128,36 @@ def block_fp8_grouped(x, x_scale, w, w_scale, m_indices, *, out=None, gated: boo
     check_int(func, "stages", stages, lo=2, hi=6)   # (a ring of 2 buffers at least; 6 of 128-column tiles fill 192 KiB)
     if block_n not in (64, 128):
         fail(func, "block_n", "must be 64 or 128", repr(block_n))
+    persistent = rows_used is not None
+    if persistent:
+        check_tensor(func, "rows_used", rows_used, ndim=1, dtypes=(torch.int32,))
+        if tuple(rows_used.shape) != (1,):
+            fail(func, "rows_used", "must have shape (1,)", tuple(rows_used.shape))
+        if not overlap:
+            fail(func, "overlap", "must be True with rows_used (the persistent grid overlaps its promotion)", overlap)
     reason = available(w.device if isinstance(w, torch.Tensor) else "cpu")
     if reason is not None:
         fail(func, "w", f"must be on a device this kernel runs on ({reason})", getattr(w, "device", w))
     _check(func, x, x_scale, w, w_scale, m_indices, out, block_n, gated, validate_ids)
-    from ._gluon_block_fp8_kernel import launch
-
+    if persistent and rows_used.device != w.device:
+        fail(func, "rows_used", f"must be on {w.device}", rows_used.device)
     if out is None:
         out = torch.empty(x.shape[0], w.shape[1] // 2 if gated else w.shape[1], device=x.device, dtype=torch.bfloat16)
-    note_launch("gluon_block_fp8.gemm", gated=gated, overlap=overlap, block_n=block_n, stages=stages)
-    if x.shape[0]:
+    note_launch("gluon_block_fp8.gemm", gated=gated, overlap=overlap, block_n=block_n, stages=stages,
+                persistent=persistent)
+    from .._replay import recording_now
+
+    recording = recording_now()
+    if recording is not None and x.shape[0]:   # (a replay would skip the launch: MoELayer's plans must not take it)
+        recording.refuse("a Gluon launch, which the replay does not record")
+    if x.shape[0] and persistent:
+        from ._gluon_block_fp8_persistent import launch as launch_persistent
+
+        launch_persistent(x, x_scale, w, w_scale, m_indices, rows_used, out, block_n=block_n, stages=stages,
+                          num_warps=8, gated=gated)
+    elif x.shape[0]:
+        from ._gluon_block_fp8_kernel import launch
+
         launch(x, x_scale, w, w_scale, m_indices, out, overlap=overlap, block_n=block_n, stages=stages, num_warps=8,
                gated=gated)
     return out

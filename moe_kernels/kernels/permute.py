@@ -90,6 +90,9 @@ from .quant_scatter import quantize_scatter
 #: the Triton kernel and its launch record says why. Read at each call; like ``combine.UNPERMUTE_BODY``, a
 #: plan recorded before a change keeps its kernel, and a recording refuses the Gluon launch (no replay).
 FP8_GEMM = "triton"
+#: With FP8_GEMM = "gluon": both GEMMs on the Gluon kernel's persistent grid (one program per SM walking the
+#: tiles of the rows used, its loads running ahead across tiles: for short K loops), else one program a tile.
+GLUON_PERSISTENT = False
 
 if HAS_TRITON:
 
@@ -330,9 +333,11 @@ def _gluon_experts(rows, rows_scale, w1, w1_scale, w2, w2_scale, permuted: Permu
     from .gluon_block_fp8 import block_fp8_grouped
 
     # (permute wrote m_indices: one expert per 128-row tile, ids in [0, E) or -1; no read-back)
-    activated = block_fp8_grouped(rows, rows_scale, w1, w1_scale, permuted.m_indices, gated=True, validate_ids=False)
+    rows_used = permuted.rows_used if GLUON_PERSISTENT else None
+    activated = block_fp8_grouped(rows, rows_scale, w1, w1_scale, permuted.m_indices, gated=True, validate_ids=False,
+                                  rows_used=rows_used)
     a, a_scale = fmt.quantize_activations(activated)
-    y = block_fp8_grouped(a, a_scale, w2, w2_scale, permuted.m_indices, validate_ids=False)
+    y = block_fp8_grouped(a, a_scale, w2, w2_scale, permuted.m_indices, validate_ids=False, rows_used=rows_used)
     return unpermute(y, permuted.src2dst, topk_weights)
 
 

@@ -1,0 +1,188 @@
+"""The Gluon block-fp8 grouped GEMM on a persistent grid: one program per SM walks its tiles, and the TMA
+loads run ahead across tile boundaries, so that a tile's first K steps are already in shared memory while
+the tile before it promotes its last step and stores its output.
+
+Why: one program per tile (:mod:`moe_kernels.kernels._gluon_block_fp8_kernel`) pays, at every tile, the
+latency of its first loads and of its epilogue with nothing to overlap them (a 128 x 128 tile with two
+products in flight takes about 240 registers a thread at 8 warps: one program an SM). Where the K loop is
+short that is a large share: Qwen3-30B-A3B's GEMM 2 (K = 768, six steps of about 0.44 us) ran at 612 TFLOP/s
+where its GEMM 1 (16 steps) ran at 885 (``gluon-block-fp8-ab.json``). Here the ring of stages is indexed by
+a step count that runs on across the program's tiles: global step ``g`` is step ``g % num_k`` of the
+program's tile ``g // num_k``, in stage ``g % NUM_STAGES`` and barrier phase ``(g // NUM_STAGES) & 1``. A
+stage freed by MMA ``g`` is refilled with step ``g + NUM_STAGES`` whichever tile that belongs to.
+
+Tiles are the output's 128-row by ``BLOCK_N``-column tiles over the rows the segments use (``rows_used``,
+read on the device: no padding tile is visited), in the same grouped order as the per-tile kernel; program
+``p`` takes tiles ``p``, ``p + P``, ... A tile's expert is its first row's (a segment starts on a tile and
+its last tile's padding follows its real rows, so a tile below ``rows_used`` starts on a real row).
+"""
+
+from __future__ import annotations
+
+from ._gluon_block_fp8_kernel import GLUON_HOPPER, GROUP_M, TILE_K, TILE_M
+
+#: Programs of the persistent grid: None, one per SM. (Tests set a few, so that each program walks many tiles.)
+PROGRAMS = None
+
+if GLUON_HOPPER:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma_wait
+
+    from ._gluon_block_fp8_kernel import (BLOCK_K, BLOCK_M, _descriptors, _grouped_tile, _issue_mma, _load_into,
+                                          _mma_layout, _promote, _step_scale, _store_gated, _store_layout,
+                                          compile_kernel_for_sm90)
+
+    @gluon.jit
+    def _tile_origin(tile, num_pid_m, num_pid_n, m_indices_ptr, N, W_ROWS: gl.constexpr, GROUP: gl.constexpr):
+        """Tile ``tile``'s first row, first output column and expert, in the per-tile kernel's grouped order."""
+        pid_m, pid_n = _grouped_tile(tile, num_pid_m, num_pid_n, GROUP)
+        off_m = pid_m * BLOCK_M
+        return off_m, pid_n * W_ROWS, gl.load(m_indices_ptr + off_m)
+
+
+    @gluon.jit
+    def _load_global(x_desc, w_desc, a_bufs, b_bufs, ready, g, num_k, pid, nprog, my_tiles, num_tiles, num_pid_m,
+                     num_pid_n, m_indices_ptr, N, W_ROWS: gl.constexpr, GROUP: gl.constexpr,
+                     NUM_STAGES: gl.constexpr, GATED: gl.constexpr):
+        """TMA loads of global step ``g`` (step ``g % num_k`` of this program's tile ``g // num_k``) into stage
+        ``g % NUM_STAGES``; nothing past the program's last tile."""
+        local_tile = g // num_k
+        step = g - local_tile * num_k
+        tile = gl.minimum(pid + local_tile * nprog, num_tiles - 1)   # (past the last: a valid address, no copy)
+        off_m, off_n, expert = _tile_origin(tile, num_pid_m, num_pid_n, m_indices_ptr, N, W_ROWS, GROUP)
+        w_row = expert * N + off_n
+        _load_into(x_desc, w_desc, a_bufs, b_bufs, ready, g % NUM_STAGES, off_m, w_row, w_row + N // 2, step,
+                   local_tile < my_tiles, GATED)
+
+
+    @gluon.jit
+    def _persistent_step(base, step, num_k, inflight, inflight_scale, dead, scale, acc, x_desc, w_desc, a_bufs,
+                         b_bufs, ready, xs_ptrs, ws_ptr, ws_up_ptr, pid, nprog, my_tiles, num_tiles, num_pid_m,
+                         num_pid_n, m_indices_ptr, N, W_ROWS: gl.constexpr, GROUP: gl.constexpr,
+                         NUM_STAGES: gl.constexpr, GATED: gl.constexpr):
+        """The per-tile kernel's overlapped step (``_overlapped_step``) at global step ``base + step``: its MMA
+        issued, MMA ``base + step - 1`` waited for (one left in flight) and promoted under it; the freed stage
+        refilled with global step ``base + step - 1 + NUM_STAGES``, of this tile or of a later one."""
+        following = _step_scale(xs_ptrs, ws_ptr, step + 1, num_k, ws_up_ptr, GATED)
+        issued = _issue_mma(a_bufs, b_bufs, ready, base + step, dead, NUM_STAGES)
+        done = warpgroup_mma_wait(num_outstanding=1, deps=(inflight, ))
+        gl.thread_barrier()   # (both warpgroups past MMA step - 1 before its stage is refilled)
+        _load_global(x_desc, w_desc, a_bufs, b_bufs, ready, base + step - 1 + NUM_STAGES, num_k, pid, nprog,
+                     my_tiles, num_tiles, num_pid_m, num_pid_n, m_indices_ptr, N, W_ROWS, GROUP, NUM_STAGES, GATED)
+        acc = _promote(acc, done, inflight_scale, GATED)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))   # (the compiler fence: see _overlapped_step)
+        return issued, scale, done, following, acc
+
+
+    @gluon.jit
+    def _block_fp8_grouped_persistent_kernel(x_desc, w_desc, out_ptr, x_scale_ptr, w_scale_ptr, m_indices_ptr,
+                                             rows_used_ptr, N, K, stride_om, stride_xs, stride_wse, stride_wsn,
+                                             BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, GROUP: gl.constexpr,
+                                             GATED: gl.constexpr = False):
+        """The per-tile kernel's product (``_block_fp8_grouped_kernel``, promotion overlapped) over this program's
+        tiles ``pid, pid + P, ...`` of the rows used, the loads running ahead across tiles."""
+        NUM_WARPS: gl.constexpr = gl.num_warps()
+        mma_layout: gl.constexpr = _mma_layout(BLOCK_N, NUM_WARPS)
+        store_layout: gl.constexpr = _store_layout(BLOCK_N, NUM_WARPS)
+        W_ROWS: gl.constexpr = BLOCK_N // 2 if GATED else BLOCK_N
+        gl.static_assert(w_desc.block_type.shape[0] == W_ROWS)
+        gl.static_assert(128 % W_ROWS == 0)
+        gl.static_assert(NUM_STAGES >= 2)
+
+        num_pid_m = gl.load(rows_used_ptr) // BLOCK_M
+        OUT_N = N // 2 if GATED else N
+        num_pid_n = OUT_N // W_ROWS
+        num_tiles = num_pid_m * num_pid_n
+        pid = gl.program_id(0)
+        nprog = gl.num_programs(0)
+        my_tiles = gl.maximum(num_tiles - pid + nprog - 1, 0) // nprog
+        num_k = K // BLOCK_K
+
+        a_bufs = gl.allocate_shared_memory(x_desc.dtype, [NUM_STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
+        b_bufs = gl.allocate_shared_memory(w_desc.dtype, [NUM_STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        for stage in gl.static_range(NUM_STAGES):
+            mbarrier.init(ready.index(stage), count=1)
+        if my_tiles > 0:   # fill the ring: global steps 0 .. NUM_STAGES - 1 (across tiles where K is short)
+            for fill in gl.static_range(NUM_STAGES):
+                _load_global(x_desc, w_desc, a_bufs, b_bufs, ready, fill, num_k, pid, nprog, my_tiles, num_tiles,
+                             num_pid_m, num_pid_n, m_indices_ptr, N, W_ROWS, GROUP, NUM_STAGES, GATED)
+
+        for t in range(my_tiles):
+            base = t * num_k   # the global step of this tile's step 0
+            off_m, off_n, expert = _tile_origin(pid + t * nprog, num_pid_m, num_pid_n, m_indices_ptr, N, W_ROWS, GROUP)
+            scale_rows = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma_layout))
+            xs_ptrs = x_scale_ptr + scale_rows * stride_xs
+            ws_ptr = w_scale_ptr + expert * stride_wse + (off_n // 128) * stride_wsn
+            ws_up_ptr = w_scale_ptr + expert * stride_wse + ((N // 2 + off_n) // 128) * stride_wsn
+
+            # (the per-tile kernel's overlapped loop, two steps an iteration: see _block_fp8_grouped_kernel)
+            acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=mma_layout)
+            y_dead = warpgroup_mma_wait(num_outstanding=0, deps=(gl.zeros([BLOCK_M, BLOCK_N], gl.float32,
+                                                                          layout=mma_layout), ))
+            scale = _step_scale(xs_ptrs, ws_ptr, 0, num_k, ws_up_ptr, GATED)
+            x_tok = _issue_mma(a_bufs, b_bufs, ready, base, gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=mma_layout),
+                               NUM_STAGES)
+            x_scale = scale
+            scale = _step_scale(xs_ptrs, ws_ptr, 1, num_k, ws_up_ptr, GATED)
+            for pair in range((num_k - 1) // 2):
+                step = 1 + 2 * pair
+                y_tok, y_scale, x_dead, scale, acc = _persistent_step(
+                    base, step, num_k, x_tok, x_scale, y_dead, scale, acc, x_desc, w_desc, a_bufs, b_bufs, ready,
+                    xs_ptrs, ws_ptr, ws_up_ptr, pid, nprog, my_tiles, num_tiles, num_pid_m, num_pid_n, m_indices_ptr,
+                    N, W_ROWS, GROUP, NUM_STAGES, GATED)
+                x_tok, x_scale, y_dead, scale, acc = _persistent_step(
+                    base, step + 1, num_k, y_tok, y_scale, x_dead, scale, acc, x_desc, w_desc, a_bufs, b_bufs, ready,
+                    xs_ptrs, ws_ptr, ws_up_ptr, pid, nprog, my_tiles, num_tiles, num_pid_m, num_pid_n, m_indices_ptr,
+                    N, W_ROWS, GROUP, NUM_STAGES, GATED)
+            if (num_k - 1) % 2 == 1:
+                y_tok, y_scale, x_dead, scale, acc = _persistent_step(
+                    base, num_k - 1, num_k, x_tok, x_scale, y_dead, scale, acc, x_desc, w_desc, a_bufs, b_bufs, ready,
+                    xs_ptrs, ws_ptr, ws_up_ptr, pid, nprog, my_tiles, num_tiles, num_pid_m, num_pid_n, m_indices_ptr,
+                    N, W_ROWS, GROUP, NUM_STAGES, GATED)
+                last = warpgroup_mma_wait(num_outstanding=0, deps=(y_tok, ))
+                last_scale = y_scale
+            else:
+                last = warpgroup_mma_wait(num_outstanding=0, deps=(x_tok, ))
+                last_scale = x_scale
+            # the last step's stage is free: refill it (a later tile's step) before this tile's epilogue
+            gl.thread_barrier()
+            _load_global(x_desc, w_desc, a_bufs, b_bufs, ready, base + num_k - 1 + NUM_STAGES, num_k, pid, nprog,
+                         my_tiles, num_tiles, num_pid_m, num_pid_n, m_indices_ptr, N, W_ROWS, GROUP, NUM_STAGES, GATED)
+            acc = _promote(acc, last, last_scale, GATED)
+
+            # Epilogue, while the next tile's first steps land: the rows of the expert only.
+            if GATED:
+                _store_gated(acc, out_ptr, m_indices_ptr, off_m, off_n, OUT_N, stride_om, W_ROWS, NUM_WARPS)
+            else:
+                rows = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, store_layout))
+                real = gl.load(m_indices_ptr + rows) >= 0
+                out = gl.convert_layout(acc.to(gl.bfloat16), store_layout)
+                cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, store_layout))
+                offsets = rows.to(gl.int64)[:, None] * stride_om + cols[None, :]
+                gl.store(out_ptr + offsets, out, mask=real[:, None] & (cols < N)[None, :])
+
+        for stage in gl.static_range(NUM_STAGES):   # every fill was waited for: no copy is left in flight
+            mbarrier.invalidate(ready.index(stage))
+
+
+    def compile_for_sm90(block_n, stages, num_warps, gated=False):
+        """The kernel compiled for sm_90a (as the per-tile kernel's ``compile_for_sm90``)."""
+        return compile_kernel_for_sm90(_block_fp8_grouped_persistent_kernel, block_n, gated, num_warps,
+                                       {"NUM_STAGES": stages}, pointers=("rows_used_ptr", ))
+
+    def launch(x, x_scale, w, w_scale, m_indices, rows_used, out, *, block_n, stages, num_warps, gated=False):
+        """One program per SM (or per tile, where there are fewer tiles than SMs) on checked arguments."""
+        import torch
+
+        num_rows, k = x.shape
+        n = w.shape[1]
+        x_desc, w_desc = _descriptors(x, w, block_n, gated)
+        most_tiles = num_rows // TILE_M * (out.shape[1] // (block_n // 2 if gated else block_n))
+        programs = PROGRAMS or torch.cuda.get_device_properties(x.device).multi_processor_count
+        grid = (max(1, min(programs, most_tiles)), )
+        _block_fp8_grouped_persistent_kernel[grid](
+            x_desc, w_desc, out, x_scale, w_scale, m_indices, rows_used, n, k, out.stride(0), x_scale.stride(0),
+            w_scale.stride(0), w_scale.stride(1), BLOCK_N=block_n, NUM_STAGES=stages, GROUP=GROUP_M, GATED=gated,
+            num_warps=num_warps)
