@@ -66,20 +66,24 @@ if HAS_TRITON:
 
     # >>> book: quant-groups
     @kernel
-    def _quant_groups_kernel(x_ptr, stride_x, q_ptr, stride_q, s_ptr, stride_s, num_rows, num_groups,
-                             GROUP_SIZE: tl.constexpr, ROWS: tl.constexpr, GROUPS: tl.constexpr):
-        # ROWS rows of GROUPS 1xGROUP_SIZE column groups per program: [ROWS, GROUPS, GROUP_SIZE].
-        # Per group: amax, scale, divide, round.
+    def _quant_groups_kernel(x_ptr, stride_x, q_ptr, stride_q, s_ptr, stride_s,
+                             num_rows, num_groups, GROUP_SIZE: tl.constexpr,
+                             ROWS: tl.constexpr, GROUPS: tl.constexpr):
+        # ROWS rows of GROUPS 1xGROUP_SIZE column groups per program:
+        # a [ROWS, GROUPS, GROUP_SIZE] block. Per group: amax, scale,
+        # divide, round.
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
-        cols = (groups[:, None] * GROUP_SIZE + tl.arange(0, GROUP_SIZE)[None, :])[None, :, :]
+        in_group = tl.arange(0, GROUP_SIZE)
+        cols = (groups[:, None] * GROUP_SIZE + in_group[None, :])[None, :, :]
         real = (rows < num_rows)[:, None] & (groups < num_groups)[None, :]
         r64 = rows.to(tl.int64)[:, None]
-        x = tl.load(x_ptr + r64[:, :, None] * stride_x + cols, mask=real[:, :, None], other=0.0)
-        x = x.to(tl.float32)
+        x_ptrs = x_ptr + r64[:, :, None] * stride_x + cols
+        x = tl.load(x_ptrs, mask=real[:, :, None], other=0.0).to(tl.float32)
         scale = tl.maximum(tl.max(tl.abs(x), axis=2), 1e-10) / 448.0
         q = tl.clamp(x / scale[:, :, None], -448.0, 448.0)
-        tl.store(q_ptr + r64[:, :, None] * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=real[:, :, None])
+        q_ptrs = q_ptr + r64[:, :, None] * stride_q + cols
+        tl.store(q_ptrs, q.to(q_ptr.dtype.element_ty), mask=real[:, :, None])
         tl.store(s_ptr + r64 * stride_s + groups[None, :], scale, mask=real)
     # <<< book: quant-groups
 

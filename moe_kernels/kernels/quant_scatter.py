@@ -47,20 +47,25 @@ if HAS_TRITON:
 
     # >>> book: quant-scatter
     @kernel
-    def _quant_scatter_kernel(x_ptr, stride_x, src2dst_ptr, q_ptr, stride_q, s_ptr, stride_s, num_groups,
-                              TOPK: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr):
+    def _quant_scatter_kernel(x_ptr, stride_x, src2dst_ptr, q_ptr, stride_q, s_ptr,
+                              stride_s, num_groups, TOPK: tl.constexpr,
+                              GROUP: tl.constexpr, BLOCK_G: tl.constexpr):
         token = tl.program_id(0).to(tl.int64)
         groups = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
         cols = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
         real = (groups < num_groups)[:, None]
-        x = tl.load(x_ptr + token * stride_x + cols, mask=real, other=0.0).to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10) / 448.0   # (the quantiser's arithmetic)
-        q = tl.clamp(x / scale[:, None], -448.0, 448.0).to(q_ptr.dtype.element_ty)
-        for slot in tl.static_range(TOPK):   # the same bytes to each of the token's rows
+        x = tl.load(x_ptr + token * stride_x + cols, mask=real, other=0.0)
+        x = x.to(tl.float32)
+        # (the quantiser's arithmetic)
+        scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10) / 448.0
+        q = tl.clamp(x / scale[:, None], -448.0, 448.0)
+        q = q.to(q_ptr.dtype.element_ty)
+        for slot in tl.static_range(TOPK):   # the same bytes to each of its rows
             dst = tl.load(src2dst_ptr + token * TOPK + slot).to(tl.int64)
             if dst >= 0:   # (-1: an id out of range, routed nowhere)
                 tl.store(q_ptr + dst * stride_q + cols, q, mask=real)
-                tl.store(s_ptr + dst * stride_s + groups, scale, mask=groups < num_groups)
+                tl.store(s_ptr + dst * stride_s + groups, scale,
+                         mask=groups < num_groups)
     # <<< book: quant-scatter
 
 
