@@ -78,7 +78,11 @@ def test_it_refuses_where_it_cannot_run():
                                             (dict(rows_used=torch.zeros(2, dtype=torch.int32)), "rows_used"),
                                             (dict(rows_used=torch.zeros(1, dtype=torch.int64)), "rows_used"),
                                             (dict(rows_used=torch.zeros(1, dtype=torch.int32), overlap=False),
-                                             "overlap")])
+                                             "overlap"),
+                                            (dict(quantize_output=1), "quantize_output"),
+                                            (dict(quantize_output=True, gated=True), "quantize_output"),
+                                            (dict(quantize_output=True, rows_used=torch.zeros(1, dtype=torch.int32)),
+                                             "quantize_output")])
 def test_bad_launch_settings_are_named(settings, name):
     """Checked before the device: refused by name on any machine."""
     x, x_scale, w, w_scale, m_indices = segmented([3], seed=1)
@@ -195,25 +199,58 @@ def test_the_persistent_grid_against_the_reference_gpu(monkeypatch, case, progra
 
 @pytest.mark.gpu
 @needs_gluon
+@pytest.mark.parametrize("case", sorted(SEGMENTS))
+@pytest.mark.parametrize("programs", [1, 3, None])
+@pytest.mark.parametrize("k", [128, 384, 1152])
+def test_the_quantising_epilogue_gives_the_quantisers_bits_gpu(monkeypatch, case, programs, k):
+    """GEMM 1 gated with quantize_output: the fp8 rows and scales of every real row are bit for bit the
+    persistent kernel's bf16 output quantised by per_token_group_quant_fp8 (N = 512: two 128-column groups,
+    each from two 64-column tiles taken back to back); a few programs walk many pairs."""
+    from moe_kernels.kernels import _gluon_block_fp8_persistent as persistent
+    from moe_kernels.kernels.quant import per_token_group_quant_fp8
+
+    monkeypatch.setattr(persistent, "PROGRAMS", programs)
+    x, x_scale, w, w_scale, m_indices = segmented(SEGMENTS[case], seed=len(case) + k, k=k, n=512, device="cuda")
+    rows_used = torch.tensor([m_indices.shape[0] - 128], dtype=torch.int32, device="cuda")
+    bf16 = block_fp8_grouped(x, x_scale, w, w_scale, m_indices, gated=True, rows_used=rows_used)
+    with record_launches() as launches:
+        q, s = block_fp8_grouped(x, x_scale, w, w_scale, m_indices, gated=True, rows_used=rows_used,
+                                 quantize_output=True)
+    assert [r["quantize_output"] for name, r in launches if name == "gluon_block_fp8.gemm"] == [True], launches
+    assert q.dtype == torch.float8_e4m3fn and q.shape == (x.shape[0], 256) and s.shape == (x.shape[0], 2)
+    want_q, want_s = per_token_group_quant_fp8(bf16, 128)
+    real = m_indices >= 0
+    assert torch.equal(q[real].view(torch.uint8), want_q[real].view(torch.uint8))
+    assert torch.equal(s[real], want_s[real])
+
+
+@pytest.mark.gpu
+@needs_gluon
 @pytest.mark.parametrize("num_tokens", [1, 64, 600])
-def test_the_permute_layout_on_the_gluon_kernel_gpu(monkeypatch, num_tokens):
-    """permute_experts with FP8_GEMM = "gluon": the launch record says the Gluon kernel ran, the result
-    agrees with the Triton kernel's and the fp8 reference's (GEMM 1's bf16 output rounds once more), and
-    a CUDA graph captures the call."""
+@pytest.mark.parametrize("persistent, fused", [(False, False), (True, False), (True, True)],
+                         ids=["per tile", "persistent", "persistent, GEMM 1 quantising"])
+def test_the_permute_layout_on_the_gluon_kernel_gpu(monkeypatch, num_tokens, persistent, fused):
+    """permute_experts with FP8_GEMM = "gluon" (per tile, on the persistent grid, and with GEMM 1 quantising
+    GEMM 2's input): the launch record says which kernels ran, the result agrees with the Triton kernel's
+    and the fp8 reference's (GEMM 1's bf16 output rounds once more), and a CUDA graph captures the call."""
     from moe_kernels.reference import moe_reference_fp8
 
     x, w1q, w2q, weights, ids, w1s, w2s = fp8_problem(num_tokens, seed=num_tokens, dtype=torch.bfloat16)
     triton_out = permute_experts(x, w1q, w2q, weights, ids, w1_scale=w1s, w2_scale=w2s)
     monkeypatch.setattr(permute_module, "FP8_GEMM", "gluon")
+    monkeypatch.setattr(permute_module, "GLUON_PERSISTENT", persistent)
+    monkeypatch.setattr(permute_module, "GLUON_QUANTIZE_IN_GEMM1", fused)
     with record_launches() as launches:
         got = permute_experts(x, w1q, w2q, weights, ids, w1_scale=w1s, w2_scale=w2s)
     assert [s["kernel"] for name, s in launches if name == "permute.fp8_gemm"] == ["gluon"], launches
     # GEMM 1 gated (SiLU·mul in its epilogue), GEMM 2 plain, both overlapped on 128-column tiles
-    assert [(s["gated"], s["overlap"], s["block_n"]) for name, s in launches if name == "gluon_block_fp8.gemm"] == [
-        (True, True, 128), (False, True, 128)], launches
+    assert [(s["gated"], s["overlap"], s["block_n"], s["persistent"], s["quantize_output"])
+            for name, s in launches if name == "gluon_block_fp8.gemm"] == [
+        (True, True, 128, persistent, fused), (False, True, 128, persistent, False)], launches
     assert not any(name.startswith(("permute.gemm", "activation.")) for name, _ in launches), launches
-    # the input quantised and scattered in one pass; GEMM 2's input by the quantiser
-    assert [name for name, _ in launches if name.startswith("quant")] == ["quant_scatter", "quant.groups"], launches
+    # the input quantised and scattered in one pass; GEMM 2's input by the quantiser unless GEMM 1 quantises
+    assert [name for name, _ in launches if name.startswith("quant")] == (
+        ["quant_scatter"] + ([] if fused else ["quant.groups"])), launches
     want = moe_reference_fp8(x, w1q, w2q, weights, ids, w1_scale=w1s, w2_scale=w2s, granularity="block",
                              intermediate_dtype=x.dtype)
     assert rel_err(got.float(), want.float()) < 2e-2 and rel_err(got.float(), triton_out.float()) < 2e-2

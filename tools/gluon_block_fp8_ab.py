@@ -78,20 +78,22 @@ def compile_only():
             for overlap in (True, False):
                 compiled_one(gated, block_n, overlap)
         compiled_one(gated, 128, True, persistent=True)
+    compiled_one(True, 128, True, persistent=True, quantising=True)   # (GEMM 1 writing GEMM 2's fp8 input)
 
 
-def compiled_one(gated, block_n, overlap, persistent=False):
+def compiled_one(gated, block_n, overlap, persistent=False, quantising=False):
     """One sm_90a build's line: wgmma count, wait_group values in order, registers, spills, shared memory."""
     if persistent:
         from moe_kernels.kernels._gluon_block_fp8_persistent import compile_for_sm90 as compile_persistent
 
-        kernel = compile_persistent(block_n, 4, 8, gated)
+        kernel = compile_persistent(block_n, 4, 8, gated, quantising)
     else:
         kernel = compile_for_sm90(block_n, 4, 8, overlap, gated)
     ptx = kernel.asm["ptx"]
     count, waits = ptx_report(ptx)
     regs, spill_stores, spill_loads, warnings = ptxas_report(ptx)
-    name = ("gated " if gated else "") + ("persistent " if persistent else "") + ("overlap" if overlap else "in-order")
+    name = (("gated " if gated else "") + ("persistent " if persistent else "") + ("quantising " if quantising else "")
+            + ("overlap" if overlap else "in-order"))
     print(f"{name} block_n={block_n} warps=8 stages=4: wgmma {count}, waits {','.join(map(str, waits))}, "
           f"registers {regs}, spills {spill_stores}/{spill_loads} bytes (stores/loads), "
           f"shared {kernel.metadata.shared} bytes, ptxas wgmma warnings {len(warnings)}", flush=True)

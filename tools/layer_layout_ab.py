@@ -7,8 +7,8 @@ quantisers (fp8), both GEMMs and the top-k sum. Rows: Qwen3-30B-A3B and DeepSeek
 expert left out: the routed layer of issue 18's targets), bf16 and fp8 block weights, each batch, on
 ``index_gather``, ``permute`` and ``auto`` (the plan's layout and table entry recorded), and for fp8
 ``permute gluon``: the permute layout with both GEMMs on the Gluon kernel (``permute.FP8_GEMM``; and
-``permute gluon persistent``, on its persistent grid, ``permute.GLUON_PERSISTENT``; each a layer of
-its own, so that no plan or graph recorded with the other kernel is replayed; the record says which kernel
+``permute gluon persistent``, on its persistent grid, ``permute.GLUON_PERSISTENT``, and ``... quantising``,
+GEMM 1 writing GEMM 2's fp8 input, ``permute.GLUON_QUANTIZE_IN_GEMM1``; each a layer of its own (the same weights), so that no plan or graph recorded with the other kernel is replayed; the record says which kernel
 ran, or why the Gluon one could not). Each call is
 replayed from a CUDA graph of one call with the L2 flushed before each replay, four rounds
 interleaved, every other one in reverse order (in the first run, 4e65cda, two rounds in one order had
@@ -49,8 +49,8 @@ for key in models:
     f = shrink.get("intermediate_size", model.moe_intermediate_size)
     for fmt in ("none", "block"):
         layer = base if fmt == "none" else base.quantized("block")
-        gluon_layer = None if fmt == "none" else base.quantized("block")
-        gluon_persistent_layer = None if fmt == "none" else base.quantized("block")
+        gluon_layers = {} if fmt == "none" else {name: MoELayer(layer.weights, layer.routing) for name in (
+            "permute gluon", "permute gluon persistent", "permute gluon persistent quantising")}
         for batch in batches:
             x = torch.randn(batch, d, device=device, dtype=dtype, generator=torch.Generator(device).manual_seed(batch))
             plans, candidates = {}, {}
@@ -65,24 +65,29 @@ for key in models:
                     return layer(x)
                 candidates[layout] = call
 
-            def gluon_call(persistent, layer_of_its_own):
+            def gluon_call(persistent, fused, layer_of_its_own):
                 def call():
-                    saved = permute_module.FP8_GEMM, permute_module.GLUON_PERSISTENT
-                    permute_module.FP8_GEMM, permute_module.GLUON_PERSISTENT = "gluon", persistent
+                    names = ("FP8_GEMM", "GLUON_PERSISTENT", "GLUON_QUANTIZE_IN_GEMM1")
+                    saved = [getattr(permute_module, n) for n in names]
+                    for n, value in zip(names, ("gluon", persistent, fused)):
+                        setattr(permute_module, n, value)
                     try:
                         return layer_of_its_own(x)
                     finally:
-                        permute_module.FP8_GEMM, permute_module.GLUON_PERSISTENT = saved
+                        for n, value in zip(names, saved):
+                            setattr(permute_module, n, value)
                 return call
-            if gluon_layer is not None:
-                for name, persistent, own in (("permute gluon", False, gluon_layer),
-                                              ("permute gluon persistent", True, gluon_persistent_layer)):
+            if gluon_layers:
+                for name, persistent, fused in (("permute gluon", False, False),
+                                                ("permute gluon persistent", True, False),
+                                                ("permute gluon persistent quantising", True, True)):
+                    own = gluon_layers[name]
                     own.layout = "permute"
                     with record_launches() as launches:
-                        gluon_call(persistent, own)()
+                        gluon_call(persistent, fused, own)()
                     plans[name] = {"fp8_gemm": [s for n, s in launches if n == "permute.fp8_gemm"],
-                                   "persistent": [s["persistent"] for n, s in launches if n == "gluon_block_fp8.gemm"]}
-                    candidates[name] = gluon_call(persistent, own)
+                                   "gemms": [s for n, s in launches if n == "gluon_block_fp8.gemm"]}
+                    candidates[name] = gluon_call(persistent, fused, own)
             reference = candidates["index_gather"]()
             lowest, rounds, errors, rel = time_lowest(candidates, reference, tolerance=3e-2, warmup_ms=5, rep_ms=30,
                                                       unchecked=("index_gather",), rounds=ROUNDS, alternate=True)
@@ -98,7 +103,7 @@ for key in models:
                 f"{name} {us:9.1f} us {row['tflops'][name]:6.1f} TFLOP/s" for name, us in lowest.items())
                 + f"  (auto -> {plans['auto']['layout']}, {plans['auto']['config_source']})"
                 + (f"  errors {errors}" if errors else ""), flush=True)
-        del layer, gluon_layer, gluon_persistent_layer
+        del layer, gluon_layers
     del base
     if device == "cuda":
         torch.cuda.empty_cache()

@@ -35,7 +35,8 @@ for key in models:
     model = dataclasses.replace(MODELS[key], num_shared_experts=0)
     layer = MoELayer.random(model, dtype=torch.bfloat16, device="cuda", seed=0).quantized("block")
     layer.layout = "permute"
-    layer_persistent = MoELayer(layer.weights, layer.routing, layout="permute")   # (plans and graphs of its own)
+    layers = {variant: MoELayer(layer.weights, layer.routing, layout="permute")   # (plans and graphs of their own)
+              for variant in ((False, False), (True, False), (True, True))}
     w, fmt = layer.weights, layer.weights.format
     d, f, k, E = model.hidden_size, model.moe_intermediate_size, model.top_k, model.num_experts
     for batch in batches:
@@ -52,14 +53,17 @@ for key in models:
         m_pad = permuted.m_indices.shape[0]
         tk = batch * k
 
-        def whole(persistent):
+        def whole(persistent, fused=False):
             def call():
-                saved = permute_module.FP8_GEMM, permute_module.GLUON_PERSISTENT
-                permute_module.FP8_GEMM, permute_module.GLUON_PERSISTENT = "gluon", persistent
+                names = ("FP8_GEMM", "GLUON_PERSISTENT", "GLUON_QUANTIZE_IN_GEMM1")
+                saved = [getattr(permute_module, n) for n in names]
+                for n, value in zip(names, ("gluon", persistent, fused)):
+                    setattr(permute_module, n, value)
                 try:
-                    return (layer_persistent if persistent else layer)(x)
+                    return layers[persistent, fused](x)
                 finally:
-                    permute_module.FP8_GEMM, permute_module.GLUON_PERSISTENT = saved
+                    for n, value in zip(names, saved):
+                        setattr(permute_module, n, value)
             return call
         used = permuted.rows_used
         stages = {   # name: (call, bytes it must move)
@@ -83,8 +87,12 @@ for key in models:
                                                                   rows_used=used), None),
             "gemm 2 persistent": (lambda: block_fp8_grouped(a, a_scale, w.w2, w.w2_scale, permuted.m_indices,
                                                             validate_ids=False, rows_used=used), None),
+            "gemm 1 gated persistent quantising": (lambda: block_fp8_grouped(
+                permuted.rows, rows_scale, w.w13, w.w13_scale, permuted.m_indices, gated=True, validate_ids=False,
+                rows_used=used, quantize_output=True), None),
             "layer": (whole(False), None),
             "layer persistent": (whole(True), None),
+            "layer persistent quantising": (whole(True, True), None),
         }
         us = {name: graph_us(call) for name, (call, _) in stages.items()}
         floor = {name: nbytes / bandwidth * 1e6 for name, (_, nbytes) in stages.items() if nbytes}
@@ -99,9 +107,11 @@ for key in models:
                                                    "timing": "CUDA graph of one call, L2 not flushed"})
         print(f"{key} {batch} (M_pad {m_pad}): layer {us['layer']:.1f} us = {row['layer_tflops']:.0f} TFLOP/s, "
               f"persistent {us['layer persistent']:.1f} us = {flops / us['layer persistent'] / 1e6:.0f}, "
+              f"quantising {us['layer persistent quantising']:.1f} = "
+              f"{flops / us['layer persistent quantising'] / 1e6:.0f}, "
               f"the three-step stages sum {parts:.1f}", flush=True)
         for name, v in us.items():
             print(f"    {name:<16} {v:9.1f} us" + (f"   bytes floor {floor[name]:8.1f}" if name in floor else ""))
         del permuted, activated, a, y
-    del layer, layer_persistent
+    del layer, layers
     torch.cuda.empty_cache()

@@ -316,9 +316,17 @@ if GLUON_HOPPER:
     @gluon.jit
     def _store_gated(acc, out_ptr, m_indices_ptr, off_m, off_n, OUT_N, stride_om, HALF: gl.constexpr,
                      NUM_WARPS: gl.constexpr):
-        """GEMM 1's epilogue: ``silu(gate) * up`` from the fp32 tile (gate columns, then up columns), in fp32
-        and rounded once, as the Triton kernel's epilogue does. The two halves are read back from shared
-        memory, each in the store layout of a ``HALF``-column tile."""
+        """GEMM 1's epilogue: ``silu(gate) * up`` (:func:`_silu_mul_tile`) rounded once to bf16 and stored."""
+        y, rows, real, cols = _silu_mul_tile(acc, m_indices_ptr, off_m, off_n, HALF, NUM_WARPS)
+        offsets = rows.to(gl.int64)[:, None] * stride_om + cols[None, :]
+        gl.store(out_ptr + offsets, y.to(gl.bfloat16), mask=real[:, None] & (cols < OUT_N)[None, :])
+
+
+    @gluon.jit
+    def _silu_mul_tile(acc, m_indices_ptr, off_m, off_n, HALF: gl.constexpr, NUM_WARPS: gl.constexpr):
+        """``silu(gate) * up`` in fp32 from the fp32 tile (gate columns, then up columns), as the Triton kernel's
+        epilogue computes it, in the store layout of a ``HALF``-column tile (the halves read back from shared
+        memory); with the tile's rows, which of them are real, and its output columns."""
         half_layout: gl.constexpr = _store_layout(HALF, NUM_WARPS)
         # 8-float vectors swizzled over 8 rows: the accumulator's store meets no bank conflict (gl.bank_conflicts:
         # 0, against 3 extra accesses a wavefront unswizzled). The pattern spans 64 columns, so a 64-column half
@@ -333,12 +341,9 @@ if GLUON_HOPPER:
         gl.thread_barrier()
         gate = tile.slice(0, HALF, dim=1).load(half_layout)
         up = tile.slice(HALF, HALF, dim=1).load(half_layout)
-        y = gate * (1.0 / (1.0 + gl.exp(-gate))) * up
         rows = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, half_layout))
-        real = gl.load(m_indices_ptr + rows) >= 0
         cols = off_n + gl.arange(0, HALF, layout=gl.SliceLayout(0, half_layout))
-        offsets = rows.to(gl.int64)[:, None] * stride_om + cols[None, :]
-        gl.store(out_ptr + offsets, y.to(gl.bfloat16), mask=real[:, None] & (cols < OUT_N)[None, :])
+        return gate * (1.0 / (1.0 + gl.exp(-gate))) * up, rows, gl.load(m_indices_ptr + rows) >= 0, cols
 
 
     def _descriptors(x, w, block_n, gated=False):
@@ -359,21 +364,21 @@ if GLUON_HOPPER:
         return compile_kernel_for_sm90(_block_fp8_grouped_kernel, block_n, gated, num_warps,
                                        {"NUM_STAGES": stages, "OVERLAP": overlap})
 
-    def compile_kernel_for_sm90(fn, block_n, gated, num_warps, constants, pointers=()):
+    def compile_kernel_for_sm90(fn, block_n, gated, num_warps, constants, pointers=None):
         """``fn`` (this kernel, or its persistent grid's) compiled for sm_90a with ``constants`` besides
-        BLOCK_N, GROUP and GATED, and int32 ``pointers`` besides the kernel's own."""
+        BLOCK_N, GROUP and GATED, and ``pointers`` (name: type) besides, or instead of, the kernel's own."""
+        pointers = pointers or {}
         from triton.backends.compiler import GPUTarget
         from triton.experimental.gluon._runtime import GluonASTSource
         from triton.runtime.jit import mangle_type
 
-        # (host tensors only to spell the descriptors' types: shapes and addresses are not part of them)
+        # (host tensors only to spell the descriptors' types)
         x = torch.empty(TILE_M, TILE_K, dtype=torch.float8_e4m3fn)
         w = torch.empty(1, 128, TILE_K, dtype=torch.float8_e4m3fn)
         x_desc, w_desc = _descriptors(x, w, block_n, gated)
         constants = {"BLOCK_N": block_n, "GROUP": GROUP_M, "GATED": gated, **constants}
         types = {"x_desc": mangle_type(x_desc), "w_desc": mangle_type(w_desc), "out_ptr": "*bf16",
-                 "x_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "m_indices_ptr": "*i32",
-                 **{name: "*i32" for name in pointers}}
+                 "x_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "m_indices_ptr": "*i32", **pointers}
         signature = {name: "constexpr" if name in constants else types.get(name, "i32") for name in fn.arg_names}
         values = {(i, ): constants[name] for i, name in enumerate(fn.arg_names) if name in constants}
         # pointers 16-byte aligned, and the sizes and row strides multiples of 16, as launches specialise them

@@ -30,27 +30,35 @@ if GLUON_HOPPER:
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma_wait
 
     from ._gluon_block_fp8_kernel import (BLOCK_K, BLOCK_M, _descriptors, _grouped_tile, _issue_mma, _load_into,
-                                          _mma_layout, _promote, _step_scale, _store_gated, _store_layout,
-                                          compile_kernel_for_sm90)
+                                          _mma_layout, _promote, _silu_mul_tile, _step_scale, _store_gated,
+                                          _store_layout, compile_kernel_for_sm90)
 
     @gluon.jit
-    def _tile_origin(tile, num_pid_m, num_pid_n, m_indices_ptr, N, W_ROWS: gl.constexpr, GROUP: gl.constexpr):
-        """Tile ``tile``'s first row, first output column and expert, in the per-tile kernel's grouped order."""
-        pid_m, pid_n = _grouped_tile(tile, num_pid_m, num_pid_n, GROUP)
+    def _tile_origin(local_tile, pid, nprog, num_pid_m, num_pid_n, m_indices_ptr, W_ROWS: gl.constexpr,
+                     GROUP: gl.constexpr, PAIRS: gl.constexpr):
+        """This program's tile ``local_tile`` (its tiles: ``pid``, ``pid + P``, ... in the per-tile kernel's
+        grouped order): first row, first output column and expert. ``PAIRS``: the program takes the two column
+        tiles of a 128-column group back to back (``pid``'s pair, then ``pid + P``'s, ...)."""
+        if PAIRS:
+            pid_m, pair_n = _grouped_tile(pid + (local_tile // 2) * nprog, num_pid_m, num_pid_n // 2, GROUP)
+            pid_n = 2 * pair_n + local_tile % 2
+        else:
+            pid_m, pid_n = _grouped_tile(pid + local_tile * nprog, num_pid_m, num_pid_n, GROUP)
         off_m = pid_m * BLOCK_M
         return off_m, pid_n * W_ROWS, gl.load(m_indices_ptr + off_m)
 
 
     @gluon.jit
-    def _load_global(x_desc, w_desc, a_bufs, b_bufs, ready, g, num_k, pid, nprog, my_tiles, num_tiles, num_pid_m,
-                     num_pid_n, m_indices_ptr, N, W_ROWS: gl.constexpr, GROUP: gl.constexpr,
+    def _load_global(x_desc, w_desc, a_bufs, b_bufs, ready, g, num_k, pid, nprog, my_tiles, num_pid_m, num_pid_n,
+                     m_indices_ptr, N, W_ROWS: gl.constexpr, GROUP: gl.constexpr, PAIRS: gl.constexpr,
                      NUM_STAGES: gl.constexpr, GATED: gl.constexpr):
         """TMA loads of global step ``g`` (step ``g % num_k`` of this program's tile ``g // num_k``) into stage
         ``g % NUM_STAGES``; nothing past the program's last tile."""
         local_tile = g // num_k
         step = g - local_tile * num_k
-        tile = gl.minimum(pid + local_tile * nprog, num_tiles - 1)   # (past the last: a valid address, no copy)
-        off_m, off_n, expert = _tile_origin(tile, num_pid_m, num_pid_n, m_indices_ptr, N, W_ROWS, GROUP)
+        # (past the last tile: the last tile's addresses, and no copy)
+        off_m, off_n, expert = _tile_origin(gl.minimum(local_tile, my_tiles - 1), pid, nprog, num_pid_m, num_pid_n,
+                                            m_indices_ptr, W_ROWS, GROUP, PAIRS)
         w_row = expert * N + off_n
         _load_into(x_desc, w_desc, a_bufs, b_bufs, ready, g % NUM_STAGES, off_m, w_row, w_row + N // 2, step,
                    local_tile < my_tiles, GATED)
@@ -58,8 +66,8 @@ if GLUON_HOPPER:
 
     @gluon.jit
     def _persistent_step(base, step, num_k, inflight, inflight_scale, dead, scale, acc, x_desc, w_desc, a_bufs,
-                         b_bufs, ready, xs_ptrs, ws_ptr, ws_up_ptr, pid, nprog, my_tiles, num_tiles, num_pid_m,
-                         num_pid_n, m_indices_ptr, N, W_ROWS: gl.constexpr, GROUP: gl.constexpr,
+                         b_bufs, ready, xs_ptrs, ws_ptr, ws_up_ptr, pid, nprog, my_tiles, num_pid_m, num_pid_n,
+                         m_indices_ptr, N, W_ROWS: gl.constexpr, GROUP: gl.constexpr, PAIRS: gl.constexpr,
                          NUM_STAGES: gl.constexpr, GATED: gl.constexpr):
         """The per-tile kernel's overlapped step (``_overlapped_step``) at global step ``base + step``: its MMA
         issued, MMA ``base + step - 1`` waited for (one left in flight) and promoted under it; the freed stage
@@ -69,19 +77,49 @@ if GLUON_HOPPER:
         done = warpgroup_mma_wait(num_outstanding=1, deps=(inflight, ))
         gl.thread_barrier()   # (both warpgroups past MMA step - 1 before its stage is refilled)
         _load_global(x_desc, w_desc, a_bufs, b_bufs, ready, base + step - 1 + NUM_STAGES, num_k, pid, nprog,
-                     my_tiles, num_tiles, num_pid_m, num_pid_n, m_indices_ptr, N, W_ROWS, GROUP, NUM_STAGES, GATED)
+                     my_tiles, num_pid_m, num_pid_n, m_indices_ptr, N, W_ROWS, GROUP, PAIRS, NUM_STAGES, GATED)
         acc = _promote(acc, done, inflight_scale, GATED)
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))   # (the compiler fence: see _overlapped_step)
         return issued, scale, done, following, acc
 
 
     @gluon.jit
+    def _store_quantized_half(acc, half, stash, out_ptr, out_scale_ptr, m_indices_ptr, off_m, off_n, stride_om,
+                              stride_os, HALF: gl.constexpr, NUM_WARPS: gl.constexpr):
+        """A gated tile's ``silu(gate) * up``, rounded to bf16 as the unfused path stores it. The group's first
+        half (``half`` 0) waits in ``stash``; the second quantises the group's 128 columns with the quantiser's
+        arithmetic (:mod:`moe_kernels.kernels.quant`: amax, scale, divide, clamp, round) and stores both halves
+        in fp8 and the rows' scales."""
+        y, rows, real, cols = _silu_mul_tile(acc, m_indices_ptr, off_m, off_n, HALF, NUM_WARPS)
+        y = y.to(gl.bfloat16)
+        if half == 0:
+            stash.store(y)
+        else:
+            gl.thread_barrier()   # (every thread's share of the first half stored)
+            first = stash.load(y.type.layout).to(gl.float32)
+            second = y.to(gl.float32)
+            amax = gl.maximum(gl.max(gl.abs(first), axis=1), gl.max(gl.abs(second), axis=1))
+            scale = gl.maximum(amax, 1e-10) / 448.0
+            offsets = rows.to(gl.int64)[:, None] * stride_om + cols[None, :]
+            mask = real[:, None] & (cols >= 0)[None, :]   # (the rows', broadcast over the tile)
+            first = gl.minimum(gl.maximum(first / scale[:, None], -448.0), 448.0)
+            second = gl.minimum(gl.maximum(second / scale[:, None], -448.0), 448.0)
+            gl.store(out_ptr + offsets - HALF, first.to(gl.float8e4nv), mask=mask)
+            gl.store(out_ptr + offsets, second.to(gl.float8e4nv), mask=mask)
+            gl.store(out_scale_ptr + rows.to(gl.int64) * stride_os + off_n // 128, scale, mask=real)
+
+
+    @gluon.jit
     def _block_fp8_grouped_persistent_kernel(x_desc, w_desc, out_ptr, x_scale_ptr, w_scale_ptr, m_indices_ptr,
-                                             rows_used_ptr, N, K, stride_om, stride_xs, stride_wse, stride_wsn,
-                                             BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, GROUP: gl.constexpr,
-                                             GATED: gl.constexpr = False):
+                                             rows_used_ptr, out_scale_ptr, N, K, stride_om, stride_xs, stride_wse,
+                                             stride_wsn, stride_os, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                                             GROUP: gl.constexpr, GATED: gl.constexpr = False,
+                                             QUANT_OUT: gl.constexpr = False):
         """The per-tile kernel's product (``_block_fp8_grouped_kernel``, promotion overlapped) over this program's
-        tiles ``pid, pid + P, ...`` of the rows used, the loads running ahead across tiles."""
+        tiles ``pid, pid + P, ...`` of the rows used, the loads running ahead across tiles. ``QUANT_OUT`` (gated
+        only): the output quantised as GEMM 2 reads it, fp8 with one float32 scale per row per 128 columns
+        (``out_scale_ptr``), bit for bit what the bf16 output then the quantiser give; the program takes a
+        group's two 64-column tiles back to back, the first's values waiting in shared memory."""
         NUM_WARPS: gl.constexpr = gl.num_warps()
         mma_layout: gl.constexpr = _mma_layout(BLOCK_N, NUM_WARPS)
         store_layout: gl.constexpr = _store_layout(BLOCK_N, NUM_WARPS)
@@ -90,13 +128,16 @@ if GLUON_HOPPER:
         gl.static_assert(128 % W_ROWS == 0)
         gl.static_assert(NUM_STAGES >= 2)
 
+        gl.static_assert(not QUANT_OUT or (GATED and W_ROWS == 64))   # (two tiles a 128-column group)
         num_pid_m = gl.load(rows_used_ptr) // BLOCK_M
         OUT_N = N // 2 if GATED else N
         num_pid_n = OUT_N // W_ROWS
-        num_tiles = num_pid_m * num_pid_n
         pid = gl.program_id(0)
         nprog = gl.num_programs(0)
-        my_tiles = gl.maximum(num_tiles - pid + nprog - 1, 0) // nprog
+        if QUANT_OUT:   # pairs of column tiles, two tiles each
+            my_tiles = 2 * (gl.maximum(num_pid_m * (num_pid_n // 2) - pid + nprog - 1, 0) // nprog)
+        else:
+            my_tiles = gl.maximum(num_pid_m * num_pid_n - pid + nprog - 1, 0) // nprog
         num_k = K // BLOCK_K
 
         a_bufs = gl.allocate_shared_memory(x_desc.dtype, [NUM_STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
@@ -104,14 +145,18 @@ if GLUON_HOPPER:
         ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         for stage in gl.static_range(NUM_STAGES):
             mbarrier.init(ready.index(stage), count=1)
+        if QUANT_OUT:   # a group's first half, bf16, until its second half is done
+            stash = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, W_ROWS], gl.SwizzledSharedLayout(
+                vec=1, per_phase=1, max_phase=1, order=[1, 0]))
         if my_tiles > 0:   # fill the ring: global steps 0 .. NUM_STAGES - 1 (across tiles where K is short)
             for fill in gl.static_range(NUM_STAGES):
-                _load_global(x_desc, w_desc, a_bufs, b_bufs, ready, fill, num_k, pid, nprog, my_tiles, num_tiles,
-                             num_pid_m, num_pid_n, m_indices_ptr, N, W_ROWS, GROUP, NUM_STAGES, GATED)
+                _load_global(x_desc, w_desc, a_bufs, b_bufs, ready, fill, num_k, pid, nprog, my_tiles, num_pid_m,
+                             num_pid_n, m_indices_ptr, N, W_ROWS, GROUP, QUANT_OUT, NUM_STAGES, GATED)
 
         for t in range(my_tiles):
             base = t * num_k   # the global step of this tile's step 0
-            off_m, off_n, expert = _tile_origin(pid + t * nprog, num_pid_m, num_pid_n, m_indices_ptr, N, W_ROWS, GROUP)
+            off_m, off_n, expert = _tile_origin(t, pid, nprog, num_pid_m, num_pid_n, m_indices_ptr, W_ROWS, GROUP,
+                                                QUANT_OUT)
             scale_rows = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma_layout))
             xs_ptrs = x_scale_ptr + scale_rows * stride_xs
             ws_ptr = w_scale_ptr + expert * stride_wse + (off_n // 128) * stride_wsn
@@ -130,17 +175,17 @@ if GLUON_HOPPER:
                 step = 1 + 2 * pair
                 y_tok, y_scale, x_dead, scale, acc = _persistent_step(
                     base, step, num_k, x_tok, x_scale, y_dead, scale, acc, x_desc, w_desc, a_bufs, b_bufs, ready,
-                    xs_ptrs, ws_ptr, ws_up_ptr, pid, nprog, my_tiles, num_tiles, num_pid_m, num_pid_n, m_indices_ptr,
-                    N, W_ROWS, GROUP, NUM_STAGES, GATED)
+                    xs_ptrs, ws_ptr, ws_up_ptr, pid, nprog, my_tiles, num_pid_m, num_pid_n, m_indices_ptr,
+                    N, W_ROWS, GROUP, QUANT_OUT, NUM_STAGES, GATED)
                 x_tok, x_scale, y_dead, scale, acc = _persistent_step(
                     base, step + 1, num_k, y_tok, y_scale, x_dead, scale, acc, x_desc, w_desc, a_bufs, b_bufs, ready,
-                    xs_ptrs, ws_ptr, ws_up_ptr, pid, nprog, my_tiles, num_tiles, num_pid_m, num_pid_n, m_indices_ptr,
-                    N, W_ROWS, GROUP, NUM_STAGES, GATED)
+                    xs_ptrs, ws_ptr, ws_up_ptr, pid, nprog, my_tiles, num_pid_m, num_pid_n, m_indices_ptr,
+                    N, W_ROWS, GROUP, QUANT_OUT, NUM_STAGES, GATED)
             if (num_k - 1) % 2 == 1:
                 y_tok, y_scale, x_dead, scale, acc = _persistent_step(
                     base, num_k - 1, num_k, x_tok, x_scale, y_dead, scale, acc, x_desc, w_desc, a_bufs, b_bufs, ready,
-                    xs_ptrs, ws_ptr, ws_up_ptr, pid, nprog, my_tiles, num_tiles, num_pid_m, num_pid_n, m_indices_ptr,
-                    N, W_ROWS, GROUP, NUM_STAGES, GATED)
+                    xs_ptrs, ws_ptr, ws_up_ptr, pid, nprog, my_tiles, num_pid_m, num_pid_n, m_indices_ptr,
+                    N, W_ROWS, GROUP, QUANT_OUT, NUM_STAGES, GATED)
                 last = warpgroup_mma_wait(num_outstanding=0, deps=(y_tok, ))
                 last_scale = y_scale
             else:
@@ -149,11 +194,14 @@ if GLUON_HOPPER:
             # the last step's stage is free: refill it (a later tile's step) before this tile's epilogue
             gl.thread_barrier()
             _load_global(x_desc, w_desc, a_bufs, b_bufs, ready, base + num_k - 1 + NUM_STAGES, num_k, pid, nprog,
-                         my_tiles, num_tiles, num_pid_m, num_pid_n, m_indices_ptr, N, W_ROWS, GROUP, NUM_STAGES, GATED)
+                         my_tiles, num_pid_m, num_pid_n, m_indices_ptr, N, W_ROWS, GROUP, QUANT_OUT, NUM_STAGES, GATED)
             acc = _promote(acc, last, last_scale, GATED)
 
             # Epilogue, while the next tile's first steps land: the rows of the expert only.
-            if GATED:
+            if QUANT_OUT:
+                _store_quantized_half(acc, t % 2, stash, out_ptr, out_scale_ptr, m_indices_ptr, off_m, off_n,
+                                      stride_om, stride_os, W_ROWS, NUM_WARPS)
+            elif GATED:
                 _store_gated(acc, out_ptr, m_indices_ptr, off_m, off_n, OUT_N, stride_om, W_ROWS, NUM_WARPS)
             else:
                 rows = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, store_layout))
@@ -167,12 +215,16 @@ if GLUON_HOPPER:
             mbarrier.invalidate(ready.index(stage))
 
 
-    def compile_for_sm90(block_n, stages, num_warps, gated=False):
+    def compile_for_sm90(block_n, stages, num_warps, gated=False, quant_out=False):
         """The kernel compiled for sm_90a (as the per-tile kernel's ``compile_for_sm90``)."""
+        pointers = {"rows_used_ptr": "*i32", "out_scale_ptr": "*fp32"}
+        if quant_out:
+            pointers["out_ptr"] = "*fp8e4nv"
         return compile_kernel_for_sm90(_block_fp8_grouped_persistent_kernel, block_n, gated, num_warps,
-                                       {"NUM_STAGES": stages}, pointers=("rows_used_ptr", ))
+                                       {"NUM_STAGES": stages, "QUANT_OUT": quant_out}, pointers)
 
-    def launch(x, x_scale, w, w_scale, m_indices, rows_used, out, *, block_n, stages, num_warps, gated=False):
+    def launch(x, x_scale, w, w_scale, m_indices, rows_used, out, *, block_n, stages, num_warps, gated=False,
+               out_scale=None):
         """One program per SM (or per tile, where there are fewer tiles than SMs) on checked arguments."""
         import torch
 
@@ -180,9 +232,12 @@ if GLUON_HOPPER:
         n = w.shape[1]
         x_desc, w_desc = _descriptors(x, w, block_n, gated)
         most_tiles = num_rows // TILE_M * (out.shape[1] // (block_n // 2 if gated else block_n))
+        if out_scale is not None:   # (a program per pair of tiles)
+            most_tiles //= 2
         programs = PROGRAMS or torch.cuda.get_device_properties(x.device).multi_processor_count
         grid = (max(1, min(programs, most_tiles)), )
         _block_fp8_grouped_persistent_kernel[grid](
-            x_desc, w_desc, out, x_scale, w_scale, m_indices, rows_used, n, k, out.stride(0), x_scale.stride(0),
-            w_scale.stride(0), w_scale.stride(1), BLOCK_N=block_n, NUM_STAGES=stages, GROUP=GROUP_M, GATED=gated,
-            num_warps=num_warps)
+            x_desc, w_desc, out, x_scale, w_scale, m_indices, rows_used, x_scale if out_scale is None else out_scale,
+            n, k, out.stride(0), x_scale.stride(0), w_scale.stride(0), w_scale.stride(1),
+            0 if out_scale is None else out_scale.stride(0), BLOCK_N=block_n, NUM_STAGES=stages, GROUP=GROUP_M,
+            GATED=gated, QUANT_OUT=out_scale is not None, num_warps=num_warps)

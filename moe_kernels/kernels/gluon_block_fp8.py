@@ -108,7 +108,7 @@ def _check(func, x, x_scale, w, w_scale, m_indices, out, block_n, gated=False, v
 
 def block_fp8_grouped(x, x_scale, w, w_scale, m_indices, *, out=None, gated: bool = False, overlap: bool = True,
                       block_n: int = 128, stages: int = 4, validate_ids: bool = True,
-                      rows_used: torch.Tensor | None = None) -> torch.Tensor:
+                      rows_used: torch.Tensor | None = None, quantize_output: bool = False):
     """``out[r] = dequant(x[r]) @ dequant(w[m_indices[r]])^T`` in bf16 (``[M_pad, N]``) for the rows with
     ``m_indices >= 0``; others are not written (``out``, if given, keeps them). ``x`` fp8 ``[M_pad, K]`` in
     128-row segments, ``x_scale`` float32 ``[M_pad, K/128]``, ``w`` fp8 ``[E, N, K]``, ``w_scale`` float32
@@ -120,9 +120,13 @@ def block_fp8_grouped(x, x_scale, w, w_scale, m_indices, *, out=None, gated: boo
     (int32 ``[1]`` on the device: the rows the segments span, :class:`~moe_kernels.kernels.permute.PermutedRows`'
     ``rows_used``) a persistent grid instead: one program per SM walks the tiles of those rows, its loads
     running ahead across tiles (:mod:`moe_kernels.kernels._gluon_block_fp8_persistent`; promotion overlapped
-    only). The launch record (``gluon_block_fp8.gemm``) says which variant ran."""
+    only). ``quantize_output`` (gated, with ``rows_used``): ``(out, out_scale)``, the output in fp8 with one
+    float32 scale per row per 128 columns (``[M_pad, N/2]``, ``[M_pad, N/256]``), bit for bit the bf16 output
+    quantised by :func:`~moe_kernels.kernels.quant.per_token_group_quant_fp8`: GEMM 2's input with no bf16
+    intermediate and no quantiser launch. The launch record (``gluon_block_fp8.gemm``) says which variant ran."""
     func = "block_fp8_grouped"
-    for name, flag in (("gated", gated), ("overlap", overlap), ("validate_ids", validate_ids)):
+    for name, flag in (("gated", gated), ("overlap", overlap), ("validate_ids", validate_ids),
+                       ("quantize_output", quantize_output)):
         if not isinstance(flag, bool):
             fail(func, name, "must be a bool", repr(flag), TypeError)
     check_int(func, "stages", stages, lo=2, hi=6)   # (a ring of 2 buffers at least; 6 of 128-column tiles fill 192 KiB)
@@ -135,16 +139,23 @@ def block_fp8_grouped(x, x_scale, w, w_scale, m_indices, *, out=None, gated: boo
             fail(func, "rows_used", "must have shape (1,)", tuple(rows_used.shape))
         if not overlap:
             fail(func, "overlap", "must be True with rows_used (the persistent grid overlaps its promotion)", overlap)
+    if quantize_output and not (gated and persistent and block_n == 128 and out is None):
+        fail(func, "quantize_output", "needs gated=True, rows_used, block_n=128 and out=None",
+             dict(gated=gated, rows_used=persistent, block_n=block_n, out=out is not None))
     reason = available(w.device if isinstance(w, torch.Tensor) else "cpu")
     if reason is not None:
         fail(func, "w", f"must be on a device this kernel runs on ({reason})", getattr(w, "device", w))
     _check(func, x, x_scale, w, w_scale, m_indices, out, block_n, gated, validate_ids)
     if persistent and rows_used.device != w.device:
         fail(func, "rows_used", f"must be on {w.device}", rows_used.device)
-    if out is None:
+    out_scale = None
+    if quantize_output:   # (rows of padding are not written: each reaches only its own rows in GEMM 2)
+        out = torch.empty(x.shape[0], w.shape[1] // 2, device=x.device, dtype=torch.float8_e4m3fn)
+        out_scale = torch.empty(x.shape[0], w.shape[1] // 256, device=x.device, dtype=torch.float32)
+    elif out is None:
         out = torch.empty(x.shape[0], w.shape[1] // 2 if gated else w.shape[1], device=x.device, dtype=torch.bfloat16)
     note_launch("gluon_block_fp8.gemm", gated=gated, overlap=overlap, block_n=block_n, stages=stages,
-                persistent=persistent)
+                persistent=persistent, quantize_output=quantize_output)
     from .._replay import recording_now
 
     recording = recording_now()
@@ -154,13 +165,13 @@ def block_fp8_grouped(x, x_scale, w, w_scale, m_indices, *, out=None, gated: boo
         from ._gluon_block_fp8_persistent import launch as launch_persistent
 
         launch_persistent(x, x_scale, w, w_scale, m_indices, rows_used, out, block_n=block_n, stages=stages,
-                          num_warps=8, gated=gated)
+                          num_warps=8, gated=gated, out_scale=out_scale)
     elif x.shape[0]:
         from ._gluon_block_fp8_kernel import launch
 
         launch(x, x_scale, w, w_scale, m_indices, out, overlap=overlap, block_n=block_n, stages=stages, num_warps=8,
                gated=gated)
-    return out
+    return (out, out_scale) if quantize_output else out
 
 
 def block_fp8_grouped_reference(x, x_scale, w, w_scale, m_indices, *, gated: bool = False) -> torch.Tensor:

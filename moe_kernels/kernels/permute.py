@@ -93,6 +93,9 @@ FP8_GEMM = "triton"
 #: With FP8_GEMM = "gluon": both GEMMs on the Gluon kernel's persistent grid (one program per SM walking the
 #: tiles of the rows used, its loads running ahead across tiles: for short K loops), else one program a tile.
 GLUON_PERSISTENT = False
+#: With GLUON_PERSISTENT: GEMM 1 writes GEMM 2's input in fp8 with its scales (its epilogue quantises; no bf16
+#: ``[M_pad, F]`` and no quantiser launch).
+GLUON_QUANTIZE_IN_GEMM1 = False
 
 if HAS_TRITON:
 
@@ -334,9 +337,13 @@ def _gluon_experts(rows, rows_scale, w1, w1_scale, w2, w2_scale, permuted: Permu
 
     # (permute wrote m_indices: one expert per 128-row tile, ids in [0, E) or -1; no read-back)
     rows_used = permuted.rows_used if GLUON_PERSISTENT else None
-    activated = block_fp8_grouped(rows, rows_scale, w1, w1_scale, permuted.m_indices, gated=True, validate_ids=False,
-                                  rows_used=rows_used)
-    a, a_scale = fmt.quantize_activations(activated)
+    if rows_used is not None and GLUON_QUANTIZE_IN_GEMM1:
+        a, a_scale = block_fp8_grouped(rows, rows_scale, w1, w1_scale, permuted.m_indices, gated=True,
+                                       validate_ids=False, rows_used=rows_used, quantize_output=True)
+    else:
+        activated = block_fp8_grouped(rows, rows_scale, w1, w1_scale, permuted.m_indices, gated=True,
+                                      validate_ids=False, rows_used=rows_used)
+        a, a_scale = fmt.quantize_activations(activated)
     y = block_fp8_grouped(a, a_scale, w2, w2_scale, permuted.m_indices, validate_ids=False, rows_used=rows_used)
     return unpermute(y, permuted.src2dst, topk_weights)
 
