@@ -75,6 +75,15 @@ def test_group_quantiser_kernel_on_each_program_tile(monkeypatch, tile, shape, g
     assert torch.equal(s, s_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
 
 
+def test_a_quantiser_tile_of_other_than_powers_of_two_is_refused(monkeypatch):
+    monkeypatch.setattr(quant, "INTERPRETER_ROUNDS_FP8_WRONGLY", False)
+    monkeypatch.setattr(quant, "QUANT_TILE", (3, 1))
+    if not HAS_TRITON:
+        pytest.skip("the torch path takes no tile")
+    with pytest.raises(ValueError, match="QUANT_TILE"):
+        per_token_group_quant_fp8(torch.ones(4, 256, device=DEVICE))
+
+
 def test_zero_group_gets_a_finite_scale():
     q, s = per_token_group_quant_fp8(torch.zeros(2, 256, device=DEVICE))
     assert torch.isfinite(s).all() and (s > 0).all() and (q.float() == 0).all()

@@ -82,7 +82,11 @@ def test_it_refuses_where_it_cannot_run():
                                             (dict(quantize_output=1), "quantize_output"),
                                             (dict(quantize_output=True, gated=True), "quantize_output"),
                                             (dict(quantize_output=True, rows_used=torch.zeros(1, dtype=torch.int32)),
-                                             "quantize_output")])
+                                             "quantize_output"),
+                                            (dict(gated=True, stages=6, rows_used=torch.zeros(1, dtype=torch.int32)),
+                                             "stages"),
+                                            (dict(gated=True, stages=5, quantize_output=True,
+                                                  rows_used=torch.zeros(1, dtype=torch.int32)), "stages")])
 def test_bad_launch_settings_are_named(settings, name):
     """Checked before the device: refused by name on any machine."""
     x, x_scale, w, w_scale, m_indices = segmented([3], seed=1)
@@ -226,10 +230,52 @@ def test_the_quantising_epilogue_gives_the_quantisers_bits_gpu(monkeypatch, case
 
 @pytest.mark.gpu
 @needs_gluon
+def test_the_quantising_epilogue_matches_the_quantiser_on_inf_and_nan_gpu():
+    """A row whose product is inf or NaN (an inf activation scale) gets the quantiser's bits too: its clamp
+    (min.xorsign.abs) keeps NaN's sign where a max/min pair would not."""
+    from moe_kernels.kernels.quant import per_token_group_quant_fp8
+
+    x, x_scale, w, w_scale, m_indices = segmented([300, 129], seed=3, k=384, n=512, device="cuda")
+    x_scale[0, 1] = float("inf")
+    x_scale[5] = float("nan")
+    rows_used = torch.tensor([m_indices.shape[0] - 128], dtype=torch.int32, device="cuda")
+    bf16 = block_fp8_grouped(x, x_scale, w, w_scale, m_indices, gated=True, rows_used=rows_used)
+    q, s = block_fp8_grouped(x, x_scale, w, w_scale, m_indices, gated=True, rows_used=rows_used,
+                             quantize_output=True)
+    want_q, want_s = per_token_group_quant_fp8(bf16, 128)
+    assert not bool(torch.isfinite(bf16[0].float()).all())
+    real = m_indices >= 0
+    assert torch.equal(q[real].view(torch.uint8), want_q[real].view(torch.uint8))
+    assert torch.equal(s[real].view(torch.int32), want_s[real].view(torch.int32))
+
+
+@pytest.mark.gpu
+@needs_gluon
+@pytest.mark.parametrize("change, message", [
+    (lambda used, m: (used + 64, m), "multiple of 128"),
+    (lambda used, m: (used + 256, m), "multiple of 128"),
+    (lambda used, m: (used - 128, m), "no real row past it"),
+    (lambda used, m: (used, torch.cat([torch.full((128,), -1, dtype=torch.int32, device="cuda"), m[128:]])),
+     "real row"),
+])
+def test_rows_used_is_checked_gpu(change, message):
+    """With validate_ids the persistent grid's rows_used is read back: a multiple of 128 within the rows, every
+    tile below it starting on a real row (the kernel takes a tile's expert from its first row), no real row
+    past it; the error names the argument."""
+    x, x_scale, w, w_scale, m_indices = segmented([300, 129], seed=4, k=128, n=256, device="cuda")
+    used, m_indices = change(m_indices.shape[0] - 128, m_indices)
+    rows_used = torch.tensor([used], dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match=message):
+        block_fp8_grouped(x, x_scale, w, w_scale, m_indices, rows_used=rows_used)
+
+
+@pytest.mark.gpu
+@needs_gluon
 @pytest.mark.parametrize("num_tokens", [1, 64, 600])
-@pytest.mark.parametrize("persistent, fused", [(False, False), (True, False), (True, True)],
-                         ids=["per tile", "persistent", "persistent, GEMM 1 quantising"])
-def test_the_permute_layout_on_the_gluon_kernel_gpu(monkeypatch, num_tokens, persistent, fused):
+@pytest.mark.parametrize("persistent, fused, one_pass", [(False, False, False), (False, False, True),
+                                                         (True, False, True), (True, True, True)],
+                         ids=["per tile", "per tile, one-pass input", "persistent", "persistent, GEMM 1 quantising"])
+def test_the_permute_layout_on_the_gluon_kernel_gpu(monkeypatch, num_tokens, persistent, fused, one_pass):
     """permute_experts with FP8_GEMM = "gluon" (per tile, on the persistent grid, and with GEMM 1 quantising
     GEMM 2's input): the launch record says which kernels ran, the result agrees with the Triton kernel's
     and the fp8 reference's (GEMM 1's bf16 output rounds once more), and a CUDA graph captures the call."""
@@ -240,6 +286,7 @@ def test_the_permute_layout_on_the_gluon_kernel_gpu(monkeypatch, num_tokens, per
     monkeypatch.setattr(permute_module, "FP8_GEMM", "gluon")
     monkeypatch.setattr(permute_module, "GLUON_PERSISTENT", persistent)
     monkeypatch.setattr(permute_module, "GLUON_QUANTIZE_IN_GEMM1", fused)
+    monkeypatch.setattr(permute_module, "ONE_PASS_FP8_INPUT", one_pass)
     with record_launches() as launches:
         got = permute_experts(x, w1q, w2q, weights, ids, w1_scale=w1s, w2_scale=w2s)
     assert [s["kernel"] for name, s in launches if name == "permute.fp8_gemm"] == ["gluon"], launches
@@ -248,9 +295,10 @@ def test_the_permute_layout_on_the_gluon_kernel_gpu(monkeypatch, num_tokens, per
             for name, s in launches if name == "gluon_block_fp8.gemm"] == [
         (True, True, 128, persistent, fused), (False, True, 128, persistent, False)], launches
     assert not any(name.startswith(("permute.gemm", "activation.")) for name, _ in launches), launches
-    # the input quantised and scattered in one pass; GEMM 2's input by the quantiser unless GEMM 1 quantises
+    # the input quantised and scattered in one pass (or quantised, then scattered); GEMM 2's input by the
+    # quantiser unless GEMM 1 quantises it
     assert [name for name, _ in launches if name.startswith("quant")] == (
-        ["quant_scatter"] + ([] if fused else ["quant.groups"])), launches
+        (["quant_scatter"] if one_pass else ["quant.groups"]) + ([] if fused else ["quant.groups"])), launches
     want = moe_reference_fp8(x, w1q, w2q, weights, ids, w1_scale=w1s, w2_scale=w2s, granularity="block",
                              intermediate_dtype=x.dtype)
     assert rel_err(got.float(), want.float()) < 2e-2 and rel_err(got.float(), triton_out.float()) < 2e-2

@@ -100,8 +100,9 @@ def test_a_slot_routed_nowhere_is_skipped(monkeypatch):
     (dict(src2dst=torch.zeros(3, 2, dtype=torch.int32)), "src2dst"),
     (dict(src2dst=torch.zeros(2, 2, dtype=torch.int64)), "src2dst"),
     (dict(num_rows=-1), "num_rows"),
-    (dict(group=100), "x"),
+    (dict(group=64, x=torch.zeros(2, 288)), "x"),
     (dict(group=8), "group"),
+    (dict(group=96, x=torch.zeros(2, 192)), "group"),
 ])
 def test_bad_arguments_are_named(change, name):
     args = dict(x=torch.zeros(2, 256), src2dst=torch.zeros(2, 2, dtype=torch.int32), num_rows=4, group=128)
@@ -146,3 +147,24 @@ def test_the_kernel_builds_for_hopper():
     """Triton 3.6 (CI) builds the kernel for sm_90 with one slot and with DeepSeek-V3's eight."""
     lines = compiled_for_hopper(_COMPILE_FOR_HOPPER)
     assert lines[:2] == ["1 built", "8 built"], lines
+
+
+@pytest.mark.parametrize("num_tokens", [0, 1, 9])
+def test_the_permute_layout_gives_the_same_output_with_its_input_in_one_pass(monkeypatch, num_tokens):
+    """permute_experts on block-fp8 weights with permute.ONE_PASS_FP8_INPUT: the same rows and scales reach
+    the GEMMs (the real rows' bits), so the same output bit for bit; the launch record says which path ran."""
+    from moe_kernels.kernels import permute as permute_module
+    from moe_kernels.kernels.formats import FORMATS
+    from moe_testing import make_problem
+
+    x, w1, w2, weights, ids = make_problem(num_tokens, 4, 2, 256, 128, torch.float32, seed=num_tokens)
+    w1q, w1s = FORMATS["block"].quantize_weight(w1)
+    w2q, w2s = FORMATS["block"].quantize_weight(w2)
+    outputs, calls = {}, []
+    monkeypatch.setattr(permute_module, "quantize_scatter", lambda *a, **k: calls.append(1) or quantize_scatter(*a, **k))
+    for one_pass in (False, True):
+        monkeypatch.setattr(permute_module, "ONE_PASS_FP8_INPUT", one_pass)
+        outputs[one_pass] = permute_module.permute_experts(x, w1q, w2q, weights, ids, align=16, w1_scale=w1s,
+                                                           w2_scale=w2s)
+        assert len(calls) == int(one_pass)   # the path, not only the value
+    assert torch.equal(outputs[True], outputs[False])

@@ -54,10 +54,10 @@ for key in models:
         tk = batch * k
 
         def whole(persistent, fused=False):
-            def call():
-                names = ("FP8_GEMM", "GLUON_PERSISTENT", "GLUON_QUANTIZE_IN_GEMM1")
+            def call():   # (the persistent variants with the one-pass input)
+                names = ("FP8_GEMM", "GLUON_PERSISTENT", "GLUON_QUANTIZE_IN_GEMM1", "ONE_PASS_FP8_INPUT")
                 saved = [getattr(permute_module, n) for n in names]
-                for n, value in zip(names, ("gluon", persistent, fused)):
+                for n, value in zip(names, ("gluon", persistent, fused, persistent)):
                     setattr(permute_module, n, value)
                 try:
                     return layers[persistent, fused](x)

@@ -25,6 +25,7 @@ from ._gluon_block_fp8_kernel import GLUON_HOPPER, GROUP_M, TILE_K, TILE_M
 PROGRAMS = None
 
 if GLUON_HOPPER:
+    import triton.language as tl
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma_wait
@@ -102,8 +103,9 @@ if GLUON_HOPPER:
             scale = gl.maximum(amax, 1e-10) / 448.0
             offsets = rows.to(gl.int64)[:, None] * stride_om + cols[None, :]
             mask = real[:, None] & (cols >= 0)[None, :]   # (the rows', broadcast over the tile)
-            first = gl.minimum(gl.maximum(first / scale[:, None], -448.0), 448.0)
-            second = gl.minimum(gl.maximum(second / scale[:, None], -448.0), 448.0)
+            # tl.clamp, as the quantiser: min.xorsign.abs (a max/min pair would store -448 for a NaN, it +448)
+            first = tl.clamp(first / scale[:, None], -448.0, 448.0)
+            second = tl.clamp(second / scale[:, None], -448.0, 448.0)
             gl.store(out_ptr + offsets - HALF, first.to(gl.float8e4nv), mask=mask)
             gl.store(out_ptr + offsets, second.to(gl.float8e4nv), mask=mask)
             gl.store(out_scale_ptr + rows.to(gl.int64) * stride_os + off_n // 128, scale, mask=real)

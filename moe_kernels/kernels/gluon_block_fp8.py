@@ -106,6 +106,23 @@ def _check(func, x, x_scale, w, w_scale, m_indices, out, block_n, gated=False, v
             fail(func, "out", f"must have shape {(x.shape[0], width)}", tuple(out.shape))
 
 
+def _check_rows_used(func, rows_used, m_indices, device, validate_ids):
+    """The persistent grid visits the tiles below ``rows_used`` and takes each one's expert from its first row:
+    with ``validate_ids`` (a read-back, skipped while a graph captures) ``rows_used`` must be a multiple of 128 in
+    ``[0, M_pad]``, every tile below it must start on a real row and no real row may lie past it."""
+    if rows_used.device != device:
+        fail(func, "rows_used", f"must be on {device}", rows_used.device)
+    capturing = rows_used.is_cuda and torch.cuda.is_current_stream_capturing()
+    if not validate_ids or capturing:
+        return
+    used = int(rows_used[0])
+    if used < 0 or used > m_indices.shape[0] or used % TILE_M:
+        fail(func, "rows_used", f"must be a multiple of {TILE_M} in [0, {m_indices.shape[0]}]", used)
+    if bool((m_indices[:used:TILE_M] < 0).any()) or bool((m_indices[used:] >= 0).any()):
+        fail(func, "m_indices", f"must start every {TILE_M}-row tile below rows_used={used} on a real row, and "
+             "hold no real row past it", "a tile of padding, or a real row past rows_used")
+
+
 def block_fp8_grouped(x, x_scale, w, w_scale, m_indices, *, out=None, gated: bool = False, overlap: bool = True,
                       block_n: int = 128, stages: int = 4, validate_ids: bool = True,
                       rows_used: torch.Tensor | None = None, quantize_output: bool = False):
@@ -139,6 +156,11 @@ def block_fp8_grouped(x, x_scale, w, w_scale, m_indices, *, out=None, gated: boo
             fail(func, "rows_used", "must have shape (1,)", tuple(rows_used.shape))
         if not overlap:
             fail(func, "overlap", "must be True with rows_used (the persistent grid overlaps its promotion)", overlap)
+        # (the persistent grid's shared memory: the epilogue's buffers cannot share the ring's, which the next
+        # tile's loads are filling; 6 gated stages or 5 quantising ones pass the H200's 227 KiB)
+        most = 4 if quantize_output else 5 if gated and block_n == 128 else 6
+        if stages > most:
+            fail(func, "stages", f"must be at most {most} on the persistent grid here (shared memory)", stages)
     if quantize_output and not (gated and persistent and block_n == 128 and out is None):
         fail(func, "quantize_output", "needs gated=True, rows_used, block_n=128 and out=None",
              dict(gated=gated, rows_used=persistent, block_n=block_n, out=out is not None))
@@ -146,8 +168,8 @@ def block_fp8_grouped(x, x_scale, w, w_scale, m_indices, *, out=None, gated: boo
     if reason is not None:
         fail(func, "w", f"must be on a device this kernel runs on ({reason})", getattr(w, "device", w))
     _check(func, x, x_scale, w, w_scale, m_indices, out, block_n, gated, validate_ids)
-    if persistent and rows_used.device != w.device:
-        fail(func, "rows_used", f"must be on {w.device}", rows_used.device)
+    if persistent:
+        _check_rows_used(func, rows_used, m_indices, w.device, validate_ids)
     out_scale = None
     if quantize_output:   # (rows of padding are not written: each reaches only its own rows in GEMM 2)
         out = torch.empty(x.shape[0], w.shape[1] // 2, device=x.device, dtype=torch.float8_e4m3fn)

@@ -96,6 +96,11 @@ GLUON_PERSISTENT = False
 #: With GLUON_PERSISTENT: GEMM 1 writes GEMM 2's input in fp8 with its scales (its epilogue quantises; no bf16
 #: ``[M_pad, F]`` and no quantiser launch).
 GLUON_QUANTIZE_IN_GEMM1 = False
+#: Block-fp8 input in one pass (:func:`~moe_kernels.kernels.quant_scatter.quantize_scatter`: each token quantised
+#: once, written to its k rows with its scales) instead of the quantiser, the fp8 scatter and the scales' gather
+#: (142 + 565 + 130 us at DeepSeek-V3's 16,384 tokens, ``permute-gluon-stages.json``). Off until its first GPU run
+#: (tests and timing): built in session 27 after the device was gone; the CPU runs its kernel on exact values.
+ONE_PASS_FP8_INPUT = False
 
 if HAS_TRITON:
 
@@ -271,7 +276,7 @@ def permute_experts(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Ten
     check_config(func, config, align=align, layout="permute")
     # With gather_rows, GEMM 1 reads each row from its token: nothing is copied.
     gather = config.gather_rows
-    if fmt.activations == "group" and not gather:   # each token quantised once, written to each of its rows
+    if ONE_PASS_FP8_INPUT and fmt.activations == "group" and not gather:   # quantised once, written to its rows
         permuted = permute(hidden_states, topk_ids, num_experts, align=align, validate_ids=validate_ids, copy=False)
         rows, rows_scale = quantize_scatter(hidden_states, permuted.src2dst, permuted.m_indices.shape[0],
                                             group=fmt.block[1])

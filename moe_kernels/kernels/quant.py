@@ -144,6 +144,8 @@ def _quant_groups(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch
         q_ref, s_ref = per_token_group_quant_fp8_reference(x, group_size)
         return q.copy_(q_ref), s.copy_(s_ref)
     rows, groups = QUANT_TILE
+    if any(v < 1 or v & (v - 1) for v in (rows, groups)):
+        fail("moe_kernels.kernels.quant", "QUANT_TILE", "must be two powers of two (rows, column groups)", QUANT_TILE)
     num_groups = k // group_size
     groups = min(groups, next_power_of_2(num_groups))
     note_launch("quant.groups", group_size=group_size, rows=rows, groups=groups)

@@ -76,6 +76,8 @@ def _check(func, x, src2dst, num_rows, group):
         fail(func, "src2dst", f"must have one row per token ({x.shape[0]})", tuple(src2dst.shape))
     check_int(func, "num_rows", num_rows, lo=0)
     check_int(func, "group", group, lo=16)
+    if group & (group - 1):
+        fail(func, "group", "must be a power of two", group)
     if x.shape[1] % group:
         fail(func, "x", f"must have a multiple of group={group} columns", tuple(x.shape))
 
