@@ -4,7 +4,8 @@
 # of a committed tree:  MOE_KERNELS_COMMIT=<full hash> bash tools/gpu_check.sh [what...]
 # Write the hash out here, where the tree was committed: on the device, git's metadata can be an older
 # tree's than the files it was sent (git rev-parse HEAD there named the session's first commit).
-# what: tests, unmarked (the unmarked tests of the kernel files, compiled: UNMARKED_FILES, UNMARKED_TIMEOUT_S), ceilings,
+# what: tests, unmarked (the unmarked tests of the kernel files, compiled: UNMARKED_FILES, UNMARKED_TIMEOUT_S), fp8-permute
+# (session 27's fp8 permute candidates: their GPU tests and A/Bs), ceilings,
 # tune, refine, sweep, fp8, decode-step, layouts, routing, skew, shared, capacity, notebooks,
 # graphs (the CUDA-graph replay's and the split GEMM 1's GPU tests), assert-tests (the index-gather and CUDA-graph
 # GPU tests, the device-side id asserts among them), host-probe, model-probe, prefill, gate-routing
@@ -121,6 +122,20 @@ for step in "${steps[@]}"; do
                       echo "$file: exit $?" | tee -a "$OUT/unmarked-tests.log"
                   done
                   grep -E "^FAILED|passed|failed" "$OUT/unmarked-tests.log" | tail -n 40 || status=1 ;;
+        fp8-permute) # session 27's candidates for the fp8 permute layer, first GPU run: the GPU tests of the Gluon
+                     # kernel (per tile, persistent, quantising), the one-pass input and the quantiser's tiles, then
+                     # the A/Bs that decide permute.ONE_PASS_FP8_INPUT, GLUON_PERSISTENT, GLUON_QUANTIZE_IN_GEMM1,
+                     # FP8_GEMM and quant.QUANT_TILE (records: gluon-block-fp8-ab, permute-gluon-stages, quant-ab,
+                     # layer-layout-ab)
+                     timeout 240 $PY -m pytest tests/test_gluon_block_fp8.py tests/test_quant_scatter.py tests/test_fp8.py \
+                         -q -p no:cacheprovider --tb=short -W ignore::DeprecationWarning > "$OUT/fp8-permute-tests.log" 2>&1
+                     grep -E "^FAILED|passed|failed" "$OUT/fp8-permute-tests.log" | tail -n 20 || status=1
+                     for tool in "gluon_block_fp8_ab.py qwen3-30b-a3b,deepseek-v3 4096,16384" \
+                                 "permute_gluon_stages.py qwen3-30b-a3b,deepseek-v3 4096,16384" "quant_ab.py" \
+                                 "layer_layout_ab.py qwen3-30b-a3b,deepseek-v3 4096,16384"; do
+                         PYTHONPATH="$PWD" timeout 200 $PY tools/$tool 2>&1 | grep -v Warning | tee -a "$OUT/fp8-permute.log" \
+                             | tail -n 30 || status=1
+                     done ;;
         *) $PY -m moe_kernels.bench "$step" --record 2>&1 | tee "$OUT/$step.log" | tail -n 20 || status=1 ;;
     esac
     tar czf "$OUT/results.tgz" results moe_kernels/kernels/configs   # after every step: a run cut short keeps what it measured
