@@ -59,20 +59,21 @@ for model, (d, experts, k) in PERMUTES.items():
         def three_steps():
             q, s = quant.per_token_group_quant_fp8(x, 128)
             packed = permute_module.permute(q, ids, experts, validate_ids=False)
-            return packed.rows, permute_module._permute_scales(s, packed, k)
+            return packed, packed.rows, permute_module._permute_scales(s, packed, k)
 
         def one_pass():
             packed = permute_module.permute(x, ids, experts, copy=False, validate_ids=False)
-            return quantize_scatter(x, packed.src2dst, packed.m_indices.shape[0])
+            return (packed, *quantize_scatter(x, packed.src2dst, packed.m_indices.shape[0]))
         us = {"alignment alone (copy=False)": graph_us(lambda: permute_module.permute(x, ids, experts, copy=False,
                                                                                     validate_ids=False)),
               "three steps": graph_us(three_steps), "one pass": graph_us(one_pass),
               "quantize_scatter alone": graph_us(lambda: quantize_scatter(x, p.src2dst, p.m_indices.shape[0]))}
-        rows_q, scales_q = one_pass()
-        rows_3, scales_3 = three_steps()
-        dst = p.src2dst.flatten().long()
-        same = bool(torch.equal(rows_q[dst].view(torch.uint8), rows_3[dst].view(torch.uint8))
-                    and torch.equal(scales_q[dst], scales_3[dst]))
+        # (each path's own slots: an alignment may order a segment's rows differently from call to call)
+        packed_q, rows_q, scales_q = one_pass()
+        packed_3, rows_3, scales_3 = three_steps()
+        dst_q, dst_3 = packed_q.src2dst.flatten().long(), packed_3.src2dst.flatten().long()
+        same = bool(torch.equal(rows_q[dst_q].view(torch.uint8), rows_3[dst_3].view(torch.uint8))
+                    and torch.equal(scales_q[dst_q], scales_3[dst_3]))
         floor = (tokens * d * 2 + tokens * k * d) / bandwidth * 1e6
         rows.append({"ab": "permute input", "model": model, "tokens": tokens, "us": us, "same_bits": same,
                      "bytes_floor_us": floor})
