@@ -4,8 +4,9 @@
 # of a committed tree:  MOE_KERNELS_COMMIT=<full hash> bash tools/gpu_check.sh [what...]
 # Write the hash out here, where the tree was committed: on the device, git's metadata can be an older
 # tree's than the files it was sent (git rev-parse HEAD there named the session's first commit).
-# what: tests, unmarked (the unmarked tests of the kernel files, compiled: UNMARKED_FILES, UNMARKED_TIMEOUT_S), fp8-permute
-# (session 27's fp8 permute candidates: their GPU tests and A/Bs), ceilings,
+# what: tests, unmarked (the unmarked tests of the kernel files, compiled: UNMARKED_FILES, UNMARKED_TIMEOUT_S),
+# fp8-permute-tests and fp8-permute-ab (session 27's fp8 permute candidates: their GPU tests, then their A/Bs, a call
+# each), ceilings,
 # tune, refine, sweep, fp8, decode-step, layouts, routing, skew, shared, capacity, notebooks,
 # graphs (the CUDA-graph replay's and the split GEMM 1's GPU tests), assert-tests (the index-gather and CUDA-graph
 # GPU tests, the device-side id asserts among them), host-probe, model-probe, prefill, gate-routing
@@ -122,18 +123,22 @@ for step in "${steps[@]}"; do
                       echo "$file: exit $?" | tee -a "$OUT/unmarked-tests.log"
                   done
                   grep -E "^FAILED|passed|failed" "$OUT/unmarked-tests.log" | tail -n 40 || status=1 ;;
-        fp8-permute) # session 27's candidates for the fp8 permute layer, first GPU run: the GPU tests of the Gluon
-                     # kernel (per tile, persistent, quantising), the one-pass input and the quantiser's tiles, then
-                     # the A/Bs that decide permute.ONE_PASS_FP8_INPUT, GLUON_PERSISTENT, GLUON_QUANTIZE_IN_GEMM1,
-                     # FP8_GEMM and quant.QUANT_TILE (records: gluon-block-fp8-ab, permute-gluon-stages, quant-ab,
-                     # layer-layout-ab)
-                     timeout 240 $PY -m pytest tests/test_gluon_block_fp8.py tests/test_quant_scatter.py tests/test_fp8.py \
-                         -q -p no:cacheprovider --tb=short -W ignore::DeprecationWarning > "$OUT/fp8-permute-tests.log" 2>&1
-                     grep -E "^FAILED|passed|failed" "$OUT/fp8-permute-tests.log" | tail -n 20 || status=1
-                     for tool in "gluon_block_fp8_ab.py qwen3-30b-a3b,deepseek-v3 4096,16384" \
+        fp8-permute-tests) # session 27's candidates for the fp8 permute layer, first GPU run (one call): the new
+                     # GPU tests first (persistent and quantising Gluon kernels, the one-pass input, the quantiser's
+                     # tiles), then the unmarked tests of test_quant_scatter.py and test_fp8.py, compiled
+                     timeout 200 $PY -m pytest tests/test_gluon_block_fp8.py tests/test_quant_scatter.py tests/test_fp8.py \
+                         -q -p no:cacheprovider --tb=short -W ignore::DeprecationWarning \
+                         -k "persistent or quantising or rows_used or permute_layout or quant or scatter or tile or slot" \
+                         > "$OUT/fp8-permute-tests.log" 2>&1
+                     grep -E "^FAILED|passed|failed" "$OUT/fp8-permute-tests.log" | tail -n 20 || status=1 ;;
+        fp8-permute-ab) # then the A/Bs that decide permute.ONE_PASS_FP8_INPUT, GLUON_PERSISTENT,
+                     # GLUON_QUANTIZE_IN_GEMM1, FP8_GEMM and quant.QUANT_TILE (one call; records gluon-block-fp8-ab,
+                     # permute-gluon-stages, quant-ab, layer-layout-ab: the first two feed Tables 12.5 and 12.6,
+                     # so commit them under other names unless whole)
+                     for tool in "gluon_block_fp8_ab.py qwen3-30b-a3b,deepseek-v3 16384" \
                                  "permute_gluon_stages.py qwen3-30b-a3b,deepseek-v3 4096,16384" "quant_ab.py" \
                                  "layer_layout_ab.py qwen3-30b-a3b,deepseek-v3 4096,16384"; do
-                         PYTHONPATH="$PWD" timeout 200 $PY tools/$tool 2>&1 | grep -v Warning | tee -a "$OUT/fp8-permute.log" \
+                         PYTHONPATH="$PWD" timeout 140 $PY tools/$tool 2>&1 | grep -v Warning | tee -a "$OUT/fp8-permute.log" \
                              | tail -n 30 || status=1
                      done ;;
         *) $PY -m moe_kernels.bench "$step" --record 2>&1 | tee "$OUT/$step.log" | tail -n 20 || status=1 ;;

@@ -32,6 +32,13 @@ PERMUTES = {"deepseek-v3": (7168, 256, 8), "qwen3-30b-a3b": (2048, 128, 8)}
 
 bandwidth = measure_read_bandwidth()
 rows = []
+
+
+def save():   # after every row: a run cut short keeps what it measured
+    record_tool("quant-ab", rows, {"read_bandwidth_bytes_per_s": bandwidth, "timing": "CUDA graph of one call, L2 warm",
+                                   "tiles": TILES})
+
+
 saved = quant.QUANT_TILE
 try:
     for name, (m, k) in SHAPES.items():
@@ -42,8 +49,10 @@ try:
             quant.QUANT_TILE = tile
             us[str(tile)] = graph_us(lambda: quant.per_token_group_quant_fp8(x, 128))
         rows.append({"ab": "quant tile", "shape": name, "m": m, "k": k, "us": us, "bytes_floor_us": floor})
-        best = min(us, key=us.get)
-        print(f"{name:<44} floor {floor:8.1f} us   " + "  ".join(f"{t} {v:.1f}" for t, v in us.items())
+        save()
+        timed = {t: v for t, v in us.items() if v is not None}   # (None: the capture failed)
+        best = min(timed, key=timed.get) if timed else None
+        print(f"{name:<44} floor {floor:8.1f} us   " + "  ".join(f"{t} {v:.1f}" for t, v in timed.items())
               + f"   best {best}", flush=True)
         del x
 finally:
@@ -77,8 +86,7 @@ for model, (d, experts, k) in PERMUTES.items():
         floor = (tokens * d * 2 + tokens * k * d) / bandwidth * 1e6
         rows.append({"ab": "permute input", "model": model, "tokens": tokens, "us": us, "same_bits": same,
                      "bytes_floor_us": floor})
-        print(f"{model:<14} {tokens:>6}: " + "  ".join(f"{n} {v:.1f}" for n, v in us.items())
+        save()
+        print(f"{model:<14} {tokens:>6}: " + "  ".join(f"{n} {v:.1f}" for n, v in us.items() if v is not None)
               + f"   floor {floor:.1f}   same bits {same}", flush=True)
         del x, p, xq, xs
-record_tool("quant-ab", rows, {"read_bandwidth_bytes_per_s": bandwidth, "timing": "CUDA graph of one call, L2 warm",
-                               "tiles": TILES})
