@@ -165,14 +165,24 @@ def test_the_kernel_against_its_reference_gpu(case, overlap, block_n, k, gated):
     """Every edge case, both orders and both N tiles, K loops of 1-9 steps (the overlapped loop runs two a
     turn, then an odd one; at 9 every stage's barrier turns its phase twice), plain and gated (N = 512: two column tiles of each half, the up half in other
     scale blocks than the gate's); rows of padding keep what ``out`` held."""
+    check_against_reference(case, k, gated, overlap=overlap, block_n=block_n)
+
+
+def check_against_reference(case, k, gated, persistent=False, **settings):
+    """block_fp8_grouped on a GPU against its reference over the real rows (N = 512); rows of padding (and,
+    ``persistent``, the rows past rows_used) keep what ``out`` held. Returns the launch record."""
     x, x_scale, w, w_scale, m_indices = segmented(SEGMENTS[case], seed=len(case), k=k, n=512, device="cuda")
+    if persistent:   # (the last tile is padding)
+        settings["rows_used"] = torch.tensor([m_indices.shape[0] - 128], dtype=torch.int32, device="cuda")
     out = torch.full((x.shape[0], w.shape[1] // 2 if gated else w.shape[1]), 7.0, device="cuda",
                      dtype=torch.bfloat16)
-    block_fp8_grouped(x, x_scale, w, w_scale, m_indices, out=out, gated=gated, overlap=overlap, block_n=block_n)
+    with record_launches() as launches:
+        block_fp8_grouped(x, x_scale, w, w_scale, m_indices, out=out, gated=gated, **settings)
     want = block_fp8_grouped_reference(x, x_scale, w, w_scale, m_indices, gated=gated)
     real = m_indices >= 0
     assert rel_err(out[real].float(), want[real].float()) < 5e-3
     assert bool((out[~real] == 7.0).all())
+    return launches
 
 
 @pytest.mark.gpu
@@ -188,17 +198,8 @@ def test_the_persistent_grid_against_the_reference_gpu(monkeypatch, case, progra
     from moe_kernels.kernels import _gluon_block_fp8_persistent as persistent
 
     monkeypatch.setattr(persistent, "PROGRAMS", programs)
-    x, x_scale, w, w_scale, m_indices = segmented(SEGMENTS[case], seed=len(case), k=k, n=512, device="cuda")
-    rows_used = torch.tensor([m_indices.shape[0] - 128], dtype=torch.int32, device="cuda")   # (the last: padding)
-    out = torch.full((x.shape[0], w.shape[1] // 2 if gated else w.shape[1]), 7.0, device="cuda",
-                     dtype=torch.bfloat16)
-    with record_launches() as launches:
-        block_fp8_grouped(x, x_scale, w, w_scale, m_indices, out=out, gated=gated, stages=stages, rows_used=rows_used)
+    launches = check_against_reference(case, k, gated, persistent=True, stages=stages)
     assert [s["persistent"] for name, s in launches if name == "gluon_block_fp8.gemm"] == [True], launches
-    want = block_fp8_grouped_reference(x, x_scale, w, w_scale, m_indices, gated=gated)
-    real = m_indices >= 0
-    assert rel_err(out[real].float(), want[real].float()) < 5e-3
-    assert bool((out[~real] == 7.0).all())
 
 
 @pytest.mark.gpu
