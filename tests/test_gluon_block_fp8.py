@@ -24,6 +24,8 @@ SEGMENTS = {
     "all rows on one expert": [0, 0, 256],
     "several tiles per expert": [300, 129],
     "one expert": [128],
+    # (last tiles of 100, 65, 64, 64, 72, 1 and 1 real rows: halves at 64 or fewer, whole tiles above)
+    "last tiles either side of 64 rows": [100, 65, 64, 192, 200, 1, 129],
 }
 
 
@@ -86,7 +88,10 @@ def test_it_refuses_where_it_cannot_run():
                                             (dict(gated=True, stages=6, rows_used=torch.zeros(1, dtype=torch.int32)),
                                              "stages"),
                                             (dict(gated=True, stages=5, quantize_output=True,
-                                                  rows_used=torch.zeros(1, dtype=torch.int32)), "stages")])
+                                                  rows_used=torch.zeros(1, dtype=torch.int32)), "stages"),
+                                            (dict(half_tiles=1, rows_used=torch.zeros(1, dtype=torch.int32)),
+                                             "half_tiles"),
+                                            (dict(half_tiles=True), "half_tiles")])
 def test_bad_launch_settings_are_named(settings, name):
     """Checked before the device: refused by name on any machine."""
     x, x_scale, w, w_scale, m_indices = segmented([3], seed=1)
@@ -188,18 +193,21 @@ def check_against_reference(case, k, gated, persistent=False, **settings):
 @pytest.mark.gpu
 @needs_gluon
 @pytest.mark.parametrize("case", sorted(SEGMENTS))
-@pytest.mark.parametrize("programs, stages", [(1, 4), (3, 2), (7, 3), (None, 4)])
+@pytest.mark.parametrize("programs, stages, half_tiles", [(1, 4, False), (3, 2, False), (7, 3, False), (None, 4, False),
+                                                        (1, 4, True), (3, 2, True), (None, 4, True)])
 @pytest.mark.parametrize("k", [128, 256, 384, 640, 1152])
 @pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
-def test_the_persistent_grid_against_the_reference_gpu(monkeypatch, case, programs, stages, k, gated):
+def test_the_persistent_grid_against_the_reference_gpu(monkeypatch, case, programs, stages, k, gated, half_tiles):
     """The persistent grid (rows_used given): a few programs each walking many tiles (the ring's steps and
     barrier phases running on across tiles, K loops of 1-9 steps, fewer steps than stages included), or one
-    per SM; rows of padding and the rows past rows_used keep what ``out`` held."""
+    per SM; with half tiles, whole and half tiles interleaved in one program's walk (the ring does not change
+    with the kind of tile); rows of padding and the rows past rows_used keep what ``out`` held."""
     from moe_kernels.kernels import _gluon_block_fp8_persistent as persistent
 
     monkeypatch.setattr(persistent, "PROGRAMS", programs)
-    launches = check_against_reference(case, k, gated, persistent=True, stages=stages)
-    assert [s["persistent"] for name, s in launches if name == "gluon_block_fp8.gemm"] == [True], launches
+    launches = check_against_reference(case, k, gated, persistent=True, stages=stages, half_tiles=half_tiles)
+    assert [(s["persistent"], s["half_tiles"]) for name, s in launches if name == "gluon_block_fp8.gemm"] == [
+        (True, half_tiles)], launches
 
 
 @pytest.mark.gpu
@@ -207,21 +215,25 @@ def test_the_persistent_grid_against_the_reference_gpu(monkeypatch, case, progra
 @pytest.mark.parametrize("case", sorted(SEGMENTS))
 @pytest.mark.parametrize("programs", [1, 3, None])
 @pytest.mark.parametrize("k", [128, 384, 1152])
-def test_the_quantising_epilogue_gives_the_quantisers_bits_gpu(monkeypatch, case, programs, k):
+@pytest.mark.parametrize("half_tiles", [False, True], ids=["whole tiles", "half tiles"])
+def test_the_quantising_epilogue_gives_the_quantisers_bits_gpu(monkeypatch, case, programs, k, half_tiles):
     """GEMM 1 gated with quantize_output: the fp8 rows and scales of every real row are bit for bit the
     persistent kernel's bf16 output quantised by per_token_group_quant_fp8 (N = 512: two 128-column groups,
-    each from two 64-column tiles taken back to back); a few programs walk many pairs."""
+    each from two 64-column tiles taken back to back); a few programs walk many pairs; with half tiles, a
+    half tile's group waits in the first 64 rows of the stash."""
     from moe_kernels.kernels import _gluon_block_fp8_persistent as persistent
     from moe_kernels.kernels.quant import per_token_group_quant_fp8
 
     monkeypatch.setattr(persistent, "PROGRAMS", programs)
     x, x_scale, w, w_scale, m_indices = segmented(SEGMENTS[case], seed=len(case) + k, k=k, n=512, device="cuda")
     rows_used = torch.tensor([m_indices.shape[0] - 128], dtype=torch.int32, device="cuda")
-    bf16 = block_fp8_grouped(x, x_scale, w, w_scale, m_indices, gated=True, rows_used=rows_used)
+    bf16 = block_fp8_grouped(x, x_scale, w, w_scale, m_indices, gated=True, rows_used=rows_used,
+                             half_tiles=half_tiles)
     with record_launches() as launches:
         q, s = block_fp8_grouped(x, x_scale, w, w_scale, m_indices, gated=True, rows_used=rows_used,
-                                 quantize_output=True)
-    assert [r["quantize_output"] for name, r in launches if name == "gluon_block_fp8.gemm"] == [True], launches
+                                 quantize_output=True, half_tiles=half_tiles)
+    assert [(r["quantize_output"], r["half_tiles"]) for name, r in launches if name == "gluon_block_fp8.gemm"] == [
+        (True, half_tiles)], launches
     assert q.dtype == torch.float8_e4m3fn and q.shape == (x.shape[0], 256) and s.shape == (x.shape[0], 2)
     want_q, want_s = per_token_group_quant_fp8(bf16, 128)
     real = m_indices >= 0
@@ -272,11 +284,26 @@ def test_rows_used_is_checked_gpu(change, message):
 
 @pytest.mark.gpu
 @needs_gluon
+def test_half_tiles_refuse_a_real_row_after_row_64s_padding_gpu():
+    """A half tile multiplies rows 0-63 only, so with half_tiles and validate_ids a tile whose row 64 is padding
+    must hold no real row after it (permute never makes one; a hand-made m_indices might)."""
+    x, x_scale, w, w_scale, m_indices = segmented([300, 129], seed=6, k=128, n=256, device="cuda")
+    rows_used = torch.tensor([m_indices.shape[0] - 128], dtype=torch.int32, device="cuda")
+    m_indices[64] = -1   # (the first tile: rows 0-63 and 65-127 of expert 0, row 64 padding)
+    block_fp8_grouped(x, x_scale, w, w_scale, m_indices, rows_used=rows_used)   # (whole tiles: allowed)
+    with pytest.raises(ValueError, match="argument 'm_indices' must hold no real row after padding at row 64"):
+        block_fp8_grouped(x, x_scale, w, w_scale, m_indices, rows_used=rows_used, half_tiles=True)
+
+
+@pytest.mark.gpu
+@needs_gluon
 @pytest.mark.parametrize("num_tokens", [1, 64, 600])
-@pytest.mark.parametrize("persistent, fused, one_pass", [(False, False, False), (False, False, True),
-                                                         (True, False, True), (True, True, True)],
-                         ids=["per tile", "per tile, one-pass input", "persistent", "persistent, GEMM 1 quantising"])
-def test_the_permute_layout_on_the_gluon_kernel_gpu(monkeypatch, num_tokens, persistent, fused, one_pass):
+@pytest.mark.parametrize("persistent, fused, one_pass, half", [
+    (False, False, False, False), (False, False, True, False), (True, False, True, False), (True, True, True, False),
+    (True, False, True, True), (True, True, True, True)],
+    ids=["per tile", "per tile, one-pass input", "persistent", "persistent, GEMM 1 quantising", "persistent, half tiles",
+         "persistent, GEMM 1 quantising, half tiles"])
+def test_the_permute_layout_on_the_gluon_kernel_gpu(monkeypatch, num_tokens, persistent, fused, one_pass, half):
     """permute_experts with FP8_GEMM = "gluon" (per tile, on the persistent grid, and with GEMM 1 quantising
     GEMM 2's input): the launch record says which kernels ran, the result agrees with the Triton kernel's
     and the fp8 reference's (GEMM 1's bf16 output rounds once more), and a CUDA graph captures the call."""
@@ -288,13 +315,14 @@ def test_the_permute_layout_on_the_gluon_kernel_gpu(monkeypatch, num_tokens, per
     monkeypatch.setattr(permute_module, "GLUON_PERSISTENT", persistent)
     monkeypatch.setattr(permute_module, "GLUON_QUANTIZE_IN_GEMM1", fused)
     monkeypatch.setattr(permute_module, "ONE_PASS_FP8_INPUT", one_pass)
+    monkeypatch.setattr(permute_module, "GLUON_HALF_TILES", half)
     with record_launches() as launches:
         got = permute_experts(x, w1q, w2q, weights, ids, w1_scale=w1s, w2_scale=w2s)
     assert [s["kernel"] for name, s in launches if name == "permute.fp8_gemm"] == ["gluon"], launches
     # GEMM 1 gated (SiLU·mul in its epilogue), GEMM 2 plain, both overlapped on 128-column tiles
-    assert [(s["gated"], s["overlap"], s["block_n"], s["persistent"], s["quantize_output"])
+    assert [(s["gated"], s["overlap"], s["block_n"], s["persistent"], s["quantize_output"], s["half_tiles"])
             for name, s in launches if name == "gluon_block_fp8.gemm"] == [
-        (True, True, 128, persistent, fused), (False, True, 128, persistent, False)], launches
+        (True, True, 128, persistent, fused, half), (False, True, 128, persistent, False, half)], launches
     assert not any(name.startswith(("permute.gemm", "activation.")) for name, _ in launches), launches
     # the input quantised and scattered in one pass (or quantised, then scattered); GEMM 2's input by the
     # quantiser unless GEMM 1 quantises it

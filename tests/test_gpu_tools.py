@@ -91,7 +91,8 @@ runpy.run_path("tools/gluon_block_fp8_ab.py", run_name="__main__")
 def test_gluon_block_fp8_compiles_for_hopper():
     """The Gluon block-fp8 GEMM (kernels/gluon_block_fp8.py, built by tools/gluon_block_fp8_ab.py) builds
     for sm_90a in both orders, 8 warps, BLOCK_N 128 and 64, plain and gated (SiLU·mul in the epilogue), and on
-    its persistent grid (128 columns, overlapped; gated also quantising its output): the
+    its persistent grid (128 columns, overlapped; gated also quantising its output; each with half tiles, whose
+    wgmmas are m64 n64 beside the whole tiles' n128): the
     overlapped one waits with one MMA outstanding (``wgmma.wait_group 1``, the promotion under the next
     MMA), the in-order one never does; none spills, and ptxas serialises none's wgmmas. Gluon's API is Triton 3.6's here (CI's ``.ci-triton36``): other Triton skips."""
     import re
@@ -103,15 +104,17 @@ def test_gluon_block_fp8_compiles_for_hopper():
     pytest.importorskip("triton.backends.nvidia")
     done = run_tool(_COMPILE_GLUON_FOR_HOPPER, interpret=False)
     assert done.returncode == 0, done.stderr[-3000:]
-    builds = re.findall(r"^((?:gated )?(?:persistent )?(?:quantising )?(?:overlap|in-order)) block_n=(\d+) .*?waits "
-                        r"([\d,]+), "
+    builds = re.findall(r"^((?:gated )?(?:persistent )?(?:quantising )?(?:half )?(?:overlap|in-order)) block_n=(\d+) "
+                        r".*?wgmma \d+ \(n ([\d,]+)\), waits ([\d,]+), "
                         r"registers \d+, spills (\d+)/(\d+) .*ptxas wgmma warnings (\d+)$", done.stdout, re.M)
     assert sorted((order, n) for order, n, *_ in builds) == sorted(
         [(gated + order, n) for gated in ("", "gated ") for order in ("overlap", "in-order") for n in ("128", "64")]
-        + [(gated + "persistent overlap", "128") for gated in ("", "gated ")]
-        + [("gated persistent quantising overlap", "128")]), done.stdout
-    for order, _, waits, spill_stores, spill_loads, warnings in builds:
-        order = order.removeprefix("gated ").removeprefix("persistent ").removeprefix("quantising ")
+        + [(gated + "persistent " + half + "overlap", "128") for gated in ("", "gated ") for half in ("", "half ")]
+        + [("gated persistent quantising " + half + "overlap", "128") for half in ("", "half ")]), done.stdout
+    for order, block_n, shapes, waits, spill_stores, spill_loads, warnings in builds:
+        # a half tile's wgmmas: the two warpgroups side by side, m64 n(block_n / 2) each; whole tiles m64 n(block_n)
+        assert shapes == (f"{block_n},{int(block_n) // 2}" if "half " in order else block_n), done.stdout
+        order = order.removeprefix("gated ").removeprefix("persistent ").removeprefix("quantising ").removeprefix("half ")
         waits = {int(w) for w in waits.split(",")}
         assert (1 in waits) == (order == "overlap") and 0 in waits, done.stdout
         assert (spill_stores, spill_loads, warnings) == ("0", "0", "0"), done.stdout

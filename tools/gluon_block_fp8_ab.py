@@ -21,6 +21,8 @@ runs under the next MMA (what DeepGEMM does in CUDA). Candidates, on each GEMM a
                      short (Qwen3-30B-A3B's 6 steps ran at 612 TFLOP/s where GEMM 1's 16 ran at 885). (Session 27
                      timed a 64-column variant, two programs an SM: 3-31% slower than the 128-column tile.)
   gluon persistent s3  the same with three stages
+  gluon persistent half  the persistent grid with half tiles: a segment's last tile with at most 64 real rows
+                     multiplies 64 rows (half the MMAs; uniform routing leaves about half the segments so)
   triton             grouped_gemm_contiguous, n128 k128 w8 s4, TMA, persistent (the package's path)
   triton flat        the same with its tile and K loops flattened into one pipeline (persistent=2)
 
@@ -77,24 +79,29 @@ def compile_only():
         for block_n in (128, 64):
             for overlap in (True, False):
                 compiled_one(gated, block_n, overlap)
-        compiled_one(gated, 128, True, persistent=True)
-    compiled_one(True, 128, True, persistent=True, quantising=True)   # (GEMM 1 writing GEMM 2's fp8 input)
+        for half in (False, True):   # (half tiles: a segment's last tile of <= 64 real rows on 64 rows)
+            compiled_one(gated, 128, True, persistent=True, half=half)
+    for half in (False, True):   # (GEMM 1 writing GEMM 2's fp8 input)
+        compiled_one(True, 128, True, persistent=True, quantising=True, half=half)
 
 
-def compiled_one(gated, block_n, overlap, persistent=False, quantising=False):
-    """One sm_90a build's line: wgmma count, wait_group values in order, registers, spills, shared memory."""
+def compiled_one(gated, block_n, overlap, persistent=False, quantising=False, half=False):
+    """One sm_90a build's line: wgmma count and shapes (m64 nN), wait_group values in order, registers, spills,
+    shared memory."""
     if persistent:
         from moe_kernels.kernels._gluon_block_fp8_persistent import compile_for_sm90 as compile_persistent
 
-        kernel = compile_persistent(block_n, 4, 8, gated, quantising)
+        kernel = compile_persistent(block_n, 4, 8, gated, quantising, half)
     else:
         kernel = compile_for_sm90(block_n, 4, 8, overlap, gated)
     ptx = kernel.asm["ptx"]
     count, waits = ptx_report(ptx)
+    shapes = sorted({int(n) for n in re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k32", ptx)}, reverse=True)
     regs, spill_stores, spill_loads, warnings = ptxas_report(ptx)
     name = (("gated " if gated else "") + ("persistent " if persistent else "") + ("quantising " if quantising else "")
-            + ("overlap" if overlap else "in-order"))
-    print(f"{name} block_n={block_n} warps=8 stages=4: wgmma {count}, waits {','.join(map(str, waits))}, "
+            + ("half " if half else "") + ("overlap" if overlap else "in-order"))
+    print(f"{name} block_n={block_n} warps=8 stages=4: wgmma {count} (n {','.join(map(str, shapes))}), "
+          f"waits {','.join(map(str, waits))}, "
           f"registers {regs}, spills {spill_stores}/{spill_loads} bytes (stores/loads), "
           f"shared {kernel.metadata.shared} bytes, ptxas wgmma warnings {len(warnings)}", flush=True)
     for line in warnings:
@@ -147,7 +154,8 @@ def activations(num_rows, k, seed):
 
 GLUON_VARIANTS = {"gluon overlap": dict(overlap=True), "gluon in order": dict(overlap=False),
                   "gluon persistent": dict(overlap=True, persistent=True),
-                  "gluon persistent s3": dict(overlap=True, persistent=True, stages=3)}
+                  "gluon persistent s3": dict(overlap=True, persistent=True, stages=3),
+                  "gluon persistent half": dict(overlap=True, persistent=True, half_tiles=True)}
 
 
 def main(argv):
@@ -189,10 +197,11 @@ def main(argv):
                 outs = {name: torch.zeros(num_rows, n, device="cuda", dtype=torch.bfloat16)
                         for name in (*GLUON_VARIANTS, *configs)}
 
-                def gluon_call(name, overlap, stages=4, block_n=128, persistent=False):
+                def gluon_call(name, overlap, stages=4, block_n=128, persistent=False, half_tiles=False):
                     return lambda: block_fp8_grouped(x, x_scale, w, w_scale, m_indices, overlap=overlap,
                                                      stages=stages, block_n=block_n, out=outs[name],
-                                                     rows_used=rows_used if persistent else None)
+                                                     rows_used=rows_used if persistent else None,
+                                                     half_tiles=half_tiles)
 
                 def triton_call(name):
                     return lambda: grouped_gemm_contiguous(x, w, m_indices, align=128, x_scale=x_scale, w_scale=w_scale,

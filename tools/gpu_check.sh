@@ -123,10 +123,10 @@ for step in "${steps[@]}"; do
                       echo "$file: exit $?" | tee -a "$OUT/unmarked-tests.log"
                   done
                   grep -E "^FAILED|passed|failed" "$OUT/unmarked-tests.log" | tail -n 40 || status=1 ;;
-        fp8-permute-tests) # session 27's candidates for the fp8 permute layer, first GPU run (one call): the new
+        fp8-permute-tests) # sessions 27-28: candidates for the fp8 permute layer, first GPU run (one call): the new
                      # GPU tests first (persistent and quantising Gluon kernels, the one-pass input, the quantiser's
                      # tiles), then the unmarked tests of test_quant_scatter.py and test_fp8.py, compiled
-                     timeout 200 $PY -m pytest tests/test_gluon_block_fp8.py tests/test_quant_scatter.py tests/test_fp8.py \
+                     timeout 280 $PY -m pytest tests/test_gluon_block_fp8.py tests/test_quant_scatter.py tests/test_fp8.py \
                          -q -p no:cacheprovider --tb=short -W ignore::DeprecationWarning \
                          -k "persistent or quantising or rows_used or permute_layout or quant or scatter or tile or slot" \
                          > "$OUT/fp8-permute-tests.log" 2>&1

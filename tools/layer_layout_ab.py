@@ -8,7 +8,8 @@ expert left out: the routed layer of issue 18's targets), bf16 and fp8 block wei
 ``index_gather``, ``permute`` and ``auto`` (the plan's layout and table entry recorded), and for fp8
 ``permute gluon``: the permute layout with both GEMMs on the Gluon kernel (``permute.FP8_GEMM``; and
 ``GLUON_ROWS``: with the one-pass fp8 input, ``permute.ONE_PASS_FP8_INPUT``; on the persistent grid,
-``permute.GLUON_PERSISTENT``; and GEMM 1 writing GEMM 2's fp8 input, ``permute.GLUON_QUANTIZE_IN_GEMM1``; each
+``permute.GLUON_PERSISTENT``; GEMM 1 writing GEMM 2's fp8 input, ``permute.GLUON_QUANTIZE_IN_GEMM1``; and with half
+tiles (a segment's last tile of at most 64 real rows multiplying 64 rows), ``permute.GLUON_HALF_TILES``; each
 a layer of its own (the same weights), so that no plan or graph recorded with the other kernel is replayed; the record says which kernel
 ran, or why the Gluon one could not). Each call is
 replayed from a CUDA graph of one call with the L2 flushed before each replay, four rounds
@@ -38,9 +39,11 @@ batches = [int(b) for b in sys.argv[2].split(",")] if len(sys.argv) > 2 else [10
 if device == "cpu":
     batches = [3, 40]
 LAYOUTS = ("index_gather", "permute", "auto")
-GLUON_ROWS = (   # name, permute.GLUON_PERSISTENT, .GLUON_QUANTIZE_IN_GEMM1, .ONE_PASS_FP8_INPUT
-    ("permute gluon", False, False, False), ("permute gluon one-pass", False, False, True),
-    ("permute gluon persistent", True, False, True), ("permute gluon persistent quantising", True, True, True))
+GLUON_ROWS = (   # name, permute.GLUON_PERSISTENT, .GLUON_QUANTIZE_IN_GEMM1, .ONE_PASS_FP8_INPUT, .GLUON_HALF_TILES
+    ("permute gluon", False, False, False, False), ("permute gluon one-pass", False, False, True, False),
+    ("permute gluon persistent", True, False, True, False),
+    ("permute gluon persistent quantising", True, True, True, False),
+    ("permute gluon persistent quantising half", True, True, True, True))
 ROUNDS = 4
 rows = []
 
@@ -68,11 +71,12 @@ for key in models:
                     return layer(x)
                 candidates[layout] = call
 
-            def gluon_call(persistent, fused, one_pass, layer_of_its_own):
+            def gluon_call(persistent, fused, one_pass, half, layer_of_its_own):
                 def call():
-                    names = ("FP8_GEMM", "GLUON_PERSISTENT", "GLUON_QUANTIZE_IN_GEMM1", "ONE_PASS_FP8_INPUT")
+                    names = ("FP8_GEMM", "GLUON_PERSISTENT", "GLUON_QUANTIZE_IN_GEMM1", "ONE_PASS_FP8_INPUT",
+                             "GLUON_HALF_TILES")
                     saved = [getattr(permute_module, n) for n in names]
-                    for n, value in zip(names, ("gluon", persistent, fused, one_pass)):
+                    for n, value in zip(names, ("gluon", persistent, fused, one_pass, half)):
                         setattr(permute_module, n, value)
                     try:
                         return layer_of_its_own(x)
@@ -81,14 +85,14 @@ for key in models:
                             setattr(permute_module, n, value)
                 return call
             if gluon_layers:
-                for name, persistent, fused, one_pass in GLUON_ROWS:
+                for name, persistent, fused, one_pass, half in GLUON_ROWS:
                     own = gluon_layers[name]
                     own.layout = "permute"
                     with record_launches() as launches:
-                        gluon_call(persistent, fused, one_pass, own)()
+                        gluon_call(persistent, fused, one_pass, half, own)()
                     plans[name] = {"fp8_gemm": [s for n, s in launches if n == "permute.fp8_gemm"],
                                    "gemms": [s for n, s in launches if n == "gluon_block_fp8.gemm"]}
-                    candidates[name] = gluon_call(persistent, fused, one_pass, own)
+                    candidates[name] = gluon_call(persistent, fused, one_pass, half, own)
             reference = candidates["index_gather"]()
             lowest, rounds, errors, rel = time_lowest(candidates, reference, tolerance=3e-2, warmup_ms=5, rep_ms=30,
                                                       unchecked=("index_gather",), rounds=ROUNDS, alternate=True)

@@ -36,7 +36,7 @@ for key in models:
     layer = MoELayer.random(model, dtype=torch.bfloat16, device="cuda", seed=0).quantized("block")
     layer.layout = "permute"
     layers = {variant: MoELayer(layer.weights, layer.routing, layout="permute")   # (plans and graphs of their own)
-              for variant in ((False, False), (True, False), (True, True))}
+              for variant in ((False, False, False), (True, False, False), (True, True, False), (True, True, True))}
     w, fmt = layer.weights, layer.weights.format
     d, f, k, E = model.hidden_size, model.moe_intermediate_size, model.top_k, model.num_experts
     for batch in batches:
@@ -53,14 +53,15 @@ for key in models:
         m_pad = permuted.m_indices.shape[0]
         tk = batch * k
 
-        def whole(persistent, fused=False):
+        def whole(persistent, fused=False, half=False):
             def call():   # (the persistent variants with the one-pass input)
-                names = ("FP8_GEMM", "GLUON_PERSISTENT", "GLUON_QUANTIZE_IN_GEMM1", "ONE_PASS_FP8_INPUT")
+                names = ("FP8_GEMM", "GLUON_PERSISTENT", "GLUON_QUANTIZE_IN_GEMM1", "ONE_PASS_FP8_INPUT",
+                         "GLUON_HALF_TILES")
                 saved = [getattr(permute_module, n) for n in names]
-                for n, value in zip(names, ("gluon", persistent, fused, persistent)):
+                for n, value in zip(names, ("gluon", persistent, fused, persistent, half)):
                     setattr(permute_module, n, value)
                 try:
-                    return layers[persistent, fused](x)
+                    return layers[persistent, fused, half](x)
                 finally:
                     for n, value in zip(names, saved):
                         setattr(permute_module, n, value)
@@ -90,9 +91,17 @@ for key in models:
             "gemm 1 gated persistent quantising": (lambda: block_fp8_grouped(
                 permuted.rows, rows_scale, w.w13, w.w13_scale, permuted.m_indices, gated=True, validate_ids=False,
                 rows_used=used, quantize_output=True), None),
+            # half tiles (session 28): a segment's last tile of at most 64 real rows multiplies 64 rows
+            "gemm 1 gated persistent half": (lambda: block_fp8_grouped(
+                permuted.rows, rows_scale, w.w13, w.w13_scale, permuted.m_indices, gated=True, validate_ids=False,
+                rows_used=used, half_tiles=True), None),
+            "gemm 2 persistent half": (lambda: block_fp8_grouped(a, a_scale, w.w2, w.w2_scale, permuted.m_indices,
+                                                                 validate_ids=False, rows_used=used, half_tiles=True),
+                                       None),
             "layer": (whole(False), None),
             "layer persistent": (whole(True), None),
             "layer persistent quantising": (whole(True, True), None),
+            "layer persistent quantising half": (whole(True, True, True), None),
         }
         us = {name: graph_us(call) for name, (call, _) in stages.items()}
         floor = {name: nbytes / bandwidth * 1e6 for name, (_, nbytes) in stages.items() if nbytes}

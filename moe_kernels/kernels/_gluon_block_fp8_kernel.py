@@ -334,14 +334,14 @@ if GLUON_HOPPER:
         tile_layout: gl.constexpr = (gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=8, order=[1, 0])
                                      if HALF % 64 == 0 else
                                      gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0]))
-        tile = gl.allocate_shared_memory(gl.float32, [BLOCK_M, 2 * HALF], tile_layout)
+        tile = gl.allocate_shared_memory(gl.float32, [acc.shape[0], 2 * HALF], tile_layout)   # (128 rows, or 64)
         # (the tile's memory may be the K loop's buffers: every warpgroup past its last MMA before any stores)
         gl.thread_barrier()
         tile.store(acc)
         gl.thread_barrier()
         gate = tile.slice(0, HALF, dim=1).load(half_layout)
         up = tile.slice(HALF, HALF, dim=1).load(half_layout)
-        rows = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, half_layout))
+        rows = off_m + gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, half_layout))
         cols = off_n + gl.arange(0, HALF, layout=gl.SliceLayout(0, half_layout))
         return gate * (1.0 / (1.0 + gl.exp(-gate))) * up, rows, gl.load(m_indices_ptr + rows) >= 0, cols
 

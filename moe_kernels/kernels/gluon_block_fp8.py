@@ -106,10 +106,11 @@ def _check(func, x, x_scale, w, w_scale, m_indices, out, block_n, gated=False, v
             fail(func, "out", f"must have shape {(x.shape[0], width)}", tuple(out.shape))
 
 
-def _check_rows_used(func, rows_used, m_indices, device, validate_ids):
+def _check_rows_used(func, rows_used, m_indices, device, validate_ids, half_tiles=False):
     """The persistent grid visits the tiles below ``rows_used`` and takes each one's expert from its first row:
     with ``validate_ids`` (a read-back, skipped while a graph captures) ``rows_used`` must be a multiple of 128 in
-    ``[0, M_pad]``, every tile below it must start on a real row and no real row may lie past it."""
+    ``[0, M_pad]``, every tile below it must start on a real row and no real row may lie past it. ``half_tiles``
+    (a tile whose row 64 is padding multiplies rows 0-63 only): no real row may follow row 64's padding."""
     if rows_used.device != device:
         fail(func, "rows_used", f"must be on {device}", rows_used.device)
     capturing = rows_used.is_cuda and torch.cuda.is_current_stream_capturing()
@@ -121,11 +122,15 @@ def _check_rows_used(func, rows_used, m_indices, device, validate_ids):
     if bool((m_indices[:used:TILE_M] < 0).any()) or bool((m_indices[used:] >= 0).any()):
         fail(func, "m_indices", f"must start every {TILE_M}-row tile below rows_used={used} on a real row, and "
              "hold no real row past it", "a tile of padding, or a real row past rows_used")
+    tiles = m_indices[:used].view(-1, TILE_M)
+    if half_tiles and bool(((tiles[:, TILE_M // 2:] >= 0).any(dim=1) & (tiles[:, TILE_M // 2] < 0)).any()):
+        fail(func, "m_indices", f"must hold no real row after padding at row {TILE_M // 2} of a tile with half_tiles",
+             "a real row after a half tile's padding")
 
 
 def block_fp8_grouped(x, x_scale, w, w_scale, m_indices, *, out=None, gated: bool = False, overlap: bool = True,
                       block_n: int = 128, stages: int = 4, validate_ids: bool = True,
-                      rows_used: torch.Tensor | None = None, quantize_output: bool = False):
+                      rows_used: torch.Tensor | None = None, quantize_output: bool = False, half_tiles: bool = False):
     """``out[r] = dequant(x[r]) @ dequant(w[m_indices[r]])^T`` in bf16 (``[M_pad, N]``) for the rows with
     ``m_indices >= 0``; others are not written (``out``, if given, keeps them). ``x`` fp8 ``[M_pad, K]`` in
     128-row segments, ``x_scale`` float32 ``[M_pad, K/128]``, ``w`` fp8 ``[E, N, K]``, ``w_scale`` float32
@@ -140,10 +145,12 @@ def block_fp8_grouped(x, x_scale, w, w_scale, m_indices, *, out=None, gated: boo
     only). ``quantize_output`` (gated, with ``rows_used``): ``(out, out_scale)``, the output in fp8 with one
     float32 scale per row per 128 columns (``[M_pad, N/2]``, ``[M_pad, N/256]``), bit for bit the bf16 output
     quantised by :func:`~moe_kernels.kernels.quant.per_token_group_quant_fp8`: GEMM 2's input with no bf16
-    intermediate and no quantiser launch. The launch record (``gluon_block_fp8.gemm``) says which variant ran."""
+    intermediate and no quantiser launch. ``half_tiles`` (with ``rows_used``): a tile whose rows 64-127 are all
+    padding (a segment's last, with at most 64 real rows) multiplies 64 rows, half the MMAs. The launch record
+    (``gluon_block_fp8.gemm``) says which variant ran."""
     func = "block_fp8_grouped"
     for name, flag in (("gated", gated), ("overlap", overlap), ("validate_ids", validate_ids),
-                       ("quantize_output", quantize_output)):
+                       ("quantize_output", quantize_output), ("half_tiles", half_tiles)):
         if not isinstance(flag, bool):
             fail(func, name, "must be a bool", repr(flag), TypeError)
     check_int(func, "stages", stages, lo=2, hi=6)   # (a ring of 2 buffers at least; 6 of 128-column tiles fill 192 KiB)
@@ -161,6 +168,8 @@ def block_fp8_grouped(x, x_scale, w, w_scale, m_indices, *, out=None, gated: boo
         most = 4 if quantize_output else 5 if gated and block_n == 128 else 6
         if stages > most:
             fail(func, "stages", f"must be at most {most} on the persistent grid here (shared memory)", stages)
+    if half_tiles and not persistent:
+        fail(func, "half_tiles", "needs rows_used (half tiles are the persistent grid's)", half_tiles)
     if quantize_output and not (gated and persistent and block_n == 128 and out is None):
         fail(func, "quantize_output", "needs gated=True, rows_used, block_n=128 and out=None",
              dict(gated=gated, rows_used=persistent, block_n=block_n, out=out is not None))
@@ -169,7 +178,7 @@ def block_fp8_grouped(x, x_scale, w, w_scale, m_indices, *, out=None, gated: boo
         fail(func, "w", f"must be on a device this kernel runs on ({reason})", getattr(w, "device", w))
     _check(func, x, x_scale, w, w_scale, m_indices, out, block_n, gated, validate_ids)
     if persistent:
-        _check_rows_used(func, rows_used, m_indices, w.device, validate_ids)
+        _check_rows_used(func, rows_used, m_indices, w.device, validate_ids, half_tiles)
     out_scale = None
     if quantize_output:   # (rows of padding are not written: each reaches only its own rows in GEMM 2)
         out = torch.empty(x.shape[0], w.shape[1] // 2, device=x.device, dtype=torch.float8_e4m3fn)
@@ -177,7 +186,7 @@ def block_fp8_grouped(x, x_scale, w, w_scale, m_indices, *, out=None, gated: boo
     elif out is None:
         out = torch.empty(x.shape[0], w.shape[1] // 2 if gated else w.shape[1], device=x.device, dtype=torch.bfloat16)
     note_launch("gluon_block_fp8.gemm", gated=gated, overlap=overlap, block_n=block_n, stages=stages,
-                persistent=persistent, quantize_output=quantize_output)
+                persistent=persistent, quantize_output=quantize_output, half_tiles=half_tiles)
     from .._replay import recording_now
 
     recording = recording_now()
@@ -187,7 +196,7 @@ def block_fp8_grouped(x, x_scale, w, w_scale, m_indices, *, out=None, gated: boo
         from ._gluon_block_fp8_persistent import launch as launch_persistent
 
         launch_persistent(x, x_scale, w, w_scale, m_indices, rows_used, out, block_n=block_n, stages=stages,
-                          num_warps=8, gated=gated, out_scale=out_scale)
+                          num_warps=8, gated=gated, out_scale=out_scale, half_tiles=half_tiles)
     elif x.shape[0]:
         from ._gluon_block_fp8_kernel import launch
 

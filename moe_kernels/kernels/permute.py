@@ -96,6 +96,9 @@ GLUON_PERSISTENT = False
 #: With GLUON_PERSISTENT: GEMM 1 writes GEMM 2's input in fp8 with its scales (its epilogue quantises; no bf16
 #: ``[M_pad, F]`` and no quantiser launch).
 GLUON_QUANTIZE_IN_GEMM1 = False
+#: With GLUON_PERSISTENT: a segment's last tile with at most 64 real rows multiplies 64 rows (half tiles: the
+#: MMA work of each segment rounded up to 64 rows instead of 128). Off until its first GPU run.
+GLUON_HALF_TILES = False
 #: Block-fp8 input in one pass (:func:`~moe_kernels.kernels.quant_scatter.quantize_scatter`: each token quantised
 #: once, written to its k rows with its scales) instead of the quantiser, the fp8 scatter and the scales' gather
 #: (142 + 565 + 130 us at DeepSeek-V3's 16,384 tokens, ``permute-gluon-stages.json``). Off until its first GPU run
@@ -342,14 +345,16 @@ def _gluon_experts(rows, rows_scale, w1, w1_scale, w2, w2_scale, permuted: Permu
 
     # (permute wrote m_indices: one expert per 128-row tile, ids in [0, E) or -1; no read-back)
     rows_used = permuted.rows_used if GLUON_PERSISTENT else None
+    half = GLUON_HALF_TILES and rows_used is not None
     if rows_used is not None and GLUON_QUANTIZE_IN_GEMM1:
         a, a_scale = block_fp8_grouped(rows, rows_scale, w1, w1_scale, permuted.m_indices, gated=True,
-                                       validate_ids=False, rows_used=rows_used, quantize_output=True)
+                                       validate_ids=False, rows_used=rows_used, quantize_output=True, half_tiles=half)
     else:
         activated = block_fp8_grouped(rows, rows_scale, w1, w1_scale, permuted.m_indices, gated=True,
-                                      validate_ids=False, rows_used=rows_used)
+                                      validate_ids=False, rows_used=rows_used, half_tiles=half)
         a, a_scale = fmt.quantize_activations(activated)
-    y = block_fp8_grouped(a, a_scale, w2, w2_scale, permuted.m_indices, validate_ids=False, rows_used=rows_used)
+    y = block_fp8_grouped(a, a_scale, w2, w2_scale, permuted.m_indices, validate_ids=False, rows_used=rows_used,
+                          half_tiles=half)
     return unpermute(y, permuted.src2dst, topk_weights)
 
 
