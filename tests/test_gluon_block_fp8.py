@@ -29,14 +29,14 @@ SEGMENTS = {
 }
 
 
-def segmented(counts, seed, k=256, n=128, device="cpu"):
-    """fp8 block operands for experts with ``counts`` rows each, segments rounded up to 128 rows. The second
-    half of N is 8 times larger than the first (its 128 x 128 blocks' scales too): a tile that promoted one
-    half with the other's weight scale would be off by 8 times."""
+def segmented(counts, seed, k=256, n=128, device="cpu", align=128):
+    """fp8 block operands for experts with ``counts`` rows each, segments rounded up to ``align`` rows, and a
+    trailing tile of padding. The second half of N is 8 times larger than the first (its 128 x 128 blocks'
+    scales too): a tile that promoted one half with the other's weight scale would be off by 8 times."""
     g = torch.Generator().manual_seed(seed)
     m_indices = torch.cat([torch.cat([torch.full((c,), e, dtype=torch.int32),
-                                      torch.full((-c % 128,), -1, dtype=torch.int32)]) for e, c in enumerate(counts)]
-                          + [torch.full((128,), -1, dtype=torch.int32)])
+                                      torch.full((-c % align,), -1, dtype=torch.int32)]) for e, c in enumerate(counts)]
+                          + [torch.full((align,), -1, dtype=torch.int32)])
     raw = torch.randn(len(counts), n, k, generator=g) / 16
     raw[:, n // 2:] *= 8
     w, w_scale = BLOCK.quantize_weight(raw)
@@ -91,7 +91,11 @@ def test_it_refuses_where_it_cannot_run():
                                                   rows_used=torch.zeros(1, dtype=torch.int32)), "stages"),
                                             (dict(half_tiles=1, rows_used=torch.zeros(1, dtype=torch.int32)),
                                              "half_tiles"),
-                                            (dict(half_tiles=True), "half_tiles")])
+                                            (dict(half_tiles=True), "half_tiles"),
+                                            (dict(block_t=8, rows_used=torch.zeros(1, dtype=torch.int32)), "block_t"),
+                                            (dict(block_t=16), "block_t"),
+                                            (dict(block_t=16, half_tiles=True,
+                                                  rows_used=torch.zeros(1, dtype=torch.int32)), "block_t")])
 def test_bad_launch_settings_are_named(settings, name):
     """Checked before the device: refused by name on any machine."""
     x, x_scale, w, w_scale, m_indices = segmented([3], seed=1)
@@ -125,6 +129,18 @@ def test_bad_arguments_are_named(change, name):
     with pytest.raises((ValueError, TypeError), match=f"argument '{name}'"):
         gluon_block_fp8._check("block_fp8_grouped", args["x"], args["x_scale"], args["w"], args["w_scale"],
                                args["m_indices"], args["out"], 128, args["gated"])
+
+
+@pytest.mark.parametrize("tile_m", [16, 32, 64])
+def test_the_transposed_grids_tiles_are_checked(tile_m):
+    """With block_t (the transposed grid) x's rows and each tile's expert are checked on tiles of block_t rows."""
+    x, x_scale, w, w_scale, m_indices = segmented([3, 0, 20], seed=2, align=tile_m)
+    gluon_block_fp8._check("f", x, x_scale, w, w_scale, m_indices, None, 128, tile_m=tile_m)   # (fine)
+    with pytest.raises(ValueError, match=f"argument 'x' must have a multiple of {tile_m} rows"):
+        gluon_block_fp8._check("f", x[:-8], x_scale[:-8], w, w_scale, m_indices[:-8], None, 128, tile_m=tile_m)
+    m_indices[1] = 1   # (a tile of expert 0 with a row of expert 1)
+    with pytest.raises(ValueError, match=f"argument 'm_indices' must give each {tile_m}-row tile one expert"):
+        gluon_block_fp8._check("f", x, x_scale, w, w_scale, m_indices, None, 128, tile_m=tile_m)
 
 
 def fp8_problem(num_tokens, seed, dtype=torch.float32):
@@ -282,6 +298,42 @@ def test_rows_used_is_checked_gpu(change, message):
         block_fp8_grouped(x, x_scale, w, w_scale, m_indices, rows_used=rows_used)
 
 
+# (decode: a few tokens an expert, segments of block_t rows)
+DECODE_SEGMENTS = {"one token": [1], "an empty expert": [3, 0, 17], "a full tile": [0, 16, 64],
+                   "several tiles per expert": [40, 1, 70, 9]}
+
+
+@pytest.mark.gpu
+@needs_gluon
+@pytest.mark.parametrize("case", sorted(DECODE_SEGMENTS))
+@pytest.mark.parametrize("block_t", [16, 32, 64])
+@pytest.mark.parametrize("programs, stages, warps", [(1, 2, 4), (3, 6, 4), (None, 4, 4), (3, 4, 8)])
+@pytest.mark.parametrize("k", [128, 384, 1152])
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
+def test_the_transposed_grid_against_the_reference_gpu(monkeypatch, case, block_t, programs, stages, warps, k, gated):
+    """The transposed product (block_t: 128 weight rows by block_t tokens a tile) on its persistent grid: a few
+    programs each walking many tiles, K loops of 1, 3 and 9 steps, one warpgroup or two, rows of padding and past
+    rows_used untouched; N = 512, so the gated tile's up rows are in other scale blocks than its gate rows (8
+    times larger)."""
+    from moe_kernels.kernels import _gluon_block_fp8_transposed as transposed
+
+    monkeypatch.setattr(transposed, "PROGRAMS", programs)
+    monkeypatch.setattr(transposed, "NUM_WARPS", warps)
+    x, x_scale, w, w_scale, m_indices = segmented(DECODE_SEGMENTS[case], seed=len(case) + k, k=k, n=512,
+                                                  device="cuda", align=block_t)
+    rows_used = torch.tensor([m_indices.shape[0] - block_t], dtype=torch.int32, device="cuda")
+    out = torch.full((x.shape[0], 256 if gated else 512), 7.0, device="cuda", dtype=torch.bfloat16)
+    with record_launches() as launches:
+        block_fp8_grouped(x, x_scale, w, w_scale, m_indices, out=out, gated=gated, rows_used=rows_used,
+                          block_t=block_t, stages=stages)
+    assert [(s["block_t"], s["persistent"]) for name, s in launches if name == "gluon_block_fp8.gemm"] == [
+        (block_t, True)], launches
+    want = block_fp8_grouped_reference(x, x_scale, w, w_scale, m_indices, gated=gated)
+    real = m_indices >= 0
+    assert rel_err(out[real].float(), want[real].float()) < 5e-3
+    assert bool((out[~real] == 7.0).all())
+
+
 @pytest.mark.gpu
 @needs_gluon
 def test_half_tiles_refuse_a_real_row_after_row_64s_padding_gpu():
@@ -301,8 +353,8 @@ def test_half_tiles_refuse_a_real_row_after_row_64s_padding_gpu():
 @pytest.mark.parametrize("persistent, fused, one_pass, half", [
     (False, False, False, False), (False, False, True, False), (True, False, True, False), (True, True, True, False),
     (True, False, True, True), (True, True, True, True)],
-    ids=["per tile", "per tile, one-pass input", "persistent", "persistent, GEMM 1 quantising", "persistent, half tiles",
-         "persistent, GEMM 1 quantising, half tiles"])
+    ids=["per tile", "per tile, one-pass input", "persistent", "persistent, GEMM 1 quantising",
+         "persistent, half tiles", "persistent, GEMM 1 quantising, half tiles"])
 def test_the_permute_layout_on_the_gluon_kernel_gpu(monkeypatch, num_tokens, persistent, fused, one_pass, half):
     """permute_experts with FP8_GEMM = "gluon" (per tile, on the persistent grid, and with GEMM 1 quantising
     GEMM 2's input): the launch record says which kernels ran, the result agrees with the Triton kernel's
@@ -341,11 +393,39 @@ def test_the_permute_layout_on_the_gluon_kernel_gpu(monkeypatch, num_tokens, per
 
 @pytest.mark.gpu
 @needs_gluon
+@pytest.mark.parametrize("num_tokens, align", [(1, 16), (8, 16), (64, 16), (64, 32), (200, 64)])
+def test_the_permute_layout_at_decode_on_the_transposed_kernel_gpu(monkeypatch, num_tokens, align):
+    """permute_experts with FP8_GEMM = "gluon" and segments of 16-64 rows: both GEMMs on the transposed grid
+    (the launch record says so), the result within the fp8 reference's tolerance and the Triton kernel's,
+    and a CUDA graph captures the call."""
+    from moe_kernels.reference import moe_reference_fp8
+
+    x, w1q, w2q, weights, ids, w1s, w2s = fp8_problem(num_tokens, seed=num_tokens, dtype=torch.bfloat16)
+    triton_out = permute_experts(x, w1q, w2q, weights, ids, align=align, w1_scale=w1s, w2_scale=w2s)
+    monkeypatch.setattr(permute_module, "FP8_GEMM", "gluon")
+    with record_launches() as launches:
+        got = permute_experts(x, w1q, w2q, weights, ids, align=align, w1_scale=w1s, w2_scale=w2s)
+    assert [(s["gated"], s["block_t"]) for name, s in launches if name == "gluon_block_fp8.gemm"] == [
+        (True, align), (False, align)], launches
+    want = moe_reference_fp8(x, w1q, w2q, weights, ids, w1_scale=w1s, w2_scale=w2s, granularity="block",
+                             intermediate_dtype=x.dtype)
+    assert rel_err(got.float(), want.float()) < 2e-2 and rel_err(got.float(), triton_out.float()) < 2e-2
+    graph, static = torch.cuda.CUDAGraph(), x.clone()
+    permute_experts(static, w1q, w2q, weights, ids, align=align, w1_scale=w1s, w2_scale=w2s)
+    with torch.cuda.graph(graph):
+        captured = permute_experts(static, w1q, w2q, weights, ids, align=align, w1_scale=w1s, w2_scale=w2s,
+                                   validate_ids=False)
+    graph.replay()
+    assert torch.equal(captured, got)
+
+
+@pytest.mark.gpu
+@needs_gluon
 def test_the_switch_refuses_what_the_kernel_cannot_take_gpu(monkeypatch):
-    """fp16 activations and 64-row segments go to the Triton kernel, the launch record saying why."""
+    """fp16 activations and 256-row segments go to the Triton kernel, the launch record saying why."""
     x, w1q, w2q, weights, ids, w1s, w2s = fp8_problem(20, seed=5, dtype=torch.bfloat16)
     monkeypatch.setattr(permute_module, "FP8_GEMM", "gluon")
-    for hidden, align, reason in ((x.half(), 128, "activations not bf16"), (x, 64, "segments of 64 rows")):
+    for hidden, align, reason in ((x.half(), 128, "activations not bf16"), (x, 256, "segments of 256 rows")):
         with record_launches() as launches:
             permute_experts(hidden, w1q, w2q, weights, ids, align=align, w1_scale=w1s, w2_scale=w2s)
         chosen = [s for name, s in launches if name == "permute.fp8_gemm"]

@@ -364,9 +364,9 @@ if GLUON_HOPPER:
         return compile_kernel_for_sm90(_block_fp8_grouped_kernel, block_n, gated, num_warps,
                                        {"NUM_STAGES": stages, "OVERLAP": overlap})
 
-    def compile_kernel_for_sm90(fn, block_n, gated, num_warps, constants, pointers=None):
-        """``fn`` (this kernel, or its persistent grid's) compiled for sm_90a with ``constants`` besides
-        BLOCK_N, GROUP and GATED, and ``pointers`` (name: type) besides, or instead of, the kernel's own."""
+    def compile_kernel_for_sm90(fn, block_n, gated, num_warps, constants, pointers=None, descriptors=None):
+        """``fn`` compiled for sm_90a with ``constants`` besides BLOCK_N, GROUP and GATED, ``pointers`` (name: type)
+        besides or instead of this kernel's, and ``descriptors`` (x's, w's: their types) unless this kernel's."""
         pointers = pointers or {}
         from triton.backends.compiler import GPUTarget
         from triton.experimental.gluon._runtime import GluonASTSource
@@ -375,7 +375,7 @@ if GLUON_HOPPER:
         # (host tensors only to spell the descriptors' types)
         x = torch.empty(TILE_M, TILE_K, dtype=torch.float8_e4m3fn)
         w = torch.empty(1, 128, TILE_K, dtype=torch.float8_e4m3fn)
-        x_desc, w_desc = _descriptors(x, w, block_n, gated)
+        x_desc, w_desc = descriptors or _descriptors(x, w, block_n, gated)
         constants = {"BLOCK_N": block_n, "GROUP": GROUP_M, "GATED": gated, **constants}
         types = {"x_desc": mangle_type(x_desc), "w_desc": mangle_type(w_desc), "out_ptr": "*bf16",
                  "x_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", "m_indices_ptr": "*i32", **pointers}

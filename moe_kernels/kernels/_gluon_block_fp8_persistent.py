@@ -56,6 +56,21 @@ if GLUON_HOPPER:
 
 
     @gluon.jit
+    def _drained(token, scale):
+        """The last step's product, every MMA complete (``wgmma.wait_group 0``), with its scales."""
+        return warpgroup_mma_wait(num_outstanding=0, deps=(token, )), scale
+
+
+    @gluon.jit
+    def _scale_pointers(rows, x_scale_ptr, stride_xs, w_scale_ptr, expert, off_n, N, stride_wse, stride_wsn):
+        """A tile's scales, a step's offset from each: its ``rows``' activation scales, and its weight block's
+        (gated also the up half's, of weight rows ``N/2 + off_n``...), for output columns ``off_n``..."""
+        ws_ptr = w_scale_ptr + expert * stride_wse + (off_n // 128) * stride_wsn
+        ws_up_ptr = w_scale_ptr + expert * stride_wse + ((N // 2 + off_n) // 128) * stride_wsn
+        return x_scale_ptr + rows * stride_xs, ws_ptr, ws_up_ptr
+
+
+    @gluon.jit
     def _issue_rows_mma(a_bufs, b_bufs, ready, step, dead, NUM_STAGES: gl.constexpr):
         """``_issue_mma`` (the per-tile kernel's) for a tile of ``dead.shape[0]`` rows: a half tile multiplies
         the first 64 rows of the stage's A box (the copy brought all 128; the rest are padding)."""
@@ -158,10 +173,9 @@ if GLUON_HOPPER:
         out_ptr, x_scale_ptr, w_scale_ptr, m_indices_ptr, out_scale_ptr, stash = tensors
         N, OUT_N, stride_om, stride_xs, stride_wse, stride_wsn, stride_os = sizes
         base = t * num_k   # the global step of this tile's step 0
-        scale_rows = off_m + gl.arange(0, ROWS, layout=gl.SliceLayout(1, mma_layout))
-        xs_ptrs = x_scale_ptr + scale_rows * stride_xs
-        ws_ptr = w_scale_ptr + expert * stride_wse + (off_n // 128) * stride_wsn
-        ws_up_ptr = w_scale_ptr + expert * stride_wse + ((N // 2 + off_n) // 128) * stride_wsn
+        xs_ptrs, ws_ptr, ws_up_ptr = _scale_pointers(
+            off_m + gl.arange(0, ROWS, layout=gl.SliceLayout(1, mma_layout)), x_scale_ptr, stride_xs, w_scale_ptr,
+            expert, off_n, N, stride_wse, stride_wsn)
 
         acc = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=mma_layout)
         y_dead = warpgroup_mma_wait(num_outstanding=0, deps=(gl.zeros([ROWS, BLOCK_N], gl.float32,
@@ -186,11 +200,9 @@ if GLUON_HOPPER:
                 base, num_k - 1, num_k, x_tok, x_scale, y_dead, scale, acc, x_desc, w_desc, a_bufs, b_bufs, ready,
                 xs_ptrs, ws_ptr, ws_up_ptr, pid, nprog, my_tiles, num_pid_m, num_pid_n, m_indices_ptr,
                 N, W_ROWS, GROUP, QUANT_OUT, NUM_STAGES, GATED)
-            last = warpgroup_mma_wait(num_outstanding=0, deps=(y_tok, ))
-            last_scale = y_scale
+            last, last_scale = _drained(y_tok, y_scale)
         else:
-            last = warpgroup_mma_wait(num_outstanding=0, deps=(x_tok, ))
-            last_scale = x_scale
+            last, last_scale = _drained(x_tok, x_scale)
         # the last step's stage is free: refill it (a later tile's step) before this tile's epilogue
         gl.thread_barrier()
         _load_global(x_desc, w_desc, a_bufs, b_bufs, ready, base + num_k - 1 + NUM_STAGES, num_k, pid, nprog,
@@ -290,7 +302,8 @@ if GLUON_HOPPER:
         if quant_out:
             pointers["out_ptr"] = "*fp8e4nv"
         return compile_kernel_for_sm90(_block_fp8_grouped_persistent_kernel, block_n, gated, num_warps,
-                                       {"NUM_STAGES": stages, "QUANT_OUT": quant_out, "HALF_TILES": half_tiles}, pointers)
+                                       {"NUM_STAGES": stages, "QUANT_OUT": quant_out, "HALF_TILES": half_tiles},
+                                       pointers)
 
     def launch(x, x_scale, w, w_scale, m_indices, rows_used, out, *, block_n, stages, num_warps, gated=False,
                out_scale=None, half_tiles=False):

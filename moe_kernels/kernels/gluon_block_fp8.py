@@ -61,7 +61,7 @@ def available(device: torch.device | str) -> str | None:
     return None
 
 
-def _check(func, x, x_scale, w, w_scale, m_indices, out, block_n, gated=False, validate_ids=True):
+def _check(func, x, x_scale, w, w_scale, m_indices, out, block_n, gated=False, validate_ids=True, tile_m=TILE_M):
     check_tensor(func, "w", w, ndim=3, dtypes=(torch.float8_e4m3fn,), contiguous=True)
     e, n, k = w.shape
     if e == 0:
@@ -72,8 +72,8 @@ def _check(func, x, x_scale, w, w_scale, m_indices, out, block_n, gated=False, v
              (x.data_ptr() % 16, x.stride(0)))
     if x.shape[1] != k or k == 0 or k % TILE_K:
         fail(func, "x", f"must have K = w.shape[2] = {k} columns, a positive multiple of {TILE_K}", tuple(x.shape))
-    if x.shape[0] % TILE_M:
-        fail(func, "x", f"must have a multiple of {TILE_M} rows (segments aligned to {TILE_M})", tuple(x.shape))
+    if x.shape[0] % tile_m:
+        fail(func, "x", f"must have a multiple of {tile_m} rows (segments aligned to {tile_m})", tuple(x.shape))
     if n % (256 if gated else 128):
         fail(func, "w", f"must have N a multiple of {256 if gated else 128} (gated: two halves of 128-row scale "
              "blocks)", tuple(w.shape))
@@ -94,10 +94,10 @@ def _check(func, x, x_scale, w, w_scale, m_indices, out, block_n, gated=False, v
     if validate_ids and m_indices.numel() and not capturing:
         if int(m_indices.max()) >= e:
             fail(func, "m_indices", f"must hold experts in [0, {e}) or -1", int(m_indices.max()))
-        tiles = m_indices.view(-1, TILE_M)
+        tiles = m_indices.view(-1, tile_m)
         top = tiles.max(dim=1, keepdim=True).values
         if bool(((tiles != top) & (tiles >= 0)).any()):
-            fail(func, "m_indices", f"must give each {TILE_M}-row tile one expert (and -1 on its padding rows)",
+            fail(func, "m_indices", f"must give each {tile_m}-row tile one expert (and -1 on its padding rows)",
                  "a tile with two experts")
     if out is not None:
         check_tensor(func, "out", out, ndim=2, dtypes=(torch.bfloat16,), device=w.device, last_dim_contiguous=True)
@@ -106,7 +106,7 @@ def _check(func, x, x_scale, w, w_scale, m_indices, out, block_n, gated=False, v
             fail(func, "out", f"must have shape {(x.shape[0], width)}", tuple(out.shape))
 
 
-def _check_rows_used(func, rows_used, m_indices, device, validate_ids, half_tiles=False):
+def _check_rows_used(func, rows_used, m_indices, device, validate_ids, half_tiles=False, tile_m=TILE_M):
     """The persistent grid visits the tiles below ``rows_used`` and takes each one's expert from its first row:
     with ``validate_ids`` (a read-back, skipped while a graph captures) ``rows_used`` must be a multiple of 128 in
     ``[0, M_pad]``, every tile below it must start on a real row and no real row may lie past it. ``half_tiles``
@@ -117,12 +117,12 @@ def _check_rows_used(func, rows_used, m_indices, device, validate_ids, half_tile
     if not validate_ids or capturing:
         return
     used = int(rows_used[0])
-    if used < 0 or used > m_indices.shape[0] or used % TILE_M:
-        fail(func, "rows_used", f"must be a multiple of {TILE_M} in [0, {m_indices.shape[0]}]", used)
-    if bool((m_indices[:used:TILE_M] < 0).any()) or bool((m_indices[used:] >= 0).any()):
-        fail(func, "m_indices", f"must start every {TILE_M}-row tile below rows_used={used} on a real row, and "
+    if used < 0 or used > m_indices.shape[0] or used % tile_m:
+        fail(func, "rows_used", f"must be a multiple of {tile_m} in [0, {m_indices.shape[0]}]", used)
+    if bool((m_indices[:used:tile_m] < 0).any()) or bool((m_indices[used:] >= 0).any()):
+        fail(func, "m_indices", f"must start every {tile_m}-row tile below rows_used={used} on a real row, and "
              "hold no real row past it", "a tile of padding, or a real row past rows_used")
-    tiles = m_indices[:used].view(-1, TILE_M)
+    tiles = m_indices[:used].view(-1, tile_m)
     if half_tiles and bool(((tiles[:, TILE_M // 2:] >= 0).any(dim=1) & (tiles[:, TILE_M // 2] < 0)).any()):
         fail(func, "m_indices", f"must hold no real row after padding at row {TILE_M // 2} of a tile with half_tiles",
              "a real row after a half tile's padding")
@@ -130,7 +130,8 @@ def _check_rows_used(func, rows_used, m_indices, device, validate_ids, half_tile
 
 def block_fp8_grouped(x, x_scale, w, w_scale, m_indices, *, out=None, gated: bool = False, overlap: bool = True,
                       block_n: int = 128, stages: int = 4, validate_ids: bool = True,
-                      rows_used: torch.Tensor | None = None, quantize_output: bool = False, half_tiles: bool = False):
+                      rows_used: torch.Tensor | None = None, quantize_output: bool = False, half_tiles: bool = False,
+                      block_t: int | None = None):
     """``out[r] = dequant(x[r]) @ dequant(w[m_indices[r]])^T`` in bf16 (``[M_pad, N]``) for the rows with
     ``m_indices >= 0``; others are not written (``out``, if given, keeps them). ``x`` fp8 ``[M_pad, K]`` in
     128-row segments, ``x_scale`` float32 ``[M_pad, K/128]``, ``w`` fp8 ``[E, N, K]``, ``w_scale`` float32
@@ -146,8 +147,10 @@ def block_fp8_grouped(x, x_scale, w, w_scale, m_indices, *, out=None, gated: boo
     float32 scale per row per 128 columns (``[M_pad, N/2]``, ``[M_pad, N/256]``), bit for bit the bf16 output
     quantised by :func:`~moe_kernels.kernels.quant.per_token_group_quant_fp8`: GEMM 2's input with no bf16
     intermediate and no quantiser launch. ``half_tiles`` (with ``rows_used``): a tile whose rows 64-127 are all
-    padding (a segment's last, with at most 64 real rows) multiplies 64 rows, half the MMAs. The launch record
-    (``gluon_block_fp8.gemm``) says which variant ran."""
+    padding (a segment's last, with at most 64 real rows) multiplies 64 rows, half the MMAs. ``block_t`` (16, 32
+    or 64, with ``rows_used``; decode): the product transposed on tiles of 128 weight rows by ``block_t`` token
+    rows, segments aligned to ``block_t`` (:mod:`moe_kernels.kernels._gluon_block_fp8_transposed`; ``block_n`` is
+    not used). The launch record (``gluon_block_fp8.gemm``) says which variant ran."""
     func = "block_fp8_grouped"
     for name, flag in (("gated", gated), ("overlap", overlap), ("validate_ids", validate_ids),
                        ("quantize_output", quantize_output), ("half_tiles", half_tiles)):
@@ -165,20 +168,27 @@ def block_fp8_grouped(x, x_scale, w, w_scale, m_indices, *, out=None, gated: boo
             fail(func, "overlap", "must be True with rows_used (the persistent grid overlaps its promotion)", overlap)
         # (the persistent grid's shared memory: the epilogue's buffers cannot share the ring's, which the next
         # tile's loads are filling; 6 gated stages or 5 quantising ones pass the H200's 227 KiB)
-        most = 4 if quantize_output else 5 if gated and block_n == 128 else 6
+        most = 4 if quantize_output else 5 if gated and block_n == 128 and block_t is None else 6
         if stages > most:
             fail(func, "stages", f"must be at most {most} on the persistent grid here (shared memory)", stages)
     if half_tiles and not persistent:
         fail(func, "half_tiles", "needs rows_used (half tiles are the persistent grid's)", half_tiles)
+    if block_t is not None:
+        if block_t not in (16, 32, 64):
+            fail(func, "block_t", "must be None, 16, 32 or 64", repr(block_t))
+        if not persistent or quantize_output or half_tiles:
+            fail(func, "block_t", "needs rows_used, without quantize_output or half_tiles (the transposed grid)",
+                 dict(rows_used=persistent, quantize_output=quantize_output, half_tiles=half_tiles))
     if quantize_output and not (gated and persistent and block_n == 128 and out is None):
         fail(func, "quantize_output", "needs gated=True, rows_used, block_n=128 and out=None",
              dict(gated=gated, rows_used=persistent, block_n=block_n, out=out is not None))
     reason = available(w.device if isinstance(w, torch.Tensor) else "cpu")
     if reason is not None:
         fail(func, "w", f"must be on a device this kernel runs on ({reason})", getattr(w, "device", w))
-    _check(func, x, x_scale, w, w_scale, m_indices, out, block_n, gated, validate_ids)
+    tile_m = block_t or TILE_M
+    _check(func, x, x_scale, w, w_scale, m_indices, out, block_n, gated, validate_ids, tile_m)
     if persistent:
-        _check_rows_used(func, rows_used, m_indices, w.device, validate_ids, half_tiles)
+        _check_rows_used(func, rows_used, m_indices, w.device, validate_ids, half_tiles, tile_m)
     out_scale = None
     if quantize_output:   # (rows of padding are not written: each reaches only its own rows in GEMM 2)
         out = torch.empty(x.shape[0], w.shape[1] // 2, device=x.device, dtype=torch.float8_e4m3fn)
@@ -186,13 +196,18 @@ def block_fp8_grouped(x, x_scale, w, w_scale, m_indices, *, out=None, gated: boo
     elif out is None:
         out = torch.empty(x.shape[0], w.shape[1] // 2 if gated else w.shape[1], device=x.device, dtype=torch.bfloat16)
     note_launch("gluon_block_fp8.gemm", gated=gated, overlap=overlap, block_n=block_n, stages=stages,
-                persistent=persistent, quantize_output=quantize_output, half_tiles=half_tiles)
+                persistent=persistent, quantize_output=quantize_output, half_tiles=half_tiles, block_t=block_t)
     from .._replay import recording_now
 
     recording = recording_now()
     if recording is not None and x.shape[0]:   # (a replay would skip the launch: MoELayer's plans must not take it)
         recording.refuse("a Gluon launch, which the replay does not record")
-    if x.shape[0] and persistent:
+    if x.shape[0] and block_t is not None:
+        from ._gluon_block_fp8_transposed import launch as launch_transposed, warps_for
+
+        launch_transposed(x, x_scale, w, w_scale, m_indices, rows_used, out, block_t=block_t, stages=stages,
+                          num_warps=warps_for(block_t), gated=gated)
+    elif x.shape[0] and persistent:
         from ._gluon_block_fp8_persistent import launch as launch_persistent
 
         launch_persistent(x, x_scale, w, w_scale, m_indices, rows_used, out, block_n=block_n, stages=stages,

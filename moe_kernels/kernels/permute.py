@@ -83,12 +83,12 @@ from .quant_scatter import quantize_scatter
 #: (:func:`~moe_kernels.kernels.contiguous_gemm.grouped_gemm_contiguous`) or "gluon"
 #: (:func:`~moe_kernels.kernels.gluon_block_fp8.block_fp8_grouped`, each K step's promotion under the
 #: next MMA: 619-885 TFLOP/s on the H200 where the Triton kernel ran 558-744, the GEMMs alone, 16,384
-#: tokens). "gluon" applies SiLU·mul in GEMM 1's epilogue and runs the quantiser as a launch of its own
-#: (intermediates: ``[M_pad, F]`` bf16 and fp8, GEMM 2's ``[M_pad, d]`` bf16); it stays off until the
-#: whole call is timed. Where it cannot run (no Triton 3.6 Gluon, not sm_90, bf16 activations only,
-#: segments of 128 rows, no ``gather_rows`` or ``sum_in_gemm``, F and d multiples of 128) the call takes
-#: the Triton kernel and its launch record says why. Read at each call; like ``combine.UNPERMUTE_BODY``, a
-#: plan recorded before a change keeps its kernel, and a recording refuses the Gluon launch (no replay).
+#: tokens; segments of 16-64 rows take its transposed grid). "gluon" applies SiLU·mul in GEMM 1's epilogue
+#: and runs the quantiser as a launch of its own; it stays off until the whole call is timed. Where it
+#: cannot run (no Triton 3.6 Gluon, not sm_90, bf16 activations only, segments of 16, 32, 64 or 128 rows, no
+#: ``gather_rows`` or ``sum_in_gemm``, F and d multiples of 128) the call takes the Triton kernel and its
+#: launch record says why. Like ``combine.UNPERMUTE_BODY``, a plan recorded before a change keeps its
+#: kernel, and a recording refuses the Gluon launch (no replay).
 FP8_GEMM = "triton"
 #: With FP8_GEMM = "gluon": both GEMMs on the Gluon kernel's persistent grid (one program per SM walking the
 #: tiles of the rows used, its loads running ahead across tiles: for short K loops), else one program a tile.
@@ -99,10 +99,12 @@ GLUON_QUANTIZE_IN_GEMM1 = False
 #: With GLUON_PERSISTENT: a segment's last tile with at most 64 real rows multiplies 64 rows (half tiles: the
 #: MMA work of each segment rounded up to 64 rows instead of 128). Off until its first GPU run.
 GLUON_HALF_TILES = False
+#: The transposed kernel's TMA stages (FP8_GEMM "gluon", segments of 16-64 rows; 6: 116 KiB at 16 rows).
+TRANSPOSED_STAGES = 6
 #: Block-fp8 input in one pass (:func:`~moe_kernels.kernels.quant_scatter.quantize_scatter`: each token quantised
 #: once, written to its k rows with its scales) instead of the quantiser, the fp8 scatter and the scales' gather
-#: (142 + 565 + 130 us at DeepSeek-V3's 16,384 tokens, ``permute-gluon-stages.json``). Off until its first GPU run
-#: (tests and timing): built in session 27 after the device was gone; the CPU runs its kernel on exact values.
+#: (142 + 565 + 130 us at DeepSeek-V3's 16,384 tokens, ``permute-gluon-stages.json``). Off until its first GPU
+#: run (the CPU runs its kernel on exact values only).
 ONE_PASS_FP8_INPUT = False
 
 if HAS_TRITON:
@@ -294,7 +296,7 @@ def permute_experts(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Ten
             rows = permuted.rows
             rows_scale = _permute_scales(x_scale, permuted, topk_ids.shape[1])
     if fmt.quantized and _fp8_gemm_kernel(fmt, config, align, hidden_states, w1, w2) == "gluon":
-        return _gluon_experts(rows, rows_scale, w1, w1_scale, w2, w2_scale, permuted, topk_weights, fmt)
+        return _gluon_experts(rows, rows_scale, w1, w1_scale, w2, w2_scale, permuted, topk_weights, fmt, align)
     activated = grouped_gemm_contiguous(
         rows, w1, permuted.m_indices, align=align, silu_mul=True, config=config,
         which="gate_up", x_scale=rows_scale, w_scale=w1_scale,
@@ -329,7 +331,7 @@ def _fp8_gemm_kernel(fmt, config, align, hidden_states, w1, w2) -> str:
     why = available(hidden_states.device) or next((reason for refused, reason in (
         (fmt.block != (128, 128), "weights not in 128 x 128 blocks"),
         (hidden_states.dtype != torch.bfloat16, "activations not bf16"),
-        (align != 128, f"segments of {align} rows, not 128"),
+        (align not in (16, 32, 64, 128), f"segments of {align} rows, not 16, 32, 64 or 128"),
         (config.gather_rows or config.sum_in_gemm, "gather_rows or sum_in_gemm"),
         (f % 128 or d % 128, "F or d not a multiple of 128"),
         (not (w1.is_contiguous() and w2.is_contiguous()), "weights not contiguous")) if refused), None)
@@ -337,13 +339,17 @@ def _fp8_gemm_kernel(fmt, config, align, hidden_states, w1, w2) -> str:
     return "triton" if why else "gluon"
 
 
-def _gluon_experts(rows, rows_scale, w1, w1_scale, w2, w2_scale, permuted: PermutedRows, topk_weights, fmt):
+def _gluon_experts(rows, rows_scale, w1, w1_scale, w2, w2_scale, permuted: PermutedRows, topk_weights, fmt, align):
     """Both GEMMs on the Gluon kernel: GEMM 1 gated (``silu(gate) * up`` in its epilogue, bf16 ``[M_pad, F]``),
     the quantiser, GEMM 2 into bf16 ``[M_pad, d]``, the gather back. Neither GEMM writes a padding row; what
-    the quantiser makes of them stays in their own rows."""
+    the quantiser makes of them stays in their own rows. Segments of 16, 32 or 64 rows (decode) take the
+    transposed kernel (tiles of 128 weight rows by ``align`` tokens) on its persistent grid."""
     from .gluon_block_fp8 import block_fp8_grouped
 
     # (permute wrote m_indices: one expert per 128-row tile, ids in [0, E) or -1; no read-back)
+    if align != 128:   # (a few tokens an expert: the product transposed, on its persistent grid)
+        return _gluon_transposed_experts(rows, rows_scale, w1, w1_scale, w2, w2_scale, permuted, topk_weights, fmt,
+                                         align)
     rows_used = permuted.rows_used if GLUON_PERSISTENT else None
     half = GLUON_HALF_TILES and rows_used is not None
     if rows_used is not None and GLUON_QUANTIZE_IN_GEMM1:
@@ -355,6 +361,18 @@ def _gluon_experts(rows, rows_scale, w1, w1_scale, w2, w2_scale, permuted: Permu
         a, a_scale = fmt.quantize_activations(activated)
     y = block_fp8_grouped(a, a_scale, w2, w2_scale, permuted.m_indices, validate_ids=False, rows_used=rows_used,
                           half_tiles=half)
+    return unpermute(y, permuted.src2dst, topk_weights)
+
+
+def _gluon_transposed_experts(rows, rows_scale, w1, w1_scale, w2, w2_scale, permuted, topk_weights, fmt, align):
+    from .gluon_block_fp8 import block_fp8_grouped
+
+    used = permuted.rows_used
+    activated = block_fp8_grouped(rows, rows_scale, w1, w1_scale, permuted.m_indices, gated=True, validate_ids=False,
+                                  rows_used=used, block_t=align, stages=TRANSPOSED_STAGES)
+    a, a_scale = fmt.quantize_activations(activated)
+    y = block_fp8_grouped(a, a_scale, w2, w2_scale, permuted.m_indices, validate_ids=False, rows_used=used,
+                          block_t=align, stages=TRANSPOSED_STAGES)
     return unpermute(y, permuted.src2dst, topk_weights)
 
 
