@@ -92,6 +92,7 @@ def test_it_refuses_where_it_cannot_run():
                                             (dict(half_tiles=1, rows_used=torch.zeros(1, dtype=torch.int32)),
                                              "half_tiles"),
                                             (dict(half_tiles=True), "half_tiles"),
+                                            (dict(block_n=64, rows_used=torch.zeros(1, dtype=torch.int32)), "block_n"),
                                             (dict(block_t=8, rows_used=torch.zeros(1, dtype=torch.int32)), "block_t"),
                                             (dict(block_t=16), "block_t"),
                                             (dict(block_t=16, half_tiles=True,
@@ -221,9 +222,18 @@ def test_the_persistent_grid_against_the_reference_gpu(monkeypatch, case, progra
     from moe_kernels.kernels import _gluon_block_fp8_persistent as persistent
 
     monkeypatch.setattr(persistent, "PROGRAMS", programs)
+    counter = torch.zeros(1, dtype=torch.int32, device="cuda")
+    monkeypatch.setattr(persistent, "HALF_TILE_COUNTER", counter)
     launches = check_against_reference(case, k, gated, persistent=True, stages=stages, half_tiles=half_tiles)
     assert [(s["persistent"], s["half_tiles"]) for name, s in launches if name == "gluon_block_fp8.gemm"] == [
         (True, half_tiles)], launches
+    # the path, not only the values: each half tile (row 64 padding) counted once per column tile (N = 512)
+    assert int(counter) == (half_tiles_in(SEGMENTS[case]) * 4 if half_tiles else 0)
+
+
+def half_tiles_in(counts):
+    """Segments (of 128-row tiles) whose last tile has at most 64 real rows."""
+    return sum(1 for c in counts if c and 0 < (c - 1) % 128 + 1 <= 64)
 
 
 @pytest.mark.gpu
@@ -245,9 +255,12 @@ def test_the_quantising_epilogue_gives_the_quantisers_bits_gpu(monkeypatch, case
     rows_used = torch.tensor([m_indices.shape[0] - 128], dtype=torch.int32, device="cuda")
     bf16 = block_fp8_grouped(x, x_scale, w, w_scale, m_indices, gated=True, rows_used=rows_used,
                              half_tiles=half_tiles)
+    counter = torch.zeros(1, dtype=torch.int32, device="cuda")
+    monkeypatch.setattr(persistent, "HALF_TILE_COUNTER", counter)
     with record_launches() as launches:
         q, s = block_fp8_grouped(x, x_scale, w, w_scale, m_indices, gated=True, rows_used=rows_used,
                                  quantize_output=True, half_tiles=half_tiles)
+    assert int(counter) == (half_tiles_in(SEGMENTS[case]) * 4 if half_tiles else 0)   # (both tiles of each pair)
     assert [(r["quantize_output"], r["half_tiles"]) for name, r in launches if name == "gluon_block_fp8.gemm"] == [
         (True, half_tiles)], launches
     assert q.dtype == torch.float8_e4m3fn and q.shape == (x.shape[0], 256) and s.shape == (x.shape[0], 2)
@@ -259,18 +272,22 @@ def test_the_quantising_epilogue_gives_the_quantisers_bits_gpu(monkeypatch, case
 
 @pytest.mark.gpu
 @needs_gluon
-def test_the_quantising_epilogue_matches_the_quantiser_on_inf_and_nan_gpu():
+@pytest.mark.parametrize("half_tiles", [False, True], ids=["whole tiles", "half tiles"])
+def test_the_quantising_epilogue_matches_the_quantiser_on_inf_and_nan_gpu(half_tiles):
     """A row whose product is inf or NaN (an inf activation scale) gets the quantiser's bits too: its clamp
-    (min.xorsign.abs) keeps NaN's sign where a max/min pair would not."""
+    (min.xorsign.abs) keeps NaN's sign where a max/min pair would not (rows 0 and 5 lie in a whole tile, rows
+    300 and 305 in a half tile)."""
     from moe_kernels.kernels.quant import per_token_group_quant_fp8
 
     x, x_scale, w, w_scale, m_indices = segmented([300, 129], seed=3, k=384, n=512, device="cuda")
-    x_scale[0, 1] = float("inf")
-    x_scale[5] = float("nan")
+    for row in (0, 256):   # (256: the last tile of expert 0's segment, 44 real rows)
+        x_scale[row, 1] = float("inf")
+        x_scale[row + 5] = float("nan")
     rows_used = torch.tensor([m_indices.shape[0] - 128], dtype=torch.int32, device="cuda")
-    bf16 = block_fp8_grouped(x, x_scale, w, w_scale, m_indices, gated=True, rows_used=rows_used)
+    bf16 = block_fp8_grouped(x, x_scale, w, w_scale, m_indices, gated=True, rows_used=rows_used,
+                             half_tiles=half_tiles)
     q, s = block_fp8_grouped(x, x_scale, w, w_scale, m_indices, gated=True, rows_used=rows_used,
-                             quantize_output=True)
+                             quantize_output=True, half_tiles=half_tiles)
     want_q, want_s = per_token_group_quant_fp8(bf16, 128)
     assert not bool(torch.isfinite(bf16[0].float()).all())
     real = m_indices >= 0
@@ -307,14 +324,14 @@ DECODE_SEGMENTS = {"one token": [1], "an empty expert": [3, 0, 17], "a full tile
 @needs_gluon
 @pytest.mark.parametrize("case", sorted(DECODE_SEGMENTS))
 @pytest.mark.parametrize("block_t", [16, 32, 64])
-@pytest.mark.parametrize("programs, stages, warps", [(1, 2, 4), (3, 6, 4), (None, 4, 4), (3, 4, 8)])
+@pytest.mark.parametrize("programs, stages, warps", [(1, 2, None), (3, 6, None), (None, 4, None), (3, 4, 8)])
 @pytest.mark.parametrize("k", [128, 384, 1152])
 @pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
 def test_the_transposed_grid_against_the_reference_gpu(monkeypatch, case, block_t, programs, stages, warps, k, gated):
     """The transposed product (block_t: 128 weight rows by block_t tokens a tile) on its persistent grid: a few
-    programs each walking many tiles, K loops of 1, 3 and 9 steps, one warpgroup or two, rows of padding and past
-    rows_used untouched; N = 512, so the gated tile's up rows are in other scale blocks than its gate rows (8
-    times larger)."""
+    programs each walking many tiles, K loops of 1, 3 and 9 steps, the kernel's warps (warps_for) and 8, rows of
+    padding and past rows_used untouched; N = 512, so the gated tile's up rows are in other scale blocks than its
+    gate rows (8 times larger)."""
     from moe_kernels.kernels import _gluon_block_fp8_transposed as transposed
 
     monkeypatch.setattr(transposed, "PROGRAMS", programs)

@@ -30,6 +30,8 @@ from ._gluon_block_fp8_kernel import GLUON_HOPPER, GROUP_M, TILE_K, TILE_M
 
 #: Programs of the persistent grid: None, one per SM. (Tests set a few, so that each program walks many tiles.)
 PROGRAMS = None
+#: A test's int32 ``[1]`` counter (None: none): each half tile adds one, so that a test sees the path taken.
+HALF_TILE_COUNTER = None
 
 if GLUON_HOPPER:
     import triton.language as tl
@@ -230,7 +232,8 @@ if GLUON_HOPPER:
                                              rows_used_ptr, out_scale_ptr, N, K, stride_om, stride_xs, stride_wse,
                                              stride_wsn, stride_os, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                                              GROUP: gl.constexpr, GATED: gl.constexpr = False,
-                                             QUANT_OUT: gl.constexpr = False, HALF_TILES: gl.constexpr = False):
+                                             QUANT_OUT: gl.constexpr = False, HALF_TILES: gl.constexpr = False,
+                                             counter_ptr=None, COUNT_HALVES: gl.constexpr = False):
         """The per-tile kernel's product (``_block_fp8_grouped_kernel``, promotion overlapped) over this program's
         tiles ``pid, pid + P, ...`` of the rows used, the loads running ahead across tiles. ``QUANT_OUT`` (gated
         only): the output quantised as GEMM 2 reads it, fp8 with one float32 scale per row per 128 columns
@@ -283,6 +286,8 @@ if GLUON_HOPPER:
             # under a constant condition; a pair's two tiles share their rows, so both are halves or neither)
             if HALF_TILES:
                 if gl.load(m_indices_ptr + off_m + HALF_M) < 0:
+                    if COUNT_HALVES:
+                        gl.atomic_add(counter_ptr, 1)
                     _persistent_tile(t, num_k, off_m, off_n, expert, ring, walk, tensors, sizes, HALF_M, half_layout,
                                      BLOCK_N, W_ROWS, GROUP, NUM_STAGES, GATED, QUANT_OUT, NUM_WARPS)
                 else:
@@ -296,13 +301,14 @@ if GLUON_HOPPER:
             mbarrier.invalidate(ready.index(stage))
 
 
-    def compile_for_sm90(block_n, stages, num_warps, gated=False, quant_out=False, half_tiles=False):
+    def compile_for_sm90(block_n, stages, num_warps, gated=False, quant_out=False, half_tiles=False, count=False):
         """The kernel compiled for sm_90a (as the per-tile kernel's ``compile_for_sm90``)."""
-        pointers = {"rows_used_ptr": "*i32", "out_scale_ptr": "*fp32"}
+        pointers = {"rows_used_ptr": "*i32", "out_scale_ptr": "*fp32", "counter_ptr": "*i32"}
         if quant_out:
             pointers["out_ptr"] = "*fp8e4nv"
         return compile_kernel_for_sm90(_block_fp8_grouped_persistent_kernel, block_n, gated, num_warps,
-                                       {"NUM_STAGES": stages, "QUANT_OUT": quant_out, "HALF_TILES": half_tiles},
+                                       {"NUM_STAGES": stages, "QUANT_OUT": quant_out, "HALF_TILES": half_tiles,
+                                        "COUNT_HALVES": count},
                                        pointers)
 
     def launch(x, x_scale, w, w_scale, m_indices, rows_used, out, *, block_n, stages, num_warps, gated=False,
@@ -322,4 +328,5 @@ if GLUON_HOPPER:
             x_desc, w_desc, out, x_scale, w_scale, m_indices, rows_used, x_scale if out_scale is None else out_scale,
             n, k, out.stride(0), x_scale.stride(0), w_scale.stride(0), w_scale.stride(1),
             0 if out_scale is None else out_scale.stride(0), BLOCK_N=block_n, NUM_STAGES=stages, GROUP=GROUP_M,
-            GATED=gated, QUANT_OUT=out_scale is not None, HALF_TILES=half_tiles, num_warps=num_warps)
+            GATED=gated, QUANT_OUT=out_scale is not None, HALF_TILES=half_tiles, counter_ptr=HALF_TILE_COUNTER,
+            COUNT_HALVES=HALF_TILE_COUNTER is not None and half_tiles, num_warps=num_warps)

@@ -166,6 +166,8 @@ def block_fp8_grouped(x, x_scale, w, w_scale, m_indices, *, out=None, gated: boo
             fail(func, "rows_used", "must have shape (1,)", tuple(rows_used.shape))
         if not overlap:
             fail(func, "overlap", "must be True with rows_used (the persistent grid overlaps its promotion)", overlap)
+        if block_n != 128:   # (its builds: 128-column tiles only)
+            fail(func, "block_n", "must be 128 with rows_used (the persistent and transposed grids' tile)", block_n)
         # (the persistent grid's shared memory: the epilogue's buffers cannot share the ring's, which the next
         # tile's loads are filling; 6 gated stages or 5 quantising ones pass the H200's 227 KiB)
         most = 4 if quantize_output else 5 if gated and block_n == 128 and block_t is None else 6
