@@ -46,6 +46,7 @@ Needs Triton 3.6 (its Gluon API; later versions changed it).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import re
 import sys
 
@@ -83,16 +84,16 @@ def compile_only():
             compiled_one(gated, 128, True, persistent=True, half=half)
     for half in (False, True):   # (GEMM 1 writing GEMM 2's fp8 input)
         compiled_one(True, 128, True, persistent=True, quantising=True, half=half)
-    from moe_kernels.kernels._gluon_block_fp8_transposed import compile_for_sm90 as compile_transposed, warps_for
+    from moe_kernels.kernels._gluon_transposed import compile_for_sm90 as compile_transposed, warps_for
 
-    for gated in (False, True):   # the transposed product (decode): 128 weight rows by block_t tokens a tile
+    for scaled, gated in itertools.product((True, False), (False, True)):   # the transposed product (decode)
         for block_t, warps in ((16, warps_for(16)), (32, warps_for(32)), (64, warps_for(64)), (16, 8)):
-            kernel = compile_transposed(block_t, 6, warps, gated)
+            kernel = compile_transposed(block_t, 6, warps, gated, scaled)
             ptx = kernel.asm["ptx"]
             count, waits = ptx_report(ptx)
-            shapes = sorted({int(n) for n in re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k32", ptx)})
+            shapes = sorted({int(n) for n in re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k", ptx)})
             regs, spill_stores, spill_loads, warnings = ptxas_report(ptx)
-            print(f"{'gated ' if gated else ''}transposed block_t={block_t} warps={warps} stages=6: wgmma {count} "
+            print(f"{'' if scaled else 'bf16 '}{'gated ' if gated else ''}transposed block_t={block_t} warps={warps} stages=6: wgmma {count} "
                   f"(n {','.join(map(str, shapes))}), waits {','.join(map(str, waits))}, registers {regs}, "
                   f"spills {spill_stores}/{spill_loads} bytes (stores/loads), shared {kernel.metadata.shared} bytes, "
                   f"ptxas wgmma warnings {len(warnings)}", flush=True)

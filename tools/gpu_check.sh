@@ -141,10 +141,11 @@ for step in "${steps[@]}"; do
                          PYTHONPATH="$PWD" timeout 140 $PY tools/$tool 2>&1 | grep -v Warning | tee -a "$OUT/fp8-permute.log" \
                              | tail -n 30 || status=1
                      done ;;
-        decode-transposed) # session 28: the transposed Gluon kernel (decode: weights on wgmma's M, tokens on N), its
-                     # GPU tests first, then its A/B against index-gather (records transposed-decode-ab)
-                     timeout 240 $PY -m pytest tests/test_gluon_block_fp8.py -q -p no:cacheprovider --tb=short \
-                         -W ignore::DeprecationWarning -k "transposed" > "$OUT/decode-transposed-tests.log" 2>&1
+        decode-transposed) # session 28: the transposed Gluon kernel (decode: weights on wgmma's M, tokens on N; fp8
+                     # and bf16), its GPU tests first, then its A/B against index-gather (transposed-decode-ab)
+                     timeout 280 $PY -m pytest tests/test_gluon_transposed.py tests/test_gluon_block_fp8.py -q \
+                         -p no:cacheprovider --tb=short -W ignore::DeprecationWarning -k "transposed" \
+                         > "$OUT/decode-transposed-tests.log" 2>&1
                      grep -E "^FAILED|passed|failed" "$OUT/decode-transposed-tests.log" | tail -n 20 || status=1
                      PYTHONPATH="$PWD" timeout 300 $PY tools/transposed_decode_ab.py qwen3-30b-a3b,deepseek-v3 1,8,64,256 \
                          2>&1 | grep -v Warning | tee "$OUT/decode-transposed-ab.log" | tail -n 20 || status=1 ;;

@@ -19,13 +19,18 @@ import torch
 from moe_kernels import MoELayer
 from moe_kernels.bench.ceilings import measure_read_bandwidth
 from moe_kernels.bench.timing import graph_us
-from moe_kernels.kernels import permute as permute_module
+from moe_kernels.kernels import permute as permute_module, permute_gluon
 from moe_kernels.kernels.combine import unpermute
 from moe_kernels.kernels.gluon_block_fp8 import block_fp8_grouped
 from moe_kernels.kernels.quant_scatter import quantize_scatter
 from moe_kernels.layer_router import route
 from moe_kernels.model.shapes import MODELS
 from moe_kernels.results import record_tool
+
+
+def owner(name):
+    """The module that holds switch ``name`` (the one-pass input is the permutation's; the rest the Gluon GEMMs')."""
+    return permute_module if name == "ONE_PASS_FP8_INPUT" else permute_gluon
 
 models = sys.argv[1].split(",") if len(sys.argv) > 1 else ["qwen3-30b-a3b", "deepseek-v3"]
 batches = [int(b) for b in sys.argv[2].split(",")] if len(sys.argv) > 2 else [4096, 16384]
@@ -57,14 +62,14 @@ for key in models:
             def call():   # (the persistent variants with the one-pass input)
                 names = ("FP8_GEMM", "GLUON_PERSISTENT", "GLUON_QUANTIZE_IN_GEMM1", "ONE_PASS_FP8_INPUT",
                          "GLUON_HALF_TILES")
-                saved = [getattr(permute_module, n) for n in names]
+                saved = [getattr(owner(n), n) for n in names]
                 for n, value in zip(names, ("gluon", persistent, fused, persistent, half)):
-                    setattr(permute_module, n, value)
+                    setattr(owner(n), n, value)
                 try:
                     return layers[persistent, fused, half](x)
                 finally:
                     for n, value in zip(names, saved):
-                        setattr(permute_module, n, value)
+                        setattr(owner(n), n, value)
             return call
         used = permuted.rows_used
         stages = {   # name: (call, bytes it must move)

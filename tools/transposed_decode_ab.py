@@ -1,5 +1,5 @@
-"""Issue 17: fp8 decode with the weights on wgmma's M side and an expert's tokens on its N side (the Gluon
-kernel's transposed grid, ``block_fp8_grouped(..., block_t=...)``), against the package's fp8 decode path.
+"""Issue 17: decode with the weights on wgmma's M side and an expert's tokens on its N side (the transposed Gluon
+kernel, ``gluon_transposed.grouped_transposed``), fp8 block and bf16, against the package's decode path.
 
 Qwen3-30B-A3B's fp8 GEMMs ran at 1.19-1.40 times two plain reads of their weights at 8-512 tokens
 (``fp8-sweep.json``, session 24), DeepSeek-V3's at 1.02-1.13. Both decode GEMMs stream the touched experts'
@@ -7,10 +7,10 @@ weights; a Triton program pipelines the K loop of its own tile only, so each til
 pipeline (Qwen3's GEMM 2 has six K steps a tile). The transposed kernel's programs, one per SM, walk their
 tiles with a ring of TMA loads that runs on across tiles. Its tokens come in the permute layout's segments
 of ``align`` rows (one TMA box a step); the call is ``permute_experts(..., align=...)`` with
-``permute.FP8_GEMM = "gluon"``: the fp8 input quantised and permuted, GEMM 1 gated, the quantiser, GEMM 2,
-the gather back. Candidates, each the experts' call on the same routed tokens (``[T, d]`` out):
+``permute_gluon.FP8_GEMM`` (or ``BF16_GEMM``) ``= "gluon"``: (fp8: the input quantised and) permuted, GEMM 1
+gated, (fp8: the quantiser,) GEMM 2, the gather back. Candidates, each the experts' call on the same routed tokens (``[T, d]`` out):
 
-  index_gather       fused_experts on its tuned fp8 table, block map precomputed (what the layer runs)
+  index_gather       fused_experts on its tuned table, block map precomputed (what the layer runs)
   permute triton a16  permute_experts with 16-row segments on the Triton kernel (its table)
   gluon a16 / a32    permute_experts with 16- or 32-row segments on the transposed Gluon kernel
   gluon a16 s5       the same with five TMA stages (two programs an SM's shared memory) instead of six
@@ -19,7 +19,7 @@ the gather back. Candidates, each the experts' call on the same routed tokens (`
 Each output is checked against the index-gather call's (relative error <= 3e-2: the fp8 paths round
 GEMM 1's output once more or less), then replayed from a CUDA graph of one call with the L2 flushed,
 two rounds in alternating order, the lower round median kept. Beside them, the floor (the touched experts'
-fp8 bytes over the read bandwidth measured in the same process) and two plain reads of those bytes, GEMM
+weight bytes over the read bandwidth measured in the same process) and two plain reads of those bytes, GEMM
 1's weights then GEMM 2's, in one graph (``bench.fp8.read_bounds``).
 
     PYTHONPATH=. python tools/transposed_decode_ab.py [models] [batches]   # records transposed-decode-ab.json
@@ -32,7 +32,7 @@ import torch
 from moe_kernels.bench.fp8 import read_bounds
 from moe_kernels.bench.problems import make_batch, tool_weights
 from moe_kernels.bench.timing import time_lowest
-from moe_kernels.kernels import _gluon_block_fp8_transposed as transposed, permute as permute_module
+from moe_kernels.kernels import _gluon_transposed as transposed, permute_gluon
 from moe_kernels.kernels.blocks import assign_blocks
 from moe_kernels.kernels.config import get_config
 from moe_kernels.kernels.formats import FORMATS
@@ -44,7 +44,7 @@ from moe_kernels.results import record_tool
 device = "cuda" if torch.cuda.is_available() else "cpu"
 models = sys.argv[1].split(",") if len(sys.argv) > 1 else ["qwen3-30b-a3b", "deepseek-v3"]
 batches = [int(b) for b in sys.argv[2].split(",")] if len(sys.argv) > 2 else [1, 8, 64, 256]
-GLUON = {   # name: (align, permute.TRANSPOSED_STAGES, transposed.NUM_WARPS)
+GLUON = {   # name: (align, permute_gluon.TRANSPOSED_STAGES, transposed.NUM_WARPS)
     "gluon a16": (16, 6, None), "gluon a32": (32, 6, None), "gluon a16 s5": (16, 5, None), "gluon a16 w8": (16, 6, 8)}
 if device == "cuda":
     from moe_kernels.bench.ceilings import measure_read_bandwidth
@@ -56,49 +56,58 @@ rows = []
 
 
 def on_gluon(call, stages, warps):
-    """``call`` with the permute layout's fp8 GEMMs on the Gluon kernel, at ``stages`` and ``warps``."""
+    """``call`` with the permute layout's GEMMs (fp8 and bf16) on the Gluon kernels, at ``stages`` and ``warps``."""
     def run():
-        saved = permute_module.FP8_GEMM, permute_module.TRANSPOSED_STAGES, transposed.NUM_WARPS
-        permute_module.FP8_GEMM, permute_module.TRANSPOSED_STAGES, transposed.NUM_WARPS = "gluon", stages, warps
+        saved = (permute_gluon.FP8_GEMM, permute_gluon.BF16_GEMM, permute_gluon.TRANSPOSED_STAGES,
+                 transposed.NUM_WARPS)
+        (permute_gluon.FP8_GEMM, permute_gluon.BF16_GEMM, permute_gluon.TRANSPOSED_STAGES,
+         transposed.NUM_WARPS) = "gluon", "gluon", stages, warps
         try:
             return call()
         finally:
-            permute_module.FP8_GEMM, permute_module.TRANSPOSED_STAGES, transposed.NUM_WARPS = saved
+            (permute_gluon.FP8_GEMM, permute_gluon.BF16_GEMM, permute_gluon.TRANSPOSED_STAGES,
+             transposed.NUM_WARPS) = saved
     return run
 
 
 for key in models:
-    model, dtype, w1, w1s, w2, w2s = tool_weights(key, FORMATS["block"], device)
-    e, f, d = model.num_experts, model.moe_intermediate_size, model.hidden_size
-    for batch in batches:
-        hidden, _, weights, ids = make_batch(model, batch, dtype, seed=batch, device=device)
-        config = get_config(batch, e, f, d, torch.float8_e4m3fn, hidden.device)
-        blocks = assign_blocks(ids, config.block_m, e, validate_ids=False)
-        candidates = {
-            "index_gather": lambda: fused_experts(hidden, w1, w2, weights, ids, config=config, blocks=blocks,
-                                                  validate_ids=False, w1_scale=w1s, w2_scale=w2s),
-            "permute triton a16": lambda: permute_experts(hidden, w1, w2, weights, ids, align=16, validate_ids=False,
-                                                          w1_scale=w1s, w2_scale=w2s)}
-        for name, (align, stages, warps) in GLUON.items():
-            candidates[name] = on_gluon(lambda align=align: permute_experts(
-                hidden, w1, w2, weights, ids, align=align, validate_ids=False, w1_scale=w1s, w2_scale=w2s),
-                stages, warps)
-        reference = candidates["index_gather"]()
-        lowest, rounds, errors, rel = time_lowest(candidates, reference, tolerance=3e-2, warmup_ms=5, rep_ms=25,
-                                                  unchecked=("index_gather",), rounds=2, alternate=True)
-        work = count_work(model, ids, 1)
-        row = {"model": key, "batch": batch, "experts_touched": work.experts_touched, "bytes": work.bytes,
-               "us": lowest, "rounds_us": rounds, "errors": errors, "rel_err_vs_index_gather": rel}
-        if bandwidth:
-            row["floor_us"] = work.bytes / bandwidth * 1e6
-            row["two_reads_us"] = read_bounds(work, w1, w2, None, 5, 25)["read_two_launches_s"] * 1e6
-            row["of_floor"] = {name: us / row["floor_us"] for name, us in lowest.items()}
-            row["of_two_reads"] = {name: us / row["two_reads_us"] for name, us in lowest.items()}
-        rows.append(row)
-        record_tool("transposed-decode-ab", rows, {"models": models, "batches": batches, "gluon": GLUON,
-                                                   "read_bandwidth_bytes_per_s": bandwidth, "rounds": 2,
-                                                   "timing": "CUDA graph of one call, L2 flushed"})
-        print(f"{key} {batch} tokens ({work.experts_touched} experts, floor "
-              f"{row.get('floor_us', 0):.1f} us, two reads {row.get('two_reads_us', 0):.1f}): " + "  ".join(
-                  f"{name} {us:.1f}" for name, us in lowest.items()) + (f"  errors {errors}" if errors else ""),
-              flush=True)
+    for fmt_name in ("block", "none"):   # (fp8 block, then bf16)
+        fmt = FORMATS[fmt_name]
+        model, dtype, w1, w1s, w2, w2s = tool_weights(key, fmt, device)
+        e, f, d = model.num_experts, model.moe_intermediate_size, model.hidden_size
+        for batch in batches:
+            hidden, _, weights, ids = make_batch(model, batch, dtype, seed=batch, device=device)
+            config = get_config(batch, e, f, d, w1.dtype, hidden.device)
+            blocks = assign_blocks(ids, config.block_m, e, validate_ids=False)
+            scales = dict(w1_scale=w1s, w2_scale=w2s) if fmt.quantized else {}
+            candidates = {
+                "index_gather": lambda: fused_experts(hidden, w1, w2, weights, ids, config=config, blocks=blocks,
+                                                      validate_ids=False, **scales),
+                "permute triton a16": lambda: permute_experts(hidden, w1, w2, weights, ids, align=16,
+                                                              validate_ids=False, **scales)}
+            for name, (align, stages, warps) in GLUON.items():
+                candidates[name] = on_gluon(lambda align=align: permute_experts(
+                    hidden, w1, w2, weights, ids, align=align, validate_ids=False, **scales), stages, warps)
+            reference = candidates["index_gather"]()
+            lowest, rounds, errors, rel = time_lowest(candidates, reference, tolerance=3e-2, warmup_ms=5, rep_ms=25,
+                                                      unchecked=("index_gather",), rounds=2, alternate=True)
+            work = count_work(model, ids, w1.element_size())
+            row = {"model": key, "format": fmt.name, "batch": batch, "experts_touched": work.experts_touched,
+                   "bytes": work.bytes, "us": lowest, "rounds_us": rounds, "errors": errors,
+                   "rel_err_vs_index_gather": rel}
+            if bandwidth:
+                row["floor_us"] = work.bytes / bandwidth * 1e6
+                row["two_reads_us"] = read_bounds(work, w1, w2, None, 5, 25)["read_two_launches_s"] * 1e6
+                row["of_floor"] = {name: us / row["floor_us"] for name, us in lowest.items()}
+                row["of_two_reads"] = {name: us / row["two_reads_us"] for name, us in lowest.items()}
+            rows.append(row)
+            record_tool("transposed-decode-ab", rows, {"models": models, "batches": batches, "gluon": GLUON,
+                                                       "read_bandwidth_bytes_per_s": bandwidth, "rounds": 2,
+                                                       "timing": "CUDA graph of one call, L2 flushed"})
+            print(f"{key} {fmt.name} {batch} tokens ({work.experts_touched} experts, floor "
+                  f"{row.get('floor_us', 0):.1f} us, two reads {row.get('two_reads_us', 0):.1f}): " + "  ".join(
+                      f"{name} {us:.1f}" for name, us in lowest.items()) + (f"  errors {errors}" if errors else ""),
+                  flush=True)
+        del w1, w2, w1s, w2s
+        if device == "cuda":
+            torch.cuda.empty_cache()

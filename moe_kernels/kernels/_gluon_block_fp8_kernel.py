@@ -1,8 +1,7 @@
 """The permute layout's block-fp8 grouped GEMM in Gluon (Triton 3.6's API, Hopper): each K step's
 promotion overlapped with the next step's MMA. The public side, its checks and its torch reference are in
 :mod:`moe_kernels.kernels.gluon_block_fp8`; this module holds the kernel, defined only where Triton 3.6's
-Gluon for NVIDIA GPUs imports (:data:`GLUON_HOPPER`; later Tritons changed the API, and the interpreter
-runs no Gluon).
+Gluon for NVIDIA GPUs imports (:data:`GLUON_HOPPER`; later Tritons changed the API; no interpreter).
 
 A block-fp8 K step (one float32 scale per row per 128 columns of K for the activations, one per 128 x 128
 block for the weights) multiplies its 128-deep product by the row's and the block's scales before adding it
@@ -79,22 +78,23 @@ if GLUON_HOPPER:
     def _load_into(x_desc, w_desc, a_bufs, b_bufs, ready, stage, off_m, w_row, w_row_up, step, pred,
                    GATED: gl.constexpr = False):
         """K step ``step``'s A tile (rows ``off_m``...) and W tile (rows ``w_row``..., gated also ``w_row_up``...)
-        into stage ``stage``, where ``pred``."""
+        into stage ``stage``, where ``pred``. (A step is the boxes' K width: 128 fp8 or 64 bf16, 128 bytes.)"""
         bar = ready.index(stage)
+        k = step * x_desc.block_type.shape[1]
         # arrive.expect_tx: the barrier (count 1) completes its phase once both boxes' bytes have landed
         # (whole boxes: the tiles never cross the tensors' edges, K and N being multiples of the tiles)
         if GATED:   # the W tile's first half from the gate rows, its second from the matching up rows
             half: gl.constexpr = w_desc.block_type.shape[0]
             mbarrier.expect(bar, x_desc.block_type.nbytes + 2 * w_desc.block_type.nbytes, pred=pred)
-            tma.async_copy_global_to_shared(x_desc, [off_m, step * BLOCK_K], bar, a_bufs.index(stage), pred)
-            tma.async_copy_global_to_shared(w_desc, [w_row, step * BLOCK_K], bar,
+            tma.async_copy_global_to_shared(x_desc, [off_m, k], bar, a_bufs.index(stage), pred)
+            tma.async_copy_global_to_shared(w_desc, [w_row, k], bar,
                                             b_bufs.index(stage).slice(0, half), pred)
-            tma.async_copy_global_to_shared(w_desc, [w_row_up, step * BLOCK_K], bar,
+            tma.async_copy_global_to_shared(w_desc, [w_row_up, k], bar,
                                             b_bufs.index(stage).slice(half, half), pred)
         else:
             mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes, pred=pred)
-            tma.async_copy_global_to_shared(x_desc, [off_m, step * BLOCK_K], bar, a_bufs.index(stage), pred)
-            tma.async_copy_global_to_shared(w_desc, [w_row, step * BLOCK_K], bar, b_bufs.index(stage), pred)
+            tma.async_copy_global_to_shared(x_desc, [off_m, k], bar, a_bufs.index(stage), pred)
+            tma.async_copy_global_to_shared(w_desc, [w_row, k], bar, b_bufs.index(stage), pred)
 
 
     @gluon.jit

@@ -61,28 +61,40 @@ def available(device: torch.device | str) -> str | None:
     return None
 
 
-def _check(func, x, x_scale, w, w_scale, m_indices, out, block_n, gated=False, validate_ids=True, tile_m=TILE_M):
-    check_tensor(func, "w", w, ndim=3, dtypes=(torch.float8_e4m3fn,), contiguous=True)
+def _check(func, x, x_scale, w, w_scale, m_indices, out, block_n, gated=False, validate_ids=True, tile_m=TILE_M,
+           dtype=torch.float8_e4m3fn):
+    """The arguments of a block-fp8 call (``dtype`` bf16: of a bf16 one, with no scales and a K step of 64)."""
+    scaled = dtype == torch.float8_e4m3fn
+    check_tensor(func, "w", w, ndim=3, dtypes=(dtype,), contiguous=True)
     e, n, k = w.shape
     if e == 0:
         fail(func, "w", "must hold at least one expert", tuple(w.shape))
-    check_tensor(func, "x", x, ndim=2, dtypes=(torch.float8_e4m3fn,), device=w.device, last_dim_contiguous=True)
+    check_tensor(func, "x", x, ndim=2, dtypes=(dtype,), device=w.device, last_dim_contiguous=True)
     if x.data_ptr() % 16 or x.stride(0) % 16:   # (the copy engine reads 16-byte aligned rows)
-        fail(func, "x", "must start on 16 bytes and have a row stride of a multiple of 16",
+        fail(func, "x", "must start on 16 bytes and have a row stride of a multiple of 16 elements",
              (x.data_ptr() % 16, x.stride(0)))
-    if x.shape[1] != k or k == 0 or k % TILE_K:
-        fail(func, "x", f"must have K = w.shape[2] = {k} columns, a positive multiple of {TILE_K}", tuple(x.shape))
+    step = TILE_K if scaled else TILE_K // 2   # (a K step of 128 bytes)
+    if x.shape[1] != k or k == 0 or k % step:
+        fail(func, "x", f"must have K = w.shape[2] = {k} columns, a positive multiple of {step}", tuple(x.shape))
     if x.shape[0] % tile_m:
         fail(func, "x", f"must have a multiple of {tile_m} rows (segments aligned to {tile_m})", tuple(x.shape))
     if n % (256 if gated else 128):
         fail(func, "w", f"must have N a multiple of {256 if gated else 128} (gated: two halves of 128-row scale "
              "blocks)", tuple(w.shape))
-    check_tensor(func, "x_scale", x_scale, ndim=2, dtypes=(torch.float32,), device=w.device, last_dim_contiguous=True)
-    if tuple(x_scale.shape) != (x.shape[0], k // 128):
-        fail(func, "x_scale", f"must have shape {(x.shape[0], k // 128)}", tuple(x_scale.shape))
-    check_tensor(func, "w_scale", w_scale, ndim=3, dtypes=(torch.float32,), device=w.device, last_dim_contiguous=True)
-    if tuple(w_scale.shape) != (e, n // 128, k // 128):
-        fail(func, "w_scale", f"must have shape {(e, n // 128, k // 128)} (128 x 128 blocks)", tuple(w_scale.shape))
+    if scaled:
+        check_tensor(func, "x_scale", x_scale, ndim=2, dtypes=(torch.float32,), device=w.device,
+                     last_dim_contiguous=True)
+        if tuple(x_scale.shape) != (x.shape[0], k // 128):
+            fail(func, "x_scale", f"must have shape {(x.shape[0], k // 128)}", tuple(x_scale.shape))
+        check_tensor(func, "w_scale", w_scale, ndim=3, dtypes=(torch.float32,), device=w.device,
+                     last_dim_contiguous=True)
+        if tuple(w_scale.shape) != (e, n // 128, k // 128):
+            fail(func, "w_scale", f"must have shape {(e, n // 128, k // 128)} (128 x 128 blocks)",
+                 tuple(w_scale.shape))
+    else:
+        for name, scale in (("x_scale", x_scale), ("w_scale", w_scale)):
+            if scale is not None:
+                fail(func, name, "must be None for bf16 operands", type(scale).__name__)
     check_tensor(func, "m_indices", m_indices, ndim=1, dtypes=(torch.int32,), device=w.device, contiguous=True)
     if m_indices.shape[0] != x.shape[0]:
         fail(func, "m_indices", f"must have one entry per row of x ({x.shape[0]})", tuple(m_indices.shape))
@@ -149,7 +161,7 @@ def block_fp8_grouped(x, x_scale, w, w_scale, m_indices, *, out=None, gated: boo
     intermediate and no quantiser launch. ``half_tiles`` (with ``rows_used``): a tile whose rows 64-127 are all
     padding (a segment's last, with at most 64 real rows) multiplies 64 rows, half the MMAs. ``block_t`` (16, 32
     or 64, with ``rows_used``; decode): the product transposed on tiles of 128 weight rows by ``block_t`` token
-    rows, segments aligned to ``block_t`` (:mod:`moe_kernels.kernels._gluon_block_fp8_transposed`; ``block_n`` is
+    rows, segments aligned to ``block_t`` (:mod:`moe_kernels.kernels._gluon_transposed`; ``block_n`` is
     not used). The launch record (``gluon_block_fp8.gemm``) says which variant ran."""
     func = "block_fp8_grouped"
     for name, flag in (("gated", gated), ("overlap", overlap), ("validate_ids", validate_ids),
@@ -205,7 +217,7 @@ def block_fp8_grouped(x, x_scale, w, w_scale, m_indices, *, out=None, gated: boo
     if recording is not None and x.shape[0]:   # (a replay would skip the launch: MoELayer's plans must not take it)
         recording.refuse("a Gluon launch, which the replay does not record")
     if x.shape[0] and block_t is not None:
-        from ._gluon_block_fp8_transposed import launch as launch_transposed, warps_for
+        from ._gluon_transposed import launch as launch_transposed, warps_for
 
         launch_transposed(x, x_scale, w, w_scale, m_indices, rows_used, out, block_t=block_t, stages=stages,
                           num_warps=warps_for(block_t), gated=gated)

@@ -77,30 +77,9 @@ from .combine import unpermute
 from .config import MoEConfig, check_config, get_config
 from .contiguous_gemm import grouped_gemm_contiguous  # noqa: F401 (the layout's GEMM, also imported from here)
 from .formats import WeightFormat
+from . import permute_gluon
 from .quant_scatter import quantize_scatter
 
-#: Which kernel runs the two GEMMs of a block-fp8 :func:`permute_experts` (read at each call): "triton"
-#: (:func:`~moe_kernels.kernels.contiguous_gemm.grouped_gemm_contiguous`) or "gluon"
-#: (:func:`~moe_kernels.kernels.gluon_block_fp8.block_fp8_grouped`, each K step's promotion under the
-#: next MMA: 619-885 TFLOP/s on the H200 where the Triton kernel ran 558-744, the GEMMs alone, 16,384
-#: tokens; segments of 16-64 rows take its transposed grid). "gluon" applies SiLU·mul in GEMM 1's epilogue
-#: and runs the quantiser as a launch of its own; it stays off until the whole call is timed. Where it
-#: cannot run (no Triton 3.6 Gluon, not sm_90, bf16 activations only, segments of 16, 32, 64 or 128 rows, no
-#: ``gather_rows`` or ``sum_in_gemm``, F and d multiples of 128) the call takes the Triton kernel and its
-#: launch record says why. Like ``combine.UNPERMUTE_BODY``, a plan recorded before a change keeps its
-#: kernel, and a recording refuses the Gluon launch (no replay).
-FP8_GEMM = "triton"
-#: With FP8_GEMM = "gluon": both GEMMs on the Gluon kernel's persistent grid (one program per SM walking the
-#: tiles of the rows used, its loads running ahead across tiles: for short K loops), else one program a tile.
-GLUON_PERSISTENT = False
-#: With GLUON_PERSISTENT: GEMM 1 writes GEMM 2's input in fp8 with its scales (its epilogue quantises; no bf16
-#: ``[M_pad, F]`` and no quantiser launch).
-GLUON_QUANTIZE_IN_GEMM1 = False
-#: With GLUON_PERSISTENT: a segment's last tile with at most 64 real rows multiplies 64 rows (half tiles: the
-#: MMA work of each segment rounded up to 64 rows instead of 128). Off until its first GPU run.
-GLUON_HALF_TILES = False
-#: The transposed kernel's TMA stages (FP8_GEMM "gluon", segments of 16-64 rows; 6: 116 KiB at 16 rows).
-TRANSPOSED_STAGES = 6
 #: Block-fp8 input in one pass (:func:`~moe_kernels.kernels.quant_scatter.quantize_scatter`: each token quantised
 #: once, written to its k rows with its scales) instead of the quantiser, the fp8 scatter and the scales' gather
 #: (142 + 565 + 130 us at DeepSeek-V3's 16,384 tokens, ``permute-gluon-stages.json``). Off until its first GPU
@@ -295,8 +274,8 @@ def permute_experts(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Ten
         else:   # (per-row scales: the padding rows' garbage reaches no real row)
             rows = permuted.rows
             rows_scale = _permute_scales(x_scale, permuted, topk_ids.shape[1])
-    if fmt.quantized and _fp8_gemm_kernel(fmt, config, align, hidden_states, w1, w2) == "gluon":
-        return _gluon_experts(rows, rows_scale, w1, w1_scale, w2, w2_scale, permuted, topk_weights, fmt, align)
+    if permute_gluon.gemm_kernel(fmt, config, align, hidden_states, w1, w2) == "gluon":   # (switches: off)
+        return permute_gluon.experts(rows, rows_scale, w1, w1_scale, w2, w2_scale, permuted, topk_weights, fmt, align)
     activated = grouped_gemm_contiguous(
         rows, w1, permuted.m_indices, align=align, silu_mul=True, config=config,
         which="gate_up", x_scale=rows_scale, w_scale=w1_scale,
@@ -315,64 +294,6 @@ def permute_experts(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Ten
     y = grouped_gemm_contiguous(a, w2, permuted.m_indices, align=align, config=config, which="down",
                                 x_scale=a_scale, w_scale=w2_scale, out_dtype=hidden_states.dtype,
                                 rows_used=permuted.rows_used)
-    return unpermute(y, permuted.src2dst, topk_weights)
-
-
-def _fp8_gemm_kernel(fmt, config, align, hidden_states, w1, w2) -> str:
-    """"gluon" where :data:`FP8_GEMM` asks for it and the Gluon kernel can run this call, else "triton"
-    (the launch record says why not)."""
-    if FP8_GEMM not in ("triton", "gluon"):
-        fail("moe_kernels.kernels.permute", "FP8_GEMM", "must be 'triton' or 'gluon'", repr(FP8_GEMM))
-    if FP8_GEMM == "triton":
-        return "triton"
-    from .gluon_block_fp8 import available
-
-    f, d = w2.shape[2], w2.shape[1]
-    why = available(hidden_states.device) or next((reason for refused, reason in (
-        (fmt.block != (128, 128), "weights not in 128 x 128 blocks"),
-        (hidden_states.dtype != torch.bfloat16, "activations not bf16"),
-        (align not in (16, 32, 64, 128), f"segments of {align} rows, not 16, 32, 64 or 128"),
-        (config.gather_rows or config.sum_in_gemm, "gather_rows or sum_in_gemm"),
-        (f % 128 or d % 128, "F or d not a multiple of 128"),
-        (not (w1.is_contiguous() and w2.is_contiguous()), "weights not contiguous")) if refused), None)
-    note_launch("permute.fp8_gemm", kernel="triton" if why else "gluon", refused=why)
-    return "triton" if why else "gluon"
-
-
-def _gluon_experts(rows, rows_scale, w1, w1_scale, w2, w2_scale, permuted: PermutedRows, topk_weights, fmt, align):
-    """Both GEMMs on the Gluon kernel: GEMM 1 gated (``silu(gate) * up`` in its epilogue, bf16 ``[M_pad, F]``),
-    the quantiser, GEMM 2 into bf16 ``[M_pad, d]``, the gather back. Neither GEMM writes a padding row; what
-    the quantiser makes of them stays in their own rows. Segments of 16, 32 or 64 rows (decode) take the
-    transposed kernel (tiles of 128 weight rows by ``align`` tokens) on its persistent grid."""
-    from .gluon_block_fp8 import block_fp8_grouped
-
-    # (permute wrote m_indices: one expert per 128-row tile, ids in [0, E) or -1; no read-back)
-    if align != 128:   # (a few tokens an expert: the product transposed, on its persistent grid)
-        return _gluon_transposed_experts(rows, rows_scale, w1, w1_scale, w2, w2_scale, permuted, topk_weights, fmt,
-                                         align)
-    rows_used = permuted.rows_used if GLUON_PERSISTENT else None
-    half = GLUON_HALF_TILES and rows_used is not None
-    if rows_used is not None and GLUON_QUANTIZE_IN_GEMM1:
-        a, a_scale = block_fp8_grouped(rows, rows_scale, w1, w1_scale, permuted.m_indices, gated=True,
-                                       validate_ids=False, rows_used=rows_used, quantize_output=True, half_tiles=half)
-    else:
-        activated = block_fp8_grouped(rows, rows_scale, w1, w1_scale, permuted.m_indices, gated=True,
-                                      validate_ids=False, rows_used=rows_used, half_tiles=half)
-        a, a_scale = fmt.quantize_activations(activated)
-    y = block_fp8_grouped(a, a_scale, w2, w2_scale, permuted.m_indices, validate_ids=False, rows_used=rows_used,
-                          half_tiles=half)
-    return unpermute(y, permuted.src2dst, topk_weights)
-
-
-def _gluon_transposed_experts(rows, rows_scale, w1, w1_scale, w2, w2_scale, permuted, topk_weights, fmt, align):
-    from .gluon_block_fp8 import block_fp8_grouped
-
-    used = permuted.rows_used
-    activated = block_fp8_grouped(rows, rows_scale, w1, w1_scale, permuted.m_indices, gated=True, validate_ids=False,
-                                  rows_used=used, block_t=align, stages=TRANSPOSED_STAGES)
-    a, a_scale = fmt.quantize_activations(activated)
-    y = block_fp8_grouped(a, a_scale, w2, w2_scale, permuted.m_indices, validate_ids=False, rows_used=used,
-                          block_t=align, stages=TRANSPOSED_STAGES)
     return unpermute(y, permuted.src2dst, topk_weights)
 
 

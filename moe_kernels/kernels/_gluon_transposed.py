@@ -1,6 +1,6 @@
-"""The Gluon block-fp8 grouped GEMM for a few tokens an expert (decode): the product transposed, so that
-the weights fill wgmma's 128-row M side and an expert's 16 (or 32, 64) tokens its N side, on the same
-persistent grid and ring of TMA loads as :mod:`moe_kernels.kernels._gluon_block_fp8_persistent`.
+"""The Gluon grouped GEMM for a few tokens an expert (decode), block-fp8 or bf16: the product transposed, so
+that the weights fill wgmma's 128-row M side and an expert's 16 (or 32, 64) tokens its N side, on a persistent
+grid whose ring of TMA loads runs on across tiles (as :mod:`moe_kernels.kernels._gluon_block_fp8_persistent`).
 
 Why: at decode an expert gets a handful of tokens, and wgmma's M side is at least 64 rows; a 128-row token
 tile would multiply mostly padding. Computing ``C^T = W X^T`` puts the expert's weights on M (a tile of 128
@@ -11,14 +11,17 @@ of 128 a tile; Triton's per-tile pipelines refill from empty at every tile). The
 permute layout's segments (:func:`~moe_kernels.kernels.permute.permute` with ``align = BLOCK_T``): each
 tile's ``BLOCK_T`` rows are contiguous, one TMA box a step like the weights'.
 
-A step's product is promoted with the weights' block scale (one per tile row: gate and up rows differ)
-times each token's scale (one per column), under the next step's MMA as in the per-tile kernel. The
-epilogue writes the fp32 tile to shared memory and reads it back transposed, so that each thread stores
-8 consecutive output columns (a token's row of the output) as 16 bytes; gated, it reads the gate rows and
-the up rows as two halves and stores ``silu(gate) * up``.
+Block-fp8 (``SCALED``): a step's product is promoted with the weights' block scale (one per tile row: gate
+and up rows differ) times each token's scale (one per column), under the next step's MMA as in the per-tile
+kernel. bf16: each MMA accumulates into the one before, one left in flight. The epilogue writes the fp32
+tile to shared memory and reads it back transposed, so that each thread stores 8 consecutive output
+columns (a token's row of the output) as 16 bytes; gated, it reads the gate rows and the up rows as two
+halves and stores ``silu(gate) * up``.
 """
 
 from __future__ import annotations
+
+import torch
 
 from ._gluon_block_fp8_kernel import GLUON_HOPPER, GROUP_M, TILE_K
 
@@ -43,16 +46,18 @@ if GLUON_HOPPER:
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from ._gluon_block_fp8_kernel import BLOCK_K, _grouped_tile, _load_into, compile_kernel_for_sm90
+    from ._gluon_block_fp8_kernel import _grouped_tile, _load_into, compile_kernel_for_sm90
     from ._gluon_block_fp8_persistent import _drained, _scale_pointers
 
     BLOCK_W = gl.constexpr(TILE_W)
 
     @gluon.constexpr_function
-    def _acc_layout(block_t, num_warps):
+    def _acc_layout(block_t, num_warps, instr_k):
         """The transposed tile's accumulator, ``[128 weight rows, block_t tokens]``: warps stacked along the
-        weight rows (4 warps: one warpgroup issuing two m64 wgmmas a K step), each spanning the tokens."""
-        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, block_t, 32])
+        weight rows (4 warps: one warpgroup issuing two m64 wgmmas a K step), each spanning the tokens; wgmma's
+        K is 32 bytes, ``instr_k`` elements (fp8 32, bf16 16)."""
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                         instr_shape=[16, block_t, instr_k])
 
     @gluon.constexpr_function
     def _row_store_layout(width, num_warps):
@@ -95,6 +100,13 @@ if GLUON_HOPPER:
         mbarrier.wait(ready.index(stage), (g // NUM_STAGES) & 1)
         return warpgroup_mma(w_bufs.index(stage), x_bufs.index(stage).permute((1, 0)), dead, use_acc=False,
                              is_async=True)
+
+    @gluon.jit
+    def _issue_chained(x_bufs, w_bufs, ready, g, acc, NUM_STAGES: gl.constexpr):
+        """bf16: wait for global step ``g``'s tiles, then issue its MMA accumulating into ``acc``."""
+        stage = g % NUM_STAGES
+        mbarrier.wait(ready.index(stage), (g // NUM_STAGES) & 1)
+        return warpgroup_mma(w_bufs.index(stage), x_bufs.index(stage).permute((1, 0)), acc, is_async=True)
 
     @gluon.jit
     def _transposed_scale(xs_ptrs, ws_ptr, ws_up_ptr, step, num_k, layout: gl.constexpr, GATED: gl.constexpr):
@@ -156,17 +168,85 @@ if GLUON_HOPPER:
         gl.store(out_ptr + offsets, out.to(gl.bfloat16), mask=real[:, None] & (cols >= 0)[None, :])
 
     @gluon.jit
-    def _block_fp8_transposed_kernel(x_desc, w_desc, out_ptr, x_scale_ptr, w_scale_ptr, m_indices_ptr, rows_used_ptr,
+    def _promoted_product(base, num_k, off_t, off_n, expert, ring, walk, x_scale_ptr, stride_xs, w_scale_ptr,
+                          stride_wse, stride_wsn, m_indices_ptr, N, layout: gl.constexpr, BLOCK_T: gl.constexpr,
+                          OUT_ROWS: gl.constexpr, GROUP: gl.constexpr, NUM_STAGES: gl.constexpr,
+                          GATED: gl.constexpr):
+        """A block-fp8 tile's product at global steps ``base``..., each step promoted under the next step's MMA
+        (the per-tile kernel's overlapped loop, two steps an iteration: see ``_block_fp8_grouped_kernel``); the
+        last step's stage refilled before it returns."""
+        x_desc, w_desc, x_bufs, w_bufs, ready = ring
+        xs_ptrs, ws_ptr, ws_up_ptr = _scale_pointers(   # (the tokens' scales along the tile's columns)
+            off_t + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, layout)), x_scale_ptr, stride_xs, w_scale_ptr,
+            expert, off_n, N, stride_wse, stride_wsn)
+        acc = gl.zeros([BLOCK_W, BLOCK_T], gl.float32, layout=layout)
+        y_dead = warpgroup_mma_wait(num_outstanding=0, deps=(gl.zeros([BLOCK_W, BLOCK_T], gl.float32,
+                                                                      layout=layout), ))
+        x_scale = _transposed_scale(xs_ptrs, ws_ptr, ws_up_ptr, 0, num_k, layout, GATED)
+        x_tok = _issue_transposed(x_bufs, w_bufs, ready, base, gl.zeros([BLOCK_W, BLOCK_T], gl.float32,
+                                                                     layout=layout), NUM_STAGES)
+        scale = _transposed_scale(xs_ptrs, ws_ptr, ws_up_ptr, 1, num_k, layout, GATED)
+        for pair in range((num_k - 1) // 2):
+            step = 1 + 2 * pair
+            y_tok, y_scale, x_dead, scale, acc = _transposed_step(
+                base, step, num_k, x_tok, x_scale, y_dead, scale, acc, ring, walk, xs_ptrs, ws_ptr, ws_up_ptr,
+                m_indices_ptr, N, layout, BLOCK_T, OUT_ROWS, GROUP, NUM_STAGES, GATED)
+            x_tok, x_scale, y_dead, scale, acc = _transposed_step(
+                base, step + 1, num_k, y_tok, y_scale, x_dead, scale, acc, ring, walk, xs_ptrs, ws_ptr,
+                ws_up_ptr, m_indices_ptr, N, layout, BLOCK_T, OUT_ROWS, GROUP, NUM_STAGES, GATED)
+        if (num_k - 1) % 2 == 1:
+            y_tok, y_scale, x_dead, scale, acc = _transposed_step(
+                base, num_k - 1, num_k, x_tok, x_scale, y_dead, scale, acc, ring, walk, xs_ptrs, ws_ptr,
+                ws_up_ptr, m_indices_ptr, N, layout, BLOCK_T, OUT_ROWS, GROUP, NUM_STAGES, GATED)
+            last, last_scale = _drained(y_tok, y_scale)
+        else:
+            last, last_scale = _drained(x_tok, x_scale)
+        # the last stage refilled (with a later tile's step) before the epilogue
+        gl.thread_barrier()
+        _load_transposed(x_desc, w_desc, x_bufs, w_bufs, ready, base + num_k - 1 + NUM_STAGES, num_k, walk,
+                         m_indices_ptr, N, BLOCK_T, OUT_ROWS, GROUP, NUM_STAGES, GATED)
+        acc = _promote_transposed(acc, last, last_scale)
+        return acc
+
+
+    @gluon.jit
+    def _chained_product(base, num_k, ring, walk, m_indices_ptr, N, layout: gl.constexpr, BLOCK_T: gl.constexpr,
+                         OUT_ROWS: gl.constexpr, GROUP: gl.constexpr, NUM_STAGES: gl.constexpr, GATED: gl.constexpr):
+        """A bf16 tile's product at global steps ``base``...: each MMA accumulates into the one before it, one
+        left in flight (``wait_group 1``) while the stage of the one before is refilled; the last step's stage
+        refilled before it returns."""
+        x_desc, w_desc, x_bufs, w_bufs, ready = ring
+        acc = _issue_chained(x_bufs, w_bufs, ready, base, gl.zeros([BLOCK_W, BLOCK_T], gl.float32, layout=layout),
+                             NUM_STAGES)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))   # (returns at once: the handle as a tensor)
+        for step in range(1, num_k):
+            acc = _issue_chained(x_bufs, w_bufs, ready, base + step, acc, NUM_STAGES)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))   # (MMA step - 1 complete)
+            gl.thread_barrier()   # (every warpgroup past MMA step - 1 before its stage is refilled)
+            _load_transposed(x_desc, w_desc, x_bufs, w_bufs, ready, base + step - 1 + NUM_STAGES, num_k, walk,
+                             m_indices_ptr, N, BLOCK_T, OUT_ROWS, GROUP, NUM_STAGES, GATED)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        gl.thread_barrier()
+        _load_transposed(x_desc, w_desc, x_bufs, w_bufs, ready, base + num_k - 1 + NUM_STAGES, num_k, walk,
+                         m_indices_ptr, N, BLOCK_T, OUT_ROWS, GROUP, NUM_STAGES, GATED)
+        return acc
+
+
+    @gluon.jit
+    def _transposed_kernel(x_desc, w_desc, out_ptr, x_scale_ptr, w_scale_ptr, m_indices_ptr, rows_used_ptr,
                                   N, K, stride_om, stride_xs, stride_wse, stride_wsn, NUM_STAGES: gl.constexpr,
-                                  GROUP: gl.constexpr, GATED: gl.constexpr = False):
+                                  GROUP: gl.constexpr, GATED: gl.constexpr = False, SCALED: gl.constexpr = True):
         """``out[r] = dequant(x[r]) @ dequant(w[m_indices[r]])^T`` for the real rows below ``rows_used``, computed
         transposed on tiles of 128 weight rows by ``BLOCK_T`` token rows (``BLOCK_T``: the x box's rows, the
         segments' alignment), each program walking tiles ``pid, pid + P, ...`` with its loads running ahead
         across tiles. ``GATED``: ``w`` holds ``N = 2F`` rows (gate, then up); a tile multiplies 64 gate rows and
-        the 64 matching up rows and stores ``silu(gate) * up``, 64 columns of ``[M_pad, F]``."""
+        the 64 matching up rows and stores ``silu(gate) * up``, 64 columns of ``[M_pad, F]``. ``SCALED``: fp8
+        operands with block scales (a K step of 128); else bf16 (a K step of 64, the 128-byte rows' width), no
+        scales (their pointers unused)."""
         NUM_WARPS: gl.constexpr = gl.num_warps()
         BLOCK_T: gl.constexpr = x_desc.block_type.shape[0]
-        layout: gl.constexpr = _acc_layout(BLOCK_T, NUM_WARPS)
+        BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
+        layout: gl.constexpr = _acc_layout(BLOCK_T, NUM_WARPS, 32 if SCALED else 16)
         OUT_ROWS: gl.constexpr = BLOCK_W // 2 if GATED else BLOCK_W   # (the output columns of a tile)
         gl.static_assert(w_desc.block_type.shape[0] == OUT_ROWS)
         gl.static_assert(NUM_STAGES >= 2)
@@ -195,44 +275,18 @@ if GLUON_HOPPER:
         if my_tiles > 0:   # fill the ring: global steps 0 .. NUM_STAGES - 1 (across tiles where K is short)
             for fill in gl.static_range(NUM_STAGES):
                 _load_transposed(x_desc, w_desc, x_bufs, w_bufs, ready, fill, num_k, walk, m_indices_ptr, N, BLOCK_T,
-                              OUT_ROWS, GROUP, NUM_STAGES, GATED)
+                                 OUT_ROWS, GROUP, NUM_STAGES, GATED)
 
         for t in range(my_tiles):
-            base = t * num_k
             off_t, off_n, expert = _transposed_origin(t, pid, nprog, num_pid_t, num_pid_n, m_indices_ptr, BLOCK_T,
                                                    OUT_ROWS, GROUP)
-            xs_ptrs, ws_ptr, ws_up_ptr = _scale_pointers(   # (the tokens' scales along the tile's columns)
-                off_t + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, layout)), x_scale_ptr, stride_xs, w_scale_ptr,
-                expert, off_n, N, stride_wse, stride_wsn)
-
-            # (the per-tile kernel's overlapped loop, two steps an iteration: see _block_fp8_grouped_kernel)
-            acc = gl.zeros([BLOCK_W, BLOCK_T], gl.float32, layout=layout)
-            y_dead = warpgroup_mma_wait(num_outstanding=0, deps=(gl.zeros([BLOCK_W, BLOCK_T], gl.float32,
-                                                                          layout=layout), ))
-            x_scale = _transposed_scale(xs_ptrs, ws_ptr, ws_up_ptr, 0, num_k, layout, GATED)
-            x_tok = _issue_transposed(x_bufs, w_bufs, ready, base, gl.zeros([BLOCK_W, BLOCK_T], gl.float32,
-                                                                         layout=layout), NUM_STAGES)
-            scale = _transposed_scale(xs_ptrs, ws_ptr, ws_up_ptr, 1, num_k, layout, GATED)
-            for pair in range((num_k - 1) // 2):
-                step = 1 + 2 * pair
-                y_tok, y_scale, x_dead, scale, acc = _transposed_step(
-                    base, step, num_k, x_tok, x_scale, y_dead, scale, acc, ring, walk, xs_ptrs, ws_ptr, ws_up_ptr,
-                    m_indices_ptr, N, layout, BLOCK_T, OUT_ROWS, GROUP, NUM_STAGES, GATED)
-                x_tok, x_scale, y_dead, scale, acc = _transposed_step(
-                    base, step + 1, num_k, y_tok, y_scale, x_dead, scale, acc, ring, walk, xs_ptrs, ws_ptr,
-                    ws_up_ptr, m_indices_ptr, N, layout, BLOCK_T, OUT_ROWS, GROUP, NUM_STAGES, GATED)
-            if (num_k - 1) % 2 == 1:
-                y_tok, y_scale, x_dead, scale, acc = _transposed_step(
-                    base, num_k - 1, num_k, x_tok, x_scale, y_dead, scale, acc, ring, walk, xs_ptrs, ws_ptr,
-                    ws_up_ptr, m_indices_ptr, N, layout, BLOCK_T, OUT_ROWS, GROUP, NUM_STAGES, GATED)
-                last, last_scale = _drained(y_tok, y_scale)
+            if SCALED:
+                acc = _promoted_product(t * num_k, num_k, off_t, off_n, expert, ring, walk, x_scale_ptr, stride_xs,
+                                        w_scale_ptr, stride_wse, stride_wsn, m_indices_ptr, N, layout, BLOCK_T,
+                                        OUT_ROWS, GROUP, NUM_STAGES, GATED)
             else:
-                last, last_scale = _drained(x_tok, x_scale)
-            # the last stage refilled (with a later tile's step) before the epilogue
-            gl.thread_barrier()
-            _load_transposed(x_desc, w_desc, x_bufs, w_bufs, ready, base + num_k - 1 + NUM_STAGES, num_k, walk,
-                          m_indices_ptr, N, BLOCK_T, OUT_ROWS, GROUP, NUM_STAGES, GATED)
-            acc = _promote_transposed(acc, last, last_scale)
+                acc = _chained_product(t * num_k, num_k, ring, walk, m_indices_ptr, N, layout, BLOCK_T, OUT_ROWS,
+                                       GROUP, NUM_STAGES, GATED)
             # (the next tile's K loop passes a barrier every step before this tile's memory is written again)
             _store_transposed(acc, tile, out_ptr, m_indices_ptr, off_t, off_n, stride_om, BLOCK_T, GATED, NUM_WARPS)
 
@@ -240,33 +294,38 @@ if GLUON_HOPPER:
             mbarrier.invalidate(ready.index(stage))
 
     def _descriptors(x, w, block_t, gated):
-        """TMA descriptors of ``x`` ([M_pad, K], boxes of block_t x 128) and of ``w`` viewed as ``[E * N, K]``
-        (boxes of 128 rows, gated 64), both 128-byte swizzled (a 128-byte fp8 row of K)."""
+        """TMA descriptors of ``x`` ([M_pad, K], boxes of block_t rows) and of ``w`` viewed as ``[E * N, K]``
+        (boxes of 128 rows, gated 64), both 128-byte swizzled: a box's K width is 128 bytes (128 fp8, 64 bf16)."""
         e, n, k = w.shape
-        x_layout = gl.NVMMASharedLayout.get_default_for([block_t, TILE_K], gl.float8e4nv)
-        w_layout = gl.NVMMASharedLayout.get_default_for([TILE_W, TILE_K], gl.float8e4nv)
-        return (TensorDescriptor.from_tensor(x, [block_t, TILE_K], x_layout),
-                TensorDescriptor.from_tensor(w.view(e * n, k), [TILE_W // 2 if gated else TILE_W, TILE_K], w_layout))
+        dtype, box_k = (gl.float8e4nv, TILE_K) if w.dtype == torch.float8_e4m3fn else (gl.bfloat16, TILE_K // 2)
+        x_layout = gl.NVMMASharedLayout.get_default_for([block_t, box_k], dtype)
+        w_layout = gl.NVMMASharedLayout.get_default_for([TILE_W, box_k], dtype)
+        return (TensorDescriptor.from_tensor(x, [block_t, box_k], x_layout),
+                TensorDescriptor.from_tensor(w.view(e * n, k), [TILE_W // 2 if gated else TILE_W, box_k], w_layout))
 
-    def compile_for_sm90(block_t, stages, num_warps, gated=False):
-        """The kernel compiled for sm_90a (as the per-tile kernel's ``compile_for_sm90``)."""
-        import torch
-
-        x = torch.empty(block_t, TILE_K, dtype=torch.float8_e4m3fn)
-        w = torch.empty(1, 2 * TILE_W, TILE_K, dtype=torch.float8_e4m3fn)
-        return compile_kernel_for_sm90(_block_fp8_transposed_kernel, None, gated, num_warps, {"NUM_STAGES": stages},
-                                       {"rows_used_ptr": "*i32"}, descriptors=_descriptors(x, w, block_t, gated))
+    def compile_for_sm90(block_t, stages, num_warps, gated=False, scaled=True):
+        """The kernel compiled for sm_90a (as the per-tile kernel's ``compile_for_sm90``); ``scaled=False``: bf16."""
+        dtype = torch.float8_e4m3fn if scaled else torch.bfloat16
+        x = torch.empty(block_t, TILE_K, dtype=dtype)
+        w = torch.empty(1, 2 * TILE_W, TILE_K, dtype=dtype)
+        pointers = {"rows_used_ptr": "*i32"} if scaled else {"rows_used_ptr": "*i32", "x_scale_ptr": "*bf16",
+                                                             "w_scale_ptr": "*bf16"}
+        return compile_kernel_for_sm90(_transposed_kernel, None, gated, num_warps,
+                                       {"NUM_STAGES": stages, "SCALED": scaled}, pointers,
+                                       descriptors=_descriptors(x, w, block_t, gated))
 
     def launch(x, x_scale, w, w_scale, m_indices, rows_used, out, *, block_t, stages, num_warps, gated=False):
-        """One program per SM (or per tile, where there are fewer tiles) on checked arguments."""
-        import torch
-
+        """One program per SM (or per tile, where there are fewer tiles) on checked arguments; ``x_scale`` and
+        ``w_scale`` None for bf16 operands."""
         num_rows, k = x.shape
         n = w.shape[1]
         x_desc, w_desc = _descriptors(x, w, block_t, gated)
         most_tiles = num_rows // block_t * (out.shape[1] // (TILE_W // 2 if gated else TILE_W))
         programs = PROGRAMS or torch.cuda.get_device_properties(x.device).multi_processor_count
         grid = (max(1, min(programs, most_tiles)), )
-        _block_fp8_transposed_kernel[grid](x_desc, w_desc, out, x_scale, w_scale, m_indices, rows_used, n, k,
-                                        out.stride(0), x_scale.stride(0), w_scale.stride(0), w_scale.stride(1),
-                                        NUM_STAGES=stages, GROUP=GROUP_M, GATED=gated, num_warps=num_warps)
+        scaled = x_scale is not None
+        _transposed_kernel[grid](
+            x_desc, w_desc, out, x_scale if scaled else x, w_scale if scaled else x, m_indices, rows_used, n, k,
+            out.stride(0), x_scale.stride(0) if scaled else 0, w_scale.stride(0) if scaled else 0,
+            w_scale.stride(1) if scaled else 0, NUM_STAGES=stages, GROUP=GROUP_M, GATED=gated, SCALED=scaled,
+            num_warps=num_warps)

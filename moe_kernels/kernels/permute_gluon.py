@@ -1,0 +1,113 @@
+"""The permute layout's GEMMs on the Gluon kernels (Triton 3.6, Hopper), behind switches that are off until
+timed: which kernel a call takes (:func:`gemm_kernel`, the switches below) and the calls themselves
+(:func:`experts`). Block-fp8 segments of 128 rows take :mod:`moe_kernels.kernels.gluon_block_fp8`'s kernel (per
+tile or on its persistent grid, GEMM 1 optionally quantising GEMM 2's input, half tiles); segments of 16, 32
+or 64 rows (decode), fp8 or bf16, take the transposed kernel (:mod:`moe_kernels.kernels.gluon_transposed`).
+Where a Gluon kernel cannot run a call, the Triton kernel does and the launch record says why.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._checks import fail
+from .._runtime import note_launch
+from .combine import unpermute
+
+#: Which kernel runs the two GEMMs of a block-fp8 ``permute_experts`` (read at each call): "triton"
+#: (:func:`~moe_kernels.kernels.contiguous_gemm.grouped_gemm_contiguous`) or "gluon"
+#: (:func:`~moe_kernels.kernels.gluon_block_fp8.block_fp8_grouped`, each K step's promotion under the
+#: next MMA: 619-885 TFLOP/s on the H200 where the Triton kernel ran 558-744, the GEMMs alone, 16,384
+#: tokens; segments of 16-64 rows take its transposed grid). "gluon" applies SiLU·mul in GEMM 1's epilogue
+#: and runs the quantiser as a launch of its own; it stays off until the whole call is timed. Where it
+#: cannot run (no Triton 3.6 Gluon, not sm_90, bf16 activations only, segments of 16, 32, 64 or 128 rows, no
+#: ``gather_rows`` or ``sum_in_gemm``, F and d multiples of 128) the call takes the Triton kernel and its
+#: launch record says why. Like ``combine.UNPERMUTE_BODY``, a plan recorded before a change keeps its
+#: kernel, and a recording refuses the Gluon launch (no replay).
+FP8_GEMM = "triton"
+#: The same for bf16 weights: "gluon" runs both GEMMs of a call with segments of 16, 32 or 64 rows (decode) on
+#: the transposed kernel (:func:`~moe_kernels.kernels.gluon_transposed.grouped_transposed`); off until timed.
+BF16_GEMM = "triton"
+#: With FP8_GEMM = "gluon": both GEMMs on the Gluon kernel's persistent grid (one program per SM walking the
+#: tiles of the rows used, its loads running ahead across tiles: for short K loops), else one program a tile.
+GLUON_PERSISTENT = False
+#: With GLUON_PERSISTENT: GEMM 1 writes GEMM 2's input in fp8 with its scales (its epilogue quantises; no bf16
+#: ``[M_pad, F]`` and no quantiser launch).
+GLUON_QUANTIZE_IN_GEMM1 = False
+#: With GLUON_PERSISTENT: a segment's last tile with at most 64 real rows multiplies 64 rows (half tiles: the
+#: MMA work of each segment rounded up to 64 rows instead of 128). Off until its first GPU run.
+GLUON_HALF_TILES = False
+#: The transposed kernel's TMA stages (segments of 16-64 rows; fp8: 6 take 116 KiB at 16 rows).
+TRANSPOSED_STAGES = 6
+
+
+def gemm_kernel(fmt, config, align, hidden_states, w1, w2) -> str:
+    """"gluon" where :data:`FP8_GEMM` (block-fp8 weights) or :data:`BF16_GEMM` (bf16 ones) asks for it and a
+    Gluon kernel can run this call, else "triton" (the launch record, ``permute.fp8_gemm`` or
+    ``permute.bf16_gemm``, says why not)."""
+    name, switch = ("FP8_GEMM", FP8_GEMM) if fmt.quantized else ("BF16_GEMM", BF16_GEMM)
+    if switch not in ("triton", "gluon"):
+        fail("moe_kernels.kernels.permute_gluon", name, "must be 'triton' or 'gluon'", repr(switch))
+    if switch == "triton":
+        return "triton"
+    from .gluon_block_fp8 import available
+
+    f, d = w2.shape[2], w2.shape[1]
+    aligns = (16, 32, 64, 128) if fmt.quantized else (16, 32, 64)   # (bf16: the transposed kernel only)
+    why = available(hidden_states.device) or next((reason for refused, reason in (
+        (fmt.quantized and fmt.block != (128, 128), "weights not in 128 x 128 blocks"),
+        (not fmt.quantized and (fmt.name != "unquantized" or w1.dtype != torch.bfloat16), "weights not bf16"),
+        (hidden_states.dtype != torch.bfloat16, "activations not bf16"),
+        (align not in aligns, f"segments of {align} rows, not {', '.join(map(str, aligns))}"),
+        (config.gather_rows or config.sum_in_gemm, "gather_rows or sum_in_gemm"),
+        (f % 128 or d % 128, "F or d not a multiple of 128"),
+        (not (w1.is_contiguous() and w2.is_contiguous()), "weights not contiguous")) if refused), None)
+    note_launch("permute.fp8_gemm" if fmt.quantized else "permute.bf16_gemm", kernel="triton" if why else "gluon",
+                refused=why)
+    return "triton" if why else "gluon"
+
+
+def experts(rows, rows_scale, w1, w1_scale, w2, w2_scale, permuted, topk_weights, fmt, align):
+    """Both GEMMs of :func:`~moe_kernels.kernels.permute.permute_experts` on a Gluon kernel (where
+    :func:`gemm_kernel` said "gluon"), then the gather back."""
+    if not fmt.quantized:
+        return _transposed_experts(rows, None, w1, None, w2, None, permuted, topk_weights, fmt, align)
+    return _fp8_experts(rows, rows_scale, w1, w1_scale, w2, w2_scale, permuted, topk_weights, fmt, align)
+
+
+def _fp8_experts(rows, rows_scale, w1, w1_scale, w2, w2_scale, permuted, topk_weights, fmt, align):
+    """Both GEMMs on the Gluon kernel: GEMM 1 gated (``silu(gate) * up`` in its epilogue, bf16 ``[M_pad, F]``),
+    the quantiser, GEMM 2 into bf16 ``[M_pad, d]``, the gather back. Neither GEMM writes a padding row; what
+    the quantiser makes of them stays in their own rows. Segments of 16, 32 or 64 rows (decode) take the
+    transposed kernel (tiles of 128 weight rows by ``align`` tokens) on its persistent grid."""
+    from .gluon_block_fp8 import block_fp8_grouped
+
+    # (permute wrote m_indices: one expert per 128-row tile, ids in [0, E) or -1; no read-back)
+    if align != 128:   # (a few tokens an expert: the product transposed, on its persistent grid)
+        return _transposed_experts(rows, rows_scale, w1, w1_scale, w2, w2_scale, permuted, topk_weights, fmt, align)
+    rows_used = permuted.rows_used if GLUON_PERSISTENT else None
+    half = GLUON_HALF_TILES and rows_used is not None
+    if rows_used is not None and GLUON_QUANTIZE_IN_GEMM1:
+        a, a_scale = block_fp8_grouped(rows, rows_scale, w1, w1_scale, permuted.m_indices, gated=True,
+                                       validate_ids=False, rows_used=rows_used, quantize_output=True, half_tiles=half)
+    else:
+        activated = block_fp8_grouped(rows, rows_scale, w1, w1_scale, permuted.m_indices, gated=True,
+                                      validate_ids=False, rows_used=rows_used, half_tiles=half)
+        a, a_scale = fmt.quantize_activations(activated)
+    y = block_fp8_grouped(a, a_scale, w2, w2_scale, permuted.m_indices, validate_ids=False, rows_used=rows_used,
+                          half_tiles=half)
+    return unpermute(y, permuted.src2dst, topk_weights)
+
+
+def _transposed_experts(rows, rows_scale, w1, w1_scale, w2, w2_scale, permuted, topk_weights, fmt, align):
+    """Both GEMMs on the transposed kernel (tiles of 128 weight rows by ``align`` tokens); in fp8 GEMM 2's
+    input quantised between them."""
+    from .gluon_transposed import grouped_transposed
+
+    used = permuted.rows_used
+    activated = grouped_transposed(rows, w1, permuted.m_indices, used, x_scale=rows_scale, w_scale=w1_scale,
+                                   gated=True, block_t=align, stages=TRANSPOSED_STAGES, validate_ids=False)
+    a, a_scale = fmt.quantize_activations(activated) if fmt.quantized else (activated, None)
+    y = grouped_transposed(a, w2, permuted.m_indices, used, x_scale=a_scale, w_scale=w2_scale, block_t=align,
+                           stages=TRANSPOSED_STAGES, validate_ids=False)
+    return unpermute(y, permuted.src2dst, topk_weights)
