@@ -84,6 +84,34 @@ def test_group_quantiser_kernel_on_each_program_tile(monkeypatch, tile, shape, g
     assert torch.equal(s, s_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
 
 
+@pytest.mark.parametrize("interpreted_kernel", [True, False], ids=["kernel", "torch path"])
+@pytest.mark.parametrize("used", [0, 1, 5, 7, 100])
+def test_the_quantiser_bounded_by_rows_used_writes_only_those_rows(monkeypatch, used, interpreted_kernel):
+    """With rows_used (a count on the device) the rows below it get the unbounded call's bits and the others
+    keep what the output held (here sentinels); a count past the rows is the whole tensor."""
+    monkeypatch.setattr(quant, "INTERPRETER_ROUNDS_FP8_WRONGLY", not interpreted_kernel)
+    x = exact_fp8_inputs(7, 384, 128, torch.Generator().manual_seed(used)).to(DEVICE)
+    want_q, want_s = per_token_group_quant_fp8(x)
+    q = torch.full_like(want_q, 3.0)
+    s = torch.full_like(want_s, -1.0)
+    rows_used = torch.tensor([used], dtype=torch.int32, device=DEVICE)
+    with record_launches() as launches:
+        quant._quant_groups(x, 128, rows_used, out=(q, s))
+    if HAS_TRITON and interpreted_kernel:
+        assert [r["bounded"] for name, r in launches if name == "quant.groups"] == [True], launches
+    below = min(used, 7)
+    assert torch.equal(q[:below].view(torch.uint8), want_q[:below].view(torch.uint8))
+    assert torch.equal(s[:below], want_s[:below])
+    assert bool((q[below:].float() == 3.0).all()) and bool((s[below:] == -1.0).all())
+
+
+@pytest.mark.parametrize("rows_used, message", [(torch.zeros(2, dtype=torch.int32), "must have shape"),
+                                                (torch.zeros(1, dtype=torch.int64), "rows_used")])
+def test_a_bad_rows_used_is_named(rows_used, message):
+    with pytest.raises((ValueError, TypeError), match=f"argument 'rows_used'.*{message}|argument 'rows_used'"):
+        per_token_group_quant_fp8(torch.ones(4, 256, device=DEVICE), rows_used=rows_used.to(DEVICE))
+
+
 def test_a_quantiser_tile_of_other_than_powers_of_two_is_refused(monkeypatch):
     monkeypatch.setattr(quant, "INTERPRETER_ROUNDS_FP8_WRONGLY", False)
     monkeypatch.setattr(quant, "QUANT_TILE", (3, 1))

@@ -93,7 +93,7 @@ def _fp8_experts(rows, rows_scale, w1, w1_scale, w2, w2_scale, permuted, topk_we
     else:
         activated = block_fp8_grouped(rows, rows_scale, w1, w1_scale, permuted.m_indices, gated=True,
                                       validate_ids=False, rows_used=rows_used, half_tiles=half)
-        a, a_scale = fmt.quantize_activations(activated)
+        a, a_scale = _quantized(activated, rows_used)
     y = block_fp8_grouped(a, a_scale, w2, w2_scale, permuted.m_indices, validate_ids=False, rows_used=rows_used,
                           half_tiles=half)
     return unpermute(y, permuted.src2dst, topk_weights)
@@ -107,7 +107,15 @@ def _transposed_experts(rows, rows_scale, w1, w1_scale, w2, w2_scale, permuted, 
     used = permuted.rows_used
     activated = grouped_transposed(rows, w1, permuted.m_indices, used, x_scale=rows_scale, w_scale=w1_scale,
                                    gated=True, block_t=align, stages=TRANSPOSED_STAGES, validate_ids=False)
-    a, a_scale = fmt.quantize_activations(activated) if fmt.quantized else (activated, None)
+    a, a_scale = _quantized(activated, used) if fmt.quantized else (activated, None)
     y = grouped_transposed(a, w2, permuted.m_indices, used, x_scale=a_scale, w_scale=w2_scale, block_t=align,
                            stages=TRANSPOSED_STAGES, validate_ids=False)
     return unpermute(y, permuted.src2dst, topk_weights)
+
+
+def _quantized(activated, rows_used):
+    """GEMM 2's block-fp8 input (1 x 128 groups): the rows below ``rows_used`` only where it is given (the
+    persistent and transposed grids read no row past it; at decode ``M_pad`` is mostly rows past it)."""
+    from .quant import per_token_group_quant_fp8
+
+    return per_token_group_quant_fp8(activated, 128, rows_used=rows_used)

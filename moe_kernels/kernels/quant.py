@@ -67,11 +67,15 @@ if HAS_TRITON:
     # >>> book: quant-groups
     @kernel
     def _quant_groups_kernel(x_ptr, stride_x, q_ptr, stride_q, s_ptr, stride_s,
-                             num_rows, num_groups, GROUP_SIZE: tl.constexpr,
-                             ROWS: tl.constexpr, GROUPS: tl.constexpr):
+                             num_rows, num_groups, rows_used_ptr,
+                             GROUP_SIZE: tl.constexpr, ROWS: tl.constexpr,
+                             GROUPS: tl.constexpr, BOUNDED: tl.constexpr):
         # ROWS rows of GROUPS 1xGROUP_SIZE column groups per program:
         # a [ROWS, GROUPS, GROUP_SIZE] block. Per group: amax, scale,
-        # divide, round.
+        # divide, round. BOUNDED: the rows below a count on the device
+        # only (the permute layout's segments; none is read past them).
+        if BOUNDED:
+            num_rows = tl.minimum(num_rows, tl.load(rows_used_ptr))
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
         in_group = tl.arange(0, GROUP_SIZE)
@@ -116,14 +120,22 @@ def _check_activations(func: str, x: object) -> torch.Tensor:
     return x
 
 
-def per_token_group_quant_fp8(x: torch.Tensor, group_size: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+def per_token_group_quant_fp8(x: torch.Tensor, group_size: int = GROUP, *,
+                              rows_used: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [T, K]`` to fp8 ``[T, K]`` and float32 scales ``[T, K/group_size]`` (one Triton launch).
 
     Each token's channels are cut into groups of ``group_size`` (``K`` must be a multiple); a
     group's scale is its amax over 448, and ``q * scale`` gives the group back to fp8 precision.
+    ``rows_used`` (int32 ``[1]`` on ``x``'s device; the permute layout's ``PermutedRows.rows_used``):
+    only the rows below it are quantised, the others left unwritten (no host sync).
     """
-    _check_groups("per_token_group_quant_fp8", x, group_size)
-    return _quant_groups(x, group_size)
+    func = "per_token_group_quant_fp8"
+    _check_groups(func, x, group_size)
+    if rows_used is not None:
+        check_tensor(func, "rows_used", rows_used, ndim=1, dtypes=(torch.int32,), device=x.device)
+        if tuple(rows_used.shape) != (1,):
+            fail(func, "rows_used", "must have shape (1,)", tuple(rows_used.shape))
+    return _quant_groups(x, group_size, rows_used)
 
 
 def _check_groups(func: str, x: object, group_size: object) -> None:
@@ -135,23 +147,28 @@ def _check_groups(func: str, x: object, group_size: object) -> None:
         fail(func, "x", f"must have a multiple of group_size={group_size} columns", f"shape {tuple(x.shape)}")
 
 
-def _quant_groups(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`per_token_group_quant_fp8` after its checks (one Triton launch, or the reference)."""
+def _quant_groups(x: torch.Tensor, group_size: int, rows_used: torch.Tensor | None = None,
+                  out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`per_token_group_quant_fp8` after its checks (one Triton launch, or the reference), into ``out``
+    (``(q, s)``, a test's) or new tensors."""
     num_rows, k = x.shape
-    q = torch.empty(num_rows, k, dtype=FP8, device=x.device)
-    s = torch.empty(num_rows, k // group_size, dtype=torch.float32, device=x.device)
+    q, s = out or (torch.empty(num_rows, k, dtype=FP8, device=x.device),
+                   torch.empty(num_rows, k // group_size, dtype=torch.float32, device=x.device))
     if not use_triton(x) or (_runtime.INTERPRET and INTERPRETER_ROUNDS_FP8_WRONGLY) or num_rows == 0 or k == 0:
-        q_ref, s_ref = per_token_group_quant_fp8_reference(x, group_size)
-        return q.copy_(q_ref), s.copy_(s_ref)
+        used = num_rows if rows_used is None else min(num_rows, int(rows_used[0]))   # (the torch path: a read-back)
+        q_ref, s_ref = per_token_group_quant_fp8_reference(x[:used], group_size)
+        q[:used].copy_(q_ref)
+        s[:used].copy_(s_ref)
+        return q, s
     rows, groups = QUANT_TILE
     if any(v < 1 or v & (v - 1) for v in (rows, groups)):
         fail("moe_kernels.kernels.quant", "QUANT_TILE", "must be two powers of two (rows, column groups)", QUANT_TILE)
     num_groups = k // group_size
     groups = min(groups, next_power_of_2(num_groups))
-    note_launch("quant.groups", group_size=group_size, rows=rows, groups=groups)
+    note_launch("quant.groups", group_size=group_size, rows=rows, groups=groups, bounded=rows_used is not None)
     _quant_groups_kernel[(cdiv(num_rows, rows), cdiv(num_groups, groups))](
-        x, x.stride(0), q, q.stride(0), s, s.stride(0), num_rows, num_groups, GROUP_SIZE=group_size, ROWS=rows,
-        GROUPS=groups, num_warps=4)
+        x, x.stride(0), q, q.stride(0), s, s.stride(0), num_rows, num_groups, x if rows_used is None else rows_used,
+        GROUP_SIZE=group_size, ROWS=rows, GROUPS=groups, BOUNDED=rows_used is not None, num_warps=4)
     return q, s
 
 
