@@ -324,7 +324,7 @@ DECODE_SEGMENTS = {"one token": [1], "an empty expert": [3, 0, 17], "a full tile
 @needs_gluon
 @pytest.mark.parametrize("case", sorted(DECODE_SEGMENTS))
 @pytest.mark.parametrize("block_t", [16, 32, 64])
-@pytest.mark.parametrize("programs, stages, warps", [(1, 2, None), (None, 6, None), (3, 4, 8)])
+@pytest.mark.parametrize("programs, stages, warps", [(1, 2, None), (3, 6, None), (None, 6, None), (3, 4, 8)])
 @pytest.mark.parametrize("k", [128, 384, 1152])
 @pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
 def test_the_transposed_grid_against_the_reference_gpu(monkeypatch, case, block_t, programs, stages, warps, k, gated):

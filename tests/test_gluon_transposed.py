@@ -77,7 +77,7 @@ def test_bad_rows_used_is_named(change, name):
 
 @pytest.mark.parametrize("change, name", [
     (lambda a: {**a, "x": a["x"].float()}, "x"),
-    (lambda a: {**a, "x": a["x"][:, :96]}, "x"),                      # (K not a multiple of 64)
+    (lambda a: {**a, "x": a["x"][:, :96].contiguous(), "w": a["w"][:, :, :96].contiguous()}, "x"),   # (K = 96)
     (lambda a: {**a, "x": a["x"][:8], "m_indices": a["m_indices"][:8]}, "x"),   # (not whole 16-row tiles)
     (lambda a: {**a, "x_scale": torch.ones(32, 1)}, "x_scale"),       # (bf16: no scales)
     (lambda a: {**a, "m_indices": torch.where(a["m_indices"] == 0, 1, a["m_indices"])}, "m_indices"),  # E = 1
@@ -87,10 +87,20 @@ def test_bad_arguments_are_named(change, name):
     from moe_kernels.kernels import gluon_block_fp8
 
     x, w, m_indices, _ = segmented([3], seed=2, align=16)
-    a = change(dict(x=x, m_indices=m_indices, x_scale=None))
+    a = change(dict(x=x, w=w, m_indices=m_indices, x_scale=None))
     with pytest.raises((ValueError, TypeError), match=f"argument '{name}'"):
-        gluon_block_fp8._check("grouped_transposed", a["x"], a["x_scale"], w, None, a["m_indices"], None, 128,
+        gluon_block_fp8._check("grouped_transposed", a["x"], a["x_scale"], a["w"], None, a["m_indices"], None, 128,
                                tile_m=16, dtype=torch.bfloat16)
+
+
+def test_k_of_a_multiple_of_64_and_n_of_128_pass_in_bf16():
+    """bf16 takes K steps of 64 and, gated, 64 gate and 64 up rows a tile: K = 192 and F = 192 (N = 384) pass
+    the checks that fp8 (K steps and scale blocks of 128) would refuse."""
+    from moe_kernels.kernels import gluon_block_fp8
+
+    x, w, m_indices, _ = segmented([3], seed=2, align=16, k=192, n=384)
+    gluon_block_fp8._check("grouped_transposed", x, None, w, None, m_indices, None, 128, gated=True, tile_m=16,
+                           dtype=torch.bfloat16)
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
@@ -121,7 +131,7 @@ needs_gluon = pytest.mark.skipif(available(DEVICE) is not None, reason=f"the Glu
 @needs_gluon
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("block_t", [16, 32, 64])
-@pytest.mark.parametrize("programs, stages, warps", [(1, 2, None), (None, 6, None), (3, 4, 8)])
+@pytest.mark.parametrize("programs, stages, warps", [(1, 2, None), (3, 6, None), (None, 6, None), (3, 4, 8)])
 @pytest.mark.parametrize("k", [64, 192, 576])
 @pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
 def test_the_kernel_against_its_reference_gpu(monkeypatch, case, block_t, programs, stages, warps, k, gated):
@@ -167,3 +177,18 @@ def test_the_permute_layout_at_decode_on_the_transposed_kernel_gpu(monkeypatch, 
         captured = permute_experts(static, w1, w2, weights, ids, align=align, validate_ids=False)
     graph.replay()
     assert torch.equal(captured, got)
+
+
+@pytest.mark.gpu
+@needs_gluon
+def test_the_switch_refuses_what_the_kernel_cannot_take_gpu(monkeypatch):
+    """bf16 segments of 128 rows (no bf16 Gluon kernel for them) and fp16 weights go to the Triton kernel, the
+    launch record saying why."""
+    monkeypatch.setattr(permute_gluon, "BF16_GEMM", "gluon")
+    for dtype, align, reason in ((torch.bfloat16, 128, "segments of 128 rows, not 16, 32, 64"),
+                                 (torch.float16, 16, "weights not bf16")):
+        x, w1, w2, weights, ids = make_problem(20, 4, 2, 256, 128, dtype, seed=5)
+        with record_launches() as launches:
+            permute_experts(x, w1, w2, weights, ids, align=align)
+        chosen = [s for name, s in launches if name == "permute.bf16_gemm"]
+        assert chosen[0]["kernel"] == "triton" and reason in chosen[0]["refused"], launches

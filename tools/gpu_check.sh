@@ -6,7 +6,8 @@
 # tree's than the files it was sent (git rev-parse HEAD there named the session's first commit).
 # what: tests, unmarked (the unmarked tests of the kernel files, compiled: UNMARKED_FILES, UNMARKED_TIMEOUT_S),
 # fp8-permute-tests and fp8-permute-ab (session 27's fp8 permute candidates: their GPU tests, then their A/Bs, a call
-# each; session 28's half tiles among them), decode-transposed (the transposed Gluon kernel's tests and A/B), ceilings,
+# each; session 28's half tiles among them), decode-transposed-tests and decode-transposed-ab (the transposed
+# Gluon kernel's tests, then its A/B: a call each), ceilings,
 # tune, refine, sweep, fp8, decode-step, layouts, routing, skew, shared, capacity, notebooks,
 # graphs (the CUDA-graph replay's and the split GEMM 1's GPU tests), assert-tests (the index-gather and CUDA-graph
 # GPU tests, the device-side id asserts among them), host-probe, model-probe, prefill, gate-routing
@@ -141,13 +142,14 @@ for step in "${steps[@]}"; do
                          PYTHONPATH="$PWD" timeout 140 $PY tools/$tool 2>&1 | grep -v Warning | tee -a "$OUT/fp8-permute.log" \
                              | tail -n 30 || status=1
                      done ;;
-        decode-transposed) # session 28: the transposed Gluon kernel (decode: weights on wgmma's M, tokens on N; fp8
-                     # and bf16), its GPU tests first, then its A/B against index-gather (transposed-decode-ab)
-                     timeout 280 $PY -m pytest tests/test_gluon_transposed.py tests/test_gluon_block_fp8.py -q \
+        decode-transposed-tests) # session 28: the transposed Gluon kernel (decode: weights on wgmma's M, tokens on N;
+                     # fp8 and bf16): its GPU tests (one call; then decode-transposed-ab in another)
+                     timeout 500 $PY -m pytest tests/test_gluon_transposed.py tests/test_gluon_block_fp8.py -q \
                          -p no:cacheprovider --tb=short -W ignore::DeprecationWarning -k "transposed" \
                          > "$OUT/decode-transposed-tests.log" 2>&1
-                     grep -E "^FAILED|passed|failed" "$OUT/decode-transposed-tests.log" | tail -n 20 || status=1
-                     PYTHONPATH="$PWD" timeout 300 $PY tools/transposed_decode_ab.py qwen3-30b-a3b,deepseek-v3 1,8,64,256 \
+                     grep -E "^FAILED|passed|failed" "$OUT/decode-transposed-tests.log" | tail -n 20 || status=1 ;;
+        decode-transposed-ab) # its A/B against index-gather, fp8 then bf16 (records transposed-decode-ab)
+                     PYTHONPATH="$PWD" timeout 540 $PY tools/transposed_decode_ab.py qwen3-30b-a3b,deepseek-v3 1,8,64,256 \
                          2>&1 | grep -v Warning | tee "$OUT/decode-transposed-ab.log" | tail -n 20 || status=1 ;;
         *) $PY -m moe_kernels.bench "$step" --record 2>&1 | tee "$OUT/$step.log" | tail -n 20 || status=1 ;;
     esac

@@ -78,9 +78,12 @@ def _check(func, x, x_scale, w, w_scale, m_indices, out, block_n, gated=False, v
         fail(func, "x", f"must have K = w.shape[2] = {k} columns, a positive multiple of {step}", tuple(x.shape))
     if x.shape[0] % tile_m:
         fail(func, "x", f"must have a multiple of {tile_m} rows (segments aligned to {tile_m})", tuple(x.shape))
-    if n % (256 if gated else 128):
+    if scaled and n % (256 if gated else 128):
         fail(func, "w", f"must have N a multiple of {256 if gated else 128} (gated: two halves of 128-row scale "
              "blocks)", tuple(w.shape))
+    if not scaled and n % 128:
+        fail(func, "w", "must have N a multiple of 128 (tiles of 128 weight rows; gated, 64 gate and 64 up rows)",
+             tuple(w.shape))
     if scaled:
         check_tensor(func, "x_scale", x_scale, ndim=2, dtypes=(torch.float32,), device=w.device,
                      last_dim_contiguous=True)

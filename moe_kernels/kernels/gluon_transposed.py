@@ -45,10 +45,6 @@ def grouped_transposed(x, w, m_indices, rows_used, *, x_scale=None, w_scale=None
     ``rows_used`` back to check them (a host sync; skipped while a graph captures). The launch record
     (``gluon_transposed.gemm``) names the format."""
     func = "grouped_transposed"
-    if isinstance(w, torch.Tensor) and w.dtype == torch.float8_e4m3fn:
-        note_launch("gluon_transposed.gemm", format="fp8 block", gated=gated, block_t=block_t, stages=stages)
-        return block_fp8_grouped(x, x_scale, w, w_scale, m_indices, out=out, gated=gated, stages=stages,
-                                 validate_ids=validate_ids, rows_used=rows_used, block_t=block_t)
     for name, flag in (("gated", gated), ("validate_ids", validate_ids)):
         if not isinstance(flag, bool):
             fail(func, name, "must be a bool", repr(flag), TypeError)
@@ -58,6 +54,11 @@ def grouped_transposed(x, w, m_indices, rows_used, *, x_scale=None, w_scale=None
     check_tensor(func, "rows_used", rows_used, ndim=1, dtypes=(torch.int32,))
     if tuple(rows_used.shape) != (1,):
         fail(func, "rows_used", "must have shape (1,)", tuple(rows_used.shape))
+    if isinstance(w, torch.Tensor) and w.dtype == torch.float8_e4m3fn:   # (checked and launched there)
+        out = block_fp8_grouped(x, x_scale, w, w_scale, m_indices, out=out, gated=gated, stages=stages,
+                                validate_ids=validate_ids, rows_used=rows_used, block_t=block_t)
+        note_launch("gluon_transposed.gemm", format="fp8 block", gated=gated, block_t=block_t, stages=stages)
+        return out
     reason = available(w.device if isinstance(w, torch.Tensor) else "cpu")
     if reason is not None:
         fail(func, "w", f"must be on a device this kernel runs on ({reason})", getattr(w, "device", w))
