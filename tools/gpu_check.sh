@@ -149,7 +149,7 @@ for step in "${steps[@]}"; do
                          > "$OUT/decode-transposed-tests.log" 2>&1
                      grep -E "^FAILED|passed|failed" "$OUT/decode-transposed-tests.log" | tail -n 20 || status=1 ;;
         decode-transposed-ab) # its A/B against index-gather, fp8 then bf16 (records transposed-decode-ab)
-                     PYTHONPATH="$PWD" timeout 540 $PY tools/transposed_decode_ab.py qwen3-30b-a3b,deepseek-v3 1,8,64,256 \
+                     PYTHONPATH="$PWD" timeout 540 $PY tools/transposed_decode_ab.py qwen3-30b-a3b,deepseek-v3 1,8,64,256,1024 \
                          2>&1 | grep -v Warning | tee "$OUT/decode-transposed-ab.log" | tail -n 20 || status=1 ;;
         *) $PY -m moe_kernels.bench "$step" --record 2>&1 | tee "$OUT/$step.log" | tail -n 20 || status=1 ;;
     esac
