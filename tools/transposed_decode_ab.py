@@ -18,6 +18,9 @@ gated, (fp8: the quantiser,) GEMM 2, the gather back. Candidates, each the exper
                      TFLOP/s)
   gluon a16 s5       the same with five TMA stages (two programs an SM's shared memory) instead of six
   gluon a16 w8       16-row segments at 8 warps (each warpgroup one m64 half of the tile) instead of 4
+  gluon a16 one-pass  fp8: the input quantised once and written to its rows with its scales
+                     (``permute.ONE_PASS_FP8_INPUT``: one launch for the quantiser, the copy and the scales' gather;
+                     at one token the permute path's launches count, not its bytes)
 
 Each output is checked against the index-gather call's (relative error <= 3e-2: the fp8 paths round
 GEMM 1's output once more or less), then replayed from a CUDA graph of one call with the L2 flushed,
@@ -35,7 +38,7 @@ import torch
 from moe_kernels.bench.fp8 import read_bounds
 from moe_kernels.bench.problems import make_batch, tool_weights
 from moe_kernels.bench.timing import time_lowest
-from moe_kernels.kernels import _gluon_transposed as transposed, permute_gluon
+from moe_kernels.kernels import _gluon_transposed as transposed, permute as permute_module, permute_gluon
 from moe_kernels.kernels.blocks import assign_blocks
 from moe_kernels.kernels.config import get_config
 from moe_kernels.kernels.formats import FORMATS
@@ -47,9 +50,9 @@ from moe_kernels.results import record_tool
 device = "cuda" if torch.cuda.is_available() else "cpu"
 models = sys.argv[1].split(",") if len(sys.argv) > 1 else ["qwen3-30b-a3b", "deepseek-v3"]
 batches = [int(b) for b in sys.argv[2].split(",")] if len(sys.argv) > 2 else [1, 8, 64, 256]
-GLUON = {   # name: (align, permute_gluon.TRANSPOSED_STAGES, transposed.NUM_WARPS)
-    "gluon a16": (16, 6, None), "gluon a32": (32, 6, None), "gluon a64": (64, 6, None), "gluon a16 s5": (16, 5, None),
-    "gluon a16 w8": (16, 6, 8)}
+GLUON = {   # name: (align, permute_gluon.TRANSPOSED_STAGES, transposed.NUM_WARPS, permute.ONE_PASS_FP8_INPUT)
+    "gluon a16": (16, 6, None, False), "gluon a32": (32, 6, None, False), "gluon a64": (64, 6, None, False),
+    "gluon a16 s5": (16, 5, None, False), "gluon a16 w8": (16, 6, 8, False), "gluon a16 one-pass": (16, 6, None, True)}
 if device == "cuda":
     from moe_kernels.bench.ceilings import measure_read_bandwidth
 
@@ -59,18 +62,19 @@ else:
 rows = []
 
 
-def on_gluon(call, stages, warps):
-    """``call`` with the permute layout's GEMMs (fp8 and bf16) on the Gluon kernels, at ``stages`` and ``warps``."""
+def on_gluon(call, stages, warps, one_pass):
+    """``call`` with the permute layout's GEMMs (fp8 and bf16) on the Gluon kernels, at ``stages`` and ``warps``,
+    and (fp8) the input quantised and scattered in one pass or not."""
     def run():
         saved = (permute_gluon.FP8_GEMM, permute_gluon.BF16_GEMM, permute_gluon.TRANSPOSED_STAGES,
-                 transposed.NUM_WARPS)
-        (permute_gluon.FP8_GEMM, permute_gluon.BF16_GEMM, permute_gluon.TRANSPOSED_STAGES,
-         transposed.NUM_WARPS) = "gluon", "gluon", stages, warps
+                 transposed.NUM_WARPS, permute_module.ONE_PASS_FP8_INPUT)
+        (permute_gluon.FP8_GEMM, permute_gluon.BF16_GEMM, permute_gluon.TRANSPOSED_STAGES, transposed.NUM_WARPS,
+         permute_module.ONE_PASS_FP8_INPUT) = "gluon", "gluon", stages, warps, one_pass
         try:
             return call()
         finally:
-            (permute_gluon.FP8_GEMM, permute_gluon.BF16_GEMM, permute_gluon.TRANSPOSED_STAGES,
-             transposed.NUM_WARPS) = saved
+            (permute_gluon.FP8_GEMM, permute_gluon.BF16_GEMM, permute_gluon.TRANSPOSED_STAGES, transposed.NUM_WARPS,
+             permute_module.ONE_PASS_FP8_INPUT) = saved
     return run
 
 
@@ -89,9 +93,11 @@ for key in models:
                                                       validate_ids=False, **scales),
                 "permute triton a16": lambda: permute_experts(hidden, w1, w2, weights, ids, align=16,
                                                               validate_ids=False, **scales)}
-            for name, (align, stages, warps) in GLUON.items():
+            for name, (align, stages, warps, one_pass) in GLUON.items():
+                if one_pass and not fmt.quantized:
+                    continue   # (bf16 has no input quantiser)
                 candidates[name] = on_gluon(lambda align=align: permute_experts(
-                    hidden, w1, w2, weights, ids, align=align, validate_ids=False, **scales), stages, warps)
+                    hidden, w1, w2, weights, ids, align=align, validate_ids=False, **scales), stages, warps, one_pass)
             reference = candidates["index_gather"]()
             lowest, rounds, errors, rel = time_lowest(candidates, reference, tolerance=3e-2, warmup_ms=5, rep_ms=25,
                                                       unchecked=("index_gather",), rounds=2, alternate=True)
