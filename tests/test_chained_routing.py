@@ -11,6 +11,8 @@ and float16 (the interpreter's bf16 dot is wrong).
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -38,14 +40,17 @@ def assert_same_alignment(got, want, block_size, numel):
 
 
 def check_chained(x, w, topk, *, block_size=None, sorted_topk=True, aligner="chained_routing.align",
-                  gate_block_t=16, **rule):
+                  gate_block_t=16, want=None, **rule):
     """gate_route_chained against the one-launch router on the same inputs (the same 16-token gate blocks:
     ids equal, floats bit for bit under the interpreter and within a few ulps on a GPU) and, with ``block_size``, its alignment against
-    the reference's of its ids (integers: exact; on a GPU, above one program, the same segments)."""
+    the reference's of its ids (integers: exact; on a GPU, above one program, the same segments). ``want``: the
+    one-launch router's result, where a test already has it."""
     with record_launches() as launches:
         got = gate_route_chained(x, w, topk, True, block_size=block_size, sorted_topk=sorted_topk,
                                  gate_block_t=gate_block_t, **rule)
-    if block_size is None:
+    if want is not None:
+        pass
+    elif block_size is None:
         want = gate_and_route(x, w, topk, True, **rule)
     else:
         want = gate_route_and_align(x, w, topk, True, block_size=block_size, **rule)
@@ -155,12 +160,20 @@ def test_wider_gate_blocks_sum_the_same_products(gate_block_t, grouped):
     of d): on integer inputs, where every sum is exact in any order, the same logits, ids, weights and
     alignment as the one-launch router's 16-token blocks. 150 tokens: three 64-token blocks, the last
     one short; 80 experts: two 64-expert blocks, the last one short."""
-    rule = dict(scoring_func="sigmoid", num_expert_group=4, topk_group=2) if grouped else {}
-    x, w = inputs(150, 80, 300, 7, integer=True)
-    got = check_chained(x, w, 6, block_size=16, gate_block_t=gate_block_t, **rule)
+    x, w, rule, one_launch = wide_gate_problem(grouped)
+    got = check_chained(x, w, 6, block_size=16, gate_block_t=gate_block_t, want=one_launch, **rule)
     want = gate_and_route_reference(x.double(), w.double(), 6, True, **rule)   # and the float64 rule's
     assert torch.equal(got[2].double(), want[2]) and torch.equal(got[1], want[1])
     torch.testing.assert_close(got[0].double(), want[0].double(), atol=1e-6, rtol=1e-5)
+
+
+@functools.lru_cache(maxsize=2)
+def wide_gate_problem(grouped):
+    """The inputs of the test above, and the one-launch router's result on them (the same for every gate block:
+    computed once per rule, since the interpreter takes seconds)."""
+    rule = dict(scoring_func="sigmoid", num_expert_group=4, topk_group=2) if grouped else {}
+    x, w = inputs(150, 80, 300, 7, integer=True)
+    return x, w, rule, gate_route_and_align(x, w, 6, True, block_size=16, **rule)
 
 
 def test_the_gate_block_by_batch():
