@@ -67,6 +67,14 @@ def exact_fp8_inputs(num_tokens, d, group, generator):
     return (n * power).view(num_tokens, d)
 
 
+def segment_indices(counts, align):
+    """The permute layout's ``m_indices`` for experts with ``counts`` rows each: segments rounded up to ``align``
+    rows (-1 on the padding), then one more ``align``-row tile of padding."""
+    def segment(e, c):
+        return torch.cat([torch.full((c,), e, dtype=torch.int32), torch.full((-c % align,), -1, dtype=torch.int32)])
+    return torch.cat([segment(e, c) for e, c in enumerate(counts)] + [torch.full((align,), -1, dtype=torch.int32)])
+
+
 def random_shape(seed, dtypes):
     """Interpreter-sized make_problem arguments drawn from ``seed``, and the rng that drew them
     (tests draw their other choices from it)."""

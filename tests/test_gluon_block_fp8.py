@@ -13,7 +13,7 @@ from moe_kernels.kernels import gluon_block_fp8, permute as permute_module, perm
 from moe_kernels.kernels.formats import FORMATS
 from moe_kernels.kernels.gluon_block_fp8 import available, block_fp8_grouped, block_fp8_grouped_reference
 from moe_kernels.kernels.permute import permute_experts
-from moe_testing import DEVICE, make_problem, rel_err
+from moe_testing import DEVICE, make_problem, rel_err, segment_indices
 
 BLOCK = FORMATS["block"]
 
@@ -34,9 +34,7 @@ def segmented(counts, seed, k=256, n=128, device="cpu", align=128):
     trailing tile of padding. The second half of N is 8 times larger than the first (its 128 x 128 blocks'
     scales too): a tile that promoted one half with the other's weight scale would be off by 8 times."""
     g = torch.Generator().manual_seed(seed)
-    m_indices = torch.cat([torch.cat([torch.full((c,), e, dtype=torch.int32),
-                                      torch.full((-c % align,), -1, dtype=torch.int32)]) for e, c in enumerate(counts)]
-                          + [torch.full((align,), -1, dtype=torch.int32)])
+    m_indices = segment_indices(counts, align)
     raw = torch.randn(len(counts), n, k, generator=g) / 16
     raw[:, n // 2:] *= 8
     w, w_scale = BLOCK.quantize_weight(raw)
@@ -397,6 +395,8 @@ def test_the_permute_layout_on_the_gluon_kernel_gpu(monkeypatch, num_tokens, per
     # quantiser unless GEMM 1 quantises it
     assert [name for name, _ in launches if name.startswith("quant")] == (
         (["quant_scatter"] if one_pass else ["quant.groups"]) + ([] if fused else ["quant.groups"])), launches
+    # (GEMM 2's quantiser stops at rows_used on the persistent grid, which reads no row past it)
+    assert [r["bounded"] for name, r in launches if name == "quant.groups"][-1:] == ([] if fused else [persistent])
     want = moe_reference_fp8(x, w1q, w2q, weights, ids, w1_scale=w1s, w2_scale=w2s, granularity="block",
                              intermediate_dtype=x.dtype)
     assert rel_err(got.float(), want.float()) < 2e-2 and rel_err(got.float(), triton_out.float()) < 2e-2
@@ -424,6 +424,7 @@ def test_the_permute_layout_at_decode_on_the_transposed_kernel_gpu(monkeypatch, 
         got = permute_experts(x, w1q, w2q, weights, ids, align=align, w1_scale=w1s, w2_scale=w2s)
     assert [(s["gated"], s["block_t"]) for name, s in launches if name == "gluon_block_fp8.gemm"] == [
         (True, align), (False, align)], launches
+    assert [r["bounded"] for name, r in launches if name == "quant.groups"] == [False, True], launches   # (x, GEMM 2's)
     want = moe_reference_fp8(x, w1q, w2q, weights, ids, w1_scale=w1s, w2_scale=w2s, granularity="block",
                              intermediate_dtype=x.dtype)
     assert rel_err(got.float(), want.float()) < 2e-2 and rel_err(got.float(), triton_out.float()) < 2e-2

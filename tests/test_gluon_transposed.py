@@ -13,7 +13,7 @@ from moe_kernels.kernels import permute_gluon
 from moe_kernels.kernels.gluon_block_fp8 import available
 from moe_kernels.kernels.gluon_transposed import grouped_transposed, grouped_transposed_reference
 from moe_kernels.kernels.permute import permute_experts
-from moe_testing import DEVICE, make_problem, rel_err
+from moe_testing import DEVICE, make_problem, rel_err, segment_indices
 
 # (tokens per expert in segments of block_t rows: 0 is an empty expert; a trailing tile of padding)
 CASES = {"one token": [1], "an empty expert": [3, 0, 17], "a full tile": [0, 16, 64],
@@ -24,9 +24,7 @@ def segmented(counts, seed, align, k=128, n=256, device="cpu"):
     """bf16 operands for experts with ``counts`` rows each, segments rounded up to ``align`` rows, and
     ``rows_used`` (every segment, not the trailing tile). The up half of N is 8 times the gate half."""
     g = torch.Generator().manual_seed(seed)
-    m_indices = torch.cat([torch.cat([torch.full((c,), e, dtype=torch.int32),
-                                      torch.full((-c % align,), -1, dtype=torch.int32)]) for e, c in enumerate(counts)]
-                          + [torch.full((align,), -1, dtype=torch.int32)])
+    m_indices = segment_indices(counts, align)
     w = torch.randn(len(counts), n, k, generator=g) / 16
     w[:, n // 2:] *= 8
     x = torch.randn(m_indices.numel(), k, generator=g)

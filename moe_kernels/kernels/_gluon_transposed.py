@@ -41,7 +41,6 @@ def warps_for(block_t: int) -> int:
     return NUM_WARPS or (8 if block_t >= 64 else 4)
 
 if GLUON_HOPPER:
-    import triton.language as tl
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
@@ -69,7 +68,7 @@ if GLUON_HOPPER:
 
     @gluon.jit
     def _transposed_origin(local_tile, pid, nprog, num_pid_t, num_pid_n, m_indices_ptr, BLOCK_T: gl.constexpr,
-                        OUT_ROWS: gl.constexpr, GROUP: gl.constexpr):
+                           OUT_ROWS: gl.constexpr, GROUP: gl.constexpr):
         """This program's tile ``local_tile`` (tiles ``pid``, ``pid + P``, ... in the grouped order: GROUP token
         tiles, mostly of one expert, share each weight tile while it is in L2): its first token row, its first
         output column and its expert (its first row's)."""
@@ -79,8 +78,8 @@ if GLUON_HOPPER:
 
     @gluon.jit
     def _load_transposed(x_desc, w_desc, x_bufs, w_bufs, ready, g, num_k, walk, m_indices_ptr, N,
-                      BLOCK_T: gl.constexpr, OUT_ROWS: gl.constexpr, GROUP: gl.constexpr, NUM_STAGES: gl.constexpr,
-                      GATED: gl.constexpr):
+                         BLOCK_T: gl.constexpr, OUT_ROWS: gl.constexpr, GROUP: gl.constexpr,
+                         NUM_STAGES: gl.constexpr, GATED: gl.constexpr):
         """TMA loads of global step ``g`` (step ``g % num_k`` of this program's tile ``g // num_k``): the tile's
         token rows and its weight rows (gated: the gate rows, then the matching up rows) into stage
         ``g % NUM_STAGES``; nothing past the program's last tile."""
@@ -88,26 +87,20 @@ if GLUON_HOPPER:
         local_tile = g // num_k
         step = g - local_tile * num_k
         off_t, off_n, expert = _transposed_origin(gl.minimum(local_tile, my_tiles - 1), pid, nprog, num_pid_t,
-                                               num_pid_n, m_indices_ptr, BLOCK_T, OUT_ROWS, GROUP)
+                                                  num_pid_n, m_indices_ptr, BLOCK_T, OUT_ROWS, GROUP)
         w_row = expert * N + off_n
         _load_into(x_desc, w_desc, x_bufs, w_bufs, ready, g % NUM_STAGES, off_t, w_row, w_row + N // 2, step,
                    local_tile < my_tiles, GATED)
 
     @gluon.jit
-    def _issue_transposed(x_bufs, w_bufs, ready, g, dead, NUM_STAGES: gl.constexpr):
-        """Wait for global step ``g``'s tiles, then issue ``W_tile @ X_tile^T`` into a fresh product (the weights
-        as wgmma's A, K-major; the tokens' rows, K contiguous, viewed as its K-major B)."""
+    def _issue_transposed(x_bufs, w_bufs, ready, g, acc, NUM_STAGES: gl.constexpr, ACCUMULATE: gl.constexpr):
+        """Wait for global step ``g``'s tiles, then issue ``W_tile @ X_tile^T`` (the weights as wgmma's A, K-major;
+        the tokens' rows, K contiguous, viewed as its K-major B): into a fresh product whose registers are
+        ``acc``'s (fp8, promoted before it is added), or ``ACCUMULATE`` into ``acc`` (bf16)."""
         stage = g % NUM_STAGES
         mbarrier.wait(ready.index(stage), (g // NUM_STAGES) & 1)
-        return warpgroup_mma(w_bufs.index(stage), x_bufs.index(stage).permute((1, 0)), dead, use_acc=False,
+        return warpgroup_mma(w_bufs.index(stage), x_bufs.index(stage).permute((1, 0)), acc, use_acc=ACCUMULATE,
                              is_async=True)
-
-    @gluon.jit
-    def _issue_chained(x_bufs, w_bufs, ready, g, acc, NUM_STAGES: gl.constexpr):
-        """bf16: wait for global step ``g``'s tiles, then issue its MMA accumulating into ``acc``."""
-        stage = g % NUM_STAGES
-        mbarrier.wait(ready.index(stage), (g // NUM_STAGES) & 1)
-        return warpgroup_mma(w_bufs.index(stage), x_bufs.index(stage).permute((1, 0)), acc, is_async=True)
 
     @gluon.jit
     def _transposed_scale(xs_ptrs, ws_ptr, ws_up_ptr, step, num_k, layout: gl.constexpr, GATED: gl.constexpr):
@@ -124,19 +117,20 @@ if GLUON_HOPPER:
 
     @gluon.jit
     def _promote_transposed(acc, done, scale):
+        """``acc + done * scale``, the scale each weight row's times each token's."""
         weights, tokens = scale
         return acc + done * (weights[:, None] * tokens[None, :])
 
     @gluon.jit
     def _transposed_step(base, step, num_k, inflight, inflight_scale, dead, scale, acc, ring, walk, xs_ptrs, ws_ptr,
-                      ws_up_ptr, m_indices_ptr, N, layout: gl.constexpr, BLOCK_T: gl.constexpr,
-                      OUT_ROWS: gl.constexpr, GROUP: gl.constexpr, NUM_STAGES: gl.constexpr, GATED: gl.constexpr):
+                         ws_up_ptr, m_indices_ptr, N, layout: gl.constexpr, BLOCK_T: gl.constexpr,
+                         OUT_ROWS: gl.constexpr, GROUP: gl.constexpr, NUM_STAGES: gl.constexpr, GATED: gl.constexpr):
         """The persistent kernel's overlapped step, transposed: MMA ``base + step`` issued, MMA ``base + step -
         1`` waited for (one left in flight) and promoted under it; its stage refilled with global step ``base +
         step - 1 + NUM_STAGES``, of this tile or a later one."""
         x_desc, w_desc, x_bufs, w_bufs, ready = ring
         following = _transposed_scale(xs_ptrs, ws_ptr, ws_up_ptr, step + 1, num_k, layout, GATED)
-        issued = _issue_transposed(x_bufs, w_bufs, ready, base + step, dead, NUM_STAGES)
+        issued = _issue_transposed(x_bufs, w_bufs, ready, base + step, dead, NUM_STAGES, False)
         done = warpgroup_mma_wait(num_outstanding=1, deps=(inflight, ))
         gl.thread_barrier()   # (every warpgroup past MMA step - 1 before its stage is refilled)
         _load_transposed(x_desc, w_desc, x_bufs, w_bufs, ready, base + step - 1 + NUM_STAGES, num_k, walk,
@@ -185,7 +179,7 @@ if GLUON_HOPPER:
                                                                       layout=layout), ))
         x_scale = _transposed_scale(xs_ptrs, ws_ptr, ws_up_ptr, 0, num_k, layout, GATED)
         x_tok = _issue_transposed(x_bufs, w_bufs, ready, base, gl.zeros([BLOCK_W, BLOCK_T], gl.float32,
-                                                                     layout=layout), NUM_STAGES)
+                                                                     layout=layout), NUM_STAGES, False)
         scale = _transposed_scale(xs_ptrs, ws_ptr, ws_up_ptr, 1, num_k, layout, GATED)
         for pair in range((num_k - 1) // 2):
             step = 1 + 2 * pair
@@ -217,11 +211,11 @@ if GLUON_HOPPER:
         left in flight (``wait_group 1``) while the stage of the one before is refilled; the last step's stage
         refilled before it returns."""
         x_desc, w_desc, x_bufs, w_bufs, ready = ring
-        acc = _issue_chained(x_bufs, w_bufs, ready, base, gl.zeros([BLOCK_W, BLOCK_T], gl.float32, layout=layout),
-                             NUM_STAGES)
+        acc = _issue_transposed(x_bufs, w_bufs, ready, base, gl.zeros([BLOCK_W, BLOCK_T], gl.float32, layout=layout),
+                                NUM_STAGES, False)
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))   # (returns at once: the handle as a tensor)
         for step in range(1, num_k):
-            acc = _issue_chained(x_bufs, w_bufs, ready, base + step, acc, NUM_STAGES)
+            acc = _issue_transposed(x_bufs, w_bufs, ready, base + step, acc, NUM_STAGES, True)
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))   # (MMA step - 1 complete)
             gl.thread_barrier()   # (every warpgroup past MMA step - 1 before its stage is refilled)
             _load_transposed(x_desc, w_desc, x_bufs, w_bufs, ready, base + step - 1 + NUM_STAGES, num_k, walk,
@@ -280,7 +274,7 @@ if GLUON_HOPPER:
 
         for t in range(my_tiles):
             off_t, off_n, expert = _transposed_origin(t, pid, nprog, num_pid_t, num_pid_n, m_indices_ptr, BLOCK_T,
-                                                   OUT_ROWS, GROUP)
+                                                      OUT_ROWS, GROUP)
             if SCALED:
                 acc = _promoted_product(t * num_k, num_k, off_t, off_n, expert, ring, walk, x_scale_ptr, stride_xs,
                                         w_scale_ptr, stride_wse, stride_wsn, m_indices_ptr, N, layout, BLOCK_T,

@@ -123,9 +123,10 @@ def _check(func, x, x_scale, w, w_scale, m_indices, out, block_n, gated=False, v
 
 def _check_rows_used(func, rows_used, m_indices, device, validate_ids, half_tiles=False, tile_m=TILE_M):
     """The persistent grid visits the tiles below ``rows_used`` and takes each one's expert from its first row:
-    with ``validate_ids`` (a read-back, skipped while a graph captures) ``rows_used`` must be a multiple of 128 in
-    ``[0, M_pad]``, every tile below it must start on a real row and no real row may lie past it. ``half_tiles``
-    (a tile whose row 64 is padding multiplies rows 0-63 only): no real row may follow row 64's padding."""
+    with ``validate_ids`` (a read-back, skipped while a graph captures) ``rows_used`` must be a multiple of
+    ``tile_m`` (128, or the transposed grid's ``block_t``) in ``[0, M_pad]``, every tile below it must start on a
+    real row and no real row may lie past it. ``half_tiles`` (128-row tiles; one whose row 64 is padding
+    multiplies rows 0-63 only): no real row may follow row 64's padding."""
     if rows_used.device != device:
         fail(func, "rows_used", f"must be on {device}", rows_used.device)
     capturing = rows_used.is_cuda and torch.cuda.is_current_stream_capturing()
@@ -137,7 +138,7 @@ def _check_rows_used(func, rows_used, m_indices, device, validate_ids, half_tile
     if bool((m_indices[:used:tile_m] < 0).any()) or bool((m_indices[used:] >= 0).any()):
         fail(func, "m_indices", f"must start every {tile_m}-row tile below rows_used={used} on a real row, and "
              "hold no real row past it", "a tile of padding, or a real row past rows_used")
-    tiles = m_indices[:used].view(-1, tile_m)
+    tiles = m_indices[:used].view(-1, TILE_M) if half_tiles else None
     if half_tiles and bool(((tiles[:, TILE_M // 2:] >= 0).any(dim=1) & (tiles[:, TILE_M // 2] < 0)).any()):
         fail(func, "m_indices", f"must hold no real row after padding at row {TILE_M // 2} of a tile with half_tiles",
              "a real row after a half tile's padding")

@@ -69,22 +69,20 @@ def gemm_kernel(fmt, config, align, hidden_states, w1, w2) -> str:
 
 def experts(rows, rows_scale, w1, w1_scale, w2, w2_scale, permuted, topk_weights, fmt, align):
     """Both GEMMs of :func:`~moe_kernels.kernels.permute.permute_experts` on a Gluon kernel (where
-    :func:`gemm_kernel` said "gluon"), then the gather back."""
-    if not fmt.quantized:
-        return _transposed_experts(rows, None, w1, None, w2, None, permuted, topk_weights, fmt, align)
-    return _fp8_experts(rows, rows_scale, w1, w1_scale, w2, w2_scale, permuted, topk_weights, fmt, align)
+    :func:`gemm_kernel` said "gluon"), then the gather back: segments of 16, 32 or 64 rows (decode; bf16 always)
+    on the transposed kernel, block-fp8 segments of 128 rows on the 128-row one."""
+    if align != 128:
+        return _transposed_experts(rows, rows_scale, w1, w1_scale, w2, w2_scale, permuted, topk_weights, fmt, align)
+    return _fp8_experts(rows, rows_scale, w1, w1_scale, w2, w2_scale, permuted, topk_weights)
 
 
-def _fp8_experts(rows, rows_scale, w1, w1_scale, w2, w2_scale, permuted, topk_weights, fmt, align):
-    """Both GEMMs on the Gluon kernel: GEMM 1 gated (``silu(gate) * up`` in its epilogue, bf16 ``[M_pad, F]``),
-    the quantiser, GEMM 2 into bf16 ``[M_pad, d]``, the gather back. Neither GEMM writes a padding row; what
-    the quantiser makes of them stays in their own rows. Segments of 16, 32 or 64 rows (decode) take the
-    transposed kernel (tiles of 128 weight rows by ``align`` tokens) on its persistent grid."""
+def _fp8_experts(rows, rows_scale, w1, w1_scale, w2, w2_scale, permuted, topk_weights):
+    """Both GEMMs on the 128-row Gluon kernel: GEMM 1 gated (``silu(gate) * up`` in its epilogue, bf16
+    ``[M_pad, F]``), the quantiser (or GEMM 1 quantising), GEMM 2 into bf16 ``[M_pad, d]``, the gather back.
+    Neither GEMM writes a padding row; what the quantiser makes of them stays in their own rows."""
     from .gluon_block_fp8 import block_fp8_grouped
 
     # (permute wrote m_indices: one expert per 128-row tile, ids in [0, E) or -1; no read-back)
-    if align != 128:   # (a few tokens an expert: the product transposed, on its persistent grid)
-        return _transposed_experts(rows, rows_scale, w1, w1_scale, w2, w2_scale, permuted, topk_weights, fmt, align)
     rows_used = permuted.rows_used if GLUON_PERSISTENT else None
     half = GLUON_HALF_TILES and rows_used is not None
     if rows_used is not None and GLUON_QUANTIZE_IN_GEMM1:
@@ -115,7 +113,7 @@ def _transposed_experts(rows, rows_scale, w1, w1_scale, w2, w2_scale, permuted, 
 
 def _quantized(activated, rows_used):
     """GEMM 2's block-fp8 input (1 x 128 groups): the rows below ``rows_used`` only where it is given (the
-    persistent and transposed grids read no row past it; at decode ``M_pad`` is mostly rows past it)."""
+    persistent and transposed grids read no row past it; ``M_pad`` is sized for the worst routing)."""
     from .quant import per_token_group_quant_fp8
 
     return per_token_group_quant_fp8(activated, 128, rows_used=rows_used)
