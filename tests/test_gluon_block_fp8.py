@@ -93,6 +93,8 @@ def test_it_refuses_where_it_cannot_run():
                                             (dict(block_n=64, rows_used=torch.zeros(1, dtype=torch.int32)), "block_n"),
                                             (dict(block_t=8, rows_used=torch.zeros(1, dtype=torch.int32)), "block_t"),
                                             (dict(block_t=16), "block_t"),
+                                            (dict(block_t=16, quantize_output=True,   # (not gated)
+                                                  rows_used=torch.zeros(1, dtype=torch.int32)), "quantize_output"),
                                             (dict(block_t=16, half_tiles=True,
                                                   rows_used=torch.zeros(1, dtype=torch.int32)), "block_t")])
 def test_bad_launch_settings_are_named(settings, name):
@@ -351,6 +353,38 @@ def test_the_transposed_grid_against_the_reference_gpu(monkeypatch, case, block_
 
 @pytest.mark.gpu
 @needs_gluon
+@pytest.mark.parametrize("case", sorted(DECODE_SEGMENTS))
+@pytest.mark.parametrize("block_t", [16, 32, 64])
+@pytest.mark.parametrize("programs, stages", [(1, 2), (3, 6), (None, 6)])
+@pytest.mark.parametrize("k", [128, 1152])
+def test_the_transposed_quantising_epilogue_gives_the_quantisers_bits_gpu(monkeypatch, case, block_t, programs,
+                                                                          stages, k):
+    """GEMM 1 on the transposed grid with quantize_output: the fp8 rows and scales of every real row are bit for
+    bit the transposed kernel's bf16 output quantised by per_token_group_quant_fp8 (N = 512: two 128-column
+    groups, each from one program's two 64-column tiles back to back); a few programs walk many pairs."""
+    from moe_kernels.kernels import _gluon_transposed as transposed
+    from moe_kernels.kernels.quant import per_token_group_quant_fp8
+
+    monkeypatch.setattr(transposed, "PROGRAMS", programs)
+    x, x_scale, w, w_scale, m_indices = segmented(DECODE_SEGMENTS[case], seed=len(case) + k, k=k, n=512,
+                                                  device="cuda", align=block_t)
+    rows_used = torch.tensor([m_indices.shape[0] - block_t], dtype=torch.int32, device="cuda")
+    bf16 = block_fp8_grouped(x, x_scale, w, w_scale, m_indices, gated=True, rows_used=rows_used, block_t=block_t,
+                             stages=stages)
+    with record_launches() as launches:
+        q, s = block_fp8_grouped(x, x_scale, w, w_scale, m_indices, gated=True, rows_used=rows_used,
+                                 block_t=block_t, stages=stages, quantize_output=True)
+    assert [(r["block_t"], r["quantize_output"]) for name, r in launches if name == "gluon_block_fp8.gemm"] == [
+        (block_t, True)], launches
+    assert q.dtype == torch.float8_e4m3fn and q.shape == (x.shape[0], 256) and s.shape == (x.shape[0], 2)
+    want_q, want_s = per_token_group_quant_fp8(bf16, 128)
+    real = m_indices >= 0
+    assert torch.equal(q[real].view(torch.uint8), want_q[real].view(torch.uint8))
+    assert torch.equal(s[real], want_s[real])
+
+
+@pytest.mark.gpu
+@needs_gluon
 def test_half_tiles_refuse_a_real_row_after_row_64s_padding_gpu():
     """A half tile multiplies rows 0-63 only, so with half_tiles and validate_ids a tile whose row 64 is padding
     must hold no real row after it (permute never makes one; a hand-made m_indices might)."""
@@ -411,20 +445,24 @@ def test_the_permute_layout_on_the_gluon_kernel_gpu(monkeypatch, num_tokens, per
 @pytest.mark.gpu
 @needs_gluon
 @pytest.mark.parametrize("num_tokens, align", [(1, 16), (8, 16), (64, 16), (64, 32), (200, 64)])
-def test_the_permute_layout_at_decode_on_the_transposed_kernel_gpu(monkeypatch, num_tokens, align):
+@pytest.mark.parametrize("fused", [False, True], ids=["quantiser", "GEMM 1 quantising"])
+def test_the_permute_layout_at_decode_on_the_transposed_kernel_gpu(monkeypatch, num_tokens, align, fused):
     """permute_experts with FP8_GEMM = "gluon" and segments of 16-64 rows: both GEMMs on the transposed grid
-    (the launch record says so), the result within the fp8 reference's tolerance and the Triton kernel's,
-    and a CUDA graph captures the call."""
+    (the launch record says so), GEMM 2's input by the quantiser or by GEMM 1 (TRANSPOSED_QUANTIZE_IN_GEMM1),
+    the result within the fp8 reference's tolerance and the Triton kernel's, and a CUDA graph captures the
+    call."""
     from moe_kernels.reference import moe_reference_fp8
 
     x, w1q, w2q, weights, ids, w1s, w2s = fp8_problem(num_tokens, seed=num_tokens, dtype=torch.bfloat16)
     triton_out = permute_experts(x, w1q, w2q, weights, ids, align=align, w1_scale=w1s, w2_scale=w2s)
     monkeypatch.setattr(permute_gluon, "FP8_GEMM", "gluon")
+    monkeypatch.setattr(permute_gluon, "TRANSPOSED_QUANTIZE_IN_GEMM1", fused)
     with record_launches() as launches:
         got = permute_experts(x, w1q, w2q, weights, ids, align=align, w1_scale=w1s, w2_scale=w2s)
-    assert [(s["gated"], s["block_t"]) for name, s in launches if name == "gluon_block_fp8.gemm"] == [
-        (True, align), (False, align)], launches
-    assert [r["bounded"] for name, r in launches if name == "quant.groups"] == [False, True], launches   # (x, GEMM 2's)
+    assert [(s["gated"], s["block_t"], s["quantize_output"]) for name, s in launches
+            if name == "gluon_block_fp8.gemm"] == [(True, align, fused), (False, align, False)], launches
+    # x's quantiser, then GEMM 2's (bounded by rows_used) unless GEMM 1 quantises
+    assert [r["bounded"] for name, r in launches if name == "quant.groups"] == [False] + [True] * (not fused), launches
     want = moe_reference_fp8(x, w1q, w2q, weights, ids, w1_scale=w1s, w2_scale=w2s, granularity="block",
                              intermediate_dtype=x.dtype)
     assert rel_err(got.float(), want.float()) < 2e-2 and rel_err(got.float(), triton_out.float()) < 2e-2

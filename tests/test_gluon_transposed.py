@@ -55,7 +55,9 @@ def test_it_refuses_where_it_cannot_run():
 
 @pytest.mark.parametrize("settings, name", [(dict(block_t=8), "block_t"), (dict(block_t=128), "block_t"),
                                             (dict(stages=1), "stages"), (dict(stages=7), "stages"),
-                                            (dict(gated=1), "gated"), (dict(validate_ids="no"), "validate_ids")])
+                                            (dict(gated=1), "gated"), (dict(validate_ids="no"), "validate_ids"),
+                                            (dict(quantize_output=1), "quantize_output"),
+                                            (dict(quantize_output=True, gated=True), "quantize_output")])
 def test_bad_settings_are_named(settings, name):
     x, w, m_indices, rows_used = segmented([3], seed=1, align=16)
     with pytest.raises((ValueError, TypeError), match=f"argument '{name}'"):

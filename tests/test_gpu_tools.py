@@ -93,7 +93,8 @@ def test_gluon_block_fp8_compiles_for_hopper():
     for sm_90a in both orders, 8 warps, BLOCK_N 128 and 64, plain and gated (SiLU·mul in the epilogue), and on
     its persistent grid (128 columns, overlapped; gated also quantising its output; each with half tiles, whose
     wgmmas are m64 n64 beside the whole tiles' n128), and transposed (decode, fp8 and bf16: 128 weight rows by
-    16, 32 or 64 tokens, wgmma's N the tokens, at the warps the kernel takes and 16 tokens at 8 warps): the
+    16, 32 or 64 tokens, wgmma's N the tokens, at the warps the kernel takes and 16 tokens at 8 warps; fp8 GEMM 1
+    also quantising its output): the
     overlapped one waits with one MMA outstanding (``wgmma.wait_group 1``, the promotion under the next
     MMA), the in-order one never does; none spills, and ptxas serialises none's wgmmas. Gluon's API is Triton 3.6's here (CI's ``.ci-triton36``): other Triton skips."""
     import re
@@ -112,11 +113,11 @@ def test_gluon_block_fp8_compiles_for_hopper():
         [(gated + order, n) for gated in ("", "gated ") for order in ("overlap", "in-order") for n in ("128", "64")]
         + [(gated + "persistent " + half + "overlap", "128") for gated in ("", "gated ") for half in ("", "half ")]
         + [("gated persistent quantising " + half + "overlap", "128") for half in ("", "half ")]), done.stdout
-    transposed = re.findall(r"^((?:bf16 )?(?:gated )?)transposed block_t=(\d+) warps=(\d) .*?\(n (\d+)\), waits ([\d,]+), "
+    transposed = re.findall(r"^((?:bf16 )?(?:gated )?(?:quantising )?)transposed block_t=(\d+) warps=(\d) .*?\(n (\d+)\), waits ([\d,]+), "
                             r"registers \d+, spills (\d+)/(\d+) .*ptxas wgmma warnings (\d+)$", done.stdout, re.M)
     settings = (("16", "4"), ("32", "4"), ("64", "8"), ("16", "8"))   # (block_t, warps)
-    assert sorted(t[:3] for t in transposed) == sorted((fmt + gated, t, w) for fmt in ("", "bf16 ")
-                                                       for gated in ("", "gated ") for t, w in settings), done.stdout
+    kinds = ("", "gated ", "gated quantising ", "bf16 ", "bf16 gated ")
+    assert sorted(t[:3] for t in transposed) == sorted((kind, t, w) for kind in kinds for t, w in settings), done.stdout
     for _, block_t, _, n, waits, *clean in transposed:   # tokens on wgmma's N side; the promotion overlapped
         assert n == block_t and {int(w) for w in waits.split(",")} == {0, 1} and clean == ["0", "0", "0"], done.stdout
     for order, block_n, shapes, waits, spill_stores, spill_loads, warnings in builds:

@@ -86,14 +86,17 @@ def compile_only():
         compiled_one(True, 128, True, persistent=True, quantising=True, half=half)
     from moe_kernels.kernels._gluon_transposed import compile_for_sm90 as compile_transposed, warps_for
 
-    for scaled, gated in itertools.product((True, False), (False, True)):   # the transposed product (decode)
+    # the transposed product (decode), fp8 and bf16; fp8 GEMM 1 also quantising GEMM 2's input
+    for scaled, gated, quantising in ((True, False, False), (True, True, False), (True, True, True),
+                                      (False, False, False), (False, True, False)):
         for block_t, warps in ((16, warps_for(16)), (32, warps_for(32)), (64, warps_for(64)), (16, 8)):
-            kernel = compile_transposed(block_t, 6, warps, gated, scaled)
+            kernel = compile_transposed(block_t, 6, warps, gated, scaled, quantising)
             ptx = kernel.asm["ptx"]
             count, waits = ptx_report(ptx)
             shapes = sorted({int(n) for n in re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k", ptx)})
             regs, spill_stores, spill_loads, warnings = ptxas_report(ptx)
-            print(f"{'' if scaled else 'bf16 '}{'gated ' if gated else ''}transposed block_t={block_t} warps={warps} stages=6: wgmma {count} "
+            print(f"{'' if scaled else 'bf16 '}{'gated ' if gated else ''}{'quantising ' if quantising else ''}"
+                  f"transposed block_t={block_t} warps={warps} stages=6: wgmma {count} "
                   f"(n {','.join(map(str, shapes))}), waits {','.join(map(str, waits))}, registers {regs}, "
                   f"spills {spill_stores}/{spill_loads} bytes (stores/loads), shared {kernel.metadata.shared} bytes, "
                   f"ptxas wgmma warnings {len(warnings)}", flush=True)

@@ -21,6 +21,9 @@ gated, (fp8: the quantiser,) GEMM 2, the gather back. Candidates, each the exper
   gluon a16 one-pass  fp8: the input quantised once and written to its rows with its scales
                      (``permute.ONE_PASS_FP8_INPUT``: one launch for the quantiser, the copy and the scales' gather;
                      at one token the permute path's launches count, not its bytes)
+  gluon a16 quantising  fp8: GEMM 1's epilogue writes GEMM 2's fp8 input and scales (a program takes each
+                     128-column group's two tiles; ``permute_gluon.TRANSPOSED_QUANTIZE_IN_GEMM1``: no quantiser
+                     launch between the GEMMs), and with the one-pass input too
 
 Each output is checked against the index-gather call's (relative error <= 3e-2: the fp8 paths round
 GEMM 1's output once more or less), then replayed from a CUDA graph of one call with the L2 flushed,
@@ -50,9 +53,12 @@ from moe_kernels.results import record_tool
 device = "cuda" if torch.cuda.is_available() else "cpu"
 models = sys.argv[1].split(",") if len(sys.argv) > 1 else ["qwen3-30b-a3b", "deepseek-v3"]
 batches = [int(b) for b in sys.argv[2].split(",")] if len(sys.argv) > 2 else [1, 8, 64, 256]
-GLUON = {   # name: (align, permute_gluon.TRANSPOSED_STAGES, transposed.NUM_WARPS, permute.ONE_PASS_FP8_INPUT)
-    "gluon a16": (16, 6, None, False), "gluon a32": (32, 6, None, False), "gluon a64": (64, 6, None, False),
-    "gluon a16 s5": (16, 5, None, False), "gluon a16 w8": (16, 6, 8, False), "gluon a16 one-pass": (16, 6, None, True)}
+GLUON = {   # name: (align, permute_gluon.TRANSPOSED_STAGES, transposed.NUM_WARPS, permute.ONE_PASS_FP8_INPUT,
+    #             permute_gluon.TRANSPOSED_QUANTIZE_IN_GEMM1)
+    "gluon a16": (16, 6, None, False, False), "gluon a32": (32, 6, None, False, False),
+    "gluon a64": (64, 6, None, False, False), "gluon a16 s5": (16, 5, None, False, False),
+    "gluon a16 w8": (16, 6, 8, False, False), "gluon a16 one-pass": (16, 6, None, True, False),
+    "gluon a16 quantising": (16, 6, None, False, True), "gluon a16 one-pass quantising": (16, 6, None, True, True)}
 if device == "cuda":
     from moe_kernels.bench.ceilings import measure_read_bandwidth
 
@@ -62,19 +68,20 @@ else:
 rows = []
 
 
-def on_gluon(call, stages, warps, one_pass):
+def on_gluon(call, stages, warps, one_pass, quantising):
     """``call`` with the permute layout's GEMMs (fp8 and bf16) on the Gluon kernels, at ``stages`` and ``warps``,
-    and (fp8) the input quantised and scattered in one pass or not."""
+    and (fp8) the input quantised and scattered in one pass or not, GEMM 2's input quantised by GEMM 1 or not."""
     def run():
         saved = (permute_gluon.FP8_GEMM, permute_gluon.BF16_GEMM, permute_gluon.TRANSPOSED_STAGES,
-                 transposed.NUM_WARPS, permute_module.ONE_PASS_FP8_INPUT)
+                 transposed.NUM_WARPS, permute_module.ONE_PASS_FP8_INPUT, permute_gluon.TRANSPOSED_QUANTIZE_IN_GEMM1)
         (permute_gluon.FP8_GEMM, permute_gluon.BF16_GEMM, permute_gluon.TRANSPOSED_STAGES, transposed.NUM_WARPS,
-         permute_module.ONE_PASS_FP8_INPUT) = "gluon", "gluon", stages, warps, one_pass
+         permute_module.ONE_PASS_FP8_INPUT, permute_gluon.TRANSPOSED_QUANTIZE_IN_GEMM1) = (
+            "gluon", "gluon", stages, warps, one_pass, quantising)
         try:
             return call()
         finally:
             (permute_gluon.FP8_GEMM, permute_gluon.BF16_GEMM, permute_gluon.TRANSPOSED_STAGES, transposed.NUM_WARPS,
-             permute_module.ONE_PASS_FP8_INPUT) = saved
+             permute_module.ONE_PASS_FP8_INPUT, permute_gluon.TRANSPOSED_QUANTIZE_IN_GEMM1) = saved
     return run
 
 
@@ -93,11 +100,12 @@ for key in models:
                                                       validate_ids=False, **scales),
                 "permute triton a16": lambda: permute_experts(hidden, w1, w2, weights, ids, align=16,
                                                               validate_ids=False, **scales)}
-            for name, (align, stages, warps, one_pass) in GLUON.items():
-                if one_pass and not fmt.quantized:
-                    continue   # (bf16 has no input quantiser)
+            for name, (align, stages, warps, one_pass, quantising) in GLUON.items():
+                if (one_pass or quantising) and not fmt.quantized:
+                    continue   # (bf16 has no quantiser)
                 candidates[name] = on_gluon(lambda align=align: permute_experts(
-                    hidden, w1, w2, weights, ids, align=align, validate_ids=False, **scales), stages, warps, one_pass)
+                    hidden, w1, w2, weights, ids, align=align, validate_ids=False, **scales), stages, warps, one_pass,
+                    quantising)
             reference = candidates["index_gather"]()
             lowest, rounds, errors, rel = time_lowest(candidates, reference, tolerance=3e-2, warmup_ms=5, rep_ms=25,
                                                       unchecked=("index_gather",), rounds=2, alternate=True)

@@ -145,18 +145,25 @@ if GLUON_HOPPER:
             kept.store(y)
         else:
             gl.thread_barrier()   # (every thread's share of the first half stored)
-            first = kept.load(y.type.layout).to(gl.float32)
-            second = y.to(gl.float32)
-            amax = gl.maximum(gl.max(gl.abs(first), axis=1), gl.max(gl.abs(second), axis=1))
-            scale = gl.maximum(amax, 1e-10) / 448.0
+            first, second, scale = _quantized_group(kept.load(y.type.layout), y)
             offsets = rows.to(gl.int64)[:, None] * stride_om + cols[None, :]
             mask = real[:, None] & (cols >= 0)[None, :]   # (the rows', broadcast over the tile)
-            # tl.clamp, as the quantiser: min.xorsign.abs (a max/min pair would store -448 for a NaN, it +448)
-            first = tl.clamp(first / scale[:, None], -448.0, 448.0)
-            second = tl.clamp(second / scale[:, None], -448.0, 448.0)
-            gl.store(out_ptr + offsets - HALF, first.to(gl.float8e4nv), mask=mask)
-            gl.store(out_ptr + offsets, second.to(gl.float8e4nv), mask=mask)
+            gl.store(out_ptr + offsets - HALF, first, mask=mask)
+            gl.store(out_ptr + offsets, second, mask=mask)
             gl.store(out_scale_ptr + rows.to(gl.int64) * stride_os + off_n // 128, scale, mask=real)
+
+    @gluon.jit
+    def _quantized_group(first, second):
+        """A 128-column group's two bf16 halves in fp8, and each row's float32 scale, with the quantiser's
+        arithmetic (:mod:`moe_kernels.kernels.quant`: amax, scale, divide, clamp, round)."""
+        first = first.to(gl.float32)
+        second = second.to(gl.float32)
+        amax = gl.maximum(gl.max(gl.abs(first), axis=1), gl.max(gl.abs(second), axis=1))
+        scale = gl.maximum(amax, 1e-10) / 448.0
+        # tl.clamp, as the quantiser: min.xorsign.abs (a max/min pair would store -448 for a NaN, it +448)
+        first = tl.clamp(first / scale[:, None], -448.0, 448.0)
+        second = tl.clamp(second / scale[:, None], -448.0, 448.0)
+        return first.to(gl.float8e4nv), second.to(gl.float8e4nv), scale
 
 
     @gluon.jit

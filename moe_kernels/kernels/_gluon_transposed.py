@@ -47,7 +47,7 @@ if GLUON_HOPPER:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from ._gluon_block_fp8_kernel import _grouped_tile, _load_into, compile_kernel_for_sm90
-    from ._gluon_block_fp8_persistent import _drained, _scale_pointers
+    from ._gluon_block_fp8_persistent import _drained, _quantized_group, _scale_pointers
 
     BLOCK_W = gl.constexpr(TILE_W)
 
@@ -68,18 +68,23 @@ if GLUON_HOPPER:
 
     @gluon.jit
     def _transposed_origin(local_tile, pid, nprog, num_pid_t, num_pid_n, m_indices_ptr, BLOCK_T: gl.constexpr,
-                           OUT_ROWS: gl.constexpr, GROUP: gl.constexpr):
+                           OUT_ROWS: gl.constexpr, GROUP: gl.constexpr, PAIRS: gl.constexpr):
         """This program's tile ``local_tile`` (tiles ``pid``, ``pid + P``, ... in the grouped order: GROUP token
         tiles, mostly of one expert, share each weight tile while it is in L2): its first token row, its first
-        output column and its expert (its first row's)."""
-        pid_t, pid_n = _grouped_tile(pid + local_tile * nprog, num_pid_t, num_pid_n, GROUP)
+        output column and its expert (its first row's). ``PAIRS``: the program takes the two column tiles of a
+        128-column group back to back (``pid``'s pair, then ``pid + P``'s, ...)."""
+        if PAIRS:
+            pid_t, pair_n = _grouped_tile(pid + (local_tile // 2) * nprog, num_pid_t, num_pid_n // 2, GROUP)
+            pid_n = 2 * pair_n + local_tile % 2
+        else:
+            pid_t, pid_n = _grouped_tile(pid + local_tile * nprog, num_pid_t, num_pid_n, GROUP)
         off_t = pid_t * BLOCK_T
         return off_t, pid_n * OUT_ROWS, gl.load(m_indices_ptr + off_t)
 
     @gluon.jit
     def _load_transposed(x_desc, w_desc, x_bufs, w_bufs, ready, g, num_k, walk, m_indices_ptr, N,
                          BLOCK_T: gl.constexpr, OUT_ROWS: gl.constexpr, GROUP: gl.constexpr,
-                         NUM_STAGES: gl.constexpr, GATED: gl.constexpr):
+                         PAIRS: gl.constexpr, NUM_STAGES: gl.constexpr, GATED: gl.constexpr):
         """TMA loads of global step ``g`` (step ``g % num_k`` of this program's tile ``g // num_k``): the tile's
         token rows and its weight rows (gated: the gate rows, then the matching up rows) into stage
         ``g % NUM_STAGES``; nothing past the program's last tile."""
@@ -87,7 +92,7 @@ if GLUON_HOPPER:
         local_tile = g // num_k
         step = g - local_tile * num_k
         off_t, off_n, expert = _transposed_origin(gl.minimum(local_tile, my_tiles - 1), pid, nprog, num_pid_t,
-                                                  num_pid_n, m_indices_ptr, BLOCK_T, OUT_ROWS, GROUP)
+                                                  num_pid_n, m_indices_ptr, BLOCK_T, OUT_ROWS, GROUP, PAIRS)
         w_row = expert * N + off_n
         _load_into(x_desc, w_desc, x_bufs, w_bufs, ready, g % NUM_STAGES, off_t, w_row, w_row + N // 2, step,
                    local_tile < my_tiles, GATED)
@@ -124,7 +129,8 @@ if GLUON_HOPPER:
     @gluon.jit
     def _transposed_step(base, step, num_k, inflight, inflight_scale, dead, scale, acc, ring, walk, xs_ptrs, ws_ptr,
                          ws_up_ptr, m_indices_ptr, N, layout: gl.constexpr, BLOCK_T: gl.constexpr,
-                         OUT_ROWS: gl.constexpr, GROUP: gl.constexpr, NUM_STAGES: gl.constexpr, GATED: gl.constexpr):
+                         OUT_ROWS: gl.constexpr, GROUP: gl.constexpr, PAIRS: gl.constexpr,
+                         NUM_STAGES: gl.constexpr, GATED: gl.constexpr):
         """The persistent kernel's overlapped step, transposed: MMA ``base + step`` issued, MMA ``base + step -
         1`` waited for (one left in flight) and promoted under it; its stage refilled with global step ``base +
         step - 1 + NUM_STAGES``, of this tile or a later one."""
@@ -134,16 +140,18 @@ if GLUON_HOPPER:
         done = warpgroup_mma_wait(num_outstanding=1, deps=(inflight, ))
         gl.thread_barrier()   # (every warpgroup past MMA step - 1 before its stage is refilled)
         _load_transposed(x_desc, w_desc, x_bufs, w_bufs, ready, base + step - 1 + NUM_STAGES, num_k, walk,
-                      m_indices_ptr, N, BLOCK_T, OUT_ROWS, GROUP, NUM_STAGES, GATED)
+                      m_indices_ptr, N, BLOCK_T, OUT_ROWS, GROUP, PAIRS, NUM_STAGES, GATED)
         acc = _promote_transposed(acc, done, inflight_scale)
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))   # (the compiler fence: see _overlapped_step)
         return issued, scale, done, following, acc
 
     @gluon.jit
-    def _store_transposed(acc, tile, out_ptr, m_indices_ptr, off_t, off_n, stride_om, BLOCK_T: gl.constexpr,
-                       GATED: gl.constexpr, NUM_WARPS: gl.constexpr):
+    def _store_transposed(acc, tile, out_ptr, m_indices_ptr, off_t, off_n, stride_om, quant, BLOCK_T: gl.constexpr,
+                       GATED: gl.constexpr, QUANT_OUT: gl.constexpr, NUM_WARPS: gl.constexpr):
         """The tile's output rows (one per token, only the real ones): the fp32 tile through shared memory, read
-        back transposed (gated: the gate half and the up half, then ``silu(gate) * up`` rounded once)."""
+        back transposed (gated: the gate half and the up half, then ``silu(gate) * up`` rounded once).
+        ``QUANT_OUT``: ``quant`` is ``(half, stash, out_scale_ptr, stride_os)``; the group's first half waits in
+        the stash, and the second quantises both (:func:`_store_quantized_pair`)."""
         tile.store(acc)
         gl.thread_barrier()
         if GATED:
@@ -160,13 +168,33 @@ if GLUON_HOPPER:
         cols = off_n + gl.arange(0, width, layout=gl.SliceLayout(0, layout))
         real = gl.load(m_indices_ptr + tokens) >= 0
         offsets = tokens.to(gl.int64)[:, None] * stride_om + cols[None, :]
-        gl.store(out_ptr + offsets, out.to(gl.bfloat16), mask=real[:, None] & (cols >= 0)[None, :])
+        if QUANT_OUT:
+            _store_quantized_pair(out.to(gl.bfloat16), quant, out_ptr, offsets, tokens, real, off_n, width)
+        else:
+            gl.store(out_ptr + offsets, out.to(gl.bfloat16), mask=real[:, None] & (cols >= 0)[None, :])
+
+    @gluon.jit
+    def _store_quantized_pair(y, quant, out_ptr, offsets, tokens, real, off_n, WIDTH: gl.constexpr):
+        """GEMM 2's fp8 input from a pair of gated tiles (columns ``off_n - 64``... and ``off_n``...: one 128-column
+        group): the first tile's ``y`` (bf16, as the unfused path stores it) waits in the stash; the second's
+        quantises the group's 128 columns per token (``_quantized_group``, the persistent grid's) and stores both
+        halves in fp8 and each token's scale."""
+        half, stash, out_scale_ptr, stride_os = quant
+        if half == 0:
+            stash.store(y)
+        else:
+            gl.thread_barrier()   # (every thread's share of the first half stored)
+            first, second, scale = _quantized_group(stash.load(y.type.layout), y)
+            mask = real[:, None] & (offsets >= 0)   # (the tokens', broadcast over the tile)
+            gl.store(out_ptr + offsets - WIDTH, first, mask=mask)
+            gl.store(out_ptr + offsets, second, mask=mask)
+            gl.store(out_scale_ptr + tokens.to(gl.int64) * stride_os + off_n // 128, scale, mask=real)
 
     @gluon.jit
     def _promoted_product(base, num_k, off_t, off_n, expert, ring, walk, x_scale_ptr, stride_xs, w_scale_ptr,
                           stride_wse, stride_wsn, m_indices_ptr, N, layout: gl.constexpr, BLOCK_T: gl.constexpr,
-                          OUT_ROWS: gl.constexpr, GROUP: gl.constexpr, NUM_STAGES: gl.constexpr,
-                          GATED: gl.constexpr):
+                          OUT_ROWS: gl.constexpr, GROUP: gl.constexpr, PAIRS: gl.constexpr,
+                          NUM_STAGES: gl.constexpr, GATED: gl.constexpr):
         """A block-fp8 tile's product at global steps ``base``..., each step promoted under the next step's MMA
         (the per-tile kernel's overlapped loop, two steps an iteration: see ``_block_fp8_grouped_kernel``); the
         last step's stage refilled before it returns."""
@@ -185,28 +213,29 @@ if GLUON_HOPPER:
             step = 1 + 2 * pair
             y_tok, y_scale, x_dead, scale, acc = _transposed_step(
                 base, step, num_k, x_tok, x_scale, y_dead, scale, acc, ring, walk, xs_ptrs, ws_ptr, ws_up_ptr,
-                m_indices_ptr, N, layout, BLOCK_T, OUT_ROWS, GROUP, NUM_STAGES, GATED)
+                m_indices_ptr, N, layout, BLOCK_T, OUT_ROWS, GROUP, PAIRS, NUM_STAGES, GATED)
             x_tok, x_scale, y_dead, scale, acc = _transposed_step(
                 base, step + 1, num_k, y_tok, y_scale, x_dead, scale, acc, ring, walk, xs_ptrs, ws_ptr,
-                ws_up_ptr, m_indices_ptr, N, layout, BLOCK_T, OUT_ROWS, GROUP, NUM_STAGES, GATED)
+                ws_up_ptr, m_indices_ptr, N, layout, BLOCK_T, OUT_ROWS, GROUP, PAIRS, NUM_STAGES, GATED)
         if (num_k - 1) % 2 == 1:
             y_tok, y_scale, x_dead, scale, acc = _transposed_step(
                 base, num_k - 1, num_k, x_tok, x_scale, y_dead, scale, acc, ring, walk, xs_ptrs, ws_ptr,
-                ws_up_ptr, m_indices_ptr, N, layout, BLOCK_T, OUT_ROWS, GROUP, NUM_STAGES, GATED)
+                ws_up_ptr, m_indices_ptr, N, layout, BLOCK_T, OUT_ROWS, GROUP, PAIRS, NUM_STAGES, GATED)
             last, last_scale = _drained(y_tok, y_scale)
         else:
             last, last_scale = _drained(x_tok, x_scale)
         # the last stage refilled (with a later tile's step) before the epilogue
         gl.thread_barrier()
         _load_transposed(x_desc, w_desc, x_bufs, w_bufs, ready, base + num_k - 1 + NUM_STAGES, num_k, walk,
-                         m_indices_ptr, N, BLOCK_T, OUT_ROWS, GROUP, NUM_STAGES, GATED)
+                         m_indices_ptr, N, BLOCK_T, OUT_ROWS, GROUP, PAIRS, NUM_STAGES, GATED)
         acc = _promote_transposed(acc, last, last_scale)
         return acc
 
 
     @gluon.jit
     def _chained_product(base, num_k, ring, walk, m_indices_ptr, N, layout: gl.constexpr, BLOCK_T: gl.constexpr,
-                         OUT_ROWS: gl.constexpr, GROUP: gl.constexpr, NUM_STAGES: gl.constexpr, GATED: gl.constexpr):
+                         OUT_ROWS: gl.constexpr, GROUP: gl.constexpr, PAIRS: gl.constexpr,
+                         NUM_STAGES: gl.constexpr, GATED: gl.constexpr):
         """A bf16 tile's product at global steps ``base``...: each MMA accumulates into the one before it, one
         left in flight (``wait_group 1``) while the stage of the one before is refilled; the last step's stage
         refilled before it returns."""
@@ -219,25 +248,28 @@ if GLUON_HOPPER:
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))   # (MMA step - 1 complete)
             gl.thread_barrier()   # (every warpgroup past MMA step - 1 before its stage is refilled)
             _load_transposed(x_desc, w_desc, x_bufs, w_bufs, ready, base + step - 1 + NUM_STAGES, num_k, walk,
-                             m_indices_ptr, N, BLOCK_T, OUT_ROWS, GROUP, NUM_STAGES, GATED)
+                             m_indices_ptr, N, BLOCK_T, OUT_ROWS, GROUP, PAIRS, NUM_STAGES, GATED)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         gl.thread_barrier()
         _load_transposed(x_desc, w_desc, x_bufs, w_bufs, ready, base + num_k - 1 + NUM_STAGES, num_k, walk,
-                         m_indices_ptr, N, BLOCK_T, OUT_ROWS, GROUP, NUM_STAGES, GATED)
+                         m_indices_ptr, N, BLOCK_T, OUT_ROWS, GROUP, PAIRS, NUM_STAGES, GATED)
         return acc
 
 
     @gluon.jit
     def _transposed_kernel(x_desc, w_desc, out_ptr, x_scale_ptr, w_scale_ptr, m_indices_ptr, rows_used_ptr,
-                                  N, K, stride_om, stride_xs, stride_wse, stride_wsn, NUM_STAGES: gl.constexpr,
-                                  GROUP: gl.constexpr, GATED: gl.constexpr = False, SCALED: gl.constexpr = True):
+                           out_scale_ptr, N, K, stride_om, stride_xs, stride_wse, stride_wsn, stride_os,
+                           NUM_STAGES: gl.constexpr, GROUP: gl.constexpr, GATED: gl.constexpr = False,
+                           SCALED: gl.constexpr = True, QUANT_OUT: gl.constexpr = False):
         """``out[r] = dequant(x[r]) @ dequant(w[m_indices[r]])^T`` for the real rows below ``rows_used``, computed
         transposed on tiles of 128 weight rows by ``BLOCK_T`` token rows (``BLOCK_T``: the x box's rows, the
         segments' alignment), each program walking tiles ``pid, pid + P, ...`` with its loads running ahead
         across tiles. ``GATED``: ``w`` holds ``N = 2F`` rows (gate, then up); a tile multiplies 64 gate rows and
         the 64 matching up rows and stores ``silu(gate) * up``, 64 columns of ``[M_pad, F]``. ``SCALED``: fp8
         operands with block scales (a K step of 128); else bf16 (a K step of 64, the 128-byte rows' width), no
-        scales (their pointers unused)."""
+        scales (their pointers unused). ``QUANT_OUT`` (fp8, gated): the output quantised as GEMM 2 reads it, fp8
+        with one float32 scale per token per 128 columns (``out_scale_ptr``), bit for bit what the bf16 output
+        then the quantiser give; the program takes a group's two 64-column tiles back to back."""
         NUM_WARPS: gl.constexpr = gl.num_warps()
         BLOCK_T: gl.constexpr = x_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
@@ -245,12 +277,17 @@ if GLUON_HOPPER:
         OUT_ROWS: gl.constexpr = BLOCK_W // 2 if GATED else BLOCK_W   # (the output columns of a tile)
         gl.static_assert(w_desc.block_type.shape[0] == OUT_ROWS)
         gl.static_assert(NUM_STAGES >= 2)
+        gl.static_assert(not QUANT_OUT or (GATED and SCALED))   # (two 64-column tiles a 128-column group)
+        PAIRS: gl.constexpr = QUANT_OUT
 
         num_pid_t = gl.load(rows_used_ptr) // BLOCK_T
         num_pid_n = (N // 2 if GATED else N) // OUT_ROWS
         pid = gl.program_id(0)
         nprog = gl.num_programs(0)
-        my_tiles = gl.maximum(num_pid_t * num_pid_n - pid + nprog - 1, 0) // nprog
+        if PAIRS:   # pairs of column tiles, two tiles each
+            my_tiles = 2 * (gl.maximum(num_pid_t * (num_pid_n // 2) - pid + nprog - 1, 0) // nprog)
+        else:
+            my_tiles = gl.maximum(num_pid_t * num_pid_n - pid + nprog - 1, 0) // nprog
         num_k = K // BLOCK_K
         walk = (pid, nprog, my_tiles, num_pid_t, num_pid_n)
 
@@ -266,24 +303,30 @@ if GLUON_HOPPER:
         # half's slice starts on it.
         tile = gl.allocate_shared_memory(gl.float32, [BLOCK_W, BLOCK_T], gl.SwizzledSharedLayout(
             vec=1, per_phase=4, max_phase=16, order=[1, 0]))
+        if QUANT_OUT:   # a group's first half, bf16, until its second half is done
+            stash = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_T, OUT_ROWS], gl.SwizzledSharedLayout(
+                vec=1, per_phase=1, max_phase=1, order=[1, 0]))
+        else:
+            stash = ready   # (unused)
         ring = (x_desc, w_desc, x_bufs, w_bufs, ready)
         if my_tiles > 0:   # fill the ring: global steps 0 .. NUM_STAGES - 1 (across tiles where K is short)
             for fill in gl.static_range(NUM_STAGES):
                 _load_transposed(x_desc, w_desc, x_bufs, w_bufs, ready, fill, num_k, walk, m_indices_ptr, N, BLOCK_T,
-                                 OUT_ROWS, GROUP, NUM_STAGES, GATED)
+                                 OUT_ROWS, GROUP, PAIRS, NUM_STAGES, GATED)
 
         for t in range(my_tiles):
             off_t, off_n, expert = _transposed_origin(t, pid, nprog, num_pid_t, num_pid_n, m_indices_ptr, BLOCK_T,
-                                                      OUT_ROWS, GROUP)
+                                                      OUT_ROWS, GROUP, PAIRS)
             if SCALED:
                 acc = _promoted_product(t * num_k, num_k, off_t, off_n, expert, ring, walk, x_scale_ptr, stride_xs,
                                         w_scale_ptr, stride_wse, stride_wsn, m_indices_ptr, N, layout, BLOCK_T,
-                                        OUT_ROWS, GROUP, NUM_STAGES, GATED)
+                                        OUT_ROWS, GROUP, PAIRS, NUM_STAGES, GATED)
             else:
                 acc = _chained_product(t * num_k, num_k, ring, walk, m_indices_ptr, N, layout, BLOCK_T, OUT_ROWS,
-                                       GROUP, NUM_STAGES, GATED)
+                                       GROUP, PAIRS, NUM_STAGES, GATED)
             # (the next tile's K loop passes a barrier every step before this tile's memory is written again)
-            _store_transposed(acc, tile, out_ptr, m_indices_ptr, off_t, off_n, stride_om, BLOCK_T, GATED, NUM_WARPS)
+            _store_transposed(acc, tile, out_ptr, m_indices_ptr, off_t, off_n, stride_om,
+                              (t % 2, stash, out_scale_ptr, stride_os), BLOCK_T, GATED, QUANT_OUT, NUM_WARPS)
 
         for stage in gl.static_range(NUM_STAGES):   # every fill was waited for: no copy is left in flight
             mbarrier.invalidate(ready.index(stage))
@@ -298,29 +341,37 @@ if GLUON_HOPPER:
         return (TensorDescriptor.from_tensor(x, [block_t, box_k], x_layout),
                 TensorDescriptor.from_tensor(w.view(e * n, k), [TILE_W // 2 if gated else TILE_W, box_k], w_layout))
 
-    def compile_for_sm90(block_t, stages, num_warps, gated=False, scaled=True):
+    def compile_for_sm90(block_t, stages, num_warps, gated=False, scaled=True, quant_out=False):
         """The kernel compiled for sm_90a (as the per-tile kernel's ``compile_for_sm90``); ``scaled=False``: bf16."""
         dtype = torch.float8_e4m3fn if scaled else torch.bfloat16
         x = torch.empty(block_t, TILE_K, dtype=dtype)
         w = torch.empty(1, 2 * TILE_W, TILE_K, dtype=dtype)
-        pointers = {"rows_used_ptr": "*i32"} if scaled else {"rows_used_ptr": "*i32", "x_scale_ptr": "*bf16",
-                                                             "w_scale_ptr": "*bf16"}
+        pointers = {"rows_used_ptr": "*i32", "out_scale_ptr": "*fp32"}
+        if not scaled:
+            pointers.update(x_scale_ptr="*bf16", w_scale_ptr="*bf16")
+        if quant_out:
+            pointers["out_ptr"] = "*fp8e4nv"
         return compile_kernel_for_sm90(_transposed_kernel, None, gated, num_warps,
-                                       {"NUM_STAGES": stages, "SCALED": scaled}, pointers,
+                                       {"NUM_STAGES": stages, "SCALED": scaled, "QUANT_OUT": quant_out}, pointers,
                                        descriptors=_descriptors(x, w, block_t, gated))
 
-    def launch(x, x_scale, w, w_scale, m_indices, rows_used, out, *, block_t, stages, num_warps, gated=False):
-        """One program per SM (or per tile, where there are fewer tiles) on checked arguments; ``x_scale`` and
-        ``w_scale`` None for bf16 operands."""
+    def launch(x, x_scale, w, w_scale, m_indices, rows_used, out, *, block_t, stages, num_warps, gated=False,
+               out_scale=None):
+        """One program per SM (or per tile, or pair of tiles with ``out_scale``, where there are fewer) on checked
+        arguments; ``x_scale`` and ``w_scale`` None for bf16 operands."""
         num_rows, k = x.shape
         n = w.shape[1]
         x_desc, w_desc = _descriptors(x, w, block_t, gated)
         most_tiles = num_rows // block_t * (out.shape[1] // (TILE_W // 2 if gated else TILE_W))
+        if out_scale is not None:   # (a program per pair of tiles)
+            most_tiles //= 2
         programs = PROGRAMS or torch.cuda.get_device_properties(x.device).multi_processor_count
         grid = (max(1, min(programs, most_tiles)), )
         scaled = x_scale is not None
+        quant_out = out_scale is not None
         _transposed_kernel[grid](
-            x_desc, w_desc, out, x_scale if scaled else x, w_scale if scaled else x, m_indices, rows_used, n, k,
-            out.stride(0), x_scale.stride(0) if scaled else 0, w_scale.stride(0) if scaled else 0,
-            w_scale.stride(1) if scaled else 0, NUM_STAGES=stages, GROUP=GROUP_M, GATED=gated, SCALED=scaled,
-            num_warps=num_warps)
+            x_desc, w_desc, out, x_scale if scaled else x, w_scale if scaled else x, m_indices, rows_used,
+            out_scale if quant_out else rows_used, n, k, out.stride(0), x_scale.stride(0) if scaled else 0,
+            w_scale.stride(0) if scaled else 0, w_scale.stride(1) if scaled else 0,
+            out_scale.stride(0) if quant_out else 0, NUM_STAGES=stages, GROUP=GROUP_M, GATED=gated, SCALED=scaled,
+            QUANT_OUT=quant_out, num_warps=num_warps)

@@ -166,7 +166,8 @@ def block_fp8_grouped(x, x_scale, w, w_scale, m_indices, *, out=None, gated: boo
     padding (a segment's last, with at most 64 real rows) multiplies 64 rows, half the MMAs. ``block_t`` (16, 32
     or 64, with ``rows_used``; decode): the product transposed on tiles of 128 weight rows by ``block_t`` token
     rows, segments aligned to ``block_t`` (:mod:`moe_kernels.kernels._gluon_transposed`; ``block_n`` is
-    not used). The launch record (``gluon_block_fp8.gemm``) says which variant ran."""
+    not used; ``quantize_output`` as on the persistent grid). The launch record (``gluon_block_fp8.gemm``) says
+    which variant ran."""
     func = "block_fp8_grouped"
     for name, flag in (("gated", gated), ("overlap", overlap), ("validate_ids", validate_ids),
                        ("quantize_output", quantize_output), ("half_tiles", half_tiles)):
@@ -186,7 +187,7 @@ def block_fp8_grouped(x, x_scale, w, w_scale, m_indices, *, out=None, gated: boo
             fail(func, "block_n", "must be 128 with rows_used (the persistent and transposed grids' tile)", block_n)
         # (the persistent grid's shared memory: the epilogue's buffers cannot share the ring's, which the next
         # tile's loads are filling; 6 gated stages or 5 quantising ones pass the H200's 227 KiB)
-        most = 4 if quantize_output else 5 if gated and block_n == 128 and block_t is None else 6
+        most = 6 if block_t is not None else 4 if quantize_output else 5 if gated else 6
         if stages > most:
             fail(func, "stages", f"must be at most {most} on the persistent grid here (shared memory)", stages)
     if half_tiles and not persistent:
@@ -194,9 +195,9 @@ def block_fp8_grouped(x, x_scale, w, w_scale, m_indices, *, out=None, gated: boo
     if block_t is not None:
         if block_t not in (16, 32, 64):
             fail(func, "block_t", "must be None, 16, 32 or 64", repr(block_t))
-        if not persistent or quantize_output or half_tiles:
-            fail(func, "block_t", "needs rows_used, without quantize_output or half_tiles (the transposed grid)",
-                 dict(rows_used=persistent, quantize_output=quantize_output, half_tiles=half_tiles))
+        if not persistent or half_tiles:
+            fail(func, "block_t", "needs rows_used, without half_tiles (the transposed grid)",
+                 dict(rows_used=persistent, half_tiles=half_tiles))
     if quantize_output and not (gated and persistent and block_n == 128 and out is None):
         fail(func, "quantize_output", "needs gated=True, rows_used, block_n=128 and out=None",
              dict(gated=gated, rows_used=persistent, block_n=block_n, out=out is not None))
@@ -224,7 +225,7 @@ def block_fp8_grouped(x, x_scale, w, w_scale, m_indices, *, out=None, gated: boo
         from ._gluon_transposed import launch as launch_transposed, warps_for
 
         launch_transposed(x, x_scale, w, w_scale, m_indices, rows_used, out, block_t=block_t, stages=stages,
-                          num_warps=warps_for(block_t), gated=gated)
+                          num_warps=warps_for(block_t), gated=gated, out_scale=out_scale)
     elif x.shape[0] and persistent:
         from ._gluon_block_fp8_persistent import launch as launch_persistent
 

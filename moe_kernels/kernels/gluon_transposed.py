@@ -36,16 +36,18 @@ __all__ = ["grouped_transposed", "grouped_transposed_reference"]
 
 
 def grouped_transposed(x, w, m_indices, rows_used, *, x_scale=None, w_scale=None, gated: bool = False,
-                       block_t: int = 16, stages: int = 6, out=None, validate_ids: bool = True) -> torch.Tensor:
+                       block_t: int = 16, stages: int = 6, out=None, validate_ids: bool = True,
+                       quantize_output: bool = False):
     """``[M_pad, N]`` bf16 (gated ``[M_pad, N/2]``) for the rows with ``m_indices >= 0`` below ``rows_used``;
     others are not written (``out``, if given, keeps them). fp8 ``x`` and ``w`` take their block scales
     (``x_scale [M_pad, K/128]``, ``w_scale [E, N/128, K/128]``: :func:`~moe_kernels.kernels.gluon_block_fp8.
     block_fp8_grouped` with ``block_t``); bf16 ones none. ``block_t``: 16, 32 or 64 tokens a tile (the
     segments' alignment); ``stages``: the ring's TMA buffers (2-6). ``validate_ids`` reads ``m_indices`` and
-    ``rows_used`` back to check them (a host sync; skipped while a graph captures). The launch record
-    (``gluon_transposed.gemm``) names the format."""
+    ``rows_used`` back to check them (a host sync; skipped while a graph captures). ``quantize_output`` (fp8,
+    gated): ``(out, out_scale)``, GEMM 2's fp8 input and its scales, as ``block_fp8_grouped``'s. The launch
+    record (``gluon_transposed.gemm``) names the format."""
     func = "grouped_transposed"
-    for name, flag in (("gated", gated), ("validate_ids", validate_ids)):
+    for name, flag in (("gated", gated), ("validate_ids", validate_ids), ("quantize_output", quantize_output)):
         if not isinstance(flag, bool):
             fail(func, name, "must be a bool", repr(flag), TypeError)
     if block_t not in (16, 32, 64):
@@ -56,9 +58,13 @@ def grouped_transposed(x, w, m_indices, rows_used, *, x_scale=None, w_scale=None
         fail(func, "rows_used", "must have shape (1,)", tuple(rows_used.shape))
     if isinstance(w, torch.Tensor) and w.dtype == torch.float8_e4m3fn:   # (checked and launched there)
         out = block_fp8_grouped(x, x_scale, w, w_scale, m_indices, out=out, gated=gated, stages=stages,
-                                validate_ids=validate_ids, rows_used=rows_used, block_t=block_t)
-        note_launch("gluon_transposed.gemm", format="fp8 block", gated=gated, block_t=block_t, stages=stages)
+                                validate_ids=validate_ids, rows_used=rows_used, block_t=block_t,
+                                quantize_output=quantize_output)
+        note_launch("gluon_transposed.gemm", format="fp8 block", gated=gated, block_t=block_t, stages=stages,
+                    quantize_output=quantize_output)
         return out
+    if quantize_output:
+        fail(func, "quantize_output", "must be False for bf16 weights (GEMM 2 reads bf16)", quantize_output)
     reason = available(w.device if isinstance(w, torch.Tensor) else "cpu")
     if reason is not None:
         fail(func, "w", f"must be on a device this kernel runs on ({reason})", getattr(w, "device", w))
@@ -66,7 +72,8 @@ def grouped_transposed(x, w, m_indices, rows_used, *, x_scale=None, w_scale=None
     _check_rows_used(func, rows_used, m_indices, w.device, validate_ids, tile_m=block_t)
     if out is None:
         out = torch.empty(x.shape[0], w.shape[1] // 2 if gated else w.shape[1], device=x.device, dtype=torch.bfloat16)
-    note_launch("gluon_transposed.gemm", format="bf16", gated=gated, block_t=block_t, stages=stages)
+    note_launch("gluon_transposed.gemm", format="bf16", gated=gated, block_t=block_t, stages=stages,
+                quantize_output=False)
     from .._replay import recording_now
 
     recording = recording_now()

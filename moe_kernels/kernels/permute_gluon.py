@@ -39,6 +39,9 @@ GLUON_QUANTIZE_IN_GEMM1 = False
 GLUON_HALF_TILES = False
 #: The transposed kernel's TMA stages (segments of 16-64 rows; fp8: 6 take 116 KiB at 16 rows).
 TRANSPOSED_STAGES = 6
+#: fp8 on the transposed kernel: GEMM 1 writes GEMM 2's input in fp8 with its scales (a program takes the two
+#: 64-column tiles of each 128-column group; no quantiser launch between the GEMMs). Off until timed.
+TRANSPOSED_QUANTIZE_IN_GEMM1 = False
 
 
 def gemm_kernel(fmt, config, align, hidden_states, w1, w2) -> str:
@@ -99,13 +102,18 @@ def _fp8_experts(rows, rows_scale, w1, w1_scale, w2, w2_scale, permuted, topk_we
 
 def _transposed_experts(rows, rows_scale, w1, w1_scale, w2, w2_scale, permuted, topk_weights, fmt, align):
     """Both GEMMs on the transposed kernel (tiles of 128 weight rows by ``align`` tokens); in fp8 GEMM 2's
-    input quantised between them."""
+    input quantised between them, or by GEMM 1 (:data:`TRANSPOSED_QUANTIZE_IN_GEMM1`)."""
     from .gluon_transposed import grouped_transposed
 
     used = permuted.rows_used
-    activated = grouped_transposed(rows, w1, permuted.m_indices, used, x_scale=rows_scale, w_scale=w1_scale,
-                                   gated=True, block_t=align, stages=TRANSPOSED_STAGES, validate_ids=False)
-    a, a_scale = _quantized(activated, used) if fmt.quantized else (activated, None)
+    fused = fmt.quantized and TRANSPOSED_QUANTIZE_IN_GEMM1
+    gemm1 = grouped_transposed(rows, w1, permuted.m_indices, used, x_scale=rows_scale, w_scale=w1_scale,
+                               gated=True, block_t=align, stages=TRANSPOSED_STAGES, validate_ids=False,
+                               quantize_output=fused)
+    if fused:
+        a, a_scale = gemm1
+    else:
+        a, a_scale = _quantized(gemm1, used) if fmt.quantized else (gemm1, None)
     y = grouped_transposed(a, w2, permuted.m_indices, used, x_scale=a_scale, w_scale=w2_scale, block_t=align,
                            stages=TRANSPOSED_STAGES, validate_ids=False)
     return unpermute(y, permuted.src2dst, topk_weights)
