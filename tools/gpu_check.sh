@@ -27,6 +27,9 @@ OUT=${OUT:-/tmp/moe-out}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 steps=("$@")
+# The first GPU runs of new kernels: their tests compile dozens of variants, so spread them over 8 processes (the
+# device image has pytest-xdist) with a per-test limit (pytest-timeout), which turns a hang into one failure.
+PARALLEL=${PARALLEL--n 8 --timeout 120}
 [ ${#steps[@]} -eq 0 ] && steps=(tests ceilings sweep)
 status=0
 for step in "${steps[@]}"; do
@@ -128,7 +131,7 @@ for step in "${steps[@]}"; do
                      # GPU tests first (persistent and quantising Gluon kernels, the one-pass input, the quantiser's
                      # tiles), then the unmarked tests of test_quant_scatter.py and test_fp8.py, compiled
                      timeout 280 $PY -m pytest tests/test_gluon_block_fp8.py tests/test_quant_scatter.py tests/test_fp8.py \
-                         -q -p no:cacheprovider --tb=short -W ignore::DeprecationWarning \
+                         -q -p no:cacheprovider --tb=short -W ignore::DeprecationWarning $PARALLEL \
                          -k "persistent or quantising or rows_used or permute_layout or quant or scatter or tile or slot" \
                          > "$OUT/fp8-permute-tests.log" 2>&1
                      grep -E "^FAILED|passed|failed" "$OUT/fp8-permute-tests.log" | tail -n 20 || status=1 ;;
@@ -145,7 +148,7 @@ for step in "${steps[@]}"; do
         decode-transposed-tests) # session 28: the transposed Gluon kernel (decode: weights on wgmma's M, tokens on N;
                      # fp8 and bf16): its GPU tests (one call; then decode-transposed-ab in another)
                      timeout 500 $PY -m pytest tests/test_gluon_transposed.py tests/test_gluon_block_fp8.py -q \
-                         -p no:cacheprovider --tb=short -W ignore::DeprecationWarning -k "transposed" \
+                         -p no:cacheprovider --tb=short -W ignore::DeprecationWarning -k "transposed" $PARALLEL \
                          > "$OUT/decode-transposed-tests.log" 2>&1
                      grep -E "^FAILED|passed|failed" "$OUT/decode-transposed-tests.log" | tail -n 20 || status=1 ;;
         decode-transposed-ab) # its A/B against index-gather, fp8 then bf16 (records transposed-decode-ab)
