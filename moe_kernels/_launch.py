@@ -87,20 +87,22 @@ def runtime_key(values) -> list:
             else (v.dtype, v.data_ptr() & 15) if isinstance(v, _Tensor)
             else (type(v), v) if type(v) in (bool, str) or v is None
             else float if type(v) is float
-            else descriptor_key(v) if type(v) is _descriptor_type
+            else descriptor_key(v) if type(v) in _descriptor_types
             else _refuse(v)
             for v in values]
 
 
-#: Triton's host-side ``TensorDescriptor`` class, set when the shortcut is built (it needs Triton).
-_descriptor_type = None
+#: Triton's host-side ``TensorDescriptor`` classes (Gluon's too, for a Gluon kernel's class), set when the
+#: shortcut is built (it needs Triton).
+_descriptor_types = frozenset()
 
 
 def descriptor_key(desc) -> tuple:
     """The key of a TMA tensor descriptor: what Triton specialises on (the element type and the
-    box, ``tensordesc<bf16[128, 64]>``), with the padding mode; its base address, shape and strides
-    are launch-time values that the launcher encodes into the descriptor at every launch."""
-    return _descriptor_type, desc.base.dtype, tuple(desc.block_shape), desc.padding
+    box, ``tensordesc<bf16[128, 64]>``; a Gluon descriptor's shared-memory layout too), with the
+    padding mode; its base address, shape and strides are launch-time values that the launcher
+    encodes into the descriptor at every launch."""
+    return type(desc), desc.base.dtype, tuple(desc.block_shape), desc.padding, getattr(desc, "layout", None)
 
 
 def _launcher_call_matches() -> bool:
@@ -121,22 +123,30 @@ def _current_device() -> int:
     return torch._C._cuda_getDevice()
 
 
-def cached_launch_kernel_class():
-    """The ``JITFunction`` subclass (built on first use: it needs Triton)."""
+def cached_launch_kernel_class(gluon: bool = False):
+    """The ``JITFunction`` subclass (built on first use: it needs Triton); ``gluon``: the subclass of
+    Gluon's ``GluonJITFunction`` (Triton 3.6), for the package's Gluon kernels."""
     from triton import knobs
     from triton.runtime.jit import JITFunction
 
     from . import _replay
-    global _descriptor_type
+    global _descriptor_types
     try:
-        from triton.tools.tensor_descriptor import TensorDescriptor as _descriptor_type
+        from triton.tools.tensor_descriptor import TensorDescriptor
+        _descriptor_types = _descriptor_types | {TensorDescriptor}
     except ImportError:   # a Triton without host-side descriptors: none is ever passed
         pass
+    base = JITFunction
+    if gluon:
+        from triton.experimental.gluon._runtime import GluonJITFunction as base
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+        _descriptor_types = _descriptor_types | {TensorDescriptor}
     this_thread = _replay._local   # .recording: a call being recorded for replay (moe_kernels._replay)
     no_hooks = _replay.no_hooks
 
-    class CachedLaunchKernel(JITFunction):
-        """``triton.jit`` whose ``kernel[grid](...)`` goes straight to the launcher once compiled."""
+    class CachedLaunchKernel(base):
+        """``triton.jit`` (or ``gluon.jit``) whose ``kernel[grid](...)`` goes straight to the launcher once
+        compiled."""
 
         #: Off: every launch takes Triton's own path (``MOE_KERNELS_LAUNCH_SHORTCUT=0``; A/B timing).
         shortcut = _launcher_call_matches()

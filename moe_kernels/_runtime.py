@@ -154,17 +154,23 @@ def kernel(fn=None, **options):
     return _compiled_kernel_class()(fn, **options)
 
 
-_COMPILED_KERNEL = None
+def gluon_kernel(fn):
+    """``gluon.jit`` for this package's Gluon kernels (Triton 3.6, compiled only; their device functions keep
+    ``gluon.jit``): launched through :mod:`moe_kernels._launch`'s shortcut like the Triton kernels, so that a
+    recorded call replays them (:mod:`moe_kernels._replay`)."""
+    return _compiled_kernel_class(gluon=True)(fn)
 
 
-def _compiled_kernel_class():
-    """``triton.jit``'s class with the launch shortcut of :mod:`moe_kernels._launch`."""
-    global _COMPILED_KERNEL
-    if _COMPILED_KERNEL is None:
+_COMPILED_KERNEL = {}
+
+
+def _compiled_kernel_class(gluon: bool = False):
+    """``triton.jit``'s (or ``gluon.jit``'s) class with the launch shortcut of :mod:`moe_kernels._launch`."""
+    if gluon not in _COMPILED_KERNEL:
         from ._launch import cached_launch_kernel_class
 
-        _COMPILED_KERNEL = cached_launch_kernel_class()
-    return _COMPILED_KERNEL
+        _COMPILED_KERNEL[gluon] = cached_launch_kernel_class(gluon)
+    return _COMPILED_KERNEL[gluon]
 
 
 # ----------------------------------------------------------------------------------------------

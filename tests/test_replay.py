@@ -289,6 +289,27 @@ def test_launch_key_of_a_tensor_descriptor_is_what_triton_specialises():
     assert key(a, [16, 32]) != key(a, [16, 32], "nan")
 
 
+def test_launch_key_of_a_gluon_descriptor_holds_its_layout():
+    """A Gluon kernel's TMA descriptor carries its shared-memory layout, which is part of the kernel's type: two
+    layouts are two keys; the class that launches Gluon kernels is Gluon's JITFunction with the shortcut."""
+    pytest.importorskip("triton")
+    try:
+        from triton.experimental.gluon import language as gl
+        from triton.experimental.gluon._runtime import GluonJITFunction
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    except ImportError as error:
+        pytest.skip(f"no Gluon for NVIDIA GPUs in this Triton ({error})")
+
+    from moe_kernels._launch import argument_key, cached_launch_kernel_class
+
+    assert issubclass(cached_launch_kernel_class(gluon=True), GluonJITFunction)
+    a, b = torch.zeros(64, 128, dtype=torch.float16), torch.zeros(128, 128, dtype=torch.float16)
+    wide = gl.NVMMASharedLayout.get_default_for([16, 128], gl.float16)   # (128-byte swizzle)
+    narrow = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=2)
+    key = lambda t, layout: argument_key(TensorDescriptor.from_tensor(t, [16, 128], layout), False)  # noqa: E731
+    assert key(a, wide) == key(b, wide) and key(a, wide) != key(a, narrow)
+
+
 def test_options_are_keyed_by_type_and_objects_by_identity():
     key = _replay.options_key
     assert key(64) != key(64.0) and key(True) != key(1) and key(None) == key(None)
@@ -483,6 +504,36 @@ def test_layer_replays_as_it_runs_gpu(model, fmt, layout, shared, num_tokens, mo
     layer.w2 = layer.w2 * 2 if layer.w2.dtype == torch.bfloat16 else layer.w2
     layer(x)
     assert layer._replays.get(layer._replays.key((x,), ())) is None
+
+
+@needs_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("persistent", [False, True], ids=["per tile", "persistent"])
+@pytest.mark.parametrize("num_tokens", [1, 64, 300])
+def test_the_gluon_kernels_are_replayed_gpu(persistent, num_tokens, monkeypatch):
+    """The fp8 permute layout on the Gluon kernels (FP8_GEMM = "gluon", one program a tile or the persistent
+    grid): they launch through the package's shortcut, so the layer's recorded call replays them, bit-equal to
+    the eager call, and its fourth call runs as one CUDA graph."""
+    from moe_kernels._runtime import record_launches
+    from moe_kernels.kernels import permute_gluon
+    from moe_kernels.kernels.gluon_block_fp8 import available
+
+    if available("cuda") is not None:
+        pytest.skip(f"the Gluon kernels: {available('cuda')}")
+    monkeypatch.setattr(permute_gluon, "FP8_GEMM", "gluon")
+    monkeypatch.setattr(permute_gluon, "GLUON_PERSISTENT", persistent)
+    layer = _small_layer("qwen3-30b-a3b", "block", "permute")
+    g = torch.Generator(device="cuda").manual_seed(num_tokens)
+    for call in range(4):
+        x = torch.randn(num_tokens, 256, device="cuda", dtype=torch.bfloat16, generator=g)
+        with record_launches() as launches:
+            expected = _eagerly(lambda: layer(x), monkeypatch)
+        assert [r["persistent"] for name, r in launches if name == "gluon_block_fp8.gemm"] == [persistent] * 2
+        got = layer(x)
+        assert torch.equal(got, expected), (call, (got.float() - expected.float()).abs().max())
+    replay = layer._replays.get(layer._replays.key((x,), ()))
+    assert replay is not None and replay.replays >= 2, layer._replays.last_refusal
+    assert _graphs_of(replay) == 1, replay.graphs.refusal
 
 
 @needs_gpu

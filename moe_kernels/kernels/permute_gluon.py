@@ -23,7 +23,7 @@ from .combine import unpermute
 #: cannot run (no Triton 3.6 Gluon, not sm_90, bf16 activations only, segments of 16, 32, 64 or 128 rows, no
 #: ``gather_rows`` or ``sum_in_gemm``, F and d multiples of 128) the call takes the Triton kernel and its
 #: launch record says why. Like ``combine.UNPERMUTE_BODY``, a plan recorded before a change keeps its
-#: kernel, and a recording refuses the Gluon launch (no replay).
+#: kernel (the Gluon kernels launch through the package's shortcut, so a recorded call replays them).
 FP8_GEMM = "triton"
 #: The same for bf16 weights: "gluon" runs both GEMMs of a call with segments of 16, 32 or 64 rows (decode) on
 #: the transposed kernel (:func:`~moe_kernels.kernels.gluon_transposed.grouped_transposed`); off until timed.
