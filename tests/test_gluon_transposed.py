@@ -117,6 +117,13 @@ def test_the_switch_falls_back_to_triton_and_says_why(monkeypatch):
         chosen = [s for name, s in launches if name == "permute.bf16_gemm"]
         assert len(chosen) == 1 and chosen[0]["kernel"] == "triton", launches
         assert chosen[0]["refused"] == (available(x.device) or "weights not bf16"), launches
+    monkeypatch.setattr(permute_gluon, "BF16_GEMM", "triton")   # (the argument over the switch)
+    with record_launches() as launches:
+        assert torch.equal(permute_experts(x, w1, w2, weights, ids, align=16, gemm="gluon"), want)
+    if HAS_TRITON:
+        assert [s["refused"] for name, s in launches if name == "permute.bf16_gemm"] == [chosen[0]["refused"]]
+    with pytest.raises(ValueError, match="permute_experts: argument 'gemm' must be 'triton' or 'gluon', got 'cuda'"):
+        permute_experts(x, w1, w2, weights, ids, align=16, gemm="cuda")
     monkeypatch.setattr(permute_gluon, "BF16_GEMM", "glucon")
     with pytest.raises(ValueError, match="'BF16_GEMM' must be 'triton' or 'gluon', got 'glucon'"):
         permute_experts(x, w1, w2, weights, ids, align=16)
@@ -158,23 +165,26 @@ def test_the_kernel_against_its_reference_gpu(monkeypatch, case, block_t, progra
 @pytest.mark.gpu
 @needs_gluon
 @pytest.mark.parametrize("num_tokens, align", [(1, 16), (8, 16), (64, 16), (64, 32), (200, 64)])
-def test_the_permute_layout_at_decode_on_the_transposed_kernel_gpu(monkeypatch, num_tokens, align):
-    """permute_experts in bf16 with BF16_GEMM = "gluon" and segments of 16-64 rows: both GEMMs on the
-    transposed kernel (the launch record says so), the result the Triton kernel's within bf16 rounding, and a
-    CUDA graph captures the call."""
+@pytest.mark.parametrize("via", ["switch", "argument"])
+def test_the_permute_layout_at_decode_on_the_transposed_kernel_gpu(monkeypatch, num_tokens, align, via):
+    """permute_experts in bf16 with BF16_GEMM = "gluon" (or gemm="gluon") and segments of 16-64 rows: both GEMMs
+    on the transposed kernel (the launch record says so), the result the Triton kernel's within bf16 rounding,
+    and a CUDA graph captures the call."""
     x, w1, w2, weights, ids = make_problem(num_tokens, 4, 2, 256, 128, torch.bfloat16, seed=num_tokens)
     triton_out = permute_experts(x, w1, w2, weights, ids, align=align)
-    monkeypatch.setattr(permute_gluon, "BF16_GEMM", "gluon")
+    asked = {"gemm": "gluon"} if via == "argument" else {}
+    if not asked:
+        monkeypatch.setattr(permute_gluon, "BF16_GEMM", "gluon")
     with record_launches() as launches:
-        got = permute_experts(x, w1, w2, weights, ids, align=align)
+        got = permute_experts(x, w1, w2, weights, ids, align=align, **asked)
     assert [s["kernel"] for name, s in launches if name == "permute.bf16_gemm"] == ["gluon"], launches
     assert [(s["gated"], s["block_t"]) for name, s in launches if name == "gluon_transposed.gemm"] == [
         (True, align), (False, align)], launches
     assert rel_err(got.float(), triton_out.float()) < 1e-2
     graph, static = torch.cuda.CUDAGraph(), x.clone()
-    permute_experts(static, w1, w2, weights, ids, align=align)
+    permute_experts(static, w1, w2, weights, ids, align=align, **asked)
     with torch.cuda.graph(graph):
-        captured = permute_experts(static, w1, w2, weights, ids, align=align, validate_ids=False)
+        captured = permute_experts(static, w1, w2, weights, ids, align=align, validate_ids=False, **asked)
     graph.replay()
     assert torch.equal(captured, got)
 

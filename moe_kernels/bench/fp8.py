@@ -6,7 +6,9 @@ For each model and batch, from CUDA-graph replays (``do_bench`` flushes the L2 b
 * ``fp8 block GEMMs`` / ``fp8 channel GEMMs``: the same with fp8 weights (128x128 block scales,
   or per-channel), the activation quantiser before GEMM 1 and the requantisation before GEMM 2
   included;
-* ``fp8 block permute``: the permute layout in fp8 (its copy moves fp8 rows);
+* ``fp8 block permute``: the permute layout in fp8 (its copy moves fp8 rows); up to
+  :data:`~moe_kernels.bench.sweep.DECODE_ONLY_MAX_BATCH` tokens where the Gluon kernels run, also
+  ``fp8 block permute gluon a16``: its 16-row segments on the transposed Gluon kernel (decode);
 * ``torch _scaled_grouped_mm``: PyTorch's fp8 grouped GEMM (rowwise scales, the only ones it has
   on sm90) over the same permuted segments, the activation quantisers included;
 * ``quantiser``: the 1x128 activation quantiser alone, at the layer's width.
@@ -103,12 +105,15 @@ def read_bounds(work, gemm1_weights: torch.Tensor, gemm2_weights: torch.Tensor, 
 def sweep(models, batches, *, seed, warmup_ms, rep_ms, ceilings, log=print) -> list[dict]:
     from ..kernels.blocks import assign_blocks
     from ..kernels.config import get_config
+    from ..kernels.gluon_block_fp8 import available
     from ..kernels.index_gather import fused_experts
     from ..kernels.permute import permute_experts
+    from .sweep import DECODE_ONLY_MAX_BATCH
     from ..kernels.quant import per_token_group_quant_fp8, quantize_weight
     from ..reference import moe_reference_fp8
 
     read, rate8, rate16 = ceilings["read_bandwidth"], ceilings["gemm_rate_fp8"], ceilings["gemm_rate_bf16"]
+    gluon = available("cuda") is None
     rows = []
     for key, model in models.items():
         w1, w2 = make_weights(model, torch.bfloat16, seed)
@@ -141,6 +146,10 @@ def sweep(models, batches, *, seed, warmup_ms, rep_ms, ceilings, log=print) -> l
                                              (c1, c2, c1s, c2s, "channel")),
                 "quantiser": (lambda: per_token_group_quant_fp8(hidden), 1, None),
             }
+            if gluon and batch <= DECODE_ONLY_MAX_BATCH:
+                calls["fp8 block permute gluon a16"] = (
+                    lambda: permute_experts(hidden, b1, b2, weights, ids, validate_ids=False, w1_scale=b1s,
+                                            w2_scale=b2s, align=16, gemm="gluon"), 1, (b1, b2, b1s, b2s, "block"))
             read_weights = {"bf16 GEMMs": (w1, w2), "fp8 block GEMMs": (b1, b2)}
             for name, (call, bytes_per_weight, quantised) in calls.items():
                 work = count_work(model, ids, bytes_per_weight)

@@ -26,6 +26,7 @@ L2 between runs, so weights are read from HBM every time even where they would f
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -48,15 +49,24 @@ from .timing import graphed, median_ms, rel_err
 # ----------------------------------------------------------------------------------------------
 
 
+#: Rows timed only up to this batch: the permute layout's 16-row segments on the transposed Gluon kernel
+#: (decode: an expert's few tokens on wgmma's N side).
+DECODE_ONLY, DECODE_ONLY_MAX_BATCH = ("permute gluon a16", ), 1024
+
+
 def other_layouts() -> dict[str, Callable]:
-    """The layouts of the sibling modules that import here, plus the per-expert loop."""
+    """The layouts of the sibling modules that import here, plus the per-expert loop (and, where the Gluon
+    kernels run, the permute layout at decode on the transposed one)."""
     layouts = {}
     try:
+        from ..kernels.gluon_block_fp8 import available
         from ..kernels.permute import permute_experts
         from .baselines import torch_grouped_mm_experts
 
         layouts["permute"] = permute_experts
         layouts["torch grouped_mm"] = torch_grouped_mm_experts
+        if torch.cuda.is_available() and available("cuda") is None:
+            layouts["permute gluon a16"] = functools.partial(permute_experts, align=16, gemm="gluon")
     except ImportError as err:
         print(f"(permute layout unavailable: {err})", file=sys.stderr)
     try:
@@ -144,6 +154,8 @@ def sweep(models, batches, *, dtype, seed, warmup_ms, rep_ms, ceilings, configs=
             for name, fn in others.items():
                 # Every other layout is timed the way ours is: ids unchecked, replayed from a CUDA
                 # graph where it can be captured (the expert loop reads counts on the host: eager).
+                if name in DECODE_ONLY and batch > DECODE_ONLY_MAX_BATCH:
+                    continue
                 if name == "expert loop":
                     candidates.append((name, lambda fn=fn: fn(hidden, w1, w2, weights, ids), work, False, True))
                 else:

@@ -235,7 +235,7 @@ def permute_reference(hidden_states, topk_ids, num_experts, *, align=128):
 def permute_experts(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                     topk_ids: torch.Tensor, *, align: int = 128, config: MoEConfig | None = None,
                     validate_ids: bool = True, w1_scale: torch.Tensor | None = None,
-                    w2_scale: torch.Tensor | None = None) -> torch.Tensor:
+                    w2_scale: torch.Tensor | None = None, gemm: str | None = None) -> torch.Tensor:
     """The MoE experts step in the contiguous layout: permute, two grouped GEMMs, unpermute (or,
     with ``config.sum_in_gemm``, GEMM 2 adding each row into its token, and no unpermute).
 
@@ -246,7 +246,9 @@ def permute_experts(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Ten
     ``[M_pad, F]`` (GEMM 2 writes into the packed input, which GEMM 1 has finished with; with
     ``sum_in_gemm`` it writes an fp32 ``[T, d]`` instead). With ``config.gather_rows`` nothing is
     copied in: GEMM 1 reads each row from its token through the permutation, and GEMM 2 writes a
-    new ``[M_pad, d]`` buffer.
+    new ``[M_pad, d]`` buffer. ``gemm``: which kernel runs the two GEMMs, "triton" or "gluon" (where a
+    Gluon kernel can take the call: :func:`~moe_kernels.kernels.permute_gluon.gemm_kernel`); None: the
+    switch ``permute_gluon.FP8_GEMM`` or ``BF16_GEMM``.
     """
     func = "permute_experts"
     num_tokens, _, num_experts, d, f = check_moe_inputs(func, hidden_states, w1, w2, topk_weights, topk_ids)
@@ -274,7 +276,7 @@ def permute_experts(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Ten
         else:   # (per-row scales: the padding rows' garbage reaches no real row)
             rows = permuted.rows
             rows_scale = _permute_scales(x_scale, permuted, topk_ids.shape[1])
-    if permute_gluon.gemm_kernel(fmt, config, align, hidden_states, w1, w2) == "gluon":   # (switches: off)
+    if permute_gluon.gemm_kernel(fmt, config, align, hidden_states, w1, w2, gemm) == "gluon":   # (switches: off)
         return permute_gluon.experts(rows, rows_scale, w1, w1_scale, w2, w2_scale, permuted, topk_weights, fmt, align)
     activated = grouped_gemm_contiguous(
         rows, w1, permuted.m_indices, align=align, silu_mul=True, config=config,

@@ -44,13 +44,17 @@ TRANSPOSED_STAGES = 6
 TRANSPOSED_QUANTIZE_IN_GEMM1 = False
 
 
-def gemm_kernel(fmt, config, align, hidden_states, w1, w2) -> str:
-    """"gluon" where :data:`FP8_GEMM` (block-fp8 weights) or :data:`BF16_GEMM` (bf16 ones) asks for it and a
-    Gluon kernel can run this call, else "triton" (the launch record, ``permute.fp8_gemm`` or
+def gemm_kernel(fmt, config, align, hidden_states, w1, w2, asked=None) -> str:
+    """"gluon" where ``asked`` (None: :data:`FP8_GEMM` for block-fp8 weights, :data:`BF16_GEMM` for bf16 ones)
+    asks for it and a Gluon kernel can run this call, else "triton" (the launch record, ``permute.fp8_gemm`` or
     ``permute.bf16_gemm``, says why not)."""
-    name, switch = ("FP8_GEMM", FP8_GEMM) if fmt.quantized else ("BF16_GEMM", BF16_GEMM)
+    if asked is None:
+        name, switch = ("FP8_GEMM", FP8_GEMM) if fmt.quantized else ("BF16_GEMM", BF16_GEMM)
+        where = "moe_kernels.kernels.permute_gluon"
+    else:
+        name, switch, where = "gemm", asked, "permute_experts"
     if switch not in ("triton", "gluon"):
-        fail("moe_kernels.kernels.permute_gluon", name, "must be 'triton' or 'gluon'", repr(switch))
+        fail(where, name, "must be 'triton' or 'gluon'", repr(switch))
     if switch == "triton":
         return "triton"
     from .gluon_block_fp8 import available
