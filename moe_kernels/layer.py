@@ -87,6 +87,10 @@ class LayerPlan:
     gate_routing: bool = False
     gate_alignment: bool = False
     chained: bool = False
+    #: The permute layout's segment rows and GEMM kernel where the measured choice names them (None: the
+    #: call's defaults, 128 rows and the ``permute_gluon`` switch).
+    align: int | None = None
+    gemm: str | None = None
 
     @property
     def config(self) -> MoEConfig:
@@ -124,7 +128,8 @@ def plan_layer(func: str, weights: LayerWeights, routing: Routing, layout: str, 
     # The router (moe_kernels.layer_router): the two steps, or one router that may align the ids too.
     router = choose_router(num_tokens, weights.gate.dtype == activation_dtype, routing.top_k,
                            naive is False and not weights.shared_fused and choice.config.one_launch is None)
-    return LayerPlan(num_tokens, layout, weights.format, choice, naive, shared_choice, *router)
+    permute = (measured.align, measured.gemm) if measured is not None and config is None else (None, None)
+    return LayerPlan(num_tokens, layout, weights.format, choice, naive, shared_choice, *router, *permute)
 
 
 def run_layer(plan: LayerPlan, hidden_states: torch.Tensor, weights: LayerWeights, routing: Routing) -> torch.Tensor:
@@ -148,8 +153,9 @@ def run_layer(plan: LayerPlan, hidden_states: torch.Tensor, weights: LayerWeight
                            w1_scale=w.w13_scale, w2_scale=w.w2_scale, naive=plan.naive_blocks, ids="trusted",
                            func="MoELayer", activations=activations, add=shared, blocks=blocks)
     scales = dict(w1_scale=w.w13_scale, w2_scale=w.w2_scale) if fmt.quantized else {}
+    measured = {name: value for name, value in (("align", plan.align), ("gemm", plan.gemm)) if value is not None}
     out = LAYOUTS[plan.layout].experts()(hidden_states, w.w13, w.w2, topk_weights, topk_ids, config=plan.config,
-                                         validate_ids=False, **scales)
+                                         validate_ids=False, **scales, **measured)
     return out if shared is None else out.add_(shared)
 
 

@@ -19,7 +19,7 @@ import torch
 
 from moe_kernels import MODELS, LayerWeights, MoELayer, Routing
 from moe_kernels.layer import plan_layer
-from moe_kernels._runtime import BACKEND, record_launches
+from moe_kernels._runtime import BACKEND, HAS_TRITON, record_launches
 from moe_kernels.kernels.config import load_table, table_name
 from moe_kernels.kernels.formats import FORMATS
 from moe_kernels.kernels.layouts import LAYOUTS
@@ -386,7 +386,8 @@ def test_auto_layout_follows_the_measured_crossover(model_name, fmt, device_name
     if layout == "permute":
         key = shape_key(device_name, model.num_experts, model.moe_intermediate_size, model.hidden_size,
                         FORMATS[fmt].name)
-        assert plan.choice.source == "layout-choice" and plan.config == load_choices()[key][2]
+        assert plan.choice.source == "layout-choice" and plan.config == load_choices()[key][-1].config
+        assert (plan.align, plan.gemm) == (None, None)   # (128-row segments, the switch's kernel)
         assert plan.choice.table == "layout-choices" and plan.choice.entry == 4096
         assert plan.config.down.tma and plan.config.down.persistent
     else:
@@ -429,6 +430,80 @@ def test_auto_layout_runs_and_names_itself_in_errors():
     assert rel_err(layer(x), layer.reference(x)) < 1e-3
     with pytest.raises(ValueError, match="'masked' or 'auto'"):
         small_layer("none", "fastest")
+
+
+CHOICE_TILES = {"block_m": 16, "gate_up": {"block_n": 32, "block_k": 64}, "down": {"block_n": 64, "block_k": 64}}
+
+
+def test_a_key_of_ranges_picks_each_batchs_entry_with_its_align_and_gemm(tmp_path, monkeypatch):
+    """A key holding a list of entries: each batch takes the last entry that starts at or below it; a permute
+    entry's align and gemm reach the plan and the call (here on the CPU, where "gluon" falls back to the Triton
+    kernel and says why), and an index_gather entry with no config runs its table's tiles."""
+    import json
+
+    from moe_kernels.kernels import layout_choice
+
+    model = MODELS["qwen3-30b-a3b"]
+    key = layout_choice.shape_key("NVIDIA H200", model.num_experts, model.moe_intermediate_size,
+                                  model.hidden_size, "unquantized")
+    path = tmp_path / "layout-choices.json"
+    path.write_text(json.dumps({"choices": {key: [
+        {"layout": "index_gather", "from_tokens": 300, "config": None},
+        {"layout": "permute", "from_tokens": 1, "config": CHOICE_TILES, "align": 16, "gemm": "gluon"}]}}))
+    monkeypatch.setattr(layout_choice, "CHOICES_FILE", path)
+    layout_choice.forget_choices()
+    try:
+        decode = meta_layer("qwen3-30b-a3b", "none", "auto").plan(8, device_name="NVIDIA H200")
+        assert (decode.layout, decode.align, decode.gemm, decode.config.block_m) == ("permute", 16, "gluon", 16)
+        assert decode.choice.source == "layout-choice" and decode.choice.entry == 1
+        later = meta_layer("qwen3-30b-a3b", "none", "auto").plan(300, device_name="NVIDIA H200")
+        forced = meta_layer("qwen3-30b-a3b", "none", "index_gather").plan(300, device_name="NVIDIA H200")
+        assert (later.layout, later.align, later.gemm) == ("index_gather", None, None)
+        assert later.choice == forced.choice
+    finally:
+        layout_choice.forget_choices()
+
+
+def test_the_layer_runs_a_measured_align_and_gemm(monkeypatch):
+    """Through the layer's call: a choice of 32-row segments on the Gluon kernel runs permute_experts with both
+    (the alignment's blocks of 32 rows; on the CPU the Gluon kernel refuses and the Triton kernel runs)."""
+    import moe_kernels.layer as layer_module
+    from moe_kernels.kernels.config import MoEConfig
+    from moe_kernels.kernels.layout_choice import LayoutChoice
+
+    picked = LayoutChoice("permute", MoEConfig.from_dict(CHOICE_TILES), 1, 32, "gluon")
+    monkeypatch.setattr(layer_module, "choose_layout", lambda *args, **kwargs: picked)
+    layer = small_layer("none", "auto")
+    x = torch.randn(6, 256, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    with record_launches() as launches:
+        out = layer(x)
+    assert [r["block_size"] for name, r in launches if name == "align.moe_align_block_size"] == [32], launches
+    chosen = [r for name, r in launches if name == "permute.bf16_gemm"]
+    assert len(chosen) == (1 if HAS_TRITON else 0) and all(r["kernel"] == "triton" for r in chosen), launches
+    assert rel_err(out, layer.reference(x)) < 1e-3
+
+
+@pytest.mark.parametrize("change, where", [
+    (lambda e: {**e, "align": 24}, r"\.align"), (lambda e: {**e, "gemm": "cuda"}, r"\.gemm"),
+    (lambda e: {**e, "layout": "index_gather", "align": None, "gemm": "gluon"}, r"\.gemm"),
+    (lambda e: {**e, "layout": "index_gather", "align": 16}, r"\.align"),
+    (lambda e: [e, e], "distinct from_tokens"), (lambda e: {**e, "config": None}, "valid 'config'"),
+    (lambda e: [], "distinct from_tokens")])
+def test_a_bad_range_is_an_error_that_names_it(tmp_path, monkeypatch, change, where):
+    import json
+
+    from moe_kernels.kernels import layout_choice
+
+    entry = {"layout": "permute", "from_tokens": 1, "config": CHOICE_TILES, "align": 16, "gemm": "gluon"}
+    path = tmp_path / "layout-choices.json"
+    path.write_text(json.dumps({"choices": {"k,format=unquantized": change(entry)}}))
+    monkeypatch.setattr(layout_choice, "CHOICES_FILE", path)
+    layout_choice.forget_choices()
+    try:
+        with pytest.raises(ValueError, match=r"layout-choices.json\['k,format=unquantized'\].*" + where):
+            layout_choice.load_choices()
+    finally:
+        layout_choice.forget_choices()
 
 
 def test_a_corrupt_choices_file_is_an_error_that_names_it(tmp_path, monkeypatch):

@@ -24,6 +24,13 @@ in one run, ``prefill-ab-2048.json``, not enough to move the switch). Its fp8 bl
 Without an entry (another GPU, shape or format, or no GPU) the choice is index-gather, with the
 tiles its own lookup gives (``config`` None). The layer asks only when it was given no tiles and
 its shared expert is not fused as a slot (a case the crossovers were not measured in).
+
+A key may hold a list of entries, each from its own ``from_tokens`` up to the next's: a batch takes
+the last entry that starts at or below it. An ``index_gather`` entry may leave ``config`` null (its
+table's tiles). A ``permute`` entry may name its segments' ``align`` (16, 32, 64 or 128; 128 if
+absent) and the ``gemm`` kernel, "triton" or "gluon" (:func:`~moe_kernels.kernels.permute.
+permute_experts`' ``gemm``; absent: the module's switch): decode on the transposed Gluon kernel is
+segments of 16 rows with ``"gemm": "gluon"``.
 """
 
 from __future__ import annotations
@@ -51,12 +58,15 @@ _ALIGN = 128
 
 @dataclasses.dataclass(frozen=True)
 class LayoutChoice:
-    """The layout a batch runs, the tiles measured with it (None: its table lookup decides), and
-    from how many tokens the measurement chose it (None: the default)."""
+    """The layout a batch runs, the tiles measured with it (None: its table lookup decides), from how
+    many tokens the measurement chose it (None: the default), and for the permute layout its segments'
+    rows and GEMM kernel (None: the call's defaults)."""
 
     layout: str
     config: MoEConfig | None
     from_tokens: int | None = None
+    align: int | None = None
+    gemm: str | None = None
 
 
 def shape_key(device_name: str, E: int, N: int, K: int, fmt_name: str) -> str:
@@ -65,10 +75,11 @@ def shape_key(device_name: str, E: int, N: int, K: int, fmt_name: str) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def load_choices() -> dict[str, tuple[int, str, MoEConfig]]:
-    """``{shape key: (from_tokens, layout, config)}`` from :data:`CHOICES_FILE` ({} if there is none);
-    every entry checked (a layout that runs the key's format, tiles valid for it), an error naming
-    the file and the entry otherwise."""
+def load_choices() -> dict[str, tuple[LayoutChoice, ...]]:
+    """``{shape key: its entries as LayoutChoices, by from_tokens}`` from :data:`CHOICES_FILE` ({} if
+    there is none); every entry checked (a layout that runs the key's format, tiles valid for it, an
+    align and a GEMM kernel the layout takes, no two from the same batch), an error naming the file and
+    the entry otherwise."""
     func = "load_choices"
     if not CHOICES_FILE.exists():
         return {}
@@ -79,22 +90,42 @@ def load_choices() -> dict[str, tuple[int, str, MoEConfig]]:
     if not isinstance(entries, dict):
         fail(func, f"{CHOICES_FILE.name}['choices']", "must be an object of shape keys", type(entries).__name__)
     choices = {}
-    for key, entry in entries.items():
+    for key, ranges in entries.items():
         where = f"{CHOICES_FILE.name}[{key!r}]"
-        try:
-            layout, start = entry["layout"], entry["from_tokens"]
-            config = MoEConfig.from_dict(entry["config"])
-        except (KeyError, TypeError, ValueError, AttributeError) as error:
-            fail(func, where, "must have 'layout', 'from_tokens' and a valid 'config'", repr(error))
         fmt_name = key.rsplit("format=", 1)[-1]
         if fmt_name not in {f.name for f in FORMATS.values()}:
             fail(func, where, "must end with format=<a weight format's name>", repr(key))
-        if layout not in LAYOUTS or fmt_name not in LAYOUTS[layout].formats:
-            fail(func, f"{where}.layout", f"must be a layout that runs {fmt_name} weights", repr(layout))
-        check_int(func, f"{where}.from_tokens", start, lo=1)
-        align = _ALIGN if LAYOUTS[layout].rows == "align" else None
-        choices[key] = (start, layout, check_config(func, config, layout=layout, align=align))
+        ranges = ranges if isinstance(ranges, list) else [ranges]
+        checked = sorted((_entry(func, f"{where}[{i}]" if len(ranges) > 1 else where, entry, fmt_name)
+                          for i, entry in enumerate(ranges)), key=lambda choice: choice.from_tokens)
+        starts = [choice.from_tokens for choice in checked]
+        if not checked or len(set(starts)) < len(starts):
+            fail(func, where, "must hold entries from distinct from_tokens", starts)
+        choices[key] = tuple(checked)
     return choices
+
+
+def _entry(func: str, where: str, entry, fmt_name: str) -> LayoutChoice:
+    """One entry of the choices file, checked."""
+    try:
+        layout, start = entry["layout"], entry["from_tokens"]
+        config = entry["config"]
+        config = None if config is None and layout == "index_gather" else MoEConfig.from_dict(config)
+        align, gemm = entry.get("align"), entry.get("gemm")
+    except (KeyError, TypeError, ValueError, AttributeError) as error:
+        fail(func, where, "must have 'layout', 'from_tokens' and a valid 'config'", repr(error))
+    if layout not in LAYOUTS or fmt_name not in LAYOUTS[layout].formats:
+        fail(func, f"{where}.layout", f"must be a layout that runs {fmt_name} weights", repr(layout))
+    check_int(func, f"{where}.from_tokens", start, lo=1)
+    aligned = LAYOUTS[layout].rows == "align"
+    if align is not None and (not aligned or align not in (16, 32, 64, 128)):
+        fail(func, f"{where}.align", "must be 16, 32, 64 or 128, on a layout of aligned segments (permute)",
+             repr(align))
+    if gemm is not None and (layout != "permute" or gemm not in ("triton", "gluon")):
+        fail(func, f"{where}.gemm", "must be 'triton' or 'gluon', on the permute layout", repr(gemm))
+    if config is not None:
+        config = check_config(func, config, layout=layout, align=(align or _ALIGN) if aligned else None)
+    return LayoutChoice(layout, config, start, align, gemm)
 
 
 def choose_layout(M: int, E: int, N: int, K: int, fmt_name: str, device: torch.device | str, *,
@@ -114,10 +145,9 @@ def choose_layout(M: int, E: int, N: int, K: int, fmt_name: str, device: torch.d
 
 @functools.lru_cache(maxsize=4096)
 def _choose(M, E, N, K, fmt_name, device_name) -> LayoutChoice:
-    found = load_choices().get(shape_key(device_name, E, N, K, fmt_name)) if device_name else None
-    if found is not None and M >= found[0]:
-        return LayoutChoice(found[1], found[2], found[0])
-    return LayoutChoice("index_gather", None)
+    entries = load_choices().get(shape_key(device_name, E, N, K, fmt_name), ()) if device_name else ()
+    started = [choice for choice in entries if M >= choice.from_tokens]
+    return started[-1] if started else LayoutChoice("index_gather", None)
 
 
 def forget_choices() -> None:
