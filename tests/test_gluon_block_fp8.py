@@ -385,6 +385,32 @@ def test_the_transposed_quantising_epilogue_gives_the_quantisers_bits_gpu(monkey
 
 @pytest.mark.gpu
 @needs_gluon
+@pytest.mark.parametrize("align", [16, 128])
+def test_the_gluon_path_leaves_the_triton_tiles_epilogue_choices_aside_gpu(align):
+    """A config whose Triton tiles gather the rows and sum in GEMM 2 (as the tuned fp8 tables do at some batches)
+    still runs on the Gluon kernels with gemm="gluon": the rows are copied into their segments and gathered back
+    after GEMM 2, the launch record names the two choices left aside, and the result is the Triton path's (on
+    its default tiles)."""
+    import dataclasses
+
+    from moe_kernels.kernels.config import get_config
+
+    x, w1q, w2q, weights, ids, w1s, w2s = fp8_problem(40, seed=7, dtype=torch.bfloat16)
+    config = get_config(40, w1q.shape[0], w2q.shape[2], w2q.shape[1], w1q.dtype, x.device, layout="permute",
+                        align=align)
+    config = dataclasses.replace(config, gather_rows=True, sum_in_gemm=True)
+    triton_out = permute_experts(x, w1q, w2q, weights, ids, align=align, w1_scale=w1s, w2_scale=w2s)
+    with record_launches() as launches:
+        got = permute_experts(x, w1q, w2q, weights, ids, align=align, config=config, w1_scale=w1s, w2_scale=w2s,
+                              gemm="gluon")
+    assert [(r["kernel"], r["unused"]) for name, r in launches if name == "permute.fp8_gemm"] == [
+        ("gluon", ["gather_rows", "sum_in_gemm"])], launches
+    assert len([name for name, _ in launches if name == "gluon_block_fp8.gemm"]) == 2, launches
+    assert rel_err(got.float(), triton_out.float()) < 2e-2
+
+
+@pytest.mark.gpu
+@needs_gluon
 def test_half_tiles_refuse_a_real_row_after_row_64s_padding_gpu():
     """A half tile multiplies rows 0-63 only, so with half_tiles and validate_ids a tile whose row 64 is padding
     must hold no real row after it (permute never makes one; a hand-made m_indices might)."""

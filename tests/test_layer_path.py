@@ -466,7 +466,8 @@ def test_a_key_of_ranges_picks_each_batchs_entry_with_its_align_and_gemm(tmp_pat
 
 def test_the_layer_runs_a_measured_align_and_gemm(monkeypatch):
     """Through the layer's call: a choice of 32-row segments on the Gluon kernel runs permute_experts with both
-    (the alignment's blocks of 32 rows; on the CPU the Gluon kernel refuses and the Triton kernel runs)."""
+    (the alignment's blocks of 32 rows; the Gluon kernel refuses these float32 weights, here or on a GPU, and
+    the Triton kernel runs)."""
     import moe_kernels.layer as layer_module
     from moe_kernels.kernels.config import MoEConfig
     from moe_kernels.kernels.layout_choice import LayoutChoice
@@ -488,7 +489,7 @@ def test_the_layer_runs_a_measured_align_and_gemm(monkeypatch):
     (lambda e: {**e, "layout": "index_gather", "align": None, "gemm": "gluon"}, r"\.gemm"),
     (lambda e: {**e, "layout": "index_gather", "align": 16}, r"\.align"),
     (lambda e: [e, e], "distinct from_tokens"), (lambda e: {**e, "config": None}, "valid 'config'"),
-    (lambda e: [], "distinct from_tokens")])
+    (lambda e: [], "at least one entry"), (lambda e: {**e, "align": 16.0}, r"\.align")])
 def test_a_bad_range_is_an_error_that_names_it(tmp_path, monkeypatch, change, where):
     import json
 
@@ -500,7 +501,7 @@ def test_a_bad_range_is_an_error_that_names_it(tmp_path, monkeypatch, change, wh
     monkeypatch.setattr(layout_choice, "CHOICES_FILE", path)
     layout_choice.forget_choices()
     try:
-        with pytest.raises(ValueError, match=r"layout-choices.json\['k,format=unquantized'\].*" + where):
+        with pytest.raises((ValueError, TypeError), match=r"layout-choices.json\['k,format=unquantized'\].*" + where):
             layout_choice.load_choices()
     finally:
         layout_choice.forget_choices()

@@ -64,7 +64,8 @@ def grouped_transposed(x, w, m_indices, rows_used, *, x_scale=None, w_scale=None
                     quantize_output=quantize_output)
         return out
     if quantize_output:
-        fail(func, "quantize_output", "must be False for bf16 weights (GEMM 2 reads bf16)", quantize_output)
+        fail(func, "quantize_output", "must be False unless the weights are fp8 (GEMM 2 then reads bf16)",
+             quantize_output)
     reason = available(w.device if isinstance(w, torch.Tensor) else "cpu")
     if reason is not None:
         fail(func, "w", f"must be on a device this kernel runs on ({reason})", getattr(w, "device", w))

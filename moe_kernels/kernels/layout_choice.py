@@ -99,7 +99,9 @@ def load_choices() -> dict[str, tuple[LayoutChoice, ...]]:
         checked = sorted((_entry(func, f"{where}[{i}]" if len(ranges) > 1 else where, entry, fmt_name)
                           for i, entry in enumerate(ranges)), key=lambda choice: choice.from_tokens)
         starts = [choice.from_tokens for choice in checked]
-        if not checked or len(set(starts)) < len(starts):
+        if not checked:
+            fail(func, where, "must hold at least one entry", ranges)
+        if len(set(starts)) < len(starts):
             fail(func, where, "must hold entries from distinct from_tokens", starts)
         choices[key] = tuple(checked)
     return choices
@@ -118,6 +120,8 @@ def _entry(func: str, where: str, entry, fmt_name: str) -> LayoutChoice:
         fail(func, f"{where}.layout", f"must be a layout that runs {fmt_name} weights", repr(layout))
     check_int(func, f"{where}.from_tokens", start, lo=1)
     aligned = LAYOUTS[layout].rows == "align"
+    if align is not None:
+        check_int(func, f"{where}.align", align, lo=16)
     if align is not None and (not aligned or align not in (16, 32, 64, 128)):
         fail(func, f"{where}.align", "must be 16, 32, 64 or 128, on a layout of aligned segments (permute)",
              repr(align))

@@ -260,8 +260,11 @@ def permute_experts(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Ten
         config = get_config(num_tokens, num_experts, f, d, w1.dtype, hidden_states.device, layout="permute",
                             align=align)
     check_config(func, config, align=align, layout="permute")
+    # (the Gluon kernels load each segment's rows with TMA and run their own epilogues: the Triton tiles'
+    # gather_rows and sum_in_gemm do not apply to them)
+    on_gluon = permute_gluon.gemm_kernel(fmt, config, align, hidden_states, w1, w2, gemm) == "gluon"
     # With gather_rows, GEMM 1 reads each row from its token: nothing is copied.
-    gather = config.gather_rows
+    gather = config.gather_rows and not on_gluon
     if ONE_PASS_FP8_INPUT and fmt.activations == "group" and not gather:   # quantised once, written to its rows
         permuted = permute(hidden_states, topk_ids, num_experts, align=align, validate_ids=validate_ids, copy=False)
         rows, rows_scale = quantize_scatter(hidden_states, permuted.src2dst, permuted.m_indices.shape[0],
@@ -276,7 +279,7 @@ def permute_experts(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Ten
         else:   # (per-row scales: the padding rows' garbage reaches no real row)
             rows = permuted.rows
             rows_scale = _permute_scales(x_scale, permuted, topk_ids.shape[1])
-    if permute_gluon.gemm_kernel(fmt, config, align, hidden_states, w1, w2, gemm) == "gluon":   # (switches: off)
+    if on_gluon:   # (switches: off)
         return permute_gluon.experts(rows, rows_scale, w1, w1_scale, w2, w2_scale, permuted, topk_weights, fmt, align)
     activated = grouped_gemm_contiguous(
         rows, w1, permuted.m_indices, align=align, silu_mul=True, config=config,

@@ -20,10 +20,11 @@ from .combine import unpermute
 #: next MMA: 619-885 TFLOP/s on the H200 where the Triton kernel ran 558-744, the GEMMs alone, 16,384
 #: tokens; segments of 16-64 rows take its transposed grid). "gluon" applies SiLU·mul in GEMM 1's epilogue
 #: and runs the quantiser as a launch of its own; it stays off until the whole call is timed. Where it
-#: cannot run (no Triton 3.6 Gluon, not sm_90, bf16 activations only, segments of 16, 32, 64 or 128 rows, no
-#: ``gather_rows`` or ``sum_in_gemm``, F and d multiples of 128) the call takes the Triton kernel and its
-#: launch record says why. Like ``combine.UNPERMUTE_BODY``, a plan recorded before a change keeps its
-#: kernel (the Gluon kernels launch through the package's shortcut, so a recorded call replays them).
+#: cannot run (no Triton 3.6 Gluon, not sm_90, bf16 activations only, segments of 16, 32, 64 or 128 rows, F
+#: and d multiples of 128) the call takes the Triton kernel and its launch record says why; a config's
+#: ``gather_rows`` and ``sum_in_gemm`` (the Triton tiles' choices) are left aside, and the record names them.
+#: Like ``combine.UNPERMUTE_BODY``, a plan recorded before a change keeps its kernel (the Gluon kernels launch
+#: through the package's shortcut, so a recorded call replays them).
 FP8_GEMM = "triton"
 #: The same for bf16 weights: "gluon" runs both GEMMs of a call with segments of 16, 32 or 64 rows (decode) on
 #: the transposed kernel (:func:`~moe_kernels.kernels.gluon_transposed.grouped_transposed`); off until timed.
@@ -66,11 +67,12 @@ def gemm_kernel(fmt, config, align, hidden_states, w1, w2, asked=None) -> str:
         (not fmt.quantized and (fmt.name != "unquantized" or w1.dtype != torch.bfloat16), "weights not bf16"),
         (hidden_states.dtype != torch.bfloat16, "activations not bf16"),
         (align not in aligns, f"segments of {align} rows, not {', '.join(map(str, aligns))}"),
-        (config.gather_rows or config.sum_in_gemm, "gather_rows or sum_in_gemm"),
         (f % 128 or d % 128, "F or d not a multiple of 128"),
         (not (w1.is_contiguous() and w2.is_contiguous()), "weights not contiguous")) if refused), None)
+    # (the Triton tiles' own epilogue choices, which a Gluon call leaves aside: it copies the rows and gathers back)
+    unused = [name for name in ("gather_rows", "sum_in_gemm") if getattr(config, name) and not why]
     note_launch("permute.fp8_gemm" if fmt.quantized else "permute.bf16_gemm", kernel="triton" if why else "gluon",
-                refused=why)
+                refused=why, unused=unused)
     return "triton" if why else "gluon"
 
 
