@@ -7,7 +7,8 @@
 # what: tests, unmarked (the unmarked tests of the kernel files, compiled: UNMARKED_FILES, UNMARKED_TIMEOUT_S),
 # fp8-permute-tests and fp8-permute-ab (session 27's fp8 permute candidates: their GPU tests, then their A/Bs, a call
 # each; session 28's half tiles among them), decode-transposed-tests and decode-transposed-ab (the transposed
-# Gluon kernel's tests, then its A/B: a call each), ceilings,
+# Gluon kernel's tests, then its A/B: a call each), first-run (sessions 27-29's kernels in one call: their tests,
+# the decode A/B on Qwen3, the prefill A/B on DeepSeek-V3), ceilings,
 # tune, refine, sweep, fp8, decode-step, layouts, routing, skew, shared, capacity, notebooks,
 # graphs (the CUDA-graph replay's and the split GEMM 1's GPU tests), assert-tests (the index-gather and CUDA-graph
 # GPU tests, the device-side id asserts among them), host-probe, model-probe, prefill, gate-routing
@@ -151,6 +152,20 @@ for step in "${steps[@]}"; do
                          -p no:cacheprovider --tb=short -W ignore::DeprecationWarning -k "transposed" $PARALLEL \
                          > "$OUT/decode-transposed-tests.log" 2>&1
                      grep -E "^FAILED|passed|failed" "$OUT/decode-transposed-tests.log" | tail -n 20 || status=1 ;;
+        first-run) # sessions 27-29's kernels in one call of about 560 s, if one call is all a session gets: their GPU
+                   # tests (transposed, persistent, quantising, half tiles, the Gluon replay) on 8 processes, then
+                   # the decode A/B on Qwen3 and the prefill GEMMs' A/B on DeepSeek-V3 at 16,384 tokens
+                   timeout 200 $PY -m pytest tests/test_gluon_transposed.py tests/test_gluon_block_fp8.py \
+                       tests/test_quant_scatter.py tests/test_fp8.py tests/test_replay.py -q -p no:cacheprovider \
+                       --tb=short -W ignore::DeprecationWarning $PARALLEL -rf -k "transposed or persistent or \
+                       quantising or rows_used or permute_layout or quant or scatter or tile or slot or gluon" \
+                       > "$OUT/first-run-tests.log" 2>&1
+                   grep -E "^FAILED|passed|failed" "$OUT/first-run-tests.log" | tail -n 14 || status=1
+                   PYTHONPATH="$PWD" timeout 220 $PY tools/transposed_decode_ab.py qwen3-30b-a3b 1,8,64,256 2>&1 \
+                       | grep -v Warning | tee "$OUT/first-run-decode.log" | tail -n 10 || status=1
+                   tar czf "$OUT/results.tgz" results
+                   PYTHONPATH="$PWD" timeout 120 $PY tools/gluon_block_fp8_ab.py deepseek-v3 16384 2>&1 | grep -v Warning \
+                       | tee "$OUT/first-run-prefill.log" | tail -n 12 || status=1 ;;
         decode-transposed-ab) # its A/B against index-gather, fp8 then bf16 (records transposed-decode-ab)
                      PYTHONPATH="$PWD" timeout 540 $PY tools/transposed_decode_ab.py qwen3-30b-a3b,deepseek-v3 1,8,64,256,1024 \
                          2>&1 | grep -v Warning | tee "$OUT/decode-transposed-ab.log" | tail -n 20 || status=1 ;;
