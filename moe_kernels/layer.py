@@ -128,7 +128,7 @@ def plan_layer(func: str, weights: LayerWeights, routing: Routing, layout: str, 
     # The router (moe_kernels.layer_router): the two steps, or one router that may align the ids too.
     router = choose_router(num_tokens, weights.gate.dtype == activation_dtype, routing.top_k,
                            naive is False and not weights.shared_fused and choice.config.one_launch is None)
-    permute = (measured.align, measured.gemm) if measured is not None and config is None else (None, None)
+    permute = (measured.align, measured.gemm) if measured is not None else (None, None)
     return LayerPlan(num_tokens, layout, weights.format, choice, naive, shared_choice, *router, *permute)
 
 

@@ -231,6 +231,18 @@ def test_the_persistent_grid_against_the_reference_gpu(monkeypatch, case, progra
     assert int(counter) == (half_tiles_in(SEGMENTS[case]) * 4 if half_tiles else 0)
 
 
+def assert_the_quantisers_bits(q, s, bf16, m_indices):
+    """A quantising GEMM's fp8 output ``q`` and scales ``s`` (N = 512: two 128-column groups) are, on every real
+    row, bit for bit the bf16 output ``bf16`` quantised by per_token_group_quant_fp8."""
+    from moe_kernels.kernels.quant import per_token_group_quant_fp8
+
+    assert q.dtype == torch.float8_e4m3fn and q.shape == (bf16.shape[0], 256) and s.shape == (bf16.shape[0], 2)
+    want_q, want_s = per_token_group_quant_fp8(bf16, 128)
+    real = m_indices >= 0
+    assert torch.equal(q[real].view(torch.uint8), want_q[real].view(torch.uint8))
+    assert torch.equal(s[real], want_s[real])
+
+
 def half_tiles_in(counts):
     """Segments (of 128-row tiles) whose last tile has at most 64 real rows."""
     return sum(1 for c in counts if c and 0 < (c - 1) % 128 + 1 <= 64)
@@ -248,7 +260,6 @@ def test_the_quantising_epilogue_gives_the_quantisers_bits_gpu(monkeypatch, case
     each from two 64-column tiles taken back to back); a few programs walk many pairs; with half tiles, a
     half tile's group waits in the first 64 rows of the stash."""
     from moe_kernels.kernels import _gluon_block_fp8_persistent as persistent
-    from moe_kernels.kernels.quant import per_token_group_quant_fp8
 
     monkeypatch.setattr(persistent, "PROGRAMS", programs)
     x, x_scale, w, w_scale, m_indices = segmented(SEGMENTS[case], seed=len(case) + k, k=k, n=512, device="cuda")
@@ -263,11 +274,7 @@ def test_the_quantising_epilogue_gives_the_quantisers_bits_gpu(monkeypatch, case
     assert int(counter) == (half_tiles_in(SEGMENTS[case]) * 4 if half_tiles else 0)   # (both tiles of each pair)
     assert [(r["quantize_output"], r["half_tiles"]) for name, r in launches if name == "gluon_block_fp8.gemm"] == [
         (True, half_tiles)], launches
-    assert q.dtype == torch.float8_e4m3fn and q.shape == (x.shape[0], 256) and s.shape == (x.shape[0], 2)
-    want_q, want_s = per_token_group_quant_fp8(bf16, 128)
-    real = m_indices >= 0
-    assert torch.equal(q[real].view(torch.uint8), want_q[real].view(torch.uint8))
-    assert torch.equal(s[real], want_s[real])
+    assert_the_quantisers_bits(q, s, bf16, m_indices)
 
 
 @pytest.mark.gpu
@@ -363,7 +370,6 @@ def test_the_transposed_quantising_epilogue_gives_the_quantisers_bits_gpu(monkey
     bit the transposed kernel's bf16 output quantised by per_token_group_quant_fp8 (N = 512: two 128-column
     groups, each from one program's two 64-column tiles back to back); a few programs walk many pairs."""
     from moe_kernels.kernels import _gluon_transposed as transposed
-    from moe_kernels.kernels.quant import per_token_group_quant_fp8
 
     monkeypatch.setattr(transposed, "PROGRAMS", programs)
     x, x_scale, w, w_scale, m_indices = segmented(DECODE_SEGMENTS[case], seed=len(case) + k, k=k, n=512,
@@ -376,11 +382,7 @@ def test_the_transposed_quantising_epilogue_gives_the_quantisers_bits_gpu(monkey
                                  block_t=block_t, stages=stages, quantize_output=True)
     assert [(r["block_t"], r["quantize_output"]) for name, r in launches if name == "gluon_block_fp8.gemm"] == [
         (block_t, True)], launches
-    assert q.dtype == torch.float8_e4m3fn and q.shape == (x.shape[0], 256) and s.shape == (x.shape[0], 2)
-    want_q, want_s = per_token_group_quant_fp8(bf16, 128)
-    real = m_indices >= 0
-    assert torch.equal(q[real].view(torch.uint8), want_q[real].view(torch.uint8))
-    assert torch.equal(s[real], want_s[real])
+    assert_the_quantisers_bits(q, s, bf16, m_indices)
 
 
 @pytest.mark.gpu

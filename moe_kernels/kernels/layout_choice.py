@@ -120,9 +120,7 @@ def _entry(func: str, where: str, entry, fmt_name: str) -> LayoutChoice:
         fail(func, f"{where}.layout", f"must be a layout that runs {fmt_name} weights", repr(layout))
     check_int(func, f"{where}.from_tokens", start, lo=1)
     aligned = LAYOUTS[layout].rows == "align"
-    if align is not None:
-        check_int(func, f"{where}.align", align, lo=16)
-    if align is not None and (not aligned or align not in (16, 32, 64, 128)):
+    if align is not None and (check_int(func, f"{where}.align", align) not in (16, 32, 64, 128) or not aligned):
         fail(func, f"{where}.align", "must be 16, 32, 64 or 128, on a layout of aligned segments (permute)",
              repr(align))
     if gemm is not None and (layout != "permute" or gemm not in ("triton", "gluon")):
