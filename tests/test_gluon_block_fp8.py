@@ -89,7 +89,8 @@ def test_it_refuses_where_it_cannot_run():
                                                   rows_used=torch.zeros(1, dtype=torch.int32)), "stages"),
                                             (dict(half_tiles=1, rows_used=torch.zeros(1, dtype=torch.int32)),
                                              "half_tiles"),
-                                            (dict(half_tiles=True), "half_tiles"),
+                                            (dict(half_tiles=True, overlap=False), "half_tiles"),
+                                            (dict(half_tiles=True, block_n=64), "half_tiles"),
                                             (dict(block_n=64, rows_used=torch.zeros(1, dtype=torch.int32)), "block_n"),
                                             (dict(block_t=8, rows_used=torch.zeros(1, dtype=torch.int32)), "block_t"),
                                             (dict(block_t=16), "block_t"),
@@ -190,6 +191,26 @@ def test_the_kernel_against_its_reference_gpu(case, overlap, block_n, k, gated):
     check_against_reference(case, k, gated, overlap=overlap, block_n=block_n)
 
 
+@pytest.mark.gpu
+@needs_gluon
+@pytest.mark.parametrize("case", sorted(SEGMENTS))
+@pytest.mark.parametrize("stages", [2, 4, 6])
+@pytest.mark.parametrize("k", [128, 256, 384, 640, 1152])
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
+def test_half_tiles_one_program_a_tile_against_the_reference_gpu(monkeypatch, case, stages, k, gated):
+    """Half tiles with one program a tile: a segment's last tile with at most 64 real rows multiplies 64 rows
+    (the two warpgroups side by side along N) and the others 128; every edge case, K loops of 1-9 steps, 2-6
+    stages; rows of padding keep what ``out`` held, and a test counter pins how many tiles took the half path."""
+    from moe_kernels.kernels import _gluon_block_fp8_kernel as per_tile
+
+    counter = torch.zeros(1, dtype=torch.int32, device="cuda")
+    monkeypatch.setattr(per_tile, "HALF_TILE_COUNTER", counter)
+    launches = check_against_reference(case, k, gated, stages=stages, half_tiles=True)
+    assert [(s["persistent"], s["half_tiles"]) for name, s in launches if name == "gluon_block_fp8.gemm"] == [
+        (False, True)], launches
+    assert int(counter) == half_tiles_in(SEGMENTS[case]) * 4   # (each half tile once per column tile: N = 512)
+
+
 def check_against_reference(case, k, gated, persistent=False, **settings):
     """block_fp8_grouped on a GPU against its reference over the real rows (N = 512); rows of padding (and,
     ``persistent``, the rows past rows_used) keep what ``out`` held. Returns the launch record."""
@@ -219,11 +240,11 @@ def test_the_persistent_grid_against_the_reference_gpu(monkeypatch, case, progra
     barrier phases running on across tiles, K loops of 1-9 steps, fewer steps than stages included), or one
     per SM; with half tiles, whole and half tiles interleaved in one program's walk (the ring does not change
     with the kind of tile); rows of padding and the rows past rows_used keep what ``out`` held."""
-    from moe_kernels.kernels import _gluon_block_fp8_persistent as persistent
+    from moe_kernels.kernels import _gluon_block_fp8_kernel as per_tile, _gluon_block_fp8_persistent as persistent
 
     monkeypatch.setattr(persistent, "PROGRAMS", programs)
     counter = torch.zeros(1, dtype=torch.int32, device="cuda")
-    monkeypatch.setattr(persistent, "HALF_TILE_COUNTER", counter)
+    monkeypatch.setattr(per_tile, "HALF_TILE_COUNTER", counter)
     launches = check_against_reference(case, k, gated, persistent=True, stages=stages, half_tiles=half_tiles)
     assert [(s["persistent"], s["half_tiles"]) for name, s in launches if name == "gluon_block_fp8.gemm"] == [
         (True, half_tiles)], launches
@@ -259,7 +280,7 @@ def test_the_quantising_epilogue_gives_the_quantisers_bits_gpu(monkeypatch, case
     persistent kernel's bf16 output quantised by per_token_group_quant_fp8 (N = 512: two 128-column groups,
     each from two 64-column tiles taken back to back); a few programs walk many pairs; with half tiles, a
     half tile's group waits in the first 64 rows of the stash."""
-    from moe_kernels.kernels import _gluon_block_fp8_persistent as persistent
+    from moe_kernels.kernels import _gluon_block_fp8_kernel as per_tile, _gluon_block_fp8_persistent as persistent
 
     monkeypatch.setattr(persistent, "PROGRAMS", programs)
     x, x_scale, w, w_scale, m_indices = segmented(SEGMENTS[case], seed=len(case) + k, k=k, n=512, device="cuda")
@@ -267,7 +288,7 @@ def test_the_quantising_epilogue_gives_the_quantisers_bits_gpu(monkeypatch, case
     bf16 = block_fp8_grouped(x, x_scale, w, w_scale, m_indices, gated=True, rows_used=rows_used,
                              half_tiles=half_tiles)
     counter = torch.zeros(1, dtype=torch.int32, device="cuda")
-    monkeypatch.setattr(persistent, "HALF_TILE_COUNTER", counter)
+    monkeypatch.setattr(per_tile, "HALF_TILE_COUNTER", counter)
     with record_launches() as launches:
         q, s = block_fp8_grouped(x, x_scale, w, w_scale, m_indices, gated=True, rows_used=rows_used,
                                  quantize_output=True, half_tiles=half_tiles)
@@ -420,17 +441,18 @@ def test_half_tiles_refuse_a_real_row_after_row_64s_padding_gpu():
     rows_used = torch.tensor([m_indices.shape[0] - 128], dtype=torch.int32, device="cuda")
     m_indices[64] = -1   # (the first tile: rows 0-63 and 65-127 of expert 0, row 64 padding)
     block_fp8_grouped(x, x_scale, w, w_scale, m_indices, rows_used=rows_used)   # (whole tiles: allowed)
-    with pytest.raises(ValueError, match="argument 'm_indices' must hold no real row after padding at row 64"):
-        block_fp8_grouped(x, x_scale, w, w_scale, m_indices, rows_used=rows_used, half_tiles=True)
+    for grid in (dict(rows_used=rows_used), {}):   # (the persistent grid, one program a tile)
+        with pytest.raises(ValueError, match="argument 'm_indices' must hold no real row after padding at row 64"):
+            block_fp8_grouped(x, x_scale, w, w_scale, m_indices, half_tiles=True, **grid)
 
 
 @pytest.mark.gpu
 @needs_gluon
 @pytest.mark.parametrize("num_tokens", [1, 64, 600])
 @pytest.mark.parametrize("persistent, fused, one_pass, half", [
-    (False, False, False, False), (False, False, True, False), (True, False, True, False), (True, True, True, False),
-    (True, False, True, True), (True, True, True, True)],
-    ids=["per tile", "per tile, one-pass input", "persistent", "persistent, GEMM 1 quantising",
+    (False, False, False, False), (False, False, True, False), (False, False, True, True), (True, False, True, False),
+    (True, True, True, False), (True, False, True, True), (True, True, True, True)],
+    ids=["per tile", "per tile, one-pass input", "per tile, half tiles", "persistent", "persistent, GEMM 1 quantising",
          "persistent, half tiles", "persistent, GEMM 1 quantising, half tiles"])
 def test_the_permute_layout_on_the_gluon_kernel_gpu(monkeypatch, num_tokens, persistent, fused, one_pass, half):
     """permute_experts with FP8_GEMM = "gluon" (per tile, on the persistent grid, and with GEMM 1 quantising

@@ -23,6 +23,8 @@ runs under the next MMA (what DeepGEMM does in CUDA). Candidates, on each GEMM a
   gluon persistent s3  the same with three stages
   gluon persistent half  the persistent grid with half tiles: a segment's last tile with at most 64 real rows
                      multiplies 64 rows (half the MMAs; uniform routing leaves about half the segments so)
+  gluon overlap half  one program per tile with half tiles (session 29's H100 run: the persistent grid lost
+                     23% and 12% to one program per tile, and half tiles gained it 5% and 3%)
   triton             grouped_gemm_contiguous, n128 k128 w8 s4, TMA, persistent (the package's path)
   triton flat        the same with its tile and K loops flattened into one pipeline (persistent=2)
 
@@ -80,6 +82,7 @@ def compile_only():
         for block_n in (128, 64):
             for overlap in (True, False):
                 compiled_one(gated, block_n, overlap)
+        compiled_one(gated, 128, True, half=True)   # (one program a tile, with half tiles)
         for half in (False, True):   # (half tiles: a segment's last tile of <= 64 real rows on 64 rows)
             compiled_one(gated, 128, True, persistent=True, half=half)
     for half in (False, True):   # (GEMM 1 writing GEMM 2's fp8 input)
@@ -110,7 +113,7 @@ def compiled_one(gated, block_n, overlap, persistent=False, quantising=False, ha
 
         kernel = compile_persistent(block_n, 4, 8, gated, quantising, half)
     else:
-        kernel = compile_for_sm90(block_n, 4, 8, overlap, gated)
+        kernel = compile_for_sm90(block_n, 4, 8, overlap, gated, half)
     ptx = kernel.asm["ptx"]
     count, waits = ptx_report(ptx)
     shapes = sorted({int(n) for n in re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k32", ptx)}, reverse=True)
@@ -172,7 +175,8 @@ def activations(num_rows, k, seed):
 GLUON_VARIANTS = {"gluon overlap": dict(overlap=True), "gluon in order": dict(overlap=False),
                   "gluon persistent": dict(overlap=True, persistent=True),
                   "gluon persistent s3": dict(overlap=True, persistent=True, stages=3),
-                  "gluon persistent half": dict(overlap=True, persistent=True, half_tiles=True)}
+                  "gluon persistent half": dict(overlap=True, persistent=True, half_tiles=True),
+                  "gluon overlap half": dict(overlap=True, half_tiles=True)}
 
 
 def main(argv):

@@ -8,7 +8,8 @@
 # fp8-permute-tests and fp8-permute-ab (session 27's fp8 permute candidates: their GPU tests, then their A/Bs, a call
 # each; session 28's half tiles among them), decode-transposed-tests and decode-transposed-ab (the transposed
 # Gluon kernel's tests, then its A/B: a call each), first-run (sessions 27-29's kernels in one call: their tests,
-# the decode A/B on Qwen3, the prefill A/B on DeepSeek-V3), ceilings,
+# the decode A/B on Qwen3, the prefill A/B on DeepSeek-V3), half-tiles (session 30's half tiles on one program a
+# tile: their tests, the prefill GEMMs' A/B, the routed layer), ceilings,
 # tune, refine, sweep, fp8, decode-step, layouts, routing, skew, shared, capacity, notebooks,
 # graphs (the CUDA-graph replay's and the split GEMM 1's GPU tests), assert-tests (the index-gather and CUDA-graph
 # GPU tests, the device-side id asserts among them), host-probe, model-probe, prefill, gate-routing
@@ -166,6 +167,18 @@ for step in "${steps[@]}"; do
                    tar czf "$OUT/results.tgz" results
                    PYTHONPATH="$PWD" timeout 120 $PY tools/gluon_block_fp8_ab.py deepseek-v3 16384 2>&1 | grep -v Warning \
                        | tee "$OUT/first-run-prefill.log" | tail -n 12 || status=1 ;;
+        half-tiles) # session 30: half tiles on the per-tile Gluon kernel, first GPU run (one call of about 520 s): its
+                    # tests and the fp8 permute layer's, the prefill GEMMs' A/B at 16,384 tokens, the routed layer
+                    timeout 150 $PY -m pytest tests/test_gluon_block_fp8.py -q -p no:cacheprovider --tb=short \
+                        -W ignore::DeprecationWarning $PARALLEL -rf -k "half or permute_layout" \
+                        > "$OUT/half-tiles-tests.log" 2>&1
+                    grep -E "^FAILED|passed|failed" "$OUT/half-tiles-tests.log" | tail -n 14 || status=1
+                    PYTHONPATH="$PWD" timeout 150 $PY tools/gluon_block_fp8_ab.py deepseek-v3,qwen3-30b-a3b 16384 2>&1 \
+                        | grep -v Warning | tee "$OUT/half-tiles-gemms.log" | tail -n 24 || status=1
+                    tar czf "$OUT/results.tgz" results
+                    LAYER_AB_FORMATS=block PYTHONPATH="$PWD" timeout 200 $PY tools/layer_layout_ab.py \
+                        deepseek-v3,qwen3-30b-a3b 16384,4096 2>&1 \
+                        | grep -v Warning | tee "$OUT/half-tiles-layer.log" | tail -n 30 || status=1 ;;
         decode-transposed-ab) # its A/B against index-gather, fp8 then bf16 (records transposed-decode-ab)
                      PYTHONPATH="$PWD" timeout 540 $PY tools/transposed_decode_ab.py qwen3-30b-a3b,deepseek-v3 1,8,64,256,1024 \
                          2>&1 | grep -v Warning | tee "$OUT/decode-transposed-ab.log" | tail -n 20 || status=1 ;;

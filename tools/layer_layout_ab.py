@@ -20,8 +20,10 @@ against the index-gather layer's. TFLOP/s over the routed GEMMs' FLOPs (``T k 6 
 
     PYTHONPATH=. python tools/layer_layout_ab.py [models] [batches]   # GPU: records layer-layout-ab.json
     PYTHONPATH=. TRITON_INTERPRET=1 python tools/layer_layout_ab.py   # CPU: a small shape, the checks only
+    (LAYER_AB_FORMATS=block: the fp8 rows only)
 """
 import dataclasses
+import os
 import sys
 
 import torch
@@ -44,8 +46,10 @@ batches = [int(b) for b in sys.argv[2].split(",")] if len(sys.argv) > 2 else [10
 if device == "cpu":
     batches = [3, 40]
 LAYOUTS = ("index_gather", "permute", "auto")
+FORMATS = os.environ.get("LAYER_AB_FORMATS", "none,block").split(",")   # (bf16 "none", fp8 "block")
 GLUON_ROWS = (   # name, GLUON_PERSISTENT, GLUON_QUANTIZE_IN_GEMM1, ONE_PASS_FP8_INPUT, GLUON_HALF_TILES
     ("permute gluon", False, False, False, False), ("permute gluon one-pass", False, False, True, False),
+    ("permute gluon one-pass half", False, False, True, True),
     ("permute gluon persistent", True, False, True, False),
     ("permute gluon persistent quantising", True, True, True, False),
     ("permute gluon persistent quantising half", True, True, True, True))
@@ -59,7 +63,7 @@ for key in models:
     base = MoELayer.random(model, dtype=dtype, device=device, seed=0, **shrink)
     d = shrink.get("hidden_size", model.hidden_size)
     f = shrink.get("intermediate_size", model.moe_intermediate_size)
-    for fmt in ("none", "block"):
+    for fmt in FORMATS:
         layer = base if fmt == "none" else base.quantized("block")
         gluon_layers = {} if fmt == "none" else {row[0]: MoELayer(layer.weights, layer.routing) for row in GLUON_ROWS}
         for batch in batches:

@@ -41,7 +41,8 @@ for key in models:
     layer = MoELayer.random(model, dtype=torch.bfloat16, device="cuda", seed=0).quantized("block")
     layer.layout = "permute"
     layers = {variant: MoELayer(layer.weights, layer.routing, layout="permute")   # (plans and graphs of their own)
-              for variant in ((False, False, False), (True, False, False), (True, True, False), (True, True, True))}
+              for variant in ((False, False, False, False), (False, False, True, True), (True, False, False, True),
+                              (True, True, False, True), (True, True, True, True))}
     w, fmt = layer.weights, layer.weights.format
     d, f, k, E = model.hidden_size, model.moe_intermediate_size, model.top_k, model.num_experts
     for batch in batches:
@@ -58,15 +59,17 @@ for key in models:
         m_pad = permuted.m_indices.shape[0]
         tk = batch * k
 
-        def whole(persistent, fused=False, half=False):
-            def call():   # (the persistent variants with the one-pass input)
+        def whole(persistent, fused=False, half=False, one_pass=None):
+            one_pass = persistent if one_pass is None else one_pass   # (the persistent variants: one-pass input)
+
+            def call():
                 names = ("FP8_GEMM", "GLUON_PERSISTENT", "GLUON_QUANTIZE_IN_GEMM1", "ONE_PASS_FP8_INPUT",
                          "GLUON_HALF_TILES")
                 saved = [getattr(owner(n), n) for n in names]
-                for n, value in zip(names, ("gluon", persistent, fused, persistent, half)):
+                for n, value in zip(names, ("gluon", persistent, fused, one_pass, half)):
                     setattr(owner(n), n, value)
                 try:
-                    return layers[persistent, fused, half](x)
+                    return layers[persistent, fused, half, one_pass](x)
                 finally:
                     for n, value in zip(names, saved):
                         setattr(owner(n), n, value)
@@ -103,7 +106,14 @@ for key in models:
             "gemm 2 persistent half": (lambda: block_fp8_grouped(a, a_scale, w.w2, w.w2_scale, permuted.m_indices,
                                                                  validate_ids=False, rows_used=used, half_tiles=True),
                                        None),
+            # half tiles with one program a tile (session 30)
+            "gemm 1 gated half": (lambda: block_fp8_grouped(permuted.rows, rows_scale, w.w13, w.w13_scale,
+                                                            permuted.m_indices, gated=True, validate_ids=False,
+                                                            half_tiles=True), None),
+            "gemm 2 half": (lambda: block_fp8_grouped(a, a_scale, w.w2, w.w2_scale, permuted.m_indices,
+                                                      validate_ids=False, half_tiles=True), None),
             "layer": (whole(False), None),
+            "layer one-pass half": (whole(False, half=True, one_pass=True), None),
             "layer persistent": (whole(True), None),
             "layer persistent quantising": (whole(True, True), None),
             "layer persistent quantising half": (whole(True, True, True), None),

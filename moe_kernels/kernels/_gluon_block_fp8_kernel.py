@@ -11,6 +11,10 @@ before step s is promoted and the wait leaves one MMA outstanding (``wait_group 
 under the next MMA (what DeepGEMM does in CUDA). On the H200 (``gluon-block-fp8-ab.json``) that ran
 DeepSeek-V3's GEMM 1 at 798 TFLOP/s and GEMM 2 at 794 at 16,384 tokens, against 698 and 645 for the Triton
 path and 684 and 626 for this kernel promoting in order.
+
+Over 400 lines: the K loop's pieces (TMA loads, the MMA's issue, the scales, the promotion, both step orders)
+and the epilogues are shared by the persistent and transposed kernels, and read best beside the one kernel
+whose docstrings explain them.
 """
 
 from __future__ import annotations
@@ -22,6 +26,9 @@ from .._runtime import HAS_TRITON, INTERPRET, gluon_kernel
 TILE_M = 128   # one expert per M tile: the permute layout's segments are aligned to 128 rows
 TILE_K = 128   # one K step per scale block: one activation scale per row, one weight scale per step
 GROUP_M = 8    # M tiles visited before the next N tile (the weight tile stays in L2 across them)
+#: A test's int32 ``[1]`` counter (None: none): each half tile adds one (this kernel's and the persistent
+#: grid's), so that a test sees the path taken.
+HALF_TILE_COUNTER = None
 
 #: Whether Triton 3.6's Gluon for NVIDIA GPUs imports here (and kernels are compiled, not interpreted).
 GLUON_HOPPER = False
@@ -50,6 +57,16 @@ if GLUON_HOPPER:
         8 warps are two warpgroups of 64 rows, each issuing its own wgmmas on its half of the A tile), every
         warp spanning the whole N tile, so one wgmma instruction is m64 n``block_n`` k32 (fp8: k = 32)."""
         return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, block_n, 32])
+
+
+    @gluon.constexpr_function
+    def _half_mma_layout(block_n, num_warps):
+        """A half tile's accumulator, ``[64, block_n]``: each warpgroup holds all 64 rows of its own share of
+        the columns (8 warps: two of ``block_n / 2``), so each issues m64 n``block_n/2`` k32 wgmmas; together
+        they make half the MMAs of a 128-row tile (the tensor cores are the SM's, shared by its warpgroups)."""
+        groups = num_warps // 4
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, groups],
+                                         instr_shape=[16, block_n // groups, 32])
 
 
     @gluon.constexpr_function
@@ -101,14 +118,16 @@ if GLUON_HOPPER:
     def _issue_mma(a_bufs, b_bufs, ready, step, dead, NUM_STAGES: gl.constexpr):
         """Wait for step ``step``'s tiles, then issue its MMA, asynchronously, into a fresh product
         (``use_acc=False``: the product is the step's alone, to be scaled before it is added). ``dead`` is a
-        product already promoted: its registers become this MMA's (no copy of a zero tile into them)."""
+        product already promoted: its registers become this MMA's (no copy of a zero tile into them); its
+        rows are the tile's (128, or a half tile's 64)."""
         stage = step % NUM_STAGES
         # the stage's (step // NUM_STAGES)-th fill: phases alternate 0, 1, 0, ... with each fill
         mbarrier.wait(ready.index(stage), (step // NUM_STAGES) & 1)
+        # A: the box's first dead.shape[0] rows (all 128; a half tile's 64, the rest being padding).
         # W's tile is [BLOCK_N, BLOCK_K], K contiguous; viewed as [K, N] it is wgmma's K-major B (the only
         # B an fp8 wgmma takes). max_num_imprecise_acc is Triton's sm_90 default (2**30): no promotion inside.
-        return warpgroup_mma(a_bufs.index(stage), b_bufs.index(stage).permute((1, 0)), dead, use_acc=False,
-                             is_async=True)
+        return warpgroup_mma(a_bufs.index(stage).slice(0, dead.shape[0]), b_bufs.index(stage).permute((1, 0)), dead,
+                             use_acc=False, is_async=True)
 
 
     @gluon.jit
@@ -203,13 +222,15 @@ if GLUON_HOPPER:
     def _block_fp8_grouped_kernel(x_desc, w_desc, out_ptr, x_scale_ptr, w_scale_ptr, m_indices_ptr, num_rows, N, K,
                                   stride_om, stride_xs, stride_wse, stride_wsn, BLOCK_N: gl.constexpr,
                                   NUM_STAGES: gl.constexpr, OVERLAP: gl.constexpr, GROUP: gl.constexpr,
-                                  GATED: gl.constexpr = False):
+                                  GATED: gl.constexpr = False, HALF_TILES: gl.constexpr = False, counter_ptr=None,
+                                  COUNT_HALVES: gl.constexpr = False):
         """One program per [BLOCK_M, BLOCK_N] output tile of the permute layout's grouped GEMM:
         ``out[r] = dequant(x[r]) @ dequant(w[m_indices[r]])^T`` for its rows with ``m_indices >= 0``.
         ``GATED`` (GEMM 1, ``w`` of ``N = 2F`` rows, gate then up): the MMA's N tile is BLOCK_N / 2 gate rows
-        and the matching up rows, and the tile stores ``silu(gate) * up``, BLOCK_N / 2 columns of ``[M, F]``."""
+        and the matching up rows, and the tile stores ``silu(gate) * up``, BLOCK_N / 2 columns of ``[M, F]``.
+        ``HALF_TILES``: a tile whose row 64 is padding (a segment's last, with at most 64 real rows: no real
+        row follows) multiplies its first 64 rows only, half the MMAs (``COUNT_HALVES``: a test's counter)."""
         NUM_WARPS: gl.constexpr = gl.num_warps()
-        mma_layout: gl.constexpr = _mma_layout(BLOCK_N, NUM_WARPS)
         store_layout: gl.constexpr = _store_layout(BLOCK_N, NUM_WARPS)
         gl.static_assert(x_desc.block_type.shape[0] == BLOCK_M)
         gl.static_assert(x_desc.block_type.shape[1] == BLOCK_K)
@@ -229,8 +250,7 @@ if GLUON_HOPPER:
         # The tile's expert: segments are aligned to 128 rows, so the tile's real rows share one expert and
         # its padding rows hold -1; the max is that expert, or -1 for a tile of padding, which writes nothing.
         rows = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, store_layout))
-        row_experts = gl.load(m_indices_ptr + rows)
-        expert = gl.max(row_experts, axis=0)
+        expert = gl.max(gl.load(m_indices_ptr + rows), axis=0)
         if expert < 0:
             return
 
@@ -239,22 +259,54 @@ if GLUON_HOPPER:
         ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(NUM_STAGES):
             mbarrier.init(ready.index(i), count=1)
+        # fill the ring: steps 0 .. NUM_STAGES - 1 (those that exist; whole 128-row boxes, half tile or not)
+        num_k = K // BLOCK_K
+        w_row = expert * N + off_n   # w viewed as [E * N, K]
+        for i in gl.static_range(NUM_STAGES):
+            _load_step(x_desc, w_desc, a_bufs, b_bufs, ready, off_m, w_row, i, num_k, NUM_STAGES, w_row + N // 2,
+                       GATED)
 
+        ring = (x_desc, w_desc, a_bufs, b_bufs, ready)
+        tensors = (out_ptr, x_scale_ptr, w_scale_ptr, m_indices_ptr)
+        sizes = (N, K, stride_om, stride_xs, stride_wse, stride_wsn)
+        # (static: a kernel without half tiles must not hold their branch, which Triton 3.6 fails to lower
+        # under a constant condition)
+        if HALF_TILES:
+            if gl.load(m_indices_ptr + off_m + BLOCK_M // 2) < 0:
+                if COUNT_HALVES:
+                    gl.atomic_add(counter_ptr, 1)
+                _tile(off_m, off_n, expert, ring, tensors, sizes, BLOCK_M // 2, _half_mma_layout(BLOCK_N, NUM_WARPS),
+                      BLOCK_N, W_ROWS, NUM_STAGES, OVERLAP, GATED, NUM_WARPS)
+            else:
+                _tile(off_m, off_n, expert, ring, tensors, sizes, BLOCK_M, _mma_layout(BLOCK_N, NUM_WARPS), BLOCK_N,
+                      W_ROWS, NUM_STAGES, OVERLAP, GATED, NUM_WARPS)
+        else:
+            _tile(off_m, off_n, expert, ring, tensors, sizes, BLOCK_M, _mma_layout(BLOCK_N, NUM_WARPS), BLOCK_N,
+                  W_ROWS, NUM_STAGES, OVERLAP, GATED, NUM_WARPS)
+
+
+    @gluon.jit
+    def _tile(off_m, off_n, expert, ring, tensors, sizes, ROWS: gl.constexpr, mma_layout: gl.constexpr,
+              BLOCK_N: gl.constexpr, W_ROWS: gl.constexpr, NUM_STAGES: gl.constexpr, OVERLAP: gl.constexpr,
+              GATED: gl.constexpr, NUM_WARPS: gl.constexpr):
+        """The tile's K loop, its ring already filled, and its epilogue, on ``ROWS`` rows: 128, or a half
+        tile's 64 (``mma_layout``: :func:`_mma_layout`'s or :func:`_half_mma_layout`'s). (The kernel's
+        arguments come in tuples: ``ring`` the descriptors, buffers and barriers, ``tensors`` the pointers,
+        ``sizes`` N, K and the strides.)"""
+        x_desc, w_desc, a_bufs, b_bufs, ready = ring
+        out_ptr, x_scale_ptr, w_scale_ptr, m_indices_ptr = tensors
+        N, K, stride_om, stride_xs, stride_wse, stride_wsn = sizes
         num_k = K // BLOCK_K
         w_row = expert * N + off_n   # w viewed as [E * N, K]
         w_row_up = w_row + N // 2    # (gated: the up rows of the same columns)
         # Scales in the accumulator's row layout (a slice of the MMA layout): each thread gets the scales of
         # exactly the rows its accumulator registers hold, so the promotion needs no layout conversion.
-        scale_rows = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma_layout))
+        scale_rows = off_m + gl.arange(0, ROWS, layout=gl.SliceLayout(1, mma_layout))
         xs_ptrs = x_scale_ptr + scale_rows * stride_xs              # + step: x_scale[row, step]
         ws_ptr = w_scale_ptr + expert * stride_wse + (off_n // 128) * stride_wsn   # + step: w_scale[e, n // 128, step]
         ws_up_ptr = w_scale_ptr + expert * stride_wse + ((N // 2 + off_n) // 128) * stride_wsn   # (gated)
 
-        # fill the ring: steps 0 .. NUM_STAGES - 1 (those that exist)
-        for i in gl.static_range(NUM_STAGES):
-            _load_step(x_desc, w_desc, a_bufs, b_bufs, ready, off_m, w_row, i, num_k, NUM_STAGES, w_row_up, GATED)
-
-        acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=mma_layout)
+        acc = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=mma_layout)
         if OVERLAP:
             # Two products in flight by turns: X (the MMA issued last step) and Y (promoted last step, its
             # registers reused by this step's MMA). The loop runs two steps per iteration so that X and Y stay
@@ -264,10 +316,10 @@ if GLUON_HOPPER:
             # Y's first registers, defined before MMA 0 is issued (no MMA may be in flight while plain
             # instructions write registers a later MMA accumulates into: C7515 again); the wait makes them
             # opaque values defined here rather than constants LLVM would materialise after MMA 0's issue.
-            y_dead = warpgroup_mma_wait(num_outstanding=0, deps=(gl.zeros([BLOCK_M, BLOCK_N], gl.float32,
+            y_dead = warpgroup_mma_wait(num_outstanding=0, deps=(gl.zeros([ROWS, BLOCK_N], gl.float32,
                                                                           layout=mma_layout), ))
             scale = _step_scale(xs_ptrs, ws_ptr, 0, num_k, ws_up_ptr, GATED)
-            x_tok = _issue_mma(a_bufs, b_bufs, ready, 0, gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=mma_layout),
+            x_tok = _issue_mma(a_bufs, b_bufs, ready, 0, gl.zeros([ROWS, BLOCK_N], gl.float32, layout=mma_layout),
                                NUM_STAGES)
             x_scale = scale
             scale = _step_scale(xs_ptrs, ws_ptr, 1, num_k, ws_up_ptr, GATED)
@@ -293,7 +345,7 @@ if GLUON_HOPPER:
                 acc = _promote(acc, last, x_scale, GATED)
         else:
             scale = _step_scale(xs_ptrs, ws_ptr, 0, num_k, ws_up_ptr, GATED)
-            dead = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=mma_layout)
+            dead = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=mma_layout)
             for step in range(num_k):
                 dead, scale, acc = _in_order_step(step, num_k, dead, scale, acc, x_desc, w_desc, a_bufs, b_bufs, ready,
                                                   off_m, w_row, xs_ptrs, ws_ptr, NUM_STAGES, w_row_up, ws_up_ptr, GATED)
@@ -304,13 +356,21 @@ if GLUON_HOPPER:
         # Epilogue: bf16, through shared memory into 16-byte runs along N, only the rows of the expert (a
         # segment's last tile has padding rows, whose outputs belong to no token and are left as they were).
         if GATED:
-            _store_gated(acc, out_ptr, m_indices_ptr, off_m, off_n, OUT_N, stride_om, W_ROWS, NUM_WARPS)
+            _store_gated(acc, out_ptr, m_indices_ptr, off_m, off_n, N // 2, stride_om, W_ROWS, NUM_WARPS)
         else:
-            out = gl.convert_layout(acc.to(gl.bfloat16), store_layout)
-            cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, store_layout))
-            offsets = rows.to(gl.int64)[:, None] * stride_om + cols[None, :]
-            mask = (row_experts >= 0)[:, None] & (cols < N)[None, :]
-            gl.store(out_ptr + offsets, out, mask=mask)
+            _store_plain(acc, out_ptr, m_indices_ptr, off_m, off_n, N, stride_om, NUM_WARPS)
+
+
+    @gluon.jit
+    def _store_plain(acc, out_ptr, m_indices_ptr, off_m, off_n, N, stride_om, NUM_WARPS: gl.constexpr):
+        """A plain tile's epilogue: bf16, in 16-byte runs along N, the rows of the expert only."""
+        store_layout: gl.constexpr = _store_layout(acc.shape[1], NUM_WARPS)
+        rows = off_m + gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, store_layout))
+        real = gl.load(m_indices_ptr + rows) >= 0
+        out = gl.convert_layout(acc.to(gl.bfloat16), store_layout)
+        cols = off_n + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, store_layout))
+        offsets = rows.to(gl.int64)[:, None] * stride_om + cols[None, :]
+        gl.store(out_ptr + offsets, out, mask=real[:, None] & (cols < N)[None, :])
 
 
     @gluon.jit
@@ -359,10 +419,11 @@ if GLUON_HOPPER:
                 TensorDescriptor.from_tensor(w.view(e * n, k), [box, TILE_K], w_layout))
 
 
-    def compile_for_sm90(block_n, stages, num_warps, overlap, gated=False):
+    def compile_for_sm90(block_n, stages, num_warps, overlap, gated=False, half_tiles=False, count=False):
         """The kernel compiled for sm_90a (Gluon's own AST source: its IR is already TritonGPU)."""
         return compile_kernel_for_sm90(_block_fp8_grouped_kernel, block_n, gated, num_warps,
-                                       {"NUM_STAGES": stages, "OVERLAP": overlap})
+                                       {"NUM_STAGES": stages, "OVERLAP": overlap, "HALF_TILES": half_tiles,
+                                        "COUNT_HALVES": count}, {"counter_ptr": "*i32"})
 
     def compile_kernel_for_sm90(fn, block_n, gated, num_warps, constants, pointers=None, descriptors=None):
         """``fn`` compiled for sm_90a with ``constants`` besides BLOCK_N, GROUP and GATED, ``pointers`` (name: type)
@@ -388,7 +449,8 @@ if GLUON_HOPPER:
         return triton.compile(GluonASTSource(fn, signature, values, attrs), target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": num_warps})
 
-    def launch(x, x_scale, w, w_scale, m_indices, out, *, overlap, block_n, stages, num_warps, gated=False):
+    def launch(x, x_scale, w, w_scale, m_indices, out, *, overlap, block_n, stages, num_warps, gated=False,
+               half_tiles=False):
         """The kernel on arguments :func:`moe_kernels.kernels.gluon_block_fp8.block_fp8_grouped` checked."""
         num_rows, k = x.shape
         n = w.shape[1]
@@ -397,4 +459,6 @@ if GLUON_HOPPER:
         _block_fp8_grouped_kernel[grid](x_desc, w_desc, out, x_scale, w_scale, m_indices, num_rows, n, k,
                                         out.stride(0), x_scale.stride(0), w_scale.stride(0), w_scale.stride(1),
                                         BLOCK_N=block_n, NUM_STAGES=stages, OVERLAP=overlap, GROUP=GROUP_M,
-                                        GATED=gated, num_warps=num_warps)
+                                        GATED=gated, HALF_TILES=half_tiles, counter_ptr=HALF_TILE_COUNTER,
+                                        COUNT_HALVES=HALF_TILE_COUNTER is not None and half_tiles,
+                                        num_warps=num_warps)

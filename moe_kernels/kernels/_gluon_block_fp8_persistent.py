@@ -26,12 +26,10 @@ each segment's MMA work up to 64 rows instead of 128 takes DeepSeek-V3's routed 
 
 from __future__ import annotations
 
-from ._gluon_block_fp8_kernel import GLUON_HOPPER, GROUP_M, TILE_K, TILE_M
+from ._gluon_block_fp8_kernel import GLUON_HOPPER, GROUP_M, TILE_M
 
 #: Programs of the persistent grid: None, one per SM. (Tests set a few, so that each program walks many tiles.)
 PROGRAMS = None
-#: A test's int32 ``[1]`` counter (None: none): each half tile adds one, so that a test sees the path taken.
-HALF_TILE_COUNTER = None
 
 if GLUON_HOPPER:
     import triton.language as tl
@@ -41,23 +39,12 @@ if GLUON_HOPPER:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma_wait
 
-    from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma
-
-    from ._gluon_block_fp8_kernel import (BLOCK_K, BLOCK_M, _descriptors, _grouped_tile, _load_into, _mma_layout,
-                                          _promote, _silu_mul_tile, _step_scale, _store_gated, _store_layout,
-                                          compile_kernel_for_sm90)
+    from . import _gluon_block_fp8_kernel as per_tile
+    from ._gluon_block_fp8_kernel import (BLOCK_K, BLOCK_M, _descriptors, _grouped_tile, _half_mma_layout,
+                                          _issue_mma, _load_into, _mma_layout, _promote, _silu_mul_tile,
+                                          _step_scale, _store_gated, _store_plain, compile_kernel_for_sm90)
 
     HALF_M = gl.constexpr(TILE_M // 2)
-
-    @gluon.constexpr_function
-    def _half_mma_layout(block_n, num_warps):
-        """A half tile's accumulator, ``[64, block_n]``: each warpgroup holds all 64 rows of its own share of
-        the columns (8 warps: two of ``block_n / 2``), so each issues m64 n``block_n/2`` k32 wgmmas; together
-        they make half the MMAs of a 128-row tile (the tensor cores are the SM's, shared by its warpgroups)."""
-        groups = num_warps // 4
-        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, groups],
-                                         instr_shape=[16, block_n // groups, 32])
-
 
     @gluon.jit
     def _drained(token, scale):
@@ -73,15 +60,6 @@ if GLUON_HOPPER:
         ws_up_ptr = w_scale_ptr + expert * stride_wse + ((N // 2 + off_n) // 128) * stride_wsn
         return x_scale_ptr + rows * stride_xs, ws_ptr, ws_up_ptr
 
-
-    @gluon.jit
-    def _issue_rows_mma(a_bufs, b_bufs, ready, step, dead, NUM_STAGES: gl.constexpr):
-        """``_issue_mma`` (the per-tile kernel's) for a tile of ``dead.shape[0]`` rows: a half tile multiplies
-        the first 64 rows of the stage's A box (the copy brought all 128; the rest are padding)."""
-        stage = step % NUM_STAGES
-        mbarrier.wait(ready.index(stage), (step // NUM_STAGES) & 1)
-        a = a_bufs.index(stage).slice(0, dead.shape[0])   # (all of it, for a whole tile)
-        return warpgroup_mma(a, b_bufs.index(stage).permute((1, 0)), dead, use_acc=False, is_async=True)
 
     @gluon.jit
     def _tile_origin(local_tile, pid, nprog, num_pid_m, num_pid_n, m_indices_ptr, W_ROWS: gl.constexpr,
@@ -123,7 +101,7 @@ if GLUON_HOPPER:
         issued, MMA ``base + step - 1`` waited for (one left in flight) and promoted under it; the freed stage
         refilled with global step ``base + step - 1 + NUM_STAGES``, of this tile or of a later one."""
         following = _step_scale(xs_ptrs, ws_ptr, step + 1, num_k, ws_up_ptr, GATED)
-        issued = _issue_rows_mma(a_bufs, b_bufs, ready, base + step, dead, NUM_STAGES)
+        issued = _issue_mma(a_bufs, b_bufs, ready, base + step, dead, NUM_STAGES)
         done = warpgroup_mma_wait(num_outstanding=1, deps=(inflight, ))
         gl.thread_barrier()   # (both warpgroups past MMA step - 1 before its stage is refilled)
         _load_global(x_desc, w_desc, a_bufs, b_bufs, ready, base + step - 1 + NUM_STAGES, num_k, pid, nprog,
@@ -192,7 +170,7 @@ if GLUON_HOPPER:
         y_dead = warpgroup_mma_wait(num_outstanding=0, deps=(gl.zeros([ROWS, BLOCK_N], gl.float32,
                                                                       layout=mma_layout), ))
         scale = _step_scale(xs_ptrs, ws_ptr, 0, num_k, ws_up_ptr, GATED)
-        x_tok = _issue_rows_mma(a_bufs, b_bufs, ready, base, gl.zeros([ROWS, BLOCK_N], gl.float32, layout=mma_layout),
+        x_tok = _issue_mma(a_bufs, b_bufs, ready, base, gl.zeros([ROWS, BLOCK_N], gl.float32, layout=mma_layout),
                                 NUM_STAGES)
         x_scale = scale
         scale = _step_scale(xs_ptrs, ws_ptr, 1, num_k, ws_up_ptr, GATED)
@@ -227,13 +205,7 @@ if GLUON_HOPPER:
         elif GATED:
             _store_gated(acc, out_ptr, m_indices_ptr, off_m, off_n, OUT_N, stride_om, W_ROWS, NUM_WARPS)
         else:
-            store_layout: gl.constexpr = _store_layout(BLOCK_N, NUM_WARPS)
-            rows = off_m + gl.arange(0, ROWS, layout=gl.SliceLayout(1, store_layout))
-            real = gl.load(m_indices_ptr + rows) >= 0
-            out = gl.convert_layout(acc.to(gl.bfloat16), store_layout)
-            cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, store_layout))
-            offsets = rows.to(gl.int64)[:, None] * stride_om + cols[None, :]
-            gl.store(out_ptr + offsets, out, mask=real[:, None] & (cols < N)[None, :])
+            _store_plain(acc, out_ptr, m_indices_ptr, off_m, off_n, N, stride_om, NUM_WARPS)
 
 
     @gluon_kernel   # (gluon.jit, launched through the package's shortcut: a recorded call replays it)
@@ -337,5 +309,5 @@ if GLUON_HOPPER:
             x_desc, w_desc, out, x_scale, w_scale, m_indices, rows_used, x_scale if out_scale is None else out_scale,
             n, k, out.stride(0), x_scale.stride(0), w_scale.stride(0), w_scale.stride(1),
             0 if out_scale is None else out_scale.stride(0), BLOCK_N=block_n, NUM_STAGES=stages, GROUP=GROUP_M,
-            GATED=gated, QUANT_OUT=out_scale is not None, HALF_TILES=half_tiles, counter_ptr=HALF_TILE_COUNTER,
-            COUNT_HALVES=HALF_TILE_COUNTER is not None and half_tiles, num_warps=num_warps)
+            GATED=gated, QUANT_OUT=out_scale is not None, HALF_TILES=half_tiles, counter_ptr=per_tile.HALF_TILE_COUNTER,
+            COUNT_HALVES=per_tile.HALF_TILE_COUNTER is not None and half_tiles, num_warps=num_warps)

@@ -138,8 +138,14 @@ def _check_rows_used(func, rows_used, m_indices, device, validate_ids, half_tile
     if bool((m_indices[:used:tile_m] < 0).any()) or bool((m_indices[used:] >= 0).any()):
         fail(func, "m_indices", f"must start every {tile_m}-row tile below rows_used={used} on a real row, and "
              "hold no real row past it", "a tile of padding, or a real row past rows_used")
-    tiles = m_indices[:used].view(-1, TILE_M) if half_tiles else None
-    if half_tiles and bool(((tiles[:, TILE_M // 2:] >= 0).any(dim=1) & (tiles[:, TILE_M // 2] < 0)).any()):
+    if half_tiles:
+        _check_half_tiles(func, m_indices[:used])
+
+
+def _check_half_tiles(func, m_indices):
+    """A half tile (its row 64 padding) multiplies rows 0-63 only: no real row may follow row 64's padding."""
+    tiles = m_indices.view(-1, TILE_M)
+    if bool(((tiles[:, TILE_M // 2:] >= 0).any(dim=1) & (tiles[:, TILE_M // 2] < 0)).any()):
         fail(func, "m_indices", f"must hold no real row after padding at row {TILE_M // 2} of a tile with half_tiles",
              "a real row after a half tile's padding")
 
@@ -162,8 +168,9 @@ def block_fp8_grouped(x, x_scale, w, w_scale, m_indices, *, out=None, gated: boo
     only). ``quantize_output`` (gated, with ``rows_used``): ``(out, out_scale)``, the output in fp8 with one
     float32 scale per row per 128 columns (``[M_pad, N/2]``, ``[M_pad, N/256]``), bit for bit the bf16 output
     quantised by :func:`~moe_kernels.kernels.quant.per_token_group_quant_fp8`: GEMM 2's input with no bf16
-    intermediate and no quantiser launch. ``half_tiles`` (with ``rows_used``): a tile whose rows 64-127 are all
-    padding (a segment's last, with at most 64 real rows) multiplies 64 rows, half the MMAs. ``block_t`` (16, 32
+    intermediate and no quantiser launch. ``half_tiles``: a tile whose rows 64-127 are all
+    padding (a segment's last, with at most 64 real rows) multiplies 64 rows, half the MMAs (one program a tile,
+    overlapped, 128 columns; or on the persistent grid). ``block_t`` (16, 32
     or 64, with ``rows_used``; decode): the product transposed on tiles of 128 weight rows by ``block_t`` token
     rows, segments aligned to ``block_t`` (:mod:`moe_kernels.kernels._gluon_transposed`; ``block_n`` is
     not used; ``quantize_output`` as on the persistent grid). The launch record (``gluon_block_fp8.gemm``) says
@@ -190,8 +197,8 @@ def block_fp8_grouped(x, x_scale, w, w_scale, m_indices, *, out=None, gated: boo
         most = 6 if block_t is not None else 4 if quantize_output else 5 if gated else 6
         if stages > most:
             fail(func, "stages", f"must be at most {most} on the persistent grid here (shared memory)", stages)
-    if half_tiles and not persistent:
-        fail(func, "half_tiles", "needs rows_used (half tiles are the persistent grid's)", half_tiles)
+    if half_tiles and not (overlap and block_n == 128):   # (the builds tested)
+        fail(func, "half_tiles", "needs overlap=True and block_n=128", dict(overlap=overlap, block_n=block_n))
     if block_t is not None:
         if block_t not in (16, 32, 64):
             fail(func, "block_t", "must be None, 16, 32 or 64", repr(block_t))
@@ -208,6 +215,8 @@ def block_fp8_grouped(x, x_scale, w, w_scale, m_indices, *, out=None, gated: boo
     _check(func, x, x_scale, w, w_scale, m_indices, out, block_n, gated, validate_ids, tile_m)
     if persistent:
         _check_rows_used(func, rows_used, m_indices, w.device, validate_ids, half_tiles, tile_m)
+    elif half_tiles and validate_ids and not (m_indices.is_cuda and torch.cuda.is_current_stream_capturing()):
+        _check_half_tiles(func, m_indices)
     out_scale = None
     if quantize_output:   # (rows of padding are not written: each reaches only its own rows in GEMM 2)
         out = torch.empty(x.shape[0], w.shape[1] // 2, device=x.device, dtype=torch.float8_e4m3fn)
@@ -230,7 +239,7 @@ def block_fp8_grouped(x, x_scale, w, w_scale, m_indices, *, out=None, gated: boo
         from ._gluon_block_fp8_kernel import launch
 
         launch(x, x_scale, w, w_scale, m_indices, out, overlap=overlap, block_n=block_n, stages=stages, num_warps=8,
-               gated=gated)
+               gated=gated, half_tiles=half_tiles)
     return (out, out_scale) if quantize_output else out
 
 

@@ -35,8 +35,9 @@ GLUON_PERSISTENT = False
 #: With GLUON_PERSISTENT: GEMM 1 writes GEMM 2's input in fp8 with its scales (its epilogue quantises; no bf16
 #: ``[M_pad, F]`` and no quantiser launch).
 GLUON_QUANTIZE_IN_GEMM1 = False
-#: With GLUON_PERSISTENT: a segment's last tile with at most 64 real rows multiplies 64 rows (half tiles: the
-#: MMA work of each segment rounded up to 64 rows instead of 128). Off until its first GPU run.
+#: With FP8_GEMM = "gluon" (one program a tile or the persistent grid): a segment's last tile with at most 64
+#: real rows multiplies 64 rows (half tiles: the MMA work of each segment rounded up to 64 rows instead of 128).
+#: Off until timed.
 GLUON_HALF_TILES = False
 #: The transposed kernel's TMA stages (segments of 16-64 rows; fp8: 6 take 116 KiB at 16 rows).
 TRANSPOSED_STAGES = 6
@@ -93,7 +94,7 @@ def _fp8_experts(rows, rows_scale, w1, w1_scale, w2, w2_scale, permuted, topk_we
 
     # (permute wrote m_indices: one expert per 128-row tile, ids in [0, E) or -1; no read-back)
     rows_used = permuted.rows_used if GLUON_PERSISTENT else None
-    half = GLUON_HALF_TILES and rows_used is not None
+    half = GLUON_HALF_TILES
     if rows_used is not None and GLUON_QUANTIZE_IN_GEMM1:
         a, a_scale = block_fp8_grouped(rows, rows_scale, w1, w1_scale, permuted.m_indices, gated=True,
                                        validate_ids=False, rows_used=rows_used, quantize_output=True, half_tiles=half)
