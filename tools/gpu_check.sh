@@ -9,7 +9,8 @@
 # each; session 28's half tiles among them), decode-transposed-tests and decode-transposed-ab (the transposed
 # Gluon kernel's tests, then its A/B: a call each), first-run (sessions 27-29's kernels in one call: their tests,
 # the decode A/B on Qwen3, the prefill A/B on DeepSeek-V3), half-tiles (session 30's half tiles on one program a
-# tile: their tests, the prefill GEMMs' A/B, the routed layer), ceilings,
+# tile: their tests, the prefill GEMMs' A/B, the routed layer), decode-stages (decode's stages alone on both
+# paths), ceilings,
 # tune, refine, sweep, fp8, decode-step, layouts, routing, skew, shared, capacity, notebooks,
 # graphs (the CUDA-graph replay's and the split GEMM 1's GPU tests), assert-tests (the index-gather and CUDA-graph
 # GPU tests, the device-side id asserts among them), host-probe, model-probe, prefill, gate-routing
@@ -179,6 +180,10 @@ for step in "${steps[@]}"; do
                     LAYER_AB_FORMATS=block PYTHONPATH="$PWD" timeout 200 $PY tools/layer_layout_ab.py \
                         deepseek-v3,qwen3-30b-a3b 16384,4096 2>&1 \
                         | grep -v Warning | tee "$OUT/half-tiles-layer.log" | tail -n 30 || status=1 ;;
+        decode-stages) # session 30: decode's stages alone on index-gather and on the transposed Gluon path, fp8 then
+                       # bf16, with the floor and two plain reads (records decode-stages)
+                       PYTHONPATH="$PWD" timeout 400 $PY tools/decode_stages.py qwen3-30b-a3b,deepseek-v3 1,8,64,256 2>&1 \
+                           | grep -v Warning | tee "$OUT/decode-stages.log" | tail -n 20 || status=1 ;;
         decode-transposed-ab) # its A/B against index-gather, fp8 then bf16 (records transposed-decode-ab)
                      PYTHONPATH="$PWD" timeout 540 $PY tools/transposed_decode_ab.py qwen3-30b-a3b,deepseek-v3 1,8,64,256,1024 \
                          2>&1 | grep -v Warning | tee "$OUT/decode-transposed-ab.log" | tail -n 20 || status=1 ;;

@@ -1,0 +1,171 @@
+"""Issue 17: where decode's time goes, stage by stage, on index-gather and on the transposed Gluon path.
+
+Session 29's H100 run (``transposed-decode-ab-*.json``) timed the experts call on the transposed Gluon kernel
+(permute layout, 16-row segments) at 1.0-2.4 times index-gather's on Qwen3-30B-A3B, and within a few percent
+of the Triton permute path: the permute path's own launches (alignment and copy, quantisers, the gather back)
+may be what costs, not its GEMMs. This times every stage of both calls alone, on the same routed tokens, each
+replayed from a CUDA graph of one call with the L2 flushed (inputs made once before), two rounds interleaved,
+the lower median kept:
+
+  index-gather (its tuned table, block map precomputed): ig quantize x (fp8), ig gemm 1 (gated, SiLU·mul in
+      its epilogue), ig quantize y (fp8), ig gemm 2, ig sum (unless GEMM 2 sums), ig call (fused_experts)
+  transposed (segments of 16 rows, permute_gluon.FP8_GEMM / BF16_GEMM = "gluon"): tr permute (alignment and
+      copy; fp8: indices, then quantize_scatter), tr gemm 1, tr quantize y (fp8, to rows_used), tr gemm 2,
+      tr unpermute (the gather back with the routing weights), tr call (permute_experts)
+
+and, from the same process, the floor (the touched experts' weight bytes over the read bandwidth) and two plain
+reads of those bytes, GEMM 1's weights then GEMM 2's (``bench.fp8.read_bounds``). If "tr gemm 1 + tr gemm 2"
+beats "ig gemm 1 + ig gemm 2" by more than the permute path's extra stages cost, the transposed kernel's
+product is worth putting on index-gather's gathered rows (a token tile loaded with pointer loads: it is 16 x 128
+bytes a K step beside a 16 KB weight box); if not, the GEMMs themselves are where decode loses to two reads.
+
+    PYTHONPATH=. python tools/decode_stages.py [models] [batches]   # GPU: records decode-stages.json
+    PYTHONPATH=. TRITON_INTERPRET=1 python tools/decode_stages.py   # CPU: a small shape, the plumbing
+"""
+import os
+import sys
+
+import torch
+
+from moe_kernels.bench.fp8 import read_bounds
+from moe_kernels.bench.problems import make_batch, tool_weights
+from moe_kernels.bench.timing import time_lowest
+from moe_kernels.kernels import permute as permute_module, permute_gluon
+from moe_kernels.kernels.blocks import assign_blocks
+from moe_kernels.kernels.combine import sum_slots, unpermute
+from moe_kernels.kernels.config import get_config
+from moe_kernels.kernels.formats import FORMATS
+from moe_kernels.kernels.index_gather import down, fused_experts, gate_up
+from moe_kernels.kernels.permute import permute_experts
+from moe_kernels.model.costs import count_work
+from moe_kernels.results import record_tool
+
+device = "cuda" if torch.cuda.is_available() else "cpu"
+models = sys.argv[1].split(",") if len(sys.argv) > 1 else ["qwen3-30b-a3b", "deepseek-v3"]
+batches = [int(b) for b in sys.argv[2].split(",")] if len(sys.argv) > 2 else [1, 8, 64, 256]
+formats = os.environ.get("DECODE_STAGES_FORMATS", "block,none").split(",")   # (fp8 block, bf16)
+ALIGN = 16
+bandwidth = None
+if device == "cuda":
+    from moe_kernels.bench.ceilings import measure_read_bandwidth
+
+    bandwidth = measure_read_bandwidth()
+rows = []
+
+
+def on_gluon(call):
+    """``call`` with the permute layout's GEMMs on the Gluon kernels (the transposed one at 16-row segments)."""
+    def run():
+        saved = permute_gluon.FP8_GEMM, permute_gluon.BF16_GEMM
+        permute_gluon.FP8_GEMM = permute_gluon.BF16_GEMM = "gluon"
+        try:
+            return call()
+        finally:
+            permute_gluon.FP8_GEMM, permute_gluon.BF16_GEMM = saved
+    return run
+
+
+def index_gather_stages(hidden, w1, w2, w1s, w2s, weights, ids, fmt, config, blocks):
+    """The index-gather call's stages, each a closure over inputs made once here."""
+    t, k = ids.shape
+    scales = dict(w1_scale=w1s, w2_scale=w2s) if fmt.quantized else {}
+    x, x_scale = fmt.quantize_activations(hidden)
+    inter = torch.empty(t * k, w1.shape[1] // 2, device=hidden.device, dtype=hidden.dtype)
+    gate_up(x, w1, blocks, k, tiles=config.gate_up, out=inter, a_scale=x_scale, w_scale=w1s, fmt=fmt)
+    y, y_scale = fmt.quantize_activations(inter)
+    summed = config.sum_in_gemm
+    per_slot = (torch.zeros(t, w2.shape[1], device=hidden.device, dtype=torch.float32) if summed else
+                torch.empty(t, k, w2.shape[1], device=hidden.device, dtype=hidden.dtype))
+    stages = {
+        "ig gemm 1": lambda: gate_up(x, w1, blocks, k, tiles=config.gate_up, out=inter, a_scale=x_scale,
+                                     w_scale=w1s, fmt=fmt),
+        "ig gemm 2": lambda: down(y, w2, weights, blocks, tiles=config.down, out=per_slot, a_scale=y_scale,
+                                  w_scale=w2s, fmt=fmt, sum_slots=summed),
+        "ig call": lambda: fused_experts(hidden, w1, w2, weights, ids, config=config, blocks=blocks,
+                                         validate_ids=False, **scales)}
+    if fmt.quantized:
+        stages["ig quantize x"] = lambda: fmt.quantize_activations(hidden)
+        stages["ig quantize y"] = lambda: fmt.quantize_activations(inter)
+    if not summed:
+        stages["ig sum"] = lambda: sum_slots(per_slot)
+    return stages
+
+
+def transposed_stages(hidden, w1, w2, w1s, w2s, weights, ids, fmt):
+    """The transposed Gluon call's stages (16-row segments), each a closure over inputs made once here."""
+    from moe_kernels.kernels.gluon_transposed import grouped_transposed
+    from moe_kernels.kernels.quant import per_token_group_quant_fp8
+    from moe_kernels.kernels.quant_scatter import quantize_scatter
+
+    e = w1.shape[0]
+    scales = dict(w1_scale=w1s, w2_scale=w2s) if fmt.quantized else {}
+    if fmt.quantized:   # the one-pass input: the indices, then each token quantised once into its rows
+        def permuted_input():
+            permuted = permute_module.permute(hidden, ids, e, align=ALIGN, validate_ids=False, copy=False)
+            return permuted, *quantize_scatter(hidden, permuted.src2dst, permuted.m_indices.shape[0])
+    else:
+        def permuted_input():
+            permuted = permute_module.permute(hidden, ids, e, align=ALIGN, validate_ids=False)
+            return permuted, permuted.rows, None
+    permuted, rows_in, rows_scale = permuted_input()
+    used = permuted.rows_used
+
+    def gemm(x, w, x_scale, w_scale, gated):
+        return grouped_transposed(x, w, permuted.m_indices, used, x_scale=x_scale, w_scale=w_scale, gated=gated,
+                                  block_t=ALIGN, stages=permute_gluon.TRANSPOSED_STAGES, validate_ids=False)
+
+    inter = gemm(rows_in, w1, rows_scale, w1s, True)
+    a, a_scale = per_token_group_quant_fp8(inter, 128, rows_used=used) if fmt.quantized else (inter, None)
+    y = gemm(a, w2, a_scale, w2s, False)
+    stages = {"tr permute": lambda: permuted_input()[0],
+              "tr gemm 1": lambda: gemm(rows_in, w1, rows_scale, w1s, True),
+              "tr gemm 2": lambda: gemm(a, w2, a_scale, w2s, False),
+              "tr unpermute": lambda: unpermute(y, permuted.src2dst, weights),
+              "tr call": on_gluon(lambda: permute_experts(hidden, w1, w2, weights, ids, align=ALIGN,
+                                                          validate_ids=False, **scales))}
+    if fmt.quantized:
+        stages["tr quantize y"] = lambda: per_token_group_quant_fp8(inter, 128, rows_used=used)
+    return stages
+
+
+for key in models:
+    for fmt_name in formats:
+        fmt = FORMATS[fmt_name]
+        model, dtype, w1, w1s, w2, w2s = tool_weights(key, fmt, device)
+        e, f, d = model.num_experts, model.moe_intermediate_size, model.hidden_size
+        for batch in batches:
+            hidden, _, weights, ids = make_batch(model, batch, dtype, seed=batch, device=device)
+            config = get_config(batch, e, f, d, w1.dtype, hidden.device)
+            blocks = assign_blocks(ids, config.block_m, e, validate_ids=False)
+            stages = index_gather_stages(hidden, w1, w2, w1s, w2s, weights, ids, fmt, config, blocks)
+            errors = {}
+            try:   # (where the Gluon kernels do not run, the index-gather rows alone)
+                stages.update(transposed_stages(hidden, w1, w2, w1s, w2s, weights, ids, fmt))
+            except (ValueError, TypeError, RuntimeError) as error:
+                errors["transposed"] = str(error).splitlines()[0][:200]
+            reference = stages["ig call"]()
+            lowest, rounds, failed, _ = time_lowest(stages, reference, tolerance=1.0, warmup_ms=5, rep_ms=25,
+                                                    unchecked=tuple(stages), rounds=2, alternate=True)
+            errors.update(failed)
+            work = count_work(model, ids, w1.element_size())
+            row = {"model": key, "format": fmt.name, "batch": batch, "experts_touched": work.experts_touched,
+                   "bytes": work.bytes, "us": lowest, "rounds_us": rounds, "errors": errors,
+                   "config": {"block_m": config.block_m, "sum_in_gemm": config.sum_in_gemm}}
+            both = {path: sum(lowest.get(f"{path} gemm {i}", float("nan")) for i in (1, 2)) for path in ("ig", "tr")}
+            row["gemms_us"] = both
+            if bandwidth:
+                row["floor_us"] = work.bytes / bandwidth * 1e6
+                row["two_reads_us"] = read_bounds(work, w1, w2, None, 5, 25)["read_two_launches_s"] * 1e6
+                row["gemms_of_two_reads"] = {path: us / row["two_reads_us"] for path, us in both.items()}
+            rows.append(row)
+            record_tool("decode-stages", rows, {"models": models, "batches": batches, "align": ALIGN,
+                                                "read_bandwidth_bytes_per_s": bandwidth, "rounds": 2,
+                                                "timing": "each stage alone, CUDA graph of one call, L2 flushed"})
+            print(f"{key} {fmt.name} {batch} tokens ({work.experts_touched} experts; floor "
+                  f"{row.get('floor_us', 0):.1f} us, two reads {row.get('two_reads_us', 0):.1f}; GEMMs: ig "
+                  f"{both['ig']:.1f}, tr {both['tr']:.1f}): " + "  ".join(f"{name} {us:.1f}" for name, us in
+                                                                           sorted(lowest.items()))
+                  + (f"  errors {errors}" if errors else ""), flush=True)
+        del w1, w2, w1s, w2s
+        if device == "cuda":
+            torch.cuda.empty_cache()
