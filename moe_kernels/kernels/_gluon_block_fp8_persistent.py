@@ -77,17 +77,38 @@ if GLUON_HOPPER:
 
 
     @gluon.jit
+    def _known_tiles(t, pid, nprog, my_tiles, num_pid_m, num_pid_n, m_indices_ptr, N, W_ROWS: gl.constexpr,
+                     GROUP: gl.constexpr, PAIRS: gl.constexpr):
+        """``(known, off_n, expert)`` of this program's tile ``t``: ``known`` is ``(t, its first row, its first
+        weight row, the next tile's first row, its first weight row)``, what :func:`_load_global` needs to load a
+        step of either tile without reading ``m_indices`` (the next tile past the last is the last)."""
+        off_m, off_n, expert = _tile_origin(t, pid, nprog, num_pid_m, num_pid_n, m_indices_ptr, W_ROWS, GROUP, PAIRS)
+        next_m, next_n, next_expert = _tile_origin(gl.minimum(t + 1, my_tiles - 1), pid, nprog, num_pid_m, num_pid_n,
+                                                   m_indices_ptr, W_ROWS, GROUP, PAIRS)
+        return (t, off_m, expert * N + off_n, next_m, next_expert * N + next_n), off_n, expert
+
+
+    @gluon.jit
     def _load_global(x_desc, w_desc, a_bufs, b_bufs, ready, g, num_k, pid, nprog, my_tiles, num_pid_m, num_pid_n,
-                     m_indices_ptr, N, W_ROWS: gl.constexpr, GROUP: gl.constexpr, PAIRS: gl.constexpr,
+                     m_indices_ptr, N, known, W_ROWS: gl.constexpr, GROUP: gl.constexpr, PAIRS: gl.constexpr,
                      NUM_STAGES: gl.constexpr, GATED: gl.constexpr):
         """TMA loads of global step ``g`` (step ``g % num_k`` of this program's tile ``g // num_k``) into stage
-        ``g % NUM_STAGES``; nothing past the program's last tile."""
-        local_tile = g // num_k
-        step = g - local_tile * num_k
-        # (past the last tile: the last tile's addresses, and no copy)
-        off_m, off_n, expert = _tile_origin(gl.minimum(local_tile, my_tiles - 1), pid, nprog, num_pid_m, num_pid_n,
-                                            m_indices_ptr, W_ROWS, GROUP, PAIRS)
-        w_row = expert * N + off_n
+        ``g % NUM_STAGES``; nothing past the program's last tile. A step of the tiles ``known`` holds
+        (:func:`_known_tiles`: the one in the K loop and the next, all a ring no longer than the K loop reaches)
+        takes its addresses from there. Reading the tile's expert from ``m_indices`` at every step, as this did
+        before, put a global load's latency between every step's MMA wait and its promotion."""
+        tile, off_m, w_row, next_m, next_w_row = known
+        first = tile * num_k   # (the known tile's step 0: comparisons, no division, on the two tiles' steps)
+        local_tile = tile
+        step = g - first
+        if step >= num_k:
+            if step < 2 * num_k:
+                off_m, w_row, local_tile, step = next_m, next_w_row, tile + 1, step - num_k
+            else:   # (a ring longer than the K loop; past the last tile: its addresses, no copy)
+                local_tile, step = g // num_k, g % num_k
+                off_m, far_n, expert = _tile_origin(gl.minimum(local_tile, my_tiles - 1), pid, nprog, num_pid_m,
+                                                    num_pid_n, m_indices_ptr, W_ROWS, GROUP, PAIRS)
+                w_row = expert * N + far_n
         _load_into(x_desc, w_desc, a_bufs, b_bufs, ready, g % NUM_STAGES, off_m, w_row, w_row + N // 2, step,
                    local_tile < my_tiles, GATED)
 
@@ -95,7 +116,7 @@ if GLUON_HOPPER:
     @gluon.jit
     def _persistent_step(base, step, num_k, inflight, inflight_scale, dead, scale, acc, x_desc, w_desc, a_bufs,
                          b_bufs, ready, xs_ptrs, ws_ptr, ws_up_ptr, pid, nprog, my_tiles, num_pid_m, num_pid_n,
-                         m_indices_ptr, N, W_ROWS: gl.constexpr, GROUP: gl.constexpr, PAIRS: gl.constexpr,
+                         m_indices_ptr, N, known, W_ROWS: gl.constexpr, GROUP: gl.constexpr, PAIRS: gl.constexpr,
                          NUM_STAGES: gl.constexpr, GATED: gl.constexpr):
         """The per-tile kernel's overlapped step (``_overlapped_step``) at global step ``base + step``: its MMA
         issued, MMA ``base + step - 1`` waited for (one left in flight) and promoted under it; the freed stage
@@ -105,7 +126,7 @@ if GLUON_HOPPER:
         done = warpgroup_mma_wait(num_outstanding=1, deps=(inflight, ))
         gl.thread_barrier()   # (both warpgroups past MMA step - 1 before its stage is refilled)
         _load_global(x_desc, w_desc, a_bufs, b_bufs, ready, base + step - 1 + NUM_STAGES, num_k, pid, nprog,
-                     my_tiles, num_pid_m, num_pid_n, m_indices_ptr, N, W_ROWS, GROUP, PAIRS, NUM_STAGES, GATED)
+                     my_tiles, num_pid_m, num_pid_n, m_indices_ptr, N, known, W_ROWS, GROUP, PAIRS, NUM_STAGES, GATED)
         acc = _promote(acc, done, inflight_scale, GATED)
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))   # (the compiler fence: see _overlapped_step)
         return issued, scale, done, following, acc
@@ -147,7 +168,7 @@ if GLUON_HOPPER:
 
 
     @gluon.jit
-    def _persistent_tile(t, num_k, off_m, off_n, expert, ring, walk, tensors, sizes, ROWS: gl.constexpr,
+    def _persistent_tile(t, num_k, known, off_n, expert, ring, walk, tensors, sizes, ROWS: gl.constexpr,
                          mma_layout: gl.constexpr, BLOCK_N: gl.constexpr, W_ROWS: gl.constexpr, GROUP: gl.constexpr,
                          NUM_STAGES: gl.constexpr, GATED: gl.constexpr, QUANT_OUT: gl.constexpr,
                          NUM_WARPS: gl.constexpr):
@@ -162,6 +183,7 @@ if GLUON_HOPPER:
         out_ptr, x_scale_ptr, w_scale_ptr, m_indices_ptr, out_scale_ptr, stash = tensors
         N, OUT_N, stride_om, stride_xs, stride_wse, stride_wsn, stride_os = sizes
         base = t * num_k   # the global step of this tile's step 0
+        off_m = known[1]
         xs_ptrs, ws_ptr, ws_up_ptr = _scale_pointers(
             off_m + gl.arange(0, ROWS, layout=gl.SliceLayout(1, mma_layout)), x_scale_ptr, stride_xs, w_scale_ptr,
             expert, off_n, N, stride_wse, stride_wsn)
@@ -179,23 +201,24 @@ if GLUON_HOPPER:
             y_tok, y_scale, x_dead, scale, acc = _persistent_step(
                 base, step, num_k, x_tok, x_scale, y_dead, scale, acc, x_desc, w_desc, a_bufs, b_bufs, ready,
                 xs_ptrs, ws_ptr, ws_up_ptr, pid, nprog, my_tiles, num_pid_m, num_pid_n, m_indices_ptr,
-                N, W_ROWS, GROUP, QUANT_OUT, NUM_STAGES, GATED)
+                N, known, W_ROWS, GROUP, QUANT_OUT, NUM_STAGES, GATED)
             x_tok, x_scale, y_dead, scale, acc = _persistent_step(
                 base, step + 1, num_k, y_tok, y_scale, x_dead, scale, acc, x_desc, w_desc, a_bufs, b_bufs, ready,
                 xs_ptrs, ws_ptr, ws_up_ptr, pid, nprog, my_tiles, num_pid_m, num_pid_n, m_indices_ptr,
-                N, W_ROWS, GROUP, QUANT_OUT, NUM_STAGES, GATED)
+                N, known, W_ROWS, GROUP, QUANT_OUT, NUM_STAGES, GATED)
         if (num_k - 1) % 2 == 1:
             y_tok, y_scale, x_dead, scale, acc = _persistent_step(
                 base, num_k - 1, num_k, x_tok, x_scale, y_dead, scale, acc, x_desc, w_desc, a_bufs, b_bufs, ready,
                 xs_ptrs, ws_ptr, ws_up_ptr, pid, nprog, my_tiles, num_pid_m, num_pid_n, m_indices_ptr,
-                N, W_ROWS, GROUP, QUANT_OUT, NUM_STAGES, GATED)
+                N, known, W_ROWS, GROUP, QUANT_OUT, NUM_STAGES, GATED)
             last, last_scale = _drained(y_tok, y_scale)
         else:
             last, last_scale = _drained(x_tok, x_scale)
         # the last step's stage is free: refill it (a later tile's step) before this tile's epilogue
         gl.thread_barrier()
         _load_global(x_desc, w_desc, a_bufs, b_bufs, ready, base + num_k - 1 + NUM_STAGES, num_k, pid, nprog,
-                     my_tiles, num_pid_m, num_pid_n, m_indices_ptr, N, W_ROWS, GROUP, QUANT_OUT, NUM_STAGES, GATED)
+                     my_tiles, num_pid_m, num_pid_n, m_indices_ptr, N, known, W_ROWS, GROUP, QUANT_OUT, NUM_STAGES,
+                     GATED)
         acc = _promote(acc, last, last_scale, GATED)
 
         # Epilogue, while the next tile's first steps land: the rows of the expert only.
@@ -252,30 +275,33 @@ if GLUON_HOPPER:
         else:
             stash = ready   # (unused)
         if my_tiles > 0:   # fill the ring: global steps 0 .. NUM_STAGES - 1 (across tiles where K is short)
+            first, _, _ = _known_tiles(0, pid, nprog, my_tiles, num_pid_m, num_pid_n, m_indices_ptr, N, W_ROWS, GROUP,
+                                       QUANT_OUT)
             for fill in gl.static_range(NUM_STAGES):
                 _load_global(x_desc, w_desc, a_bufs, b_bufs, ready, fill, num_k, pid, nprog, my_tiles, num_pid_m,
-                             num_pid_n, m_indices_ptr, N, W_ROWS, GROUP, QUANT_OUT, NUM_STAGES, GATED)
+                             num_pid_n, m_indices_ptr, N, first, W_ROWS, GROUP, QUANT_OUT, NUM_STAGES, GATED)
 
         ring = (x_desc, w_desc, a_bufs, b_bufs, ready)
         walk = (pid, nprog, my_tiles, num_pid_m, num_pid_n)
         tensors = (out_ptr, x_scale_ptr, w_scale_ptr, m_indices_ptr, out_scale_ptr, stash)
         sizes = (N, OUT_N, stride_om, stride_xs, stride_wse, stride_wsn, stride_os)
         for t in range(my_tiles):
-            off_m, off_n, expert = _tile_origin(t, pid, nprog, num_pid_m, num_pid_n, m_indices_ptr, W_ROWS, GROUP,
-                                                QUANT_OUT)
+            known, off_n, expert = _known_tiles(t, pid, nprog, my_tiles, num_pid_m, num_pid_n, m_indices_ptr, N,
+                                                W_ROWS, GROUP, QUANT_OUT)
+            off_m = known[1]
             # (static: a kernel without half tiles must not hold their branch, which Triton 3.6 fails to lower
             # under a constant condition; a pair's two tiles share their rows, so both are halves or neither)
             if HALF_TILES:
                 if gl.load(m_indices_ptr + off_m + HALF_M) < 0:
                     if COUNT_HALVES:
                         gl.atomic_add(counter_ptr, 1)
-                    _persistent_tile(t, num_k, off_m, off_n, expert, ring, walk, tensors, sizes, HALF_M, half_layout,
+                    _persistent_tile(t, num_k, known, off_n, expert, ring, walk, tensors, sizes, HALF_M, half_layout,
                                      BLOCK_N, W_ROWS, GROUP, NUM_STAGES, GATED, QUANT_OUT, NUM_WARPS)
                 else:
-                    _persistent_tile(t, num_k, off_m, off_n, expert, ring, walk, tensors, sizes, BLOCK_M, mma_layout,
+                    _persistent_tile(t, num_k, known, off_n, expert, ring, walk, tensors, sizes, BLOCK_M, mma_layout,
                                      BLOCK_N, W_ROWS, GROUP, NUM_STAGES, GATED, QUANT_OUT, NUM_WARPS)
             else:
-                _persistent_tile(t, num_k, off_m, off_n, expert, ring, walk, tensors, sizes, BLOCK_M, mma_layout,
+                _persistent_tile(t, num_k, known, off_n, expert, ring, walk, tensors, sizes, BLOCK_M, mma_layout,
                                  BLOCK_N, W_ROWS, GROUP, NUM_STAGES, GATED, QUANT_OUT, NUM_WARPS)
 
         for stage in gl.static_range(NUM_STAGES):   # every fill was waited for: no copy is left in flight

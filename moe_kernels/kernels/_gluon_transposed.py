@@ -84,18 +84,37 @@ if GLUON_HOPPER:
         return off_t, pid_n * OUT_ROWS, gl.load(m_indices_ptr + off_t)
 
     @gluon.jit
-    def _load_transposed(x_desc, w_desc, x_bufs, w_bufs, ready, g, num_k, walk, m_indices_ptr, N,
+    def _known_tiles(t, walk, m_indices_ptr, N, BLOCK_T: gl.constexpr, OUT_ROWS: gl.constexpr, GROUP: gl.constexpr,
+                     PAIRS: gl.constexpr):
+        """``(known, off_n, expert)`` of tile ``t``, as the persistent grid's ``_known_tiles`` (token rows)."""
+        pid, nprog, my_tiles, num_pid_t, num_pid_n = walk
+        off_t, off_n, expert = _transposed_origin(t, pid, nprog, num_pid_t, num_pid_n, m_indices_ptr, BLOCK_T,
+                                                  OUT_ROWS, GROUP, PAIRS)
+        next_t, next_n, next_expert = _transposed_origin(gl.minimum(t + 1, my_tiles - 1), pid, nprog, num_pid_t,
+                                                         num_pid_n, m_indices_ptr, BLOCK_T, OUT_ROWS, GROUP, PAIRS)
+        return (t, off_t, expert * N + off_n, next_t, next_expert * N + next_n), off_n, expert
+
+    @gluon.jit
+    def _load_transposed(x_desc, w_desc, x_bufs, w_bufs, ready, g, num_k, walk, m_indices_ptr, N, known,
                          BLOCK_T: gl.constexpr, OUT_ROWS: gl.constexpr, GROUP: gl.constexpr,
                          PAIRS: gl.constexpr, NUM_STAGES: gl.constexpr, GATED: gl.constexpr):
-        """TMA loads of global step ``g`` (step ``g % num_k`` of this program's tile ``g // num_k``): the tile's
-        token rows and its weight rows (gated: the gate rows, then the matching up rows) into stage
-        ``g % NUM_STAGES``; nothing past the program's last tile."""
+        """TMA loads of global step ``g`` (step ``g % num_k`` of tile ``g // num_k``): the tile's token rows and
+        weight rows (gated: gate rows, then the matching up rows) into stage ``g % NUM_STAGES``; nothing past the
+        program's last tile; the tiles ``known`` holds need no read of ``m_indices`` (see ``_load_global``)."""
         pid, nprog, my_tiles, num_pid_t, num_pid_n = walk
-        local_tile = g // num_k
-        step = g - local_tile * num_k
-        off_t, off_n, expert = _transposed_origin(gl.minimum(local_tile, my_tiles - 1), pid, nprog, num_pid_t,
-                                                  num_pid_n, m_indices_ptr, BLOCK_T, OUT_ROWS, GROUP, PAIRS)
-        w_row = expert * N + off_n
+        tile, off_t, w_row, next_t, next_w_row = known
+        first = tile * num_k   # (the known tile's step 0: comparisons, no division, on the two tiles' steps)
+        local_tile = tile
+        step = g - first
+        if step >= num_k:
+            if step < 2 * num_k:
+                off_t, w_row, local_tile, step = next_t, next_w_row, tile + 1, step - num_k
+            else:   # (a ring longer than the K loop; past the last tile: its addresses, no copy)
+                local_tile, step = g // num_k, g % num_k
+                off_t, far_n, expert = _transposed_origin(gl.minimum(local_tile, my_tiles - 1), pid, nprog,
+                                                          num_pid_t, num_pid_n, m_indices_ptr, BLOCK_T, OUT_ROWS,
+                                                          GROUP, PAIRS)
+                w_row = expert * N + far_n
         _load_into(x_desc, w_desc, x_bufs, w_bufs, ready, g % NUM_STAGES, off_t, w_row, w_row + N // 2, step,
                    local_tile < my_tiles, GATED)
 
@@ -130,7 +149,7 @@ if GLUON_HOPPER:
 
     @gluon.jit
     def _transposed_step(base, step, num_k, inflight, inflight_scale, dead, scale, acc, ring, walk, xs_ptrs, ws_ptr,
-                         ws_up_ptr, m_indices_ptr, N, layout: gl.constexpr, BLOCK_T: gl.constexpr,
+                         ws_up_ptr, m_indices_ptr, N, known, layout: gl.constexpr, BLOCK_T: gl.constexpr,
                          OUT_ROWS: gl.constexpr, GROUP: gl.constexpr, PAIRS: gl.constexpr,
                          NUM_STAGES: gl.constexpr, GATED: gl.constexpr):
         """The persistent kernel's overlapped step, transposed: MMA ``base + step`` issued, MMA ``base + step -
@@ -142,7 +161,7 @@ if GLUON_HOPPER:
         done = warpgroup_mma_wait(num_outstanding=1, deps=(inflight, ))
         gl.thread_barrier()   # (every warpgroup past MMA step - 1 before its stage is refilled)
         _load_transposed(x_desc, w_desc, x_bufs, w_bufs, ready, base + step - 1 + NUM_STAGES, num_k, walk,
-                      m_indices_ptr, N, BLOCK_T, OUT_ROWS, GROUP, PAIRS, NUM_STAGES, GATED)
+                      m_indices_ptr, N, known, BLOCK_T, OUT_ROWS, GROUP, PAIRS, NUM_STAGES, GATED)
         acc = _promote_transposed(acc, done, inflight_scale)
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))   # (the compiler fence: see _overlapped_step)
         return issued, scale, done, following, acc
@@ -193,7 +212,7 @@ if GLUON_HOPPER:
             gl.store(out_scale_ptr + tokens.to(gl.int64) * stride_os + off_n // 128, scale, mask=real)
 
     @gluon.jit
-    def _promoted_product(base, num_k, off_t, off_n, expert, ring, walk, x_scale_ptr, stride_xs, w_scale_ptr,
+    def _promoted_product(base, num_k, known, off_n, expert, ring, walk, x_scale_ptr, stride_xs, w_scale_ptr,
                           stride_wse, stride_wsn, m_indices_ptr, N, layout: gl.constexpr, BLOCK_T: gl.constexpr,
                           OUT_ROWS: gl.constexpr, GROUP: gl.constexpr, PAIRS: gl.constexpr,
                           NUM_STAGES: gl.constexpr, GATED: gl.constexpr):
@@ -201,6 +220,7 @@ if GLUON_HOPPER:
         (the per-tile kernel's overlapped loop, two steps an iteration: see ``_block_fp8_grouped_kernel``); the
         last step's stage refilled before it returns."""
         x_desc, w_desc, x_bufs, w_bufs, ready = ring
+        off_t = known[1]
         xs_ptrs, ws_ptr, ws_up_ptr = _scale_pointers(   # (the tokens' scales along the tile's columns)
             off_t + gl.arange(0, BLOCK_T, layout=gl.SliceLayout(0, layout)), x_scale_ptr, stride_xs, w_scale_ptr,
             expert, off_n, N, stride_wse, stride_wsn)
@@ -215,27 +235,27 @@ if GLUON_HOPPER:
             step = 1 + 2 * pair
             y_tok, y_scale, x_dead, scale, acc = _transposed_step(
                 base, step, num_k, x_tok, x_scale, y_dead, scale, acc, ring, walk, xs_ptrs, ws_ptr, ws_up_ptr,
-                m_indices_ptr, N, layout, BLOCK_T, OUT_ROWS, GROUP, PAIRS, NUM_STAGES, GATED)
+                m_indices_ptr, N, known, layout, BLOCK_T, OUT_ROWS, GROUP, PAIRS, NUM_STAGES, GATED)
             x_tok, x_scale, y_dead, scale, acc = _transposed_step(
                 base, step + 1, num_k, y_tok, y_scale, x_dead, scale, acc, ring, walk, xs_ptrs, ws_ptr,
-                ws_up_ptr, m_indices_ptr, N, layout, BLOCK_T, OUT_ROWS, GROUP, PAIRS, NUM_STAGES, GATED)
+                ws_up_ptr, m_indices_ptr, N, known, layout, BLOCK_T, OUT_ROWS, GROUP, PAIRS, NUM_STAGES, GATED)
         if (num_k - 1) % 2 == 1:
             y_tok, y_scale, x_dead, scale, acc = _transposed_step(
                 base, num_k - 1, num_k, x_tok, x_scale, y_dead, scale, acc, ring, walk, xs_ptrs, ws_ptr,
-                ws_up_ptr, m_indices_ptr, N, layout, BLOCK_T, OUT_ROWS, GROUP, PAIRS, NUM_STAGES, GATED)
+                ws_up_ptr, m_indices_ptr, N, known, layout, BLOCK_T, OUT_ROWS, GROUP, PAIRS, NUM_STAGES, GATED)
             last, last_scale = _drained(y_tok, y_scale)
         else:
             last, last_scale = _drained(x_tok, x_scale)
         # the last stage refilled (with a later tile's step) before the epilogue
         gl.thread_barrier()
         _load_transposed(x_desc, w_desc, x_bufs, w_bufs, ready, base + num_k - 1 + NUM_STAGES, num_k, walk,
-                         m_indices_ptr, N, BLOCK_T, OUT_ROWS, GROUP, PAIRS, NUM_STAGES, GATED)
+                         m_indices_ptr, N, known, BLOCK_T, OUT_ROWS, GROUP, PAIRS, NUM_STAGES, GATED)
         acc = _promote_transposed(acc, last, last_scale)
         return acc
 
 
     @gluon.jit
-    def _chained_product(base, num_k, ring, walk, m_indices_ptr, N, layout: gl.constexpr, BLOCK_T: gl.constexpr,
+    def _chained_product(base, num_k, ring, walk, m_indices_ptr, N, known, layout: gl.constexpr, BLOCK_T: gl.constexpr,
                          OUT_ROWS: gl.constexpr, GROUP: gl.constexpr, PAIRS: gl.constexpr,
                          NUM_STAGES: gl.constexpr, GATED: gl.constexpr):
         """A bf16 tile's product at global steps ``base``...: each MMA accumulates into the one before it, one
@@ -250,11 +270,11 @@ if GLUON_HOPPER:
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))   # (MMA step - 1 complete)
             gl.thread_barrier()   # (every warpgroup past MMA step - 1 before its stage is refilled)
             _load_transposed(x_desc, w_desc, x_bufs, w_bufs, ready, base + step - 1 + NUM_STAGES, num_k, walk,
-                             m_indices_ptr, N, BLOCK_T, OUT_ROWS, GROUP, PAIRS, NUM_STAGES, GATED)
+                             m_indices_ptr, N, known, BLOCK_T, OUT_ROWS, GROUP, PAIRS, NUM_STAGES, GATED)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         gl.thread_barrier()
         _load_transposed(x_desc, w_desc, x_bufs, w_bufs, ready, base + num_k - 1 + NUM_STAGES, num_k, walk,
-                         m_indices_ptr, N, BLOCK_T, OUT_ROWS, GROUP, PAIRS, NUM_STAGES, GATED)
+                         m_indices_ptr, N, known, BLOCK_T, OUT_ROWS, GROUP, PAIRS, NUM_STAGES, GATED)
         return acc
 
 
@@ -312,20 +332,21 @@ if GLUON_HOPPER:
             stash = ready   # (unused)
         ring = (x_desc, w_desc, x_bufs, w_bufs, ready)
         if my_tiles > 0:   # fill the ring: global steps 0 .. NUM_STAGES - 1 (across tiles where K is short)
+            first, _, _ = _known_tiles(0, walk, m_indices_ptr, N, BLOCK_T, OUT_ROWS, GROUP, PAIRS)
             for fill in gl.static_range(NUM_STAGES):
-                _load_transposed(x_desc, w_desc, x_bufs, w_bufs, ready, fill, num_k, walk, m_indices_ptr, N, BLOCK_T,
-                                 OUT_ROWS, GROUP, PAIRS, NUM_STAGES, GATED)
+                _load_transposed(x_desc, w_desc, x_bufs, w_bufs, ready, fill, num_k, walk, m_indices_ptr, N, first,
+                                 BLOCK_T, OUT_ROWS, GROUP, PAIRS, NUM_STAGES, GATED)
 
         for t in range(my_tiles):
-            off_t, off_n, expert = _transposed_origin(t, pid, nprog, num_pid_t, num_pid_n, m_indices_ptr, BLOCK_T,
-                                                      OUT_ROWS, GROUP, PAIRS)
+            known, off_n, expert = _known_tiles(t, walk, m_indices_ptr, N, BLOCK_T, OUT_ROWS, GROUP, PAIRS)
+            off_t = known[1]
             if SCALED:
-                acc = _promoted_product(t * num_k, num_k, off_t, off_n, expert, ring, walk, x_scale_ptr, stride_xs,
+                acc = _promoted_product(t * num_k, num_k, known, off_n, expert, ring, walk, x_scale_ptr, stride_xs,
                                         w_scale_ptr, stride_wse, stride_wsn, m_indices_ptr, N, layout, BLOCK_T,
                                         OUT_ROWS, GROUP, PAIRS, NUM_STAGES, GATED)
             else:
-                acc = _chained_product(t * num_k, num_k, ring, walk, m_indices_ptr, N, layout, BLOCK_T, OUT_ROWS,
-                                       GROUP, PAIRS, NUM_STAGES, GATED)
+                acc = _chained_product(t * num_k, num_k, ring, walk, m_indices_ptr, N, known, layout, BLOCK_T,
+                                       OUT_ROWS, GROUP, PAIRS, NUM_STAGES, GATED)
             # (the next tile's K loop passes a barrier every step before this tile's memory is written again)
             _store_transposed(acc, tile, out_ptr, m_indices_ptr, off_t, off_n, stride_om,
                               (t % 2, stash, out_scale_ptr, stride_os), BLOCK_T, GATED, QUANT_OUT, NUM_WARPS)
