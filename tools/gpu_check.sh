@@ -181,10 +181,11 @@ for step in "${steps[@]}"; do
                     LAYER_AB_FORMATS=block PYTHONPATH="$PWD" timeout 200 $PY tools/layer_layout_ab.py \
                         deepseek-v3,qwen3-30b-a3b 16384,4096 2>&1 \
                         | grep -v Warning | tee "$OUT/half-tiles-layer.log" | tail -n 30 || status=1 ;;
-        s30) # session 30 in one call (about 560 s): the half-tile tests, the prefill GEMMs' A/B and the routed layer on
+        s30) # session 30 in one call (about 560 s): the tests of the half tiles and of the grids' new loads, the prefill GEMMs' A/B and the routed layer on
              # DeepSeek-V3 at 16,384 tokens, then decode's stages on Qwen3-30B-A3B
-             timeout 150 $PY -m pytest tests/test_gluon_block_fp8.py -q -p no:cacheprovider --tb=short \
-                 -W ignore::DeprecationWarning $PARALLEL -rf -k "half or permute_layout" > "$OUT/s30-tests.log" 2>&1
+             timeout 200 $PY -m pytest tests/test_gluon_block_fp8.py tests/test_gluon_transposed.py -q -p no:cacheprovider \
+                 --tb=short -W ignore::DeprecationWarning $PARALLEL -rf \
+                 -k "half or permute_layout or persistent or transposed" > "$OUT/s30-tests.log" 2>&1
              grep -E "^FAILED|passed|failed" "$OUT/s30-tests.log" | tail -n 14 || status=1
              PYTHONPATH="$PWD" timeout 100 $PY tools/gluon_block_fp8_ab.py deepseek-v3 16384 2>&1 | grep -v Warning \
                  | tee "$OUT/s30-gemms.log" | tail -n 12 || status=1
@@ -192,7 +193,8 @@ for step in "${steps[@]}"; do
              LAYER_AB_FORMATS=block PYTHONPATH="$PWD" timeout 120 $PY tools/layer_layout_ab.py deepseek-v3 16384 2>&1 \
                  | grep -v Warning | tee "$OUT/s30-layer.log" | tail -n 6 || status=1
              tar czf "$OUT/results.tgz" results
-             PYTHONPATH="$PWD" timeout 170 $PY tools/decode_stages.py qwen3-30b-a3b 1,8,64,256 2>&1 | grep -v Warning \
+             DECODE_STAGES_FORMATS=block PYTHONPATH="$PWD" timeout 130 $PY tools/decode_stages.py qwen3-30b-a3b 1,8,64,256 \
+                 2>&1 | grep -v Warning \
                  | tee "$OUT/s30-decode.log" | tail -n 10 || status=1 ;;
         decode-stages) # session 30: decode's stages alone on index-gather and on the transposed Gluon path, fp8 then
                        # bf16, with the floor and two plain reads (records decode-stages)
