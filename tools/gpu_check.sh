@@ -196,6 +196,14 @@ for step in "${steps[@]}"; do
              DECODE_STAGES_FORMATS=block PYTHONPATH="$PWD" timeout 130 $PY tools/decode_stages.py qwen3-30b-a3b 1,8,64,256 \
                  2>&1 | grep -v Warning \
                  | tee "$OUT/s30-decode.log" | tail -n 10 || status=1 ;;
+        s30-layer) # session 30's second call: the routed fp8 layer on each Gluon variant, both models, 4,096 and 16,384
+                   # tokens (records layer-layout-ab), then Qwen3-30B-A3B's prefill GEMMs (gluon-block-fp8-ab)
+                   LAYER_AB_FORMATS=block PYTHONPATH="$PWD" timeout 300 $PY tools/layer_layout_ab.py \
+                       deepseek-v3,qwen3-30b-a3b 16384,4096 2>&1 | grep -v Warning | tee "$OUT/s30-layer.log" | tail -n 6 \
+                       || status=1
+                   tar czf "$OUT/results.tgz" results
+                   PYTHONPATH="$PWD" timeout 100 $PY tools/gluon_block_fp8_ab.py qwen3-30b-a3b 16384 2>&1 | grep -v Warning \
+                       | tee "$OUT/s30-gemms.log" | tail -n 20 || status=1 ;;
         decode-stages) # session 30: decode's stages alone on index-gather and on the transposed Gluon path, fp8 then
                        # bf16, with the floor and two plain reads (records decode-stages)
                        PYTHONPATH="$PWD" timeout 400 $PY tools/decode_stages.py qwen3-30b-a3b,deepseek-v3 1,8,64,256 2>&1 \

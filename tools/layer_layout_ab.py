@@ -50,7 +50,7 @@ FORMATS = os.environ.get("LAYER_AB_FORMATS", "none,block").split(",")   # (bf16 
 GLUON_ROWS = (   # name, GLUON_PERSISTENT, GLUON_QUANTIZE_IN_GEMM1, ONE_PASS_FP8_INPUT, GLUON_HALF_TILES
     ("permute gluon", False, False, False, False), ("permute gluon one-pass", False, False, True, False),
     ("permute gluon one-pass half", False, False, True, True),
-    ("permute gluon persistent", True, False, True, False),
+    ("permute gluon persistent", True, False, True, False), ("permute gluon persistent half", True, False, True, True),
     ("permute gluon persistent quantising", True, True, True, False),
     ("permute gluon persistent quantising half", True, True, True, True))
 ROUNDS = 4
