@@ -27,6 +27,7 @@ from moe_testing import DEVICE, needs_gpu, rel_err
 
 pytestmark = pytest.mark.usefixtures("true_fp32")
 H200 = "NVIDIA H200"
+H100 = "NVIDIA H100 80GB HBM3"
 BATCH_CLASSES = {"one token": 1, "decode": 64, "prefill": 4096}
 
 
@@ -369,15 +370,18 @@ def test_router_replays_and_graphs_on_two_streams_gpu(model_name, batch, one_lau
     ("deepseek-v3", "none", H200, 4096, "permute"),
     ("deepseek-v3", "none", H200, 16384, "permute"), ("deepseek-v3", "block", H200, 2048, "index_gather"),
     ("deepseek-v3", "block", H200, 4095, "index_gather"), ("deepseek-v3", "block", H200, 4096, "permute"),
-    ("deepseek-v3", "block", H200, 16384, "permute"), ("qwen3-30b-a3b", "block", H200, 16384, "index_gather"),
+    ("deepseek-v3", "block", H200, 16384, "permute"), ("qwen3-30b-a3b", "block", H200, 4095, "index_gather"),
+    ("qwen3-30b-a3b", "block", H200, 16384, "permute"), ("qwen3-30b-a3b", "block", H100, 4096, "permute"),
+    ("deepseek-v3", "block", H100, 16384, "permute"), ("deepseek-v3", "none", H100, 16384, "index_gather"),
     ("qwen3-30b-a3b", "none", H200, 16384, "index_gather"), ("deepseek-v3", "none", "NVIDIA A100", 16384,
                                                              "index_gather"),
 ])
 def test_auto_layout_follows_the_measured_crossover(model_name, fmt, device_name, batch, layout):
     """DeepSeek-V3's experts ran faster on the permute layout (TMA, persistent grid) from 4,096
-    tokens on the H200, bf16 (prefill-ab.json) and fp8 block (prefill-gemm-ab-gathered.json): there,
-    and only there, "auto" takes it, with the tiles it was measured with; everywhere else
-    index-gather with its own table."""
+    tokens on the H200 in bf16 (prefill-ab.json), and the routed fp8 layer of both models with its
+    GEMMs on the Gluon kernel from 4,096 tokens on the H200 and the H100 (layer-layout-ab*.json): there,
+    and only there, "auto" takes it, with the tiles, segments and GEMM kernel it was measured with;
+    everywhere else index-gather with its own table."""
     from moe_kernels.kernels.layout_choice import load_choices, shape_key
 
     model = MODELS[model_name]
@@ -387,17 +391,22 @@ def test_auto_layout_follows_the_measured_crossover(model_name, fmt, device_name
         key = shape_key(device_name, model.num_experts, model.moe_intermediate_size, model.hidden_size,
                         FORMATS[fmt].name)
         assert plan.choice.source == "layout-choice" and plan.config == load_choices()[key][-1].config
-        assert (plan.align, plan.gemm) == (None, None)   # (128-row segments, the switch's kernel)
+        # bf16: 128-row segments and the switch's kernel; fp8: the Gluon GEMMs on 128-row segments
+        assert (plan.align, plan.gemm) == ((None, None) if fmt == "none" else (128, "gluon"))
         assert plan.choice.table == "layout-choices" and plan.choice.entry == 4096
         assert plan.config.down.tma and plan.config.down.persistent
     else:
         forced = meta_layer(model_name, fmt, "index_gather").plan(batch, device_name=device_name)
         assert plan.choice == forced.choice
-    # layout= still forces one: the permute layout at 4096 borrows the index-gather table as before;
-    # a config given, or the shared expert fused as a slot (not measured), keep index-gather.
+    # layout= still forces one: the permute layout at 4096 borrows the index-gather table as before (the
+    # H100 has none: the default tiles); a config given, or the shared expert fused as a slot (not
+    # measured; Qwen3 has none), keep index-gather.
     if layout == "permute":
-        assert meta_layer(model_name, fmt, "permute").plan(batch, device_name=device_name).choice.source == "borrowed"
-        assert meta_layer(model_name, fmt, "auto", "fused").plan(batch, device_name=device_name).layout == "index_gather"
+        forced = meta_layer(model_name, fmt, "permute").plan(batch, device_name=device_name).choice.source
+        assert forced == ("borrowed" if device_name == H200 else "default")
+        if model.num_shared_experts:
+            assert meta_layer(model_name, fmt, "auto", "fused").plan(batch, device_name=device_name).layout == \
+                "index_gather"
         weights, routing = meta_layer(model_name, fmt, "auto").weights, Routing.of(model)
         given = plan_layer("test", weights, routing, "auto", batch, torch.bfloat16, torch.device("meta"),
                            config=plan.config.with_block_m(64), device_name=device_name)

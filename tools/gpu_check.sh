@@ -204,6 +204,16 @@ for step in "${steps[@]}"; do
                    tar czf "$OUT/results.tgz" results
                    PYTHONPATH="$PWD" timeout 100 $PY tools/gluon_block_fp8_ab.py qwen3-30b-a3b 16384 2>&1 | grep -v Warning \
                        | tee "$OUT/s30-gemms.log" | tail -n 20 || status=1 ;;
+        s30-defaults) # session 30's defaults (the one-pass fp8 input, the persistent Gluon grid with GEMM 1 quantising,
+                      # fp8 layout choices naming the Gluon GEMMs): the GPU tests of the layer, the permute layout and
+                      # the replay, then the routed layer with "auto" on the new choices (records layer-layout-ab)
+                      timeout 260 $PY -m pytest tests/test_layer_path.py tests/test_replay.py tests/test_quant_scatter.py \
+                          tests/test_fp8.py tests/test_gluon_block_fp8.py tests/test_permute.py -m gpu -q -p no:cacheprovider \
+                          --tb=short -W ignore::DeprecationWarning $PARALLEL -rf > "$OUT/s30-defaults-tests.log" 2>&1
+                      grep -E "^FAILED|passed|failed" "$OUT/s30-defaults-tests.log" | tail -n 14 || status=1
+                      LAYER_AB_FORMATS=block PYTHONPATH="$PWD" timeout 200 $PY tools/layer_layout_ab.py \
+                          deepseek-v3,qwen3-30b-a3b 16384,4096 2>&1 | grep -v Warning | tee "$OUT/s30-layer.log" | tail -n 6 \
+                          || status=1 ;;
         decode-stages) # session 30: decode's stages alone on index-gather and on the transposed Gluon path, fp8 then
                        # bf16, with the floor and two plain reads (records decode-stages)
                        PYTHONPATH="$PWD" timeout 400 $PY tools/decode_stages.py qwen3-30b-a3b,deepseek-v3 1,8,64,256 2>&1 \

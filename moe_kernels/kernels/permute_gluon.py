@@ -29,15 +29,19 @@ FP8_GEMM = "triton"
 #: The same for bf16 weights: "gluon" runs both GEMMs of a call with segments of 16, 32 or 64 rows (decode) on
 #: the transposed kernel (:func:`~moe_kernels.kernels.gluon_transposed.grouped_transposed`); off until timed.
 BF16_GEMM = "triton"
-#: With FP8_GEMM = "gluon": both GEMMs on the Gluon kernel's persistent grid (one program per SM walking the
-#: tiles of the rows used, its loads running ahead across tiles: for short K loops), else one program a tile.
-GLUON_PERSISTENT = False
+#: With FP8_GEMM = "gluon" (or a layout choice's gemm): both GEMMs on the Gluon kernel's persistent grid (one
+#: program per SM walking the tiles of the rows used, its loads running ahead across tiles), else one program a
+#: tile. On since session 30, with GLUON_QUANTIZE_IN_GEMM1: on an H100 the routed fp8 layer ran 3-18% faster than
+#: with one program a tile (``results/nvidia-h100-80gb-hbm3/layer-layout-ab-s30b.json``), once a step's TMA
+#: addresses no longer waited on a read of the tile's expert.
+GLUON_PERSISTENT = True
 #: With GLUON_PERSISTENT: GEMM 1 writes GEMM 2's input in fp8 with its scales (its epilogue quantises; no bf16
-#: ``[M_pad, F]`` and no quantiser launch).
-GLUON_QUANTIZE_IN_GEMM1 = False
+#: ``[M_pad, F]`` and no quantiser launch). On since session 30 (1-3% in the same run).
+GLUON_QUANTIZE_IN_GEMM1 = True
 #: With FP8_GEMM = "gluon" (one program a tile or the persistent grid): a segment's last tile with at most 64
 #: real rows multiplies 64 rows (half tiles: the MMA work of each segment rounded up to 64 rows instead of 128).
-#: Off until timed.
+#: Off: in the layer on an H100 (session 30) it was within the rounds' spread, slower in 2 of 4 rows, though GEMM
+#: 2 alone gained 1-7% on the persistent grid (``gluon-block-fp8-ab-s30*.json``).
 GLUON_HALF_TILES = False
 #: The transposed kernel's TMA stages (segments of 16-64 rows; fp8: 6 take 116 KiB at 16 rows).
 TRANSPOSED_STAGES = 6
