@@ -511,8 +511,12 @@ def test_the_permute_layout_at_decode_on_the_transposed_kernel_gpu(monkeypatch, 
         got = permute_experts(x, w1q, w2q, weights, ids, align=align, w1_scale=w1s, w2_scale=w2s)
     assert [(s["gated"], s["block_t"], s["quantize_output"]) for name, s in launches
             if name == "gluon_block_fp8.gemm"] == [(True, align, fused), (False, align, False)], launches
-    # x's quantiser, then GEMM 2's (bounded by rows_used) unless GEMM 1 quantises
-    assert [r["bounded"] for name, r in launches if name == "quant.groups"] == [False] + [True] * (not fused), launches
+    # x's quantiser (or, with the one-pass input, the default, quantize_scatter), then GEMM 2's (bounded by
+    # rows_used) unless GEMM 1 quantises
+    one_pass = permute_module.ONE_PASS_FP8_INPUT
+    assert [r["bounded"] for name, r in launches if name == "quant.groups"] == [False] * (not one_pass) + [True] * (
+        not fused), launches
+    assert len([name for name, _ in launches if name == "quant_scatter"]) == one_pass, launches
     want = moe_reference_fp8(x, w1q, w2q, weights, ids, w1_scale=w1s, w2_scale=w2s, granularity="block",
                              intermediate_dtype=x.dtype)
     assert rel_err(got.float(), want.float()) < 2e-2 and rel_err(got.float(), triton_out.float()) < 2e-2
