@@ -134,22 +134,34 @@ class PermutedRows(NamedTuple):
     * ``m_indices`` int32 ``[M_pad]``: the expert of each row, -1 on padding rows.
     * ``src2dst`` int32 ``[T, k]``: the row that holds assignment ``(t, j)`` (-1 for an
       out-of-range id left unvalidated, which no segment holds).
-    * ``segment_starts`` int32 ``[E]``: first row of each segment, a multiple of ``align``.
-    * ``segment_counts`` int32 ``[E]``: real rows in each segment (tokens routed to the expert).
     * ``rows_used`` int32 ``[1]``: the rows the segments span, padding included (the alignment's
       ``num_tokens_post_padded``); rows past it belong to no segment. It stays on the device: a
       persistent GEMM reads it there to walk only these rows' tiles.
     * ``row_assignments`` int32 ``[M_pad]``: the assignment each row holds (``t * k + j``), ``T*k``
       on padding rows: the inverse of ``src2dst``, by which GEMM 2 can add each row into its token.
+    * ``segments_from`` ``(topk_ids, E, align)``: what the two properties below are computed from.
+    * ``segment_starts`` int32 ``[E]``: first row of each segment, a multiple of ``align``.
+    * ``segment_counts`` int32 ``[E]``: real rows in each segment (tokens routed to the expert).
+
+    The two segment tensors are computed when read (five small launches), from ``topk_ids`` as it is
+    then: no GEMM needs them, and computed in every call they were half of ``permute``'s time at decode
+    (session 30, an H100: the indices alone took 32-41 us, ``quantize_scatter`` 2.3).
     """
 
     rows: torch.Tensor
     m_indices: torch.Tensor
     src2dst: torch.Tensor
-    segment_starts: torch.Tensor
-    segment_counts: torch.Tensor
     rows_used: torch.Tensor
     row_assignments: torch.Tensor
+    segments_from: tuple
+
+    @property
+    def segment_starts(self) -> torch.Tensor:
+        return _segments(*self.segments_from)[0]
+
+    @property
+    def segment_counts(self) -> torch.Tensor:
+        return _segments(*self.segments_from)[1]
 
 
 def _segments(topk_ids: torch.Tensor, num_experts: int, align: int):
@@ -188,12 +200,11 @@ def permute(hidden_states: torch.Tensor, topk_ids: torch.Tensor, num_experts: in
     num_rows = max_padded_rows(num_assignments, num_experts, align)
     rows = check_out(func, out, (num_rows, hidden_size), hidden_states) if copy else None
     sorted_ids, block_experts, rows_used = align_checked(func, topk_ids, align, num_experts, validate_ids)
-    segment_starts, segment_counts = _segments(topk_ids, num_experts, align)
+    segments_from = (topk_ids, num_experts, align)
     if not use_triton(hidden_states, topk_ids):
         m_indices, src2dst = _permute_rows_reference(hidden_states, sorted_ids, block_experts, num_rows, topk, align,
                                                      rows)
-        return PermutedRows(rows, m_indices, src2dst, segment_starts, segment_counts, rows_used,
-                            sorted_ids[:num_rows])
+        return PermutedRows(rows, m_indices, src2dst, rows_used, sorted_ids[:num_rows], segments_from)
     m_indices = torch.empty(num_rows, dtype=torch.int32, device=hidden_states.device)
     src2dst = torch.full((num_tokens, topk), -1, dtype=torch.int32, device=hidden_states.device)
     if num_rows:
@@ -203,7 +214,7 @@ def permute(hidden_states: torch.Tensor, topk_ids: torch.Tensor, num_experts: in
             0 if rows is None else rows.stride(0), m_indices, src2dst, num_rows, num_assignments, topk, hidden_size,
             align, BLOCK_ROWS=block_rows, BLOCK_D=block_d, COPY=copy, num_warps=4,
         )
-    return PermutedRows(rows, m_indices, src2dst, segment_starts, segment_counts, rows_used, sorted_ids[:num_rows])
+    return PermutedRows(rows, m_indices, src2dst, rows_used, sorted_ids[:num_rows], segments_from)
 
 
 def _permute_rows_reference(hidden_states, sorted_ids, block_experts, num_rows, topk, align, rows=None):
@@ -229,8 +240,7 @@ def permute_reference(hidden_states, topk_ids, num_experts, *, align=128):
     sorted_ids, block_experts, rows_used = moe_align_block_size_reference(topk_ids, align, num_experts)
     m_indices, src2dst = _permute_rows_reference(hidden_states, sorted_ids, block_experts, num_rows, topk, align,
                                                  rows)
-    return PermutedRows(rows, m_indices, src2dst, *_segments(topk_ids, num_experts, align), rows_used,
-                        sorted_ids[:num_rows])
+    return PermutedRows(rows, m_indices, src2dst, rows_used, sorted_ids[:num_rows], (topk_ids, num_experts, align))
 
 
 def permute_experts(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
