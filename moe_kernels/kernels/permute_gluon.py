@@ -40,8 +40,8 @@ GLUON_PERSISTENT = True
 GLUON_QUANTIZE_IN_GEMM1 = True
 #: With FP8_GEMM = "gluon" (one program a tile or the persistent grid): a segment's last tile with at most 64
 #: real rows multiplies 64 rows (half tiles: the MMA work of each segment rounded up to 64 rows instead of 128).
-#: Off: in the layer on an H100 (session 30) it was within the rounds' spread, slower in 2 of 4 rows, though GEMM
-#: 2 alone gained 1-7% on the persistent grid (``gluon-block-fp8-ab-s30*.json``).
+#: Off: in the layer on an H100 (session 30, with GEMM 1 quantising) it ran Qwen3-30B-A3B 0-2% faster and
+#: DeepSeek-V3 5-10% slower, though GEMM 2 alone gained 1-7% on the persistent grid (``gluon-block-fp8-ab-s30*.json``).
 GLUON_HALF_TILES = False
 #: The transposed kernel's TMA stages (segments of 16-64 rows; fp8: 6 take 116 KiB at 16 rows).
 TRANSPOSED_STAGES = 6
