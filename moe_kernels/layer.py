@@ -97,6 +97,16 @@ class LayerPlan:
         return self.choice.config
 
 
+def _gluon_runs(device: torch.device, activation_dtype: torch.dtype, device_name: str | None) -> bool:
+    """Whether a layout choice naming the Gluon GEMMs can take them here: bf16 activations on a GPU where the
+    Gluon kernel runs (:func:`~moe_kernels.kernels.gluon_block_fp8.available`), or, for ``device_name`` (what
+    that GPU would run, asked from any machine), bf16 activations alone. Elsewhere the permute layout would run
+    the Triton GEMMs, which every choice's record shows slower than index-gather in the layer."""
+    from .kernels.gluon_block_fp8 import available
+
+    return activation_dtype == torch.bfloat16 and (device_name is not None or available(device) is None)
+
+
 def plan_layer(func: str, weights: LayerWeights, routing: Routing, layout: str, num_tokens: int,
                activation_dtype: torch.dtype, device: torch.device, *, config: MoEConfig | None = None,
                device_name: str | None = None) -> LayerPlan:
@@ -108,6 +118,8 @@ def plan_layer(func: str, weights: LayerWeights, routing: Routing, layout: str, 
     if layout == AUTO:   # measured for the routed experts alone, with the layer's own tiles: only then
         picked = (choose_layout(num_tokens, e, f, d, weights.format.name, device, device_name=device_name)
                   if config is None and not weights.shared_fused else None)
+        if picked is not None and picked.gemm == "gluon" and not _gluon_runs(device, activation_dtype, device_name):
+            picked = None   # (measured with the Gluon GEMMs; the Triton ones lost to index-gather there)
         layout = picked.layout if picked is not None else "index_gather"
         measured = picked if picked is not None and picked.config is not None else None
     m = m_max_token_budget(num_tokens) if layout == "masked" else num_tokens

@@ -476,13 +476,14 @@ def test_a_key_of_ranges_picks_each_batchs_entry_with_its_align_and_gemm(tmp_pat
 def test_the_layer_runs_a_measured_align_and_gemm(monkeypatch):
     """Through the layer's call: a choice of 32-row segments on the Gluon kernel runs permute_experts with both
     (the alignment's blocks of 32 rows; the Gluon kernel refuses these float32 weights, here or on a GPU, and
-    the Triton kernel runs)."""
+    the Triton kernel runs: the plan's check that it can run is stood in for)."""
     import moe_kernels.layer as layer_module
     from moe_kernels.kernels.config import MoEConfig
     from moe_kernels.kernels.layout_choice import LayoutChoice
 
     picked = LayoutChoice("permute", MoEConfig.from_dict(CHOICE_TILES), 1, 32, "gluon")
     monkeypatch.setattr(layer_module, "choose_layout", lambda *args, **kwargs: picked)
+    monkeypatch.setattr(layer_module, "_gluon_runs", lambda *args: True)
     layer = small_layer("none", "auto")
     x = torch.randn(6, 256, generator=torch.Generator().manual_seed(5)).to(DEVICE)
     with record_launches() as launches:
@@ -491,6 +492,25 @@ def test_the_layer_runs_a_measured_align_and_gemm(monkeypatch):
     chosen = [r for name, r in launches if name == "permute.bf16_gemm"]
     assert len(chosen) == (1 if HAS_TRITON else 0) and all(r["kernel"] == "triton" for r in chosen), launches
     assert rel_err(out, layer.reference(x)) < 1e-3
+
+
+def test_a_gluon_choice_is_left_where_the_gluon_gemms_cannot_run(monkeypatch):
+    """A choice measured with the Gluon GEMMs is not taken where they cannot run (here: no GPU, and float32
+    activations): the permute layout would run the Triton GEMMs, which lost to index-gather in every record
+    behind the choices. Asked for a named GPU (device_name), bf16 activations take it, float16 do not."""
+    import moe_kernels.layer as layer_module
+    from moe_kernels.kernels.config import MoEConfig
+    from moe_kernels.kernels.layout_choice import LayoutChoice
+
+    picked = LayoutChoice("permute", MoEConfig.from_dict(CHOICE_TILES), 1, 128, "gluon")
+    monkeypatch.setattr(layer_module, "choose_layout", lambda *args, **kwargs: picked)
+    layer = small_layer("none", "auto")
+    here = layer.plan(6, dtype=torch.float32)
+    forced = small_layer("none", "index_gather").plan(6, dtype=torch.float32)
+    assert (here.layout, here.gemm) == ("index_gather", None) and here.choice == forced.choice
+    assert layer.plan(6, dtype=torch.bfloat16, device_name="NVIDIA H200").layout == "permute"
+    assert layer.plan(6, dtype=torch.float16, device_name="NVIDIA H200").layout == "index_gather"
+    assert not layer_module._gluon_runs(torch.device("cpu"), torch.bfloat16, None)
 
 
 @pytest.mark.parametrize("change, where", [

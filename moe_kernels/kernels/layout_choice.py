@@ -8,10 +8,11 @@ that showed it. On the H200, DeepSeek-V3's bf16 experts run 8-10% faster from 4,
 permute layout with TMA loads of both operands on a persistent grid
 (``results/nvidia-h200/prefill-ab.json``: 8202 against 8943 us at 4,096 tokens, 21937 against
 24232 at 16,384; index-gather was faster at 1,024, and at 2,048 the permute layout was 2% faster
-in one run, ``prefill-ab-2048.json``, not enough to move the switch). Its fp8 block experts too, from
-4,096 tokens, on 128-row segments with 8-warp tiles (``prefill-gemm-ab-gathered.json``: 6278 against
-6826 us at 4,096 tokens, 19476 against 19745 at 16,384; with GEMM 1 at 3 stages, slower at 2,048 in
-``fp8-prefill-ab.json``):
+in one run, ``prefill-ab-2048.json``, not enough to move the switch). The fp8 block layers of DeepSeek-V3 and
+Qwen3-30B-A3B (on the H200 and the H100) run the permute layout from 4,096 tokens with both GEMMs on the Gluon
+kernel (``"gemm": "gluon"``; ``layer-layout-ab-gluon.json``, DeepSeek-V3 on the H200: 5767 against 6997 us at
+4,096 tokens, 17288 against 19690 at 16,384). The layer takes such an entry only where the Gluon GEMMs run
+(bf16 activations, Triton 3.6 on sm_90): with the Triton GEMMs the permute layout lost to index-gather.
 
     >>> choice = choose_layout(4096, 256, 2048, 7168, "unquantized", "cpu", device_name="NVIDIA H200")
     >>> choice.layout, choice.config.down.persistent, choice.from_tokens

@@ -83,7 +83,7 @@ from .quant_scatter import quantize_scatter
 #: Block-fp8 input in one pass (:func:`~moe_kernels.kernels.quant_scatter.quantize_scatter`: each token quantised
 #: once, written to its k rows with its scales) instead of the quantiser, the fp8 scatter and the scales' gather
 #: (142 + 565 + 130 us at DeepSeek-V3's 16,384 tokens, ``permute-gluon-stages.json``). On since session 30: bit for
-#: bit the three-step path on a GPU, and the routed fp8 layer on the Gluon GEMMs 2-7% faster with it on an H100
+#: bit the three-step path on a GPU, and the routed fp8 layer on the Gluon GEMMs 1-7% faster with it on an H100
 #: (``results/nvidia-h100-80gb-hbm3/layer-layout-ab-s30b.json``, "permute gluon" against "... one-pass").
 ONE_PASS_FP8_INPUT = True
 

@@ -1,8 +1,9 @@
-"""The permute layout's GEMMs on the Gluon kernels (Triton 3.6, Hopper), behind switches that are off until
-timed: which kernel a call takes (:func:`gemm_kernel`, the switches below) and the calls themselves
-(:func:`experts`). Block-fp8 segments of 128 rows take :mod:`moe_kernels.kernels.gluon_block_fp8`'s kernel (per
-tile or on its persistent grid, GEMM 1 optionally quantising GEMM 2's input, half tiles); segments of 16, 32
-or 64 rows (decode), fp8 or bf16, take the transposed kernel (:mod:`moe_kernels.kernels.gluon_transposed`).
+"""The permute layout's GEMMs on the Gluon kernels (Triton 3.6, Hopper), which the layer's fp8 layout choices
+name from 4,096 tokens (``layout-choices.json``): which kernel a call takes (:func:`gemm_kernel`, the switches
+below) and the calls themselves (:func:`experts`). Block-fp8 segments of 128 rows take
+:mod:`moe_kernels.kernels.gluon_block_fp8`'s kernel (per tile or on its persistent grid, GEMM 1 optionally
+quantising GEMM 2's input, half tiles); segments of 16, 32 or 64 rows (decode), fp8 or bf16, take the transposed
+kernel (:mod:`moe_kernels.kernels.gluon_transposed`).
 Where a Gluon kernel cannot run a call, the Triton kernel does and the launch record says why.
 """
 
@@ -19,7 +20,8 @@ from .combine import unpermute
 #: (:func:`~moe_kernels.kernels.gluon_block_fp8.block_fp8_grouped`, each K step's promotion under the
 #: next MMA: 619-885 TFLOP/s on the H200 where the Triton kernel ran 558-744, the GEMMs alone, 16,384
 #: tokens; segments of 16-64 rows take its transposed grid). "gluon" applies SiLU·mul in GEMM 1's epilogue
-#: and runs the quantiser as a launch of its own; it stays off until the whole call is timed. Where it
+#: (on the persistent grid GEMM 1 also quantises GEMM 2's input). The switch stays "triton" for a direct call;
+#: the layer's layout choices ask for "gluon" per call (``permute_experts(gemm=)``) where measured. Where it
 #: cannot run (no Triton 3.6 Gluon, not sm_90, bf16 activations only, segments of 16, 32, 64 or 128 rows, F
 #: and d multiples of 128) the call takes the Triton kernel and its launch record says why; a config's
 #: ``gather_rows`` and ``sum_in_gemm`` (the Triton tiles' choices) are left aside, and the record names them.
@@ -31,17 +33,18 @@ FP8_GEMM = "triton"
 BF16_GEMM = "triton"
 #: With FP8_GEMM = "gluon" (or a layout choice's gemm): both GEMMs on the Gluon kernel's persistent grid (one
 #: program per SM walking the tiles of the rows used, its loads running ahead across tiles), else one program a
-#: tile. On since session 30, with GLUON_QUANTIZE_IN_GEMM1: on an H100 the routed fp8 layer ran 3-18% faster than
-#: with one program a tile (``results/nvidia-h100-80gb-hbm3/layer-layout-ab-s30b.json``), once a step's TMA
-#: addresses no longer waited on a read of the tile's expert.
+#: tile. On since session 30: on an H100 the routed fp8 layer took 2-8% less time than with one program a tile
+#: (both with the one-pass input), and 6-18% less with GLUON_QUANTIZE_IN_GEMM1 too
+#: (``results/nvidia-h100-80gb-hbm3/layer-layout-ab-s30b.json``), once a step's TMA addresses no longer waited
+#: on a read of the tile's expert.
 GLUON_PERSISTENT = True
 #: With GLUON_PERSISTENT: GEMM 1 writes GEMM 2's input in fp8 with its scales (its epilogue quantises; no bf16
-#: ``[M_pad, F]`` and no quantiser launch). On since session 30 (1-3% in the same run).
+#: ``[M_pad, F]`` and no quantiser launch). On since session 30 (1-5% less time in the same run).
 GLUON_QUANTIZE_IN_GEMM1 = True
 #: With FP8_GEMM = "gluon" (one program a tile or the persistent grid): a segment's last tile with at most 64
 #: real rows multiplies 64 rows (half tiles: the MMA work of each segment rounded up to 64 rows instead of 128).
 #: Off: in the layer on an H100 (session 30, with GEMM 1 quantising) it ran Qwen3-30B-A3B 0-2% faster and
-#: DeepSeek-V3 5-10% slower, though GEMM 2 alone gained 1-7% on the persistent grid (``gluon-block-fp8-ab-s30*.json``).
+#: DeepSeek-V3 3-10% slower, though GEMM 2 alone gained 1-7% on the persistent grid (``gluon-block-fp8-ab-s30*.json``).
 GLUON_HALF_TILES = False
 #: The transposed kernel's TMA stages (segments of 16-64 rows; fp8: 6 take 116 KiB at 16 rows).
 TRANSPOSED_STAGES = 6

@@ -12,7 +12,7 @@ three-step path's) and stores it, with its scales, at each of the token's ``k`` 
 (``src2dst``, written by :func:`~moe_kernels.kernels.permute.permute` with ``copy=False``). A slot of
 ``-1`` (an id out of range) is skipped. Padding rows are not written: each output row of the GEMMs that
 read them depends on its own input row only, and no padding row is ever read back. ``permute_experts``
-takes it where ``permute.ONE_PASS_FP8_INPUT`` is set (off until its first GPU run).
+takes it where ``permute.ONE_PASS_FP8_INPUT`` is set (the default since session 30).
 
 Three tokens, ``k = 2``, rows of 128 columns (one group each), packed rows from a permutation::
 
