@@ -90,6 +90,9 @@ def test_it_refuses_where_it_cannot_run():
                                             (dict(half_tiles=1, rows_used=torch.zeros(1, dtype=torch.int32)),
                                              "half_tiles"),
                                             (dict(half_tiles=True, overlap=False), "half_tiles"),
+                                            (dict(tma_store=1), "tma_store"), (dict(tma_store=True), "tma_store"),
+                                            (dict(tma_store=True, gated=True,
+                                                  rows_used=torch.zeros(1, dtype=torch.int32)), "tma_store"),
                                             (dict(half_tiles=True, block_n=64), "half_tiles"),
                                             (dict(block_n=64, rows_used=torch.zeros(1, dtype=torch.int32)), "block_n"),
                                             (dict(block_t=8, rows_used=torch.zeros(1, dtype=torch.int32)), "block_t"),
@@ -250,6 +253,55 @@ def test_the_persistent_grid_against_the_reference_gpu(monkeypatch, case, progra
         (True, half_tiles)], launches
     # the path, not only the values: each half tile (row 64 padding) counted once per column tile (N = 512)
     assert int(counter) == (half_tiles_in(SEGMENTS[case]) * 4 if half_tiles else 0)
+
+
+@pytest.mark.gpu
+@needs_gluon
+@pytest.mark.parametrize("case", sorted(SEGMENTS))
+@pytest.mark.parametrize("programs, stages, half_tiles", [(1, 4, False), (3, 2, False), (None, 6, False),
+                                                        (3, 4, True), (None, 5, True)])
+@pytest.mark.parametrize("k", [128, 384, 1152])
+def test_the_tma_store_against_the_reference_gpu(monkeypatch, case, programs, stages, half_tiles, k):
+    """The persistent grid storing whole tiles by TMA (plain GEMM): every real row is the reference's, a tile's
+    padding rows may be written, the rows past rows_used keep what ``out`` held; a few programs walk many tiles
+    (each copy waited for before its tile's shared memory is written again); with half tiles, the halves store
+    their rows by pointer (the counter pins that they were taken)."""
+    from moe_kernels.kernels import _gluon_block_fp8_kernel as per_tile, _gluon_block_fp8_persistent as persistent
+
+    monkeypatch.setattr(persistent, "PROGRAMS", programs)
+    counter = torch.zeros(1, dtype=torch.int32, device="cuda")
+    monkeypatch.setattr(per_tile, "HALF_TILE_COUNTER", counter)
+    x, x_scale, w, w_scale, m_indices = segmented(SEGMENTS[case], seed=len(case) + k, k=k, n=512, device="cuda")
+    used = m_indices.shape[0] - 128   # (the last tile: padding, past rows_used)
+    rows_used = torch.tensor([used], dtype=torch.int32, device="cuda")
+    out = torch.full((x.shape[0], 512), 7.0, device="cuda", dtype=torch.bfloat16)
+    with record_launches() as launches:
+        block_fp8_grouped(x, x_scale, w, w_scale, m_indices, out=out, rows_used=rows_used, stages=stages,
+                          half_tiles=half_tiles, tma_store=True)
+    assert [(s["persistent"], s["tma_store"]) for name, s in launches if name == "gluon_block_fp8.gemm"] == [
+        (True, True)], launches
+    want = block_fp8_grouped_reference(x, x_scale, w, w_scale, m_indices)
+    real = m_indices >= 0
+    assert rel_err(out[real].float(), want[real].float()) < 5e-3
+    assert bool((out[used:] == 7.0).all())
+    assert int(counter) == (half_tiles_in(SEGMENTS[case]) * 4 if half_tiles else 0)
+
+
+@pytest.mark.gpu
+@needs_gluon
+@pytest.mark.parametrize("num_tokens", [64, 600])
+def test_the_permute_layout_with_the_tma_store_gpu(monkeypatch, num_tokens):
+    """permute_experts on the persistent Gluon grid with GEMM 2 storing by TMA (permute_gluon.GLUON_TMA_STORE):
+    the record says so, and the result is the per-tile path's within the fp8 tolerance (the gather back reads
+    real rows only, so GEMM 2's written padding rows change nothing)."""
+    x, w1q, w2q, weights, ids, w1s, w2s = fp8_problem(num_tokens, seed=num_tokens + 1, dtype=torch.bfloat16)
+    monkeypatch.setattr(permute_gluon, "FP8_GEMM", "gluon")
+    want = permute_experts(x, w1q, w2q, weights, ids, w1_scale=w1s, w2_scale=w2s)
+    monkeypatch.setattr(permute_gluon, "GLUON_TMA_STORE", True)
+    with record_launches() as launches:
+        got = permute_experts(x, w1q, w2q, weights, ids, w1_scale=w1s, w2_scale=w2s)
+    assert [s["tma_store"] for name, s in launches if name == "gluon_block_fp8.gemm"] == [False, True], launches
+    assert rel_err(got.float(), want.float()) < 1e-2
 
 
 def assert_the_quantisers_bits(q, s, bf16, m_indices):

@@ -91,7 +91,8 @@ runpy.run_path("tools/gluon_block_fp8_ab.py", run_name="__main__")
 def test_gluon_block_fp8_compiles_for_hopper():
     """The Gluon block-fp8 GEMM (kernels/gluon_block_fp8.py, built by tools/gluon_block_fp8_ab.py) builds
     for sm_90a in both orders, 8 warps, BLOCK_N 128 and 64, plain and gated (SiLU·mul in the epilogue), one
-    program a tile with half tiles, and on its persistent grid (128 columns, overlapped; gated also quantising its output; each with half tiles, whose
+    program a tile with half tiles, and on its persistent grid (128 columns, overlapped; gated also quantising its
+    output, plain also storing by TMA; each with half tiles, whose
     wgmmas are m64 n64 beside the whole tiles' n128), and transposed (decode, fp8 and bf16: 128 weight rows by
     16, 32 or 64 tokens, wgmma's N the tokens, at the warps the kernel takes and 16 tokens at 8 warps; fp8 GEMM 1
     also quantising its output): the
@@ -106,13 +107,15 @@ def test_gluon_block_fp8_compiles_for_hopper():
     pytest.importorskip("triton.backends.nvidia")
     done = run_tool(_COMPILE_GLUON_FOR_HOPPER, interpret=False)
     assert done.returncode == 0, done.stderr[-3000:]
-    builds = re.findall(r"^((?:gated )?(?:persistent )?(?:quantising )?(?:half )?(?:overlap|in-order)) block_n=(\d+) "
+    builds = re.findall(r"^((?:gated )?(?:persistent )?(?:quantising )?(?:half )?(?:tma store )?(?:overlap|in-order)) "
+                        r"block_n=(\d+) "
                         r".*?wgmma \d+ \(n ([\d,]+)\), waits ([\d,]+), "
                         r"registers \d+, spills (\d+)/(\d+) .*ptxas wgmma warnings (\d+)$", done.stdout, re.M)
     assert sorted((order, n) for order, n, *_ in builds) == sorted(
         [(gated + order, n) for gated in ("", "gated ") for order in ("overlap", "in-order") for n in ("128", "64")]
         + [(gated + "half overlap", "128") for gated in ("", "gated ")]
         + [(gated + "persistent " + half + "overlap", "128") for gated in ("", "gated ") for half in ("", "half ")]
+        + [("persistent " + half + "tma store overlap", "128") for half in ("", "half ")]
         + [("gated persistent quantising " + half + "overlap", "128") for half in ("", "half ")]), done.stdout
     transposed = re.findall(r"^((?:bf16 )?(?:gated )?(?:quantising )?)transposed block_t=(\d+) warps=(\d) .*?\(n (\d+)\), waits ([\d,]+), "
                             r"registers \d+, spills (\d+)/(\d+) .*ptxas wgmma warnings (\d+)$", done.stdout, re.M)
@@ -124,7 +127,7 @@ def test_gluon_block_fp8_compiles_for_hopper():
     for order, block_n, shapes, waits, spill_stores, spill_loads, warnings in builds:
         # a half tile's wgmmas: the two warpgroups side by side, m64 n(block_n / 2) each; whole tiles m64 n(block_n)
         assert shapes == (f"{block_n},{int(block_n) // 2}" if "half " in order else block_n), done.stdout
-        for prefix in ("gated ", "persistent ", "quantising ", "half "):
+        for prefix in ("gated ", "persistent ", "quantising ", "half ", "tma store "):
             order = order.removeprefix(prefix)
         waits = {int(w) for w in waits.split(",")}
         assert (1 in waits) == (order == "overlap") and 0 in waits, done.stdout

@@ -11,7 +11,8 @@
 # the decode A/B on Qwen3, the prefill A/B on DeepSeek-V3), half-tiles (session 30's half tiles on one program a
 # tile: their tests, the prefill GEMMs' A/B, the routed layer), decode-stages (decode's stages alone on both
 # paths), s30 (session 30 in one call: the half-tile tests, DeepSeek-V3's prefill GEMMs and layer, Qwen3's
-# decode stages), ceilings,
+# decode stages), s30-layer, s30-defaults (the new defaults' GPU tests, the layer with "auto"), tma-store (GEMM 2's
+# TMA-store epilogue: its tests and the GEMMs' A/B), ceilings,
 # tune, refine, sweep, fp8, decode-step, layouts, routing, skew, shared, capacity, notebooks,
 # graphs (the CUDA-graph replay's and the split GEMM 1's GPU tests), assert-tests (the index-gather and CUDA-graph
 # GPU tests, the device-side id asserts among them), host-probe, model-probe, prefill, gate-routing
@@ -214,6 +215,13 @@ for step in "${steps[@]}"; do
                       LAYER_AB_FORMATS=block PYTHONPATH="$PWD" timeout 200 $PY tools/layer_layout_ab.py \
                           deepseek-v3,qwen3-30b-a3b 16384,4096 2>&1 | grep -v Warning | tee "$OUT/s30-layer.log" | tail -n 6 \
                           || status=1 ;;
+        tma-store) # session 30's TMA-store epilogue for GEMM 2 on the persistent grid, first GPU run (one call, about
+                   # 300 s): its tests, then the prefill GEMMs' A/B on both models at 16,384 tokens
+                   timeout 150 $PY -m pytest tests/test_gluon_block_fp8.py -q -p no:cacheprovider --tb=short \
+                       -W ignore::DeprecationWarning $PARALLEL -rf -k "tma_store" > "$OUT/tma-store-tests.log" 2>&1
+                   grep -E "^FAILED|passed|failed" "$OUT/tma-store-tests.log" | tail -n 14 || status=1
+                   PYTHONPATH="$PWD" timeout 150 $PY tools/gluon_block_fp8_ab.py qwen3-30b-a3b,deepseek-v3 16384 2>&1 \
+                       | grep -v Warning | tee "$OUT/tma-store-gemms.log" | tail -n 24 || status=1 ;;
         decode-stages) # session 30: decode's stages alone on index-gather and on the transposed Gluon path, fp8 then
                        # bf16, with the floor and two plain reads (records decode-stages)
                        PYTHONPATH="$PWD" timeout 400 $PY tools/decode_stages.py qwen3-30b-a3b,deepseek-v3 1,8,64,256 2>&1 \

@@ -37,7 +37,7 @@ if GLUON_HOPPER:
 
     from .._runtime import gluon_kernel
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma_wait
 
     from . import _gluon_block_fp8_kernel as per_tile
     from ._gluon_block_fp8_kernel import (BLOCK_K, BLOCK_M, _descriptors, _grouped_tile, _half_mma_layout,
@@ -171,7 +171,7 @@ if GLUON_HOPPER:
     def _persistent_tile(t, num_k, known, off_n, expert, ring, walk, tensors, sizes, ROWS: gl.constexpr,
                          mma_layout: gl.constexpr, BLOCK_N: gl.constexpr, W_ROWS: gl.constexpr, GROUP: gl.constexpr,
                          NUM_STAGES: gl.constexpr, GATED: gl.constexpr, QUANT_OUT: gl.constexpr,
-                         NUM_WARPS: gl.constexpr):
+                         NUM_WARPS: gl.constexpr, TMA_STORE: gl.constexpr = False):
         """This program's tile ``t``: its K loop (the per-tile kernel's overlapped loop, two steps an
         iteration: see ``_block_fp8_grouped_kernel``) at global steps ``t * num_k`` on, then its epilogue
         while the next tile's first steps land. ``ROWS``: 128, or 64 for a half tile (``mma_layout`` is then
@@ -180,7 +180,7 @@ if GLUON_HOPPER:
         ``tensors`` the pointers and the stash, ``sizes`` N, the output's columns and the strides.)"""
         x_desc, w_desc, a_bufs, b_bufs, ready = ring
         pid, nprog, my_tiles, num_pid_m, num_pid_n = walk
-        out_ptr, x_scale_ptr, w_scale_ptr, m_indices_ptr, out_scale_ptr, stash = tensors
+        out_ptr, x_scale_ptr, w_scale_ptr, m_indices_ptr, out_scale_ptr, stash, out_desc = tensors
         N, OUT_N, stride_om, stride_xs, stride_wse, stride_wsn, stride_os = sizes
         base = t * num_k   # the global step of this tile's step 0
         off_m = known[1]
@@ -227,8 +227,23 @@ if GLUON_HOPPER:
                                   stride_om, stride_os, W_ROWS, NUM_WARPS)
         elif GATED:
             _store_gated(acc, out_ptr, m_indices_ptr, off_m, off_n, OUT_N, stride_om, W_ROWS, NUM_WARPS)
+        elif TMA_STORE and ROWS == BLOCK_M:   # (whole tiles; a half tile stores its rows as below)
+            _store_whole_tile(acc, out_desc, stash, off_m, off_n)
         else:
             _store_plain(acc, out_ptr, m_indices_ptr, off_m, off_n, N, stride_om, NUM_WARPS)
+
+
+    @gluon.jit
+    def _store_whole_tile(acc, out_desc, tile, off_m, off_n):
+        """A plain tile's epilogue by TMA: the bf16 tile into shared memory, then one asynchronous copy of all its
+        rows (padding included) to the output, which runs on while the next tile's MMAs start. The copy before
+        it must have read ``tile`` first (``store_wait``, then a barrier: only one thread issued it)."""
+        tma.store_wait(0)
+        gl.thread_barrier()
+        tile.store(acc.to(gl.bfloat16))
+        fence_async_shared()   # (the threads' stores, visible to the copy engine)
+        gl.thread_barrier()
+        tma.async_copy_shared_to_global(out_desc, [off_m, off_n], tile)
 
 
     @gluon_kernel   # (gluon.jit, launched through the package's shortcut: a recorded call replays it)
@@ -237,7 +252,8 @@ if GLUON_HOPPER:
                                              stride_wsn, stride_os, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                                              GROUP: gl.constexpr, GATED: gl.constexpr = False,
                                              QUANT_OUT: gl.constexpr = False, HALF_TILES: gl.constexpr = False,
-                                             counter_ptr=None, COUNT_HALVES: gl.constexpr = False):
+                                             counter_ptr=None, COUNT_HALVES: gl.constexpr = False, out_desc=None,
+                                             TMA_STORE: gl.constexpr = False):
         """The per-tile kernel's product (``_block_fp8_grouped_kernel``, promotion overlapped) over this program's
         tiles ``pid, pid + P, ...`` of the rows used, the loads running ahead across tiles. ``QUANT_OUT`` (gated
         only): the output quantised as GEMM 2 reads it, fp8 with one float32 scale per row per 128 columns
@@ -269,9 +285,12 @@ if GLUON_HOPPER:
         ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         for stage in gl.static_range(NUM_STAGES):
             mbarrier.init(ready.index(stage), count=1)
+        gl.static_assert(not TMA_STORE or not (GATED or QUANT_OUT))   # (plain tiles: GEMM 2)
         if QUANT_OUT:   # a group's first half, bf16, until its second half is done
             stash = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, W_ROWS], gl.SwizzledSharedLayout(
                 vec=1, per_phase=1, max_phase=1, order=[1, 0]))
+        elif TMA_STORE:   # the tile the TMA store copies out (the copy engine's own layout)
+            stash = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_N], out_desc.layout)
         else:
             stash = ready   # (unused)
         if my_tiles > 0:   # fill the ring: global steps 0 .. NUM_STAGES - 1 (across tiles where K is short)
@@ -283,7 +302,7 @@ if GLUON_HOPPER:
 
         ring = (x_desc, w_desc, a_bufs, b_bufs, ready)
         walk = (pid, nprog, my_tiles, num_pid_m, num_pid_n)
-        tensors = (out_ptr, x_scale_ptr, w_scale_ptr, m_indices_ptr, out_scale_ptr, stash)
+        tensors = (out_ptr, x_scale_ptr, w_scale_ptr, m_indices_ptr, out_scale_ptr, stash, out_desc)
         sizes = (N, OUT_N, stride_om, stride_xs, stride_wse, stride_wsn, stride_os)
         for t in range(my_tiles):
             known, off_n, expert = _known_tiles(t, pid, nprog, my_tiles, num_pid_m, num_pid_n, m_indices_ptr, N,
@@ -296,30 +315,46 @@ if GLUON_HOPPER:
                     if COUNT_HALVES:
                         gl.atomic_add(counter_ptr, 1)
                     _persistent_tile(t, num_k, known, off_n, expert, ring, walk, tensors, sizes, HALF_M, half_layout,
-                                     BLOCK_N, W_ROWS, GROUP, NUM_STAGES, GATED, QUANT_OUT, NUM_WARPS)
+                                     BLOCK_N, W_ROWS, GROUP, NUM_STAGES, GATED, QUANT_OUT, NUM_WARPS, TMA_STORE)
                 else:
                     _persistent_tile(t, num_k, known, off_n, expert, ring, walk, tensors, sizes, BLOCK_M, mma_layout,
-                                     BLOCK_N, W_ROWS, GROUP, NUM_STAGES, GATED, QUANT_OUT, NUM_WARPS)
+                                     BLOCK_N, W_ROWS, GROUP, NUM_STAGES, GATED, QUANT_OUT, NUM_WARPS, TMA_STORE)
             else:
                 _persistent_tile(t, num_k, known, off_n, expert, ring, walk, tensors, sizes, BLOCK_M, mma_layout,
-                                 BLOCK_N, W_ROWS, GROUP, NUM_STAGES, GATED, QUANT_OUT, NUM_WARPS)
+                                 BLOCK_N, W_ROWS, GROUP, NUM_STAGES, GATED, QUANT_OUT, NUM_WARPS, TMA_STORE)
 
         for stage in gl.static_range(NUM_STAGES):   # every fill was waited for: no copy is left in flight
             mbarrier.invalidate(ready.index(stage))
+        if TMA_STORE:   # the last tile's copy has left shared memory before the program ends
+            tma.store_wait(0)
 
 
-    def compile_for_sm90(block_n, stages, num_warps, gated=False, quant_out=False, half_tiles=False, count=False):
+    def _out_descriptor(out, block_n):
+        """``out``'s TMA descriptor (bf16, boxes of 128 rows by ``block_n`` columns), for the TMA store."""
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+        layout = gl.NVMMASharedLayout.get_default_for([TILE_M, block_n], gl.bfloat16)
+        return TensorDescriptor.from_tensor(out, [TILE_M, block_n], layout)
+
+
+    def compile_for_sm90(block_n, stages, num_warps, gated=False, quant_out=False, half_tiles=False, count=False,
+                         tma_store=False):
         """The kernel compiled for sm_90a (as the per-tile kernel's ``compile_for_sm90``)."""
-        pointers = {"rows_used_ptr": "*i32", "out_scale_ptr": "*fp32", "counter_ptr": "*i32"}
+        import torch
+        from triton.runtime.jit import mangle_type
+
+        out = torch.empty(TILE_M, block_n, dtype=torch.bfloat16)   # (a host tensor to spell the descriptor's type)
+        pointers = {"rows_used_ptr": "*i32", "out_scale_ptr": "*fp32", "counter_ptr": "*i32",
+                    "out_desc": mangle_type(_out_descriptor(out, block_n))}
         if quant_out:
             pointers["out_ptr"] = "*fp8e4nv"
         return compile_kernel_for_sm90(_block_fp8_grouped_persistent_kernel, block_n, gated, num_warps,
                                        {"NUM_STAGES": stages, "QUANT_OUT": quant_out, "HALF_TILES": half_tiles,
-                                        "COUNT_HALVES": count},
+                                        "COUNT_HALVES": count, "TMA_STORE": tma_store},
                                        pointers)
 
     def launch(x, x_scale, w, w_scale, m_indices, rows_used, out, *, block_n, stages, num_warps, gated=False,
-               out_scale=None, half_tiles=False):
+               out_scale=None, half_tiles=False, tma_store=False):
         """One program per SM (or per tile, where there are fewer tiles than SMs) on checked arguments."""
         import torch
 
@@ -336,4 +371,5 @@ if GLUON_HOPPER:
             n, k, out.stride(0), x_scale.stride(0), w_scale.stride(0), w_scale.stride(1),
             0 if out_scale is None else out_scale.stride(0), BLOCK_N=block_n, NUM_STAGES=stages, GROUP=GROUP_M,
             GATED=gated, QUANT_OUT=out_scale is not None, HALF_TILES=half_tiles, counter_ptr=per_tile.HALF_TILE_COUNTER,
-            COUNT_HALVES=per_tile.HALF_TILE_COUNTER is not None and half_tiles, num_warps=num_warps)
+            COUNT_HALVES=per_tile.HALF_TILE_COUNTER is not None and half_tiles,
+            out_desc=_out_descriptor(out, block_n) if tma_store else None, TMA_STORE=tma_store, num_warps=num_warps)

@@ -153,7 +153,7 @@ def _check_half_tiles(func, m_indices):
 def block_fp8_grouped(x, x_scale, w, w_scale, m_indices, *, out=None, gated: bool = False, overlap: bool = True,
                       block_n: int = 128, stages: int = 4, validate_ids: bool = True,
                       rows_used: torch.Tensor | None = None, quantize_output: bool = False, half_tiles: bool = False,
-                      block_t: int | None = None):
+                      block_t: int | None = None, tma_store: bool = False):
     """``out[r] = dequant(x[r]) @ dequant(w[m_indices[r]])^T`` in bf16 (``[M_pad, N]``) for the rows with
     ``m_indices >= 0``; others are not written (``out``, if given, keeps them). ``x`` fp8 ``[M_pad, K]`` in
     128-row segments, ``x_scale`` float32 ``[M_pad, K/128]``, ``w`` fp8 ``[E, N, K]``, ``w_scale`` float32
@@ -173,11 +173,13 @@ def block_fp8_grouped(x, x_scale, w, w_scale, m_indices, *, out=None, gated: boo
     overlapped, 128 columns; or on the persistent grid). ``block_t`` (16, 32
     or 64, with ``rows_used``; decode): the product transposed on tiles of 128 weight rows by ``block_t`` token
     rows, segments aligned to ``block_t`` (:mod:`moe_kernels.kernels._gluon_transposed`; ``block_n`` is
-    not used; ``quantize_output`` as on the persistent grid). The launch record (``gluon_block_fp8.gemm``) says
-    which variant ran."""
+    not used; ``quantize_output`` as on the persistent grid). ``tma_store`` (plain, with ``rows_used``): each whole
+    tile is stored by one asynchronous TMA copy that runs on under the next tile's MMAs, its padding rows too
+    (what the products of those rows of ``x`` are): only rows past ``rows_used`` keep what ``out`` held. The
+    launch record (``gluon_block_fp8.gemm``) says which variant ran."""
     func = "block_fp8_grouped"
     for name, flag in (("gated", gated), ("overlap", overlap), ("validate_ids", validate_ids),
-                       ("quantize_output", quantize_output), ("half_tiles", half_tiles)):
+                       ("quantize_output", quantize_output), ("half_tiles", half_tiles), ("tma_store", tma_store)):
         if not isinstance(flag, bool):
             fail(func, name, "must be a bool", repr(flag), TypeError)
     check_int(func, "stages", stages, lo=2, hi=6)   # (a ring of 2 buffers at least; 6 of 128-column tiles fill 192 KiB)
@@ -194,7 +196,7 @@ def block_fp8_grouped(x, x_scale, w, w_scale, m_indices, *, out=None, gated: boo
             fail(func, "block_n", "must be 128 with rows_used (the persistent and transposed grids' tile)", block_n)
         # (the persistent grid's shared memory: the epilogue's buffers cannot share the ring's, which the next
         # tile's loads are filling; 6 gated stages or 5 quantising ones pass the H200's 227 KiB)
-        most = 6 if block_t is not None else 4 if quantize_output else 5 if gated else 6
+        most = 6 if block_t is not None else 4 if quantize_output else 5 if gated or (tma_store and half_tiles) else 6
         if stages > most:
             fail(func, "stages", f"must be at most {most} on the persistent grid here (shared memory)", stages)
     if half_tiles and not (overlap and block_n == 128):   # (the builds tested)
@@ -205,6 +207,9 @@ def block_fp8_grouped(x, x_scale, w, w_scale, m_indices, *, out=None, gated: boo
         if not persistent or half_tiles:
             fail(func, "block_t", "needs rows_used, without half_tiles (the transposed grid)",
                  dict(rows_used=persistent, half_tiles=half_tiles))
+    if tma_store and (gated or not persistent or block_t is not None):
+        fail(func, "tma_store", "needs rows_used and a plain GEMM (not gated, not transposed)",
+             dict(gated=gated, rows_used=persistent, block_t=block_t))
     if quantize_output and not (gated and persistent and block_n == 128 and out is None):
         fail(func, "quantize_output", "needs gated=True, rows_used, block_n=128 and out=None",
              dict(gated=gated, rows_used=persistent, block_n=block_n, out=out is not None))
@@ -224,7 +229,8 @@ def block_fp8_grouped(x, x_scale, w, w_scale, m_indices, *, out=None, gated: boo
     elif out is None:
         out = torch.empty(x.shape[0], w.shape[1] // 2 if gated else w.shape[1], device=x.device, dtype=torch.bfloat16)
     note_launch("gluon_block_fp8.gemm", gated=gated, overlap=overlap, block_n=block_n, stages=stages,
-                persistent=persistent, quantize_output=quantize_output, half_tiles=half_tiles, block_t=block_t)
+                persistent=persistent, quantize_output=quantize_output, half_tiles=half_tiles, block_t=block_t,
+                tma_store=tma_store)
     if x.shape[0] and block_t is not None:
         from ._gluon_transposed import launch as launch_transposed, warps_for
 
@@ -234,7 +240,7 @@ def block_fp8_grouped(x, x_scale, w, w_scale, m_indices, *, out=None, gated: boo
         from ._gluon_block_fp8_persistent import launch as launch_persistent
 
         launch_persistent(x, x_scale, w, w_scale, m_indices, rows_used, out, block_n=block_n, stages=stages,
-                          num_warps=8, gated=gated, out_scale=out_scale, half_tiles=half_tiles)
+                          num_warps=8, gated=gated, out_scale=out_scale, half_tiles=half_tiles, tma_store=tma_store)
     elif x.shape[0]:
         from ._gluon_block_fp8_kernel import launch
 

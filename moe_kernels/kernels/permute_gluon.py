@@ -46,6 +46,10 @@ GLUON_QUANTIZE_IN_GEMM1 = True
 #: Off: in the layer on an H100 (session 30, with GEMM 1 quantising) it ran Qwen3-30B-A3B 0-2% faster and
 #: DeepSeek-V3 3-10% slower, though GEMM 2 alone gained 1-7% on the persistent grid (``gluon-block-fp8-ab-s30*.json``).
 GLUON_HALF_TILES = False
+#: With GLUON_PERSISTENT: GEMM 2 stores each whole tile by one asynchronous TMA copy, under the next tile's MMAs
+#: (padding rows written too; nothing reads them). For Qwen3-30B-A3B's GEMM 2, whose six K steps a tile leave the
+#: epilogue a large share (737 TFLOP/s on an H100 where GEMM 1 ran 934). Off until timed.
+GLUON_TMA_STORE = False
 #: The transposed kernel's TMA stages (segments of 16-64 rows; fp8: 6 take 116 KiB at 16 rows).
 TRANSPOSED_STAGES = 6
 #: fp8 on the transposed kernel: GEMM 1 writes GEMM 2's input in fp8 with its scales (a program takes the two
@@ -110,7 +114,7 @@ def _fp8_experts(rows, rows_scale, w1, w1_scale, w2, w2_scale, permuted, topk_we
                                       validate_ids=False, rows_used=rows_used, half_tiles=half)
         a, a_scale = _quantized(activated, rows_used)
     y = block_fp8_grouped(a, a_scale, w2, w2_scale, permuted.m_indices, validate_ids=False, rows_used=rows_used,
-                          half_tiles=half)
+                          half_tiles=half, tma_store=GLUON_TMA_STORE and rows_used is not None)
     return unpermute(y, permuted.src2dst, topk_weights)
 
 
