@@ -262,10 +262,11 @@ def test_the_persistent_grid_against_the_reference_gpu(monkeypatch, case, progra
                                                         (3, 4, True), (None, 5, True)])
 @pytest.mark.parametrize("k", [128, 384, 1152])
 def test_the_tma_store_against_the_reference_gpu(monkeypatch, case, programs, stages, half_tiles, k):
-    """The persistent grid storing whole tiles by TMA (plain GEMM): every real row is the reference's, a tile's
-    padding rows may be written, the rows past rows_used keep what ``out`` held; a few programs walk many tiles
-    (each copy waited for before its tile's shared memory is written again); with half tiles, the halves store
-    their rows by pointer (the counter pins that they were taken)."""
+    """The persistent grid storing whole tiles by TMA (plain GEMM): every real row bit for bit the pointer stores'
+    (and the reference's), the padding rows of whole tiles written (the path, not only the values), the rows past
+    rows_used keeping what ``out`` held; a few programs walk many tiles (each copy waited for before its tile's
+    shared memory is written again); with half tiles, the halves store their rows by pointer (the counter pins
+    that they were taken)."""
     from moe_kernels.kernels import _gluon_block_fp8_kernel as per_tile, _gluon_block_fp8_persistent as persistent
 
     monkeypatch.setattr(persistent, "PROGRAMS", programs)
@@ -280,11 +281,19 @@ def test_the_tma_store_against_the_reference_gpu(monkeypatch, case, programs, st
                           half_tiles=half_tiles, tma_store=True)
     assert [(s["persistent"], s["tma_store"]) for name, s in launches if name == "gluon_block_fp8.gemm"] == [
         (True, True)], launches
+    assert int(counter) == (half_tiles_in(SEGMENTS[case]) * 4 if half_tiles else 0)   # (N = 512: 4 column tiles)
     want = block_fp8_grouped_reference(x, x_scale, w, w_scale, m_indices)
+    pointer = block_fp8_grouped(x, x_scale, w, w_scale, m_indices, rows_used=rows_used, stages=stages,
+                                half_tiles=half_tiles)
     real = m_indices >= 0
-    assert rel_err(out[real].float(), want[real].float()) < 5e-3
+    assert torch.equal(out[real], pointer[real]) and rel_err(out[real].float(), want[real].float()) < 5e-3
     assert bool((out[used:] == 7.0).all())
-    assert int(counter) == (half_tiles_in(SEGMENTS[case]) * 4 if half_tiles else 0)
+    # the padding rows of whole tiles below rows_used hold products now (a half tile's keep 7.0)
+    tiles = m_indices[:used].view(-1, 128)
+    whole = ~(tiles[:, 64] < 0) if half_tiles else torch.ones(tiles.shape[0], dtype=torch.bool, device="cuda")
+    padding = (tiles < 0) & whole[:, None]
+    if bool(padding.any()):
+        assert not bool((out[:used].view(-1, 128, 512)[padding] == 7.0).all(dim=-1).any())
 
 
 @pytest.mark.gpu
@@ -292,7 +301,7 @@ def test_the_tma_store_against_the_reference_gpu(monkeypatch, case, programs, st
 @pytest.mark.parametrize("num_tokens", [64, 600])
 def test_the_permute_layout_with_the_tma_store_gpu(monkeypatch, num_tokens):
     """permute_experts on the persistent Gluon grid with GEMM 2 storing by TMA (permute_gluon.GLUON_TMA_STORE):
-    the record says so, and the result is the per-tile path's within the fp8 tolerance (the gather back reads
+    the record says so, and the result is bit for bit the same grid's with pointer stores (the gather back reads
     real rows only, so GEMM 2's written padding rows change nothing)."""
     x, w1q, w2q, weights, ids, w1s, w2s = fp8_problem(num_tokens, seed=num_tokens + 1, dtype=torch.bfloat16)
     monkeypatch.setattr(permute_gluon, "FP8_GEMM", "gluon")
@@ -301,7 +310,7 @@ def test_the_permute_layout_with_the_tma_store_gpu(monkeypatch, num_tokens):
     with record_launches() as launches:
         got = permute_experts(x, w1q, w2q, weights, ids, w1_scale=w1s, w2_scale=w2s)
     assert [s["tma_store"] for name, s in launches if name == "gluon_block_fp8.gemm"] == [False, True], launches
-    assert rel_err(got.float(), want.float()) < 1e-2
+    assert torch.equal(got, want)
 
 
 def assert_the_quantisers_bits(q, s, bf16, m_indices):

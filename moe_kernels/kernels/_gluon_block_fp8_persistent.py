@@ -237,7 +237,7 @@ if GLUON_HOPPER:
     def _store_whole_tile(acc, out_desc, tile, off_m, off_n):
         """A plain tile's epilogue by TMA: the bf16 tile into shared memory, then one asynchronous copy of all its
         rows (padding included) to the output, which runs on while the next tile's MMAs start. The copy before
-        it must have read ``tile`` first (``store_wait``, then a barrier: only one thread issued it)."""
+        it must have read ``tile`` first (``store_wait``, then a barrier: only the threads that issued it wait)."""
         tma.store_wait(0)
         gl.thread_barrier()
         tile.store(acc.to(gl.bfloat16))

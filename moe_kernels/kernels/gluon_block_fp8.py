@@ -218,6 +218,9 @@ def block_fp8_grouped(x, x_scale, w, w_scale, m_indices, *, out=None, gated: boo
         fail(func, "w", f"must be on a device this kernel runs on ({reason})", getattr(w, "device", w))
     tile_m = block_t or TILE_M
     _check(func, x, x_scale, w, w_scale, m_indices, out, block_n, gated, validate_ids, tile_m)
+    if tma_store and out is not None and (out.data_ptr() % 16 or out.stride(0) % 8):   # (what a TMA copy needs)
+        fail(func, "out", "must start on 16 bytes and have a row stride of a multiple of 8 elements with tma_store",
+             (out.data_ptr() % 16, out.stride(0)))
     if persistent:
         _check_rows_used(func, rows_used, m_indices, w.device, validate_ids, half_tiles, tile_m)
     elif half_tiles and validate_ids and not (m_indices.is_cuda and torch.cuda.is_current_stream_capturing()):

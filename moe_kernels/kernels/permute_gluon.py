@@ -100,7 +100,8 @@ def experts(rows, rows_scale, w1, w1_scale, w2, w2_scale, permuted, topk_weights
 def _fp8_experts(rows, rows_scale, w1, w1_scale, w2, w2_scale, permuted, topk_weights):
     """Both GEMMs on the 128-row Gluon kernel: GEMM 1 gated (``silu(gate) * up`` in its epilogue, bf16
     ``[M_pad, F]``), the quantiser (or GEMM 1 quantising), GEMM 2 into bf16 ``[M_pad, d]``, the gather back.
-    Neither GEMM writes a padding row; what the quantiser makes of them stays in their own rows."""
+    Neither GEMM writes a padding row (GEMM 2 does with GLUON_TMA_STORE: nothing reads them); what the quantiser
+    makes of them stays in their own rows."""
     from .gluon_block_fp8 import block_fp8_grouped
 
     # (permute wrote m_indices: one expert per 128-row tile, ids in [0, E) or -1; no read-back)
