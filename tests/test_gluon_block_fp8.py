@@ -300,11 +300,13 @@ def test_the_tma_store_against_the_reference_gpu(monkeypatch, case, programs, st
 @needs_gluon
 @pytest.mark.parametrize("num_tokens", [64, 600])
 def test_the_permute_layout_with_the_tma_store_gpu(monkeypatch, num_tokens):
-    """permute_experts on the persistent Gluon grid with GEMM 2 storing by TMA (permute_gluon.GLUON_TMA_STORE):
-    the record says so, and the result is bit for bit the same grid's with pointer stores (the gather back reads
-    real rows only, so GEMM 2's written padding rows change nothing)."""
+    """permute_experts on the persistent Gluon grid with GEMM 2 storing by TMA (permute_gluon.GLUON_TMA_STORE,
+    the default): the record says so, and the result is bit for bit the same grid's with pointer stores (the
+    gather back reads real rows only, so GEMM 2's written padding rows change nothing)."""
     x, w1q, w2q, weights, ids, w1s, w2s = fp8_problem(num_tokens, seed=num_tokens + 1, dtype=torch.bfloat16)
     monkeypatch.setattr(permute_gluon, "FP8_GEMM", "gluon")
+    assert permute_gluon.GLUON_TMA_STORE is True
+    monkeypatch.setattr(permute_gluon, "GLUON_TMA_STORE", False)
     want = permute_experts(x, w1q, w2q, weights, ids, w1_scale=w1s, w2_scale=w2s)
     monkeypatch.setattr(permute_gluon, "GLUON_TMA_STORE", True)
     with record_launches() as launches:

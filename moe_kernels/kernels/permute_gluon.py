@@ -47,9 +47,10 @@ GLUON_QUANTIZE_IN_GEMM1 = True
 #: DeepSeek-V3 3-10% slower, though GEMM 2 alone gained 1-7% on the persistent grid (``gluon-block-fp8-ab-s30*.json``).
 GLUON_HALF_TILES = False
 #: With GLUON_PERSISTENT: GEMM 2 stores each whole tile by one asynchronous TMA copy, under the next tile's MMAs
-#: (padding rows written too; nothing reads them). For Qwen3-30B-A3B's GEMM 2, whose six K steps a tile leave the
-#: epilogue a large share (737 TFLOP/s on an H100 where GEMM 1 ran 934). Off until timed.
-GLUON_TMA_STORE = False
+#: (padding rows written too; nothing reads them). On since session 31: GEMM 2 alone at 16,384 tokens on an H100
+#: ran 810 TFLOP/s against 739 with pointer stores for Qwen3-30B-A3B (its six K steps a tile leave the epilogue a
+#: large share) and 821 against 750 for DeepSeek-V3 (``results/nvidia-h100-80gb-hbm3/gluon-block-fp8-ab-s31.json``).
+GLUON_TMA_STORE = True
 #: The transposed kernel's TMA stages (segments of 16-64 rows; fp8: 6 take 116 KiB at 16 rows).
 TRANSPOSED_STAGES = 6
 #: fp8 on the transposed kernel: GEMM 1 writes GEMM 2's input in fp8 with its scales (a program takes the two
