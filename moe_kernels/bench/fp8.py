@@ -8,7 +8,10 @@ For each model and batch, from CUDA-graph replays (``do_bench`` flushes the L2 b
   included;
 * ``fp8 block permute``: the permute layout in fp8 (its copy moves fp8 rows); up to
   :data:`~moe_kernels.bench.sweep.DECODE_ONLY_MAX_BATCH` tokens where the Gluon kernels run, also
-  ``fp8 block permute gluon a16``: its 16-row segments on the transposed Gluon kernel (decode);
+  ``fp8 block permute gluon a16``: its 16-row segments on the transposed Gluon kernel (decode); from
+  :data:`PREFILL_GLUON_MIN_BATCH` tokens ``fp8 block permute gluon``: its 128-row segments on the
+  Gluon kernels, as the layer's fp8 layout choices run them at prefill (the persistent grid, GEMM 1
+  quantising GEMM 2's input, GEMM 2 storing by TMA: ``permute_gluon``'s switches);
 * ``torch _scaled_grouped_mm``: PyTorch's fp8 grouped GEMM (rowwise scales, the only ones it has
   on sm90) over the same permuted segments, the activation quantisers included;
 * ``quantiser``: the 1x128 activation quantiser alone, at the layer's width.
@@ -84,6 +87,10 @@ def _scaled_grouped_mm_layer(hidden, w1q, w1s, w2q, w2s, weights, ids, num_exper
     return unpermute(y, p.src2dst, weights)
 
 
+#: Smallest batch timed with the prefill Gluon GEMMs (``fp8 block permute gluon``); the layer's choices take
+#: them from 4,096 tokens, so the rows at 1,024 and 2,048 show the crossover.
+PREFILL_GLUON_MIN_BATCH = 1024
+
 #: Largest batch whose rows get the read bounds: decode, where the layer streams its weights.
 READ_BOUND_MAX_BATCH = 512
 
@@ -150,6 +157,10 @@ def sweep(models, batches, *, seed, warmup_ms, rep_ms, ceilings, log=print) -> l
                 calls["fp8 block permute gluon a16"] = (
                     lambda: permute_experts(hidden, b1, b2, weights, ids, validate_ids=False, w1_scale=b1s,
                                             w2_scale=b2s, align=16, gemm="gluon"), 1, (b1, b2, b1s, b2s, "block"))
+            if gluon and batch >= PREFILL_GLUON_MIN_BATCH:   # what the layer's fp8 layout choices run at prefill
+                calls["fp8 block permute gluon"] = (
+                    lambda: permute_experts(hidden, b1, b2, weights, ids, validate_ids=False, w1_scale=b1s,
+                                            w2_scale=b2s, align=128, gemm="gluon"), 1, (b1, b2, b1s, b2s, "block"))
             read_weights = {"bf16 GEMMs": (w1, w2), "fp8 block GEMMs": (b1, b2)}
             for name, (call, bytes_per_weight, quantised) in calls.items():
                 work = count_work(model, ids, bytes_per_weight)
