@@ -367,41 +367,54 @@ def test_router_replays_and_graphs_on_two_streams_gpu(model_name, batch, one_lau
 @pytest.mark.parametrize("model_name, fmt, device_name, batch, layout", [
     ("deepseek-v3", "none", H200, 1, "index_gather"), ("deepseek-v3", "none", H200, 64, "index_gather"),
     ("deepseek-v3", "none", H200, 1024, "index_gather"), ("deepseek-v3", "none", H200, 4095, "index_gather"),
-    ("deepseek-v3", "none", H200, 4096, "permute"),
-    ("deepseek-v3", "none", H200, 16384, "permute"), ("deepseek-v3", "block", H200, 2048, "index_gather"),
-    ("deepseek-v3", "block", H200, 4095, "index_gather"), ("deepseek-v3", "block", H200, 4096, "permute"),
-    ("deepseek-v3", "block", H200, 16384, "permute"), ("qwen3-30b-a3b", "block", H200, 4095, "index_gather"),
-    ("qwen3-30b-a3b", "block", H200, 16384, "permute"), ("qwen3-30b-a3b", "block", H100, 4096, "permute"),
-    ("deepseek-v3", "block", H100, 16384, "permute"), ("deepseek-v3", "none", H100, 16384, "index_gather"),
-    ("qwen3-30b-a3b", "none", H200, 16384, "index_gather"), ("deepseek-v3", "none", "NVIDIA A100", 16384,
-                                                             "index_gather"),
+    ("deepseek-v3", "none", H200, 4096, "permute 128 from 4096"),
+    ("deepseek-v3", "none", H200, 16384, "permute 128 from 4096"), ("deepseek-v3", "block", H200, 2048, "index_gather"),
+    ("deepseek-v3", "block", H200, 4095, "index_gather"), ("deepseek-v3", "block", H200, 4096, "permute 128 from 4096"),
+    ("deepseek-v3", "block", H200, 16384, "permute 128 from 4096"),
+    ("qwen3-30b-a3b", "block", H200, 4095, "index_gather"), ("qwen3-30b-a3b", "block", H200, 16384, "permute 128 from 4096"),
+    ("deepseek-v3", "none", H100, 16384, "index_gather"), ("qwen3-30b-a3b", "none", H200, 16384, "index_gather"),
+    ("deepseek-v3", "none", "NVIDIA A100", 16384, "index_gather"),
+    # the H100's fp8 entries: the transposed Gluon kernel at decode (16-row segments), the 128-row Gluon GEMMs
+    # at prefill, and for DeepSeek-V3 index-gather between them at 1,024 tokens
+    ("qwen3-30b-a3b", "block", H100, 64, "index_gather"), ("qwen3-30b-a3b", "block", H100, 128, "permute 16 from 128"),
+    ("qwen3-30b-a3b", "block", H100, 1023, "permute 16 from 128"),
+    ("qwen3-30b-a3b", "block", H100, 1024, "permute 128 from 1024"),
+    ("qwen3-30b-a3b", "block", H100, 4096, "permute 128 from 1024"),
+    ("deepseek-v3", "block", H100, 1, "index_gather"), ("deepseek-v3", "block", H100, 2, "permute 16 from 2"),
+    ("deepseek-v3", "block", H100, 512, "permute 16 from 2"), ("deepseek-v3", "block", H100, 1024, "index_gather"),
+    ("deepseek-v3", "block", H100, 2047, "index_gather"), ("deepseek-v3", "block", H100, 2048, "permute 128 from 2048"),
+    ("deepseek-v3", "block", H100, 16384, "permute 128 from 2048"),
 ])
 def test_auto_layout_follows_the_measured_crossover(model_name, fmt, device_name, batch, layout):
     """DeepSeek-V3's experts ran faster on the permute layout (TMA, persistent grid) from 4,096
     tokens on the H200 in bf16 (prefill-ab.json), and the routed fp8 layer of both models with its
-    GEMMs on the Gluon kernel from 4,096 tokens on the H200 and the H100 (layer-layout-ab*.json): there,
-    and only there, "auto" takes it, with the tiles, segments and GEMM kernel it was measured with;
-    everywhere else index-gather with its own table."""
+    GEMMs on the Gluon kernel from 4,096 tokens on the H200 (layer-layout-ab*.json); on the H100 the fp8
+    experts ran faster on the transposed Gluon kernel at decode and on the 128-row Gluon GEMMs from 1,024 or
+    2,048 tokens (fp8-sweep.json): there, and only there, "auto" takes the permute layout, with the tiles,
+    segments and GEMM kernel it was measured with; everywhere else index-gather with its own table."""
     from moe_kernels.kernels.layout_choice import load_choices, shape_key
 
     model = MODELS[model_name]
     plan = meta_layer(model_name, fmt, "auto").plan(batch, device_name=device_name)
-    assert plan.layout == layout
-    if layout == "permute":
+    assert plan.layout == layout.split()[0]
+    if plan.layout == "permute":
+        align, start = int(layout.split()[1]), int(layout.split()[-1])
         key = shape_key(device_name, model.num_experts, model.moe_intermediate_size, model.hidden_size,
                         FORMATS[fmt].name)
-        assert plan.choice.source == "layout-choice" and plan.config == load_choices()[key][-1].config
-        # bf16: 128-row segments and the switch's kernel; fp8: the Gluon GEMMs on 128-row segments
-        assert (plan.align, plan.gemm) == ((None, None) if fmt == "none" else (128, "gluon"))
-        assert plan.choice.table == "layout-choices" and plan.choice.entry == 4096
-        assert plan.config.down.tma and plan.config.down.persistent
+        entry = next(choice for choice in load_choices()[key] if choice.from_tokens == start)
+        assert plan.choice.source == "layout-choice" and plan.config == entry.config
+        # bf16: 128-row segments and the switch's kernel; fp8: the Gluon GEMMs on the entry's segments
+        assert (plan.align, plan.gemm) == ((None, None) if fmt == "none" else (align, "gluon"))
+        assert plan.choice.table == "layout-choices" and plan.choice.entry == start
+        if align == 128:
+            assert plan.config.down.tma and plan.config.down.persistent
     else:
         forced = meta_layer(model_name, fmt, "index_gather").plan(batch, device_name=device_name)
         assert plan.choice == forced.choice
     # layout= still forces one: the permute layout at 4096 borrows the index-gather table as before (the
     # H100 has none: the default tiles); a config given, or the shared expert fused as a slot (not
     # measured; Qwen3 has none), keep index-gather.
-    if layout == "permute":
+    if plan.layout == "permute":
         forced = meta_layer(model_name, fmt, "permute").plan(batch, device_name=device_name).choice.source
         assert forced == ("borrowed" if device_name == H200 else "default")
         if model.num_shared_experts:

@@ -20,7 +20,8 @@ against the index-gather layer's. TFLOP/s over the routed GEMMs' FLOPs (``T k 6 
 
     PYTHONPATH=. python tools/layer_layout_ab.py [models] [batches]   # GPU: records layer-layout-ab.json
     PYTHONPATH=. TRITON_INTERPRET=1 python tools/layer_layout_ab.py   # CPU: a small shape, the checks only
-    (LAYER_AB_FORMATS=block: the fp8 rows only)
+    (LAYER_AB_FORMATS=block: the fp8 rows only; LAYER_AB_LAYOUTS=index_gather,auto: those layouts only;
+    LAYER_AB_GLUON_ROWS=0: no "permute gluon ..." rows)
 """
 import dataclasses
 import os
@@ -45,8 +46,11 @@ models = sys.argv[1].split(",") if len(sys.argv) > 1 else ["qwen3-30b-a3b", "dee
 batches = [int(b) for b in sys.argv[2].split(",")] if len(sys.argv) > 2 else [1024, 4096, 16384]
 if device == "cpu":
     batches = [3, 40]
-LAYOUTS = ("index_gather", "permute", "auto")
+LAYOUTS = tuple(os.environ.get("LAYER_AB_LAYOUTS", "index_gather,permute,auto").split(","))
+if "index_gather" not in LAYOUTS:
+    sys.exit("LAYER_AB_LAYOUTS must include index_gather (every row is checked against it)")
 FORMATS = os.environ.get("LAYER_AB_FORMATS", "none,block").split(",")   # (bf16 "none", fp8 "block")
+WITH_GLUON_ROWS = os.environ.get("LAYER_AB_GLUON_ROWS", "1") != "0"   # (0: the layouts' rows only, e.g. at decode)
 GLUON_ROWS = (   # name, GLUON_PERSISTENT, GLUON_QUANTIZE_IN_GEMM1, ONE_PASS_FP8_INPUT, GLUON_HALF_TILES
     ("permute gluon", False, False, False, False), ("permute gluon one-pass", False, False, True, False),
     ("permute gluon one-pass half", False, False, True, True),
@@ -65,7 +69,7 @@ for key in models:
     f = shrink.get("intermediate_size", model.moe_intermediate_size)
     for fmt in FORMATS:
         layer = base if fmt == "none" else base.quantized("block")
-        gluon_layers = {} if fmt == "none" else {row[0]: MoELayer(layer.weights, layer.routing) for row in GLUON_ROWS}
+        gluon_layers = {} if fmt == "none" or not WITH_GLUON_ROWS else {row[0]: MoELayer(layer.weights, layer.routing) for row in GLUON_ROWS}
         for batch in batches:
             x = torch.randn(batch, d, device=device, dtype=dtype, generator=torch.Generator(device).manual_seed(batch))
             plans, candidates = {}, {}
@@ -73,7 +77,7 @@ for key in models:
                 layer.layout = layout
                 plan = layer.plan(batch)
                 plans[layout] = {"layout": plan.layout, "config_source": plan.choice.source,
-                                 "config": dataclasses.asdict(plan.config)}
+                                 "config": dataclasses.asdict(plan.config), "align": plan.align, "gemm": plan.gemm}
 
                 def call(layout=layout):
                     layer.layout = layout
@@ -115,7 +119,8 @@ for key in models:
                                                   "shared_expert": "left out", "dtype": str(dtype)})
             print(f"{key:<14} {fmt:<5} {batch:>6}: " + "  ".join(
                 f"{name} {us:9.1f} us {row['tflops'][name]:6.1f} TFLOP/s" for name, us in lowest.items())
-                + f"  (auto -> {plans['auto']['layout']}, {plans['auto']['config_source']})"
+                + (f"  (auto -> {plans['auto']['layout']}" + (f" a{plans['auto']['align']} {plans['auto']['gemm']}"
+                   if plans['auto']['align'] else "") + f", {plans['auto']['config_source']})" if "auto" in plans else "")
                 + (f"  errors {errors}" if errors else ""), flush=True)
         del layer, gluon_layers
     del base
