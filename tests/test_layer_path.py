@@ -371,7 +371,8 @@ def test_router_replays_and_graphs_on_two_streams_gpu(model_name, batch, one_lau
     ("deepseek-v3", "none", H200, 16384, "permute 128 from 4096"), ("deepseek-v3", "block", H200, 2048, "index_gather"),
     ("deepseek-v3", "block", H200, 4095, "index_gather"), ("deepseek-v3", "block", H200, 4096, "permute 128 from 4096"),
     ("deepseek-v3", "block", H200, 16384, "permute 128 from 4096"),
-    ("qwen3-30b-a3b", "block", H200, 4095, "index_gather"), ("qwen3-30b-a3b", "block", H200, 16384, "permute 128 from 4096"),
+    ("qwen3-30b-a3b", "block", H200, 4095, "index_gather"),
+    ("qwen3-30b-a3b", "block", H200, 16384, "permute 128 from 4096"),
     ("deepseek-v3", "none", H100, 16384, "index_gather"), ("qwen3-30b-a3b", "none", H200, 16384, "index_gather"),
     ("deepseek-v3", "none", "NVIDIA A100", 16384, "index_gather"),
     # the H100's fp8 entries: the transposed Gluon kernel at decode (16-row segments), the 128-row Gluon GEMMs

@@ -1,9 +1,9 @@
 """The permute layout's GEMMs on the Gluon kernels (Triton 3.6, Hopper), which the layer's fp8 layout choices
-name from 4,096 tokens (``layout-choices.json``): which kernel a call takes (:func:`gemm_kernel`, the switches
-below) and the calls themselves (:func:`experts`). Block-fp8 segments of 128 rows take
-:mod:`moe_kernels.kernels.gluon_block_fp8`'s kernel (per tile or on its persistent grid, GEMM 1 optionally
-quantising GEMM 2's input, half tiles); segments of 16, 32 or 64 rows (decode), fp8 or bf16, take the transposed
-kernel (:mod:`moe_kernels.kernels.gluon_transposed`).
+name at prefill (from 4,096 tokens on the H200) and, on the H100, at decode (``layout-choices.json``): which
+kernel a call takes (:func:`gemm_kernel`, the switches below) and the calls themselves (:func:`experts`).
+Block-fp8 segments of 128 rows take :mod:`moe_kernels.kernels.gluon_block_fp8`'s kernel (per tile or on its
+persistent grid, GEMM 1 optionally quantising GEMM 2's input, half tiles, GEMM 2 storing by TMA); segments of
+16, 32 or 64 rows (decode), fp8 or bf16, take the transposed kernel (:mod:`moe_kernels.kernels.gluon_transposed`).
 Where a Gluon kernel cannot run a call, the Triton kernel does and the launch record says why.
 """
 
@@ -29,7 +29,8 @@ from .combine import unpermute
 #: through the package's shortcut, so a recorded call replays them).
 FP8_GEMM = "triton"
 #: The same for bf16 weights: "gluon" runs both GEMMs of a call with segments of 16, 32 or 64 rows (decode) on
-#: the transposed kernel (:func:`~moe_kernels.kernels.gluon_transposed.grouped_transposed`); off until timed.
+#: the transposed kernel (:func:`~moe_kernels.kernels.gluon_transposed.grouped_transposed`); off until timed
+#: (the fp8 layout choices ask for it per call where measured).
 BF16_GEMM = "triton"
 #: With FP8_GEMM = "gluon" (or a layout choice's gemm): both GEMMs on the Gluon kernel's persistent grid (one
 #: program per SM walking the tiles of the rows used, its loads running ahead across tiles), else one program a
