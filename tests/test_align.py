@@ -399,9 +399,10 @@ ptx = compile_for_sm90(fn, dict(NUM_BINS=128, COUNT_TILE=1024), int_pointers(fn)
                        num_warps=4).asm["ptx"]
 print(len(ptx) > 0)
 fn = align._align_kernel
-for from_table, check in ((False, ""), (True, "align: argument 'topk_ids' must hold expert ids in [0, 128)")):
+message = "align: argument 'topk_ids' must hold expert ids in [0, 128)"
+for from_table, check, permute in ((False, "", False), (True, message, False), (False, "", True), (True, "", True)):
     const = dict(COUNTS_FROM_TABLE=from_table, NUM_BINS=128, TILE=64, COUNT_TILE=1024, ROW_TILE=64, PAD_TILE=16,
-                 FILL_TILE=1024, ID_CHECK=check)
+                 FILL_TILE=1024, ID_CHECK=check, PERMUTE=permute)
     ptx = compile_for_sm90(fn, const, int_pointers(fn), pointers_aligned=False, num_warps=4, debug=bool(check),
                            sanitize_overflow=False).asm["ptx"]
     print(len(ptx) > 0)
@@ -410,7 +411,8 @@ for from_table, check in ((False, ""), (True, "align: argument 'topk_ids' must h
 
 def test_compiles_for_hopper():
     """The alignment's kernels compiled for an H100/H200 (sm_90) on this machine: the per-chunk count of
-    the two-launch path, and the alignment with and without its id check (the CPU tests otherwise run it under the interpreter only, which accepts code that a
-    compiler may refuse)."""
+    the two-launch path, and the alignment with and without its id check, and writing the permute layout's
+    indices in one and two launches (the CPU tests otherwise run it under the interpreter only, which accepts
+    code that a compiler may refuse)."""
     lines = compiled_for_hopper(_COMPILE_FOR_HOPPER)
-    assert " ".join(lines).split() == ["True"] * 3, lines
+    assert " ".join(lines).split() == ["True"] * 5, lines

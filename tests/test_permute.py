@@ -499,11 +499,44 @@ def test_block_scales_one_per_tile_and_per_column(block_n, swap_ab, per_column, 
         assert rel_err(out[real], expert_rows_product(xf[real], wf[e], silu_mul)) < 1e-5
 
 
-def test_permute_without_copy_writes_the_same_indices():
-    x, _, _, _, ids = make_problem(11, 5, 2, 32, 16, seed=3)
-    copied, indices_only = permute(x, ids, 5, align=16), permute(x, ids, 5, align=16, copy=False)
+INDEX_CASES = {name: (shape["num_tokens"], shape["num_experts"], shape["topk"]) for name, shape in EDGE_SHAPES.items()}
+INDEX_CASES.update({"random": (11, 5, 2), "no tokens": (0, 4, 2), "all on one expert": (7, 3, 1),
+                    "an empty expert": (6, 5, 1), "two launches (more than 8,192 assignments)": (1100, 16, 8)})
+
+
+@pytest.mark.parametrize("align", [16, 128])
+@pytest.mark.parametrize("case", sorted(INDEX_CASES))
+def test_permute_without_copy_writes_the_same_indices(case, align):
+    """copy=False: the alignment's own launch writes m_indices and src2dst (no fill, no row kernel); they are
+    the row kernel's, every row and every assignment written."""
+    from moe_kernels._runtime import record_launches
+
+    num_tokens, experts, topk = INDEX_CASES[case]
+    x, _, _, _, ids = make_problem(num_tokens, experts, topk, 32, 16, seed=3)
+    if case == "all on one expert":
+        ids = torch.full_like(ids, 1)
+    if case == "an empty expert":
+        ids = ids % 4   # (expert 4 gets nothing)
+    copied = permute(x, ids, experts, align=align)
+    with record_launches() as launches:
+        indices_only = permute(x, ids, experts, align=align, copy=False)
     assert indices_only.rows is None
     for field in ("m_indices", "src2dst", "segment_starts", "segment_counts", "rows_used", "row_assignments"):
+        assert torch.equal(getattr(copied, field), getattr(indices_only, field)), field
+    want = permute_reference(x, ids, experts, align=align)
+    assert torch.equal(indices_only.m_indices, want.m_indices) and torch.equal(indices_only.src2dst, want.src2dst)
+    if HAS_TRITON:   # the path: one alignment launch that writes the indices too
+        assert [r["permute_indices"] for name, r in launches if name == "align.moe_align_block_size"] == [True]
+
+
+def test_permute_without_copy_leaves_out_of_range_ids_in_no_row():
+    """Unchecked ids outside [0, E) land in no segment: src2dst -1 there, as with the copy."""
+    x, _, _, _, ids = make_problem(9, 5, 2, 32, 16, seed=8)
+    ids[2, 1], ids[7, 0] = 5, -3
+    copied = permute(x, ids, 5, align=16, validate_ids=False)
+    indices_only = permute(x, ids, 5, align=16, validate_ids=False, copy=False)
+    assert int(indices_only.src2dst[2, 1]) == -1 and int(indices_only.src2dst[7, 0]) == -1
+    for field in ("m_indices", "src2dst", "rows_used", "row_assignments"):
         assert torch.equal(getattr(copied, field), getattr(indices_only, field)), field
 
 

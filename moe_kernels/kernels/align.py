@@ -1,5 +1,8 @@
 """Alignment: turn ragged per-expert rows into whole tiles (``moe_align_block_size``).
 
+(Over 400 lines, and kept whole: the reference, the kernel body that the routers and the permutation run
+too, and its launch are one mechanism.)
+
 After routing, expert ``e`` serves ``c_e`` *assignments* (positions in ``topk_ids.flatten()``;
 assignment ``a`` belongs to token ``a // top_k``). A grouped GEMM wants every M-block of
 ``block_size`` rows to belong to one expert, so the alignment lists the assignments expert by
@@ -182,20 +185,21 @@ if HAS_TRITON:
                                 num_experts, NUM_BINS, COUNT_TILE, "")
         tl.store(chunk_counts_ptr + chunk * NUM_BINS + tl.arange(0, NUM_BINS), counts)
 
-    @kernel(do_not_specialize=["numel", "chunk_size"])
+    @kernel(do_not_specialize=["numel", "chunk_size", "num_rows"])
     def _align_kernel(
         topk_ids_ptr, chunk_counts_ptr, sorted_ids_ptr, expert_ids_ptr, used_ptr,
-        numel, num_experts, block_size, chunk_size,
+        numel, num_experts, block_size, chunk_size, m_indices_ptr, src2dst_ptr, num_rows,
         COUNTS_FROM_TABLE: tl.constexpr, NUM_BINS: tl.constexpr, TILE: tl.constexpr,
         COUNT_TILE: tl.constexpr, ROW_TILE: tl.constexpr, PAD_TILE: tl.constexpr,
-        FILL_TILE: tl.constexpr, ID_CHECK: tl.constexpr = "",
+        FILL_TILE: tl.constexpr, ID_CHECK: tl.constexpr = "", PERMUTE: tl.constexpr = False,
     ):
         """Program ``c`` places the assignments of chunk ``c``, then writes a share of the tail
-        (:func:`_align_program`)."""
+        (:func:`_align_program`); with ``PERMUTE`` also the permute layout's indices."""
         _align_program(
             tl.program_id(0), tl.num_programs(0), topk_ids_ptr, chunk_counts_ptr, sorted_ids_ptr,
             expert_ids_ptr, used_ptr, numel, num_experts, block_size, chunk_size, COUNTS_FROM_TABLE,
-            NUM_BINS, TILE, COUNT_TILE, ROW_TILE, PAD_TILE, FILL_TILE, ID_CHECK, "")
+            NUM_BINS, TILE, COUNT_TILE, ROW_TILE, PAD_TILE, FILL_TILE, ID_CHECK, "", True,
+            m_indices_ptr, src2dst_ptr, num_rows, PERMUTE)
 
     @kernel
     def _align_program(
@@ -204,6 +208,7 @@ if HAS_TRITON:
         COUNTS_FROM_TABLE: tl.constexpr, NUM_BINS: tl.constexpr, TILE: tl.constexpr,
         COUNT_TILE: tl.constexpr, ROW_TILE: tl.constexpr, PAD_TILE: tl.constexpr,
         FILL_TILE: tl.constexpr, ID_CHECK: tl.constexpr, CACHE: tl.constexpr, FILL_TAIL: tl.constexpr = True,
+        m_indices_ptr=None, src2dst_ptr=None, num_rows=0, PERMUTE: tl.constexpr = False,
     ):
         """Program ``program`` of ``num_programs``: place the assignments of chunk ``program``,
         then write a share of the tail (``FILL_TAIL``; off only to time the rest). One program with
@@ -218,6 +223,10 @@ if HAS_TRITON:
         ``ID_CHECK`` (a message; compiled in only when the launch asks for device asserts): every
         id is read here once, so this is where an id outside ``[0, E)`` stops the kernel, with no
         extra launch and no host synchronisation.
+
+        ``PERMUTE``: also the permute layout's indices (:func:`~moe_kernels.kernels.permute.permute`), from
+        the rows placed here, with no second launch: ``m_indices`` (each of the first ``num_rows`` rows'
+        expert, -1 on padding) and ``src2dst`` (each assignment's row, -1 for an id out of range).
         """
         capacity = numel + num_experts * (block_size - 1)
         num_blocks = tl.cdiv(capacity, block_size)
@@ -268,28 +277,41 @@ if HAS_TRITON:
             tl.store(expert_ids_ptr + row // block_size, experts,
                      mask=valid & (row % block_size == 0))
             # <<< book: align-round-scan-scatter
-            pad_segment_ends(sorted_ids_ptr, experts, valid, row, real_end, numel, block_size, PAD_TILE)
+            if PERMUTE:
+                tl.store(m_indices_ptr + row, experts, mask=valid)
+                tl.store(src2dst_ptr + offsets, tl.where(valid, row, -1), mask=offsets < chunk_end)
+            pad_segment_ends(sorted_ids_ptr, experts, valid, row, real_end, numel, block_size, PAD_TILE,
+                             m_indices_ptr, PERMUTE)
             next_free += tl.histogram(experts, NUM_BINS, mask=valid)
         if FILL_TAIL:
             fill_tail(sorted_ids_ptr, expert_ids_ptr, used, capacity, num_blocks, numel, block_size, program,
-                      num_programs, FILL_TILE)
+                      num_programs, FILL_TILE, m_indices_ptr, num_rows, PERMUTE)
 
     @kernel
-    def pad_segment_ends(sorted_ids_ptr, experts, valid, row, real_end, numel, block_size, PAD_TILE: tl.constexpr):
-        """Each expert's last real row (``row + 1 == real_end``) pads its segment to the block with ``numel``."""
+    def pad_segment_ends(sorted_ids_ptr, experts, valid, row, real_end, numel, block_size, PAD_TILE: tl.constexpr,
+                         m_indices_ptr=None, PERMUTE: tl.constexpr = False):
+        """Each expert's last real row (``row + 1 == real_end``) pads its segment to the block with ``numel``
+        (and, with ``PERMUTE``, marks the padding rows -1 in ``m_indices``)."""
         end = tl.gather(real_end, experts, 0)
         pad_rows = end[:, None] + tl.arange(0, PAD_TILE)[None, :]
         for pad_start in range(0, block_size - 1, PAD_TILE):
-            tl.store(sorted_ids_ptr + pad_rows + pad_start, numel, mask=(valid & (row + 1 == end))[:, None]
-                     & (pad_rows + pad_start < ((end + block_size - 1) // block_size * block_size)[:, None]))
+            pad = (valid & (row + 1 == end))[:, None] & (
+                pad_rows + pad_start < ((end + block_size - 1) // block_size * block_size)[:, None])
+            tl.store(sorted_ids_ptr + pad_rows + pad_start, numel, mask=pad)
+            if PERMUTE:
+                tl.store(m_indices_ptr + pad_rows + pad_start, -1, mask=pad)
 
     @kernel
     def fill_tail(sorted_ids_ptr, expert_ids_ptr, used, capacity, num_blocks, numel, block_size, program,
-                  num_programs, FILL_TILE: tl.constexpr):
-        """The rows past ``used`` (``numel``) and their blocks (-1), round-robin over ``num_programs``."""
+                  num_programs, FILL_TILE: tl.constexpr, m_indices_ptr=None, num_rows=0,
+                  PERMUTE: tl.constexpr = False):
+        """The rows past ``used`` (``numel``) and their blocks (-1), round-robin over ``num_programs`` (with
+        ``PERMUTE``, also ``m_indices`` -1 from ``used`` to its ``num_rows``)."""
         lanes, stride = tl.arange(0, FILL_TILE), num_programs * FILL_TILE
         for start in range(used + program * FILL_TILE, capacity, stride):
             tl.store(sorted_ids_ptr + start + lanes, numel, mask=start + lanes < capacity)
+            if PERMUTE:
+                tl.store(m_indices_ptr + start + lanes, -1, mask=start + lanes < num_rows)
         for start in range(used // block_size + program * FILL_TILE, num_blocks, stride):
             tl.store(expert_ids_ptr + start + lanes, -1, mask=start + lanes < num_blocks)
 
@@ -309,9 +331,11 @@ def empty_alignment(numel: int, block_size: int, num_experts: int, device: torch
             torch.empty(1, dtype=torch.int32, device=device))
 
 
-def _launch_alignment(topk_ids, block_size, num_experts, sorted_ids, expert_ids, used, id_check: str = ""):
+def _launch_alignment(topk_ids, block_size, num_experts, sorted_ids, expert_ids, used, id_check: str = "",
+                      permute_indices=None):
     """Run the Triton alignment of contiguous ``topk_ids`` into preallocated int32 buffers
-    (``id_check``: the message of the device-side id assert, or "" for none)."""
+    (``id_check``: the message of the device-side id assert, or "" for none; ``permute_indices``: the
+    permute layout's ``(m_indices, src2dst)`` buffers, filled by the same launch)."""
     numel = topk_ids.numel()
     num_bins, pad_tile = align_bins_and_pad_tile(num_experts, block_size)
     fill_programs = cdiv(sorted_ids.numel(), _FILL_ROWS_PER_PROGRAM)
@@ -329,13 +353,14 @@ def _launch_alignment(topk_ids, block_size, num_experts, sorted_ids, expert_ids,
             topk_ids, chunk_counts, numel, num_experts, chunk_size,
             NUM_BINS=num_bins, COUNT_TILE=_COUNT_TILE, num_warps=warps)
     note_launch("align.moe_align_block_size", block_size=block_size, launches=1 + (numel > SINGLE_LAUNCH_MAX_NUMEL),
-                id_check=bool(id_check))
+                id_check=bool(id_check), permute_indices=permute_indices is not None)
+    m_indices, src2dst = permute_indices if permute_indices is not None else (sorted_ids, sorted_ids)
     _align_kernel[(max(num_chunks, fill_programs, 1),)](
         topk_ids, chunk_counts, sorted_ids, expert_ids, used,
-        numel, num_experts, block_size, chunk_size,
+        numel, num_experts, block_size, chunk_size, m_indices, src2dst, m_indices.numel(),
         COUNTS_FROM_TABLE=numel > SINGLE_LAUNCH_MAX_NUMEL, NUM_BINS=num_bins, TILE=tile,
         COUNT_TILE=_COUNT_TILE, ROW_TILE=_ROW_TILE, PAD_TILE=pad_tile, FILL_TILE=_FILL_TILE,
-        ID_CHECK=id_check, num_warps=warps, **device_assert_options(id_check))
+        ID_CHECK=id_check, PERMUTE=permute_indices is not None, num_warps=warps, **device_assert_options(id_check))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -382,14 +407,17 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_size: int, num_experts: i
     return align_checked(func, topk_ids, block_size, num_experts, validate_ids)
 
 
-def align_checked(func: str, topk_ids: torch.Tensor, block_size: int, num_experts: int, validate_ids: bool):
+def align_checked(func: str, topk_ids: torch.Tensor, block_size: int, num_experts: int, validate_ids: bool,
+                  permute_indices=None):
     """:func:`moe_align_block_size` after its argument checks, the id check done where it is
-    cheapest: on the host on the CPU, inside the kernel on a GPU (blaming ``func``)."""
+    cheapest: on the host on the CPU, inside the kernel on a GPU (blaming ``func``). ``permute_indices``
+    (Triton path only): ``(m_indices, src2dst)`` int32 buffers that the same launch fills (``_align_program``)."""
     id_check = ""
     if validate_ids:
         id_check = device_id_check(func, "topk_ids", topk_ids, num_experts)
     if not use_triton(topk_ids):
         return moe_align_block_size_reference(topk_ids, block_size, num_experts)
     sorted_ids, expert_ids, used = empty_alignment(topk_ids.numel(), block_size, num_experts, topk_ids.device)
-    _launch_alignment(topk_ids.contiguous(), block_size, num_experts, sorted_ids, expert_ids, used, id_check)
+    _launch_alignment(topk_ids.contiguous(), block_size, num_experts, sorted_ids, expert_ids, used, id_check,
+                      permute_indices)
     return sorted_ids, expert_ids, used

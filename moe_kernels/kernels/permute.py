@@ -106,11 +106,10 @@ if HAS_TRITON:
     def _permute_rows_kernel(
         hidden_ptr, stride_ht, sorted_ids_ptr, block_experts_ptr, rows_ptr, stride_rm,
         m_indices_ptr, src2dst_ptr, num_rows, num_assignments, topk, hidden_size, align,
-        BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr, COPY: tl.constexpr,
+        BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
     ):
         # Row-driven: each packed row looks up which assignment it holds, so padding rows
-        # cost one index load and no data movement. (COPY False: the indices only, for a
-        # GEMM 1 that reads each row from its token: MoEConfig.gather_rows.)
+        # cost one index load and no data movement.
         rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
         in_range = rows < num_rows
         assignment = tl.load(sorted_ids_ptr + rows, mask=in_range, other=num_assignments)
@@ -118,9 +117,8 @@ if HAS_TRITON:
         expert = tl.load(block_experts_ptr + rows // align, mask=in_range, other=-1)
         tl.store(m_indices_ptr + rows, tl.where(real, expert, -1), mask=in_range)
         tl.store(src2dst_ptr + assignment, rows, mask=real)
-        if COPY:
-            copy_rows(hidden_ptr, (assignment // topk).to(tl.int64) * stride_ht,
-                      rows_ptr, rows.to(tl.int64) * stride_rm, real, hidden_size, BLOCK_D)
+        copy_rows(hidden_ptr, (assignment // topk).to(tl.int64) * stride_ht,
+                  rows_ptr, rows.to(tl.int64) * stride_rm, real, hidden_size, BLOCK_D)
     # <<< book: permute-scatter
 
 
@@ -140,6 +138,9 @@ class PermutedRows(NamedTuple):
     * ``row_assignments`` int32 ``[M_pad]``: the assignment each row holds (``t * k + j``), ``T*k``
       on padding rows: the inverse of ``src2dst``, by which GEMM 2 can add each row into its token.
     * ``segments_from`` ``(topk_ids, E, align)``: what the two properties below are computed from.
+
+    With ``copy=False`` the alignment's own launch writes ``m_indices`` and ``src2dst`` as it places the
+    rows (no fill of ``src2dst`` and no row kernel: at decode two launches fewer).
     * ``segment_starts`` int32 ``[E]``: first row of each segment, a multiple of ``align``.
     * ``segment_counts`` int32 ``[E]``: real rows in each segment (tokens routed to the expert).
 
@@ -199,20 +200,26 @@ def permute(hidden_states: torch.Tensor, topk_ids: torch.Tensor, num_experts: in
     num_assignments = num_tokens * topk
     num_rows = max_padded_rows(num_assignments, num_experts, align)
     rows = check_out(func, out, (num_rows, hidden_size), hidden_states) if copy else None
-    sorted_ids, block_experts, rows_used = align_checked(func, topk_ids, align, num_experts, validate_ids)
     segments_from = (topk_ids, num_experts, align)
     if not use_triton(hidden_states, topk_ids):
+        sorted_ids, block_experts, rows_used = align_checked(func, topk_ids, align, num_experts, validate_ids)
         m_indices, src2dst = _permute_rows_reference(hidden_states, sorted_ids, block_experts, num_rows, topk, align,
                                                      rows)
         return PermutedRows(rows, m_indices, src2dst, rows_used, sorted_ids[:num_rows], segments_from)
     m_indices = torch.empty(num_rows, dtype=torch.int32, device=hidden_states.device)
+    if not copy:   # the indices only: the alignment's launch writes them as it places the rows
+        src2dst = torch.empty((num_tokens, topk), dtype=torch.int32, device=hidden_states.device)
+        sorted_ids, _, rows_used = align_checked(func, topk_ids, align, num_experts, validate_ids,
+                                                 permute_indices=(m_indices, src2dst))
+        return PermutedRows(rows, m_indices, src2dst, rows_used, sorted_ids[:num_rows], segments_from)
+    sorted_ids, block_experts, rows_used = align_checked(func, topk_ids, align, num_experts, validate_ids)
     src2dst = torch.full((num_tokens, topk), -1, dtype=torch.int32, device=hidden_states.device)
     if num_rows:
         block_rows, block_d = 16, min(next_power_of_2(max(hidden_size, 1)), 256)
         _permute_rows_kernel[(cdiv(num_rows, block_rows),)](
-            hidden_states, hidden_states.stride(0), sorted_ids, block_experts, hidden_states if rows is None else rows,
-            0 if rows is None else rows.stride(0), m_indices, src2dst, num_rows, num_assignments, topk, hidden_size,
-            align, BLOCK_ROWS=block_rows, BLOCK_D=block_d, COPY=copy, num_warps=4,
+            hidden_states, hidden_states.stride(0), sorted_ids, block_experts, rows, rows.stride(0), m_indices,
+            src2dst, num_rows, num_assignments, topk, hidden_size, align, BLOCK_ROWS=block_rows, BLOCK_D=block_d,
+            num_warps=4,
         )
     return PermutedRows(rows, m_indices, src2dst, rows_used, sorted_ids[:num_rows], segments_from)
 
