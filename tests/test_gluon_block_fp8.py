@@ -514,9 +514,10 @@ def test_half_tiles_refuse_a_real_row_after_row_64s_padding_gpu():
 @pytest.mark.parametrize("num_tokens", [1, 64, 600])
 @pytest.mark.parametrize("persistent, fused, one_pass, half", [
     (False, False, False, False), (False, False, True, False), (False, False, True, True), (True, False, True, False),
-    (True, True, True, False), (True, False, True, True), (True, True, True, True)],
+    (True, True, True, False), (True, False, True, True), (True, True, True, True), (True, True, True, "gemm2")],
     ids=["per tile", "per tile, one-pass input", "per tile, half tiles", "persistent", "persistent, GEMM 1 quantising",
-         "persistent, half tiles", "persistent, GEMM 1 quantising, half tiles"])
+         "persistent, half tiles", "persistent, GEMM 1 quantising, half tiles",
+         "persistent, GEMM 1 quantising, half tiles in GEMM 2"])
 def test_the_permute_layout_on_the_gluon_kernel_gpu(monkeypatch, num_tokens, persistent, fused, one_pass, half):
     """permute_experts with FP8_GEMM = "gluon" (per tile, on the persistent grid, and with GEMM 1 quantising
     GEMM 2's input): the launch record says which kernels ran, the result agrees with the Triton kernel's
@@ -529,14 +530,15 @@ def test_the_permute_layout_on_the_gluon_kernel_gpu(monkeypatch, num_tokens, per
     monkeypatch.setattr(permute_gluon, "GLUON_PERSISTENT", persistent)
     monkeypatch.setattr(permute_gluon, "GLUON_QUANTIZE_IN_GEMM1", fused)
     monkeypatch.setattr(permute_module, "ONE_PASS_FP8_INPUT", one_pass)
-    monkeypatch.setattr(permute_gluon, "GLUON_HALF_TILES", half)
+    monkeypatch.setattr(permute_gluon, "GLUON_HALF_TILES", half is True)
+    monkeypatch.setattr(permute_gluon, "GLUON_HALF_TILES_GEMM2", half == "gemm2")
     with record_launches() as launches:
         got = permute_experts(x, w1q, w2q, weights, ids, w1_scale=w1s, w2_scale=w2s)
     assert [s["kernel"] for name, s in launches if name == "permute.fp8_gemm"] == ["gluon"], launches
     # GEMM 1 gated (SiLU·mul in its epilogue), GEMM 2 plain, both overlapped on 128-column tiles
     assert [(s["gated"], s["overlap"], s["block_n"], s["persistent"], s["quantize_output"], s["half_tiles"])
             for name, s in launches if name == "gluon_block_fp8.gemm"] == [
-        (True, True, 128, persistent, fused, half), (False, True, 128, persistent, False, half)], launches
+        (True, True, 128, persistent, fused, half is True), (False, True, 128, persistent, False, bool(half))], launches
     assert not any(name.startswith(("permute.gemm", "activation.")) for name, _ in launches), launches
     # the input quantised and scattered in one pass (or quantised, then scattered); GEMM 2's input by the
     # quantiser unless GEMM 1 quantises it

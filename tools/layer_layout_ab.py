@@ -21,7 +21,7 @@ against the index-gather layer's. TFLOP/s over the routed GEMMs' FLOPs (``T k 6 
     PYTHONPATH=. python tools/layer_layout_ab.py [models] [batches]   # GPU: records layer-layout-ab.json
     PYTHONPATH=. TRITON_INTERPRET=1 python tools/layer_layout_ab.py   # CPU: a small shape, the checks only
     (LAYER_AB_FORMATS=block: the fp8 rows only; LAYER_AB_LAYOUTS=index_gather,auto: those layouts only;
-    LAYER_AB_GLUON_ROWS=0: no "permute gluon ..." rows)
+    LAYER_AB_GLUON_ROWS=0: no "permute gluon ..." rows, or the names of those to run, comma-separated)
 """
 import dataclasses
 import os
@@ -51,12 +51,21 @@ if "index_gather" not in LAYOUTS:
     sys.exit("LAYER_AB_LAYOUTS must include index_gather (every row is checked against it)")
 FORMATS = os.environ.get("LAYER_AB_FORMATS", "none,block").split(",")   # (bf16 "none", fp8 "block")
 WITH_GLUON_ROWS = os.environ.get("LAYER_AB_GLUON_ROWS", "1") != "0"   # (0: the layouts' rows only, e.g. at decode)
-GLUON_ROWS = (   # name, GLUON_PERSISTENT, GLUON_QUANTIZE_IN_GEMM1, ONE_PASS_FP8_INPUT, GLUON_HALF_TILES
-    ("permute gluon", False, False, False, False), ("permute gluon one-pass", False, False, True, False),
-    ("permute gluon one-pass half", False, False, True, True),
-    ("permute gluon persistent", True, False, True, False), ("permute gluon persistent half", True, False, True, True),
-    ("permute gluon persistent quantising", True, True, True, False),
-    ("permute gluon persistent quantising half", True, True, True, True))
+GLUON_ROWS = (   # name, GLUON_PERSISTENT, GLUON_QUANTIZE_IN_GEMM1, ONE_PASS_FP8_INPUT, GLUON_HALF_TILES,
+    #              GLUON_HALF_TILES_GEMM2
+    ("permute gluon", False, False, False, False, False), ("permute gluon one-pass", False, False, True, False, False),
+    ("permute gluon one-pass half", False, False, True, True, False),
+    ("permute gluon persistent", True, False, True, False, False),
+    ("permute gluon persistent half", True, False, True, True, False),
+    ("permute gluon persistent quantising", True, True, True, False, False),
+    ("permute gluon persistent quantising half", True, True, True, True, False),
+    ("permute gluon persistent quantising gemm2-half", True, True, True, False, True))
+ROWS_ASKED = os.environ.get("LAYER_AB_GLUON_ROWS", "1")   # 1: every row; 0: none; else row names, comma-separated
+if ROWS_ASKED not in ("0", "1"):
+    unknown = set(ROWS_ASKED.split(",")) - {row[0] for row in GLUON_ROWS}
+    if unknown:
+        sys.exit(f"LAYER_AB_GLUON_ROWS names no such row: {sorted(unknown)}")
+    GLUON_ROWS = tuple(row for row in GLUON_ROWS if row[0] in ROWS_ASKED.split(","))
 ROUNDS = 4
 rows = []
 
@@ -84,12 +93,12 @@ for key in models:
                     return layer(x)
                 candidates[layout] = call
 
-            def gluon_call(persistent, fused, one_pass, half, layer_of_its_own):
+            def gluon_call(persistent, fused, one_pass, half, half2, layer_of_its_own):
                 def call():
                     names = ("FP8_GEMM", "GLUON_PERSISTENT", "GLUON_QUANTIZE_IN_GEMM1", "ONE_PASS_FP8_INPUT",
-                             "GLUON_HALF_TILES")
+                             "GLUON_HALF_TILES", "GLUON_HALF_TILES_GEMM2")
                     saved = [getattr(owner(n), n) for n in names]
-                    for n, value in zip(names, ("gluon", persistent, fused, one_pass, half)):
+                    for n, value in zip(names, ("gluon", persistent, fused, one_pass, half, half2)):
                         setattr(owner(n), n, value)
                     try:
                         return layer_of_its_own(x)
@@ -98,14 +107,14 @@ for key in models:
                             setattr(owner(n), n, value)
                 return call
             if gluon_layers:
-                for name, persistent, fused, one_pass, half in GLUON_ROWS:
+                for name, persistent, fused, one_pass, half, half2 in GLUON_ROWS:
                     own = gluon_layers[name]
                     own.layout = "permute"
                     with record_launches() as launches:
-                        gluon_call(persistent, fused, one_pass, half, own)()
+                        gluon_call(persistent, fused, one_pass, half, half2, own)()
                     plans[name] = {"fp8_gemm": [s for n, s in launches if n == "permute.fp8_gemm"],
                                    "gemms": [s for n, s in launches if n == "gluon_block_fp8.gemm"]}
-                    candidates[name] = gluon_call(persistent, fused, one_pass, half, own)
+                    candidates[name] = gluon_call(persistent, fused, one_pass, half, half2, own)
             reference = candidates["index_gather"]()
             lowest, rounds, errors, rel = time_lowest(candidates, reference, tolerance=3e-2, warmup_ms=5, rep_ms=30,
                                                       unchecked=("index_gather",), rounds=ROUNDS, alternate=True)

@@ -47,6 +47,10 @@ GLUON_QUANTIZE_IN_GEMM1 = True
 #: Off: in the layer on an H100 (session 30, with GEMM 1 quantising) it ran Qwen3-30B-A3B 0-2% faster and
 #: DeepSeek-V3 3-10% slower, though GEMM 2 alone gained 1-7% on the persistent grid (``gluon-block-fp8-ab-s30*.json``).
 GLUON_HALF_TILES = False
+#: Half tiles in GEMM 2 only (GEMM 1 keeps whole tiles). GEMM 2 alone at 16,384 tokens on the persistent grid with
+#: its TMA store (``gluon-block-fp8-ab-s31.json``): on the H200 818 TFLOP/s against 775 for DeepSeek-V3 and 821
+#: against 809 for Qwen3-30B-A3B; on an H100 824 against 821 and 790 against 810. Off until timed in the layer.
+GLUON_HALF_TILES_GEMM2 = False
 #: With GLUON_PERSISTENT: GEMM 2 stores each whole tile by one asynchronous TMA copy, under the next tile's MMAs
 #: (padding rows written too; nothing reads them). On since session 31: GEMM 2 alone at 16,384 tokens on an H100
 #: ran 810 TFLOP/s against 739 with pointer stores for Qwen3-30B-A3B (its six K steps a tile leave the epilogue a
@@ -117,7 +121,7 @@ def _fp8_experts(rows, rows_scale, w1, w1_scale, w2, w2_scale, permuted, topk_we
                                       validate_ids=False, rows_used=rows_used, half_tiles=half)
         a, a_scale = _quantized(activated, rows_used)
     y = block_fp8_grouped(a, a_scale, w2, w2_scale, permuted.m_indices, validate_ids=False, rows_used=rows_used,
-                          half_tiles=half, tma_store=GLUON_TMA_STORE and rows_used is not None)
+                          half_tiles=half or GLUON_HALF_TILES_GEMM2, tma_store=GLUON_TMA_STORE and rows_used is not None)
     return unpermute(y, permuted.src2dst, topk_weights)
 
 
