@@ -387,9 +387,10 @@ def test_naive_helpers_check_arguments():
 
 _COMPILE_FOR_HOPPER = """
 import torch
+import triton
 torch.cuda.is_available = lambda: True   # build compiled (not interpreted) kernels; nothing is launched
 from moe_kernels.kernels import align
-from moe_kernels.sm90_compile import compile_for_sm90
+from moe_kernels.sm90_compile import assemble_for_sm90, compile_for_sm90
 
 def int_pointers(fn):
     return {n: "*i32" for n in fn.arg_names if n.endswith("_ptr")}
@@ -400,19 +401,28 @@ ptx = compile_for_sm90(fn, dict(NUM_BINS=128, COUNT_TILE=1024), int_pointers(fn)
 print(len(ptx) > 0)
 fn = align._align_kernel
 message = "align: argument 'topk_ids' must hold expert ids in [0, 128)"
-for from_table, check, permute in ((False, "", False), (True, message, False), (False, "", True), (True, "", True)):
-    const = dict(COUNTS_FROM_TABLE=from_table, NUM_BINS=128, TILE=64, COUNT_TILE=1024, ROW_TILE=64, PAD_TILE=16,
+for from_table, check, permute in ((False, "", False), (True, message, False), (False, "", True)):
+    tile, warps = (align._MULTI_TILE, align._MULTI_WARPS) if from_table else (align._SINGLE_TILE, align._SINGLE_WARPS)
+    const = dict(COUNTS_FROM_TABLE=from_table, NUM_BINS=256, TILE=tile, COUNT_TILE=1024, ROW_TILE=16, PAD_TILE=64,
                  FILL_TILE=1024, ID_CHECK=check, PERMUTE=permute)
-    ptx = compile_for_sm90(fn, const, int_pointers(fn), pointers_aligned=False, num_warps=4, debug=bool(check),
+    ptx = compile_for_sm90(fn, const, int_pointers(fn), pointers_aligned=False, num_warps=warps, debug=bool(check),
                            sanitize_overflow=False).asm["ptx"]
     print(len(ptx) > 0)
+    if permute and triton.__version__.startswith("3.6."):   # (a newer Triton's bundled ptxas may not read its PTX)
+        built = assemble_for_sm90(ptx)   # the one-launch alignment writing the permute indices: no spills
+        print("spills", built["spill_stores"] + built["spill_loads"])
 """
 
 
 def test_compiles_for_hopper():
     """The alignment's kernels compiled for an H100/H200 (sm_90) on this machine: the per-chunk count of
-    the two-launch path, and the alignment with and without its id check, and writing the permute layout's
-    indices in one and two launches (the CPU tests otherwise run it under the interpreter only, which accepts
-    code that a compiler may refuse)."""
+    the two-launch path, the alignment with and without its id check, on the tiles and warps each path runs,
+    and the one-launch alignment writing the permute layout's indices, which must not spill (the CPU tests
+    otherwise run it under the interpreter only, which accepts code that a compiler may refuse)."""
+    import triton
+
     lines = compiled_for_hopper(_COMPILE_FOR_HOPPER)
-    assert " ".join(lines).split() == ["True"] * 5, lines
+    # (the spill count under the H200's Triton, 3.6, whose ptxas reads its PTX: 4.3 KB a thread in the two-launch
+    # build with the indices, which permute therefore leaves to the row kernel)
+    spills = ["spills 0"] if triton.__version__.startswith("3.6.") else []
+    assert [line for line in lines if line] == ["True"] * 4 + spills, lines

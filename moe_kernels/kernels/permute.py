@@ -72,7 +72,7 @@ from .._checks import check_dispatch_inputs, check_int, check_moe_inputs, fail
 from .._runtime import HAS_TRITON, cdiv, kernel, next_power_of_2, tl, use_triton
 from ..model.buffers import expert_counts, max_padded_rows
 from ._tile_gemm import check_out
-from .align import align_checked, moe_align_block_size_reference
+from .align import SINGLE_LAUNCH_MAX_NUMEL, align_checked, moe_align_block_size_reference
 from .combine import unpermute
 from .config import MoEConfig, check_config, get_config
 from .contiguous_gemm import grouped_gemm_contiguous  # noqa: F401 (the layout's GEMM, also imported from here)
@@ -106,10 +106,11 @@ if HAS_TRITON:
     def _permute_rows_kernel(
         hidden_ptr, stride_ht, sorted_ids_ptr, block_experts_ptr, rows_ptr, stride_rm,
         m_indices_ptr, src2dst_ptr, num_rows, num_assignments, topk, hidden_size, align,
-        BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_ROWS: tl.constexpr, BLOCK_D: tl.constexpr, COPY: tl.constexpr,
     ):
         # Row-driven: each packed row looks up which assignment it holds, so padding rows
-        # cost one index load and no data movement.
+        # cost one index load and no data movement. (COPY False: the indices only, where the
+        # alignment did not write them itself.)
         rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
         in_range = rows < num_rows
         assignment = tl.load(sorted_ids_ptr + rows, mask=in_range, other=num_assignments)
@@ -117,8 +118,9 @@ if HAS_TRITON:
         expert = tl.load(block_experts_ptr + rows // align, mask=in_range, other=-1)
         tl.store(m_indices_ptr + rows, tl.where(real, expert, -1), mask=in_range)
         tl.store(src2dst_ptr + assignment, rows, mask=real)
-        copy_rows(hidden_ptr, (assignment // topk).to(tl.int64) * stride_ht,
-                  rows_ptr, rows.to(tl.int64) * stride_rm, real, hidden_size, BLOCK_D)
+        if COPY:
+            copy_rows(hidden_ptr, (assignment // topk).to(tl.int64) * stride_ht,
+                      rows_ptr, rows.to(tl.int64) * stride_rm, real, hidden_size, BLOCK_D)
     # <<< book: permute-scatter
 
 
@@ -139,8 +141,11 @@ class PermutedRows(NamedTuple):
       on padding rows: the inverse of ``src2dst``, by which GEMM 2 can add each row into its token.
     * ``segments_from`` ``(topk_ids, E, align)``: what the two properties below are computed from.
 
-    With ``copy=False`` the alignment's own launch writes ``m_indices`` and ``src2dst`` as it places the
-    rows (no fill of ``src2dst`` and no row kernel: at decode two launches fewer).
+    With ``copy=False``, up to the alignment's one-launch reach (``align.SINGLE_LAUNCH_MAX_NUMEL``
+    assignments: decode), the alignment's own launch writes ``m_indices`` and ``src2dst`` as it places
+    the rows (no fill of ``src2dst`` and no row kernel: two launches fewer). Its two-launch path does
+    not: there the extra stores made ptxas spill 4.3 KB a thread (Triton 3.6, sm_90a, 128-assignment
+    tiles on 4 warps), and an H100 layer at 16,384 tokens ran about 20% slower with it.
     * ``segment_starts`` int32 ``[E]``: first row of each segment, a multiple of ``align``.
     * ``segment_counts`` int32 ``[E]``: real rows in each segment (tokens routed to the expert).
 
@@ -207,7 +212,7 @@ def permute(hidden_states: torch.Tensor, topk_ids: torch.Tensor, num_experts: in
                                                      rows)
         return PermutedRows(rows, m_indices, src2dst, rows_used, sorted_ids[:num_rows], segments_from)
     m_indices = torch.empty(num_rows, dtype=torch.int32, device=hidden_states.device)
-    if not copy:   # the indices only: the alignment's launch writes them as it places the rows
+    if not copy and num_assignments <= SINGLE_LAUNCH_MAX_NUMEL:   # the alignment's launch writes the indices
         src2dst = torch.empty((num_tokens, topk), dtype=torch.int32, device=hidden_states.device)
         sorted_ids, _, rows_used = align_checked(func, topk_ids, align, num_experts, validate_ids,
                                                  permute_indices=(m_indices, src2dst))
@@ -217,9 +222,9 @@ def permute(hidden_states: torch.Tensor, topk_ids: torch.Tensor, num_experts: in
     if num_rows:
         block_rows, block_d = 16, min(next_power_of_2(max(hidden_size, 1)), 256)
         _permute_rows_kernel[(cdiv(num_rows, block_rows),)](
-            hidden_states, hidden_states.stride(0), sorted_ids, block_experts, rows, rows.stride(0), m_indices,
-            src2dst, num_rows, num_assignments, topk, hidden_size, align, BLOCK_ROWS=block_rows, BLOCK_D=block_d,
-            num_warps=4,
+            hidden_states, hidden_states.stride(0), sorted_ids, block_experts, hidden_states if rows is None else rows,
+            0 if rows is None else rows.stride(0), m_indices, src2dst, num_rows, num_assignments, topk, hidden_size,
+            align, BLOCK_ROWS=block_rows, BLOCK_D=block_d, COPY=copy, num_warps=4,
         )
     return PermutedRows(rows, m_indices, src2dst, rows_used, sorted_ids[:num_rows], segments_from)
 
