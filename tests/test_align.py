@@ -346,7 +346,7 @@ def test_bad_inputs_name_the_argument(fn):
         fn(ids, 16, 0)
     for bad_ids, num_experts in ((ids, 3), (ids - 1, 4)):
         message = f"argument 'topk_ids' must hold expert ids in [0, {num_experts})"
-        if DEVICE.type == "cuda":
+        if DEVICE.type == "cuda" and fn is moe_align_block_size:   # (the reference checks on the host)
             assert_device_assert(f"""
                 from moe_kernels.kernels.align import {fn.__name__} as fn
                 fn(torch.tensor({bad_ids.tolist()}, device="cuda"), 16, {num_experts}, **{range_check})

@@ -6,6 +6,7 @@ GPU (where the bf16 cases also run). Shapes are small because the interpreter is
 
 import dataclasses
 import itertools
+import re
 
 import pytest
 import torch
@@ -30,6 +31,7 @@ from moe_testing import (
     ON_GPU,
     SMALL_TILES,
     TOLERANCE,
+    assert_device_assert,
     assert_each_raises,
     gpu_sized_bf16_problem,
     make_problem,
@@ -270,7 +272,9 @@ def test_permute_tma_fp8(granularity):
     assert len(gemms) == 2 and all(g["tma_w"] and g["tma_a"] for g in gemms)
     want = moe_reference_fp8(x, w1q, w2q, weights, ids, w1_scale=w1s, w2_scale=w2s, granularity=granularity,
                              intermediate_dtype=x.dtype)
-    assert rel_err(out, want) < 1e-3
+    # (compiled, the quantiser of GEMM 2's input divides with div.full.f32, within 2 ulp of the reference's
+    # division, so a few intermediate values land on the neighbouring fp8 step: 4.7e-3 and 5.8e-3 on an H200)
+    assert rel_err(out, want) < (1e-2 if ON_GPU else 1e-3)
 
 
 # ------------------------------------------------------------------------------------------
@@ -494,9 +498,11 @@ def test_block_scales_one_per_tile_and_per_column(block_n, swap_ab, per_column, 
                                   which="gate_up" if silu_mul else "down", x_scale=xs, w_scale=ws,
                                   out_dtype=torch.float32)
     xf, wf = xq.float() * xs.repeat_interleave(128, dim=1), FP8_BLOCK.dequantize_weight(wq, ws)
+    # (compiled, the transposed tile's fp8 wgmma adds its products with fewer mantissa bits than float32: 1.4e-4
+    # and 1.9e-4 on an H200; a tile applying another block's scale would be off by 10x or more)
     for e in range(experts):
         real = m_indices == e
-        assert rel_err(out[real], expert_rows_product(xf[real], wf[e], silu_mul)) < 1e-5
+        assert rel_err(out[real], expert_rows_product(xf[real], wf[e], silu_mul)) < (1e-3 if ON_GPU else 1e-5)
 
 
 INDEX_CASES = {name: (shape["num_tokens"], shape["num_experts"], shape["topk"]) for name, shape in EDGE_SHAPES.items()}
@@ -982,11 +988,18 @@ def test_bad_inputs_raise_clear_errors():
          "'topk_weights' must be contiguous in its last dimension"),
         (dict(w1=w1.transpose(1, 2).contiguous().transpose(1, 2)), ValueError,
          "'w1' must be contiguous in its last dimension"),
-        (dict(topk_ids=torch.full_like(ids, 3), validate_ids=True), ValueError,
-         "expert ids in [0, 3)"),
-        (dict(topk_ids=torch.full_like(ids, -1), validate_ids=True), ValueError,
-         "expert ids in [0, 3)"),
     ])
+    for bad in (3, -1):   # ids out of range: a ValueError on the CPU, the alignment's device assert on a GPU
+        if ON_GPU:
+            assert_device_assert(f"""
+                from moe_kernels.kernels.permute import permute_experts
+                x, w1, w2 = (torch.randn(*shape, device="cuda") for shape in ((4, 16), (3, 32, 16), (3, 16, 16)))
+                ids = torch.full((4, 2), {bad}, device="cuda")
+                permute_experts(x, w1, w2, torch.ones(4, 2, device="cuda"), ids, validate_ids=True)
+                """, "permute: argument 'topk_ids' must hold expert ids in [0, 3)")
+        else:
+            with pytest.raises(ValueError, match=re.escape("expert ids in [0, 3)")):
+                permute_experts(x, w1, w2, weights, torch.full_like(ids, bad), validate_ids=True)
     empty = permute_experts(x[:0], w1, w2, weights[:0], ids[:0], align=16)   # no tokens: no rows, no error
     assert empty.shape == (0, x.shape[1])
     with pytest.raises(ValueError, match="'align' must be >= 1"):
