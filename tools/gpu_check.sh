@@ -12,7 +12,8 @@
 # tile: their tests, the prefill GEMMs' A/B, the routed layer), decode-stages (decode's stages alone on both
 # paths), s30 (session 30 in one call: the half-tile tests, DeepSeek-V3's prefill GEMMs and layer, Qwen3's
 # decode stages), s30-layer, s30-defaults (the new defaults' GPU tests, the layer with "auto"), tma-store (GEMM 2's
-# TMA-store epilogue: its tests and the GEMMs' A/B), ceilings,
+# TMA-store epilogue: its tests and the GEMMs' A/B), s31 (the layer with "auto" and GEMM 2 on half tiles, the
+# fixed unmarked tests, bench fp8), ceilings,
 # tune, refine, sweep, fp8, decode-step, layouts, routing, skew, shared, capacity, notebooks,
 # graphs (the CUDA-graph replay's and the split GEMM 1's GPU tests), assert-tests (the index-gather and CUDA-graph
 # GPU tests, the device-side id asserts among them), host-probe, model-probe, prefill, gate-routing
@@ -222,6 +223,21 @@ for step in "${steps[@]}"; do
                    grep -E "^FAILED|passed|failed" "$OUT/tma-store-tests.log" | tail -n 14 || status=1
                    PYTHONPATH="$PWD" timeout 150 $PY tools/gluon_block_fp8_ab.py qwen3-30b-a3b,deepseek-v3 16384 2>&1 \
                        | grep -v Warning | tee "$OUT/tma-store-gemms.log" | tail -n 24 || status=1 ;;
+        s31) # session 31's follow-up in one call (about 450 s): the routed fp8 layer with "auto" at 4,096 and 16,384
+             # tokens (the spill-free alignment) beside GEMM 2 on half tiles (records layer-layout-ab), the unmarked
+             # tests fixed after their first compiled run, then bench fp8 (records fp8-sweep: the prefill Gluon row
+             # from 1,024 tokens, for the H200's crossovers)
+             LAYER_AB_LAYOUTS=index_gather,auto LAYER_AB_FORMATS=block \
+                 LAYER_AB_GLUON_ROWS="permute gluon persistent quantising,permute gluon persistent quantising gemm2-half" \
+                 PYTHONPATH="$PWD" timeout 150 $PY tools/layer_layout_ab.py deepseek-v3,qwen3-30b-a3b 16384,4096 2>&1 \
+                 | grep -v Warning | tee "$OUT/s31-layer.log" | tail -n 4 || status=1
+             tar czf "$OUT/results.tgz" results
+             timeout 120 $PY -m pytest tests/test_permute.py tests/test_align.py tests/test_quant_scatter.py -q \
+                 -p no:cacheprovider --tb=short -W ignore::DeprecationWarning $PARALLEL -rf \
+                 -k "bad_inputs or tma_fp8 or block_scales_one or without_copy or quant" > "$OUT/s31-tests.log" 2>&1
+             grep -E "^FAILED|passed|failed" "$OUT/s31-tests.log" | tail -n 14 || status=1
+             timeout 160 $PY -m moe_kernels.bench fp8 --record 2>&1 | grep -v Warning > "$OUT/fp8.log"
+             grep -E " (1024|2048|4096|16384) .*(block GEMMs|permute gluon|scaled)" "$OUT/fp8.log" || status=1 ;;
         decode-stages) # session 30: decode's stages alone on index-gather and on the transposed Gluon path, fp8 then
                        # bf16, with the floor and two plain reads (records decode-stages)
                        PYTHONPATH="$PWD" timeout 400 $PY tools/decode_stages.py qwen3-30b-a3b,deepseek-v3 1,8,64,256 2>&1 \
