@@ -28,12 +28,10 @@ import sys
 import torch
 
 from moe_kernels.bench.fp8 import read_bounds
-from moe_kernels.bench.problems import make_batch, tool_weights
+from moe_kernels.bench.problems import tool_batch, tool_weights
 from moe_kernels.bench.timing import time_lowest
 from moe_kernels.kernels import permute as permute_module, permute_gluon
-from moe_kernels.kernels.blocks import assign_blocks
 from moe_kernels.kernels.combine import sum_slots, unpermute
-from moe_kernels.kernels.config import get_config
 from moe_kernels.kernels.formats import FORMATS
 from moe_kernels.kernels.index_gather import down, fused_experts, gate_up
 from moe_kernels.kernels.permute import permute_experts
@@ -132,11 +130,8 @@ for key in models:
     for fmt_name in formats:
         fmt = FORMATS[fmt_name]
         model, dtype, w1, w1s, w2, w2s = tool_weights(key, fmt, device)
-        e, f, d = model.num_experts, model.moe_intermediate_size, model.hidden_size
         for batch in batches:
-            hidden, _, weights, ids = make_batch(model, batch, dtype, seed=batch, device=device)
-            config = get_config(batch, e, f, d, w1.dtype, hidden.device)
-            blocks = assign_blocks(ids, config.block_m, e, validate_ids=False)
+            hidden, weights, ids, config, blocks = tool_batch(model, batch, dtype, w1.dtype, device)
             stages = index_gather_stages(hidden, w1, w2, w1s, w2s, weights, ids, fmt, config, blocks)
             errors = {}
             try:   # (where the Gluon kernels do not run, the index-gather rows alone)

@@ -48,3 +48,16 @@ def tool_weights(key: str, fmt, device, **cpu_shape):
     w1, w2 = make_weights(model, dtype, 0, device)
     (w1, w1_scale), (w2, w2_scale) = fmt.quantize_weight(w1), fmt.quantize_weight(w2)
     return model, dtype, w1, w1_scale, w2, w2_scale
+
+
+def tool_batch(model: MoEModel, num_tokens: int, dtype: torch.dtype, weight_dtype: torch.dtype, device):
+    """One batch for the decode A/B scripts in ``tools/``, routed as :func:`make_batch` routes it (seeded by
+    its size), with index-gather's tiles for it and its block map: ``(hidden, topk_weights, topk_ids, config,
+    blocks)``. ``weight_dtype`` (the weights' element type: fp8 or 16-bit) picks the tuned table."""
+    from ..kernels.blocks import assign_blocks
+    from ..kernels.config import get_config
+
+    hidden, _, weights, ids = make_batch(model, num_tokens, dtype, seed=num_tokens, device=device)
+    config = get_config(num_tokens, model.num_experts, model.moe_intermediate_size, model.hidden_size, weight_dtype,
+                        hidden.device)
+    return hidden, weights, ids, config, assign_blocks(ids, config.block_m, model.num_experts, validate_ids=False)
