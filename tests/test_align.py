@@ -401,7 +401,8 @@ ptx = compile_for_sm90(fn, dict(NUM_BINS=128, COUNT_TILE=1024), int_pointers(fn)
 print(len(ptx) > 0)
 fn = align._align_kernel
 message = "align: argument 'topk_ids' must hold expert ids in [0, 128)"
-for from_table, check, permute in ((False, "", False), (True, message, False), (False, "", True)):
+for from_table, check, permute in ((False, "", False), (True, message, False), (False, "", True),
+                                   (False, message, True)):
     tile, warps = (align._MULTI_TILE, align._MULTI_WARPS) if from_table else (align._SINGLE_TILE, align._SINGLE_WARPS)
     const = dict(COUNTS_FROM_TABLE=from_table, NUM_BINS=256, TILE=tile, COUNT_TILE=1024, ROW_TILE=16, PAD_TILE=64,
                  FILL_TILE=1024, ID_CHECK=check, PERMUTE=permute)
@@ -425,4 +426,4 @@ def test_compiles_for_hopper():
     # (the spill count under the H200's Triton, 3.6, whose ptxas reads its PTX: 4.3 KB a thread in the two-launch
     # build with the indices, which permute therefore leaves to the row kernel)
     spills = ["spills 0"] if triton.__version__.startswith("3.6.") else []
-    assert [line for line in lines if line] == ["True"] * 4 + spills, lines
+    assert [line for line in lines if line] == (["True"] * 4 + spills) + ["True"] + spills, lines

@@ -87,8 +87,8 @@ def _scaled_grouped_mm_layer(hidden, w1q, w1s, w2q, w2s, weights, ids, num_exper
     return unpermute(y, p.src2dst, weights)
 
 
-#: Smallest batch timed with the prefill Gluon GEMMs (``fp8 block permute gluon``); the layer's choices take
-#: them from 4,096 tokens, so the rows at 1,024 and 2,048 show the crossover.
+#: Smallest batch timed with the prefill Gluon GEMMs (``fp8 block permute gluon``): the rows from 1,024 tokens
+#: show the crossover (the layer's choices take them from 4,096 tokens on the H200, from 1,024 or 2,048 on the H100).
 PREFILL_GLUON_MIN_BATCH = 1024
 
 #: Largest batch whose rows get the read bounds: decode, where the layer streams its weights.

@@ -420,6 +420,8 @@ def align_checked(func: str, topk_ids: torch.Tensor, block_size: int, num_expert
     if validate_ids:
         id_check = device_id_check(func, "topk_ids", topk_ids, num_experts)
     if not use_triton(topk_ids):
+        if permute_indices is not None:   # (the reference writes no such buffers: permute fills its own)
+            fail(func, "permute_indices", "is for the Triton alignment only", "a torch reference call")
         return moe_align_block_size_reference(topk_ids, block_size, num_experts)
     sorted_ids, expert_ids, used = empty_alignment(topk_ids.numel(), block_size, num_experts, topk_ids.device)
     _launch_alignment(topk_ids.contiguous(), block_size, num_experts, sorted_ids, expert_ids, used, id_check,

@@ -140,18 +140,18 @@ class PermutedRows(NamedTuple):
     * ``row_assignments`` int32 ``[M_pad]``: the assignment each row holds (``t * k + j``), ``T*k``
       on padding rows: the inverse of ``src2dst``, by which GEMM 2 can add each row into its token.
     * ``segments_from`` ``(topk_ids, E, align)``: what the two properties below are computed from.
-
-    With ``copy=False``, up to the alignment's one-launch reach (``align.SINGLE_LAUNCH_MAX_NUMEL``
-    assignments: decode), the alignment's own launch writes ``m_indices`` and ``src2dst`` as it places
-    the rows (no fill of ``src2dst`` and no row kernel: two launches fewer). Its two-launch path does
-    not: there the extra stores made ptxas spill 4.3 KB a thread (Triton 3.6, sm_90a, 128-assignment
-    tiles on 4 warps), and an H100 layer at 16,384 tokens ran about 20% slower with it.
     * ``segment_starts`` int32 ``[E]``: first row of each segment, a multiple of ``align``.
     * ``segment_counts`` int32 ``[E]``: real rows in each segment (tokens routed to the expert).
 
     The two segment tensors are computed when read (five small launches), from ``topk_ids`` as it is
     then: no GEMM needs them, and computed in every call they were half of ``permute``'s time at decode
     (session 30, an H100: the indices alone took 32-41 us, ``quantize_scatter`` 2.3).
+
+    With ``copy=False``, up to the alignment's one-launch reach (``align.SINGLE_LAUNCH_MAX_NUMEL``
+    assignments: decode), the alignment's own launch writes ``m_indices`` and ``src2dst`` as it places
+    the rows (no fill of ``src2dst`` and no row kernel: two launches fewer). Its two-launch path does
+    not: there the extra stores made ptxas spill 4.3 KB a thread (Triton 3.6, sm_90a, 128-assignment
+    tiles on 4 warps), and an H100 layer at 16,384 tokens ran about 20% slower with it.
     """
 
     rows: torch.Tensor
