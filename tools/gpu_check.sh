@@ -225,8 +225,8 @@ for step in "${steps[@]}"; do
                        | grep -v Warning | tee "$OUT/tma-store-gemms.log" | tail -n 24 || status=1 ;;
         s31) # session 31's follow-up in one call (about 450 s): the routed fp8 layer with "auto" at 4,096 and 16,384
              # tokens (the spill-free alignment) beside GEMM 2 on half tiles (records layer-layout-ab), the unmarked
-             # tests fixed after their first compiled run, then bench fp8 (records fp8-sweep: the prefill Gluon row
-             # from 1,024 tokens, for the H200's crossovers)
+             # tests fixed after their first compiled run, bench fp8 (records fp8-sweep: the prefill Gluon row
+             # from 1,024 tokens, for the H200's crossovers), then Qwen3's layer stage by stage
              LAYER_AB_LAYOUTS=index_gather,auto LAYER_AB_FORMATS=block \
                  LAYER_AB_GLUON_ROWS="permute gluon persistent quantising,permute gluon persistent quantising gemm2-half" \
                  PYTHONPATH="$PWD" timeout 150 $PY tools/layer_layout_ab.py deepseek-v3,qwen3-30b-a3b 16384,4096 2>&1 \
@@ -237,7 +237,12 @@ for step in "${steps[@]}"; do
                  -k "bad_inputs or tma_fp8 or block_scales_one or without_copy or quant" > "$OUT/s31-tests.log" 2>&1
              grep -E "^FAILED|passed|failed" "$OUT/s31-tests.log" | tail -n 14 || status=1
              timeout 160 $PY -m moe_kernels.bench fp8 --record 2>&1 | grep -v Warning > "$OUT/fp8.log"
-             grep -E " (1024|2048|4096|16384) .*(block GEMMs|permute gluon|scaled)" "$OUT/fp8.log" || status=1 ;;
+             grep -E " (1024|2048|4096|16384) .*(block GEMMs|permute gluon|scaled)" "$OUT/fp8.log" || status=1
+             tar czf "$OUT/results.tgz" results
+             # where Qwen3's layer spends what is not GEMM (records permute-gluon-stages: Table 12.6's name, so
+             # commit it under another)
+             PYTHONPATH="$PWD" timeout 100 $PY tools/permute_gluon_stages.py qwen3-30b-a3b 16384 2>&1 | grep -v Warning \
+                 | tee "$OUT/s31-stages.log" | tail -n 34 || status=1 ;;
         decode-stages) # session 30: decode's stages alone on index-gather and on the transposed Gluon path, fp8 then
                        # bf16, with the floor and two plain reads (records decode-stages)
                        PYTHONPATH="$PWD" timeout 400 $PY tools/decode_stages.py qwen3-30b-a3b,deepseek-v3 1,8,64,256 2>&1 \

@@ -7,7 +7,8 @@ weights), the activations' quantiser, the permutation (alignment and scatter of 
 gather, GEMM 1 gated, the quantiser of its output, GEMM 2, the gather back, and the whole layer. Each stage is
 replayed from a CUDA graph of one call (``timing.graph_us``; the L2 is not flushed: every stage's input is fresh
 from the one before, as in the layer), inputs made once before. The bytes each stage must move and their time at
-the read bandwidth measured in the same process stand beside it.
+the read bandwidth measured in the same process stand beside it. The default path's stages (session 31: the
+one-pass input, GEMM 1 quantising GEMM 2's input, GEMM 2 storing by TMA) are summed beside the three-step ones.
 
     PYTHONPATH=. python tools/permute_gluon_stages.py [models] [batches]   # GPU: records permute-gluon-stages.json
 """
@@ -96,6 +97,9 @@ for key in models:
                                                                   rows_used=used), None),
             "gemm 2 persistent": (lambda: block_fp8_grouped(a, a_scale, w.w2, w.w2_scale, permuted.m_indices,
                                                             validate_ids=False, rows_used=used), None),
+            "gemm 2 persistent tma store": (lambda: block_fp8_grouped(
+                a, a_scale, w.w2, w.w2_scale, permuted.m_indices, validate_ids=False, rows_used=used, tma_store=True),
+                None),
             "gemm 1 gated persistent quantising": (lambda: block_fp8_grouped(
                 permuted.rows, rows_scale, w.w13, w.w13_scale, permuted.m_indices, gated=True, validate_ids=False,
                 rows_used=used, quantize_output=True), None),
@@ -122,8 +126,13 @@ for key in models:
         floor = {name: nbytes / bandwidth * 1e6 for name, (_, nbytes) in stages.items() if nbytes}
         parts = sum(us[name] for name in ("route", "quantize x", "permute", "permute scales", "gemm 1 gated",
                                           "quantize gemm 1", "gemm 2", "unpermute"))
+        # the stages of what the defaults run (session 31): the one-pass input, GEMM 1 quantising, GEMM 2's TMA store
+        default_parts = sum(us[name] for name in ("route", "permute, indices only", "quantize_scatter",
+                                                  "gemm 1 gated persistent quantising", "gemm 2 persistent tma store",
+                                                  "unpermute"))
         flops = batch * k * 6 * d * f
         row = {"model": key, "batch": batch, "m_pad": m_pad, "us": us, "bytes_floor_us": floor, "sum_of_stages_us": parts,
+               "sum_of_default_stages_us": default_parts,
                "routed_flops": flops, "layer_tflops": flops / (us["layer"] * 1e-6) / 1e12}
         rows.append(row)
         record_tool("permute-gluon-stages", rows, {"models": models, "batches": batches,
@@ -133,7 +142,7 @@ for key in models:
               f"persistent {us['layer persistent']:.1f} us = {flops / us['layer persistent'] / 1e6:.0f}, "
               f"quantising {us['layer persistent quantising']:.1f} = "
               f"{flops / us['layer persistent quantising'] / 1e6:.0f}, "
-              f"the three-step stages sum {parts:.1f}", flush=True)
+              f"the three-step stages sum {parts:.1f}, the default path's {default_parts:.1f}", flush=True)
         for name, v in us.items():
             print(f"    {name:<16} {v:9.1f} us" + (f"   bytes floor {floor[name]:8.1f}" if name in floor else ""))
         del permuted, activated, a, y
