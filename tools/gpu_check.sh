@@ -13,7 +13,7 @@
 # paths), s30 (session 30 in one call: the half-tile tests, DeepSeek-V3's prefill GEMMs and layer, Qwen3's
 # decode stages), s30-layer, s30-defaults (the new defaults' GPU tests, the layer with "auto"), tma-store (GEMM 2's
 # TMA-store epilogue: its tests and the GEMMs' A/B), s31 (the layer with "auto" and GEMM 2 on half tiles, the
-# fixed unmarked tests, bench fp8), ceilings,
+# fixed unmarked tests, bench fp8), transposed-prefill (the transposed kernel's 64-row tiles at prefill), ceilings,
 # tune, refine, sweep, fp8, decode-step, layouts, routing, skew, shared, capacity, notebooks,
 # graphs (the CUDA-graph replay's and the split GEMM 1's GPU tests), assert-tests (the index-gather and CUDA-graph
 # GPU tests, the device-side id asserts among them), host-probe, model-probe, prefill, gate-routing
@@ -247,6 +247,12 @@ for step in "${steps[@]}"; do
                        # bf16, with the floor and two plain reads (records decode-stages)
                        PYTHONPATH="$PWD" timeout 400 $PY tools/decode_stages.py qwen3-30b-a3b,deepseek-v3 1,8,64,256 2>&1 \
                            | grep -v Warning | tee "$OUT/decode-stages.log" | tail -n 20 || status=1 ;;
+        transposed-prefill) # the transposed Gluon kernel's 64-row tiles at prefill, fp8 and bf16 (bf16 has no other Gluon
+                            # prefill kernel), against the Triton permute GEMMs and, in fp8, the 128-row Gluon kernel
+                            # (records transposed-decode-ab: commit it under another name)
+                     TRANSPOSED_AB_ROWS="permute triton a128,gluon a128,gluon a64,gluon a64 one-pass" PYTHONPATH="$PWD" \
+                         timeout 300 $PY tools/transposed_decode_ab.py qwen3-30b-a3b,deepseek-v3 4096,16384 2>&1 \
+                         | grep -v Warning | tee "$OUT/transposed-prefill.log" | tail -n 8 || status=1 ;;
         decode-transposed-ab) # its A/B against index-gather, fp8 then bf16 (records transposed-decode-ab)
                      PYTHONPATH="$PWD" timeout 540 $PY tools/transposed_decode_ab.py qwen3-30b-a3b,deepseek-v3 1,8,64,256,1024 \
                          2>&1 | grep -v Warning | tee "$OUT/decode-transposed-ab.log" | tail -n 20 || status=1 ;;

@@ -33,7 +33,10 @@ weight bytes over the read bandwidth measured in the same process) and two plain
 
     PYTHONPATH=. python tools/transposed_decode_ab.py [models] [batches]   # records transposed-decode-ab.json
     PYTHONPATH=. TRITON_INTERPRET=1 python tools/transposed_decode_ab.py   # CPU: a small shape, the plumbing
+    (TRANSPOSED_AB_ROWS: the candidates besides index_gather, comma-separated; at prefill, e.g. "permute triton
+    a128,gluon a128,gluon a64,gluon a64 one-pass": the transposed kernel's 64-row tiles against the 128-row ones)
 """
+import os
 import sys
 
 import torch
@@ -56,7 +59,16 @@ GLUON = {   # name: (align, permute_gluon.TRANSPOSED_STAGES, transposed.NUM_WARP
     "gluon a16": (16, 6, None, False, False), "gluon a32": (32, 6, None, False, False),
     "gluon a64": (64, 6, None, False, False), "gluon a16 s5": (16, 5, None, False, False),
     "gluon a16 w8": (16, 6, 8, False, False), "gluon a16 one-pass": (16, 6, None, True, False),
-    "gluon a16 quantising": (16, 6, None, False, True), "gluon a16 one-pass quantising": (16, 6, None, True, True)}
+    "gluon a16 quantising": (16, 6, None, False, True), "gluon a16 one-pass quantising": (16, 6, None, True, True),
+    # at prefill (fp8; bf16 has no 128-row Gluon kernel): the 64-row transposed tiles against the 128-row kernel
+    "gluon a64 one-pass": (64, 6, None, True, False), "gluon a128": (128, 6, None, True, False)}
+#: The candidates to time besides index_gather (all by default): names from GLUON and "permute triton a16" /
+#: "permute triton a128" (the Triton permute GEMMs on 16- or 128-row segments), comma-separated.
+ROWS = os.environ.get("TRANSPOSED_AB_ROWS")
+ROWS = None if ROWS is None else ROWS.split(",")
+UNKNOWN = sorted(set(ROWS or ()) - set(GLUON) - {"permute triton a16", "permute triton a128"})
+if UNKNOWN:
+    sys.exit(f"TRANSPOSED_AB_ROWS names no such candidate: {UNKNOWN}")
 if device == "cuda":
     from moe_kernels.bench.ceilings import measure_read_bandwidth
 
@@ -94,13 +106,19 @@ for key in models:
                 "index_gather": lambda: fused_experts(hidden, w1, w2, weights, ids, config=config, blocks=blocks,
                                                       validate_ids=False, **scales),
                 "permute triton a16": lambda: permute_experts(hidden, w1, w2, weights, ids, align=16,
-                                                              validate_ids=False, **scales)}
+                                                              validate_ids=False, **scales),
+                "permute triton a128": lambda: permute_experts(hidden, w1, w2, weights, ids, align=128,
+                                                               validate_ids=False, **scales)}
             for name, (align, stages, warps, one_pass, quantising) in GLUON.items():
                 if (one_pass or quantising) and not fmt.quantized:
-                    continue   # (bf16 has no quantiser)
+                    continue   # (bf16 has no quantiser, and no 128-row Gluon kernel)
                 candidates[name] = on_gluon(lambda align=align: permute_experts(
                     hidden, w1, w2, weights, ids, align=align, validate_ids=False, **scales), stages, warps, one_pass,
                     quantising)
+            if ROWS is not None:
+                candidates = {name: call for name, call in candidates.items() if name == "index_gather" or name in ROWS}
+            elif "permute triton a128" in candidates and batch < 1024:   # (by default, prefill's segments at prefill)
+                del candidates["permute triton a128"]
             reference = candidates["index_gather"]()
             lowest, rounds, errors, rel = time_lowest(candidates, reference, tolerance=3e-2, warmup_ms=5, rep_ms=25,
                                                       unchecked=("index_gather",), rounds=2, alternate=True)
