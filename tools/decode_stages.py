@@ -27,7 +27,7 @@ import sys
 
 import torch
 
-from moe_kernels.bench.fp8 import read_bounds
+from moe_kernels.bench.fp8 import decode_bounds
 from moe_kernels.bench.problems import tool_batch, tool_weights
 from moe_kernels.bench.timing import time_lowest
 from moe_kernels.kernels import permute as permute_module, permute_gluon
@@ -149,8 +149,7 @@ for key in models:
             both = {path: sum(lowest.get(f"{path} gemm {i}", float("nan")) for i in (1, 2)) for path in ("ig", "tr")}
             row["gemms_us"] = both
             if bandwidth:
-                row["floor_us"] = work.bytes / bandwidth * 1e6
-                row["two_reads_us"] = read_bounds(work, w1, w2, None, 5, 25)["read_two_launches_s"] * 1e6
+                row.update(decode_bounds(work, w1, w2, bandwidth))
                 row["gemms_of_two_reads"] = {path: us / row["two_reads_us"] for path, us in both.items()}
             rows.append(row)
             record_tool("decode-stages", rows, {"models": models, "batches": batches, "align": ALIGN,

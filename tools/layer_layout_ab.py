@@ -50,7 +50,6 @@ LAYOUTS = tuple(os.environ.get("LAYER_AB_LAYOUTS", "index_gather,permute,auto").
 if "index_gather" not in LAYOUTS:
     sys.exit("LAYER_AB_LAYOUTS must include index_gather (every row is checked against it)")
 FORMATS = os.environ.get("LAYER_AB_FORMATS", "none,block").split(",")   # (bf16 "none", fp8 "block")
-WITH_GLUON_ROWS = os.environ.get("LAYER_AB_GLUON_ROWS", "1") != "0"   # (0: the layouts' rows only, e.g. at decode)
 GLUON_ROWS = (   # name, GLUON_PERSISTENT, GLUON_QUANTIZE_IN_GEMM1, ONE_PASS_FP8_INPUT, GLUON_HALF_TILES,
     #              GLUON_HALF_TILES_GEMM2
     ("permute gluon", False, False, False, False, False), ("permute gluon one-pass", False, False, True, False, False),
@@ -61,12 +60,20 @@ GLUON_ROWS = (   # name, GLUON_PERSISTENT, GLUON_QUANTIZE_IN_GEMM1, ONE_PASS_FP8
     ("permute gluon persistent quantising half", True, True, True, True, False),
     ("permute gluon persistent quantising gemm2-half", True, True, True, False, True))
 ROWS_ASKED = os.environ.get("LAYER_AB_GLUON_ROWS", "1")   # 1: every row; 0: none; else row names, comma-separated
-if ROWS_ASKED not in ("0", "1"):
+if ROWS_ASKED == "0":   # (the layouts' rows only, e.g. at decode)
+    GLUON_ROWS = ()
+elif ROWS_ASKED != "1":
     unknown = set(ROWS_ASKED.split(",")) - {row[0] for row in GLUON_ROWS}
     if unknown:
         sys.exit(f"LAYER_AB_GLUON_ROWS names no such row: {sorted(unknown)}")
     GLUON_ROWS = tuple(row for row in GLUON_ROWS if row[0] in ROWS_ASKED.split(","))
 ROUNDS = 4
+
+
+def auto_note(plan):
+    """What "auto" ran: its layout (and the permute layout's segments and GEMM kernel) and its tiles' source."""
+    segments = f" a{plan['align']} {plan['gemm']}" if plan["align"] else ""
+    return f"  (auto -> {plan['layout']}{segments}, {plan['config_source']})"
 rows = []
 
 for key in models:
@@ -78,7 +85,7 @@ for key in models:
     f = shrink.get("intermediate_size", model.moe_intermediate_size)
     for fmt in FORMATS:
         layer = base if fmt == "none" else base.quantized("block")
-        gluon_layers = {} if fmt == "none" or not WITH_GLUON_ROWS else {row[0]: MoELayer(layer.weights, layer.routing) for row in GLUON_ROWS}
+        gluon_layers = {} if fmt == "none" else {row[0]: MoELayer(layer.weights, layer.routing) for row in GLUON_ROWS}
         for batch in batches:
             x = torch.randn(batch, d, device=device, dtype=dtype, generator=torch.Generator(device).manual_seed(batch))
             plans, candidates = {}, {}
@@ -128,8 +135,7 @@ for key in models:
                                                   "shared_expert": "left out", "dtype": str(dtype)})
             print(f"{key:<14} {fmt:<5} {batch:>6}: " + "  ".join(
                 f"{name} {us:9.1f} us {row['tflops'][name]:6.1f} TFLOP/s" for name, us in lowest.items())
-                + (f"  (auto -> {plans['auto']['layout']}" + (f" a{plans['auto']['align']} {plans['auto']['gemm']}"
-                   if plans['auto']['align'] else "") + f", {plans['auto']['config_source']})" if "auto" in plans else "")
+                + (auto_note(plans["auto"]) if "auto" in plans else "")
                 + (f"  errors {errors}" if errors else ""), flush=True)
         del layer, gluon_layers
     del base

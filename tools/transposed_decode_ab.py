@@ -41,7 +41,7 @@ import sys
 
 import torch
 
-from moe_kernels.bench.fp8 import read_bounds
+from moe_kernels.bench.fp8 import decode_bounds
 from moe_kernels.bench.problems import tool_batch, tool_weights
 from moe_kernels.bench.timing import time_lowest
 from moe_kernels.kernels import _gluon_transposed as transposed, permute as permute_module, permute_gluon
@@ -127,8 +127,7 @@ for key in models:
                    "bytes": work.bytes, "us": lowest, "rounds_us": rounds, "errors": errors,
                    "rel_err_vs_index_gather": rel}
             if bandwidth:
-                row["floor_us"] = work.bytes / bandwidth * 1e6
-                row["two_reads_us"] = read_bounds(work, w1, w2, None, 5, 25)["read_two_launches_s"] * 1e6
+                row.update(decode_bounds(work, w1, w2, bandwidth))
                 row["of_floor"] = {name: us / row["floor_us"] for name, us in lowest.items()}
                 row["of_two_reads"] = {name: us / row["two_reads_us"] for name, us in lowest.items()}
             rows.append(row)

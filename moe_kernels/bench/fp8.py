@@ -95,6 +95,13 @@ PREFILL_GLUON_MIN_BATCH = 1024
 READ_BOUND_MAX_BATCH = 512
 
 
+def decode_bounds(work, gemm1_weights: torch.Tensor, gemm2_weights: torch.Tensor, bandwidth: float) -> dict:
+    """For the decode tools in ``tools/``: ``floor_us`` (the touched experts' weight bytes over ``bandwidth``,
+    bytes/s, measured in the same process) and ``two_reads_us`` (:func:`read_bounds`' two launches)."""
+    return {"floor_us": work.bytes / bandwidth * 1e6,
+            "two_reads_us": read_bounds(work, gemm1_weights, gemm2_weights, None, 5, 25)["read_two_launches_s"] * 1e6}
+
+
 def read_bounds(work, gemm1_weights: torch.Tensor, gemm2_weights: torch.Tensor, curve, warmup_ms: float,
                 rep_ms: float) -> dict:
     """A row's two reads of its own bytes (see the module's docstring), in seconds: one read kernel
