@@ -43,7 +43,8 @@ from ._checks import FLOAT_DTYPES, check_device, check_dtype, check_int, check_n
 from ._replay import CallPlans
 from .checkpoint import load_layer
 from .layer_router import choose_router, route
-from .kernels.config import TABLE_REACH, ConfigChoice, MoEConfig, check_config, choose_config
+from .kernels.config import (TABLE_REACH, ConfigChoice, MoEConfig, check_config, choose_config,
+                             choose_fused_shared_config)
 from .kernels.formats import WeightFormat
 from .kernels.index_gather import dense_expert, run_experts
 from .kernels.layout_choice import AUTO, check_layout, choose_layout
@@ -123,7 +124,8 @@ def plan_layer(func: str, weights: LayerWeights, routing: Routing, layout: str, 
         layout = picked.layout if picked is not None else "index_gather"
         measured = picked if picked is not None and picked.config is not None else None
     m = m_max_token_budget(num_tokens) if layout == "masked" else num_tokens
-    choice = choose_config(m, e, f, d, table_dtype, device, layout=layout, device_name=device_name)
+    choose = choose_fused_shared_config if weights.shared_fused else choose_config   # (slot E: its table if tuned)
+    choice = choose(m, e, f, d, table_dtype, device, layout=layout, device_name=device_name)
     if measured is not None:   # the tiles the crossover was measured with
         choice = ConfigChoice(measured.config, "layout-choice", choice.asked, "layout-choices", measured.from_tokens)
     if config is not None:

@@ -92,6 +92,8 @@ def torch_cuda_available() -> bool:
 @pytest.mark.parametrize("argv, says", [
     (["tune", "--shared", "--models", "qwen3-30b-a3b"], "with --shared, every model must have a shared expert"),
     (["tune", "--shared", "--refine", "--models", "deepseek-v3"], "argument --shared: not with --refine"),
+    (["tune", "--fused-shared", "--models", "qwen3-30b-a3b"], "with --fused-shared, every model must have one shared"),
+    (["tune", "--fused-shared", "--shared", "--models", "deepseek-v3"], "argument --fused-shared: not with --shared"),
 ])
 def test_tuning_shared_experts_needs_models_that_have_one(capsys, argv, says):
     assert says in _argparse_error(capsys, argv)
@@ -101,7 +103,7 @@ def test_shared_expert_compile_jobs_run_the_dense_block_map():
     """``tune --shared`` compiles each candidate on the dense block map that the layer's shared
     expert runs on: GEMM 1 (split over K too) and GEMM 2 without the top-k sum, here on the CPU
     (the interpreter, float32), every job compiled."""
-    from moe_kernels.bench.tune import _compile_jobs
+    from moe_kernels.bench.tune_compile import _compile_jobs
     from moe_kernels.kernels.config import GemmTiles
 
     jobs = [{"d": 32, "f": 16, "top_k": 1, "block_m": 16, "naive": False, "dense": True, "gated": gated,
@@ -157,6 +159,75 @@ def test_tuning_a_shared_expert_end_to_end_on_the_cpu(monkeypatch):
     with pytest.raises(ValueError, match="refine"):
         tune_module.tune({"small:shared": shape}, [1], dtype=torch.float32, seed=0, warmup_ms=0, rep_ms=0, workers=0,
                          device="cpu", shared=True, refine=True)
+
+
+def test_tuning_the_shared_expert_fused_as_slot_e_on_the_cpu(tmp_path, monkeypatch):
+    """``tune(..., fused_shared=True)`` on a small DeepSeek-V3 shape, stand-in timers: every candidate runs
+    top-(k+1) over E+1 experts with the shared expert (id E) in every token's last slot, the entries are keyed
+    E+1, and the table they make is the one a layer built with ``shared_expert="fused"`` takes on that GPU
+    (the routed layer keeps the routed table; with no E+1 table the fused layer takes the routed one too)."""
+    import dataclasses
+    import json
+
+    import torch
+
+    import moe_kernels.kernels.config as config_module
+    from moe_kernels import MODELS, MoELayer
+    from moe_kernels.bench import tune as tune_module
+    from moe_kernels.bench import tune_candidates, tune_tables
+    from moe_kernels.kernels import index_gather
+    from moe_kernels.kernels.config import GemmTiles, MoEConfig, check_config, load_table
+
+    small = dataclasses.replace(MODELS["deepseek-v3"], hidden_size=64, moe_intermediate_size=32, num_experts=8,
+                                top_k=2, num_expert_groups=1, topk_groups=1)
+    seen = []   # the ids of every GEMM 1 timed
+
+    def gate_up(x, w1, blocks, top_k, **kwargs):
+        seen.append((top_k, w1.shape[0], blocks))
+        return real_gate_up(x, w1, blocks, top_k, **kwargs)
+
+    real_gate_up = index_gather.expert_gate_up
+    calls = iter(range(10**6))
+    monkeypatch.setattr(index_gather, "expert_gate_up", gate_up)
+    monkeypatch.setattr(tune_module, "graphed", lambda fn: fn)
+    monkeypatch.setattr(tune_module, "median_ms", lambda fn, *args: (fn(), 1.0 + (next(calls) % 7) / 10)[1])
+    monkeypatch.setattr(tune_candidates, "tile_candidates", lambda rho, bm, gated, fmt=None: [GemmTiles(16, 32, 1, 4, 2)])
+    entries = tune_module.tune({"small": small}, [1, 8], dtype=torch.float32, seed=0, warmup_ms=0, rep_ms=0, workers=0,
+                               log=lambda line: None, device="cpu", fused_shared=True)
+    assert [(e["E"], e["M"]) for e in entries] == [(9, 1), (9, 8)]
+    for entry in entries:
+        check_config("test", MoEConfig.from_dict(entry["config"]), layout="index_gather")
+    assert seen and {(k, e) for k, e, _ in seen} == {(3, 9)}
+    for _, _, blocks in seen:   # the shared expert's rows: one per token, in every block map timed
+        ids = blocks.expert_ids[blocks.expert_ids >= 0]
+        assert 8 in ids.tolist()
+    with pytest.raises(ValueError, match="one shared expert"):
+        tune_module.tune({"small": dataclasses.replace(small, num_shared_experts=0)}, [1], dtype=torch.float32,
+                         seed=0, warmup_ms=0, rep_ms=0, workers=0, device="cpu", fused_shared=True)
+
+    # The table these entries make, on an H200, is the one the fused layer takes there.
+    monkeypatch.setattr(config_module, "CONFIG_DIR", tmp_path)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "NVIDIA H200")
+    monkeypatch.setattr(tune_tables, "_triton_version", lambda: "3.6.0")
+    load_table.cache_clear()
+    config_module._cached_choice.cache_clear()
+    layer = MoELayer.random(small, dtype=torch.float32, device="cpu", seed=0)
+    fused = MoELayer(layer.weights, layer.routing, shared_expert="fused")
+    try:
+        before = fused.plan(1, device_name="NVIDIA H200").choice
+        assert before.source == "default" and ",E=8," in before.asked   # no table at all: the routed lookup's
+        tune_tables.write_tables(entries, torch.float32, "results/x/fused.json", "none", lambda *args: None,
+                                 fused_shared=True)
+        load_table.cache_clear()
+        config_module._cached_choice.cache_clear()
+        after = fused.plan(1, device_name="NVIDIA H200").choice
+        assert after.source == "table" and ",E=9," in after.table and after.entry == 1
+        assert layer.plan(1, device_name="NVIDIA H200").choice.source == "default"   # the routed layer: no table
+        measured = json.loads(next(tmp_path.glob("*E=9*")).read_text())["measured"]
+        assert "--fused-shared" in measured["method"] and "last slot" in measured["routing"]
+    finally:
+        load_table.cache_clear()
+        config_module._cached_choice.cache_clear()
 
 
 def test_tuning_tries_both_gemms_as_one_stream_on_the_cpu(monkeypatch):

@@ -355,7 +355,7 @@ def test_bench_tuning_fp8_candidates_run_the_fp8_k_step():
 @pytest.mark.parametrize("weight_format", ["none", "block"])
 def test_bench_tuning_compile_job_runs_each_format(weight_format):
     """The tuner's precompile job builds inputs in the format tuned (fp8 needs scales)."""
-    from moe_kernels.bench import tune
+    from moe_kernels.bench import tune_compile as tune
 
     job = {"d": 256, "f": 128, "top_k": 2, "block_m": 16, "naive": False, "sum_slots": False,
            "device": "cpu", "dtype": "float32", "format": weight_format,

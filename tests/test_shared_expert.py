@@ -123,19 +123,23 @@ def test_shared_ffn_wider_than_routed():
     assert torch.allclose(wide, summed, atol=1e-5)
 
 
-def test_fused_uses_routed_shape_tiles(monkeypatch):
+def test_fused_asks_for_its_own_table_then_the_routed_one(monkeypatch):
+    """The fused call's tiles: the table of its own problem (E+1 experts) first, and where there is none (here,
+    on any machine without tuned tables for this shape) the routed shape's, never straight to the default."""
+    import moe_kernels.kernels.config as config_module
+
     seen = []
-    real = se.get_config
+    real = config_module.choose_config
 
     def spy(M, E, N, K, dtype, device, **options):
         seen.append(E)
         return real(M, E, N, K, dtype, device, **options)
 
-    monkeypatch.setattr(se, "get_config", spy)
+    monkeypatch.setattr(config_module, "choose_config", spy)
     p = shared_problem(3, 6, 2, 32, 16, torch.float32, seed=10)
     w1_all, w2_all = se.stack_shared_expert(p["w1"], p["w2"], p["w1_shared"], p["w2_shared"])
     se.moe_with_shared_fused(p["hidden"], w1_all, w2_all, p["weights"], p["ids"])
-    assert seen == [6]
+    assert seen == [7, 6]
 
 
 def test_torch_fallback_matches(monkeypatch):

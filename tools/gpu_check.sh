@@ -13,7 +13,9 @@
 # paths), s30 (session 30 in one call: the half-tile tests, DeepSeek-V3's prefill GEMMs and layer, Qwen3's
 # decode stages), s30-layer, s30-defaults (the new defaults' GPU tests, the layer with "auto"), tma-store (GEMM 2's
 # TMA-store epilogue: its tests and the GEMMs' A/B), s31 (the layer with "auto" and GEMM 2 on half tiles, the
-# fixed unmarked tests, bench fp8), transposed-prefill (the transposed kernel's 64-row tiles at prefill), ceilings,
+# fixed unmarked tests, bench fp8), transposed-prefill (the transposed kernel's 64-row tiles at prefill), shared-fused
+# (DeepSeek-V3's shared expert fused as slot E: its fp8 tables tuned at decode, then the layer with it separate,
+# fused and left out), ceilings,
 # tune, refine, sweep, fp8, decode-step, layouts, routing, skew, shared, capacity, notebooks,
 # graphs (the CUDA-graph replay's and the split GEMM 1's GPU tests), assert-tests (the index-gather and CUDA-graph
 # GPU tests, the device-side id asserts among them), host-probe, model-probe, prefill, gate-routing
@@ -243,6 +245,15 @@ for step in "${steps[@]}"; do
              # commit it under another)
              PYTHONPATH="$PWD" timeout 100 $PY tools/permute_gluon_stages.py qwen3-30b-a3b 16384 2>&1 | grep -v Warning \
                  | tee "$OUT/s31-stages.log" | tail -n 34 || status=1 ;;
+        shared-fused) # session 32 (issue 19): DeepSeek-V3's routed experts with the shared expert fused as slot E tuned
+                      # in fp8 at decode (SHARED_FUSED_BATCHES, the E+1 tables written, budget SHARED_FUSED_TUNE_S), then
+                      # the layer with the shared expert left out, separate and fused (records shared-expert-ab)
+            timeout $(( ${SHARED_FUSED_TUNE_S:-240} + 120 )) $PY -m moe_kernels.bench tune --fused-shared --format block \
+                --models deepseek-v3 --batches "${SHARED_FUSED_BATCHES:-1,8,64}" --budget-s "${SHARED_FUSED_TUNE_S:-240}" \
+                --record --write-tables 2>&1 | grep -v Warning | tee "$OUT/shared-fused-tune.log" | tail -n 6 || status=1
+            tar czf "$OUT/results.tgz" results moe_kernels/kernels/configs
+            PYTHONPATH="$PWD" timeout 200 $PY tools/shared_expert_ab.py "${SHARED_AB_BATCHES:-1,8,64,512}" block 2>&1 \
+                | grep -v Warning | tee "$OUT/shared-expert-ab.log" | tail -n 8 || status=1 ;;
         decode-stages) # session 30: decode's stages alone on index-gather and on the transposed Gluon path, fp8 then
                        # bf16, with the floor and two plain reads (records decode-stages)
                        PYTHONPATH="$PWD" timeout 400 $PY tools/decode_stages.py qwen3-30b-a3b,deepseek-v3 1,8,64,256 2>&1 \

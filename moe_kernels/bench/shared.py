@@ -14,8 +14,10 @@ Each batch is checked first: both outputs against the float64 reference
 ids not range-checked, so nothing syncs with the host). Besides the two totals the parts are
 timed alone: the routed experts, the shared FFN, and the fused grouped GEMM with the nine-slot ids
 prepared beforehand (the splice itself is a few small torch kernels; SGLang does it inside its
-top-k kernel). Both ways use the tiles tuned for the routed shape, so the comparison is about
-fusion, not tile choice.
+top-k kernel). The separate way runs the routed shape's tuned tiles; the fused one the tiles tuned for
+its own problem (``E + 1`` experts, top-``(k+1)``: ``bench tune --fused-shared``) where this GPU has them,
+else the routed shape's too (:func:`~moe_kernels.kernels.config.choose_fused_shared_config`; the
+record's ``fused_config`` says which).
 
 The shared expert alone is timed two ways too: as two cuBLAS GEMMs (``shared_us``) and on the
 routed experts' kernels over a dense block map with the layer's tiles for it
@@ -86,7 +88,7 @@ def measure(batch: int, w1_all: torch.Tensor, w2_all: torch.Tensor, ceilings: di
     from .problems import make_batch
     from ..reference import moe_reference
     from ..kernels.routing import append_shared_expert
-    from ..kernels.config import TABLE_REACH, choose_config
+    from ..kernels.config import TABLE_REACH, choose_config, choose_fused_shared_config
     from ..kernels.formats import FORMATS
     from ..kernels.shared import moe_with_shared_fused, moe_with_shared_separate, shared_expert_separate
     from .ceilings import weight_reader
@@ -104,8 +106,11 @@ def measure(batch: int, w1_all: torch.Tensor, w2_all: torch.Tensor, ceilings: di
         return moe_with_shared_separate(hidden, w1, w2, weights, ids, w1_shared, w2_shared, config=config,
                                         validate_ids=False)
 
+    fused_choice = choose_fused_shared_config(batch, num_experts, f, d, dtype, hidden.device)
+
     def fused():
-        return moe_with_shared_fused(hidden, w1_all, w2_all, weights, ids, config=config, validate_ids=False)
+        return moe_with_shared_fused(hidden, w1_all, w2_all, weights, ids, config=fused_choice.config,
+                                     validate_ids=False)
 
     shared_choice = choose_config(batch, 1, f, d, dtype, hidden.device, reach=TABLE_REACH)   # as the layer does
 
@@ -132,7 +137,7 @@ def measure(batch: int, w1_all: torch.Tensor, w2_all: torch.Tensor, ceilings: di
         "shared_read_us": graph_us(weight_reader(w1_shared, w2_shared)),
         "fused_us": graph_us(fused),
         "fused_gemms_us": graph_us(lambda: index_gather.fused_experts(hidden, w1_all, w2_all, weights9, ids9,
-                                                                   config=config, validate_ids=False)),
+                                                                   config=fused_choice.config, validate_ids=False)),
     }
     work = count_work(model, ids, dtype.itemsize)
     nbytes = work["routed_weight_bytes"] + work["shared_weight_bytes"] + work["activation_bytes"]
@@ -152,6 +157,8 @@ def measure(batch: int, w1_all: torch.Tensor, w2_all: torch.Tensor, ceilings: di
         **errors,
         **times,
         "config": config.to_dict(),
+        "fused_config": {"source": fused_choice.source, "table": fused_choice.table, "entry": fused_choice.entry,
+                         **fused_choice.config.to_dict()},
     }
 
 

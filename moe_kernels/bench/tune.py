@@ -15,6 +15,10 @@ parallel processes (:func:`precompile`); ``--budget-s`` stops tuning new batches
 rows that every token uses, timed on the dense block map the layer runs it on (no index, GEMM 2
 storing each row once, GEMM 1 also split over K: at decode it has a single M block, so few
 programs); its tables are the ``E=1`` ones, which the layer's shared-expert lookup reads.
+``--fused-shared`` tunes routed experts with the shared expert fused as slot ``E`` (SGLang's way): every
+token's top-k plus that slot, ``k + 1`` rows a token over ``E + 1`` experts; its tables are the ``E + 1``
+ones, which a layer built with ``shared_expert="fused"`` reads
+(:func:`~moe_kernels.kernels.config.choose_fused_shared_config`).
 
 ``--format block`` tunes fp8 weights with 128x128 block scales (activations quantised outside
 the timed GEMMs, as the layer does before each); its tables are the fp8 ones. ``--refine`` times
@@ -32,11 +36,9 @@ count). ``--record`` writes ``results/<device>/<name>.json``;
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import dataclasses
 import json
 import math
-import multiprocessing
 import os
 import sys
 import time
@@ -47,6 +49,7 @@ from ..model.shapes import MODELS, shared_expert_shape
 from .cli import add_record_arguments, add_run_arguments, at_least, log_line, start_run, write_record
 from .problems import make_batch, make_weights
 from .timing import graphed, median_ms
+from .tune_compile import precompile
 from .tune_candidates import (MACHINERY_MARGIN, block_m_candidates, candidates, down_variants,  # noqa: F401
                               fits, plain_tiles, plainest_best, short, tile_candidates)
 from .tune_tables import write_tables
@@ -56,67 +59,9 @@ from .tune_tables import write_tables
 STREAM_LAG = 32
 
 
-def _compile_jobs(jobs: list[dict]) -> int:
-    """Run each job's kernel once on a tiny problem of the same shape class, so Triton compiles
-    it into its on-disk cache; used from worker processes to compile configurations in parallel."""
-    from ..kernels.config import GemmTiles
-    from ..kernels.blocks import assign_blocks, dense_blocks
-    from ..kernels.formats import FORMATS
-    from ..kernels.index_gather import down, expert_down, expert_gate_up
-
-    done = 0
-    for job in jobs:
-        d, f, top_k, block_m = job["d"], job["f"], job["top_k"], job["block_m"]
-        tiles = GemmTiles(**job["tiles"])
-        fmt = FORMATS[job.get("format", "none")]
-        on = dict(device=job["device"], dtype=getattr(torch, job["dtype"]))
-        try:
-            ids = torch.zeros(4, top_k, dtype=torch.int32, device=job["device"])
-            if job.get("dense"):   # a shared expert: one expert, every row, no index (as timed)
-                blocks = dense_blocks(4, block_m, ids)
-            else:
-                blocks = assign_blocks(ids, block_m, 1, naive=job["naive"], validate_ids=False)   # as timed
-            if job.get("dense") and not job["gated"]:
-                w, w_scale = fmt.quantize_weight(torch.randn(1, d, f, **on))
-                y, y_scale = fmt.quantize_activations(torch.randn(4, f, **on))
-                down(y, w, None, blocks, tiles=tiles, out=torch.empty(4, d, **on), a_scale=y_scale, w_scale=w_scale,
-                     fmt=fmt, sum_slots=False)
-            elif job["gated"]:
-                w, w_scale = fmt.quantize_weight(torch.randn(1, 2 * f, d, **on))
-                x, x_scale = fmt.quantize_activations(torch.randn(4, d, **on))
-                expert_gate_up(x, w, blocks, top_k, tiles=tiles, a_scale=x_scale, w_scale=w_scale,
-                               out_dtype=on["dtype"])
-            else:
-                weights = torch.rand(4, top_k, device=job["device"])
-                w, w_scale = fmt.quantize_weight(torch.randn(1, d, f, **on))
-                y, y_scale = fmt.quantize_activations(torch.randn(4 * top_k, f, **on))
-                expert_down(y, w, weights, blocks, tiles=tiles, a_scale=y_scale, w_scale=w_scale,
-                            out_dtype=on["dtype"], sum_slots=job["sum_slots"])
-            done += 1
-        except Exception:  # noqa: BLE001 - a config that cannot compile is skipped when timed too
-            pass
-    return done
-
-
-def precompile(jobs: list[dict], workers: int, log=print) -> None:
-    """Compile many configurations in parallel processes (Triton compiles one kernel per core)."""
-    if workers <= 1 or not jobs:
-        return
-    import moe_kernels.bench.tune as this_module  # a picklable reference even when run as __main__
-
-    start = time.perf_counter()
-    chunks = [jobs[i::workers] for i in range(workers)]
-    try:
-        ctx = multiprocessing.get_context("spawn")
-        with concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
-            done = sum(pool.map(this_module._compile_jobs, chunks))
-        log(f"precompiled {done}/{len(jobs)} kernels in {time.perf_counter() - start:.0f} s on {workers} processes")
-    except Exception as err:  # noqa: BLE001 - compiling serially later is slower, not wrong
-        log(f"parallel precompile failed ({err}); kernels compile on first use")
-
-
 def tune(models, batches, *, dtype, seed, warmup_ms, rep_ms, workers, budget_s=math.inf, log=print,
-         device="cuda", refine=False, weight_format: str = "none", shared: bool = False) -> list[dict]:
+         device="cuda", refine=False, weight_format: str = "none", shared: bool = False,
+         fused_shared: bool = False) -> list[dict]:
     """For each model and batch, the fastest (block_m, GEMM 1 tiles, GEMM 2 tiles) measured.
 
     ``models`` maps names to models; batches are tuned in the order given until ``budget_s``
@@ -129,7 +74,8 @@ def tune(models, batches, *, dtype, seed, warmup_ms, rep_ms, workers, budget_s=m
     :data:`~moe_kernels.kernels.formats.FORMATS` ("none": ``dtype`` weights; "block": fp8 with
     128x128 block scales, whose tables are the fp8 ones). ``shared``: ``models`` are shared
     experts (:func:`~moe_kernels.model.shapes.shared_expert_shape`), tuned on the dense block map
-    as the layer runs them (not with ``refine``)."""
+    as the layer runs them (not with ``refine``). ``fused_shared``: each model's routed experts with one
+    more expert, the shared one, in every token's ids as slot ``k + 1`` (entries keyed ``E + 1``)."""
     from .._checks import fail
     from ..kernels._pdl import pdl_available
     from ..kernels.blocks import assign_blocks, dense_blocks, use_naive_block_assignment
@@ -137,6 +83,7 @@ def tune(models, batches, *, dtype, seed, warmup_ms, rep_ms, workers, budget_s=m
     from ..kernels.config import MoEConfig, get_config
     from ..kernels.formats import FORMATS
     from ..kernels.index_gather import dense_expert, down, expert_down, expert_gate_up, run_experts
+    from ..kernels.routing import append_shared_expert
 
     fmt = FORMATS[weight_format]
     table_dtype = fmt.element or dtype
@@ -145,20 +92,27 @@ def tune(models, batches, *, dtype, seed, warmup_ms, rep_ms, workers, budget_s=m
     if shared and any(model.num_experts != 1 or model.top_k != 1 for model in models.values()):
         fail("tune", "models", "must be one-expert, top-1 shapes with shared=True (shared_expert_shape)",
              sorted(models))
+    if fused_shared and (shared or any(model.num_shared_experts != 1 for model in models.values())):
+        fail("tune", "models", "must each have one shared expert of the routed width with fused_shared=True "
+             "(and shared=False)", sorted(models))
+
+    def slots(model):   # (experts, rows a token) of the problem tuned: the shared slot fused adds one of each
+        return model.num_experts + fused_shared, model.top_k + fused_shared
 
     start = time.perf_counter()
     plans = []
     jobs = []
     for batch in batches:
         for key, model in models.items():
-            rho = batch * model.top_k / model.num_experts
+            experts, top_k = slots(model)
+            rho = batch * top_k / experts
             dense = shared   # a shared expert (--shared): the dense block map
-            naive = not dense and use_naive_block_assignment(batch, model.top_k, model.num_experts)
-            base = get_config(batch, model.num_experts, model.moe_intermediate_size, model.hidden_size,
+            naive = not dense and use_naive_block_assignment(batch, top_k, experts)
+            base = get_config(batch, experts, model.moe_intermediate_size, model.hidden_size,
                               table_dtype, device) if refine else None
             for bm in [base.block_m] if refine else block_m_candidates(rho):
                 for gated, summed, tiles in candidates(rho, bm, base=base, fmt=fmt, dense=dense):
-                    jobs.append({"d": model.hidden_size, "f": model.moe_intermediate_size, "top_k": model.top_k,
+                    jobs.append({"d": model.hidden_size, "f": model.moe_intermediate_size, "top_k": top_k,
                                  "block_m": bm, "naive": naive, "dense": dense, "gated": gated, "sum_slots": summed,
                                  "device": str(device), "dtype": str(dtype).replace("torch.", ""),
                                  "format": weight_format, "tiles": dataclasses.asdict(tiles)})
@@ -169,7 +123,7 @@ def tune(models, batches, *, dtype, seed, warmup_ms, rep_ms, workers, budget_s=m
     entries = []
     weights_of = {}
     for key, model in models.items():   # (w1, w1_scale, w2, w2_scale) in the format tuned
-        w1, w2 = make_weights(model, dtype, seed, device)
+        w1, w2 = make_weights(dataclasses.replace(model, num_experts=slots(model)[0]), dtype, seed, device)
         weights_of[key] = (*fmt.quantize_weight(w1), *fmt.quantize_weight(w2))
         del w1, w2
     _warm_up(device)
@@ -179,22 +133,25 @@ def tune(models, batches, *, dtype, seed, warmup_ms, rep_ms, workers, budget_s=m
                 f"what the tables hold)")
             break
         model = models[key]
+        experts, top_k = slots(model)
         w1, w1_scale, w2, w2_scale = weights_of[key]
         hidden, _, weights, ids = make_batch(model, batch, dtype, seed + batch, device)
+        if fused_shared:   # as the layer splices it in: id E, weight 1, in every token's last slot
+            weights, ids = append_shared_expert(weights, ids, model.num_experts)
         x, x_scale = fmt.quantize_activations(hidden)   # as the layer does, before GEMM 1
         numel = ids.numel()
         inter = torch.empty(numel, model.moe_intermediate_size, device=device, dtype=dtype)
-        per_slot = torch.empty(batch, model.top_k, model.hidden_size, device=device, dtype=dtype)
+        per_slot = torch.empty(batch, top_k, model.hidden_size, device=device, dtype=dtype)
         summed = torch.empty(batch, model.hidden_size, device=device, dtype=torch.float32)
         out = torch.empty(batch, model.hidden_size, device=device, dtype=dtype)
         per_block_m = {}   # MoEConfig -> (GEMM 1 ms, GEMM 2 with its sum ms)
         tried = []
-        base = get_config(batch, model.num_experts, model.moe_intermediate_size, model.hidden_size, table_dtype,
+        base = get_config(batch, experts, model.moe_intermediate_size, model.hidden_size, table_dtype,
                           device) if refine else None
         dense = shared
         for bm in [base.block_m] if refine else block_m_candidates(rho):
             blocks = (dense_blocks(batch, bm, ids) if dense
-                      else assign_blocks(ids, bm, model.num_experts, validate_ids=False))
+                      else assign_blocks(ids, bm, experts, validate_ids=False))
 
             def timed(call, what):
                 # Replayed from a CUDA graph, as the layer runs in an engine: launch overhead excluded.
@@ -205,7 +162,7 @@ def tune(models, batches, *, dtype, seed, warmup_ms, rep_ms, workers, budget_s=m
                     return math.inf
 
             def gate_up(t):
-                return lambda: expert_gate_up(x, w1, blocks, model.top_k, tiles=t, out=inter, a_scale=x_scale,
+                return lambda: expert_gate_up(x, w1, blocks, top_k, tiles=t, out=inter, a_scale=x_scale,
                                               w_scale=w1_scale, out_dtype=dtype)
 
             def down_and_sum(t, sum_in_gemm):
@@ -280,7 +237,7 @@ def tune(models, batches, *, dtype, seed, warmup_ms, rep_ms, workers, budget_s=m
             except Exception as err:  # noqa: BLE001 - recorded; the tiles stay chosen
                 tried.append({"gemm": "both", "error": str(err)[:120]})
         blocks = (dense_blocks(batch, cfg.block_m, ids) if dense
-                  else assign_blocks(ids, cfg.block_m, model.num_experts, validate_ids=False))
+                  else assign_blocks(ids, cfg.block_m, experts, validate_ids=False))
         variants = [dataclasses.replace(cfg, pdl=pdl, quant_in_gemm=quant, gate_up=wide_up if quant else cfg.gate_up)
                     for pdl, quant in combos] if len(combos) > 1 or streams else []
         for both in variants + streams:
@@ -301,7 +258,7 @@ def tune(models, batches, *, dtype, seed, warmup_ms, rep_ms, workers, budget_s=m
             + "".join(f"; experts call{' with PDL' if c.pdl else ''}{' quantising in GEMM 1' if c.quant_in_gemm else ''}"
                       f"{f' as one stream ({c.gate_up.num_warps} warps)' if c.stream_lag is not None else ''}"
                       f" {ms * 1e3:.1f} us" for c, ms in (switch_ms or {}).items()))
-        entries.append({"model": key, "format": weight_format, "E": model.num_experts,
+        entries.append({"model": key, "format": weight_format, "E": experts,
                         "N": model.moe_intermediate_size, "K": model.hidden_size, "M": batch, "config": cfg.to_dict(),
                         "gemm_ms": {"gate_up": t_up, "down": t_down},
                         "experts_ms_by_switches": [{"pdl": c.pdl, "quant_in_gemm": c.quant_in_gemm,
@@ -348,6 +305,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shared", action="store_true",
                         help="tune the models' shared experts instead (one expert, every token, on the dense block "
                              "map the layer runs them on); with --write-tables, the E=1 tables")
+    parser.add_argument("--fused-shared", action="store_true",
+                        help="tune the routed experts with the shared expert fused as slot E (top-(k+1) over E+1 "
+                             "experts; models with one shared expert); with --write-tables, the E+1 tables")
     dtype = torch.bfloat16
     args = parser.parse_args(argv)
     models = {m: MODELS[m] for m in args.models}
@@ -361,19 +321,33 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"argument --models: with --shared, every model must have a shared expert; "
                          f"{', '.join(without)} has none")
         models = {f"{m}:shared": shared_expert_shape(model) for m, model in models.items()}
+    if args.fused_shared:
+        if args.shared:
+            parser.error("argument --fused-shared: not with --shared")
+        without = [m for m, model in models.items() if model.num_shared_experts != 1]
+        if args.models == parser.get_default("models"):
+            models = {m: model for m, model in models.items() if m not in without}
+        elif without:
+            parser.error(f"argument --models: with --fused-shared, every model must have one shared expert; "
+                         f"{', '.join(without)} has not")
     args, config = start_run(parser, argv, dtype)
     if config is None:
         return 2
     if args.shared:   # the record names the shapes tuned, not the routed ones
         config.update(models={k: dataclasses.asdict(m) for k, m in models.items()},
                       routing="none: one expert that every token uses (a shared expert)")
+    if args.fused_shared:
+        config.update(routing="uniform top-k of the routed experts, then the shared expert (id E, weight 1) in "
+                              "every token's last slot")
     started = time.perf_counter()
     entries = tune(models, args.batches, dtype=dtype, seed=args.seed,
                    warmup_ms=args.warmup_ms, rep_ms=args.rep_ms, workers=args.workers, budget_s=args.budget_s,
-                   log=log_line, refine=args.refine, weight_format=args.format, shared=args.shared)
+                   log=log_line, refine=args.refine, weight_format=args.format, shared=args.shared,
+                   fused_shared=args.fused_shared)
     data = {"config": config, "device": torch.cuda.get_device_name(), "entries": entries}
     # (a refine times a few variants of today's tables: its record must not replace a full tune's)
-    name = args.name or ("fused-moe-tuning" + ("-shared" if args.shared else "") + ("-refine" if args.refine else "")
+    name = args.name or ("fused-moe-tuning" + ("-shared" if args.shared else "")
+                         + ("-fused-shared" if args.fused_shared else "") + ("-refine" if args.refine else "")
                          + ("" if args.format == "none" else f"-fp8-{args.format}"))
     if args.write_tables:
         from ..kernels.formats import FORMATS
@@ -381,7 +355,8 @@ def main(argv: list[str] | None = None) -> int:
         if not args.record:
             log_line("--write-tables without --record: the tables will name a record that this run does not write")
         where = f"{args.results_dir or 'results'}/{_device_dir()}/{name}.json"
-        write_tables(entries, FORMATS[args.format].element or dtype, where, args.format, log_line, shared=args.shared)
+        write_tables(entries, FORMATS[args.format].element or dtype, where, args.format, log_line, shared=args.shared,
+                     fused_shared=args.fused_shared)
     data["wall_s"] = time.perf_counter() - started
     if args.record:
         write_record(name, data, args.results_dir, log_line)

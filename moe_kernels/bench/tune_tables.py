@@ -16,10 +16,11 @@ import json
 import torch
 
 def write_tables(entries: list[dict], dtype: torch.dtype, record: str, weight_format: str, log,
-                 shared: bool = False) -> None:
+                 shared: bool = False, fused_shared: bool = False) -> None:
     """One table per tuned shape: the best config at each token count tuned (merged into the
     entries an existing table has at other token counts). ``shared``: the entries tuned a shared
-    expert (``tune --shared``), which the ``measured`` block says."""
+    expert (``tune --shared``), ``fused_shared`` the routed experts with the shared one as slot ``E``
+    (``tune --fused-shared``), which the ``measured`` block says."""
     from ..kernels.config import MoEConfig, load_table, table_name, write_table
 
     device = torch.cuda.get_device_name()
@@ -37,6 +38,10 @@ def write_tables(entries: list[dict], dtype: torch.dtype, record: str, weight_fo
             routing, method = ("none: one expert that every token uses (a shared expert)",
                                "python -m moe_kernels.bench tune --shared --write-tables (GEMM 1 and GEMM 2 on the "
                                "dense block map timed separately, each replayed from a CUDA graph, L2 flushed)")
+        if fused_shared:
+            routing = ("uniform top-k of the routed experts, then the shared expert (id E, weight 1) in every "
+                       "token's last slot")
+            method = method.replace("--write-tables", "--fused-shared --write-tables")
         measured = {"device": device, "torch": torch.__version__, "triton": _triton_version(), "routing": routing,
                     "weights": "bf16" if weight_format == "none" else f"fp8, format {weight_format!r} "
                                "(128x128 block scales, 1x128 activation groups)",

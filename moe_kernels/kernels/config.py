@@ -536,6 +536,30 @@ def get_config(M: int, E: int, N: int, K: int, dtype: torch.dtype, device: torch
     return choose_config(M, E, N, K, dtype, device, layout=layout, align=align).config
 
 
+def choose_fused_shared_config(M: int, num_routed: int, N: int, K: int, dtype: torch.dtype,
+                               device: torch.device | str, *, layout: str = "index_gather",
+                               device_name: str | None = None) -> ConfigChoice:
+    """The tiles for ``num_routed`` routed experts with a shared expert fused as slot ``E``
+    (top-``(k+1)`` over ``E + 1`` experts): the table tuned for that problem (key ``E + 1``,
+    ``bench tune --fused-shared``) where this GPU has one, else the routed shape's table (the extra
+    slot is no reason to fall back to the untuned default).
+
+    Why a table of its own: the routed table's tiles fit the routed work, and one more expert can
+    tip them into another wave. DeepSeek-V3's bf16 entry at one token gives GEMM 1 one program per
+    SM (three stages of a 16 x 128 activation tile and two 128 x 128 weight tiles: 204 KiB of
+    shared memory) over 16 column tiles an expert: 8 experts make 128 programs for the H200's 132
+    SMs, 9 make 144, and 12 of them run in a second wave (``shared-expert.json``: the fused call's
+    GEMMs took 218.7 us against 170.7 for the routed experts alone).
+
+        >>> choose_fused_shared_config(1, 256, 2048, 7168, torch.bfloat16, "cpu").source   # no table on a CPU
+        'default'
+    """
+    fused = choose_config(M, num_routed + 1, N, K, dtype, device, layout=layout, device_name=device_name)
+    if fused.source == "table":
+        return fused
+    return choose_config(M, num_routed, N, K, dtype, device, layout=layout, device_name=device_name)
+
+
 def tuned_block_m(num_experts: int, intermediate_size: int, hidden_size: int, *,
                   device_name: str = "NVIDIA H200", dtype: torch.dtype = torch.bfloat16) -> dict[int, int]:
     """The M tile the tuned index-gather table picked at each token count it was tuned for, for

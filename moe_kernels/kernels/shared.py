@@ -47,7 +47,7 @@ from __future__ import annotations
 import torch
 
 from .._checks import check_ids_in_range, check_int, check_tensor, fail
-from .config import MoEConfig, get_config
+from .config import MoEConfig, choose_fused_shared_config
 from .index_gather import fused_experts
 from .routing import append_shared_expert
 
@@ -160,9 +160,9 @@ def moe_with_shared_fused(hidden_states: torch.Tensor, w1_with_shared: torch.Ten
     is spliced in as id ``E`` with ``shared_weight`` by :func:`append_shared_expert` (see there
     for when a weight other than 1 is right).
 
-    ``config`` defaults to the tiles :func:`get_config` picks for the *routed* shape: the tuned
-    tables are keyed by ``E``, and the extra slot is not a reason to fall back to the untuned
-    default. ``validate_ids`` checks that the routed ids lie in ``[0, E)``; an id equal to ``E``
+    ``config`` defaults to :func:`~moe_kernels.kernels.config.choose_fused_shared_config`'s tiles: the
+    table tuned for this problem (``E + 1`` experts, top-``(k+1)``) where there is one, else the routed
+    shape's (the extra slot is not a reason to fall back to the untuned default). ``validate_ids`` checks that the routed ids lie in ``[0, E)``; an id equal to ``E``
     would silently select the shared expert.
     """
     func = "moe_with_shared_fused"
@@ -193,8 +193,8 @@ def moe_with_shared_fused(hidden_states: torch.Tensor, w1_with_shared: torch.Ten
     # The spliced weights are float32 whatever the routed ones are (fused_experts accepts any float dtype).
     weights, ids = append_shared_expert(topk_weights.float(), topk_ids, num_routed, shared_weight=shared_weight)
     if config is None:
-        config = get_config(hidden_states.shape[0], num_routed, w1_with_shared.shape[1] // 2,
-                            w1_with_shared.shape[2], hidden_states.dtype, hidden_states.device)
+        config = choose_fused_shared_config(hidden_states.shape[0], num_routed, w1_with_shared.shape[1] // 2,
+                                            w1_with_shared.shape[2], hidden_states.dtype, hidden_states.device).config
     return fused_experts(hidden_states, w1_with_shared, w2_with_shared, weights, ids, config=config,
                          validate_ids=False)
 

@@ -1,0 +1,90 @@
+"""Issue 19: what DeepSeek-V3's shared expert adds to the whole layer at decode, run beside the routed experts
+or fused among them as slot E, against its read floor.
+
+``MoELayer(x)`` on the same random weights three ways: the routed layer alone (the shared expert left out), the
+shared expert ``"separate"`` (the routed experts' kernels on a dense block map with its E=1 table, or cuBLAS where
+the plan says so; its output joins GEMM 2's top-k sum) and ``"fused"`` (expert E of the stacked weights, every
+token's last slot: the E+1 table ``bench tune --fused-shared`` wrote where there is one, else the routed one;
+the plan's table is recorded). bf16 and fp8 block weights. Beside them a plain read of the shared expert's two
+weight tensors, one launch each (``ceilings.weight_reader``). Each call replayed from a CUDA graph with the L2
+flushed before each replay, four rounds, every other one in reverse order, the lowest round median kept
+(``timing.time_lowest``); the two layers with a shared expert are checked against each other.
+
+What the shared expert costs is the layer with it minus the routed layer; its floor is its weight bytes over the
+read bandwidth measured in the same run (the larger of that and its FLOPs over the dense GEMM rate: at 512 tokens
+DeepSeek-V3's shared expert is 44 GFLOP). Issue 19 asks for at most 1.2 times that floor at 512 tokens or fewer.
+
+    PYTHONPATH=. python tools/shared_expert_ab.py [batches] [formats]   # GPU: records shared-expert-ab.json
+    PYTHONPATH=. TRITON_INTERPRET=1 python tools/shared_expert_ab.py    # CPU: a small shape, the checks only
+"""
+import dataclasses
+import sys
+
+import torch
+
+from moe_kernels import MoELayer
+from moe_kernels.bench.ceilings import measure_gemm_rate, measure_read_bandwidth, weight_reader
+from moe_kernels.bench.timing import time_lowest
+from moe_kernels.model.shapes import MODELS
+from moe_kernels.results import record_tool
+
+device = "cuda" if torch.cuda.is_available() else "cpu"   # (the CPU: a small shape under the interpreter)
+batches = [int(b) for b in sys.argv[1].split(",")] if len(sys.argv) > 1 else [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+formats = sys.argv[2].split(",") if len(sys.argv) > 2 else ["block", "none"]   # fp8 first: the layer engines run
+model = MODELS["deepseek-v3"]
+shrink = {} if device == "cuda" else {"hidden_size": 128, "intermediate_size": 128}
+if device == "cpu":
+    batches = [1, 5]
+dtype = torch.bfloat16 if device == "cuda" else torch.float32   # (the interpreter's bf16 dot is wrong)
+d = shrink.get("hidden_size", model.hidden_size)
+f = shrink.get("intermediate_size", model.moe_intermediate_size)
+ceilings = ({"read_bandwidth": measure_read_bandwidth(), "gemm_rate_bf16": measure_gemm_rate()} if device == "cuda"
+            else {"read_bandwidth": 1.0, "gemm_rate_bf16": 1.0})
+rows = []
+
+
+def plan_note(layer, batch):
+    plan = layer.plan(batch, dtype=dtype)
+    return {"layout": plan.layout, "config_source": plan.choice.source, "table": plan.choice.table,
+            "entry": plan.choice.entry, "config": dataclasses.asdict(plan.config),
+            "shared_config_source": None if plan.shared_choice is None else plan.shared_choice.source}
+
+
+for fmt in formats:
+    layers = {"separate": MoELayer.random(model, dtype=dtype, device=device, seed=0, **shrink)}
+    if fmt != "none":
+        layers["separate"] = layers["separate"].quantized(fmt)
+    weights, routing = layers["separate"].weights, layers["separate"].routing
+    layers["routed only"] = MoELayer(dataclasses.replace(weights, shared_w13=None, shared_w2=None,
+                                                         shared_w13_scale=None, shared_w2_scale=None), routing)
+    layers["fused"] = MoELayer(weights, routing, shared_expert="fused")   # (a copy of the experts: 11-23 GB)
+    shared_bytes = sum(t.numel() * t.element_size() for t in (weights.shared_w13, weights.shared_w2))
+    read = weight_reader(weights.shared_w13, weights.shared_w2) if device == "cuda" else None
+    for batch in batches:
+        x = torch.randn(batch, d, device=device, dtype=dtype, generator=torch.Generator(device).manual_seed(batch))
+        candidates = {name: (lambda layer=layer: layer(x)) for name, layer in layers.items()}
+        if read is not None:
+            candidates["shared read"] = read
+        reference = layers["separate"](x)
+        lowest, rounds, errors, rel = time_lowest(candidates, reference, tolerance=3e-2, warmup_ms=5, rep_ms=30,
+                                                  unchecked=("routed only", "shared read"), rounds=4, alternate=True)
+        floor_us = 1e6 * max(shared_bytes / ceilings["read_bandwidth"],
+                             batch * 6 * d * f / ceilings["gemm_rate_bf16"])
+        cost = {way: lowest[way] - lowest["routed only"] for way in ("separate", "fused")
+                if way in lowest and "routed only" in lowest}
+        row = {"format": fmt, "batch": batch, "us": lowest, "rounds_us": rounds, "errors": errors,
+               "rel_err_vs_separate": rel, "shared_bytes": shared_bytes, "shared_floor_us": floor_us,
+               "shared_cost_us": cost, "shared_cost_over_floor": {way: c / floor_us for way, c in cost.items()},
+               "plans": {name: plan_note(layer, batch) for name, layer in layers.items()}}
+        rows.append(row)
+        record_tool("shared-expert-ab", rows, {"model": "deepseek-v3", "batches": batches, "formats": formats,
+                                               "rounds": 4, "order": "reversed every other round",
+                                               "ceilings": ceilings, "dtype": str(dtype)})
+        print(f"{fmt:<5} {batch:>4}: " + "  ".join(f"{name} {us:8.1f}" for name, us in lowest.items())
+              + " us | shared costs " + "  ".join(f"{way} {c:6.1f} us ({c / floor_us:4.2f}x floor {floor_us:.1f})"
+                                                   for way, c in cost.items())
+              + f" | fused table {row['plans']['fused']['table']}" + (f"  errors {errors}" if errors else ""),
+              flush=True)
+    del layers, weights, read
+    if device == "cuda":
+        torch.cuda.empty_cache()
