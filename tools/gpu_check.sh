@@ -254,6 +254,10 @@ for step in "${steps[@]}"; do
             tar czf "$OUT/results.tgz" results moe_kernels/kernels/configs
             PYTHONPATH="$PWD" timeout 200 $PY tools/shared_expert_ab.py "${SHARED_AB_BATCHES:-1,8,64,512}" block 2>&1 \
                 | grep -v Warning | tee "$OUT/shared-expert-ab.log" | tail -n 8 || status=1 ;;
+        router-floor) # session 32 (issue 19): bench routing --gate-routing at 1, 64, 512 tokens with the new row, a launch
+                      # that only reads as many bytes as the gate's operands (records gate-routing: commit under another name)
+            timeout 240 $PY -m moe_kernels.bench routing --gate-routing --batches 1,64,512 --record 2>&1 | grep -v Warning \
+                | tee "$OUT/router-floor.log" | tail -n 6 || status=1 ;;
         decode-stages) # session 30: decode's stages alone on index-gather and on the transposed Gluon path, fp8 then
                        # bf16, with the floor and two plain reads (records decode-stages)
                        PYTHONPATH="$PWD" timeout 400 $PY tools/decode_stages.py qwen3-30b-a3b,deepseek-v3 1,8,64,256 2>&1 \

@@ -129,7 +129,10 @@ def gate_routing_ab(model_name: str, num_tokens: int, *, seed: int = 0) -> dict:
       (no alignment: two launches); the alignment launch's parts (``chained align wait only``: its
       wait and one read, the floor of a third launch; ``no tail``; ``other warps``; ``chunked``, the
       many-program body where the default is one program); and the gate's token
-      block (``chained gate 16/32/64``, with and without the alignment).
+      block (``chained gate 16/32/64``, with and without the alignment);
+    * ``read of the gate's operands``: one launch that only reads as many bytes as ``x`` and the gate's weight
+      (:func:`~moe_kernels.bench.ceilings.weight_reader` on a buffer of that size, rounded up to 4 KiB): the
+      floor of any router, which must read both before it can rank a token's experts.
 
     Checked first: the one-launch ids and weights equal the routing kernel's on its own logits, its
     logits are within the tensor-core gate's error of ``router_logits``', its alignment equals the
@@ -141,6 +144,7 @@ def gate_routing_ab(model_name: str, num_tokens: int, *, seed: int = 0) -> dict:
     from ..kernels.gate_routing import ALIGN_MAX_ASSIGNMENTS, gate_and_route, gate_route_and_align
     from ..kernels.routing import router_logits
     from ..layer_spec import Routing
+    from .ceilings import weight_reader
 
     model = MODELS[model_name]
     d, num_experts = model.hidden_size, model.num_experts
@@ -263,6 +267,12 @@ def gate_routing_ab(model_name: str, num_tokens: int, *, seed: int = 0) -> dict:
                 raise AssertionError(f"{name} {model.name} at {num_tokens}: differs from the one-launch router "
                                      f"(largest logit difference {float((got[2] - aligned[2]).abs().max()):.2e}, "
                                      f"the gates' {error:.2e}; tokens with other ids {other_ids.get(name, 0)})")
+    # What any launch that reads the gate's operands takes: one launch reading as many bytes (x and the gate's
+    # weight, one fresh buffer), the floor under every router above (each reads at least these bytes first).
+    operand_bytes = x.numel() * x.element_size() + gate.numel() * gate.element_size()
+    read_block = 1024
+    fns["read of the gate's operands"] = weight_reader(
+        torch.empty(-(-operand_bytes // (4 * read_block)) * read_block, device=x.device), block=read_block)
     # Warm: graph replays back to back (the gate stays in L2). Cold: do_bench flushes the L2 before
     # each replay, as a decode step does in effect (the experts' weights evict the gate). Two rounds
     # each, interleaved; the lower kept.
