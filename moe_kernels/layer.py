@@ -46,17 +46,18 @@ from .layer_router import choose_router, route
 from .kernels.config import (TABLE_REACH, ConfigChoice, MoEConfig, check_config, choose_config,
                              choose_fused_shared_config)
 from .kernels.formats import WeightFormat
-from .kernels.index_gather import dense_expert, run_experts
+from .kernels.index_gather import run_experts
 from .kernels.layout_choice import AUTO, check_layout, choose_layout
 from .kernels.layouts import LAYOUTS
 from .kernels.routing import router_logits
-from .kernels.shared import shared_ffn
+from .kernels.shared_choice import choose_shared_slot
+from .layer_shared import runs_apart, shared_expert_output, shared_tensors, with_shared_slot
 from .layer_spec import LayerWeights, Routing, check_hidden
 from .model.buffers import m_max_token_budget
 from .model.shapes import MODELS, MoEModel
 from .reference import moe_reference, moe_reference_fp8
 
-SHARED_EXPERT = ("separate", "fused")
+SHARED_EXPERT = ("separate", "fused", AUTO)
 #: Up to this many tokens a separate 16/32-bit shared expert runs as the routed experts' two GEMMs
 #: on a dense block map (two launches) instead of cuBLAS (two GEMMs and four elementwise torch
 #: operations). On the H200 (DeepSeek-V3's 88 MB shared expert, CUDA graphs) the two take the same
@@ -77,9 +78,9 @@ class LayerPlan:
     format: WeightFormat
     choice: ConfigChoice
     naive_blocks: bool | None
-    #: The tiles of a shared expert run separately on the dense block map (one expert, every
+    #: The tiles of a shared expert run apart on the dense block map (one expert, every
     #: token: its own table lookup; fp8 always, 16/32-bit up to ``DENSE_SHARED_MAX_TOKENS``);
-    #: None when the shared expert runs as cuBLAS GEMMs, fused, or there is none.
+    #: None when the shared expert runs as cuBLAS GEMMs, as a slot, or there is none.
     shared_choice: ConfigChoice | None = None
     #: The gate and the routing in one router (:mod:`moe_kernels.layer_router`: one launch up to
     #: ``GATE_ROUTING_MAX_TOKENS``, or ``chained`` launches up to ``CHAINED_ROUTER_MAX_TOKENS``), and the alignment too
@@ -92,6 +93,8 @@ class LayerPlan:
     #: call's defaults, 128 rows and the ``permute_gluon`` switch).
     align: int | None = None
     gemm: str | None = None
+    #: A stacked shared expert (``shared_expert`` "fused" or "auto") as slot k+1 of the routed GEMMs this batch.
+    shared_slot: bool = False
 
     @property
     def config(self) -> MoEConfig:
@@ -110,21 +113,25 @@ def _gluon_runs(device: torch.device, activation_dtype: torch.dtype, device_name
 
 def plan_layer(func: str, weights: LayerWeights, routing: Routing, layout: str, num_tokens: int,
                activation_dtype: torch.dtype, device: torch.device, *, config: MoEConfig | None = None,
-               device_name: str | None = None) -> LayerPlan:
+               device_name: str | None = None, shared_expert: str | None = None) -> LayerPlan:
     """The :class:`LayerPlan` of a call (``config`` given: that config, checked for ``layout``;
-    ``layout="auto"``: :func:`~moe_kernels.kernels.layout_choice.choose_layout`'s layout and tiles)."""
+    ``layout="auto"``: :func:`~moe_kernels.kernels.layout_choice.choose_layout`'s layout and tiles;
+    ``shared_expert="auto"``: a stacked shared expert as a slot where
+    :func:`~moe_kernels.kernels.shared_choice.choose_shared_slot` says so, else always, if stacked)."""
     e, f, d = weights.num_experts, weights.w2.shape[2], weights.w2.shape[1]
     table_dtype = weights.format.element or activation_dtype
+    slot = weights.shared_fused and (shared_expert != AUTO or choose_shared_slot(
+        num_tokens, e, f, d, weights.format.name, device, device_name=device_name))
     measured = None
     if layout == AUTO:   # measured for the routed experts alone, with the layer's own tiles: only then
         picked = (choose_layout(num_tokens, e, f, d, weights.format.name, device, device_name=device_name)
-                  if config is None and not weights.shared_fused else None)
+                  if config is None and not slot else None)
         if picked is not None and picked.gemm == "gluon" and not _gluon_runs(device, activation_dtype, device_name):
             picked = None   # (measured with the Gluon GEMMs; the Triton ones lost to index-gather there)
         layout = picked.layout if picked is not None else "index_gather"
         measured = picked if picked is not None and picked.config is not None else None
     m = m_max_token_budget(num_tokens) if layout == "masked" else num_tokens
-    choose = choose_fused_shared_config if weights.shared_fused else choose_config   # (slot E: its table if tuned)
+    choose = choose_fused_shared_config if slot else choose_config   # (slot E: its own table where tuned)
     choice = choose(m, e, f, d, table_dtype, device, layout=layout, device_name=device_name)
     if measured is not None:   # the tiles the crossover was measured with
         choice = ConfigChoice(measured.config, "layout-choice", choice.asked, "layout-choices", measured.from_tokens)
@@ -132,18 +139,17 @@ def plan_layer(func: str, weights: LayerWeights, routing: Routing, layout: str, 
         choice = ConfigChoice(check_config(func, config, layout=layout), "argument", choice.asked)
     naive = None
     if layout == "index_gather":
-        slots, experts = routing.top_k + weights.shared_fused, e + weights.shared_fused
+        slots, experts = routing.top_k + slot, e + slot
         naive = num_tokens * slots * 4 <= experts   # vLLM's rule (moe_kernels.kernels.blocks)
     shared_choice = None
-    if weights.shared_w13 is not None and not weights.shared_fused and (
-            weights.format.quantized or num_tokens <= DENSE_SHARED_MAX_TOKENS):
-        shared_choice = choose_config(num_tokens, 1, weights.shared_w2.shape[1], d, weights.format.element or
+    if runs_apart(weights, slot) and (weights.format.quantized or num_tokens <= DENSE_SHARED_MAX_TOKENS):
+        shared_choice = choose_config(num_tokens, 1, shared_tensors(weights)[1].shape[1], d, weights.format.element or
                                       activation_dtype, device, device_name=device_name, reach=TABLE_REACH)
     # The router (moe_kernels.layer_router): the two steps, or one router that may align the ids too.
     router = choose_router(num_tokens, weights.gate.dtype == activation_dtype, routing.top_k,
-                           naive is False and not weights.shared_fused and choice.config.one_launch is None)
+                           naive is False and not slot and choice.config.one_launch is None)
     permute = (measured.align, measured.gemm) if measured is not None else (None, None)
-    return LayerPlan(num_tokens, layout, weights.format, choice, naive, shared_choice, *router, *permute)
+    return LayerPlan(num_tokens, layout, weights.format, choice, naive, shared_choice, *router, *permute, slot)
 
 
 def run_layer(plan: LayerPlan, hidden_states: torch.Tensor, weights: LayerWeights, routing: Routing) -> torch.Tensor:
@@ -151,17 +157,15 @@ def run_layer(plan: LayerPlan, hidden_states: torch.Tensor, weights: LayerWeight
     w, fmt = weights, plan.format
     topk_weights, topk_ids, blocks = route(plan, hidden_states, w, routing)
     shared_gate = None if w.shared_gate is None else torch.sigmoid(router_logits(hidden_states, w.shared_gate))
-    if w.shared_fused:   # the shared expert as slot k+1, id E, weight 1 (or its gate): routed weights are scaled
-        # Made at every call (not kept in the plan): a CUDA graph captures the fill with the call.
-        column = torch.ones_like(topk_weights[:, :1]) if shared_gate is None else shared_gate
-        topk_weights = torch.cat([topk_weights, column], dim=1)
-        topk_ids = torch.cat([topk_ids, torch.full_like(topk_ids[:, :1], w.num_experts)], dim=1)
+    if plan.shared_slot:   # the shared expert as slot k+1, id E, weight 1 (or its gate): routed weights are scaled
+        topk_weights, topk_ids = with_shared_slot(topk_weights, topk_ids, w, shared_gate)
+    apart = runs_apart(w, plan.shared_slot)
     in_gemm = plan.layout == "index_gather"
     # fp8: the routed and the shared experts read the same quantised activations; quantise once.
     # (both GEMMs in one launch read the unquantised activations: quantised only for a shared expert)
-    quantize = fmt.quantized and in_gemm and (plan.config.one_launch is None or w.shared_w13 is not None)
+    quantize = fmt.quantized and in_gemm and (plan.config.one_launch is None or apart)
     activations = fmt.quantize_activations(hidden_states) if quantize else None
-    shared = None if w.shared_w13 is None else shared_expert_output(plan, hidden_states, w, shared_gate, activations)
+    shared = shared_expert_output(plan, hidden_states, w, shared_gate, activations) if apart else None
     if in_gemm:   # the shared output joins the top-k sum (no separate addition)
         return run_experts(hidden_states, w.w13, w.w2, topk_weights, topk_ids, fmt=fmt, config=plan.config,
                            w1_scale=w.w13_scale, w2_scale=w.w2_scale, naive=plan.naive_blocks, ids="trusted",
@@ -171,19 +175,6 @@ def run_layer(plan: LayerPlan, hidden_states: torch.Tensor, weights: LayerWeight
     out = LAYOUTS[plan.layout].experts()(hidden_states, w.w13, w.w2, topk_weights, topk_ids, config=plan.config,
                                          validate_ids=False, **scales, **measured)
     return out if shared is None else out.add_(shared)
-
-
-def shared_expert_output(plan: LayerPlan, hidden_states: torch.Tensor, w: LayerWeights, shared_gate, activations):
-    """The separate shared expert's ``[T, d]`` (times Qwen2-MoE's sigmoid gate, if any): the
-    routed experts' GEMMs (W8A8 in fp8) on a dense block map (one expert, every token: no
-    alignment, no top-k sum) with the plan's own tiles, or cuBLAS GEMMs where the plan has none
-    (16/32-bit weights above ``DENSE_SHARED_MAX_TOKENS`` tokens)."""
-    if plan.shared_choice is None:
-        shared = shared_ffn(hidden_states, w.shared_w13, w.shared_w2)
-        return shared if shared_gate is None else shared.mul_(shared_gate.to(shared.dtype))
-    return dense_expert(hidden_states, w.shared_w13, w.shared_w2, fmt=plan.format, config=plan.shared_choice.config,
-                        w1_scale=w.shared_w13_scale, w2_scale=w.shared_w2_scale, weight=shared_gate,
-                        activations=activations)
 
 
 def moe_layer(hidden_states: torch.Tensor, weights: LayerWeights, *, routing: Routing,
@@ -211,7 +202,8 @@ class MoELayer(torch.nn.Module):
     """A real model's MoE layer: its tensors (as buffers: inference only) and its routing rules.
 
     ``layout`` picks the grouped-GEMM layout (``"auto"``: by batch, from measured crossovers,
-    :mod:`moe_kernels.kernels.layout_choice`); ``shared_expert`` (``"separate"`` or ``"fused"``)
+    :mod:`moe_kernels.kernels.layout_choice`); ``shared_expert`` (``"separate"``, ``"fused"`` or ``"auto"``:
+    by batch, from measured crossovers, :mod:`moe_kernels.kernels.shared_choice`; :mod:`moe_kernels.layer_shared`)
     how a shared expert runs. Build one with :meth:`random` (a model's shape, random weights) or
     :meth:`from_pretrained_layer` (one layer of a Hugging Face checkpoint).
     """
@@ -226,11 +218,11 @@ class MoELayer(torch.nn.Module):
             fail(func, "routing", "must be a Routing", type(routing).__name__, TypeError)
         check_layout(func, layout, weights.format)
         if shared_expert not in SHARED_EXPERT:
-            fail(func, "shared_expert", "must be 'separate' or 'fused'", repr(shared_expert))
+            fail(func, "shared_expert", "must be 'separate', 'fused' or 'auto'", repr(shared_expert))
         routing.check_against(func, weights.gate, weights.bias)
         self.routing, self.layout, self.shared_expert = routing, layout, shared_expert
         self._fields = [f.name for f in dataclasses.fields(LayerWeights) if f.init and f.name != "shared_fused"]
-        weights = weights.fuse_shared() if shared_expert == "fused" else weights
+        weights = weights.fuse_shared() if shared_expert != "separate" else weights
         self._shared_fused = weights.shared_fused
         for name in self._fields:
             self.register_buffer(name, getattr(weights, name))
@@ -284,7 +276,7 @@ class MoELayer(torch.nn.Module):
         device = weights.gate.device if device is None else torch.device(device)
         if device_name is not None:
             return plan_layer(func, weights, self.routing, self.layout, num_tokens, dtype, device,
-                              device_name=device_name)
+                              device_name=device_name, shared_expert=self.shared_expert)
         return self._plan(num_tokens, dtype, device)
 
     def _plan(self, num_tokens: int, dtype: torch.dtype, device: torch.device) -> LayerPlan:
@@ -294,7 +286,7 @@ class MoELayer(torch.nn.Module):
             if len(self._plans) >= 512:   # many batch sizes (prefill): keep the cache bounded
                 self._plans.clear()
             plan = self._plans[key] = plan_layer("MoELayer", self.weights, self.routing, self.layout, num_tokens,
-                                                 dtype, device)
+                                                 dtype, device, shared_expert=self.shared_expert)
         return plan
 
     def forward(self, hidden_states: torch.Tensor, *, config: MoEConfig | None = None) -> torch.Tensor:
@@ -307,7 +299,7 @@ class MoELayer(torch.nn.Module):
         check_hidden("MoELayer", hidden_states, weights)
         if config is not None:
             plan = plan_layer("MoELayer", weights, self.routing, self.layout, hidden_states.shape[0],
-                              hidden_states.dtype, hidden_states.device, config=config)
+                              hidden_states.dtype, hidden_states.device, config=config, shared_expert=self.shared_expert)
         else:
             plan = self._plan(hidden_states.shape[0], hidden_states.dtype, hidden_states.device)
         return run_layer(plan, hidden_states, weights, self.routing)

@@ -427,6 +427,63 @@ def test_auto_layout_follows_the_measured_crossover(model_name, fmt, device_name
         assert given.layout == "index_gather" and given.choice.source == "argument"
 
 
+@pytest.mark.parametrize("device_name", [H100, H200])
+def test_auto_shared_expert_follows_the_measured_choice(device_name):
+    """``shared_expert="auto"``: DeepSeek-V3's fp8 shared expert runs as slot E up to the measured
+    crossover of ``shared-choices.json`` (the H100's: 64 tokens) on the table tuned for the fused problem
+    (E + 1 experts), and apart above it, on the routed table and its own dense tiles; a GPU, shape or format
+    with no entry runs it apart at every batch, as ``"separate"`` does."""
+    from moe_kernels.kernels.shared_choice import load_shared_choices
+    from moe_kernels.kernels.layout_choice import shape_key
+
+    model = MODELS["deepseek-v3"]
+    key = shape_key(device_name, model.num_experts, model.moe_intermediate_size, model.hidden_size,
+                    FORMATS["block"].name)
+    up_to = load_shared_choices().get(key)
+    assert (up_to == 64) == (device_name == H100)
+    auto = meta_layer("deepseek-v3", "block", "index_gather", "auto")
+    separate = meta_layer("deepseek-v3", "block", "index_gather", "separate")
+    fused = meta_layer("deepseek-v3", "block", "index_gather", "fused")
+    for batch in (1, 8, 64, 65, 512):
+        plan = auto.plan(batch, device_name=device_name)
+        slot = up_to is not None and batch <= up_to
+        assert plan.shared_slot == slot and (plan.shared_choice is None) == slot
+        like = (fused if slot else separate).plan(batch, device_name=device_name)
+        assert plan.choice == like.choice and plan.naive_blocks == like.naive_blocks
+        assert plan.shared_choice == like.shared_choice
+        if slot and device_name == H100:   # the fused problem's own table, tuned for the H100
+            assert ",E=257," in plan.choice.table
+    for fmt in ("none",):   # no entry for bf16 weights: apart at every batch
+        assert not meta_layer("deepseek-v3", fmt, "index_gather", "auto").plan(8, device_name=H100).shared_slot
+
+
+@pytest.mark.parametrize("fmt", ["none", "block"])
+def test_auto_shared_expert_runs_both_ways(monkeypatch, fmt):
+    """Through the layer's call, with a stand-in choice (a slot up to 4 tokens): a slot batch runs the stacked
+    shared expert among the routed experts (no dense launch), a larger one apart on views of the same stacked
+    tensors (the dense launches, no second copy), and both give the reference's answer."""
+    import moe_kernels.layer as layer_module
+    from moe_kernels.layer_shared import shared_tensors
+
+    monkeypatch.setattr(layer_module, "choose_shared_slot", lambda M, *args, **kwargs: M <= 4)
+    layer = small_layer(fmt, "index_gather", "auto")
+    weights = layer.weights
+    assert weights.shared_fused and weights.shared_w13 is None
+    w13, w2, w13_scale, _ = shared_tensors(weights)
+    assert w13.data_ptr() == weights.w13[weights.num_experts].data_ptr()
+    assert (w13_scale is None) == (fmt == "none")
+    for batch, slot in ((3, True), (9, False)):
+        x = torch.randn(batch, 256, generator=torch.Generator().manual_seed(batch)).to(DEVICE)
+        plan = layer.plan(batch, dtype=x.dtype)
+        assert plan.shared_slot == slot
+        with record_launches() as launches:
+            out = layer(x)
+        dense = [s for name, s in launches if name == "index_gather.gemm" and s["dense"]]
+        if HAS_TRITON and BACKEND != "torch":
+            assert (len(dense) == 0) == slot, launches
+        assert rel_err(out, layer.reference(x)) < (1e-3 if fmt == "none" else 3e-2)
+
+
 def test_auto_layout_runs_the_layout_it_picks(monkeypatch):
     """Through the layer's call: where the choice says permute (here a stand-in choice with plain
     tiles, on the CPU), the permute layout runs with those tiles, and the answer is the reference's."""
@@ -548,6 +605,31 @@ def test_a_bad_range_is_an_error_that_names_it(tmp_path, monkeypatch, change, wh
             layout_choice.load_choices()
     finally:
         layout_choice.forget_choices()
+
+
+@pytest.mark.parametrize("entry, says", [
+    ({"slot_up_to_tokens": 64}, "must be an object with 'slot_up_to_tokens' and 'measured'"),
+    ({"slot_up_to_tokens": 64, "measured": {"records": []}}, "naming its records"),
+    ({"slot_up_to_tokens": 0, "measured": {"records": ["r.json"]}}, r"\.slot_up_to_tokens.*must be >= 1"),
+    ({"slot_up_to_tokens": "64", "measured": {"records": ["r.json"]}}, r"\.slot_up_to_tokens.*must be an int"),
+    ([64], "must be an object")])
+def test_a_bad_shared_choice_is_an_error_that_names_it(tmp_path, monkeypatch, entry, says):
+    """``shared-choices.json`` is checked like the layout choices: each entry names its records and a token
+    count, and an error names the file and the entry; a key without a weight format is refused too."""
+    import json
+
+    from moe_kernels.kernels import shared_choice
+
+    path = tmp_path / "shared-choices.json"
+    monkeypatch.setattr(shared_choice, "SHARED_CHOICES_FILE", path)
+    try:
+        for key, want in (("k,format=fp8-block", says), ("k", "must end with format=")):
+            path.write_text(json.dumps({"choices": {key: entry}}))
+            shared_choice.forget_shared_choices()
+            with pytest.raises((ValueError, TypeError), match=r"shared-choices.json\[" + repr(key) + r"\].*" + want):
+                shared_choice.load_shared_choices()
+    finally:
+        shared_choice.forget_shared_choices()
 
 
 def test_a_corrupt_choices_file_is_an_error_that_names_it(tmp_path, monkeypatch):

@@ -431,6 +431,18 @@ def _device_name(index: int | None) -> str:
     return torch.cuda.get_device_name(index)
 
 
+def gpu_of(func: str, device, device_name: str | None) -> tuple[torch.device, str | None]:
+    """``(device, GPU name)`` of a lookup in measured data (tables, crossovers): ``device`` checked, and the
+    GPU it is looked up as, ``device_name`` where given (what that GPU would run, asked from any machine:
+    ``device`` need not exist then), else ``device``'s own GPU, None off a GPU."""
+    if device_name is not None and not isinstance(device_name, str):
+        fail(func, "device_name", "must be a GPU name such as 'NVIDIA H200' (or None)", repr(device_name), TypeError)
+    device = check_device(func, "device", device, must_exist=device_name is None)
+    if device_name is None and device.type == "cuda":
+        device_name = _device_name(device.index)
+    return device, device_name
+
+
 @dataclasses.dataclass(frozen=True)
 class ConfigChoice:
     """Which configuration a call runs, and where it came from (what the path tests pin).
@@ -500,12 +512,7 @@ def _choose(M, E, N, K, dtype, device, layout, align, device_name, reach=None) -
     _check_layout(func, layout, align)
     if reach is not None:
         check_number(func, "reach", reach, ge=1)
-    if device_name is not None and not isinstance(device_name, str):
-        fail(func, "device_name", "must be a GPU name such as 'NVIDIA H200' (or None)", repr(device_name), TypeError)
-    # With device_name: the tables as on that GPU, whatever this machine has.
-    device = check_device(func, "device", device, must_exist=device_name is None)
-    if device_name is None and device.type == "cuda":
-        device_name = _device_name(device.index)
+    device, device_name = gpu_of(func, device, device_name)   # (device_name: the tables as on that GPU)
     on_gpu = device_name is not None
     tables = LAYOUTS[layout].tables
     asked = table_name(device_name or device.type, E, N, K, dtype, tables[0])

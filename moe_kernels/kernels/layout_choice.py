@@ -46,8 +46,8 @@ from pathlib import Path
 
 import torch
 
-from .._checks import check_device, check_int, fail
-from .config import MoEConfig, _device_name, check_config
+from .._checks import check_int, fail
+from .config import MoEConfig, check_config, gpu_of
 from .formats import FORMATS
 from .layouts import LAYOUTS
 
@@ -85,20 +85,8 @@ def load_choices() -> dict[str, tuple[LayoutChoice, ...]]:
     align and a GEMM kernel the layout takes, no two from the same batch), an error naming the file and
     the entry otherwise."""
     func = "load_choices"
-    if not CHOICES_FILE.exists():
-        return {}
-    try:
-        entries = json.loads(CHOICES_FILE.read_text())["choices"]
-    except (json.JSONDecodeError, KeyError, TypeError) as error:
-        fail(func, str(CHOICES_FILE), "must be JSON with a 'choices' object", repr(error))
-    if not isinstance(entries, dict):
-        fail(func, f"{CHOICES_FILE.name}['choices']", "must be an object of shape keys", type(entries).__name__)
     choices = {}
-    for key, ranges in entries.items():
-        where = f"{CHOICES_FILE.name}[{key!r}]"
-        fmt_name = key.rsplit("format=", 1)[-1]
-        if fmt_name not in {f.name for f in FORMATS.values()}:
-            fail(func, where, "must end with format=<a weight format's name>", repr(key))
+    for key, where, fmt_name, ranges in choice_entries(func, CHOICES_FILE):
         ranges = ranges if isinstance(ranges, list) else [ranges]
         checked = sorted((_entry(func, f"{where}[{i}]" if len(ranges) > 1 else where, entry, fmt_name)
                           for i, entry in enumerate(ranges)), key=lambda choice: choice.from_tokens)
@@ -109,6 +97,26 @@ def load_choices() -> dict[str, tuple[LayoutChoice, ...]]:
             fail(func, where, "must hold entries from distinct from_tokens", starts)
         choices[key] = tuple(checked)
     return choices
+
+
+def choice_entries(func: str, path: Path):
+    """``(key, where, format name, entry)`` for each entry of a measured-choices file's ``choices`` object
+    (none if there is no such file), each key checked to end with ``format=<a weight format's name>``; an
+    error naming the file otherwise. ``where`` names the entry in errors."""
+    if not path.exists():
+        return
+    try:
+        entries = json.loads(path.read_text())["choices"]
+    except (json.JSONDecodeError, KeyError, TypeError) as error:
+        fail(func, str(path), "must be JSON with a 'choices' object", repr(error))
+    if not isinstance(entries, dict):
+        fail(func, f"{path.name}['choices']", "must be an object of shape keys", type(entries).__name__)
+    for key, entry in entries.items():
+        where = f"{path.name}[{key!r}]"
+        fmt_name = key.rsplit("format=", 1)[-1]
+        if fmt_name not in {f.name for f in FORMATS.values()}:
+            fail(func, where, "must end with format=<a weight format's name>", repr(key))
+        yield key, where, fmt_name, entry
 
 
 def _entry(func: str, where: str, entry, fmt_name: str) -> LayoutChoice:
@@ -141,11 +149,7 @@ def choose_layout(M: int, E: int, N: int, K: int, fmt_name: str, device: torch.d
     how a CPU test pins what an H200 would run)."""
     func = "choose_layout"
     check_int(func, "M", M, lo=0)
-    if device_name is not None and not isinstance(device_name, str):
-        fail(func, "device_name", "must be a GPU name such as 'NVIDIA H200' (or None)", repr(device_name), TypeError)
-    device = check_device(func, "device", device, must_exist=device_name is None)
-    if device_name is None and device.type == "cuda":
-        device_name = _device_name(device.index)
+    _, device_name = gpu_of(func, device, device_name)
     return _choose(M, E, N, K, fmt_name, device_name)
 
 

@@ -1,0 +1,74 @@
+"""Where a layer's shared expert runs when the layer chooses (``shared_expert="auto"``): measured, as data.
+
+A shared expert can run beside the routed experts (its own two GEMMs, on the dense block map) or among them,
+as expert ``E`` in every token's last slot (one more row a token in the routed GEMMs). Fused, its weights join
+the routed experts' single stream of weight reads, so at a few tokens it costs little more than its bytes; but
+every block of rows that routes to it reads its whole weight again, so as the batch grows the fused slot reads
+the shared expert's 44-88 MB once per M block, where the separate GEMMs read it about once. Which is faster is
+measured per GPU, routed-expert shape and weight format (``tools/shared_expert_ab.py``: the layer with the
+shared expert left out, separate and fused), and ``shared-choices.json`` beside this module keeps, per key,
+the largest batch up to which the slot ran faster (``slot_up_to_tokens``), with the record that showed it.
+On the H100, DeepSeek-V3's fp8 block layer (both ways on tiles tuned for them): the shared expert cost 21.0,
+-25.9, 30.5, 28.2 and 44.3 us fused at 1, 8, 16, 32 and 64 tokens against 41.0, 47.9, 51.8, 51.9 and 54.0
+separate, and at 512 tokens 138.0 fused against 68.6 separate (``results/nvidia-h100-80gb-hbm3/
+shared-expert-ab.json`` and ``shared-expert-ab-16-32.json``).
+
+    >>> choose_shared_slot(8, 256, 2048, 7168, "fp8-block", "cpu", device_name="NVIDIA H100 80GB HBM3")
+    True
+    >>> choose_shared_slot(512, 256, 2048, 7168, "fp8-block", "cpu", device_name="NVIDIA H100 80GB HBM3")
+    False
+
+Without an entry (another GPU, shape or format, or no GPU) the shared expert runs separately, as a layer
+built with ``shared_expert="separate"`` runs it.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+
+from .._checks import check_int, fail
+from .config import gpu_of
+from .layout_choice import choice_entries, shape_key
+
+__all__ = ["SHARED_CHOICES_FILE", "choose_shared_slot", "forget_shared_choices", "load_shared_choices"]
+
+SHARED_CHOICES_FILE = Path(__file__).resolve().parent / "shared-choices.json"
+
+
+@functools.lru_cache(maxsize=None)
+def load_shared_choices() -> dict[str, int]:
+    """``{shape key: slot_up_to_tokens}`` from :data:`SHARED_CHOICES_FILE` ({} if there is none); every entry
+    checked (a key that ends with a weight format's name, a positive token count, the record it came from), an
+    error naming the file and the entry otherwise."""
+    func = "load_shared_choices"
+    choices = {}
+    for key, where, _, entry in choice_entries(func, SHARED_CHOICES_FILE):
+        if not isinstance(entry, dict) or not isinstance(entry.get("measured"), dict) \
+                or not entry["measured"].get("records"):
+            fail(func, where, "must be an object with 'slot_up_to_tokens' and 'measured' naming its records",
+                 repr(entry)[:120])
+        choices[key] = check_int(func, f"{where}.slot_up_to_tokens", entry.get("slot_up_to_tokens"), lo=1)
+    return choices
+
+
+def choose_shared_slot(M: int, E: int, N: int, K: int, fmt_name: str, device: torch.device | str, *,
+                       device_name: str | None = None) -> bool:
+    """Whether ``M`` tokens run the shared expert as slot ``E`` of the routed GEMMs (``E`` routed experts of
+    ``F = N``, ``d = K``, weights in the format named ``fmt_name``) on ``device``'s GPU, or as on
+    ``device_name`` (a GPU's name, from any machine): True up to the entry's ``slot_up_to_tokens``, False
+    above it and wherever there is no entry."""
+    func = "choose_shared_slot"
+    check_int(func, "M", M, lo=0)
+    _, device_name = gpu_of(func, device, device_name)
+    if device_name is None:
+        return False
+    up_to = load_shared_choices().get(shape_key(device_name, E, N, K, fmt_name))
+    return up_to is not None and M <= up_to
+
+
+def forget_shared_choices() -> None:
+    """Read the choices file again at the next choice (after it changed)."""
+    load_shared_choices.cache_clear()
