@@ -222,7 +222,9 @@ class MoELayer(torch.nn.Module):
         routing.check_against(func, weights.gate, weights.bias)
         self.routing, self.layout, self.shared_expert = routing, layout, shared_expert
         self._fields = [f.name for f in dataclasses.fields(LayerWeights) if f.init and f.name != "shared_fused"]
-        weights = weights.fuse_shared() if shared_expert != "separate" else weights
+        # ("auto" stacks only a shared expert of the routed width; a wider one, Qwen2-MoE's, runs apart)
+        stackable = weights.shared_w13 is None or weights.shared_w13.shape == weights.w13.shape[1:]
+        weights = weights.fuse_shared() if shared_expert == "fused" or (shared_expert == AUTO and stackable) else weights
         self._shared_fused = weights.shared_fused
         for name in self._fields:
             self.register_buffer(name, getattr(weights, name))

@@ -2,9 +2,10 @@
 
 A layer built with ``shared_expert="separate"`` keeps the shared FFN apart and runs it as its own two
 GEMMs; one built with ``"fused"`` stacks it after the routed experts (expert ``E``, a copy made once, at
-load time) and appends it to every token's ids; one built with ``"auto"`` stacks it the same way and, per
-batch (:func:`~moe_kernels.kernels.shared_choice.choose_shared_slot`, measured), either appends the slot
-or runs the stacked expert ``E`` apart, through views of the stacked tensors: no second copy of its weights.
+load time) and appends it to every token's ids; one built with ``"auto"`` stacks it the same way (one of
+the routed width; a wider one, Qwen2-MoE's, stays apart) and, per batch
+(:func:`~moe_kernels.kernels.shared_choice.choose_shared_slot`, measured), either appends the slot or
+runs the stacked expert ``E`` apart, through views of the stacked tensors: no second copy of its weights.
 
     >>> import torch
     >>> from moe_kernels import MoELayer

@@ -236,10 +236,11 @@ QWEN2_CONFIG = {"hidden_size": 16, "moe_intermediate_size": 8, "num_experts": 4,
                 "norm_topk_prob": False, "shared_expert_intermediate_size": 24}
 
 
-@pytest.mark.parametrize("shared_expert", ["separate", "fused"])
+@pytest.mark.parametrize("shared_expert", ["separate", "fused", "auto"])
 def test_loader_reads_a_qwen2_moe_gated_shared_expert(tmp_path, shared_expert):
-    """Qwen2-MoE: a shared expert of its own width, its output times sigmoid(x @ shared_expert_gate)."""
-    config = QWEN2_CONFIG if shared_expert == "separate" else {**QWEN2_CONFIG, "shared_expert_intermediate_size": 8}
+    """Qwen2-MoE: a shared expert of its own width, its output times sigmoid(x @ shared_expert_gate).
+    "auto" keeps a shared expert wider than the routed ones apart (it cannot be stacked as expert E)."""
+    config = QWEN2_CONFIG if shared_expert != "fused" else {**QWEN2_CONFIG, "shared_expert_intermediate_size": 8}
     state, expected = checkpoint_tensors(config, layer=0, fused=False)
     g = torch.Generator().manual_seed(7)
     s, p = config["shared_expert_intermediate_size"], "model.layers.0.mlp."
@@ -251,6 +252,7 @@ def test_loader_reads_a_qwen2_moe_gated_shared_expert(tmp_path, shared_expert):
     assert torch.equal(weights.shared_gate, state[p + "shared_expert_gate.weight"]) and not routing.renormalize
     assert torch.equal(weights.shared_w13, torch.cat([shared["gate_proj"], shared["up_proj"]]))
     layer = MoELayer(weights, routing, shared_expert=shared_expert).to(DEVICE)
+    assert layer.weights.shared_fused == (shared_expert == "fused")
     x = tokens(6, 16)
     out = layer(x)
     assert rel_err(out, layer.reference(x)) < 1e-5
