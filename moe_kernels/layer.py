@@ -125,11 +125,14 @@ def plan_layer(func: str, weights: LayerWeights, routing: Routing, layout: str, 
     measured = None
     if layout == AUTO:   # measured for the routed experts alone, with the layer's own tiles: only then
         picked = (choose_layout(num_tokens, e, f, d, weights.format.name, device, device_name=device_name)
-                  if config is None and not slot else None)
+                  if config is None and not (slot and shared_expert != AUTO) else None)
         if picked is not None and picked.gemm == "gluon" and not _gluon_runs(device, activation_dtype, device_name):
             picked = None   # (measured with the Gluon GEMMs; the Triton ones lost to index-gather there)
         layout = picked.layout if picked is not None else "index_gather"
         measured = picked if picked is not None and picked.config is not None else None
+    if shared_expert == AUTO and layout != "index_gather":
+        slot = False   # (the slot's crossover was measured on index-gather only)
+    measured = None if slot else measured
     m = m_max_token_budget(num_tokens) if layout == "masked" else num_tokens
     choose = choose_fused_shared_config if slot else choose_config   # (slot E: its own table where tuned)
     choice = choose(m, e, f, d, table_dtype, device, layout=layout, device_name=device_name)
@@ -204,7 +207,8 @@ class MoELayer(torch.nn.Module):
     ``layout`` picks the grouped-GEMM layout (``"auto"``: by batch, from measured crossovers,
     :mod:`moe_kernels.kernels.layout_choice`); ``shared_expert`` (``"separate"``, ``"fused"`` or ``"auto"``:
     by batch, from measured crossovers, :mod:`moe_kernels.kernels.shared_choice`; :mod:`moe_kernels.layer_shared`)
-    how a shared expert runs. Build one with :meth:`random` (a model's shape, random weights) or
+    how a shared expert runs ("fused" and "auto" stack it after the routed experts: a copy of the expert
+    tensors, made when the layer is built, which holds both until the unstacked ones are let go). Build one with :meth:`random` (a model's shape, random weights) or
     :meth:`from_pretrained_layer` (one layer of a Hugging Face checkpoint).
     """
 

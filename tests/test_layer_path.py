@@ -12,6 +12,7 @@ tile table, 4-6x slower, while every value test passed).
 
 import dataclasses
 import math
+import re
 from unittest import mock
 
 import pytest
@@ -455,33 +456,62 @@ def test_auto_shared_expert_follows_the_measured_choice(device_name):
             assert ",E=257," in plan.choice.table
     for fmt in ("none",):   # no entry for bf16 weights: apart at every batch
         assert not meta_layer("deepseek-v3", fmt, "index_gather", "auto").plan(8, device_name=H100).shared_slot
+    # With layout="auto" the slot is taken only where index-gather runs (where it was measured): on the H100 the
+    # transposed permute path runs DeepSeek-V3's fp8 layer from 2 tokens, so there the shared expert runs apart.
+    both_auto = meta_layer("deepseek-v3", "block", "auto", "auto")
+    one, eight = both_auto.plan(1, device_name=device_name), both_auto.plan(8, device_name=device_name)
+    assert one.layout == "index_gather" and one.shared_slot == (up_to is not None)
+    assert eight.shared_slot == (eight.layout == "index_gather" and up_to is not None)
+    assert (eight.layout, eight.shared_choice is not None) == (("permute", True) if device_name == H100
+                                                               else ("index_gather", True))
 
 
-@pytest.mark.parametrize("fmt", ["none", "block"])
-def test_auto_shared_expert_runs_both_ways(monkeypatch, fmt):
+@pytest.mark.parametrize("args, says", [
+    ((8, 256, 2048, 7168, "block"), "'fmt_name' must be a weight format's name"),
+    ((8, 0, 2048, 7168, "fp8-block"), "'E' must be >= 1"), ((-1, 256, 2048, 7168, "fp8-block"), "'M' must be >= 0"),
+    ((8, 256, 2048, 7168, "fp8-block", "cpu", 7), "'device_name' must be a GPU name")])
+def test_the_shared_slot_choice_names_a_bad_argument(args, says):
+    from moe_kernels.kernels.shared_choice import choose_shared_slot
+
+    *positional, = args
+    device_name = positional.pop() if len(positional) == 7 else "NVIDIA H100 80GB HBM3"
+    device = positional.pop() if len(positional) == 6 else "cpu"
+    with pytest.raises((ValueError, TypeError), match=re.escape("choose_shared_slot: argument " + says)):
+        choose_shared_slot(*positional, device, device_name=device_name)
+
+
+@pytest.mark.parametrize("fmt, gated", [("none", False), ("block", False), ("none", True)])
+def test_auto_shared_expert_runs_both_ways(monkeypatch, fmt, gated):
     """Through the layer's call, with a stand-in choice (a slot up to 4 tokens): a slot batch runs the stacked
     shared expert among the routed experts (no dense launch), a larger one apart on views of the same stacked
-    tensors (the dense launches, no second copy), and both give the reference's answer."""
+    tensors (the dense launches, no second copy), and both give the reference's answer, with no tokens, one,
+    and with a Qwen2-MoE-style sigmoid gate on a shared expert of the routed width."""
     import moe_kernels.layer as layer_module
     from moe_kernels.layer_shared import shared_tensors
 
     monkeypatch.setattr(layer_module, "choose_shared_slot", lambda M, *args, **kwargs: M <= 4)
     layer = small_layer(fmt, "index_gather", "auto")
+    if gated:
+        plain = small_layer(fmt, "index_gather")
+        gate = torch.randn(1, 256, generator=torch.Generator().manual_seed(2)).to(DEVICE) / 16
+        layer = MoELayer(dataclasses.replace(plain.weights, shared_gate=gate), plain.routing, shared_expert="auto")
     weights = layer.weights
     assert weights.shared_fused and weights.shared_w13 is None
     w13, w2, w13_scale, _ = shared_tensors(weights)
     assert w13.data_ptr() == weights.w13[weights.num_experts].data_ptr()
     assert (w13_scale is None) == (fmt == "none")
-    for batch, slot in ((3, True), (9, False)):
+    for batch, slot in ((0, True), (1, True), (3, True), (9, False)):
         x = torch.randn(batch, 256, generator=torch.Generator().manual_seed(batch)).to(DEVICE)
         plan = layer.plan(batch, dtype=x.dtype)
         assert plan.shared_slot == slot
         with record_launches() as launches:
             out = layer(x)
         dense = [s for name, s in launches if name == "index_gather.gemm" and s["dense"]]
-        if HAS_TRITON and BACKEND != "torch":
+        if HAS_TRITON and BACKEND != "torch" and batch:
             assert (len(dense) == 0) == slot, launches
-        assert rel_err(out, layer.reference(x)) < (1e-3 if fmt == "none" else 3e-2)
+        assert out.shape == x.shape
+        if batch:
+            assert rel_err(out, layer.reference(x)) < (1e-3 if fmt == "none" else 3e-2)
 
 
 def test_auto_layout_runs_the_layout_it_picks(monkeypatch):

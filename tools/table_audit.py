@@ -49,12 +49,23 @@ ALIGNED = ("stride_am", "stride_we", "stride_wn", "stride_om", "N", "K", "stride
 
 
 def routed_tables():
-    """(name, E, F, d, fp8, path) of each routed-experts table (E > 1) in the package."""
+    """(name, E, F, d, fp8, path, top_k) of each routed-experts table (E > 1) in the package: a model's routed
+    experts (its top-k), or with its shared expert as slot E (E + 1 experts, top-(k+1), ``tune --fused-shared``);
+    the name says the GPU where it is not the H200."""
+    from moe_kernels.model.shapes import MODELS
+
     for path in sorted(TABLES.glob("*layout=index_gather.json")):
         fields = dict(part.split("=") for part in path.stem.split(","))
-        if int(fields["E"]) > 1:
-            yield (f"E={fields['E']} {'fp8' if 'float8' in fields['dtype'] else 'bf16'}", int(fields["E"]),
-                   int(fields["N"]), int(fields["K"]), "float8" in fields["dtype"], path)
+        e, f, d = int(fields["E"]), int(fields["N"]), int(fields["K"])
+        if e == 1:
+            continue
+        shape = [(m.top_k, 0) for m in MODELS.values() if (m.num_experts, m.moe_intermediate_size, m.hidden_size)
+                 == (e, f, d)] + [(m.top_k + 1, 1) for m in MODELS.values() if m.num_shared_experts == 1
+                                  and (m.num_experts + 1, m.moe_intermediate_size, m.hidden_size) == (e, f, d)]
+        top_k = shape[0][0] if shape else 8
+        gpu = fields["device"].replace("NVIDIA_", "").split("_")[0]
+        yield (f"E={e} {'fp8' if 'float8' in fields['dtype'] else 'bf16'}" + ("" if gpu == "H200" else f" ({gpu})"),
+               e, f, d, "float8" in fields["dtype"], path, top_k)
 
 
 def build(tiles: dict, *, block_m: int, gated: bool, fp8: bool, naive: bool, top_k: int, summed: int,
@@ -99,9 +110,8 @@ def main(argv):
     only = {int(t) for t in argv[0].split(",")} if argv else None
     print(f"triton {triton.__version__}, sm_90a; {'GEMM':5s} = mma SASS | dot wait | pipeline | loops | regs/spills")
     rows = []
-    for name, num_experts, f, d, fp8, path in routed_tables():
+    for name, num_experts, f, d, fp8, path, top_k in routed_tables():
         configs = json.loads(path.read_text())["configs"]
-        top_k = 8
         for tokens, config in sorted(configs.items(), key=lambda kv: int(kv[0])):
             if only and int(tokens) not in only:
                 continue
@@ -131,7 +141,7 @@ def main(argv):
                      for g, r in line.items()]
             flags = [f"{g[:4]} spills" for g, r in line.items() if r["spills"]]
             flags += [f"{g[:4]} fp8 as f16 ({r['f2fp']} F2FP)" for g, r in line.items() if fp8 and "HMMA" in r["sass"]]
-            print(f"{name:11s} {int(tokens):5d} {'naive' if naive else 'bm' + str(config['block_m']):5s} "
+            print(f"{name:16s} {int(tokens):5d} {'naive' if naive else 'bm' + str(config['block_m']):5s} "
                   + " | ".join(cells) + (f"  ({', '.join(skipped)} not compiled)" if skipped else "")
                   + (f"  <- {', '.join(flags)}" if flags else ""), flush=True)
     return rows

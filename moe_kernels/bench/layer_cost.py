@@ -146,21 +146,22 @@ def layer_against_gemms(layer, x) -> dict:
     from ..kernels.blocks import assign_blocks
     from ..kernels.index_gather import run_experts
     from ..kernels.routing import router_logits
-    from ..layer import shared_expert_output
+    from ..layer_shared import runs_apart, shared_expert_output, with_shared_slot
     from .timing import graphed, median_ms
 
     w, fmt = layer.weights, layer.weights.format
     plan = layer.plan(x.shape[0], dtype=x.dtype)
+    # A gated shared expert (Qwen2-MoE) is timed with its gate, computed here, outside the GEMMs.
+    shared_gate = None if w.shared_gate is None else torch.sigmoid(router_logits(x, w.shared_gate))
     topk_weights, topk_ids = layer.routing.route(x, router_logits(x, w.gate), w.bias)
-    blocks = assign_blocks(topk_ids, plan.config.block_m, w.num_experts, validate_ids=False)
-    separate_shared = w.shared_w13 is not None and not w.shared_fused
+    if plan.shared_slot:   # a stacked shared expert as slot E this batch: the routed GEMMs take it in
+        topk_weights, topk_ids = with_shared_slot(topk_weights, topk_ids, w, shared_gate)
+    blocks = assign_blocks(topk_ids, plan.config.block_m, w.num_experts + plan.shared_slot, validate_ids=False)
+    separate_shared = runs_apart(w, plan.shared_slot)
 
     def routed(activations=None, add=None):
         return run_experts(x, w.w13, w.w2, topk_weights, topk_ids, fmt=fmt, config=plan.config, blocks=blocks,
                            w1_scale=w.w13_scale, w2_scale=w.w2_scale, ids="trusted", activations=activations, add=add)
-
-    # A gated shared expert (Qwen2-MoE) is timed with its gate, computed here, outside the GEMMs.
-    shared_gate = None if w.shared_gate is None else torch.sigmoid(router_logits(x, w.shared_gate))
 
     def gemms():
         activations = fmt.quantize_activations(x) if fmt.quantized else None
@@ -172,7 +173,7 @@ def layer_against_gemms(layer, x) -> dict:
     layer_ms, gemms_ms, routed_ms = (min(r[i] for r in rounds) for i in range(3))
     return {"batch": x.shape[0], "layer_us": 1e3 * layer_ms, "gemms_us": 1e3 * gemms_ms,
             "routed_gemms_us": 1e3 * routed_ms, "layer_over_gemms": layer_ms / gemms_ms,
-            "layer_over_routed_gemms": layer_ms / routed_ms, "shared_expert": "separate" if separate_shared else None,
+            "layer_over_routed_gemms": layer_ms / routed_ms, "shared_expert": "separate" if separate_shared else ("slot" if plan.shared_slot else None),
             "table": plan.choice.table, "entry": plan.choice.entry, "config": plan.config.to_dict()}
 
 

@@ -2,16 +2,19 @@
 
 A shared expert can run beside the routed experts (its own two GEMMs, on the dense block map) or among them,
 as expert ``E`` in every token's last slot (one more row a token in the routed GEMMs). Fused, its weights join
-the routed experts' single stream of weight reads, so at a few tokens it costs little more than its bytes; but
-every block of rows that routes to it reads its whole weight again, so as the batch grows the fused slot reads
-the shared expert's 44-88 MB once per M block, where the separate GEMMs read it about once. Which is faster is
+the routed experts' single stream of weight reads, so at a few tokens it costs little more than its bytes; as
+the batch grows, every M block of its rows reads its whole weight (from HBM unless the L2 still holds it), and
+the slot's advantage goes (not profiled: what the measurements below are consistent with). Which is faster is
 measured per GPU, routed-expert shape and weight format (``tools/shared_expert_ab.py``: the layer with the
 shared expert left out, separate and fused), and ``shared-choices.json`` beside this module keeps, per key,
 the largest batch up to which the slot ran faster (``slot_up_to_tokens``), with the record that showed it.
-On the H100, DeepSeek-V3's fp8 block layer (both ways on tiles tuned for them): the shared expert cost 21.0,
--25.9, 30.5, 28.2 and 44.3 us fused at 1, 8, 16, 32 and 64 tokens against 41.0, 47.9, 51.8, 51.9 and 54.0
-separate, and at 512 tokens 138.0 fused against 68.6 separate (``results/nvidia-h100-80gb-hbm3/
-shared-expert-ab.json`` and ``shared-expert-ab-16-32.json``).
+On the H100, DeepSeek-V3's fp8 block layer (the slot on its own tuned table, the routed experts on a table
+tuned for the comparison and not committed, the separate shared expert on the default tiles: the H100 has no
+E=1 table): the shared expert cost 21.0, -25.9, 30.5, 28.2 and 44.3 us fused at 1, 8, 16, 32 and 64 tokens
+against 41.0, 47.9, 51.8, 51.9 and 54.0 separate, and at 512 tokens 138.0 fused against 68.6 separate
+(``results/nvidia-h100-80gb-hbm3/shared-expert-ab.json`` and ``shared-expert-ab-16-32.json``; at 8 tokens the
+two tuned tables picked other tiles, hence a negative cost). The slot is taken on the index-gather layout only
+(where it was measured): a layer whose ``layout="auto"`` picks another layout runs the shared expert apart.
 
     >>> choose_shared_slot(8, 256, 2048, 7168, "fp8-block", "cpu", device_name="NVIDIA H100 80GB HBM3")
     True
@@ -31,6 +34,7 @@ import torch
 
 from .._checks import check_int, fail
 from .config import gpu_of
+from .formats import FORMATS
 from .layout_choice import choice_entries, shape_key
 
 __all__ = ["SHARED_CHOICES_FILE", "choose_shared_slot", "forget_shared_choices", "load_shared_choices"]
@@ -62,6 +66,11 @@ def choose_shared_slot(M: int, E: int, N: int, K: int, fmt_name: str, device: to
     above it and wherever there is no entry."""
     func = "choose_shared_slot"
     check_int(func, "M", M, lo=0)
+    for name, value in (("E", E), ("N", N), ("K", K)):
+        check_int(func, name, value, lo=1)
+    names = sorted({f.name for f in FORMATS.values()})
+    if fmt_name not in names:
+        fail(func, "fmt_name", f"must be a weight format's name, one of {names}", repr(fmt_name))
     _, device_name = gpu_of(func, device, device_name)
     if device_name is None:
         return False
