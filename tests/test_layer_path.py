@@ -334,6 +334,29 @@ def test_router_aligns_only_where_its_ids_are_the_gemms_ids(router):
             assert rel_err(out, layer.reference(x)) < 1e-3
 
 
+@pytest.mark.skipif(BACKEND == "torch", reason="no Triton: the torch references launch nothing")
+def test_a_stacked_shared_expert_run_apart_lets_the_router_align(monkeypatch):
+    """``shared_expert="auto"``: a batch that runs the stacked shared expert apart routes, and aligns, the routed
+    ids alone in the chained router (the GEMMs read those ids: the stacked expert E is never among them); a slot
+    batch does not align in the router (its column is added after the routing). Both match the reference."""
+    import moe_kernels.layer as layer_module
+    import moe_kernels.layer_router as layer_router
+
+    monkeypatch.setattr(layer_module, "choose_shared_slot", lambda M, *args, **kwargs: M <= 4)
+    monkeypatch.setattr(layer_router, "GATE_ROUTING_MAX_TOKENS", 0)
+    layer = small_layer("none", "index_gather", "auto")
+    for batch, slot in ((3, True), (8, False)):
+        x = torch.randn(batch, 256, generator=torch.Generator().manual_seed(30 + batch)).to(DEVICE)
+        plan = layer.plan(batch, dtype=x.dtype)
+        assert plan.shared_slot == slot and plan.chained
+        assert plan.gate_alignment == (not slot and plan.naive_blocks is False)
+        with record_launches() as launches:
+            out = layer(x)
+        names = [name for name, _ in launches]
+        assert ("align.moe_align_block_size" in names) == (plan.naive_blocks is False and not plan.gate_alignment)
+        assert rel_err(out, layer.reference(x)) < 1e-3
+
+
 @needs_gpu
 @pytest.mark.parametrize("model_name, batch", [("qwen3-30b-a3b", 8), ("deepseek-v3", 64)])
 @pytest.mark.parametrize("one_launch", [True, False], ids=["one launch", "chained"])
