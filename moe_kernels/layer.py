@@ -43,8 +43,8 @@ from ._checks import FLOAT_DTYPES, check_device, check_dtype, check_int, check_n
 from ._replay import CallPlans
 from .checkpoint import load_layer
 from .layer_router import choose_router, route
-from .kernels.config import (TABLE_REACH, ConfigChoice, MoEConfig, check_config, choose_config,
-                             choose_fused_shared_config)
+from .kernels.config import TABLE_REACH, ConfigChoice, MoEConfig, check_config
+from .kernels.config import choose_config, choose_fused_shared_config
 from .kernels.formats import WeightFormat
 from .kernels.index_gather import run_experts
 from .kernels.layout_choice import AUTO, check_layout, choose_layout
@@ -208,8 +208,8 @@ class MoELayer(torch.nn.Module):
     :mod:`moe_kernels.kernels.layout_choice`); ``shared_expert`` (``"separate"``, ``"fused"`` or ``"auto"``:
     by batch, from measured crossovers, :mod:`moe_kernels.kernels.shared_choice`; :mod:`moe_kernels.layer_shared`)
     how a shared expert runs ("fused" and "auto" stack it after the routed experts: a copy of the expert
-    tensors, made when the layer is built, which holds both until the unstacked ones are let go). Build one with :meth:`random` (a model's shape, random weights) or
-    :meth:`from_pretrained_layer` (one layer of a Hugging Face checkpoint).
+    tensors, made when the layer is built, which holds both until the unstacked ones are let go). Build one
+    with :meth:`random` (random weights) or :meth:`from_pretrained_layer` (a Hugging Face checkpoint's layer).
     """
 
     def __init__(self, weights: LayerWeights, routing: Routing, *, layout: str = "index_gather",
@@ -228,7 +228,8 @@ class MoELayer(torch.nn.Module):
         self._fields = [f.name for f in dataclasses.fields(LayerWeights) if f.init and f.name != "shared_fused"]
         # ("auto" stacks only a shared expert of the routed width; a wider one, Qwen2-MoE's, runs apart)
         stackable = weights.shared_w13 is None or weights.shared_w13.shape == weights.w13.shape[1:]
-        weights = weights.fuse_shared() if shared_expert == "fused" or (shared_expert == AUTO and stackable) else weights
+        weights = weights.fuse_shared() if shared_expert == "fused" or (shared_expert == AUTO and stackable) \
+            else weights
         self._shared_fused = weights.shared_fused
         for name in self._fields:
             self.register_buffer(name, getattr(weights, name))
@@ -305,7 +306,8 @@ class MoELayer(torch.nn.Module):
         check_hidden("MoELayer", hidden_states, weights)
         if config is not None:
             plan = plan_layer("MoELayer", weights, self.routing, self.layout, hidden_states.shape[0],
-                              hidden_states.dtype, hidden_states.device, config=config, shared_expert=self.shared_expert)
+                              hidden_states.dtype, hidden_states.device, config=config,
+                              shared_expert=self.shared_expert)
         else:
             plan = self._plan(hidden_states.shape[0], hidden_states.dtype, hidden_states.device)
         return run_layer(plan, hidden_states, weights, self.routing)

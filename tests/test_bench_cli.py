@@ -204,6 +204,13 @@ def test_tuning_the_shared_expert_fused_as_slot_e_on_the_cpu(tmp_path, monkeypat
     with pytest.raises(ValueError, match="one shared expert"):
         tune_module.tune({"small": dataclasses.replace(small, num_shared_experts=0)}, [1], dtype=torch.float32,
                          seed=0, warmup_ms=0, rep_ms=0, workers=0, device="cpu", fused_shared=True)
+    # --refine starts from what the fused layer runs today: the fused problem's own lookup, not the E+1 default
+    asked, real_choice = [], config_module.choose_fused_shared_config
+    monkeypatch.setattr(config_module, "choose_fused_shared_config",
+                        lambda *args, **kwargs: (asked.append(args[:2]), real_choice(*args, **kwargs))[1])
+    refined = tune_module.tune({"small": small}, [1], dtype=torch.float32, seed=0, warmup_ms=0, rep_ms=0, workers=0,
+                               log=lambda line: None, device="cpu", fused_shared=True, refine=True)
+    assert [e["E"] for e in refined] == [9] and asked and set(asked) == {(1, 8)}
 
     # The table these entries make, on an H200, is the one the fused layer takes there.
     monkeypatch.setattr(config_module, "CONFIG_DIR", tmp_path)

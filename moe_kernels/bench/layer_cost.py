@@ -173,7 +173,8 @@ def layer_against_gemms(layer, x) -> dict:
     layer_ms, gemms_ms, routed_ms = (min(r[i] for r in rounds) for i in range(3))
     return {"batch": x.shape[0], "layer_us": 1e3 * layer_ms, "gemms_us": 1e3 * gemms_ms,
             "routed_gemms_us": 1e3 * routed_ms, "layer_over_gemms": layer_ms / gemms_ms,
-            "layer_over_routed_gemms": layer_ms / routed_ms, "shared_expert": "separate" if separate_shared else ("slot" if plan.shared_slot else None),
+            "layer_over_routed_gemms": layer_ms / routed_ms,
+            "shared_expert": "separate" if separate_shared else ("slot" if plan.shared_slot else None),
             "table": plan.choice.table, "entry": plan.choice.entry, "config": plan.config.to_dict()}
 
 

@@ -80,7 +80,7 @@ def tune(models, batches, *, dtype, seed, warmup_ms, rep_ms, workers, budget_s=m
     from ..kernels._pdl import pdl_available
     from ..kernels.blocks import assign_blocks, dense_blocks, use_naive_block_assignment
     from ..kernels.combine import moe_sum
-    from ..kernels.config import MoEConfig, get_config
+    from ..kernels.config import MoEConfig, choose_fused_shared_config, get_config
     from ..kernels.formats import FORMATS
     from ..kernels.index_gather import dense_expert, down, expert_down, expert_gate_up, run_experts
     from ..kernels.routing import append_shared_expert
@@ -99,6 +99,10 @@ def tune(models, batches, *, dtype, seed, warmup_ms, rep_ms, workers, budget_s=m
     def slots(model):   # (experts, rows a token) of the problem tuned: the shared slot fused adds one of each
         return model.num_experts + fused_shared, model.top_k + fused_shared
 
+    def todays(batch, model):   # what a call runs today (--refine's start): the fused slot's own lookup if fused
+        args = (batch, model.num_experts, model.moe_intermediate_size, model.hidden_size, table_dtype, device)
+        return choose_fused_shared_config(*args).config if fused_shared else get_config(*args)
+
     start = time.perf_counter()
     plans = []
     jobs = []
@@ -108,8 +112,7 @@ def tune(models, batches, *, dtype, seed, warmup_ms, rep_ms, workers, budget_s=m
             rho = batch * top_k / experts
             dense = shared   # a shared expert (--shared): the dense block map
             naive = not dense and use_naive_block_assignment(batch, top_k, experts)
-            base = get_config(batch, experts, model.moe_intermediate_size, model.hidden_size,
-                              table_dtype, device) if refine else None
+            base = todays(batch, model) if refine else None
             for bm in [base.block_m] if refine else block_m_candidates(rho):
                 for gated, summed, tiles in candidates(rho, bm, base=base, fmt=fmt, dense=dense):
                     jobs.append({"d": model.hidden_size, "f": model.moe_intermediate_size, "top_k": top_k,
@@ -146,8 +149,7 @@ def tune(models, batches, *, dtype, seed, warmup_ms, rep_ms, workers, budget_s=m
         out = torch.empty(batch, model.hidden_size, device=device, dtype=dtype)
         per_block_m = {}   # MoEConfig -> (GEMM 1 ms, GEMM 2 with its sum ms)
         tried = []
-        base = get_config(batch, experts, model.moe_intermediate_size, model.hidden_size, table_dtype,
-                          device) if refine else None
+        base = todays(batch, model) if refine else None
         dense = shared
         for bm in [base.block_m] if refine else block_m_candidates(rho):
             blocks = (dense_blocks(batch, bm, ids) if dense

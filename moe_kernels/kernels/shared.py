@@ -162,8 +162,9 @@ def moe_with_shared_fused(hidden_states: torch.Tensor, w1_with_shared: torch.Ten
 
     ``config`` defaults to :func:`~moe_kernels.kernels.config.choose_fused_shared_config`'s tiles: the
     table tuned for this problem (``E + 1`` experts, top-``(k+1)``) where there is one, else the routed
-    shape's (the extra slot is not a reason to fall back to the untuned default). ``validate_ids`` checks that the routed ids lie in ``[0, E)``; an id equal to ``E``
-    would silently select the shared expert.
+    shape's (the extra slot is not a reason to fall back to the untuned default). ``validate_ids``
+    checks that the routed ids lie in ``[0, E)``; an id equal to ``E`` would silently select the
+    shared expert.
     """
     func = "moe_with_shared_fused"
     hidden = check_tensor(func, "hidden_states", hidden_states, ndim=2, dtypes=_FLOAT_DTYPES,
