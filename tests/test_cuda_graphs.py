@@ -83,3 +83,30 @@ def test_routers_and_alignment_replay():
         assert torch.allclose(outs[0], w1, atol=1e-6) and torch.allclose(outs[2], w2, atol=1e-6)
         for got, want in zip(outs[4:], moe_align_block_size_reference(i2, 16, 256)):
             assert torch.equal(got, want)
+
+
+@needs_gpu
+@pytest.mark.parametrize("layout", ["index_gather", "permute"])
+def test_auto_shared_expert_switches_between_slot_and_apart_in_graphs(monkeypatch, layout):
+    """``shared_expert="auto"`` with a stand-in choice (the slot up to 4 tokens): calls alternating between a slot
+    batch (3 tokens) and an apart batch (9), six of each (the third of a size replays the second's launches), then
+    one CUDA graph of each replayed on new inputs: every output is the reference's. (The permute layout never takes
+    the slot: its batches run apart.)"""
+    import moe_kernels.layer as layer_module
+
+    monkeypatch.setattr(layer_module, "choose_shared_slot", lambda M, *args, **kwargs: M <= 4)
+    layer = MoELayer.random("deepseek-v3", hidden_size=512, intermediate_size=256, dtype=torch.bfloat16,
+                            device="cuda", seed=0, layout=layout, shared_expert="auto")
+    assert layer.plan(3, dtype=torch.bfloat16).shared_slot == (layout == "index_gather")
+    assert not layer.plan(9, dtype=torch.bfloat16).shared_slot
+    for call in range(12):
+        x = fresh((3 if call % 2 else 9, 512), 20 + call, torch.bfloat16)
+        assert rel_err(layer(x), layer.reference(x)) < 1e-2, call
+    inputs = {batch: fresh((batch, 512), batch, torch.bfloat16) for batch in (3, 9)}
+    graphs = {batch: capture(lambda x=x: layer(x)) for batch, x in inputs.items()}
+    for seed in (2, 3):
+        for batch, (graph, out) in graphs.items():
+            inputs[batch].copy_(fresh((batch, 512), 100 * seed + batch, torch.bfloat16))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert rel_err(out, layer.reference(inputs[batch])) < 1e-2, (batch, seed)
