@@ -192,10 +192,10 @@ def test_the_permute_layout_at_decode_on_the_transposed_kernel_gpu(monkeypatch, 
 @pytest.mark.gpu
 @needs_gluon
 def test_the_switch_refuses_what_the_kernel_cannot_take_gpu(monkeypatch):
-    """bf16 segments of 128 rows (no bf16 Gluon kernel for them) and fp16 weights go to the Triton kernel, the
-    launch record saying why."""
+    """bf16 segments of 8 rows (no Gluon kernel for them) and fp16 weights go to the Triton kernel, the launch
+    record saying why."""
     monkeypatch.setattr(permute_gluon, "BF16_GEMM", "gluon")
-    for dtype, align, reason in ((torch.bfloat16, 128, "segments of 128 rows, not 16, 32, 64"),
+    for dtype, align, reason in ((torch.bfloat16, 8, "segments of 8 rows, not 16, 32, 64, 128"),
                                  (torch.float16, 16, "weights not bf16")):
         x, w1, w2, weights, ids = make_problem(20, 4, 2, 256, 128, dtype, seed=5)
         with record_launches() as launches:

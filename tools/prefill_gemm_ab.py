@@ -19,11 +19,15 @@ stay zero and the check compares like with like). Candidates:
                           loads for the rows), on the first two tiles not flattened; "short": a segment's last
                           tile with at most half its rows real on a half-height tile, in a second launch
                           (MoEConfig.short_last_tile), on the same tiles of the 128-row segments
+  m128 gemm1 / gemm2 gluon <tiles>   bf16 only, on an sm_90 GPU with Triton 3.6: the persistent Gluon kernel
+                          (kernels/gluon_bf16.py) on the 128-row segments, n = weight rows a tile (gated: half gate,
+                          half up), s = TMA stages, "tma": GEMM 2 storing whole tiles by TMA, "half": half tiles
   bmm1 / bmm2             torch.bmm on ceil(T k / E) rows per expert, the same FLOPs (bf16 only)
   permute, permute indices only, quantize, unpermute, permute scales   the stages around the GEMMs
   experts permute (gathered, short) / index-gather   the whole experts call, permute with the best GEMM
                           tiles of this run (and GEMM 1 reading through the permutation; the short last tiles)
-                          against fused_experts with its table (the align of the faster pair)
+                          against fused_experts with its table (the align of the faster pair); "experts permute
+                          gluon": bf16 on the Gluon kernel with permute_gluon.BF16_TILES (128-row segments)
 
 Each candidate is replayed from a CUDA graph of one call, the L2 flushed before each replay, two rounds
 interleaved, the lower round median kept. TFLOP/s count the routed rows' FLOPs (2 T k d 2F for GEMM 1,
@@ -47,6 +51,7 @@ from moe_kernels.kernels.combine import unpermute
 from moe_kernels.kernels.config import GemmTiles, MoEConfig
 from moe_kernels.kernels.contiguous_gemm import grouped_gemm_contiguous
 from moe_kernels.kernels.formats import FORMATS, FP8_TENSOR
+from moe_kernels.kernels.gluon_block_fp8 import available as gluon_available
 from moe_kernels.kernels.index_gather import fused_experts
 from moe_kernels.kernels.permute import _permute_scales, permute, permute_experts
 from moe_kernels.results import print_timings, record_tool
@@ -57,6 +62,13 @@ batches = [int(b) for b in sys.argv[2].split(",")] if len(sys.argv) > 2 else [40
 formats = sys.argv[3].split(",") if len(sys.argv) > 3 else ["none", "block"]
 RECORD = sys.argv[4] if len(sys.argv) > 4 else "prefill-gemm-ab"
 ALIGN = 128
+# bf16 on the persistent Gluon kernel (an sm_90 GPU, Triton 3.6): name -> bf16_grouped's settings
+GLUON1 = {"n256 s4": dict(block_n=256, stages=4), "n256 s3": dict(block_n=256, stages=3),
+          "n128 s4": dict(block_n=128, stages=4), "n256 s3 half": dict(block_n=256, stages=3, half_tiles=True)}
+GLUON2 = {"n256 s3 tma": dict(block_n=256, stages=3, tma_store=True), "n256 s4": dict(block_n=256, stages=4),
+          "n128 s4 tma": dict(block_n=128, stages=4, tma_store=True),
+          "n256 s3 tma half": dict(block_n=256, stages=3, tma_store=True, half_tiles=True)}
+GLUON = device == "cuda" and gluon_available(device) is None
 
 
 def tiles(n, k, warps, stages, group_m=8, persistent=1):
@@ -187,6 +199,13 @@ def gemm_pair(align, tiles1, tiles2, x, xq, x_scale, ids, w1, w1s, w2, w2s, fmt,
         g1[f"{tag}gemm1 no promotion"] = gemm1(next(iter(tiles1.values())), nopromo=True)
     elif align == ALIGN:
         g1["bmm1"] = balanced(e, -(-batch * k // e), d, 2 * f, dtype)
+        if GLUON:
+            from moe_kernels.kernels.gluon_bf16 import bf16_grouped
+
+            for n, settings in GLUON1.items():
+                g1[f"{tag}gemm1 gluon {n}"] = (lambda s=settings, o=torch.zeros(num_rows, f, device=device, dtype=dtype):
+                                               bf16_grouped(permuted.rows, w1, m_idx, used, gated=True, out=o,
+                                                            validate_ids=False, **s))
     h = next(iter(g1.values()))()
     us1, rounds1, err1, rel1 = timed(g1, h.float(), unchecked=(f"{tag}gemm1 no promotion", "bmm1"))
     a, a_scale = fmt.quantize_activations(h)
@@ -206,6 +225,10 @@ def gemm_pair(align, tiles1, tiles2, x, xq, x_scale, ids, w1, w1s, w2, w2s, fmt,
         g2[f"{tag}gemm2 no promotion"] = gemm2(next(iter(tiles2.values())), nopromo=True)
     elif align == ALIGN:
         g2["bmm2"] = balanced(e, -(-batch * k // e), f, d, dtype)
+        if GLUON:
+            for n, settings in GLUON2.items():
+                g2[f"{tag}gemm2 gluon {n}"] = (lambda s=settings, o=torch.zeros(num_rows, d, device=device, dtype=dtype):
+                                               bf16_grouped(a, w2, m_idx, used, out=o, validate_ids=False, **s))
     y = next(iter(g2.values()))()
     us2, rounds2, err2, rel2 = timed(g2, y.float(), unchecked=(f"{tag}gemm2 no promotion", "bmm2"))
     tiled1 = {n: us1[n] for n in us1 if n[len(tag) + 6:] in tiles1 and n.startswith(tag)}   # (copied rows)
@@ -256,6 +279,9 @@ for fname in formats:
                     validate_ids=False, **scales),
                 "experts index-gather": lambda: fused_experts(x, w1, w2, weights, ids, validate_ids=False, **scales),
             }
+            if GLUON and not fp8:
+                stages["experts permute gluon"] = lambda: permute_experts(x, w1, w2, weights, ids, align=ALIGN,
+                                                                          validate_ids=False, gemm="gluon")
             if fp8:
                 stages["quantize x"] = lambda: fmt.quantize_activations(x)[0]
                 stages["quantize h"] = lambda: fmt.quantize_activations(h)[0]

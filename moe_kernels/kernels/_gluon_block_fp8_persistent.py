@@ -114,6 +114,21 @@ if GLUON_HOPPER:
 
 
     @gluon.jit
+    def _fill_ring(ring, walk, num_k, m_indices_ptr, N, W_ROWS: gl.constexpr, GROUP: gl.constexpr,
+                   PAIRS: gl.constexpr, NUM_STAGES: gl.constexpr, GATED: gl.constexpr):
+        """The ring's first fill: global steps 0 .. NUM_STAGES - 1 (across tiles where K is short), if the program
+        has a tile."""
+        x_desc, w_desc, a_bufs, b_bufs, ready = ring
+        pid, nprog, my_tiles, num_pid_m, num_pid_n = walk
+        if my_tiles > 0:
+            first, _, _ = _known_tiles(0, pid, nprog, my_tiles, num_pid_m, num_pid_n, m_indices_ptr, N, W_ROWS, GROUP,
+                                       PAIRS)
+            for fill in gl.static_range(NUM_STAGES):
+                _load_global(x_desc, w_desc, a_bufs, b_bufs, ready, fill, num_k, pid, nprog, my_tiles, num_pid_m,
+                             num_pid_n, m_indices_ptr, N, first, W_ROWS, GROUP, PAIRS, NUM_STAGES, GATED)
+
+
+    @gluon.jit
     def _persistent_step(base, step, num_k, inflight, inflight_scale, dead, scale, acc, x_desc, w_desc, a_bufs,
                          b_bufs, ready, xs_ptrs, ws_ptr, ws_up_ptr, pid, nprog, my_tiles, num_pid_m, num_pid_n,
                          m_indices_ptr, N, known, W_ROWS: gl.constexpr, GROUP: gl.constexpr, PAIRS: gl.constexpr,
@@ -293,15 +308,9 @@ if GLUON_HOPPER:
             stash = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, BLOCK_N], out_desc.layout)
         else:
             stash = ready   # (unused)
-        if my_tiles > 0:   # fill the ring: global steps 0 .. NUM_STAGES - 1 (across tiles where K is short)
-            first, _, _ = _known_tiles(0, pid, nprog, my_tiles, num_pid_m, num_pid_n, m_indices_ptr, N, W_ROWS, GROUP,
-                                       QUANT_OUT)
-            for fill in gl.static_range(NUM_STAGES):
-                _load_global(x_desc, w_desc, a_bufs, b_bufs, ready, fill, num_k, pid, nprog, my_tiles, num_pid_m,
-                             num_pid_n, m_indices_ptr, N, first, W_ROWS, GROUP, QUANT_OUT, NUM_STAGES, GATED)
-
         ring = (x_desc, w_desc, a_bufs, b_bufs, ready)
         walk = (pid, nprog, my_tiles, num_pid_m, num_pid_n)
+        _fill_ring(ring, walk, num_k, m_indices_ptr, N, W_ROWS, GROUP, QUANT_OUT, NUM_STAGES, GATED)
         tensors = (out_ptr, x_scale_ptr, w_scale_ptr, m_indices_ptr, out_scale_ptr, stash, out_desc)
         sizes = (N, OUT_N, stride_om, stride_xs, stride_wse, stride_wsn, stride_os)
         for t in range(my_tiles):

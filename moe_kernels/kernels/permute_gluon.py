@@ -2,9 +2,10 @@
 name at prefill (from 4,096 tokens on the H200) and, on the H100, at decode (``layout-choices.json``): which
 kernel a call takes (:func:`gemm_kernel`, the switches below) and the calls themselves (:func:`experts`).
 Block-fp8 segments of 128 rows take :mod:`moe_kernels.kernels.gluon_block_fp8`'s kernel (per tile or on its
-persistent grid, GEMM 1 optionally quantising GEMM 2's input, half tiles, GEMM 2 storing by TMA); segments of
-16, 32 or 64 rows (decode), fp8 or bf16, take the transposed kernel (:mod:`moe_kernels.kernels.gluon_transposed`).
-Where a Gluon kernel cannot run a call, the Triton kernel does and the launch record says why.
+persistent grid, GEMM 1 optionally quantising GEMM 2's input, half tiles, GEMM 2 storing by TMA); bf16 segments
+of 128 rows the bf16 persistent kernel (:mod:`moe_kernels.kernels.gluon_bf16`); segments of 16, 32 or 64 rows
+(decode), fp8 or bf16, the transposed kernel (:mod:`moe_kernels.kernels.gluon_transposed`). Where a Gluon kernel
+cannot run a call, the Triton kernel does and the launch record says why.
 """
 
 from __future__ import annotations
@@ -29,9 +30,17 @@ from .combine import unpermute
 #: through the package's shortcut, so a recorded call replays them).
 FP8_GEMM = "triton"
 #: The same for bf16 weights: "gluon" runs both GEMMs of a call with segments of 16, 32 or 64 rows (decode) on
-#: the transposed kernel (:func:`~moe_kernels.kernels.gluon_transposed.grouped_transposed`); off until timed
-#: (the fp8 layout choices ask for it per call where measured).
+#: the transposed kernel (:func:`~moe_kernels.kernels.gluon_transposed.grouped_transposed`), and with segments of
+#: 128 rows (prefill) on the bf16 persistent kernel (:func:`~moe_kernels.kernels.gluon_bf16.bf16_grouped`); off
+#: until timed (the layout choices ask for it per call where measured).
 BF16_GEMM = "triton"
+#: The bf16 persistent kernel's tiles, (weight rows a tile, TMA stages), for GEMM 1 (gated: half gate rows, half
+#: up rows) and GEMM 2; GEMM 2 takes 128-row tiles where d is not a multiple of 256.
+BF16_TILES = {"gate_up": (256, 4), "down": (256, 3)}
+#: bf16 GEMM 2 stores each whole tile by one TMA copy under the next tile's MMAs (as GLUON_TMA_STORE in fp8).
+BF16_TMA_STORE = True
+#: bf16 on the persistent kernel: a segment's last tile with at most 64 real rows multiplies 64 rows.
+BF16_HALF_TILES = False
 #: With FP8_GEMM = "gluon" (or a layout choice's gemm): both GEMMs on the Gluon kernel's persistent grid (one
 #: program per SM walking the tiles of the rows used, its loads running ahead across tiles), else one program a
 #: tile. On since session 30: on an H100 the routed fp8 layer took 2-8% less time than with one program a tile
@@ -79,7 +88,7 @@ def gemm_kernel(fmt, config, align, hidden_states, w1, w2, asked=None) -> str:
     from .gluon_block_fp8 import available
 
     f, d = w2.shape[2], w2.shape[1]
-    aligns = (16, 32, 64, 128) if fmt.quantized else (16, 32, 64)   # (bf16: the transposed kernel only)
+    aligns = (16, 32, 64, 128)
     why = available(hidden_states.device) or next((reason for refused, reason in (
         (fmt.quantized and fmt.block != (128, 128), "weights not in 128 x 128 blocks"),
         (not fmt.quantized and (fmt.name != "unquantized" or w1.dtype != torch.bfloat16), "weights not bf16"),
@@ -100,7 +109,26 @@ def experts(rows, rows_scale, w1, w1_scale, w2, w2_scale, permuted, topk_weights
     on the transposed kernel, block-fp8 segments of 128 rows on the 128-row one."""
     if align != 128:
         return _transposed_experts(rows, rows_scale, w1, w1_scale, w2, w2_scale, permuted, topk_weights, fmt, align)
+    if not fmt.quantized:
+        return _bf16_experts(rows, w1, w2, permuted, topk_weights)
     return _fp8_experts(rows, rows_scale, w1, w1_scale, w2, w2_scale, permuted, topk_weights)
+
+
+def _bf16_experts(rows, w1, w2, permuted, topk_weights):
+    """Both bf16 GEMMs on the persistent kernel (:data:`BF16_TILES`): GEMM 1 gated (``silu(gate) * up`` in its
+    epilogue, ``[M_pad, F]``), GEMM 2 into ``[M_pad, d]`` (by TMA with :data:`BF16_TMA_STORE`: its padding rows
+    too, which nothing reads), then the gather back."""
+    from .gluon_bf16 import bf16_grouped
+
+    (n1, stages1), (n2, stages2) = BF16_TILES["gate_up"], BF16_TILES["down"]
+    if w2.shape[1] % n2:   # (d not a multiple of the tile: 128 columns, the stages that fit)
+        n2, stages2 = 128, min(stages2 + 1, 4)
+    half, used = BF16_HALF_TILES, permuted.rows_used
+    activated = bf16_grouped(rows, w1, permuted.m_indices, used, gated=True, block_n=n1, stages=stages1,
+                             half_tiles=half, validate_ids=False)
+    y = bf16_grouped(activated, w2, permuted.m_indices, used, block_n=n2, stages=stages2, half_tiles=half,
+                     tma_store=BF16_TMA_STORE, validate_ids=False)
+    return unpermute(y, permuted.src2dst, topk_weights)
 
 
 def _fp8_experts(rows, rows_scale, w1, w1_scale, w2, w2_scale, permuted, topk_weights):

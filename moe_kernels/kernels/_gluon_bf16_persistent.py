@@ -1,0 +1,219 @@
+"""The bf16 grouped GEMM on the persistent grid (Gluon, Triton 3.6, Hopper): the block-fp8 kernel's walk
+(:mod:`moe_kernels.kernels._gluon_block_fp8_persistent`: one program per SM over the 128-row tiles of the rows
+the segments use, its TMA ring running ahead across tile boundaries) with bf16 operands. There is no promotion:
+each K step's MMA accumulates into the one before it, and one MMA is left in flight while the stage the MMA
+before it read is refilled (a K step is 64 bf16, the 128 bytes of one swizzled box).
+
+Why: bf16 prefill (issue 18) ran the permute layout's two GEMMs on the Triton kernel at 0.85-0.87x a balanced
+``torch.bmm`` at 16,384 tokens on the H200, and the transposed Gluon kernel's 64-row tiles reached 349 TFLOP/s
+there on the H100. This is the 128-row persistent kernel that ran block-fp8 at 720-830 TFLOP/s, without the
+scales.
+
+Tiles: 128 rows by ``BLOCK_N`` weight rows. Gated (GEMM 1, ``silu(gate) * up``): ``BLOCK_N / 2`` gate rows and
+the matching up rows, in two accumulators of ``[128, BLOCK_N / 2]`` (two wgmmas a step), so that the activation
+is an elementwise product in registers: a gate column and its up column sit in the same thread. (One
+``[128, BLOCK_N]`` accumulator would need the fp32 tile in shared memory to pair them: 128 KiB at ``BLOCK_N``
+256, more than the ring leaves.) The epilogue stores the rows of the expert (pointer stores), or each whole
+tile by one TMA copy that runs on under the next tile's MMAs (``TMA_STORE``: padding rows written too).
+``HALF_TILES``: a tile whose rows 64-127 are padding multiplies 64 rows (the fp8 kernel's half tiles).
+"""
+
+from __future__ import annotations
+
+from ._gluon_block_fp8_kernel import GLUON_HOPPER, GROUP_M, TILE_K, TILE_M
+
+#: The K step in bf16 elements: one 128-byte box row (the fp8 kernels' 128 one-byte elements).
+TILE_K_BF16 = TILE_K // 2
+
+if GLUON_HOPPER:
+    import torch
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from .._runtime import gluon_kernel
+    from . import _gluon_block_fp8_persistent as persistent
+    from ._gluon_block_fp8_kernel import BLOCK_M, _store_plain, compile_kernel_for_sm90
+    from ._gluon_block_fp8_persistent import (HALF_M, _fill_ring, _known_tiles, _load_global, _out_descriptor,
+                                              _store_whole_tile)
+
+    @gluon.constexpr_function
+    def _bf16_layout(rows, columns, num_warps):
+        """wgmma's bf16 accumulator for a ``[rows, columns]`` product (k16 instructions): 128 rows with the warps
+        stacked along M (two warpgroups of 64 rows, m64 n``columns`` each); a half tile's 64 rows with the
+        warpgroups side by side along N (m64 n``columns / 2`` each), as the fp8 kernel's half tiles."""
+        if rows == TILE_M:
+            return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                             instr_shape=[16, columns, 16])
+        groups = num_warps // 4
+        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, groups],
+                                         instr_shape=[16, columns // groups, 16])
+
+    @gluon.jit
+    def _issue(a_bufs, b_bufs, ready, g, acc, up, use_acc, NUM_STAGES: gl.constexpr, GATED: gl.constexpr):
+        """Wait for global step ``g``'s tiles, then issue its MMA into ``acc`` (``use_acc``: onto what it holds),
+        gated also the up rows' into ``up``: A is the box's first ``acc.shape[0]`` rows (a half tile's 64), W's
+        tile ``[BLOCK_N, 64]`` with K contiguous, viewed as the K-major ``[64, BLOCK_N]`` B."""
+        stage = g % NUM_STAGES
+        mbarrier.wait(ready.index(stage), (g // NUM_STAGES) & 1)
+        a = a_bufs.index(stage).slice(0, acc.shape[0])
+        w = b_bufs.index(stage)
+        if GATED:
+            half: gl.constexpr = w.shape[0] // 2
+            acc = warpgroup_mma(a, w.slice(0, half).permute((1, 0)), acc, use_acc=use_acc, is_async=True)
+            up = warpgroup_mma(a, w.slice(half, half).permute((1, 0)), up, use_acc=use_acc, is_async=True)
+        else:
+            acc = warpgroup_mma(a, w.permute((1, 0)), acc, use_acc=use_acc, is_async=True)
+        return acc, up
+
+    @gluon.jit
+    def _wait(acc, up, STEPS_IN_FLIGHT: gl.constexpr, GATED: gl.constexpr):
+        """Wait until at most ``STEPS_IN_FLIGHT`` steps' MMAs are outstanding (a gated step issues two)."""
+        if GATED:
+            acc, up = warpgroup_mma_wait(num_outstanding=2 * STEPS_IN_FLIGHT, deps=(acc, up))
+        else:
+            acc = warpgroup_mma_wait(num_outstanding=STEPS_IN_FLIGHT, deps=(acc, ))
+        return acc, up
+
+    @gluon.jit
+    def _tile_product(base, num_k, known, ring, walk, m_indices_ptr, N, ROWS: gl.constexpr, layout: gl.constexpr,
+                      W_ROWS: gl.constexpr, GROUP: gl.constexpr, NUM_STAGES: gl.constexpr, GATED: gl.constexpr):
+        """This program's tile at global steps ``base``...: each MMA accumulates into the one before it, one step
+        left in flight (``wait_group 1``, gated 2) while the stage of the step before is refilled, with a step of
+        this tile or of a later one; the last step's stage refilled before the epilogue."""
+        x_desc, w_desc, a_bufs, b_bufs, ready = ring
+        pid, nprog, my_tiles, num_pid_m, num_pid_n = walk
+        acc = gl.zeros([ROWS, W_ROWS], gl.float32, layout=layout)
+        if GATED:
+            up = gl.zeros([ROWS, W_ROWS], gl.float32, layout=layout)
+        else:
+            up = 0   # (no second accumulator)
+        acc, up = _issue(a_bufs, b_bufs, ready, base, acc, up, False, NUM_STAGES, GATED)
+        acc, up = _wait(acc, up, 1, GATED)   # (returns at once: the handles as tensors)
+        for step in range(1, num_k):
+            acc, up = _issue(a_bufs, b_bufs, ready, base + step, acc, up, True, NUM_STAGES, GATED)
+            acc, up = _wait(acc, up, 1, GATED)   # (step - 1's MMAs complete)
+            gl.thread_barrier()   # (both warpgroups past step - 1 before its stage is refilled)
+            _load_global(x_desc, w_desc, a_bufs, b_bufs, ready, base + step - 1 + NUM_STAGES, num_k, pid, nprog,
+                         my_tiles, num_pid_m, num_pid_n, m_indices_ptr, N, known, W_ROWS, GROUP, False, NUM_STAGES,
+                         GATED)
+        acc, up = _wait(acc, up, 0, GATED)
+        gl.thread_barrier()
+        _load_global(x_desc, w_desc, a_bufs, b_bufs, ready, base + num_k - 1 + NUM_STAGES, num_k, pid, nprog,
+                     my_tiles, num_pid_m, num_pid_n, m_indices_ptr, N, known, W_ROWS, GROUP, False, NUM_STAGES, GATED)
+        return acc, up
+
+    @gluon.jit
+    def _tile(t, num_k, known, off_n, ring, walk, tensors, N, OUT_N, stride_om, ROWS: gl.constexpr,
+              layout: gl.constexpr, W_ROWS: gl.constexpr, GROUP: gl.constexpr, NUM_STAGES: gl.constexpr,
+              GATED: gl.constexpr, TMA_STORE: gl.constexpr, NUM_WARPS: gl.constexpr):
+        """Tile ``t``'s product on ``ROWS`` rows, then its epilogue while the next tile's first steps land:
+        ``silu(gate) * up`` in fp32 (the Triton kernel's arithmetic) where ``GATED``, rounded once to bf16."""
+        out_ptr, m_indices_ptr, stash, out_desc = tensors
+        acc, up = _tile_product(t * num_k, num_k, known, ring, walk, m_indices_ptr, N, ROWS, layout, W_ROWS, GROUP,
+                                NUM_STAGES, GATED)
+        if GATED:
+            acc = acc * (1.0 / (1.0 + gl.exp(-acc))) * up
+        off_m = known[1]
+        if TMA_STORE and ROWS == BLOCK_M:   # (whole tiles; a half tile stores its rows by pointers)
+            _store_whole_tile(acc, out_desc, stash, off_m, off_n)
+        else:
+            _store_plain(acc, out_ptr, m_indices_ptr, off_m, off_n, OUT_N, stride_om, NUM_WARPS)
+
+    @gluon_kernel   # (gluon.jit, launched through the package's shortcut: a recorded call replays it)
+    def _bf16_grouped_persistent_kernel(x_desc, w_desc, out_ptr, m_indices_ptr, rows_used_ptr, N, K, stride_om,
+                                        BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, GROUP: gl.constexpr,
+                                        GATED: gl.constexpr = False, HALF_TILES: gl.constexpr = False,
+                                        out_desc=None, TMA_STORE: gl.constexpr = False):
+        """``out[r] = x[r] @ w[m_indices[r]]^T`` (gated: ``silu`` of the gate half times the up half) over this
+        program's tiles ``pid, pid + P, ...`` of the rows below ``rows_used``, in the fp8 kernel's grouped order;
+        the ring is filled across tile boundaries (global step ``g``: step ``g % num_k`` of the program's tile
+        ``g // num_k``, in stage ``g % NUM_STAGES``)."""
+        NUM_WARPS: gl.constexpr = gl.num_warps()
+        W_ROWS: gl.constexpr = BLOCK_N // 2 if GATED else BLOCK_N
+        whole: gl.constexpr = _bf16_layout(BLOCK_M, W_ROWS, NUM_WARPS)
+        half: gl.constexpr = _bf16_layout(HALF_M, W_ROWS, NUM_WARPS)
+        gl.static_assert(w_desc.block_type.shape[0] == W_ROWS)
+        gl.static_assert(NUM_STAGES >= 2)
+        num_pid_m = gl.load(rows_used_ptr) // BLOCK_M
+        OUT_N = N // 2 if GATED else N
+        num_pid_n = OUT_N // W_ROWS
+        pid = gl.program_id(0)
+        nprog = gl.num_programs(0)
+        my_tiles = gl.maximum(num_pid_m * num_pid_n - pid + nprog - 1, 0) // nprog
+        num_k = K // x_desc.block_type.shape[1]
+
+        a_bufs = gl.allocate_shared_memory(x_desc.dtype, [NUM_STAGES, BLOCK_M, x_desc.block_type.shape[1]],
+                                           x_desc.layout)
+        b_bufs = gl.allocate_shared_memory(w_desc.dtype, [NUM_STAGES, BLOCK_N, x_desc.block_type.shape[1]],
+                                           w_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        for stage in gl.static_range(NUM_STAGES):
+            mbarrier.init(ready.index(stage), count=1)
+        if TMA_STORE:   # the tile the TMA store copies out (the copy engine's own layout)
+            stash = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_M, W_ROWS], out_desc.layout)
+        else:
+            stash = ready   # (unused)
+        ring = (x_desc, w_desc, a_bufs, b_bufs, ready)
+        walk = (pid, nprog, my_tiles, num_pid_m, num_pid_n)
+        _fill_ring(ring, walk, num_k, m_indices_ptr, N, W_ROWS, GROUP, False, NUM_STAGES, GATED)
+        tensors = (out_ptr, m_indices_ptr, stash, out_desc)
+        for t in range(my_tiles):
+            known, off_n, _ = _known_tiles(t, pid, nprog, my_tiles, num_pid_m, num_pid_n, m_indices_ptr, N, W_ROWS,
+                                           GROUP, False)
+            # (static, as in the fp8 kernel: Triton 3.6 fails to lower the half tiles' branch under a constant)
+            if HALF_TILES:
+                if gl.load(m_indices_ptr + known[1] + HALF_M) < 0:
+                    _tile(t, num_k, known, off_n, ring, walk, tensors, N, OUT_N, stride_om, HALF_M, half,
+                          W_ROWS, GROUP, NUM_STAGES, GATED, TMA_STORE, NUM_WARPS)
+                else:
+                    _tile(t, num_k, known, off_n, ring, walk, tensors, N, OUT_N, stride_om, BLOCK_M, whole, W_ROWS,
+                          GROUP, NUM_STAGES, GATED, TMA_STORE, NUM_WARPS)
+            else:
+                _tile(t, num_k, known, off_n, ring, walk, tensors, N, OUT_N, stride_om, BLOCK_M, whole, W_ROWS,
+                      GROUP, NUM_STAGES, GATED, TMA_STORE, NUM_WARPS)
+
+        for stage in gl.static_range(NUM_STAGES):   # every fill was waited for: no copy is left in flight
+            mbarrier.invalidate(ready.index(stage))
+        if TMA_STORE:   # the last tile's copy has left shared memory before the program ends
+            tma.store_wait(0)
+
+    def _descriptors(x, w, block_n, gated):
+        """TMA descriptors of ``x`` (``[M_pad, K]``, boxes of 128 rows by 64) and of ``w`` viewed as
+        ``[E * N, K]`` (boxes of ``block_n`` rows, gated half as many: a gate box and an up box fill the tile),
+        128-byte swizzled; the W box's layout is the whole tile's."""
+        e, n, k = w.shape
+        x_layout = gl.NVMMASharedLayout.get_default_for([TILE_M, TILE_K_BF16], gl.bfloat16)
+        w_layout = gl.NVMMASharedLayout.get_default_for([block_n, TILE_K_BF16], gl.bfloat16)
+        return (TensorDescriptor.from_tensor(x, [TILE_M, TILE_K_BF16], x_layout),
+                TensorDescriptor.from_tensor(w.view(e * n, k), [block_n // 2 if gated else block_n, TILE_K_BF16],
+                                             w_layout))
+
+    def compile_for_sm90(block_n, stages, num_warps=8, gated=False, half_tiles=False, tma_store=False):
+        """The kernel compiled for sm_90a (as the fp8 kernels' ``compile_for_sm90``; nothing is launched)."""
+        from triton.runtime.jit import mangle_type
+
+        # (host tensors only to spell the descriptors' types)
+        x = torch.empty(TILE_M, TILE_K_BF16, dtype=torch.bfloat16)
+        w = torch.empty(1, block_n, TILE_K_BF16, dtype=torch.bfloat16)
+        out = torch.empty(TILE_M, block_n // 2 if gated else block_n, dtype=torch.bfloat16)
+        pointers = {"rows_used_ptr": "*i32", "out_desc": mangle_type(_out_descriptor(out, out.shape[1]))}
+        return compile_kernel_for_sm90(_bf16_grouped_persistent_kernel, block_n, gated, num_warps,
+                                       {"NUM_STAGES": stages, "HALF_TILES": half_tiles, "TMA_STORE": tma_store},
+                                       pointers, _descriptors(x, w, block_n, gated))
+
+    def launch(x, w, m_indices, rows_used, out, *, block_n, stages, num_warps=8, gated=False, half_tiles=False,
+               tma_store=False):
+        """One program per SM (or per tile, where there are fewer tiles than SMs; the fp8 kernel's
+        ``PROGRAMS`` where a test sets it) on checked arguments."""
+        num_rows, k = x.shape
+        x_desc, w_desc = _descriptors(x, w, block_n, gated)
+        most_tiles = num_rows // TILE_M * (out.shape[1] // (block_n // 2 if gated else block_n))
+        programs = persistent.PROGRAMS or torch.cuda.get_device_properties(x.device).multi_processor_count
+        grid = (max(1, min(programs, most_tiles)), )
+        _bf16_grouped_persistent_kernel[grid](
+            x_desc, w_desc, out, m_indices, rows_used, w.shape[1], k, out.stride(0), BLOCK_N=block_n,
+            NUM_STAGES=stages, GROUP=GROUP_M, GATED=gated, HALF_TILES=half_tiles,
+            out_desc=_out_descriptor(out, block_n // 2 if gated else block_n) if tma_store else None, TMA_STORE=tma_store,
+            num_warps=num_warps)

@@ -1,0 +1,99 @@
+"""The permute layout's bf16 grouped GEMM at prefill in Gluon (Hopper, Triton 3.6): its call, its checks, the
+shared memory its builds take. The kernel is :mod:`moe_kernels.kernels._gluon_bf16_persistent`.
+
+``out[r] = x[r] @ w[m_indices[r]]^T`` for every real row ``r`` of a packed buffer whose rows come in 128-row
+segments, one expert each (:func:`~moe_kernels.kernels.permute.permute` with ``align=128``; ``m_indices`` is -1
+on padding rows), below ``rows_used`` (int32 ``[1]`` on the device). One program per SM walks the 128-row tiles
+with a ring of TMA loads that runs on across tiles; each K step's wgmma accumulates into the one before it.
+``gated`` (GEMM 1, ``w`` of ``2F`` rows, gate then up): ``silu(gate) * up``, ``[M_pad, F]``.
+
+:func:`~moe_kernels.kernels.gluon_block_fp8.available` says where it runs (Triton 3.6's Gluon, sm_90); elsewhere
+the call refuses with that reason. Its torch reference is the transposed kernel's
+(:func:`~moe_kernels.kernels.gluon_transposed.grouped_transposed_reference`: any segment size). What a build
+takes of shared memory (227 KiB an SM on the H100 and the H200), the ring and the epilogue's buffers::
+
+    >>> shared_bytes(block_n=256, stages=4, gated=True) <= SHARED_LIMIT     # GEMM 1: 128 gate + 128 up rows
+    True
+    >>> shared_bytes(block_n=256, stages=4, gated=False, tma_store=True) <= SHARED_LIMIT
+    False
+    >>> shared_bytes(block_n=256, stages=3, gated=False, tma_store=True)     # GEMM 2's 3 stages and the TMA tile
+    213016
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._checks import check_int, check_tensor, fail
+from .._runtime import note_launch
+from .gluon_block_fp8 import _check, _check_rows_used, available
+from .gluon_transposed import grouped_transposed_reference
+
+__all__ = ["bf16_grouped", "bf16_grouped_reference", "shared_bytes", "SHARED_LIMIT"]
+
+#: The shared memory one program may take on Hopper (the H100's and the H200's 227 KiB).
+SHARED_LIMIT = 227 * 1024
+
+bf16_grouped_reference = grouped_transposed_reference
+
+
+def shared_bytes(block_n: int, stages: int, gated: bool, half_tiles: bool = False, tma_store: bool = False) -> int:
+    """The shared memory of a build, as Triton 3.6 allocates it (checked against each build's by the compile
+    test): the ring (``stages`` x a 128 x 64 A box and a ``block_n`` x 64 W box, bf16), its barriers, and the
+    epilogue's: the TMA store's whole bf16 tile (and, with half tiles, a half tile's layout change for its pointer
+    stores), else the layout change of the pointer stores, at most 128 columns at a time."""
+    width = block_n // 2 if gated else block_n
+    ring = stages * (128 + block_n) * 64 * 2 + 8 * stages
+    if tma_store:
+        return ring + 128 * width * 2 + (64 * min(width, 128) * 2 if half_tiles else 0)
+    return ring + 128 * min(width, 128) * 2
+
+
+def bf16_grouped(x, w, m_indices, rows_used, *, out=None, gated: bool = False, block_n: int = 256, stages: int = 3,
+                 half_tiles: bool = False, tma_store: bool = False, validate_ids: bool = True) -> torch.Tensor:
+    """``[M_pad, N]`` bf16 (gated ``[M_pad, N/2]``) for the rows with ``m_indices >= 0`` below ``rows_used``;
+    other rows are not written (``out``, if given, keeps them), except with ``tma_store``, which writes each whole
+    tile below ``rows_used``, its padding rows too. ``x`` bf16 ``[M_pad, K]`` in 128-row segments, ``w`` bf16
+    ``[E, N, K]``, ``m_indices`` int32 ``[M_pad]``. ``block_n``: weight rows a tile (128 or 256; gated half gate
+    rows, half up rows); ``stages``: the ring's TMA buffers (2 up to what fits :data:`SHARED_LIMIT`);
+    ``half_tiles``: a tile whose rows 64-127 are padding multiplies 64 rows. ``validate_ids`` reads ``m_indices``
+    and ``rows_used`` back to check them (a host sync; skipped while a graph captures). The launch record
+    (``gluon_bf16.gemm``) names the build."""
+    func = "bf16_grouped"
+    for name, flag in (("gated", gated), ("half_tiles", half_tiles), ("tma_store", tma_store),
+                       ("validate_ids", validate_ids)):
+        if not isinstance(flag, bool):
+            fail(func, name, "must be a bool", repr(flag), TypeError)
+    if block_n not in (128, 256):
+        fail(func, "block_n", "must be 128 or 256", repr(block_n))
+    check_int(func, "stages", stages, lo=2, hi=8)
+    if shared_bytes(block_n, stages, gated, half_tiles, tma_store) > SHARED_LIMIT:
+        most = max(s for s in range(2, 9) if shared_bytes(block_n, s, gated, half_tiles, tma_store) <= SHARED_LIMIT)
+        fail(func, "stages", f"must be at most {most} with block_n={block_n}, gated={gated}, half_tiles={half_tiles}, "
+             f"tma_store={tma_store} (shared memory: {SHARED_LIMIT} bytes)", stages)
+    check_tensor(func, "rows_used", rows_used, ndim=1, dtypes=(torch.int32,))
+    if tuple(rows_used.shape) != (1,):
+        fail(func, "rows_used", "must have shape (1,)", tuple(rows_used.shape))
+    reason = available(w.device if isinstance(w, torch.Tensor) else "cpu")
+    if reason is not None:
+        fail(func, "w", f"must be on a device this kernel runs on ({reason})", getattr(w, "device", w))
+    _check(func, x, None, w, None, m_indices, out, 128, gated, validate_ids, dtype=torch.bfloat16)
+    width = block_n // 2 if gated else block_n
+    out_width = w.shape[1] // 2 if gated else w.shape[1]
+    if out_width % width:
+        fail(func, "w", f"must have {'N/2' if gated else 'N'} a multiple of {width} (the tile's output columns "
+             f"with block_n={block_n})", tuple(w.shape))
+    if tma_store and out is not None and (out.data_ptr() % 16 or out.stride(0) % 8):   # (what a TMA copy needs)
+        fail(func, "out", "must start on 16 bytes and have a row stride of a multiple of 8 elements with tma_store",
+             (out.data_ptr() % 16, out.stride(0)))
+    _check_rows_used(func, rows_used, m_indices, w.device, validate_ids, half_tiles)
+    if out is None:
+        out = torch.empty(x.shape[0], out_width, device=x.device, dtype=torch.bfloat16)
+    note_launch("gluon_bf16.gemm", gated=gated, block_n=block_n, stages=stages, half_tiles=half_tiles,
+                tma_store=tma_store)
+    if x.shape[0]:
+        from ._gluon_bf16_persistent import launch
+
+        launch(x, w, m_indices, rows_used, out, block_n=block_n, stages=stages, gated=gated, half_tiles=half_tiles,
+               tma_store=tma_store)
+    return out

@@ -1,0 +1,221 @@
+"""The bf16 persistent Gluon grouped GEMM (moe_kernels.kernels.gluon_bf16): where it refuses to run, its argument
+checks, its shared memory rule against the compiler's (its sm_90 builds, under Triton 3.6), and on an sm_90 GPU
+the kernel against its reference on every edge case and the permute layout on it (permute_gluon.BF16_GEMM)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from moe_kernels._runtime import record_launches
+from moe_kernels.kernels import permute_gluon
+from moe_kernels.kernels.gluon_bf16 import SHARED_LIMIT, bf16_grouped, bf16_grouped_reference, shared_bytes
+from moe_kernels.kernels.gluon_block_fp8 import available
+from moe_kernels.kernels.permute import permute_experts
+from moe_testing import DEVICE, make_problem, rel_err, segment_indices
+
+# (rows per expert in 128-row segments: 0 is an empty expert; a trailing tile of padding in each)
+SEGMENTS = {
+    "one row": [1],
+    "an empty expert": [5, 0, 130],
+    "all rows on one expert": [0, 0, 256],
+    "several tiles per expert": [300, 129],
+    # (last tiles of 100, 65, 64, 64, 72, 1 and 1 real rows: halves at 64 or fewer, whole tiles above)
+    "last tiles either side of 64 rows": [100, 65, 64, 192, 200, 1, 129],
+}
+
+
+def segmented(counts, seed, k, n, device="cpu"):
+    """bf16 operands for experts with ``counts`` rows each in 128-row segments and a trailing tile of padding,
+    ``rows_used`` (the segments, not the trailing tile). The second half of N is 8 times the first: a gated
+    tile that paired a gate column with the wrong up column would be far off."""
+    g = torch.Generator().manual_seed(seed)
+    m_indices = segment_indices(counts, 128)
+    w = torch.randn(len(counts), n, k, generator=g) / k ** 0.5
+    w[:, n // 2:] *= 8
+    x = torch.randn(m_indices.numel(), k, generator=g)
+    rows_used = torch.tensor([m_indices.numel() - 128], dtype=torch.int32)
+    return [t.to(device) for t in (x.to(torch.bfloat16), w.to(torch.bfloat16), m_indices, rows_used)]
+
+
+def test_the_reference_against_float64():
+    """The reference (the transposed kernel's, any segment size): each real row its expert's product, padding
+    rows zero, gated silu(gate) * up."""
+    x, w, m_indices, _ = segmented([5, 0, 130], seed=1, k=64, n=256)
+    for gated in (False, True):
+        got = bf16_grouped_reference(x, w, m_indices, gated=gated).double()
+        h = torch.stack([x[r].double() @ w[int(e)].double().T if e >= 0 else torch.zeros(256, dtype=torch.float64)
+                         for r, e in enumerate(m_indices.tolist())])
+        want = torch.nn.functional.silu(h[:, :128]) * h[:, 128:] if gated else h
+        assert rel_err(got, want) < 5e-3
+
+
+def test_it_refuses_where_it_cannot_run():
+    """Off an sm_90 GPU with Triton 3.6's Gluon, the call refuses and says why."""
+    if available(DEVICE) is None:
+        pytest.skip("this device runs the kernel")
+    x, w, m_indices, rows_used = segmented([5], seed=2, k=64, n=256)
+    with pytest.raises(ValueError, match="bf16_grouped: argument 'w' must be on a device this kernel runs on"):
+        bf16_grouped(x, w, m_indices, rows_used)
+
+
+@pytest.mark.parametrize("settings, says", [
+    (dict(block_n=64), "'block_n' must be 128 or 256"), (dict(stages=1), "'stages' must be >= 2"),
+    (dict(block_n=256, stages=4, tma_store=True), "'stages' must be at most 3 with block_n=256, gated=False"),
+    (dict(gated=1), "'gated' must be a bool"), (dict(tma_store="yes"), "'tma_store' must be a bool")])
+def test_bad_settings_are_named(settings, says):
+    x, w, m_indices, rows_used = segmented([5], seed=3, k=64, n=256)
+    with pytest.raises((ValueError, TypeError), match=re.escape("bf16_grouped: argument " + says)):
+        bf16_grouped(x, w, m_indices, rows_used, **settings)
+
+
+def test_every_tile_fits_with_the_stages_the_layout_takes():
+    """The permute layout's default tiles fit an SM's shared memory, and the rule is the compiler's on the builds
+    it was read from (``test_the_kernel_compiles_for_hopper`` holds it to every build it makes)."""
+    (n1, stages1), (n2, stages2) = permute_gluon.BF16_TILES["gate_up"], permute_gluon.BF16_TILES["down"]
+    assert shared_bytes(n1, stages1, gated=True, half_tiles=permute_gluon.BF16_HALF_TILES) <= SHARED_LIMIT
+    assert shared_bytes(n2, stages2, gated=False, half_tiles=permute_gluon.BF16_HALF_TILES,
+                        tma_store=permute_gluon.BF16_TMA_STORE) <= SHARED_LIMIT
+    assert shared_bytes(128, min(stages2 + 1, 4), gated=False, half_tiles=True, tma_store=True) <= SHARED_LIMIT
+
+
+# (gated, block_n, stages, half tiles, TMA store): GEMM 1's and GEMM 2's tiles, half tiles and both epilogues
+BUILDS = [(True, 256, 4, False, False), (True, 256, 3, True, False), (False, 256, 3, False, True),
+          (False, 256, 4, False, False), (False, 256, 3, True, True), (False, 128, 4, True, True),
+          (True, 128, 4, False, False)]
+
+# (compiled, not interpreted, in a process of its own: the tests run under the interpreter; nothing is launched)
+_COMPILE_FOR_HOPPER = """
+import json, re, sys
+import torch
+torch.cuda.is_available = lambda: True
+from moe_kernels.kernels import _gluon_bf16_persistent as kernel
+from moe_kernels.sm90_compile import assemble_for_sm90
+
+for gated, block_n, stages, half, tma_store in json.loads(sys.argv[1]):
+    build = kernel.compile_for_sm90(block_n, stages, 8, gated, half, tma_store)
+    ptx = build.asm["ptx"]
+    built = assemble_for_sm90(ptx)
+    print(json.dumps(dict(
+        shapes=sorted({int(n) for n in re.findall(r"wgmma\\.mma_async\\.sync\\.aligned\\.m64n(\\d+)k16", ptx)}),
+        waits=sorted({int(v) for v in re.findall(r"wgmma\\.wait_group\\.sync\\.aligned\\s+(\\d+)", ptx)}),
+        spills=[built["spill_stores"], built["spill_loads"]],
+        warnings=[line for line in built["log"].splitlines() if "wgmma" in line.lower()],
+        shared=build.metadata.shared)))
+"""
+
+
+def test_the_kernel_compiles_for_hopper():
+    """Each build for sm_90a (Triton 3.6's Gluon): wgmma m64 n``block_n`` (gated two of n``block_n / 2`` a step;
+    half tiles also the two warpgroups' n``/2`` side by side), one step left in flight (``wait_group`` 1, gated 2)
+    and 0 before the epilogue, no spill, no wgmma ptxas serialised, and the shared memory :func:`shared_bytes`
+    says. (CI's ``.ci-triton36`` phase; another Triton skips.)"""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    triton = pytest.importorskip("triton")
+    if not triton.__version__.startswith("3.6."):
+        pytest.skip(f"written for Triton 3.6's Gluon API (this is Triton {triton.__version__})")
+    pytest.importorskip("triton.backends.nvidia")
+    root = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "MOE_KERNELS_BACKEND")}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), str(root)) if p)
+    done = subprocess.run([sys.executable, "-c", _COMPILE_FOR_HOPPER, json.dumps(BUILDS)], capture_output=True,
+                          text=True, timeout=600, env=env, cwd=root)
+    assert done.returncode == 0, done.stderr[-3000:]
+    reports = [json.loads(line) for line in done.stdout.splitlines()]
+    assert len(reports) == len(BUILDS), done.stdout
+    for (gated, block_n, stages, half, tma_store), report in zip(BUILDS, reports):
+        width = block_n // 2 if gated else block_n
+        assert report["shapes"] == sorted({width, width // 2} if half else {width}), report
+        assert report["waits"] == [0, 2 if gated else 1], report
+        assert report["spills"] == [0, 0] and report["warnings"] == [], report
+        assert report["shared"] == shared_bytes(block_n, stages, gated, half, tma_store) <= SHARED_LIMIT, report
+
+
+# ---- on an sm_90 GPU with Triton 3.6 ------------------------------------------------------------------------
+
+needs_gluon = pytest.mark.skipif(available(DEVICE) is not None, reason=f"the Gluon kernel: {available(DEVICE)}")
+
+
+@pytest.mark.gpu
+@needs_gluon
+@pytest.mark.parametrize("case", sorted(SEGMENTS))
+@pytest.mark.parametrize("programs, block_n, stages, half_tiles, tma_store", [
+    (1, 256, 4, False, False), (3, 256, 2, False, True), (7, 128, 3, True, False), (None, 256, 3, True, True),
+    (None, 128, 4, False, True)])
+@pytest.mark.parametrize("k", [64, 192, 576])
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
+def test_the_kernel_against_its_reference_gpu(monkeypatch, case, programs, block_n, stages, half_tiles, tma_store, k,
+                                              gated):
+    """A few programs each walking many tiles (the ring's steps and barrier phases running on across tiles, K loops
+    of 1, 3 and 9 steps, fewer steps than stages included) or one per SM; 128- and 256-row weight tiles (N = 512:
+    gated, the up rows in the other half, 8 times the gate rows); half tiles interleaved with whole ones. Real rows
+    within bf16 rounding of the reference; rows past rows_used keep what ``out`` held, and so do padding rows, but
+    with the TMA store those of whole tiles, which it writes (the path, not only the values: a half tile's keep 7)."""
+    from moe_kernels.kernels import _gluon_block_fp8_persistent as persistent
+
+    monkeypatch.setattr(persistent, "PROGRAMS", programs)
+    x, w, m_indices, rows_used = segmented(SEGMENTS[case], seed=len(case) + k, k=k, n=512, device="cuda")
+    width = 256 if gated else 512
+    out = torch.full((x.shape[0], width), 7.0, device="cuda", dtype=torch.bfloat16)
+    with record_launches() as launches:
+        bf16_grouped(x, w, m_indices, rows_used, out=out, gated=gated, block_n=block_n, stages=stages,
+                     half_tiles=half_tiles, tma_store=tma_store)
+    assert [(s["block_n"], s["half_tiles"], s["tma_store"]) for name, s in launches if name == "gluon_bf16.gemm"] == [
+        (block_n, half_tiles, tma_store)], launches
+    want = bf16_grouped_reference(x, w, m_indices, gated=gated)
+    real = m_indices >= 0
+    assert rel_err(out[real].float(), want[real].float()) < 5e-3
+    used = int(rows_used)
+    assert bool((out[used:] == 7.0).all())
+    tiles = m_indices[:used].view(-1, 128)
+    half = tiles[:, 64] < 0 if half_tiles else torch.zeros(tiles.shape[0], dtype=torch.bool, device="cuda")
+    kept = (out[:used].view(-1, 128, width) == 7.0).all(dim=-1)
+    padding = tiles < 0
+    if tma_store:   # whole tiles' padding rows written; half tiles' kept
+        assert bool(kept[padding & half[:, None]].all()) and not bool(kept[padding & ~half[:, None]].any())
+    else:
+        assert bool(kept[padding].all())
+
+
+@pytest.mark.gpu
+@needs_gluon
+def test_no_rows_used_writes_nothing_gpu():
+    """rows_used 0 (no tokens routed here): no tile is visited and ``out`` keeps what it held."""
+    x, w, m_indices, rows_used = segmented([0, 0], seed=4, k=128, n=512, device="cuda")
+    out = torch.full((x.shape[0], 512), 7.0, device="cuda", dtype=torch.bfloat16)
+    bf16_grouped(x, w, m_indices, rows_used * 0, out=out, tma_store=True)
+    assert bool((out == 7.0).all())
+
+
+@pytest.mark.gpu
+@needs_gluon
+@pytest.mark.parametrize("num_tokens", [1, 64, 600])
+@pytest.mark.parametrize("half_tiles, d", [(False, 512), (True, 512), (False, 384)])
+def test_the_permute_layout_on_the_bf16_kernel_gpu(monkeypatch, num_tokens, half_tiles, d):
+    """permute_experts in bf16 with BF16_GEMM = "gluon" and 128-row segments: both GEMMs on the persistent kernel
+    with the layout's tiles (d = 384: GEMM 2 on 128-row tiles), the result the Triton kernel's within bf16
+    rounding, and a CUDA graph captures the call."""
+    monkeypatch.setattr(permute_gluon, "BF16_GEMM", "gluon")
+    monkeypatch.setattr(permute_gluon, "BF16_HALF_TILES", half_tiles)
+    x, w1, w2, weights, ids = make_problem(num_tokens, 4, 2, d, 256, torch.bfloat16, seed=num_tokens)
+    triton_out = permute_experts(x, w1, w2, weights, ids, align=128, gemm="triton")
+    with record_launches() as launches:
+        got = permute_experts(x, w1, w2, weights, ids, align=128)
+    assert [s["kernel"] for name, s in launches if name == "permute.bf16_gemm"] == ["gluon"], launches
+    n2 = permute_gluon.BF16_TILES["down"][0] if d % 256 == 0 else 128
+    assert [(s["gated"], s["block_n"], s["half_tiles"]) for name, s in launches if name == "gluon_bf16.gemm"] == [
+        (True, permute_gluon.BF16_TILES["gate_up"][0], half_tiles), (False, n2, half_tiles)], launches
+    assert rel_err(got.float(), triton_out.float()) < 1e-2
+    graph, static = torch.cuda.CUDAGraph(), x.clone()
+    permute_experts(static, w1, w2, weights, ids, align=128)
+    with torch.cuda.graph(graph):
+        captured = permute_experts(static, w1, w2, weights, ids, align=128, validate_ids=False)
+    graph.replay()
+    assert torch.equal(captured, got)
