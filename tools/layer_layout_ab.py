@@ -21,7 +21,12 @@ against the index-gather layer's. TFLOP/s over the routed GEMMs' FLOPs (``T k 6 
     PYTHONPATH=. python tools/layer_layout_ab.py [models] [batches]   # GPU: records layer-layout-ab.json
     PYTHONPATH=. TRITON_INTERPRET=1 python tools/layer_layout_ab.py   # CPU: a small shape, the checks only
     (LAYER_AB_FORMATS=block: the fp8 rows only; LAYER_AB_LAYOUTS=index_gather,auto: those layouts only;
-    LAYER_AB_GLUON_ROWS=0: no "permute gluon ..." rows, or the names of those to run, comma-separated)
+    LAYER_AB_GLUON_ROWS=0: no "permute gluon ..." rows, or the names of those to run, comma-separated;
+    LAYER_AB_BF16_GLUON=0: no "permute gluon bf16" row)
+
+``permute gluon bf16`` (bf16, on an sm_90 GPU with Triton 3.6): the layer planned as a layout choice naming the
+permute layout on 128-row segments with the Gluon GEMMs (``kernels/gluon_bf16.py``, ``permute_gluon.BF16_TILES``)
+would plan it, a layer of its own.
 """
 import dataclasses
 import os
@@ -68,6 +73,26 @@ elif ROWS_ASKED != "1":
         sys.exit(f"LAYER_AB_GLUON_ROWS names no such row: {sorted(unknown)}")
     GLUON_ROWS = tuple(row for row in GLUON_ROWS if row[0] in ROWS_ASKED.split(","))
 ROUNDS = 4
+BF16_GLUON = os.environ.get("LAYER_AB_BF16_GLUON", "1") == "1" and device == "cuda"
+
+
+def bf16_gluon_layer(layer, batch):
+    """A layer of its own whose plan at ``batch`` is what a layout choice of the permute layout, 128-row segments
+    and the Gluon GEMMs gives (the plan is made here, once, and kept by the layer)."""
+    import moe_kernels.layer as layer_module
+    from moe_kernels.kernels.layout_choice import LayoutChoice
+
+    own = MoELayer(layer.weights, layer.routing, layout="permute")
+    config = own.plan(batch).config.with_block_m(128)
+    own = MoELayer(layer.weights, layer.routing, layout="auto")
+    chosen, layer_module.choose_layout = layer_module.choose_layout, lambda *a, **k: LayoutChoice(
+        "permute", config, 1, 128, "gluon")
+    try:
+        plan = own.plan(batch)
+    finally:
+        layer_module.choose_layout = chosen
+    assert (plan.layout, plan.align, plan.gemm) == ("permute", 128, "gluon"), plan
+    return own
 
 
 def auto_note(plan):
@@ -122,6 +147,13 @@ for key in models:
                     plans[name] = {"fp8_gemm": [s for n, s in launches if n == "permute.fp8_gemm"],
                                    "gemms": [s for n, s in launches if n == "gluon_block_fp8.gemm"]}
                     candidates[name] = gluon_call(persistent, fused, one_pass, half, half2, own)
+            if fmt == "none" and BF16_GLUON:
+                own = bf16_gluon_layer(layer, batch)
+                with record_launches() as launches:
+                    own(x)
+                plans["permute gluon bf16"] = {"bf16_gemm": [s for n, s in launches if n == "permute.bf16_gemm"],
+                                               "gemms": [s for n, s in launches if n == "gluon_bf16.gemm"]}
+                candidates["permute gluon bf16"] = lambda own=own: own(x)
             reference = candidates["index_gather"]()
             lowest, rounds, errors, rel = time_lowest(candidates, reference, tolerance=3e-2, warmup_ms=5, rep_ms=30,
                                                       unchecked=("index_gather",), rounds=ROUNDS, alternate=True)
