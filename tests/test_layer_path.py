@@ -392,11 +392,11 @@ def test_router_replays_and_graphs_on_two_streams_gpu(model_name, batch, one_lau
     ("deepseek-v3", "none", H200, 1, "index_gather"), ("deepseek-v3", "none", H200, 64, "index_gather"),
     ("deepseek-v3", "none", H200, 1024, "index_gather"), ("deepseek-v3", "none", H200, 4095, "index_gather"),
     ("deepseek-v3", "none", H200, 4096, "permute 128 from 4096"),
-    ("deepseek-v3", "none", H200, 16384, "permute 128 from 4096"), ("deepseek-v3", "block", H200, 2048, "index_gather"),
-    ("deepseek-v3", "block", H200, 4095, "index_gather"), ("deepseek-v3", "block", H200, 4096, "permute 128 from 4096"),
-    ("deepseek-v3", "block", H200, 16384, "permute 128 from 4096"),
-    ("qwen3-30b-a3b", "block", H200, 4095, "index_gather"),
-    ("qwen3-30b-a3b", "block", H200, 16384, "permute 128 from 4096"),
+    ("deepseek-v3", "none", H200, 16384, "permute 128 from 4096"), ("deepseek-v3", "block", H200, 1024, "index_gather"),
+    ("deepseek-v3", "block", H200, 2047, "index_gather"), ("deepseek-v3", "block", H200, 2048, "permute 128 from 2048"),
+    ("deepseek-v3", "block", H200, 16384, "permute 128 from 2048"),
+    ("qwen3-30b-a3b", "block", H200, 1023, "index_gather"), ("qwen3-30b-a3b", "block", H200, 1024, "permute 128 from 1024"),
+    ("qwen3-30b-a3b", "block", H200, 16384, "permute 128 from 1024"),
     ("deepseek-v3", "none", H100, 16384, "index_gather"), ("qwen3-30b-a3b", "none", H200, 16384, "index_gather"),
     ("deepseek-v3", "none", "NVIDIA A100", 16384, "index_gather"),
     # the H100's fp8 entries: the transposed Gluon kernel at decode (16-row segments), the 128-row Gluon GEMMs
@@ -413,9 +413,9 @@ def test_router_replays_and_graphs_on_two_streams_gpu(model_name, batch, one_lau
 def test_auto_layout_follows_the_measured_crossover(model_name, fmt, device_name, batch, layout):
     """DeepSeek-V3's experts ran faster on the permute layout (TMA, persistent grid) from 4,096
     tokens on the H200 in bf16 (prefill-ab.json), and the routed fp8 layer of both models with its
-    GEMMs on the Gluon kernel from 4,096 tokens on the H200 (layer-layout-ab*.json); on the H100 the fp8
-    experts ran faster on the transposed Gluon kernel at decode and on the 128-row Gluon GEMMs from 1,024 or
-    2,048 tokens (fp8-sweep.json): there, and only there, "auto" takes the permute layout, with the tiles,
+    GEMMs on the Gluon kernel from 1,024 (Qwen3-30B-A3B) or 2,048 (DeepSeek-V3) tokens on the H200
+    (fp8-sweep-s33.json, layer-layout-ab*.json); on the H100 the fp8 experts ran faster on the transposed Gluon
+    kernel at decode and on the 128-row Gluon GEMMs from 1,024 or 2,048 tokens (fp8-sweep.json): there, and only there, "auto" takes the permute layout, with the tiles,
     segments and GEMM kernel it was measured with; everywhere else index-gather with its own table."""
     from moe_kernels.kernels.layout_choice import load_choices, shape_key
 
@@ -454,9 +454,9 @@ def test_auto_layout_follows_the_measured_crossover(model_name, fmt, device_name
 @pytest.mark.parametrize("device_name", [H100, H200])
 def test_auto_shared_expert_follows_the_measured_choice(device_name):
     """``shared_expert="auto"``: DeepSeek-V3's fp8 shared expert runs as slot E up to the measured
-    crossover of ``shared-choices.json`` (the H100's: 64 tokens) on the table tuned for the fused problem
-    (E + 1 experts), and apart above it, on the routed table and its own dense tiles; a GPU, shape or format
-    with no entry runs it apart at every batch, as ``"separate"`` does."""
+    crossover of ``shared-choices.json`` (the H100's: 64 tokens; the H200's: 16) on the table tuned for the fused
+    problem (E + 1 experts), and apart above it, on the routed table and its own dense tiles; a GPU, shape or
+    format with no entry runs it apart at every batch, as ``"separate"`` does."""
     from moe_kernels.kernels.shared_choice import load_shared_choices
     from moe_kernels.kernels.layout_choice import shape_key
 
@@ -464,18 +464,18 @@ def test_auto_shared_expert_follows_the_measured_choice(device_name):
     key = shape_key(device_name, model.num_experts, model.moe_intermediate_size, model.hidden_size,
                     FORMATS["block"].name)
     up_to = load_shared_choices().get(key)
-    assert (up_to == 64) == (device_name == H100)
+    assert up_to == {H100: 64, H200: 16}[device_name]
     auto = meta_layer("deepseek-v3", "block", "index_gather", "auto")
     separate = meta_layer("deepseek-v3", "block", "index_gather", "separate")
     fused = meta_layer("deepseek-v3", "block", "index_gather", "fused")
-    for batch in (1, 8, 64, 65, 512):
+    for batch in (1, 8, 16, 17, 64, 65, 512):
         plan = auto.plan(batch, device_name=device_name)
         slot = up_to is not None and batch <= up_to
         assert plan.shared_slot == slot and (plan.shared_choice is None) == slot
         like = (fused if slot else separate).plan(batch, device_name=device_name)
         assert plan.choice == like.choice and plan.naive_blocks == like.naive_blocks
         assert plan.shared_choice == like.shared_choice
-        if slot and device_name == H100:   # the fused problem's own table, tuned for the H100
+        if slot:   # the fused problem's own table, tuned for each GPU
             assert ",E=257," in plan.choice.table
     for fmt in ("none",):   # no entry for bf16 weights: apart at every batch
         assert not meta_layer("deepseek-v3", fmt, "index_gather", "auto").plan(8, device_name=H100).shared_slot
@@ -485,8 +485,8 @@ def test_auto_shared_expert_follows_the_measured_choice(device_name):
     one, eight = both_auto.plan(1, device_name=device_name), both_auto.plan(8, device_name=device_name)
     assert one.layout == "index_gather" and one.shared_slot == (up_to is not None)
     assert eight.shared_slot == (eight.layout == "index_gather" and up_to is not None)
-    assert (eight.layout, eight.shared_choice is not None) == (("permute", True) if device_name == H100
-                                                               else ("index_gather", True))
+    assert eight.layout == ("permute" if device_name == H100 else "index_gather")
+    assert (eight.shared_choice is not None) == (not eight.shared_slot)
 
 
 @pytest.mark.parametrize("args, says", [

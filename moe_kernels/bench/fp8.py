@@ -88,7 +88,7 @@ def _scaled_grouped_mm_layer(hidden, w1q, w1s, w2q, w2s, weights, ids, num_exper
 
 
 #: Smallest batch timed with the prefill Gluon GEMMs (``fp8 block permute gluon``): the rows from 1,024 tokens
-#: show the crossover (the layer's choices take them from 4,096 tokens on the H200, from 1,024 or 2,048 on the H100).
+#: show the crossover (the layer's choices take them from 1,024 or 2,048 tokens on both GPUs).
 PREFILL_GLUON_MIN_BATCH = 1024
 
 #: Largest batch whose rows get the read bounds: decode, where the layer streams its weights.
