@@ -64,11 +64,24 @@ def test_it_refuses_where_it_cannot_run():
 @pytest.mark.parametrize("settings, says", [
     (dict(block_n=64), "'block_n' must be 128 or 256"), (dict(stages=1), "'stages' must be >= 2"),
     (dict(block_n=256, stages=4, tma_store=True), "'stages' must be at most 3 with block_n=256, gated=False"),
-    (dict(gated=1), "'gated' must be a bool"), (dict(tma_store="yes"), "'tma_store' must be a bool")])
+    (dict(gated=1), "'gated' must be a bool"), (dict(tma_store="yes"), "'tma_store' must be a bool"),
+    (dict(block_n=128.0), "'block_n' must be 128 or 256")])
 def test_bad_settings_are_named(settings, says):
     x, w, m_indices, rows_used = segmented([5], seed=3, k=64, n=256)
     with pytest.raises((ValueError, TypeError), match=re.escape("bf16_grouped: argument " + says)):
         bf16_grouped(x, w, m_indices, rows_used, **settings)
+
+
+def test_an_output_over_the_input_is_refused():
+    """In bf16 an output can have the input's shape (K = N): the grid would overwrite rows other tiles still read,
+    so an ``out`` sharing memory with ``x`` is refused (the checks come before the device's)."""
+    x, w, m_indices, rows_used = segmented([5], seed=5, k=256, n=256)
+    from moe_kernels.kernels.gluon_bf16 import _overlap
+
+    assert _overlap(x, x) and _overlap(x[1:], x[:2]) and not _overlap(x[:128], x[128:])
+    if available(DEVICE) is None:
+        with pytest.raises(ValueError, match="bf16_grouped: argument 'out' must not share memory with x"):
+            bf16_grouped(x.to(DEVICE), w.to(DEVICE), m_indices.to(DEVICE), rows_used.to(DEVICE), out=x.to(DEVICE))
 
 
 def test_every_tile_fits_with_the_stages_the_layout_takes():
@@ -82,7 +95,8 @@ def test_every_tile_fits_with_the_stages_the_layout_takes():
 
 
 # (gated, block_n, stages, half tiles, TMA store): GEMM 1's and GEMM 2's tiles, half tiles and both epilogues
-BUILDS = [(True, 256, 4, False, False), (True, 256, 3, True, False), (False, 256, 3, False, True),
+BUILDS = [(True, 256, 4, False, False), (True, 256, 3, True, False), (True, 256, 4, True, False),
+          (True, 256, 3, False, False), (False, 256, 3, False, True),
           (False, 256, 4, False, False), (False, 256, 3, True, True), (False, 128, 4, True, True),
           (True, 128, 4, False, False)]
 
@@ -158,9 +172,11 @@ def test_the_kernel_against_its_reference_gpu(monkeypatch, case, programs, block
     gated, the up rows in the other half, 8 times the gate rows); half tiles interleaved with whole ones. Real rows
     within bf16 rounding of the reference; rows past rows_used keep what ``out`` held, and so do padding rows, but
     with the TMA store those of whole tiles, which it writes (the path, not only the values: a half tile's keep 7)."""
-    from moe_kernels.kernels import _gluon_block_fp8_persistent as persistent
+    from moe_kernels.kernels import _gluon_block_fp8_kernel as per_tile, _gluon_block_fp8_persistent as persistent
 
     monkeypatch.setattr(persistent, "PROGRAMS", programs)
+    counter = torch.zeros(1, dtype=torch.int32, device="cuda")
+    monkeypatch.setattr(per_tile, "HALF_TILE_COUNTER", counter)
     x, w, m_indices, rows_used = segmented(SEGMENTS[case], seed=len(case) + k, k=k, n=512, device="cuda")
     width = 256 if gated else 512
     out = torch.full((x.shape[0], width), 7.0, device="cuda", dtype=torch.bfloat16)
@@ -176,6 +192,8 @@ def test_the_kernel_against_its_reference_gpu(monkeypatch, case, programs, block
     assert bool((out[used:] == 7.0).all())
     tiles = m_indices[:used].view(-1, 128)
     half = tiles[:, 64] < 0 if half_tiles else torch.zeros(tiles.shape[0], dtype=torch.bool, device="cuda")
+    # the path, not only the values: each half tile counted once per column tile
+    assert int(counter) == int(half.sum()) * (width // (block_n // 2 if gated else block_n))
     kept = (out[:used].view(-1, 128, width) == 7.0).all(dim=-1)
     padding = tiles < 0
     if tma_store:   # whole tiles' padding rows written; half tiles' kept

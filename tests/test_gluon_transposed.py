@@ -105,8 +105,8 @@ def test_k_of_a_multiple_of_64_and_n_of_128_pass_in_bf16():
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 def test_the_switch_falls_back_to_triton_and_says_why(monkeypatch):
-    """permute_gluon.BF16_GEMM = "gluon" where the kernel cannot run (this machine: no Gluon; or 128-row
-    segments, which only fp8 has a Gluon kernel for) takes the Triton kernel, same result, reason recorded."""
+    """permute_gluon.BF16_GEMM = "gluon" where the kernel cannot run (this machine: no Gluon) takes the Triton
+    kernel, same result, reason recorded."""
     x, w1, w2, weights, ids = make_problem(9, 4, 2, 256, 128, torch.float32, seed=3)
     want = permute_experts(x, w1, w2, weights, ids, align=16)
     monkeypatch.setattr(permute_gluon, "BF16_GEMM", "gluon")
@@ -192,10 +192,10 @@ def test_the_permute_layout_at_decode_on_the_transposed_kernel_gpu(monkeypatch, 
 @pytest.mark.gpu
 @needs_gluon
 def test_the_switch_refuses_what_the_kernel_cannot_take_gpu(monkeypatch):
-    """bf16 segments of 8 rows (no Gluon kernel for them) and fp16 weights go to the Triton kernel, the launch
+    """bf16 segments of 48 rows (no Gluon kernel for them) and fp16 weights go to the Triton kernel, the launch
     record saying why."""
     monkeypatch.setattr(permute_gluon, "BF16_GEMM", "gluon")
-    for dtype, align, reason in ((torch.bfloat16, 8, "segments of 8 rows, not 16, 32, 64, 128"),
+    for dtype, align, reason in ((torch.bfloat16, 48, "segments of 48 rows, not 16, 32, 64, 128"),
                                  (torch.float16, 16, "weights not bf16")):
         x, w1, w2, weights, ids = make_problem(20, 4, 2, 256, 128, dtype, seed=5)
         with record_launches() as launches:

@@ -74,6 +74,10 @@ elif ROWS_ASKED != "1":
     GLUON_ROWS = tuple(row for row in GLUON_ROWS if row[0] in ROWS_ASKED.split(","))
 ROUNDS = 4
 BF16_GLUON = os.environ.get("LAYER_AB_BF16_GLUON", "1") == "1" and device == "cuda"
+if BF16_GLUON:   # (where the Gluon kernel runs: sm_90 with Triton 3.6; elsewhere the plan would not take it)
+    from moe_kernels.kernels.gluon_block_fp8 import available
+
+    BF16_GLUON = available(device) is None
 
 
 def bf16_gluon_layer(layer, batch):

@@ -63,10 +63,12 @@ formats = sys.argv[3].split(",") if len(sys.argv) > 3 else ["none", "block"]
 RECORD = sys.argv[4] if len(sys.argv) > 4 else "prefill-gemm-ab"
 ALIGN = 128
 # bf16 on the persistent Gluon kernel (an sm_90 GPU, Triton 3.6): name -> bf16_grouped's settings
-GLUON1 = {"n256 s4": dict(block_n=256, stages=4), "n256 s3": dict(block_n=256, stages=3),
-          "n128 s4": dict(block_n=128, stages=4), "n256 s3 half": dict(block_n=256, stages=3, half_tiles=True)}
-GLUON2 = {"n256 s3 tma": dict(block_n=256, stages=3, tma_store=True), "n256 s4": dict(block_n=256, stages=4),
-          "n128 s4 tma": dict(block_n=128, stages=4, tma_store=True),
+# (session 33's first run, prefill-gemm-ab-gluon-bf16.json, also had GEMM 1 on n256 s4, n128 s4 and n256 s3 half,
+# GEMM 2 on n256 s4 and n128 s4 tma: each slower than the n256 s3 rows)
+GLUON1 = {"n256 s3": dict(block_n=256, stages=3), "n256 s3 tma": dict(block_n=256, stages=3, tma_store=True),
+          "n256 s4 tma": dict(block_n=256, stages=4, tma_store=True),
+          "n256 s2 tma": dict(block_n=256, stages=2, tma_store=True)}
+GLUON2 = {"n256 s3 tma": dict(block_n=256, stages=3, tma_store=True),
           "n256 s3 tma half": dict(block_n=256, stages=3, tma_store=True, half_tiles=True)}
 GLUON = device == "cuda" and gluon_available(device) is None
 
@@ -203,6 +205,8 @@ def gemm_pair(align, tiles1, tiles2, x, xq, x_scale, ids, w1, w1s, w2, w2s, fmt,
             from moe_kernels.kernels.gluon_bf16 import bf16_grouped
 
             for n, settings in GLUON1.items():
+                if f % (settings["block_n"] // 2):   # (a tile's output columns must divide F)
+                    continue
                 g1[f"{tag}gemm1 gluon {n}"] = (lambda s=settings, o=torch.zeros(num_rows, f, device=device, dtype=dtype):
                                                bf16_grouped(permuted.rows, w1, m_idx, used, gated=True, out=o,
                                                             validate_ids=False, **s))
@@ -227,6 +231,8 @@ def gemm_pair(align, tiles1, tiles2, x, xq, x_scale, ids, w1, w1s, w2, w2s, fmt,
         g2["bmm2"] = balanced(e, -(-batch * k // e), f, d, dtype)
         if GLUON:
             for n, settings in GLUON2.items():
+                if d % settings["block_n"]:
+                    continue
                 g2[f"{tag}gemm2 gluon {n}"] = (lambda s=settings, o=torch.zeros(num_rows, d, device=device, dtype=dtype):
                                                bf16_grouped(a, w2, m_idx, used, out=o, validate_ids=False, **s))
     y = next(iter(g2.values()))()

@@ -33,7 +33,7 @@ if GLUON_HOPPER:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from .._runtime import gluon_kernel
-    from . import _gluon_block_fp8_persistent as persistent
+    from . import _gluon_block_fp8_kernel as per_tile, _gluon_block_fp8_persistent as persistent
     from ._gluon_block_fp8_kernel import BLOCK_M, _store_plain, compile_kernel_for_sm90
     from ._gluon_block_fp8_persistent import (HALF_M, _fill_ring, _known_tiles, _load_global, _out_descriptor,
                                               _store_whole_tile)
@@ -125,11 +125,13 @@ if GLUON_HOPPER:
     def _bf16_grouped_persistent_kernel(x_desc, w_desc, out_ptr, m_indices_ptr, rows_used_ptr, N, K, stride_om,
                                         BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, GROUP: gl.constexpr,
                                         GATED: gl.constexpr = False, HALF_TILES: gl.constexpr = False,
-                                        out_desc=None, TMA_STORE: gl.constexpr = False):
+                                        out_desc=None, TMA_STORE: gl.constexpr = False, counter_ptr=None,
+                                        COUNT_HALVES: gl.constexpr = False):
         """``out[r] = x[r] @ w[m_indices[r]]^T`` (gated: ``silu`` of the gate half times the up half) over this
         program's tiles ``pid, pid + P, ...`` of the rows below ``rows_used``, in the fp8 kernel's grouped order;
         the ring is filled across tile boundaries (global step ``g``: step ``g % num_k`` of the program's tile
-        ``g // num_k``, in stage ``g % NUM_STAGES``)."""
+        ``g // num_k``, in stage ``g % NUM_STAGES``). ``COUNT_HALVES``: each half tile adds one to a test's
+        counter (the fp8 kernels' ``HALF_TILE_COUNTER``), so that a test sees the path taken."""
         NUM_WARPS: gl.constexpr = gl.num_warps()
         W_ROWS: gl.constexpr = BLOCK_N // 2 if GATED else BLOCK_N
         whole: gl.constexpr = _bf16_layout(BLOCK_M, W_ROWS, NUM_WARPS)
@@ -165,6 +167,8 @@ if GLUON_HOPPER:
             # (static, as in the fp8 kernel: Triton 3.6 fails to lower the half tiles' branch under a constant)
             if HALF_TILES:
                 if gl.load(m_indices_ptr + known[1] + HALF_M) < 0:
+                    if COUNT_HALVES:
+                        gl.atomic_add(counter_ptr, 1)
                     _tile(t, num_k, known, off_n, ring, walk, tensors, N, OUT_N, stride_om, HALF_M, half,
                           W_ROWS, GROUP, NUM_STAGES, GATED, TMA_STORE, NUM_WARPS)
                 else:
@@ -198,7 +202,8 @@ if GLUON_HOPPER:
         x = torch.empty(TILE_M, TILE_K_BF16, dtype=torch.bfloat16)
         w = torch.empty(1, block_n, TILE_K_BF16, dtype=torch.bfloat16)
         out = torch.empty(TILE_M, block_n // 2 if gated else block_n, dtype=torch.bfloat16)
-        pointers = {"rows_used_ptr": "*i32", "out_desc": mangle_type(_out_descriptor(out, out.shape[1]))}
+        pointers = {"rows_used_ptr": "*i32", "counter_ptr": "*i32",
+                    "out_desc": mangle_type(_out_descriptor(out, out.shape[1]))}
         return compile_kernel_for_sm90(_bf16_grouped_persistent_kernel, block_n, gated, num_warps,
                                        {"NUM_STAGES": stages, "HALF_TILES": half_tiles, "TMA_STORE": tma_store},
                                        pointers, _descriptors(x, w, block_n, gated))
@@ -216,4 +221,5 @@ if GLUON_HOPPER:
             x_desc, w_desc, out, m_indices, rows_used, w.shape[1], k, out.stride(0), BLOCK_N=block_n,
             NUM_STAGES=stages, GROUP=GROUP_M, GATED=gated, HALF_TILES=half_tiles,
             out_desc=_out_descriptor(out, block_n // 2 if gated else block_n) if tma_store else None, TMA_STORE=tma_store,
+            counter_ptr=per_tile.HALF_TILE_COUNTER, COUNT_HALVES=per_tile.HALF_TILE_COUNTER is not None and half_tiles,
             num_warps=num_warps)
