@@ -67,7 +67,7 @@ ALIGN = 128
 # GEMM 2 on n256 s4 and n128 s4 tma: each slower than the n256 s3 rows)
 GLUON1 = {"n256 s3": dict(block_n=256, stages=3), "n256 s3 tma": dict(block_n=256, stages=3, tma_store=True),
           "n256 s4 tma": dict(block_n=256, stages=4, tma_store=True),
-          "n256 s2 tma": dict(block_n=256, stages=2, tma_store=True)}
+          "n256 s3 tma half": dict(block_n=256, stages=3, tma_store=True, half_tiles=True)}
 GLUON2 = {"n256 s3 tma": dict(block_n=256, stages=3, tma_store=True),
           "n256 s3 tma half": dict(block_n=256, stages=3, tma_store=True, half_tiles=True)}
 GLUON = device == "cuda" and gluon_available(device) is None

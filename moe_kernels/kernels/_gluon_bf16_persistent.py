@@ -9,13 +9,17 @@ Why: bf16 prefill (issue 18) ran the permute layout's two GEMMs on the Triton ke
 there on the H100. This is the 128-row persistent kernel that ran block-fp8 at 720-830 TFLOP/s, without the
 scales.
 
-Tiles: 128 rows by ``BLOCK_N`` weight rows. Gated (GEMM 1, ``silu(gate) * up``): ``BLOCK_N / 2`` gate rows and
-the matching up rows, in two accumulators of ``[128, BLOCK_N / 2]`` (two wgmmas a step), so that the activation
-is an elementwise product in registers: a gate column and its up column sit in the same thread. (One
-``[128, BLOCK_N]`` accumulator would need the fp32 tile in shared memory to pair them: 128 KiB at ``BLOCK_N``
-256, more than the ring leaves.) The epilogue stores the rows of the expert (pointer stores), or each whole
-tile by one TMA copy that runs on under the next tile's MMAs (``TMA_STORE``: padding rows written too).
-``HALF_TILES``: a tile whose rows 64-127 are padding multiplies 64 rows (the fp8 kernel's half tiles).
+Tiles: 128 rows by ``BLOCK_N`` weight rows, one accumulator, one wgmma a K step. Gated (GEMM 1,
+``silu(gate) * up``): ``BLOCK_N / 2`` gate rows and the matching up rows, loaded in quarters (gate, up, the next
+gate rows, their up rows: four TMA boxes), so that each gate column and its up column lie a quarter of the tile
+apart inside one warpgroup's share of the product and in the same thread. The epilogue pairs them in registers
+(a reshape, a transpose and a split of the accumulator, which the compiler lays out with no shared memory) and
+computes the activation in fp32. (Two accumulators, gate and up, cost two wgmmas a step, each re-reading the A
+tile from shared memory; pairing halves of one accumulator through shared memory would take the fp32 tile, 128
+KiB at ``BLOCK_N`` 256, more than the ring leaves.) The epilogue stores the rows of the expert (pointer stores),
+or each whole tile by one TMA copy that runs on under the next tile's MMAs (``TMA_STORE``: padding rows written
+too). ``HALF_TILES``: a tile whose rows 64-127 are padding multiplies 64 rows, the two warpgroups side by side
+along N (gated: each holds whole quarters, so its gate and up columns stay together).
 """
 
 from __future__ import annotations
@@ -51,70 +55,61 @@ if GLUON_HOPPER:
                                          instr_shape=[16, columns // groups, 16])
 
     @gluon.jit
-    def _issue(a_bufs, b_bufs, ready, g, acc, up, use_acc, NUM_STAGES: gl.constexpr, GATED: gl.constexpr):
-        """Wait for global step ``g``'s tiles, then issue its MMA into ``acc`` (``use_acc``: onto what it holds),
-        gated also the up rows' into ``up``: A is the box's first ``acc.shape[0]`` rows (a half tile's 64), W's
-        tile ``[BLOCK_N, 64]`` with K contiguous, viewed as the K-major ``[64, BLOCK_N]`` B."""
+    def _issue(a_bufs, b_bufs, ready, g, acc, use_acc, NUM_STAGES: gl.constexpr):
+        """Wait for global step ``g``'s tiles, then issue its MMA into ``acc`` (``use_acc``: onto what it holds):
+        A is the box's first ``acc.shape[0]`` rows (a half tile's 64), W's tile ``[BLOCK_N, 64]`` with K
+        contiguous, viewed as the K-major ``[64, BLOCK_N]`` B."""
         stage = g % NUM_STAGES
         mbarrier.wait(ready.index(stage), (g // NUM_STAGES) & 1)
-        a = a_bufs.index(stage).slice(0, acc.shape[0])
-        w = b_bufs.index(stage)
-        if GATED:
-            half: gl.constexpr = w.shape[0] // 2
-            acc = warpgroup_mma(a, w.slice(0, half).permute((1, 0)), acc, use_acc=use_acc, is_async=True)
-            up = warpgroup_mma(a, w.slice(half, half).permute((1, 0)), up, use_acc=use_acc, is_async=True)
-        else:
-            acc = warpgroup_mma(a, w.permute((1, 0)), acc, use_acc=use_acc, is_async=True)
-        return acc, up
-
-    @gluon.jit
-    def _wait(acc, up, STEPS_IN_FLIGHT: gl.constexpr, GATED: gl.constexpr):
-        """Wait until at most ``STEPS_IN_FLIGHT`` steps' MMAs are outstanding (a gated step issues two)."""
-        if GATED:
-            acc, up = warpgroup_mma_wait(num_outstanding=2 * STEPS_IN_FLIGHT, deps=(acc, up))
-        else:
-            acc = warpgroup_mma_wait(num_outstanding=STEPS_IN_FLIGHT, deps=(acc, ))
-        return acc, up
+        return warpgroup_mma(a_bufs.index(stage).slice(0, acc.shape[0]), b_bufs.index(stage).permute((1, 0)), acc,
+                             use_acc=use_acc, is_async=True)
 
     @gluon.jit
     def _tile_product(base, num_k, known, ring, walk, m_indices_ptr, N, ROWS: gl.constexpr, layout: gl.constexpr,
-                      W_ROWS: gl.constexpr, GROUP: gl.constexpr, NUM_STAGES: gl.constexpr, GATED: gl.constexpr):
-        """This program's tile at global steps ``base``...: each MMA accumulates into the one before it, one step
-        left in flight (``wait_group 1``, gated 2) while the stage of the step before is refilled, with a step of
-        this tile or of a later one; the last step's stage refilled before the epilogue."""
+                      BLOCK_N: gl.constexpr, W_ROWS: gl.constexpr, GROUP: gl.constexpr, NUM_STAGES: gl.constexpr,
+                      GATED: gl.constexpr):
+        """This program's tile at global steps ``base``...: each MMA accumulates into the one before it, one left
+        in flight (``wait_group 1``) while the stage of the one before is refilled, with a step of this tile or of a
+        later one; the last step's stage refilled before the epilogue."""
         x_desc, w_desc, a_bufs, b_bufs, ready = ring
         pid, nprog, my_tiles, num_pid_m, num_pid_n = walk
-        acc = gl.zeros([ROWS, W_ROWS], gl.float32, layout=layout)
-        if GATED:
-            up = gl.zeros([ROWS, W_ROWS], gl.float32, layout=layout)
-        else:
-            up = 0   # (no second accumulator)
-        acc, up = _issue(a_bufs, b_bufs, ready, base, acc, up, False, NUM_STAGES, GATED)
-        acc, up = _wait(acc, up, 1, GATED)   # (returns at once: the handles as tensors)
+        acc = _issue(a_bufs, b_bufs, ready, base, gl.zeros([ROWS, BLOCK_N], gl.float32, layout=layout), False,
+                     NUM_STAGES)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))   # (returns at once: the handle as a tensor)
         for step in range(1, num_k):
-            acc, up = _issue(a_bufs, b_bufs, ready, base + step, acc, up, True, NUM_STAGES, GATED)
-            acc, up = _wait(acc, up, 1, GATED)   # (step - 1's MMAs complete)
-            gl.thread_barrier()   # (both warpgroups past step - 1 before its stage is refilled)
+            acc = _issue(a_bufs, b_bufs, ready, base + step, acc, True, NUM_STAGES)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))   # (MMA step - 1 complete)
+            gl.thread_barrier()   # (both warpgroups past MMA step - 1 before its stage is refilled)
             _load_global(x_desc, w_desc, a_bufs, b_bufs, ready, base + step - 1 + NUM_STAGES, num_k, pid, nprog,
                          my_tiles, num_pid_m, num_pid_n, m_indices_ptr, N, known, W_ROWS, GROUP, False, NUM_STAGES,
-                         GATED)
-        acc, up = _wait(acc, up, 0, GATED)
+                         GATED, GATED)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         gl.thread_barrier()
         _load_global(x_desc, w_desc, a_bufs, b_bufs, ready, base + num_k - 1 + NUM_STAGES, num_k, pid, nprog,
-                     my_tiles, num_pid_m, num_pid_n, m_indices_ptr, N, known, W_ROWS, GROUP, False, NUM_STAGES, GATED)
-        return acc, up
+                     my_tiles, num_pid_m, num_pid_n, m_indices_ptr, N, known, W_ROWS, GROUP, False, NUM_STAGES, GATED,
+                     GATED)
+        return acc
+
+    @gluon.jit
+    def _activated(acc, W_ROWS: gl.constexpr):
+        """``silu(gate) * up`` in fp32 (the Triton kernel's arithmetic) of an interleaved gated product: its columns
+        are (quarter pair, gate or up, column in the quarter); the pairs are matched in registers, output column
+        ``pair * W_ROWS / 2 + column``."""
+        parts = gl.permute(gl.reshape(acc, [acc.shape[0], 2, 2, W_ROWS // 2]), (0, 1, 3, 2))
+        gate, up = gl.split(gl.reshape(parts, [acc.shape[0], W_ROWS, 2]))
+        return gate * (1.0 / (1.0 + gl.exp(-gate))) * up
 
     @gluon.jit
     def _tile(t, num_k, known, off_n, ring, walk, tensors, N, OUT_N, stride_om, ROWS: gl.constexpr,
-              layout: gl.constexpr, W_ROWS: gl.constexpr, GROUP: gl.constexpr, NUM_STAGES: gl.constexpr,
-              GATED: gl.constexpr, TMA_STORE: gl.constexpr, NUM_WARPS: gl.constexpr):
-        """Tile ``t``'s product on ``ROWS`` rows, then its epilogue while the next tile's first steps land:
-        ``silu(gate) * up`` in fp32 (the Triton kernel's arithmetic) where ``GATED``, rounded once to bf16."""
+              layout: gl.constexpr, BLOCK_N: gl.constexpr, W_ROWS: gl.constexpr, GROUP: gl.constexpr,
+              NUM_STAGES: gl.constexpr, GATED: gl.constexpr, TMA_STORE: gl.constexpr, NUM_WARPS: gl.constexpr):
+        """Tile ``t``'s product on ``ROWS`` rows, then its epilogue while the next tile's first steps land (gated:
+        the activation, rounded once to bf16)."""
         out_ptr, m_indices_ptr, stash, out_desc = tensors
-        acc, up = _tile_product(t * num_k, num_k, known, ring, walk, m_indices_ptr, N, ROWS, layout, W_ROWS, GROUP,
-                                NUM_STAGES, GATED)
+        acc = _tile_product(t * num_k, num_k, known, ring, walk, m_indices_ptr, N, ROWS, layout, BLOCK_N, W_ROWS,
+                            GROUP, NUM_STAGES, GATED)
         if GATED:
-            acc = acc * (1.0 / (1.0 + gl.exp(-acc))) * up
+            acc = _activated(acc, W_ROWS)
         off_m = known[1]
         if TMA_STORE and ROWS == BLOCK_M:   # (whole tiles; a half tile stores its rows by pointers)
             _store_whole_tile(acc, out_desc, stash, off_m, off_n)
@@ -134,9 +129,9 @@ if GLUON_HOPPER:
         counter (the fp8 kernels' ``HALF_TILE_COUNTER``), so that a test sees the path taken."""
         NUM_WARPS: gl.constexpr = gl.num_warps()
         W_ROWS: gl.constexpr = BLOCK_N // 2 if GATED else BLOCK_N
-        whole: gl.constexpr = _bf16_layout(BLOCK_M, W_ROWS, NUM_WARPS)
-        half: gl.constexpr = _bf16_layout(HALF_M, W_ROWS, NUM_WARPS)
-        gl.static_assert(w_desc.block_type.shape[0] == W_ROWS)
+        whole: gl.constexpr = _bf16_layout(BLOCK_M, BLOCK_N, NUM_WARPS)
+        half: gl.constexpr = _bf16_layout(HALF_M, BLOCK_N, NUM_WARPS)
+        gl.static_assert(w_desc.block_type.shape[0] == (BLOCK_N // 4 if GATED else BLOCK_N))   # (gated: quarters)
         gl.static_assert(NUM_STAGES >= 2)
         num_pid_m = gl.load(rows_used_ptr) // BLOCK_M
         OUT_N = N // 2 if GATED else N
@@ -159,7 +154,7 @@ if GLUON_HOPPER:
             stash = ready   # (unused)
         ring = (x_desc, w_desc, a_bufs, b_bufs, ready)
         walk = (pid, nprog, my_tiles, num_pid_m, num_pid_n)
-        _fill_ring(ring, walk, num_k, m_indices_ptr, N, W_ROWS, GROUP, False, NUM_STAGES, GATED)
+        _fill_ring(ring, walk, num_k, m_indices_ptr, N, W_ROWS, GROUP, False, NUM_STAGES, GATED, GATED)
         tensors = (out_ptr, m_indices_ptr, stash, out_desc)
         for t in range(my_tiles):
             known, off_n, _ = _known_tiles(t, pid, nprog, my_tiles, num_pid_m, num_pid_n, m_indices_ptr, N, W_ROWS,
@@ -169,14 +164,14 @@ if GLUON_HOPPER:
                 if gl.load(m_indices_ptr + known[1] + HALF_M) < 0:
                     if COUNT_HALVES:
                         gl.atomic_add(counter_ptr, 1)
-                    _tile(t, num_k, known, off_n, ring, walk, tensors, N, OUT_N, stride_om, HALF_M, half,
+                    _tile(t, num_k, known, off_n, ring, walk, tensors, N, OUT_N, stride_om, HALF_M, half, BLOCK_N,
                           W_ROWS, GROUP, NUM_STAGES, GATED, TMA_STORE, NUM_WARPS)
                 else:
-                    _tile(t, num_k, known, off_n, ring, walk, tensors, N, OUT_N, stride_om, BLOCK_M, whole, W_ROWS,
-                          GROUP, NUM_STAGES, GATED, TMA_STORE, NUM_WARPS)
+                    _tile(t, num_k, known, off_n, ring, walk, tensors, N, OUT_N, stride_om, BLOCK_M, whole, BLOCK_N,
+                          W_ROWS, GROUP, NUM_STAGES, GATED, TMA_STORE, NUM_WARPS)
             else:
-                _tile(t, num_k, known, off_n, ring, walk, tensors, N, OUT_N, stride_om, BLOCK_M, whole, W_ROWS,
-                      GROUP, NUM_STAGES, GATED, TMA_STORE, NUM_WARPS)
+                _tile(t, num_k, known, off_n, ring, walk, tensors, N, OUT_N, stride_om, BLOCK_M, whole, BLOCK_N,
+                      W_ROWS, GROUP, NUM_STAGES, GATED, TMA_STORE, NUM_WARPS)
 
         for stage in gl.static_range(NUM_STAGES):   # every fill was waited for: no copy is left in flight
             mbarrier.invalidate(ready.index(stage))
@@ -185,13 +180,13 @@ if GLUON_HOPPER:
 
     def _descriptors(x, w, block_n, gated):
         """TMA descriptors of ``x`` (``[M_pad, K]``, boxes of 128 rows by 64) and of ``w`` viewed as
-        ``[E * N, K]`` (boxes of ``block_n`` rows, gated half as many: a gate box and an up box fill the tile),
-        128-byte swizzled; the W box's layout is the whole tile's."""
+        ``[E * N, K]`` (boxes of ``block_n`` rows, gated a quarter as many: two gate boxes and two up boxes fill
+        the tile), 128-byte swizzled; the W box's layout is the whole tile's."""
         e, n, k = w.shape
         x_layout = gl.NVMMASharedLayout.get_default_for([TILE_M, TILE_K_BF16], gl.bfloat16)
         w_layout = gl.NVMMASharedLayout.get_default_for([block_n, TILE_K_BF16], gl.bfloat16)
         return (TensorDescriptor.from_tensor(x, [TILE_M, TILE_K_BF16], x_layout),
-                TensorDescriptor.from_tensor(w.view(e * n, k), [block_n // 2 if gated else block_n, TILE_K_BF16],
+                TensorDescriptor.from_tensor(w.view(e * n, k), [block_n // 4 if gated else block_n, TILE_K_BF16],
                                              w_layout))
 
     def compile_for_sm90(block_n, stages, num_warps=8, gated=False, half_tiles=False, tma_store=False):

@@ -93,14 +93,24 @@ if GLUON_HOPPER:
 
     @gluon.jit
     def _load_into(x_desc, w_desc, a_bufs, b_bufs, ready, stage, off_m, w_row, w_row_up, step, pred,
-                   GATED: gl.constexpr = False):
+                   GATED: gl.constexpr = False, INTERLEAVED: gl.constexpr = False):
         """K step ``step``'s A tile (rows ``off_m``...) and W tile (rows ``w_row``..., gated also ``w_row_up``...)
-        into stage ``stage``, where ``pred``. (A step is the boxes' K width: 128 fp8 or 64 bf16, 128 bytes.)"""
+        into stage ``stage``, where ``pred``. (A step is the boxes' K width: 128 fp8 or 64 bf16, 128 bytes.)
+        ``INTERLEAVED`` (gated): the W tile in quarters, gate rows, up rows, the next gate rows, their up rows, so
+        that a gate column and its up column lie 64 (a quarter) columns apart in one warpgroup's product."""
         bar = ready.index(stage)
         k = step * x_desc.block_type.shape[1]
         # arrive.expect_tx: the barrier (count 1) completes its phase once both boxes' bytes have landed
         # (whole boxes: the tiles never cross the tensors' edges, K and N being multiples of the tiles)
-        if GATED:   # the W tile's first half from the gate rows, its second from the matching up rows
+        if GATED and INTERLEAVED:
+            quarter: gl.constexpr = w_desc.block_type.shape[0]
+            mbarrier.expect(bar, x_desc.block_type.nbytes + 4 * w_desc.block_type.nbytes, pred=pred)
+            tma.async_copy_global_to_shared(x_desc, [off_m, k], bar, a_bufs.index(stage), pred)
+            for part in gl.static_range(4):   # (gate, up, gate, up)
+                row = (w_row if part % 2 == 0 else w_row_up) + (part // 2) * quarter
+                tma.async_copy_global_to_shared(w_desc, [row, k], bar, b_bufs.index(stage).slice(part * quarter, quarter),
+                                                pred)
+        elif GATED:   # the W tile's first half from the gate rows, its second from the matching up rows
             half: gl.constexpr = w_desc.block_type.shape[0]
             mbarrier.expect(bar, x_desc.block_type.nbytes + 2 * w_desc.block_type.nbytes, pred=pred)
             tma.async_copy_global_to_shared(x_desc, [off_m, k], bar, a_bufs.index(stage), pred)

@@ -91,7 +91,7 @@ if GLUON_HOPPER:
     @gluon.jit
     def _load_global(x_desc, w_desc, a_bufs, b_bufs, ready, g, num_k, pid, nprog, my_tiles, num_pid_m, num_pid_n,
                      m_indices_ptr, N, known, W_ROWS: gl.constexpr, GROUP: gl.constexpr, PAIRS: gl.constexpr,
-                     NUM_STAGES: gl.constexpr, GATED: gl.constexpr):
+                     NUM_STAGES: gl.constexpr, GATED: gl.constexpr, INTERLEAVED: gl.constexpr = False):
         """TMA loads of global step ``g`` (step ``g % num_k`` of this program's tile ``g // num_k``) into stage
         ``g % NUM_STAGES``; nothing past the program's last tile. A step of the tiles ``known`` holds
         (:func:`_known_tiles`: the one in the K loop and the next, all a ring no longer than the K loop reaches)
@@ -110,12 +110,13 @@ if GLUON_HOPPER:
                                                     num_pid_n, m_indices_ptr, W_ROWS, GROUP, PAIRS)
                 w_row = expert * N + far_n
         _load_into(x_desc, w_desc, a_bufs, b_bufs, ready, g % NUM_STAGES, off_m, w_row, w_row + N // 2, step,
-                   local_tile < my_tiles, GATED)
+                   local_tile < my_tiles, GATED, INTERLEAVED)
 
 
     @gluon.jit
     def _fill_ring(ring, walk, num_k, m_indices_ptr, N, W_ROWS: gl.constexpr, GROUP: gl.constexpr,
-                   PAIRS: gl.constexpr, NUM_STAGES: gl.constexpr, GATED: gl.constexpr):
+                   PAIRS: gl.constexpr, NUM_STAGES: gl.constexpr, GATED: gl.constexpr,
+                   INTERLEAVED: gl.constexpr = False):
         """The ring's first fill: global steps 0 .. NUM_STAGES - 1 (across tiles where K is short), if the program
         has a tile."""
         x_desc, w_desc, a_bufs, b_bufs, ready = ring
@@ -125,7 +126,7 @@ if GLUON_HOPPER:
                                        PAIRS)
             for fill in gl.static_range(NUM_STAGES):
                 _load_global(x_desc, w_desc, a_bufs, b_bufs, ready, fill, num_k, pid, nprog, my_tiles, num_pid_m,
-                             num_pid_n, m_indices_ptr, N, first, W_ROWS, GROUP, PAIRS, NUM_STAGES, GATED)
+                             num_pid_n, m_indices_ptr, N, first, W_ROWS, GROUP, PAIRS, NUM_STAGES, GATED, INTERLEAVED)
 
 
     @gluon.jit
