@@ -214,21 +214,24 @@ def test_no_rows_used_writes_nothing_gpu():
 @pytest.mark.gpu
 @needs_gluon
 @pytest.mark.parametrize("num_tokens", [1, 64, 600])
-@pytest.mark.parametrize("half_tiles, d", [(False, 512), (True, 512), (False, 384)])
-def test_the_permute_layout_on_the_bf16_kernel_gpu(monkeypatch, num_tokens, half_tiles, d):
+@pytest.mark.parametrize("half_tiles, d, tma1", [(False, 512, False), (True, 512, False), (False, 384, False),
+                                                 (False, 512, True), (True, 512, True)])
+def test_the_permute_layout_on_the_bf16_kernel_gpu(monkeypatch, num_tokens, half_tiles, d, tma1):
     """permute_experts in bf16 with BF16_GEMM = "gluon" and 128-row segments: both GEMMs on the persistent kernel
-    with the layout's tiles (d = 384: GEMM 2 on 128-row tiles), the result the Triton kernel's within bf16
-    rounding, and a CUDA graph captures the call."""
+    with the layout's tiles (d = 384: GEMM 2 on 128-row tiles; GEMM 1 storing by TMA too), the result the Triton
+    kernel's within bf16 rounding, and a CUDA graph captures the call."""
     monkeypatch.setattr(permute_gluon, "BF16_GEMM", "gluon")
     monkeypatch.setattr(permute_gluon, "BF16_HALF_TILES", half_tiles)
+    monkeypatch.setattr(permute_gluon, "BF16_TMA_STORE_GEMM1", tma1)
     x, w1, w2, weights, ids = make_problem(num_tokens, 4, 2, d, 256, torch.bfloat16, seed=num_tokens)
     triton_out = permute_experts(x, w1, w2, weights, ids, align=128, gemm="triton")
     with record_launches() as launches:
         got = permute_experts(x, w1, w2, weights, ids, align=128)
     assert [s["kernel"] for name, s in launches if name == "permute.bf16_gemm"] == ["gluon"], launches
     n2 = permute_gluon.BF16_TILES["down"][0] if d % 256 == 0 else 128
-    assert [(s["gated"], s["block_n"], s["half_tiles"]) for name, s in launches if name == "gluon_bf16.gemm"] == [
-        (True, permute_gluon.BF16_TILES["gate_up"][0], half_tiles), (False, n2, half_tiles)], launches
+    assert [(s["gated"], s["block_n"], s["half_tiles"], s["tma_store"]) for name, s in launches
+            if name == "gluon_bf16.gemm"] == [(True, permute_gluon.BF16_TILES["gate_up"][0], half_tiles, tma1),
+                                              (False, n2, half_tiles, permute_gluon.BF16_TMA_STORE)], launches
     assert rel_err(got.float(), triton_out.float()) < 1e-2
     graph, static = torch.cuda.CUDAGraph(), x.clone()
     permute_experts(static, w1, w2, weights, ids, align=128)

@@ -40,6 +40,8 @@ BF16_GEMM = "triton"
 BF16_TILES = {"gate_up": (256, 3), "down": (256, 3)}
 #: bf16 GEMM 2 stores each whole tile by one TMA copy under the next tile's MMAs (as GLUON_TMA_STORE in fp8).
 BF16_TMA_STORE = True
+#: The same for bf16 GEMM 1 (its activated tile). Off until timed.
+BF16_TMA_STORE_GEMM1 = False
 #: bf16 on the persistent kernel: a segment's last tile with at most 64 real rows multiplies 64 rows.
 BF16_HALF_TILES = False
 #: With FP8_GEMM = "gluon" (or a layout choice's gemm): both GEMMs on the Gluon kernel's persistent grid (one
@@ -117,8 +119,8 @@ def experts(rows, rows_scale, w1, w1_scale, w2, w2_scale, permuted, topk_weights
 
 def _bf16_experts(rows, w1, w2, permuted, topk_weights):
     """Both bf16 GEMMs on the persistent kernel (:data:`BF16_TILES`): GEMM 1 gated (``silu(gate) * up`` in its
-    epilogue, ``[M_pad, F]``), GEMM 2 into ``[M_pad, d]`` (by TMA with :data:`BF16_TMA_STORE`: its padding rows
-    too, which nothing reads), then the gather back."""
+    epilogue, ``[M_pad, F]``), GEMM 2 into ``[M_pad, d]`` (by TMA with :data:`BF16_TMA_STORE`, GEMM 1 with
+    :data:`BF16_TMA_STORE_GEMM1`: their padding rows too, which only padding rows read), then the gather back."""
     from .gluon_bf16 import bf16_grouped
 
     (n1, stages1), (n2, stages2) = BF16_TILES["gate_up"], BF16_TILES["down"]
@@ -126,7 +128,7 @@ def _bf16_experts(rows, w1, w2, permuted, topk_weights):
         n2, stages2 = 128, min(stages2 + 1, 4)
     half, used = BF16_HALF_TILES, permuted.rows_used
     activated = bf16_grouped(rows, w1, permuted.m_indices, used, gated=True, block_n=n1, stages=stages1,
-                             half_tiles=half, validate_ids=False)
+                             half_tiles=half, tma_store=BF16_TMA_STORE_GEMM1, validate_ids=False)
     y = bf16_grouped(activated, w2, permuted.m_indices, used, block_n=n2, stages=stages2, half_tiles=half,
                      tma_store=BF16_TMA_STORE, validate_ids=False)
     return unpermute(y, permuted.src2dst, topk_weights)
