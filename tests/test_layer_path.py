@@ -397,7 +397,10 @@ def test_router_replays_and_graphs_on_two_streams_gpu(model_name, batch, one_lau
     ("deepseek-v3", "block", H200, 16384, "permute 128 from 2048"),
     ("qwen3-30b-a3b", "block", H200, 1023, "index_gather"), ("qwen3-30b-a3b", "block", H200, 1024, "permute 128 from 1024"),
     ("qwen3-30b-a3b", "block", H200, 16384, "permute 128 from 1024"),
-    ("deepseek-v3", "none", H100, 16384, "index_gather"), ("qwen3-30b-a3b", "none", H200, 16384, "index_gather"),
+    ("qwen3-30b-a3b", "none", H200, 16384, "index_gather"),
+    # the H100's bf16 entries: the 128-row bf16 Gluon GEMMs (layer-layout-ab-bf16*-s33.json)
+    ("qwen3-30b-a3b", "none", H100, 1023, "index_gather"), ("qwen3-30b-a3b", "none", H100, 1024, "permute 128 from 1024"),
+    ("deepseek-v3", "none", H100, 4095, "index_gather"), ("deepseek-v3", "none", H100, 16384, "permute 128 from 4096"),
     ("deepseek-v3", "none", "NVIDIA A100", 16384, "index_gather"),
     # the H100's fp8 entries: the transposed Gluon kernel at decode (16-row segments), the 128-row Gluon GEMMs
     # at prefill, and for DeepSeek-V3 index-gather between them at 1,024 tokens
@@ -415,8 +418,10 @@ def test_auto_layout_follows_the_measured_crossover(model_name, fmt, device_name
     tokens on the H200 in bf16 (prefill-ab.json), and the routed fp8 layer of both models with its
     GEMMs on the Gluon kernel from 1,024 (Qwen3-30B-A3B) or 2,048 (DeepSeek-V3) tokens on the H200
     (fp8-sweep-s33.json, layer-layout-ab*.json); on the H100 the fp8 experts ran faster on the transposed Gluon
-    kernel at decode and on the 128-row Gluon GEMMs from 1,024 or 2,048 tokens (fp8-sweep.json): there, and only there, "auto" takes the permute layout, with the tiles,
-    segments and GEMM kernel it was measured with; everywhere else index-gather with its own table."""
+    kernel at decode and on the 128-row Gluon GEMMs from 1,024 or 2,048 tokens (fp8-sweep.json), and the bf16
+    layer on the 128-row bf16 Gluon GEMMs from 1,024 (Qwen3-30B-A3B) or 4,096 (DeepSeek-V3) tokens: there, and only
+    there, "auto" takes the permute layout, with the tiles, segments and GEMM kernel it was measured with;
+    everywhere else index-gather with its own table."""
     from moe_kernels.kernels.layout_choice import load_choices, shape_key
 
     model = MODELS[model_name]
@@ -428,11 +433,13 @@ def test_auto_layout_follows_the_measured_crossover(model_name, fmt, device_name
                         FORMATS[fmt].name)
         entry = next(choice for choice in load_choices()[key] if choice.from_tokens == start)
         assert plan.choice.source == "layout-choice" and plan.config == entry.config
-        # bf16: 128-row segments and the switch's kernel; fp8: the Gluon GEMMs on the entry's segments
-        assert (plan.align, plan.gemm) == ((None, None) if fmt == "none" else (align, "gluon"))
+        # the H200's bf16 entry: 128-row segments and the switch's kernel (the Triton tiles it names); the others:
+        # the Gluon GEMMs on the entry's segments
+        assert (plan.align, plan.gemm) == (entry.align, entry.gemm)
+        assert (plan.align, plan.gemm) == ((None, None) if entry.gemm is None else (align, "gluon"))
         assert plan.choice.table == "layout-choices" and plan.choice.entry == start
-        if align == 128:
-            assert plan.config.down.tma and plan.config.down.persistent
+        if entry.gemm is None:
+            assert plan.config.block_m == align and plan.config.down.tma and plan.config.down.persistent
     else:
         forced = meta_layer(model_name, fmt, "index_gather").plan(batch, device_name=device_name)
         assert plan.choice == forced.choice
