@@ -76,6 +76,7 @@ if GLUON_HOPPER:
         acc = _issue(a_bufs, b_bufs, ready, base, gl.zeros([ROWS, BLOCK_N], gl.float32, layout=layout), False,
                      NUM_STAGES)
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))   # (returns at once: the handle as a tensor)
+        # >>> book: bf16-k-loop
         for step in range(1, num_k):
             acc = _issue(a_bufs, b_bufs, ready, base + step, acc, True, NUM_STAGES)
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))   # (MMA step - 1 complete)
@@ -83,6 +84,7 @@ if GLUON_HOPPER:
             _load_global(x_desc, w_desc, a_bufs, b_bufs, ready, base + step - 1 + NUM_STAGES, num_k, pid, nprog,
                          my_tiles, num_pid_m, num_pid_n, m_indices_ptr, N, known, W_ROWS, GROUP, False, NUM_STAGES,
                          GATED, GATED)
+        # <<< book: bf16-k-loop
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         gl.thread_barrier()
         _load_global(x_desc, w_desc, a_bufs, b_bufs, ready, base + num_k - 1 + NUM_STAGES, num_k, pid, nprog,
@@ -95,9 +97,11 @@ if GLUON_HOPPER:
         """``silu(gate) * up`` in fp32 (the Triton kernel's arithmetic) of an interleaved gated product: its columns
         are (quarter pair, gate or up, column in the quarter); the pairs are matched in registers, output column
         ``pair * W_ROWS / 2 + column``."""
+        # >>> book: bf16-gate-up-pairs
         parts = gl.permute(gl.reshape(acc, [acc.shape[0], 2, 2, W_ROWS // 2]), (0, 1, 3, 2))
         gate, up = gl.split(gl.reshape(parts, [acc.shape[0], W_ROWS, 2]))
         return gate * (1.0 / (1.0 + gl.exp(-gate))) * up
+        # <<< book: bf16-gate-up-pairs
 
     @gluon.jit
     def _tile(t, num_k, known, off_n, ring, walk, tensors, N, OUT_N, stride_om, ROWS: gl.constexpr,
