@@ -79,11 +79,15 @@ if GLUON_HOPPER:
         # >>> book: bf16-k-loop
         for step in range(1, num_k):
             acc = _issue(a_bufs, b_bufs, ready, base + step, acc, True, NUM_STAGES)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))   # (MMA step - 1 complete)
-            gl.thread_barrier()   # (both warpgroups past MMA step - 1 before its stage is refilled)
-            _load_global(x_desc, w_desc, a_bufs, b_bufs, ready, base + step - 1 + NUM_STAGES, num_k, pid, nprog,
-                         my_tiles, num_pid_m, num_pid_n, m_indices_ptr, N, known, W_ROWS, GROUP, False, NUM_STAGES,
-                         GATED, GATED)
+            # MMA step - 1 complete, MMA step in flight
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+            # both warpgroups past MMA step - 1 before its stage is refilled
+            gl.thread_barrier()
+            # its stage takes global step base + step - 1 + NUM_STAGES (this tile or a later)
+            _load_global(x_desc, w_desc, a_bufs, b_bufs, ready,
+                         base + step - 1 + NUM_STAGES, num_k, pid, nprog,
+                         my_tiles, num_pid_m, num_pid_n, m_indices_ptr, N, known,
+                         W_ROWS, GROUP, False, NUM_STAGES, GATED, GATED)
         # <<< book: bf16-k-loop
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         gl.thread_barrier()
