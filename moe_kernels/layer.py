@@ -49,6 +49,7 @@ from .kernels.formats import WeightFormat
 from .kernels.index_gather import run_experts
 from .kernels.layout_choice import AUTO, check_layout, choose_layout
 from .kernels.layouts import LAYOUTS
+from .kernels.permute_gluon import refusal as gluon_refusal
 from .kernels.routing import router_logits
 from .kernels.shared_choice import choose_shared_slot
 from .layer_shared import runs_apart, shared_expert_output, shared_tensors, with_shared_slot
@@ -101,16 +102,6 @@ class LayerPlan:
         return self.choice.config
 
 
-def _gluon_runs(device: torch.device, activation_dtype: torch.dtype, device_name: str | None) -> bool:
-    """Whether a layout choice naming the Gluon GEMMs can take them here: bf16 activations on a GPU where the
-    Gluon kernel runs (:func:`~moe_kernels.kernels.gluon_block_fp8.available`), or, for ``device_name`` (what
-    that GPU would run, asked from any machine), bf16 activations alone. Elsewhere the permute layout would run
-    the Triton GEMMs, which every choice's record shows slower than index-gather in the layer."""
-    from .kernels.gluon_block_fp8 import available
-
-    return activation_dtype == torch.bfloat16 and (device_name is not None or available(device) is None)
-
-
 def plan_layer(func: str, weights: LayerWeights, routing: Routing, layout: str, num_tokens: int,
                activation_dtype: torch.dtype, device: torch.device, *, config: MoEConfig | None = None,
                device_name: str | None = None, shared_expert: str | None = None) -> LayerPlan:
@@ -126,8 +117,12 @@ def plan_layer(func: str, weights: LayerWeights, routing: Routing, layout: str, 
     if layout == AUTO:   # measured for the routed experts alone, with the layer's own tiles: only then
         picked = (choose_layout(num_tokens, e, f, d, weights.format.name, device, device_name=device_name)
                   if config is None and not (slot and shared_expert != AUTO) else None)
-        if picked is not None and picked.gemm == "gluon" and not _gluon_runs(device, activation_dtype, device_name):
-            picked = None   # (measured with the Gluon GEMMs; the Triton ones lost to index-gather there)
+        # measured with the Gluon GEMMs (the Triton ones lost to index-gather there): only where they run (for
+        # device_name, on that GPU), with these weights, activations and segments
+        if picked is not None and picked.gemm == "gluon" and gluon_refusal(
+                weights.format, picked.align, activation_dtype, weights.w13, weights.w2,
+                None if device_name is not None else device):
+            picked = None
         layout = picked.layout if picked is not None else "index_gather"
         measured = picked if picked is not None and picked.config is not None else None
     if shared_expert == AUTO and layout != "index_gather":

@@ -614,7 +614,7 @@ def test_the_layer_runs_a_measured_align_and_gemm(monkeypatch):
 
     picked = LayoutChoice("permute", MoEConfig.from_dict(CHOICE_TILES), 1, 32, "gluon")
     monkeypatch.setattr(layer_module, "choose_layout", lambda *args, **kwargs: picked)
-    monkeypatch.setattr(layer_module, "_gluon_runs", lambda *args: True)
+    monkeypatch.setattr(layer_module, "gluon_refusal", lambda *args: None)
     layer = small_layer("none", "auto")
     x = torch.randn(6, 256, generator=torch.Generator().manual_seed(5)).to(DEVICE)
     with record_launches() as launches:
@@ -628,7 +628,8 @@ def test_the_layer_runs_a_measured_align_and_gemm(monkeypatch):
 def test_a_gluon_choice_is_left_where_the_gluon_gemms_cannot_run(monkeypatch):
     """A choice measured with the Gluon GEMMs is not taken where they cannot run (here: no GPU, and float32
     activations): the permute layout would run the Triton GEMMs, which lost to index-gather in every record
-    behind the choices. Asked for a named GPU (device_name), bf16 activations take it, float16 do not."""
+    behind the choices. Asked for a named GPU (device_name), bf16 weights and activations take it, float16
+    activations do not, nor weights the Gluon kernels cannot read (float32; a view that is not contiguous)."""
     import moe_kernels.layer as layer_module
     from moe_kernels.kernels.config import MoEConfig
     from moe_kernels.kernels.layout_choice import LayoutChoice
@@ -639,9 +640,17 @@ def test_a_gluon_choice_is_left_where_the_gluon_gemms_cannot_run(monkeypatch):
     here = layer.plan(6, dtype=torch.float32)
     forced = small_layer("none", "index_gather").plan(6, dtype=torch.float32)
     assert (here.layout, here.gemm) == ("index_gather", None) and here.choice == forced.choice
-    assert layer.plan(6, dtype=torch.bfloat16, device_name="NVIDIA H200").layout == "permute"
-    assert layer.plan(6, dtype=torch.float16, device_name="NVIDIA H200").layout == "index_gather"
-    assert not layer_module._gluon_runs(torch.device("cpu"), torch.bfloat16, None)
+    assert layer.plan(6, dtype=torch.bfloat16, device_name="NVIDIA H200").layout == "index_gather"   # float32 w
+    w = layer.weights
+    bf16 = dataclasses.replace(w, **{name: getattr(w, name).to(torch.bfloat16) for name in
+                                     ("w13", "w2", "shared_w13", "shared_w2") if getattr(w, name) is not None})
+    assert MoELayer(bf16, layer.routing, layout="auto").plan(6, device_name="NVIDIA H200").layout == "permute"
+    assert MoELayer(bf16, layer.routing, layout="auto").plan(6, dtype=torch.float16,
+                                                            device_name="NVIDIA H200").layout == "index_gather"
+    wide = torch.zeros(w.w13.shape[0], w.w13.shape[1] + 128, w.w13.shape[2], dtype=torch.bfloat16)
+    sliced = dataclasses.replace(bf16, w13=wide[:, :w.w13.shape[1]])   # (rows contiguous, the tensor not)
+    assert MoELayer(sliced, layer.routing, layout="auto").plan(6, device_name="NVIDIA H200").layout == "index_gather"
+    assert layer_module.gluon_refusal(bf16.format, 128, torch.bfloat16, bf16.w13, bf16.w2, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("change, where", [

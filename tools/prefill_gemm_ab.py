@@ -64,7 +64,8 @@ RECORD = sys.argv[4] if len(sys.argv) > 4 else "prefill-gemm-ab"
 ALIGN = 128
 # bf16 on the persistent Gluon kernel (an sm_90 GPU, Triton 3.6): name -> bf16_grouped's settings
 # (session 33's first run, prefill-gemm-ab-gluon-bf16.json, also had GEMM 1 on n256 s4, n128 s4 and n256 s3 half,
-# GEMM 2 on n256 s4 and n128 s4 tma: each slower than the n256 s3 rows)
+# GEMM 2 on n256 s4 and n128 s4 tma: slower than the n256 s3 rows at 16,384 tokens; at 4,096 n256 s4 and half were
+# faster on Qwen3, with GEMM 1 then on two accumulators)
 GLUON1 = {"n256 s3": dict(block_n=256, stages=3), "n256 s3 tma": dict(block_n=256, stages=3, tma_store=True),
           "n256 s4 tma": dict(block_n=256, stages=4, tma_store=True),
           "n256 s3 tma half": dict(block_n=256, stages=3, tma_store=True, half_tiles=True)}

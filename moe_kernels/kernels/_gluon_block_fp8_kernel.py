@@ -97,10 +97,11 @@ if GLUON_HOPPER:
         """K step ``step``'s A tile (rows ``off_m``...) and W tile (rows ``w_row``..., gated also ``w_row_up``...)
         into stage ``stage``, where ``pred``. (A step is the boxes' K width: 128 fp8 or 64 bf16, 128 bytes.)
         ``INTERLEAVED`` (gated): the W tile in quarters, gate rows, up rows, the next gate rows, their up rows, so
-        that a gate column and its up column lie 64 (a quarter) columns apart in one warpgroup's product."""
+        that a gate column and its up column lie a quarter of the tile (``block_n / 4`` columns) apart in one
+        warpgroup's product."""
         bar = ready.index(stage)
         k = step * x_desc.block_type.shape[1]
-        # arrive.expect_tx: the barrier (count 1) completes its phase once both boxes' bytes have landed
+        # arrive.expect_tx: the barrier (count 1) completes its phase once every box's bytes have landed
         # (whole boxes: the tiles never cross the tensors' edges, K and N being multiples of the tiles)
         if GATED and INTERLEAVED:
             quarter: gl.constexpr = w_desc.block_type.shape[0]

@@ -9,13 +9,15 @@ permute layout with TMA loads of both operands on a persistent grid
 (``results/nvidia-h200/prefill-ab.json``: 8202 against 8943 us at 4,096 tokens, 21937 against
 24232 at 16,384; index-gather was faster at 1,024, and at 2,048 the permute layout was 2% faster
 in one run, ``prefill-ab-2048.json``, not enough to move the switch). The fp8 block layers of DeepSeek-V3 and
-Qwen3-30B-A3B run the permute layout with both GEMMs on the Gluon kernel (``"gemm": "gluon"``): on the H200
-from 4,096 tokens (``layer-layout-ab-gluon.json``, DeepSeek-V3: 5767 against 6997 us at 4,096 tokens, 17288
-against 19690 at 16,384); on the H100, whose index-gather has no tuned table, from 1,024 tokens (Qwen3) and
-2,048 (DeepSeek-V3), and at decode on 16-row segments (the transposed Gluon kernel) from 128 tokens (Qwen3) and
-2 (DeepSeek-V3), with index-gather between for DeepSeek-V3 at 1,024 (``results/nvidia-h100-80gb-hbm3/
-fp8-sweep.json``). The layer takes such an entry only where the Gluon GEMMs run (bf16 activations, Triton 3.6
-on sm_90): with the Triton GEMMs the permute layout lost to index-gather.
+Qwen3-30B-A3B run the permute layout with both GEMMs on the Gluon kernel (``"gemm": "gluon"``) from 1,024 tokens
+(Qwen3) and 2,048 (DeepSeek-V3) on both GPUs (the H200: ``layer-layout-ab-gluon.json``, DeepSeek-V3 5767 against
+6997 us at 4,096 tokens, and ``fp8-sweep-s33.json`` down to 1,024; the H100, whose index-gather has no tuned
+table: ``results/nvidia-h100-80gb-hbm3/fp8-sweep.json``), and on the H100 at decode on 16-row segments (the
+transposed Gluon kernel) from 128 tokens (Qwen3) and 2 (DeepSeek-V3), with index-gather between for DeepSeek-V3
+at 1,024. On the H100 the bf16 layers run the permute layout with the bf16 Gluon GEMMs from 1,024 tokens (Qwen3)
+and 4,096 (DeepSeek-V3) (``layer-layout-ab-bf16*-s33.json``). The layer takes an entry naming the Gluon GEMMs
+only where they run (:func:`~moe_kernels.kernels.permute_gluon.refusal`: bf16 activations and weights they can
+read, Triton 3.6 on sm_90): with the Triton GEMMs the permute layout lost to index-gather.
 
     >>> choice = choose_layout(4096, 256, 2048, 7168, "unquantized", "cpu", device_name="NVIDIA H200")
     >>> choice.layout, choice.config.down.persistent, choice.from_tokens

@@ -1,5 +1,6 @@
-"""The permute layout's GEMMs on the Gluon kernels (Triton 3.6, Hopper), which the layer's fp8 layout choices
-name at prefill (from 1,024 or 2,048 tokens) and, on the H100, at decode (``layout-choices.json``): which
+"""The permute layout's GEMMs on the Gluon kernels (Triton 3.6, Hopper), which the layer's layout choices name
+at prefill (fp8 from 1,024 or 2,048 tokens; bf16 on the H100) and, on the H100, fp8 at decode
+(``layout-choices.json``): which
 kernel a call takes (:func:`gemm_kernel`, the switches below) and the calls themselves (:func:`experts`).
 Block-fp8 segments of 128 rows take :mod:`moe_kernels.kernels.gluon_block_fp8`'s kernel (per tile or on its
 persistent grid, GEMM 1 optionally quantising GEMM 2's input, half tiles, GEMM 2 storing by TMA); bf16 segments
@@ -36,13 +37,17 @@ FP8_GEMM = "triton"
 BF16_GEMM = "triton"
 #: The bf16 persistent kernel's tiles, (weight rows a tile, TMA stages), for GEMM 1 (gated: half gate rows, half
 #: up rows) and GEMM 2; GEMM 2 takes 128-row tiles where d is not a multiple of 256.
-#: (H200, ``prefill-gemm-ab-gluon-bf16.json``: 3 stages ran GEMM 1 6-11% faster than 4, which fill 224 KiB.)
+#: (GEMM 1 on 4 stages fills 224 KiB: on the H200, ``prefill-gemm-ab-gluon-bf16.json``, it ran from 1% faster at
+#: Qwen3-30B-A3B 4,096 tokens to 13% slower at DeepSeek-V3 16,384 than on 3.)
 BF16_TILES = {"gate_up": (256, 3), "down": (256, 3)}
 #: bf16 GEMM 2 stores each whole tile by one TMA copy under the next tile's MMAs (as GLUON_TMA_STORE in fp8).
 BF16_TMA_STORE = True
-#: The same for bf16 GEMM 1 (its activated tile). Off until timed.
+#: The same for bf16 GEMM 1 (its activated tile). Off: in the layer on an H100 (``layer-layout-ab-bf16*-s33.json``)
+#: it gained 3% at Qwen3-30B-A3B 16,384 tokens and lost 1-3% at every other batch of both models.
 BF16_TMA_STORE_GEMM1 = False
-#: bf16 on the persistent kernel: a segment's last tile with at most 64 real rows multiplies 64 rows.
+#: bf16 on the persistent kernel: a segment's last tile with at most 64 real rows multiplies 64 rows. Off: in the
+#: layer on an H100 (``layer-layout-ab-bf16*-s33.json``) 0.2-2.3% faster on Qwen3-30B-A3B, 8-14% slower on
+#: DeepSeek-V3 from 4,096 tokens (one switch for both).
 BF16_HALF_TILES = False
 #: With FP8_GEMM = "gluon" (or a layout choice's gemm): both GEMMs on the Gluon kernel's persistent grid (one
 #: program per SM walking the tiles of the rows used, its loads running ahead across tiles), else one program a
@@ -75,6 +80,24 @@ TRANSPOSED_STAGES = 6
 TRANSPOSED_QUANTIZE_IN_GEMM1 = False
 
 
+def refusal(fmt, align, activation_dtype, w1, w2, device=None) -> str | None:
+    """Why no Gluon kernel can run these GEMMs (a sentence), or None where one can; ``device`` None leaves out
+    whether the Gluon kernels run on the device itself (a plan for a named GPU, from any machine). The layer's plan
+    asks this before it takes a layout choice naming the Gluon GEMMs, :func:`gemm_kernel` at every call."""
+    from .gluon_block_fp8 import available
+
+    f, d = w2.shape[2], w2.shape[1]
+    aligns = (16, 32, 64, 128)
+    return (available(device) if device is not None else None) or next((reason for refused, reason in (
+        (fmt.quantized and fmt.block != (128, 128), "weights not in 128 x 128 blocks"),
+        (not fmt.quantized and (fmt.name != "unquantized" or w1.dtype != torch.bfloat16), "weights not bf16"),
+        (activation_dtype != torch.bfloat16, "activations not bf16"),
+        (align not in aligns, f"segments of {align} rows, not {', '.join(map(str, aligns))}"),
+        (f % 128 or d % 128, "F or d not a multiple of 128"),
+        (not (w1.is_contiguous() and w2.is_contiguous()), "weights not contiguous"),
+        (w1.data_ptr() % 16 or w2.data_ptr() % 16, "weights not on 16-byte boundaries")) if refused), None)
+
+
 def gemm_kernel(fmt, config, align, hidden_states, w1, w2, asked=None) -> str:
     """"gluon" where ``asked`` (None: :data:`FP8_GEMM` for block-fp8 weights, :data:`BF16_GEMM` for bf16 ones)
     asks for it and a Gluon kernel can run this call, else "triton" (the launch record, ``permute.fp8_gemm`` or
@@ -88,17 +111,7 @@ def gemm_kernel(fmt, config, align, hidden_states, w1, w2, asked=None) -> str:
         fail(where, name, "must be 'triton' or 'gluon'", repr(switch))
     if switch == "triton":
         return "triton"
-    from .gluon_block_fp8 import available
-
-    f, d = w2.shape[2], w2.shape[1]
-    aligns = (16, 32, 64, 128)
-    why = available(hidden_states.device) or next((reason for refused, reason in (
-        (fmt.quantized and fmt.block != (128, 128), "weights not in 128 x 128 blocks"),
-        (not fmt.quantized and (fmt.name != "unquantized" or w1.dtype != torch.bfloat16), "weights not bf16"),
-        (hidden_states.dtype != torch.bfloat16, "activations not bf16"),
-        (align not in aligns, f"segments of {align} rows, not {', '.join(map(str, aligns))}"),
-        (f % 128 or d % 128, "F or d not a multiple of 128"),
-        (not (w1.is_contiguous() and w2.is_contiguous()), "weights not contiguous")) if refused), None)
+    why = refusal(fmt, align, hidden_states.dtype, w1, w2, hidden_states.device)
     # (the Triton tiles' own epilogue choices, which a Gluon call leaves aside: it copies the rows and gathers back)
     unused = [name for name in ("gather_rows", "sum_in_gemm") if getattr(config, name) and not why]
     note_launch("permute.fp8_gemm" if fmt.quantized else "permute.bf16_gemm", kernel="triton" if why else "gluon",
