@@ -15,7 +15,8 @@
 # TMA-store epilogue: its tests and the GEMMs' A/B), s31 (the layer with "auto" and GEMM 2 on half tiles, the
 # fixed unmarked tests, bench fp8), transposed-prefill (the transposed kernel's 64-row tiles at prefill), shared-fused
 # (DeepSeek-V3's shared expert fused as slot E: its fp8 tables tuned at decode, then the layer with it separate,
-# fused and left out), ceilings,
+# fused and left out), bf16-prefill (the routed bf16 layer on the bf16 Gluon GEMMs against the other layouts, then the
+# GEMMs alone against the Triton kernel and balanced bmm), ceilings,
 # tune, refine, sweep, fp8, decode-step, layouts, routing, skew, shared, capacity, notebooks,
 # graphs (the CUDA-graph replay's and the split GEMM 1's GPU tests), assert-tests (the index-gather and CUDA-graph
 # GPU tests, the device-side id asserts among them), host-probe, model-probe, prefill, gate-routing
@@ -254,6 +255,16 @@ for step in "${steps[@]}"; do
             tar czf "$OUT/results.tgz" results moe_kernels/kernels/configs
             PYTHONPATH="$PWD" timeout 200 $PY tools/shared_expert_ab.py "${SHARED_AB_BATCHES:-1,8,64,512}" block 2>&1 \
                 | grep -v Warning | tee "$OUT/shared-expert-ab.log" | tail -n 8 || status=1 ;;
+        bf16-prefill) # session 33 (issue 18): the routed bf16 layer on index-gather, the permute layout's Triton GEMMs, "auto"
+                      # and the bf16 Gluon GEMMs (with half tiles, with GEMM 1's TMA store) at 1,024-16,384 tokens
+                      # (records layer-layout-ab: commit under another name), then the GEMMs alone (prefill-gemm-ab-gluon-bf16)
+            LAYER_AB_LAYOUTS=index_gather,permute,auto LAYER_AB_FORMATS=none LAYER_AB_GLUON_ROWS=0 PYTHONPATH="$PWD" \
+                timeout 150 $PY tools/layer_layout_ab.py qwen3-30b-a3b,deepseek-v3 16384,4096,2048,1024 2>&1 \
+                | grep -v Warning | tee "$OUT/bf16-layer.log" | tail -n 8 || status=1
+            tar czf "$OUT/results.tgz" results
+            PREFILL_AB_TILES=1 PREFILL_AB_ALIGNS=128 PYTHONPATH="$PWD" timeout 300 $PY tools/prefill_gemm_ab.py \
+                qwen3-30b-a3b,deepseek-v3 16384,4096 none prefill-gemm-ab-gluon-bf16 2>&1 | grep -v Warning \
+                | tee "$OUT/bf16-gemms.log" | grep -E "^[a-z]|gluon|bmm|n128 k64 w8 s3 |n256 k64 w8 s3 " || status=1 ;;
         router-floor) # session 32 (issue 19): bench routing --gate-routing at 1, 64, 512 tokens with the new row, a launch
                       # that only reads as many bytes as the gate's operands (records gate-routing: commit under another name)
             timeout 240 $PY -m moe_kernels.bench routing --gate-routing --batches 1,64,512 --record 2>&1 | grep -v Warning \
