@@ -74,14 +74,20 @@ def test_bad_settings_are_named(settings, says):
 
 def test_an_output_over_the_input_is_refused():
     """In bf16 an output can have the input's shape (K = N): the grid would overwrite rows other tiles still read,
-    so an ``out`` sharing memory with ``x`` is refused (the checks come before the device's)."""
+    so an ``out`` sharing memory with ``x`` is refused, by the checks this kernel shares with the fp8 and the
+    transposed ones (which come after the device's)."""
     x, w, m_indices, rows_used = segmented([5], seed=5, k=256, n=256)
-    from moe_kernels.kernels.gluon_bf16 import _overlap
+    from moe_kernels.kernels.gluon_block_fp8 import _overlap
 
     assert _overlap(x, x) and _overlap(x[1:], x[:2]) and not _overlap(x[:128], x[128:])
     if available(DEVICE) is None:
+        from moe_kernels.kernels.gluon_transposed import grouped_transposed
+
+        x, w, m_indices, rows_used = (t.to(DEVICE) for t in (x, w, m_indices, rows_used))
         with pytest.raises(ValueError, match="bf16_grouped: argument 'out' must not share memory with x"):
-            bf16_grouped(x.to(DEVICE), w.to(DEVICE), m_indices.to(DEVICE), rows_used.to(DEVICE), out=x.to(DEVICE))
+            bf16_grouped(x, w, m_indices, rows_used, out=x)
+        with pytest.raises(ValueError, match="grouped_transposed: argument 'out' must not share memory with x"):
+            grouped_transposed(x, w, m_indices, rows_used, out=x)
 
 
 def test_every_tile_fits_with_the_stages_the_layout_takes():

@@ -61,6 +61,15 @@ def available(device: torch.device | str) -> str | None:
     return None
 
 
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the bytes ``a`` spans and those ``b`` spans intersect (both 2-D, dense in their last dimension)."""
+    def span(t):
+        start = t.data_ptr()
+        return start, start + ((t.shape[0] - 1) * t.stride(0) + t.shape[1]) * t.element_size() if t.numel() else start
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
+
+
 def _check(func, x, x_scale, w, w_scale, m_indices, out, block_n, gated=False, validate_ids=True, tile_m=TILE_M,
            dtype=torch.float8_e4m3fn):
     """The arguments of a block-fp8 call (``dtype`` bf16: of a bf16 one, with no scales and a K step of 64)."""
@@ -119,6 +128,10 @@ def _check(func, x, x_scale, w, w_scale, m_indices, out, block_n, gated=False, v
         width = n // 2 if gated else n
         if tuple(out.shape) != (x.shape[0], width):
             fail(func, "out", f"must have shape {(x.shape[0], width)}", tuple(out.shape))
+        # (bf16, where out can have x's shape: the grids run ahead, so a tile's output would overwrite rows that
+        # another tile still reads)
+        if _overlap(out, x):
+            fail(func, "out", "must not share memory with x", "an overlapping tensor")
 
 
 def _check_rows_used(func, rows_used, m_indices, device, validate_ids, half_tiles=False, tile_m=TILE_M):
