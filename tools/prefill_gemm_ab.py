@@ -194,6 +194,18 @@ def gemm_pair(align, tiles1, tiles2, x, xq, x_scale, ids, w1, w1s, w2, w2s, fmt,
                                                x_scale=x_scale, w_scale=w1s, gather_from=permuted)
 
     g1 = {f"{tag}gemm1 {n}": gemm1(t) for n, t in tiles1.items()}
+    # Balanced routing (bf16, 128-row segments): every expert exactly T k / E rows, so no padding and no ragged
+    # segment; the kernels on these rows against bmm say how much of the gap to bmm is the kernel's own.
+    even = None
+    if not fp8 and align == ALIGN and batch * k % e == 0:
+        token_ids = torch.arange(batch, device=device)[:, None] * k + torch.arange(k, device=device)[None, :]
+        even = permute(xq, (token_ids % e).to(ids.dtype), e, align=align, validate_ids=False)
+        even_h = torch.randn(even.rows.shape[0], f, device=device, dtype=dtype)
+        first1 = next(iter(tiles1.values()))
+        g1[f"{tag}gemm1 {next(iter(tiles1))} balanced"] = (
+            lambda o=torch.zeros(even.rows.shape[0], f, device=device, dtype=dtype): grouped_gemm_contiguous(
+                even.rows, w1, even.m_indices, align=align, silu_mul=True, config=MoEConfig(align, first1, first1),
+                which="gate_up", out=o, out_dtype=dtype, rows_used=even.rows_used))
     for n, t in unflattened(tiles1):
         g1[f"{tag}gemm1 {n} gathered"] = gathered(t)
         if align == ALIGN:
@@ -211,8 +223,14 @@ def gemm_pair(align, tiles1, tiles2, x, xq, x_scale, ids, w1, w1s, w2, w2s, fmt,
                 g1[f"{tag}gemm1 gluon {n}"] = (lambda s=settings, o=torch.zeros(num_rows, f, device=device, dtype=dtype):
                                                bf16_grouped(permuted.rows, w1, m_idx, used, gated=True, out=o,
                                                             validate_ids=False, **s))
+                if even is not None and "half" not in n:
+                    g1[f"{tag}gemm1 gluon {n} balanced"] = (
+                        lambda s=settings, o=torch.zeros(even.rows.shape[0], f, device=device, dtype=dtype):
+                        bf16_grouped(even.rows, w1, even.m_indices, even.rows_used, gated=True, out=o,
+                                     validate_ids=False, **s))
     h = next(iter(g1.values()))()
-    us1, rounds1, err1, rel1 = timed(g1, h.float(), unchecked=(f"{tag}gemm1 no promotion", "bmm1"))
+    us1, rounds1, err1, rel1 = timed(g1, h.float(), unchecked=(f"{tag}gemm1 no promotion", "bmm1",
+                                                               *(n for n in g1 if n.endswith("balanced"))))
     a, a_scale = fmt.quantize_activations(h)
 
     def gemm2(t, nopromo=False, short=False):
@@ -223,6 +241,12 @@ def gemm_pair(align, tiles1, tiles2, x, xq, x_scale, ids, w1, w1s, w2, w2s, fmt,
                                                which="down", out=out, out_dtype=dtype, rows_used=used, **scales)
 
     g2 = {f"{tag}gemm2 {n}": gemm2(t) for n, t in tiles2.items()}
+    if even is not None:
+        first2 = next(iter(tiles2.values()))
+        g2[f"{tag}gemm2 {next(iter(tiles2))} balanced"] = (
+            lambda o=torch.zeros(even.rows.shape[0], d, device=device, dtype=dtype): grouped_gemm_contiguous(
+                even_h, w2, even.m_indices, align=align, config=MoEConfig(align, first2, first2), which="down",
+                out=o, out_dtype=dtype, rows_used=even.rows_used))
     if align == ALIGN:
         for n, t in unflattened(tiles2):
             g2[f"{tag}gemm2 {n} short"] = gemm2(t, short=True)
@@ -236,8 +260,13 @@ def gemm_pair(align, tiles1, tiles2, x, xq, x_scale, ids, w1, w1s, w2, w2s, fmt,
                     continue
                 g2[f"{tag}gemm2 gluon {n}"] = (lambda s=settings, o=torch.zeros(num_rows, d, device=device, dtype=dtype):
                                                bf16_grouped(a, w2, m_idx, used, out=o, validate_ids=False, **s))
+                if even is not None and "half" not in n:
+                    g2[f"{tag}gemm2 gluon {n} balanced"] = (
+                        lambda s=settings, o=torch.zeros(even.rows.shape[0], d, device=device, dtype=dtype):
+                        bf16_grouped(even_h, w2, even.m_indices, even.rows_used, out=o, validate_ids=False, **s))
     y = next(iter(g2.values()))()
-    us2, rounds2, err2, rel2 = timed(g2, y.float(), unchecked=(f"{tag}gemm2 no promotion", "bmm2"))
+    us2, rounds2, err2, rel2 = timed(g2, y.float(), unchecked=(f"{tag}gemm2 no promotion", "bmm2",
+                                                               *(n for n in g2 if n.endswith("balanced"))))
     tiled1 = {n: us1[n] for n in us1 if n[len(tag) + 6:] in tiles1 and n.startswith(tag)}   # (copied rows)
     tiled2 = {n: us2[n] for n in us2 if n[len(tag) + 6:] in tiles2 and n.startswith(tag)}
     best1, best2 = min(tiled1, key=tiled1.get), min(tiled2, key=tiled2.get)
