@@ -65,7 +65,7 @@ def test_it_refuses_where_it_cannot_run():
     (dict(block_n=64), "'block_n' must be 128 or 256"), (dict(stages=1), "'stages' must be >= 2"),
     (dict(block_n=256, stages=4, tma_store=True), "'stages' must be at most 3 with block_n=256, gated=False"),
     (dict(gated=1), "'gated' must be a bool"), (dict(tma_store="yes"), "'tma_store' must be a bool"),
-    (dict(block_n=128.0), "'block_n' must be 128 or 256")])
+    (dict(block_n=128.0), "'block_n' must be 128 or 256"), (dict(group_m=0), "'group_m' must be >= 1")])
 def test_bad_settings_are_named(settings, says):
     x, w, m_indices, rows_used = segmented([5], seed=3, k=64, n=256)
     with pytest.raises((ValueError, TypeError), match=re.escape("bf16_grouped: argument " + says)):
@@ -209,6 +209,26 @@ def test_the_kernel_against_its_reference_gpu(monkeypatch, case, programs, block
         assert bool(kept[padding & half[:, None]].all()) and not bool(kept[padding & ~half[:, None]].any())
     else:
         assert bool(kept[padding].all())
+
+
+@pytest.mark.gpu
+@needs_gluon
+@pytest.mark.parametrize("group_m", [1, 3, 16])
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
+def test_every_walk_order_gives_the_same_product_gpu(monkeypatch, group_m, gated):
+    """The walk's group of M tiles (1, an odd 3 that leaves a short last group, 16: more than there are), on few
+    programs: the same rows, whatever order the tiles come in; the launch record names the group."""
+    from moe_kernels.kernels import _gluon_block_fp8_persistent as persistent
+
+    monkeypatch.setattr(persistent, "PROGRAMS", 5)
+    x, w, m_indices, rows_used = segmented(SEGMENTS["last tiles either side of 64 rows"], seed=group_m, k=192, n=512,
+                                           device="cuda")
+    with record_launches() as launches:
+        out = bf16_grouped(x, w, m_indices, rows_used, gated=gated, tma_store=True, group_m=group_m)
+    assert [s["group_m"] for name, s in launches if name == "gluon_bf16.gemm"] == [group_m], launches
+    real = m_indices >= 0
+    want = bf16_grouped_reference(x, w, m_indices, gated=gated)
+    assert rel_err(out[real].float(), want[real].float()) < 5e-3
 
 
 @pytest.mark.gpu

@@ -21,7 +21,10 @@ stay zero and the check compares like with like). Candidates:
                           (MoEConfig.short_last_tile), on the same tiles of the 128-row segments
   m128 gemm1 / gemm2 gluon <tiles>   bf16 only, on an sm_90 GPU with Triton 3.6: the persistent Gluon kernel
                           (kernels/gluon_bf16.py) on the 128-row segments, n = weight rows a tile (gated: half gate,
-                          half up), s = TMA stages, "tma": GEMM 2 storing whole tiles by TMA, "half": half tiles
+                          half up), s = TMA stages, "tma": GEMM 2 storing whole tiles by TMA, "half": half tiles,
+                          g = M tiles a weight tile visits in turn (default 8), x2 = two programs an SM
+  ... balanced            bf16: the first Triton tile and the Gluon rows on balanced routing (each expert T k / E
+                          rows: no padding, no ragged segment; not checked against the routed reference)
   bmm1 / bmm2             torch.bmm on ceil(T k / E) rows per expert, the same FLOPs (bf16 only)
   permute, permute indices only, quantize, unpermute, permute scales   the stages around the GEMMs
   experts permute (gathered, short) / index-gather   the whole experts call, permute with the best GEMM
@@ -68,10 +71,28 @@ ALIGN = 128
 # faster on Qwen3, with GEMM 1 then on two accumulators)
 GLUON1 = {"n256 s3": dict(block_n=256, stages=3), "n256 s3 tma": dict(block_n=256, stages=3, tma_store=True),
           "n256 s4 tma": dict(block_n=256, stages=4, tma_store=True),
-          "n256 s3 tma half": dict(block_n=256, stages=3, tma_store=True, half_tiles=True)}
+          "n256 s3 tma half": dict(block_n=256, stages=3, tma_store=True, half_tiles=True),
+          **{f"n256 s3 tma g{g}": dict(block_n=256, stages=3, tma_store=True, group_m=g) for g in (1, 4, 16)},
+          "n128 s2 tma x2": dict(block_n=128, stages=2, tma_store=True, per_sm=2)}
 GLUON2 = {"n256 s3 tma": dict(block_n=256, stages=3, tma_store=True),
-          "n256 s3 tma half": dict(block_n=256, stages=3, tma_store=True, half_tiles=True)}
+          "n256 s3 tma half": dict(block_n=256, stages=3, tma_store=True, half_tiles=True),
+          **{f"n256 s3 tma g{g}": dict(block_n=256, stages=3, tma_store=True, group_m=g) for g in (1, 4, 16)},
+          "n128 s2 tma x2": dict(block_n=128, stages=2, tma_store=True, per_sm=2)}
 GLUON = device == "cuda" and gluon_available(device) is None
+
+
+def gluon_bf16(*args, per_sm=1, **settings):
+    """bf16_grouped with ``per_sm`` programs an SM ("x2": two programs share an SM where their shared memory fits,
+    so that one's epilogue runs under the other's MMAs; read at the launch, so at the graph's capture)."""
+    from moe_kernels.kernels import _gluon_block_fp8_persistent as persistent
+    from moe_kernels.kernels.gluon_bf16 import bf16_grouped
+
+    before = persistent.PROGRAMS
+    persistent.PROGRAMS = per_sm * torch.cuda.get_device_properties(0).multi_processor_count if per_sm > 1 else before
+    try:
+        return bf16_grouped(*args, **settings)
+    finally:
+        persistent.PROGRAMS = before
 
 
 def tiles(n, k, warps, stages, group_m=8, persistent=1):
@@ -215,19 +236,17 @@ def gemm_pair(align, tiles1, tiles2, x, xq, x_scale, ids, w1, w1s, w2, w2s, fmt,
     elif align == ALIGN:
         g1["bmm1"] = balanced(e, -(-batch * k // e), d, 2 * f, dtype)
         if GLUON:
-            from moe_kernels.kernels.gluon_bf16 import bf16_grouped
-
             for n, settings in GLUON1.items():
                 if f % (settings["block_n"] // 2):   # (a tile's output columns must divide F)
                     continue
                 g1[f"{tag}gemm1 gluon {n}"] = (lambda s=settings, o=torch.zeros(num_rows, f, device=device, dtype=dtype):
-                                               bf16_grouped(permuted.rows, w1, m_idx, used, gated=True, out=o,
-                                                            validate_ids=False, **s))
+                                               gluon_bf16(permuted.rows, w1, m_idx, used, gated=True, out=o,
+                                                          validate_ids=False, **s))
                 if even is not None and "half" not in n:
                     g1[f"{tag}gemm1 gluon {n} balanced"] = (
                         lambda s=settings, o=torch.zeros(even.rows.shape[0], f, device=device, dtype=dtype):
-                        bf16_grouped(even.rows, w1, even.m_indices, even.rows_used, gated=True, out=o,
-                                     validate_ids=False, **s))
+                        gluon_bf16(even.rows, w1, even.m_indices, even.rows_used, gated=True, out=o,
+                                   validate_ids=False, **s))
     h = next(iter(g1.values()))()
     us1, rounds1, err1, rel1 = timed(g1, h.float(), unchecked=(f"{tag}gemm1 no promotion", "bmm1",
                                                                *(n for n in g1 if n.endswith("balanced"))))
@@ -259,11 +278,11 @@ def gemm_pair(align, tiles1, tiles2, x, xq, x_scale, ids, w1, w1s, w2, w2s, fmt,
                 if d % settings["block_n"]:
                     continue
                 g2[f"{tag}gemm2 gluon {n}"] = (lambda s=settings, o=torch.zeros(num_rows, d, device=device, dtype=dtype):
-                                               bf16_grouped(a, w2, m_idx, used, out=o, validate_ids=False, **s))
+                                               gluon_bf16(a, w2, m_idx, used, out=o, validate_ids=False, **s))
                 if even is not None and "half" not in n:
                     g2[f"{tag}gemm2 gluon {n} balanced"] = (
                         lambda s=settings, o=torch.zeros(even.rows.shape[0], d, device=device, dtype=dtype):
-                        bf16_grouped(even_h, w2, even.m_indices, even.rows_used, out=o, validate_ids=False, **s))
+                        gluon_bf16(even_h, w2, even.m_indices, even.rows_used, out=o, validate_ids=False, **s))
     y = next(iter(g2.values()))()
     us2, rounds2, err2, rel2 = timed(g2, y.float(), unchecked=(f"{tag}gemm2 no promotion", "bmm2",
                                                                *(n for n in g2 if n.endswith("balanced"))))

@@ -212,7 +212,7 @@ if GLUON_HOPPER:
                                        pointers, _descriptors(x, w, block_n, gated))
 
     def launch(x, w, m_indices, rows_used, out, *, block_n, stages, num_warps=8, gated=False, half_tiles=False,
-               tma_store=False):
+               tma_store=False, group_m=GROUP_M):
         """One program per SM (or per tile, where there are fewer tiles than SMs; the fp8 kernel's
         ``PROGRAMS`` where a test sets it) on checked arguments."""
         num_rows, k = x.shape
@@ -222,7 +222,7 @@ if GLUON_HOPPER:
         grid = (max(1, min(programs, most_tiles)), )
         _bf16_grouped_persistent_kernel[grid](
             x_desc, w_desc, out, m_indices, rows_used, w.shape[1], k, out.stride(0), BLOCK_N=block_n,
-            NUM_STAGES=stages, GROUP=GROUP_M, GATED=gated, HALF_TILES=half_tiles,
+            NUM_STAGES=stages, GROUP=group_m, GATED=gated, HALF_TILES=half_tiles,
             out_desc=_out_descriptor(out, block_n // 2 if gated else block_n) if tma_store else None, TMA_STORE=tma_store,
             counter_ptr=per_tile.HALF_TILE_COUNTER, COUNT_HALVES=per_tile.HALF_TILE_COUNTER is not None and half_tiles,
             num_warps=num_warps)

@@ -50,13 +50,16 @@ def shared_bytes(block_n: int, stages: int, gated: bool, half_tiles: bool = Fals
 
 
 def bf16_grouped(x, w, m_indices, rows_used, *, out=None, gated: bool = False, block_n: int = 256, stages: int = 3,
-                 half_tiles: bool = False, tma_store: bool = False, validate_ids: bool = True) -> torch.Tensor:
+                 half_tiles: bool = False, tma_store: bool = False, group_m: int = 8,
+                 validate_ids: bool = True) -> torch.Tensor:
     """``[M_pad, N]`` bf16 (gated ``[M_pad, N/2]``) for the rows with ``m_indices >= 0`` below ``rows_used``;
     other rows are not written (``out``, if given, keeps them), except with ``tma_store``, which writes each whole
     tile below ``rows_used``, its padding rows too. ``x`` bf16 ``[M_pad, K]`` in 128-row segments, ``w`` bf16
     ``[E, N, K]``, ``m_indices`` int32 ``[M_pad]``. ``block_n``: weight rows a tile (128 or 256; gated half gate
     rows, half up rows); ``stages``: the ring's TMA buffers (2 up to what fits :data:`SHARED_LIMIT`);
-    ``half_tiles``: a tile whose rows 64-127 are padding multiplies 64 rows. ``validate_ids`` reads ``m_indices``
+    ``half_tiles``: a tile whose rows 64-127 are padding multiplies 64 rows; ``group_m``: the M tiles the walk
+    visits before the next weight tile (1: one M tile a weight tile; larger keeps a weight tile in L2 across more
+    row tiles, each re-read for each weight tile). ``validate_ids`` reads ``m_indices``
     and ``rows_used`` back to check them (a host sync; skipped while a graph captures). The launch record
     (``gluon_bf16.gemm``) names the build."""
     func = "bf16_grouped"
@@ -67,6 +70,7 @@ def bf16_grouped(x, w, m_indices, rows_used, *, out=None, gated: bool = False, b
     if type(block_n) is not int or block_n not in (128, 256):
         fail(func, "block_n", "must be 128 or 256", repr(block_n))
     check_int(func, "stages", stages, lo=2, hi=8)
+    check_int(func, "group_m", group_m, lo=1, hi=64)
     if shared_bytes(block_n, stages, gated, half_tiles, tma_store) > SHARED_LIMIT:
         most = max(s for s in range(2, 9) if shared_bytes(block_n, s, gated, half_tiles, tma_store) <= SHARED_LIMIT)
         fail(func, "stages", f"must be at most {most} with block_n={block_n}, gated={gated}, half_tiles={half_tiles}, "
@@ -92,10 +96,10 @@ def bf16_grouped(x, w, m_indices, rows_used, *, out=None, gated: bool = False, b
     if out is None:
         out = torch.empty(x.shape[0], out_width, device=x.device, dtype=torch.bfloat16)
     note_launch("gluon_bf16.gemm", gated=gated, block_n=block_n, stages=stages, half_tiles=half_tiles,
-                tma_store=tma_store)
+                tma_store=tma_store, group_m=group_m)
     if x.shape[0]:
         from ._gluon_bf16_persistent import launch
 
         launch(x, w, m_indices, rows_used, out, block_n=block_n, stages=stages, gated=gated, half_tiles=half_tiles,
-               tma_store=tma_store)
+               tma_store=tma_store, group_m=group_m)
     return out
