@@ -16,7 +16,8 @@
 # fixed unmarked tests, bench fp8), transposed-prefill (the transposed kernel's 64-row tiles at prefill), shared-fused
 # (DeepSeek-V3's shared expert fused as slot E: its fp8 tables tuned at decode, then the layer with it separate,
 # fused and left out), bf16-prefill (the routed bf16 layer on the bf16 Gluon GEMMs against the other layouts, then the
-# GEMMs alone against the Triton kernel and balanced bmm), ceilings,
+# GEMMs alone against the Triton kernel and balanced bmm), bf16-balanced (the bf16 GEMMs alone on real and balanced
+# routing, the walk's group, two programs an SM; the router's steps at DeepSeek-V3 512 tokens), ceilings,
 # tune, refine, sweep, fp8, decode-step, layouts, routing, skew, shared, capacity, notebooks,
 # graphs (the CUDA-graph replay's and the split GEMM 1's GPU tests), assert-tests (the index-gather and CUDA-graph
 # GPU tests, the device-side id asserts among them), host-probe, model-probe, prefill, gate-routing
@@ -265,6 +266,17 @@ for step in "${steps[@]}"; do
             PREFILL_AB_TILES=1 PREFILL_AB_ALIGNS=128 PYTHONPATH="$PWD" timeout 300 $PY tools/prefill_gemm_ab.py \
                 qwen3-30b-a3b,deepseek-v3 16384,4096 none prefill-gemm-ab-gluon-bf16 2>&1 | grep -v Warning \
                 | tee "$OUT/bf16-gemms.log" | grep -E "^[a-z]|gluon|bmm|n128 k64 w8 s3 |n256 k64 w8 s3 " || status=1 ;;
+        bf16-balanced) # session 34 (issue 18): the bf16 GEMMs alone on real and on balanced routing (no padding: the
+                       # kernel's own gap to bmm), the walk's group and two programs an SM; the walk-order GPU tests
+                       # first; then issue 19's router steps at DeepSeek-V3's 512 tokens (the gate alone among them)
+            $PY -m pytest tests/test_gluon_bf16.py -m gpu -q -p no:cacheprovider -k "walk_order" 2>&1 | tail -n 3 \
+                | tee "$OUT/bf16-balanced-tests.log" || status=1
+            PREFILL_AB_TILES=1 PREFILL_AB_ALIGNS=128 PREFILL_AB_GEMMS_ONLY=1 PYTHONPATH="$PWD" timeout 330 $PY \
+                tools/prefill_gemm_ab.py qwen3-30b-a3b,deepseek-v3 16384,4096 none prefill-gemm-ab-bf16-balanced 2>&1 \
+                | grep -v Warning | tee "$OUT/bf16-balanced.log" | grep -E "^[a-z]|gluon|bmm|balanced" || status=1
+            tar czf "$OUT/results.tgz" results
+            PYTHONPATH="$PWD" timeout 120 $PY tools/route_steps_ab.py 512 route-steps-ab-512 2>&1 | grep -v Warning \
+                | tee "$OUT/route-steps-512.log" | tail -n 30 || status=1 ;;
         router-floor) # session 32 (issue 19): bench routing --gate-routing at 1, 64, 512 tokens with the new row, a launch
                       # that only reads as many bytes as the gate's operands (records gate-routing: commit under another name)
             timeout 240 $PY -m moe_kernels.bench routing --gate-routing --batches 1,64,512 --record 2>&1 | grep -v Warning \

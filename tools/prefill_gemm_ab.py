@@ -39,6 +39,7 @@ interleaved, the lower round median kept. TFLOP/s count the routed rows' FLOPs (
     PYTHONPATH=. python tools/prefill_gemm_ab.py [models] [batches] [formats] [record name]
     # e.g. qwen3-30b-a3b,deepseek-v3 4096,16384 none,block prefill-gemm-ab-gathered
     #   PREFILL_AB_TILES=3 PREFILL_AB_ALIGNS=128: each table's first three tiles, 128-row segments only
+    #   PREFILL_AB_GEMMS_ONLY=1: the GEMMs on copied rows and bmm only
     #   (records results/<device>/<record name>.json; default prefill-gemm-ab)
 """
 import dataclasses
@@ -155,6 +156,9 @@ if os.environ.get("PREFILL_AB_TILES"):
     keep = int(os.environ["PREFILL_AB_TILES"])
     LAYOUTS = {f: {a: tuple(dict(list(c.items())[:keep]) for c in pair) for a, pair in by.items()}
                for f, by in LAYOUTS.items()}
+# PREFILL_AB_GEMMS_ONLY=1: the GEMMs on copied rows and bmm only (no gathered rows, no short last tiles, no stages,
+# no whole experts calls)
+GEMMS_ONLY = os.environ.get("PREFILL_AB_GEMMS_ONLY") == "1"
 if os.environ.get("PREFILL_AB_ALIGNS"):
     aligns = [int(a) for a in os.environ["PREFILL_AB_ALIGNS"].split(",")]
     if not set(aligns) <= {ALIGN, 64}:
@@ -227,7 +231,7 @@ def gemm_pair(align, tiles1, tiles2, x, xq, x_scale, ids, w1, w1s, w2, w2s, fmt,
             lambda o=torch.zeros(even.rows.shape[0], f, device=device, dtype=dtype): grouped_gemm_contiguous(
                 even.rows, w1, even.m_indices, align=align, silu_mul=True, config=MoEConfig(align, first1, first1),
                 which="gate_up", out=o, out_dtype=dtype, rows_used=even.rows_used))
-    for n, t in unflattened(tiles1):
+    for n, t in ([] if GEMMS_ONLY else unflattened(tiles1)):
         g1[f"{tag}gemm1 {n} gathered"] = gathered(t)
         if align == ALIGN:
             g1[f"{tag}gemm1 {n} short"] = gemm1(t, short=True)
@@ -266,7 +270,7 @@ def gemm_pair(align, tiles1, tiles2, x, xq, x_scale, ids, w1, w1s, w2, w2s, fmt,
             lambda o=torch.zeros(even.rows.shape[0], d, device=device, dtype=dtype): grouped_gemm_contiguous(
                 even_h, w2, even.m_indices, align=align, config=MoEConfig(align, first2, first2), which="down",
                 out=o, out_dtype=dtype, rows_used=even.rows_used))
-    if align == ALIGN:
+    if align == ALIGN and not GEMMS_ONLY:
         for n, t in unflattened(tiles2):
             g2[f"{tag}gemm2 {n} short"] = gemm2(t, short=True)
     if fp8:
@@ -320,7 +324,7 @@ for fname in formats:
             best, permuted, h, y = (found[best_align][n] for n in ("best", "permuted", "h", "y"))
             best1, best2 = found[best_align]["best_names"]
             scales = dict(w1_scale=w1s, w2_scale=w2s)
-            stages = {
+            stages = {} if GEMMS_ONLY else {
                 "permute": lambda: permute(xq, ids, e, align=best_align, validate_ids=False, out=permuted.rows),
                 "unpermute": lambda: unpermute(y, permuted.src2dst, weights),
                 "permute indices only": lambda: permute(xq, ids, e, align=best_align, validate_ids=False, copy=False),
@@ -334,15 +338,19 @@ for fname in formats:
                     validate_ids=False, **scales),
                 "experts index-gather": lambda: fused_experts(x, w1, w2, weights, ids, validate_ids=False, **scales),
             }
-            if GLUON and not fp8:
+            if GLUON and not fp8 and not GEMMS_ONLY:
                 stages["experts permute gluon"] = lambda: permute_experts(x, w1, w2, weights, ids, align=ALIGN,
                                                                           validate_ids=False, gemm="gluon")
-            if fp8:
+            if fp8 and not GEMMS_ONLY:
                 stages["quantize x"] = lambda: fmt.quantize_activations(x)[0]
                 stages["quantize h"] = lambda: fmt.quantize_activations(h)[0]
                 stages["permute scales"] = lambda: _permute_scales(x_scale, permuted, k)
-            whole = stages["experts index-gather"]().float()
-            us3, rounds3, err3, rel3 = timed(stages, whole, unchecked=tuple(n for n in stages if "experts" not in n))
+            if stages:
+                whole = stages["experts index-gather"]().float()
+                us3, rounds3, err3, rel3 = timed(stages, whole,
+                                                 unchecked=tuple(n for n in stages if "experts" not in n))
+            else:
+                us3, rounds3, err3, rel3 = {}, {}, {}, {}
             flops1, flops2 = 2 * batch * k * d * 2 * f, 2 * batch * k * f * d
             tflops = {**{n: flops1 / t / 1e6 for n, t in us1.items()}, **{n: flops2 / t / 1e6 for n, t in us2.items()},
                       **{n: (flops1 + flops2) / us3[n] / 1e6 for n in us3 if "experts" in n}}
