@@ -195,6 +195,9 @@ def gemm_pair(align, tiles1, tiles2, x, xq, x_scale, ids, w1, w1s, w2, w2s, fmt,
     e, k, d, f = model.num_experts, model.top_k, model.hidden_size, model.moe_intermediate_size
     fp8 = fmt.quantized
     permuted = permute(xq, ids, e, align=align, validate_ids=False)
+    # Padding rows zeroed (permute leaves them unwritten): a TMA-store epilogue writes their products, which are then
+    # zero like the rows the reference leaves unwritten in the shared output buffers.
+    permuted.rows.view(torch.uint8)[permuted.m_indices < 0] = 0
     rows_scale = _permute_scales(x_scale, permuted, k) if fp8 else None
     m_idx, used = permuted.m_indices, permuted.rows_used
     num_rows = permuted.rows.shape[0]
@@ -204,8 +207,13 @@ def gemm_pair(align, tiles1, tiles2, x, xq, x_scale, ids, w1, w1s, w2, w2s, fmt,
         return dict(x_scale=torch.ones(num_rows, device=device),
                     w_scale=torch.ones(FP8_TENSOR.scale_shape(*w.shape), device=device))
 
+    # One output buffer a shape, shared by the candidates (each is compared right after its call; padding rows
+    # are zero or a padding row's product, the same for all): at DeepSeek-V3 16,384 tokens a buffer each ran the
+    # H100 out of memory.
+    out1, out2 = (torch.zeros(num_rows, n, device=device, dtype=dtype) for n in (f, d))
+
     def gemm1(t, nopromo=False, short=False):
-        out = torch.zeros(num_rows, f, device=device, dtype=dtype)
+        out = out1
         scales = no_promotion(w1) if nopromo else dict(x_scale=rows_scale, w_scale=w1s)
         config = MoEConfig(align, t, t, short_last_tile=short)
         return lambda: grouped_gemm_contiguous(permuted.rows, w1, m_idx, align=align, silu_mul=True,
@@ -213,7 +221,7 @@ def gemm_pair(align, tiles1, tiles2, x, xq, x_scale, ids, w1, w1s, w2, w2s, fmt,
                                                out_dtype=dtype, rows_used=used, **scales)
 
     def gathered(t):   # GEMM 1 reading each row from its token (MoEConfig.gather_rows): no copy in
-        out = torch.zeros(num_rows, f, device=device, dtype=dtype)
+        out = out1
         return lambda: grouped_gemm_contiguous(xq, w1, m_idx, align=align, silu_mul=True, config=MoEConfig(align, t, t),
                                                which="gate_up", out=out, out_dtype=dtype, rows_used=used,
                                                x_scale=x_scale, w_scale=w1s, gather_from=permuted)
@@ -226,9 +234,10 @@ def gemm_pair(align, tiles1, tiles2, x, xq, x_scale, ids, w1, w1s, w2, w2s, fmt,
         token_ids = torch.arange(batch, device=device)[:, None] * k + torch.arange(k, device=device)[None, :]
         even = permute(xq, (token_ids % e).to(ids.dtype), e, align=align, validate_ids=False)
         even_h = torch.randn(even.rows.shape[0], f, device=device, dtype=dtype)
+        even1, even2 = (torch.zeros(even.rows.shape[0], n, device=device, dtype=dtype) for n in (f, d))
         first1 = next(iter(tiles1.values()))
         g1[f"{tag}gemm1 {next(iter(tiles1))} balanced"] = (
-            lambda o=torch.zeros(even.rows.shape[0], f, device=device, dtype=dtype): grouped_gemm_contiguous(
+            lambda o=even1: grouped_gemm_contiguous(
                 even.rows, w1, even.m_indices, align=align, silu_mul=True, config=MoEConfig(align, first1, first1),
                 which="gate_up", out=o, out_dtype=dtype, rows_used=even.rows_used))
     for n, t in ([] if GEMMS_ONLY else unflattened(tiles1)):
@@ -243,21 +252,24 @@ def gemm_pair(align, tiles1, tiles2, x, xq, x_scale, ids, w1, w1s, w2, w2s, fmt,
             for n, settings in GLUON1.items():
                 if f % (settings["block_n"] // 2):   # (a tile's output columns must divide F)
                     continue
-                g1[f"{tag}gemm1 gluon {n}"] = (lambda s=settings, o=torch.zeros(num_rows, f, device=device, dtype=dtype):
+                g1[f"{tag}gemm1 gluon {n}"] = (lambda s=settings, o=out1:
                                                gluon_bf16(permuted.rows, w1, m_idx, used, gated=True, out=o,
                                                           validate_ids=False, **s))
                 if even is not None and "half" not in n:
                     g1[f"{tag}gemm1 gluon {n} balanced"] = (
-                        lambda s=settings, o=torch.zeros(even.rows.shape[0], f, device=device, dtype=dtype):
+                        lambda s=settings, o=even1:
                         gluon_bf16(even.rows, w1, even.m_indices, even.rows_used, gated=True, out=o,
                                    validate_ids=False, **s))
-    h = next(iter(g1.values()))()
+    h = next(iter(g1.values()))().clone()   # (its own copy: the candidates share the output buffer)
     us1, rounds1, err1, rel1 = timed(g1, h.float(), unchecked=(f"{tag}gemm1 no promotion", "bmm1",
                                                                *(n for n in g1 if n.endswith("balanced"))))
+    del g1   # (bmm1's operands: 17 GB at DeepSeek-V3 16,384 tokens)
+    if device == "cuda":
+        torch.cuda.empty_cache()
     a, a_scale = fmt.quantize_activations(h)
 
     def gemm2(t, nopromo=False, short=False):
-        out = torch.zeros(num_rows, d, device=device, dtype=dtype)
+        out = out2
         scales = no_promotion(w2) if nopromo else dict(x_scale=a_scale, w_scale=w2s)
         config = MoEConfig(align, t, t, short_last_tile=short)
         return lambda: grouped_gemm_contiguous(a, w2, m_idx, align=align, config=config,
@@ -267,7 +279,7 @@ def gemm_pair(align, tiles1, tiles2, x, xq, x_scale, ids, w1, w1s, w2, w2s, fmt,
     if even is not None:
         first2 = next(iter(tiles2.values()))
         g2[f"{tag}gemm2 {next(iter(tiles2))} balanced"] = (
-            lambda o=torch.zeros(even.rows.shape[0], d, device=device, dtype=dtype): grouped_gemm_contiguous(
+            lambda o=even2: grouped_gemm_contiguous(
                 even_h, w2, even.m_indices, align=align, config=MoEConfig(align, first2, first2), which="down",
                 out=o, out_dtype=dtype, rows_used=even.rows_used))
     if align == ALIGN and not GEMMS_ONLY:
@@ -281,17 +293,20 @@ def gemm_pair(align, tiles1, tiles2, x, xq, x_scale, ids, w1, w1s, w2, w2s, fmt,
             for n, settings in GLUON2.items():
                 if d % settings["block_n"]:
                     continue
-                g2[f"{tag}gemm2 gluon {n}"] = (lambda s=settings, o=torch.zeros(num_rows, d, device=device, dtype=dtype):
+                g2[f"{tag}gemm2 gluon {n}"] = (lambda s=settings, o=out2:
                                                gluon_bf16(a, w2, m_idx, used, out=o, validate_ids=False, **s))
                 if even is not None and "half" not in n:
                     g2[f"{tag}gemm2 gluon {n} balanced"] = (
-                        lambda s=settings, o=torch.zeros(even.rows.shape[0], d, device=device, dtype=dtype):
+                        lambda s=settings, o=even2:
                         gluon_bf16(even_h, w2, even.m_indices, even.rows_used, out=o, validate_ids=False, **s))
-    y = next(iter(g2.values()))()
+    y = next(iter(g2.values()))().clone()
     us2, rounds2, err2, rel2 = timed(g2, y.float(), unchecked=(f"{tag}gemm2 no promotion", "bmm2",
                                                                *(n for n in g2 if n.endswith("balanced"))))
+    del g2
     tiled1 = {n: us1[n] for n in us1 if n[len(tag) + 6:] in tiles1 and n.startswith(tag)}   # (copied rows)
     tiled2 = {n: us2[n] for n in us2 if n[len(tag) + 6:] in tiles2 and n.startswith(tag)}
+    if not tiled1 or not tiled2:   # (say why, rather than fail on an empty min below)
+        raise RuntimeError(f"{model.name} {batch}: no Triton GEMM tile ran: {err1} {err2}")
     best1, best2 = min(tiled1, key=tiled1.get), min(tiled2, key=tiled2.get)
     return {"timings": (us1, rounds1, err1, rel1, us2, rounds2, err2, rel2), "best_names": (best1, best2),
             "best": MoEConfig(align, tiles1[best1[len(tag) + 6:]], tiles2[best2[len(tag) + 6:]]),
