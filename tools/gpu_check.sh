@@ -17,7 +17,7 @@
 # (DeepSeek-V3's shared expert fused as slot E: its fp8 tables tuned at decode, then the layer with it separate,
 # fused and left out), bf16-prefill (the routed bf16 layer on the bf16 Gluon GEMMs against the other layouts, then the
 # GEMMs alone against the Triton kernel and balanced bmm), bf16-balanced (the bf16 GEMMs alone on real and balanced
-# routing, the walk's group, two programs an SM; the router's steps at DeepSeek-V3 512 tokens), ceilings,
+# routing, the walk's group, two programs an SM; the L2's read rate; the router's steps at DeepSeek-V3 512 tokens), ceilings,
 # tune, refine, sweep, fp8, decode-step, layouts, routing, skew, shared, capacity, notebooks,
 # graphs (the CUDA-graph replay's and the split GEMM 1's GPU tests), assert-tests (the index-gather and CUDA-graph
 # GPU tests, the device-side id asserts among them), host-probe, model-probe, prefill, gate-routing
@@ -275,6 +275,7 @@ for step in "${steps[@]}"; do
                 tools/prefill_gemm_ab.py qwen3-30b-a3b,deepseek-v3 16384,4096 none prefill-gemm-ab-bf16-balanced 2>&1 \
                 | grep -v Warning | tee "$OUT/bf16-balanced.log" | grep -E "^[a-z]|gluon|bmm|balanced" || status=1
             tar czf "$OUT/results.tgz" results
+            PYTHONPATH="$PWD" timeout 60 $PY tools/l2_read.py 2>&1 | grep -v Warning | tee "$OUT/l2-read.log" || status=1
             PYTHONPATH="$PWD" timeout 120 $PY tools/route_steps_ab.py 512 route-steps-ab-512 2>&1 | grep -v Warning \
                 | tee "$OUT/route-steps-512.log" | tail -n 30 || status=1 ;;
         router-floor) # session 32 (issue 19): bench routing --gate-routing at 1, 64, 512 tokens with the new row, a launch
