@@ -244,20 +244,27 @@ def test_no_rows_used_writes_nothing_gpu():
 @pytest.mark.gpu
 @needs_gluon
 @pytest.mark.parametrize("num_tokens", [1, 64, 600])
-@pytest.mark.parametrize("half_tiles, d, tma1", [(False, 512, False), (True, 512, False), (False, 384, False),
-                                                 (False, 512, True), (True, 512, True)])
-def test_the_permute_layout_on_the_bf16_kernel_gpu(monkeypatch, num_tokens, half_tiles, d, tma1):
+@pytest.mark.parametrize("half_tiles, d, tma1, one_pass", [
+    (False, 512, False, False), (True, 512, False, False), (False, 384, False, False), (False, 512, True, False),
+    (True, 512, True, False), (False, 512, False, True), (True, 384, True, True)])
+def test_the_permute_layout_on_the_bf16_kernel_gpu(monkeypatch, num_tokens, half_tiles, d, tma1, one_pass):
     """permute_experts in bf16 with BF16_GEMM = "gluon" and 128-row segments: both GEMMs on the persistent kernel
-    with the layout's tiles (d = 384: GEMM 2 on 128-row tiles; GEMM 1 storing by TMA too), the result the Triton
-    kernel's within bf16 rounding, and a CUDA graph captures the call."""
+    with the layout's tiles (d = 384: GEMM 2 on 128-row tiles; GEMM 1 storing by TMA too; the input in one pass,
+    its padding rows never written), the result the Triton kernel's within bf16 rounding, and a CUDA graph captures
+    the call."""
+    from moe_kernels.kernels import permute as permute_module
+
     monkeypatch.setattr(permute_gluon, "BF16_GEMM", "gluon")
     monkeypatch.setattr(permute_gluon, "BF16_HALF_TILES", half_tiles)
     monkeypatch.setattr(permute_gluon, "BF16_TMA_STORE_GEMM1", tma1)
     x, w1, w2, weights, ids = make_problem(num_tokens, 4, 2, d, 256, torch.bfloat16, seed=num_tokens)
     triton_out = permute_experts(x, w1, w2, weights, ids, align=128, gemm="triton")
+    monkeypatch.setattr(permute_module, "ONE_PASS_BF16_INPUT", one_pass)
+    torch.full((4096, d), float("nan"), device="cuda", dtype=torch.bfloat16)   # (freed: unwritten rows read NaN)
     with record_launches() as launches:
         got = permute_experts(x, w1, w2, weights, ids, align=128)
     assert [s["kernel"] for name, s in launches if name == "permute.bf16_gemm"] == ["gluon"], launches
+    assert [s["quantize"] for name, s in launches if name == "quant_scatter"] == ([False] if one_pass else [])
     n2 = permute_gluon.BF16_TILES["down"][0] if d % 256 == 0 else 128
     assert [(s["gated"], s["block_n"], s["half_tiles"], s["tma_store"]) for name, s in launches
             if name == "gluon_bf16.gemm"] == [(True, permute_gluon.BF16_TILES["gate_up"][0], half_tiles, tma1),

@@ -1,4 +1,5 @@
-"""moe_kernels.kernels.quant_scatter: each token quantised once, its fp8 row and scales at each of its slots."""
+"""moe_kernels.kernels.quant_scatter: each token quantised once, its fp8 row and scales at each of its slots (and,
+unquantised, its row at each of its slots: scatter_rows)."""
 import pytest
 import torch
 
@@ -6,7 +7,7 @@ from moe_kernels._runtime import HAS_TRITON, record_launches
 from moe_kernels.kernels import quant
 from moe_kernels.kernels.permute import permute
 from moe_kernels.kernels.quant import per_token_group_quant_fp8
-from moe_kernels.kernels.quant_scatter import quantize_scatter, quantize_scatter_reference
+from moe_kernels.kernels.quant_scatter import quantize_scatter, quantize_scatter_reference, scatter_rows
 from moe_testing import DEVICE, ON_GPU, compiled_for_hopper, exact_fp8_inputs, needs_gpu, random_topk_ids
 
 
@@ -145,10 +146,16 @@ torch.cuda.is_available = lambda: True   # build compiled (not interpreted) kern
 from moe_kernels.kernels import quant_scatter
 from moe_kernels.sm90_compile import compile_for_sm90
 for topk in (1, 8):
-    compile_for_sm90(quant_scatter._quant_scatter_kernel, dict(TOPK=topk, GROUP=128, BLOCK_G=quant_scatter.BLOCK_G),
+    compile_for_sm90(quant_scatter._quant_scatter_kernel, dict(TOPK=topk, GROUP=128, BLOCK_G=quant_scatter.BLOCK_G,
+                                                               QUANTIZE=True),
                      dict(x_ptr="*bf16", src2dst_ptr="*i32", q_ptr="*fp8e4nv", s_ptr="*fp32"),
                      aligned=("stride_x", "stride_q"), num_warps=4)
     print(topk, "built")
+ptx = compile_for_sm90(quant_scatter._quant_scatter_kernel, dict(TOPK=8, GROUP=128, BLOCK_G=quant_scatter.BLOCK_G,
+                                                                 QUANTIZE=False, s_ptr=None),
+                       dict(x_ptr="*bf16", src2dst_ptr="*i32", q_ptr="*bf16"), aligned=("stride_x", "stride_q"),
+                       num_warps=4).asm["ptx"]
+print("unquantised built", "cvt.rn.satfinite.e4m3x2" in ptx, "ld.global.v4" in ptx or "ld.global.nc.v4" in ptx)
 """
 
 
@@ -156,6 +163,8 @@ def test_the_kernel_builds_for_hopper():
     """Triton 3.6 (CI) builds the kernel for sm_90 with one slot and with DeepSeek-V3's eight."""
     lines = compiled_for_hopper(_COMPILE_FOR_HOPPER)
     assert lines[:2] == ["1 built", "8 built"], lines
+    # unquantised (scatter_rows): no fp8 conversion, 16-byte loads
+    assert lines[2] == "unquantised built False True", lines
 
 
 @pytest.mark.parametrize("num_tokens", [0, 1, 9])
@@ -175,5 +184,54 @@ def test_the_permute_layout_gives_the_same_output_with_its_input_in_one_pass(mon
         monkeypatch.setattr(permute_module, "ONE_PASS_FP8_INPUT", one_pass)
         outputs[one_pass] = permute_module.permute_experts(x, w1q, w2q, weights, ids, align=16, w1_scale=w1s,
                                                            w2_scale=w2s)
+        assert len(calls) == int(one_pass)   # the path, not only the value
+    assert torch.equal(outputs[True], outputs[False])
+
+
+@pytest.mark.parametrize("case", sorted(c for c, (_, _, _, d, _) in CASES.items() if d % 128 == 0))
+def test_scatter_rows_puts_each_token_at_each_of_its_slots(case):
+    """scatter_rows (the kernel without its quantiser; under the interpreter too): each routed slot holds its
+    token's row exactly, in the input's dtype; a slot of -1 is skipped; the launch record says which kernel ran."""
+    t, e, k, d, _ = CASES[case]
+    g = torch.Generator().manual_seed(t + d)
+    dtype = torch.bfloat16 if ON_GPU else torch.float16   # (the interpreter: no bf16)
+    x = torch.randn(t, d, generator=g).to(DEVICE, dtype)
+    ids = (random_topk_ids(g, t, e, k) if t else torch.zeros(0, k, dtype=torch.int64)).to(DEVICE)
+    p = permute(x, ids, e, align=16, copy=False)
+    src2dst = p.src2dst.clone()
+    if t:
+        src2dst[0, -1] = -1   # (an id out of range: routed nowhere)
+    with record_launches() as launches:
+        rows = scatter_rows(x, src2dst, p.m_indices.shape[0])
+    assert rows.dtype == dtype and tuple(rows.shape) == (p.m_indices.shape[0], d)
+    if t and HAS_TRITON:
+        assert [(name, s["quantize"]) for name, s in launches] == [("quant_scatter", False)]
+    for token, slots in enumerate(src2dst.tolist()):
+        for dst in slots:
+            if dst >= 0:
+                assert torch.equal(rows[dst], x[token])
+
+
+def test_scatter_rows_names_bad_arguments():
+    with pytest.raises(ValueError, match="scatter_rows: argument 'x' must have a multiple of group=128 columns"):
+        scatter_rows(torch.zeros(2, 192), torch.zeros(2, 2, dtype=torch.int32), 4)
+    with pytest.raises(ValueError, match="scatter_rows: argument 'src2dst'"):
+        scatter_rows(torch.zeros(2, 256), torch.zeros(3, 2, dtype=torch.int32), 4)
+
+
+@pytest.mark.parametrize("num_tokens", [0, 1, 9])
+def test_the_permute_layout_gives_the_same_output_with_its_bf16_input_in_one_pass(monkeypatch, num_tokens):
+    """permute_experts on unquantised weights with permute.ONE_PASS_BF16_INPUT: the same rows reach the GEMMs, so
+    the same output bit for bit (float32 here; the GEMMs do not see how the rows were copied); the launch
+    record says which path ran."""
+    from moe_kernels.kernels import permute as permute_module
+    from moe_testing import make_problem
+
+    x, w1, w2, weights, ids = make_problem(num_tokens, 4, 2, 256, 128, torch.float32, seed=num_tokens)
+    outputs, calls = {}, []
+    monkeypatch.setattr(permute_module, "scatter_rows", lambda *a, **k: calls.append(1) or scatter_rows(*a, **k))
+    for one_pass in (False, True):
+        monkeypatch.setattr(permute_module, "ONE_PASS_BF16_INPUT", one_pass)
+        outputs[one_pass] = permute_module.permute_experts(x, w1, w2, weights, ids, align=16)
         assert len(calls) == int(one_pass)   # the path, not only the value
     assert torch.equal(outputs[True], outputs[False])

@@ -17,7 +17,8 @@
 # (DeepSeek-V3's shared expert fused as slot E: its fp8 tables tuned at decode, then the layer with it separate,
 # fused and left out), bf16-prefill (the routed bf16 layer on the bf16 Gluon GEMMs against the other layouts, then the
 # GEMMs alone against the Triton kernel and balanced bmm), bf16-balanced (the bf16 GEMMs alone on real and balanced
-# routing, the walk's group, two programs an SM; the L2's read rate; the router's steps at DeepSeek-V3 512 tokens), ceilings,
+# routing, the walk's group, two programs an SM; the L2's read rate; the router's steps at DeepSeek-V3 512 tokens),
+# bf16-one-pass (the routed bf16 layer with its input scattered in one pass: tests, then the layer A/B), ceilings,
 # tune, refine, sweep, fp8, decode-step, layouts, routing, skew, shared, capacity, notebooks,
 # graphs (the CUDA-graph replay's and the split GEMM 1's GPU tests), assert-tests (the index-gather and CUDA-graph
 # GPU tests, the device-side id asserts among them), host-probe, model-probe, prefill, gate-routing
@@ -278,6 +279,15 @@ for step in "${steps[@]}"; do
             PYTHONPATH="$PWD" timeout 60 $PY tools/l2_read.py 2>&1 | grep -v Warning | tee "$OUT/l2-read.log" || status=1
             PYTHONPATH="$PWD" timeout 120 $PY tools/route_steps_ab.py 512 route-steps-ab-512 2>&1 | grep -v Warning \
                 | tee "$OUT/route-steps-512.log" | tail -n 30 || status=1 ;;
+        bf16-one-pass) # session 34 (issue 18): the bf16 input in one pass (quant_scatter.scatter_rows: each token read
+                       # once, written to its k rows) in the routed bf16 layer on the Gluon GEMMs: its GPU tests, then
+                       # the layer A/B at 4,096 and 16,384 tokens (records layer-layout-ab: commit under another name)
+            $PY -m pytest tests/test_gluon_bf16.py tests/test_quant_scatter.py -q -p no:cacheprovider \
+                -k "permute_layout_on_the_bf16 or scatter_rows or three_step" 2>&1 | tail -n 3 \
+                | tee "$OUT/bf16-one-pass-tests.log" || status=1
+            LAYER_AB_LAYOUTS=index_gather LAYER_AB_FORMATS=none LAYER_AB_GLUON_ROWS=0 PYTHONPATH="$PWD" timeout 200 \
+                $PY tools/layer_layout_ab.py qwen3-30b-a3b,deepseek-v3 16384,4096 2>&1 | grep -v Warning \
+                | tee "$OUT/bf16-one-pass-layer.log" | tail -n 4 || status=1 ;;
         router-floor) # session 32 (issue 19): bench routing --gate-routing at 1, 64, 512 tokens with the new row, a launch
                       # that only reads as many bytes as the gate's operands (records gate-routing: commit under another name)
             timeout 240 $PY -m moe_kernels.bench routing --gate-routing --batches 1,64,512 --record 2>&1 | grep -v Warning \

@@ -27,7 +27,8 @@ against the index-gather layer's. TFLOP/s over the routed GEMMs' FLOPs (``T k 6 
 ``permute gluon bf16`` (bf16, on an sm_90 GPU with Triton 3.6): the layer planned as a layout choice naming the
 permute layout on 128-row segments with the Gluon GEMMs (``kernels/gluon_bf16.py``, ``permute_gluon.BF16_TILES``)
 would plan it, a layer of its own; ``... half``: with ``permute_gluon.BF16_HALF_TILES``, ``... tma1``: with
-``BF16_TMA_STORE_GEMM1``.
+``BF16_TMA_STORE_GEMM1``, ``... one-pass``: with ``permute.ONE_PASS_BF16_INPUT`` (each token read once and written to
+its k rows by ``quant_scatter.scatter_rows``, where the permutation's copy reads it once a row).
 """
 import dataclasses
 import os
@@ -81,20 +82,24 @@ if BF16_GLUON:   # (where the Gluon kernel runs: sm_90 with Triton 3.6; elsewher
     BF16_GLUON = available(device) is None
 
 
-# name, permute_gluon.BF16_HALF_TILES, permute_gluon.BF16_TMA_STORE_GEMM1
-BF16_ROWS = (("permute gluon bf16", False, False), ("permute gluon bf16 half", True, False),
-             ("permute gluon bf16 tma1", False, True))
+# name, permute_gluon.BF16_HALF_TILES, permute_gluon.BF16_TMA_STORE_GEMM1, permute.ONE_PASS_BF16_INPUT
+BF16_ROWS = (("permute gluon bf16", False, False, False), ("permute gluon bf16 half", True, False, False),
+             ("permute gluon bf16 tma1", False, True, False), ("permute gluon bf16 one-pass", False, False, True))
 
 
-def bf16_call(own, x, half, tma1):
-    """``own(x)`` with the bf16 Gluon GEMMs' switches set for the call (and restored after it)."""
+def bf16_call(own, x, half, tma1, one_pass):
+    """``own(x)`` with the bf16 Gluon GEMMs' switches and the one-pass input's set for the call (and restored after
+    it)."""
+    from moe_kernels.kernels import permute
+
     def call():
-        saved = permute_gluon.BF16_HALF_TILES, permute_gluon.BF16_TMA_STORE_GEMM1
-        permute_gluon.BF16_HALF_TILES, permute_gluon.BF16_TMA_STORE_GEMM1 = half, tma1
+        saved = permute_gluon.BF16_HALF_TILES, permute_gluon.BF16_TMA_STORE_GEMM1, permute.ONE_PASS_BF16_INPUT
+        permute_gluon.BF16_HALF_TILES, permute_gluon.BF16_TMA_STORE_GEMM1, permute.ONE_PASS_BF16_INPUT = (
+            half, tma1, one_pass)
         try:
             return own(x)
         finally:
-            permute_gluon.BF16_HALF_TILES, permute_gluon.BF16_TMA_STORE_GEMM1 = saved
+            permute_gluon.BF16_HALF_TILES, permute_gluon.BF16_TMA_STORE_GEMM1, permute.ONE_PASS_BF16_INPUT = saved
     return call
 
 
@@ -169,12 +174,13 @@ for key in models:
                     plans[name] = {"fp8_gemm": [s for n, s in launches if n == "permute.fp8_gemm"],
                                    "gemms": [s for n, s in launches if n == "gluon_block_fp8.gemm"]}
                     candidates[name] = gluon_call(persistent, fused, one_pass, half, half2, own)
-            for name, half, tma1 in (BF16_ROWS if fmt == "none" and BF16_GLUON else ()):
-                call = bf16_call(bf16_gluon_layer(layer, batch), x, half, tma1)
+            for name, half, tma1, one_pass in (BF16_ROWS if fmt == "none" and BF16_GLUON else ()):
+                call = bf16_call(bf16_gluon_layer(layer, batch), x, half, tma1, one_pass)
                 with record_launches() as launches:
                     call()
                 plans[name] = {"bf16_gemm": [s for n, s in launches if n == "permute.bf16_gemm"],
-                               "gemms": [s for n, s in launches if n == "gluon_bf16.gemm"]}
+                               "gemms": [s for n, s in launches if n == "gluon_bf16.gemm"],
+                               "one_pass_input": [s for n, s in launches if n == "quant_scatter"]}
                 candidates[name] = call
             reference = candidates["index_gather"]()
             lowest, rounds, errors, rel = time_lowest(candidates, reference, tolerance=3e-2, warmup_ms=5, rep_ms=30,

@@ -78,7 +78,7 @@ from .config import MoEConfig, check_config, get_config
 from .contiguous_gemm import grouped_gemm_contiguous  # noqa: F401 (the layout's GEMM, also imported from here)
 from .formats import WeightFormat
 from . import permute_gluon
-from .quant_scatter import quantize_scatter
+from .quant_scatter import quantize_scatter, scatter_rows
 
 #: Block-fp8 input in one pass (:func:`~moe_kernels.kernels.quant_scatter.quantize_scatter`: each token quantised
 #: once, written to its k rows with its scales) instead of the quantiser, the fp8 scatter and the scales' gather
@@ -86,6 +86,10 @@ from .quant_scatter import quantize_scatter
 #: bit the three-step path on a GPU, and the routed fp8 layer on the Gluon GEMMs 1-7% faster with it on an H100
 #: (``results/nvidia-h100-80gb-hbm3/layer-layout-ab-s30b.json``, "permute gluon" against "... one-pass").
 ONE_PASS_FP8_INPUT = True
+#: The same one pass for unquantised input (:func:`~moe_kernels.kernels.quant_scatter.scatter_rows`: each token read
+#: once and written to its k rows, where the row-driven copy reads it once for every row; ``d`` a multiple of 128).
+#: Off until timed in the layer.
+ONE_PASS_BF16_INPUT = False
 
 if HAS_TRITON:
 
@@ -292,6 +296,9 @@ def permute_experts(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Ten
         permuted = permute(hidden_states, topk_ids, num_experts, align=align, validate_ids=validate_ids, copy=False)
         rows, rows_scale = quantize_scatter(hidden_states, permuted.src2dst, permuted.m_indices.shape[0],
                                             group=fmt.block[1])
+    elif ONE_PASS_BF16_INPUT and not fmt.quantized and not gather and d % 128 == 0:   # read once, written k times
+        permuted = permute(hidden_states, topk_ids, num_experts, align=align, validate_ids=validate_ids, copy=False)
+        rows, rows_scale = scatter_rows(hidden_states, permuted.src2dst, permuted.m_indices.shape[0]), None
     else:
         x, x_scale = fmt.quantize_activations(hidden_states)
         permuted = permute(x, topk_ids, num_experts, align=align, validate_ids=validate_ids, copy=not gather)
@@ -312,8 +319,8 @@ def permute_experts(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Ten
     if not fmt.quantized:
         if config.sum_in_gemm:
             return _down_and_sum(activated, w2, permuted, topk_weights, config, align, hidden_states.dtype)
-        # (GEMM 2 writes into the packed input, which GEMM 1 has finished with)
-        y = grouped_gemm_contiguous(activated, w2, permuted.m_indices, align=align, out=permuted.rows,
+        # (GEMM 2 writes into the packed input, which GEMM 1 has finished with; gathered, there is none)
+        y = grouped_gemm_contiguous(activated, w2, permuted.m_indices, align=align, out=None if gather else rows,
                                     config=config, which="down", rows_used=permuted.rows_used)
         return unpermute(y, permuted.src2dst, topk_weights)
     a, a_scale = fmt.quantize_activations(activated)

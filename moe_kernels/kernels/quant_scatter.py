@@ -1,5 +1,5 @@
 """The permute layout's fp8 input in one pass: each token quantised once, its fp8 row and scales written
-to every slot it was routed to.
+to every slot it was routed to (and, without the quantiser, its bf16 input: :func:`scatter_rows`).
 
 The block-fp8 permute layout needs GEMM 1's input as fp8 rows in the packed order, with one float32 scale
 per row per 128 columns. Done in three steps (quantise ``[T, d]``, scatter the fp8 rows, gather the scales
@@ -39,7 +39,7 @@ from .._runtime import HAS_TRITON, cdiv, kernel, note_launch, tl, use_triton
 from . import quant
 from .quant import FP8, per_token_group_quant_fp8_reference
 
-__all__ = ["quantize_scatter", "quantize_scatter_reference"]
+__all__ = ["quantize_scatter", "quantize_scatter_reference", "scatter_rows"]
 
 #: Column groups per program: 8 groups of 128 bf16 columns, 2 KiB read and k x 1 KiB written a program.
 BLOCK_G = 8
@@ -50,23 +50,26 @@ if HAS_TRITON:
     @kernel
     def _quant_scatter_kernel(x_ptr, stride_x, src2dst_ptr, q_ptr, stride_q, s_ptr,
                               stride_s, num_groups, TOPK: tl.constexpr,
-                              GROUP: tl.constexpr, BLOCK_G: tl.constexpr):
+                              GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+                              QUANTIZE: tl.constexpr = True):
         token = tl.program_id(0).to(tl.int64)
         groups = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
         cols = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
         real = (groups < num_groups)[:, None]
         x = tl.load(x_ptr + token * stride_x + cols, mask=real, other=0.0)
-        x = x.to(tl.float32)
-        # (the quantiser's arithmetic)
-        scale = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-10) / 448.0
-        q = tl.clamp(x / scale[:, None], -448.0, 448.0)
-        q = q.to(q_ptr.dtype.element_ty)
+        if QUANTIZE:   # (the quantiser's arithmetic)
+            xf = x.to(tl.float32)
+            scale = tl.maximum(tl.max(tl.abs(xf), axis=1), 1e-10) / 448.0
+            q = tl.clamp(xf / scale[:, None], -448.0, 448.0).to(q_ptr.dtype.element_ty)
+        else:   # (bf16 rows: copied as they are)
+            q = x
         for slot in tl.static_range(TOPK):   # the same bytes to each of its rows
             dst = tl.load(src2dst_ptr + token * TOPK + slot).to(tl.int64)
             if dst >= 0:   # (-1: an id out of range, routed nowhere)
                 tl.store(q_ptr + dst * stride_q + cols, q, mask=real)
-                tl.store(s_ptr + dst * stride_s + groups, scale,
-                         mask=groups < num_groups)
+                if QUANTIZE:
+                    tl.store(s_ptr + dst * stride_s + groups, scale,
+                             mask=groups < num_groups)
     # <<< book: quant-scatter
 
 
@@ -98,11 +101,43 @@ def quantize_scatter(x: torch.Tensor, src2dst: torch.Tensor, num_rows: int, *, g
     if not use_triton(x, src2dst) or interpreted_wrongly or t == 0 or d == 0 or src2dst.shape[1] == 0:
         return _scatter(x, src2dst, rows, scales, group)
     num_groups = d // group
-    note_launch("quant_scatter", block_g=BLOCK_G, topk=src2dst.shape[1])
+    note_launch("quant_scatter", block_g=BLOCK_G, topk=src2dst.shape[1], quantize=True)
     _quant_scatter_kernel[(t, cdiv(num_groups, BLOCK_G))](
         x, x.stride(0), src2dst, rows, rows.stride(0), scales, scales.stride(0), num_groups,
         TOPK=src2dst.shape[1], GROUP=group, BLOCK_G=BLOCK_G, num_warps=4)
     return rows, scales
+
+
+def scatter_rows(x: torch.Tensor, src2dst: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """``[num_rows, d]`` in ``x``'s dtype, row ``src2dst[t, j]`` a copy of token ``t`` for every slot with
+    ``src2dst[t, j] >= 0``, the other rows left unwritten: the same one pass over the tokens as
+    :func:`quantize_scatter`, without the quantiser (the permute layout's bf16 input, where the row-driven copy
+    of :func:`~moe_kernels.kernels.permute.permute` reads each token once for every slot it was routed to).
+    ``d`` a multiple of 128. One launch, no host sync.
+
+        >>> from moe_kernels.kernels.permute import permute
+        >>> x = torch.randn(3, 128)
+        >>> p = permute(x, torch.tensor([[1, 0], [1, 2], [0, 1]]), 3, align=4, copy=False)
+        >>> rows = scatter_rows(x, p.src2dst, p.m_indices.shape[0])
+        >>> bool(torch.equal(rows[int(p.src2dst[2, 0])], x[2]))
+        True
+    """
+    func = "scatter_rows"
+    _check(func, x, src2dst, num_rows, 128)
+    t, d = x.shape
+    rows = torch.empty(num_rows, d, dtype=x.dtype, device=x.device)
+    if not use_triton(x, src2dst) or t == 0 or d == 0 or src2dst.shape[1] == 0:
+        dst = src2dst.flatten().to(torch.int64)
+        tokens = torch.arange(dst.numel(), device=x.device) // src2dst.shape[1]
+        routed = dst >= 0
+        rows[dst[routed]] = x[tokens[routed]]
+        return rows
+    num_groups = d // 128
+    note_launch("quant_scatter", block_g=BLOCK_G, topk=src2dst.shape[1], quantize=False)
+    _quant_scatter_kernel[(t, cdiv(num_groups, BLOCK_G))](
+        x, x.stride(0), src2dst, rows, rows.stride(0), None, 0, num_groups,
+        TOPK=src2dst.shape[1], GROUP=128, BLOCK_G=BLOCK_G, QUANTIZE=False, num_warps=4)
+    return rows
 
 
 def _scatter(x, src2dst, rows, scales, group):
