@@ -217,15 +217,27 @@ def test_the_kernel_against_its_reference_gpu(monkeypatch, case, programs, block
 @pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
 def test_every_walk_order_gives_the_same_product_gpu(monkeypatch, group_m, gated):
     """The walk's group of M tiles (1, an odd 3 that leaves a short last group, 16: more than there are), on few
-    programs: the same rows, whatever order the tiles come in; the launch record names the group."""
-    from moe_kernels.kernels import _gluon_block_fp8_persistent as persistent
+    programs: the same rows, whatever order the tiles come in; the launch record names the group, and the kernel is
+    launched with it (the product alone would not show an order that never changed)."""
+    from moe_kernels.kernels import _gluon_block_fp8_persistent as persistent, _gluon_bf16_persistent as kernel
 
     monkeypatch.setattr(persistent, "PROGRAMS", 5)
+    real, groups = kernel._bf16_grouped_persistent_kernel, []
+
+    class Spy:   # (the launch's GROUP, then the kernel itself)
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                groups.append(kwargs["GROUP"])
+                return real[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(kernel, "_bf16_grouped_persistent_kernel", Spy())
     x, w, m_indices, rows_used = segmented(SEGMENTS["last tiles either side of 64 rows"], seed=group_m, k=192, n=512,
                                            device="cuda")
     with record_launches() as launches:
         out = bf16_grouped(x, w, m_indices, rows_used, gated=gated, tma_store=True, group_m=group_m)
     assert [s["group_m"] for name, s in launches if name == "gluon_bf16.gemm"] == [group_m], launches
+    assert groups == [group_m]
     real = m_indices >= 0
     want = bf16_grouped_reference(x, w, m_indices, gated=gated)
     assert rel_err(out[real].float(), want[real].float()) < 5e-3

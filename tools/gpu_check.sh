@@ -268,16 +268,16 @@ for step in "${steps[@]}"; do
                 qwen3-30b-a3b,deepseek-v3 16384,4096 none prefill-gemm-ab-gluon-bf16 2>&1 | grep -v Warning \
                 | tee "$OUT/bf16-gemms.log" | grep -E "^[a-z]|gluon|bmm|n128 k64 w8 s3 |n256 k64 w8 s3 " || status=1 ;;
         bf16-balanced) # session 34 (issue 18): the bf16 GEMMs alone on real and on balanced routing (no padding: the
-                       # kernel's own gap to bmm), the walk's group and two programs an SM; the walk-order GPU tests
-                       # first; then issue 19's router steps at DeepSeek-V3's 512 tokens (the gate alone among them)
+                       # kernel's own gap to bmm), the walk's group and two programs an SM, after the walk-order GPU
+                       # tests and the L2's read rate; then issue 19's router steps at DeepSeek-V3's 512 tokens
             $PY -m pytest tests/test_gluon_bf16.py -m gpu -q -p no:cacheprovider -k "walk_order" 2>&1 | tail -n 3 \
                 | tee "$OUT/bf16-balanced-tests.log" || status=1
-            PREFILL_AB_TILES=1 PREFILL_AB_ALIGNS=128 PREFILL_AB_GEMMS_ONLY=1 PYTHONPATH="$PWD" timeout 330 $PY \
+            PYTHONPATH="$PWD" timeout 60 $PY tools/l2_read.py 2>&1 | grep -v Warning | tee "$OUT/l2-read.log" || status=1
+            PREFILL_AB_TILES=1 PREFILL_AB_ALIGNS=128 PREFILL_AB_GEMMS_ONLY=1 PYTHONPATH="$PWD" timeout 240 $PY \
                 tools/prefill_gemm_ab.py qwen3-30b-a3b,deepseek-v3 16384,4096 none prefill-gemm-ab-bf16-balanced 2>&1 \
                 | grep -v Warning | tee "$OUT/bf16-balanced.log" | grep -E "^[a-z]|gluon|bmm|balanced" || status=1
             tar czf "$OUT/results.tgz" results
-            PYTHONPATH="$PWD" timeout 60 $PY tools/l2_read.py 2>&1 | grep -v Warning | tee "$OUT/l2-read.log" || status=1
-            PYTHONPATH="$PWD" timeout 120 $PY tools/route_steps_ab.py 512 route-steps-ab-512 2>&1 | grep -v Warning \
+            PYTHONPATH="$PWD" timeout 90 $PY tools/route_steps_ab.py 512 route-steps-ab-512 2>&1 | grep -v Warning \
                 | tee "$OUT/route-steps-512.log" | tail -n 30 || status=1 ;;
         bf16-one-pass) # session 34 (issue 18): the bf16 input in one pass (quant_scatter.scatter_rows: each token read
                        # once, written to its k rows) in the routed bf16 layer on the Gluon GEMMs: its GPU tests, then

@@ -4,9 +4,10 @@ asks of it.
 A tile of ``BM`` rows by ``BN`` weight rows reads ``(BM + BN) x 2`` bytes from the L2 per ``2 x BM x BN`` FLOPs of a
 K element (bf16): 0.0117 bytes a FLOP at 128 x 256 (the persistent kernels' tile), 0.0156 at 128 x 128 and 0.0195 at
 64 x 256 (one warpgroup a tile, as a ping-pong kernel would run). At the dense bf16 rate each needs that many times
-the rate in bytes a second. Here one launch of one program per SM times four reads each slice of an L2-resident
-buffer again and again (its ``repeats`` passes over the buffer), replayed from a CUDA graph without flushing the L2,
-so almost every byte comes from the L2; a buffer four times the L2 gives the HBM rate beside it.
+the rate in bytes a second. Here one launch of four programs an SM reads an L2-resident buffer ``repeats`` times
+(``.cg`` loads, past the L1; each pass's blocks shifted by one program, so that a block comes to another SM each
+time), replayed from a CUDA graph without flushing the L2, so almost every byte comes from the L2; a buffer four
+times the L2 gives the HBM rate beside it.
 
     PYTHONPATH=. python tools/l2_read.py [record name, default l2-read]   # records results/<device>/<name>.json
 """
@@ -31,16 +32,17 @@ def _repeated_read_kernel(src_ptr, partial_ptr, blocks, repeats, BLOCK: tl.const
     offsets = tl.arange(0, BLOCK)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for r in range(repeats):
-        for b in range(pid, blocks, nprog):
-            acc += tl.load(src_ptr + b * BLOCK + offsets)   # (under 2**31 elements: 4 x the L2)
+        # each pass shifted by one program, so that a block comes to another SM each time; ".cg": past the L1
+        for b in range((pid + r) % nprog, blocks, nprog):
+            acc += tl.load(src_ptr + b * BLOCK + offsets, cache_modifier=".cg")   # (under 2**31 elements)
     tl.store(partial_ptr + pid * BLOCK + offsets, acc)
 
 
 def read_rate(nbytes: int, repeats: int, device) -> dict:
     """Bytes a second of ``repeats`` passes over a buffer of ``nbytes``, warm (graph of 20 launches)."""
-    blocks = cdiv(nbytes, 4 * BLOCK)
-    src = torch.ones(blocks * BLOCK, device=device)
     programs = 4 * (torch.cuda.get_device_properties(device).multi_processor_count if device == "cuda" else 1)
+    blocks = cdiv(cdiv(nbytes, 4 * BLOCK), programs) * programs   # (a whole number of blocks a program)
+    src = torch.ones(blocks * BLOCK, device=device)
     partial = torch.empty(programs * BLOCK, device=device)
 
     def call():

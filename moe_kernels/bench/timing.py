@@ -129,7 +129,7 @@ def time_candidates(candidates: dict, reference: torch.Tensor, *, tolerance: flo
             out = call()
             if name not in unchecked:
                 rel[name] = rel_err(out, reference)
-                if rel[name] > tolerance:
+                if not rel[name] <= tolerance:   # (NaN too: a NaN error compares False with anything)
                     errors[name] = f"rel err {rel[name]:.3g}"
             replays[name] = graphed(call) if cuda else call
         except Exception as error:   # noqa: BLE001 - one candidate failing must not lose the others
