@@ -288,6 +288,14 @@ for step in "${steps[@]}"; do
             LAYER_AB_LAYOUTS=index_gather LAYER_AB_FORMATS=none LAYER_AB_GLUON_ROWS=0 PYTHONPATH="$PWD" timeout 200 \
                 $PY tools/layer_layout_ab.py qwen3-30b-a3b,deepseek-v3 16384,4096 2>&1 | grep -v Warning \
                 | tee "$OUT/bf16-one-pass-layer.log" | tail -n 4 || status=1 ;;
+        bf16-defaults) # session 34: the routed bf16 layer on the Gluon GEMMs with the new defaults (the input in one pass,
+                       # GEMM 1 on 4 stages from 256 rows an expert) against session 33's and each change alone, at
+                       # 4,096-16,384 tokens (records layer-layout-ab: commit under another name)
+            $PY -m pytest tests/test_gluon_bf16.py -q -p no:cacheprovider -k "permute_layout_on_the_bf16" 2>&1 \
+                | tail -n 2 | tee "$OUT/bf16-defaults-tests.log" || status=1
+            LAYER_AB_LAYOUTS=index_gather LAYER_AB_FORMATS=none LAYER_AB_GLUON_ROWS=0 PYTHONPATH="$PWD" \
+                timeout 300 $PY tools/layer_layout_ab.py deepseek-v3,qwen3-30b-a3b 16384,8192,4096 2>&1 | grep -v Warning \
+                | tee "$OUT/bf16-defaults-layer.log" | tail -n 6 || status=1 ;;
         router-floor) # session 32 (issue 19): bench routing --gate-routing at 1, 64, 512 tokens with the new row, a launch
                       # that only reads as many bytes as the gate's operands (records gate-routing: commit under another name)
             timeout 240 $PY -m moe_kernels.bench routing --gate-routing --batches 1,64,512 --record 2>&1 | grep -v Warning \

@@ -27,8 +27,9 @@ against the index-gather layer's. TFLOP/s over the routed GEMMs' FLOPs (``T k 6 
 ``permute gluon bf16`` (bf16, on an sm_90 GPU with Triton 3.6): the layer planned as a layout choice naming the
 permute layout on 128-row segments with the Gluon GEMMs (``kernels/gluon_bf16.py``, ``permute_gluon.BF16_TILES``)
 would plan it, a layer of its own; ``... half``: with ``permute_gluon.BF16_HALF_TILES``, ``... tma1``: with
-``BF16_TMA_STORE_GEMM1``, ``... one-pass``: with ``permute.ONE_PASS_BF16_INPUT`` (each token read once and written to
-its k rows by ``quant_scatter.scatter_rows``, where the permutation's copy reads it once a row).
+``BF16_TMA_STORE_GEMM1``, ``... copied input``: without ``permute.ONE_PASS_BF16_INPUT`` (the permutation's copy, which
+reads each token once a row, instead of ``quant_scatter.scatter_rows``), ``... gemm1 s3``: GEMM 1 on the table's
+3 stages at every batch (``BF16_GEMM1_DEEP_FROM_ROWS`` None), ``... session 33``: both.
 """
 import dataclasses
 import os
@@ -82,24 +83,28 @@ if BF16_GLUON:   # (where the Gluon kernel runs: sm_90 with Triton 3.6; elsewher
     BF16_GLUON = available(device) is None
 
 
-# name, permute_gluon.BF16_HALF_TILES, permute_gluon.BF16_TMA_STORE_GEMM1, permute.ONE_PASS_BF16_INPUT
-BF16_ROWS = (("permute gluon bf16", False, False, False), ("permute gluon bf16 half", True, False, False),
-             ("permute gluon bf16 tma1", False, True, False), ("permute gluon bf16 one-pass", False, False, True))
+# name: the switches the row sets (permute_gluon's BF16_HALF_TILES, BF16_TMA_STORE_GEMM1 and BF16_GEMM1_DEEP_FROM_ROWS,
+# permute's ONE_PASS_BF16_INPUT); a switch not named keeps the package's value
+BF16_ROWS = {"permute gluon bf16": {}, "permute gluon bf16 half": {"BF16_HALF_TILES": True},
+             "permute gluon bf16 tma1": {"BF16_TMA_STORE_GEMM1": True},
+             "permute gluon bf16 session 33": {"ONE_PASS_BF16_INPUT": False, "BF16_GEMM1_DEEP_FROM_ROWS": None},
+             "permute gluon bf16 copied input": {"ONE_PASS_BF16_INPUT": False},
+             "permute gluon bf16 gemm1 s3": {"BF16_GEMM1_DEEP_FROM_ROWS": None}}
 
 
-def bf16_call(own, x, half, tma1, one_pass):
-    """``own(x)`` with the bf16 Gluon GEMMs' switches and the one-pass input's set for the call (and restored after
-    it)."""
+def bf16_call(own, x, switches):
+    """``own(x)`` with the bf16 Gluon path's ``switches`` set for the call (and restored after it)."""
     from moe_kernels.kernels import permute
 
     def call():
-        saved = permute_gluon.BF16_HALF_TILES, permute_gluon.BF16_TMA_STORE_GEMM1, permute.ONE_PASS_BF16_INPUT
-        permute_gluon.BF16_HALF_TILES, permute_gluon.BF16_TMA_STORE_GEMM1, permute.ONE_PASS_BF16_INPUT = (
-            half, tma1, one_pass)
+        saved = {name: getattr(permute if name == "ONE_PASS_BF16_INPUT" else permute_gluon, name) for name in switches}
+        for name, value in switches.items():
+            setattr(permute if name == "ONE_PASS_BF16_INPUT" else permute_gluon, name, value)
         try:
             return own(x)
         finally:
-            permute_gluon.BF16_HALF_TILES, permute_gluon.BF16_TMA_STORE_GEMM1, permute.ONE_PASS_BF16_INPUT = saved
+            for name, value in saved.items():
+                setattr(permute if name == "ONE_PASS_BF16_INPUT" else permute_gluon, name, value)
     return call
 
 
@@ -174,8 +179,8 @@ for key in models:
                     plans[name] = {"fp8_gemm": [s for n, s in launches if n == "permute.fp8_gemm"],
                                    "gemms": [s for n, s in launches if n == "gluon_block_fp8.gemm"]}
                     candidates[name] = gluon_call(persistent, fused, one_pass, half, half2, own)
-            for name, half, tma1, one_pass in (BF16_ROWS if fmt == "none" and BF16_GLUON else ()):
-                call = bf16_call(bf16_gluon_layer(layer, batch), x, half, tma1, one_pass)
+            for name, switches in (BF16_ROWS.items() if fmt == "none" and BF16_GLUON else ()):
+                call = bf16_call(bf16_gluon_layer(layer, batch), x, switches)
                 with record_launches() as launches:
                     call()
                 plans[name] = {"bf16_gemm": [s for n, s in launches if n == "permute.bf16_gemm"],

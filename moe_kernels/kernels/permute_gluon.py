@@ -40,6 +40,12 @@ BF16_GEMM = "triton"
 #: (GEMM 1 on 4 stages fills 224 KiB: on the H200, ``prefill-gemm-ab-gluon-bf16.json``, it ran from 1% faster at
 #: Qwen3-30B-A3B 4,096 tokens to 13% slower at DeepSeek-V3 16,384 than on 3.)
 BF16_TILES = {"gate_up": (256, 3), "down": (256, 3)}
+#: GEMM 1 on 4 stages instead where the experts average at least this many rows (two 128-row tiles; None: never):
+#: on an H100 (session 34, ``layer-layout-ab-bf16-g1s4-s34.json``, ``-one-pass-tma1-s34.json``) the layer gained
+#: 3-6% at DeepSeek-V3 8,192-16,384 tokens (256-512 rows an expert) and 1-3% on Qwen3-30B-A3B at 4,096-16,384
+#: (256-1,024), but took 20% longer at DeepSeek-V3 4,096 (128 rows an expert; 4 stages collapsed there in session 33
+#: too, not yet explained).
+BF16_GEMM1_DEEP_FROM_ROWS = 256
 #: bf16 GEMM 2 stores each whole tile by one TMA copy under the next tile's MMAs (as GLUON_TMA_STORE in fp8).
 BF16_TMA_STORE = True
 #: The same for bf16 GEMM 1 (its activated tile). Off: in the layer on an H100 (``layer-layout-ab-bf16*-s33.json``)
@@ -137,6 +143,7 @@ def _bf16_experts(rows, w1, w2, permuted, topk_weights):
     from .gluon_bf16 import bf16_grouped
 
     (n1, stages1), (n2, stages2) = BF16_TILES["gate_up"], BF16_TILES["down"]
+    stages1 = gate_up_stages(stages1, topk_weights.numel(), w1.shape[0], n1)
     if w2.shape[1] % n2:   # (d not a multiple of the tile: 128 columns, the stages that fit)
         n2, stages2 = 128, min(stages2 + 1, 4)
     half, used = BF16_HALF_TILES, permuted.rows_used
@@ -145,6 +152,22 @@ def _bf16_experts(rows, w1, w2, permuted, topk_weights):
     y = bf16_grouped(activated, w2, permuted.m_indices, used, block_n=n2, stages=stages2, half_tiles=half,
                      tma_store=BF16_TMA_STORE, validate_ids=False)
     return unpermute(y, permuted.src2dst, topk_weights)
+
+
+def gate_up_stages(stages: int, num_assignments: int, num_experts: int, block_n: int = 256) -> int:
+    """The bf16 GEMM 1's TMA stages: ``stages`` (the table's), or 4 where the experts average at least
+    :data:`BF16_GEMM1_DEEP_FROM_ROWS` rows (from the shapes alone: no read of the routing) and 4 fit in shared
+    memory with the epilogue the switches ask for.
+
+        >>> gate_up_stages(3, 16384 * 8, 256), gate_up_stages(3, 4096 * 8, 256)   # DeepSeek-V3: 512 and 128 rows
+        (4, 3)
+    """
+    from .gluon_bf16 import SHARED_LIMIT, shared_bytes
+
+    deep = BF16_GEMM1_DEEP_FROM_ROWS is not None and num_assignments >= BF16_GEMM1_DEEP_FROM_ROWS * num_experts
+    fits = shared_bytes(block_n, 4, gated=True, half_tiles=BF16_HALF_TILES,
+                        tma_store=BF16_TMA_STORE_GEMM1) <= SHARED_LIMIT
+    return max(stages, 4) if deep and fits else stages
 
 
 def _fp8_experts(rows, rows_scale, w1, w1_scale, w2, w2_scale, permuted, topk_weights):
