@@ -91,18 +91,22 @@ def test_an_output_over_the_input_is_refused():
 
 
 def test_gemm1_takes_four_stages_where_the_experts_average_two_tiles(monkeypatch):
-    """permute_gluon.gate_up_stages: 4 stages from BF16_GEMM1_DEEP_FROM_ROWS rows an expert (from the shapes), the
-    table's below it, and the table's where 4 would not fit beside the epilogue (half tiles and GEMM 1's TMA store);
-    None turns it off."""
-    rows = permute_gluon.BF16_GEMM1_DEEP_FROM_ROWS
-    assert permute_gluon.gate_up_stages(3, rows * 256, 256) == 4
-    assert permute_gluon.gate_up_stages(3, rows * 256 - 1, 256) == 3
+    """permute_gluon.gate_up_stages: 4 stages storing by TMA from BF16_GEMM1_DEEP_FROM_ROWS rows an expert (from the
+    shapes), the table's stages and store below it; with half tiles 4 stages fit beside the pointer stores only, and
+    with BF16_TMA_STORE_GEMM1_DEEP off they keep the plain store; None turns the rule off."""
+    rows, table = permute_gluon.BF16_GEMM1_DEEP_FROM_ROWS, (3, permute_gluon.BF16_TMA_STORE_GEMM1)
+    assert permute_gluon.gate_up_stages(3, rows * 256, 256) == (4, True)
+    assert permute_gluon.gate_up_stages(3, rows * 256 - 1, 256) == table
     monkeypatch.setattr(permute_gluon, "BF16_HALF_TILES", True)
+    assert permute_gluon.gate_up_stages(3, rows * 256, 256) == (4, False)
     monkeypatch.setattr(permute_gluon, "BF16_TMA_STORE_GEMM1", True)
-    assert permute_gluon.gate_up_stages(3, rows * 256, 256) == 3
+    assert permute_gluon.gate_up_stages(3, rows * 256, 256) == (3, True)   # (4 fit beside neither epilogue's store)
     monkeypatch.setattr(permute_gluon, "BF16_HALF_TILES", False)
+    monkeypatch.setattr(permute_gluon, "BF16_TMA_STORE_GEMM1", False)
+    monkeypatch.setattr(permute_gluon, "BF16_TMA_STORE_GEMM1_DEEP", False)
+    assert permute_gluon.gate_up_stages(3, rows * 256, 256) == (4, False)
     monkeypatch.setattr(permute_gluon, "BF16_GEMM1_DEEP_FROM_ROWS", None)
-    assert permute_gluon.gate_up_stages(3, 10 ** 9, 256) == 3
+    assert permute_gluon.gate_up_stages(3, 10 ** 9, 256) == (3, False)
 
 
 def test_every_tile_fits_with_the_stages_the_layout_takes():
@@ -293,14 +297,16 @@ def test_the_permute_layout_on_the_bf16_kernel_gpu(monkeypatch, num_tokens, half
     assert [s["kernel"] for name, s in launches if name == "permute.bf16_gemm"] == ["gluon"], launches
     assert [s["quantize"] for name, s in launches if name == "quant_scatter"] == ([False] if one_pass else [])
     n2 = permute_gluon.BF16_TILES["down"][0] if d % 256 == 0 else 128
-    (n1, stages1) = permute_gluon.BF16_TILES["gate_up"]
-    # GEMM 1 on 4 stages at 600 tokens (300 rows an expert) where they fit beside its epilogue
-    deep = num_tokens * 2 >= 4 * permute_gluon.BF16_GEMM1_DEEP_FROM_ROWS and not (half_tiles and tma1)
+    n1, _ = permute_gluon.BF16_TILES["gate_up"]
+    # GEMM 1's stages and store: 4 and TMA at 600 tokens (300 rows an expert), where they fit (gate_up_stages)
+    stages1, store1 = permute_gluon.gate_up_stages(permute_gluon.BF16_TILES["gate_up"][1], num_tokens * 2, 4, n1)
+    assert (stages1, store1) == ((4, not half_tiles) if num_tokens == 600 and not (half_tiles and tma1)
+                                 else (permute_gluon.BF16_TILES["gate_up"][1], tma1))
     assert [(s["gated"], s["block_n"], s["stages"], s["half_tiles"], s["tma_store"]) for name, s in launches
-            if name == "gluon_bf16.gemm"][0] == (True, n1, 4 if deep else stages1, half_tiles, tma1), launches
-    assert [(s["gated"], s["block_n"], s["half_tiles"], s["tma_store"]) for name, s in launches
-            if name == "gluon_bf16.gemm"] == [(True, n1, half_tiles, tma1),
-                                              (False, n2, half_tiles, permute_gluon.BF16_TMA_STORE)], launches
+            if name == "gluon_bf16.gemm"] == [(True, n1, stages1, half_tiles, store1),
+                                              (False, n2, permute_gluon.BF16_TILES["down"][1] if d % 256 == 0
+                                               else min(permute_gluon.BF16_TILES["down"][1] + 1, 4), half_tiles,
+                                               permute_gluon.BF16_TMA_STORE)], launches
     assert rel_err(got.float(), triton_out.float()) < 1e-2
     graph, static = torch.cuda.CUDAGraph(), x.clone()
     permute_experts(static, w1, w2, weights, ids, align=128)

@@ -29,7 +29,8 @@ permute layout on 128-row segments with the Gluon GEMMs (``kernels/gluon_bf16.py
 would plan it, a layer of its own; ``... half``: with ``permute_gluon.BF16_HALF_TILES``, ``... tma1``: with
 ``BF16_TMA_STORE_GEMM1``, ``... copied input``: without ``permute.ONE_PASS_BF16_INPUT`` (the permutation's copy, which
 reads each token once a row, instead of ``quant_scatter.scatter_rows``), ``... gemm1 s3``: GEMM 1 on the table's
-3 stages at every batch (``BF16_GEMM1_DEEP_FROM_ROWS`` None), ``... session 33``: both.
+3 stages at every batch (``BF16_GEMM1_DEEP_FROM_ROWS`` None), ``... session 33``: both, ``... gemm1 s4 pointer
+store``: GEMM 1's 4 stages without its TMA store (``BF16_TMA_STORE_GEMM1_DEEP`` off).
 """
 import dataclasses
 import os
@@ -89,7 +90,8 @@ BF16_ROWS = {"permute gluon bf16": {}, "permute gluon bf16 half": {"BF16_HALF_TI
              "permute gluon bf16 tma1": {"BF16_TMA_STORE_GEMM1": True},
              "permute gluon bf16 session 33": {"ONE_PASS_BF16_INPUT": False, "BF16_GEMM1_DEEP_FROM_ROWS": None},
              "permute gluon bf16 copied input": {"ONE_PASS_BF16_INPUT": False},
-             "permute gluon bf16 gemm1 s3": {"BF16_GEMM1_DEEP_FROM_ROWS": None}}
+             "permute gluon bf16 gemm1 s3": {"BF16_GEMM1_DEEP_FROM_ROWS": None},
+             "permute gluon bf16 gemm1 s4 pointer store": {"BF16_TMA_STORE_GEMM1_DEEP": False}}
 
 
 def bf16_call(own, x, switches):

@@ -46,6 +46,10 @@ BF16_TILES = {"gate_up": (256, 3), "down": (256, 3)}
 #: (256-1,024), but took 20% longer at DeepSeek-V3 4,096 (128 rows an expert; 4 stages collapsed there in session 33
 #: too, not yet explained).
 BF16_GEMM1_DEEP_FROM_ROWS = 256
+#: On its 4 stages GEMM 1 also stores by TMA: in the same H100 run (``layer-layout-ab-bf16-defaults-s34.json``) the
+#: layer gained 3.7% at DeepSeek-V3 16,384 tokens and 2% at 8,192 with it, +-0.6% on Qwen3-30B-A3B; on 3 stages
+#: (DeepSeek-V3 4,096) the TMA store lost 4.8%, hence BF16_TMA_STORE_GEMM1 off.
+BF16_TMA_STORE_GEMM1_DEEP = True
 #: bf16 GEMM 2 stores each whole tile by one TMA copy under the next tile's MMAs (as GLUON_TMA_STORE in fp8).
 BF16_TMA_STORE = True
 #: The same for bf16 GEMM 1 (its activated tile). Off: in the layer on an H100 (``layer-layout-ab-bf16*-s33.json``)
@@ -137,37 +141,42 @@ def experts(rows, rows_scale, w1, w1_scale, w2, w2_scale, permuted, topk_weights
 
 
 def _bf16_experts(rows, w1, w2, permuted, topk_weights):
-    """Both bf16 GEMMs on the persistent kernel (:data:`BF16_TILES`): GEMM 1 gated (``silu(gate) * up`` in its
-    epilogue, ``[M_pad, F]``), GEMM 2 into ``[M_pad, d]`` (by TMA with :data:`BF16_TMA_STORE`, GEMM 1 with
-    :data:`BF16_TMA_STORE_GEMM1`: their padding rows too, which only padding rows read), then the gather back."""
+    """Both bf16 GEMMs on the persistent kernel (:data:`BF16_TILES`, GEMM 1's stages and store by
+    :func:`gate_up_stages`): GEMM 1 gated (``silu(gate) * up`` in its epilogue, ``[M_pad, F]``), GEMM 2 into
+    ``[M_pad, d]`` (by TMA with :data:`BF16_TMA_STORE`; a TMA store writes the padding rows too, which only padding
+    rows read), then the gather back."""
     from .gluon_bf16 import bf16_grouped
 
     (n1, stages1), (n2, stages2) = BF16_TILES["gate_up"], BF16_TILES["down"]
-    stages1 = gate_up_stages(stages1, topk_weights.numel(), w1.shape[0], n1)
+    stages1, tma1 = gate_up_stages(stages1, topk_weights.numel(), w1.shape[0], n1)
     if w2.shape[1] % n2:   # (d not a multiple of the tile: 128 columns, the stages that fit)
         n2, stages2 = 128, min(stages2 + 1, 4)
     half, used = BF16_HALF_TILES, permuted.rows_used
     activated = bf16_grouped(rows, w1, permuted.m_indices, used, gated=True, block_n=n1, stages=stages1,
-                             half_tiles=half, tma_store=BF16_TMA_STORE_GEMM1, validate_ids=False)
+                             half_tiles=half, tma_store=tma1, validate_ids=False)
     y = bf16_grouped(activated, w2, permuted.m_indices, used, block_n=n2, stages=stages2, half_tiles=half,
                      tma_store=BF16_TMA_STORE, validate_ids=False)
     return unpermute(y, permuted.src2dst, topk_weights)
 
 
-def gate_up_stages(stages: int, num_assignments: int, num_experts: int, block_n: int = 256) -> int:
-    """The bf16 GEMM 1's TMA stages: ``stages`` (the table's), or 4 where the experts average at least
-    :data:`BF16_GEMM1_DEEP_FROM_ROWS` rows (from the shapes alone: no read of the routing) and 4 fit in shared
-    memory with the epilogue the switches ask for.
+def gate_up_stages(stages: int, num_assignments: int, num_experts: int, block_n: int = 256) -> tuple[int, bool]:
+    """The bf16 GEMM 1's ``(TMA stages, TMA store)``: the table's ``stages`` and :data:`BF16_TMA_STORE_GEMM1`, or, where
+    the experts average at least :data:`BF16_GEMM1_DEEP_FROM_ROWS` rows (from the shapes alone: no read of the
+    routing), 4 stages with the store :data:`BF16_TMA_STORE_GEMM1_DEEP` asks for, where they fit in shared memory
+    beside that epilogue (else beside the other, else the table's).
 
         >>> gate_up_stages(3, 16384 * 8, 256), gate_up_stages(3, 4096 * 8, 256)   # DeepSeek-V3: 512 and 128 rows
-        (4, 3)
+        ((4, True), (3, False))
     """
     from .gluon_bf16 import SHARED_LIMIT, shared_bytes
 
-    deep = BF16_GEMM1_DEEP_FROM_ROWS is not None and num_assignments >= BF16_GEMM1_DEEP_FROM_ROWS * num_experts
-    fits = shared_bytes(block_n, 4, gated=True, half_tiles=BF16_HALF_TILES,
-                        tma_store=BF16_TMA_STORE_GEMM1) <= SHARED_LIMIT
-    return max(stages, 4) if deep and fits else stages
+    plain = (stages, BF16_TMA_STORE_GEMM1)
+    if BF16_GEMM1_DEEP_FROM_ROWS is None or num_assignments < BF16_GEMM1_DEEP_FROM_ROWS * num_experts:
+        return plain
+    for tma_store in dict.fromkeys((BF16_TMA_STORE_GEMM1_DEEP or BF16_TMA_STORE_GEMM1, BF16_TMA_STORE_GEMM1)):
+        if shared_bytes(block_n, 4, gated=True, half_tiles=BF16_HALF_TILES, tma_store=tma_store) <= SHARED_LIMIT:
+            return max(stages, 4), tma_store
+    return plain
 
 
 def _fp8_experts(rows, rows_scale, w1, w1_scale, w2, w2_scale, permuted, topk_weights):
