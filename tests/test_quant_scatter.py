@@ -7,7 +7,8 @@ from moe_kernels._runtime import HAS_TRITON, record_launches
 from moe_kernels.kernels import quant
 from moe_kernels.kernels.permute import permute
 from moe_kernels.kernels.quant import per_token_group_quant_fp8
-from moe_kernels.kernels.quant_scatter import quantize_scatter, quantize_scatter_reference, scatter_rows
+from moe_kernels.kernels.quant_scatter import (quantize_scatter, quantize_scatter_reference, scatter_rows,
+                                               scatter_rows_reference)
 from moe_testing import DEVICE, ON_GPU, compiled_for_hopper, exact_fp8_inputs, needs_gpu, random_topk_ids
 
 
@@ -206,10 +207,14 @@ def test_scatter_rows_puts_each_token_at_each_of_its_slots(case):
     assert rows.dtype == dtype and tuple(rows.shape) == (p.m_indices.shape[0], d)
     if t and HAS_TRITON:
         assert [(name, s["quantize"]) for name, s in launches] == [("quant_scatter", False)]
-    for token, slots in enumerate(src2dst.tolist()):
+    written = torch.zeros(rows.shape[0], dtype=torch.bool, device=rows.device)
+    for token, slots in enumerate(src2dst.tolist()):   # token by token, slot by slot
         for dst in slots:
             if dst >= 0:
                 assert torch.equal(rows[dst], x[token])
+                written[dst] = True
+    reference = scatter_rows_reference(x, src2dst, rows.shape[0])   # (unwritten rows: zeros)
+    assert torch.equal(rows[written], reference[written]) and bool((reference[~written] == 0).all())
 
 
 def test_scatter_rows_names_bad_arguments():

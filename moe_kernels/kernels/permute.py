@@ -90,7 +90,8 @@ ONE_PASS_FP8_INPUT = True
 #: once and written to its k rows, where the row-driven copy reads it once for every row; ``d`` a multiple of 128).
 #: On since session 34: the routed bf16 layer on the Gluon GEMMs on an H100 took 1-4% less time at 16,384 tokens
 #: (DeepSeek-V3 21,259 against 22,148 us) and -0.5 to +1% at 4,096
-#: (``results/nvidia-h100-80gb-hbm3/layer-layout-ab-bf16-one-pass-s34.json``).
+#: (``results/nvidia-h100-80gb-hbm3/layer-layout-ab-bf16-one-pass-s34.json``). It feeds the Triton GEMMs too (the H200's
+#: bf16 choice for DeepSeek-V3), where it has not been timed; the copy it replaces is the same for both.
 ONE_PASS_BF16_INPUT = True
 
 if HAS_TRITON:

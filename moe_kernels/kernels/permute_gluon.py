@@ -37,14 +37,14 @@ FP8_GEMM = "triton"
 BF16_GEMM = "triton"
 #: The bf16 persistent kernel's tiles, (weight rows a tile, TMA stages), for GEMM 1 (gated: half gate rows, half
 #: up rows) and GEMM 2; GEMM 2 takes 128-row tiles where d is not a multiple of 256.
-#: (GEMM 1 on 4 stages fills 224 KiB: on the H200, ``prefill-gemm-ab-gluon-bf16.json``, it ran from 1% faster at
-#: Qwen3-30B-A3B 4,096 tokens to 13% slower at DeepSeek-V3 16,384 than on 3.)
+#: (GEMM 1 on 4 stages fills 224 KiB: on the H200, ``prefill-gemm-ab-gluon-bf16.json``, with the two-accumulator
+#: GEMM 1 of that run, it ran from 1% faster at Qwen3-30B-A3B 4,096 tokens to 13% slower at DeepSeek-V3 16,384.)
 BF16_TILES = {"gate_up": (256, 3), "down": (256, 3)}
 #: GEMM 1 on 4 stages instead where the experts average at least this many rows (two 128-row tiles; None: never):
 #: on an H100 (session 34, ``layer-layout-ab-bf16-g1s4-s34.json``, ``-one-pass-tma1-s34.json``) the layer gained
 #: 3-6% at DeepSeek-V3 8,192-16,384 tokens (256-512 rows an expert) and 1-3% on Qwen3-30B-A3B at 4,096-16,384
 #: (256-1,024), but took 20% longer at DeepSeek-V3 4,096 (128 rows an expert; 4 stages collapsed there in session 33
-#: too, not yet explained).
+#: too, not yet explained). Timed on the H100 only: on the H200 GEMM 1 then held two accumulators (the note above).
 BF16_GEMM1_DEEP_FROM_ROWS = 256
 #: On its 4 stages GEMM 1 also stores by TMA: in the same H100 run (``layer-layout-ab-bf16-defaults-s34.json``) the
 #: layer gained 3.7% at DeepSeek-V3 16,384 tokens and 2% at 8,192 with it, +-0.6% on Qwen3-30B-A3B; on 3 stages

@@ -39,7 +39,7 @@ from .._runtime import HAS_TRITON, cdiv, kernel, note_launch, tl, use_triton
 from . import quant
 from .quant import FP8, per_token_group_quant_fp8_reference
 
-__all__ = ["quantize_scatter", "quantize_scatter_reference", "scatter_rows"]
+__all__ = ["quantize_scatter", "quantize_scatter_reference", "scatter_rows", "scatter_rows_reference"]
 
 #: Column groups per program: 8 groups of 128 bf16 columns, 2 KiB read and k x 1 KiB written a program.
 BLOCK_G = 8
@@ -127,11 +127,7 @@ def scatter_rows(x: torch.Tensor, src2dst: torch.Tensor, num_rows: int) -> torch
     t, d = x.shape
     rows = torch.empty(num_rows, d, dtype=x.dtype, device=x.device)
     if not use_triton(x, src2dst) or t == 0 or d == 0 or src2dst.shape[1] == 0:
-        dst = src2dst.flatten().to(torch.int64)
-        tokens = torch.arange(dst.numel(), device=x.device) // src2dst.shape[1]
-        routed = dst >= 0
-        rows[dst[routed]] = x[tokens[routed]]
-        return rows
+        return _to_slots(src2dst, (x, rows))[0]
     num_groups = d // 128
     note_launch("quant_scatter", block_g=BLOCK_G, topk=src2dst.shape[1], quantize=False)
     _quant_scatter_kernel[(t, cdiv(num_groups, BLOCK_G))](
@@ -140,15 +136,27 @@ def scatter_rows(x: torch.Tensor, src2dst: torch.Tensor, num_rows: int) -> torch
     return rows
 
 
+def _to_slots(src2dst, *pairs):
+    """Each ``(per_token, per_row)`` pair: row ``src2dst[t, j]`` of ``per_row`` set to ``per_token[t]`` for every slot
+    with ``src2dst[t, j] >= 0``; the ``per_row`` tensors, filled."""
+    dst = src2dst.flatten().to(torch.int64)
+    tokens = torch.arange(dst.numel(), device=src2dst.device) // src2dst.shape[1]
+    routed = dst >= 0
+    for per_token, per_row in pairs:
+        per_row[dst[routed]] = per_token[tokens[routed]]
+    return tuple(per_row for _, per_row in pairs)
+
+
 def _scatter(x, src2dst, rows, scales, group):
     """The torch path: the quantiser's reference, then each slot's copy."""
     q, s = per_token_group_quant_fp8_reference(x, group)
-    dst = src2dst.flatten().to(torch.int64)
-    tokens = torch.arange(dst.numel(), device=x.device) // src2dst.shape[1]
-    routed = dst >= 0
-    rows[dst[routed]] = q[tokens[routed]]
-    scales[dst[routed]] = s[tokens[routed]]
-    return rows, scales
+    return _to_slots(src2dst, (q, rows), (s, scales))
+
+
+def scatter_rows_reference(x: torch.Tensor, src2dst: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """Torch reference of :func:`scatter_rows` (unwritten rows: zeros)."""
+    _check("scatter_rows_reference", x, src2dst, num_rows, 128)
+    return _to_slots(src2dst, (x, torch.zeros(num_rows, x.shape[1], dtype=x.dtype, device=x.device)))[0]
 
 
 def quantize_scatter_reference(x: torch.Tensor, src2dst: torch.Tensor, num_rows: int, *, group: int = 128):
