@@ -22,7 +22,8 @@ against the index-gather layer's. TFLOP/s over the routed GEMMs' FLOPs (``T k 6 
     PYTHONPATH=. TRITON_INTERPRET=1 python tools/layer_layout_ab.py   # CPU: a small shape, the checks only
     (LAYER_AB_FORMATS=block: the fp8 rows only; LAYER_AB_LAYOUTS=index_gather,auto: those layouts only;
     LAYER_AB_GLUON_ROWS=0: no "permute gluon ..." rows, or the names of those to run, comma-separated;
-    LAYER_AB_BF16_GLUON=0: no "permute gluon bf16" row)
+    LAYER_AB_BF16_GLUON=0: no "permute gluon bf16" row; LAYER_AB_BF16_ROWS: the names of the bf16 rows to run;
+    LAYER_AB_AUTO_COPIED=1: "auto copied input", "auto" without the one-pass bf16 input)
 
 ``permute gluon bf16`` (bf16, on an sm_90 GPU with Triton 3.6): the layer planned as a layout choice naming the
 permute layout on 128-row segments with the Gluon GEMMs (``kernels/gluon_bf16.py``, ``permute_gluon.BF16_TILES``)
@@ -92,6 +93,15 @@ BF16_ROWS = {"permute gluon bf16": {}, "permute gluon bf16 half": {"BF16_HALF_TI
              "permute gluon bf16 copied input": {"ONE_PASS_BF16_INPUT": False},
              "permute gluon bf16 gemm1 s3": {"BF16_GEMM1_DEEP_FROM_ROWS": None},
              "permute gluon bf16 gemm1 s4 pointer store": {"BF16_TMA_STORE_GEMM1_DEEP": False}}
+BF16_ASKED = os.environ.get("LAYER_AB_BF16_ROWS")   # the names of the bf16 rows to run, comma-separated (absent: all)
+if BF16_ASKED:
+    unknown = set(BF16_ASKED.split(",")) - set(BF16_ROWS)
+    if unknown:
+        sys.exit(f"LAYER_AB_BF16_ROWS names no such row: {sorted(unknown)}")
+    BF16_ROWS = {name: switches for name, switches in BF16_ROWS.items() if name in BF16_ASKED.split(",")}
+# LAYER_AB_AUTO_COPIED=1 (bf16): "auto copied input", a layer of its own on "auto" without the one-pass input, for
+# where "auto" runs the permute layout's Triton GEMMs (the H200's DeepSeek-V3 from 4,096 tokens)
+AUTO_COPIED = os.environ.get("LAYER_AB_AUTO_COPIED") == "1"
 
 
 def bf16_call(own, x, switches):
@@ -181,6 +191,13 @@ for key in models:
                     plans[name] = {"fp8_gemm": [s for n, s in launches if n == "permute.fp8_gemm"],
                                    "gemms": [s for n, s in launches if n == "gluon_block_fp8.gemm"]}
                     candidates[name] = gluon_call(persistent, fused, one_pass, half, half2, own)
+            if AUTO_COPIED and fmt == "none":
+                call = bf16_call(MoELayer(layer.weights, layer.routing, layout="auto"), x, {"ONE_PASS_BF16_INPUT": False})
+                with record_launches() as launches:
+                    call()
+                plans["auto copied input"] = {"one_pass_input": [s for n, s in launches if n == "quant_scatter"],
+                                              "launches": sorted({n for n, _ in launches})}
+                candidates["auto copied input"] = call
             for name, switches in (BF16_ROWS.items() if fmt == "none" and BF16_GLUON else ()):
                 call = bf16_call(bf16_gluon_layer(layer, batch), x, switches)
                 with record_launches() as launches:
