@@ -26,7 +26,9 @@ clones that buffer before it lets go of the plan's lock, and the static inputs a
 pool too; replays of one stream run one after another. So a stream's graphs hold one working
 set (the largest captured plan's intermediates, kept until that stream's last graph goes, which
 ``torch.cuda.empty_cache`` cannot return), beside what the caching allocator already keeps from
-the eager calls. Plans above :data:`MAX_GRAPH_BYTES` of intermediates keep the plain replay. The
+the eager calls. Plans above :data:`MAX_GRAPH_BYTES` of intermediates keep the plain replay, and so
+do plans whose copied inputs and output exceed :data:`MAX_GRAPH_COPY_BYTES` (prefill: the copies cost
+the device more than the host time a graph saves, which the device's own time hides there). The
 static inputs and outputs add up over plans (a server's many prefill lengths): they share a
 budget, :data:`MAX_STATIC_BYTES` per process, and a new graph that needs room first drops the
 graphs of the plans used least recently (a dropped plan waits longer before it captures again,
@@ -60,6 +62,15 @@ import torch
 #: Plans whose intermediates (every buffer the call makes, counted once per storage) exceed this
 #: many bytes keep the plain replay. DeepSeek-V3's layer at 16,384 tokens makes about 3.3 GB.
 MAX_GRAPH_BYTES = int(os.environ.get("MOE_KERNELS_REPLAY_GRAPH_MAX_MB", 4096)) * 2**20
+#: Plans whose copied inputs and output exceed this many bytes keep the plain replay. A graph's call
+#: copies them three times (the inputs into the static buffers, the result into the static output, the
+#: clone), moving about three times these bytes twice (read and write) on the device, to save the plain
+#: replay's host time, 80-130 us, which only shows where the device would otherwise wait for the host:
+#: calls of a few hundred microseconds or less. At 8 MiB (Qwen3-30B-A3B about 1,000 tokens in bf16,
+#: DeepSeek-V3 about 290) the copies take some 8 us and the call's device time is already over 300 us;
+#: at 16,384 tokens they took 133 us (Qwen3-30B-A3B, bf16) and 462 us (DeepSeek-V3, fp8) of an H100's
+#: time a call (``results/nvidia-h100-80gb-hbm3/layer-profile-s35.json``), 3-5% of the layer.
+MAX_GRAPH_COPY_BYTES = int(os.environ.get("MOE_KERNELS_REPLAY_GRAPH_MAX_COPY_MB", 8)) * 2**20
 #: Static input and output buffers kept for graphs, over all plans and streams of the process.
 MAX_STATIC_BYTES = 4 * 2**30
 #: Graphs per plan and stream (one per set of pinned addresses) before new ones stop being made.
@@ -261,6 +272,9 @@ class PlanGraphs:
                 return None
             nbytes = sum(t.nbytes for t in copied) + sum(dtype.itemsize * _numel(shape)
                                                           for shape, _, dtype in self.output_specs)
+            if nbytes > MAX_GRAPH_COPY_BYTES:   # (the shapes are the plan's: for good)
+                self.refusal = f"{nbytes} bytes of copied inputs and outputs, above MAX_GRAPH_COPY_BYTES"
+                return None
             if not _reserve(streams, nbytes):
                 streams.backoff = min(256, 2 * streams.backoff + 16)
                 return None

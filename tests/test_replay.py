@@ -428,10 +428,11 @@ def test_graphs_per_weight_set_and_stream_gpu(fmt, monkeypatch):
 
 @needs_gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("limit", ["MAX_GRAPH_BYTES", "MAX_STATIC_BYTES"])
+@pytest.mark.parametrize("limit", ["MAX_GRAPH_BYTES", "MAX_GRAPH_COPY_BYTES", "MAX_STATIC_BYTES"])
 def test_plans_above_the_graph_limits_replay_plainly_gpu(limit, monkeypatch):
-    """A plan whose buffers exceed MAX_GRAPH_BYTES, or whose static buffers would exceed the
-    process's MAX_STATIC_BYTES, keeps the plain replay."""
+    """A plan whose buffers exceed MAX_GRAPH_BYTES, whose copied inputs and output exceed
+    MAX_GRAPH_COPY_BYTES, or whose static buffers would exceed the process's MAX_STATIC_BYTES,
+    keeps the plain replay."""
     from moe_kernels import _replay_graphs
     from moe_kernels.kernels.index_gather import _PLANS, fused_experts
 
@@ -449,8 +450,8 @@ def test_plans_above_the_graph_limits_replay_plainly_gpu(limit, monkeypatch):
     assert all(torch.equal(r, results[0]) for r in results)
     plan = _PLANS.get(_PLANS.key((x, layer.w13, layer.w2, w, ids, None, None), (None, None, None, False)))
     assert plan is not None and plan.replays >= 3 and _graphs_of(plan) == 0
-    if limit == "MAX_GRAPH_BYTES":
-        assert "MAX_GRAPH_BYTES" in plan.graphs.refusal
+    if limit in ("MAX_GRAPH_BYTES", "MAX_GRAPH_COPY_BYTES"):   # refused for good
+        assert limit in plan.graphs.refusal
     else:   # no room in the budget: no refusal for good, a longer wait before the next try
         assert plan.graphs.refusal is None and all(s.backoff > 0 for s in plan.graphs.by_stream.values())
 

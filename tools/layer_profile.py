@@ -5,7 +5,8 @@ Why: the A/B tools time a whole call or each stage replayed alone; the layer's n
 input's scatter, the top-k sum, the router) was inferred as the layer's time less the GEMMs' time from another
 run, which the power cap's 2-4% between runs swamps. Here every kernel of one call is timed in the same calls.
 Kernel durations come from CUPTI, with the L2 warm (each call's inputs are the last call's); the gaps between
-kernels are the profiler's, not the layer's, so the record keeps the kernels' sum, not the wall time.
+kernels are the profiler's, not the layer's, so the record keeps the kernels' sum; ``wall_us`` is the time of
+``WALL_CALLS`` eager calls back to back without the profiler, as a caller runs them.
 GEMM kernels are the ones whose name says so (``GEMM_NAMES``); the rest is the layer around them.
 
     PYTHONPATH=. python tools/layer_profile.py [models] [batches] [formats]   # GPU: records layer-profile.json
@@ -23,6 +24,7 @@ from moe_kernels.results import record_tool
 # substrings of the kernels that multiply by the expert weights (Gluon, Triton, cuBLAS)
 GEMM_NAMES = ("grouped", "fused_moe", "gemm", "_tile_kernel", "gluon", "transposed", "sm90_xmma", "cutlass", "nvjet")
 CALLS = 5
+WALL_CALLS = 10
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
 models = sys.argv[1].split(",") if len(sys.argv) > 1 else ["qwen3-30b-a3b", "deepseek-v3"]
@@ -62,6 +64,13 @@ for key in models:
                 print(f"{key} {fmt} {batch}: ran ({plan.layout})")
                 continue
             torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(WALL_CALLS):   # the eager calls back to back, as a caller runs them (no profiler)
+                layer(x)
+            end.record()
+            torch.cuda.synchronize()
+            wall_us = start.elapsed_time(end) * 1e3 / WALL_CALLS
             from torch.profiler import ProfilerActivity, profile
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 for _ in range(CALLS):
@@ -72,14 +81,17 @@ for key in models:
             total_us = sum(k["us"] for k in kernels)
             flops = batch * model.top_k * 6 * d * f
             row = {"model": key, "format": fmt, "batch": batch, "layout": plan.layout, "gemm": plan.gemm,
-                   "align": plan.align, "kernels": kernels, "kernels_us": total_us, "gemm_us": gemm_us,
+                   "align": plan.align, "wall_us": wall_us, "kernels": kernels, "kernels_us": total_us,
+                   "gemm_us": gemm_us,
                    "other_us": total_us - gemm_us, "routed_flops": flops,
                    "tflops_kernels": flops / (total_us * 1e-6) / 1e12 if total_us else None,
                    "tflops_gemms": flops / (gemm_us * 1e-6) / 1e12 if gemm_us else None}
             rows.append(row)
             record_tool("layer-profile", rows, {"calls": CALLS, "layout": "auto", "shared_expert": "left out",
-                                                "gemm_names": GEMM_NAMES, "l2": "warm", "dtype": str(dtype)})
-            print(f"{key} {fmt} {batch} ({plan.layout} {plan.gemm or ''}): kernels {total_us:.1f} us "
+                                                "gemm_names": GEMM_NAMES, "l2": "warm", "dtype": str(dtype),
+                                                "wall_calls": WALL_CALLS})
+            print(f"{key} {fmt} {batch} ({plan.layout} {plan.gemm or ''}): wall {wall_us:.1f} us, "
+                  f"kernels {total_us:.1f} us "
                   f"({row['tflops_kernels']:.0f} TFLOP/s), GEMMs {gemm_us:.1f} ({row['tflops_gemms']:.0f}), "
                   f"other {total_us - gemm_us:.1f}", flush=True)
             for k in kernels[:9]:
