@@ -161,48 +161,10 @@ def test_two_launch_path(monkeypatch, max_chunks):
         assert_aligned_like_reference(ids, block_size, num_experts, what="two launches")
 
 
-@pytest.mark.parametrize("tile", [64, 16])
-def test_three_launch_path(monkeypatch, tile):
-    """The count table scanned by a launch of its own (row c: the counts of chunks before c; one more row: the
-    totals), a tile a program: forced on small inputs, with tiles of 16 so that there are many chunks, more
-    than the scan's rows a step, and bins over several scan programs."""
-    monkeypatch.setattr(align, "SINGLE_LAUNCH_MAX_NUMEL", 0)
-    monkeypatch.setattr(align, "SCAN_FROM_NUMEL", 0)
-    monkeypatch.setattr(align, "_SCAN_TILE", tile)
-    monkeypatch.setattr(align, "_SCAN_ROWS", 8)
-    g = torch.Generator().manual_seed(17)
-    for num_tokens, topk, num_experts, block_size in [(1, 1, 1, 1), (100, 8, 64, 16), (150, 6, 257, 128),
-                                                      (333, 2, 3, 1), (40, 8, 128, 64)]:
-        ids = random_topk_ids(g, num_tokens, num_experts, topk, torch.int32)
-        assert_aligned_like_reference(ids, block_size, num_experts, what="three launches")
-
-
-def test_launches_by_size(monkeypatch):
-    """One launch up to SINGLE_LAUNCH_MAX_NUMEL assignments, two up to SCAN_FROM_NUMEL, three beyond (the
-    count table scanned): the path each size takes, as the launch record names it (the limits scaled down
-    for the interpreter; the package's own: 8,192 and 16,384, about 1,000 and 2,000 tokens of top-8)."""
-    from moe_kernels._runtime import record_launches
-
-    assert (align.SINGLE_LAUNCH_MAX_NUMEL, align.SCAN_FROM_NUMEL) == (8192, 16384)
-    if not use_triton(torch.zeros(1, device=DEVICE)):
-        pytest.skip("no Triton kernel for this device")
-    monkeypatch.setattr(align, "SINGLE_LAUNCH_MAX_NUMEL", 64)
-    monkeypatch.setattr(align, "SCAN_FROM_NUMEL", 256)
-    for numel, launches in ((64, 1), (72, 2), (256, 2), (264, 3)):
-        ids = torch.arange(numel, device=DEVICE, dtype=torch.int32).view(-1, 8) % 16
-        with record_launches() as seen:
-            got = moe_align_block_size(ids, 16, 16, validate_ids=False)
-        assert [s["launches"] for n, s in seen if n == "align.moe_align_block_size"] == [launches], numel
-        assert all(torch.equal(a, b) for a, b in zip(got, moe_align_block_size_reference(ids, 16, 16)))
-
-
 @pytest.mark.skipif(not HAS_TRITON, reason="the kernel needs triton")
-@pytest.mark.parametrize("single_launch_max", [align.SINGLE_LAUNCH_MAX_NUMEL, 0, -1])
+@pytest.mark.parametrize("single_launch_max", [align.SINGLE_LAUNCH_MAX_NUMEL, 0])
 def test_every_slot_is_written(monkeypatch, single_launch_max):
-    """Poisoned output buffers: any slot the kernel forgets shows up as a mismatch (-1: the three-launch path)."""
-    if single_launch_max == -1:
-        monkeypatch.setattr(align, "SCAN_FROM_NUMEL", 0)
-        single_launch_max = 0
+    """Poisoned output buffers: any slot the kernel forgets shows up as a mismatch."""
     monkeypatch.setattr(align, "SINGLE_LAUNCH_MAX_NUMEL", single_launch_max)
     g = torch.Generator().manual_seed(8)
     for num_tokens, topk, num_experts, block_size in [(1, 8, 256, 128), (60, 4, 20, 16),
@@ -437,17 +399,7 @@ fn = align._chunk_count_kernel
 ptx = compile_for_sm90(fn, dict(NUM_BINS=128, COUNT_TILE=1024), int_pointers(fn), pointers_aligned=False,
                        num_warps=4).asm["ptx"]
 print(len(ptx) > 0)
-fn = align._chunk_scan_kernel
-ptx = compile_for_sm90(fn, dict(NUM_BINS=256, BINS=align._SCAN_BINS, ROWS=align._SCAN_ROWS), int_pointers(fn),
-                       pointers_aligned=False, num_warps=4).asm["ptx"]
-print(len(ptx) > 0)
 fn = align._align_kernel
-const = dict(COUNTS_FROM_TABLE=2, NUM_BINS=256, TILE=align._SCAN_TILE, COUNT_TILE=1024, ROW_TILE=16, PAD_TILE=64,
-             FILL_TILE=1024, ID_CHECK="", PERMUTE=False)
-ptx = compile_for_sm90(fn, const, int_pointers(fn), pointers_aligned=False, num_warps=align._SCAN_WARPS).asm["ptx"]
-if triton.__version__.startswith("3.6."):   # the three-launch path's placing program: no spills
-    built = assemble_for_sm90(ptx)
-    print("spills", built["spill_stores"] + built["spill_loads"])
 message = "align: argument 'topk_ids' must hold expert ids in [0, 128)"
 for from_table, check, permute in ((False, "", False), (True, message, False), (False, "", True),
                                    (False, message, True)):
@@ -465,15 +417,13 @@ for from_table, check, permute in ((False, "", False), (True, message, False), (
 
 def test_compiles_for_hopper():
     """The alignment's kernels compiled for an H100/H200 (sm_90) on this machine: the per-chunk count of
-    the two-launch path, the three-launch path's scan and placing program (no spills), the alignment with and
-    without its id check, on the tiles and warps each path runs, and the one-launch alignment writing the permute
-    layout's indices, which must not spill (the CPU tests otherwise run it under the interpreter only, which
-    accepts code that a compiler may refuse)."""
+    the two-launch path, the alignment with and without its id check, on the tiles and warps each path runs,
+    and the one-launch alignment writing the permute layout's indices, which must not spill (the CPU tests
+    otherwise run it under the interpreter only, which accepts code that a compiler may refuse)."""
     import triton
 
     lines = compiled_for_hopper(_COMPILE_FOR_HOPPER)
     # (the spill count under the H200's Triton, 3.6, whose ptxas reads its PTX: 4.3 KB a thread in the two-launch
     # build with the indices, which permute therefore leaves to the row kernel)
     spills = ["spills 0"] if triton.__version__.startswith("3.6.") else []
-    want = ["True", "True"] + spills + ["True"] * 3 + spills + ["True"] + spills
-    assert [line for line in lines if line] == want, lines
+    assert [line for line in lines if line] == (["True"] * 4 + spills) + ["True"] + spills, lines

@@ -1,71 +1,38 @@
 """Try alignment launch settings on a GPU: CUDA-graph time per call for each variant and batch.
 
-Usage (on the GPU machine): PYTHONPATH=. python3 tools/tune_align.py          # the one- and two-launch settings
-                            PYTHONPATH=. python3 tools/tune_align.py scan     # the three-launch path (records align-ab)
+Usage (on the GPU machine): PYTHONPATH=. python3 tools/tune_align.py
 Variants change the module constants of moe_kernels.kernels.align; every output is checked against the
-reference before it is timed. ``scan``: the two-launch path against the three-launch one (the count table scanned
-by a launch of its own, a tile a program) on each tile and warps, at 2,048-16,384 tokens of top-8 over 128 and
-256 experts (Qwen3-30B-A3B's and DeepSeek-V3's routing), 128-row blocks (the permute layout's segments).
+reference before it is timed.
 """
 
 import itertools
-import sys
 
 import torch
 
-from moe_kernels import align
+from moe_kernels.kernels import align
 from moe_kernels.bench.timing import graph_us
-from moe_kernels.results import record_tool
 
-K = 8
+E, K = 256, 8
+batches = (64, 256, 512, 1024, 2048)
+variants = [dict(SINGLE_LAUNCH_MAX_NUMEL=s, _SINGLE_TILE=t, _SINGLE_WARPS=w, _MULTI_TILE=t, _MULTI_WARPS=w)
+            for s, t, w in itertools.product((0, 2048, 8192), (64, 128, 256), (4, 8))]
+defaults = {name: getattr(align, name) for name in variants[0]}
 gen = torch.Generator(device="cuda").manual_seed(0)
-
-
-def timed(variants, E, B, block):
-    """Each variant's CUDA-graph time (us) aligning B tokens' top-K ids over E experts, checked first."""
+for B in batches:
     ids = torch.rand(B, E, device="cuda", generator=gen).topk(K, dim=-1).indices.to(torch.int32)
+    block = 64 if B <= 512 else 128
     ref = align.moe_align_block_size_reference(ids, block, E)
-    defaults = {name: getattr(align, name) for v in variants.values() for name in v}
-    results = {}
-    for label, v in variants.items():
+    results = []
+    for v in variants:
         for name, value in v.items():
             setattr(align, name, value)
         try:
             out = align.moe_align_block_size(ids, block, E, validate_ids=False)
             assert all(torch.equal(a, b) for a, b in zip(out, ref))
-            us = graph_us(lambda: align.moe_align_block_size(ids, block, E, validate_ids=False))
-            if us is None:
-                raise RuntimeError("no CUDA graph")
-            results[label] = us
+            results.append((graph_us(lambda: align.moe_align_block_size(ids, block, E, validate_ids=False)), v))
         except Exception as err:  # noqa: BLE001
-            print("failed", label, type(err).__name__, str(err)[:120])
-        finally:
-            for name, value in defaults.items():
-                setattr(align, name, value)
-    return results
-
-
-if sys.argv[1:] == ["scan"]:
-    variants = {"two launches": {"SCAN_FROM_NUMEL": 2**40}}
-    for tile, warps in ((64, 4), (64, 8), (32, 4), (32, 2), (128, 8)):
-        variants[f"three t{tile} w{warps}"] = {"SCAN_FROM_NUMEL": 0, "_SCAN_TILE": tile, "_SCAN_WARPS": warps}
-    rows = []
-    for E, B in itertools.product((128, 256), (2048, 4096, 16384)):
-        first = timed(variants, E, B, 128)   # two rounds, the lower kept (the first pays nothing: compiled here)
-        second = timed(variants, E, B, 128)
-        us = {label: min(first.get(label, float("inf")), second.get(label, float("inf"))) for label in variants}
-        rows.append({"experts": E, "tokens": B, "top_k": K, "block": 128, "us": us})
-        record_tool("align-ab", rows, {"method": "CUDA-graph time of one call, two rounds, the lower kept",
-                                       "variants": {k: {n: str(x) for n, x in v.items()} for k, v in variants.items()}})
-        print(f"E={E} B={B}: " + "  ".join(f"{label} {t:.1f}" for label, t in us.items()), flush=True)
-    sys.exit(0)
-
-E = 256
-batches = (64, 256, 512, 1024, 2048)
-variants = [dict(SINGLE_LAUNCH_MAX_NUMEL=s, _SINGLE_TILE=t, _SINGLE_WARPS=w, _MULTI_TILE=t, _MULTI_WARPS=w)
-            for s, t, w in itertools.product((0, 2048, 8192), (64, 128, 256), (4, 8))]
-for B in batches:
-    block = 64 if B <= 512 else 128
-    results = timed({str(v): v for v in variants}, E, B, block)
-    best = sorted(results.items(), key=lambda r: r[1])[:4]
-    print(f"B={B}: best " + "; ".join(f"{t:.1f} us {v}" for v, t in best), flush=True)
+            print("failed", v, type(err).__name__, str(err)[:120])
+    for name, value in defaults.items():
+        setattr(align, name, value)
+    results.sort(key=lambda r: r[0])
+    print(f"B={B}: best " + "; ".join(f"{t:.1f} us {v}" for t, v in results[:4]), flush=True)

@@ -70,13 +70,6 @@ SINGLE_LAUNCH_MAX_NUMEL = 8192
 # At most this many chunks (programs) in the two-launch path: each scatter program sums the
 # [chunks, E] count table, so more chunks means more re-reading of that table.
 MAX_CHUNKS = 128
-# Beyond this many assignments (where the two-launch path would give a program more than one tile) a
-# third launch between the two scans the count table: row c becomes the counts of the chunks before c
-# (and one more row the totals), so each placing program reads one row, not the table, and every tile
-# can be a program of its own. The two-launch path's 128 programs took 83-102 us at 16,384 tokens
-# (131,072 assignments, eight 128-assignment tiles each, one after another; H100,
-# layer-profile-s35.json): each tile's ranking is a chain of dependent steps, so the work wants width.
-SCAN_FROM_NUMEL = MAX_CHUNKS * 128
 # Assignments ranked together: a program compares every pair in a tile ([TILE, TILE] in registers),
 # and the warps per program, for each path. Measured on an H200 (tools/tune_align.py, CUDA-graph
 # time, E=256, k=8): one launch with 64-assignment tiles and 8 warps took 6.4/7.5/9.3/13.6 us at
@@ -84,10 +77,6 @@ SCAN_FROM_NUMEL = MAX_CHUNKS * 128
 # 128-assignment tiles and 4 warps (17.6 us at T = 2048).
 _SINGLE_TILE, _SINGLE_WARPS = 64, 8
 _MULTI_TILE, _MULTI_WARPS = 128, 4
-# The three-launch path: a tile (and chunk) of assignments a program, its warps, and the scan's bins a
-# program and count rows a step.
-_SCAN_TILE, _SCAN_WARPS = 64, 4
-_SCAN_BINS, _SCAN_ROWS = 32, 64
 # Ids histogrammed per step while counting.
 _COUNT_TILE = 1024
 # Sentinel / -1 slots of the tail written per step, and one program's share of it: tiny batches with
@@ -196,22 +185,6 @@ if HAS_TRITON:
                                 num_experts, NUM_BINS, COUNT_TILE, "")
         tl.store(chunk_counts_ptr + chunk * NUM_BINS + tl.arange(0, NUM_BINS), counts)
 
-    @kernel(do_not_specialize=["num_chunks"])
-    def _chunk_scan_kernel(chunk_counts_ptr, num_chunks, NUM_BINS: tl.constexpr, BINS: tl.constexpr,
-                           ROWS: tl.constexpr):
-        """Middle launch of the three-launch path: for this program's ``BINS`` experts, row ``c`` of the
-        ``[num_chunks + 1, NUM_BINS]`` table becomes the counts of chunks ``0..c-1`` (an exclusive scan down
-        the rows, in place), and row ``num_chunks`` the totals."""
-        bins = tl.program_id(0) * BINS + tl.arange(0, BINS)
-        carried = tl.zeros([BINS], dtype=tl.int32)
-        for row_start in range(0, num_chunks, ROWS):
-            rows = row_start + tl.arange(0, ROWS)
-            where = chunk_counts_ptr + rows[:, None] * NUM_BINS + bins[None, :]
-            counts = tl.load(where, mask=rows[:, None] < num_chunks, other=0)
-            tl.store(where, tl.cumsum(counts, axis=0) - counts + carried[None, :], mask=rows[:, None] < num_chunks)
-            carried += tl.sum(counts, axis=0)
-        tl.store(chunk_counts_ptr + num_chunks * NUM_BINS + bins, carried)
-
     @kernel(do_not_specialize=["numel", "chunk_size", "num_rows"])
     def _align_kernel(
         topk_ids_ptr, chunk_counts_ptr, sorted_ids_ptr, expert_ids_ptr, used_ptr,
@@ -246,8 +219,6 @@ if HAS_TRITON:
         Each program needs two histograms: ``total`` (all assignments) and ``before`` (the
         assignments of earlier chunks). Then expert ``e``'s next free row for this chunk is
         ``segment_start[e] + before[e]``, and no two programs ever write the same row.
-        ``COUNTS_FROM_TABLE``: 0, counted here from the ids; 1, summed from the per-chunk count table
-        (:func:`_chunk_count_kernel`); 2, read from that table as :func:`_chunk_scan_kernel` left it.
 
         ``ID_CHECK`` (a message; compiled in only when the launch asks for device asserts): every
         id is read here once, so this is where an id outside ``[0, E)`` stops the kernel, with no
@@ -264,11 +235,7 @@ if HAS_TRITON:
         chunk_start = program * chunk_size
         chunk_end = tl.minimum(chunk_start + chunk_size, numel)
 
-        if COUNTS_FROM_TABLE == 2:   # the scanned table: this chunk's row, and the totals' row
-            before = tl.load(chunk_counts_ptr + tl.minimum(program, num_chunks) * NUM_BINS + bins)   # (past the
-            # chunks, a program only fills the tail)
-            total = tl.load(chunk_counts_ptr + num_chunks * NUM_BINS + bins)
-        elif COUNTS_FROM_TABLE:
+        if COUNTS_FROM_TABLE:
             before = tl.zeros([NUM_BINS], dtype=tl.int32)
             total = tl.zeros([NUM_BINS], dtype=tl.int32)
             for row_start in range(0, num_chunks, ROW_TILE):
@@ -376,29 +343,25 @@ def _launch_alignment(topk_ids, block_size, num_experts, sorted_ids, expert_ids,
     num_bins, pad_tile = align_bins_and_pad_tile(num_experts, block_size)
     fill_programs = cdiv(sorted_ids.numel(), _FILL_ROWS_PER_PROGRAM)
     if numel <= SINGLE_LAUNCH_MAX_NUMEL:
-        tile, warps, from_table = _SINGLE_TILE, _SINGLE_WARPS, 0
+        tile, warps = _SINGLE_TILE, _SINGLE_WARPS
         chunk_size = tile
         num_chunks = cdiv(numel, chunk_size)
         chunk_counts = topk_ids  # never read: every program counts the ids itself
     else:
-        scanned = numel > SCAN_FROM_NUMEL
-        tile, warps, from_table = (_SCAN_TILE, _SCAN_WARPS, 2) if scanned else (_MULTI_TILE, _MULTI_WARPS, 1)
-        chunk_size = tile if scanned else tile * cdiv(numel, tile * MAX_CHUNKS)
+        tile, warps = _MULTI_TILE, _MULTI_WARPS
+        chunk_size = tile * cdiv(numel, tile * MAX_CHUNKS)
         num_chunks = cdiv(numel, chunk_size)
-        chunk_counts = torch.empty((num_chunks + scanned) * num_bins, dtype=torch.int32, device=topk_ids.device)
+        chunk_counts = torch.empty(num_chunks * num_bins, dtype=torch.int32, device=topk_ids.device)
         _chunk_count_kernel[(num_chunks,)](
             topk_ids, chunk_counts, numel, num_experts, chunk_size,
-            NUM_BINS=num_bins, COUNT_TILE=chunk_size if scanned else _COUNT_TILE, num_warps=warps)
-        if scanned:
-            _chunk_scan_kernel[(num_bins // _SCAN_BINS,)](chunk_counts, num_chunks, NUM_BINS=num_bins, BINS=_SCAN_BINS,
-                                                          ROWS=_SCAN_ROWS, num_warps=4)
-    note_launch("align.moe_align_block_size", block_size=block_size, launches=1 + (from_table > 0) + (from_table > 1),
+            NUM_BINS=num_bins, COUNT_TILE=_COUNT_TILE, num_warps=warps)
+    note_launch("align.moe_align_block_size", block_size=block_size, launches=1 + (numel > SINGLE_LAUNCH_MAX_NUMEL),
                 id_check=bool(id_check), permute_indices=permute_indices is not None)
     m_indices, src2dst = permute_indices if permute_indices is not None else (sorted_ids, sorted_ids)
     _align_kernel[(max(num_chunks, fill_programs, 1),)](
         topk_ids, chunk_counts, sorted_ids, expert_ids, used,
         numel, num_experts, block_size, chunk_size, m_indices, src2dst, m_indices.numel(),
-        COUNTS_FROM_TABLE=from_table, NUM_BINS=num_bins, TILE=tile,
+        COUNTS_FROM_TABLE=numel > SINGLE_LAUNCH_MAX_NUMEL, NUM_BINS=num_bins, TILE=tile,
         COUNT_TILE=_COUNT_TILE, ROW_TILE=_ROW_TILE, PAD_TILE=pad_tile, FILL_TILE=_FILL_TILE,
         ID_CHECK=id_check, PERMUTE=permute_indices is not None, num_warps=warps, **device_assert_options(id_check))
 
@@ -432,9 +395,9 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_size: int, num_experts: i
     num_tokens_post_padded)`` exactly as :func:`moe_align_block_size_reference` does, element
     for element (assignments in increasing index order inside a segment).
 
-    The Triton path is one launch up to ``SINGLE_LAUNCH_MAX_NUMEL`` assignments, two up to
-    ``SCAN_FROM_NUMEL`` and three beyond. It never synchronises with the host (all sizes follow
-    from the shapes), so on the GPU the call can be captured in a CUDA graph.
+    The Triton path is one launch up to ``SINGLE_LAUNCH_MAX_NUMEL`` assignments and two
+    beyond. It never synchronises with the host (all sizes follow from the shapes), so on the
+    GPU the call can be captured in a CUDA graph.
 
     ``validate_ids``: check that every id lies in ``[0, num_experts)`` (the default: a bad id
     must never silently drop a token): a ValueError on the CPU; on a GPU a device-side assert in
