@@ -1,38 +1,72 @@
 """Try alignment launch settings on a GPU: CUDA-graph time per call for each variant and batch.
 
-Usage (on the GPU machine): PYTHONPATH=. python3 tools/tune_align.py
+Usage (on the GPU machine): PYTHONPATH=. python3 tools/tune_align.py           # the one-launch reach, E=256
+                            PYTHONPATH=. python3 tools/tune_align.py large     # the two-launch path at prefill
 Variants change the module constants of moe_kernels.kernels.align; every output is checked against the
-reference before it is timed.
+reference before it is timed. ``large`` (records align-ab): the two-launch path's chunks (``MAX_CHUNKS``), tile,
+warps and count-table rows a step (``_ROW_TILE``) at 4,096 and 16,384 tokens of top-8 over 128 and 256 experts
+(Qwen3-30B-A3B's and DeepSeek-V3's routing) on 128-row blocks (the permute layout's segments), where the profile
+of the layer (``layer-profile-s35.json``) had the alignment at 83-102 us, two rounds, the lower kept.
 """
 
 import itertools
+import sys
 
 import torch
 
 from moe_kernels.kernels import align
 from moe_kernels.bench.timing import graph_us
+from moe_kernels.results import record_tool
 
-E, K = 256, 8
-batches = (64, 256, 512, 1024, 2048)
-variants = [dict(SINGLE_LAUNCH_MAX_NUMEL=s, _SINGLE_TILE=t, _SINGLE_WARPS=w, _MULTI_TILE=t, _MULTI_WARPS=w)
-            for s, t, w in itertools.product((0, 2048, 8192), (64, 128, 256), (4, 8))]
-defaults = {name: getattr(align, name) for name in variants[0]}
+K = 8
 gen = torch.Generator(device="cuda").manual_seed(0)
-for B in batches:
+
+
+def timed(variants, E, B, block):
+    """Each variant's CUDA-graph time (us) aligning B tokens' top-K ids over E experts, checked first."""
     ids = torch.rand(B, E, device="cuda", generator=gen).topk(K, dim=-1).indices.to(torch.int32)
-    block = 64 if B <= 512 else 128
     ref = align.moe_align_block_size_reference(ids, block, E)
-    results = []
-    for v in variants:
+    defaults = {name: getattr(align, name) for v in variants.values() for name in v}
+    results = {}
+    for label, v in variants.items():
         for name, value in v.items():
             setattr(align, name, value)
         try:
             out = align.moe_align_block_size(ids, block, E, validate_ids=False)
             assert all(torch.equal(a, b) for a, b in zip(out, ref))
-            results.append((graph_us(lambda: align.moe_align_block_size(ids, block, E, validate_ids=False)), v))
+            us = graph_us(lambda: align.moe_align_block_size(ids, block, E, validate_ids=False))
+            if us is None:
+                raise RuntimeError("no CUDA graph")
+            results[label] = us
         except Exception as err:  # noqa: BLE001
-            print("failed", v, type(err).__name__, str(err)[:120])
-    for name, value in defaults.items():
-        setattr(align, name, value)
-    results.sort(key=lambda r: r[0])
-    print(f"B={B}: best " + "; ".join(f"{t:.1f} us {v}" for t, v in results[:4]), flush=True)
+            print("failed", label, type(err).__name__, str(err)[:120])
+        finally:
+            for name, value in defaults.items():
+                setattr(align, name, value)
+    return results
+
+
+if sys.argv[1:] == ["large"]:
+    variants = {f"chunks {c} tile {t} warps {w} rows {r}":
+                dict(MAX_CHUNKS=c, _MULTI_TILE=t, _MULTI_WARPS=w, _ROW_TILE=r) for c, t, w, r in ((128, 128, 4, 16), (128, 128, 8, 16), (128, 64, 4, 16), (128, 64, 8, 16),
+                                   (256, 64, 4, 16), (256, 64, 8, 32), (256, 128, 8, 32), (512, 64, 8, 32),
+                                   (512, 32, 4, 32), (1024, 32, 4, 64), (64, 128, 8, 16))}
+    rows = []
+    for E, B in itertools.product((128, 256), (4096, 16384)):
+        first, second = timed(variants, E, B, 128), timed(variants, E, B, 128)
+        us = {label: min(first.get(label, float("inf")), second.get(label, float("inf"))) for label in variants}
+        rows.append({"experts": E, "tokens": B, "top_k": K, "block": 128, "us": us})
+        record_tool("align-ab", rows, {"method": "CUDA-graph time of one call (L2 warm), two rounds, the lower kept",
+                                       "variants": variants})
+        best = sorted(us.items(), key=lambda r: r[1])[:4]
+        print(f"E={E} B={B}: default {us[next(iter(us))]:.1f} us; best " +
+              "; ".join(f"{t:.1f} {v}" for v, t in best), flush=True)
+    sys.exit(0)
+
+E = 256
+variants = [dict(SINGLE_LAUNCH_MAX_NUMEL=s, _SINGLE_TILE=t, _SINGLE_WARPS=w, _MULTI_TILE=t, _MULTI_WARPS=w)
+            for s, t, w in itertools.product((0, 2048, 8192), (64, 128, 256), (4, 8))]
+for B in (64, 256, 512, 1024, 2048):
+    results = timed({str(v): v for v in variants}, E, B, 64 if B <= 512 else 128)
+    best = sorted(results.items(), key=lambda r: r[1])[:4]
+    print(f"B={B}: best " + "; ".join(f"{t:.1f} us {v}" for v, t in best), flush=True)
