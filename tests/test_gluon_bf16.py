@@ -120,12 +120,13 @@ def test_every_tile_fits_with_the_stages_the_layout_takes():
     assert shared_bytes(128, min(stages2 + 1, 4), gated=False, half_tiles=True, tma_store=True) <= SHARED_LIMIT
 
 
-# (gated, block_n, stages, half tiles, TMA store): GEMM 1's and GEMM 2's tiles, half tiles and both epilogues
-BUILDS = [(True, 256, 4, False, False), (True, 256, 3, True, False), (True, 256, 4, True, False),
-          (True, 256, 3, False, False), (True, 256, 3, False, True), (True, 256, 3, True, True),
-          (False, 256, 3, False, True),
-          (False, 256, 4, False, False), (False, 256, 3, True, True), (False, 128, 4, True, True),
-          (True, 128, 4, False, False)]
+# (gated, block_n, stages, half tiles, TMA store, gathered rows): GEMM 1's and GEMM 2's tiles, half tiles, both
+# epilogues, and GEMM 1 gathering its rows from the tokens
+BUILDS = [(True, 256, 4, False, False, False), (True, 256, 3, True, False, False), (True, 256, 4, True, False, False),
+          (True, 256, 3, False, False, False), (True, 256, 3, False, True, False), (True, 256, 3, True, True, False),
+          (False, 256, 3, False, True, False),
+          (False, 256, 4, False, False, False), (False, 256, 3, True, True, False), (False, 128, 4, True, True, False),
+          (True, 128, 4, False, False, False), (True, 256, 4, False, True, True), (True, 256, 3, True, False, True)]
 
 # (compiled, not interpreted, in a process of its own: the tests run under the interpreter; nothing is launched)
 _COMPILE_FOR_HOPPER = """
@@ -135,11 +136,13 @@ torch.cuda.is_available = lambda: True
 from moe_kernels.kernels import _gluon_bf16_persistent as kernel
 from moe_kernels.sm90_compile import assemble_for_sm90
 
-for gated, block_n, stages, half, tma_store in json.loads(sys.argv[1]):
-    build = kernel.compile_for_sm90(block_n, stages, 8, gated, half, tma_store)
+for gated, block_n, stages, half, tma_store, gather in json.loads(sys.argv[1]):
+    build = kernel.compile_for_sm90(block_n, stages, 8, gated, half, tma_store, gather)
     ptx = build.asm["ptx"]
     built = assemble_for_sm90(ptx)
     print(json.dumps(dict(
+        copies=len(re.findall(r"cp\\.async\\.cg\\.shared\\.global \\[[^]]*\\], \\[[^]]*\\], 0x10", ptx)),
+        copy_waits=sorted({int(v) for v in re.findall(r"cp\\.async\\.wait_group\\s+(\\d+)", ptx)}),
         shapes=sorted({int(n) for n in re.findall(r"wgmma\\.mma_async\\.sync\\.aligned\\.m64n(\\d+)k16", ptx)}),
         waits=sorted({int(v) for v in re.findall(r"wgmma\\.wait_group\\.sync\\.aligned\\s+(\\d+)", ptx)}),
         spills=[built["spill_stores"], built["spill_loads"]],
@@ -171,12 +174,17 @@ def test_the_kernel_compiles_for_hopper():
     assert done.returncode == 0, done.stderr[-3000:]
     reports = [json.loads(line) for line in done.stdout.splitlines()]
     assert len(reports) == len(BUILDS), done.stdout
-    for (gated, block_n, stages, half, tma_store), report in zip(BUILDS, reports):
+    for (gated, block_n, stages, half, tma_store, gather), report in zip(BUILDS, reports):
         assert report["shapes"] == sorted({block_n, block_n // 2} if half else {block_n}), report
+        # gathered: 16-byte (0x10) cp.async copies, four a thread a step at each site that loads a step (the ring's
+        # first fill, one a stage; in and after the K loop, once a tile variant, whole and half), each step waited
+        # for with the younger steps left in flight, and 0 at the end; none otherwise
+        sites = stages + 2 * (2 if half else 1)
+        assert (report["copies"], report["copy_waits"]) == ((4 * sites, [0, stages - 2]) if gather else (0, [])), report
         assert report["waits"] == [0, 1], report
         assert report["spills"] == [0, 0] and report["warnings"] == [], report
         assert report["shared"] == shared_bytes(block_n, stages, gated, half, tma_store) <= SHARED_LIMIT, report
-        if gated and tma_store and not half:   # the gate/up pairing and the TMA store: no layout change at all
+        if gated and tma_store and not half and not gather:   # the gate/up pairing and the TMA store: no layout change
             assert report["converts"] == 0, report
 
 
@@ -230,6 +238,77 @@ def test_the_kernel_against_its_reference_gpu(monkeypatch, case, programs, block
         assert bool(kept[padding].all())
 
 
+def gathered_rows(m_indices, k, top_k, seed):
+    """Tokens and the rows that read them: ``T`` random bf16 tokens, each real row of ``m_indices`` a distinct
+    random assignment (several rows to a token: ``assignment // top_k``), padding rows ``T * top_k``; returns the
+    tokens, ``row_assignments`` and the packed rows they stand for (padding rows zero)."""
+    g = torch.Generator().manual_seed(seed)
+    real = (m_indices >= 0).cpu().nonzero().flatten()
+    num_tokens = -(-real.numel() // top_k) + 1   # (one token no row reads)
+    tokens = torch.randn(num_tokens, k, generator=g).to(torch.bfloat16)
+    assignments = torch.randperm(num_tokens * top_k, generator=g)[:real.numel()]
+    row_assignments = torch.full((m_indices.numel(),), num_tokens * top_k, dtype=torch.int32)
+    row_assignments[real] = assignments.to(torch.int32)
+    packed = torch.zeros(m_indices.numel(), k, dtype=torch.bfloat16)
+    packed[real] = tokens[assignments // top_k]
+    return [t.to(m_indices.device) for t in (tokens, row_assignments, packed)]
+
+
+@pytest.mark.gpu
+@needs_gluon
+@pytest.mark.parametrize("case", sorted(SEGMENTS))
+@pytest.mark.parametrize("programs, stages, half_tiles, tma_store", [
+    (1, 3, False, True), (3, 2, False, False), (7, 3, True, False), (None, 4, False, True), (None, 4, False, False)])
+@pytest.mark.parametrize("k", [64, 576])
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
+def test_gathered_rows_give_the_packed_rows_product_gpu(monkeypatch, case, programs, stages, half_tiles, tma_store, k,
+                                                        gated):
+    """Each row read from its token (``row_assignments // top_k``, top-3: rows share tokens) by the kernel's
+    ``cp.async`` copies gives bit for bit the product of the same rows packed, on every walk (a few programs each
+    crossing many tiles, whose next tile's token rows are read a tile ahead; one a tile; K loops of one step, where
+    the ring runs past the next tile, and of nine) and epilogue, and within bf16 rounding of the reference; the
+    launch record says gathered."""
+    from moe_kernels.kernels import _gluon_block_fp8_persistent as persistent
+
+    if shared_bytes(256, stages, gated, half_tiles, tma_store) > SHARED_LIMIT:
+        pytest.skip("this build does not fit in shared memory")
+    monkeypatch.setattr(persistent, "PROGRAMS", programs)
+    _, w, m_indices, rows_used = segmented(SEGMENTS[case], seed=len(case) + k, k=k, n=512, device="cuda")
+    tokens, row_assignments, packed = gathered_rows(m_indices, k, top_k=3, seed=k)
+    settings = dict(gated=gated, block_n=256, stages=stages, half_tiles=half_tiles, tma_store=tma_store)
+    want = bf16_grouped(packed, w, m_indices, rows_used, **settings)
+    with record_launches() as launches:
+        got = bf16_grouped(tokens, w, m_indices, rows_used, row_assignments=row_assignments, top_k=3, **settings)
+    assert [s["gathered"] for name, s in launches if name == "gluon_bf16.gemm"] == [True], launches
+    real = m_indices >= 0
+    assert torch.equal(got[real], want[real])
+    reference = bf16_grouped_reference(packed, w, m_indices, gated=gated)
+    assert rel_err(got[real].float(), reference[real].float()) < 5e-3
+
+
+@pytest.mark.gpu
+@needs_gluon
+@pytest.mark.parametrize("change, says", [
+    (dict(top_k=None), "'row_assignments' must come with top_k"), (dict(top_k=0), "'top_k' must be >= 1"),
+    (dict(row_assignments="int64"), "'row_assignments' must have dtype"),
+    (dict(row_assignments="short"), "'row_assignments' must have one entry per row of m_indices"),
+    (dict(row_assignments="negative"), "'row_assignments' must hold no negative assignment"),
+    (dict(tokens="odd stride"), "'x' must start on 16 bytes and have a row stride of a multiple of 8")])
+def test_bad_gathered_arguments_are_named_gpu(change, says):
+    """A gathered call's own arguments, checked before the launch: ``top_k`` with ``row_assignments``, an int32 a
+    row, none negative (a negative one would read before the tokens), tokens whose rows start on 16 bytes."""
+    _, w, m_indices, rows_used = segmented([5, 130], seed=6, k=64, n=256, device="cuda")
+    tokens, row_assignments, _ = gathered_rows(m_indices, 64, top_k=2, seed=6)
+    top_k = change.get("top_k", 2)
+    edits = {"int64": row_assignments.long(), "short": row_assignments[:-128], "negative": row_assignments.clone()}
+    edits["negative"][0] = -1
+    row_assignments = edits.get(change.get("row_assignments"), row_assignments)
+    if change.get("tokens"):
+        tokens = torch.zeros(tokens.shape[0], 68, device="cuda", dtype=torch.bfloat16)[:, :64]
+    with pytest.raises((ValueError, TypeError), match=re.escape("bf16_grouped: argument " + says)):
+        bf16_grouped(tokens, w, m_indices, rows_used, row_assignments=row_assignments, top_k=top_k)
+
+
 @pytest.mark.gpu
 @needs_gluon
 @pytest.mark.parametrize("group_m", [1, 3, 16])
@@ -275,19 +354,21 @@ def test_no_rows_used_writes_nothing_gpu():
 @pytest.mark.gpu
 @needs_gluon
 @pytest.mark.parametrize("num_tokens", [1, 64, 600])
-@pytest.mark.parametrize("half_tiles, d, tma1, one_pass", [
-    (False, 512, False, False), (True, 512, False, False), (False, 384, False, False), (False, 512, True, False),
-    (True, 512, True, False), (False, 512, False, True), (True, 384, True, True)])
-def test_the_permute_layout_on_the_bf16_kernel_gpu(monkeypatch, num_tokens, half_tiles, d, tma1, one_pass):
+@pytest.mark.parametrize("half_tiles, d, tma1, one_pass, gather", [
+    (False, 512, False, False, False), (True, 512, False, False, False), (False, 384, False, False, False),
+    (False, 512, True, False, False), (True, 512, True, False, False), (False, 512, False, True, False),
+    (True, 384, True, True, False), (False, 512, False, True, True), (True, 384, True, False, True)])
+def test_the_permute_layout_on_the_bf16_kernel_gpu(monkeypatch, num_tokens, half_tiles, d, tma1, one_pass, gather):
     """permute_experts in bf16 with BF16_GEMM = "gluon" and 128-row segments: both GEMMs on the persistent kernel
     with the layout's tiles (d = 384: GEMM 2 on 128-row tiles; GEMM 1 storing by TMA too; the input in one pass,
-    its padding rows never written), the result the Triton kernel's within bf16 rounding, and a CUDA graph captures
-    the call."""
+    its padding rows never written; GEMM 1 gathering its rows from the tokens, BF16_GATHER_GEMM1, with no scatter),
+    the result the Triton kernel's within bf16 rounding, and a CUDA graph captures the call."""
     from moe_kernels.kernels import permute as permute_module
 
     monkeypatch.setattr(permute_gluon, "BF16_GEMM", "gluon")
     monkeypatch.setattr(permute_gluon, "BF16_HALF_TILES", half_tiles)
     monkeypatch.setattr(permute_gluon, "BF16_TMA_STORE_GEMM1", tma1)
+    monkeypatch.setattr(permute_gluon, "BF16_GATHER_GEMM1", gather)
     x, w1, w2, weights, ids = make_problem(num_tokens, 4, 2, d, 256, torch.bfloat16, seed=num_tokens)
     triton_out = permute_experts(x, w1, w2, weights, ids, align=128, gemm="triton")
     monkeypatch.setattr(permute_module, "ONE_PASS_BF16_INPUT", one_pass)
@@ -295,7 +376,9 @@ def test_the_permute_layout_on_the_bf16_kernel_gpu(monkeypatch, num_tokens, half
     with record_launches() as launches:
         got = permute_experts(x, w1, w2, weights, ids, align=128)
     assert [s["kernel"] for name, s in launches if name == "permute.bf16_gemm"] == ["gluon"], launches
-    assert [s["quantize"] for name, s in launches if name == "quant_scatter"] == ([False] if one_pass else [])
+    assert [s["quantize"] for name, s in launches if name == "quant_scatter"] == ([False] if one_pass and not gather
+                                                                                  else [])
+    assert [s["gathered"] for name, s in launches if name == "gluon_bf16.gemm"] == [gather, False]
     n2 = permute_gluon.BF16_TILES["down"][0] if d % 256 == 0 else 128
     n1, _ = permute_gluon.BF16_TILES["gate_up"]
     # GEMM 1's stages and store: 4 and TMA at 600 tokens (300 rows an expert), where they fit (gate_up_stages)

@@ -31,7 +31,8 @@ would plan it, a layer of its own; ``... half``: with ``permute_gluon.BF16_HALF_
 ``BF16_TMA_STORE_GEMM1``, ``... copied input``: without ``permute.ONE_PASS_BF16_INPUT`` (the permutation's copy, which
 reads each token once a row, instead of ``quant_scatter.scatter_rows``), ``... gemm1 s3``: GEMM 1 on the table's
 3 stages at every batch (``BF16_GEMM1_DEEP_FROM_ROWS`` None), ``... session 33``: both, ``... gemm1 s4 pointer
-store``: GEMM 1's 4 stages without its TMA store (``BF16_TMA_STORE_GEMM1_DEEP`` off).
+store``: GEMM 1's 4 stages without its TMA store (``BF16_TMA_STORE_GEMM1_DEEP`` off), ``... gathered``: GEMM 1
+reading its rows from the tokens (``BF16_GATHER_GEMM1``: no scatter of the input).
 """
 import dataclasses
 import os
@@ -92,7 +93,8 @@ BF16_ROWS = {"permute gluon bf16": {}, "permute gluon bf16 half": {"BF16_HALF_TI
              "permute gluon bf16 session 33": {"ONE_PASS_BF16_INPUT": False, "BF16_GEMM1_DEEP_FROM_ROWS": None},
              "permute gluon bf16 copied input": {"ONE_PASS_BF16_INPUT": False},
              "permute gluon bf16 gemm1 s3": {"BF16_GEMM1_DEEP_FROM_ROWS": None},
-             "permute gluon bf16 gemm1 s4 pointer store": {"BF16_TMA_STORE_GEMM1_DEEP": False}}
+             "permute gluon bf16 gemm1 s4 pointer store": {"BF16_TMA_STORE_GEMM1_DEEP": False},
+             "permute gluon bf16 gathered": {"BF16_GATHER_GEMM1": True}}
 BF16_ASKED = os.environ.get("LAYER_AB_BF16_ROWS")   # the names of the bf16 rows to run, comma-separated (absent: all)
 if BF16_ASKED:
     unknown = set(BF16_ASKED.split(",")) - set(BF16_ROWS)
@@ -203,6 +205,7 @@ for key in models:
                 with record_launches() as launches:
                     call()
                 plans[name] = {"bf16_gemm": [s for n, s in launches if n == "permute.bf16_gemm"],
+                               "gathered": [s.get("gathered") for n, s in launches if n == "gluon_bf16.gemm"],
                                "gemms": [s for n, s in launches if n == "gluon_bf16.gemm"],
                                "one_pass_input": [s for n, s in launches if n == "quant_scatter"]}
                 candidates[name] = call

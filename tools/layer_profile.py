@@ -10,14 +10,17 @@ kernels are the profiler's, not the layer's, so the record keeps the kernels' su
 GEMM kernels are the ones whose name says so (``GEMM_NAMES``); the rest is the layer around them.
 
     PYTHONPATH=. python tools/layer_profile.py [models] [batches] [formats]   # GPU: records layer-profile.json
+    (LAYER_PROFILE_SWITCHES="BF16_GATHER_GEMM1=1": permute_gluon's switches set for the run)
     PYTHONPATH=. TRITON_INTERPRET=1 python tools/layer_profile.py             # CPU: a small shape, no kernels timed
 """
 import dataclasses
+import os
 import sys
 
 import torch
 
 from moe_kernels import MoELayer
+from moe_kernels.kernels import permute_gluon
 from moe_kernels.model.shapes import MODELS
 from moe_kernels.results import record_tool
 
@@ -30,6 +33,12 @@ device = "cuda" if torch.cuda.is_available() else "cpu"
 models = sys.argv[1].split(",") if len(sys.argv) > 1 else ["qwen3-30b-a3b", "deepseek-v3"]
 batches = [int(b) for b in sys.argv[2].split(",")] if len(sys.argv) > 2 else [4096, 16384]
 formats = sys.argv[3].split(",") if len(sys.argv) > 3 else ["none", "block"]
+# LAYER_PROFILE_SWITCHES="BF16_GATHER_GEMM1=1,...": permute_gluon's switches set for the run (0/1 or an integer)
+for setting in filter(None, os.environ.get("LAYER_PROFILE_SWITCHES", "").split(",")):
+    name, value = setting.split("=")
+    if not hasattr(permute_gluon, name):
+        sys.exit(f"LAYER_PROFILE_SWITCHES: permute_gluon has no switch {name}")
+    setattr(permute_gluon, name, bool(int(value)) if value in ("0", "1") else int(value))
 if device == "cpu":
     batches, formats = [3], ["none"]
 
@@ -89,7 +98,8 @@ for key in models:
             rows.append(row)
             record_tool("layer-profile", rows, {"calls": CALLS, "layout": "auto", "shared_expert": "left out",
                                                 "gemm_names": GEMM_NAMES, "l2": "warm", "dtype": str(dtype),
-                                                "wall_calls": WALL_CALLS})
+                                                "wall_calls": WALL_CALLS,
+                                                "switches": os.environ.get("LAYER_PROFILE_SWITCHES", "")})
             print(f"{key} {fmt} {batch} ({plan.layout} {plan.gemm or ''}): wall {wall_us:.1f} us, "
                   f"kernels {total_us:.1f} us "
                   f"({row['tflops_kernels']:.0f} TFLOP/s), GEMMs {gemm_us:.1f} ({row['tflops_gemms']:.0f}), "

@@ -20,6 +20,16 @@ KiB at ``BLOCK_N`` 256, more than the ring leaves.) The epilogue stores the rows
 or each whole tile by one TMA copy that runs on under the next tile's MMAs (``TMA_STORE``: padding rows written
 too). ``HALF_TILES``: a tile whose rows 64-127 are padding multiplies 64 rows, the two warpgroups side by side
 along N (gated: each holds whole quarters, so its gate and up columns stay together).
+
+``GATHER``: the A rows come from their tokens, not from a packed copy. Row ``r`` of a tile is token
+``row_assignments[r] // top_k`` of ``x`` (``[T, K]``; a padding row, ``row_assignments[r] >= T * top_k``, reads
+zeros), loaded by ``cp.async`` pointer copies of 16 bytes, four a thread a K step (Hopper's TMA cannot gather
+rows), while the weights keep their TMA boxes. Each thread waits for its own copies of a step
+(``cp.async.wait_group``, the groups committed one a step), fences them for the tensor cores' proxy, and a CTA
+barrier makes every thread's copies visible before the step's wgmma. Why: the permute layout's scatter of the
+input writes each token ``k`` times (537 MB at Qwen3-30B-A3B's 16,384 tokens in bf16: 218 us of a 2,431-us layer on
+an H100, ``layer-profile-no-graph-copies-s35.json``); gathered, GEMM 1 reads the tokens where they are. (The
+Triton kernel's gathered rows, session 23, cost GEMM 1 12-21%, more than the copy.)
 """
 
 from __future__ import annotations
@@ -33,14 +43,16 @@ if GLUON_HOPPER:
     import torch
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from .._runtime import gluon_kernel
     from . import _gluon_block_fp8_kernel as per_tile, _gluon_block_fp8_persistent as persistent
     from ._gluon_block_fp8_kernel import BLOCK_M, _store_plain, compile_kernel_for_sm90
     from ._gluon_block_fp8_persistent import (HALF_M, _fill_ring, _known_tiles, _load_global, _out_descriptor,
-                                              _store_whole_tile)
+                                              _store_whole_tile, _tile_origin)
 
     @gluon.constexpr_function
     def _bf16_layout(rows, columns, num_warps):
@@ -54,6 +66,86 @@ if GLUON_HOPPER:
         return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, groups],
                                          instr_shape=[16, columns // groups, 16])
 
+    @gluon.constexpr_function
+    def _gather_layout(num_warps):
+        """A gathered A tile as 16-byte pieces: eight to a row of 64 bf16, 32 rows a pass of the CTA, four passes."""
+        return gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+
+    @gluon.jit
+    def _token_rows(off_m, gather, NUM_WARPS: gl.constexpr):
+        """Where tile ``off_m``'s rows start in ``x`` (elements: ``row_assignments // top_k`` times its row stride)
+        and which of them are real (a padding row holds ``T * top_k``)."""
+        x_ptr, row_assignments_ptr, num_assignments, top_k, stride_x = gather
+        rows = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, _gather_layout(NUM_WARPS)))
+        assignment = gl.load(row_assignments_ptr + rows)
+        # (whole 16-byte pieces: the launch checks that rows start on 16 bytes)
+        return gl.multiple_of((assignment // top_k).to(gl.int64) * stride_x, 8), assignment < num_assignments
+
+    @gluon.jit
+    def _load_gathered(ring, walk, gather, g, num_k, known, sources, m_indices_ptr, N, W_ROWS: gl.constexpr,
+                       GROUP: gl.constexpr, NUM_STAGES: gl.constexpr, GATED: gl.constexpr, NUM_WARPS: gl.constexpr):
+        """Global step ``g``'s loads into stage ``g % NUM_STAGES`` (:func:`_load_global`'s walk): the W tile by TMA
+        (gated in quarters, gate and up), the A rows from their tokens by ``cp.async`` (``sources``: the known tile's
+        and the next one's, :func:`_token_rows`), committed as one group, empty past the program's last tile."""
+        x_desc, w_desc, a_bufs, b_bufs, ready = ring
+        pid, nprog, my_tiles, num_pid_m, num_pid_n = walk
+        tile, off_m, w_row, next_m, next_w_row = known
+        start, real, next_start, next_real = sources
+        local_tile = tile
+        step = g - tile * num_k
+        if step >= num_k:
+            if step < 2 * num_k:
+                w_row, local_tile, step = next_w_row, tile + 1, step - num_k
+                start, real = next_start, next_real
+            else:   # (a ring longer than the K loop: the tile's rows read here)
+                local_tile, step = g // num_k, g % num_k
+                far_m, far_n, expert = _tile_origin(gl.minimum(local_tile, my_tiles - 1), pid, nprog, num_pid_m,
+                                                    num_pid_n, m_indices_ptr, W_ROWS, GROUP, False)
+                w_row = expert * N + far_n
+                start, real = _token_rows(far_m, gather, NUM_WARPS)
+        pred = local_tile < my_tiles
+        stage = g % NUM_STAGES
+        k = step * x_desc.block_type.shape[1]
+        bar = ready.index(stage)
+        if GATED:   # (quarters: gate rows, up rows, the next gate rows, their up rows)
+            quarter: gl.constexpr = w_desc.block_type.shape[0]
+            mbarrier.expect(bar, 4 * w_desc.block_type.nbytes, pred=pred)
+            for part in gl.static_range(4):
+                row = w_row + (part % 2) * (N // 2) + (part // 2) * quarter
+                tma.async_copy_global_to_shared(w_desc, [row, k], bar, b_bufs.index(stage).slice(part * quarter,
+                                                                                                   quarter), pred)
+        else:
+            mbarrier.expect(bar, w_desc.block_type.nbytes, pred=pred)
+            tma.async_copy_global_to_shared(w_desc, [w_row, k], bar, b_bufs.index(stage), pred)
+        # >>> book: bf16-gathered-rows
+        columns = k + gl.arange(0, x_desc.block_type.shape[1], layout=gl.SliceLayout(0, _gather_layout(NUM_WARPS)))
+        pieces = gather[0] + start[:, None] + columns[None, :]
+        async_copy.async_copy_global_to_shared(a_bufs.index(stage), pieces, mask=(real & pred)[:, None])
+        async_copy.commit_group()
+        # <<< book: bf16-gathered-rows
+
+    @gluon.jit
+    def _rows_landed(NUM_STAGES: gl.constexpr):
+        """Before a step's wgmma on gathered rows: this thread's copies of the step done (the groups committed after
+        it may stay in flight), fenced for the tensor cores' proxy, and every thread's (a CTA barrier)."""
+        async_copy.wait_group(NUM_STAGES - 2)
+        fence_async_shared()
+        gl.thread_barrier()
+
+    @gluon.jit
+    def _refill(ring, walk, gather, g, num_k, known, sources, m_indices_ptr, N, W_ROWS: gl.constexpr,
+                GROUP: gl.constexpr, NUM_STAGES: gl.constexpr, GATED: gl.constexpr, GATHER: gl.constexpr,
+                NUM_WARPS: gl.constexpr):
+        """Global step ``g``'s loads: gathered A rows, or both operands by TMA."""
+        if GATHER:
+            _load_gathered(ring, walk, gather, g, num_k, known, sources, m_indices_ptr, N, W_ROWS, GROUP, NUM_STAGES,
+                           GATED, NUM_WARPS)
+        else:
+            x_desc, w_desc, a_bufs, b_bufs, ready = ring
+            pid, nprog, my_tiles, num_pid_m, num_pid_n = walk
+            _load_global(x_desc, w_desc, a_bufs, b_bufs, ready, g, num_k, pid, nprog, my_tiles, num_pid_m, num_pid_n,
+                         m_indices_ptr, N, known, W_ROWS, GROUP, False, NUM_STAGES, GATED, GATED)
+
     @gluon.jit
     def _issue(a_bufs, b_bufs, ready, g, acc, use_acc, NUM_STAGES: gl.constexpr):
         """Wait for global step ``g``'s tiles, then issue its MMA into ``acc`` (``use_acc``: onto what it holds):
@@ -65,35 +157,36 @@ if GLUON_HOPPER:
                              use_acc=use_acc, is_async=True)
 
     @gluon.jit
-    def _tile_product(base, num_k, known, ring, walk, m_indices_ptr, N, ROWS: gl.constexpr, layout: gl.constexpr,
-                      BLOCK_N: gl.constexpr, W_ROWS: gl.constexpr, GROUP: gl.constexpr, NUM_STAGES: gl.constexpr,
-                      GATED: gl.constexpr):
+    def _tile_product(base, num_k, known, sources, ring, walk, gather, m_indices_ptr, N, ROWS: gl.constexpr,
+                      layout: gl.constexpr, BLOCK_N: gl.constexpr, W_ROWS: gl.constexpr, GROUP: gl.constexpr,
+                      NUM_STAGES: gl.constexpr, GATED: gl.constexpr, GATHER: gl.constexpr, NUM_WARPS: gl.constexpr):
         """This program's tile at global steps ``base``...: each MMA accumulates into the one before it, one left
         in flight (``wait_group 1``) while the stage of the one before is refilled, with a step of this tile or of a
-        later one; the last step's stage refilled before the epilogue."""
+        later one; the last step's stage refilled before the epilogue. (``GATHER``: each step's rows waited for
+        first, :func:`_rows_landed`.)"""
         x_desc, w_desc, a_bufs, b_bufs, ready = ring
-        pid, nprog, my_tiles, num_pid_m, num_pid_n = walk
+        if GATHER:
+            _rows_landed(NUM_STAGES)
         acc = _issue(a_bufs, b_bufs, ready, base, gl.zeros([ROWS, BLOCK_N], gl.float32, layout=layout), False,
                      NUM_STAGES)
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))   # (returns at once: the handle as a tensor)
         # >>> book: bf16-k-loop
         for step in range(1, num_k):
+            if GATHER:
+                _rows_landed(NUM_STAGES)
             acc = _issue(a_bufs, b_bufs, ready, base + step, acc, True, NUM_STAGES)
             # MMA step - 1 complete, MMA step in flight
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
             # both warpgroups past MMA step - 1 before its stage is refilled
             gl.thread_barrier()
             # its stage takes global step base + step - 1 + NUM_STAGES (this tile or a later)
-            _load_global(x_desc, w_desc, a_bufs, b_bufs, ready,
-                         base + step - 1 + NUM_STAGES, num_k, pid, nprog,
-                         my_tiles, num_pid_m, num_pid_n, m_indices_ptr, N, known,
-                         W_ROWS, GROUP, False, NUM_STAGES, GATED, GATED)
+            _refill(ring, walk, gather, base + step - 1 + NUM_STAGES, num_k, known, sources,
+                    m_indices_ptr, N, W_ROWS, GROUP, NUM_STAGES, GATED, GATHER, NUM_WARPS)
         # <<< book: bf16-k-loop
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         gl.thread_barrier()
-        _load_global(x_desc, w_desc, a_bufs, b_bufs, ready, base + num_k - 1 + NUM_STAGES, num_k, pid, nprog,
-                     my_tiles, num_pid_m, num_pid_n, m_indices_ptr, N, known, W_ROWS, GROUP, False, NUM_STAGES, GATED,
-                     GATED)
+        _refill(ring, walk, gather, base + num_k - 1 + NUM_STAGES, num_k, known, sources, m_indices_ptr, N, W_ROWS,
+                GROUP, NUM_STAGES, GATED, GATHER, NUM_WARPS)
         return acc
 
     @gluon.jit
@@ -108,14 +201,15 @@ if GLUON_HOPPER:
         # <<< book: bf16-gate-up-pairs
 
     @gluon.jit
-    def _tile(t, num_k, known, off_n, ring, walk, tensors, N, OUT_N, stride_om, ROWS: gl.constexpr,
+    def _tile(t, num_k, known, sources, off_n, ring, walk, gather, tensors, N, OUT_N, stride_om, ROWS: gl.constexpr,
               layout: gl.constexpr, BLOCK_N: gl.constexpr, W_ROWS: gl.constexpr, GROUP: gl.constexpr,
-              NUM_STAGES: gl.constexpr, GATED: gl.constexpr, TMA_STORE: gl.constexpr, NUM_WARPS: gl.constexpr):
+              NUM_STAGES: gl.constexpr, GATED: gl.constexpr, TMA_STORE: gl.constexpr, GATHER: gl.constexpr,
+              NUM_WARPS: gl.constexpr):
         """Tile ``t``'s product on ``ROWS`` rows, then its epilogue while the next tile's first steps land (gated:
         the activation, rounded once to bf16)."""
         out_ptr, m_indices_ptr, stash, out_desc = tensors
-        acc = _tile_product(t * num_k, num_k, known, ring, walk, m_indices_ptr, N, ROWS, layout, BLOCK_N, W_ROWS,
-                            GROUP, NUM_STAGES, GATED)
+        acc = _tile_product(t * num_k, num_k, known, sources, ring, walk, gather, m_indices_ptr, N, ROWS, layout,
+                            BLOCK_N, W_ROWS, GROUP, NUM_STAGES, GATED, GATHER, NUM_WARPS)
         if GATED:
             acc = _activated(acc, W_ROWS)
         off_m = known[1]
@@ -129,12 +223,15 @@ if GLUON_HOPPER:
                                         BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, GROUP: gl.constexpr,
                                         GATED: gl.constexpr = False, HALF_TILES: gl.constexpr = False,
                                         out_desc=None, TMA_STORE: gl.constexpr = False, counter_ptr=None,
-                                        COUNT_HALVES: gl.constexpr = False):
+                                        COUNT_HALVES: gl.constexpr = False, x_ptr=None, row_assignments_ptr=None,
+                                        num_assignments=0, top_k=1, stride_x=0, GATHER: gl.constexpr = False):
         """``out[r] = x[r] @ w[m_indices[r]]^T`` (gated: ``silu`` of the gate half times the up half) over this
         program's tiles ``pid, pid + P, ...`` of the rows below ``rows_used``, in the fp8 kernel's grouped order;
         the ring is filled across tile boundaries (global step ``g``: step ``g % num_k`` of the program's tile
         ``g // num_k``, in stage ``g % NUM_STAGES``). ``COUNT_HALVES``: each half tile adds one to a test's
-        counter (the fp8 kernels' ``HALF_TILE_COUNTER``), so that a test sees the path taken."""
+        counter (the fp8 kernels' ``HALF_TILE_COUNTER``), so that a test sees the path taken. ``GATHER``: row ``r``
+        is ``x_ptr``'s row ``row_assignments[r] // top_k`` (``x_desc`` then only shapes the ring's A buffers); each
+        tile's token rows are read a tile ahead, carried over the loop."""
         NUM_WARPS: gl.constexpr = gl.num_warps()
         W_ROWS: gl.constexpr = BLOCK_N // 2 if GATED else BLOCK_N
         whole: gl.constexpr = _bf16_layout(BLOCK_M, BLOCK_N, NUM_WARPS)
@@ -162,25 +259,46 @@ if GLUON_HOPPER:
             stash = ready   # (unused)
         ring = (x_desc, w_desc, a_bufs, b_bufs, ready)
         walk = (pid, nprog, my_tiles, num_pid_m, num_pid_n)
-        _fill_ring(ring, walk, num_k, m_indices_ptr, N, W_ROWS, GROUP, False, NUM_STAGES, GATED, GATED)
+        gather = (x_ptr, row_assignments_ptr, num_assignments, top_k, stride_x)
+        if GATHER:   # (the next tile's token rows, carried over the loop: their read lands under a tile's MMAs)
+            next_start = gl.zeros([BLOCK_M], gl.int64, layout=gl.SliceLayout(1, _gather_layout(NUM_WARPS)))
+            next_real = next_start < 0
+            if my_tiles > 0:
+                first, _, _ = _known_tiles(0, pid, nprog, my_tiles, num_pid_m, num_pid_n, m_indices_ptr, N, W_ROWS,
+                                           GROUP, False)
+                next_start, next_real = _token_rows(first[1], gather, NUM_WARPS)
+                sources = (next_start, next_real) + _token_rows(first[3], gather, NUM_WARPS)
+                for fill in gl.static_range(NUM_STAGES):
+                    _load_gathered(ring, walk, gather, fill, num_k, first, sources, m_indices_ptr, N, W_ROWS, GROUP,
+                                   NUM_STAGES, GATED, NUM_WARPS)
+        else:
+            _fill_ring(ring, walk, num_k, m_indices_ptr, N, W_ROWS, GROUP, False, NUM_STAGES, GATED, GATED)
         tensors = (out_ptr, m_indices_ptr, stash, out_desc)
         for t in range(my_tiles):
             known, off_n, _ = _known_tiles(t, pid, nprog, my_tiles, num_pid_m, num_pid_n, m_indices_ptr, N, W_ROWS,
                                            GROUP, False)
+            if GATHER:
+                start, real = next_start, next_real
+                next_start, next_real = _token_rows(known[3], gather, NUM_WARPS)
+                sources = (start, real, next_start, next_real)
+            else:
+                sources = (0, 0, 0, 0)
             # (static, as in the fp8 kernel: Triton 3.6 fails to lower the half tiles' branch under a constant)
             if HALF_TILES:
                 if gl.load(m_indices_ptr + known[1] + HALF_M) < 0:
                     if COUNT_HALVES:
                         gl.atomic_add(counter_ptr, 1)
-                    _tile(t, num_k, known, off_n, ring, walk, tensors, N, OUT_N, stride_om, HALF_M, half, BLOCK_N,
-                          W_ROWS, GROUP, NUM_STAGES, GATED, TMA_STORE, NUM_WARPS)
+                    _tile(t, num_k, known, sources, off_n, ring, walk, gather, tensors, N, OUT_N, stride_om, HALF_M,
+                          half, BLOCK_N, W_ROWS, GROUP, NUM_STAGES, GATED, TMA_STORE, GATHER, NUM_WARPS)
                 else:
-                    _tile(t, num_k, known, off_n, ring, walk, tensors, N, OUT_N, stride_om, BLOCK_M, whole, BLOCK_N,
-                          W_ROWS, GROUP, NUM_STAGES, GATED, TMA_STORE, NUM_WARPS)
+                    _tile(t, num_k, known, sources, off_n, ring, walk, gather, tensors, N, OUT_N, stride_om, BLOCK_M,
+                          whole, BLOCK_N, W_ROWS, GROUP, NUM_STAGES, GATED, TMA_STORE, GATHER, NUM_WARPS)
             else:
-                _tile(t, num_k, known, off_n, ring, walk, tensors, N, OUT_N, stride_om, BLOCK_M, whole, BLOCK_N,
-                      W_ROWS, GROUP, NUM_STAGES, GATED, TMA_STORE, NUM_WARPS)
+                _tile(t, num_k, known, sources, off_n, ring, walk, gather, tensors, N, OUT_N, stride_om, BLOCK_M, whole,
+                      BLOCK_N, W_ROWS, GROUP, NUM_STAGES, GATED, TMA_STORE, GATHER, NUM_WARPS)
 
+        if GATHER:   # (the groups past the last tile are empty; none is left in flight)
+            async_copy.wait_group(0)
         for stage in gl.static_range(NUM_STAGES):   # every fill was waited for: no copy is left in flight
             mbarrier.invalidate(ready.index(stage))
         if TMA_STORE:   # the last tile's copy has left shared memory before the program ends
@@ -197,7 +315,7 @@ if GLUON_HOPPER:
                 TensorDescriptor.from_tensor(w.view(e * n, k), [block_n // 4 if gated else block_n, TILE_K_BF16],
                                              w_layout))
 
-    def compile_for_sm90(block_n, stages, num_warps=8, gated=False, half_tiles=False, tma_store=False):
+    def compile_for_sm90(block_n, stages, num_warps=8, gated=False, half_tiles=False, tma_store=False, gather=False):
         """The kernel compiled for sm_90a (as the fp8 kernels' ``compile_for_sm90``; nothing is launched)."""
         from triton.runtime.jit import mangle_type
 
@@ -207,16 +325,22 @@ if GLUON_HOPPER:
         out = torch.empty(TILE_M, block_n // 2 if gated else block_n, dtype=torch.bfloat16)
         pointers = {"rows_used_ptr": "*i32", "counter_ptr": "*i32",
                     "out_desc": mangle_type(_out_descriptor(out, out.shape[1]))}
+        if gather:
+            pointers.update(x_ptr="*bf16", row_assignments_ptr="*i32")
         return compile_kernel_for_sm90(_bf16_grouped_persistent_kernel, block_n, gated, num_warps,
-                                       {"NUM_STAGES": stages, "HALF_TILES": half_tiles, "TMA_STORE": tma_store},
-                                       pointers, _descriptors(x, w, block_n, gated))
+                                       {"NUM_STAGES": stages, "HALF_TILES": half_tiles, "TMA_STORE": tma_store,
+                                        "GATHER": gather}, pointers, _descriptors(x, w, block_n, gated))
 
     def launch(x, w, m_indices, rows_used, out, *, block_n, stages, num_warps=8, gated=False, half_tiles=False,
-               tma_store=False, group_m=GROUP_M):
+               tma_store=False, group_m=GROUP_M, row_assignments=None, top_k=1):
         """One program per SM (or per tile, where there are fewer tiles than SMs; the fp8 kernel's
-        ``PROGRAMS`` where a test sets it) on checked arguments."""
-        num_rows, k = x.shape
+        ``PROGRAMS`` where a test sets it) on checked arguments; with ``row_assignments``, ``x`` is the tokens
+        ``[T, K]`` that the rows gather (its descriptor only shapes the ring)."""
+        num_rows, k = m_indices.shape[0], x.shape[1]
         x_desc, w_desc = _descriptors(x, w, block_n, gated)
+        gather = {} if row_assignments is None else dict(
+            x_ptr=x, row_assignments_ptr=row_assignments, num_assignments=x.shape[0] * top_k, top_k=top_k,
+            stride_x=x.stride(0), GATHER=True)
         most_tiles = num_rows // TILE_M * (out.shape[1] // (block_n // 2 if gated else block_n))
         programs = persistent.PROGRAMS or torch.cuda.get_device_properties(x.device).multi_processor_count
         grid = (max(1, min(programs, most_tiles)), )
@@ -225,4 +349,4 @@ if GLUON_HOPPER:
             NUM_STAGES=stages, GROUP=group_m, GATED=gated, HALF_TILES=half_tiles,
             out_desc=_out_descriptor(out, block_n // 2 if gated else block_n) if tma_store else None, TMA_STORE=tma_store,
             counter_ptr=per_tile.HALF_TILE_COUNTER, COUNT_HALVES=per_tile.HALF_TILE_COUNTER is not None and half_tiles,
-            num_warps=num_warps)
+            num_warps=num_warps, **gather)

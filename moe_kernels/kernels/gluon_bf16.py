@@ -51,7 +51,7 @@ def shared_bytes(block_n: int, stages: int, gated: bool, half_tiles: bool = Fals
 
 def bf16_grouped(x, w, m_indices, rows_used, *, out=None, gated: bool = False, block_n: int = 256, stages: int = 3,
                  half_tiles: bool = False, tma_store: bool = False, group_m: int = 8,
-                 validate_ids: bool = True) -> torch.Tensor:
+                 validate_ids: bool = True, row_assignments=None, top_k: int | None = None) -> torch.Tensor:
     """``[M_pad, N]`` bf16 (gated ``[M_pad, N/2]``) for the rows with ``m_indices >= 0`` below ``rows_used``;
     other rows are not written (``out``, if given, keeps them), except with ``tma_store``, which writes each whole
     tile below ``rows_used``, its padding rows too. ``x`` bf16 ``[M_pad, K]`` in 128-row segments, ``w`` bf16
@@ -61,7 +61,12 @@ def bf16_grouped(x, w, m_indices, rows_used, *, out=None, gated: bool = False, b
     visits before the next weight tile (1: one M tile a weight tile; larger keeps a weight tile in L2 across more
     row tiles, each re-read for each weight tile). ``validate_ids`` reads ``m_indices``
     and ``rows_used`` back to check them (a host sync; skipped while a graph captures). The launch record
-    (``gluon_bf16.gemm``) names the build."""
+    (``gluon_bf16.gemm``) names the build.
+
+    ``row_assignments`` (int32 ``[M_pad]``, :class:`~moe_kernels.kernels.permute.PermutedRows`'s) with ``top_k``:
+    ``x`` is the tokens, ``[T, K]``, and row ``r`` is token ``row_assignments[r] // top_k`` (a value of
+    ``T * top_k`` or more: a padding row, read as zeros), gathered by the kernel instead of copied into a packed
+    buffer first (GEMM 1 of the permute layout without its input's scatter)."""
     func = "bf16_grouped"
     for name, flag in (("gated", gated), ("half_tiles", half_tiles), ("tma_store", tma_store),
                        ("validate_ids", validate_ids)):
@@ -81,7 +86,14 @@ def bf16_grouped(x, w, m_indices, rows_used, *, out=None, gated: bool = False, b
     reason = available(w.device if isinstance(w, torch.Tensor) else "cpu")
     if reason is not None:
         fail(func, "w", f"must be on a device this kernel runs on ({reason})", getattr(w, "device", w))
-    _check(func, x, None, w, None, m_indices, out, 128, gated, validate_ids, dtype=torch.bfloat16)
+    gathered = row_assignments is not None or top_k is not None
+    if gathered:
+        _check_gather(func, x, m_indices, row_assignments, top_k, validate_ids)
+    if gathered and not x.shape[0]:   # (no token: every row is padding; one zero row to describe)
+        x = x.new_zeros(1, x.shape[1])
+    # (gathered: the checks of the packed rows the kernel reads, on a view of x's first row repeated that many times)
+    rows = x.as_strided((m_indices.shape[0], x.shape[1]), (0, 1)) if gathered else x
+    _check(func, rows, None, w, None, m_indices, out, 128, gated, validate_ids, dtype=torch.bfloat16)
     if w.shape[1] == 0 or w.data_ptr() % 16:   # (the copy engine reads 16-byte aligned rows)
         fail(func, "w", "must have N > 0 and start on 16 bytes", (tuple(w.shape), w.data_ptr() % 16))
     width = block_n // 2 if gated else block_n
@@ -94,12 +106,36 @@ def bf16_grouped(x, w, m_indices, rows_used, *, out=None, gated: bool = False, b
              (out.data_ptr() % 16, out.stride(0)))
     _check_rows_used(func, rows_used, m_indices, w.device, validate_ids, half_tiles)
     if out is None:
-        out = torch.empty(x.shape[0], out_width, device=x.device, dtype=torch.bfloat16)
+        out = torch.empty(rows.shape[0], out_width, device=x.device, dtype=torch.bfloat16)
     note_launch("gluon_bf16.gemm", gated=gated, block_n=block_n, stages=stages, half_tiles=half_tiles,
-                tma_store=tma_store, group_m=group_m)
-    if x.shape[0]:
+                tma_store=tma_store, group_m=group_m, gathered=gathered)
+    if rows.shape[0]:
         from ._gluon_bf16_persistent import launch
 
         launch(x, w, m_indices, rows_used, out, block_n=block_n, stages=stages, gated=gated, half_tiles=half_tiles,
-               tma_store=tma_store, group_m=group_m)
+               tma_store=tma_store, group_m=group_m, row_assignments=row_assignments, top_k=top_k or 1)
     return out
+
+
+def _check_gather(func, x, m_indices, row_assignments, top_k, validate_ids):
+    """The gathered call's own arguments: ``row_assignments`` one int32 per row of ``m_indices``, ``top_k`` >= 1,
+    ``x``'s rows on 16 bytes (each K step's row is eight 16-byte copies), no assignment negative (``validate_ids``:
+    read back, as the ids are; an assignment past ``T * top_k`` is a padding row)."""
+    if row_assignments is None or top_k is None:
+        fail(func, "row_assignments", "must come with top_k (both or neither)",
+             f"row_assignments={type(row_assignments).__name__}, top_k={top_k!r}")
+    check_int(func, "top_k", top_k, lo=1)
+    check_tensor(func, "row_assignments", row_assignments, ndim=1, dtypes=(torch.int32,), device=m_indices.device,
+                 contiguous=True)
+    if row_assignments.shape != m_indices.shape:
+        fail(func, "row_assignments", f"must have one entry per row of m_indices ({m_indices.shape[0]})",
+             tuple(row_assignments.shape))
+    check_tensor(func, "x", x, ndim=2, dtypes=(torch.bfloat16,), device=m_indices.device, last_dim_contiguous=True)
+    if x.data_ptr() % 16 or x.stride(0) % 8:
+        fail(func, "x", "must start on 16 bytes and have a row stride of a multiple of 8 elements when gathered",
+             (x.data_ptr() % 16, x.stride(0)))
+    if x.shape[0] * top_k > 2**31 - 1:
+        fail(func, "x", "must have T * top_k below 2**31 (int32 assignments)", (x.shape[0], top_k))
+    capturing = row_assignments.is_cuda and torch.cuda.is_current_stream_capturing()
+    if validate_ids and row_assignments.numel() and not capturing and int(row_assignments.min()) < 0:
+        fail(func, "row_assignments", "must hold no negative assignment", int(row_assignments.min()))

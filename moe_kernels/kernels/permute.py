@@ -295,7 +295,12 @@ def permute_experts(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Ten
     on_gluon = permute_gluon.gemm_kernel(fmt, config, align, hidden_states, w1, w2, gemm) == "gluon"
     # With gather_rows, GEMM 1 reads each row from its token: nothing is copied.
     gather = config.gather_rows and not on_gluon
-    if ONE_PASS_FP8_INPUT and fmt.activations == "group" and not gather:   # quantised once, written to its rows
+    # (the Gluon bf16 GEMM 1 gathering its rows: the indices only)
+    gathered_on_gluon = on_gluon and permute_gluon.gathers_gemm1(fmt, align, hidden_states)
+    if gathered_on_gluon:
+        permuted = permute(hidden_states, topk_ids, num_experts, align=align, validate_ids=validate_ids, copy=False)
+        rows, rows_scale = hidden_states, None
+    elif ONE_PASS_FP8_INPUT and fmt.activations == "group" and not gather:   # quantised once, written to its rows
         permuted = permute(hidden_states, topk_ids, num_experts, align=align, validate_ids=validate_ids, copy=False)
         rows, rows_scale = quantize_scatter(hidden_states, permuted.src2dst, permuted.m_indices.shape[0],
                                             group=fmt.block[1])
@@ -313,7 +318,8 @@ def permute_experts(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Ten
             rows = permuted.rows
             rows_scale = _permute_scales(x_scale, permuted, topk_ids.shape[1])
     if on_gluon:   # (switches: off)
-        return permute_gluon.experts(rows, rows_scale, w1, w1_scale, w2, w2_scale, permuted, topk_weights, fmt, align)
+        return permute_gluon.experts(rows, rows_scale, w1, w1_scale, w2, w2_scale, permuted, topk_weights, fmt, align,
+                                     gathered=gathered_on_gluon)
     activated = grouped_gemm_contiguous(
         rows, w1, permuted.m_indices, align=align, silu_mul=True, config=config,
         which="gate_up", x_scale=rows_scale, w_scale=w1_scale,

@@ -55,6 +55,10 @@ BF16_TMA_STORE = True
 #: The same for bf16 GEMM 1 (its activated tile). Off: in the layer on an H100 (``layer-layout-ab-bf16*-s33.json``)
 #: it gained 3% at Qwen3-30B-A3B 16,384 tokens and lost 1-3% at every other batch of both models.
 BF16_TMA_STORE_GEMM1 = False
+#: bf16 GEMM 1 gathers its rows from the tokens (``bf16_grouped(row_assignments=)``: ``cp.async`` pointer copies of
+#: each row, the weights by TMA) instead of reading the one-pass scatter's packed copy, which writes each token
+#: ``k`` times (218 us of Qwen3-30B-A3B's 2,431-us layer at 16,384 tokens on an H100). Off until timed in the layer.
+BF16_GATHER_GEMM1 = False
 #: bf16 on the persistent kernel: a segment's last tile with at most 64 real rows multiplies 64 rows. Off: in the
 #: layer on an H100 (``layer-layout-ab-bf16*-s33.json``) 0.2-2.3% faster on Qwen3-30B-A3B, 8-14% slower on
 #: DeepSeek-V3 from 4,096 tokens (one switch for both).
@@ -129,22 +133,30 @@ def gemm_kernel(fmt, config, align, hidden_states, w1, w2, asked=None) -> str:
     return "triton" if why else "gluon"
 
 
-def experts(rows, rows_scale, w1, w1_scale, w2, w2_scale, permuted, topk_weights, fmt, align):
+def gathers_gemm1(fmt, align, hidden_states) -> bool:
+    """Whether the Gluon GEMM 1 can read its rows from the tokens (:data:`BF16_GATHER_GEMM1`: bf16 on 128-row
+    segments, rows that start on 16 bytes), so that the permutation copies none."""
+    return (BF16_GATHER_GEMM1 and not fmt.quantized and align == 128 and hidden_states.stride(1) == 1
+            and hidden_states.stride(0) % 8 == 0 and hidden_states.data_ptr() % 16 == 0)
+
+
+def experts(rows, rows_scale, w1, w1_scale, w2, w2_scale, permuted, topk_weights, fmt, align, gathered=False):
     """Both GEMMs of :func:`~moe_kernels.kernels.permute.permute_experts` on a Gluon kernel (where
     :func:`gemm_kernel` said "gluon"), then the gather back: segments of 16, 32 or 64 rows (decode; bf16 always)
-    on the transposed kernel, block-fp8 segments of 128 rows on the 128-row one."""
+    on the transposed kernel, block-fp8 segments of 128 rows on the 128-row one. ``gathered``
+    (:func:`gathers_gemm1`): ``rows`` are the tokens ``[T, d]``, which GEMM 1 gathers."""
     if align != 128:
         return _transposed_experts(rows, rows_scale, w1, w1_scale, w2, w2_scale, permuted, topk_weights, fmt, align)
     if not fmt.quantized:
-        return _bf16_experts(rows, w1, w2, permuted, topk_weights)
+        return _bf16_experts(rows, w1, w2, permuted, topk_weights, gathered)
     return _fp8_experts(rows, rows_scale, w1, w1_scale, w2, w2_scale, permuted, topk_weights)
 
 
-def _bf16_experts(rows, w1, w2, permuted, topk_weights):
+def _bf16_experts(rows, w1, w2, permuted, topk_weights, gathered=False):
     """Both bf16 GEMMs on the persistent kernel (:data:`BF16_TILES`, GEMM 1's stages and store by
-    :func:`gate_up_stages`): GEMM 1 gated (``silu(gate) * up`` in its epilogue, ``[M_pad, F]``), GEMM 2 into
-    ``[M_pad, d]`` (by TMA with :data:`BF16_TMA_STORE`; a TMA store writes the padding rows too, which only padding
-    rows read), then the gather back."""
+    :func:`gate_up_stages`): GEMM 1 gated (``silu(gate) * up`` in its epilogue, ``[M_pad, F]``; ``gathered``: its
+    rows read from the tokens ``rows``), GEMM 2 into ``[M_pad, d]`` (by TMA with :data:`BF16_TMA_STORE`; a TMA store
+    writes the padding rows too, which only padding rows read), then the gather back."""
     from .gluon_bf16 import bf16_grouped
 
     (n1, stages1), (n2, stages2) = BF16_TILES["gate_up"], BF16_TILES["down"]
@@ -152,8 +164,9 @@ def _bf16_experts(rows, w1, w2, permuted, topk_weights):
     if w2.shape[1] % n2:   # (d not a multiple of the tile: 128 columns, the stages that fit)
         n2, stages2 = 128, min(stages2 + 1, 4)
     half, used = BF16_HALF_TILES, permuted.rows_used
+    gather = dict(row_assignments=permuted.row_assignments, top_k=topk_weights.shape[1]) if gathered else {}
     activated = bf16_grouped(rows, w1, permuted.m_indices, used, gated=True, block_n=n1, stages=stages1,
-                             half_tiles=half, tma_store=tma1, validate_ids=False)
+                             half_tiles=half, tma_store=tma1, validate_ids=False, **gather)
     y = bf16_grouped(activated, w2, permuted.m_indices, used, block_n=n2, stages=stages2, half_tiles=half,
                      tma_store=BF16_TMA_STORE, validate_ids=False)
     return unpermute(y, permuted.src2dst, topk_weights)
