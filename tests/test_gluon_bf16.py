@@ -109,6 +109,22 @@ def test_gemm1_takes_four_stages_where_the_experts_average_two_tiles(monkeypatch
     assert permute_gluon.gate_up_stages(3, 10 ** 9, 256) == (3, False)
 
 
+def test_gemm1_gathers_its_rows_where_the_experts_average_few(monkeypatch):
+    """permute_gluon.gathers_gemm1: bf16 on 128-row segments up to BF16_GATHER_GEMM1_UP_TO_ROWS rows an expert (from the
+    shapes), never in fp8, on other segments, on rows that do not start on 16 bytes, or with the switch None."""
+    from moe_kernels.kernels.formats import FORMATS
+
+    most = permute_gluon.BF16_GATHER_GEMM1_UP_TO_ROWS
+    x = torch.zeros(64, 256, dtype=torch.bfloat16)
+    assert permute_gluon.gathers_gemm1(FORMATS["none"], 128, x, most * 256, 256)
+    assert not permute_gluon.gathers_gemm1(FORMATS["none"], 128, x, most * 256 + 1, 256)
+    assert not permute_gluon.gathers_gemm1(FORMATS["block"], 128, x, 8, 256)
+    assert not permute_gluon.gathers_gemm1(FORMATS["none"], 64, x, 8, 256)
+    assert not permute_gluon.gathers_gemm1(FORMATS["none"], 128, x[:, 1:], 8, 256)   # (rows off 16 bytes)
+    monkeypatch.setattr(permute_gluon, "BF16_GATHER_GEMM1_UP_TO_ROWS", None)
+    assert not permute_gluon.gathers_gemm1(FORMATS["none"], 128, x, 8, 256)
+
+
 def test_every_tile_fits_with_the_stages_the_layout_takes():
     """The permute layout's default tiles fit an SM's shared memory, and the rule is the compiler's on the builds
     it was read from (``test_the_kernel_compiles_for_hopper`` holds it to every build it makes)."""
@@ -361,14 +377,15 @@ def test_no_rows_used_writes_nothing_gpu():
 def test_the_permute_layout_on_the_bf16_kernel_gpu(monkeypatch, num_tokens, half_tiles, d, tma1, one_pass, gather):
     """permute_experts in bf16 with BF16_GEMM = "gluon" and 128-row segments: both GEMMs on the persistent kernel
     with the layout's tiles (d = 384: GEMM 2 on 128-row tiles; GEMM 1 storing by TMA too; the input in one pass,
-    its padding rows never written; GEMM 1 gathering its rows from the tokens, BF16_GATHER_GEMM1, with no scatter),
+    its padding rows never written; GEMM 1 gathering its rows from the tokens, with no scatter: every batch with
+    BF16_GATHER_GEMM1_UP_TO_ROWS unbounded, none with it None),
     the result the Triton kernel's within bf16 rounding, and a CUDA graph captures the call."""
     from moe_kernels.kernels import permute as permute_module
 
     monkeypatch.setattr(permute_gluon, "BF16_GEMM", "gluon")
     monkeypatch.setattr(permute_gluon, "BF16_HALF_TILES", half_tiles)
     monkeypatch.setattr(permute_gluon, "BF16_TMA_STORE_GEMM1", tma1)
-    monkeypatch.setattr(permute_gluon, "BF16_GATHER_GEMM1", gather)
+    monkeypatch.setattr(permute_gluon, "BF16_GATHER_GEMM1_UP_TO_ROWS", 10 ** 9 if gather else None)
     x, w1, w2, weights, ids = make_problem(num_tokens, 4, 2, d, 256, torch.bfloat16, seed=num_tokens)
     triton_out = permute_experts(x, w1, w2, weights, ids, align=128, gemm="triton")
     monkeypatch.setattr(permute_module, "ONE_PASS_BF16_INPUT", one_pass)

@@ -32,7 +32,8 @@ would plan it, a layer of its own; ``... half``: with ``permute_gluon.BF16_HALF_
 reads each token once a row, instead of ``quant_scatter.scatter_rows``), ``... gemm1 s3``: GEMM 1 on the table's
 3 stages at every batch (``BF16_GEMM1_DEEP_FROM_ROWS`` None), ``... session 33``: both, ``... gemm1 s4 pointer
 store``: GEMM 1's 4 stages without its TMA store (``BF16_TMA_STORE_GEMM1_DEEP`` off), ``... gathered``: GEMM 1
-reading its rows from the tokens (``BF16_GATHER_GEMM1``: no scatter of the input).
+reading its rows from the tokens at every batch (``BF16_GATHER_GEMM1_UP_TO_ROWS``: no scatter of the input),
+``... packed``: at none.
 """
 import dataclasses
 import os
@@ -94,7 +95,8 @@ BF16_ROWS = {"permute gluon bf16": {}, "permute gluon bf16 half": {"BF16_HALF_TI
              "permute gluon bf16 copied input": {"ONE_PASS_BF16_INPUT": False},
              "permute gluon bf16 gemm1 s3": {"BF16_GEMM1_DEEP_FROM_ROWS": None},
              "permute gluon bf16 gemm1 s4 pointer store": {"BF16_TMA_STORE_GEMM1_DEEP": False},
-             "permute gluon bf16 gathered": {"BF16_GATHER_GEMM1": True}}
+             "permute gluon bf16 gathered": {"BF16_GATHER_GEMM1_UP_TO_ROWS": 10 ** 9},
+             "permute gluon bf16 packed": {"BF16_GATHER_GEMM1_UP_TO_ROWS": None}}
 BF16_ASKED = os.environ.get("LAYER_AB_BF16_ROWS")   # the names of the bf16 rows to run, comma-separated (absent: all)
 if BF16_ASKED:
     unknown = set(BF16_ASKED.split(",")) - set(BF16_ROWS)

@@ -10,7 +10,7 @@ kernels are the profiler's, not the layer's, so the record keeps the kernels' su
 GEMM kernels are the ones whose name says so (``GEMM_NAMES``); the rest is the layer around them.
 
     PYTHONPATH=. python tools/layer_profile.py [models] [batches] [formats]   # GPU: records layer-profile.json
-    (LAYER_PROFILE_SWITCHES="BF16_GATHER_GEMM1=1": permute_gluon's switches set for the run)
+    (LAYER_PROFILE_SWITCHES="BF16_GATHER_GEMM1_UP_TO_ROWS=100000": permute_gluon's switches set for the run)
     PYTHONPATH=. TRITON_INTERPRET=1 python tools/layer_profile.py             # CPU: a small shape, no kernels timed
 """
 import dataclasses
@@ -33,7 +33,7 @@ device = "cuda" if torch.cuda.is_available() else "cpu"
 models = sys.argv[1].split(",") if len(sys.argv) > 1 else ["qwen3-30b-a3b", "deepseek-v3"]
 batches = [int(b) for b in sys.argv[2].split(",")] if len(sys.argv) > 2 else [4096, 16384]
 formats = sys.argv[3].split(",") if len(sys.argv) > 3 else ["none", "block"]
-# LAYER_PROFILE_SWITCHES="BF16_GATHER_GEMM1=1,...": permute_gluon's switches set for the run (0/1 or an integer)
+# LAYER_PROFILE_SWITCHES="BF16_TMA_STORE_GEMM1=1,...": permute_gluon's switches set for the run (0/1 or an integer)
 for setting in filter(None, os.environ.get("LAYER_PROFILE_SWITCHES", "").split(",")):
     name, value = setting.split("=")
     if not hasattr(permute_gluon, name):

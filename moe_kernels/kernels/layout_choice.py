@@ -14,10 +14,11 @@ Qwen3-30B-A3B run the permute layout with both GEMMs on the Gluon kernel (``"gem
 6997 us at 4,096 tokens, and ``fp8-sweep-s33.json`` down to 1,024; the H100, whose index-gather has no tuned
 table: ``results/nvidia-h100-80gb-hbm3/fp8-sweep.json``), and on the H100 at decode on 16-row segments (the
 transposed Gluon kernel) from 128 tokens (Qwen3) and 2 (DeepSeek-V3), with index-gather between for DeepSeek-V3
-at 1,024. On the H100 the bf16 layers run the permute layout with the bf16 Gluon GEMMs from 1,024 tokens
-(Qwen3; DeepSeek-V3 at 1,024-2,047 and from 4,096, index-gather between: ``layer-layout-ab-bf16*-s33.json``,
-``-s35.json``). The layer takes an entry naming the Gluon GEMMs only where they run (:func:`~moe_kernels.kernels.permute_gluon.refusal`: bf16 activations and weights they can
-read, Triton 3.6 on sm_90): with the Triton GEMMs the permute layout lost to index-gather.
+at 1,024. On the H100 the bf16 layers run the permute layout with the bf16 Gluon GEMMs from 1,024 tokens for
+both models (``layer-layout-ab-bf16*-s33.json``, ``-s35.json``; DeepSeek-V3 below 4,096 since session 35, with
+GEMM 1 gathering its rows there). The layer takes an entry naming the Gluon GEMMs only where they run
+(:func:`~moe_kernels.kernels.permute_gluon.refusal`: bf16 activations and weights they can read, Triton 3.6 on
+sm_90): with the Triton GEMMs the permute layout lost to index-gather.
 
     >>> choice = choose_layout(4096, 256, 2048, 7168, "unquantized", "cpu", device_name="NVIDIA H200")
     >>> choice.layout, choice.config.down.persistent, choice.from_tokens

@@ -296,7 +296,8 @@ def permute_experts(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Ten
     # With gather_rows, GEMM 1 reads each row from its token: nothing is copied.
     gather = config.gather_rows and not on_gluon
     # (the Gluon bf16 GEMM 1 gathering its rows: the indices only)
-    gathered_on_gluon = on_gluon and permute_gluon.gathers_gemm1(fmt, align, hidden_states)
+    gathered_on_gluon = on_gluon and permute_gluon.gathers_gemm1(fmt, align, hidden_states, topk_ids.numel(),
+                                                                 num_experts)
     if gathered_on_gluon:
         permuted = permute(hidden_states, topk_ids, num_experts, align=align, validate_ids=validate_ids, copy=False)
         rows, rows_scale = hidden_states, None

@@ -56,9 +56,13 @@ BF16_TMA_STORE = True
 #: it gained 3% at Qwen3-30B-A3B 16,384 tokens and lost 1-3% at every other batch of both models.
 BF16_TMA_STORE_GEMM1 = False
 #: bf16 GEMM 1 gathers its rows from the tokens (``bf16_grouped(row_assignments=)``: ``cp.async`` pointer copies of
-#: each row, the weights by TMA) instead of reading the one-pass scatter's packed copy, which writes each token
-#: ``k`` times (218 us of Qwen3-30B-A3B's 2,431-us layer at 16,384 tokens on an H100). Off until timed in the layer.
-BF16_GATHER_GEMM1 = False
+#: each row, the weights by TMA) instead of reading the one-pass scatter's packed copy, where the experts average at
+#: most this many rows (None: never). On an H100 (``gather-gemm1-ab-s35.json``, GEMM 1 alone, against the scatter and
+#: GEMM 1 on packed rows) it was 10-13% faster at 32-64 rows an expert, where the packed tiles read mostly padding,
+#: level at 128-256, and 9-17% slower from 256-512, where GEMM 1 is compute-bound and the copies add to the K loop's
+#: issue (Nsight Compute: 21% more instructions); in the layer (``layer-layout-ab-bf16-gathered-s35.json``) 6-7% faster
+#: at 2,048 tokens (64-128 rows) and 1.5% at 4,096.
+BF16_GATHER_GEMM1_UP_TO_ROWS = 128
 #: bf16 on the persistent kernel: a segment's last tile with at most 64 real rows multiplies 64 rows. Off: in the
 #: layer on an H100 (``layer-layout-ab-bf16*-s33.json``) 0.2-2.3% faster on Qwen3-30B-A3B, 8-14% slower on
 #: DeepSeek-V3 from 4,096 tokens (one switch for both).
@@ -133,10 +137,18 @@ def gemm_kernel(fmt, config, align, hidden_states, w1, w2, asked=None) -> str:
     return "triton" if why else "gluon"
 
 
-def gathers_gemm1(fmt, align, hidden_states) -> bool:
-    """Whether the Gluon GEMM 1 can read its rows from the tokens (:data:`BF16_GATHER_GEMM1`: bf16 on 128-row
-    segments, rows that start on 16 bytes), so that the permutation copies none."""
-    return (BF16_GATHER_GEMM1 and not fmt.quantized and align == 128 and hidden_states.stride(1) == 1
+def gathers_gemm1(fmt, align, hidden_states, num_assignments: int, num_experts: int) -> bool:
+    """Whether the Gluon GEMM 1 reads its rows from the tokens, so that the permutation copies none: bf16 on 128-row
+    segments, rows that start on 16 bytes, the experts averaging at most :data:`BF16_GATHER_GEMM1_UP_TO_ROWS` rows
+    (from the shapes: no read of the routing).
+
+        >>> from moe_kernels.kernels.formats import FORMATS
+        >>> x = torch.zeros(2048, 7168, dtype=torch.bfloat16)
+        >>> gathers_gemm1(FORMATS["none"], 128, x, 2048 * 8, 256), gathers_gemm1(FORMATS["none"], 128, x, 8192 * 8, 256)
+        (True, False)
+    """
+    return (BF16_GATHER_GEMM1_UP_TO_ROWS is not None and num_assignments <= BF16_GATHER_GEMM1_UP_TO_ROWS * num_experts
+            and not fmt.quantized and align == 128 and hidden_states.stride(1) == 1
             and hidden_states.stride(0) % 8 == 0 and hidden_states.data_ptr() % 16 == 0)
 
 
