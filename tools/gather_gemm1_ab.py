@@ -5,9 +5,11 @@ Why: in the layer (``layer-layout-ab-bf16-gathered-s35.json``) the gathered GEMM
 tokens and lost 4-13% at 16,384, where the profile had GEMM 1 itself 16-20% slower: this times the pieces apart
 (the scatter, GEMM 1 on packed rows, the two together, GEMM 1 gathered) with the tiles the layer takes
 (``permute_gluon.gate_up_stages``), replayed from CUDA graphs with the L2 flushed, two rounds, the lower median.
-The gathered product's real rows are checked against the packed one's first (padding rows differ: the scatter leaves
-them unwritten, the gather reads zeros). ``GATHER_AB_NCU=1``: no timing, GEMM 1 packed then gathered once each after
-a warm-up call of each (for ``ncu --kernel-name regex:_bf16 --launch-skip 2 --launch-count 2``).
+Each GEMM 1 also with its W tile in quarters (``_gluon_bf16_persistent.INTERLEAVE_GATED``, four TMA copies a
+step, as before session 35) against halves (two). The gathered product's real rows are checked against the packed
+one's first (padding rows differ: the scatter leaves them unwritten, the gather reads zeros). ``GATHER_AB_NCU=1``:
+no timing, GEMM 1 packed then gathered once each after a warm-up call of each (for
+``ncu --kernel-name regex:_bf16 --launch-skip 2 --launch-count 2``).
 
     PYTHONPATH=. python tools/gather_gemm1_ab.py [models] [batches]   # GPU (sm_90, Triton 3.6): records gather-gemm1-ab
 """
@@ -18,7 +20,7 @@ import torch
 
 from moe_kernels.bench.problems import make_batch
 from moe_kernels.bench.timing import time_lowest
-from moe_kernels.kernels import permute_gluon
+from moe_kernels.kernels import _gluon_bf16_persistent as kernel, permute_gluon
 from moe_kernels.kernels.gluon_bf16 import bf16_grouped
 from moe_kernels.kernels.permute import permute
 from moe_kernels.kernels.quant_scatter import scatter_rows
@@ -51,6 +53,16 @@ for key in models:
             return bf16_grouped(hidden, w1, permuted.m_indices, permuted.rows_used, out=out,
                                 row_assignments=permuted.row_assignments, top_k=top_k, **tiles)
 
+        def quarters(call):
+            """``call`` with the gated W tile loaded in quarters (``INTERLEAVE_GATED``: four TMA copies a step)."""
+            def with_quarters():
+                kernel.INTERLEAVE_GATED = True
+                try:
+                    return call()
+                finally:
+                    kernel.INTERLEAVE_GATED = False
+            return with_quarters
+
         def scatter_then_packed():
             rows_now = scatter_rows(hidden, permuted.src2dst, num_rows)
             return bf16_grouped(rows_now, w1, permuted.m_indices, permuted.rows_used, out=out, **tiles)
@@ -66,7 +78,8 @@ for key in models:
         assert torch.equal(got, want), "the gathered rows' product differs from the packed rows'"
         candidates = {"scatter": lambda: scatter_rows(hidden, permuted.src2dst, num_rows),
                       "gemm1 packed": gemm_packed, "scatter + gemm1 packed": scatter_then_packed,
-                      "gemm1 gathered": gemm_gathered}
+                      "gemm1 gathered": gemm_gathered, "gemm1 packed quarters": quarters(gemm_packed),
+                      "gemm1 gathered quarters": quarters(gemm_gathered)}
         lowest, rounds, errors, _ = time_lowest(candidates, out, tolerance=0.0, warmup_ms=5, rep_ms=30,
                                                 unchecked=tuple(candidates), rounds=2, alternate=True)
         flops = ids.numel() * 2 * d * 2 * f

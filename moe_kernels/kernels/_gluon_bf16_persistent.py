@@ -10,9 +10,12 @@ there on the H100. This is the 128-row persistent kernel that ran block-fp8 at 7
 scales.
 
 Tiles: 128 rows by ``BLOCK_N`` weight rows, one accumulator, one wgmma a K step. Gated (GEMM 1,
-``silu(gate) * up``): ``BLOCK_N / 2`` gate rows and the matching up rows, loaded in quarters (gate, up, the next
-gate rows, their up rows: four TMA boxes), so that each gate column and its up column lie a quarter of the tile
-apart inside one warpgroup's share of the product and in the same thread. The epilogue pairs them in registers
+``silu(gate) * up``): ``BLOCK_N / 2`` gate rows and the matching up rows, loaded as two TMA boxes, the gate rows
+then the up rows: a whole tile's warpgroups each hold all ``BLOCK_N`` columns of their 64 rows, so each gate column
+and its up column, half the tile apart, lie in the same thread. Half tiles, whose warpgroups split N, load quarters
+(gate, up, the next gate rows, their up rows: four boxes), so that each warpgroup holds whole pairs; quarters cost
+the K loop two more TMA copies a step, and Triton 3.6 puts a CTA barrier between consecutive copies (before session
+35 every gated tile took quarters: ``INTERLEAVE_GATED``). The epilogue pairs them in registers
 (a reshape, a transpose and a split of the accumulator, which the compiler lays out with no shared memory) and
 computes the activation in fp32. (Two accumulators, gate and up, cost two wgmmas a step, each re-reading the A
 tile from shared memory; pairing halves of one accumulator through shared memory would take the fp32 tile, 128
@@ -38,6 +41,10 @@ from ._gluon_block_fp8_kernel import GLUON_HOPPER, GROUP_M, TILE_K, TILE_M
 
 #: The K step in bf16 elements: one 128-byte box row (the fp8 kernels' 128 one-byte elements).
 TILE_K_BF16 = TILE_K // 2
+#: Gated whole tiles load W in quarters too (as half tiles must), four TMA copies a step instead of two: each copy
+#: costs the K loop a CTA barrier (Triton 3.6 puts one between consecutive copies), so halves are the default; the
+#: switch is for the A/B (``tools/gather_gemm1_ab.py``).
+INTERLEAVE_GATED = False
 
 if GLUON_HOPPER:
     import torch
@@ -107,16 +114,14 @@ if GLUON_HOPPER:
         stage = g % NUM_STAGES
         k = step * x_desc.block_type.shape[1]
         bar = ready.index(stage)
-        if GATED:   # (quarters: gate rows, up rows, the next gate rows, their up rows)
-            quarter: gl.constexpr = w_desc.block_type.shape[0]
-            mbarrier.expect(bar, 4 * w_desc.block_type.nbytes, pred=pred)
-            for part in gl.static_range(4):
-                row = w_row + (part % 2) * (N // 2) + (part // 2) * quarter
-                tma.async_copy_global_to_shared(w_desc, [row, k], bar, b_bufs.index(stage).slice(part * quarter,
-                                                                                                   quarter), pred)
-        else:
-            mbarrier.expect(bar, w_desc.block_type.nbytes, pred=pred)
-            tma.async_copy_global_to_shared(w_desc, [w_row, k], bar, b_bufs.index(stage), pred)
+        # the W tile in boxes: one (plain), gate rows then up rows (gated), or quarters, gate, up, the next gate
+        # rows, their up rows (gated, interleaved)
+        box: gl.constexpr = w_desc.block_type.shape[0]
+        parts: gl.constexpr = b_bufs.shape[1] // box
+        mbarrier.expect(bar, parts * w_desc.block_type.nbytes, pred=pred)
+        for part in gl.static_range(parts):
+            row = w_row + (part % 2) * (N // 2) + (part // 2) * box
+            tma.async_copy_global_to_shared(w_desc, [row, k], bar, b_bufs.index(stage).slice(part * box, box), pred)
         # >>> book: bf16-gathered-rows
         columns = k + gl.arange(0, x_desc.block_type.shape[1], layout=gl.SliceLayout(0, _gather_layout(NUM_WARPS)))
         pieces = gather[0] + start[:, None] + columns[None, :]
@@ -135,8 +140,9 @@ if GLUON_HOPPER:
     @gluon.jit
     def _refill(ring, walk, gather, g, num_k, known, sources, m_indices_ptr, N, W_ROWS: gl.constexpr,
                 GROUP: gl.constexpr, NUM_STAGES: gl.constexpr, GATED: gl.constexpr, GATHER: gl.constexpr,
-                NUM_WARPS: gl.constexpr):
-        """Global step ``g``'s loads: gathered A rows, or both operands by TMA."""
+                NUM_WARPS: gl.constexpr, INTERLEAVED: gl.constexpr):
+        """Global step ``g``'s loads: gathered A rows, or both operands by TMA (gated: the W tile in halves, or in
+        quarters where ``INTERLEAVED``)."""
         if GATHER:
             _load_gathered(ring, walk, gather, g, num_k, known, sources, m_indices_ptr, N, W_ROWS, GROUP, NUM_STAGES,
                            GATED, NUM_WARPS)
@@ -144,7 +150,7 @@ if GLUON_HOPPER:
             x_desc, w_desc, a_bufs, b_bufs, ready = ring
             pid, nprog, my_tiles, num_pid_m, num_pid_n = walk
             _load_global(x_desc, w_desc, a_bufs, b_bufs, ready, g, num_k, pid, nprog, my_tiles, num_pid_m, num_pid_n,
-                         m_indices_ptr, N, known, W_ROWS, GROUP, False, NUM_STAGES, GATED, GATED)
+                         m_indices_ptr, N, known, W_ROWS, GROUP, False, NUM_STAGES, GATED, INTERLEAVED)
 
     @gluon.jit
     def _issue(a_bufs, b_bufs, ready, g, acc, use_acc, NUM_STAGES: gl.constexpr):
@@ -159,7 +165,8 @@ if GLUON_HOPPER:
     @gluon.jit
     def _tile_product(base, num_k, known, sources, ring, walk, gather, m_indices_ptr, N, ROWS: gl.constexpr,
                       layout: gl.constexpr, BLOCK_N: gl.constexpr, W_ROWS: gl.constexpr, GROUP: gl.constexpr,
-                      NUM_STAGES: gl.constexpr, GATED: gl.constexpr, GATHER: gl.constexpr, NUM_WARPS: gl.constexpr):
+                      NUM_STAGES: gl.constexpr, GATED: gl.constexpr, GATHER: gl.constexpr, NUM_WARPS: gl.constexpr,
+                      INTERLEAVED: gl.constexpr):
         """This program's tile at global steps ``base``...: each MMA accumulates into the one before it, one left
         in flight (``wait_group 1``) while the stage of the one before is refilled, with a step of this tile or of a
         later one; the last step's stage refilled before the epilogue. (``GATHER``: each step's rows waited for
@@ -181,22 +188,26 @@ if GLUON_HOPPER:
             gl.thread_barrier()
             # its stage takes global step base + step - 1 + NUM_STAGES (this tile or a later)
             _refill(ring, walk, gather, base + step - 1 + NUM_STAGES, num_k, known, sources,
-                    m_indices_ptr, N, W_ROWS, GROUP, NUM_STAGES, GATED, GATHER, NUM_WARPS)
+                    m_indices_ptr, N, W_ROWS, GROUP, NUM_STAGES, GATED, GATHER, NUM_WARPS, INTERLEAVED)
         # <<< book: bf16-k-loop
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         gl.thread_barrier()
         _refill(ring, walk, gather, base + num_k - 1 + NUM_STAGES, num_k, known, sources, m_indices_ptr, N, W_ROWS,
-                GROUP, NUM_STAGES, GATED, GATHER, NUM_WARPS)
+                GROUP, NUM_STAGES, GATED, GATHER, NUM_WARPS, INTERLEAVED)
         return acc
 
     @gluon.jit
-    def _activated(acc, W_ROWS: gl.constexpr):
-        """``silu(gate) * up`` in fp32 (the Triton kernel's arithmetic) of an interleaved gated product: its columns
-        are (quarter pair, gate or up, column in the quarter); the pairs are matched in registers, output column
+    def _activated(acc, W_ROWS: gl.constexpr, INTERLEAVED: gl.constexpr):
+        """``silu(gate) * up`` in fp32 (the Triton kernel's arithmetic) of a gated product: its columns are (gate or
+        up, column), or where ``INTERLEAVED`` (quarter pair, gate or up, column in the quarter); the pairs are
+        matched in registers (one thread holds both columns of a pair), output column ``column``, or
         ``pair * W_ROWS / 2 + column``."""
         # >>> book: bf16-gate-up-pairs
-        parts = gl.permute(gl.reshape(acc, [acc.shape[0], 2, 2, W_ROWS // 2]), (0, 1, 3, 2))
-        gate, up = gl.split(gl.reshape(parts, [acc.shape[0], W_ROWS, 2]))
+        if INTERLEAVED:
+            parts = gl.permute(gl.reshape(acc, [acc.shape[0], 2, 2, W_ROWS // 2]), (0, 1, 3, 2))
+            gate, up = gl.split(gl.reshape(parts, [acc.shape[0], W_ROWS, 2]))
+        else:
+            gate, up = gl.split(gl.permute(gl.reshape(acc, [acc.shape[0], 2, W_ROWS]), (0, 2, 1)))
         return gate * (1.0 / (1.0 + gl.exp(-gate))) * up
         # <<< book: bf16-gate-up-pairs
 
@@ -204,14 +215,14 @@ if GLUON_HOPPER:
     def _tile(t, num_k, known, sources, off_n, ring, walk, gather, tensors, N, OUT_N, stride_om, ROWS: gl.constexpr,
               layout: gl.constexpr, BLOCK_N: gl.constexpr, W_ROWS: gl.constexpr, GROUP: gl.constexpr,
               NUM_STAGES: gl.constexpr, GATED: gl.constexpr, TMA_STORE: gl.constexpr, GATHER: gl.constexpr,
-              NUM_WARPS: gl.constexpr):
+              NUM_WARPS: gl.constexpr, INTERLEAVED: gl.constexpr):
         """Tile ``t``'s product on ``ROWS`` rows, then its epilogue while the next tile's first steps land (gated:
         the activation, rounded once to bf16)."""
         out_ptr, m_indices_ptr, stash, out_desc = tensors
         acc = _tile_product(t * num_k, num_k, known, sources, ring, walk, gather, m_indices_ptr, N, ROWS, layout,
-                            BLOCK_N, W_ROWS, GROUP, NUM_STAGES, GATED, GATHER, NUM_WARPS)
+                            BLOCK_N, W_ROWS, GROUP, NUM_STAGES, GATED, GATHER, NUM_WARPS, INTERLEAVED)
         if GATED:
-            acc = _activated(acc, W_ROWS)
+            acc = _activated(acc, W_ROWS, INTERLEAVED)
         off_m = known[1]
         if TMA_STORE and ROWS == BLOCK_M:   # (whole tiles; a half tile stores its rows by pointers)
             _store_whole_tile(acc, out_desc, stash, off_m, off_n)
@@ -224,7 +235,8 @@ if GLUON_HOPPER:
                                         GATED: gl.constexpr = False, HALF_TILES: gl.constexpr = False,
                                         out_desc=None, TMA_STORE: gl.constexpr = False, counter_ptr=None,
                                         COUNT_HALVES: gl.constexpr = False, x_ptr=None, row_assignments_ptr=None,
-                                        num_assignments=0, top_k=1, stride_x=0, GATHER: gl.constexpr = False):
+                                        num_assignments=0, top_k=1, stride_x=0, GATHER: gl.constexpr = False,
+                                        INTERLEAVED: gl.constexpr = False):
         """``out[r] = x[r] @ w[m_indices[r]]^T`` (gated: ``silu`` of the gate half times the up half) over this
         program's tiles ``pid, pid + P, ...`` of the rows below ``rows_used``, in the fp8 kernel's grouped order;
         the ring is filled across tile boundaries (global step ``g``: step ``g % num_k`` of the program's tile
@@ -236,7 +248,10 @@ if GLUON_HOPPER:
         W_ROWS: gl.constexpr = BLOCK_N // 2 if GATED else BLOCK_N
         whole: gl.constexpr = _bf16_layout(BLOCK_M, BLOCK_N, NUM_WARPS)
         half: gl.constexpr = _bf16_layout(HALF_M, BLOCK_N, NUM_WARPS)
-        gl.static_assert(w_desc.block_type.shape[0] == (BLOCK_N // 4 if GATED else BLOCK_N))   # (gated: quarters)
+        # (gated: the W tile's gate and up halves, or quarters, which half tiles need: their warpgroups split N)
+        gl.static_assert(not (GATED and HALF_TILES) or INTERLEAVED)
+        gl.static_assert(w_desc.block_type.shape[0] == (BLOCK_N // 4 if INTERLEAVED else
+                                                        BLOCK_N // 2 if GATED else BLOCK_N))
         gl.static_assert(NUM_STAGES >= 2)
         num_pid_m = gl.load(rows_used_ptr) // BLOCK_M
         OUT_N = N // 2 if GATED else N
@@ -272,7 +287,7 @@ if GLUON_HOPPER:
                     _load_gathered(ring, walk, gather, fill, num_k, first, sources, m_indices_ptr, N, W_ROWS, GROUP,
                                    NUM_STAGES, GATED, NUM_WARPS)
         else:
-            _fill_ring(ring, walk, num_k, m_indices_ptr, N, W_ROWS, GROUP, False, NUM_STAGES, GATED, GATED)
+            _fill_ring(ring, walk, num_k, m_indices_ptr, N, W_ROWS, GROUP, False, NUM_STAGES, GATED, INTERLEAVED)
         tensors = (out_ptr, m_indices_ptr, stash, out_desc)
         for t in range(my_tiles):
             known, off_n, _ = _known_tiles(t, pid, nprog, my_tiles, num_pid_m, num_pid_n, m_indices_ptr, N, W_ROWS,
@@ -289,13 +304,13 @@ if GLUON_HOPPER:
                     if COUNT_HALVES:
                         gl.atomic_add(counter_ptr, 1)
                     _tile(t, num_k, known, sources, off_n, ring, walk, gather, tensors, N, OUT_N, stride_om, HALF_M,
-                          half, BLOCK_N, W_ROWS, GROUP, NUM_STAGES, GATED, TMA_STORE, GATHER, NUM_WARPS)
+                          half, BLOCK_N, W_ROWS, GROUP, NUM_STAGES, GATED, TMA_STORE, GATHER, NUM_WARPS, INTERLEAVED)
                 else:
                     _tile(t, num_k, known, sources, off_n, ring, walk, gather, tensors, N, OUT_N, stride_om, BLOCK_M,
-                          whole, BLOCK_N, W_ROWS, GROUP, NUM_STAGES, GATED, TMA_STORE, GATHER, NUM_WARPS)
+                          whole, BLOCK_N, W_ROWS, GROUP, NUM_STAGES, GATED, TMA_STORE, GATHER, NUM_WARPS, INTERLEAVED)
             else:
                 _tile(t, num_k, known, sources, off_n, ring, walk, gather, tensors, N, OUT_N, stride_om, BLOCK_M, whole,
-                      BLOCK_N, W_ROWS, GROUP, NUM_STAGES, GATED, TMA_STORE, GATHER, NUM_WARPS)
+                      BLOCK_N, W_ROWS, GROUP, NUM_STAGES, GATED, TMA_STORE, GATHER, NUM_WARPS, INTERLEAVED)
 
         if GATHER:   # (the groups past the last tile are empty; none is left in flight)
             async_copy.wait_group(0)
@@ -304,15 +319,16 @@ if GLUON_HOPPER:
         if TMA_STORE:   # the last tile's copy has left shared memory before the program ends
             tma.store_wait(0)
 
-    def _descriptors(x, w, block_n, gated):
+    def _descriptors(x, w, block_n, gated, interleaved=False):
         """TMA descriptors of ``x`` (``[M_pad, K]``, boxes of 128 rows by 64) and of ``w`` viewed as
-        ``[E * N, K]`` (boxes of ``block_n`` rows, gated a quarter as many: two gate boxes and two up boxes fill
-        the tile), 128-byte swizzled; the W box's layout is the whole tile's."""
+        ``[E * N, K]`` (boxes of ``block_n`` rows; gated half as many, a gate box and an up box, or with
+        ``interleaved`` a quarter as many, two of each), 128-byte swizzled; the W box's layout is the whole tile's."""
         e, n, k = w.shape
         x_layout = gl.NVMMASharedLayout.get_default_for([TILE_M, TILE_K_BF16], gl.bfloat16)
         w_layout = gl.NVMMASharedLayout.get_default_for([block_n, TILE_K_BF16], gl.bfloat16)
         return (TensorDescriptor.from_tensor(x, [TILE_M, TILE_K_BF16], x_layout),
-                TensorDescriptor.from_tensor(w.view(e * n, k), [block_n // 4 if gated else block_n, TILE_K_BF16],
+                TensorDescriptor.from_tensor(w.view(e * n, k), [block_n // (4 if interleaved else 2 if gated else 1),
+                                                                    TILE_K_BF16],
                                              w_layout))
 
     def compile_for_sm90(block_n, stages, num_warps=8, gated=False, half_tiles=False, tma_store=False, gather=False):
@@ -327,9 +343,11 @@ if GLUON_HOPPER:
                     "out_desc": mangle_type(_out_descriptor(out, out.shape[1]))}
         if gather:
             pointers.update(x_ptr="*bf16", row_assignments_ptr="*i32")
+        interleaved = gated and (half_tiles or INTERLEAVE_GATED)
         return compile_kernel_for_sm90(_bf16_grouped_persistent_kernel, block_n, gated, num_warps,
                                        {"NUM_STAGES": stages, "HALF_TILES": half_tiles, "TMA_STORE": tma_store,
-                                        "GATHER": gather}, pointers, _descriptors(x, w, block_n, gated))
+                                        "GATHER": gather, "INTERLEAVED": interleaved}, pointers,
+                                       _descriptors(x, w, block_n, gated, interleaved))
 
     def launch(x, w, m_indices, rows_used, out, *, block_n, stages, num_warps=8, gated=False, half_tiles=False,
                tma_store=False, group_m=GROUP_M, row_assignments=None, top_k=1):
@@ -337,7 +355,8 @@ if GLUON_HOPPER:
         ``PROGRAMS`` where a test sets it) on checked arguments; with ``row_assignments``, ``x`` is the tokens
         ``[T, K]`` that the rows gather (its descriptor only shapes the ring)."""
         num_rows, k = m_indices.shape[0], x.shape[1]
-        x_desc, w_desc = _descriptors(x, w, block_n, gated)
+        interleaved = gated and (half_tiles or INTERLEAVE_GATED)
+        x_desc, w_desc = _descriptors(x, w, block_n, gated, interleaved)
         gather = {} if row_assignments is None else dict(
             x_ptr=x, row_assignments_ptr=row_assignments, num_assignments=x.shape[0] * top_k, top_k=top_k,
             stride_x=x.stride(0), GATHER=True)
@@ -349,4 +368,4 @@ if GLUON_HOPPER:
             NUM_STAGES=stages, GROUP=group_m, GATED=gated, HALF_TILES=half_tiles,
             out_desc=_out_descriptor(out, block_n // 2 if gated else block_n) if tma_store else None, TMA_STORE=tma_store,
             counter_ptr=per_tile.HALF_TILE_COUNTER, COUNT_HALVES=per_tile.HALF_TILE_COUNTER is not None and half_tiles,
-            num_warps=num_warps, **gather)
+            INTERLEAVED=interleaved, num_warps=num_warps, **gather)
