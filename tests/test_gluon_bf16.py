@@ -136,17 +136,13 @@ def test_every_tile_fits_with_the_stages_the_layout_takes():
     assert shared_bytes(128, min(stages2 + 1, 4), gated=False, half_tiles=True, tma_store=True) <= SHARED_LIMIT
 
 
-# (gated, block_n, stages, half tiles, TMA store, gathered rows, store under the next tile): GEMM 1's and GEMM 2's
-# tiles, half tiles, both epilogues, GEMM 1 gathering its rows from the tokens, and the TMA store's epilogue issued
-# under the next tile's first wgmma (STORE_UNDER_NEXT)
-BUILDS = [(True, 256, 4, False, False, False, False), (True, 256, 3, True, False, False, False),
-          (True, 256, 4, True, False, False, False), (True, 256, 3, False, False, False, False),
-          (True, 256, 3, False, True, False, False), (True, 256, 3, True, True, False, False),
-          (False, 256, 3, False, True, False, False), (False, 256, 4, False, False, False, False),
-          (False, 256, 3, True, True, False, False), (False, 128, 4, True, True, False, False),
-          (True, 128, 4, False, False, False, False), (True, 256, 4, False, True, True, False),
-          (True, 256, 3, True, False, True, False), (False, 256, 3, False, True, False, True),
-          (True, 256, 4, False, True, False, True)]
+# (gated, block_n, stages, half tiles, TMA store, gathered rows): GEMM 1's and GEMM 2's tiles, half tiles, both
+# epilogues, and GEMM 1 gathering its rows from the tokens
+BUILDS = [(True, 256, 4, False, False, False), (True, 256, 3, True, False, False), (True, 256, 4, True, False, False),
+          (True, 256, 3, False, False, False), (True, 256, 3, False, True, False), (True, 256, 3, True, True, False),
+          (False, 256, 3, False, True, False),
+          (False, 256, 4, False, False, False), (False, 256, 3, True, True, False), (False, 128, 4, True, True, False),
+          (True, 128, 4, False, False, False), (True, 256, 4, False, True, True), (True, 256, 3, True, False, True)]
 
 # (compiled, not interpreted, in a process of its own: the tests run under the interpreter; nothing is launched)
 _COMPILE_FOR_HOPPER = """
@@ -156,8 +152,7 @@ torch.cuda.is_available = lambda: True
 from moe_kernels.kernels import _gluon_bf16_persistent as kernel
 from moe_kernels.sm90_compile import assemble_for_sm90
 
-for gated, block_n, stages, half, tma_store, gather, late in json.loads(sys.argv[1]):
-    kernel.STORE_UNDER_NEXT = late
+for gated, block_n, stages, half, tma_store, gather in json.loads(sys.argv[1]):
     build = kernel.compile_for_sm90(block_n, stages, 8, gated, half, tma_store, gather)
     ptx = build.asm["ptx"]
     built = assemble_for_sm90(ptx)
@@ -195,7 +190,7 @@ def test_the_kernel_compiles_for_hopper():
     assert done.returncode == 0, done.stderr[-3000:]
     reports = [json.loads(line) for line in done.stdout.splitlines()]
     assert len(reports) == len(BUILDS), done.stdout
-    for (gated, block_n, stages, half, tma_store, gather, late), report in zip(BUILDS, reports):
+    for (gated, block_n, stages, half, tma_store, gather), report in zip(BUILDS, reports):
         assert report["shapes"] == sorted({block_n, block_n // 2} if half else {block_n}), report
         # gathered: 16-byte (0x10) cp.async copies, four a thread a step at each site that loads a step (the ring's
         # first fill, one a stage; in and after the K loop, once a tile variant, whole and half), each step waited
@@ -257,50 +252,6 @@ def test_the_kernel_against_its_reference_gpu(monkeypatch, case, programs, block
         assert bool(kept[padding & half[:, None]].all()) and not bool(kept[padding & ~half[:, None]].any())
     else:
         assert bool(kept[padding].all())
-
-
-@pytest.mark.gpu
-@needs_gluon
-@pytest.mark.parametrize("case", sorted(SEGMENTS))
-@pytest.mark.parametrize("programs, stages", [(1, 3), (3, 2), (None, 3)])
-@pytest.mark.parametrize("k", [64, 576])
-@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
-def test_the_epilogue_under_the_next_tile_gives_the_same_output_gpu(monkeypatch, case, programs, stages, k, gated):
-    """``STORE_UNDER_NEXT`` (each tile's TMA-store epilogue after the next tile's first wgmma is issued; the first tile
-    peeled off the loop, the last one stored after it): the whole output bit for bit what the epilogue in order
-    writes, padding rows included, on every walk (one program taking every tile, a few, one per SM) and K loops of one
-    step and of nine; the launch says which it ran."""
-    from moe_kernels.kernels import _gluon_block_fp8_persistent as persistent, _gluon_bf16_persistent as kernel
-
-    monkeypatch.setattr(persistent, "PROGRAMS", programs)
-    x, w, m_indices, rows_used = segmented(SEGMENTS[case], seed=len(case) + k + 1, k=k, n=512, device="cuda")
-    outputs, launched = [], spy_launches(monkeypatch, "LATE_STORE")
-    for late in (False, True):
-        monkeypatch.setattr(kernel, "STORE_UNDER_NEXT", late)
-        out = torch.full((x.shape[0], 256 if gated else 512), 7.0, device="cuda", dtype=torch.bfloat16)
-        outputs.append(bf16_grouped(x, w, m_indices, rows_used, out=out, gated=gated, stages=stages, tma_store=True))
-    assert launched == [False, True]
-    assert torch.equal(outputs[0], outputs[1])
-    want = bf16_grouped_reference(x, w, m_indices, gated=gated)
-    assert rel_err(outputs[1][m_indices >= 0].float(), want[m_indices >= 0].float()) < 5e-3
-
-
-def spy_launches(monkeypatch, setting):
-    """The list that each launch of the bf16 persistent kernel appends its ``setting`` keyword to, then launches it
-    (the product alone would not show which build ran)."""
-    from moe_kernels.kernels import _gluon_bf16_persistent as kernel
-
-    real, seen = kernel._bf16_grouped_persistent_kernel, []
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                seen.append(kwargs[setting])
-                return real[grid](*args, **kwargs)
-            return launch
-
-    monkeypatch.setattr(kernel, "_bf16_grouped_persistent_kernel", Spy())
-    return seen
 
 
 def gathered_rows(m_indices, k, top_k, seed):
@@ -382,10 +333,19 @@ def test_every_walk_order_gives_the_same_product_gpu(monkeypatch, group_m, gated
     """The walk's group of M tiles (1, an odd 3 that leaves a short last group, 16: more than there are), on few
     programs: the same rows, whatever order the tiles come in; the launch record names the group, and the kernel is
     launched with it (the product alone would not show an order that never changed)."""
-    from moe_kernels.kernels import _gluon_block_fp8_persistent as persistent
+    from moe_kernels.kernels import _gluon_block_fp8_persistent as persistent, _gluon_bf16_persistent as kernel
 
     monkeypatch.setattr(persistent, "PROGRAMS", 5)
-    groups = spy_launches(monkeypatch, "GROUP")
+    real, groups = kernel._bf16_grouped_persistent_kernel, []
+
+    class Spy:   # (the launch's GROUP, then the kernel itself)
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                groups.append(kwargs["GROUP"])
+                return real[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(kernel, "_bf16_grouped_persistent_kernel", Spy())
     x, w, m_indices, rows_used = segmented(SEGMENTS["last tiles either side of 64 rows"], seed=group_m, k=192, n=512,
                                            device="cuda")
     with record_launches() as launches:

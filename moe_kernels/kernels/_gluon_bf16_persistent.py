@@ -45,9 +45,6 @@ TILE_K_BF16 = TILE_K // 2
 #: costs the K loop a CTA barrier (Triton 3.6 puts one between consecutive copies), so halves are the default; the
 #: switch is for the A/B (``tools/gather_gemm1_ab.py``).
 INTERLEAVE_GATED = False
-#: With the TMA store on whole tiles (no half tiles, no gathered rows): a tile's epilogue (its bf16 tile into shared
-#: memory and the TMA copy out) runs after the next tile's first wgmma is issued, under it, instead of before it.
-STORE_UNDER_NEXT = False
 
 if GLUON_HOPPER:
     import torch
@@ -169,21 +166,17 @@ if GLUON_HOPPER:
     def _tile_product(base, num_k, known, sources, ring, walk, gather, m_indices_ptr, N, ROWS: gl.constexpr,
                       layout: gl.constexpr, BLOCK_N: gl.constexpr, W_ROWS: gl.constexpr, GROUP: gl.constexpr,
                       NUM_STAGES: gl.constexpr, GATED: gl.constexpr, GATHER: gl.constexpr, NUM_WARPS: gl.constexpr,
-                      INTERLEAVED: gl.constexpr, previous=None, STORE_PREVIOUS: gl.constexpr = False):
+                      INTERLEAVED: gl.constexpr):
         """This program's tile at global steps ``base``...: each MMA accumulates into the one before it, one left
         in flight (``wait_group 1``) while the stage of the one before is refilled, with a step of this tile or of a
         later one; the last step's stage refilled before the epilogue. (``GATHER``: each step's rows waited for
-        first, :func:`_rows_landed`. ``STORE_PREVIOUS``: the tile before's epilogue, ``previous`` = (its bf16 tile,
-        first row, first column, the output's descriptor, the stash), once the first MMA is in flight.)"""
+        first, :func:`_rows_landed`.)"""
         x_desc, w_desc, a_bufs, b_bufs, ready = ring
         if GATHER:
             _rows_landed(NUM_STAGES)
         acc = _issue(a_bufs, b_bufs, ready, base, gl.zeros([ROWS, BLOCK_N], gl.float32, layout=layout), False,
                      NUM_STAGES)
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))   # (returns at once: the handle as a tensor)
-        if STORE_PREVIOUS:
-            tile, previous_m, previous_n, out_desc, stash = previous
-            _store_whole_tile(tile, out_desc, stash, previous_m, previous_n)
         # >>> book: bf16-k-loop
         for step in range(1, num_k):
             if GATHER:
@@ -236,19 +229,6 @@ if GLUON_HOPPER:
         else:
             _store_plain(acc, out_ptr, m_indices_ptr, off_m, off_n, OUT_N, stride_om, NUM_WARPS)
 
-    @gluon.jit
-    def _tile_stored_later(t, num_k, known, ring, walk, m_indices_ptr, N, layout: gl.constexpr, BLOCK_N: gl.constexpr,
-                           W_ROWS: gl.constexpr, GROUP: gl.constexpr, NUM_STAGES: gl.constexpr, GATED: gl.constexpr,
-                           NUM_WARPS: gl.constexpr, INTERLEAVED: gl.constexpr, previous, STORE_PREVIOUS: gl.constexpr):
-        """Tile ``t``'s product (and, under its first MMA, the tile before's epilogue), returned as its bf16 tile
-        for the next tile to store (gated: activated)."""
-        acc = _tile_product(t * num_k, num_k, known, (0, 0, 0, 0), ring, walk, (0, 0, 0, 0, 0), m_indices_ptr, N,
-                            BLOCK_M, layout, BLOCK_N, W_ROWS, GROUP, NUM_STAGES, GATED, False, NUM_WARPS, INTERLEAVED,
-                            previous, STORE_PREVIOUS)
-        if GATED:
-            acc = _activated(acc, W_ROWS, INTERLEAVED)
-        return acc.to(gl.bfloat16)
-
     @gluon_kernel   # (gluon.jit, launched through the package's shortcut: a recorded call replays it)
     def _bf16_grouped_persistent_kernel(x_desc, w_desc, out_ptr, m_indices_ptr, rows_used_ptr, N, K, stride_om,
                                         BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, GROUP: gl.constexpr,
@@ -256,17 +236,14 @@ if GLUON_HOPPER:
                                         out_desc=None, TMA_STORE: gl.constexpr = False, counter_ptr=None,
                                         COUNT_HALVES: gl.constexpr = False, x_ptr=None, row_assignments_ptr=None,
                                         num_assignments=0, top_k=1, stride_x=0, GATHER: gl.constexpr = False,
-                                        INTERLEAVED: gl.constexpr = False, LATE_STORE: gl.constexpr = False):
+                                        INTERLEAVED: gl.constexpr = False):
         """``out[r] = x[r] @ w[m_indices[r]]^T`` (gated: ``silu`` of the gate half times the up half) over this
         program's tiles ``pid, pid + P, ...`` of the rows below ``rows_used``, in the fp8 kernel's grouped order;
         the ring is filled across tile boundaries (global step ``g``: step ``g % num_k`` of the program's tile
         ``g // num_k``, in stage ``g % NUM_STAGES``). ``COUNT_HALVES``: each half tile adds one to a test's
         counter (the fp8 kernels' ``HALF_TILE_COUNTER``), so that a test sees the path taken. ``GATHER``: row ``r``
         is ``x_ptr``'s row ``row_assignments[r] // top_k`` (``x_desc`` then only shapes the ring's A buffers); each
-        tile's token rows are read a tile ahead, carried over the loop. ``LATE_STORE`` (TMA store, whole tiles,
-        packed rows): each tile's epilogue under the next tile's first MMA (the first tile peeled off the loop, the
-        last one's stored after it)."""
-        gl.static_assert(not LATE_STORE or (TMA_STORE and not HALF_TILES and not GATHER))
+        tile's token rows are read a tile ahead, carried over the loop."""
         NUM_WARPS: gl.constexpr = gl.num_warps()
         W_ROWS: gl.constexpr = BLOCK_N // 2 if GATED else BLOCK_N
         whole: gl.constexpr = _bf16_layout(BLOCK_M, BLOCK_N, NUM_WARPS)
@@ -312,22 +289,7 @@ if GLUON_HOPPER:
         else:
             _fill_ring(ring, walk, num_k, m_indices_ptr, N, W_ROWS, GROUP, False, NUM_STAGES, GATED, INTERLEAVED)
         tensors = (out_ptr, m_indices_ptr, stash, out_desc)
-        if LATE_STORE:
-            if my_tiles > 0:
-                known, off_n, _ = _known_tiles(0, pid, nprog, my_tiles, num_pid_m, num_pid_n, m_indices_ptr, N,
-                                               W_ROWS, GROUP, False)
-                tile = _tile_stored_later(0, num_k, known, ring, walk, m_indices_ptr, N, whole, BLOCK_N, W_ROWS, GROUP,
-                                          NUM_STAGES, GATED, NUM_WARPS, INTERLEAVED, None, False)
-                tile_m, tile_n = known[1], off_n
-                for t in range(1, my_tiles):
-                    known, off_n, _ = _known_tiles(t, pid, nprog, my_tiles, num_pid_m, num_pid_n, m_indices_ptr, N,
-                                                   W_ROWS, GROUP, False)
-                    tile = _tile_stored_later(t, num_k, known, ring, walk, m_indices_ptr, N, whole, BLOCK_N, W_ROWS,
-                                              GROUP, NUM_STAGES, GATED, NUM_WARPS, INTERLEAVED,
-                                              (tile, tile_m, tile_n, out_desc, stash), True)
-                    tile_m, tile_n = known[1], off_n
-                _store_whole_tile(tile, out_desc, stash, tile_m, tile_n)
-        for t in range(0 if not LATE_STORE else my_tiles, my_tiles):
+        for t in range(my_tiles):
             known, off_n, _ = _known_tiles(t, pid, nprog, my_tiles, num_pid_m, num_pid_n, m_indices_ptr, N, W_ROWS,
                                            GROUP, False)
             if GATHER:
@@ -382,10 +344,9 @@ if GLUON_HOPPER:
         if gather:
             pointers.update(x_ptr="*bf16", row_assignments_ptr="*i32")
         interleaved = gated and (half_tiles or INTERLEAVE_GATED)
-        late = STORE_UNDER_NEXT and tma_store and not half_tiles and not gather
         return compile_kernel_for_sm90(_bf16_grouped_persistent_kernel, block_n, gated, num_warps,
                                        {"NUM_STAGES": stages, "HALF_TILES": half_tiles, "TMA_STORE": tma_store,
-                                        "GATHER": gather, "INTERLEAVED": interleaved, "LATE_STORE": late}, pointers,
+                                        "GATHER": gather, "INTERLEAVED": interleaved}, pointers,
                                        _descriptors(x, w, block_n, gated, interleaved))
 
     def launch(x, w, m_indices, rows_used, out, *, block_n, stages, num_warps=8, gated=False, half_tiles=False,
@@ -407,5 +368,4 @@ if GLUON_HOPPER:
             NUM_STAGES=stages, GROUP=group_m, GATED=gated, HALF_TILES=half_tiles,
             out_desc=_out_descriptor(out, block_n // 2 if gated else block_n) if tma_store else None, TMA_STORE=tma_store,
             counter_ptr=per_tile.HALF_TILE_COUNTER, COUNT_HALVES=per_tile.HALF_TILE_COUNTER is not None and half_tiles,
-            INTERLEAVED=interleaved, LATE_STORE=STORE_UNDER_NEXT and tma_store and not half_tiles and not gather,
-            num_warps=num_warps, **gather)
+            INTERLEAVED=interleaved, num_warps=num_warps, **gather)
