@@ -161,6 +161,29 @@ def test_two_launch_path(monkeypatch, max_chunks):
         assert_aligned_like_reference(ids, block_size, num_experts, what="two launches")
 
 
+def test_large_inputs_take_the_large_tiles(monkeypatch):
+    """One launch up to SINGLE_LAUNCH_MAX_NUMEL assignments, two beyond on the two-launch tiles, and from past
+    LARGE_FROM_NUMEL on 64-assignment tiles of 8 warps: the path each size takes, as the launch record names it (the
+    limits scaled down for the interpreter; the package's: 8,192 and 65,536, 1,024 and 8,192 tokens of top-8), with
+    the reference's output."""
+    from moe_kernels._runtime import record_launches
+
+    assert (align.SINGLE_LAUNCH_MAX_NUMEL, align.LARGE_FROM_NUMEL) == (8192, 65536)
+    if not use_triton(torch.zeros(1, device=DEVICE)):
+        pytest.skip("no Triton kernel for this device")
+    monkeypatch.setattr(align, "SINGLE_LAUNCH_MAX_NUMEL", 64)
+    monkeypatch.setattr(align, "LARGE_FROM_NUMEL", 256)
+    for numel, launches, tile_warps in ((64, 1, (align._SINGLE_TILE, align._SINGLE_WARPS)),
+                                        (256, 2, (align._MULTI_TILE, align._MULTI_WARPS)),
+                                        (264, 2, (align._LARGE_TILE, align._LARGE_WARPS))):
+        ids = torch.arange(numel, device=DEVICE, dtype=torch.int32).view(-1, 8) % 16
+        with record_launches() as seen:
+            got = moe_align_block_size(ids, 16, 16, validate_ids=False)
+        assert [(s["launches"], (s["tile"], s["warps"])) for n, s in seen if n == "align.moe_align_block_size"] == [
+            (launches, tile_warps)], numel
+        assert all(torch.equal(a, b) for a, b in zip(got, moe_align_block_size_reference(ids, 16, 16)))
+
+
 @pytest.mark.skipif(not HAS_TRITON, reason="the kernel needs triton")
 @pytest.mark.parametrize("single_launch_max", [align.SINGLE_LAUNCH_MAX_NUMEL, 0])
 def test_every_slot_is_written(monkeypatch, single_launch_max):
@@ -402,8 +425,10 @@ print(len(ptx) > 0)
 fn = align._align_kernel
 message = "align: argument 'topk_ids' must hold expert ids in [0, 128)"
 for from_table, check, permute in ((False, "", False), (True, message, False), (False, "", True),
-                                   (False, message, True)):
-    tile, warps = (align._MULTI_TILE, align._MULTI_WARPS) if from_table else (align._SINGLE_TILE, align._SINGLE_WARPS)
+                                   (False, message, True), ("large", "", False)):
+    tile, warps = ((align._LARGE_TILE, align._LARGE_WARPS) if from_table == "large" else
+                   (align._MULTI_TILE, align._MULTI_WARPS) if from_table else (align._SINGLE_TILE, align._SINGLE_WARPS))
+    from_table = bool(from_table)
     const = dict(COUNTS_FROM_TABLE=from_table, NUM_BINS=256, TILE=tile, COUNT_TILE=1024, ROW_TILE=16, PAD_TILE=64,
                  FILL_TILE=1024, ID_CHECK=check, PERMUTE=permute)
     ptx = compile_for_sm90(fn, const, int_pointers(fn), pointers_aligned=False, num_warps=warps, debug=bool(check),
@@ -417,13 +442,13 @@ for from_table, check, permute in ((False, "", False), (True, message, False), (
 
 def test_compiles_for_hopper():
     """The alignment's kernels compiled for an H100/H200 (sm_90) on this machine: the per-chunk count of
-    the two-launch path, the alignment with and without its id check, on the tiles and warps each path runs,
-    and the one-launch alignment writing the permute layout's indices, which must not spill (the CPU tests
-    otherwise run it under the interpreter only, which accepts code that a compiler may refuse)."""
+    the two-launch path, the alignment with and without its id check, on the tiles and warps each path runs (the
+    large inputs' too), and the one-launch alignment writing the permute layout's indices, which must not spill (the
+    CPU tests otherwise run it under the interpreter only, which accepts code that a compiler may refuse)."""
     import triton
 
     lines = compiled_for_hopper(_COMPILE_FOR_HOPPER)
     # (the spill count under the H200's Triton, 3.6, whose ptxas reads its PTX: 4.3 KB a thread in the two-launch
     # build with the indices, which permute therefore leaves to the row kernel)
     spills = ["spills 0"] if triton.__version__.startswith("3.6.") else []
-    assert [line for line in lines if line] == (["True"] * 4 + spills) + ["True"] + spills, lines
+    assert [line for line in lines if line] == (["True"] * 4 + spills) + ["True"] + spills + ["True"], lines

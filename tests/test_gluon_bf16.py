@@ -157,6 +157,7 @@ for gated, block_n, stages, half, tma_store, gather in json.loads(sys.argv[1]):
     ptx = build.asm["ptx"]
     built = assemble_for_sm90(ptx)
     print(json.dumps(dict(
+        tma_loads=ptx.count("cp.async.bulk.tensor.2d.shared::cluster.global"),
         copies=len(re.findall(r"cp\\.async\\.cg\\.shared\\.global \\[[^]]*\\], \\[[^]]*\\], 0x10", ptx)),
         copy_waits=sorted({int(v) for v in re.findall(r"cp\\.async\\.wait_group\\s+(\\d+)", ptx)}),
         shapes=sorted({int(n) for n in re.findall(r"wgmma\\.mma_async\\.sync\\.aligned\\.m64n(\\d+)k16", ptx)}),
@@ -196,6 +197,10 @@ def test_the_kernel_compiles_for_hopper():
         # first fill, one a stage; in and after the K loop, once a tile variant, whole and half), each step waited
         # for with the younger steps left in flight, and 0 at the end; none otherwise
         sites = stages + 2 * (2 if half else 1)
+        # TMA loads at each site: the W tile's boxes (gated: two halves, or four quarters with half tiles), and A's
+        # unless gathered; pins the halves (each copy costs the K loop a CTA barrier)
+        boxes = (4 if half else 2) if gated else 1
+        assert report["tma_loads"] == sites * (boxes + (0 if gather else 1)), report
         assert (report["copies"], report["copy_waits"]) == ((4 * sites, [0, stages - 2]) if gather else (0, [])), report
         assert report["waits"] == [0, 1], report
         assert report["spills"] == [0, 0] and report["warnings"] == [], report
@@ -298,6 +303,9 @@ def test_gathered_rows_give_the_packed_rows_product_gpu(monkeypatch, case, progr
     assert [s["gathered"] for name, s in launches if name == "gluon_bf16.gemm"] == [True], launches
     real = m_indices >= 0
     assert torch.equal(got[real], want[real])
+    if tma_store and not half_tiles:   # (whole tiles' padding rows written: gathered, they are zero rows' products)
+        used = int(rows_used)
+        assert bool((got[:used][~real[:used]] == 0).all())
     reference = bf16_grouped_reference(packed, w, m_indices, gated=gated)
     assert rel_err(got[real].float(), reference[real].float()) < 5e-3
 
@@ -309,7 +317,8 @@ def test_gathered_rows_give_the_packed_rows_product_gpu(monkeypatch, case, progr
     (dict(row_assignments="int64"), "'row_assignments' must have dtype"),
     (dict(row_assignments="short"), "'row_assignments' must have one entry per row of m_indices"),
     (dict(row_assignments="negative"), "'row_assignments' must hold no negative assignment"),
-    (dict(tokens="odd stride"), "'x' must start on 16 bytes and have a row stride of a multiple of 8")])
+    (dict(tokens="odd stride"), "'x' must start on 16 bytes and have a row stride of a multiple of 8"),
+    (dict(out="over the tokens"), "'out' must not share memory with x (the tokens the rows gather)")])
 def test_bad_gathered_arguments_are_named_gpu(change, says):
     """A gathered call's own arguments, checked before the launch: ``top_k`` with ``row_assignments``, an int32 a
     row, none negative (a negative one would read before the tokens), tokens whose rows start on 16 bytes."""
@@ -321,8 +330,12 @@ def test_bad_gathered_arguments_are_named_gpu(change, says):
     row_assignments = edits.get(change.get("row_assignments"), row_assignments)
     if change.get("tokens"):
         tokens = torch.zeros(tokens.shape[0], 68, device="cuda", dtype=torch.bfloat16)[:, :64]
+    out = None
+    if change.get("out"):   # (an output whose rows lie over the tokens past the first, which GEMM 1 still gathers)
+        big = torch.zeros(m_indices.shape[0] + tokens.shape[0], 256, device="cuda", dtype=torch.bfloat16)
+        tokens, out = big[m_indices.shape[0] - 1:, :64], big[:m_indices.shape[0], :128]
     with pytest.raises((ValueError, TypeError), match=re.escape("bf16_grouped: argument " + says)):
-        bf16_grouped(tokens, w, m_indices, rows_used, row_assignments=row_assignments, top_k=top_k)
+        bf16_grouped(tokens, w, m_indices, rows_used, row_assignments=row_assignments, top_k=top_k, out=out)
 
 
 @pytest.mark.gpu

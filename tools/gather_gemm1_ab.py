@@ -18,7 +18,7 @@ import sys
 
 import torch
 
-from moe_kernels.bench.problems import make_batch
+from moe_kernels.bench.problems import make_batch, make_weights
 from moe_kernels.bench.timing import time_lowest
 from moe_kernels.kernels import _gluon_bf16_persistent as kernel, permute_gluon
 from moe_kernels.kernels.gluon_bf16 import bf16_grouped
@@ -34,8 +34,7 @@ rows = []
 for key in models:
     model = MODELS[key]
     e, d, f = model.num_experts, model.hidden_size, model.moe_intermediate_size
-    g = torch.Generator(device="cuda").manual_seed(0)
-    w1 = (torch.randn(e, 2 * f, d, device="cuda", generator=g) / d ** 0.5).to(torch.bfloat16)
+    w1, _ = make_weights(model, torch.bfloat16, seed=0)   # (made in bf16: DeepSeek-V3's in fp32 took 30 GB)
     for batch in batches:
         hidden, _, _, ids = make_batch(model, batch, torch.bfloat16, seed=batch)
         permuted = permute(hidden, ids, e, align=128, validate_ids=False, copy=False)
@@ -74,8 +73,9 @@ for key in models:
             continue
         real = permuted.m_indices >= 0
         want = gemm_packed()[real].clone()
-        got = gemm_gathered()[real]
-        assert torch.equal(got, want), "the gathered rows' product differs from the packed rows'"
+        for name, call in (("gathered", gemm_gathered), ("packed, quarters", quarters(gemm_packed)),
+                           ("gathered, quarters", quarters(gemm_gathered))):
+            assert torch.equal(call()[real], want), f"GEMM 1 {name}: its real rows differ from the packed rows'"
         candidates = {"scatter": lambda: scatter_rows(hidden, permuted.src2dst, num_rows),
                       "gemm1 packed": gemm_packed, "scatter + gemm1 packed": scatter_then_packed,
                       "gemm1 gathered": gemm_gathered, "gemm1 packed quarters": quarters(gemm_packed),

@@ -6,13 +6,16 @@ input's scatter, the top-k sum, the router) was inferred as the layer's time les
 run, which the power cap's 2-4% between runs swamps. Here every kernel of one call is timed in the same calls.
 Kernel durations come from CUPTI, with the L2 warm (each call's inputs are the last call's); the gaps between
 kernels are the profiler's, not the layer's, so the record keeps the kernels' sum; ``wall_us`` is the time of
-``WALL_CALLS`` eager calls back to back without the profiler, as a caller runs them.
+``WALL_CALLS`` calls back to back without the profiler, as a caller makes them (the plan replayed, or from its CUDA
+graph where it has one), after ``WARMUP_CALLS`` (session 35's first records warmed up with three, so a graph's
+capture fell among the timed calls: their ``wall_us`` is not the steady state).
 GEMM kernels are the ones whose name says so (``GEMM_NAMES``); the rest is the layer around them.
 
     PYTHONPATH=. python tools/layer_profile.py [models] [batches] [formats]   # GPU: records layer-profile.json
-    (LAYER_PROFILE_SWITCHES="BF16_GATHER_GEMM1_UP_TO_ROWS=100000": permute_gluon's switches set for the run)
+    (LAYER_PROFILE_SWITCHES="BF16_GATHER_GEMM1_UP_TO_ROWS=None": permute_gluon's switches set for the run)
     PYTHONPATH=. TRITON_INTERPRET=1 python tools/layer_profile.py             # CPU: a small shape, no kernels timed
 """
+import ast
 import dataclasses
 import os
 import sys
@@ -24,21 +27,26 @@ from moe_kernels.kernels import permute_gluon
 from moe_kernels.model.shapes import MODELS
 from moe_kernels.results import record_tool
 
-# substrings of the kernels that multiply by the expert weights (Gluon, Triton, cuBLAS)
-GEMM_NAMES = ("grouped", "fused_moe", "gemm", "_tile_kernel", "gluon", "transposed", "sm90_xmma", "cutlass", "nvjet")
+# the package's kernels that multiply by the expert weights, by name prefix (the router's cuBLAS gate and its grouped
+# top-k are not among them)
+GEMM_NAMES = ("_bf16_grouped", "_block_fp8_grouped", "_contiguous_gemm", "_index_gather_gemm", "_transposed_kernel",
+              "_streamed_pair", "_one_launch", "_masked_gemm")
 CALLS = 5
+# calls before the timed ones: a repeated call is replayed from its second call and captured as a CUDA graph at its
+# fourth (_replay_graphs.REPLAYS_BEFORE_GRAPH), which must not land among the timed calls
+WARMUP_CALLS = 6
 WALL_CALLS = 10
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
 models = sys.argv[1].split(",") if len(sys.argv) > 1 else ["qwen3-30b-a3b", "deepseek-v3"]
 batches = [int(b) for b in sys.argv[2].split(",")] if len(sys.argv) > 2 else [4096, 16384]
 formats = sys.argv[3].split(",") if len(sys.argv) > 3 else ["none", "block"]
-# LAYER_PROFILE_SWITCHES="BF16_TMA_STORE_GEMM1=1,...": permute_gluon's switches set for the run (0/1 or an integer)
+# LAYER_PROFILE_SWITCHES="BF16_TMA_STORE_GEMM1=True,...": permute_gluon's switches set for the run (a Python literal)
 for setting in filter(None, os.environ.get("LAYER_PROFILE_SWITCHES", "").split(",")):
     name, value = setting.split("=")
     if not hasattr(permute_gluon, name):
         sys.exit(f"LAYER_PROFILE_SWITCHES: permute_gluon has no switch {name}")
-    setattr(permute_gluon, name, bool(int(value)) if value in ("0", "1") else int(value))
+    setattr(permute_gluon, name, ast.literal_eval(value))
 if device == "cpu":
     batches, formats = [3], ["none"]
 
@@ -67,7 +75,7 @@ for key in models:
         for batch in batches:
             x = torch.randn(batch, d, device=device, dtype=dtype, generator=torch.Generator(device).manual_seed(batch))
             plan = layer.plan(batch)
-            for _ in range(3):
+            for _ in range(WARMUP_CALLS):
                 layer(x)
             if device == "cpu":
                 print(f"{key} {fmt} {batch}: ran ({plan.layout})")
@@ -75,7 +83,7 @@ for key in models:
             torch.cuda.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            for _ in range(WALL_CALLS):   # the eager calls back to back, as a caller runs them (no profiler)
+            for _ in range(WALL_CALLS):   # the calls back to back, as a caller makes them (no profiler)
                 layer(x)
             end.record()
             torch.cuda.synchronize()
@@ -86,7 +94,7 @@ for key in models:
                     layer(x)
                 torch.cuda.synchronize()
             kernels = kernels_of(prof)
-            gemm_us = sum(k["us"] for k in kernels if any(g in k["name"].lower() for g in GEMM_NAMES))
+            gemm_us = sum(k["us"] for k in kernels if k["name"].startswith(GEMM_NAMES))
             total_us = sum(k["us"] for k in kernels)
             flops = batch * model.top_k * 6 * d * f
             row = {"model": key, "format": fmt, "batch": batch, "layout": plan.layout, "gemm": plan.gemm,

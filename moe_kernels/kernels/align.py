@@ -77,6 +77,11 @@ MAX_CHUNKS = 128
 # 128-assignment tiles and 4 warps (17.6 us at T = 2048).
 _SINGLE_TILE, _SINGLE_WARPS = 64, 8
 _MULTI_TILE, _MULTI_WARPS = 128, 4
+# Beyond LARGE_FROM_NUMEL assignments the two-launch path ranks 64 assignments at a time on 8 warps: at 131,072
+# (16,384 tokens of top-8) that took 76.9 us over 128 experts and 73.6 over 256, against 86.0 and 89.3 with the
+# tiles above, which stayed the fastest at 32,768 (an H100, tools/tune_align.py large, align-ab-s35.json).
+LARGE_FROM_NUMEL = 65536
+_LARGE_TILE, _LARGE_WARPS = 64, 8
 # Ids histogrammed per step while counting.
 _COUNT_TILE = 1024
 # Sentinel / -1 slots of the tail written per step, and one program's share of it: tiny batches with
@@ -348,7 +353,7 @@ def _launch_alignment(topk_ids, block_size, num_experts, sorted_ids, expert_ids,
         num_chunks = cdiv(numel, chunk_size)
         chunk_counts = topk_ids  # never read: every program counts the ids itself
     else:
-        tile, warps = _MULTI_TILE, _MULTI_WARPS
+        tile, warps = (_LARGE_TILE, _LARGE_WARPS) if numel > LARGE_FROM_NUMEL else (_MULTI_TILE, _MULTI_WARPS)
         chunk_size = tile * cdiv(numel, tile * MAX_CHUNKS)
         num_chunks = cdiv(numel, chunk_size)
         chunk_counts = torch.empty(num_chunks * num_bins, dtype=torch.int32, device=topk_ids.device)
@@ -356,7 +361,7 @@ def _launch_alignment(topk_ids, block_size, num_experts, sorted_ids, expert_ids,
             topk_ids, chunk_counts, numel, num_experts, chunk_size,
             NUM_BINS=num_bins, COUNT_TILE=_COUNT_TILE, num_warps=warps)
     note_launch("align.moe_align_block_size", block_size=block_size, launches=1 + (numel > SINGLE_LAUNCH_MAX_NUMEL),
-                id_check=bool(id_check), permute_indices=permute_indices is not None)
+                id_check=bool(id_check), permute_indices=permute_indices is not None, tile=tile, warps=warps)
     m_indices, src2dst = permute_indices if permute_indices is not None else (sorted_ids, sorted_ids)
     _align_kernel[(max(num_chunks, fill_programs, 1),)](
         topk_ids, chunk_counts, sorted_ids, expert_ids, used,

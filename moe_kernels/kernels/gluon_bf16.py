@@ -26,7 +26,7 @@ import torch
 
 from .._checks import check_int, check_tensor, fail
 from .._runtime import note_launch
-from .gluon_block_fp8 import _check, _check_rows_used, available
+from .gluon_block_fp8 import _check, _check_rows_used, _overlap, available
 from .gluon_transposed import grouped_transposed_reference
 
 __all__ = ["bf16_grouped", "bf16_grouped_reference", "shared_bytes", "SHARED_LIMIT"]
@@ -88,7 +88,7 @@ def bf16_grouped(x, w, m_indices, rows_used, *, out=None, gated: bool = False, b
         fail(func, "w", f"must be on a device this kernel runs on ({reason})", getattr(w, "device", w))
     gathered = row_assignments is not None or top_k is not None
     if gathered:
-        _check_gather(func, x, m_indices, row_assignments, top_k, validate_ids)
+        _check_gather(func, x, m_indices, out, row_assignments, top_k, validate_ids)
     if gathered and not x.shape[0]:   # (no token: every row is padding; one zero row to describe)
         x = x.new_zeros(1, x.shape[1])
     # (gathered: the checks of the packed rows the kernel reads, on a view of x's first row repeated that many times)
@@ -117,10 +117,11 @@ def bf16_grouped(x, w, m_indices, rows_used, *, out=None, gated: bool = False, b
     return out
 
 
-def _check_gather(func, x, m_indices, row_assignments, top_k, validate_ids):
+def _check_gather(func, x, m_indices, out, row_assignments, top_k, validate_ids):
     """The gathered call's own arguments: ``row_assignments`` one int32 per row of ``m_indices``, ``top_k`` >= 1,
-    ``x``'s rows on 16 bytes (each K step's row is eight 16-byte copies), no assignment negative (``validate_ids``:
-    read back, as the ids are; an assignment past ``T * top_k`` is a padding row)."""
+    ``x``'s rows on 16 bytes (each K step's row is eight 16-byte copies), ``out`` sharing no memory with the tokens
+    (the shared checks see only a view of their first row), no assignment negative (``validate_ids``: read back, as
+    the ids are; an assignment past ``T * top_k`` is a padding row)."""
     if row_assignments is None or top_k is None:
         fail(func, "row_assignments", "must come with top_k (both or neither)",
              f"row_assignments={type(row_assignments).__name__}, top_k={top_k!r}")
@@ -134,6 +135,8 @@ def _check_gather(func, x, m_indices, row_assignments, top_k, validate_ids):
     if x.data_ptr() % 16 or x.stride(0) % 8:
         fail(func, "x", "must start on 16 bytes and have a row stride of a multiple of 8 elements when gathered",
              (x.data_ptr() % 16, x.stride(0)))
+    if out is not None and _overlap(out, x):
+        fail(func, "out", "must not share memory with x (the tokens the rows gather)", "overlapping tensors")
     if x.shape[0] * top_k > 2**31 - 1:
         fail(func, "x", "must have T * top_k below 2**31 (int32 assignments)", (x.shape[0], top_k))
     capturing = row_assignments.is_cuda and torch.cuda.is_current_stream_capturing()
