@@ -26,7 +26,7 @@ along N (gated: each holds whole quarters, so its gate and up columns stay toget
 
 ``GATHER``: the A rows come from their tokens, not from a packed copy. Row ``r`` of a tile is token
 ``row_assignments[r] // top_k`` of ``x`` (``[T, K]``; a padding row, ``row_assignments[r] >= T * top_k``, reads
-zeros), loaded by ``cp.async`` pointer copies of 16 bytes, four a thread a K step (Hopper's TMA cannot gather
+zeros), loaded by ``cp.async`` pointer copies of 16 bytes, four a thread a K step at 8 warps (Hopper's TMA cannot gather
 rows), while the weights keep their TMA boxes. Each thread waits for its own copies of a step
 (``cp.async.wait_group``, the groups committed one a step), fences them for the tensor cores' proxy, and a CTA
 barrier makes every thread's copies visible before the step's wgmma. Why: the permute layout's scatter of the
@@ -75,7 +75,8 @@ if GLUON_HOPPER:
 
     @gluon.constexpr_function
     def _gather_layout(num_warps):
-        """A gathered A tile as 16-byte pieces: eight to a row of 64 bf16, 32 rows a pass of the CTA, four passes."""
+        """A gathered A tile as 16-byte pieces: eight to a row of 64 bf16, four rows a warp, ``num_warps`` warps a pass
+        (at 8 warps 32 rows, four passes)."""
         return gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
 
     @gluon.jit
@@ -92,8 +93,9 @@ if GLUON_HOPPER:
     def _load_gathered(ring, walk, gather, g, num_k, known, sources, m_indices_ptr, N, W_ROWS: gl.constexpr,
                        GROUP: gl.constexpr, NUM_STAGES: gl.constexpr, GATED: gl.constexpr, NUM_WARPS: gl.constexpr):
         """Global step ``g``'s loads into stage ``g % NUM_STAGES`` (:func:`_load_global`'s walk): the W tile by TMA
-        (gated in quarters, gate and up), the A rows from their tokens by ``cp.async`` (``sources``: the known tile's
-        and the next one's, :func:`_token_rows`), committed as one group, empty past the program's last tile."""
+        (gated: gate and up halves, or quarters), the A rows from their tokens by ``cp.async`` (``sources``: the known
+        tile's and the next one's, :func:`_token_rows`), committed as one group; past the program's last tile the
+        copies are masked (zero-filled, nothing read) and the group is still committed, one a step."""
         x_desc, w_desc, a_bufs, b_bufs, ready = ring
         pid, nprog, my_tiles, num_pid_m, num_pid_n = walk
         tile, off_m, w_row, next_m, next_w_row = known
@@ -312,7 +314,7 @@ if GLUON_HOPPER:
                 _tile(t, num_k, known, sources, off_n, ring, walk, gather, tensors, N, OUT_N, stride_om, BLOCK_M, whole,
                       BLOCK_N, W_ROWS, GROUP, NUM_STAGES, GATED, TMA_STORE, GATHER, NUM_WARPS, INTERLEAVED)
 
-        if GATHER:   # (the groups past the last tile are empty; none is left in flight)
+        if GATHER:   # (the groups past the last tile only zero-fill; none is left in flight)
             async_copy.wait_group(0)
         for stage in gl.static_range(NUM_STAGES):   # every fill was waited for: no copy is left in flight
             mbarrier.invalidate(ready.index(stage))

@@ -58,10 +58,10 @@ BF16_TMA_STORE_GEMM1 = False
 #: bf16 GEMM 1 gathers its rows from the tokens (``bf16_grouped(row_assignments=)``: ``cp.async`` pointer copies of
 #: each row, the weights by TMA) instead of reading the one-pass scatter's packed copy, where the experts average at
 #: most this many rows (None: never). On an H100 (``gather-gemm1-ab-s35.json``, GEMM 1 alone, against the scatter and
-#: GEMM 1 on packed rows) it was 10-13% faster at 32-64 rows an expert, where the packed tiles read mostly padding,
-#: level at 128-256, and 9-17% slower from 256-512, where GEMM 1 is compute-bound and the copies add to the K loop's
-#: issue (Nsight Compute: 21% more instructions); in the layer (``layer-layout-ab-bf16-gathered-s35.json``) 6-7% faster
-#: at 2,048 tokens (64-128 rows) and 1.5% at 4,096.
+#: GEMM 1 on packed rows) it was 10-14% faster at 32-128 rows an expert, where the packed tiles read mostly padding,
+#: from 4% slower to 8% faster at 128-256, and 9-14% slower from 256-512, where GEMM 1 is compute-bound and the copies add to each warp's
+#: serial stream (Nsight Compute: 21-24% more instructions); in the layer (``layer-layout-ab-bf16-gathered-s35.json``,
+#: ``-defaults-s35.json``) 6-10% faster at 1,024-2,048 tokens and 1-2% at DeepSeek-V3's 4,096.
 BF16_GATHER_GEMM1_UP_TO_ROWS = 128
 #: bf16 on the persistent kernel: a segment's last tile with at most 64 real rows multiplies 64 rows. Off: in the
 #: layer on an H100 (``layer-layout-ab-bf16*-s33.json``) 0.2-2.3% faster on Qwen3-30B-A3B, 8-14% slower on
