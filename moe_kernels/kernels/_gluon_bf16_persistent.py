@@ -125,9 +125,11 @@ if GLUON_HOPPER:
             row = w_row + (part % 2) * (N // 2) + (part // 2) * box
             tma.async_copy_global_to_shared(w_desc, [row, k], bar, b_bufs.index(stage).slice(part * box, box), pred)
         # >>> book: bf16-gathered-rows
-        columns = k + gl.arange(0, x_desc.block_type.shape[1], layout=gl.SliceLayout(0, _gather_layout(NUM_WARPS)))
+        along_k: gl.constexpr = gl.SliceLayout(0, _gather_layout(NUM_WARPS))
+        columns = k + gl.arange(0, x_desc.block_type.shape[1], layout=along_k)
         pieces = gather[0] + start[:, None] + columns[None, :]
-        async_copy.async_copy_global_to_shared(a_bufs.index(stage), pieces, mask=(real & pred)[:, None])
+        async_copy.async_copy_global_to_shared(a_bufs.index(stage), pieces,
+                                               mask=(real & pred)[:, None])
         async_copy.commit_group()
         # <<< book: bf16-gathered-rows
 
@@ -189,8 +191,9 @@ if GLUON_HOPPER:
             # both warpgroups past MMA step - 1 before its stage is refilled
             gl.thread_barrier()
             # its stage takes global step base + step - 1 + NUM_STAGES (this tile or a later)
-            _refill(ring, walk, gather, base + step - 1 + NUM_STAGES, num_k, known, sources,
-                    m_indices_ptr, N, W_ROWS, GROUP, NUM_STAGES, GATED, GATHER, NUM_WARPS, INTERLEAVED)
+            _refill(ring, walk, gather, base + step - 1 + NUM_STAGES, num_k, known,
+                    sources, m_indices_ptr, N, W_ROWS, GROUP, NUM_STAGES, GATED,
+                    GATHER, NUM_WARPS, INTERLEAVED)
         # <<< book: bf16-k-loop
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         gl.thread_barrier()
@@ -209,7 +212,8 @@ if GLUON_HOPPER:
             parts = gl.permute(gl.reshape(acc, [acc.shape[0], 2, 2, W_ROWS // 2]), (0, 1, 3, 2))
             gate, up = gl.split(gl.reshape(parts, [acc.shape[0], W_ROWS, 2]))
         else:
-            gate, up = gl.split(gl.permute(gl.reshape(acc, [acc.shape[0], 2, W_ROWS]), (0, 2, 1)))
+            halves = gl.reshape(acc, [acc.shape[0], 2, W_ROWS])
+            gate, up = gl.split(gl.permute(halves, (0, 2, 1)))
         return gate * (1.0 / (1.0 + gl.exp(-gate))) * up
         # <<< book: bf16-gate-up-pairs
 
