@@ -11,7 +11,8 @@ import torch
 
 from moe_kernels._runtime import record_launches
 from moe_kernels.kernels import permute_gluon
-from moe_kernels.kernels.gluon_bf16 import SHARED_LIMIT, bf16_grouped, bf16_grouped_reference, shared_bytes
+from moe_kernels.kernels.gluon_bf16 import (SHARED_LIMIT, bf16_grouped, bf16_grouped_reference, gathered_rows_reference,
+                                            shared_bytes)
 from moe_kernels.kernels.gluon_block_fp8 import available
 from moe_kernels.kernels.permute import permute_experts
 from moe_testing import DEVICE, make_problem, rel_err, segment_indices
@@ -50,6 +51,19 @@ def test_the_reference_against_float64():
                          for r, e in enumerate(m_indices.tolist())])
         want = torch.nn.functional.silu(h[:, :128]) * h[:, 128:] if gated else h
         assert rel_err(got, want) < 5e-3
+
+
+def test_the_gathered_rows_reference_against_float64():
+    """A gathered call's reference: its rows are the tokens ``row_assignments // top_k`` names (top-3: rows share
+    tokens), padding rows zero, and the product of those rows is each real row's own float64 product."""
+    x, w, m_indices, _ = segmented([5, 0, 130], seed=9, k=64, n=256)
+    tokens, row_assignments, packed = gathered_rows(m_indices, 64, top_k=3, seed=9)
+    assert torch.equal(gathered_rows_reference(tokens, row_assignments, 3), packed)
+    got = bf16_grouped_reference(gathered_rows_reference(tokens, row_assignments, 3), w, m_indices).double()
+    want = torch.stack([tokens[int(a) // 3].double() @ w[int(e)].double().T if e >= 0
+                        else torch.zeros(256, dtype=torch.float64)
+                        for a, e in zip(row_assignments.tolist(), m_indices.tolist())])
+    assert rel_err(got, want) < 5e-3
 
 
 def test_it_refuses_where_it_cannot_run():
@@ -306,7 +320,7 @@ def test_gathered_rows_give_the_packed_rows_product_gpu(monkeypatch, case, progr
     if tma_store and not half_tiles:   # (whole tiles' padding rows written: gathered, they are zero rows' products)
         used = int(rows_used)
         assert bool((got[:used][~real[:used]] == 0).all())
-    reference = bf16_grouped_reference(packed, w, m_indices, gated=gated)
+    reference = bf16_grouped_reference(gathered_rows_reference(tokens, row_assignments, 3), w, m_indices, gated=gated)
     assert rel_err(got[real].float(), reference[real].float()) < 5e-3
 
 

@@ -401,7 +401,8 @@ def test_router_replays_and_graphs_on_two_streams_gpu(model_name, batch, one_lau
     # the H100's bf16 entries: the 128-row bf16 Gluon GEMMs (layer-layout-ab-bf16*-s33.json, -s35.json)
     ("qwen3-30b-a3b", "none", H100, 1023, "index_gather"), ("qwen3-30b-a3b", "none", H100, 1024, "permute 128 from 1024"),
     ("deepseek-v3", "none", H100, 1023, "index_gather"), ("deepseek-v3", "none", H100, 1024, "permute 128 from 1024"),
-    ("deepseek-v3", "none", H100, 2048, "permute 128 from 1024"), ("deepseek-v3", "none", H100, 16384, "permute 128 from 1024"),
+    ("deepseek-v3", "none", H100, 2048, "permute 128 from 1024"),
+    ("deepseek-v3", "none", H100, 16384, "permute 128 from 1024"),
     ("deepseek-v3", "none", "NVIDIA A100", 16384, "index_gather"),
     # the H100's fp8 entries: the transposed Gluon kernel at decode (16-row segments), the 128-row Gluon GEMMs
     # at prefill, and for DeepSeek-V3 index-gather between them at 1,024 tokens

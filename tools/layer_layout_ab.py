@@ -196,7 +196,8 @@ for key in models:
                                    "gemms": [s for n, s in launches if n == "gluon_block_fp8.gemm"]}
                     candidates[name] = gluon_call(persistent, fused, one_pass, half, half2, own)
             if AUTO_COPIED and fmt == "none":
-                call = bf16_call(MoELayer(layer.weights, layer.routing, layout="auto"), x, {"ONE_PASS_BF16_INPUT": False})
+                auto_layer = MoELayer(layer.weights, layer.routing, layout="auto")
+                call = bf16_call(auto_layer, x, {"ONE_PASS_BF16_INPUT": False})
                 with record_launches() as launches:
                     call()
                 plans["auto copied input"] = {"one_pass_input": [s for n, s in launches if n == "quant_scatter"],

@@ -29,12 +29,27 @@ from .._runtime import note_launch
 from .gluon_block_fp8 import _check, _check_rows_used, _overlap, available
 from .gluon_transposed import grouped_transposed_reference
 
-__all__ = ["bf16_grouped", "bf16_grouped_reference", "shared_bytes", "SHARED_LIMIT"]
+__all__ = ["bf16_grouped", "bf16_grouped_reference", "gathered_rows_reference", "shared_bytes", "SHARED_LIMIT"]
 
 #: The shared memory one program may take on Hopper (the H100's and the H200's 227 KiB).
 SHARED_LIMIT = 227 * 1024
 
 bf16_grouped_reference = grouped_transposed_reference
+
+
+def gathered_rows_reference(x: torch.Tensor, row_assignments: torch.Tensor, top_k: int) -> torch.Tensor:
+    """The packed rows a gathered call reads (``bf16_grouped(row_assignments=, top_k=)``): row ``r`` is token
+    ``row_assignments[r] // top_k`` of ``x``, and zeros where ``row_assignments[r] >= T * top_k`` (padding); the
+    gathered call's reference is :data:`bf16_grouped_reference` of these rows.
+
+        >>> x = torch.arange(6.0).view(3, 2)
+        >>> gathered_rows_reference(x, torch.tensor([5, 0, 6, 1], dtype=torch.int32), 2).tolist()
+        [[4.0, 5.0], [0.0, 1.0], [0.0, 0.0], [0.0, 1.0]]
+    """
+    real = row_assignments < x.shape[0] * top_k
+    rows = x.new_zeros(row_assignments.shape[0], x.shape[1])
+    rows[real] = x[(row_assignments[real] // top_k).long()]
+    return rows
 
 
 def shared_bytes(block_n: int, stages: int, gated: bool, half_tiles: bool = False, tma_store: bool = False) -> int:
@@ -66,7 +81,8 @@ def bf16_grouped(x, w, m_indices, rows_used, *, out=None, gated: bool = False, b
     ``row_assignments`` (int32 ``[M_pad]``, :class:`~moe_kernels.kernels.permute.PermutedRows`'s) with ``top_k``:
     ``x`` is the tokens, ``[T, K]``, and row ``r`` is token ``row_assignments[r] // top_k`` (a value of
     ``T * top_k`` or more: a padding row, read as zeros), gathered by the kernel instead of copied into a packed
-    buffer first (GEMM 1 of the permute layout without its input's scatter)."""
+    buffer first (GEMM 1 of the permute layout without its input's scatter); its reference is
+    :data:`bf16_grouped_reference` of :func:`gathered_rows_reference`'s rows."""
     func = "bf16_grouped"
     for name, flag in (("gated", gated), ("half_tiles", half_tiles), ("tma_store", tma_store),
                        ("validate_ids", validate_ids)):

@@ -16,9 +16,9 @@ table: ``results/nvidia-h100-80gb-hbm3/fp8-sweep.json``), and on the H100 at dec
 transposed Gluon kernel) from 128 tokens (Qwen3) and 2 (DeepSeek-V3), with index-gather between for DeepSeek-V3
 at 1,024. On the H100 the bf16 layers run the permute layout with the bf16 Gluon GEMMs from 1,024 tokens for
 both models (``layer-layout-ab-bf16*-s33.json``, ``-s35.json``; DeepSeek-V3 below 4,096 since session 35, with
-GEMM 1 gathering its rows up to 4,096 tokens, 128 rows an expert). The layer takes an entry naming the Gluon GEMMs only where they run
-(:func:`~moe_kernels.kernels.permute_gluon.refusal`: bf16 activations and weights they can read, Triton 3.6 on
-sm_90): with the Triton GEMMs the permute layout lost to index-gather.
+GEMM 1 gathering its rows up to 4,096 tokens, 128 rows an expert). The layer takes an entry naming the Gluon
+GEMMs only where they run (:func:`~moe_kernels.kernels.permute_gluon.refusal`: bf16 activations and weights they
+can read, Triton 3.6 on sm_90): with the Triton GEMMs the permute layout lost to index-gather.
 
     >>> choice = choose_layout(4096, 256, 2048, 7168, "unquantized", "cpu", device_name="NVIDIA H200")
     >>> choice.layout, choice.config.down.persistent, choice.from_tokens

@@ -59,9 +59,10 @@ BF16_TMA_STORE_GEMM1 = False
 #: each row, the weights by TMA) instead of reading the one-pass scatter's packed copy, where the experts average at
 #: most this many rows (None: never). On an H100 (``gather-gemm1-ab-s35.json``, GEMM 1 alone, against the scatter and
 #: GEMM 1 on packed rows) it was 10-14% faster at 32-128 rows an expert, where the packed tiles read mostly padding,
-#: from 4% slower to 8% faster at 128-256, and 9-14% slower from 256-512, where GEMM 1 is compute-bound and the copies add to each warp's
-#: serial stream (Nsight Compute: 21-24% more instructions); in the layer (``layer-layout-ab-bf16-gathered-s35.json``,
-#: ``-defaults-s35.json``) 6-10% faster at 1,024-2,048 tokens and 1-2% at DeepSeek-V3's 4,096.
+#: from 4% slower to 8% faster at 128-256, and 9-14% slower from 256-512, where GEMM 1 is compute-bound and the
+#: copies add to each warp's serial stream (Nsight Compute: 21-24% more instructions); in the layer
+#: (``layer-layout-ab-bf16-gathered-s35.json``, ``-defaults-s35.json``) 6-10% faster at 1,024-2,048 tokens and 1-2%
+#: at DeepSeek-V3's 4,096.
 BF16_GATHER_GEMM1_UP_TO_ROWS = 128
 #: bf16 on the persistent kernel: a segment's last tile with at most 64 real rows multiplies 64 rows. Off: in the
 #: layer on an H100 (``layer-layout-ab-bf16*-s33.json``) 0.2-2.3% faster on Qwen3-30B-A3B, 8-14% slower on
@@ -143,9 +144,9 @@ def gathers_gemm1(fmt, align, hidden_states, num_assignments: int, num_experts: 
     (from the shapes: no read of the routing).
 
         >>> from moe_kernels.kernels.formats import FORMATS
-        >>> x = torch.zeros(2048, 7168, dtype=torch.bfloat16)
-        >>> gathers_gemm1(FORMATS["none"], 128, x, 2048 * 8, 256), gathers_gemm1(FORMATS["none"], 128, x, 8192 * 8, 256)
-        (True, False)
+        >>> x = torch.zeros(4, 7168, dtype=torch.bfloat16)   # (only its strides and alignment are read)
+        >>> [gathers_gemm1(FORMATS["none"], 128, x, tokens * 8, 256) for tokens in (2048, 8192)]   # DeepSeek-V3
+        [True, False]
     """
     return (BF16_GATHER_GEMM1_UP_TO_ROWS is not None and num_assignments <= BF16_GATHER_GEMM1_UP_TO_ROWS * num_experts
             and not fmt.quantized and align == 128 and hidden_states.stride(1) == 1
