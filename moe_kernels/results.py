@@ -57,6 +57,8 @@ def provenance() -> dict:
         "git_commit": commit,
         "command": command_line(),
         "python": platform.python_version(),
+        # How the timers emptied the L2 (bench.timing.L2_FLUSH_ENV); records without it used do_bench's "zero".
+        **({"l2_flush": os.environ["MOE_KERNELS_L2_FLUSH"]} if os.environ.get("MOE_KERNELS_L2_FLUSH") else {}),
     }
 
 

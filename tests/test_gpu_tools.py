@@ -26,7 +26,8 @@ def run_tool(code_or_path, *, interpret: bool, timeout=600):
 
 
 @pytest.mark.parametrize("tool, says", [("launch_floor.py", "chain values correct"),
-                                        ("tile_read_ab.py", "tile sums correct"), ("l2_read.py", "read sums correct")])
+                                        ("tile_read_ab.py", "tile sums correct"), ("l2_read.py", "read sums correct"),
+                                        ("l2_flush_ab.py", "payloads ran once")])
 def test_the_tools_compute_their_values_without_a_gpu(tool, says):
     pytest.importorskip("triton")
     done = run_tool(ROOT / "tools" / tool, interpret=True)

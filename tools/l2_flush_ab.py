@@ -35,60 +35,29 @@ import sys
 import torch
 
 from moe_kernels.bench.ceilings import weight_reader
-from moe_kernels.bench.timing import captured, graphed
+from moe_kernels.bench.timing import FLUSH_BYTES, captured, clean_flush, flushed_median_ms, graphed
 from moe_kernels.results import record_tool
 
 RECORD = sys.argv[1] if len(sys.argv) > 1 else "l2-flush-ab"
-FLUSH_BYTES = 256 * 1024**2
 REPS = 8
 READ_MB = tuple(int(m) for m in os.environ.get("FLUSH_AB_READ_MB", "4,16,38,75,150,300,1200").split(","))
 BATCHES = tuple(int(b) for b in os.environ.get("FLUSH_AB_BATCHES", "1,8,64,512").split(","))
 MODELS = tuple(os.environ.get("FLUSH_AB_MODELS", "qwen3-30b-a3b,deepseek-v3").split(","))
+# Index-gather's stages alone too, by the two clean-flush methods (0: none), at these batches.
+STAGE_BATCHES = tuple(int(b) for b in os.environ.get("FLUSH_AB_STAGE_BATCHES", "1,8,64,512").split(",") if b)
+STAGE_METHODS = ("read, events", "read, in graph")
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 
 
 def flushes():
-    """The two flushes: ``zero`` (do_bench's), and ``read`` (the same zeroing, then a read of another
-    buffer as large, which evicts the dirty lines before the timing starts)."""
-    size = FLUSH_BYTES if CUDA else 4 * 8192 * 4
-    cache = torch.empty(size // 4, dtype=torch.int32, device=DEVICE)
-    other = torch.ones(size // 4, dtype=torch.float32, device=DEVICE)
-    read_other = weight_reader(other) if CUDA else (lambda: other.sum())
-
-    def zero():
-        cache.zero_()
-
-    def read():
-        cache.zero_()
-        read_other()
-    return {"zero": zero, "read": read}
-
-
-def events_ms(replay, flush, warmup_ms=5.0, rep_ms=40.0) -> float:
-    """``do_bench``'s loop with ``flush`` as its cache clearing: the median of flush, event, call, event."""
-    replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        flush()
-        replay()
-    end.record()
-    torch.cuda.synchronize()
-    estimate = max(start.elapsed_time(end) / 5, 1e-3)
-    for _ in range(max(1, int(warmup_ms / estimate))):
-        replay()
-    n = max(5, int(rep_ms / estimate))
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
-    for s, e in zip(starts, ends):
-        flush()
-        s.record()
-        replay()
-        e.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+    """The two flushes: ``zero`` (do_bench's), and ``read`` (:func:`~moe_kernels.bench.timing.clean_flush`: the
+    same zeroing, then a read of another buffer as large, which evicts the dirty lines before the timing starts)."""
+    if not CUDA:   # (the interpreter: the flushes' plumbing on small buffers, nothing timed)
+        cache, other = torch.empty(8192, dtype=torch.int32), torch.ones(8192)
+        return {"zero": cache.zero_, "read": lambda: (cache.zero_(), other.sum())}
+    cache = torch.empty(FLUSH_BYTES // 4, dtype=torch.int32, device=DEVICE)
+    return {"zero": cache.zero_, "read": clean_flush()}
 
 
 def in_graph_ms(call, flush, replays=15) -> float:
@@ -112,16 +81,18 @@ def in_graph_ms(call, flush, replays=15) -> float:
     return (statistics.median(times[0]) - statistics.median(times[1])) / REPS
 
 
-def time_methods(call, flush) -> dict:
-    """Microseconds of ``call`` by each method, the lower of two interleaved rounds."""
+def time_methods(call, flush, only=None) -> dict:
+    """Microseconds of ``call`` by each method (or those named in ``only``), the lower of two interleaved
+    rounds."""
     from triton.testing import do_bench
 
     replay = graphed(call)
     methods = {"zero, do_bench": lambda: do_bench(replay, warmup=5, rep=40, return_mode="median"),
-               "zero, events": lambda: events_ms(replay, flush["zero"]),
-               "read, events": lambda: events_ms(replay, flush["read"]),
+               "zero, events": lambda: flushed_median_ms(replay, flush["zero"], 5, 40),
+               "read, events": lambda: flushed_median_ms(replay, flush["read"], 5, 40),
                "zero, in graph": lambda: in_graph_ms(call, flush["zero"]),
                "read, in graph": lambda: in_graph_ms(call, flush["read"])}
+    methods = {name: method for name, method in methods.items() if only is None or name in only}
     rounds = {name: [] for name in methods}
     for r in range(2):
         for name in (methods if r == 0 else reversed(list(methods))):
@@ -129,23 +100,49 @@ def time_methods(call, flush) -> dict:
     return {name: round(min(times), 3) for name, times in rounds.items()}
 
 
+def stage_calls(hidden, w1, w2, w1_scale, w2_scale, weights, ids, fmt, config, blocks) -> dict:
+    """Index-gather's stages, each alone on inputs made once here (as ``tools/decode_stages.py`` times them):
+    GEMM 1 (SiLU·mul in its epilogue), GEMM 2, the top-k sum, and in fp8 the two activation quantisers."""
+    from moe_kernels.kernels.combine import sum_slots
+    from moe_kernels.kernels.index_gather import down, gate_up
+
+    t, k = ids.shape
+    x, x_scale = fmt.quantize_activations(hidden)
+    inter = torch.empty(t * k, w1.shape[1] // 2, device=hidden.device, dtype=hidden.dtype)
+    gate_up(x, w1, blocks, k, tiles=config.gate_up, out=inter, a_scale=x_scale, w_scale=w1_scale, fmt=fmt)
+    y, y_scale = fmt.quantize_activations(inter)
+    per_slot = (torch.zeros(t, w2.shape[1], device=hidden.device, dtype=torch.float32) if config.sum_in_gemm else
+                torch.empty(t, k, w2.shape[1], device=hidden.device, dtype=hidden.dtype))
+    stages = {"gemm 1": lambda: gate_up(x, w1, blocks, k, tiles=config.gate_up, out=inter, a_scale=x_scale,
+                                        w_scale=w1_scale, fmt=fmt),
+              "gemm 2": lambda: down(y, w2, weights, blocks, tiles=config.down, out=per_slot, a_scale=y_scale,
+                                     w_scale=w2_scale, fmt=fmt, sum_slots=config.sum_in_gemm)}
+    if fmt.quantized:
+        stages["quantize x"] = lambda: fmt.quantize_activations(hidden)
+        stages["quantize y"] = lambda: fmt.quantize_activations(inter)
+    if not config.sum_in_gemm:
+        stages["sum"] = lambda: sum_slots(per_slot)
+    return stages
+
+
 def payloads():
-    """``(name, bytes it must read or None, floor group, call)`` for every payload, made lazily
+    """``(name, bytes it must read or None, call, methods or None for all)`` for every payload, made lazily
     (a model's weights are freed before the next model's are made)."""
     from moe_kernels.bench.problems import make_batch, make_weights
     from moe_kernels.kernels.blocks import assign_blocks
     from moe_kernels.kernels.config import get_config
+    from moe_kernels.kernels.formats import FORMATS
     from moe_kernels.kernels.index_gather import fused_experts
     from moe_kernels.kernels.quant import quantize_weight
     from moe_kernels.model.costs import count_work
     from moe_kernels.model.shapes import MODELS as SHAPES
 
     tiny_in, tiny_out = torch.zeros(128, device=DEVICE), torch.empty(128, device=DEVICE)
-    yield "tiny kernel", None, lambda: torch.add(tiny_in, 1, out=tiny_out)
+    yield "tiny kernel", None, lambda: torch.add(tiny_in, 1, out=tiny_out), None
     for mb in READ_MB if CUDA else (1,):
         buffer = torch.ones(mb * 1024**2 // 4 if CUDA else 8192, device=DEVICE)
         reader = weight_reader(buffer) if CUDA else (lambda: buffer.sum())
-        yield f"read {mb} MB", buffer.numel() * 4, reader
+        yield f"read {mb} MB", buffer.numel() * 4, reader, None
         del buffer, reader
     for key in MODELS:
         model = SHAPES[key]
@@ -168,9 +165,14 @@ def payloads():
                 def call(a=a, b=b, cfg=cfg, blocks=blocks, scales=scales, hidden=hidden, weights=weights, ids=ids):
                     return fused_experts(hidden, a, b, weights, ids, config=cfg, blocks=blocks,
                                          validate_ids=False, **scales)
-                yield f"{key} {fmt} GEMMs {batch}", work.bytes, call
+                yield f"{key} {fmt} GEMMs {batch}", work.bytes, call, None
+                if batch in STAGE_BATCHES or not CUDA:
+                    stages = stage_calls(hidden, a, b, scales.get("w1_scale"), scales.get("w2_scale"), weights, ids,
+                                         FORMATS["none" if fmt == "bf16" else "block"], cfg, blocks)
+                    for stage, stage_call in stages.items():
+                        yield f"{key} {fmt} {stage} {batch}", None, stage_call, STAGE_METHODS
             if batch <= 512 and CUDA:
-                yield f"{key} router {batch}", None, router_call(key, batch)
+                yield f"{key} router {batch}", None, router_call(key, batch), None
         del w1, w2, b1, b2
         if CUDA:
             torch.cuda.empty_cache()
@@ -205,14 +207,14 @@ def main() -> int:
         from moe_kernels.bench.ceilings import measure_read_bandwidth
         config["read_bandwidth"] = measure_read_bandwidth()
         print(f"read bandwidth {config['read_bandwidth'] / 1e12:.2f} TB/s", flush=True)
-    for name, nbytes, call in payloads():
+    for name, nbytes, call, only in payloads():
         call()
         if not CUDA:
             for f in flush.values():
                 f()
             rows.append({"payload": name})
             continue
-        us = time_methods(call, flush)
+        us = time_methods(call, flush, only)
         row = {"payload": name, "us": us}
         if nbytes:
             row["bytes"] = nbytes

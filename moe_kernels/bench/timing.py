@@ -11,6 +11,14 @@ Two ways to time a call, and why both are reported:
   decode step (vLLM and SGLang capture it in CUDA graphs). Returns None for a call that cannot be
   captured (one that synchronises with the host, say).
 
+How the L2 is emptied before each timed call (:func:`l2_flush`, ``MOE_KERNELS_L2_FLUSH``): ``do_bench``
+zeroes a 256 MB buffer, which leaves the L2 full of dirty lines (write-back), so the timed call's first
+reads also write those lines back to HBM: up to the L2's size more traffic, 2-10 us on an H100 for reads of
+16 MB to 1.2 GB (``tools/l2_flush_ab.py``, ``l2-flush-ab.json``). ``clean`` zeroes the same buffer, then reads
+another one as large, so the call starts on clean lines, as a layer in a decode step does (what ran
+before it, attention, mostly read). ``zero``, ``do_bench``'s own, stays the default: every record before
+this option was timed so.
+
 The sweeps and the tuner time with :func:`median_ms` (a ``do_bench`` median in milliseconds),
 replaying from a graph of one call made by :func:`graphed`; :func:`rel_err` compares an output
 with its reference; :func:`balanced_orders` orders interleaved rounds of several variants so that
@@ -20,6 +28,8 @@ and divide by a :class:`~moe_kernels.bench.ceilings.ReadFloor`. The timers need 
 
 from __future__ import annotations
 
+import os
+import statistics
 import warnings
 from typing import Callable
 
@@ -81,8 +91,74 @@ def graph_us(fn, calls: int = 20, replays: int = 20, errors: list | None = None,
     return times[len(times) // 2]
 
 
+#: The L2 flushes :func:`median_ms` knows (see the module's docstring), and the environment variable
+#: that picks one (read at each call; unset: ``zero``).
+L2_FLUSHES = ("zero", "clean")
+L2_FLUSH_ENV = "MOE_KERNELS_L2_FLUSH"
+FLUSH_BYTES = 256 * 1024**2   # do_bench's buffer: five times the H100's and H200's 50 MB of L2
+
+
+def l2_flush() -> str:
+    """The flush the timers use now: ``$MOE_KERNELS_L2_FLUSH``, one of :data:`L2_FLUSHES`, or ``zero`` where it
+    is unset; any other value is an error that names the variable."""
+    mode = os.environ.get(L2_FLUSH_ENV, "zero")
+    if mode not in L2_FLUSHES:
+        raise ValueError(f"{L2_FLUSH_ENV}: must be one of {L2_FLUSHES} (how the L2 is emptied before each "
+                         f"timed call), got {mode!r}")
+    return mode
+
+
+_flush_buffers: dict = {}
+
+
+def clean_flush(device="cuda") -> Callable:
+    """The ``clean`` flush: zero :data:`FLUSH_BYTES` (as ``do_bench`` does), then read another buffer as large
+    with the read kernel, so that the L2 is left holding clean lines. Its buffers are made once per device."""
+    if device not in _flush_buffers:
+        from .ceilings import weight_reader
+
+        cache = torch.empty(FLUSH_BYTES // 4, dtype=torch.int32, device=device)
+        _flush_buffers[device] = (cache, weight_reader(torch.ones(FLUSH_BYTES // 4, device=device)))
+    cache, read_other = _flush_buffers[device]
+
+    def flush():
+        cache.zero_()
+        read_other()
+    return flush
+
+
+def flushed_median_ms(fn: Callable, flush: Callable, warmup_ms: float, rep_ms: float) -> float:
+    """``do_bench``'s loop with ``flush`` as its cache clearing: ``fn`` run for about ``warmup_ms``, then
+    the median over about ``rep_ms`` of flush, event, ``fn``, event (at least five samples)."""
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        flush()
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    estimate_ms = max(start.elapsed_time(end) / 5, 1e-3)
+    for _ in range(max(1, int(warmup_ms / estimate_ms))):
+        fn()
+    samples = max(5, int(rep_ms / estimate_ms))
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(samples)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(samples)]
+    for s, e in zip(starts, ends):
+        flush()
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    return float(statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)))
+
+
 def median_ms(fn: Callable, warmup_ms: float, rep_ms: float) -> float:
-    """Median milliseconds of ``fn`` over ``triton.testing.do_bench`` (L2 flushed before each call)."""
+    """Median milliseconds of ``fn`` with the L2 flushed before each call: ``triton.testing.do_bench``,
+    or with :data:`L2_FLUSH_ENV` = ``clean`` :func:`flushed_median_ms` with :func:`clean_flush`."""
+    if l2_flush() == "clean":
+        return flushed_median_ms(fn, clean_flush(), warmup_ms, rep_ms)
     from triton.testing import do_bench
 
     return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
