@@ -404,14 +404,14 @@ def test_router_replays_and_graphs_on_two_streams_gpu(model_name, batch, one_lau
     ("deepseek-v3", "none", H100, 2048, "permute 128 from 1024"),
     ("deepseek-v3", "none", H100, 16384, "permute 128 from 1024"),
     ("deepseek-v3", "none", "NVIDIA A100", 16384, "index_gather"),
-    # the H100's fp8 entries: the transposed Gluon kernel at decode (16-row segments), the 128-row Gluon GEMMs
-    # at prefill, and for DeepSeek-V3 index-gather between them at 1,024 tokens
-    ("qwen3-30b-a3b", "block", H100, 64, "index_gather"), ("qwen3-30b-a3b", "block", H100, 128, "permute 16 from 128"),
-    ("qwen3-30b-a3b", "block", H100, 1023, "permute 16 from 128"),
+    # the H100's fp8 entries: the 128-row Gluon GEMMs at prefill; index-gather at decode since the H100 has tables
+    # (session 36: the transposed Gluon kernel's decode entries went)
+    ("qwen3-30b-a3b", "block", H100, 64, "index_gather"), ("qwen3-30b-a3b", "block", H100, 128, "index_gather"),
+    ("qwen3-30b-a3b", "block", H100, 1023, "index_gather"),
     ("qwen3-30b-a3b", "block", H100, 1024, "permute 128 from 1024"),
     ("qwen3-30b-a3b", "block", H100, 4096, "permute 128 from 1024"),
-    ("deepseek-v3", "block", H100, 1, "index_gather"), ("deepseek-v3", "block", H100, 2, "permute 16 from 2"),
-    ("deepseek-v3", "block", H100, 512, "permute 16 from 2"), ("deepseek-v3", "block", H100, 1024, "index_gather"),
+    ("deepseek-v3", "block", H100, 1, "index_gather"), ("deepseek-v3", "block", H100, 2, "index_gather"),
+    ("deepseek-v3", "block", H100, 512, "index_gather"), ("deepseek-v3", "block", H100, 1024, "index_gather"),
     ("deepseek-v3", "block", H100, 2047, "index_gather"), ("deepseek-v3", "block", H100, 2048, "permute 128 from 2048"),
     ("deepseek-v3", "block", H100, 16384, "permute 128 from 2048"),
 ])
@@ -419,8 +419,8 @@ def test_auto_layout_follows_the_measured_crossover(model_name, fmt, device_name
     """DeepSeek-V3's experts ran faster on the permute layout (TMA, persistent grid) from 4,096
     tokens on the H200 in bf16 (prefill-ab.json), and the routed fp8 layer of both models with its
     GEMMs on the Gluon kernel from 1,024 (Qwen3-30B-A3B) or 2,048 (DeepSeek-V3) tokens on the H200
-    (fp8-sweep-s33.json, layer-layout-ab*.json); on the H100 the fp8 experts ran faster on the transposed Gluon
-    kernel at decode and on the 128-row Gluon GEMMs from 1,024 or 2,048 tokens (fp8-sweep.json), and the bf16
+    (fp8-sweep-s33.json, layer-layout-ab*.json); on the H100 the fp8 experts ran faster on the 128-row Gluon GEMMs
+    from 1,024 or 2,048 tokens (fp8-sweep.json, fp8-sweep-h200-tables-s36.json), and the bf16
     layer on the 128-row bf16 Gluon GEMMs from 1,024 tokens (both models; GEMM 1 gathering its rows where the experts
     average few): there, and only
     there, "auto" takes the permute layout, with the tiles, segments and GEMM kernel it was measured with;
@@ -447,11 +447,11 @@ def test_auto_layout_follows_the_measured_crossover(model_name, fmt, device_name
         forced = meta_layer(model_name, fmt, "index_gather").plan(batch, device_name=device_name)
         assert plan.choice == forced.choice
     # layout= still forces one: the permute layout at 4096 borrows the index-gather table as before (the
-    # H100 has none: the default tiles); a config given, or the shared expert fused as a slot (not
+    # H100's since session 36, copies of the H200's); a config given, or the shared expert fused as a slot (not
     # measured; Qwen3 has none), keep index-gather.
     if plan.layout == "permute":
         forced = meta_layer(model_name, fmt, "permute").plan(batch, device_name=device_name).choice.source
-        assert forced == ("borrowed" if device_name == H200 else "default")
+        assert forced == ("borrowed" if device_name in (H200, H100) else "default")
         if model.num_shared_experts:
             assert meta_layer(model_name, fmt, "auto", "fused").plan(batch, device_name=device_name).layout == \
                 "index_gather"
@@ -489,13 +489,16 @@ def test_auto_shared_expert_follows_the_measured_choice(device_name):
             assert ",E=257," in plan.choice.table
     for fmt in ("none",):   # no entry for bf16 weights: apart at every batch
         assert not meta_layer("deepseek-v3", fmt, "index_gather", "auto").plan(8, device_name=H100).shared_slot
-    # With layout="auto" the slot is taken only where index-gather runs (where it was measured): on the H100 the
-    # transposed permute path runs DeepSeek-V3's fp8 layer from 2 tokens, so there the shared expert runs apart.
+    # With layout="auto" the slot is taken only where index-gather runs (where it was measured): at decode on both
+    # GPUs (until session 36 the H100 ran DeepSeek-V3's fp8 layer on the transposed permute path from 2 tokens, and
+    # the shared expert apart there); at prefill the permute layout runs it apart.
     both_auto = meta_layer("deepseek-v3", "block", "auto", "auto")
     one, eight = both_auto.plan(1, device_name=device_name), both_auto.plan(8, device_name=device_name)
     assert one.layout == "index_gather" and one.shared_slot == (up_to is not None)
     assert eight.shared_slot == (eight.layout == "index_gather" and up_to is not None)
-    assert eight.layout == ("permute" if device_name == H100 else "index_gather")
+    assert eight.layout == "index_gather"
+    prefill = both_auto.plan(4096, device_name=device_name)
+    assert prefill.layout == "permute" and not prefill.shared_slot
     assert (eight.shared_choice is not None) == (not eight.shared_slot)
 
 
