@@ -398,11 +398,11 @@ def test_router_replays_and_graphs_on_two_streams_gpu(model_name, batch, one_lau
     ("qwen3-30b-a3b", "block", H200, 1023, "index_gather"), ("qwen3-30b-a3b", "block", H200, 1024, "permute 128 from 1024"),
     ("qwen3-30b-a3b", "block", H200, 16384, "permute 128 from 1024"),
     ("qwen3-30b-a3b", "none", H200, 16384, "index_gather"),
-    # the H100's bf16 entries: the 128-row bf16 Gluon GEMMs (layer-layout-ab-bf16*-s33.json, -s35.json)
+    # the H100's bf16 entries: the 128-row bf16 Gluon GEMMs (layer-layout-ab-bf16*-s33.json, -s35.json, -s36.json)
     ("qwen3-30b-a3b", "none", H100, 1023, "index_gather"), ("qwen3-30b-a3b", "none", H100, 1024, "permute 128 from 1024"),
-    ("deepseek-v3", "none", H100, 1023, "index_gather"), ("deepseek-v3", "none", H100, 1024, "permute 128 from 1024"),
-    ("deepseek-v3", "none", H100, 2048, "permute 128 from 1024"),
-    ("deepseek-v3", "none", H100, 16384, "permute 128 from 1024"),
+    ("deepseek-v3", "none", H100, 1024, "index_gather"), ("deepseek-v3", "none", H100, 2047, "index_gather"),
+    ("deepseek-v3", "none", H100, 2048, "permute 128 from 2048"),
+    ("deepseek-v3", "none", H100, 16384, "permute 128 from 2048"),
     ("deepseek-v3", "none", "NVIDIA A100", 16384, "index_gather"),
     # the H100's fp8 entries: the 128-row Gluon GEMMs at prefill; index-gather at decode since the H100 has tables
     # (session 36: the transposed Gluon kernel's decode entries went)
@@ -421,9 +421,8 @@ def test_auto_layout_follows_the_measured_crossover(model_name, fmt, device_name
     GEMMs on the Gluon kernel from 1,024 (Qwen3-30B-A3B) or 2,048 (DeepSeek-V3) tokens on the H200
     (fp8-sweep-s33.json, layer-layout-ab*.json); on the H100 the fp8 experts ran faster on the 128-row Gluon GEMMs
     from 1,024 or 2,048 tokens (fp8-sweep.json, fp8-sweep-h200-tables-s36.json), and the bf16
-    layer on the 128-row bf16 Gluon GEMMs from 1,024 tokens (both models; GEMM 1 gathering its rows where the experts
-    average few): there, and only
-    there, "auto" takes the permute layout, with the tiles, segments and GEMM kernel it was measured with;
+    layer on the 128-row bf16 Gluon GEMMs from 1,024 (Qwen3-30B-A3B) or 2,048 tokens (DeepSeek-V3; GEMM 1 gathering its
+    rows where the experts average few): there, and only there, "auto" takes the permute layout, with the tiles, segments and GEMM kernel it was measured with;
     everywhere else index-gather with its own table."""
     from moe_kernels.kernels.layout_choice import load_choices, shape_key
 
