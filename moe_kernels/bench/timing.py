@@ -115,7 +115,7 @@ def clean_flush(device="cuda") -> Callable:
     """The ``clean`` flush: zero :data:`FLUSH_BYTES` (as ``do_bench`` does), then read another buffer as large
     with the read kernel, so that the L2 is left holding clean lines. Its buffers are made once per device."""
     if device not in _flush_buffers:
-        from .ceilings import weight_reader
+        from .read_kernel import weight_reader
 
         cache = torch.empty(FLUSH_BYTES // 4, dtype=torch.int32, device=device)
         _flush_buffers[device] = (cache, weight_reader(torch.ones(FLUSH_BYTES // 4, device=device)))

@@ -11,12 +11,13 @@ permute layout with TMA loads of both operands on a persistent grid
 in one run, ``prefill-ab-2048.json``, not enough to move the switch). The fp8 block layers of DeepSeek-V3 and
 Qwen3-30B-A3B run the permute layout with both GEMMs on the Gluon kernel (``"gemm": "gluon"``) from 1,024 tokens
 (Qwen3) and 2,048 (DeepSeek-V3) on both GPUs (the H200: ``layer-layout-ab-gluon.json``, DeepSeek-V3 5767 against
-6997 us at 4,096 tokens, and ``fp8-sweep-s33.json`` down to 1,024; the H100, whose index-gather has no tuned
-table: ``results/nvidia-h100-80gb-hbm3/fp8-sweep.json``), and on the H100 at decode on 16-row segments (the
-transposed Gluon kernel) from 128 tokens (Qwen3) and 2 (DeepSeek-V3), with index-gather between for DeepSeek-V3
-at 1,024. On the H100 the bf16 layers run the permute layout with the bf16 Gluon GEMMs from 1,024 tokens for
-both models (``layer-layout-ab-bf16*-s33.json``, ``-s35.json``; DeepSeek-V3 below 4,096 since session 35, with
-GEMM 1 gathering its rows up to 4,096 tokens, 128 rows an expert). The layer takes an entry naming the Gluon
+6997 us at 4,096 tokens, and ``fp8-sweep-s33.json`` down to 1,024; the H100:
+``results/nvidia-h100-80gb-hbm3/fp8-sweep.json`` and ``fp8-sweep-h200-tables-s36.json``). On the H100 the bf16
+layers run the permute layout with the bf16 Gluon GEMMs from 1,024 tokens (Qwen3) and 2,048 (DeepSeek-V3)
+(``layer-layout-ab-bf16*-s33.json``, ``-s35.json``, ``layer-layout-ab-bf16-tables-s36.json``; GEMM 1 gathering its
+rows where the experts average at most 128). Until session 36 the H100 had no index-gather table of its own and
+ran the default tiles, and its fp8 decode ran on the transposed Gluon kernel (16-row segments); with the H200's
+tables copied for it index-gather was faster there, and those entries went. The layer takes an entry naming the Gluon
 GEMMs only where they run (:func:`~moe_kernels.kernels.permute_gluon.refusal`: bf16 activations and weights they
 can read, Triton 3.6 on sm_90): with the Triton GEMMs the permute layout lost to index-gather.
 

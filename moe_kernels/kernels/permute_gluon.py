@@ -1,6 +1,5 @@
 """The permute layout's GEMMs on the Gluon kernels (Triton 3.6, Hopper), which the layer's layout choices name
-at prefill (fp8 from 1,024 or 2,048 tokens; bf16 on the H100) and, on the H100, fp8 at decode
-(``layout-choices.json``): which
+at prefill (fp8 from 1,024 or 2,048 tokens; bf16 on the H100; ``layout-choices.json``): which
 kernel a call takes (:func:`gemm_kernel`, the switches below) and the calls themselves (:func:`experts`).
 Block-fp8 segments of 128 rows take :mod:`moe_kernels.kernels.gluon_block_fp8`'s kernel (per tile or on its
 persistent grid, GEMM 1 optionally quantising GEMM 2's input, half tiles, GEMM 2 storing by TMA); bf16 segments
