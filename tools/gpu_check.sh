@@ -26,7 +26,8 @@
 # tune-shared (the shared expert's tiles, bf16 and fp8, tables written), id-check (bench layer --id-check-only, ID_CHECK_PAIRS pairs at ID_CHECK_BATCHES,
 # recorded as ID_CHECK_NAME or layer-id-check), id-check-gemm1 (the check's cost in GEMM 1 and in GEMM 2 against none,
 # naive block map; ID_CHECK_GEMM1_ARGS: the tool's arguments), one-launch (both GEMMs in one launch against two), launch-floor (what one more
-# kernel in a CUDA graph costs), layer (bench layer at LAYER_BATCHES as LAYER_NAME, after the layer-path GPU tests), tile-read (the GEMMs' weight-tile pattern read alone; TILE_READ_ARGS: models formats), model (bench model at
+# kernel in a CUDA graph costs), l2-flush (short calls under do_bench's flush, a clean one and inside a graph),
+# fp8-flushes (bench fp8 at decode under each flush), layer (bench layer at LAYER_BATCHES as LAYER_NAME, after the layer-path GPU tests), tile-read (the GEMMs' weight-tile pattern read alone; TILE_READ_ARGS: models formats), model (bench model at
 # MODEL_BATCHES, MODEL_ROUNDS eager rounds of MODEL_STEPS steps, recorded as MODEL_NAME or model-step; MODEL_ARGS: more of its arguments; 1,8,64 took 170 s at fb84557) (default: tests
 # ceilings sweep). NOTEBOOKS="06 07" limits the notebooks step to those sections. tune searches the tiles (TUNE_BATCHES, TUNE_BUDGET_S) and rewrites the tuned tables in
 # moe_kernels/kernels/configs/, which are packed too. notebooks executes every notebook with the GPU (its live cells run) into $OUT/notebooks
@@ -110,6 +111,14 @@ for step in "${steps[@]}"; do
                         || status=1 ;;
         launch-floor) PYTHONPATH="$PWD" $PY tools/launch_floor.py 2>&1 | tee "$OUT/launch-floor.log" | grep -v Warning \
                           || status=1 ;;
+        l2-flush) # session 36: short calls timed with do_bench's zeroing flush, the clean one, and inside a graph
+                  PYTHONPATH="$PWD" $PY tools/l2_flush_ab.py l2-flush-ab-stages 2>&1 | tee "$OUT/l2-flush.log" \
+                      | grep -v Warning || status=1 ;;
+        fp8-flushes) # session 36: bench fp8 at decode under each flush (MOE_KERNELS_L2_FLUSH), records named by it
+                     for flush in zero clean; do
+                         MOE_KERNELS_L2_FLUSH=$flush $PY -m moe_kernels.bench fp8 --batches 1,8,64,512 --record \
+                             --name "fp8-sweep-$flush" 2>&1 | tee "$OUT/fp8-$flush.log" | grep -E "GEMMs|TB/s" || status=1
+                     done ;;
         tile-read) PYTHONPATH="$PWD" $PY tools/tile_read_ab.py ${TILE_READ_ARGS:-} 2>&1 | tee "$OUT/tile-read.log" \
                        | grep -v Warning || status=1 ;;
         id-check-gemm1) PYTHONPATH="$PWD" $PY tools/id_check_gemm1_ab.py ${ID_CHECK_GEMM1_ARGS:-} 2>&1 | tee "$OUT/id-check-gemm1.log" \
