@@ -57,9 +57,19 @@ def provenance() -> dict:
         "git_commit": commit,
         "command": command_line(),
         "python": platform.python_version(),
-        # How the timers emptied the L2 (bench.timing.L2_FLUSH_ENV); records without it used do_bench's "zero".
-        **({"l2_flush": os.environ["MOE_KERNELS_L2_FLUSH"]} if os.environ.get("MOE_KERNELS_L2_FLUSH") else {}),
+        **_l2_flush(),
     }
+
+
+def _l2_flush() -> dict:
+    """How ``bench.timing.median_ms`` empties the L2 (``MOE_KERNELS_L2_FLUSH``), where it was set: ``{"l2_flush":
+    "clean"}``; records without the key were timed with do_bench's zeroing (tools that call ``do_bench`` themselves,
+    as ``launch_floor.py`` and ``l2_flush_ab.py`` do, name their own methods). A bad value fails here too."""
+    if not os.environ.get("MOE_KERNELS_L2_FLUSH"):
+        return {}
+    from .bench.timing import l2_flush
+
+    return {"l2_flush": l2_flush()}
 
 
 def command_line(argv: list[str] | None = None) -> str:

@@ -24,15 +24,20 @@ def test_a_candidate_is_checked_before_it_is_timed():
 
 
 def test_the_l2_flush_is_named_and_recorded(monkeypatch):
-    """``MOE_KERNELS_L2_FLUSH`` picks the flush: unset is do_bench's ``zero`` and records say nothing; ``clean``
-    is recorded in the provenance; any other value is an error that names the variable and the choices."""
+    """``MOE_KERNELS_L2_FLUSH`` picks the flush: unset (or empty) is do_bench's ``zero`` and records say nothing;
+    ``clean`` is recorded in the provenance; any other value (case counts) is an error that names the variable and
+    the choices, for the timer and for a record alike."""
     monkeypatch.delenv(timing.L2_FLUSH_ENV, raising=False)
     assert timing.l2_flush() == "zero" and "l2_flush" not in results.provenance()
     monkeypatch.setenv(timing.L2_FLUSH_ENV, "clean")
     assert timing.l2_flush() == "clean" and results.provenance()["l2_flush"] == "clean"
-    monkeypatch.setenv(timing.L2_FLUSH_ENV, "dirty")
-    with pytest.raises(ValueError, match=r"MOE_KERNELS_L2_FLUSH: must be one of \('zero', 'clean'\).*'dirty'"):
-        timing.median_ms(lambda: None, 1, 1)
+    monkeypatch.setenv(timing.L2_FLUSH_ENV, "")
+    assert timing.l2_flush() == "zero" and "l2_flush" not in results.provenance()
+    for bad in ("dirty", "Clean"):
+        monkeypatch.setenv(timing.L2_FLUSH_ENV, bad)
+        for call in (lambda: timing.median_ms(lambda: None, 1, 1), results.provenance):
+            with pytest.raises(ValueError, match=rf"MOE_KERNELS_L2_FLUSH: must be one of \('zero', 'clean'\).*'{bad}'"):
+                call()
 
 
 @pytest.mark.gpu

@@ -19,8 +19,9 @@ Each payload is timed four ways, interleaved over two rounds (the lower of the t
   decode step's graph.
 
 Payloads: one tiny kernel (128 floats), the read kernel over 4 MB to 1.2 GB, both models' routed
-experts in bf16 and fp8 block (index-gather, the tuned tables; both GEMMs, the activation and the
-sum) at 1-512 tokens with their read floors, and the chained router (gate, routing, alignment).
+experts in bf16 and fp8 block (index-gather on the GPU's tables, or the default tiles where it has none, as the
+H100 had none when this first ran; both GEMMs, the activation and the sum) at 1-512 tokens with their read floors,
+and the chained router (gate, routing, alignment).
 
     PYTHONPATH=. python tools/l2_flush_ab.py [record name, default l2-flush-ab]
     PYTHONPATH=. TRITON_INTERPRET=1 python tools/l2_flush_ab.py   # CPU: the calls run once, no timing

@@ -1,10 +1,11 @@
 """Run ``python -m moe_kernels.bench fp8`` with the tile tables looked up as on another GPU (issue 17).
 
 A GPU with no tuned table of its own runs :func:`~moe_kernels.kernels.config.default_config`'s tiles: on an
-H100 that was every routed shape in session 36 (only the H200 had tables), and its fp8 decode took up to 2.2
-times the fp8 floor where two plain reads took 1.04 (``fp8-sweep-zero-s36.json``). This times the same sweep with
-every table lookup answered as the GPU named here would answer it (``config._device_name``), so that the other
-GPU's tuned tiles can be measured on this one before they are copied into its own tables.
+H100 that was every routed shape until session 36 (only the H200 had tables), and its Qwen3-30B-A3B fp8 decode
+took 2.18 times the fp8 floor at 128 tokens where two plain reads took 1.08 (``fp8-sweep-zero-s36.json``). This
+times the same sweep with every table lookup answered as the GPU named here would answer it
+(``config._device_name``), so that the other GPU's tuned tiles can be measured on this one before they are copied
+into its own tables.
 
     PYTHONPATH=. python tools/tables_as_ab.py "NVIDIA H200" --batches 1,8,64,512 --record --name fp8-sweep-h200-tables
     PYTHONPATH=. TRITON_INTERPRET=1 python tools/tables_as_ab.py "NVIDIA H200" --check   # CPU: the lookup only

@@ -101,7 +101,7 @@ FLUSH_BYTES = 256 * 1024**2   # do_bench's buffer: five times the H100's and H20
 def l2_flush() -> str:
     """The flush the timers use now: ``$MOE_KERNELS_L2_FLUSH``, one of :data:`L2_FLUSHES`, or ``zero`` where it
     is unset; any other value is an error that names the variable."""
-    mode = os.environ.get(L2_FLUSH_ENV, "zero")
+    mode = os.environ.get(L2_FLUSH_ENV) or "zero"   # (set but empty: unset)
     if mode not in L2_FLUSHES:
         raise ValueError(f"{L2_FLUSH_ENV}: must be one of {L2_FLUSHES} (how the L2 is emptied before each "
                          f"timed call), got {mode!r}")
@@ -113,7 +113,11 @@ _flush_buffers: dict = {}
 
 def clean_flush(device="cuda") -> Callable:
     """The ``clean`` flush: zero :data:`FLUSH_BYTES` (as ``do_bench`` does), then read another buffer as large
-    with the read kernel, so that the L2 is left holding clean lines. Its buffers are made once per device."""
+    with the read kernel, so that the L2 is left holding clean lines. Its buffers are made once per device (``"cuda"``
+    is the current one, so that a caller who switches GPUs flushes the one it times)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     if device not in _flush_buffers:
         from .read_kernel import weight_reader
 
