@@ -155,11 +155,14 @@ def test_many_tokens_and_past_the_alignment_launchs_reach(monkeypatch):
 
 @pytest.mark.parametrize("gate_block_t", [16, 32, 64, None], ids=["16", "32", "64", "default"])
 @pytest.mark.parametrize("grouped", [False, True], ids=["plain", "grouped"])
-def test_wider_gate_blocks_sum_the_same_products(gate_block_t, grouped):
+def test_wider_gate_blocks_sum_the_same_products(gate_block_t, grouped, monkeypatch):
     """The gate's token block (64 from WIDE_GATE_FROM_TOKENS, with 64-expert blocks and up to 32 spans
     of d): on integer inputs, where every sum is exact in any order, the same logits, ids, weights and
-    alignment as the one-launch router's 16-token blocks. 150 tokens: three 64-token blocks, the last
-    one short; 80 experts: two 64-expert blocks, the last one short."""
+    alignment as the one-launch router's 16-token blocks. 70 tokens: two 64-token blocks, the last one
+    short (the wide blocks taken from 64 tokens here, so that "default" is the wide grid: the interpreter
+    runs one routing program a token, and at 150 tokens the eight cases took a third of CI's slowest
+    minute); 80 experts: two 64-expert blocks, the last one short."""
+    monkeypatch.setattr(chained_routing, "WIDE_GATE_FROM_TOKENS", 64)
     x, w, rule, one_launch = wide_gate_problem(grouped)
     got = check_chained(x, w, 6, block_size=16, gate_block_t=gate_block_t, want=one_launch, **rule)
     want = gate_and_route_reference(x.double(), w.double(), 6, True, **rule)   # and the float64 rule's
@@ -172,7 +175,7 @@ def wide_gate_problem(grouped):
     """The inputs of the test above, and the one-launch router's result on them (the same for every gate block:
     computed once per rule, since the interpreter takes seconds)."""
     rule = dict(scoring_func="sigmoid", num_expert_group=4, topk_group=2) if grouped else {}
-    x, w = inputs(150, 80, 300, 7, integer=True)
+    x, w = inputs(70, 80, 300, 7, integer=True)
     return x, w, rule, gate_route_and_align(x, w, 6, True, block_size=16, **rule)
 
 
