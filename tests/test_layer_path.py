@@ -141,6 +141,19 @@ def test_the_shared_experts_tables_stand_only_for_the_batches_they_were_tuned_ne
     assert bf16.plan(16, device_name="NVIDIA H200").shared_choice.entry == 16
 
 
+@pytest.mark.parametrize("model_name, fmt", [("qwen3-30b-a3b", "none"), ("qwen3-30b-a3b", "block"),
+                                             ("deepseek-v3", "none"), ("deepseek-v3", "block")])
+def test_the_h100_runs_its_own_tables_the_h200s_tiles(model_name, fmt):
+    """Since session 36 the H100 has index-gather tables, copies of the H200's (fp8-sweep-h200-tables-s36.json:
+    at least as fast at every batch as the default tiles it ran before): a call there takes its own table's entry
+    (source "table", the H100's file, the nearest entry), with the tiles the H200 takes at that batch."""
+    for batch in (1, 8, 100, 512, 3000, 16384):
+        h100 = meta_layer(model_name, fmt, "index_gather").plan(batch, device_name="NVIDIA H100 80GB HBM3").choice
+        h200 = meta_layer(model_name, fmt, "index_gather").plan(batch, device_name="NVIDIA H200").choice
+        assert h100.source == "table" and h100.table.startswith("device=NVIDIA_H100_80GB_HBM3,"), (batch, h100)
+        assert h100.entry == h200.entry and h100.config == h200.config, batch
+
+
 def test_a_reach_must_be_a_number_of_at_least_one():
     from moe_kernels.kernels.config import choose_config
 
