@@ -28,12 +28,13 @@ import sys
 import torch
 
 from moe_kernels.bench.fp8 import decode_bounds
+from moe_kernels.bench import problems
 from moe_kernels.bench.problems import tool_batch, tool_weights
 from moe_kernels.bench.timing import time_lowest
 from moe_kernels.kernels import permute as permute_module, permute_gluon
-from moe_kernels.kernels.combine import sum_slots, unpermute
+from moe_kernels.kernels.combine import unpermute
 from moe_kernels.kernels.formats import FORMATS
-from moe_kernels.kernels.index_gather import down, fused_experts, gate_up
+from moe_kernels.kernels.index_gather import fused_experts
 from moe_kernels.kernels.permute import permute_experts
 from moe_kernels.model.costs import count_work
 from moe_kernels.results import record_tool
@@ -64,28 +65,12 @@ def on_gluon(call):
 
 
 def index_gather_stages(hidden, w1, w2, w1s, w2s, weights, ids, fmt, config, blocks):
-    """The index-gather call's stages, each a closure over inputs made once here."""
-    t, k = ids.shape
+    """The index-gather call's stages (``problems.index_gather_stages``, named "ig ..."), and the call itself."""
     scales = dict(w1_scale=w1s, w2_scale=w2s) if fmt.quantized else {}
-    x, x_scale = fmt.quantize_activations(hidden)
-    inter = torch.empty(t * k, w1.shape[1] // 2, device=hidden.device, dtype=hidden.dtype)
-    gate_up(x, w1, blocks, k, tiles=config.gate_up, out=inter, a_scale=x_scale, w_scale=w1s, fmt=fmt)
-    y, y_scale = fmt.quantize_activations(inter)
-    summed = config.sum_in_gemm
-    per_slot = (torch.zeros(t, w2.shape[1], device=hidden.device, dtype=torch.float32) if summed else
-                torch.empty(t, k, w2.shape[1], device=hidden.device, dtype=hidden.dtype))
-    stages = {
-        "ig gemm 1": lambda: gate_up(x, w1, blocks, k, tiles=config.gate_up, out=inter, a_scale=x_scale,
-                                     w_scale=w1s, fmt=fmt),
-        "ig gemm 2": lambda: down(y, w2, weights, blocks, tiles=config.down, out=per_slot, a_scale=y_scale,
-                                  w_scale=w2s, fmt=fmt, sum_slots=summed),
-        "ig call": lambda: fused_experts(hidden, w1, w2, weights, ids, config=config, blocks=blocks,
-                                         validate_ids=False, **scales)}
-    if fmt.quantized:
-        stages["ig quantize x"] = lambda: fmt.quantize_activations(hidden)
-        stages["ig quantize y"] = lambda: fmt.quantize_activations(inter)
-    if not summed:
-        stages["ig sum"] = lambda: sum_slots(per_slot)
+    stages = {f"ig {name}": call for name, call in
+              problems.index_gather_stages(hidden, w1, w2, w1s, w2s, weights, ids, fmt, config, blocks).items()}
+    stages["ig call"] = lambda: fused_experts(hidden, w1, w2, weights, ids, config=config, blocks=blocks,
+                                              validate_ids=False, **scales)
     return stages
 
 

@@ -8,10 +8,11 @@ timed call's first reads must write them back to HBM as they evict them. A call 
 L2 before an MoE layer holds what attention read (weights, the KV cache: clean lines), so the
 zeroing flush charges the layer for traffic it would not have.
 
-Each payload is timed four ways, interleaved over two rounds (the lower of the two medians):
+Each payload is timed five ways (index-gather's stages two), interleaved over two rounds (the lower of the
+two medians):
 
-* ``zero, events``: ``do_bench`` itself (the sweeps' method): zero 256 MB, event, one replay of the
-  call's CUDA graph, event.
+* ``zero, do_bench``: ``do_bench`` itself (the sweeps' method): zero 256 MB, event, one replay of the
+  call's CUDA graph, event; ``zero, events``: the same loop written out (``timing.flushed_median_ms``).
 * ``read, events``: the same loop with a flush that zeroes the 256 MB and then reads another
   256 MB buffer, so the L2 is left holding clean lines.
 * ``zero, in graph`` and ``read, in graph``: one CUDA graph of ``REPS`` x (flush, call) less one of
@@ -101,35 +102,10 @@ def time_methods(call, flush, only=None) -> dict:
     return {name: round(min(times), 3) for name, times in rounds.items()}
 
 
-def stage_calls(hidden, w1, w2, w1_scale, w2_scale, weights, ids, fmt, config, blocks) -> dict:
-    """Index-gather's stages, each alone on inputs made once here (as ``tools/decode_stages.py`` times them):
-    GEMM 1 (SiLU·mul in its epilogue), GEMM 2, the top-k sum, and in fp8 the two activation quantisers."""
-    from moe_kernels.kernels.combine import sum_slots
-    from moe_kernels.kernels.index_gather import down, gate_up
-
-    t, k = ids.shape
-    x, x_scale = fmt.quantize_activations(hidden)
-    inter = torch.empty(t * k, w1.shape[1] // 2, device=hidden.device, dtype=hidden.dtype)
-    gate_up(x, w1, blocks, k, tiles=config.gate_up, out=inter, a_scale=x_scale, w_scale=w1_scale, fmt=fmt)
-    y, y_scale = fmt.quantize_activations(inter)
-    per_slot = (torch.zeros(t, w2.shape[1], device=hidden.device, dtype=torch.float32) if config.sum_in_gemm else
-                torch.empty(t, k, w2.shape[1], device=hidden.device, dtype=hidden.dtype))
-    stages = {"gemm 1": lambda: gate_up(x, w1, blocks, k, tiles=config.gate_up, out=inter, a_scale=x_scale,
-                                        w_scale=w1_scale, fmt=fmt),
-              "gemm 2": lambda: down(y, w2, weights, blocks, tiles=config.down, out=per_slot, a_scale=y_scale,
-                                     w_scale=w2_scale, fmt=fmt, sum_slots=config.sum_in_gemm)}
-    if fmt.quantized:
-        stages["quantize x"] = lambda: fmt.quantize_activations(hidden)
-        stages["quantize y"] = lambda: fmt.quantize_activations(inter)
-    if not config.sum_in_gemm:
-        stages["sum"] = lambda: sum_slots(per_slot)
-    return stages
-
-
 def payloads():
     """``(name, bytes it must read or None, call, methods or None for all)`` for every payload, made lazily
     (a model's weights are freed before the next model's are made)."""
-    from moe_kernels.bench.problems import make_batch, make_weights
+    from moe_kernels.bench.problems import index_gather_stages, make_batch, make_weights
     from moe_kernels.kernels.blocks import assign_blocks
     from moe_kernels.kernels.config import get_config
     from moe_kernels.kernels.formats import FORMATS
@@ -168,8 +144,8 @@ def payloads():
                                          validate_ids=False, **scales)
                 yield f"{key} {fmt} GEMMs {batch}", work.bytes, call, None
                 if batch in STAGE_BATCHES or not CUDA:
-                    stages = stage_calls(hidden, a, b, scales.get("w1_scale"), scales.get("w2_scale"), weights, ids,
-                                         FORMATS["none" if fmt == "bf16" else "block"], cfg, blocks)
+                    stages = index_gather_stages(hidden, a, b, scales.get("w1_scale"), scales.get("w2_scale"), weights,
+                                                 ids, FORMATS["none" if fmt == "bf16" else "block"], cfg, blocks)
                     for stage, stage_call in stages.items():
                         yield f"{key} {fmt} {stage} {batch}", None, stage_call, STAGE_METHODS
             if batch <= 512 and CUDA:

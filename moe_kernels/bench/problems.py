@@ -61,3 +61,32 @@ def tool_batch(model: MoEModel, num_tokens: int, dtype: torch.dtype, weight_dtyp
     config = get_config(num_tokens, model.num_experts, model.moe_intermediate_size, model.hidden_size, weight_dtype,
                         hidden.device)
     return hidden, weights, ids, config, assign_blocks(ids, config.block_m, model.num_experts, validate_ids=False)
+
+
+def index_gather_stages(hidden, w1, w2, w1_scale, w2_scale, weights, ids, fmt, config, blocks) -> dict:
+    """Index-gather's decode stages for the A/B scripts in ``tools/``, each a closure that runs one launch alone
+    on inputs made once here: ``gemm 1`` (SiLU·mul in its epilogue), ``gemm 2`` (with the top-k sum where
+    ``config`` puts it there), ``sum`` (otherwise) and, for a quantised ``fmt`` (a
+    :class:`~moe_kernels.kernels.formats.WeightFormat`), ``quantize x`` and ``quantize y``, the two activation
+    quantisers."""
+    from ..kernels.combine import sum_slots
+    from ..kernels.index_gather import down, gate_up
+
+    t, k = ids.shape
+    x, x_scale = fmt.quantize_activations(hidden)
+    inter = torch.empty(t * k, w1.shape[1] // 2, device=hidden.device, dtype=hidden.dtype)
+    gate_up(x, w1, blocks, k, tiles=config.gate_up, out=inter, a_scale=x_scale, w_scale=w1_scale, fmt=fmt)
+    y, y_scale = fmt.quantize_activations(inter)
+    summed = config.sum_in_gemm
+    per_slot = (torch.zeros(t, w2.shape[1], device=hidden.device, dtype=torch.float32) if summed else
+                torch.empty(t, k, w2.shape[1], device=hidden.device, dtype=hidden.dtype))
+    stages = {"gemm 1": lambda: gate_up(x, w1, blocks, k, tiles=config.gate_up, out=inter, a_scale=x_scale,
+                                        w_scale=w1_scale, fmt=fmt),
+              "gemm 2": lambda: down(y, w2, weights, blocks, tiles=config.down, out=per_slot, a_scale=y_scale,
+                                     w_scale=w2_scale, fmt=fmt, sum_slots=summed)}
+    if fmt.quantized:
+        stages["quantize x"] = lambda: fmt.quantize_activations(hidden)
+        stages["quantize y"] = lambda: fmt.quantize_activations(inter)
+    if not summed:
+        stages["sum"] = lambda: sum_slots(per_slot)
+    return stages
