@@ -47,6 +47,7 @@ from .kernels.config import TABLE_REACH, ConfigChoice, MoEConfig, check_config
 from .kernels.config import choose_config, choose_fused_shared_config
 from .kernels.formats import WeightFormat
 from .kernels.index_gather import run_experts
+from .kernels.one_launch import runs_in_one_launch
 from .kernels.layout_choice import AUTO, check_layout, choose_layout
 from .kernels.layouts import LAYOUTS
 from .kernels.permute_gluon import refusal as gluon_refusal
@@ -145,7 +146,7 @@ def plan_layer(func: str, weights: LayerWeights, routing: Routing, layout: str, 
                                       activation_dtype, device, device_name=device_name, reach=TABLE_REACH)
     # The router (moe_kernels.layer_router): the two steps, or one router that may align the ids too.
     router = choose_router(num_tokens, weights.gate.dtype == activation_dtype, routing.top_k,
-                           naive is False and not slot and choice.config.one_launch is None)
+                           naive is False and not slot and not runs_in_one_launch(choice.config, weights.format))
     permute = (measured.align, measured.gemm) if measured is not None else (None, None)
     return LayerPlan(num_tokens, layout, weights.format, choice, naive, shared_choice, *router, *permute, slot)
 
@@ -161,7 +162,7 @@ def run_layer(plan: LayerPlan, hidden_states: torch.Tensor, weights: LayerWeight
     in_gemm = plan.layout == "index_gather"
     # fp8: the routed and the shared experts read the same quantised activations; quantise once.
     # (both GEMMs in one launch read the unquantised activations: quantised only for a shared expert)
-    quantize = fmt.quantized and in_gemm and (plan.config.one_launch is None or apart)
+    quantize = fmt.quantized and in_gemm and (not runs_in_one_launch(plan.config, fmt) or apart)
     activations = fmt.quantize_activations(hidden_states) if quantize else None
     shared = shared_expert_output(plan, hidden_states, w, shared_gate, activations) if apart else None
     if in_gemm:   # the shared output joins the top-k sum (no separate addition)

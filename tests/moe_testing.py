@@ -160,6 +160,20 @@ def assert_each_raises(experts, problem, cases):
             experts(**{**good, **changes})
 
 
+def check_one_launch(problem, dtype, tiles, **kwargs):
+    """``one_launch_experts`` (either kernel, by ``tiles.phases``) on ``problem`` against the float64
+    reference, within ``TOLERANCE[dtype]``; returns its output."""
+    from moe_kernels.kernels.one_launch import one_launch_experts
+    from moe_kernels.reference import moe_reference
+
+    hidden, w1, w2, weights, ids = problem
+    out = one_launch_experts(hidden, w1, w2, weights, ids, tiles=tiles, **kwargs)
+    assert out.shape == hidden.shape and out.dtype == hidden.dtype
+    err = rel_err(out, moe_reference(hidden, w1, w2, weights, ids))
+    assert err < TOLERANCE[dtype], f"relative error {err:.2e} >= {TOLERANCE[dtype]:.0e}"
+    return out
+
+
 def rel_err(out, ref):
     """``|out - ref| / |ref|`` (Frobenius norms) in float64; fails if ``out`` holds NaN or inf,
     as a row the kernel never wrote would."""

@@ -23,57 +23,66 @@ from moe_kernels.model.shapes import MODELS
 from moe_kernels.kernels.one_launch import (OneLaunchTiles, grid_programs, one_launch_experts,
                                             one_launch_reference)
 from moe_kernels.reference import moe_reference
-from moe_testing import (DEVICE, EDGE_SHAPES, ON_GPU, TOLERANCE, assert_device_assert, compiled_for_hopper, make_problem,
-                         needs_gpu, rel_err, skewed_problems)
+from moe_testing import (DEVICE, EDGE_SHAPES, ON_GPU, TOLERANCE, assert_device_assert, check_one_launch,
+                         compiled_for_hopper, make_problem, needs_gpu, rel_err, skewed_problems)
 
 pytestmark = pytest.mark.usefixtures("true_fp32")
 
 SMALL = OneLaunchTiles(block_f=16, block_d=16)
+#: The two-phase kernel (moe_kernels/kernels/two_phase.py; its own tests in tests/test_two_phase.py) shares the
+#: edge cases and the id tests here.
+TWO_PHASE = OneLaunchTiles(block_f=16, block_d=16, phases=2, block_k=16, num_stages=2)
+BOTH = pytest.mark.parametrize("tiles", [SMALL, TWO_PHASE], ids=["one phase", "two phases"])
 
 
 def check(problem, dtype, tiles=SMALL, **kwargs):
-    hidden, w1, w2, weights, ids = problem
-    out = one_launch_experts(hidden, w1, w2, weights, ids, tiles=tiles, **kwargs)
-    assert out.shape == hidden.shape and out.dtype == hidden.dtype
-    err = rel_err(out, moe_reference(hidden, w1, w2, weights, ids))
-    assert err < TOLERANCE[dtype], f"relative error {err:.2e} >= {TOLERANCE[dtype]:.0e}"
-    return out
+    return check_one_launch(problem, dtype, tiles, **kwargs)
 
 
+@pytest.mark.parametrize("phases", [1, 2])
 @pytest.mark.parametrize("seed", range(6))
-def test_random_shapes(seed):
-    rnd = random.Random(900 + seed)
+def test_random_shapes(seed, phases):
+    rnd = random.Random(900 * phases + seed)
     num_experts = rnd.randint(1, 9)
     dtype = (torch.float32, torch.float16)[seed % 2]
     problem = make_problem(rnd.randint(1, 12), num_experts, rnd.randint(1, num_experts),
                            rnd.choice([16, 40, 64]), rnd.choice([8, 24, 40]), dtype, seed=seed,
                            fused_topk_like=seed % 3 == 0)
-    check(problem, dtype, OneLaunchTiles(rnd.choice([8, 16, 32]), rnd.choice([16, 32, 128]), 4, rnd.choice([1, 3])))
+    if phases == 1:
+        tiles = OneLaunchTiles(rnd.choice([8, 16, 32]), rnd.choice([16, 32, 128]), 4, rnd.choice([1, 3]))
+    else:   # (units of 16-32 GEMM 1 rows and 16-64 output rows, K steps of 16-64, 1 or 4 programs an SM)
+        tiles = OneLaunchTiles(rnd.choice([16, 32]), rnd.choice([16, 32, 64]), 4, rnd.choice([1, 2, 3]), phases=2,
+                               block_k=rnd.choice([16, 32, 64]), programs_per_sm=rnd.choice([1, 4]))
+    check(problem, dtype, tiles)
 
 
+@BOTH
 @pytest.mark.parametrize("case", sorted(EDGE_SHAPES))
-def test_edge_cases(case):
-    check(make_problem(**EDGE_SHAPES[case], hidden=48, inter=40, seed=3), torch.float32)
+def test_edge_cases(case, tiles):
+    check(make_problem(**EDGE_SHAPES[case], hidden=48, inter=40, seed=3), torch.float32, tiles)
 
 
-def test_an_idle_expert_and_every_token_on_one():
+@BOTH
+def test_an_idle_expert_and_every_token_on_one(tiles):
     for problem in skewed_problems():
-        check(problem, torch.float32)
+        check(problem, torch.float32, tiles)
 
 
-def test_bf16_rounds_h_to_nearest_as_the_reference():
+@BOTH
+def test_bf16_rounds_h_to_nearest_as_the_reference(tiles):
     # (under the interpreter the launch runs in float32: h is still rounded to bf16, by its bits)
     hidden, w1, w2, weights, ids = make_problem(3, 4, 2, 64, 32, torch.bfloat16, seed=12)
-    out = one_launch_experts(hidden, w1, w2, weights, ids, tiles=SMALL)
+    out = one_launch_experts(hidden, w1, w2, weights, ids, tiles=tiles)
     ref = one_launch_reference(hidden, w1, w2, weights, ids)
     assert out.dtype == torch.bfloat16
     # (without rounding h, about a third of the outputs differ from the reference by an ulp)
     assert float((out != ref).float().mean()) < 0.05
 
 
-def test_no_tokens():
+@BOTH
+def test_no_tokens(tiles):
     hidden, w1, w2, weights, ids = make_problem(3, 4, 2, 32, 16, seed=4)
-    out = one_launch_experts(hidden[:0], w1, w2, weights[:0], ids[:0], tiles=SMALL)
+    out = one_launch_experts(hidden[:0], w1, w2, weights[:0], ids[:0], tiles=tiles)
     assert out.shape == (0, 32)
 
 
@@ -104,29 +113,32 @@ def test_fp8_formats_are_w8a16(fmt):
     assert rel_err(out, one_launch_reference(hidden, q1, q2, weights, ids, w1_scale=s1, w2_scale=s2).double()) < 1e-5
 
 
-def test_unchecked_bad_ids_add_nothing_and_spoil_no_other_token():
+@BOTH
+def test_unchecked_bad_ids_add_nothing_and_spoil_no_other_token(tiles):
     hidden, w1, w2, weights, ids = make_problem(4, 5, 2, 32, 16, seed=8)
     bad = ids.clone()
     bad[1, 0], bad[2, 1] = 5, -3
-    out = one_launch_experts(hidden, w1, w2, weights, bad, tiles=SMALL, validate_ids=False)
+    out = one_launch_experts(hidden, w1, w2, weights, bad, tiles=tiles, validate_ids=False)
     kept = torch.where((bad >= 0) & (bad < 5), weights, torch.zeros_like(weights))
     assert rel_err(out, moe_reference(hidden, w1, w2, kept, bad.clamp(0, 4))) < 1e-5
 
 
-def test_bad_ids_are_named():
+@BOTH
+def test_bad_ids_are_named(tiles):
     hidden, w1, w2, weights, ids = make_problem(2, 4, 2, 32, 16, seed=9)
     bad = ids.clone()
     bad[0, 1] = 4
     if ON_GPU:
         assert_device_assert(f"""
+            from moe_kernels.kernels.config import OneLaunchTiles
             from moe_kernels.kernels.one_launch import one_launch_experts
             x, w1, w2 = (torch.randn(*s, device="cuda") for s in ((2, 32), (4, 32, 32), (4, 32, 16)))
             one_launch_experts(x, w1, w2, torch.rand(2, 2, device="cuda"),
-                               torch.tensor({bad.tolist()}, device="cuda"))""",
+                               torch.tensor({bad.tolist()}, device="cuda"), tiles=OneLaunchTiles(**{tiles.as_dict()}))""",
                              "one_launch_experts: argument 'topk_ids' must hold expert ids in [0, 4)")
         return
     with pytest.raises(ValueError, match=r"one_launch_experts: argument 'topk_ids' must hold expert ids in \[0, 4\)"):
-        one_launch_experts(hidden, w1, w2, weights, bad, tiles=SMALL)
+        one_launch_experts(hidden, w1, w2, weights, bad, tiles=tiles)
 
 
 @pytest.mark.parametrize("name, value, message", [
@@ -179,27 +191,35 @@ def test_fused_experts_takes_it_only_without_a_block_map():
 
 @pytest.mark.skipif(BACKEND == "torch", reason="no Triton here: the torch reference runs")
 @pytest.mark.parametrize("fmt", ["none", "block"])
-def test_a_layer_with_a_shared_expert_adds_it_in_the_same_sum(fmt):
+@pytest.mark.parametrize("phases", [1, 2])
+def test_a_layer_with_a_shared_expert_adds_it_in_the_same_sum(fmt, phases):
     style = dataclasses.replace(MODELS["deepseek-v3"], num_experts=16)
     layer = MoELayer.random(style, hidden_size=256, intermediate_size=128, dtype=torch.float32, device=DEVICE,
                             seed=2)
     layer = layer if fmt == "none" else layer.quantized(fmt)
     x = torch.randn(2, 256, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    config = ONE if phases == 1 else dataclasses.replace(
+        ONE, one_launch=dataclasses.replace(TWO_PHASE, block_k=128 if fmt == "block" else 16))
     with record_launches() as launches:
-        out = layer(x, config=ONE)
+        out = layer(x, config=config)
     names = [name for name, _ in launches]
-    # the routed experts in one launch; the two GEMMs left are the shared expert's, on its dense map
-    assert names.count("one_launch.experts") == 1 and "align.moe_align_block_size" not in names, names
+    # the routed experts in one launch (two phases in fp8 on the CPU: the torch reference, no launch); the two
+    # GEMMs left are the shared expert's, on its dense map; no alignment
+    launched = "one_launch.experts" if phases == 1 else "two_phase.experts"
+    assert names.count(launched) == (0 if phases == 2 and fmt == "block" and not ON_GPU else 1), names
+    assert "align.moe_align_block_size" not in names, names
     assert all(settings["dense"] for name, settings in launches if name == "index_gather.gemm"), launches
-    # fp8: the routed experts run W8A16, the reference W8A8 (a few percent apart); bf16: exact arithmetic
-    assert rel_err(out, layer.reference(x)) < (0.1 if fmt == "block" else 1e-5)
+    # fp8: one phase runs W8A16, the reference W8A8 (a few percent apart); two phases W8A8, up to where h's
+    # rounding lands; unquantised: exact arithmetic
+    assert rel_err(out, layer.reference(x)) < ({1: 0.1, 2: 2e-2}[phases] if fmt == "block" else 1e-5)
 
 
 @needs_gpu
 @pytest.mark.parametrize("model, fmt", [("qwen3-30b-a3b", "none"), ("qwen3-30b-a3b", "block"),
                                         ("deepseek-v3", "none"), ("deepseek-v3", "block")])
 @pytest.mark.parametrize("batch", [1, 5])
-def test_model_shapes_on_the_gpu(model, fmt, batch):
+@pytest.mark.parametrize("phases", [1, 2])
+def test_model_shapes_on_the_gpu(model, fmt, batch, phases):
     from moe_kernels.bench.problems import make_batch, make_weights
     from moe_kernels.model.shapes import MODELS
 
@@ -208,10 +228,16 @@ def test_model_shapes_on_the_gpu(model, fmt, batch):
     (q1, s1), (q2, s2) = FORMATS[fmt].quantize_weight(w1), FORMATS[fmt].quantize_weight(w2)
     del w1, w2
     x, _, weights, ids = make_batch(shape, batch, torch.bfloat16, batch, DEVICE)
-    for tiles in (OneLaunchTiles(32, 256, 4), OneLaunchTiles(64, 256, 8, 2), OneLaunchTiles(16, 512, 4, 3)):
-        out = one_launch_experts(x, q1, q2, weights, ids, tiles=tiles, w1_scale=s1, w2_scale=s2)
-        ref = one_launch_reference(x, q1, q2, weights, ids, w1_scale=s1, w2_scale=s2)
-        assert rel_err(out, ref.double()) < TOLERANCE[torch.bfloat16]
+    # (two phases: fp8 as W8A8, the activations quantised in the kernel; and the same output twice, no atomics)
+    ref = one_launch_reference(x, q1, q2, weights, ids, w1_scale=s1, w2_scale=s2,
+                               quantize_activations=phases == 2 and fmt != "none").double()
+    tiles = ((OneLaunchTiles(32, 256, 4), OneLaunchTiles(64, 256, 8, 2), OneLaunchTiles(16, 512, 4, 3)) if phases == 1
+             else (OneLaunchTiles(16, 16, 4, 4, phases=2), OneLaunchTiles(32, 32, 4, 6, phases=2, programs_per_sm=2)))
+    for t in tiles:
+        out = one_launch_experts(x, q1, q2, weights, ids, tiles=t, w1_scale=s1, w2_scale=s2)
+        assert rel_err(out, ref) < TOLERANCE[torch.bfloat16]
+        if phases == 2:
+            assert torch.equal(out, one_launch_experts(x, q1, q2, weights, ids, tiles=t, w1_scale=s1, w2_scale=s2))
 
 
 _COMPILE_FOR_HOPPER = """

@@ -120,7 +120,9 @@ def sweep(models, batches, *, seed, warmup_ms, rep_ms, ceilings, log=print) -> l
     from ..kernels.blocks import assign_blocks
     from ..kernels.config import get_config
     from ..kernels.gluon_block_fp8 import available
+    from ..kernels.formats import FORMATS, UNQUANTIZED
     from ..kernels.index_gather import fused_experts
+    from ..kernels.one_launch import runs_in_one_launch
     from ..kernels.permute import permute_experts
     from .sweep import DECODE_ONLY_MAX_BATCH
     from ..kernels.quant import per_token_group_quant_fp8, quantize_weight
@@ -143,11 +145,14 @@ def sweep(models, batches, *, seed, warmup_ms, rep_ms, ceilings, log=print) -> l
             blocks8 = assign_blocks(ids, cfg8.block_m, model.num_experts, validate_ids=False)
             (b1, b1s), (b2, b2s) = fp8["block"]
             (c1, c1s), (c2, c2s) = fp8["channel"]
+            # (a table entry that runs both GEMMs in one launch needs no block map: none is passed then)
+            one16, one8 = runs_in_one_launch(cfg, UNQUANTIZED), runs_in_one_launch(cfg8, FORMATS["block"])
             calls = {
-                "bf16 GEMMs": (lambda: fused_experts(hidden, w1, w2, weights, ids, config=cfg, blocks=blocks,
-                                                     validate_ids=False), 2, None),
-                "fp8 block GEMMs": (lambda: fused_experts(hidden, b1, b2, weights, ids, config=cfg8, blocks=blocks8,
-                                                          validate_ids=False, w1_scale=b1s, w2_scale=b2s), 1,
+                "bf16 GEMMs": (lambda: fused_experts(hidden, w1, w2, weights, ids, config=cfg,
+                                                     blocks=None if one16 else blocks, validate_ids=False), 2, None),
+                "fp8 block GEMMs": (lambda: fused_experts(hidden, b1, b2, weights, ids, config=cfg8,
+                                                          blocks=None if one8 else blocks8, validate_ids=False,
+                                                          w1_scale=b1s, w2_scale=b2s), 1,
                                     (b1, b2, b1s, b2s, "block")),
                 "fp8 channel GEMMs": (lambda: fused_experts(hidden, c1, c2, weights, ids, config=cfg8, blocks=blocks8,
                                                             validate_ids=False, w1_scale=c1s, w2_scale=c2s), 1,

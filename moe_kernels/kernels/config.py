@@ -95,26 +95,41 @@ class GemmTiles:
 
 @dataclasses.dataclass(frozen=True)
 class OneLaunchTiles:
-    """Both GEMMs in one launch (:mod:`moe_kernels.kernels.one_launch`): ``block_f`` intermediate
-    rows per program (a power of two, at most 128, so that a slice never straddles a 128-row
-    scale block), ``block_d`` columns of ``d`` per step (a power of two, at least 16), warps per
-    program, and the software pipeline's depth over the steps (``num_stages``: Triton's
-    ``tl.range``; 1 loads each step as it comes). Wide tiles in deep pipelines may not fit in
-    shared memory (on the H200, 64 x 512 and 128 x 256 with 3 stages did not: Triton's
-    OutOfResources at the first launch)."""
+    """Both GEMMs in one launch, in one of two kernels.
+
+    ``phases=1`` (:mod:`moe_kernels.kernels.one_launch`): a program per assignment and slice of
+    ``block_f`` intermediate rows (a power of two, at most 128, so that a slice never straddles a
+    128-row scale block) does both products for its slice; ``block_d`` columns of ``d`` per step (a
+    power of two, at least 16), warps per program, and the software pipeline's depth over the steps
+    (``num_stages``: Triton's ``tl.range``; 1 loads each step as it comes). Wide tiles in deep
+    pipelines may not fit in shared memory (on the H200, 64 x 512 and 128 x 256 with 3 stages did
+    not: Triton's OutOfResources at the first launch).
+
+    ``phases=2`` (:mod:`moe_kernels.kernels.two_phase`): ``programs_per_sm`` programs per SM take
+    work units by ticket, first GEMM 1's (an assignment's ``block_f`` gate rows and as many up rows,
+    at least 16), then GEMM 2's (a token's ``block_d`` output rows over all its experts); both step
+    over K by ``block_k`` (fp8 block weights: their 128, one activation group a step)."""
 
     block_f: int = 32
     block_d: int = 256
     num_warps: int = 4
     num_stages: int = 1
+    phases: int = 1
+    block_k: int = 128
+    programs_per_sm: int = 4
 
     def __post_init__(self):
         func = "OneLaunchTiles"
-        for name, lo, hi in (("block_f", 1, 128), ("block_d", 16, 4096), ("num_warps", 1, 16), ("num_stages", 1, 8)):
+        for name, lo, hi in (("block_f", 1, 128), ("block_d", 16, 4096), ("num_warps", 1, 16), ("num_stages", 1, 8),
+                             ("phases", 1, 2), ("block_k", 16, 512), ("programs_per_sm", 1, 32)):
             value = getattr(self, name)
             check_int(func, name, value, lo=lo, hi=hi)
-            if name != "num_stages" and value & (value - 1):
+            if name in ("block_f", "block_d", "num_warps", "block_k") and value & (value - 1):
                 fail(func, name, "must be a power of two", value)
+        if self.phases == 2 and self.block_f < 16:
+            fail(func, "block_f", "must be >= 16 with phases=2 (the N side of a tensor-core product)", self.block_f)
+        if self.phases == 2 and self.block_d > 256:
+            fail(func, "block_d", "must be <= 256 with phases=2 (output rows of one GEMM 2 unit)", self.block_d)
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)

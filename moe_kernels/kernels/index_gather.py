@@ -70,7 +70,7 @@ from . import _pdl
 from ._pdl import LINE_BYTES, pdl_available
 from .formats import WeightFormat
 from .gather_tile import rows_reference
-from .one_launch import run_one_launch
+from .one_launch import run_one_launch, runs_in_one_launch
 from .quant import FP8
 
 if HAS_TRITON:
@@ -387,8 +387,9 @@ def fused_experts(
     ``block_m`` wins), e.g. to time the GEMMs without the alignment. ``naive_block_assignment``
     forces the small-batch path on or off (default: vLLM's rule, see :func:`assign_blocks`). A
     config with ``one_launch`` tiles runs both GEMMs in one launch
-    (:mod:`moe_kernels.kernels.one_launch`), which needs no block map: ``block_size_m`` and
-    ``naive_block_assignment`` then change nothing, and a ``blocks`` given runs the two GEMMs.
+    (:mod:`moe_kernels.kernels.one_launch`, :mod:`moe_kernels.kernels.two_phase`), which needs no
+    block map: ``block_size_m`` and ``naive_block_assignment`` then change nothing, and a
+    ``blocks`` given runs the two GEMMs.
     ``validate_ids`` checks that every id lies in ``[0, E)``: on the CPU with an immediate
     ValueError; on a GPU inside a kernel that reads the ids (the alignment, or GEMM 2 for tiny
     batches) as a device-side assert, which costs no launch and no host sync and can be
@@ -459,10 +460,11 @@ def run_experts(hidden_states, w1, w2, topk_weights, topk_ids, *, fmt, config: M
     ``fmt.quantize_activations(hidden_states)`` when the caller has it already (a shared expert
     reads the same); ``add``: a ``[T, d]`` tensor the top-k sum adds in fp32 (a shared expert's
     output), instead of a separate addition. A config with ``one_launch`` tiles and no ``blocks``
-    runs both GEMMs in one launch (:mod:`moe_kernels.kernels.one_launch`; fp8 as W8A16, so it
-    ignores ``activations``).
+    runs both GEMMs in one launch (:mod:`moe_kernels.kernels.one_launch`: fp8 as W8A16;
+    :mod:`moe_kernels.kernels.two_phase`: block fp8 as W8A8, quantising in the kernel; both ignore
+    ``activations``), where its kernel takes the format (:func:`runs_in_one_launch`).
     """
-    if config.one_launch is not None and blocks is None:   # both GEMMs in one launch (no block map)
+    if blocks is None and runs_in_one_launch(config, fmt):   # both GEMMs in one launch (no block map)
         return run_one_launch(hidden_states, w1, w2, topk_weights, topk_ids, fmt=fmt, tiles=config.one_launch,
                               w1_scale=w1_scale, w2_scale=w2_scale, ids=ids, func=func, add=add)
     num_tokens, top_k = topk_ids.shape

@@ -51,9 +51,10 @@ import torch
 
 from .._checks import check_moe_inputs, device_id_check, fail
 from .._runtime import HAS_TRITON, cdiv, device_assert_options, kernel, note_launch, tl, use_triton
-from ._tile_gemm import in_float32_under_interpreter
+from ._one_launch_parts import ROUND, one_launch_reference, scale_strides, settled_without_launch
 from .config import OneLaunchTiles
 from .formats import WeightFormat
+from .two_phase import run_two_phase
 
 __all__ = ["OneLaunchTiles", "grid_programs", "one_launch_experts", "one_launch_reference", "run_one_launch"]
 
@@ -64,6 +65,7 @@ def grid_programs(num_tokens: int, top_k: int, f: int, tiles: OneLaunchTiles) ->
 
 
 if HAS_TRITON:
+    from ._one_launch_parts import _rounded
 
     @kernel
     def _column_scales(scale_ptr, expert, row_block, cols, cols_ok, stride_se, stride_sn, stride_sk,
@@ -88,19 +90,6 @@ if HAS_TRITON:
             return tl.load(scale_ptr + expert * stride_se + rows * 0, mask=rows_ok, other=1.0)
         else:
             return tl.full(rows.shape, 1.0, tl.float32)
-
-    @kernel
-    def _rounded(v, ROUND: tl.constexpr):
-        """``v`` (float32) rounded to nearest even in fp16 (``ROUND == 1``) or bf16 (2), as float32.
-        bf16 by its bits: the interpreter's float32 -> bf16 conversion truncates."""
-        if ROUND == 1:
-            return v.to(tl.float16).to(tl.float32)
-        elif ROUND == 2:
-            bits = v.to(tl.uint32, bitcast=True)
-            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-            return bits.to(tl.float32, bitcast=True)
-        else:
-            return v
 
     @kernel
     def _one_launch_kernel(
@@ -184,6 +173,15 @@ if HAS_TRITON:
         # <<< book: one-launch
 
 
+def runs_in_one_launch(config, fmt) -> bool:
+    """Whether ``config`` (a :class:`~moe_kernels.kernels.config.MoEConfig`) runs both GEMMs in one launch
+    for weights of format ``fmt``: it has ``one_launch`` tiles, and their kernel takes the format (the
+    two-phase kernel runs unquantised and block-fp8 weights only; a tuned table is keyed by the element
+    type, so an fp8 entry also meets the channel and tensor formats, which then take its two GEMMs)."""
+    tiles = config.one_launch
+    return tiles is not None and (tiles.phases == 1 or not fmt.quantized or fmt.activations == "group")
+
+
 def one_launch_experts(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                        topk_ids: torch.Tensor, *, tiles: OneLaunchTiles | None = None, w1_scale=None, w2_scale=None,
                        validate_ids: bool = True) -> torch.Tensor:
@@ -202,37 +200,22 @@ def one_launch_experts(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.
                           w2_scale=w2_scale, ids="validate" if validate_ids else "unchecked", func=func)
 
 
-#: How each slice rounds ``h`` before GEMM 2: to the activations' dtype (the kernel's ``ROUND``).
-_ROUND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-
-
 def run_one_launch(hidden_states, w1, w2, topk_weights, topk_ids, *, fmt, tiles: OneLaunchTiles, w1_scale=None,
                    w2_scale=None, ids: str = "validate", func: str = "one_launch_experts", add=None,
                    _round_to=None) -> torch.Tensor:
     """:func:`one_launch_experts` after its checks. ``ids``: ``"validate"`` (a device assert in
     the kernel; at once on the CPU), ``"trusted"`` or ``"unchecked"`` (a bad id adds nothing).
     ``add``: a ``[T, d]`` tensor (rows contiguous, e.g. a shared expert's output) added in the
-    fp32 sum before its one rounding."""
+    fp32 sum before its one rounding. ``tiles.phases == 2``: :mod:`moe_kernels.kernels.two_phase`."""
+    if tiles.phases == 2:
+        return run_two_phase(hidden_states, w1, w2, topk_weights, topk_ids, fmt=fmt, tiles=tiles, w1_scale=w1_scale,
+                             w2_scale=w2_scale, ids=ids, func=func, add=add, _round_to=_round_to)
     num_tokens, top_k = topk_ids.shape
     num_experts, d, f = w2.shape
-    out = torch.empty((num_tokens, d), device=hidden_states.device, dtype=hidden_states.dtype)
-    if not use_triton(hidden_states, w1, w2):
-        if ids == "validate":
-            device_id_check(func, "topk_ids", topk_ids, num_experts)
-        ref = one_launch_reference(hidden_states, w1, w2, topk_weights, topk_ids, fmt=fmt, w1_scale=w1_scale,
-                                   w2_scale=w2_scale, add=add)
-        return out.copy_(ref)
-    if num_tokens == 0 or d == 0:
-        return out
-    if f == 0:
-        return out.zero_() if add is None else out.copy_(add)
-
-    def rerun(x, w1, w2, *extra, out):   # the interpreter's bf16: the same launch in float32, rounded once
-        out.copy_(run_one_launch(x, w1, w2, topk_weights, topk_ids, fmt=fmt, tiles=tiles, w1_scale=w1_scale,
-                                 w2_scale=w2_scale, ids=ids, func=func, add=extra[0] if extra else None,
-                                 _round_to=hidden_states.dtype))
-
-    if in_float32_under_interpreter(rerun, out, hidden_states, w1, w2, *(() if add is None else (add,))) is not None:
+    out, done = settled_without_launch(run_one_launch, hidden_states, w1, w2, topk_weights, topk_ids,
+                                       reference=not use_triton(hidden_states, w1, w2), fmt=fmt, w1_scale=w1_scale,
+                                       w2_scale=w2_scale, ids=ids, func=func, add=add, tiles=tiles)
+    if done:
         return out
     id_check = device_id_check(func, "topk_ids", topk_ids, num_experts) if ids == "validate" else ""
     # One fill: the fp32 rows the slices add into, then one arrival counter per token.
@@ -240,8 +223,8 @@ def run_one_launch(hidden_states, w1, w2, topk_weights, topk_ids, *, fmt, tiles:
     acc, arrivals = scratch[:num_tokens * d].view(torch.float32), scratch[num_tokens * d:]
     weights = topk_weights if topk_weights.is_contiguous() else topk_weights.contiguous()
     ids_flat = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
-    s1 = _scale_strides(w1_scale)
-    s2 = _scale_strides(w2_scale)
+    s1 = scale_strides(w1_scale)
+    s2 = scale_strides(w2_scale)
     slices = cdiv(f, tiles.block_f)
     note_launch("one_launch.experts", format=fmt.name, **tiles.as_dict())
     _one_launch_kernel[(num_tokens * top_k * slices,)](
@@ -251,37 +234,6 @@ def run_one_launch(hidden_states, w1, w2, topk_weights, topk_ids, *, fmt, tiles:
         0 if add is None else add.stride(0), *s1, *s2,
         TOP_K=top_k, SLICES=slices, BLOCK_F=tiles.block_f, BLOCK_D=tiles.block_d, SCALES=fmt.scale_code,
         ID_CHECK=id_check, STAGES=tiles.num_stages, HAS_ADD=add is not None,
-        ROUND=_ROUND[_round_to or hidden_states.dtype], num_warps=tiles.num_warps,
+        ROUND=ROUND[_round_to or hidden_states.dtype], num_warps=tiles.num_warps,
         **device_assert_options(id_check))
     return out
-
-
-def _scale_strides(scale) -> tuple[int, int, int]:
-    """(expert, row, column) strides of a scale tensor: ``[E, N/128, K/128]``, ``[E, N]`` or ``[E]``."""
-    if scale is None:
-        return 0, 0, 0
-    strides = scale.stride()
-    return (strides + (0, 0))[:3]
-
-
-def one_launch_reference(hidden_states, w1, w2, topk_weights, topk_ids, *, fmt=None, w1_scale=None,
-                         w2_scale=None, add=None) -> torch.Tensor:
-    """Torch reference for :func:`one_launch_experts`: float32 products of the dequantised weights
-    with the unquantised activations (W8A16 for fp8), ``h`` rounded to the activations' dtype,
-    float32 sums; a bad id adds nothing."""
-    fmt = fmt or WeightFormat.of_pair("one_launch_reference", w1, w2, w1_scale, w2_scale)
-    num_experts, d, f = w2.shape
-    x = hidden_states.float()
-    out = torch.zeros(hidden_states.shape[0], d, dtype=torch.float32, device=hidden_states.device)
-    for token, (row_ids, row_weights) in enumerate(zip(topk_ids.tolist(), topk_weights.float())):
-        for expert, weight in zip(row_ids, row_weights):
-            if not 0 <= expert < num_experts:
-                continue
-            gate_up = fmt.dequantize_weight(w1[expert:expert + 1], None if w1_scale is None else
-                                            w1_scale[expert:expert + 1])[0].float() @ x[token]
-            h = torch.nn.functional.silu(gate_up[:f]) * gate_up[f:]
-            h = h.to(hidden_states.dtype).float() * weight
-            down = fmt.dequantize_weight(w2[expert:expert + 1], None if w2_scale is None else
-                                         w2_scale[expert:expert + 1])[0].float()
-            out[token] += down @ h
-    return (out if add is None else out + add.float()).to(hidden_states.dtype)

@@ -1,0 +1,291 @@
+"""Both expert GEMMs of a tiny batch in one launch, in two phases that each keep every SM streaming.
+
+At one decode token the experts are matrix-vector products: Qwen3-30B-A3B's eight experts read
+37.7 MB of fp8 weights (75.5 MB in bf16) for 0.15 GFLOP, so the time is the read. Two grouped GEMMs
+read it in two launches, each with a start and a tail, and each in tiles too large to spread evenly
+over the SMs (a GEMM 1 tile of 128 columns is 48 programs for 132 SMs at one Qwen3 token); the
+activation quantisers and the top-k sum are three more launches. :mod:`moe_kernels.kernels.one_launch`
+runs both products in one launch, but its GEMM 2 reads each weight row in slices of 16-64 bytes and
+adds every partial sum into the output with atomics.
+
+Here a persistent grid (``programs_per_sm`` programs per SM) takes small work units by ticket, one
+atomic add each:
+
+1. **GEMM 1 units** (tickets ``0 .. n1-1``): one assignment (token, expert) and ``block_f`` rows
+   of the expert's gate and up halves, over all of ``d``. The unit writes its ``block_f`` values
+   of ``h = silu(gate) * up``, rounded to the activations' dtype, to an fp32 scratch row, then
+   adds one arrival (a release).
+2. **GEMM 2 units** (the next ``n2`` tickets): one token and ``block_d`` rows of the output, over
+   all of that token's experts. The unit waits until all ``n1`` arrivals are in (an acquire), then
+   reads each of the token's ``h`` rows through L2 and its experts' ``block_d`` weight rows, and
+   sums the products, each times its routing weight, in registers: the top-k sum happens here,
+   once, in fp32, with no atomics, and the output row is rounded once.
+
+Every weight row is read whole and contiguous, exactly once; the units are small (a Qwen3 GEMM 1
+unit of 16 + 16 rows is 64 KB of fp8), so the tickets spread them evenly. A program waits only for
+units already held by running programs (every GEMM 1 ticket is handed out before the first GEMM 2
+ticket), so the wait ends however the GPU schedules programs.
+
+fp8 block weights run W8A8 exactly as the two-GEMM path does: each unit quantises its 1 x 128
+activation groups itself (``x`` in GEMM 1, ``h`` in GEMM 2; the scale ``amax / 448``,
+:mod:`moe_kernels.kernels.quant`), so no quantiser launch precedes the kernel. The products run on
+tensor cores with the token as row 0 of a 16-row tile (``tl.dot`` needs 16 rows; the other 15 are
+zeros): an fp8 MMA needs no conversion of the weights, where a matrix-vector sum on the CUDA cores
+would convert every weight element.
+
+    >>> import torch
+    >>> from moe_kernels.reference import moe_reference
+    >>> from moe_kernels.kernels.config import OneLaunchTiles
+    >>> g = torch.Generator().manual_seed(0)
+    >>> x = torch.randn(1, 64, generator=g)                  # one token, d = 64
+    >>> w1 = torch.randn(4, 2 * 32, 64, generator=g) / 8     # E = 4, F = 32
+    >>> w2 = torch.randn(4, 64, 32, generator=g) / 4
+    >>> ids, weights = torch.tensor([[3, 1]]), torch.tensor([[0.75, 0.25]])
+    >>> tiles = OneLaunchTiles(block_f=16, block_d=32, phases=2, block_k=32)
+    >>> units(1, 2, 64, 32, tiles)   # GEMM 1: 2 assignments x 2 row blocks; GEMM 2: 2 row blocks
+    (4, 2)
+    >>> out = run_two_phase(x, w1, w2, weights, ids, fmt=UNQUANTIZED, tiles=tiles)
+    >>> bool(torch.linalg.norm(out.double() - moe_reference(x, w1, w2, weights, ids)) < 1e-5)
+    True
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._checks import device_id_check, fail
+from .._runtime import INTERPRET, HAS_TRITON, cdiv, device_assert_options, kernel, note_launch, tl, use_triton
+from . import quant
+from ._one_launch_parts import ROUND, one_launch_reference, scale_strides, settled_without_launch
+from ._tile_gemm import dot_precision, programs_per_device
+from .config import OneLaunchTiles
+from .formats import UNQUANTIZED
+
+__all__ = ["run_two_phase", "units"]
+
+
+def units(num_tokens: int, top_k: int, d: int, f: int, tiles: OneLaunchTiles) -> tuple[int, int]:
+    """Work units of each phase: (GEMM 1's, GEMM 2's)."""
+    return num_tokens * top_k * cdiv(f, tiles.block_f), num_tokens * cdiv(d, tiles.block_d)
+
+
+if HAS_TRITON:
+    from ._one_launch_parts import _rounded
+
+    @kernel
+    def _first_row(v, QUANT: tl.constexpr, DTYPE: tl.constexpr):
+        """``v`` ([BLOCK_K] float32) as row 0 of a 16-row MMA operand in ``DTYPE``, and its scale:
+        in fp8 (``QUANT``) one 1 x BLOCK_K group rounded to e4m3 with the scale amax / 448, as
+        :func:`~moe_kernels.kernels.quant.per_token_group_quant_fp8` does; otherwise as it is, scale 1."""
+        first = tl.arange(0, 16)[:, None] == 0
+        if QUANT:
+            scale = tl.maximum(tl.max(tl.abs(v), axis=0), 1e-10) / 448.0
+            v = tl.clamp(v / scale, -448.0, 448.0)
+        else:
+            scale = 1.0
+        return tl.where(first, v[None, :], 0.0).to(DTYPE), scale
+
+    @kernel
+    def _gate_up_unit(unit, x_ptr, w1_ptr, h_ptr, topk_ids_ptr, w1_scale_ptr, num_experts, D, F,
+                      stride_x, stride_w1e, stride_w1n, stride_s1e, stride_s1n, stride_s1k,
+                      TOP_K: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr, QUANT: tl.constexpr,
+                      ID_CHECK: tl.constexpr, STAGES: tl.constexpr, ROUND: tl.constexpr, PRECISION: tl.constexpr,
+                      EVEN_K: tl.constexpr):
+        # >>> book: two-phase-gate-up
+        slices = tl.cdiv(F, BLOCK_F)
+        assignment = unit // slices   # (neighbouring units: one expert's neighbouring rows)
+        token = (assignment // TOP_K).to(tl.int64)
+        expert = tl.load(topk_ids_ptr + assignment).to(tl.int64)
+        known = (expert >= 0) & (expert < num_experts)
+        if ID_CHECK != "":
+            tl.device_assert(known, ID_CHECK)
+        # (an unchecked bad id reads expert 0's rows and writes h = 0)
+        expert = tl.where(known, expert, 0)
+        rows = (unit % slices) * BLOCK_F + tl.arange(0, BLOCK_F)
+        rows_ok = rows < F
+        # [BLOCK_K, BLOCK_F] tiles of the rows (K contiguous): the MMA's B operand as loaded
+        gate_cols = w1_ptr + expert * stride_w1e + rows.to(tl.int64)[None, :] * stride_w1n
+        up_cols = gate_cols + F * stride_w1n
+        gate = tl.zeros([16, BLOCK_F], dtype=tl.float32)   # row 0: the token; rows 1-15: zeros
+        up = tl.zeros([16, BLOCK_F], dtype=tl.float32)
+        for k0 in tl.range(0, D, BLOCK_K, num_stages=STAGES):
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = k < D
+            xk = tl.load(x_ptr + token * stride_x + k, mask=k_ok, other=0.0).to(tl.float32)
+            a, x_scale = _first_row(xk, QUANT, w1_ptr.dtype.element_ty)
+            # (a K mask would cut the loads' vectors to one element, and keep
+            # them out of the software pipeline)
+            mask = rows_ok[None, :] if EVEN_K else k_ok[:, None] & rows_ok[None, :]
+            wg = tl.load(gate_cols + k[:, None], mask=mask, other=0.0)
+            wu = tl.load(up_cols + k[:, None], mask=mask, other=0.0)
+            if QUANT:   # this K step's block scales, promoted into fp32 sums
+                scales = w1_scale_ptr + expert * stride_s1e + (k0 // 128) * stride_s1k
+                sg = tl.load(scales + (rows // 128) * stride_s1n, mask=rows_ok, other=0.0)
+                su = tl.load(scales + ((F + rows) // 128) * stride_s1n, mask=rows_ok, other=0.0)
+                gate += tl.dot(a, wg) * (x_scale * sg)[None, :]
+                up += tl.dot(a, wu) * (x_scale * su)[None, :]
+            else:
+                gate = tl.dot(a, wg, gate, input_precision=PRECISION)
+                up = tl.dot(a, wu, up, input_precision=PRECISION)
+        first = tl.arange(0, 16)[:, None] == 0
+        g = tl.sum(tl.where(first, gate, 0.0), axis=0)
+        u = tl.sum(tl.where(first, up, 0.0), axis=0)
+        h = _rounded(g / (1.0 + tl.exp(-g)) * u, ROUND)   # as the two-GEMM path stores h
+        h = tl.where(known, h, 0.0)
+        tl.store(h_ptr + assignment * F + rows, h, mask=rows < F)
+        # <<< book: two-phase-gate-up
+
+    @kernel
+    def _down_unit(unit, h_ptr, w2_ptr, out_ptr, add_ptr, topk_weights_ptr, topk_ids_ptr, w2_scale_ptr,
+                   num_experts, D, F, stride_w2e, stride_w2n, stride_out, stride_add,
+                   stride_s2e, stride_s2n, stride_s2k,
+                   TOP_K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
+                   QUANT: tl.constexpr, STAGES: tl.constexpr, HAS_ADD: tl.constexpr, PRECISION: tl.constexpr,
+                   EVEN_K: tl.constexpr):
+        # >>> book: two-phase-down
+        row_blocks = tl.cdiv(D, BLOCK_D)
+        token = (unit // row_blocks).to(tl.int64)
+        cols = (unit % row_blocks) * BLOCK_D + tl.arange(0, BLOCK_D)
+        cols_ok = cols < D
+        # The token's experts and weights, in registers: the loop below computes its addresses
+        # from them, so that the pipeline can issue a step's loads ahead of the step.
+        slot = tl.arange(0, SLOTS)
+        slot_ok = slot < TOP_K
+        experts = tl.load(topk_ids_ptr + token * TOP_K + slot, mask=slot_ok, other=-1)
+        experts = experts.to(tl.int64)
+        weights = tl.load(topk_weights_ptr + token * TOP_K + slot, mask=slot_ok, other=0.0)
+        weights = weights.to(tl.float32)
+        steps = tl.cdiv(F, BLOCK_K)
+        total = tl.zeros([16, BLOCK_D], dtype=tl.float32)
+        # (expert, K step) pairs, in one flat loop
+        for i in tl.range(0, TOP_K * steps, num_stages=STAGES):
+            j = i // steps
+            k0 = (i % steps) * BLOCK_K
+            expert = tl.sum(tl.where(slot == j, experts, 0), axis=0)
+            known = (expert >= 0) & (expert < num_experts)
+            expert = tl.where(known, expert, 0)   # (a bad id: expert 0, weight 0)
+            weight = tl.sum(tl.where(slot == j, weights, 0.0), axis=0)
+            weight = tl.where(known, weight, 0.0)
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = k < F
+            # (other SMs wrote h; the acquire before this unit dropped our L1's lines)
+            hk = tl.load(h_ptr + (token * TOP_K + j) * F + k, mask=k_ok, other=0.0,
+                         cache_modifier=".cg")
+            a, h_scale = _first_row(hk, QUANT, w2_ptr.dtype.element_ty)
+            # [BLOCK_K, BLOCK_D] of the expert's rows, K contiguous
+            w_cols = w2_ptr + expert * stride_w2e + cols.to(tl.int64)[None, :] * stride_w2n
+            mask = cols_ok[None, :] if EVEN_K else k_ok[:, None] & cols_ok[None, :]
+            w = tl.load(w_cols + k[:, None], mask=mask, other=0.0)
+            if QUANT:
+                scales = w2_scale_ptr + expert * stride_s2e + (k0 // 128) * stride_s2k
+                sw = tl.load(scales + (cols // 128) * stride_s2n, mask=cols_ok, other=0.0)
+                total += tl.dot(a, w) * (h_scale * weight * sw)[None, :]
+            else:
+                total += tl.dot(a, w, input_precision=PRECISION) * weight
+        first = tl.arange(0, 16)[:, None] == 0
+        row = tl.sum(tl.where(first, total, 0.0), axis=0)
+        if HAS_ADD:   # a shared expert's output joins the fp32 sum
+            extra = tl.load(add_ptr + token * stride_add + cols, mask=cols_ok, other=0.0)
+            row += extra.to(tl.float32)
+        row = row.to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + token * stride_out + cols, row, mask=cols_ok)
+        # <<< book: two-phase-down
+
+    @kernel(do_not_specialize=["num_tokens"])
+    def _two_phase_kernel(
+        x_ptr, w1_ptr, w2_ptr, h_ptr, out_ptr, add_ptr, topk_weights_ptr, topk_ids_ptr, counters_ptr,
+        w1_scale_ptr, w2_scale_ptr, num_tokens, num_experts, D, F,
+        stride_x, stride_w1e, stride_w1n, stride_w2e, stride_w2n, stride_out, stride_add,
+        stride_s1e, stride_s1n, stride_s1k, stride_s2e, stride_s2n, stride_s2k,
+        TOP_K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_K: tl.constexpr, QUANT: tl.constexpr, ID_CHECK: tl.constexpr, STAGES: tl.constexpr,
+        HAS_ADD: tl.constexpr, ROUND: tl.constexpr, PRECISION: tl.constexpr, EVEN_D: tl.constexpr,
+        EVEN_F: tl.constexpr,
+    ):
+        # >>> book: two-phase
+        # counters: [0] the next ticket, [1] GEMM 1 units done; zeros at launch.
+        n1 = num_tokens * TOP_K * tl.cdiv(F, BLOCK_F)
+        n2 = num_tokens * tl.cdiv(D, BLOCK_D)
+        ticket = tl.atomic_add(counters_ptr, 1, sem="relaxed")
+        while ticket < n1 + n2:
+            if ticket < n1:
+                _gate_up_unit(
+                    ticket, x_ptr, w1_ptr, h_ptr, topk_ids_ptr, w1_scale_ptr,
+                    num_experts, D, F, stride_x, stride_w1e, stride_w1n,
+                    stride_s1e, stride_s1n, stride_s1k, TOP_K, BLOCK_F, BLOCK_K,
+                    QUANT, ID_CHECK, STAGES, ROUND, PRECISION, EVEN_D)
+                # Every thread's stores of h, then one release: a unit that
+                # sees the count sees h.
+                tl.debug_barrier()
+                tl.atomic_add(counters_ptr + 1, 1, sem="release")
+            else:
+                # Wait for every GEMM 1 unit (an acquire: their h rows are then visible).
+                done = tl.atomic_add(counters_ptr + 1, 0, sem="acquire")
+                while done < n1:
+                    done = tl.atomic_add(counters_ptr + 1, 0, sem="acquire")
+                tl.debug_barrier()
+                _down_unit(
+                    ticket - n1, h_ptr, w2_ptr, out_ptr, add_ptr, topk_weights_ptr,
+                    topk_ids_ptr, w2_scale_ptr, num_experts, D, F, stride_w2e,
+                    stride_w2n, stride_out, stride_add, stride_s2e, stride_s2n,
+                    stride_s2k, TOP_K, SLOTS, BLOCK_D, BLOCK_K, QUANT, STAGES,
+                    HAS_ADD, PRECISION, EVEN_F)
+            ticket = tl.atomic_add(counters_ptr, 1, sem="relaxed")
+        # <<< book: two-phase
+
+
+def run_two_phase(hidden_states, w1, w2, topk_weights, topk_ids, *, fmt=UNQUANTIZED, tiles: OneLaunchTiles,
+                  w1_scale=None, w2_scale=None, ids: str = "validate", func: str = "one_launch_experts", add=None,
+                  _round_to=None) -> torch.Tensor:
+    """``fused_experts``' result (``[T, d]``) from :func:`_two_phase_kernel`, after the caller's
+    checks (:func:`~moe_kernels.kernels.one_launch.run_one_launch` hands ``tiles.phases == 2``
+    here). ``ids`` and ``add`` as there; fp8 only in the block format (W8A8, 1 x 128 groups)."""
+    if fmt.quantized and fmt.activations != "group":
+        fail(func, "w1_scale", "must be block scales (fp8-block) for a two-phase launch: it quantises the "
+             "activations in 1 x 128 groups, as the block format's GEMMs do", fmt.name)
+    if fmt.quantized and tiles.block_k != fmt.block[1]:
+        fail(func, "tiles.block_k", f"must be {fmt.block[1]} for {fmt.name} weights (one activation group a step)",
+             tiles.block_k)
+    num_tokens, top_k = topk_ids.shape
+    num_experts, d, f = w2.shape
+    # (the interpreter's float32 -> fp8 cast is wrong: fp8 there is the torch reference)
+    reference = not use_triton(hidden_states, w1, w2) or (INTERPRET and fmt.quantized and
+                                                           quant.INTERPRETER_ROUNDS_FP8_WRONGLY)
+    out, done = settled_without_launch(run_two_phase, hidden_states, w1, w2, topk_weights, topk_ids,
+                                       reference=reference, fmt=fmt, w1_scale=w1_scale, w2_scale=w2_scale, ids=ids,
+                                       func=func, add=add, tiles=tiles)
+    if done:
+        return out
+    id_check = device_id_check(func, "topk_ids", topk_ids, num_experts) if ids == "validate" else ""
+    counters = torch.zeros(2, device=out.device, dtype=torch.int32)
+    h = torch.empty((num_tokens * top_k, f), device=out.device, dtype=torch.float32)
+    weights = topk_weights if topk_weights.is_contiguous() else topk_weights.contiguous()
+    ids_flat = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
+    n1, n2 = units(num_tokens, top_k, d, f, tiles)
+    grid = (min(n1 + n2, tiles.programs_per_sm * programs_per_device(out.device)),)
+    note_launch("two_phase.experts", format=fmt.name, **tiles.as_dict())
+    _two_phase_kernel[grid](
+        hidden_states, w1, w2, h, out, out if add is None else add, weights, ids_flat, counters,
+        w1 if w1_scale is None else w1_scale, w2 if w2_scale is None else w2_scale, num_tokens, num_experts, d, f,
+        hidden_states.stride(0), w1.stride(0), w1.stride(1), w2.stride(0), w2.stride(1), out.stride(0),
+        0 if add is None else add.stride(0), *scale_strides(w1_scale), *scale_strides(w2_scale),
+        TOP_K=top_k, SLOTS=triton_power_of_two(top_k), BLOCK_F=tiles.block_f, BLOCK_D=tiles.block_d,
+        BLOCK_K=tiles.block_k, QUANT=fmt.quantized, ID_CHECK=id_check, STAGES=tiles.num_stages,
+        HAS_ADD=add is not None, ROUND=ROUND[_round_to or hidden_states.dtype],
+        PRECISION=dot_precision(hidden_states.dtype), EVEN_D=d % tiles.block_k == 0, EVEN_F=f % tiles.block_k == 0,
+        num_warps=tiles.num_warps, **device_assert_options(id_check))
+    return out
+
+
+def triton_power_of_two(n: int) -> int:
+    """The smallest power of two >= ``n`` (``tl.arange``'s lengths)."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def two_phase_reference(hidden_states, w1, w2, topk_weights, topk_ids, *, fmt=UNQUANTIZED, w1_scale=None,
+                        w2_scale=None, add=None) -> torch.Tensor:
+    """Torch reference of the kernel: :func:`~moe_kernels.kernels._one_launch_parts.one_launch_reference`'s
+    float32 products and rounding of ``h``, with fp8's activations (``x`` and ``h``) quantised in
+    1 x 128 groups first (W8A8, the block format's GEMMs)."""
+    return one_launch_reference(hidden_states, w1, w2, topk_weights, topk_ids, fmt=fmt, w1_scale=w1_scale,
+                                w2_scale=w2_scale, add=add, quantize_activations=fmt.quantized)

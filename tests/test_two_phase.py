@@ -1,0 +1,123 @@
+"""Both expert GEMMs in one launch, in two phases (moe_kernels/kernels/two_phase.py), against the float64
+per-token reference: fp8 block weights run W8A8 as the two-GEMM path runs them (the other fp8 formats refused by
+name), the tiles' checks, which kernel fused_experts launches with a config whose ``one_launch`` has ``phases=2``,
+and what the compiler makes of it. Random shapes and tiles (units that do not divide d or F), the edge cases,
+bf16's rounding of h, ids out of range, the layer and the models' shapes on a GPU: tests/test_one_launch.py, for
+both kernels.
+
+Runs on default_device(): the Triton interpreter on a CPU machine (float32 and float16; fp8 there is the torch
+reference), the compiled kernel on a GPU (bf16 and fp8 at the models' own shapes too).
+"""
+
+import dataclasses
+
+import pytest
+
+from moe_kernels._runtime import BACKEND, record_launches
+from moe_kernels.kernels.config import GemmTiles, MoEConfig, OneLaunchTiles
+from moe_kernels.kernels.formats import FORMATS
+from moe_kernels.kernels.index_gather import fused_experts
+from moe_kernels.kernels.one_launch import one_launch_experts, one_launch_reference, runs_in_one_launch
+from moe_kernels.kernels.two_phase import two_phase_reference, units
+from moe_kernels.reference import moe_reference
+from moe_testing import ON_GPU, compiled_for_hopper, make_problem, rel_err
+
+pytestmark = pytest.mark.usefixtures("true_fp32")
+
+SMALL = OneLaunchTiles(block_f=16, block_d=16, phases=2, block_k=16, num_stages=2)
+
+
+def test_the_unit_counts():
+    # GEMM 1: 3 tokens x 2 experts x 40 rows of F in 16s; GEMM 2: 3 tokens x 48 rows of d in 16s
+    assert units(3, 2, 48, 40, SMALL) == (3 * 2 * 3, 3 * 3)
+
+
+def test_the_launch_it_names_from_fused_experts():
+    hidden, w1, w2, weights, ids = make_problem(2, 6, 3, 64, 32, seed=5)
+    config = MoEConfig(16, GemmTiles(16, 16), GemmTiles(16, 16), one_launch=SMALL)
+    if BACKEND == "torch":
+        pytest.skip("no Triton here: the torch reference runs")
+    with record_launches() as launches:
+        out = fused_experts(hidden, w1, w2, weights, ids, config=config)
+    assert launches == [("two_phase.experts", {"format": "unquantized", **SMALL.as_dict()})]
+    assert rel_err(out, moe_reference(hidden, w1, w2, weights, ids)) < 1e-5
+
+
+def test_fp8_block_is_w8a8_and_other_formats_are_refused():
+    hidden, w1, w2, weights, ids = make_problem(3, 4, 2, 256, 128, seed=7)
+    (q1, s1), (q2, s2) = FORMATS["block"].quantize_weight(w1), FORMATS["block"].quantize_weight(w2)
+    tiles = dataclasses.replace(SMALL, block_k=128)
+    out = one_launch_experts(hidden, q1, q2, weights, ids, tiles=tiles, w1_scale=s1, w2_scale=s2)
+    w8a8 = two_phase_reference(hidden, q1, q2, weights, ids, fmt=FORMATS["block"], w1_scale=s1, w2_scale=s2)
+    w8a16 = one_launch_reference(hidden, q1, q2, weights, ids, w1_scale=s1, w2_scale=s2)
+    assert rel_err(out, w8a8.double()) < (2e-3 if ON_GPU else 1e-6)
+    assert rel_err(w8a8, w8a16.double()) > 1e-3   # (the activations' fp8 rounding shows)
+    with pytest.raises(ValueError, match=r"one_launch_experts: argument 'tiles.block_k' must be 128 for fp8-block"):
+        one_launch_experts(hidden, q1, q2, weights, ids, tiles=SMALL, w1_scale=s1, w2_scale=s2)
+    (c1, t1), (c2, t2) = FORMATS["channel"].quantize_weight(w1), FORMATS["channel"].quantize_weight(w2)
+    with pytest.raises(ValueError, match=r"one_launch_experts: argument 'w1_scale' must be block scales"):
+        one_launch_experts(hidden, c1, c2, weights, ids, tiles=tiles, w1_scale=t1, w2_scale=t2)
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(phases=3), "'phases' must be <= 2"), (dict(block_f=8), "'block_f' must be >= 16 with phases=2"),
+    (dict(block_d=512), "'block_d' must be <= 256 with phases=2"), (dict(block_k=48), "'block_k' must be a power"),
+    (dict(programs_per_sm=0), "'programs_per_sm' must be >= 1")])
+def test_bad_tiles_are_named(changes, message):
+    with pytest.raises(ValueError, match=f"OneLaunchTiles: argument {message}"):
+        dataclasses.replace(SMALL, **changes)
+
+
+def test_config_round_trip():
+    config = MoEConfig(16, GemmTiles(16, 16), GemmTiles(16, 16), one_launch=SMALL)
+    assert MoEConfig.from_dict(config.to_dict()) == config and config.to_dict()["one_launch"]["phases"] == 2
+
+
+_COMPILE_FOR_HOPPER = """
+import re
+import torch
+import triton
+torch.cuda.is_available = lambda: True   # build compiled (not interpreted) kernels; nothing is launched
+from moe_kernels.kernels import two_phase
+from moe_kernels.sm90_compile import assemble_for_sm90, compile_for_sm90
+
+for weights, quant in (("*bf16", False), ("*fp8e4nv", True)):
+    pointers = dict(x_ptr="*bf16", w1_ptr=weights, w2_ptr=weights, h_ptr="*fp32", out_ptr="*bf16", add_ptr="*bf16",
+                    topk_weights_ptr="*fp32", topk_ids_ptr="*i32", counters_ptr="*i32", w1_scale_ptr="*fp32",
+                    w2_scale_ptr="*fp32")
+    const = dict(TOP_K=8, SLOTS=8, BLOCK_F=16, BLOCK_D=16, BLOCK_K=128, QUANT=quant, ID_CHECK="", STAGES=4,
+                 HAS_ADD=False, ROUND=2, PRECISION="tf32", EVEN_D=True, EVEN_F=True)
+    # (the launch specialises these integers as multiples of 16, as at every model shape)
+    kernel = compile_for_sm90(two_phase._two_phase_kernel, const, pointers, num_warps=4,
+                              aligned=("D", "F", "stride_x", "stride_w1e", "stride_w1n", "stride_w2e", "stride_w2n"))
+    ptx, ttgir = kernel.asm["ptx"], kernel.asm["ttgir"]
+    pipelined = [m.group(1) for m in re.finditer(r"%(w[gu]?)_[0-9]+ = ttg.async_copy_global_to_local", ttgir)]
+    release = re.search(r"(atom|red)[.]global[.](gpu[.]release|release[.]gpu)[.]add", ptx)
+    acquire = re.search(r"(atom|ld)[.]global[.](gpu[.]acquire|acquire[.]gpu)", ptx)   # (3.6: an ld, not an add of 0)
+    # (the H200's Triton, 3.6: a newer Triton's bundled ptxas may not read its own PTX)
+    spills = assemble_for_sm90(ptx)["spill_stores"] if triton.__version__.startswith("3.6.") else 0
+    print("mma.sync" in ptx, "wgmma" not in ptx, sorted(set(pipelined)), release is not None, acquire is not None,
+          spills)
+"""
+
+
+def test_compiles_for_hopper_with_its_weights_pipelined():
+    """Compiled for an H100/H200 (sm_90), bf16 and fp8: ``mma.sync`` on the 16-row tiles, every weight tile
+    (GEMM 1's gate and up, GEMM 2's) loaded by cp.async in the software pipeline, the release after a GEMM 1
+    unit and the acquire before a GEMM 2 unit (at GPU scope: it also drops the SM's L1 copies, so that ``h`` is read
+    as the other SMs wrote it), and no spills (counted under Triton 3.6)."""
+    lines = compiled_for_hopper(_COMPILE_FOR_HOPPER)
+    assert lines[:2] == ["True True ['w', 'wg', 'wu'] True True 0"] * 2, lines
+
+
+@pytest.mark.skipif(BACKEND == "torch", reason="no Triton here: the torch reference runs")
+def test_a_table_entry_meets_channel_fp8_with_its_two_gemms():
+    # (a tuned table is keyed by the element type: its fp8 entry serves every fp8 format)
+    hidden, w1, w2, weights, ids = make_problem(2, 4, 2, 256, 128, seed=13)
+    (q1, s1), (q2, s2) = FORMATS["channel"].quantize_weight(w1), FORMATS["channel"].quantize_weight(w2)
+    config = MoEConfig(16, GemmTiles(16, 128), GemmTiles(16, 128), one_launch=dataclasses.replace(SMALL, block_k=128))
+    assert not runs_in_one_launch(config, FORMATS["channel"]) and runs_in_one_launch(config, FORMATS["block"])
+    with record_launches() as launches:
+        out = fused_experts(hidden, q1, q2, weights, ids, config=config, w1_scale=s1, w2_scale=s2)
+    assert "two_phase.experts" not in [name for name, _ in launches]
+    assert rel_err(out, fused_experts(hidden, q1, q2, weights, ids, w1_scale=s1, w2_scale=s2).double()) < 1e-6
