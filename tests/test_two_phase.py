@@ -28,8 +28,8 @@ SMALL = OneLaunchTiles(block_f=16, block_d=16, phases=2, block_k=16, num_stages=
 
 
 def test_the_unit_counts():
-    # GEMM 1: 3 tokens x 2 experts x 40 rows of F in 16s; GEMM 2: 3 tokens x 48 rows of d in 16s
-    assert units(3, 2, 48, 40, SMALL) == (3 * 2 * 3, 3 * 3)
+    # GEMM 1: 3 tokens x 2 experts x 40 rows of F in 16s; GEMM 2: x 48 rows of d in 16s
+    assert units(3, 2, 48, 40, SMALL) == (3 * 2 * 3, 3 * 2 * 3)
 
 
 def test_the_launch_it_names_from_fused_experts():
@@ -82,10 +82,10 @@ from moe_kernels.kernels import two_phase
 from moe_kernels.sm90_compile import assemble_for_sm90, compile_for_sm90
 
 for weights, quant in (("*bf16", False), ("*fp8e4nv", True)):
-    pointers = dict(x_ptr="*bf16", w1_ptr=weights, w2_ptr=weights, h_ptr="*fp32", out_ptr="*bf16", add_ptr="*bf16",
-                    topk_weights_ptr="*fp32", topk_ids_ptr="*i32", counters_ptr="*i32", w1_scale_ptr="*fp32",
-                    w2_scale_ptr="*fp32")
-    const = dict(TOP_K=8, SLOTS=8, BLOCK_F=16, BLOCK_D=16, BLOCK_K=128, QUANT=quant, ID_CHECK="", STAGES=4,
+    pointers = dict(x_ptr="*bf16", w1_ptr=weights, w2_ptr=weights, h_ptr="*fp32", part_ptr="*fp32", out_ptr="*bf16",
+                    add_ptr="*bf16", topk_weights_ptr="*fp32", topk_ids_ptr="*i32", counters_ptr="*i32",
+                    w1_scale_ptr="*fp32", w2_scale_ptr="*fp32")
+    const = dict(TOP_K=8, BLOCK_F=32, BLOCK_D=128, BLOCK_K=128, QUANT=quant, ID_CHECK="", STAGES=4,
                  HAS_ADD=False, ROUND=2, PRECISION="tf32", EVEN_D=True, EVEN_F=True)
     # (the launch specialises these integers as multiples of 16, as at every model shape)
     kernel = compile_for_sm90(two_phase._two_phase_kernel, const, pointers, num_warps=4,

@@ -42,11 +42,11 @@ TILES = []
 if "one" in kernels:
     TILES += ([OneLaunchTiles(f, 512, w, s) for f, w, s in itertools.product((16, 32, 64), (4, 8), (1, 3))]
               + [OneLaunchTiles(128, 256, 8, s) for s in (1, 3)])
-if "two" in kernels:   # GEMM 1 rows x GEMM 2 rows per unit, pipeline depth, programs per SM (K steps of 128)
-    TILES += [OneLaunchTiles(f, d, 4, s, phases=2, programs_per_sm=p)
-              for f, d, s, p in itertools.product((16, 32), (16, 32), (4, 8), (2, 4))]
-    TILES += [OneLaunchTiles(16, 16, 8, 6, phases=2, programs_per_sm=2), OneLaunchTiles(64, 64, 8, 4, phases=2,
-                                                                                       programs_per_sm=1)]
+if "two" in kernels:   # GEMM 1 rows, GEMM 2 rows per unit, warps, pipeline depth; programs per SM (K steps of 128)
+    TILES += [OneLaunchTiles(f, d, w, s, phases=2, programs_per_sm=p)
+              for (f, d, w, s), p in itertools.product(((32, 64, 4, 4), (32, 128, 4, 4), (32, 128, 4, 3),
+                                                        (64, 128, 8, 4), (64, 128, 8, 3), (64, 64, 8, 4),
+                                                        (16, 128, 4, 4), (32, 256, 8, 3)), (1, 2))]
 if device == "cpu":
     TILES = TILES[:1] + TILES[-1:]
 

@@ -15,14 +15,16 @@ atomic add each:
    of the expert's gate and up halves, over all of ``d``. The unit writes its ``block_f`` values
    of ``h = silu(gate) * up``, rounded to the activations' dtype, to an fp32 scratch row, then
    adds one arrival (a release).
-2. **GEMM 2 units** (the next ``n2`` tickets): one token and ``block_d`` rows of the output, over
-   all of that token's experts. The unit waits until all ``n1`` arrivals are in (an acquire), then
-   reads each of the token's ``h`` rows through L2 and its experts' ``block_d`` weight rows, and
-   sums the products, each times its routing weight, in registers: the top-k sum happens here,
-   once, in fp32, with no atomics, and the output row is rounded once.
+2. **GEMM 2 units** (the next ``n2`` tickets): one assignment and ``block_d`` rows of the output.
+   The unit waits until all ``n1`` arrivals are in (an acquire), then reads the assignment's ``h``
+   row through L2 and its expert's ``block_d`` rows, and stores its routing weight times their
+   product, in fp32, to a row of parts. Then it adds one arrival to its (token, row block); the
+   last of the token's ``k`` units to arrive adds the ``k`` parts in slot order and rounds the sum
+   once into the output. So the top-k sum costs no launch and no atomic add of values, and gives
+   the same bits whichever unit arrives last.
 
 Every weight row is read whole and contiguous, exactly once; the units are small (a Qwen3 GEMM 1
-unit of 16 + 16 rows is 64 KB of fp8), so the tickets spread them evenly. A program waits only for
+unit of 32 + 32 rows is 128 KB of fp8), so the tickets spread them evenly. A program waits only for
 units already held by running programs (every GEMM 1 ticket is handed out before the first GEMM 2
 ticket), so the wait ends however the GPU schedules programs.
 
@@ -42,8 +44,8 @@ would convert every weight element.
     >>> w2 = torch.randn(4, 64, 32, generator=g) / 4
     >>> ids, weights = torch.tensor([[3, 1]]), torch.tensor([[0.75, 0.25]])
     >>> tiles = OneLaunchTiles(block_f=16, block_d=32, phases=2, block_k=32)
-    >>> units(1, 2, 64, 32, tiles)   # GEMM 1: 2 assignments x 2 row blocks; GEMM 2: 2 row blocks
-    (4, 2)
+    >>> units(1, 2, 64, 32, tiles)   # GEMM 1: 2 assignments x 2 row blocks of F; GEMM 2: x 2 of d
+    (4, 4)
     >>> out = run_two_phase(x, w1, w2, weights, ids, fmt=UNQUANTIZED, tiles=tiles)
     >>> bool(torch.linalg.norm(out.double() - moe_reference(x, w1, w2, weights, ids)) < 1e-5)
     True
@@ -66,7 +68,7 @@ __all__ = ["run_two_phase", "units"]
 
 def units(num_tokens: int, top_k: int, d: int, f: int, tiles: OneLaunchTiles) -> tuple[int, int]:
     """Work units of each phase: (GEMM 1's, GEMM 2's)."""
-    return num_tokens * top_k * cdiv(f, tiles.block_f), num_tokens * cdiv(d, tiles.block_d)
+    return num_tokens * top_k * cdiv(f, tiles.block_f), num_tokens * top_k * cdiv(d, tiles.block_d)
 
 
 if HAS_TRITON:
@@ -136,76 +138,79 @@ if HAS_TRITON:
         # <<< book: two-phase-gate-up
 
     @kernel
-    def _down_unit(unit, h_ptr, w2_ptr, out_ptr, add_ptr, topk_weights_ptr, topk_ids_ptr, w2_scale_ptr,
-                   num_experts, D, F, stride_w2e, stride_w2n, stride_out, stride_add,
+    def _down_unit(unit, h_ptr, w2_ptr, part_ptr, arrivals_ptr, out_ptr, add_ptr, topk_weights_ptr, topk_ids_ptr,
+                   w2_scale_ptr, num_experts, D, F, stride_w2e, stride_w2n, stride_out, stride_add,
                    stride_s2e, stride_s2n, stride_s2k,
-                   TOP_K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
-                   QUANT: tl.constexpr, STAGES: tl.constexpr, HAS_ADD: tl.constexpr, PRECISION: tl.constexpr,
-                   EVEN_K: tl.constexpr):
+                   TOP_K: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, QUANT: tl.constexpr,
+                   STAGES: tl.constexpr, HAS_ADD: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr):
         # >>> book: two-phase-down
         row_blocks = tl.cdiv(D, BLOCK_D)
-        token = (unit // row_blocks).to(tl.int64)
+        assignment = unit // row_blocks   # (neighbouring units: one expert's rows)
+        token = (assignment // TOP_K).to(tl.int64)
+        block = token * row_blocks + unit % row_blocks   # (token, row block)
         cols = (unit % row_blocks) * BLOCK_D + tl.arange(0, BLOCK_D)
         cols_ok = cols < D
-        # The token's experts and weights, in registers: the loop below computes its addresses
-        # from them, so that the pipeline can issue a step's loads ahead of the step.
-        slot = tl.arange(0, SLOTS)
-        slot_ok = slot < TOP_K
-        experts = tl.load(topk_ids_ptr + token * TOP_K + slot, mask=slot_ok, other=-1)
-        experts = experts.to(tl.int64)
-        weights = tl.load(topk_weights_ptr + token * TOP_K + slot, mask=slot_ok, other=0.0)
-        weights = weights.to(tl.float32)
-        steps = tl.cdiv(F, BLOCK_K)
-        total = tl.zeros([16, BLOCK_D], dtype=tl.float32)
-        # (expert, K step) pairs, in one flat loop
-        for i in tl.range(0, TOP_K * steps, num_stages=STAGES):
-            j = i // steps
-            k0 = (i % steps) * BLOCK_K
-            expert = tl.sum(tl.where(slot == j, experts, 0), axis=0)
-            known = (expert >= 0) & (expert < num_experts)
-            expert = tl.where(known, expert, 0)   # (a bad id: expert 0, weight 0)
-            weight = tl.sum(tl.where(slot == j, weights, 0.0), axis=0)
-            weight = tl.where(known, weight, 0.0)
+        expert = tl.load(topk_ids_ptr + assignment).to(tl.int64)
+        known = (expert >= 0) & (expert < num_experts)
+        expert = tl.where(known, expert, 0)   # (a bad id: expert 0, weight 0)
+        weight = tl.load(topk_weights_ptr + assignment).to(tl.float32)
+        weight = tl.where(known, weight, 0.0)
+        # [BLOCK_K, BLOCK_D] tiles of the expert's rows, K contiguous
+        w_cols = w2_ptr + expert * stride_w2e + cols.to(tl.int64)[None, :] * stride_w2n
+        acc = tl.zeros([16, BLOCK_D], dtype=tl.float32)
+        for k0 in tl.range(0, F, BLOCK_K, num_stages=STAGES):
             k = k0 + tl.arange(0, BLOCK_K)
             k_ok = k < F
             # (other SMs wrote h; the acquire before this unit dropped our L1's lines)
-            hk = tl.load(h_ptr + (token * TOP_K + j) * F + k, mask=k_ok, other=0.0,
+            hk = tl.load(h_ptr + assignment * F + k, mask=k_ok, other=0.0,
                          cache_modifier=".cg")
             a, h_scale = _first_row(hk, QUANT, w2_ptr.dtype.element_ty)
-            # [BLOCK_K, BLOCK_D] of the expert's rows, K contiguous
-            w_cols = w2_ptr + expert * stride_w2e + cols.to(tl.int64)[None, :] * stride_w2n
             mask = cols_ok[None, :] if EVEN_K else k_ok[:, None] & cols_ok[None, :]
             w = tl.load(w_cols + k[:, None], mask=mask, other=0.0)
             if QUANT:
                 scales = w2_scale_ptr + expert * stride_s2e + (k0 // 128) * stride_s2k
                 sw = tl.load(scales + (cols // 128) * stride_s2n, mask=cols_ok, other=0.0)
-                total += tl.dot(a, w) * (h_scale * weight * sw)[None, :]
+                acc += tl.dot(a, w) * (h_scale * sw)[None, :]
             else:
-                total += tl.dot(a, w, input_precision=PRECISION) * weight
+                acc = tl.dot(a, w, acc, input_precision=PRECISION)
         first = tl.arange(0, 16)[:, None] == 0
-        row = tl.sum(tl.where(first, total, 0.0), axis=0)
-        if HAS_ADD:   # a shared expert's output joins the fp32 sum
-            extra = tl.load(add_ptr + token * stride_add + cols, mask=cols_ok, other=0.0)
-            row += extra.to(tl.float32)
-        row = row.to(out_ptr.dtype.element_ty)
-        tl.store(out_ptr + token * stride_out + cols, row, mask=cols_ok)
+        part = tl.sum(tl.where(first, acc, 0.0), axis=0) * weight
+        # The top-k sum: each unit stores its expert's part of the rows; the
+        # last of the token's TOP_K units to arrive adds them, in slot order
+        # (the same sum whichever unit arrives last).
+        tl.store(part_ptr + assignment * D + cols, part, mask=cols_ok)
+        tl.debug_barrier()   # every thread's stores, then one release
+        arrived = tl.atomic_add(arrivals_ptr + block, 1, sem="acq_rel")
+        if arrived == TOP_K - 1:
+            tl.debug_barrier()   # (thread 0's acquire, for all threads)
+            row = tl.zeros([BLOCK_D], dtype=tl.float32)
+            for j in range(TOP_K):
+                row += tl.load(part_ptr + (token * TOP_K + j) * D + cols,
+                               mask=cols_ok, other=0.0, cache_modifier=".cg")
+            if HAS_ADD:   # a shared expert's output joins the fp32 sum
+                extra = tl.load(add_ptr + token * stride_add + cols, mask=cols_ok,
+                                other=0.0)
+                row += extra.to(tl.float32)
+            row = row.to(out_ptr.dtype.element_ty)
+            tl.store(out_ptr + token * stride_out + cols, row, mask=cols_ok)
         # <<< book: two-phase-down
 
     @kernel(do_not_specialize=["num_tokens"])
     def _two_phase_kernel(
-        x_ptr, w1_ptr, w2_ptr, h_ptr, out_ptr, add_ptr, topk_weights_ptr, topk_ids_ptr, counters_ptr,
+        x_ptr, w1_ptr, w2_ptr, h_ptr, part_ptr, out_ptr, add_ptr, topk_weights_ptr, topk_ids_ptr, counters_ptr,
         w1_scale_ptr, w2_scale_ptr, num_tokens, num_experts, D, F,
         stride_x, stride_w1e, stride_w1n, stride_w2e, stride_w2n, stride_out, stride_add,
         stride_s1e, stride_s1n, stride_s1k, stride_s2e, stride_s2n, stride_s2k,
-        TOP_K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr,
+        TOP_K: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_K: tl.constexpr, QUANT: tl.constexpr, ID_CHECK: tl.constexpr, STAGES: tl.constexpr,
         HAS_ADD: tl.constexpr, ROUND: tl.constexpr, PRECISION: tl.constexpr, EVEN_D: tl.constexpr,
         EVEN_F: tl.constexpr,
     ):
         # >>> book: two-phase
-        # counters: [0] the next ticket, [1] GEMM 1 units done; zeros at launch.
+        # counters: [0] the next ticket, [1] GEMM 1 units done, [2:] GEMM 2
+        # units arrived per (token, row block); zeros at launch.
         n1 = num_tokens * TOP_K * tl.cdiv(F, BLOCK_F)
-        n2 = num_tokens * tl.cdiv(D, BLOCK_D)
+        n2 = num_tokens * TOP_K * tl.cdiv(D, BLOCK_D)
         ticket = tl.atomic_add(counters_ptr, 1, sem="relaxed")
         while ticket < n1 + n2:
             if ticket < n1:
@@ -225,11 +230,11 @@ if HAS_TRITON:
                     done = tl.atomic_add(counters_ptr + 1, 0, sem="acquire")
                 tl.debug_barrier()
                 _down_unit(
-                    ticket - n1, h_ptr, w2_ptr, out_ptr, add_ptr, topk_weights_ptr,
-                    topk_ids_ptr, w2_scale_ptr, num_experts, D, F, stride_w2e,
-                    stride_w2n, stride_out, stride_add, stride_s2e, stride_s2n,
-                    stride_s2k, TOP_K, SLOTS, BLOCK_D, BLOCK_K, QUANT, STAGES,
-                    HAS_ADD, PRECISION, EVEN_F)
+                    ticket - n1, h_ptr, w2_ptr, part_ptr, counters_ptr + 2, out_ptr,
+                    add_ptr, topk_weights_ptr, topk_ids_ptr, w2_scale_ptr,
+                    num_experts, D, F, stride_w2e, stride_w2n, stride_out,
+                    stride_add, stride_s2e, stride_s2n, stride_s2k, TOP_K, BLOCK_D,
+                    BLOCK_K, QUANT, STAGES, HAS_ADD, PRECISION, EVEN_F)
             ticket = tl.atomic_add(counters_ptr, 1, sem="relaxed")
         # <<< book: two-phase
 
@@ -257,29 +262,25 @@ def run_two_phase(hidden_states, w1, w2, topk_weights, topk_ids, *, fmt=UNQUANTI
     if done:
         return out
     id_check = device_id_check(func, "topk_ids", topk_ids, num_experts) if ids == "validate" else ""
-    counters = torch.zeros(2, device=out.device, dtype=torch.int32)
+    n1, n2 = units(num_tokens, top_k, d, f, tiles)
+    counters = torch.zeros(2 + num_tokens * cdiv(d, tiles.block_d), device=out.device, dtype=torch.int32)
     h = torch.empty((num_tokens * top_k, f), device=out.device, dtype=torch.float32)
+    parts = torch.empty((num_tokens * top_k, d), device=out.device, dtype=torch.float32)
     weights = topk_weights if topk_weights.is_contiguous() else topk_weights.contiguous()
     ids_flat = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
-    n1, n2 = units(num_tokens, top_k, d, f, tiles)
     grid = (min(n1 + n2, tiles.programs_per_sm * programs_per_device(out.device)),)
     note_launch("two_phase.experts", format=fmt.name, **tiles.as_dict())
     _two_phase_kernel[grid](
-        hidden_states, w1, w2, h, out, out if add is None else add, weights, ids_flat, counters,
+        hidden_states, w1, w2, h, parts, out, out if add is None else add, weights, ids_flat, counters,
         w1 if w1_scale is None else w1_scale, w2 if w2_scale is None else w2_scale, num_tokens, num_experts, d, f,
         hidden_states.stride(0), w1.stride(0), w1.stride(1), w2.stride(0), w2.stride(1), out.stride(0),
         0 if add is None else add.stride(0), *scale_strides(w1_scale), *scale_strides(w2_scale),
-        TOP_K=top_k, SLOTS=triton_power_of_two(top_k), BLOCK_F=tiles.block_f, BLOCK_D=tiles.block_d,
+        TOP_K=top_k, BLOCK_F=tiles.block_f, BLOCK_D=tiles.block_d,
         BLOCK_K=tiles.block_k, QUANT=fmt.quantized, ID_CHECK=id_check, STAGES=tiles.num_stages,
         HAS_ADD=add is not None, ROUND=ROUND[_round_to or hidden_states.dtype],
         PRECISION=dot_precision(hidden_states.dtype), EVEN_D=d % tiles.block_k == 0, EVEN_F=f % tiles.block_k == 0,
         num_warps=tiles.num_warps, **device_assert_options(id_check))
     return out
-
-
-def triton_power_of_two(n: int) -> int:
-    """The smallest power of two >= ``n`` (``tl.arange``'s lengths)."""
-    return 1 << max(n - 1, 0).bit_length()
 
 
 def two_phase_reference(hidden_states, w1, w2, topk_weights, topk_ids, *, fmt=UNQUANTIZED, w1_scale=None,
