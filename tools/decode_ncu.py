@@ -1,0 +1,40 @@
+"""Issue 17: Nsight Compute's view of one decode call, the two-GEMM path against the two-phase one launch.
+
+Runs, for each model, fp8 block weights at ``batch`` tokens: three warm-up rounds, then one round of the tuned
+two-GEMM call (``fused_experts`` with its table's tiles and the block map made beforehand: quantiser, GEMM 1,
+quantiser, GEMM 2, top-k sum as the table says) and of the two-phase kernel at ``tiles`` (rows of GEMM 1, rows of
+GEMM 2, warps, stages, programs per SM). Meant to run under ``ncu`` (which flushes the caches before each
+kernel, as the timings do), e.g.::
+
+    ncu --csv --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \\
+        --launch-skip 0 python tools/decode_ncu.py qwen3-30b-a3b 1 64,128,8,3,2 > ncu.csv
+"""
+import sys
+
+import torch
+
+from moe_kernels.bench.problems import make_batch, tool_weights
+from moe_kernels.kernels.blocks import assign_blocks
+from moe_kernels.kernels.config import OneLaunchTiles, get_config
+from moe_kernels.kernels.formats import FORMATS
+from moe_kernels.kernels.index_gather import fused_experts
+from moe_kernels.kernels.one_launch import one_launch_experts
+
+models = sys.argv[1].split(",") if len(sys.argv) > 1 else ["qwen3-30b-a3b"]
+batch = int(sys.argv[2]) if len(sys.argv) > 2 else 1
+f, d, warps, stages, per_sm = (int(v) for v in (sys.argv[3] if len(sys.argv) > 3 else "64,128,8,3,2").split(","))
+tiles = OneLaunchTiles(f, d, warps, stages, phases=2, programs_per_sm=per_sm)
+device = "cuda" if torch.cuda.is_available() else "cpu"   # (the CPU: a small shape under the interpreter)
+for key in models:
+    model, dtype, w1, w1s, w2, w2s = tool_weights(key, FORMATS["block"], device)
+    x, _, weights, ids = make_batch(model, batch, dtype, 1 + batch, device)
+    config = get_config(batch, model.num_experts, model.moe_intermediate_size, model.hidden_size, w1.dtype, x.device)
+    blocks = assign_blocks(ids, config.block_m, model.num_experts, validate_ids=False)
+    for _ in range(4):   # (the profile: the last round's kernels)
+        fused_experts(x, w1, w2, weights, ids, config=config, blocks=blocks, validate_ids=False, w1_scale=w1s,
+                      w2_scale=w2s)
+        one_launch_experts(x, w1, w2, weights, ids, tiles=tiles, validate_ids=False, w1_scale=w1s, w2_scale=w2s)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    print(key, batch, config.to_dict(), tiles.as_dict(), flush=True)
+    del w1, w2, w1s, w2s
