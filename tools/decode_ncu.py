@@ -7,8 +7,10 @@ GEMM 2, warps, stages, programs per SM). Meant to run under ``ncu`` (which flush
 kernel, as the timings do), e.g.::
 
     ncu --csv --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \\
-        --launch-skip 0 python tools/decode_ncu.py qwen3-30b-a3b 1 64,128,8,3,2 > ncu.csv
+        python tools/decode_ncu.py qwen3-30b-a3b 1 64,128,8,3,2 > ncu.csv
+    python tools/decode_ncu.py --summarize ncu.csv   # per kernel: time, DRAM, occupancy, the largest stalls
 """
+import csv
 import sys
 
 import torch
@@ -20,6 +22,25 @@ from moe_kernels.kernels.formats import FORMATS
 from moe_kernels.kernels.index_gather import fused_experts
 from moe_kernels.kernels.one_launch import one_launch_experts
 
+def summarize(path: str) -> None:
+    """One line per profiled kernel of the CSV ncu wrote: duration, DRAM throughput and bytes, achieved
+    occupancy, registers, and the four largest warp stall reasons (cycles per issued instruction)."""
+    text = open(path).read()
+    rows = list(csv.DictReader(text[text.index('"ID"'):].splitlines()))
+    kernels = {}
+    for r in rows:
+        kernels.setdefault((r["ID"], r["Kernel Name"][:40]), {})[r["Metric Name"]] = r["Metric Value"]
+    for (kid, name), m in kernels.items():
+        stalls = sorted(((float(v.replace(",", "")), k.replace("Stall ", "")) for k, v in m.items()
+                         if k.startswith("Stall ") and v.replace(",", "").replace(".", "").isdigit()), reverse=True)
+        print(kid, name, "|", m.get("Duration"), "us |", m.get("DRAM Throughput"), "% DRAM |",
+              m.get("Achieved Occupancy"), "% occ |", m.get("Registers Per Thread"), "regs |",
+              ", ".join(f"{k} {v:.2f}" for v, k in stalls[:4]))
+
+
+if sys.argv[1:2] == ["--summarize"]:
+    summarize(sys.argv[2])
+    sys.exit(0)
 models = sys.argv[1].split(",") if len(sys.argv) > 1 else ["qwen3-30b-a3b"]
 batch = int(sys.argv[2]) if len(sys.argv) > 2 else 1
 f, d, warps, stages, per_sm = (int(v) for v in (sys.argv[3] if len(sys.argv) > 3 else "64,128,8,3,2").split(","))
