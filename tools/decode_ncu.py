@@ -6,7 +6,8 @@ quantiser, GEMM 2, top-k sum as the table says) and of the two-phase kernel at `
 GEMM 2, warps, stages, programs per SM). Meant to run under ``ncu`` (which flushes the caches before each
 kernel, as the timings do), e.g.::
 
-    ncu --csv --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \\
+    ncu --csv --section SpeedOfLight --section Occupancy --section LaunchStats --metrics \\
+        smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio,... \\
         python tools/decode_ncu.py qwen3-30b-a3b 1 64,128,8,3,2 > ncu.csv
     python tools/decode_ncu.py --summarize ncu.csv   # per kernel: time, DRAM, occupancy, the largest stalls
 """
@@ -31,8 +32,8 @@ def summarize(path: str) -> None:
     for r in rows:
         kernels.setdefault((r["ID"], r["Kernel Name"][:40]), {})[r["Metric Name"]] = r["Metric Value"]
     for (kid, name), m in kernels.items():
-        stalls = sorted(((float(v.replace(",", "")), k.replace("Stall ", "")) for k, v in m.items()
-                         if k.startswith("Stall ") and v.replace(",", "").replace(".", "").isdigit()), reverse=True)
+        stalls = sorted(((float(v.replace(",", "")), k.split("stalled_")[1].split("_per_")[0]) for k, v in m.items()
+                         if "issue_stalled_" in k and v.replace(",", "").replace(".", "").isdigit()), reverse=True)
         print(kid, name, "|", m.get("Duration"), "us |", m.get("DRAM Throughput"), "% DRAM |",
               m.get("Achieved Occupancy"), "% occ |", m.get("Registers Per Thread"), "regs |",
               ", ".join(f"{k} {v:.2f}" for v, k in stalls[:4]))
