@@ -82,16 +82,16 @@ from moe_kernels.kernels import two_phase
 from moe_kernels.sm90_compile import assemble_for_sm90, compile_for_sm90
 
 for weights, quant in (("*bf16", False), ("*fp8e4nv", True)):
-    pointers = dict(x_ptr="*bf16", w1_ptr=weights, w2_ptr=weights, h_ptr="*fp32", part_ptr="*fp32", out_ptr="*bf16",
-                    add_ptr="*bf16", topk_weights_ptr="*fp32", topk_ids_ptr="*i32", counters_ptr="*i32",
-                    w1_scale_ptr="*fp32", w2_scale_ptr="*fp32")
-    const = dict(TOP_K=8, BLOCK_F=32, BLOCK_D=128, BLOCK_K=128, QUANT=quant, ID_CHECK="", STAGES=4,
+    pointers = dict(x_ptr="*bf16", w1_ptr=weights, w2_ptr=weights, h_ptr="*bf16", part_ptr="*fp32", q_ptr=weights,
+                    qs_ptr="*fp32", out_ptr="*bf16", add_ptr="*bf16", topk_weights_ptr="*fp32", topk_ids_ptr="*i32",
+                    counters_ptr="*i32", w1_scale_ptr="*fp32", w2_scale_ptr="*fp32")
+    const = dict(TOP_K=8, BLOCK_F=64, BLOCK_D=128, BLOCK_K=128, QUANT=quant, ID_CHECK="", STAGES=4,
                  HAS_ADD=False, ROUND=2, PRECISION="tf32", EVEN_D=True, EVEN_F=True)
     # (the launch specialises these integers as multiples of 16, as at every model shape)
-    kernel = compile_for_sm90(two_phase._two_phase_kernel, const, pointers, num_warps=4,
+    kernel = compile_for_sm90(two_phase._two_phase_kernel, const, pointers, num_warps=8,
                               aligned=("D", "F", "stride_x", "stride_w1e", "stride_w1n", "stride_w2e", "stride_w2n"))
     ptx, ttgir = kernel.asm["ptx"], kernel.asm["ttgir"]
-    pipelined = [m.group(1) for m in re.finditer(r"%(w[gu]?)_[0-9]+ = ttg.async_copy_global_to_local", ttgir)]
+    pipelined = [m.group(1) for m in re.finditer(r"%(a|w[gu]?)_[0-9]+ = ttg.async_copy_global_to_local", ttgir)]
     release = re.search(r"(atom|red)[.]global[.](gpu[.]release|release[.]gpu)[.]add", ptx)
     acquire = re.search(r"(atom|ld)[.]global[.](gpu[.]acquire|acquire[.]gpu)", ptx)   # (3.6: an ld, not an add of 0)
     # (the H200's Triton, 3.6: a newer Triton's bundled ptxas may not read its own PTX)
@@ -103,11 +103,12 @@ for weights, quant in (("*bf16", False), ("*fp8e4nv", True)):
 
 def test_compiles_for_hopper_with_its_weights_pipelined():
     """Compiled for an H100/H200 (sm_90), bf16 and fp8: ``mma.sync`` on the 16-row tiles, every weight tile
-    (GEMM 1's gate and up, GEMM 2's) loaded by cp.async in the software pipeline, the release after a GEMM 1
+    (GEMM 1's gate and up, GEMM 2's) and the token's row (``a``: x or h, in fp8 from the program's scratch row)
+    loaded by cp.async in the software pipeline, the release after a GEMM 1
     unit and the acquire before a GEMM 2 unit (at GPU scope: it also drops the SM's L1 copies, so that ``h`` is read
     as the other SMs wrote it), and no spills (counted under Triton 3.6)."""
     lines = compiled_for_hopper(_COMPILE_FOR_HOPPER)
-    assert lines[:2] == ["True True ['w', 'wg', 'wu'] True True 0"] * 2, lines
+    assert lines[:2] == ["True True ['a', 'w', 'wg', 'wu'] True True 0"] * 2, lines
 
 
 @pytest.mark.skipif(BACKEND == "torch", reason="no Triton here: the torch reference runs")

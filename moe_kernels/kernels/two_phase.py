@@ -28,12 +28,17 @@ unit of 32 + 32 rows is 128 KB of fp8), so the tickets spread them evenly. A pro
 units already held by running programs (every GEMM 1 ticket is handed out before the first GEMM 2
 ticket), so the wait ends however the GPU schedules programs.
 
-fp8 block weights run W8A8 exactly as the two-GEMM path does: each unit quantises its 1 x 128
-activation groups itself (``x`` in GEMM 1, ``h`` in GEMM 2; the scale ``amax / 448``,
-:mod:`moe_kernels.kernels.quant`), so no quantiser launch precedes the kernel. The products run on
-tensor cores with the token as row 0 of a 16-row tile (``tl.dot`` needs 16 rows; the other 15 are
-zeros): an fp8 MMA needs no conversion of the weights, where a matrix-vector sum on the CUDA cores
-would convert every weight element.
+fp8 block weights run W8A8 exactly as the two-GEMM path does: each unit first quantises its token's
+row (``x`` in GEMM 1, ``h`` in GEMM 2) in 1 x 128 groups (the scale ``amax / 448``,
+:mod:`moe_kernels.kernels.quant`) into its program's scratch row, so no quantiser launch precedes the
+kernel. The products run on tensor cores with the token as row 0 of a 16-row tile (``tl.dot`` needs
+16 rows; rows 1-15 are loaded as zeros): an fp8 MMA needs no conversion of the weights, where a
+matrix-vector sum on the CUDA cores would convert every weight element. The K loop then only copies
+(the token's row from the scratch or ``h``, the weight tiles, the scales: all in the software
+pipeline) and multiplies: a first version that quantised each K step's 128 values in the loop
+(a reduction across warps, and the operand stored to shared memory, each step) stalled on barriers
+and ran 1.03-1.2x slower than the two GEMMs (Nsight Compute: 26-32% of DRAM's peak, against
+36-46% for the two GEMMs; the notes' session 37).
 
     >>> import torch
     >>> from moe_kernels.reference import moe_reference
@@ -75,20 +80,29 @@ if HAS_TRITON:
     from ._one_launch_parts import _rounded
 
     @kernel
-    def _first_row(v, QUANT: tl.constexpr, DTYPE: tl.constexpr):
-        """``v`` ([BLOCK_K] float32) as row 0 of a 16-row MMA operand in ``DTYPE``, and its scale:
-        in fp8 (``QUANT``) one 1 x BLOCK_K group rounded to e4m3 with the scale amax / 448, as
-        :func:`~moe_kernels.kernels.quant.per_token_group_quant_fp8` does; otherwise as it is, scale 1."""
-        first = tl.arange(0, 16)[:, None] == 0
-        if QUANT:
-            scale = tl.maximum(tl.max(tl.abs(v), axis=0), 1e-10) / 448.0
-            v = tl.clamp(v / scale, -448.0, 448.0)
-        else:
-            scale = 1.0
-        return tl.where(first, v[None, :], 0.0).to(DTYPE), scale
+    def _quantize_row(src_ptr, n, q_ptr, s_ptr):
+        """``n`` values at ``src_ptr`` (a multiple of 128) to fp8 at ``q_ptr``, one scale (amax / 448)
+        per 128 at ``s_ptr``, as :func:`~moe_kernels.kernels.quant.per_token_group_quant_fp8` does."""
+        for g0 in range(0, n, 1024):   # eight groups a pass
+            group = g0 // 128 + tl.arange(0, 8)
+            offs = group[:, None] * 128 + tl.arange(0, 128)[None, :]
+            ok = offs < n
+            v = tl.load(src_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+            scale = tl.maximum(tl.max(tl.abs(v), axis=1), 1e-10) / 448.0
+            q = tl.clamp(v / scale[:, None], -448.0, 448.0)
+            tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=ok)
+            tl.store(s_ptr + group, scale, mask=group * 128 < n)
 
     @kernel
-    def _gate_up_unit(unit, x_ptr, w1_ptr, h_ptr, topk_ids_ptr, w1_scale_ptr, num_experts, D, F,
+    def _first_row(row_ptr, k, k_ok, EVEN_K: tl.constexpr):
+        """A 16-row MMA operand whose row 0 is ``row_ptr[k]`` and rows 1-15 zeros (loaded as such:
+        the software pipeline copies it like the weights)."""
+        first = tl.arange(0, 16)[:, None] == 0
+        mask = first if EVEN_K else first & k_ok[None, :]
+        return tl.load(row_ptr + tl.arange(0, 16)[:, None] * 0 + k[None, :], mask=mask, other=0.0)
+
+    @kernel
+    def _gate_up_unit(unit, x_ptr, w1_ptr, h_ptr, q_ptr, qs_ptr, topk_ids_ptr, w1_scale_ptr, num_experts, D, F,
                       stride_x, stride_w1e, stride_w1n, stride_s1e, stride_s1n, stride_s1k,
                       TOP_K: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr, QUANT: tl.constexpr,
                       ID_CHECK: tl.constexpr, STAGES: tl.constexpr, ROUND: tl.constexpr, PRECISION: tl.constexpr,
@@ -105,6 +119,12 @@ if HAS_TRITON:
         expert = tl.where(known, expert, 0)
         rows = (unit % slices) * BLOCK_F + tl.arange(0, BLOCK_F)
         rows_ok = rows < F
+        if QUANT:   # the token's row in fp8, 1 x 128 groups, into this program's scratch
+            _quantize_row(x_ptr + token * stride_x, D, q_ptr, qs_ptr)
+            tl.debug_barrier()
+            a_row = q_ptr
+        else:
+            a_row = x_ptr + token * stride_x
         # [BLOCK_K, BLOCK_F] tiles of the rows (K contiguous): the MMA's B operand as loaded
         gate_cols = w1_ptr + expert * stride_w1e + rows.to(tl.int64)[None, :] * stride_w1n
         up_cols = gate_cols + F * stride_w1n
@@ -113,14 +133,14 @@ if HAS_TRITON:
         for k0 in tl.range(0, D, BLOCK_K, num_stages=STAGES):
             k = k0 + tl.arange(0, BLOCK_K)
             k_ok = k < D
-            xk = tl.load(x_ptr + token * stride_x + k, mask=k_ok, other=0.0).to(tl.float32)
-            a, x_scale = _first_row(xk, QUANT, w1_ptr.dtype.element_ty)
+            a = _first_row(a_row, k, k_ok, EVEN_K)
             # (a K mask would cut the loads' vectors to one element, and keep
             # them out of the software pipeline)
             mask = rows_ok[None, :] if EVEN_K else k_ok[:, None] & rows_ok[None, :]
             wg = tl.load(gate_cols + k[:, None], mask=mask, other=0.0)
             wu = tl.load(up_cols + k[:, None], mask=mask, other=0.0)
-            if QUANT:   # this K step's block scales, promoted into fp32 sums
+            if QUANT:   # this K step's scales, promoted into fp32 sums
+                x_scale = tl.load(qs_ptr + k0 // 128)
                 scales = w1_scale_ptr + expert * stride_s1e + (k0 // 128) * stride_s1k
                 sg = tl.load(scales + (rows // 128) * stride_s1n, mask=rows_ok, other=0.0)
                 su = tl.load(scales + ((F + rows) // 128) * stride_s1n, mask=rows_ok, other=0.0)
@@ -134,12 +154,12 @@ if HAS_TRITON:
         u = tl.sum(tl.where(first, up, 0.0), axis=0)
         h = _rounded(g / (1.0 + tl.exp(-g)) * u, ROUND)   # as the two-GEMM path stores h
         h = tl.where(known, h, 0.0)
-        tl.store(h_ptr + assignment * F + rows, h, mask=rows < F)
+        tl.store(h_ptr + assignment * F + rows, h.to(h_ptr.dtype.element_ty), mask=rows_ok)
         # <<< book: two-phase-gate-up
 
     @kernel
-    def _down_unit(unit, h_ptr, w2_ptr, part_ptr, arrivals_ptr, out_ptr, add_ptr, topk_weights_ptr, topk_ids_ptr,
-                   w2_scale_ptr, num_experts, D, F, stride_w2e, stride_w2n, stride_out, stride_add,
+    def _down_unit(unit, h_ptr, w2_ptr, q_ptr, qs_ptr, part_ptr, arrivals_ptr, out_ptr, add_ptr, topk_weights_ptr,
+                   topk_ids_ptr, w2_scale_ptr, num_experts, D, F, stride_w2e, stride_w2n, stride_out, stride_add,
                    stride_s2e, stride_s2n, stride_s2k,
                    TOP_K: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, QUANT: tl.constexpr,
                    STAGES: tl.constexpr, HAS_ADD: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr):
@@ -155,19 +175,24 @@ if HAS_TRITON:
         expert = tl.where(known, expert, 0)   # (a bad id: expert 0, weight 0)
         weight = tl.load(topk_weights_ptr + assignment).to(tl.float32)
         weight = tl.where(known, weight, 0.0)
+        # (h from other SMs: the acquire before this unit dropped our L1's lines)
+        if QUANT:   # the assignment's h in fp8, 1 x 128 groups, into this program's scratch
+            _quantize_row(h_ptr + assignment * F, F, q_ptr, qs_ptr)
+            tl.debug_barrier()
+            a_row = q_ptr
+        else:
+            a_row = h_ptr + assignment * F
         # [BLOCK_K, BLOCK_D] tiles of the expert's rows, K contiguous
         w_cols = w2_ptr + expert * stride_w2e + cols.to(tl.int64)[None, :] * stride_w2n
         acc = tl.zeros([16, BLOCK_D], dtype=tl.float32)
         for k0 in tl.range(0, F, BLOCK_K, num_stages=STAGES):
             k = k0 + tl.arange(0, BLOCK_K)
             k_ok = k < F
-            # (other SMs wrote h; the acquire before this unit dropped our L1's lines)
-            hk = tl.load(h_ptr + assignment * F + k, mask=k_ok, other=0.0,
-                         cache_modifier=".cg")
-            a, h_scale = _first_row(hk, QUANT, w2_ptr.dtype.element_ty)
+            a = _first_row(a_row, k, k_ok, EVEN_K)
             mask = cols_ok[None, :] if EVEN_K else k_ok[:, None] & cols_ok[None, :]
             w = tl.load(w_cols + k[:, None], mask=mask, other=0.0)
             if QUANT:
+                h_scale = tl.load(qs_ptr + k0 // 128)
                 scales = w2_scale_ptr + expert * stride_s2e + (k0 // 128) * stride_s2k
                 sw = tl.load(scales + (cols // 128) * stride_s2n, mask=cols_ok, other=0.0)
                 acc += tl.dot(a, w) * (h_scale * sw)[None, :]
@@ -197,8 +222,8 @@ if HAS_TRITON:
 
     @kernel(do_not_specialize=["num_tokens"])
     def _two_phase_kernel(
-        x_ptr, w1_ptr, w2_ptr, h_ptr, part_ptr, out_ptr, add_ptr, topk_weights_ptr, topk_ids_ptr, counters_ptr,
-        w1_scale_ptr, w2_scale_ptr, num_tokens, num_experts, D, F,
+        x_ptr, w1_ptr, w2_ptr, h_ptr, part_ptr, q_ptr, qs_ptr, out_ptr, add_ptr, topk_weights_ptr, topk_ids_ptr,
+        counters_ptr, w1_scale_ptr, w2_scale_ptr, num_tokens, num_experts, D, F,
         stride_x, stride_w1e, stride_w1n, stride_w2e, stride_w2n, stride_out, stride_add,
         stride_s1e, stride_s1n, stride_s1k, stride_s2e, stride_s2n, stride_s2k,
         TOP_K: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -211,14 +236,17 @@ if HAS_TRITON:
         # units arrived per (token, row block); zeros at launch.
         n1 = num_tokens * TOP_K * tl.cdiv(F, BLOCK_F)
         n2 = num_tokens * TOP_K * tl.cdiv(D, BLOCK_D)
+        # this program's fp8 scratch row and its scales (fp8 weights only)
+        q_row = q_ptr + tl.program_id(0).to(tl.int64) * tl.maximum(D, F)
+        qs_row = qs_ptr + tl.program_id(0).to(tl.int64) * tl.cdiv(tl.maximum(D, F), 128)
         ticket = tl.atomic_add(counters_ptr, 1, sem="relaxed")
         while ticket < n1 + n2:
             if ticket < n1:
                 _gate_up_unit(
-                    ticket, x_ptr, w1_ptr, h_ptr, topk_ids_ptr, w1_scale_ptr,
-                    num_experts, D, F, stride_x, stride_w1e, stride_w1n,
-                    stride_s1e, stride_s1n, stride_s1k, TOP_K, BLOCK_F, BLOCK_K,
-                    QUANT, ID_CHECK, STAGES, ROUND, PRECISION, EVEN_D)
+                    ticket, x_ptr, w1_ptr, h_ptr, q_row, qs_row, topk_ids_ptr,
+                    w1_scale_ptr, num_experts, D, F, stride_x, stride_w1e,
+                    stride_w1n, stride_s1e, stride_s1n, stride_s1k, TOP_K, BLOCK_F,
+                    BLOCK_K, QUANT, ID_CHECK, STAGES, ROUND, PRECISION, EVEN_D)
                 # Every thread's stores of h, then one release: a unit that
                 # sees the count sees h.
                 tl.debug_barrier()
@@ -230,11 +258,13 @@ if HAS_TRITON:
                     done = tl.atomic_add(counters_ptr + 1, 0, sem="acquire")
                 tl.debug_barrier()
                 _down_unit(
-                    ticket - n1, h_ptr, w2_ptr, part_ptr, counters_ptr + 2, out_ptr,
-                    add_ptr, topk_weights_ptr, topk_ids_ptr, w2_scale_ptr,
-                    num_experts, D, F, stride_w2e, stride_w2n, stride_out,
-                    stride_add, stride_s2e, stride_s2n, stride_s2k, TOP_K, BLOCK_D,
-                    BLOCK_K, QUANT, STAGES, HAS_ADD, PRECISION, EVEN_F)
+                    ticket - n1, h_ptr, w2_ptr, q_row, qs_row, part_ptr,
+                    counters_ptr + 2, out_ptr, add_ptr, topk_weights_ptr,
+                    topk_ids_ptr, w2_scale_ptr, num_experts, D, F, stride_w2e,
+                    stride_w2n, stride_out, stride_add, stride_s2e, stride_s2n,
+                    stride_s2k, TOP_K, BLOCK_D, BLOCK_K, QUANT, STAGES, HAS_ADD,
+                    PRECISION, EVEN_F)
+            tl.debug_barrier()   # (the next unit rewrites the scratch row)
             ticket = tl.atomic_add(counters_ptr, 1, sem="relaxed")
         # <<< book: two-phase
 
@@ -263,15 +293,19 @@ def run_two_phase(hidden_states, w1, w2, topk_weights, topk_ids, *, fmt=UNQUANTI
         return out
     id_check = device_id_check(func, "topk_ids", topk_ids, num_experts) if ids == "validate" else ""
     n1, n2 = units(num_tokens, top_k, d, f, tiles)
+    grid = (min(n1 + n2, tiles.programs_per_sm * programs_per_device(out.device)),)
     counters = torch.zeros(2 + num_tokens * cdiv(d, tiles.block_d), device=out.device, dtype=torch.int32)
-    h = torch.empty((num_tokens * top_k, f), device=out.device, dtype=torch.float32)
+    h = torch.empty((num_tokens * top_k, f), device=out.device, dtype=hidden_states.dtype)
     parts = torch.empty((num_tokens * top_k, d), device=out.device, dtype=torch.float32)
+    # fp8: each program's scratch row (x's or h's groups in fp8) and its scales
+    width = max(d, f) if fmt.quantized else 0
+    q = torch.empty((grid[0], width), device=out.device, dtype=w1.dtype)
+    q_scales = torch.empty((grid[0], cdiv(width, 128)), device=out.device, dtype=torch.float32)
     weights = topk_weights if topk_weights.is_contiguous() else topk_weights.contiguous()
     ids_flat = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
-    grid = (min(n1 + n2, tiles.programs_per_sm * programs_per_device(out.device)),)
     note_launch("two_phase.experts", format=fmt.name, **tiles.as_dict())
     _two_phase_kernel[grid](
-        hidden_states, w1, w2, h, parts, out, out if add is None else add, weights, ids_flat, counters,
+        hidden_states, w1, w2, h, parts, q, q_scales, out, out if add is None else add, weights, ids_flat, counters,
         w1 if w1_scale is None else w1_scale, w2 if w2_scale is None else w2_scale, num_tokens, num_experts, d, f,
         hidden_states.stride(0), w1.stride(0), w1.stride(1), w2.stride(0), w2.stride(1), out.stride(0),
         0 if add is None else add.stride(0), *scale_strides(w1_scale), *scale_strides(w2_scale),
