@@ -10,11 +10,12 @@ before each replay (``do_bench``), two rounds interleaved over the candidates, t
 round medians kept. The floor is the touched experts' weight bytes over the read bandwidth
 measured here; "read" is a plain read of the same bytes in one kernel.
 
-    PYTHONPATH=. python tools/one_launch_ab.py [models] [batches] [formats] [kernels] [name]
+    PYTHONPATH=. python tools/one_launch_ab.py [models] [batches] [formats] [kernels] [name] [two-phase tiles]
     # e.g. qwen3-30b-a3b,deepseek-v3 1,2,4,8 none,block one,two   (records results/<device>/one-launch-ab.json)
 
 ``kernels``: ``one`` (the one-phase tiles below), ``two`` (the two-phase tiles), or both (the default); ``name``
-the record's name (default ``one-launch-ab``). fp8 runs W8A16 in the one-phase kernel and W8A8 in the two-phase
+the record's name (default ``one-launch-ab``); the two-phase tiles as ``f,d,w,s,p;...`` (GEMM 1 rows, GEMM 2 rows,
+warps, stages, programs per SM; default a grid of 16). fp8 runs W8A16 in the one-phase kernel and W8A8 in the two-phase
 kernel and the two GEMMs (``rel_err_vs_two_gemms`` shows it).
 """
 import itertools
@@ -43,10 +44,11 @@ if "one" in kernels:
     TILES += ([OneLaunchTiles(f, 512, w, s) for f, w, s in itertools.product((16, 32, 64), (4, 8), (1, 3))]
               + [OneLaunchTiles(128, 256, 8, s) for s in (1, 3)])
 if "two" in kernels:   # GEMM 1 rows, GEMM 2 rows per unit, warps, pipeline depth; programs per SM (K steps of 128)
-    TILES += [OneLaunchTiles(f, d, w, s, phases=2, programs_per_sm=p)
-              for (f, d, w, s), p in itertools.product(((32, 64, 4, 4), (32, 128, 4, 4), (32, 128, 4, 3),
-                                                        (64, 128, 8, 4), (64, 128, 8, 3), (64, 64, 8, 4),
-                                                        (16, 128, 4, 4), (32, 256, 8, 3)), (1, 2))]
+    grid = ([tuple(int(v) for v in spec.split(",")) for spec in sys.argv[6].split(";")] if len(sys.argv) > 6 else
+            [(f, d, w, s, p) for (f, d, w, s), p in itertools.product(
+                ((32, 64, 4, 4), (32, 128, 4, 4), (32, 128, 4, 3), (64, 128, 8, 4), (64, 128, 8, 3), (64, 64, 8, 4),
+                 (16, 128, 4, 4), (32, 256, 8, 3)), (1, 2))])
+    TILES += [OneLaunchTiles(f, d, w, s, phases=2, programs_per_sm=p) for f, d, w, s, p in grid]
 if device == "cpu":
     TILES = TILES[:1] + TILES[-1:]
 
