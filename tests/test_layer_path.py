@@ -151,7 +151,28 @@ def test_the_h100_runs_its_own_tables_the_h200s_tiles(model_name, fmt):
         h100 = meta_layer(model_name, fmt, "index_gather").plan(batch, device_name="NVIDIA H100 80GB HBM3").choice
         h200 = meta_layer(model_name, fmt, "index_gather").plan(batch, device_name="NVIDIA H200").choice
         assert h100.source == "table" and h100.table.startswith("device=NVIDIA_H100_80GB_HBM3,"), (batch, h100)
-        assert h100.entry == h200.entry and h100.config == h200.config, batch
+        # (the H100's own change since: a two-phase one launch at a few tokens, the test below)
+        assert h100.entry == h200.entry and dataclasses.replace(h100.config, one_launch=None) == h200.config, batch
+
+
+@pytest.mark.parametrize("model_name, fmt, batches", [("qwen3-30b-a3b", "block", (1,)),
+                                                      ("qwen3-30b-a3b", "none", (1, 2)),
+                                                      ("deepseek-v3", "block", ()), ("deepseek-v3", "none", ())])
+def test_the_h100_runs_both_gemms_in_one_two_phase_launch_at_a_few_qwen3_tokens(model_name, fmt, batches):
+    """Session 37 (two-phase-ab-refine-s37.json): on the H100 the two-phase one launch beat the two GEMMs by more than
+    3% at one Qwen3 token in fp8 (31.8 us against 35.6) and at 1-2 in bf16 (the '4' entry, which serves 3-6 tokens,
+    was not changed); nowhere for DeepSeek-V3. Where its
+    table entry says so, the layer runs it: no alignment (the router neither aligns nor leaves it to the experts'
+    call) and, in fp8, no quantiser before it (the kernel quantises x itself)."""
+    for batch in (1, 2, 3, 4, 5, 8):
+        plan = meta_layer(model_name, fmt, "index_gather").plan(batch, device_name="NVIDIA H100 80GB HBM3")
+        tiles = plan.choice.config.one_launch
+        assert (tiles is not None and tiles.phases == 2) == (batch in batches), (batch, tiles)
+        if batch in batches:
+            assert plan.naive_blocks and not plan.gate_alignment, (batch, plan)
+    for batch in (1, 2, 4):   # (the H200 has not measured it: its tables keep the two GEMMs)
+        assert meta_layer(model_name, fmt, "index_gather").plan(batch, device_name="NVIDIA H200").choice.config \
+            .one_launch is None
 
 
 def test_a_reach_must_be_a_number_of_at_least_one():
