@@ -24,6 +24,7 @@ from moe_kernels._runtime import BACKEND, HAS_TRITON, record_launches
 from moe_kernels.kernels.config import load_table, table_name
 from moe_kernels.kernels.formats import FORMATS
 from moe_kernels.kernels.layouts import LAYOUTS
+from moe_kernels.kernels.one_launch import runs_in_one_launch
 from moe_testing import DEVICE, needs_gpu, rel_err
 
 pytestmark = pytest.mark.usefixtures("true_fp32")
@@ -265,7 +266,12 @@ def test_real_layer_runs_its_plan_gpu(model_name, fmt):
             layer(x)
         torch.cuda.synchronize()
         expected = [plan.format.gemm_tiles(plan.config.gate_up), plan.format.gemm_tiles(plan.config.down)]
-        if plan.config.stream_lag is not None:   # both GEMMs as one stream of tiles (the table's choice)
+        if runs_in_one_launch(plan.config, plan.format):   # both GEMMs in one launch (the table's choice)
+            tiles = plan.config.one_launch
+            name = "two_phase.experts" if tiles.phases == 2 else "one_launch.experts"
+            assert [s for n, s in launches if n == name] == [{"format": plan.format.name, **tiles.as_dict()}], launches
+            assert not [s for n, s in launches if n == "index_gather.gemm" and not s["dense"]], launches
+        elif plan.config.stream_lag is not None:   # both GEMMs as one stream of tiles (the table's choice)
             streams = [settings for name, settings in launches if name == "streamed_pair"]
             assert [[s["gate_up"], s["down"]] for s in streams] == [expected], launches
             assert streams[0]["lag"] == plan.config.stream_lag and streams[0]["quant"] == plan.format.quantized
