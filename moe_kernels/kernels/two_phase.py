@@ -35,10 +35,10 @@ kernel. The products run on tensor cores with the token as row 0 of a 16-row til
 16 rows; rows 1-15 are loaded as zeros): an fp8 MMA needs no conversion of the weights, where a
 matrix-vector sum on the CUDA cores would convert every weight element. The K loop then only copies
 (the token's row from the scratch or ``h``, the weight tiles, the scales: all in the software
-pipeline) and multiplies: a first version that quantised each K step's 128 values in the loop
+pipeline) and multiplies. A first version that quantised each K step's 128 values in the loop
 (a reduction across warps, and the operand stored to shared memory, each step) stalled on barriers
-and ran 1.03-1.2x slower than the two GEMMs (Nsight Compute: 26-32% of DRAM's peak, against
-36-46% for the two GEMMs; the notes' session 37).
+and ran at 0.74-0.99 times the two GEMMs' speed at 1-8 tokens (``two-phase-ab-parts-s37.json``;
+Nsight Compute: 26-32% of DRAM's peak, against 36-46% for the two GEMMs; the notes' session 37).
 
     >>> import torch
     >>> from moe_kernels.reference import moe_reference
