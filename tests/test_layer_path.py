@@ -161,10 +161,10 @@ def test_the_h100_runs_its_own_tables_the_h200s_tiles(model_name, fmt):
                                                       ("deepseek-v3", "block", ()), ("deepseek-v3", "none", ())])
 def test_the_h100_runs_both_gemms_in_one_two_phase_launch_at_a_few_qwen3_tokens(model_name, fmt, batches):
     """Session 37 (two-phase-ab-refine-s37.json): on the H100 the two-phase one launch beat the two GEMMs by more than
-    3% at one Qwen3 token in fp8 (31.8 us against 35.6) and at 1-2 in bf16 (the '4' entry, which serves 3-6 tokens,
-    was not changed); nowhere for DeepSeek-V3. Where its
-    table entry says so, the layer runs it: no alignment (the router neither aligns nor leaves it to the experts'
-    call) and, in fp8, no quantiser before it (the kernel quantises x itself)."""
+    3% at one Qwen3 token in fp8 (31.8 us against 35.6) and at 1-2 in bf16 (the '4' entry, which serves 3-5 tokens,
+    was not changed); nowhere for DeepSeek-V3. Where its table entry says so, the layer's plan runs no alignment (at
+    these batches the naive map: each token's rows their own blocks) and no router alignment; that it quantises
+    nothing first is tests/test_two_phase.py's test."""
     for batch in (1, 2, 3, 4, 5, 8):
         plan = meta_layer(model_name, fmt, "index_gather").plan(batch, device_name="NVIDIA H100 80GB HBM3")
         tiles = plan.choice.config.one_launch

@@ -134,7 +134,8 @@ def test_bad_ids_are_named(tiles):
             from moe_kernels.kernels.one_launch import one_launch_experts
             x, w1, w2 = (torch.randn(*s, device="cuda") for s in ((2, 32), (4, 32, 32), (4, 32, 16)))
             one_launch_experts(x, w1, w2, torch.rand(2, 2, device="cuda"),
-                               torch.tensor({bad.tolist()}, device="cuda"), tiles=OneLaunchTiles(**{tiles.as_dict()}))""",
+                               torch.tensor({bad.tolist()}, device="cuda"),
+                               tiles=OneLaunchTiles(**{tiles.as_dict()}))""",
                              "one_launch_experts: argument 'topk_ids' must hold expert ids in [0, 4)")
         return
     with pytest.raises(ValueError, match=r"one_launch_experts: argument 'topk_ids' must hold expert ids in \[0, 4\)"):

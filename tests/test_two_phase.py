@@ -6,14 +6,17 @@ bf16's rounding of h, ids out of range, the layer and the models' shapes on a GP
 both kernels.
 
 Runs on default_device(): the Triton interpreter on a CPU machine (float32 and float16; fp8 there is the torch
-reference), the compiled kernel on a GPU (bf16 and fp8 at the models' own shapes too).
+reference), the compiled kernel on a GPU (bf16 and fp8 at the models' own shapes too). The interpreter runs the
+programs one after another, so there the first program takes every ticket: the waits, other programs' scratch rows
+and arrivals that race are exercised on a GPU only (tests/test_one_launch.py's model shapes, twice each, bit-equal).
 """
 
 import dataclasses
 
 import pytest
+import torch
 
-from moe_kernels._runtime import BACKEND, record_launches
+from moe_kernels._runtime import BACKEND, default_device, record_launches
 from moe_kernels.kernels.config import GemmTiles, MoEConfig, OneLaunchTiles
 from moe_kernels.kernels.formats import FORMATS
 from moe_kernels.kernels.index_gather import fused_experts
@@ -85,10 +88,11 @@ for weights, quant in (("*bf16", False), ("*fp8e4nv", True)):
     pointers = dict(x_ptr="*bf16", w1_ptr=weights, w2_ptr=weights, h_ptr="*bf16", part_ptr="*fp32", q_ptr=weights,
                     qs_ptr="*fp32", out_ptr="*bf16", add_ptr="*bf16", topk_weights_ptr="*fp32", topk_ids_ptr="*i32",
                     counters_ptr="*i32", w1_scale_ptr="*fp32", w2_scale_ptr="*fp32")
-    const = dict(TOP_K=8, BLOCK_F=64, BLOCK_D=128, BLOCK_K=128, QUANT=quant, ID_CHECK="", STAGES=4,
+    const = dict(TOP_K=8, BLOCK_F=32, BLOCK_D=64, BLOCK_K=128, QUANT=quant, ID_CHECK="", STAGES=4,
                  HAS_ADD=False, ROUND=2, PRECISION="tf32", EVEN_D=True, EVEN_F=True)
-    # (the launch specialises these integers as multiples of 16, as at every model shape)
-    kernel = compile_for_sm90(two_phase._two_phase_kernel, const, pointers, num_warps=8,
+    # (the H100 tables' one-token tiles; the launch specialises these integers as multiples of 16, as at every
+    # model shape)
+    kernel = compile_for_sm90(two_phase._two_phase_kernel, const, pointers, num_warps=4,
                               aligned=("D", "F", "stride_x", "stride_w1e", "stride_w1n", "stride_w2e", "stride_w2n"))
     ptx, ttgir = kernel.asm["ptx"], kernel.asm["ttgir"]
     pipelined = [m.group(1) for m in re.finditer(r"%(a|w[gu]?)_[0-9]+ = ttg.async_copy_global_to_local", ttgir)]
@@ -120,5 +124,27 @@ def test_a_table_entry_meets_channel_fp8_with_its_two_gemms():
     assert not runs_in_one_launch(config, FORMATS["channel"]) and runs_in_one_launch(config, FORMATS["block"])
     with record_launches() as launches:
         out = fused_experts(hidden, q1, q2, weights, ids, config=config, w1_scale=s1, w2_scale=s2)
-    assert "two_phase.experts" not in [name for name, _ in launches]
+    names = [name for name, _ in launches]
+    assert "two_phase.experts" not in names and names.count("index_gather.gemm") == 2, names
     assert rel_err(out, fused_experts(hidden, q1, q2, weights, ids, w1_scale=s1, w2_scale=s2).double()) < 1e-6
+
+
+def test_a_layer_running_it_quantises_nothing_first():
+    """fp8: the two-phase kernel quantises x itself, so the layer hands the experts no activations of its own (with
+    the two GEMMs, or a shared expert apart, it quantises once for all of them)."""
+    from unittest import mock
+
+    from moe_kernels import layer as layer_module
+    from moe_kernels.layer import MoELayer
+    from moe_kernels.model.shapes import MODELS
+
+    style = dataclasses.replace(MODELS["qwen3-30b-a3b"], num_experts=16)
+    layer = MoELayer.random(style, hidden_size=256, intermediate_size=128, dtype=torch.float32,
+                            device=default_device(), seed=4).quantized("block")
+    x = torch.randn(1, 256, generator=torch.Generator().manual_seed(5)).to(default_device())
+    two_phase = MoEConfig(16, GemmTiles(16, 128), GemmTiles(16, 128),
+                          one_launch=dataclasses.replace(SMALL, block_k=128))
+    for config, quantised in ((two_phase, False), (dataclasses.replace(two_phase, one_launch=None), True)):
+        with mock.patch.object(layer_module, "run_experts", wraps=layer_module.run_experts) as spy:
+            layer(x, config=config)
+        assert (spy.call_args.kwargs["activations"] is not None) == quantised, config

@@ -23,6 +23,7 @@ from moe_kernels.kernels.formats import FORMATS
 from moe_kernels.kernels.index_gather import fused_experts
 from moe_kernels.kernels.one_launch import one_launch_experts
 
+
 def summarize(path: str) -> None:
     """One line per profiled kernel of the CSV ncu wrote: duration, DRAM throughput and bytes, achieved
     occupancy, registers, and the four largest warp stall reasons (cycles per issued instruction)."""

@@ -180,6 +180,8 @@ def sweep(models, batches, *, seed, warmup_ms, rep_ms, ceilings, log=print) -> l
                 floor = max(work.bytes / read, work.flops / rate)
                 row = {"model": key, "batch": batch, "layout": name, "experts_touched": work.experts_touched,
                        "bytes": work.bytes, "flops": work.flops, "floor_s": floor}
+                if name in ("bf16 GEMMs", "fp8 block GEMMs"):   # (both GEMMs in one launch, by the table?)
+                    row["one_launch"] = one16 if name == "bf16 GEMMs" else one8
                 if name == "quantiser":
                     row.update(bytes=3 * hidden.numel(), flops=0, floor_s=3 * hidden.numel() / read)
                 try:

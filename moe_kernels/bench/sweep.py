@@ -118,7 +118,9 @@ def sweep(models, batches, *, dtype, seed, warmup_ms, rep_ms, ceilings, configs=
 
     ``models`` maps names to :class:`~moe_kernels.model.shapes.MoEModel`."""
     from ..kernels.blocks import assign_blocks
+    from ..kernels.formats import UNQUANTIZED
     from ..kernels.index_gather import fused_experts, fused_moe
+    from ..kernels.one_launch import runs_in_one_launch
 
     others = other_layouts()
     if layouts is not None:
@@ -138,8 +140,12 @@ def sweep(models, batches, *, dtype, seed, warmup_ms, rep_ms, ceilings, configs=
             blocks = assign_blocks(ids, cfg.block_m, model.num_experts, validate_ids=False)
             work = count_work(model, ids, bpe)
 
+            # (a table entry that runs both GEMMs in one launch needs no block map: none is passed then)
+            one = runs_in_one_launch(cfg, UNQUANTIZED)
+
             def gemms():
-                return fused_experts(hidden, w1, w2, weights, ids, config=cfg, blocks=blocks, validate_ids=False)
+                return fused_experts(hidden, w1, w2, weights, ids, config=cfg, blocks=None if one else blocks,
+                                     validate_ids=False)
 
             def layer():
                 return fused_moe(hidden, w1, w2, logits, model.top_k, True, config=cfg)
@@ -187,7 +193,7 @@ def sweep(models, batches, *, dtype, seed, warmup_ms, rep_ms, ceilings, configs=
                 log(_format_row(row))
                 _empty_cache(device)
             row_cfg = {"model": key, "batch": batch, "layout": "index-gather config", "config": cfg.to_dict(),
-                       "naive_blocks": blocks.naive}
+                       "naive_blocks": blocks.naive, "one_launch": one}
             rows.append(row_cfg)
             del hidden, logits, weights, ids, blocks, dense_w, dense_x, reference
         del w1, w2

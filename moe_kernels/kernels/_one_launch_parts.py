@@ -36,7 +36,7 @@ if HAS_TRITON:
 
 
 def settled_without_launch(run, hidden_states, w1, w2, topk_weights, topk_ids, *, reference: bool, fmt, w1_scale,
-                           w2_scale, ids: str, func: str, add, **tiles) -> tuple[torch.Tensor, bool]:
+                           w2_scale, ids: str, func: str, add, tiles) -> tuple[torch.Tensor, bool]:
     """``(out, done)``: a one-launch call's ``[T, d]`` output buffer, and whether it is already
     filled without the kernel: by the torch reference (``reference``; the two-phase kernel's W8A8
     for fp8 block weights), with nothing to compute (no tokens, ``d`` or ``F`` zero), or under the
@@ -47,7 +47,7 @@ def settled_without_launch(run, hidden_states, w1, w2, topk_weights, topk_ids, *
     if reference:
         if ids == "validate":
             device_id_check(func, "topk_ids", topk_ids, num_experts)
-        w8a8 = fmt.quantized and tiles["tiles"].phases == 2
+        w8a8 = fmt.quantized and tiles.phases == 2
         return out.copy_(one_launch_reference(hidden_states, w1, w2, topk_weights, topk_ids, fmt=fmt,
                                               w1_scale=w1_scale, w2_scale=w2_scale, add=add,
                                               quantize_activations=w8a8)), True
@@ -58,7 +58,7 @@ def settled_without_launch(run, hidden_states, w1, w2, topk_weights, topk_ids, *
 
     def rerun(x, w1, w2, *extra, out):   # the interpreter's bf16: the same launch in float32, rounded once
         out.copy_(run(x, w1, w2, topk_weights, topk_ids, fmt=fmt, w1_scale=w1_scale, w2_scale=w2_scale, ids=ids,
-                      func=func, add=extra[0] if extra else None, _round_to=hidden_states.dtype, **tiles))
+                      func=func, add=extra[0] if extra else None, _round_to=hidden_states.dtype, tiles=tiles))
 
     widened = in_float32_under_interpreter(rerun, out, hidden_states, w1, w2, *(() if add is None else (add,)))
     return out, widened is not None

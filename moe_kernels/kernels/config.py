@@ -107,8 +107,8 @@ class OneLaunchTiles:
 
     ``phases=2`` (:mod:`moe_kernels.kernels.two_phase`): ``programs_per_sm`` programs per SM take
     work units by ticket, first GEMM 1's (an assignment's ``block_f`` gate rows and as many up rows,
-    at least 16), then GEMM 2's (a token's ``block_d`` output rows over all its experts); both step
-    over K by ``block_k`` (fp8 block weights: their 128, one activation group a step)."""
+    at least 16), then GEMM 2's (an assignment's ``block_d`` output rows); both step over K by
+    ``block_k`` (fp8 block weights: their 128, one activation group a step)."""
 
     block_f: int = 32
     block_d: int = 256

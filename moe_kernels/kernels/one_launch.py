@@ -1,7 +1,7 @@
 """Both expert GEMMs of a tiny batch in one launch, split over the intermediate dimension.
 
 At one token a decode step's experts are a handful of matrix-vector products: Qwen3-30B-A3B's
-eight experts read 75.5 MB of bf16 weights for 0.15 GFLOP. Two grouped GEMMs (gate-up, then down)
+eight experts read 75.5 MB of bf16 weights for 0.08 GFLOP. Two grouped GEMMs (gate-up, then down)
 each fill the machine for a few microseconds, and each pays its own start and its own tail: the
 second cannot begin streaming its weights until the first has finished, although those weights
 do not depend on it. Here one program owns one assignment ``a`` (token ``a // k``) and one slice
@@ -176,10 +176,13 @@ if HAS_TRITON:
 def runs_in_one_launch(config, fmt) -> bool:
     """Whether ``config`` (a :class:`~moe_kernels.kernels.config.MoEConfig`) runs both GEMMs in one launch
     for weights of format ``fmt``: it has ``one_launch`` tiles, and their kernel takes the format (the
-    two-phase kernel runs unquantised and block-fp8 weights only; a tuned table is keyed by the element
-    type, so an fp8 entry also meets the channel and tensor formats, which then take its two GEMMs)."""
+    two-phase kernel runs unquantised weights, and block-fp8 ones with K steps of their block; a tuned
+    table is keyed by the element type, so an fp8 entry also meets the channel and tensor formats,
+    which then take its two GEMMs)."""
     tiles = config.one_launch
-    return tiles is not None and (tiles.phases == 1 or not fmt.quantized or fmt.activations == "group")
+    if tiles is None or tiles.phases == 1 or not fmt.quantized:
+        return tiles is not None
+    return fmt.activations == "group" and tiles.block_k == fmt.block[1]
 
 
 def one_launch_experts(hidden_states: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,

@@ -1,10 +1,10 @@
 """Both expert GEMMs of a tiny batch in one launch, in two phases that each keep every SM streaming.
 
 At one decode token the experts are matrix-vector products: Qwen3-30B-A3B's eight experts read
-37.7 MB of fp8 weights (75.5 MB in bf16) for 0.15 GFLOP, so the time is the read. Two grouped GEMMs
+37.7 MB of fp8 weights (75.5 MB in bf16) for 0.08 GFLOP, so the time is the read. Two grouped GEMMs
 read it in two launches, each with a start and a tail, and each in tiles too large to spread evenly
 over the SMs (a GEMM 1 tile of 128 columns is 48 programs for 132 SMs at one Qwen3 token); the
-activation quantisers and the top-k sum are three more launches. :mod:`moe_kernels.kernels.one_launch`
+top-k sum and, in fp8, one or two activation quantisers are more launches. :mod:`moe_kernels.kernels.one_launch`
 runs both products in one launch, but its GEMM 2 reads each weight row in slices of 16-64 bytes and
 adds every partial sum into the output with atomics.
 
@@ -13,32 +13,34 @@ atomic add each:
 
 1. **GEMM 1 units** (tickets ``0 .. n1-1``): one assignment (token, expert) and ``block_f`` rows
    of the expert's gate and up halves, over all of ``d``. The unit writes its ``block_f`` values
-   of ``h = silu(gate) * up``, rounded to the activations' dtype, to an fp32 scratch row, then
-   adds one arrival (a release).
+   of ``h = silu(gate) * up`` to a row of ``h`` in the activations' dtype, then adds one arrival
+   (a release).
 2. **GEMM 2 units** (the next ``n2`` tickets): one assignment and ``block_d`` rows of the output.
-   The unit waits until all ``n1`` arrivals are in (an acquire), then reads the assignment's ``h``
-   row through L2 and its expert's ``block_d`` rows, and stores its routing weight times their
+   The unit waits until all ``n1`` arrivals are in (an acquire, after which its loads see the ``h``
+   the other SMs wrote), then reads the assignment's ``h`` row and its expert's ``block_d`` rows, and stores its routing weight times their
    product, in fp32, to a row of parts. Then it adds one arrival to its (token, row block); the
    last of the token's ``k`` units to arrive adds the ``k`` parts in slot order and rounds the sum
    once into the output. So the top-k sum costs no launch and no atomic add of values, and gives
    the same bits whichever unit arrives last.
 
-Every weight row is read whole and contiguous, exactly once; the units are small (a Qwen3 GEMM 1
-unit of 32 + 32 rows is 128 KB of fp8), so the tickets spread them evenly. A program waits only for
+Every weight row is read whole and contiguous, once per assignment (once per expert at one token:
+two tokens on one expert read it twice, where the two GEMMs put them in one block); the units are
+small (a Qwen3 GEMM 1 unit of 32 + 32 rows is 128 KB of fp8), so the tickets spread them evenly. A program waits only for
 units already held by running programs (every GEMM 1 ticket is handed out before the first GEMM 2
 ticket), so the wait ends however the GPU schedules programs.
 
-fp8 block weights run W8A8 exactly as the two-GEMM path does: each unit first quantises its token's
+fp8 block weights run W8A8 with the two-GEMM path's quantisation: each unit first quantises its token's
 row (``x`` in GEMM 1, ``h`` in GEMM 2) in 1 x 128 groups (the scale ``amax / 448``,
 :mod:`moe_kernels.kernels.quant`) into its program's scratch row, so no quantiser launch precedes the
 kernel. The products run on tensor cores with the token as row 0 of a 16-row tile (``tl.dot`` needs
 16 rows; rows 1-15 are loaded as zeros): an fp8 MMA needs no conversion of the weights, where a
 matrix-vector sum on the CUDA cores would convert every weight element. The K loop then only copies
 (the token's row from the scratch or ``h``, the weight tiles, the scales: all in the software
-pipeline) and multiplies. A first version that quantised each K step's 128 values in the loop
-(a reduction across warps, and the operand stored to shared memory, each step) stalled on barriers
-and ran at 0.74-0.99 times the two GEMMs' speed at 1-8 tokens (``two-phase-ab-parts-s37.json``;
-Nsight Compute: 26-32% of DRAM's peak, against 36-46% for the two GEMMs; the notes' session 37).
+pipeline) and multiplies. The version before this one quantised each K step's 128 values in the
+loop (a reduction across warps, and the operand stored to shared memory, each step), stalled on
+barriers and ran fp8 at 0.85-0.92 times the two GEMMs' speed at 1-4 tokens
+(``two-phase-ab-parts-s37.json``; Nsight Compute: 26-32% of DRAM's peak, against 36-46% for the
+two GEMMs; the notes' session 37).
 
     >>> import torch
     >>> from moe_kernels.reference import moe_reference
@@ -154,7 +156,8 @@ if HAS_TRITON:
         u = tl.sum(tl.where(first, up, 0.0), axis=0)
         h = _rounded(g / (1.0 + tl.exp(-g)) * u, ROUND)   # as the two-GEMM path stores h
         h = tl.where(known, h, 0.0)
-        tl.store(h_ptr + assignment * F + rows, h.to(h_ptr.dtype.element_ty), mask=rows_ok)
+        h_row = h_ptr + assignment.to(tl.int64) * F   # (past 2**31 at ~37k DeepSeek-V3 tokens)
+        tl.store(h_row + rows, h.to(h_ptr.dtype.element_ty), mask=rows_ok)
         # <<< book: two-phase-gate-up
 
     @kernel
@@ -176,12 +179,13 @@ if HAS_TRITON:
         weight = tl.load(topk_weights_ptr + assignment).to(tl.float32)
         weight = tl.where(known, weight, 0.0)
         # (h from other SMs: the acquire before this unit dropped our L1's lines)
+        h_row = h_ptr + assignment.to(tl.int64) * F
         if QUANT:   # the assignment's h in fp8, 1 x 128 groups, into this program's scratch
-            _quantize_row(h_ptr + assignment * F, F, q_ptr, qs_ptr)
+            _quantize_row(h_row, F, q_ptr, qs_ptr)
             tl.debug_barrier()
             a_row = q_ptr
         else:
-            a_row = h_ptr + assignment * F
+            a_row = h_row
         # [BLOCK_K, BLOCK_D] tiles of the expert's rows, K contiguous
         w_cols = w2_ptr + expert * stride_w2e + cols.to(tl.int64)[None, :] * stride_w2n
         acc = tl.zeros([16, BLOCK_D], dtype=tl.float32)
@@ -203,7 +207,7 @@ if HAS_TRITON:
         # The top-k sum: each unit stores its expert's part of the rows; the
         # last of the token's TOP_K units to arrive adds them, in slot order
         # (the same sum whichever unit arrives last).
-        tl.store(part_ptr + assignment * D + cols, part, mask=cols_ok)
+        tl.store(part_ptr + assignment.to(tl.int64) * D + cols, part, mask=cols_ok)
         tl.debug_barrier()   # every thread's stores, then one release
         arrived = tl.atomic_add(arrivals_ptr + block, 1, sem="acq_rel")
         if arrived == TOP_K - 1:
