@@ -122,6 +122,9 @@ def test_a_table_entry_meets_channel_fp8_with_its_two_gemms():
     (q1, s1), (q2, s2) = FORMATS["channel"].quantize_weight(w1), FORMATS["channel"].quantize_weight(w2)
     config = MoEConfig(16, GemmTiles(16, 128), GemmTiles(16, 128), one_launch=dataclasses.replace(SMALL, block_k=128))
     assert not runs_in_one_launch(config, FORMATS["channel"]) and runs_in_one_launch(config, FORMATS["block"])
+    # (nor does a block-fp8 entry whose K steps are not the format's 128: one activation group a step)
+    other_k = dataclasses.replace(config, one_launch=dataclasses.replace(SMALL, block_k=64))
+    assert not runs_in_one_launch(other_k, FORMATS["block"]) and runs_in_one_launch(other_k, FORMATS["none"])
     with record_launches() as launches:
         out = fused_experts(hidden, q1, q2, weights, ids, config=config, w1_scale=s1, w2_scale=s2)
     names = [name for name, _ in launches]

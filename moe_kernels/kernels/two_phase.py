@@ -70,7 +70,7 @@ from ._tile_gemm import dot_precision, programs_per_device
 from .config import OneLaunchTiles
 from .formats import UNQUANTIZED
 
-__all__ = ["run_two_phase", "units"]
+__all__ = ["run_two_phase", "two_phase_reference", "units"]
 
 
 def units(num_tokens: int, top_k: int, d: int, f: int, tiles: OneLaunchTiles) -> tuple[int, int]:
