@@ -87,9 +87,10 @@ from moe_kernels.sm90_compile import assemble_for_sm90, compile_for_sm90
 for weights, quant in (("*bf16", False), ("*fp8e4nv", True)):
     pointers = dict(x_ptr="*bf16", w1_ptr=weights, w2_ptr=weights, h_ptr="*bf16", part_ptr="*fp32", q_ptr=weights,
                     qs_ptr="*fp32", out_ptr="*bf16", add_ptr="*bf16", topk_weights_ptr="*fp32", topk_ids_ptr="*i32",
-                    counters_ptr="*i32", w1_scale_ptr="*fp32", w2_scale_ptr="*fp32")
+                    counters_ptr="*i32", w1_scale_ptr="*fp32", w2_scale_ptr="*fp32", timeline_ptr="*i64")
     const = dict(TOP_K=8, BLOCK_F=32, BLOCK_D=64, BLOCK_K=128, QUANT=quant, ID_CHECK="", STAGES=4,
-                 HAS_ADD=False, ROUND=2, PRECISION="tf32", EVEN_D=True, EVEN_F=True)
+                 HAS_ADD=False, ROUND=2, PRECISION="tf32", EVEN_D=True, EVEN_F=True, PREFETCH=0, WAIT_ALL=False,
+                 SELF_RESET=False, TIMELINE=False)
     # (the H100 tables' one-token tiles; the launch specialises these integers as multiples of 16, as at every
     # model shape)
     kernel = compile_for_sm90(two_phase._two_phase_kernel, const, pointers, num_warps=4,

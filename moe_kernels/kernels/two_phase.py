@@ -80,6 +80,7 @@ def units(num_tokens: int, top_k: int, d: int, f: int, tiles: OneLaunchTiles) ->
 
 if HAS_TRITON:
     from ._one_launch_parts import _rounded
+    from ._pdl import prefetch_rows_to_l2
 
     @kernel
     def _quantize_row(src_ptr, n, q_ptr, s_ptr):
@@ -161,11 +162,12 @@ if HAS_TRITON:
         # <<< book: two-phase-gate-up
 
     @kernel
-    def _down_unit(unit, h_ptr, w2_ptr, q_ptr, qs_ptr, part_ptr, arrivals_ptr, out_ptr, add_ptr, topk_weights_ptr,
-                   topk_ids_ptr, w2_scale_ptr, num_experts, D, F, stride_w2e, stride_w2n, stride_out, stride_add,
-                   stride_s2e, stride_s2n, stride_s2k,
+    def _down_unit(unit, h_ptr, w2_ptr, q_ptr, qs_ptr, part_ptr, arrivals_ptr, ready_ptr, ready_count, out_ptr,
+                   add_ptr, topk_weights_ptr, topk_ids_ptr, w2_scale_ptr, num_experts, D, F, stride_w2e, stride_w2n,
+                   stride_out, stride_add, stride_s2e, stride_s2n, stride_s2k,
                    TOP_K: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, QUANT: tl.constexpr,
-                   STAGES: tl.constexpr, HAS_ADD: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr):
+                   STAGES: tl.constexpr, HAS_ADD: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
+                   PREFETCH: tl.constexpr, WAIT_ALL: tl.constexpr):
         # >>> book: two-phase-down
         row_blocks = tl.cdiv(D, BLOCK_D)
         assignment = unit // row_blocks   # (neighbouring units: one expert's rows)
@@ -178,7 +180,16 @@ if HAS_TRITON:
         expert = tl.where(known, expert, 0)   # (a bad id: expert 0, weight 0)
         weight = tl.load(topk_weights_ptr + assignment).to(tl.float32)
         weight = tl.where(known, weight, 0.0)
-        # (h from other SMs: the acquire before this unit dropped our L1's lines)
+        w_rows = w2_ptr + expert * stride_w2e + tl.minimum(cols, D - 1).to(tl.int64) * stride_w2n
+        if PREFETCH:   # the weights do not depend on h: ask L2 for them before waiting
+            prefetch_rows_to_l2(w_rows, F, 1024 // w2_ptr.dtype.element_ty.primitive_bitwidth, 8)
+        # Wait until the assignment's h is written (an acquire: the GEMM 1 units'
+        # stores are then visible here; our L1 holds none of their lines).
+        ready_at = ready_ptr if WAIT_ALL else ready_ptr + assignment
+        ready = tl.atomic_add(ready_at, 0, sem="acquire")
+        while ready < ready_count:
+            ready = tl.atomic_add(ready_at, 0, sem="acquire")
+        tl.debug_barrier()
         h_row = h_ptr + assignment.to(tl.int64) * F
         if QUANT:   # the assignment's h in fp8, 1 x 128 groups, into this program's scratch
             _quantize_row(h_row, F, q_ptr, qs_ptr)
@@ -224,27 +235,45 @@ if HAS_TRITON:
             tl.store(out_ptr + token * stride_out + cols, row, mask=cols_ok)
         # <<< book: two-phase-down
 
+    @kernel
+    def _now():
+        """The GPU's global nanosecond clock (for the timeline)."""
+        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [tl.program_id(0)], dtype=tl.int64,
+                                         is_pure=False, pack=1)
+
+    @kernel
+    def _sm():
+        return tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [tl.program_id(0)], dtype=tl.int32,
+                                         is_pure=False, pack=1)
+
     @kernel(do_not_specialize=["num_tokens"])
     def _two_phase_kernel(
         x_ptr, w1_ptr, w2_ptr, h_ptr, part_ptr, q_ptr, qs_ptr, out_ptr, add_ptr, topk_weights_ptr, topk_ids_ptr,
-        counters_ptr, w1_scale_ptr, w2_scale_ptr, num_tokens, num_experts, D, F,
+        counters_ptr, w1_scale_ptr, w2_scale_ptr, timeline_ptr, num_tokens, num_experts, D, F,
         stride_x, stride_w1e, stride_w1n, stride_w2e, stride_w2n, stride_out, stride_add,
         stride_s1e, stride_s1n, stride_s1k, stride_s2e, stride_s2n, stride_s2k,
         TOP_K: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_K: tl.constexpr, QUANT: tl.constexpr, ID_CHECK: tl.constexpr, STAGES: tl.constexpr,
         HAS_ADD: tl.constexpr, ROUND: tl.constexpr, PRECISION: tl.constexpr, EVEN_D: tl.constexpr,
-        EVEN_F: tl.constexpr,
+        EVEN_F: tl.constexpr, PREFETCH: tl.constexpr, WAIT_ALL: tl.constexpr, SELF_RESET: tl.constexpr,
+        TIMELINE: tl.constexpr,
     ):
         # >>> book: two-phase
-        # counters: [0] the next ticket, [1] GEMM 1 units done, [2:] GEMM 2
-        # units arrived per (token, row block); zeros at launch.
-        n1 = num_tokens * TOP_K * tl.cdiv(F, BLOCK_F)
-        n2 = num_tokens * TOP_K * tl.cdiv(D, BLOCK_D)
+        # counters: [0] the next ticket; [1, 1 + A) GEMM 1 units done per
+        # assignment; then GEMM 2 units arrived per (token, row block).
+        assignments = num_tokens * TOP_K
+        slices = tl.cdiv(F, BLOCK_F)
+        n1 = assignments * slices
+        n2 = assignments * tl.cdiv(D, BLOCK_D)
+        ready_ptr = counters_ptr + 1
+        arrivals_ptr = ready_ptr + assignments
         # this program's fp8 scratch row and its scales (fp8 weights only)
         q_row = q_ptr + tl.program_id(0).to(tl.int64) * tl.maximum(D, F)
         qs_row = qs_ptr + tl.program_id(0).to(tl.int64) * tl.cdiv(tl.maximum(D, F), 128)
         ticket = tl.atomic_add(counters_ptr, 1, sem="relaxed")
         while ticket < n1 + n2:
+            if TIMELINE:
+                started = _now()
             if ticket < n1:
                 _gate_up_unit(
                     ticket, x_ptr, w1_ptr, h_ptr, q_row, qs_row, topk_ids_ptr,
@@ -254,23 +283,48 @@ if HAS_TRITON:
                 # Every thread's stores of h, then one release: a unit that
                 # sees the count sees h.
                 tl.debug_barrier()
-                tl.atomic_add(counters_ptr + 1, 1, sem="release")
+                tl.atomic_add(ready_ptr + (0 if WAIT_ALL else ticket // slices), 1, sem="release")
             else:
-                # Wait for every GEMM 1 unit (an acquire: their h rows are then visible).
-                done = tl.atomic_add(counters_ptr + 1, 0, sem="acquire")
-                while done < n1:
-                    done = tl.atomic_add(counters_ptr + 1, 0, sem="acquire")
-                tl.debug_barrier()
                 _down_unit(
-                    ticket - n1, h_ptr, w2_ptr, q_row, qs_row, part_ptr,
-                    counters_ptr + 2, out_ptr, add_ptr, topk_weights_ptr,
-                    topk_ids_ptr, w2_scale_ptr, num_experts, D, F, stride_w2e,
-                    stride_w2n, stride_out, stride_add, stride_s2e, stride_s2n,
-                    stride_s2k, TOP_K, BLOCK_D, BLOCK_K, QUANT, STAGES, HAS_ADD,
-                    PRECISION, EVEN_F)
+                    ticket - n1, h_ptr, w2_ptr, q_row, qs_row, part_ptr, arrivals_ptr,
+                    ready_ptr, n1 if WAIT_ALL else slices, out_ptr, add_ptr,
+                    topk_weights_ptr, topk_ids_ptr, w2_scale_ptr, num_experts, D, F,
+                    stride_w2e, stride_w2n, stride_out, stride_add, stride_s2e,
+                    stride_s2n, stride_s2k, TOP_K, BLOCK_D, BLOCK_K, QUANT, STAGES,
+                    HAS_ADD, PRECISION, EVEN_F, PREFETCH, WAIT_ALL)
+            if TIMELINE:   # (start, end, SM) of each unit, in ns of the global clock
+                tl.store(timeline_ptr + ticket * 3, started)
+                tl.store(timeline_ptr + ticket * 3 + 1, _now())
+                tl.store(timeline_ptr + ticket * 3 + 2, _sm().to(tl.int64))
             tl.debug_barrier()   # (the next unit rewrites the scratch row)
             ticket = tl.atomic_add(counters_ptr, 1, sem="relaxed")
         # <<< book: two-phase
+        if SELF_RESET:   # the last program out zeroes the counters for the next launch
+            tl.debug_barrier()
+            left = tl.atomic_add(arrivals_ptr + num_tokens * tl.cdiv(D, BLOCK_D), 1, sem="acq_rel")
+            if left == tl.num_programs(0) - 1:
+                total = 2 + assignments + num_tokens * tl.cdiv(D, BLOCK_D)
+                for i0 in range(0, total, 1024):
+                    i = i0 + tl.arange(0, 1024)
+                    tl.store(counters_ptr + i, 0, mask=i < total)
+
+
+_RESET_COUNTERS = {}
+
+
+def _counters(n: int, device, self_reset: bool) -> torch.Tensor:
+    if not self_reset:
+        return torch.zeros(n, device=device, dtype=torch.int32)
+    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+    buf = _RESET_COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        buf = _RESET_COUNTERS[key] = torch.zeros(max(n, 4096), device=device, dtype=torch.int32)
+    return buf
+
+
+#: Session 38's A/B switches (private): prefetch GEMM 2's weights before its wait, wait for all of GEMM 1,
+#: self-resetting counters, and a timeline tensor ([units, 3] int64) to fill.
+VARIANT = dict(prefetch=0, wait_all=False, self_reset=False, timeline=None)
 
 
 def run_two_phase(hidden_states, w1, w2, topk_weights, topk_ids, *, fmt=UNQUANTIZED, tiles: OneLaunchTiles,
@@ -298,7 +352,10 @@ def run_two_phase(hidden_states, w1, w2, topk_weights, topk_ids, *, fmt=UNQUANTI
     id_check = device_id_check(func, "topk_ids", topk_ids, num_experts) if ids == "validate" else ""
     n1, n2 = units(num_tokens, top_k, d, f, tiles)
     grid = (min(n1 + n2, tiles.programs_per_sm * programs_per_device(out.device)),)
-    counters = torch.zeros(2 + num_tokens * cdiv(d, tiles.block_d), device=out.device, dtype=torch.int32)
+    variant = VARIANT
+    counters = _counters(2 + num_tokens * top_k + num_tokens * cdiv(d, tiles.block_d), out.device,
+                         variant["self_reset"])
+    timeline = variant["timeline"]
     h = torch.empty((num_tokens * top_k, f), device=out.device, dtype=hidden_states.dtype)
     parts = torch.empty((num_tokens * top_k, d), device=out.device, dtype=torch.float32)
     # fp8: each program's scratch row (x's or h's groups in fp8) and its scales
@@ -310,13 +367,16 @@ def run_two_phase(hidden_states, w1, w2, topk_weights, topk_ids, *, fmt=UNQUANTI
     note_launch("two_phase.experts", format=fmt.name, **tiles.as_dict())
     _two_phase_kernel[grid](
         hidden_states, w1, w2, h, parts, q, q_scales, out, out if add is None else add, weights, ids_flat, counters,
-        w1 if w1_scale is None else w1_scale, w2 if w2_scale is None else w2_scale, num_tokens, num_experts, d, f,
+        w1 if w1_scale is None else w1_scale, w2 if w2_scale is None else w2_scale,
+        counters if timeline is None else timeline, num_tokens, num_experts, d, f,
         hidden_states.stride(0), w1.stride(0), w1.stride(1), w2.stride(0), w2.stride(1), out.stride(0),
         0 if add is None else add.stride(0), *scale_strides(w1_scale), *scale_strides(w2_scale),
         TOP_K=top_k, BLOCK_F=tiles.block_f, BLOCK_D=tiles.block_d,
         BLOCK_K=tiles.block_k, QUANT=fmt.quantized, ID_CHECK=id_check, STAGES=tiles.num_stages,
         HAS_ADD=add is not None, ROUND=ROUND[_round_to or hidden_states.dtype],
         PRECISION=dot_precision(hidden_states.dtype), EVEN_D=d % tiles.block_k == 0, EVEN_F=f % tiles.block_k == 0,
+        PREFETCH=variant["prefetch"] and not INTERPRET, WAIT_ALL=variant["wait_all"],
+        SELF_RESET=variant["self_reset"], TIMELINE=timeline is not None and not INTERPRET,
         num_warps=tiles.num_warps, **device_assert_options(id_check))
     return out
 

@@ -1,0 +1,152 @@
+"""Issue 17: the two-phase kernel's variants (moe_kernels/kernels/two_phase.py ``VARIANT``) and where its time goes.
+
+For each (model, format, batch) and each two-phase tile: the tuned two GEMMs (``fused_experts`` with the table's
+tiles, never its one launch, the block map made beforehand), a plain read of the same bytes, and the kernel in each
+variant below, replayed from CUDA graphs with L2 flushed before each replay, two interleaved rounds, the lower round
+median kept. Then, for the first and the last variant, one call's timeline (each unit's start, end and SM, from the
+GPU's global clock, after a clean flush of the L2), summarised: when the last GEMM 1 unit ended, when GEMM 2 ended, and
+how long units took.
+
+Variants: ``s37`` (session 37's kernel: every GEMM 2 unit waits for all of GEMM 1, counters zeroed by a launch
+before), ``own`` (a GEMM 2 unit waits only for its own assignment's GEMM 1 units), ``own+prefetch`` (and asks L2
+for its weight rows before it waits), ``own+reset`` (the last program out zeroes the counters: no launch before),
+``all`` (the three).
+
+    PYTHONPATH=. python tools/two_phase_variants.py [models] [batches] [formats] [tiles] [name]
+    # tiles as f,d,w,s,p;... (default 32,64,4,4,2;32,64,4,4,4); records results/<device>/<name>.json
+"""
+import dataclasses
+import sys
+
+import torch
+
+from moe_kernels.bench.ceilings import ReadFloor
+from moe_kernels.bench.problems import make_batch, tool_weights
+from moe_kernels.bench.read_kernel import weight_reader
+from moe_kernels.bench.timing import clean_flush, time_lowest
+from moe_kernels.kernels import two_phase
+from moe_kernels.kernels.blocks import assign_blocks
+from moe_kernels.kernels.config import OneLaunchTiles, get_config
+from moe_kernels.kernels.formats import FORMATS
+from moe_kernels.kernels.index_gather import fused_experts
+from moe_kernels.kernels.one_launch import one_launch_experts
+from moe_kernels.results import record_tool
+
+device = "cuda" if torch.cuda.is_available() else "cpu"
+models = sys.argv[1].split(",") if len(sys.argv) > 1 else ["qwen3-30b-a3b", "deepseek-v3"]
+batches = [int(b) for b in sys.argv[2].split(",")] if len(sys.argv) > 2 else [1, 2, 4, 8]
+formats = sys.argv[3].split(",") if len(sys.argv) > 3 else ["block", "none"]
+tile_specs = sys.argv[4] if len(sys.argv) > 4 else "32,64,4,4,2;32,64,4,4,4"
+name = sys.argv[5] if len(sys.argv) > 5 else "two-phase-variants"
+TILES = [OneLaunchTiles(f, d, w, s, phases=2, programs_per_sm=p)
+         for f, d, w, s, p in (tuple(int(v) for v in spec.split(",")) for spec in tile_specs.split(";"))]
+VARIANTS = {
+    "s37": dict(prefetch=0, wait_all=True, self_reset=False),
+    "own": dict(prefetch=0, wait_all=False, self_reset=False),
+    "own+prefetch": dict(prefetch=1, wait_all=False, self_reset=False),
+    "own+reset": dict(prefetch=0, wait_all=False, self_reset=True),
+    "all": dict(prefetch=1, wait_all=False, self_reset=True),
+}
+if device == "cpu":
+    TILES = [OneLaunchTiles(16, 32, 4, 1, phases=2, block_k=32, programs_per_sm=1)]
+
+floor = ReadFloor(device)
+rows = []
+
+
+def save():
+    return record_tool(name, rows, {"models": models, "batches": batches, "formats": formats,
+                                    "read_bandwidth": floor.bandwidth, "tiles": [t.as_dict() for t in TILES],
+                                    "variants": VARIANTS})
+
+
+def run_variant(variant, call):
+    def run():
+        two_phase.VARIANT.update(variant, timeline=None)
+        try:
+            return call()
+        finally:
+            two_phase.VARIANT.update(VARIANTS["s37"], timeline=None)
+    return run
+
+
+def timeline(variant, call, n1, n2):
+    """One call's units: [start, end, SM] in us from the first start, after a clean flush; and a summary."""
+    marks = torch.zeros((n1 + n2, 3), dtype=torch.int64, device=device)
+    flush = clean_flush(device)
+    call()
+    torch.cuda.synchronize()
+    flush()
+    two_phase.VARIANT.update(variant, timeline=marks)
+    try:
+        call()
+    finally:
+        two_phase.VARIANT.update(VARIANTS["s37"], timeline=None)
+    torch.cuda.synchronize()
+    m = marks.cpu()
+    t0 = int(m[:, 0].min())
+    start, end = (m[:, 0] - t0).double() / 1e3, (m[:, 1] - t0).double() / 1e3
+    took = end - start
+    summary = {
+        "span_us": float(end.max()),
+        "gemm1_last_end_us": float(end[:n1].max()), "gemm1_first_end_us": float(end[:n1].min()),
+        "gemm2_first_start_us": float(start[n1:].min()), "gemm2_last_start_us": float(start[n1:].max()),
+        "gemm1_unit_us": [float(took[:n1].median()), float(took[:n1].max())],
+        "gemm2_unit_us": [float(took[n1:].median()), float(took[n1:].max())],
+        "sms_used": int(m[:, 2].unique().numel()),
+    }
+    return summary, [[round(float(a), 3), round(float(b), 3), int(c)] for a, b, c in zip(start, end, m[:, 2])]
+
+
+for fname in formats:
+    fmt = FORMATS[fname]
+    for key in models:
+        model, dtype, w1, w1s, w2, w2s = tool_weights(key, fmt, device)
+        e, k, d, f = model.num_experts, model.top_k, model.hidden_size, model.moe_intermediate_size
+        scales = dict(w1_scale=w1s, w2_scale=w2s)
+        for batch in batches:
+            x, _, weights, ids = make_batch(model, batch, dtype, 1 + batch, device)
+            config = dataclasses.replace(get_config(batch, e, f, d, w1.dtype, x.device), one_launch=None)
+            blocks = assign_blocks(ids, config.block_m, e, validate_ids=False)
+            touched = torch.unique(ids)
+            read = weight_reader(w1[touched], w2[touched]) if device == "cuda" else (lambda: None)
+            candidates = {
+                "two GEMMs": lambda: fused_experts(x, w1, w2, weights, ids, config=config, blocks=blocks,
+                                                   validate_ids=False, **scales),
+                "read": read,
+            }
+            for tiles in TILES:
+                tag = f"f{tiles.block_f} d{tiles.block_d} w{tiles.num_warps} s{tiles.num_stages} p{tiles.programs_per_sm}"
+                for vname, variant in VARIANTS.items():
+                    candidates[f"{tag} {vname}"] = run_variant(variant, lambda t=tiles: one_launch_experts(
+                        x, w1, w2, weights, ids, tiles=t, validate_ids=False, **scales))
+            reference = candidates["two GEMMs"]().float()
+            us, rounds, errors, rel = time_lowest(candidates, reference, tolerance=0.02 if fmt.quantized else 0.01,
+                                                  warmup_ms=2, rep_ms=20, unchecked=("read",))
+            row = {"model": key, "format": fname, "batch": batch, **floor.of_experts(ids, w1, w1s, w2, w2s),
+                   "us": us, "rounds_us": rounds, "errors": errors, "rel_err_vs_two_gemms": rel,
+                   "two_gemm_config": config.to_dict(), "timelines": {}}
+            if device == "cuda":
+                for tiles in TILES:
+                    n1, n2 = two_phase.units(batch, k, d, f, tiles)
+                    tag = f"f{tiles.block_f} d{tiles.block_d} w{tiles.num_warps} s{tiles.num_stages} p{tiles.programs_per_sm}"
+                    for vname in ("s37", "all"):
+                        summary, units = timeline(VARIANTS[vname], lambda t=tiles: one_launch_experts(
+                            x, w1, w2, weights, ids, tiles=t, validate_ids=False, **scales), n1, n2)
+                        row["timelines"][f"{tag} {vname}"] = {"summary": summary, "n1": n1, "n2": n2,
+                                                               "units": units if batch <= 2 else None}
+                        print(f"   timeline {tag} {vname}: {summary}", flush=True)
+            rows.append(row)
+            save()
+            best = min((n for n in us if n not in ("two GEMMs", "read")), key=us.get, default=None)
+            print(f"{key} {fname} {batch}: floor {row['floor_us']:.1f} read {us.get('read', 0):.1f} two GEMMs "
+                  f"{us.get('two GEMMs', 0):.1f}; " + ", ".join(f"{n} {t:.1f}" for n, t in us.items()
+                                                               if n not in ("two GEMMs", "read"))
+                  + f"; best {best}", errors or "", flush=True)
+            del x, weights, ids, reference, blocks, read
+            if device == "cuda":
+                torch.cuda.empty_cache()
+        del w1, w2
+
+
+print(f"recorded {save()}")
