@@ -89,8 +89,7 @@ for weights, quant in (("*bf16", False), ("*fp8e4nv", True)):
                     qs_ptr="*fp32", out_ptr="*bf16", add_ptr="*bf16", topk_weights_ptr="*fp32", topk_ids_ptr="*i32",
                     counters_ptr="*i32", w1_scale_ptr="*fp32", w2_scale_ptr="*fp32", timeline_ptr="*i64")
     const = dict(TOP_K=8, BLOCK_F=32, BLOCK_D=64, BLOCK_K=128, QUANT=quant, ID_CHECK="", STAGES=4,
-                 HAS_ADD=False, ROUND=2, PRECISION="tf32", EVEN_D=True, EVEN_F=True, PREFETCH=0, WAIT_ALL=False,
-                 SELF_RESET=False, TIMELINE=False)
+                 HAS_ADD=False, ROUND=2, PRECISION="tf32", EVEN_D=True, EVEN_F=True, SWAP=False, TIMELINE=False)
     # (the H100 tables' one-token tiles; the launch specialises these integers as multiples of 16, as at every
     # model shape)
     kernel = compile_for_sm90(two_phase._two_phase_kernel, const, pointers, num_warps=4,
@@ -113,7 +112,7 @@ def test_compiles_for_hopper_with_its_weights_pipelined():
     unit and the acquire before a GEMM 2 unit (at GPU scope: it also drops the SM's L1 copies, so that ``h`` is read
     as the other SMs wrote it), and no spills (counted under Triton 3.6)."""
     lines = compiled_for_hopper(_COMPILE_FOR_HOPPER)
-    assert lines[:2] == ["True True ['a', 'w', 'wg', 'wu'] True True 0"] * 2, lines
+    assert lines[:2] == ["True True ['a', 'w'] True True 0"] * 2, lines
 
 
 @pytest.mark.skipif(BACKEND == "torch", reason="no Triton here: the torch reference runs")

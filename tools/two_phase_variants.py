@@ -3,14 +3,14 @@
 For each (model, format, batch) and each two-phase tile: the tuned two GEMMs (``fused_experts`` with the table's
 tiles, never its one launch, the block map made beforehand), a plain read of the same bytes, and the kernel in each
 variant below, replayed from CUDA graphs with L2 flushed before each replay, two interleaved rounds, the lower round
-median kept. Then, for the first and the last variant, one call's timeline (each unit's start, end and SM, from the
+median kept. Then, for the first tile in each variant, one call's timeline (each unit's start, end and SM, from the
 GPU's global clock, after a clean flush of the L2), summarised: when the last GEMM 1 unit ended, when GEMM 2 ended, and
 how long units took.
 
-Variants: ``s37`` (session 37's kernel: every GEMM 2 unit waits for all of GEMM 1, counters zeroed by a launch
-before), ``own`` (a GEMM 2 unit waits only for its own assignment's GEMM 1 units), ``own+prefetch`` (and asks L2
-for its weight rows before it waits), ``own+reset`` (the last program out zeroes the counters: no launch before),
-``all`` (the three).
+Variants: ``mma.sync`` (the token as the MMA's A operand: 16-row tiles on mma.sync, which converts fp8 to fp16
+first) and ``wgmma`` (the weights as A: 64-row tiles on Hopper's wgmma, fp8 read from shared memory as it is). Session
+38's first run measured three more (a GEMM 2 unit waiting for all of GEMM 1, an L2 prefetch of its weights before
+the wait, self-resetting counters): ``two-phase-variants-s38.json``.
 
     PYTHONPATH=. python tools/two_phase_variants.py [models] [batches] [formats] [tiles] [name]
     # tiles as f,d,w,s,p;... (default 32,64,4,4,2;32,64,4,4,4); records results/<device>/<name>.json
@@ -40,13 +40,7 @@ tile_specs = sys.argv[4] if len(sys.argv) > 4 else "32,64,4,4,2;32,64,4,4,4"
 name = sys.argv[5] if len(sys.argv) > 5 else "two-phase-variants"
 TILES = [OneLaunchTiles(f, d, w, s, phases=2, programs_per_sm=p)
          for f, d, w, s, p in (tuple(int(v) for v in spec.split(",")) for spec in tile_specs.split(";"))]
-VARIANTS = {
-    "s37": dict(prefetch=0, wait_all=True, self_reset=False),
-    "own": dict(prefetch=0, wait_all=False, self_reset=False),
-    "own+prefetch": dict(prefetch=1, wait_all=False, self_reset=False),
-    "own+reset": dict(prefetch=0, wait_all=False, self_reset=True),
-    "all": dict(prefetch=1, wait_all=False, self_reset=True),
-}
+VARIANTS = {"mma.sync": dict(swap=False), "wgmma": dict(swap=True)}
 if device == "cpu":
     TILES = [OneLaunchTiles(16, 32, 4, 1, phases=2, block_k=32, programs_per_sm=1)]
 
@@ -66,7 +60,7 @@ def run_variant(variant, call):
         try:
             return call()
         finally:
-            two_phase.VARIANT.update(VARIANTS["s37"], timeline=None)
+            two_phase.VARIANT.update(VARIANTS["mma.sync"], timeline=None)
     return run
 
 
@@ -81,7 +75,7 @@ def timeline(variant, call, n1, n2):
     try:
         call()
     finally:
-        two_phase.VARIANT.update(VARIANTS["s37"], timeline=None)
+        two_phase.VARIANT.update(VARIANTS["mma.sync"], timeline=None)
     torch.cuda.synchronize()
     m = marks.cpu()
     t0 = int(m[:, 0].min())
@@ -127,10 +121,10 @@ for fname in formats:
                    "us": us, "rounds_us": rounds, "errors": errors, "rel_err_vs_two_gemms": rel,
                    "two_gemm_config": config.to_dict(), "timelines": {}}
             if device == "cuda":
-                for tiles in TILES:
+                for tiles in TILES[:1]:
                     n1, n2 = two_phase.units(batch, k, d, f, tiles)
                     tag = f"f{tiles.block_f} d{tiles.block_d} w{tiles.num_warps} s{tiles.num_stages} p{tiles.programs_per_sm}"
-                    for vname in ("s37", "all"):
+                    for vname in VARIANTS:
                         summary, units = timeline(VARIANTS[vname], lambda t=tiles: one_launch_experts(
                             x, w1, w2, weights, ids, tiles=t, validate_ids=False, **scales), n1, n2)
                         row["timelines"][f"{tag} {vname}"] = {"summary": summary, "n1": n1, "n2": n2,

@@ -80,7 +80,6 @@ def units(num_tokens: int, top_k: int, d: int, f: int, tiles: OneLaunchTiles) ->
 
 if HAS_TRITON:
     from ._one_launch_parts import _rounded
-    from ._pdl import prefetch_rows_to_l2
 
     @kernel
     def _quantize_row(src_ptr, n, q_ptr, s_ptr):
@@ -105,11 +104,56 @@ if HAS_TRITON:
         return tl.load(row_ptr + tl.arange(0, 16)[:, None] * 0 + k[None, :], mask=mask, other=0.0)
 
     @kernel
+    def _rows_times_token(w_rows, rows_ok, a_row, K, s_rows, stride_sk, qs_ptr, BLOCK_R: tl.constexpr,
+                          BLOCK_K: tl.constexpr, QUANT: tl.constexpr, STAGES: tl.constexpr, PRECISION: tl.constexpr,
+                          EVEN_K: tl.constexpr, SWAP: tl.constexpr):
+        """``[BLOCK_R]`` fp32: each weight row (``w_rows``, pointers to the rows' first elements, K
+        contiguous) dotted with the token's row ``a_row`` over ``K``; fp8 promotes each 128-K step by
+        its scales (``s_rows``: each row's scale at the first K group; ``qs_ptr``: the token's)."""
+        # >>> book: two-phase-k-loop
+        # SWAP: the weights as the MMA's A operand ([BLOCK_R, 16] = W . a^T), so that
+        # 64 rows make Hopper's wgmma, which reads fp8 from shared memory as it is;
+        # else the token is A ([16, BLOCK_R] = a . W^T) on mma.sync.
+        if SWAP:
+            acc = tl.zeros([BLOCK_R, 16], dtype=tl.float32)
+        else:
+            acc = tl.zeros([16, BLOCK_R], dtype=tl.float32)
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = k < K
+            a = _first_row(a_row, k, k_ok, EVEN_K)   # [16, BLOCK_K]: row 0 the token
+            # (a K mask would cut the loads' vectors to one element, and keep
+            # them out of the software pipeline)
+            if SWAP:
+                mask = rows_ok[:, None] if EVEN_K else rows_ok[:, None] & k_ok[None, :]
+                w = tl.load(w_rows[:, None] + k[None, :], mask=mask, other=0.0)
+            else:
+                mask = rows_ok[None, :] if EVEN_K else k_ok[:, None] & rows_ok[None, :]
+                w = tl.load(w_rows[None, :] + k[:, None], mask=mask, other=0.0)
+            if QUANT:   # this K step's scales, promoted into fp32 sums
+                scale = tl.load(qs_ptr + k0 // 128) * tl.load(s_rows + (k0 // 128) * stride_sk,
+                                                              mask=rows_ok, other=0.0)
+                if SWAP:
+                    acc += tl.dot(w, tl.trans(a)) * scale[:, None]
+                else:
+                    acc += tl.dot(a, w) * scale[None, :]
+            elif SWAP:
+                acc = tl.dot(w, tl.trans(a), acc, input_precision=PRECISION)
+            else:
+                acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        if SWAP:   # the token's column
+            v = tl.sum(tl.where(tl.arange(0, 16)[None, :] == 0, acc, 0.0), axis=1)
+        else:   # its row
+            v = tl.sum(tl.where(tl.arange(0, 16)[:, None] == 0, acc, 0.0), axis=0)
+        return v
+        # <<< book: two-phase-k-loop
+
+    @kernel
     def _gate_up_unit(unit, x_ptr, w1_ptr, h_ptr, q_ptr, qs_ptr, topk_ids_ptr, w1_scale_ptr, num_experts, D, F,
                       stride_x, stride_w1e, stride_w1n, stride_s1e, stride_s1n, stride_s1k,
                       TOP_K: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr, QUANT: tl.constexpr,
                       ID_CHECK: tl.constexpr, STAGES: tl.constexpr, ROUND: tl.constexpr, PRECISION: tl.constexpr,
-                      EVEN_K: tl.constexpr):
+                      EVEN_K: tl.constexpr, SWAP: tl.constexpr):
         # >>> book: two-phase-gate-up
         slices = tl.cdiv(F, BLOCK_F)
         assignment = unit // slices   # (neighbouring units: one expert's neighbouring rows)
@@ -128,33 +172,15 @@ if HAS_TRITON:
             a_row = q_ptr
         else:
             a_row = x_ptr + token * stride_x
-        # [BLOCK_K, BLOCK_F] tiles of the rows (K contiguous): the MMA's B operand as loaded
-        gate_cols = w1_ptr + expert * stride_w1e + rows.to(tl.int64)[None, :] * stride_w1n
-        up_cols = gate_cols + F * stride_w1n
-        gate = tl.zeros([16, BLOCK_F], dtype=tl.float32)   # row 0: the token; rows 1-15: zeros
-        up = tl.zeros([16, BLOCK_F], dtype=tl.float32)
-        for k0 in tl.range(0, D, BLOCK_K, num_stages=STAGES):
-            k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = k < D
-            a = _first_row(a_row, k, k_ok, EVEN_K)
-            # (a K mask would cut the loads' vectors to one element, and keep
-            # them out of the software pipeline)
-            mask = rows_ok[None, :] if EVEN_K else k_ok[:, None] & rows_ok[None, :]
-            wg = tl.load(gate_cols + k[:, None], mask=mask, other=0.0)
-            wu = tl.load(up_cols + k[:, None], mask=mask, other=0.0)
-            if QUANT:   # this K step's scales, promoted into fp32 sums
-                x_scale = tl.load(qs_ptr + k0 // 128)
-                scales = w1_scale_ptr + expert * stride_s1e + (k0 // 128) * stride_s1k
-                sg = tl.load(scales + (rows // 128) * stride_s1n, mask=rows_ok, other=0.0)
-                su = tl.load(scales + ((F + rows) // 128) * stride_s1n, mask=rows_ok, other=0.0)
-                gate += tl.dot(a, wg) * (x_scale * sg)[None, :]
-                up += tl.dot(a, wu) * (x_scale * su)[None, :]
-            else:
-                gate = tl.dot(a, wg, gate, input_precision=PRECISION)
-                up = tl.dot(a, wu, up, input_precision=PRECISION)
-        first = tl.arange(0, 16)[:, None] == 0
-        g = tl.sum(tl.where(first, gate, 0.0), axis=0)
-        u = tl.sum(tl.where(first, up, 0.0), axis=0)
+        # One tile of the slice's gate rows, then as many up rows (F further on)
+        i = tl.arange(0, 2 * BLOCK_F)
+        tile_rows = (unit % slices) * BLOCK_F + i % BLOCK_F + tl.where(i < BLOCK_F, 0, F)
+        tile_ok = (unit % slices) * BLOCK_F + i % BLOCK_F < F
+        w_rows = w1_ptr + expert * stride_w1e + tile_rows.to(tl.int64) * stride_w1n
+        s_rows = w1_scale_ptr + expert * stride_s1e + (tile_rows // 128) * stride_s1n
+        v = _rows_times_token(w_rows, tile_ok, a_row, D, s_rows, stride_s1k, qs_ptr, 2 * BLOCK_F, BLOCK_K, QUANT,
+                              STAGES, PRECISION, EVEN_K, SWAP)
+        g, u = tl.split(tl.permute(tl.reshape(v, [2, BLOCK_F]), [1, 0]))
         h = _rounded(g / (1.0 + tl.exp(-g)) * u, ROUND)   # as the two-GEMM path stores h
         h = tl.where(known, h, 0.0)
         h_row = h_ptr + assignment.to(tl.int64) * F   # (past 2**31 at ~37k DeepSeek-V3 tokens)
@@ -162,12 +188,12 @@ if HAS_TRITON:
         # <<< book: two-phase-gate-up
 
     @kernel
-    def _down_unit(unit, h_ptr, w2_ptr, q_ptr, qs_ptr, part_ptr, arrivals_ptr, ready_ptr, ready_count, out_ptr,
-                   add_ptr, topk_weights_ptr, topk_ids_ptr, w2_scale_ptr, num_experts, D, F, stride_w2e, stride_w2n,
+    def _down_unit(unit, h_ptr, w2_ptr, q_ptr, qs_ptr, part_ptr, arrivals_ptr, ready_ptr, out_ptr, add_ptr,
+                   topk_weights_ptr, topk_ids_ptr, w2_scale_ptr, num_experts, D, F, stride_w2e, stride_w2n,
                    stride_out, stride_add, stride_s2e, stride_s2n, stride_s2k,
-                   TOP_K: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, QUANT: tl.constexpr,
-                   STAGES: tl.constexpr, HAS_ADD: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
-                   PREFETCH: tl.constexpr, WAIT_ALL: tl.constexpr):
+                   TOP_K: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
+                   QUANT: tl.constexpr, STAGES: tl.constexpr, HAS_ADD: tl.constexpr, PRECISION: tl.constexpr,
+                   EVEN_K: tl.constexpr, SWAP: tl.constexpr):
         # >>> book: two-phase-down
         row_blocks = tl.cdiv(D, BLOCK_D)
         assignment = unit // row_blocks   # (neighbouring units: one expert's rows)
@@ -180,15 +206,11 @@ if HAS_TRITON:
         expert = tl.where(known, expert, 0)   # (a bad id: expert 0, weight 0)
         weight = tl.load(topk_weights_ptr + assignment).to(tl.float32)
         weight = tl.where(known, weight, 0.0)
-        w_rows = w2_ptr + expert * stride_w2e + tl.minimum(cols, D - 1).to(tl.int64) * stride_w2n
-        if PREFETCH:   # the weights do not depend on h: ask L2 for them before waiting
-            prefetch_rows_to_l2(w_rows, F, 1024 // w2_ptr.dtype.element_ty.primitive_bitwidth, 8)
-        # Wait until the assignment's h is written (an acquire: the GEMM 1 units'
-        # stores are then visible here; our L1 holds none of their lines).
-        ready_at = ready_ptr if WAIT_ALL else ready_ptr + assignment
-        ready = tl.atomic_add(ready_at, 0, sem="acquire")
-        while ready < ready_count:
-            ready = tl.atomic_add(ready_at, 0, sem="acquire")
+        # Wait until the assignment's GEMM 1 units have all written their h (an
+        # acquire: their stores are then visible here; our L1 holds none of them).
+        ready = tl.atomic_add(ready_ptr + assignment, 0, sem="acquire")
+        while ready < tl.cdiv(F, BLOCK_F):
+            ready = tl.atomic_add(ready_ptr + assignment, 0, sem="acquire")
         tl.debug_barrier()
         h_row = h_ptr + assignment.to(tl.int64) * F
         if QUANT:   # the assignment's h in fp8, 1 x 128 groups, into this program's scratch
@@ -197,24 +219,10 @@ if HAS_TRITON:
             a_row = q_ptr
         else:
             a_row = h_row
-        # [BLOCK_K, BLOCK_D] tiles of the expert's rows, K contiguous
-        w_cols = w2_ptr + expert * stride_w2e + cols.to(tl.int64)[None, :] * stride_w2n
-        acc = tl.zeros([16, BLOCK_D], dtype=tl.float32)
-        for k0 in tl.range(0, F, BLOCK_K, num_stages=STAGES):
-            k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = k < F
-            a = _first_row(a_row, k, k_ok, EVEN_K)
-            mask = cols_ok[None, :] if EVEN_K else k_ok[:, None] & cols_ok[None, :]
-            w = tl.load(w_cols + k[:, None], mask=mask, other=0.0)
-            if QUANT:
-                h_scale = tl.load(qs_ptr + k0 // 128)
-                scales = w2_scale_ptr + expert * stride_s2e + (k0 // 128) * stride_s2k
-                sw = tl.load(scales + (cols // 128) * stride_s2n, mask=cols_ok, other=0.0)
-                acc += tl.dot(a, w) * (h_scale * sw)[None, :]
-            else:
-                acc = tl.dot(a, w, acc, input_precision=PRECISION)
-        first = tl.arange(0, 16)[:, None] == 0
-        part = tl.sum(tl.where(first, acc, 0.0), axis=0) * weight
+        w_rows = w2_ptr + expert * stride_w2e + cols.to(tl.int64) * stride_w2n
+        s_rows = w2_scale_ptr + expert * stride_s2e + (cols // 128) * stride_s2n
+        part = _rows_times_token(w_rows, cols_ok, a_row, F, s_rows, stride_s2k, qs_ptr, BLOCK_D, BLOCK_K, QUANT,
+                                 STAGES, PRECISION, EVEN_K, SWAP) * weight
         # The top-k sum: each unit stores its expert's part of the rows; the
         # last of the token's TOP_K units to arrive adds them, in slot order
         # (the same sum whichever unit arrives last).
@@ -255,8 +263,7 @@ if HAS_TRITON:
         TOP_K: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_K: tl.constexpr, QUANT: tl.constexpr, ID_CHECK: tl.constexpr, STAGES: tl.constexpr,
         HAS_ADD: tl.constexpr, ROUND: tl.constexpr, PRECISION: tl.constexpr, EVEN_D: tl.constexpr,
-        EVEN_F: tl.constexpr, PREFETCH: tl.constexpr, WAIT_ALL: tl.constexpr, SELF_RESET: tl.constexpr,
-        TIMELINE: tl.constexpr,
+        EVEN_F: tl.constexpr, SWAP: tl.constexpr, TIMELINE: tl.constexpr,
     ):
         # >>> book: two-phase
         # counters: [0] the next ticket; [1, 1 + A) GEMM 1 units done per
@@ -279,19 +286,18 @@ if HAS_TRITON:
                     ticket, x_ptr, w1_ptr, h_ptr, q_row, qs_row, topk_ids_ptr,
                     w1_scale_ptr, num_experts, D, F, stride_x, stride_w1e,
                     stride_w1n, stride_s1e, stride_s1n, stride_s1k, TOP_K, BLOCK_F,
-                    BLOCK_K, QUANT, ID_CHECK, STAGES, ROUND, PRECISION, EVEN_D)
+                    BLOCK_K, QUANT, ID_CHECK, STAGES, ROUND, PRECISION, EVEN_D, SWAP)
                 # Every thread's stores of h, then one release: a unit that
                 # sees the count sees h.
                 tl.debug_barrier()
-                tl.atomic_add(ready_ptr + (0 if WAIT_ALL else ticket // slices), 1, sem="release")
+                tl.atomic_add(ready_ptr + ticket // slices, 1, sem="release")
             else:
                 _down_unit(
                     ticket - n1, h_ptr, w2_ptr, q_row, qs_row, part_ptr, arrivals_ptr,
-                    ready_ptr, n1 if WAIT_ALL else slices, out_ptr, add_ptr,
-                    topk_weights_ptr, topk_ids_ptr, w2_scale_ptr, num_experts, D, F,
-                    stride_w2e, stride_w2n, stride_out, stride_add, stride_s2e,
-                    stride_s2n, stride_s2k, TOP_K, BLOCK_D, BLOCK_K, QUANT, STAGES,
-                    HAS_ADD, PRECISION, EVEN_F, PREFETCH, WAIT_ALL)
+                    ready_ptr, out_ptr, add_ptr, topk_weights_ptr, topk_ids_ptr,
+                    w2_scale_ptr, num_experts, D, F, stride_w2e, stride_w2n, stride_out,
+                    stride_add, stride_s2e, stride_s2n, stride_s2k, TOP_K, BLOCK_F,
+                    BLOCK_D, BLOCK_K, QUANT, STAGES, HAS_ADD, PRECISION, EVEN_F, SWAP)
             if TIMELINE:   # (start, end, SM) of each unit, in ns of the global clock
                 tl.store(timeline_ptr + ticket * 3, started)
                 tl.store(timeline_ptr + ticket * 3 + 1, _now())
@@ -299,32 +305,11 @@ if HAS_TRITON:
             tl.debug_barrier()   # (the next unit rewrites the scratch row)
             ticket = tl.atomic_add(counters_ptr, 1, sem="relaxed")
         # <<< book: two-phase
-        if SELF_RESET:   # the last program out zeroes the counters for the next launch
-            tl.debug_barrier()
-            left = tl.atomic_add(arrivals_ptr + num_tokens * tl.cdiv(D, BLOCK_D), 1, sem="acq_rel")
-            if left == tl.num_programs(0) - 1:
-                total = 2 + assignments + num_tokens * tl.cdiv(D, BLOCK_D)
-                for i0 in range(0, total, 1024):
-                    i = i0 + tl.arange(0, 1024)
-                    tl.store(counters_ptr + i, 0, mask=i < total)
 
 
-_RESET_COUNTERS = {}
-
-
-def _counters(n: int, device, self_reset: bool) -> torch.Tensor:
-    if not self_reset:
-        return torch.zeros(n, device=device, dtype=torch.int32)
-    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
-    buf = _RESET_COUNTERS.get(key)
-    if buf is None or buf.numel() < n:
-        buf = _RESET_COUNTERS[key] = torch.zeros(max(n, 4096), device=device, dtype=torch.int32)
-    return buf
-
-
-#: Session 38's A/B switches (private): prefetch GEMM 2's weights before its wait, wait for all of GEMM 1,
-#: self-resetting counters, and a timeline tensor ([units, 3] int64) to fill.
-VARIANT = dict(prefetch=0, wait_all=False, self_reset=False, timeline=None)
+#: Session 38's A/B switch (private): the weights as the MMA's A operand (wgmma), and a timeline tensor
+#: ([units, 3] int64: each unit's start and end on the GPU's global clock, and its SM) to fill.
+VARIANT = dict(swap=False, timeline=None)
 
 
 def run_two_phase(hidden_states, w1, w2, topk_weights, topk_ids, *, fmt=UNQUANTIZED, tiles: OneLaunchTiles,
@@ -353,8 +338,8 @@ def run_two_phase(hidden_states, w1, w2, topk_weights, topk_ids, *, fmt=UNQUANTI
     n1, n2 = units(num_tokens, top_k, d, f, tiles)
     grid = (min(n1 + n2, tiles.programs_per_sm * programs_per_device(out.device)),)
     variant = VARIANT
-    counters = _counters(2 + num_tokens * top_k + num_tokens * cdiv(d, tiles.block_d), out.device,
-                         variant["self_reset"])
+    counters = torch.zeros(1 + num_tokens * top_k + num_tokens * cdiv(d, tiles.block_d), device=out.device,
+                           dtype=torch.int32)
     timeline = variant["timeline"]
     h = torch.empty((num_tokens * top_k, f), device=out.device, dtype=hidden_states.dtype)
     parts = torch.empty((num_tokens * top_k, d), device=out.device, dtype=torch.float32)
@@ -375,8 +360,7 @@ def run_two_phase(hidden_states, w1, w2, topk_weights, topk_ids, *, fmt=UNQUANTI
         BLOCK_K=tiles.block_k, QUANT=fmt.quantized, ID_CHECK=id_check, STAGES=tiles.num_stages,
         HAS_ADD=add is not None, ROUND=ROUND[_round_to or hidden_states.dtype],
         PRECISION=dot_precision(hidden_states.dtype), EVEN_D=d % tiles.block_k == 0, EVEN_F=f % tiles.block_k == 0,
-        PREFETCH=variant["prefetch"] and not INTERPRET, WAIT_ALL=variant["wait_all"],
-        SELF_RESET=variant["self_reset"], TIMELINE=timeline is not None and not INTERPRET,
+        SWAP=variant["swap"], TIMELINE=timeline is not None and not INTERPRET,
         num_warps=tiles.num_warps, **device_assert_options(id_check))
     return out
 
