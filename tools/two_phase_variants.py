@@ -1,4 +1,4 @@
-"""Issue 17: the two-phase kernel's variants (moe_kernels/kernels/two_phase.py ``VARIANT``) and where its time goes.
+"""Issue 17: the two-phase kernel (moe_kernels/kernels/two_phase.py) in its variants, and where its time goes.
 
 For each (model, format, batch) and each two-phase tile: the tuned two GEMMs (``fused_experts`` with the table's
 tiles, never its one launch, the block map made beforehand), a plain read of the same bytes, and the kernel in each
@@ -40,9 +40,9 @@ tile_specs = sys.argv[4] if len(sys.argv) > 4 else "32,64,4,4,2;32,64,4,4,4"
 name = sys.argv[5] if len(sys.argv) > 5 else "two-phase-variants"
 TILES = [OneLaunchTiles(f, d, w, s, phases=2, programs_per_sm=p)
          for f, d, w, s, p in (tuple(int(v) for v in spec.split(",")) for spec in tile_specs.split(";"))]
-VARIANTS = {"mma.sync": dict(swap=False), "wgmma": dict(swap=True)}
+VARIANTS = {"mma.sync": dict(swap_ab=False), "wgmma": dict(swap_ab=True)}
 if device == "cpu":
-    TILES = [OneLaunchTiles(16, 32, 4, 1, phases=2, block_k=32, programs_per_sm=1)]
+    TILES = [OneLaunchTiles(16, 32, 4, 1, phases=2, block_k=128, programs_per_sm=1)]
 
 floor = ReadFloor(device)
 rows = []
@@ -54,28 +54,18 @@ def save():
                                     "variants": VARIANTS})
 
 
-def run_variant(variant, call):
-    def run():
-        two_phase.VARIANT.update(variant, timeline=None)
-        try:
-            return call()
-        finally:
-            two_phase.VARIANT.update(VARIANTS["mma.sync"], timeline=None)
-    return run
-
-
-def timeline(variant, call, n1, n2):
+def timeline(call, n1, n2):
     """One call's units: [start, end, SM] in us from the first start, after a clean flush; and a summary."""
     marks = torch.zeros((n1 + n2, 3), dtype=torch.int64, device=device)
     flush = clean_flush(device)
     call()
     torch.cuda.synchronize()
     flush()
-    two_phase.VARIANT.update(variant, timeline=marks)
+    two_phase.timeline = marks
     try:
         call()
     finally:
-        two_phase.VARIANT.update(VARIANTS["mma.sync"], timeline=None)
+        two_phase.timeline = None
     torch.cuda.synchronize()
     m = marks.cpu()
     t0 = int(m[:, 0].min())
@@ -112,7 +102,7 @@ for fname in formats:
             for tiles in TILES:
                 tag = f"f{tiles.block_f} d{tiles.block_d} w{tiles.num_warps} s{tiles.num_stages} p{tiles.programs_per_sm}"
                 for vname, variant in VARIANTS.items():
-                    candidates[f"{tag} {vname}"] = run_variant(variant, lambda t=tiles: one_launch_experts(
+                    candidates[f"{tag} {vname}"] = (lambda t=dataclasses.replace(tiles, **variant): one_launch_experts(
                         x, w1, w2, weights, ids, tiles=t, validate_ids=False, **scales))
             reference = candidates["two GEMMs"]().float()
             us, rounds, errors, rel = time_lowest(candidates, reference, tolerance=0.02 if fmt.quantized else 0.01,
@@ -124,8 +114,8 @@ for fname in formats:
                 for tiles in TILES[:1]:
                     n1, n2 = two_phase.units(batch, k, d, f, tiles)
                     tag = f"f{tiles.block_f} d{tiles.block_d} w{tiles.num_warps} s{tiles.num_stages} p{tiles.programs_per_sm}"
-                    for vname in VARIANTS:
-                        summary, units = timeline(VARIANTS[vname], lambda t=tiles: one_launch_experts(
+                    for vname, variant in VARIANTS.items():
+                        summary, units = timeline(lambda t=dataclasses.replace(tiles, **variant): one_launch_experts(
                             x, w1, w2, weights, ids, tiles=t, validate_ids=False, **scales), n1, n2)
                         row["timelines"][f"{tag} {vname}"] = {"summary": summary, "n1": n1, "n2": n2,
                                                                "units": units if batch <= 2 else None}

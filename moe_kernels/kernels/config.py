@@ -108,7 +108,10 @@ class OneLaunchTiles:
     ``phases=2`` (:mod:`moe_kernels.kernels.two_phase`): ``programs_per_sm`` programs per SM take
     work units by ticket, first GEMM 1's (an assignment's ``block_f`` gate rows and as many up rows,
     at least 16), then GEMM 2's (an assignment's ``block_d`` output rows); both step over K by
-    ``block_k`` (fp8 block weights: their 128, one activation group a step)."""
+    ``block_k`` (fp8 block weights: their 128, one activation group a step). ``swap_ab`` puts the weights
+    on the MMA's M side (``2 * block_f`` and ``block_d`` rows; 64 or more make Hopper's wgmma, which
+    reads fp8 as it is), the token on N; without it the token is row 0 of a 16-row M tile (mma.sync,
+    which on Hopper converts fp8 operands to fp16 first)."""
 
     block_f: int = 32
     block_d: int = 256
@@ -117,6 +120,7 @@ class OneLaunchTiles:
     phases: int = 1
     block_k: int = 128
     programs_per_sm: int = 4
+    swap_ab: bool = False
 
     def __post_init__(self):
         func = "OneLaunchTiles"
@@ -128,6 +132,11 @@ class OneLaunchTiles:
                 fail(func, name, "must be a power of two", value)
         if self.phases == 2 and self.block_f < 16:
             fail(func, "block_f", "must be >= 16 with phases=2 (the N side of a tensor-core product)", self.block_f)
+        if not isinstance(self.swap_ab, bool):
+            fail(func, "swap_ab", "must be a bool", self.swap_ab)
+        if self.swap_ab and self.phases != 2:
+            fail(func, "swap_ab", "must be False with phases=1 (only the two-phase kernel swaps its operands)",
+                 self.swap_ab)
         if self.phases == 2 and self.block_d > 256:
             fail(func, "block_d", "must be <= 256 with phases=2 (output rows of one GEMM 2 unit)", self.block_d)
 

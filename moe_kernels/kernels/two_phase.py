@@ -307,9 +307,9 @@ if HAS_TRITON:
         # <<< book: two-phase
 
 
-#: Session 38's A/B switch (private): the weights as the MMA's A operand (wgmma), and a timeline tensor
-#: ([units, 3] int64: each unit's start and end on the GPU's global clock, and its SM) to fill.
-VARIANT = dict(swap=False, timeline=None)
+#: A tensor of ``[n1 + n2, 3]`` int64 that the next launches fill with each unit's start and end on the
+#: GPU's global clock (ns) and its SM (tools/two_phase_variants.py's timelines); None: no timeline.
+timeline: torch.Tensor | None = None
 
 
 def run_two_phase(hidden_states, w1, w2, topk_weights, topk_ids, *, fmt=UNQUANTIZED, tiles: OneLaunchTiles,
@@ -337,10 +337,9 @@ def run_two_phase(hidden_states, w1, w2, topk_weights, topk_ids, *, fmt=UNQUANTI
     id_check = device_id_check(func, "topk_ids", topk_ids, num_experts) if ids == "validate" else ""
     n1, n2 = units(num_tokens, top_k, d, f, tiles)
     grid = (min(n1 + n2, tiles.programs_per_sm * programs_per_device(out.device)),)
-    variant = VARIANT
     counters = torch.zeros(1 + num_tokens * top_k + num_tokens * cdiv(d, tiles.block_d), device=out.device,
                            dtype=torch.int32)
-    timeline = variant["timeline"]
+    marks = timeline
     h = torch.empty((num_tokens * top_k, f), device=out.device, dtype=hidden_states.dtype)
     parts = torch.empty((num_tokens * top_k, d), device=out.device, dtype=torch.float32)
     # fp8: each program's scratch row (x's or h's groups in fp8) and its scales
@@ -353,14 +352,14 @@ def run_two_phase(hidden_states, w1, w2, topk_weights, topk_ids, *, fmt=UNQUANTI
     _two_phase_kernel[grid](
         hidden_states, w1, w2, h, parts, q, q_scales, out, out if add is None else add, weights, ids_flat, counters,
         w1 if w1_scale is None else w1_scale, w2 if w2_scale is None else w2_scale,
-        counters if timeline is None else timeline, num_tokens, num_experts, d, f,
+        counters if marks is None else marks, num_tokens, num_experts, d, f,
         hidden_states.stride(0), w1.stride(0), w1.stride(1), w2.stride(0), w2.stride(1), out.stride(0),
         0 if add is None else add.stride(0), *scale_strides(w1_scale), *scale_strides(w2_scale),
         TOP_K=top_k, BLOCK_F=tiles.block_f, BLOCK_D=tiles.block_d,
         BLOCK_K=tiles.block_k, QUANT=fmt.quantized, ID_CHECK=id_check, STAGES=tiles.num_stages,
         HAS_ADD=add is not None, ROUND=ROUND[_round_to or hidden_states.dtype],
         PRECISION=dot_precision(hidden_states.dtype), EVEN_D=d % tiles.block_k == 0, EVEN_F=f % tiles.block_k == 0,
-        SWAP=variant["swap"], TIMELINE=timeline is not None and not INTERPRET,
+        SWAP=tiles.swap_ab, TIMELINE=marks is not None and not INTERPRET,
         num_warps=tiles.num_warps, **device_assert_options(id_check))
     return out
 
