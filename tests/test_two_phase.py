@@ -77,6 +77,7 @@ def test_config_round_trip():
 
 
 _COMPILE_FOR_HOPPER = """
+import itertools
 import re
 import torch
 import triton
@@ -84,35 +85,41 @@ torch.cuda.is_available = lambda: True   # build compiled (not interpreted) kern
 from moe_kernels.kernels import two_phase
 from moe_kernels.sm90_compile import assemble_for_sm90, compile_for_sm90
 
-for weights, quant in (("*bf16", False), ("*fp8e4nv", True)):
+for (weights, quant), swap in itertools.product((("*bf16", False), ("*fp8e4nv", True)), (False, True)):
     pointers = dict(x_ptr="*bf16", w1_ptr=weights, w2_ptr=weights, h_ptr="*bf16", part_ptr="*fp32", q_ptr=weights,
                     qs_ptr="*fp32", out_ptr="*bf16", add_ptr="*bf16", topk_weights_ptr="*fp32", topk_ids_ptr="*i32",
                     counters_ptr="*i32", w1_scale_ptr="*fp32", w2_scale_ptr="*fp32", timeline_ptr="*i64")
     const = dict(TOP_K=8, BLOCK_F=32, BLOCK_D=64, BLOCK_K=128, QUANT=quant, ID_CHECK="", STAGES=4,
-                 HAS_ADD=False, ROUND=2, PRECISION="tf32", EVEN_D=True, EVEN_F=True, SWAP=False, TIMELINE=False)
+                 HAS_ADD=False, ROUND=2, PRECISION="tf32", EVEN_D=True, EVEN_F=True, SWAP=swap, TIMELINE=False)
     # (the H100 tables' one-token tiles; the launch specialises these integers as multiples of 16, as at every
     # model shape)
     kernel = compile_for_sm90(two_phase._two_phase_kernel, const, pointers, num_warps=4,
                               aligned=("D", "F", "stride_x", "stride_w1e", "stride_w1n", "stride_w2e", "stride_w2n"))
     ptx, ttgir = kernel.asm["ptx"], kernel.asm["ttgir"]
-    pipelined = [m.group(1) for m in re.finditer(r"%(a|w[gu]?)_[0-9]+ = ttg.async_copy_global_to_local", ttgir)]
+    pipelined = [m.group(1) for m in re.finditer(r"%(a|w|scale)_?[0-9]* = ttg.async_copy_global_to_local", ttgir)]
     release = re.search(r"(atom|red)[.]global[.](gpu[.]release|release[.]gpu)[.]add", ptx)
     acquire = re.search(r"(atom|ld)[.]global[.](gpu[.]acquire|acquire[.]gpu)", ptx)   # (3.6: an ld, not an add of 0)
     # (the H200's Triton, 3.6: a newer Triton's bundled ptxas may not read its own PTX)
     spills = assemble_for_sm90(ptx)["spill_stores"] if triton.__version__.startswith("3.6.") else 0
-    print("mma.sync" in ptx, "wgmma" not in ptx, sorted(set(pipelined)), release is not None, acquire is not None,
-          spills)
+    mma = ("wgmma" if "wgmma.mma_async" in ptx else "") + ("mma.sync" if "mma.sync" in ptx else "")
+    converts = len(re.findall(r"cvt[.]rn[.]f16x2[.]e4m3x2", ptx))   # (fp8 pairs to fp16 for mma.sync)
+    print(weights, swap, mma, converts > 0, sorted(set(pipelined)), release is not None, acquire is not None, spills)
 """
 
 
 def test_compiles_for_hopper_with_its_weights_pipelined():
-    """Compiled for an H100/H200 (sm_90), bf16 and fp8: ``mma.sync`` on the 16-row tiles, every weight tile
-    (GEMM 1's gate and up, GEMM 2's) and the token's row (``a``: x or h, in fp8 from the program's scratch row)
-    loaded by cp.async in the software pipeline, the release after a GEMM 1
-    unit and the acquire before a GEMM 2 unit (at GPU scope: it also drops the SM's L1 copies, so that ``h`` is read
-    as the other SMs wrote it), and no spills (counted under Triton 3.6)."""
+    """Compiled for an H100/H200 (sm_90), bf16 and fp8, at the tables' tiles (64 rows a unit): the token as the
+    MMA's A operand runs on ``mma.sync`` (fp8 converted to fp16 pair by pair); with ``swap_ab`` the weights are A
+    and the products run on ``wgmma``, fp8 with no conversion. Either way every weight tile (GEMM 1's gate and up
+    rows in one tile) and the token's row (``a``: x or h, in fp8 from the program's scratch row) are copied by
+    cp.async in the software pipeline, and fp8's scales too; the release after a GEMM 1 unit and the acquire before a
+    GEMM 2 unit are at GPU scope (it also drops the SM's L1 copies, so that ``h`` is read as the other SMs wrote it);
+    no spills (counted under Triton 3.6)."""
     lines = compiled_for_hopper(_COMPILE_FOR_HOPPER)
-    assert lines[:2] == ["True True ['a', 'w'] True True 0"] * 2, lines
+    assert lines[:4] == ["*bf16 False mma.sync False ['a', 'w'] True True 0",
+                         "*bf16 True wgmma False ['a', 'w'] True True 0",
+                         "*fp8e4nv False mma.sync True ['a', 'scale', 'w'] True True 0",
+                         "*fp8e4nv True wgmma False ['a', 'scale', 'w'] True True 0"], lines
 
 
 @pytest.mark.skipif(BACKEND == "torch", reason="no Triton here: the torch reference runs")
