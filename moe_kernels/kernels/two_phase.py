@@ -16,31 +16,42 @@ atomic add each:
    of ``h = silu(gate) * up`` to a row of ``h`` in the activations' dtype, then adds one arrival
    (a release).
 2. **GEMM 2 units** (the next ``n2`` tickets): one assignment and ``block_d`` rows of the output.
-   The unit waits until all ``n1`` arrivals are in (an acquire, after which its loads see the ``h``
-   the other SMs wrote), then reads the assignment's ``h`` row and its expert's ``block_d`` rows, and stores its routing weight times their
-   product, in fp32, to a row of parts. Then it adds one arrival to its (token, row block); the
-   last of the token's ``k`` units to arrive adds the ``k`` parts in slot order and rounds the sum
-   once into the output. So the top-k sum costs no launch and no atomic add of values, and gives
-   the same bits whichever unit arrives last.
+   The unit waits until its assignment's GEMM 1 units have all arrived (an acquire, after which its
+   loads see the ``h`` the other SMs wrote), then reads the assignment's ``h`` row and its expert's
+   ``block_d`` rows, and stores its routing weight times their product, in fp32, to a row of parts.
+   Then it adds one arrival to its (token, row block); the last of the token's ``k`` units to
+   arrive adds the ``k`` parts in slot order and rounds the sum once into the output. So the top-k
+   sum costs no launch and no atomic add of values, and gives the same bits whichever unit arrives
+   last.
 
 Every weight row is read whole and contiguous, once per assignment (once per expert at one token:
 two tokens on one expert read it twice, where the two GEMMs put them in one block); the units are
-small (a Qwen3 GEMM 1 unit of 32 + 32 rows is 128 KB of fp8), so the tickets spread them evenly. A program waits only for
-units already held by running programs (every GEMM 1 ticket is handed out before the first GEMM 2
-ticket), so the wait ends however the GPU schedules programs.
+small (a Qwen3 GEMM 1 unit of 32 + 32 rows is 128 KB of fp8), so the tickets spread them evenly. A
+program waits only for units already held by running programs (every GEMM 1 ticket is handed out
+before the first GEMM 2 ticket), so the wait ends however the GPU schedules programs. Waiting for
+the unit's own assignment rather than for all of GEMM 1 lets the first assignments' GEMM 2 units run
+while the last GEMM 1 units finish: 1-8% faster at 2-8 tokens on an H100, where asking L2 for the
+GEMM 2 unit's weights before its wait was up to 17% slower and counters that the last program resets
+(no zero fill before the launch) were within noise (``two-phase-variants-s38.json``).
 
-fp8 block weights run W8A8 with the two-GEMM path's quantisation: each unit first quantises its token's
-row (``x`` in GEMM 1, ``h`` in GEMM 2) in 1 x 128 groups (the scale ``amax / 448``,
-:mod:`moe_kernels.kernels.quant`) into its program's scratch row, so no quantiser launch precedes the
-kernel. The products run on tensor cores with the token as row 0 of a 16-row tile (``tl.dot`` needs
-16 rows; rows 1-15 are loaded as zeros): an fp8 MMA needs no conversion of the weights, where a
-matrix-vector sum on the CUDA cores would convert every weight element. The K loop then only copies
-(the token's row from the scratch or ``h``, the weight tiles, the scales: all in the software
-pipeline) and multiplies. The version before this one quantised each K step's 128 values in the
-loop (a reduction across warps, and the operand stored to shared memory, each step), stalled on
-barriers and ran fp8 at 0.85-0.92 times the two GEMMs' speed at 1-4 tokens
-(``two-phase-ab-parts-s37.json``; Nsight Compute: 26-32% of DRAM's peak, against 36-46% for the
-two GEMMs; the notes' session 37).
+Both units run one K loop (:func:`_rows_times_token`): a tile of weight rows (a GEMM 1 unit's gate
+rows and as many up rows, or a GEMM 2 unit's output rows) times the token's row. A tensor-core
+product needs 16 rows on its M side, so the token is row 0 of a 16-row tile (rows 1-15 loaded as
+zeros). Without ``swap_ab`` the token is the MMA's A operand and the weights are B: 16-row M tiles,
+which Triton 3.6 runs on ``mma.sync``, and which on Hopper take fp8 only after converting each pair
+of values to fp16 (``cvt.rn.f16x2.e4m3x2``: a conversion per weight element, on the CUDA cores).
+With ``swap_ab`` the weights are A (``2 * block_f`` or ``block_d`` rows on M) and the token is
+column 0 of B: 64-row tiles make Hopper's ``wgmma``, which reads both operands from shared memory as
+they are, fp8 included.
+
+fp8 block weights run W8A8 with the two-GEMM path's quantisation: each unit first quantises its
+token's row (``x`` in GEMM 1, ``h`` in GEMM 2) in 1 x 128 groups (the scale ``amax / 448``,
+:mod:`moe_kernels.kernels.quant`) into its program's scratch row, so no quantiser launch precedes
+the kernel; the K loop then only copies (the token's row from the scratch or ``h``, the weight
+tiles, the scales: all in the software pipeline) and multiplies, promoting each 128-K step by its
+scales. The version that quantised each K step's 128 values in the loop (a reduction across warps,
+and the operand stored to shared memory, each step) stalled on barriers and ran fp8 at 0.85-0.92
+times the two GEMMs' speed at 1-4 tokens (``two-phase-ab-parts-s37.json``; the notes' session 37).
 
     >>> import torch
     >>> from moe_kernels.reference import moe_reference
