@@ -189,8 +189,8 @@ if HAS_TRITON:
         tile_ok = (unit % slices) * BLOCK_F + i % BLOCK_F < F
         w_rows = w1_ptr + expert * stride_w1e + tile_rows.to(tl.int64) * stride_w1n
         s_rows = w1_scale_ptr + expert * stride_s1e + (tile_rows // 128) * stride_s1n
-        v = _rows_times_token(w_rows, tile_ok, a_row, D, s_rows, stride_s1k, qs_ptr, 2 * BLOCK_F, BLOCK_K, QUANT,
-                              STAGES, PRECISION, EVEN_K, SWAP)
+        v = _rows_times_token(w_rows, tile_ok, a_row, D, s_rows, stride_s1k, qs_ptr,
+                              2 * BLOCK_F, BLOCK_K, QUANT, STAGES, PRECISION, EVEN_K, SWAP)
         g, u = tl.split(tl.permute(tl.reshape(v, [2, BLOCK_F]), [1, 0]))
         h = _rounded(g / (1.0 + tl.exp(-g)) * u, ROUND)   # as the two-GEMM path stores h
         h = tl.where(known, h, 0.0)
@@ -232,8 +232,9 @@ if HAS_TRITON:
             a_row = h_row
         w_rows = w2_ptr + expert * stride_w2e + cols.to(tl.int64) * stride_w2n
         s_rows = w2_scale_ptr + expert * stride_s2e + (cols // 128) * stride_s2n
-        part = _rows_times_token(w_rows, cols_ok, a_row, F, s_rows, stride_s2k, qs_ptr, BLOCK_D, BLOCK_K, QUANT,
-                                 STAGES, PRECISION, EVEN_K, SWAP) * weight
+        part = _rows_times_token(w_rows, cols_ok, a_row, F, s_rows, stride_s2k, qs_ptr,
+                                 BLOCK_D, BLOCK_K, QUANT, STAGES, PRECISION, EVEN_K, SWAP)
+        part *= weight
         # The top-k sum: each unit stores its expert's part of the rows; the
         # last of the token's TOP_K units to arrive adds them, in slot order
         # (the same sum whichever unit arrives last).
