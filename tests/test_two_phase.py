@@ -65,10 +65,13 @@ def test_fp8_block_is_w8a8_and_other_formats_are_refused():
 @pytest.mark.parametrize("changes, message", [
     (dict(phases=3), "'phases' must be <= 2"), (dict(block_f=8), "'block_f' must be >= 16 with phases=2"),
     (dict(block_d=512), "'block_d' must be <= 256 with phases=2"), (dict(block_k=48), "'block_k' must be a power"),
-    (dict(programs_per_sm=0), "'programs_per_sm' must be >= 1")])
+    (dict(programs_per_sm=0), "'programs_per_sm' must be >= 1"),
+    (dict(phases=1, swap_ab=True), "'swap_ab' must be False with phases=1")])
 def test_bad_tiles_are_named(changes, message):
     with pytest.raises(ValueError, match=f"OneLaunchTiles: argument {message}"):
         dataclasses.replace(SMALL, **changes)
+    with pytest.raises(TypeError, match="OneLaunchTiles: argument 'swap_ab' must be a bool, got 1"):
+        dataclasses.replace(SMALL, swap_ab=1)
 
 
 def test_config_round_trip():

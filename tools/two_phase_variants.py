@@ -7,8 +7,9 @@ median kept. Then, for the first tile in each variant, one call's timeline (each
 GPU's global clock, after a clean flush of the L2), summarised: when the last GEMM 1 unit ended, when GEMM 2 ended, and
 how long units took.
 
-Variants: ``mma.sync`` (the token as the MMA's A operand: 16-row tiles on mma.sync, which converts fp8 to fp16
-first) and ``wgmma`` (the weights as A: 64-row tiles on Hopper's wgmma, fp8 read from shared memory as it is). Session
+Variants: ``token A`` (the token as the MMA's A operand: 16-row tiles on mma.sync, which converts fp8 to fp16
+first) and ``swap_ab`` (the weights as A: tiles of 64 rows or more run on Hopper's wgmma, fp8 read from shared memory
+as it is; fewer rows stay on mma.sync). A GEMM 2 unit's bar in a timeline includes its wait for h. Session
 38's first run measured three more (a GEMM 2 unit waiting for all of GEMM 1, an L2 prefetch of its weights before
 the wait, self-resetting counters): ``two-phase-variants-s38.json``.
 
@@ -40,7 +41,7 @@ tile_specs = sys.argv[4] if len(sys.argv) > 4 else "32,64,4,4,2;32,64,4,4,4"
 name = sys.argv[5] if len(sys.argv) > 5 else "two-phase-variants"
 TILES = [OneLaunchTiles(f, d, w, s, phases=2, programs_per_sm=p)
          for f, d, w, s, p in (tuple(int(v) for v in spec.split(",")) for spec in tile_specs.split(";"))]
-VARIANTS = {"mma.sync": dict(swap_ab=False), "wgmma": dict(swap_ab=True)}
+VARIANTS = {"token A": dict(swap_ab=False), "swap_ab": dict(swap_ab=True)}
 if device == "cpu":
     TILES = [OneLaunchTiles(16, 32, 4, 1, phases=2, block_k=128, programs_per_sm=1)]
 

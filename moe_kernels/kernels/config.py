@@ -133,7 +133,7 @@ class OneLaunchTiles:
         if self.phases == 2 and self.block_f < 16:
             fail(func, "block_f", "must be >= 16 with phases=2 (the N side of a tensor-core product)", self.block_f)
         if not isinstance(self.swap_ab, bool):
-            fail(func, "swap_ab", "must be a bool", self.swap_ab)
+            fail(func, "swap_ab", "must be a bool", repr(self.swap_ab), TypeError)
         if self.swap_ab and self.phases != 2:
             fail(func, "swap_ab", "must be False with phases=1 (only the two-phase kernel swaps its operands)",
                  self.swap_ab)

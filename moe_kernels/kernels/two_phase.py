@@ -194,7 +194,7 @@ if HAS_TRITON:
         g, u = tl.split(tl.permute(tl.reshape(v, [2, BLOCK_F]), [1, 0]))
         h = _rounded(g / (1.0 + tl.exp(-g)) * u, ROUND)   # as the two-GEMM path stores h
         h = tl.where(known, h, 0.0)
-        h_row = h_ptr + assignment.to(tl.int64) * F   # (past 2**31 at ~37k DeepSeek-V3 tokens)
+        h_row = h_ptr + assignment.to(tl.int64) * F   # (past 2**31 at ~131k DeepSeek-V3 tokens)
         tl.store(h_row + rows, h.to(h_ptr.dtype.element_ty), mask=rows_ok)
         # <<< book: two-phase-gate-up
 
@@ -218,7 +218,7 @@ if HAS_TRITON:
         weight = tl.load(topk_weights_ptr + assignment).to(tl.float32)
         weight = tl.where(known, weight, 0.0)
         # Wait until the assignment's GEMM 1 units have all written their h (an
-        # acquire: their stores are then visible here; our L1 holds none of them).
+        # acquire at GPU scope: their stores are then visible to this unit's loads).
         ready = tl.atomic_add(ready_ptr + assignment, 0, sem="acquire")
         while ready < tl.cdiv(F, BLOCK_F):
             ready = tl.atomic_add(ready_ptr + assignment, 0, sem="acquire")
@@ -352,6 +352,9 @@ def run_two_phase(hidden_states, w1, w2, topk_weights, topk_ids, *, fmt=UNQUANTI
     counters = torch.zeros(1 + num_tokens * top_k + num_tokens * cdiv(d, tiles.block_d), device=out.device,
                            dtype=torch.int32)
     marks = timeline
+    if marks is not None and (marks.shape != (n1 + n2, 3) or marks.dtype != torch.int64 or marks.device != out.device):
+        fail(func, "two_phase.timeline", f"must be None or an int64 tensor of shape ({n1 + n2}, 3) on {out.device} "
+             "(one row per unit of this call)", f"{marks.dtype} {tuple(marks.shape)} on {marks.device}")
     h = torch.empty((num_tokens * top_k, f), device=out.device, dtype=hidden_states.dtype)
     parts = torch.empty((num_tokens * top_k, d), device=out.device, dtype=torch.float32)
     # fp8: each program's scratch row (x's or h's groups in fp8) and its scales
