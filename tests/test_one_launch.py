@@ -262,7 +262,8 @@ for weights, scales in (("*bf16", 0), ("*fp8e4nv", 1), ("*fp8e4nv", 2)):
     adds = [m.start() for m in re.finditer(r"(red|atom)[.a-z]*[.]global[.a-z0-9]*[.]f32", ptx)]
     arrival = re.search(r"atom[.a-z]*[.](gpu[.]acq_rel|acq_rel[.]gpu)[.a-z]*add", ptx)
     read = ptx.find("ld.global.cg", arrival.end()) if arrival else -1
-    print(bool(adds), arrival is not None and adds[-1] < arrival.start() and "bar.sync" in ptx[adds[-1]:arrival.start()],
+    ordered = arrival is not None and adds[-1] < arrival.start() and "bar.sync" in ptx[adds[-1]:arrival.start()]
+    print(bool(adds), ordered,
           read > 0 and "bar.sync" in ptx[arrival.end():read], "mma" not in ptx)
 """
 

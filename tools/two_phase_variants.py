@@ -55,6 +55,10 @@ def save():
                                     "variants": VARIANTS})
 
 
+def tag_of(t):
+    return f"f{t.block_f} d{t.block_d} w{t.num_warps} s{t.num_stages} p{t.programs_per_sm}"
+
+
 def timeline(call, n1, n2):
     """One call's units: [start, end, SM] in us from the first start, after a clean flush; and a summary."""
     marks = torch.zeros((n1 + n2, 3), dtype=torch.int64, device=device)
@@ -101,10 +105,10 @@ for fname in formats:
                 "read": read,
             }
             for tiles in TILES:
-                tag = f"f{tiles.block_f} d{tiles.block_d} w{tiles.num_warps} s{tiles.num_stages} p{tiles.programs_per_sm}"
                 for vname, variant in VARIANTS.items():
-                    candidates[f"{tag} {vname}"] = (lambda t=dataclasses.replace(tiles, **variant): one_launch_experts(
-                        x, w1, w2, weights, ids, tiles=t, validate_ids=False, **scales))
+                    candidates[f"{tag_of(tiles)} {vname}"] = (lambda t=dataclasses.replace(tiles, **variant):
+                                                              one_launch_experts(x, w1, w2, weights, ids, tiles=t,
+                                                                                 validate_ids=False, **scales))
             reference = candidates["two GEMMs"]().float()
             us, rounds, errors, rel = time_lowest(candidates, reference, tolerance=0.02 if fmt.quantized else 0.01,
                                                   warmup_ms=2, rep_ms=20, unchecked=("read",))
@@ -114,7 +118,7 @@ for fname in formats:
             if device == "cuda":
                 for tiles in TILES[:1]:
                     n1, n2 = two_phase.units(batch, k, d, f, tiles)
-                    tag = f"f{tiles.block_f} d{tiles.block_d} w{tiles.num_warps} s{tiles.num_stages} p{tiles.programs_per_sm}"
+                    tag = tag_of(tiles)
                     for vname, variant in VARIANTS.items():
                         summary, units = timeline(lambda t=dataclasses.replace(tiles, **variant): one_launch_experts(
                             x, w1, w2, weights, ids, tiles=t, validate_ids=False, **scales), n1, n2)
