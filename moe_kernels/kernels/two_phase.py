@@ -30,9 +30,10 @@ small (a Qwen3 GEMM 1 unit of 32 + 32 rows is 128 KB of fp8), so the tickets spr
 program waits only for units already held by running programs (every GEMM 1 ticket is handed out
 before the first GEMM 2 ticket), so the wait ends however the GPU schedules programs. Waiting for
 the unit's own assignment rather than for all of GEMM 1 lets the first assignments' GEMM 2 units run
-while the last GEMM 1 units finish: 1-8% faster at 2-8 tokens on an H100, where asking L2 for the
-GEMM 2 unit's weights before its wait was up to 17% slower and counters that the last program resets
-(no zero fill before the launch) were within noise (``two-phase-variants-s38.json``).
+while the last GEMM 1 units finish: up to 9% faster at 2-8 tokens on an H100, where asking L2 for the
+GEMM 2 unit's weights before its wait was up to 12% slower and counters that the last program resets
+(no zero fill before the launch) were within 2% either way (``two-phase-variants-s38.json``, the
+lower of two tiles each; Chapter 10's Table 10.5).
 
 Both units run one K loop (:func:`_rows_times_token`): a tile of weight rows (a GEMM 1 unit's gate
 rows and as many up rows, or a GEMM 2 unit's output rows) times the token's row. A tensor-core
