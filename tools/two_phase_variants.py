@@ -9,7 +9,8 @@ how long units took.
 
 Variants: ``token A`` (the token as the MMA's A operand: 16-row tiles on mma.sync, which converts fp8 to fp16
 first) and ``swap_ab`` (the weights as A: tiles of 64 rows or more run on Hopper's wgmma, fp8 read from shared memory
-as it is; fewer rows stay on mma.sync). A GEMM 2 unit's bar in a timeline includes its wait for h. Session
+as it is; fewer rows stay on mma.sync). A GEMM 2 unit's bar in a timeline includes its wait for h. The batches are
+``bench.problems.tool_batch``'s (routed with the seed ``batch``; session 38's records used ``1 + batch``). Session
 38's first run measured three more (a GEMM 2 unit waiting for all of GEMM 1, an L2 prefetch of its weights before
 the wait, self-resetting counters): ``two-phase-variants-s38.json``.
 
@@ -22,12 +23,11 @@ import sys
 import torch
 
 from moe_kernels.bench.ceilings import ReadFloor
-from moe_kernels.bench.problems import make_batch, tool_weights
+from moe_kernels.bench.problems import tool_batch, tool_weights
 from moe_kernels.bench.read_kernel import weight_reader
 from moe_kernels.bench.timing import clean_flush, time_lowest
 from moe_kernels.kernels import two_phase
-from moe_kernels.kernels.blocks import assign_blocks
-from moe_kernels.kernels.config import OneLaunchTiles, get_config
+from moe_kernels.kernels.config import OneLaunchTiles
 from moe_kernels.kernels.formats import FORMATS
 from moe_kernels.kernels.index_gather import fused_experts
 from moe_kernels.kernels.one_launch import one_launch_experts
@@ -91,12 +91,11 @@ for fname in formats:
     fmt = FORMATS[fname]
     for key in models:
         model, dtype, w1, w1s, w2, w2s = tool_weights(key, fmt, device)
-        e, k, d, f = model.num_experts, model.top_k, model.hidden_size, model.moe_intermediate_size
+        k, d, f = model.top_k, model.hidden_size, model.moe_intermediate_size
         scales = dict(w1_scale=w1s, w2_scale=w2s)
         for batch in batches:
-            x, _, weights, ids = make_batch(model, batch, dtype, 1 + batch, device)
-            config = dataclasses.replace(get_config(batch, e, f, d, w1.dtype, x.device), one_launch=None)
-            blocks = assign_blocks(ids, config.block_m, e, validate_ids=False)
+            x, weights, ids, config, blocks = tool_batch(model, batch, dtype, w1.dtype, device)
+            config = dataclasses.replace(config, one_launch=None)   # (the two GEMMs, never the table's one launch)
             touched = torch.unique(ids)
             read = weight_reader(w1[touched], w2[touched]) if device == "cuda" else (lambda: None)
             candidates = {
