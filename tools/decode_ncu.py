@@ -8,7 +8,7 @@ kernel, as the timings do), e.g.::
 
     ncu --csv --section SpeedOfLight --section Occupancy --section LaunchStats --metrics \\
         smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio,... \\
-        python tools/decode_ncu.py qwen3-30b-a3b 1 64,128,8,3,2 > ncu.csv
+        python tools/decode_ncu.py qwen3-30b-a3b 1 64,128,8,3,2[,1] > ncu.csv   # (,1: swap_ab)
     python tools/decode_ncu.py --summarize ncu.csv   # per kernel: time, DRAM, occupancy, the largest stalls
 """
 import csv
@@ -45,8 +45,9 @@ if sys.argv[1:2] == ["--summarize"]:
     sys.exit(0)
 models = sys.argv[1].split(",") if len(sys.argv) > 1 else ["qwen3-30b-a3b"]
 batch = int(sys.argv[2]) if len(sys.argv) > 2 else 1
-f, d, warps, stages, per_sm = (int(v) for v in (sys.argv[3] if len(sys.argv) > 3 else "64,128,8,3,2").split(","))
-tiles = OneLaunchTiles(f, d, warps, stages, phases=2, programs_per_sm=per_sm)
+# (a sixth value 1: swap_ab, the weights on the MMA's M side)
+f, d, warps, stages, per_sm, *swap = (int(v) for v in (sys.argv[3] if len(sys.argv) > 3 else "64,128,8,3,2").split(","))
+tiles = OneLaunchTiles(f, d, warps, stages, phases=2, programs_per_sm=per_sm, swap_ab=bool(swap and swap[0]))
 device = "cuda" if torch.cuda.is_available() else "cpu"   # (the CPU: a small shape under the interpreter)
 for key in models:
     model, dtype, w1, w1s, w2, w2s = tool_weights(key, FORMATS["block"], device)

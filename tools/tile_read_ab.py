@@ -23,7 +23,8 @@ a batch of 64+ tokens touches), for :func:`candidates` (the tuner's decode tiles
 neighbours). The record is rewritten after each row, and a candidate that fails (out of shared
 memory, say) is recorded with its error, so a run cut short keeps what it measured.
 
-    PYTHONPATH=. python tools/tile_read_ab.py [models] [formats]   # GPU: prints, records tile-read.json
+    PYTHONPATH=. python tools/tile_read_ab.py [models] [formats] [experts]   # GPU: records tile-read.json
+                                                     # (or $TILE_READ_NAME.json); experts: 0 = all
     PYTHONPATH=. TRITON_INTERPRET=1 python tools/tile_read_ab.py   # CPU: checks the sums on a toy tensor
 """
 from __future__ import annotations
@@ -106,7 +107,10 @@ def candidates(gated: bool, element_size: int) -> list[dict]:
     """The tiles to time: BLOCK_N 32-256 (GEMM 1's tuned decode tiles are 32-64 wide, two of them),
     BLOCK_K 128 and 256, 4 and 8 warps, 3-5 stages, with the MMA; and a few without it."""
     out = []
-    for block_n, block_k, warps, stages in itertools.product((32, 64, 128, 256), (128, 256), (4, 8), (3, 4, 5)):
+    k_steps = (128, 256, 512) if element_size == 1 else (128, 256)   # (fp8: 128, 256 or 512 bytes of a row a step)
+    warp_counts = tuple(int(v) for v in os.environ.get("TILE_READ_WARPS", "4,8").split(","))
+    stage_counts = tuple(int(v) for v in os.environ.get("TILE_READ_STAGES", "3,4,5").split(","))
+    for block_n, block_k, warps, stages in itertools.product((32, 64, 128, 256), k_steps, warp_counts, stage_counts):
         if gated and block_n > 128:
             continue   # (the GEMM's gated tiles stop at 128: two accumulators)
         if shared_bytes(gated, block_n, block_k, stages, element_size) > SHARED_BYTES:
@@ -132,9 +136,10 @@ def check_values() -> None:
                                  f"{(scale * want).tolist()}")
 
 
-def shapes(model) -> dict:
-    """GEMM 1's and GEMM 2's weights as ``(gated, [E, rows, K])``, what a program reads along K."""
-    E, d, f = model.num_experts, model.hidden_size, model.moe_intermediate_size
+def shapes(model, experts: int = 0) -> dict:
+    """GEMM 1's and GEMM 2's weights as ``(gated, [E, rows, K])``, what a program reads along K;
+    ``experts`` (if not 0): that many experts, as a batch of few tokens touches."""
+    E, d, f = experts or model.num_experts, model.hidden_size, model.moe_intermediate_size
     return {"gate_up": (True, (E, 2 * f, d)), "down": (False, (E, d, f))}
 
 
@@ -149,11 +154,12 @@ def main() -> int:
 
     models = sys.argv[1].split(",") if len(sys.argv) > 1 else ["qwen3-30b-a3b", "deepseek-v3"]
     formats = sys.argv[2].split(",") if len(sys.argv) > 2 else ["bf16", "fp8"]
+    experts = int(sys.argv[3]) if len(sys.argv) > 3 else 0   # (0: every expert)
     read_bw = measure_read_bandwidth()
     print(f"read bandwidth {read_bw / 1e12:.2f} TB/s", flush=True)
     rows = []
     for key, fmt, gemm in itertools.product(models, formats, ("down", "gate_up")):
-        gated, shape = shapes(MODELS[key])[gemm]
+        gated, shape = shapes(MODELS[key], experts)[gemm]
         dtype = torch.bfloat16 if fmt == "bf16" else torch.float8_e4m3fn
         w = torch.empty(shape, device="cuda", dtype=torch.bfloat16).normal_().to(dtype)
         nbytes = w.numel() * w.element_size()
@@ -180,8 +186,9 @@ def main() -> int:
               + (f"{us['contiguous']:7.1f} ({us['contiguous'] / floor_us:.2f}x)" if "contiguous" in us else "failed")
               + "".join(f", best {m} {us[n]:7.1f} ({us[n] / floor_us:.2f}x, {n})" for m, n in best.items() if n)
               + (f"; {len(errors)} failed" if errors else ""), flush=True)
-        write_record("tile-read", {"read_bandwidth": read_bw, "method": "one CUDA graph per call, L2 flushed "
-                                   "(do_bench median), the lower of two interleaved rounds", "rows": rows}, None)
+        write_record(os.environ.get("TILE_READ_NAME", "tile-read"),
+                     {"read_bandwidth": read_bw, "experts": experts or "all", "method": "one CUDA graph per call, L2 "
+                      "flushed (do_bench median), the lower of two interleaved rounds", "rows": rows}, None)
         del w, fns
     return 0
 
