@@ -25,6 +25,7 @@ memory, say) is recorded with its error, so a run cut short keeps what it measur
 
     PYTHONPATH=. python tools/tile_read_ab.py [models] [formats] [experts]   # GPU: records tile-read.json
                                                      # (or $TILE_READ_NAME.json); experts: 0 = all
+    # TILE_READ_N, TILE_READ_WARPS, TILE_READ_STAGES: comma lists narrowing the candidates' tiles
     PYTHONPATH=. TRITON_INTERPRET=1 python tools/tile_read_ab.py   # CPU: checks the sums on a toy tensor
 """
 from __future__ import annotations
@@ -110,7 +111,8 @@ def candidates(gated: bool, element_size: int) -> list[dict]:
     k_steps = (128, 256, 512) if element_size == 1 else (128, 256)   # (fp8: 128, 256 or 512 bytes of a row a step)
     warp_counts = tuple(int(v) for v in os.environ.get("TILE_READ_WARPS", "4,8").split(","))
     stage_counts = tuple(int(v) for v in os.environ.get("TILE_READ_STAGES", "3,4,5").split(","))
-    for block_n, block_k, warps, stages in itertools.product((32, 64, 128, 256), k_steps, warp_counts, stage_counts):
+    widths = tuple(int(v) for v in os.environ.get("TILE_READ_N", "32,64,128,256").split(","))
+    for block_n, block_k, warps, stages in itertools.product(widths, k_steps, warp_counts, stage_counts):
         if gated and block_n > 128:
             continue   # (the GEMM's gated tiles stop at 128: two accumulators)
         if shared_bytes(gated, block_n, block_k, stages, element_size) > SHARED_BYTES:
