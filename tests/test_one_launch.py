@@ -53,7 +53,8 @@ def test_random_shapes(seed, phases):
     else:   # (units of 16-32 GEMM 1 rows and 16-64 output rows, K steps of 16-64, 1 or 4 programs an SM)
         tiles = OneLaunchTiles(rnd.choice([16, 32]), rnd.choice([16, 32, 64]), 4, rnd.choice([1, 2, 3]), phases=2,
                                block_k=rnd.choice([16, 32, 64]), programs_per_sm=rnd.choice([1, 4]),
-                               swap_ab=seed % 2 == 1)   # (the weights as the MMA's A operand, or the token)
+                               swap_ab=seed % 2 == 1,   # (the weights as the MMA's A operand, or the token)
+                               k_chunks=rnd.choice([1, 2, 4]))   # (steps past K, and chunks starting past it)
     check(problem, dtype, tiles)
 
 
@@ -236,6 +237,7 @@ def test_model_shapes_on_the_gpu(model, fmt, batch, phases):
     tiles = ((OneLaunchTiles(32, 256, 4), OneLaunchTiles(64, 256, 8, 2), OneLaunchTiles(16, 512, 4, 3)) if phases == 1
              else (OneLaunchTiles(16, 16, 4, 4, phases=2), OneLaunchTiles(32, 32, 4, 6, phases=2, programs_per_sm=2),
                    OneLaunchTiles(32, 64, 4, 4, phases=2, programs_per_sm=2, swap_ab=True),   # (wgmma on Hopper)
+                   OneLaunchTiles(32, 64, 4, 3, phases=2, programs_per_sm=2, swap_ab=True, k_chunks=2),
                    OneLaunchTiles(64, 128, 4, 3, phases=2, programs_per_sm=3, swap_ab=True)))
     for t in tiles:
         out = one_launch_experts(x, q1, q2, weights, ids, tiles=t, w1_scale=s1, w2_scale=s2)

@@ -66,7 +66,9 @@ def test_fp8_block_is_w8a8_and_other_formats_are_refused():
     (dict(phases=3), "'phases' must be <= 2"), (dict(block_f=8), "'block_f' must be >= 16 with phases=2"),
     (dict(block_d=512), "'block_d' must be <= 256 with phases=2"), (dict(block_k=48), "'block_k' must be a power"),
     (dict(programs_per_sm=0), "'programs_per_sm' must be >= 1"),
-    (dict(phases=1, swap_ab=True), "'swap_ab' must be False with phases=1")])
+    (dict(phases=1, swap_ab=True), "'swap_ab' must be False with phases=1"),
+    (dict(k_chunks=3), "'k_chunks' must be a power of two"), (dict(k_chunks=32), "'k_chunks' must be <= 16"),
+    (dict(phases=1, k_chunks=2), "'k_chunks' must be 1 with phases=1")])
 def test_bad_tiles_are_named(changes, message):
     with pytest.raises(ValueError, match=f"OneLaunchTiles: argument {message}"):
         dataclasses.replace(SMALL, **changes)
@@ -88,11 +90,13 @@ torch.cuda.is_available = lambda: True   # build compiled (not interpreted) kern
 from moe_kernels.kernels import two_phase
 from moe_kernels.sm90_compile import assemble_for_sm90, compile_for_sm90
 
-for (weights, quant), swap in itertools.product((("*bf16", False), ("*fp8e4nv", True)), (False, True)):
+builds = [(w, swap, 1) for w, swap in itertools.product(("*bf16", "*fp8e4nv"), (False, True))] + [("*fp8e4nv", True, 2)]
+for weights, swap, chunks in builds:
+    quant = weights == "*fp8e4nv"
     pointers = dict(x_ptr="*bf16", w1_ptr=weights, w2_ptr=weights, h_ptr="*bf16", part_ptr="*fp32", q_ptr=weights,
                     qs_ptr="*fp32", out_ptr="*bf16", add_ptr="*bf16", topk_weights_ptr="*fp32", topk_ids_ptr="*i32",
                     counters_ptr="*i32", w1_scale_ptr="*fp32", w2_scale_ptr="*fp32", timeline_ptr="*i64")
-    const = dict(TOP_K=8, BLOCK_F=32, BLOCK_D=64, BLOCK_K=128, QUANT=quant, ID_CHECK="", STAGES=4,
+    const = dict(TOP_K=8, BLOCK_F=32, BLOCK_D=64, BLOCK_K=128, CHUNKS=chunks, QUANT=quant, ID_CHECK="", STAGES=4,
                  HAS_ADD=False, ROUND=2, PRECISION="tf32", EVEN_D=True, EVEN_F=True, SWAP=swap, TIMELINE=False)
     # (the H100 tables' one-token tiles; the launch specialises these integers as multiples of 16, as at every
     # model shape)
@@ -106,7 +110,8 @@ for (weights, quant), swap in itertools.product((("*bf16", False), ("*fp8e4nv", 
     spills = assemble_for_sm90(ptx)["spill_stores"] if triton.__version__.startswith("3.6.") else 0
     mma = ("wgmma" if "wgmma.mma_async" in ptx else "") + ("mma.sync" if "mma.sync" in ptx else "")
     converts = len(re.findall(r"cvt[.]rn[.]f16x2[.]e4m3x2", ptx))   # (fp8 pairs to fp16 for mma.sync)
-    print(weights, swap, mma, converts > 0, sorted(set(pipelined)), release is not None, acquire is not None, spills)
+    print(weights, swap, chunks, mma, converts > 0, sorted(set(pipelined)), release is not None, acquire is not None,
+          spills)
 """
 
 
@@ -117,12 +122,14 @@ def test_compiles_for_hopper_with_its_weights_pipelined():
     rows in one tile) and the token's row (``a``: x or h, in fp8 from the program's scratch row) are copied by
     cp.async in the software pipeline, and fp8's scales too; the release after a GEMM 1 unit and the acquire before a
     GEMM 2 unit are at GPU scope (it also drops the SM's L1 copies, so that ``h`` is read as the other SMs wrote it);
-    no spills (counted under Triton 3.6)."""
+    no spills (counted under Triton 3.6). The last build reads each fp8 row 256 bytes a step, in two chunks
+    (``k_chunks=2``) stacked as rows of one weight tile, the same way."""
     lines = compiled_for_hopper(_COMPILE_FOR_HOPPER)
-    assert lines[:4] == ["*bf16 False mma.sync False ['a', 'w'] True True 0",
-                         "*bf16 True wgmma False ['a', 'w'] True True 0",
-                         "*fp8e4nv False mma.sync True ['a', 'scale', 'w'] True True 0",
-                         "*fp8e4nv True wgmma False ['a', 'scale', 'w'] True True 0"], lines
+    assert lines[:5] == ["*bf16 False 1 mma.sync False ['a', 'w'] True True 0",
+                         "*bf16 True 1 wgmma False ['a', 'w'] True True 0",
+                         "*fp8e4nv False 1 mma.sync True ['a', 'scale', 'w'] True True 0",
+                         "*fp8e4nv True 1 wgmma False ['a', 'scale', 'w'] True True 0",
+                         "*fp8e4nv True 2 wgmma False ['a', 'scale', 'w'] True True 0"], lines
 
 
 @pytest.mark.skipif(BACKEND == "torch", reason="no Triton here: the torch reference runs")

@@ -7,9 +7,11 @@ median kept. Then, for the first tile in each variant, one call's timeline (each
 GPU's global clock, after a clean flush of the L2), summarised: when the last GEMM 1 unit ended, when GEMM 2 ended, and
 how long units took.
 
-Variants: ``token A`` (the token as the MMA's A operand: 16-row tiles on mma.sync, which converts fp8 to fp16
-first) and ``swap_ab`` (the weights as A: tiles of 64 rows or more run on Hopper's wgmma, fp8 read from shared memory
-as it is; fewer rows stay on mma.sync). A GEMM 2 unit's bar in a timeline includes its wait for h. The batches are
+Variants (``TWO_PHASE_VARIANTS``, a comma list; default the first two): ``token A`` (the token as the MMA's A
+operand: 16-row tiles on mma.sync, which converts fp8 to fp16 first), ``swap_ab`` (the weights as A: tiles of 64 rows
+or more run on Hopper's wgmma, fp8 read from shared memory as it is; fewer rows stay on mma.sync), and ``swap_ab 2
+chunks`` / ``swap_ab 4 chunks`` (``k_chunks``: each step reads 2 or 4 chunks of ``block_k`` values of every row).
+``TWO_PHASE_UNITS=0`` keeps only the timelines' summaries. A GEMM 2 unit's bar in a timeline includes its wait for h. The batches are
 ``bench.problems.tool_batch``'s (routed with the seed ``batch``; session 38's records used ``1 + batch``). Session
 38's first run measured three more (a GEMM 2 unit waiting for all of GEMM 1, an L2 prefetch of its weights before
 the wait, self-resetting counters): ``two-phase-variants-s38.json``.
@@ -18,6 +20,7 @@ the wait, self-resetting counters): ``two-phase-variants-s38.json``.
     # tiles as f,d,w,s,p;... (default 32,64,4,4,2;32,64,4,4,4); records results/<device>/<name>.json
 """
 import dataclasses
+import os
 import sys
 
 import torch
@@ -41,7 +44,10 @@ tile_specs = sys.argv[4] if len(sys.argv) > 4 else "32,64,4,4,2;32,64,4,4,4"
 name = sys.argv[5] if len(sys.argv) > 5 else "two-phase-variants"
 TILES = [OneLaunchTiles(f, d, w, s, phases=2, programs_per_sm=p)
          for f, d, w, s, p in (tuple(int(v) for v in spec.split(",")) for spec in tile_specs.split(";"))]
-VARIANTS = {"token A": dict(swap_ab=False), "swap_ab": dict(swap_ab=True)}
+ALL_VARIANTS = {"token A": dict(swap_ab=False), "swap_ab": dict(swap_ab=True),
+                "swap_ab 2 chunks": dict(swap_ab=True, k_chunks=2), "swap_ab 4 chunks": dict(swap_ab=True, k_chunks=4)}
+VARIANTS = {v: ALL_VARIANTS[v] for v in os.environ.get("TWO_PHASE_VARIANTS", "token A,swap_ab").split(",")}
+KEEP_UNITS = os.environ.get("TWO_PHASE_UNITS", "1") != "0"   # (0: the timelines' summaries only)
 if device == "cpu":
     TILES = [OneLaunchTiles(16, 32, 4, 1, phases=2, block_k=128, programs_per_sm=1)]
 
@@ -122,7 +128,7 @@ for fname in formats:
                         summary, units = timeline(lambda t=dataclasses.replace(tiles, **variant): one_launch_experts(
                             x, w1, w2, weights, ids, tiles=t, validate_ids=False, **scales), n1, n2)
                         row["timelines"][f"{tag} {vname}"] = {"summary": summary, "n1": n1, "n2": n2,
-                                                               "units": units if batch <= 2 else None}
+                                                               "units": units if batch <= 2 and KEEP_UNITS else None}
                         print(f"   timeline {tag} {vname}: {summary}", flush=True)
             rows.append(row)
             save()

@@ -108,7 +108,9 @@ class OneLaunchTiles:
     ``phases=2`` (:mod:`moe_kernels.kernels.two_phase`): ``programs_per_sm`` programs per SM take
     work units by ticket, first GEMM 1's (an assignment's ``block_f`` gate rows and as many up rows,
     at least 16), then GEMM 2's (an assignment's ``block_d`` output rows); both step over K by
-    ``block_k`` (fp8 block weights: their 128, one activation group a step). ``swap_ab`` puts the weights
+    ``block_k * k_chunks`` values of each weight row, in ``k_chunks`` chunks of ``block_k`` (fp8 block
+    weights: chunks of their 128, one activation group each, so that 2 or 4 chunks read 256 or 512 bytes of
+    an fp8 row a step, as 1 or 2 do of a bf16 row). ``swap_ab`` puts the weights
     on the MMA's M side (``2 * block_f`` and ``block_d`` rows; 64 or more make Hopper's wgmma, which
     reads fp8 as it is), the token on N; without it the token is row 0 of a 16-row M tile (mma.sync,
     which on Hopper converts fp8 operands to fp16 first)."""
@@ -121,14 +123,16 @@ class OneLaunchTiles:
     block_k: int = 128
     programs_per_sm: int = 4
     swap_ab: bool = False
+    k_chunks: int = 1
 
     def __post_init__(self):
         func = "OneLaunchTiles"
         for name, lo, hi in (("block_f", 1, 128), ("block_d", 16, 4096), ("num_warps", 1, 16), ("num_stages", 1, 8),
-                             ("phases", 1, 2), ("block_k", 16, 512), ("programs_per_sm", 1, 32)):
+                             ("phases", 1, 2), ("block_k", 16, 512), ("programs_per_sm", 1, 32),
+                             ("k_chunks", 1, 16)):
             value = getattr(self, name)
             check_int(func, name, value, lo=lo, hi=hi)
-            if name in ("block_f", "block_d", "num_warps", "block_k") and value & (value - 1):
+            if name in ("block_f", "block_d", "num_warps", "block_k", "k_chunks") and value & (value - 1):
                 fail(func, name, "must be a power of two", value)
         if self.phases == 2 and self.block_f < 16:
             fail(func, "block_f", "must be >= 16 with phases=2 (the N side of a tensor-core product)", self.block_f)
@@ -137,6 +141,8 @@ class OneLaunchTiles:
         if self.swap_ab and self.phases != 2:
             fail(func, "swap_ab", "must be False with phases=1 (only the two-phase kernel swaps its operands)",
                  self.swap_ab)
+        if self.k_chunks > 1 and self.phases != 2:
+            fail(func, "k_chunks", "must be 1 with phases=1 (only the two-phase kernel reads chunks)", self.k_chunks)
         if self.phases == 2 and self.block_d > 256:
             fail(func, "block_d", "must be <= 256 with phases=2 (output rows of one GEMM 2 unit)", self.block_d)
 

@@ -108,43 +108,54 @@ if HAS_TRITON:
             tl.store(s_ptr + group, scale, mask=group * 128 < n)
 
     @kernel
-    def _first_row(row_ptr, k, k_ok, EVEN_K: tl.constexpr):
-        """A 16-row MMA operand whose row 0 is ``row_ptr[k]`` and rows 1-15 zeros (loaded as such:
-        the software pipeline copies it like the weights)."""
-        first = tl.arange(0, 16)[:, None] == 0
-        mask = first if EVEN_K else first & k_ok[None, :]
-        return tl.load(row_ptr + tl.arange(0, 16)[:, None] * 0 + k[None, :], mask=mask, other=0.0)
+    def _token_chunks(row_ptr, k0, K, BLOCK_K: tl.constexpr, CHUNKS: tl.constexpr, EVEN_K: tl.constexpr):
+        """A 16-row MMA operand ``[16, BLOCK_K]`` whose row ``c < CHUNKS`` is the token's values
+        ``k0 + c * BLOCK_K ..`` and the other rows zeros (loaded as such: the software pipeline
+        copies it like the weights)."""
+        row = tl.arange(0, 16)[:, None]
+        k = k0 + (row % CHUNKS) * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]   # (rows past CHUNKS: masked)
+        mask = row < CHUNKS if EVEN_K else (row < CHUNKS) & (k < K)
+        return tl.load(row_ptr + k, mask=mask, other=0.0)
 
     @kernel
     def _rows_times_token(w_rows, rows_ok, a_row, K, s_rows, stride_sk, qs_ptr, BLOCK_R: tl.constexpr,
-                          BLOCK_K: tl.constexpr, QUANT: tl.constexpr, STAGES: tl.constexpr, PRECISION: tl.constexpr,
-                          EVEN_K: tl.constexpr, SWAP: tl.constexpr):
-        """``[BLOCK_R]`` fp32: each weight row (``w_rows``, pointers to the rows' first elements, K
-        contiguous) dotted with the token's row ``a_row`` over ``K``; fp8 promotes each 128-K step by
-        its scales (``s_rows``: each row's scale at the first K group; ``qs_ptr``: the token's)."""
+                          BLOCK_K: tl.constexpr, CHUNKS: tl.constexpr, QUANT: tl.constexpr, STAGES: tl.constexpr,
+                          PRECISION: tl.constexpr, EVEN_K: tl.constexpr, SWAP: tl.constexpr):
+        """``[BLOCK_R]`` fp32: each weight row dotted with the token's row ``a_row`` over ``K``. The
+        ``BLOCK_R * CHUNKS`` stacked rows ``(r, c)`` (``w_rows``: pointers to each row's chunk ``c``,
+        at ``c * BLOCK_K``; ``rows_ok``) are read ``BLOCK_K`` values a step; fp8 promotes each
+        128-K group by its scales (``s_rows``: each stacked row's weight scale at the first K group;
+        ``qs_ptr``: the token's)."""
         # >>> book: two-phase-k-loop
-        # SWAP: the weights as the MMA's A operand ([BLOCK_R, 16] = W . a^T), so that
-        # 64 rows make Hopper's wgmma, which reads fp8 from shared memory as it is;
-        # else the token is A ([16, BLOCK_R] = a . W^T) on mma.sync.
+        # A step reads CHUNKS chunks of BLOCK_K values of every weight row, one after
+        # another in memory, as rows of one weight tile (row (r, c): row r's chunk
+        # c); row c of the token tile is the token's chunk c. Entry ((r, c), c) of
+        # their product is row r's partial sum, and each chunk keeps its own fp8
+        # scales: so a step can read 256 or 512 bytes of an fp8 row, one 128-value
+        # scale group a chunk, and no tile is split.
+        RC: tl.constexpr = BLOCK_R * CHUNKS
+        chunk = tl.arange(0, RC) % CHUNKS   # each stacked row's chunk
+        # SWAP: the weights as the MMA's A operand ([RC, 16] = W . a^T), so that 64
+        # rows make Hopper's wgmma, which reads fp8 from shared memory as it is; else
+        # the token is A ([16, RC] = a . W^T) on mma.sync.
         if SWAP:
-            acc = tl.zeros([BLOCK_R, 16], dtype=tl.float32)
+            acc = tl.zeros([RC, 16], dtype=tl.float32)
         else:
-            acc = tl.zeros([16, BLOCK_R], dtype=tl.float32)
-        for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+            acc = tl.zeros([16, RC], dtype=tl.float32)
+        for k0 in tl.range(0, K, BLOCK_K * CHUNKS, num_stages=STAGES):
+            a = _token_chunks(a_row, k0, K, BLOCK_K, CHUNKS, EVEN_K)   # [16, BLOCK_K]
             k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = k < K
-            a = _first_row(a_row, k, k_ok, EVEN_K)   # [16, BLOCK_K]: row 0 the token
             # (a K mask would cut the loads' vectors to one element, and keep
             # them out of the software pipeline)
             if SWAP:
-                mask = rows_ok[:, None] if EVEN_K else rows_ok[:, None] & k_ok[None, :]
+                mask = rows_ok[:, None] if EVEN_K else rows_ok[:, None] & (chunk[:, None] * BLOCK_K + k[None, :] < K)
                 w = tl.load(w_rows[:, None] + k[None, :], mask=mask, other=0.0)
             else:
-                mask = rows_ok[None, :] if EVEN_K else k_ok[:, None] & rows_ok[None, :]
+                mask = rows_ok[None, :] if EVEN_K else rows_ok[None, :] & (chunk[None, :] * BLOCK_K + k[:, None] < K)
                 w = tl.load(w_rows[None, :] + k[:, None], mask=mask, other=0.0)
-            if QUANT:   # this K step's scales, promoted into fp32 sums
-                scale = tl.load(qs_ptr + k0 // 128) * tl.load(s_rows + (k0 // 128) * stride_sk,
-                                                              mask=rows_ok, other=0.0)
+            if QUANT:   # each chunk's scales (its 128-K group), promoted into fp32 sums
+                group = (k0 + chunk * BLOCK_K) // 128
+                scale = tl.load(qs_ptr + group) * tl.load(s_rows + group * stride_sk, mask=rows_ok, other=0.0)
                 if SWAP:
                     acc += tl.dot(w, tl.trans(a)) * scale[:, None]
                 else:
@@ -153,17 +164,21 @@ if HAS_TRITON:
                 acc = tl.dot(w, tl.trans(a), acc, input_precision=PRECISION)
             else:
                 acc = tl.dot(a, w, acc, input_precision=PRECISION)
-        if SWAP:   # the token's column
-            v = tl.sum(tl.where(tl.arange(0, 16)[None, :] == 0, acc, 0.0), axis=1)
-        else:   # its row
-            v = tl.sum(tl.where(tl.arange(0, 16)[:, None] == 0, acc, 0.0), axis=0)
+        # Row (r, c)'s sum is in the token tile's column (SWAP) or row c.
+        if SWAP:
+            v = tl.sum(tl.where(tl.arange(0, 16)[None, :] == chunk[:, None], acc, 0.0), axis=1)
+        else:
+            v = tl.sum(tl.where(tl.arange(0, 16)[:, None] == chunk[None, :], acc, 0.0), axis=0)
+        if CHUNKS > 1:   # (row r's chunks, one after another)
+            v = tl.sum(tl.reshape(v, [BLOCK_R, CHUNKS]), axis=1)
         return v
         # <<< book: two-phase-k-loop
 
     @kernel
     def _gate_up_unit(unit, x_ptr, w1_ptr, h_ptr, q_ptr, qs_ptr, topk_ids_ptr, w1_scale_ptr, num_experts, D, F,
                       stride_x, stride_w1e, stride_w1n, stride_s1e, stride_s1n, stride_s1k,
-                      TOP_K: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr, QUANT: tl.constexpr,
+                      TOP_K: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr, CHUNKS: tl.constexpr,
+                      QUANT: tl.constexpr,
                       ID_CHECK: tl.constexpr, STAGES: tl.constexpr, ROUND: tl.constexpr, PRECISION: tl.constexpr,
                       EVEN_K: tl.constexpr, SWAP: tl.constexpr):
         # >>> book: two-phase-gate-up
@@ -184,14 +199,17 @@ if HAS_TRITON:
             a_row = q_ptr
         else:
             a_row = x_ptr + token * stride_x
-        # One tile of the slice's gate rows, then as many up rows (F further on)
-        i = tl.arange(0, 2 * BLOCK_F)
-        tile_rows = (unit % slices) * BLOCK_F + i % BLOCK_F + tl.where(i < BLOCK_F, 0, F)
-        tile_ok = (unit % slices) * BLOCK_F + i % BLOCK_F < F
-        w_rows = w1_ptr + expert * stride_w1e + tile_rows.to(tl.int64) * stride_w1n
+        # One tile of the slice's gate rows, then as many up rows (F further on),
+        # each row's CHUNKS chunks a stacked row (r, c): r = i // CHUNKS, c = i % CHUNKS
+        i = tl.arange(0, 2 * BLOCK_F * CHUNKS)
+        f_row = (unit % slices) * BLOCK_F + (i // CHUNKS) % BLOCK_F
+        tile_rows = f_row + tl.where(i // CHUNKS < BLOCK_F, 0, F)
+        tile_ok = (f_row < F) & ((i % CHUNKS) * BLOCK_K < D)
+        w_rows = (w1_ptr + expert * stride_w1e + tile_rows.to(tl.int64) * stride_w1n
+                  + (i % CHUNKS) * BLOCK_K)
         s_rows = w1_scale_ptr + expert * stride_s1e + (tile_rows // 128) * stride_s1n
         v = _rows_times_token(w_rows, tile_ok, a_row, D, s_rows, stride_s1k, qs_ptr,
-                              2 * BLOCK_F, BLOCK_K, QUANT, STAGES, PRECISION, EVEN_K, SWAP)
+                              2 * BLOCK_F, BLOCK_K, CHUNKS, QUANT, STAGES, PRECISION, EVEN_K, SWAP)
         g, u = tl.split(tl.permute(tl.reshape(v, [2, BLOCK_F]), [1, 0]))
         h = _rounded(g / (1.0 + tl.exp(-g)) * u, ROUND)   # as the two-GEMM path stores h
         h = tl.where(known, h, 0.0)
@@ -204,6 +222,7 @@ if HAS_TRITON:
                    topk_weights_ptr, topk_ids_ptr, w2_scale_ptr, num_experts, D, F, stride_w2e, stride_w2n,
                    stride_out, stride_add, stride_s2e, stride_s2n, stride_s2k,
                    TOP_K: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
+                   CHUNKS: tl.constexpr,
                    QUANT: tl.constexpr, STAGES: tl.constexpr, HAS_ADD: tl.constexpr, PRECISION: tl.constexpr,
                    EVEN_K: tl.constexpr, SWAP: tl.constexpr):
         # >>> book: two-phase-down
@@ -231,10 +250,14 @@ if HAS_TRITON:
             a_row = q_ptr
         else:
             a_row = h_row
-        w_rows = w2_ptr + expert * stride_w2e + cols.to(tl.int64) * stride_w2n
-        s_rows = w2_scale_ptr + expert * stride_s2e + (cols // 128) * stride_s2n
-        part = _rows_times_token(w_rows, cols_ok, a_row, F, s_rows, stride_s2k, qs_ptr,
-                                 BLOCK_D, BLOCK_K, QUANT, STAGES, PRECISION, EVEN_K, SWAP)
+        i = tl.arange(0, BLOCK_D * CHUNKS)   # stacked rows (r, c), as in GEMM 1's units
+        rows = (unit % row_blocks) * BLOCK_D + i // CHUNKS
+        w_rows = (w2_ptr + expert * stride_w2e + rows.to(tl.int64) * stride_w2n
+                  + (i % CHUNKS) * BLOCK_K)
+        s_rows = w2_scale_ptr + expert * stride_s2e + (rows // 128) * stride_s2n
+        rows_ok = (rows < D) & ((i % CHUNKS) * BLOCK_K < F)
+        part = _rows_times_token(w_rows, rows_ok, a_row, F, s_rows, stride_s2k, qs_ptr,
+                                 BLOCK_D, BLOCK_K, CHUNKS, QUANT, STAGES, PRECISION, EVEN_K, SWAP)
         part *= weight
         # The top-k sum: each unit stores its expert's part of the rows; the
         # last of the token's TOP_K units to arrive adds them, in slot order
@@ -274,7 +297,8 @@ if HAS_TRITON:
         stride_x, stride_w1e, stride_w1n, stride_w2e, stride_w2n, stride_out, stride_add,
         stride_s1e, stride_s1n, stride_s1k, stride_s2e, stride_s2n, stride_s2k,
         TOP_K: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_D: tl.constexpr,
-        BLOCK_K: tl.constexpr, QUANT: tl.constexpr, ID_CHECK: tl.constexpr, STAGES: tl.constexpr,
+        BLOCK_K: tl.constexpr, CHUNKS: tl.constexpr, QUANT: tl.constexpr, ID_CHECK: tl.constexpr,
+        STAGES: tl.constexpr,
         HAS_ADD: tl.constexpr, ROUND: tl.constexpr, PRECISION: tl.constexpr, EVEN_D: tl.constexpr,
         EVEN_F: tl.constexpr, SWAP: tl.constexpr, TIMELINE: tl.constexpr,
     ):
@@ -299,7 +323,7 @@ if HAS_TRITON:
                     ticket, x_ptr, w1_ptr, h_ptr, q_row, qs_row, topk_ids_ptr,
                     w1_scale_ptr, num_experts, D, F, stride_x, stride_w1e,
                     stride_w1n, stride_s1e, stride_s1n, stride_s1k, TOP_K, BLOCK_F,
-                    BLOCK_K, QUANT, ID_CHECK, STAGES, ROUND, PRECISION, EVEN_D, SWAP)
+                    BLOCK_K, CHUNKS, QUANT, ID_CHECK, STAGES, ROUND, PRECISION, EVEN_D, SWAP)
                 # Every thread's stores of h, then one release: a unit that
                 # sees the count sees h.
                 tl.debug_barrier()
@@ -310,7 +334,7 @@ if HAS_TRITON:
                     ready_ptr, out_ptr, add_ptr, topk_weights_ptr, topk_ids_ptr,
                     w2_scale_ptr, num_experts, D, F, stride_w2e, stride_w2n, stride_out,
                     stride_add, stride_s2e, stride_s2n, stride_s2k, TOP_K, BLOCK_F,
-                    BLOCK_D, BLOCK_K, QUANT, STAGES, HAS_ADD, PRECISION, EVEN_F, SWAP)
+                    BLOCK_D, BLOCK_K, CHUNKS, QUANT, STAGES, HAS_ADD, PRECISION, EVEN_F, SWAP)
             if TIMELINE:   # (start, end, SM) of each unit, in ns of the global clock
                 tl.store(timeline_ptr + ticket * 3, started)
                 tl.store(timeline_ptr + ticket * 3 + 1, _now())
@@ -365,6 +389,7 @@ def run_two_phase(hidden_states, w1, w2, topk_weights, topk_ids, *, fmt=UNQUANTI
     weights = topk_weights if topk_weights.is_contiguous() else topk_weights.contiguous()
     ids_flat = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
     note_launch("two_phase.experts", format=fmt.name, **tiles.as_dict())
+    step = tiles.block_k * tiles.k_chunks   # (K values of a weight row a step)
     _two_phase_kernel[grid](
         hidden_states, w1, w2, h, parts, q, q_scales, out, out if add is None else add, weights, ids_flat, counters,
         w1 if w1_scale is None else w1_scale, w2 if w2_scale is None else w2_scale,
@@ -372,9 +397,9 @@ def run_two_phase(hidden_states, w1, w2, topk_weights, topk_ids, *, fmt=UNQUANTI
         hidden_states.stride(0), w1.stride(0), w1.stride(1), w2.stride(0), w2.stride(1), out.stride(0),
         0 if add is None else add.stride(0), *scale_strides(w1_scale), *scale_strides(w2_scale),
         TOP_K=top_k, BLOCK_F=tiles.block_f, BLOCK_D=tiles.block_d,
-        BLOCK_K=tiles.block_k, QUANT=fmt.quantized, ID_CHECK=id_check, STAGES=tiles.num_stages,
+        BLOCK_K=tiles.block_k, CHUNKS=tiles.k_chunks, QUANT=fmt.quantized, ID_CHECK=id_check, STAGES=tiles.num_stages,
         HAS_ADD=add is not None, ROUND=ROUND[_round_to or hidden_states.dtype],
-        PRECISION=dot_precision(hidden_states.dtype), EVEN_D=d % tiles.block_k == 0, EVEN_F=f % tiles.block_k == 0,
+        PRECISION=dot_precision(hidden_states.dtype), EVEN_D=d % step == 0, EVEN_F=f % step == 0,
         SWAP=tiles.swap_ab, TIMELINE=marks is not None and not INTERPRET,
         num_warps=tiles.num_warps, **device_assert_options(id_check))
     return out
