@@ -1,6 +1,6 @@
 """What the two one-launch kernels share (:mod:`moe_kernels.kernels.one_launch`,
 :mod:`moe_kernels.kernels.two_phase`): how a kernel rounds ``h`` to the activations' dtype, the scale
-tensors' strides, and the torch reference of both.
+tensors' strides, the torch reference of both, and the two registers a unit timeline reads.
 
     >>> import torch
     >>> scale_strides(torch.ones(4, 2, 3)), scale_strides(torch.ones(4, 8)), scale_strides(None)
@@ -33,6 +33,18 @@ if HAS_TRITON:
             return bits.to(tl.float32, bitcast=True)
         else:
             return v
+
+    @kernel
+    def _now():
+        """The GPU's global nanosecond clock (for a timeline of units)."""
+        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [tl.program_id(0)], dtype=tl.int64,
+                                         is_pure=False, pack=1)
+
+    @kernel
+    def _sm():
+        """The SM this program runs on."""
+        return tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [tl.program_id(0)], dtype=tl.int32,
+                                         is_pure=False, pack=1)
 
 
 def settled_without_launch(run, hidden_states, w1, w2, topk_weights, topk_ids, *, reference: bool, fmt, w1_scale,

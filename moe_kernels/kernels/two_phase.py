@@ -24,16 +24,13 @@ atomic add each:
    sum costs no launch and no atomic add of values, and gives the same bits whichever unit arrives
    last.
 
-Every weight row is read whole and contiguous, once per assignment (once per expert at one token:
-two tokens on one expert read it twice, where the two GEMMs put them in one block); the units are
-small (a Qwen3 GEMM 1 unit of 32 + 32 rows is 128 KB of fp8), so the tickets spread them evenly. A
-program waits only for units already held by running programs (every GEMM 1 ticket is handed out
-before the first GEMM 2 ticket), so the wait ends however the GPU schedules programs. Waiting for
-the unit's own assignment rather than for all of GEMM 1 lets the first assignments' GEMM 2 units run
-while the last GEMM 1 units finish: up to 9% faster at 2-8 tokens on an H100, where asking L2 for the
-GEMM 2 unit's weights before its wait was up to 12% slower and counters that the last program resets
-(no zero fill before the launch) were within 2% either way (``two-phase-variants-s38.json``, the
-lower of two tiles each; Chapter 10's Table 10.5).
+Every weight row is read whole, once per assignment (two tokens on one expert read it twice); the
+units are small (a Qwen3 GEMM 1 unit of 32 + 32 rows: 128 KB of fp8), so the tickets spread them
+evenly. A program waits only for units held by running programs (every GEMM 1 ticket is handed out
+before the first GEMM 2 ticket), so the wait ends however the GPU schedules programs. Waiting for the
+unit's own assignment, not all of GEMM 1, was up to 9% faster at 2-8 tokens on an H100; an L2
+prefetch of a GEMM 2 unit's weights before its wait, up to 12% slower; counters reset by the last
+program (no zero fill), within 2% (``two-phase-variants-s38.json``; Chapter 10's Table 10.5).
 
 Both units run one K loop (:func:`_rows_times_token`): a tile of weight rows (a GEMM 1 unit's gate
 rows and as many up rows, or a GEMM 2 unit's output rows) times the token's row. A tensor-core
@@ -43,16 +40,16 @@ which Triton 3.6 runs on ``mma.sync``, and which on Hopper take fp8 only after c
 of values to fp16 (``cvt.rn.f16x2.e4m3x2``: a conversion per weight element, on the CUDA cores).
 With ``swap_ab`` the weights are A (``2 * block_f`` or ``block_d`` rows on M) and the token is
 column 0 of B: 64-row tiles make Hopper's ``wgmma``, which reads both operands from shared memory as
-they are, fp8 included.
+they are, fp8 included. With ``k_chunks`` > 1 a step reads that many chunks of ``block_k`` values of
+each weight row, stacked as rows of the tile, and the token's chunks fill rows 1, 2, .. of its tile:
+an fp8 step then reads 256 or 512 bytes of a row, each chunk with its own 128-value scale group.
 
 fp8 block weights run W8A8 with the two-GEMM path's quantisation: each unit first quantises its
-token's row (``x`` in GEMM 1, ``h`` in GEMM 2) in 1 x 128 groups (the scale ``amax / 448``,
-:mod:`moe_kernels.kernels.quant`) into its program's scratch row, so no quantiser launch precedes
-the kernel; the K loop then only copies (the token's row from the scratch or ``h``, the weight
-tiles, the scales: all in the software pipeline) and multiplies, promoting each 128-K step by its
-scales. The version that quantised each K step's 128 values in the loop (a reduction across warps,
-and the operand stored to shared memory, each step) stalled on barriers and ran fp8 at 0.85-0.92
-times the two GEMMs' speed at 1-4 tokens (``two-phase-ab-parts-s37.json``; the notes' session 37).
+token's row (``x`` or ``h``) in 1 x 128 groups (:mod:`moe_kernels.kernels.quant`'s scale, ``amax /
+448``) into its program's scratch row, so no quantiser launch precedes the kernel, and the K loop
+only copies (all in the software pipeline) and multiplies, promoting each 128-K group by its scales.
+Quantising each step's 128 values in the loop instead stalled on barriers: 0.85-0.92 times the two
+GEMMs' speed at 1-4 tokens (``two-phase-ab-parts-s37.json``).
 
     >>> import torch
     >>> from moe_kernels.reference import moe_reference
@@ -91,7 +88,7 @@ def units(num_tokens: int, top_k: int, d: int, f: int, tiles: OneLaunchTiles) ->
 
 
 if HAS_TRITON:
-    from ._one_launch_parts import _rounded
+    from ._one_launch_parts import _now, _rounded, _sm
 
     @kernel
     def _quantize_row(src_ptr, n, q_ptr, s_ptr):
@@ -108,31 +105,18 @@ if HAS_TRITON:
             tl.store(s_ptr + group, scale, mask=group * 128 < n)
 
     @kernel
-    def _token_chunks(row_ptr, k0, K, BLOCK_K: tl.constexpr, CHUNKS: tl.constexpr, EVEN_K: tl.constexpr):
-        """A 16-row MMA operand ``[16, BLOCK_K]`` whose row ``c < CHUNKS`` is the token's values
-        ``k0 + c * BLOCK_K ..`` and the other rows zeros (loaded as such: the software pipeline
-        copies it like the weights)."""
-        row = tl.arange(0, 16)[:, None]
-        k = k0 + (row % CHUNKS) * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]   # (rows past CHUNKS: masked)
-        mask = row < CHUNKS if EVEN_K else (row < CHUNKS) & (k < K)
-        return tl.load(row_ptr + k, mask=mask, other=0.0)
-
-    @kernel
     def _rows_times_token(w_rows, rows_ok, a_row, K, s_rows, stride_sk, qs_ptr, BLOCK_R: tl.constexpr,
                           BLOCK_K: tl.constexpr, CHUNKS: tl.constexpr, QUANT: tl.constexpr, STAGES: tl.constexpr,
                           PRECISION: tl.constexpr, EVEN_K: tl.constexpr, SWAP: tl.constexpr):
-        """``[BLOCK_R]`` fp32: each weight row dotted with the token's row ``a_row`` over ``K``. The
-        ``BLOCK_R * CHUNKS`` stacked rows ``(r, c)`` (``w_rows``: pointers to each row's chunk ``c``,
-        at ``c * BLOCK_K``; ``rows_ok``) are read ``BLOCK_K`` values a step; fp8 promotes each
-        128-K group by its scales (``s_rows``: each stacked row's weight scale at the first K group;
+        """``[BLOCK_R]`` fp32: each weight row dotted with the token's row ``a_row`` over ``K``, read as
+        ``BLOCK_R * CHUNKS`` stacked rows ``(r, c)`` (``w_rows``: pointers to row r's chunk c; ``rows_ok``);
+        fp8 promotes each 128-K group by its scales (``s_rows``: each stacked row's at the first K group;
         ``qs_ptr``: the token's)."""
         # >>> book: two-phase-k-loop
-        # A step reads CHUNKS chunks of BLOCK_K values of every weight row, one after
-        # another in memory, as rows of one weight tile (row (r, c): row r's chunk
-        # c); row c of the token tile is the token's chunk c. Entry ((r, c), c) of
-        # their product is row r's partial sum, and each chunk keeps its own fp8
-        # scales: so a step can read 256 or 512 bytes of an fp8 row, one 128-value
-        # scale group a chunk, and no tile is split.
+        # A step reads CHUNKS chunks of BLOCK_K values of every weight row as rows of
+        # one tile (row (r, c): row r's chunk c); row c of the token tile is its chunk
+        # c. Entry ((r, c), c) of their product is row r's partial sum over chunk c,
+        # and each chunk keeps its own fp8 scales (no tile is split).
         RC: tl.constexpr = BLOCK_R * CHUNKS
         chunk = tl.arange(0, RC) % CHUNKS   # each stacked row's chunk
         # SWAP: the weights as the MMA's A operand ([RC, 16] = W . a^T), so that 64
@@ -142,20 +126,33 @@ if HAS_TRITON:
             acc = tl.zeros([RC, 16], dtype=tl.float32)
         else:
             acc = tl.zeros([16, RC], dtype=tl.float32)
+        t = tl.arange(0, 16)[:, None]   # the token tile's rows
         for k0 in tl.range(0, K, BLOCK_K * CHUNKS, num_stages=STAGES):
-            a = _token_chunks(a_row, k0, K, BLOCK_K, CHUNKS, EVEN_K)   # [16, BLOCK_K]
+            # The token tile: row c < CHUNKS its chunk c, the others zeros (loaded as
+            # such: the software pipeline copies it like the weights).
+            kt = k0 + (t % CHUNKS) * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
+            a_ok = t < CHUNKS
             k = k0 + tl.arange(0, BLOCK_K)
             # (a K mask would cut the loads' vectors to one element, and keep
-            # them out of the software pipeline)
+            # them out of the software pipeline: none where K divides)
             if SWAP:
-                mask = rows_ok[:, None] if EVEN_K else rows_ok[:, None] & (chunk[:, None] * BLOCK_K + k[None, :] < K)
-                w = tl.load(w_rows[:, None] + k[None, :], mask=mask, other=0.0)
+                w_ok = rows_ok[:, None]
+                if not EVEN_K:   # (chunk c's values start at k0 + c * BLOCK_K)
+                    w_ok = w_ok & (chunk[:, None] * BLOCK_K + k[None, :] < K)
+                w_ptrs = w_rows[:, None] + k[None, :]
             else:
-                mask = rows_ok[None, :] if EVEN_K else rows_ok[None, :] & (chunk[None, :] * BLOCK_K + k[:, None] < K)
-                w = tl.load(w_rows[None, :] + k[:, None], mask=mask, other=0.0)
+                w_ok = rows_ok[None, :]
+                if not EVEN_K:
+                    w_ok = w_ok & (chunk[None, :] * BLOCK_K + k[:, None] < K)
+                w_ptrs = w_rows[None, :] + k[:, None]
+            if not EVEN_K:
+                a_ok = a_ok & (kt < K)
+            a = tl.load(a_row + kt, mask=a_ok, other=0.0)
+            w = tl.load(w_ptrs, mask=w_ok, other=0.0)
             if QUANT:   # each chunk's scales (its 128-K group), promoted into fp32 sums
                 group = (k0 + chunk * BLOCK_K) // 128
-                scale = tl.load(qs_ptr + group) * tl.load(s_rows + group * stride_sk, mask=rows_ok, other=0.0)
+                w_scale = tl.load(s_rows + group * stride_sk, mask=rows_ok, other=0.0)
+                scale = tl.load(qs_ptr + group) * w_scale
                 if SWAP:
                     acc += tl.dot(w, tl.trans(a)) * scale[:, None]
                 else:
@@ -166,9 +163,9 @@ if HAS_TRITON:
                 acc = tl.dot(a, w, acc, input_precision=PRECISION)
         # Row (r, c)'s sum is in the token tile's column (SWAP) or row c.
         if SWAP:
-            v = tl.sum(tl.where(tl.arange(0, 16)[None, :] == chunk[:, None], acc, 0.0), axis=1)
+            v = tl.sum(tl.where(t.T == chunk[:, None], acc, 0.0), axis=1)
         else:
-            v = tl.sum(tl.where(tl.arange(0, 16)[:, None] == chunk[None, :], acc, 0.0), axis=0)
+            v = tl.sum(tl.where(t == chunk[None, :], acc, 0.0), axis=0)
         if CHUNKS > 1:   # (row r's chunks, one after another)
             v = tl.sum(tl.reshape(v, [BLOCK_R, CHUNKS]), axis=1)
         return v
@@ -278,17 +275,6 @@ if HAS_TRITON:
             row = row.to(out_ptr.dtype.element_ty)
             tl.store(out_ptr + token * stride_out + cols, row, mask=cols_ok)
         # <<< book: two-phase-down
-
-    @kernel
-    def _now():
-        """The GPU's global nanosecond clock (for the timeline)."""
-        return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [tl.program_id(0)], dtype=tl.int64,
-                                         is_pure=False, pack=1)
-
-    @kernel
-    def _sm():
-        return tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [tl.program_id(0)], dtype=tl.int32,
-                                         is_pure=False, pack=1)
 
     @kernel(do_not_specialize=["num_tokens"])
     def _two_phase_kernel(
