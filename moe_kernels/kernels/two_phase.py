@@ -199,14 +199,14 @@ if HAS_TRITON:
         # One tile of the slice's gate rows, then as many up rows (F further on),
         # each row's CHUNKS chunks a stacked row (r, c): r = i // CHUNKS, c = i % CHUNKS
         i = tl.arange(0, 2 * BLOCK_F * CHUNKS)
-        f_row = (unit % slices) * BLOCK_F + (i // CHUNKS) % BLOCK_F
-        tile_rows = f_row + tl.where(i // CHUNKS < BLOCK_F, 0, F)
-        tile_ok = (f_row < F) & ((i % CHUNKS) * BLOCK_K < D)
-        w_rows = (w1_ptr + expert * stride_w1e + tile_rows.to(tl.int64) * stride_w1n
-                  + (i % CHUNKS) * BLOCK_K)
+        r, chunk_start = i // CHUNKS, (i % CHUNKS) * BLOCK_K
+        f_row = (unit % slices) * BLOCK_F + r % BLOCK_F
+        tile_rows = (f_row + tl.where(r < BLOCK_F, 0, F)).to(tl.int64)
+        tile_ok = (f_row < F) & (chunk_start < D)
+        w_rows = w1_ptr + expert * stride_w1e + tile_rows * stride_w1n + chunk_start
         s_rows = w1_scale_ptr + expert * stride_s1e + (tile_rows // 128) * stride_s1n
-        v = _rows_times_token(w_rows, tile_ok, a_row, D, s_rows, stride_s1k, qs_ptr,
-                              2 * BLOCK_F, BLOCK_K, CHUNKS, QUANT, STAGES, PRECISION, EVEN_K, SWAP)
+        v = _rows_times_token(w_rows, tile_ok, a_row, D, s_rows, stride_s1k, qs_ptr, 2 * BLOCK_F,
+                              BLOCK_K, CHUNKS, QUANT, STAGES, PRECISION, EVEN_K, SWAP)
         g, u = tl.split(tl.permute(tl.reshape(v, [2, BLOCK_F]), [1, 0]))
         h = _rounded(g / (1.0 + tl.exp(-g)) * u, ROUND)   # as the two-GEMM path stores h
         h = tl.where(known, h, 0.0)
@@ -248,13 +248,13 @@ if HAS_TRITON:
         else:
             a_row = h_row
         i = tl.arange(0, BLOCK_D * CHUNKS)   # stacked rows (r, c), as in GEMM 1's units
-        rows = (unit % row_blocks) * BLOCK_D + i // CHUNKS
-        w_rows = (w2_ptr + expert * stride_w2e + rows.to(tl.int64) * stride_w2n
-                  + (i % CHUNKS) * BLOCK_K)
+        rows = ((unit % row_blocks) * BLOCK_D + i // CHUNKS).to(tl.int64)
+        chunk_start = (i % CHUNKS) * BLOCK_K
+        w_rows = w2_ptr + expert * stride_w2e + rows * stride_w2n + chunk_start
         s_rows = w2_scale_ptr + expert * stride_s2e + (rows // 128) * stride_s2n
-        rows_ok = (rows < D) & ((i % CHUNKS) * BLOCK_K < F)
-        part = _rows_times_token(w_rows, rows_ok, a_row, F, s_rows, stride_s2k, qs_ptr,
-                                 BLOCK_D, BLOCK_K, CHUNKS, QUANT, STAGES, PRECISION, EVEN_K, SWAP)
+        rows_ok = (rows < D) & (chunk_start < F)
+        part = _rows_times_token(w_rows, rows_ok, a_row, F, s_rows, stride_s2k, qs_ptr, BLOCK_D,
+                                 BLOCK_K, CHUNKS, QUANT, STAGES, PRECISION, EVEN_K, SWAP)
         part *= weight
         # The top-k sum: each unit stores its expert's part of the rows; the
         # last of the token's TOP_K units to arrive adds them, in slot order
