@@ -126,10 +126,8 @@ if HAS_TRITON:
             acc = tl.zeros([RC, 16], dtype=tl.float32)
         else:
             acc = tl.zeros([16, RC], dtype=tl.float32)
-        t = tl.arange(0, 16)[:, None]   # the token tile's rows
+        t = tl.arange(0, 16)[:, None]   # the token tile's rows (past CHUNKS: loaded zeros)
         for k0 in tl.range(0, K, BLOCK_K * CHUNKS, num_stages=STAGES):
-            # The token tile: row c < CHUNKS its chunk c, the others zeros (loaded as
-            # such: the software pipeline copies it like the weights).
             kt = k0 + (t % CHUNKS) * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
             a_ok = t < CHUNKS
             k = k0 + tl.arange(0, BLOCK_K)
@@ -205,8 +203,9 @@ if HAS_TRITON:
         tile_ok = (f_row < F) & (chunk_start < D)
         w_rows = w1_ptr + expert * stride_w1e + tile_rows * stride_w1n + chunk_start
         s_rows = w1_scale_ptr + expert * stride_s1e + (tile_rows // 128) * stride_s1n
-        v = _rows_times_token(w_rows, tile_ok, a_row, D, s_rows, stride_s1k, qs_ptr, 2 * BLOCK_F,
-                              BLOCK_K, CHUNKS, QUANT, STAGES, PRECISION, EVEN_K, SWAP)
+        v = _rows_times_token(w_rows, tile_ok, a_row, D, s_rows, stride_s1k, qs_ptr,
+                              2 * BLOCK_F, BLOCK_K, CHUNKS, QUANT, STAGES, PRECISION,
+                              EVEN_K, SWAP)
         g, u = tl.split(tl.permute(tl.reshape(v, [2, BLOCK_F]), [1, 0]))
         h = _rounded(g / (1.0 + tl.exp(-g)) * u, ROUND)   # as the two-GEMM path stores h
         h = tl.where(known, h, 0.0)
