@@ -156,22 +156,25 @@ def test_the_h100_runs_its_own_tables_the_h200s_tiles(model_name, fmt):
         assert h100.entry == h200.entry and dataclasses.replace(h100.config, one_launch=None) == h200.config, batch
 
 
-@pytest.mark.parametrize("model_name, fmt, batches", [("qwen3-30b-a3b", "block", (1, 2)),
-                                                      ("qwen3-30b-a3b", "none", (1, 2)),
-                                                      ("deepseek-v3", "block", ()), ("deepseek-v3", "none", (1,))])
-def test_the_h100_runs_both_gemms_in_one_two_phase_launch_at_a_few_tokens(model_name, fmt, batches):
-    """Sessions 37-38 (two-phase-swap-s38.json, two-phase-variants-s38.json): on the H100 the two-phase one launch,
-    its weights as the MMA's A operand (swap_ab), beat the two GEMMs by more than 3% in two runs at 1-2 Qwen3 tokens
-    in fp8 (31.7 us against 36.2 at one) and bf16, and at one DeepSeek-V3 token in bf16 (the '4' entries, which serve
-    3-5 tokens, were not changed); never in DeepSeek-V3's fp8. Where its table entry says so, the layer's plan runs
-    no alignment (at these batches the naive map: each token's rows their own blocks) and no router alignment; that
-    it quantises nothing first is tests/test_two_phase.py's test."""
+@pytest.mark.parametrize("model_name, fmt, batches, chunked", [("qwen3-30b-a3b", "block", (1, 2, 3, 4, 5), (2, 3, 4, 5)),
+                                                               ("qwen3-30b-a3b", "none", (1, 2), ()),
+                                                               ("deepseek-v3", "block", (), ()),
+                                                               ("deepseek-v3", "none", (1,), ())])
+def test_the_h100_runs_both_gemms_in_one_two_phase_launch_at_a_few_tokens(model_name, fmt, batches, chunked):
+    """Sessions 37-39 (two-phase-swap-s38.json, two-phase-variants-s38.json, two-phase-chunks-*-s39.json): on the
+    H100 the two-phase one launch, its weights as the MMA's A operand (swap_ab), beat the two GEMMs by more than 3% in
+    two runs at 1-2 Qwen3 tokens in fp8 (31.7 us against 36.2 at one) and bf16, and at one DeepSeek-V3 token in bf16;
+    with fp8 steps of two 128-value chunks of a row (k_chunks=2) also at Qwen3's 2 tokens (4.5% over one chunk) and at
+    its '4' entry, which serves 3-5 tokens (1.07-1.14 over the two GEMMs); never in DeepSeek-V3's fp8. Where its
+    table entry says so, the layer's plan runs no alignment (at these batches the naive map: each token's rows their
+    own blocks) and no router alignment; that it quantises nothing first is tests/test_two_phase.py's test."""
     for batch in (1, 2, 3, 4, 5, 8):
         plan = meta_layer(model_name, fmt, "index_gather").plan(batch, device_name="NVIDIA H100 80GB HBM3")
         tiles = plan.choice.config.one_launch
         assert (tiles is not None and tiles.phases == 2 and tiles.swap_ab) == (batch in batches), (batch, tiles)
-        if batch in batches:
-            assert plan.naive_blocks and not plan.gate_alignment, (batch, plan)
+        assert (tiles is not None and tiles.k_chunks == 2) == (batch in chunked), (batch, tiles)
+        if batch in batches:   # (the one launch reads the ids: no block map, aligned or naive, is made)
+            assert not plan.gate_alignment and runs_in_one_launch(plan.config, plan.format), (batch, plan)
     for batch in (1, 2, 4):   # (the H200 has not measured it: its tables keep the two GEMMs)
         assert meta_layer(model_name, fmt, "index_gather").plan(batch, device_name="NVIDIA H200").choice.config \
             .one_launch is None

@@ -151,7 +151,8 @@ def test_a_table_entry_meets_channel_fp8_with_its_two_gemms():
 
 def test_a_layer_running_it_quantises_nothing_first():
     """fp8: the two-phase kernel quantises x itself, so the layer hands the experts no activations of its own (with
-    the two GEMMs, or a shared expert apart, it quantises once for all of them)."""
+    the two GEMMs, or a shared expert apart, it quantises once for all of them); and it reads the routing's ids, so
+    where vLLM's rule would align the rows the layer runs no alignment."""
     from unittest import mock
 
     from moe_kernels import layer as layer_module
@@ -166,5 +167,12 @@ def test_a_layer_running_it_quantises_nothing_first():
                           one_launch=dataclasses.replace(SMALL, block_k=128))
     for config, quantised in ((two_phase, False), (dataclasses.replace(two_phase, one_launch=None), True)):
         with mock.patch.object(layer_module, "run_experts", wraps=layer_module.run_experts) as spy:
-            layer(x, config=config)
+            with record_launches() as launches:
+                layer(x, config=config)
         assert (spy.call_args.kwargs["activations"] is not None) == quantised, config
+        # (8 of 16 experts: vLLM's rule would align this token's rows; the one launch reads the ids, no block map)
+        names = [name for name, _ in launches]
+        if not quantised:   # (under the interpreter fp8 runs the kernel's torch reference: no launch to see)
+            assert spy.call_args.kwargs["naive"] is False and spy.call_args.kwargs["blocks"] is None
+            assert ("two_phase.experts" in names or not ON_GPU) and not any(
+                n.startswith(("align.", "chained_routing.align")) for n in names), names
