@@ -166,9 +166,9 @@ def test_the_h100_runs_both_gemms_in_one_two_phase_launch_at_a_few_tokens(model_
     two runs at 1-2 Qwen3 tokens in fp8 (31.7 us against 36.2 at one) and bf16, and at one DeepSeek-V3 token in bf16;
     with fp8 steps of two 128-value chunks of a row (k_chunks=2) also at Qwen3's 2 tokens (4.5% over one chunk) and at
     its '4' entry, which serves 3-5 tokens (1.07-1.14 over the two GEMMs), and in bf16 at Qwen3's '4' (1.05-1.11, one
-    chunk); never in DeepSeek-V3's fp8. Where its
-    table entry says so, the layer's plan runs no alignment (at these batches the naive map: each token's rows their
-    own blocks) and no router alignment; that it quantises nothing first is tests/test_two_phase.py's test."""
+    chunk); never in DeepSeek-V3's fp8. Where its table entry says so, the layer's plan has the router align nothing,
+    and the experts make no block map (the one launch reads the routing's ids; at 5 tokens vLLM's rule would have
+    aligned them); that the layer then aligns and quantises nothing first is tests/test_two_phase.py's test."""
     for batch in (1, 2, 3, 4, 5, 8):
         plan = meta_layer(model_name, fmt, "index_gather").plan(batch, device_name="NVIDIA H100 80GB HBM3")
         tiles = plan.choice.config.one_launch

@@ -54,7 +54,7 @@ def test_random_shapes(seed, phases):
         tiles = OneLaunchTiles(rnd.choice([16, 32]), rnd.choice([16, 32, 64]), 4, rnd.choice([1, 2, 3]), phases=2,
                                block_k=rnd.choice([16, 32, 64]), programs_per_sm=rnd.choice([1, 4]),
                                swap_ab=seed % 2 == 1,   # (the weights as the MMA's A operand, or the token)
-                               k_chunks=rnd.choice([1, 2, 4]))   # (steps past K, and chunks starting past it)
+                               k_chunks=rnd.choice([1, 2, 4]))   # (more cases: test_two_phase.py)
     check(problem, dtype, tiles)
 
 

@@ -76,6 +76,33 @@ def test_bad_tiles_are_named(changes, message):
         dataclasses.replace(SMALL, swap_ab=1)
 
 
+@pytest.mark.parametrize("swap_ab", [False, True])
+@pytest.mark.parametrize("d, f, chunks", [(64, 32, 2), (96, 40, 2), (48, 24, 4), (40, 40, 16)])
+def test_steps_in_chunks(swap_ab, d, f, chunks):
+    """``k_chunks``: each step's chunks of a weight row stacked as rows of one tile, the token's chunks as rows of its
+    tile. Against the float64 reference where K divides the step (64 = 2 x 32) and where it does not: a last step
+    whose later chunks start past K (96 = 2 x 32 + 32; 40 < 16 x 16)."""
+    hidden, w1, w2, weights, ids = make_problem(5, 6, 3, d, f, seed=d + chunks)
+    tiles = dataclasses.replace(SMALL, block_k=32 if d % 32 == 0 else 16, k_chunks=chunks, swap_ab=swap_ab)
+    out = one_launch_experts(hidden, w1, w2, weights, ids, tiles=tiles)
+    assert rel_err(out, moe_reference(hidden, w1, w2, weights, ids)) < 1e-5
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (fp8 runs the torch reference under the interpreter)")
+@pytest.mark.parametrize("d, f", [(384, 128), (128, 384)])
+def test_fp8_chunks_past_k_read_no_scale_gpu(d, f):
+    """fp8 steps of two chunks where K (384) is no multiple of 256: the last step's second chunk lies past K, and its
+    scale group does not exist. It must read none (a NaN in the scratch or past the scales would poison the row: 0 x
+    NaN), and match the W8A8 reference as one chunk does."""
+    hidden, w1, w2, weights, ids = make_problem(3, 4, 2, d, f, torch.bfloat16, seed=11)
+    (q1, s1), (q2, s2) = FORMATS["block"].quantize_weight(w1), FORMATS["block"].quantize_weight(w2)
+    ref = two_phase_reference(hidden, q1, q2, weights, ids, fmt=FORMATS["block"], w1_scale=s1, w2_scale=s2).double()
+    for chunks in (1, 2):
+        tiles = OneLaunchTiles(16, 64, 4, 3, phases=2, block_k=128, swap_ab=True, k_chunks=chunks)
+        out = one_launch_experts(hidden, q1, q2, weights, ids, tiles=tiles, w1_scale=s1, w2_scale=s2)
+        assert torch.isfinite(out).all() and rel_err(out, ref) < 2e-2, chunks
+
+
 def test_config_round_trip():
     config = MoEConfig(16, GemmTiles(16, 16), GemmTiles(16, 16), one_launch=SMALL)
     assert MoEConfig.from_dict(config.to_dict()) == config and config.to_dict()["one_launch"]["phases"] == 2

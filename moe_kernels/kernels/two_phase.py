@@ -131,8 +131,7 @@ if HAS_TRITON:
             kt = k0 + (t % CHUNKS) * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
             a_ok = t < CHUNKS
             k = k0 + tl.arange(0, BLOCK_K)
-            # (a K mask would cut the loads' vectors to one element, and keep
-            # them out of the software pipeline: none where K divides)
+            # (no K mask where K divides: it cuts loads to one element, out of the pipeline)
             if SWAP:
                 w_ok = rows_ok[:, None]
                 if not EVEN_K:   # (chunk c's values start at k0 + c * BLOCK_K)
@@ -148,9 +147,10 @@ if HAS_TRITON:
             a = tl.load(a_row + kt, mask=a_ok, other=0.0)
             w = tl.load(w_ptrs, mask=w_ok, other=0.0)
             if QUANT:   # each chunk's scales (its 128-K group), promoted into fp32 sums
-                group = (k0 + chunk * BLOCK_K) // 128
-                w_scale = tl.load(s_rows + group * stride_sk, mask=rows_ok, other=0.0)
-                scale = tl.load(qs_ptr + group) * w_scale
+                group = (k0 + chunk * BLOCK_K) // 128   # (past K: no scale, and 0 not NaN)
+                g_ok = rows_ok if EVEN_K else rows_ok & (k0 + chunk * BLOCK_K < K)
+                scale = tl.load(s_rows + group * stride_sk, mask=g_ok, other=0.0)
+                scale *= tl.load(qs_ptr + group, mask=g_ok | EVEN_K, other=0.0)
                 if SWAP:
                     acc += tl.dot(w, tl.trans(a)) * scale[:, None]
                 else:
