@@ -106,7 +106,8 @@ def shared_bytes(gated: bool, block_n: int, block_k: int, stages: int, element_s
 
 def candidates(gated: bool, element_size: int) -> list[dict]:
     """The tiles to time: BLOCK_N 32-256 (GEMM 1's tuned decode tiles are 32-64 wide, two of them),
-    BLOCK_K 128 and 256, 4 and 8 warps, 3-5 stages, with the MMA; and a few without it."""
+    BLOCK_K 128 and 256 (and 512 for one-byte weights), 4 and 8 warps, 3-5 stages, with the MMA; and a few
+    without it (TILE_READ_N, TILE_READ_WARPS and TILE_READ_STAGES narrow them)."""
     out = []
     k_steps = (128, 256, 512) if element_size == 1 else (128, 256)   # (fp8: 128, 256 or 512 bytes of a row a step)
     warp_counts = tuple(int(v) for v in os.environ.get("TILE_READ_WARPS", "4,8").split(","))

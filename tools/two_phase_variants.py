@@ -11,10 +11,11 @@ Variants (``TWO_PHASE_VARIANTS``, a comma list; default the first two): ``token 
 operand: 16-row tiles on mma.sync, which converts fp8 to fp16 first), ``swap_ab`` (the weights as A: tiles of 64 rows
 or more run on Hopper's wgmma, fp8 read from shared memory as it is; fewer rows stay on mma.sync), and ``swap_ab 2
 chunks`` / ``swap_ab 4 chunks`` (``k_chunks``: each step reads 2 or 4 chunks of ``block_k`` values of every row).
-``TWO_PHASE_UNITS=0`` keeps only the timelines' summaries. A GEMM 2 unit's bar in a timeline includes its wait for h. The batches are
-``bench.problems.tool_batch``'s (routed with the seed ``batch``; session 38's records used ``1 + batch``). Session
-38's first run measured three more (a GEMM 2 unit waiting for all of GEMM 1, an L2 prefetch of its weights before
-the wait, self-resetting counters): ``two-phase-variants-s38.json``.
+``TWO_PHASE_UNITS=0`` keeps only the timelines' summaries. A GEMM 2 unit's bar in a timeline includes its wait for
+h; a variant that failed (out of shared memory, say) gets no timeline. The batches are ``bench.problems.tool_batch``'s
+(routed with the seed ``batch``; session 38's records used ``1 + batch``). Session 38's first run measured three more
+(a GEMM 2 unit waiting for all of GEMM 1, an L2 prefetch of its weights before the wait, self-resetting counters):
+``two-phase-variants-s38.json``.
 
     PYTHONPATH=. python tools/two_phase_variants.py [models] [batches] [formats] [tiles] [name]
     # tiles as f,d,w,s,p;... (default 32,64,4,4,2;32,64,4,4,4); records results/<device>/<name>.json
@@ -46,7 +47,10 @@ TILES = [OneLaunchTiles(f, d, w, s, phases=2, programs_per_sm=p)
          for f, d, w, s, p in (tuple(int(v) for v in spec.split(",")) for spec in tile_specs.split(";"))]
 ALL_VARIANTS = {"token A": dict(swap_ab=False), "swap_ab": dict(swap_ab=True),
                 "swap_ab 2 chunks": dict(swap_ab=True, k_chunks=2), "swap_ab 4 chunks": dict(swap_ab=True, k_chunks=4)}
-VARIANTS = {v: ALL_VARIANTS[v] for v in os.environ.get("TWO_PHASE_VARIANTS", "token A,swap_ab").split(",")}
+VARIANTS = {v: ALL_VARIANTS.get(v) for v in os.environ.get("TWO_PHASE_VARIANTS", "token A,swap_ab").split(",")}
+if None in VARIANTS.values():
+    raise SystemExit(f"TWO_PHASE_VARIANTS: {sorted(v for v, c in VARIANTS.items() if c is None)} unknown; "
+                     f"variants are {sorted(ALL_VARIANTS)}")
 KEEP_UNITS = os.environ.get("TWO_PHASE_UNITS", "1") != "0"   # (0: the timelines' summaries only)
 if device == "cpu":
     TILES = [OneLaunchTiles(16, 32, 4, 1, phases=2, block_k=128, programs_per_sm=1)]
@@ -125,6 +129,8 @@ for fname in formats:
                     n1, n2 = two_phase.units(batch, k, d, f, tiles)
                     tag = tag_of(tiles)
                     for vname, variant in VARIANTS.items():
+                        if f"{tag} {vname}" in errors:
+                            continue
                         summary, units = timeline(lambda t=dataclasses.replace(tiles, **variant): one_launch_experts(
                             x, w1, w2, weights, ids, tiles=t, validate_ids=False, **scales), n1, n2)
                         row["timelines"][f"{tag} {vname}"] = {"summary": summary, "n1": n1, "n2": n2,

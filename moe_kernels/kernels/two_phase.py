@@ -41,7 +41,7 @@ of values to fp16 (``cvt.rn.f16x2.e4m3x2``: a conversion per weight element, on 
 With ``swap_ab`` the weights are A (``2 * block_f`` or ``block_d`` rows on M) and the token is
 column 0 of B: 64-row tiles make Hopper's ``wgmma``, which reads both operands from shared memory as
 they are, fp8 included. With ``k_chunks`` > 1 a step reads that many chunks of ``block_k`` values of
-each weight row, stacked as rows of the tile, and the token's chunks fill rows 1, 2, .. of its tile:
+each weight row, stacked as rows of the tile, and the token's chunks fill rows 0, 1, .. of its tile:
 an fp8 step then reads 256 or 512 bytes of a row, each chunk with its own 128-value scale group.
 
 fp8 block weights run W8A8 with the two-GEMM path's quantisation: each unit first quantises its
