@@ -33,7 +33,7 @@ from __future__ import annotations
 def compile_for_sm90(fn, constants: dict, pointers: dict | None = None, *, scalar: str = "i32",
                      aligned: tuple = (), pointers_aligned: bool = True, **options):
     """``fn`` (a ``@kernel`` function) compiled for sm_90 with ``constants`` (name -> value of each
-    ``tl.constexpr`` argument), ``pointers`` (name -> Triton type: ``"*bf16"``, a tensor
+    ``tl.constexpr`` argument; one left out takes its default), ``pointers`` (name -> Triton type: ``"*bf16"``, a tensor
     descriptor's ``"tensordesc<fp8e4nv[128,128]>"``, or a scalar type such as ``"fp32"``) and the
     launch ``options`` (``num_warps``, ``num_stages``, ``debug``, ...): Triton's compiled kernel,
     whose ``asm`` holds ``"ptx"`` and ``"cubin"``."""
@@ -43,6 +43,9 @@ def compile_for_sm90(fn, constants: dict, pointers: dict | None = None, *, scala
 
     pointers = pointers or {}
     names = fn.arg_names
+    # A constexpr argument left out takes its default, as a launch that leaves it out does.
+    defaults = {p.name: p.default for p in getattr(fn, "params", ()) if p.is_constexpr and p.has_default}
+    constants = {**defaults, **constants}
     signature = {n: "constexpr" if n in constants else pointers.get(n, scalar) for n in names}
     values = {(i,): constants[n] for i, n in enumerate(names) if n in constants}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)

@@ -425,7 +425,8 @@ for case in cases:
     print(" ".join(str(word in ptx) for word in found))
 # GEMM 2 on the naive map with the ids' check (where the layer puts it), with the switches of
 # Qwen3's fp8 one-token GEMM 2: block-scaled fp8, TMA weights, swapped operands, a programmatic
-# dependent; the assert's call is in the code.
+# dependent, each expert's assignments grouped into one block (NAIVE_GROUP); the assert's call is
+# in the code.
 from moe_kernels._runtime import device_assert_options
 pointers = dict(a_ptr="*fp8e4nv", w_ptr="*fp8e4nv", out_ptr="*bf16", topk_weights_ptr="*fp32",
                 sorted_token_ids_ptr="*i64", expert_ids_ptr="*i64", num_tokens_post_padded_ptr="*i64",
@@ -433,7 +434,7 @@ pointers = dict(a_ptr="*fp8e4nv", w_ptr="*fp8e4nv", out_ptr="*bf16", topk_weight
 const = dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, GROUP_M=1, TOP_K=1, NAIVE_BLOCKS=True, DENSE=False, GATED=False,
              MUL_ROUTED_WEIGHT=True, EVEN_K=True, INPUT_PRECISION="tf32", SCALES=1, SUM_TOP_K=0, SPLIT_K=1,
              TMA_W=True, PERSISTENT=0, SCALE_BN=128, SCALE_BK=128, ID_CHECK="topk_ids out of range", SWAP_AB=True,
-             PDL_TRIGGER=False, PDL_WAIT=True, PREFETCH_LINE=64, QUANT_GROUP=0, ROUND_TO="")
+             PDL_TRIGGER=False, PDL_WAIT=True, PREFETCH_LINE=64, QUANT_GROUP=0, ROUND_TO="", NAIVE_GROUP=64)
 ptx = compile_for_sm90(fn, const, pointers, num_warps=4, num_stages=4, launch_pdl=True,
                        **device_assert_options(const["ID_CHECK"])).asm["ptx"]
 print("__assertfail" in ptx, "griddepcontrol.wait" in ptx)

@@ -102,6 +102,52 @@ def test_naive_path_with_repeated_expert():
     check(make_problem(2, 40, 2, 32, 16, torch.float32, seed=8, topk_ids=ids), torch.float32, naive_block_assignment=True)
 
 
+@pytest.mark.skipif(not fm.HAS_TRITON, reason="the grouped naive map is a Triton kernel's")
+def test_naive_map_reads_each_expert_once_per_block():
+    """On the naive map block m is assignment m; ``_naive_group_rows`` gives the first block of
+    each BLOCK_M assignments on one expert all of their rows, and the other blocks none, so that
+    two tokens on one expert read its weights once (here: block_m 2, expert 5 taken four times)."""
+    from moe_kernels._runtime import kernel, tl
+
+    @kernel
+    def rows_of_blocks(ids_ptr, rows_ptr, used_ptr, numel, BLOCK_M: tl.constexpr, GROUP: tl.constexpr):
+        m = tl.program_id(0)
+        rows, in_use = gather_tile._naive_group_rows(ids_ptr, m, numel, BLOCK_M, GROUP)
+        tl.store(rows_ptr + m * BLOCK_M + tl.arange(0, BLOCK_M), rows)
+        tl.store(used_ptr + m, in_use.to(tl.int32))
+
+    ids = torch.tensor([5, 1, 5, 7, 5, 5, 2], dtype=torch.int32, device=DEVICE)
+    rows = torch.empty(7, 2, dtype=torch.int64, device=DEVICE)
+    used = torch.empty(7, dtype=torch.int32, device=DEVICE)
+    rows_of_blocks[(7,)](ids, rows, used, 7, BLOCK_M=2, GROUP=16)
+    assert used.tolist() == [1, 1, 0, 1, 1, 0, 1]
+    pad = 7   # (a row index past the assignments: padding)
+    assert [rows[m].tolist() for m in range(7) if used[m]] == [[0, 2], [1, pad], [3, pad], [4, 5], [6, pad]]
+
+
+def test_naive_map_with_more_assignments_on_an_expert_than_a_block():
+    """40 tokens, top-1, all on expert 2, forced onto the naive map with 16-row blocks: three
+    blocks take 16, 16 and 8 rows; with the top-k sum in GEMM 2 (atomic adds) a row computed twice
+    would count twice."""
+    ids = torch.full((40, 1), 2, dtype=torch.int32)
+    problem = make_problem(40, 4, 1, 32, 16, torch.float32, seed=21, topk_ids=ids)
+    base = config.get_config(40, 4, 16, 32, torch.float32, DEVICE)
+    for summed in (False, True):
+        check(problem, torch.float32, naive_block_assignment=True,
+              config=dataclasses.replace(base, block_m=16, sum_in_gemm=summed))
+
+
+@pytest.mark.skipif(not fm.HAS_TRITON, reason="launch records are the Triton kernels'")
+def test_naive_map_groups_up_to_its_limit():
+    from moe_kernels._runtime import record_launches
+    for tokens, group in ((3, 16), (fm.NAIVE_GROUP_MAX // 2 + 1, 0)):   # (top-2: 6 assignments; 258)
+        hidden, w1, w2, weights, ids = make_problem(tokens, 8, 2, 32, 16, torch.float32, seed=22)
+        with record_launches() as launches:
+            fm.fused_experts(hidden, w1, w2, weights, ids, naive_block_assignment=True)
+        gemms = [settings for name, settings in launches if name == "index_gather.gemm"]
+        assert len(gemms) == 2 and {g["naive_group"] for g in gemms} == {group}
+
+
 def test_no_tokens():
     hidden, w1, w2, weights, ids = make_problem(0, 4, 2, 32, 16, torch.float32, seed=9)
     assert fm.fused_experts(hidden, w1, w2, weights, ids).shape == (0, 32)

@@ -45,17 +45,30 @@ SHARED_BYTES = 227 * 1024
 
 @triton.jit
 def _tile_read(w_ptr, a_ptr, out_ptr, N, K, stride_e, GATED: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, STAGES: tl.constexpr, DOT: tl.constexpr):
+               BLOCK_K: tl.constexpr, STAGES: tl.constexpr, DOT: tl.constexpr, TILED: tl.constexpr = False):
     """Program (n, e): expert e's weight rows for N-tile n of a ``[E, (2 if GATED else 1) * N, K]``
     tensor, read in ``[BLOCK_K, BLOCK_N]`` tiles (and, with ``GATED``, the matching up rows ``N``
     further on), as the GEMM's K loop reads them, ``STAGES`` deep. ``DOT``: each tile goes into a
     ``tl.dot`` with 16 rows of ``a [16, K]`` (one small A tile, the same for every program);
-    otherwise it is summed over K into a ``BLOCK_N`` vector. One float out per program."""
+    otherwise it is summed over K into a ``BLOCK_N`` vector. One float out per program.
+
+    ``TILED``: the same values stored tile by tile (:func:`tiled_copy`), so that each K step reads
+    one contiguous ``BLOCK_N x BLOCK_K`` block (gated: the gate block, then its up block) and a
+    program's whole read is one contiguous run, instead of ``BLOCK_N`` rows ``K`` elements apart."""
     n = tl.program_id(0)   # (the GEMM walks an expert's N-tiles one after another)
     e = tl.program_id(1)
-    rows = n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
-    w_ptrs = w_ptr + e.to(tl.int64) * stride_e + rows[None, :].to(tl.int64) * K + ks[:, None]   # [BLOCK_K, BLOCK_N]
+    if TILED:   # [N / BLOCK_N, K / BLOCK_K, (2,) BLOCK_N, BLOCK_K] per expert
+        parts: tl.constexpr = 2 if GATED else 1
+        start = e.to(tl.int64) * stride_e + n.to(tl.int64) * (parts * BLOCK_N) * K
+        w_ptrs = w_ptr + start + tl.arange(0, BLOCK_N)[None, :] * BLOCK_K + ks[:, None]
+        up_offset = BLOCK_N * BLOCK_K
+        step = parts * BLOCK_N * BLOCK_K
+    else:
+        rows = n * BLOCK_N + tl.arange(0, BLOCK_N)
+        w_ptrs = w_ptr + e.to(tl.int64) * stride_e + rows[None, :].to(tl.int64) * K + ks[:, None]   # [BLOCK_K, BLOCK_N]
+        up_offset = N * K
+        step = BLOCK_K
     a_ptrs = a_ptr + tl.arange(0, 16)[:, None] * K + ks[None, :]
     if DOT:
         acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
@@ -64,7 +77,7 @@ def _tile_read(w_ptr, a_ptr, out_ptr, N, K, stride_e, GATED: tl.constexpr, BLOCK
     for _ in tl.range(0, tl.cdiv(K, BLOCK_K), num_stages=STAGES):
         w = tl.load(w_ptrs)
         if GATED:
-            up = tl.load(w_ptrs + N * K)
+            up = tl.load(w_ptrs + up_offset)
         if DOT:
             a = tl.load(a_ptrs)
             acc = tl.dot(a, w, acc)
@@ -74,25 +87,51 @@ def _tile_read(w_ptr, a_ptr, out_ptr, N, K, stride_e, GATED: tl.constexpr, BLOCK
             acc += tl.sum(w.to(tl.float32), axis=0)
             if GATED:
                 acc += tl.sum(up.to(tl.float32), axis=0)
-        w_ptrs += BLOCK_K
+        w_ptrs += step
         a_ptrs += BLOCK_K
     tl.store(out_ptr + e * tl.num_programs(0) + n, tl.sum(acc))
 
 
-def tile_reader(w: torch.Tensor, gated: bool, block_n: int, block_k: int, stages: int, warps: int, dot: bool = True):
+def tiled_copy(w: torch.Tensor, gated: bool, block_n: int, block_k: int) -> torch.Tensor:
+    """``w [E, rows, K]`` stored tile by tile, as ``_tile_read`` with ``TILED`` reads it: per expert
+    ``[N / block_n, K / block_k, (2,) block_n, block_k]`` (gated: the gate tile and the up tile of
+    the same rows and K step side by side). The same bytes; a weight format that engines use for
+    decode so that a tile is one contiguous block.
+
+        >>> w = torch.arange(2 * 4 * 4).reshape(1, 8, 4)   # gated: N = 4 gate rows, 4 up rows
+        >>> tiled_copy(w, True, 2, 2).flatten()[:8].tolist()   # N-tile 0, K step 0: gate rows 0-1, up rows 4-5
+        [0, 1, 4, 5, 16, 17, 20, 21]
+    """
+    E, rows, K = w.shape
+    parts = 2 if gated else 1
+    N = rows // parts
+    t = w.reshape(E, parts, N // block_n, block_n, K // block_k, block_k)
+    return t.permute(0, 2, 4, 1, 3, 5).contiguous().reshape(E, rows, K)
+
+
+def tile_reader(w: torch.Tensor, gated: bool, block_n: int, block_k: int, stages: int, warps: int, dot: bool = True,
+                tiled: bool = False, copies: dict | None = None):
     """A function reading ``w [E, rows, K]`` tile by tile (``gated``: ``rows = 2N``, gate and up
-    halves read together); ``w`` contiguous, N and K multiples of the blocks."""
+    halves read together); ``w`` contiguous, N and K multiples of the blocks. ``tiled``: it reads a
+    :func:`tiled_copy` of ``w`` the way ``_tile_read`` with ``TILED`` does (made once per tile shape
+    and kept in ``copies``, if given)."""
     E, rows, K = w.shape
     N = rows // 2 if gated else rows
     if (gated and rows % 2) or N % block_n or K % block_k or not w.is_contiguous():
         raise ValueError(f"tile_reader: w {tuple(w.shape)} must be contiguous with {'half ' if gated else ''}its rows "
                          f"a multiple of {block_n} and K a multiple of {block_k}")
+    source = w
+    if tiled:
+        copies = {} if copies is None else copies
+        if (block_n, block_k) not in copies:
+            copies[block_n, block_k] = tiled_copy(w, gated, block_n, block_k)
+        source = copies[block_n, block_k]
     a = torch.ones(16, K, device=w.device).to(w.dtype)
     out = torch.empty(E, N // block_n, device=w.device)
 
     def read():
-        _tile_read[(N // block_n, E)](w, a, out, N, K, w.stride(0), GATED=gated, BLOCK_N=block_n, BLOCK_K=block_k,
-                                      STAGES=stages, DOT=dot, num_warps=warps)
+        _tile_read[(N // block_n, E)](source, a, out, N, K, source.stride(0), GATED=gated, BLOCK_N=block_n,
+                                      BLOCK_K=block_k, STAGES=stages, DOT=dot, TILED=tiled, num_warps=warps)
         return out
 
     return read
@@ -107,7 +146,8 @@ def shared_bytes(gated: bool, block_n: int, block_k: int, stages: int, element_s
 def candidates(gated: bool, element_size: int) -> list[dict]:
     """The tiles to time: BLOCK_N 32-256 (GEMM 1's tuned decode tiles are 32-64 wide, two of them),
     BLOCK_K 128 and 256 (and 512 for one-byte weights), 4 and 8 warps, 3-5 stages, with the MMA; and a few
-    without it (TILE_READ_N, TILE_READ_WARPS and TILE_READ_STAGES narrow them)."""
+    without it (TILE_READ_N, TILE_READ_WARPS and TILE_READ_STAGES narrow them). TILE_READ_TILED=1
+    adds each MMA candidate again on the weights stored tile by tile (:func:`tiled_copy`)."""
     out = []
     k_steps = (128, 256, 512) if element_size == 1 else (128, 256)   # (fp8: 128, 256 or 512 bytes of a row a step)
     warp_counts = tuple(int(v) for v in os.environ.get("TILE_READ_WARPS", "4,8").split(","))
@@ -119,23 +159,26 @@ def candidates(gated: bool, element_size: int) -> list[dict]:
         if shared_bytes(gated, block_n, block_k, stages, element_size) > SHARED_BYTES:
             continue
         out.append(dict(block_n=block_n, block_k=block_k, warps=warps, stages=stages, dot=True))
+        if os.environ.get("TILE_READ_TILED") == "1":
+            out.append(dict(block_n=block_n, block_k=block_k, warps=warps, stages=stages, dot=True, tiled=True))
         if warps == 8 and block_n >= 64 and block_k == 128 and stages == 4:
             out.append(dict(block_n=block_n, block_k=block_k, warps=warps, stages=stages, dot=False))
     return out
 
 
 def label(c: dict) -> str:
-    return f"n{c['block_n']} k{c['block_k']} w{c['warps']} s{c['stages']} {'dot' if c['dot'] else 'sum'}"
+    return (f"n{c['block_n']} k{c['block_k']} w{c['warps']} s{c['stages']} {'dot' if c['dot'] else 'sum'}"
+            + (" tiled" if c.get("tiled") else ""))
 
 
 def check_values() -> None:
     w = torch.arange(2 * 16 * 16, dtype=torch.float32).reshape(2, 16, 16)
     for gated, block_n in ((False, 16), (True, 8)):
         want = w.sum(dim=(1, 2))[:, None] if gated else w.reshape(2, 1, 16, 16).sum(dim=(2, 3))
-        for dot, scale in ((False, 1), (True, 16)):   # (the dot sums each product over 16 rows of ones)
-            got = tile_reader(w, gated, block_n, 8, 2, 4, dot=dot)()
+        for dot, scale, tiled in ((False, 1, False), (True, 16, False), (True, 16, True)):
+            got = tile_reader(w, gated, block_n, 8, 2, 4, dot=dot, tiled=tiled)()   # (16: the dot's rows of ones)
             if not torch.equal(got, scale * want):
-                raise SystemExit(f"tile_reader (gated={gated}, dot={dot}) gave {got.tolist()}, not "
+                raise SystemExit(f"tile_reader (gated={gated}, dot={dot}, tiled={tiled}) gave {got.tolist()}, not "
                                  f"{(scale * want).tolist()}")
 
 
@@ -167,9 +210,10 @@ def main() -> int:
         w = torch.empty(shape, device="cuda", dtype=torch.bfloat16).normal_().to(dtype)
         nbytes = w.numel() * w.element_size()
         floor_us = nbytes / read_bw * 1e6
-        fns, errors = {"contiguous": weight_reader(w)}, {}
+        fns, errors, copies = {"contiguous": weight_reader(w)}, {}, {}
         for c in candidates(gated, w.element_size()):
-            fns[label(c)] = tile_reader(w, gated, c["block_n"], c["block_k"], c["stages"], c["warps"], c["dot"])
+            fns[label(c)] = tile_reader(w, gated, c["block_n"], c["block_k"], c["stages"], c["warps"], c["dot"],
+                                        c.get("tiled", False), copies)
         times = {name: [] for name in fns}
         for _ in range(2):   # two rounds, each over every candidate in turn; the lower median of each
             for name, fn in fns.items():
@@ -180,7 +224,8 @@ def main() -> int:
                 except Exception as error:   # e.g. out of shared memory: recorded, the rest goes on
                     errors[name] = repr(error)[:300]
         us = {name: min(v) for name, v in times.items() if v}
-        best = {mode: min((n for n in us if n.endswith(mode)), key=us.get, default=None) for mode in ("dot", "sum")}
+        best = {mode: min((n for n in us if n.endswith(mode)), key=us.get, default=None)
+                for mode in ("dot", "sum", "tiled")}
         row = {"model": key, "format": fmt, "gemm": gemm, "shape": list(shape), "bytes": nbytes, "floor_us": floor_us,
                "contiguous_us": us.get("contiguous"), "best": {m: n and {"tiles": n, "us": us[n]} for m, n in best.items()},
                "tiled_us": {n: t for n, t in us.items() if n != "contiguous"}, "errors": errors}
@@ -192,7 +237,7 @@ def main() -> int:
         write_record(os.environ.get("TILE_READ_NAME", "tile-read"),
                      {"read_bandwidth": read_bw, "experts": experts or "all", "method": "one CUDA graph per call, L2 "
                       "flushed (do_bench median), the lower of two interleaved rounds", "rows": rows}, None)
-        del w, fns
+        del w, fns, copies
     return 0
 
 

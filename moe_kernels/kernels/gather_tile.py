@@ -53,6 +53,26 @@ if HAS_TRITON:
             prefetch_rows_to_l2(w_ptr + expert * stride_we + rows.to(tl.int64) * stride_wn, K, LINE, 8)
 
     @kernel
+    def _naive_group_rows(expert_ids_ptr, pid_m, num_valid_rows, BLOCK_M: tl.constexpr, GROUP: tl.constexpr):
+        """The rows block ``pid_m`` of the naive map computes when it takes its expert's other
+        assignments too, and whether it computes any (``GROUP``: a power of two >= the assignments).
+
+        On the naive map block m is assignment m, so two tokens on one expert are two blocks and
+        each reads the expert's weights whole. Here the assignments on block m's expert are
+        ranked in order; the block of rank 0 (and of rank BLOCK_M, 2 BLOCK_M, ..) takes the next
+        BLOCK_M of them as its rows, and the others are not in use: the weights are read once per
+        BLOCK_M assignments, as on an aligned map, with no alignment launched."""
+        js = tl.arange(0, GROUP)
+        ids = tl.load(expert_ids_ptr + js, mask=js < num_valid_rows, other=0)
+        same = (ids == tl.load(expert_ids_ptr + pid_m)) & (js < num_valid_rows)
+        rank = tl.cumsum(same.to(tl.int32), axis=0) - 1   # each assignment's place on its expert
+        mine = tl.sum((same & (js < pid_m)).to(tl.int32), axis=0)   # block m's place
+        pick = same[None, :] & (rank[None, :] == mine + tl.arange(0, BLOCK_M)[:, None])   # [BLOCK_M, GROUP]
+        rows = tl.sum(tl.where(pick, js[None, :], 0), axis=1)
+        rows = tl.where(tl.sum(pick.to(tl.int32), axis=1) > 0, rows, num_valid_rows)
+        return rows.to(tl.int64), mine % BLOCK_M == 0
+
+    @kernel
     def _index_gather_tile(
         tile, a_ptr, w_ptr, out_ptr, topk_weights_ptr,
         sorted_token_ids_ptr, expert_ids_ptr, num_tokens_post_padded_ptr,
@@ -65,6 +85,7 @@ if HAS_TRITON:
         SCALES: tl.constexpr, SUM_TOP_K: tl.constexpr, SPLIT_K: tl.constexpr, w_desc, TMA_W: tl.constexpr,
         SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, ID_CHECK: tl.constexpr, SWAP_AB: tl.constexpr,
         out_scale_ptr, stride_os, QUANT_GROUP: tl.constexpr, ROUND_TO: tl.constexpr, FLAT: tl.constexpr = False,
+        NAIVE_GROUP: tl.constexpr = 0,
     ):
         # out[row] = A[row // TOP_K] @ W[expert]^T for the rows of one M-block; W is [E, N', K].
         # FLAT: called from a loop over tiles that Triton is asked to flatten with this K loop into one
@@ -77,9 +98,15 @@ if HAS_TRITON:
         # >>> book: index-gather-rows
         offs_m = tl.arange(0, BLOCK_M)
         if NAIVE_BLOCKS:
-            # Block m is assignment m alone: row 0 is real, the others are padding.
-            rows = tl.where(offs_m == 0, pid_m, num_valid_rows).to(tl.int64)
-            in_use = True
+            if NAIVE_GROUP > 0:
+                # Block m with the other assignments of its expert: the first block of each
+                # BLOCK_M of them computes their rows, the rest nothing (an expert read once).
+                rows, in_use = _naive_group_rows(expert_ids_ptr, pid_m, num_valid_rows, BLOCK_M,
+                                                 NAIVE_GROUP)
+            else:
+                # Block m is assignment m alone: row 0 is real, the others are padding.
+                rows = tl.where(offs_m == 0, pid_m, num_valid_rows).to(tl.int64)
+                in_use = True
         elif DENSE:
             # One expert that every token uses (a shared expert):
             # block m is rows m*BLOCK_M onward.

@@ -98,7 +98,7 @@ if HAS_TRITON:
         num_tiles, PERSISTENT: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, ID_CHECK: tl.constexpr,
         SWAP_AB: tl.constexpr, PDL_TRIGGER: tl.constexpr = 0, PDL_WAIT: tl.constexpr = False,
         PREFETCH_LINE: tl.constexpr = 64, PREFETCH_K: tl.constexpr = -1, out_scale_ptr=None, stride_os=0,
-        QUANT_GROUP: tl.constexpr = 0, ROUND_TO: tl.constexpr = "",
+        QUANT_GROUP: tl.constexpr = 0, ROUND_TO: tl.constexpr = "", NAIVE_GROUP: tl.constexpr = 0,
     ):
         # Programmatic dependent launch (moe_kernels.kernels._pdl): GEMM 1 lets GEMM 2 launch at
         # once; GEMM 2 may ask L2 for its first tile's weights (PREFETCH_K columns; none by
@@ -130,7 +130,7 @@ if HAS_TRITON:
                 a_scale_ptr, stride_as, w_scale_ptr, stride_wse, stride_wsn, stride_wsk,
                 BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, TOP_K, NAIVE_BLOCKS, DENSE, GATED, MUL_ROUTED_WEIGHT, EVEN_K,
                 INPUT_PRECISION, SCALES, SUM_TOP_K, SPLIT_K, w_desc, TMA_W, SCALE_BN, SCALE_BK, ID_CHECK, SWAP_AB,
-                out_scale_ptr, stride_os, QUANT_GROUP, ROUND_TO)
+                out_scale_ptr, stride_os, QUANT_GROUP, ROUND_TO, False, NAIVE_GROUP)
         else:
             tiles = num_tiles
             if FLAT:
@@ -143,7 +143,7 @@ if HAS_TRITON:
                     a_scale_ptr, stride_as, w_scale_ptr, stride_wse, stride_wsn, stride_wsk,
                     BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, TOP_K, NAIVE_BLOCKS, DENSE, GATED, MUL_ROUTED_WEIGHT, EVEN_K,
                     INPUT_PRECISION, SCALES, SUM_TOP_K, SPLIT_K, w_desc, TMA_W, SCALE_BN, SCALE_BK, ID_CHECK,
-                    SWAP_AB, out_scale_ptr, stride_os, QUANT_GROUP, ROUND_TO, FLAT)
+                    SWAP_AB, out_scale_ptr, stride_os, QUANT_GROUP, ROUND_TO, FLAT, NAIVE_GROUP)
         if PDL_TRIGGER == 2:
             gdc_launch_dependents()
 
@@ -162,6 +162,26 @@ NAIVE_ID_CHECK_IN = os.environ.get("MOE_KERNELS_NAIVE_ID_CHECK_IN") or "down"
 if NAIVE_ID_CHECK_IN not in ("gate_up", "down"):
     raise ValueError("environment variable MOE_KERNELS_NAIVE_ID_CHECK_IN must be 'down' or 'gate_up' (unset: "
                      f"'down'), got {NAIVE_ID_CHECK_IN!r}")
+
+
+#: The most assignments for which a naive block map groups each expert's assignments into one
+#: block (``_naive_group_rows``: every program compares its expert with all of them). vLLM's rule
+#: takes the naive map only while ``T * k * 4 <= E``: 64 assignments at E = 256, 128 at E = 512.
+#: (``MOE_KERNELS_NAIVE_GROUP_MAX=0``: no grouping, to time the map as vLLM's.)
+NAIVE_GROUP_MAX = int(os.environ.get("MOE_KERNELS_NAIVE_GROUP_MAX") or 256)
+
+
+def naive_group_size(num_assignments: int) -> int:
+    """``NAIVE_GROUP`` for a naive map of ``num_assignments``: the power of two the kernel's id
+    vector takes (at least 16), or 0 above :data:`NAIVE_GROUP_MAX` (one block per assignment, each
+    reading its expert's weights).
+
+        >>> naive_group_size(1), naive_group_size(64), naive_group_size(65), naive_group_size(257)
+        (16, 64, 128, 0)
+    """
+    if num_assignments > NAIVE_GROUP_MAX:
+        return 0
+    return max(16, 1 << max(0, num_assignments - 1).bit_length())
 
 
 def _launch(a, w, out, topk_weights, blocks: BlockAssignment, *, n_out: int, top_k: int, gated: bool,
@@ -189,9 +209,10 @@ def _launch(a, w, out, topk_weights, blocks: BlockAssignment, *, n_out: int, top
     # tensor: the constexpr flags compile the loads away.
     sorted_ids = blocks.expert_ids if blocks.sorted_token_ids is None else blocks.sorted_token_ids
     num_post_padded = blocks.expert_ids if blocks.sorted_token_ids is None else blocks.num_tokens_post_padded
+    naive_group = naive_group_size(num_valid_rows) if blocks.naive else 0
     if recording():
         note_launch("index_gather.gemm", gemm=role, block_m=blocks.block_m,
-                    tiles=tiles,
+                    tiles=tiles, naive_group=naive_group,
                     naive=blocks.naive, dense=blocks.dense, scales=scales[6], sum_top_k=sum_top_k,
                     tma=w_desc is not None, grid=grid, id_check=bool(id_check), pdl=pdl, quant=quant is not None)
     _index_gather_gemm_kernel[grid](
@@ -205,7 +226,7 @@ def _launch(a, w, out, topk_weights, blocks: BlockAssignment, *, n_out: int, top
         INPUT_PRECISION=dot_precision(a.dtype), SCALES=scales[6], SUM_TOP_K=sum_top_k, SPLIT_K=tiles.split_k,
         w_desc=w_desc if w_desc is not None else w, TMA_W=w_desc is not None,
         num_tiles=num_tiles, PERSISTENT=tiles.persistent, SCALE_BN=scales[7], SCALE_BK=scales[8], ID_CHECK=id_check,
-        SWAP_AB=tiles.swap_ab, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        SWAP_AB=tiles.swap_ab, NAIVE_GROUP=naive_group, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
         **device_assert_options(id_check), **_pdl_options(pdl, w.element_size(), _pdl.TRIGGER, _pdl.PREFETCH_K),
         **({} if quant is None else dict(out_scale_ptr=quant[0], stride_os=quant[0].stride(0), QUANT_GROUP=quant[1],
                                          ROUND_TO=quant[2])),
