@@ -140,12 +140,21 @@ def test_naive_map_with_more_assignments_on_an_expert_than_a_block():
 @pytest.mark.skipif(not fm.HAS_TRITON, reason="launch records are the Triton kernels'")
 def test_naive_map_groups_up_to_its_limit():
     from moe_kernels._runtime import record_launches
-    for tokens, group in ((3, 16), (fm.NAIVE_GROUP_MAX // 2 + 1, 0)):   # (top-2: 6 assignments; 258)
+    # (top-2: one token, whose two experts are distinct; 6 assignments; 258, past the limit)
+    for tokens, group in ((1, 0), (3, 16), (block_map.NAIVE_GROUP_MAX // 2 + 1, 0)):
         hidden, w1, w2, weights, ids = make_problem(tokens, 8, 2, 32, 16, torch.float32, seed=22)
         with record_launches() as launches:
             fm.fused_experts(hidden, w1, w2, weights, ids, naive_block_assignment=True)
         gemms = [settings for name, settings in launches if name == "index_gather.gemm"]
         assert len(gemms) == 2 and {g["naive_group"] for g in gemms} == {group}
+
+
+def test_naive_group_must_cover_every_id():
+    ids = torch.zeros(40, dtype=torch.int32)
+    block_map.BlockAssignment(16, ids, None, None, 40, naive_group=64)
+    for bad in (32, 48, -1):
+        with pytest.raises(ValueError, match="naive_group"):
+            block_map.BlockAssignment(16, ids, None, None, 40, naive_group=bad)
 
 
 def test_no_tokens():

@@ -7,7 +7,9 @@ Two ways to build it:
 * naive, for tiny batches (:func:`use_naive_block_assignment`, vLLM's ``T * k * 4 <= E``): block
   ``m`` is just assignment ``m``, because nearly every expert that is hit is hit once, so sorting
   would buy nothing. :func:`naive_block_assignment` writes that layout in the aligned format, so
-  one GEMM kernel can read either; :class:`BlockAssignment` keeps it implicit (no tensors at all).
+  one GEMM kernel can read either; :class:`BlockAssignment` keeps it implicit (no tensors at all),
+  and from two tokens on lets the first block of an expert's assignments take them all
+  (``naive_group``), so that an expert two tokens share is read once.
 
     >>> import torch
     >>> ids = torch.tensor([[5, 1]])                 # one token, top-2 of 16 experts
@@ -19,11 +21,15 @@ Two ways to build it:
 
 :func:`check_alignment` states every invariant of the aligned layout and names the first one a
 layout breaks; the tests run it on the kernel and on the reference.
+
+Over 400 lines: the map's two builders, the dataclass that checks what the kernels will trust,
+and the invariants of the aligned layout are one mechanism, read together.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 
@@ -204,6 +210,27 @@ def check_alignment(topk_ids: torch.Tensor, block_size: int, num_experts: int,
                       f"assignments first and padding after")
 
 
+#: The most assignments for which a naive block map groups each expert's assignments into one
+#: block (``gather_tile._naive_group_rows``: every program compares its expert with all of them).
+#: vLLM's rule takes the naive map only while ``T * k * 4 <= E``: 64 assignments at E = 256.
+#: (``MOE_KERNELS_NAIVE_GROUP_MAX=0``: no grouping, to time the map as vLLM runs it.)
+NAIVE_GROUP_MAX = int(os.environ.get("MOE_KERNELS_NAIVE_GROUP_MAX") or 256)
+
+
+def naive_group_size(num_tokens: int, top_k: int) -> int:
+    """``BlockAssignment.naive_group`` for a naive map of ``num_tokens x top_k`` assignments: the
+    power of two the kernel's id vector takes (at least 16); 0 (one block per assignment) for one
+    token, whose experts are its own top-k and so distinct, and above :data:`NAIVE_GROUP_MAX`.
+
+        >>> naive_group_size(1, 8), naive_group_size(2, 8), naive_group_size(8, 8), naive_group_size(33, 8)
+        (0, 16, 64, 0)
+    """
+    numel = num_tokens * top_k
+    if num_tokens <= 1 or numel > NAIVE_GROUP_MAX:
+        return 0
+    return max(16, 1 << (numel - 1).bit_length())
+
+
 @dataclasses.dataclass(frozen=True)
 class BlockAssignment:
     """What each M-block of ``block_m`` rows reads, and which expert it multiplies by.
@@ -230,6 +257,11 @@ class BlockAssignment:
     #: block ``m`` is rows ``m * block_m`` onward, all of expert 0, and no index tensor is read
     #: (``expert_ids`` is only a placeholder). Built by :func:`dense_blocks`.
     dense: bool = False
+    #: On a naive map, the first block of each expert's assignments takes them all (up to
+    #: ``block_m``) as its rows and the others compute nothing, so that two tokens on one expert
+    #: read its weights once: the power of two of ids each block compares (0: one block per
+    #: assignment, as vLLM's naive map). Set by :func:`assign_blocks` (:func:`naive_group_size`).
+    naive_group: int = 0
 
     def __post_init__(self):
         # A kernel would compile BLOCK_M into tl.arange (a power of two) and use every index as an
@@ -257,6 +289,12 @@ class BlockAssignment:
                       what_hi="one block per entry of expert_ids")
         if self.num_assignments is not None:
             check_int(func, "num_assignments", self.num_assignments, lo=0)
+        if self.naive_group:   # (every block must see every id: a power of two, at least all of them)
+            group = self.naive_group
+            if not self.naive or not isinstance(group, int) or group & (group - 1) or group < max(
+                    16, self.expert_ids.numel()):
+                fail(func, "naive_group", f"must be 0 or, on a naive map, a power of two >= max(16, "
+                     f"expert_ids.numel() = {self.expert_ids.numel()})", repr(group))
 
     @property
     def naive(self) -> bool:
@@ -298,7 +336,7 @@ def build_blocks(func: str, topk_ids: torch.Tensor, block_m: int, num_experts: i
         id_check = device_id_check(func, "topk_ids", topk_ids, num_experts) if validate_ids else ""
         return _trusted_blocks(block_m=block_m, expert_ids=topk_ids.reshape(-1).contiguous(), sorted_token_ids=None,
                                num_tokens_post_padded=None, num_m_blocks=numel, num_assignments=numel,
-                               id_check=id_check)
+                               id_check=id_check, naive_group=naive_group_size(num_tokens, top_k))
     sorted_ids, expert_ids, num_post_padded = align_checked(func, topk_ids, block_m, num_experts, validate_ids)
     return aligned_blocks(sorted_ids, expert_ids, num_post_padded, block_m, numel, num_experts)
 

@@ -164,26 +164,6 @@ if NAIVE_ID_CHECK_IN not in ("gate_up", "down"):
                      f"'down'), got {NAIVE_ID_CHECK_IN!r}")
 
 
-#: The most assignments for which a naive block map groups each expert's assignments into one
-#: block (``_naive_group_rows``: every program compares its expert with all of them). vLLM's rule
-#: takes the naive map only while ``T * k * 4 <= E``: 64 assignments at E = 256, 128 at E = 512.
-#: (``MOE_KERNELS_NAIVE_GROUP_MAX=0``: no grouping, to time the map as vLLM's.)
-NAIVE_GROUP_MAX = int(os.environ.get("MOE_KERNELS_NAIVE_GROUP_MAX") or 256)
-
-
-def naive_group_size(num_assignments: int) -> int:
-    """``NAIVE_GROUP`` for a naive map of ``num_assignments``: the power of two the kernel's id
-    vector takes (at least 16), or 0 above :data:`NAIVE_GROUP_MAX` (one block per assignment, each
-    reading its expert's weights).
-
-        >>> naive_group_size(1), naive_group_size(64), naive_group_size(65), naive_group_size(257)
-        (16, 64, 128, 0)
-    """
-    if num_assignments > NAIVE_GROUP_MAX:
-        return 0
-    return max(16, 1 << max(0, num_assignments - 1).bit_length())
-
-
 def _launch(a, w, out, topk_weights, blocks: BlockAssignment, *, n_out: int, top_k: int, gated: bool,
             tiles: GemmTiles, scales: tuple, sum_top_k: int = 0, pdl: str = "", quant: tuple | None = None,
             role: str = "") -> None:
@@ -209,7 +189,7 @@ def _launch(a, w, out, topk_weights, blocks: BlockAssignment, *, n_out: int, top
     # tensor: the constexpr flags compile the loads away.
     sorted_ids = blocks.expert_ids if blocks.sorted_token_ids is None else blocks.sorted_token_ids
     num_post_padded = blocks.expert_ids if blocks.sorted_token_ids is None else blocks.num_tokens_post_padded
-    naive_group = naive_group_size(num_valid_rows) if blocks.naive else 0
+    naive_group = blocks.naive_group if blocks.naive else 0
     if recording():
         note_launch("index_gather.gemm", gemm=role, block_m=blocks.block_m,
                     tiles=tiles, naive_group=naive_group,
