@@ -347,6 +347,9 @@ def _trace(layer: DecodeLayer, block_m: int | None) -> LayerTrace:
     # The ids come from our own top-k over E experts: no range check (a host sync) needed.
     blocks = assign_blocks(topk_ids, config.block_m, E, naive=naive, validate_ids=False)
     buffer_rows, expert_ids, unused_blocks, post_padded = _alignment_view(blocks, topk_ids)
+    live_blocks = post_padded // config.block_m
+    if blocks.naive and blocks.naive_group:   # an expert's first block takes its assignments; the rest exit
+        live_blocks = int((-(-counts // config.block_m)).sum())
 
     nan = float("nan")
     intermediate = torch.full((T * k, f), nan, dtype=hidden.dtype, device=hidden.device)
@@ -386,7 +389,7 @@ def _trace(layer: DecodeLayer, block_m: int | None) -> LayerTrace:
         max_num_tokens_padded=buffer_rows, expert_ids_len=expert_ids.numel(),
         expert_ids_unused=unused_blocks, num_tokens_post_padded=post_padded,
         gemm1_block_n=config.gate_up.block_n, gemm1_grid=(blocks.num_m_blocks, n_tiles),
-        gemm1_live_programs=post_padded // config.block_m * n_tiles,
+        gemm1_live_programs=live_blocks * n_tiles,
         real_hidden_size=real_d, real_intermediate_size=real_f, expert_params=model.expert_params,
         routed_bytes_bf16=bytes_bf16, routed_bytes_fp8=bytes_fp8,
         routed_flops_per_token=flops_per_token, routed_flops=T * flops_per_token,

@@ -113,6 +113,26 @@ def test_shared_expert_compile_jobs_run_the_dense_block_map():
     assert _compile_jobs(jobs) == 3
 
 
+def test_naive_compile_jobs_build_the_timed_naive_group():
+    """A naive map's ``NAIVE_GROUP`` is a constexpr that the token count sets, so the tuner's
+    parallel compile must build each naive job with the group its batch times (here 8 tokens of
+    top-8: 64; one token: none), or the timing compiles everything again, one by one."""
+    from moe_kernels._runtime import HAS_TRITON, record_launches
+    from moe_kernels.bench.tune_compile import _compile_jobs
+    from moe_kernels.kernels.blocks import naive_group_size
+    from moe_kernels.kernels.config import GemmTiles
+
+    if not HAS_TRITON:
+        pytest.skip("launch records are the Triton kernels'")
+    for tokens in (1, 2, 8):
+        job = {"d": 32, "f": 16, "top_k": 8, "block_m": 16, "naive": True, "dense": False, "gated": True,
+               "sum_slots": False, "device": "cpu", "dtype": "float32", "format": "none",
+               "naive_group": naive_group_size(tokens, 8), "tiles": {**GemmTiles(16, 16).__dict__}}
+        with record_launches() as launches:
+            assert _compile_jobs([job]) == 1
+        assert [s["naive_group"] for n, s in launches if n == "index_gather.gemm"] == [naive_group_size(tokens, 8)]
+
+
 def test_tuning_a_shared_expert_end_to_end_on_the_cpu(monkeypatch):
     """``tune(..., shared=True)`` on a small one-expert shape, the timers replaced by a stand-in
     that runs each candidate once (the interpreter) and the candidates trimmed: every entry is a

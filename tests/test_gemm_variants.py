@@ -424,9 +424,9 @@ for case in cases:
     found = ["griddepcontrol.launch_dependents", "griddepcontrol.wait", "prefetch.global.L2", "e4m3x2.f32"]
     print(" ".join(str(word in ptx) for word in found))
 # GEMM 2 on the naive map with the ids' check (where the layer puts it), with the switches of
-# Qwen3's fp8 one-token GEMM 2: block-scaled fp8, TMA weights, swapped operands, a programmatic
-# dependent, each expert's assignments grouped into one block (NAIVE_GROUP); the assert's call is
-# in the code.
+# Qwen3's fp8 one-token GEMM 2 (block-scaled fp8, TMA weights, swapped operands, a programmatic
+# dependent) and, as from two tokens on, each expert's assignments in one block (NAIVE_GROUP);
+# the assert's call is in the code.
 from moe_kernels._runtime import device_assert_options
 pointers = dict(a_ptr="*fp8e4nv", w_ptr="*fp8e4nv", out_ptr="*bf16", topk_weights_ptr="*fp32",
                 sorted_token_ids_ptr="*i64", expert_ids_ptr="*i64", num_tokens_post_padded_ptr="*i64",

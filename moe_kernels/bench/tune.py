@@ -78,7 +78,7 @@ def tune(models, batches, *, dtype, seed, warmup_ms, rep_ms, workers, budget_s=m
     more expert, the shared one, in every token's ids as slot ``k + 1`` (entries keyed ``E + 1``)."""
     from .._checks import fail
     from ..kernels._pdl import pdl_available
-    from ..kernels.blocks import assign_blocks, dense_blocks, use_naive_block_assignment
+    from ..kernels.blocks import assign_blocks, dense_blocks, naive_group_size, use_naive_block_assignment
     from ..kernels.combine import moe_sum
     from ..kernels.config import MoEConfig, choose_fused_shared_config, get_config
     from ..kernels.formats import FORMATS
@@ -117,6 +117,7 @@ def tune(models, batches, *, dtype, seed, warmup_ms, rep_ms, workers, budget_s=m
                 for gated, summed, tiles in candidates(rho, bm, base=base, fmt=fmt, dense=dense):
                     jobs.append({"d": model.hidden_size, "f": model.moe_intermediate_size, "top_k": top_k,
                                  "block_m": bm, "naive": naive, "dense": dense, "gated": gated, "sum_slots": summed,
+                                 "naive_group": naive_group_size(batch, top_k) if naive else 0,
                                  "device": str(device), "dtype": str(dtype).replace("torch.", ""),
                                  "format": weight_format, "tiles": dataclasses.asdict(tiles)})
             plans.append((key, batch, rho))

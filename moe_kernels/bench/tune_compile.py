@@ -32,26 +32,30 @@ def _compile_jobs(jobs: list[dict]) -> int:
         tiles = GemmTiles(**job["tiles"])
         fmt = FORMATS[job.get("format", "none")]
         on = dict(device=job["device"], dtype=getattr(torch, job["dtype"]))
+        # A naive map's NAIVE_GROUP is a constexpr set by the token count (blocks.naive_group_size): as
+        # many tokens as give the timed batch's group (one token: none), else 4.
+        group = job.get("naive_group", 0)
+        tokens = (max(2, group // top_k) if group else 1) if job["naive"] and not job.get("dense") else 4
         try:
-            ids = torch.zeros(4, top_k, dtype=torch.int32, device=job["device"])
+            ids = torch.zeros(tokens, top_k, dtype=torch.int32, device=job["device"])
             if job.get("dense"):   # a shared expert: one expert, every row, no index (as timed)
-                blocks = dense_blocks(4, block_m, ids)
+                blocks = dense_blocks(tokens, block_m, ids)
             else:
                 blocks = assign_blocks(ids, block_m, 1, naive=job["naive"], validate_ids=False)   # as timed
             if job.get("dense") and not job["gated"]:
                 w, w_scale = fmt.quantize_weight(torch.randn(1, d, f, **on))
-                y, y_scale = fmt.quantize_activations(torch.randn(4, f, **on))
-                down(y, w, None, blocks, tiles=tiles, out=torch.empty(4, d, **on), a_scale=y_scale, w_scale=w_scale,
+                y, y_scale = fmt.quantize_activations(torch.randn(tokens, f, **on))
+                down(y, w, None, blocks, tiles=tiles, out=torch.empty(tokens, d, **on), a_scale=y_scale, w_scale=w_scale,
                      fmt=fmt, sum_slots=False)
             elif job["gated"]:
                 w, w_scale = fmt.quantize_weight(torch.randn(1, 2 * f, d, **on))
-                x, x_scale = fmt.quantize_activations(torch.randn(4, d, **on))
+                x, x_scale = fmt.quantize_activations(torch.randn(tokens, d, **on))
                 expert_gate_up(x, w, blocks, top_k, tiles=tiles, a_scale=x_scale, w_scale=w_scale,
                                out_dtype=on["dtype"])
             else:
-                weights = torch.rand(4, top_k, device=job["device"])
+                weights = torch.rand(tokens, top_k, device=job["device"])
                 w, w_scale = fmt.quantize_weight(torch.randn(1, d, f, **on))
-                y, y_scale = fmt.quantize_activations(torch.randn(4 * top_k, f, **on))
+                y, y_scale = fmt.quantize_activations(torch.randn(tokens * top_k, f, **on))
                 expert_down(y, w, weights, blocks, tiles=tiles, a_scale=y_scale, w_scale=w_scale,
                             out_dtype=on["dtype"], sum_slots=job["sum_slots"])
             done += 1

@@ -214,7 +214,11 @@ def check_alignment(topk_ids: torch.Tensor, block_size: int, num_experts: int,
 #: block (``gather_tile._naive_group_rows``: every program compares its expert with all of them).
 #: vLLM's rule takes the naive map only while ``T * k * 4 <= E``: 64 assignments at E = 256.
 #: (``MOE_KERNELS_NAIVE_GROUP_MAX=0``: no grouping, to time the map as vLLM runs it.)
-NAIVE_GROUP_MAX = int(os.environ.get("MOE_KERNELS_NAIVE_GROUP_MAX") or 256)
+NAIVE_GROUP_MAX = os.environ.get("MOE_KERNELS_NAIVE_GROUP_MAX") or "256"
+if not NAIVE_GROUP_MAX.isdigit():
+    raise ValueError("environment variable MOE_KERNELS_NAIVE_GROUP_MAX must be a whole number of assignments "
+                     f"(0: no grouping; unset: 256), got {NAIVE_GROUP_MAX!r}")
+NAIVE_GROUP_MAX = int(NAIVE_GROUP_MAX)
 
 
 def naive_group_size(num_tokens: int, top_k: int) -> int:
@@ -236,7 +240,8 @@ class BlockAssignment:
     """What each M-block of ``block_m`` rows reads, and which expert it multiplies by.
 
     ``sorted_token_ids is None`` marks the naive assignment: block ``m`` is assignment ``m``
-    alone, and ``expert_ids`` is ``topk_ids.flatten()``. Otherwise the three tensors are
+    alone (with ``naive_group``, block ``m`` takes the assignments of its expert, or none), and
+    ``expert_ids`` is ``topk_ids.flatten()``. Otherwise the three tensors are
     :func:`moe_align_block_size`'s outputs. ``num_m_blocks`` is the launch grid along M: an upper
     bound on the blocks in use (programs past ``num_tokens_post_padded`` do no work).
     """
@@ -307,7 +312,8 @@ def assign_blocks(topk_ids: torch.Tensor, block_m: int, num_experts: int, *, nai
     :func:`moe_kernels.kernels.align.use_naive_block_assignment` (vLLM's ``T * k * 4 <= E``) holds.
 
     The naive map needs no index tensors at all (the kernel computes "row 0 of block ``m`` is
-    assignment ``m``" itself), so at decode no kernel runs before the GEMMs. The alignment's
+    assignment ``m``" itself, or from two tokens on which assignments share block ``m``'s expert:
+    ``naive_group``), so at decode no kernel runs before the GEMMs. The alignment's
     own :func:`moe_kernels.kernels.align.naive_block_assignment` builds the same map as explicit
     tensors, which the aligned path also accepts.
 

@@ -24,8 +24,8 @@ but it still reads them through ``sorted_token_ids`` in expert order, a real gat
 multiplies by the routing weight in fp32 before the cast and writes ``[T, k, d]``, which
 :func:`~moe_kernels.kernels.combine.moe_sum` adds up per token (or, with
 ``MoEConfig.sum_in_gemm``, adds each row straight into an fp32 ``[T, d]`` with atomics). Tiny batches (vLLM's
-``T * k * 4 <= E``) skip the alignment: block ``m`` is assignment ``m``
-(:mod:`moe_kernels.kernels.blocks`).
+``T * k * 4 <= E``) skip the alignment: block ``m`` is assignment ``m``, and from two tokens on
+the first block of an expert's assignments takes them all (:mod:`moe_kernels.kernels.blocks`).
 
 Worked example: two tokens, top-2 of three experts, ``block_m = 16``::
 

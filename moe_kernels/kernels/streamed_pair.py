@@ -28,7 +28,9 @@ streams far more weights than a GEMM 2 tile (Qwen3-30B-A3B in bf16, 128 columns:
 0.2 MB), so GEMM 2 catches up with GEMM 1 unless it starts well behind. A lag of every block runs
 all of GEMM 1 first, like two launches but with no boundary between them. The weights are read exactly as
 often as by the two launches; ``h`` goes through L2 as before. With ``PREFETCH`` a GEMM 2 program
-asks L2 for its weight tile before it waits.
+asks L2 for its weight tile before it waits. On a naive map every block is one assignment, as in
+vLLM's map (``BlockAssignment.naive_group`` is not taken here): GEMM 2's block ``m`` waits only for
+GEMM 1's block ``m``, and a grouped block ``m`` would read rows that other blocks' GEMM 1 tiles write.
 
 Measured on the H200 (section 12, Table 12.3; ``tools/streamed_pair_ab.py``): in bf16 within
 0.99-1.02x of the two launches at 8-512 Qwen3-30B-A3B tokens (the boundary between two launches in a
