@@ -697,7 +697,8 @@ def test_a_gluon_choice_is_left_where_the_gluon_gemms_cannot_run(monkeypatch):
     assert MoELayer(bf16, layer.routing, layout="auto").plan(6, device_name="NVIDIA H200").layout == "permute"
     assert MoELayer(bf16, layer.routing, layout="auto").plan(6, dtype=torch.float16,
                                                             device_name="NVIDIA H200").layout == "index_gather"
-    wide = torch.zeros(w.w13.shape[0], w.w13.shape[1] + 128, w.w13.shape[2], dtype=torch.bfloat16)
+    wide = torch.zeros(w.w13.shape[0], w.w13.shape[1] + 128, w.w13.shape[2], dtype=torch.bfloat16,
+                       device=w.w13.device)   # (on the layer's device: a GPU run builds the layer there)
     sliced = dataclasses.replace(bf16, w13=wide[:, :w.w13.shape[1]])   # (rows contiguous, the tensor not)
     assert MoELayer(sliced, layer.routing, layout="auto").plan(6, device_name="NVIDIA H200").layout == "index_gather"
     assert layer_module.gluon_refusal(bf16.format, 128, torch.bfloat16, bf16.w13, bf16.w2, torch.device("cpu"))
