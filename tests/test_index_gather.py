@@ -116,13 +116,27 @@ def test_naive_map_reads_each_expert_once_per_block():
         tl.store(rows_ptr + m * BLOCK_M + tl.arange(0, BLOCK_M), rows)
         tl.store(used_ptr + m, in_use.to(tl.int32))
 
-    ids = torch.tensor([5, 1, 5, 7, 5, 5, 2], dtype=torch.int32, device=DEVICE)
-    rows = torch.empty(7, 2, dtype=torch.int64, device=DEVICE)
-    used = torch.empty(7, dtype=torch.int32, device=DEVICE)
-    rows_of_blocks[(7,)](ids, rows, used, 7, BLOCK_M=2, GROUP=16)
-    assert used.tolist() == [1, 1, 0, 1, 1, 0, 1]
+    def run(ids, block_m):
+        ids = ids.to(torch.int32).to(DEVICE)
+        rows = torch.empty(ids.numel(), block_m, dtype=torch.int64, device=DEVICE)
+        used = torch.empty(ids.numel(), dtype=torch.int32, device=DEVICE)
+        group = max(16, 1 << (ids.numel() - 1).bit_length())
+        rows_of_blocks[(ids.numel(),)](ids, rows, used, ids.numel(), BLOCK_M=block_m, GROUP=group)
+        return rows, used.bool().tolist()
+
+    rows, used = run(torch.tensor([5, 1, 5, 7, 5, 5, 2]), 2)
+    assert used == [True, True, False, True, True, False, True]
     pad = 7   # (a row index past the assignments: padding)
     assert [rows[m].tolist() for m in range(7) if used[m]] == [[0, 2], [1, pad], [3, pad], [4, 5], [6, pad]]
+    # Against the Python reference: random ids with many repeats (out-of-range ones among them), and
+    # more assignments on one expert than a block holds.
+    gen = torch.Generator().manual_seed(23)
+    for numel, experts, block_m in ((1, 3, 16), (24, 3, 2), (40, 2, 16), (64, 40, 16), (100, 5, 32)):
+        ids = torch.randint(-1, experts + 1, (numel,), generator=gen)
+        rows, used = run(ids, block_m)
+        want_rows, want_used = gather_tile.naive_group_rows_reference(ids, block_m)
+        assert used == want_used, (numel, experts, block_m)   # (a block not in use stores nothing: its rows don't count)
+        assert [r for r, u in zip(rows.tolist(), used) if u] == [r for r, u in zip(want_rows, used) if u]
 
 
 def test_naive_map_with_more_assignments_on_an_expert_than_a_block():

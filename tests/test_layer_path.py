@@ -201,6 +201,27 @@ def small_layer(fmt: str, layout: str, shared_expert="separate", model="deepseek
 
 
 @pytest.mark.skipif(BACKEND == "torch", reason="no Triton: the torch references launch nothing")
+def test_the_layers_naive_map_groups_an_experts_tokens():
+    """From two tokens on, the layer's naive block map runs both GEMMs with each expert's assignments in
+    one block (``naive_group``); one token keeps one block per assignment. 64 experts, top-8: the naive
+    map holds up to 2 tokens."""
+    from moe_kernels.kernels.blocks import NAIVE_GROUP_MAX
+
+    style = dataclasses.replace(MODELS["deepseek-v3"], num_experts=64)
+    layer = MoELayer.random(style, hidden_size=256, intermediate_size=128, dtype=torch.float32, device=DEVICE,
+                            seed=0, layout="index_gather", shared_expert="separate")
+    for batch, group in ((1, 0), (2, 16 if NAIVE_GROUP_MAX >= 16 else 0)):
+        x = torch.randn(batch, 256, generator=torch.Generator().manual_seed(batch)).to(DEVICE)
+        assert layer.plan(batch, dtype=x.dtype).naive_blocks
+        with record_launches() as launches:
+            out = layer(x)
+        assert rel_err(out, layer.reference(x)) < 1e-3
+        routed = [s for name, s in launches if name == "index_gather.gemm" and not s["dense"]]
+        assert [(g["gemm"], g["naive"], g["naive_group"]) for g in routed] == [("gate_up", True, group),
+                                                                               ("down", True, group)]
+
+
+@pytest.mark.skipif(BACKEND == "torch", reason="no Triton: the torch references launch nothing")
 @pytest.mark.parametrize("fmt, batch", [("none", 9), ("block", 1), ("tensor", 9)])   # both block maps, 3 formats
 def test_launches_follow_the_plan(fmt, batch):
     layer = small_layer(fmt, "index_gather")

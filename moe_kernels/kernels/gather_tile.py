@@ -188,3 +188,25 @@ def rows_reference(x, w, blocks: BlockAssignment, numel: int, top_k: int, routed
         product = expert_rows_product(x[mine // top_k], w[e], silu_mul=routed_weights is None)
         out[mine] = product if routed_weights is None else routed_weights[mine, None] * product
     return out
+
+
+def naive_group_rows_reference(expert_ids: torch.Tensor, block_m: int) -> tuple[list, list]:
+    """``_naive_group_rows`` in Python, for every block of a naive map: ``(rows, in_use)``, where
+    ``rows[m]`` lists the assignments block ``m`` computes (padded with ``len(expert_ids)``; none
+    where it is not in use, whatever the kernel's unused rows hold) and ``in_use[m]`` whether it
+    computes any. An expert's assignments, in order, go to its first
+    block, ``block_m`` at a time; its other blocks compute nothing.
+
+        >>> naive_group_rows_reference(torch.tensor([5, 1, 5]), 2)
+        ([[0, 2], [1, 3], [3, 3]], [True, True, False])
+    """
+    ids = expert_ids.tolist()
+    numel = len(ids)
+    rows, in_use = [], []
+    for m, e in enumerate(ids):
+        same = [j for j in range(numel) if ids[j] == e]
+        rank = same.index(m)
+        mine = same[rank:rank + block_m] if rank % block_m == 0 else []
+        rows.append(mine + [numel] * (block_m - len(mine)))
+        in_use.append(rank % block_m == 0)
+    return rows, in_use
