@@ -161,6 +161,72 @@ def test_two_launch_path(monkeypatch, max_chunks):
         assert_aligned_like_reference(ids, block_size, num_experts, what="two launches")
 
 
+@pytest.mark.parametrize("tile, scan_rows, scan_bins", [(16, 4, 16), (32, 8, 32), (128, 2, 16)])
+def test_scanned_chunk_offsets(monkeypatch, tile, scan_rows, scan_bins):
+    """The three-launch path (``CHUNK_OFFSETS = "scanned"``: count per chunk, scan the table down each expert's
+    column, place) against the reference, element for element, into poisoned buffers: short chunks so that the scan
+    carries its sums across many steps and several programs of columns, tokens that skip experts, all on one expert,
+    one expert, more experts than bins of a scan program, and unchecked ids out of range (skipped)."""
+    from moe_kernels._runtime import record_launches
+
+    if not use_triton(torch.zeros(1, device=DEVICE)):
+        pytest.skip("no Triton kernel for this device")
+    for name, value in (("CHUNK_OFFSETS", "scanned"), ("SINGLE_LAUNCH_MAX_NUMEL", 0), ("SCAN_MAX_CHUNKS", 4096),
+                        ("_MULTI_TILE", tile), ("_SCAN_ROWS", scan_rows), ("_SCAN_BINS", scan_bins)):
+        monkeypatch.setattr(align, name, value)
+    g = torch.Generator().manual_seed(tile)
+    cases = [random_topk_ids(g, t, e, k, dtype) for t, e, k, dtype in
+             ((1, 1, 1, torch.int32), (100, 64, 8, torch.int32), (150, 257, 6, torch.int64), (333, 3, 2, torch.int32),
+              (40, 100, 3, torch.int32))]
+    cases.append(torch.full((90, 4), 5, dtype=torch.int32, device=DEVICE))            # all on expert 5 of 8
+    bad = random_topk_ids(g, 70, 20, 2, torch.int32)
+    bad[::7, 1] = 20                                                                   # not an expert of 20
+    cases.append(bad)
+    most_chunks = 0
+    for ids, num_experts in zip(cases, (1, 64, 257, 3, 100, 8, 20)):
+        for block_size in (1, 16, 128):
+            want = moe_align_block_size_reference(ids.clamp(max=num_experts - 1) if ids is bad else ids, block_size,
+                                                  num_experts)
+            if ids is bad:   # (the reference refuses a bad id: compare with it on the ids that are good)
+                want = _skipping(ids, block_size, num_experts)
+            got = tuple(torch.full_like(w, POISON) for w in want)
+            with record_launches() as seen:
+                align._launch_alignment(ids.contiguous(), block_size, num_experts, *got)
+            (record,) = [s for n, s in seen if n == "align.moe_align_block_size"]
+            assert (record["launches"], record["chunk_offsets"]) == (3, "scanned")
+            most_chunks = max(most_chunks, record["chunks"])
+            case = f"T={ids.shape[0]} k={ids.shape[1]} E={num_experts} block={block_size}, {record['chunks']} chunks"
+            for name, g_out, w_out in zip(("sorted_token_ids", "expert_ids", "num_tokens_post_padded"), got, want):
+                assert torch.equal(g_out, w_out), f"{name} differs from the reference, {case}"
+    assert most_chunks > scan_rows   # (a table took more than one step of the scan)
+
+
+def _skipping(ids, block_size, num_experts):
+    """The reference alignment of ``ids`` where an id outside ``[0, num_experts)`` takes no row (as the kernel skips
+    it): aligned as an extra expert, whose segment is then dropped, with the sentinel renumbered."""
+    flat = ids.flatten().long()
+    numel = flat.numel()
+    extra = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts).view(ids.shape)
+    sorted_ids, expert_ids, used = moe_align_block_size_reference(extra, block_size, num_experts + 1)
+    good = int(((flat >= 0) & (flat < num_experts)).sum())
+    padded_good = int(used) - -(-(numel - good) // block_size) * block_size   # (the extra expert's segment is last)
+    capacity = numel + num_experts * (block_size - 1)
+    out = torch.full((capacity,), numel, dtype=torch.int32, device=ids.device)
+    out[:padded_good] = sorted_ids[:padded_good]
+    blocks = torch.full((-(-capacity // block_size),), -1, dtype=torch.int32, device=ids.device)
+    blocks[: padded_good // block_size] = expert_ids[: padded_good // block_size]
+    return out, blocks, torch.tensor([padded_good], dtype=torch.int32, device=ids.device)
+
+
+def test_a_bad_chunk_offsets_rule_is_refused(monkeypatch):
+    if not use_triton(torch.zeros(1, device=DEVICE)):
+        pytest.skip("no Triton kernel for this device")
+    monkeypatch.setattr(align, "CHUNK_OFFSETS", "sorted")
+    monkeypatch.setattr(align, "SINGLE_LAUNCH_MAX_NUMEL", 0)
+    with pytest.raises(ValueError, match=r"CHUNK_OFFSETS.*must be one of \('summed', 'scanned'\)"):
+        moe_align_block_size(torch.zeros((2, 2), dtype=torch.int32, device=DEVICE), 4, 4)
+
+
 def test_large_inputs_take_the_large_tiles(monkeypatch):
     """One launch up to SINGLE_LAUNCH_MAX_NUMEL assignments, two beyond on the two-launch tiles, and from past
     LARGE_FROM_NUMEL on 64-assignment tiles of 8 warps: the path each size takes, as the launch record names it (the
@@ -213,10 +279,12 @@ def test_unchecked_out_of_range_ids_are_skipped():
 
 
 @needs_gpu
+@pytest.mark.parametrize("chunk_offsets", align.CHUNK_OFFSET_RULES)
 @pytest.mark.parametrize("num_tokens", [1, 8, 64, 1024, 4096, 16384])
 @pytest.mark.parametrize("block_size", [16, 64, 128])
-def test_model_sizes_on_gpu(num_tokens, block_size):
-    # DeepSeek-V3's routing shape: E=256, top-8; 4096 and 16384 tokens take the two-launch path.
+def test_model_sizes_on_gpu(monkeypatch, chunk_offsets, num_tokens, block_size):
+    # DeepSeek-V3's routing shape: E=256, top-8; from 1024 tokens the multi-launch paths (each rule).
+    monkeypatch.setattr(align, "CHUNK_OFFSETS", chunk_offsets)
     g = torch.Generator().manual_seed(num_tokens + block_size)
     ids = random_topk_ids(g, num_tokens, 256, 8, torch.int32)
     assert_aligned_like_reference(ids, block_size, 256)
@@ -422,15 +490,18 @@ fn = align._chunk_count_kernel
 ptx = compile_for_sm90(fn, dict(NUM_BINS=128, COUNT_TILE=1024), int_pointers(fn), pointers_aligned=False,
                        num_warps=4).asm["ptx"]
 print(len(ptx) > 0)
+fn = align._scan_chunk_counts_kernel
+ptx = compile_for_sm90(fn, dict(NUM_BINS=256, SCAN_BINS=align._SCAN_BINS, SCAN_ROWS=align._SCAN_ROWS),
+                       int_pointers(fn), pointers_aligned=False, num_warps=4).asm["ptx"]
+print(len(ptx) > 0)
 fn = align._align_kernel
 message = "align: argument 'topk_ids' must hold expert ids in [0, 128)"
 for from_table, check, permute in ((False, "", False), (True, message, False), (False, "", True),
-                                   (False, message, True), ("large", "", False)):
-    tile, warps = ((align._LARGE_TILE, align._LARGE_WARPS) if from_table == "large" else
+                                   (False, message, True), ("large", "", False), ("scanned", message, False)):
+    tile, warps = ((align._LARGE_TILE, align._LARGE_WARPS) if from_table in ("large", "scanned") else
                    (align._MULTI_TILE, align._MULTI_WARPS) if from_table else (align._SINGLE_TILE, align._SINGLE_WARPS))
-    from_table = bool(from_table)
-    const = dict(COUNTS_FROM_TABLE=from_table, NUM_BINS=256, TILE=tile, COUNT_TILE=1024, ROW_TILE=16, PAD_TILE=64,
-                 FILL_TILE=1024, ID_CHECK=check, PERMUTE=permute)
+    const = dict(COUNTS_FROM_TABLE=bool(from_table), NUM_BINS=256, TILE=tile, COUNT_TILE=1024, ROW_TILE=16,
+                 PAD_TILE=64, FILL_TILE=1024, ID_CHECK=check, PERMUTE=permute, SCANNED=from_table == "scanned")
     ptx = compile_for_sm90(fn, const, int_pointers(fn), pointers_aligned=False, num_warps=warps, debug=bool(check),
                            sanitize_overflow=False).asm["ptx"]
     print(len(ptx) > 0)
@@ -442,7 +513,8 @@ for from_table, check, permute in ((False, "", False), (True, message, False), (
 
 def test_compiles_for_hopper():
     """The alignment's kernels compiled for an H100/H200 (sm_90) on this machine: the per-chunk count of
-    the two-launch path, the alignment with and without its id check, on the tiles and warps each path runs (the
+    the multi-launch paths and the scan of the scanned one, the alignment with and without its id check (reading the
+    scanned table too), on the tiles and warps each path runs (the
     large inputs' too), and the one-launch alignment writing the permute layout's indices, which must not spill (the
     CPU tests otherwise run it under the interpreter only, which accepts code that a compiler may refuse)."""
     import triton
@@ -451,4 +523,4 @@ def test_compiles_for_hopper():
     # (the spill count under the H200's Triton, 3.6, whose ptxas reads its PTX: 4.3 KB a thread in the two-launch
     # build with the indices, which permute therefore leaves to the row kernel)
     spills = ["spills 0"] if triton.__version__.startswith("3.6.") else []
-    assert [line for line in lines if line] == (["True"] * 4 + spills) + ["True"] + spills + ["True"], lines
+    assert [line for line in lines if line] == (["True"] * 5 + spills) + ["True"] + spills + ["True"] * 2, lines

@@ -1,10 +1,12 @@
 """Try alignment launch settings on a GPU: CUDA-graph time per call for each variant and batch.
 
 Usage (on the GPU machine): PYTHONPATH=. python3 tools/tune_align.py           # the one-launch reach, E=256
-                            PYTHONPATH=. python3 tools/tune_align.py large     # the two-launch path at prefill
+                            PYTHONPATH=. python3 tools/tune_align.py large [name]   # the multi-launch paths at prefill
 Variants change the module constants of moe_kernels.kernels.align; every output is checked against the
-reference before it is timed. ``large`` (records align-ab): the two-launch path's chunks (``MAX_CHUNKS``), tile,
-warps and count-table rows a step (``_ROW_TILE``) at 4,096 and 16,384 tokens of top-8 over 128 and 256 experts
+reference before it is timed. ``large`` (records align-ab, or the name given after it): the two-launch path's chunks
+(``MAX_CHUNKS``), tile, warps and count-table rows a step (``_ROW_TILE``), and the scanned path's (``CHUNK_OFFSETS``
+"scanned": chunks, tile, warps, the scan's rows a step and columns a program) at 2,048, 4,096 and 16,384 tokens of top-8 over 128 and
+256 experts
 (Qwen3-30B-A3B's and DeepSeek-V3's routing) on 128-row blocks (the permute layout's segments), where the profile
 of the layer (``layer-profile-s35.json``) had the alignment at 83-102 us, two rounds, the lower kept; beside them
 the package's own settings (which since session 35 take 64-assignment tiles on 8 warps past ``LARGE_FROM_NUMEL``).
@@ -47,23 +49,33 @@ def timed(variants, E, B, block):
     return results
 
 
-if sys.argv[1:] == ["large"]:
+if sys.argv[1:2] == ["large"]:
+    name = sys.argv[2] if len(sys.argv) > 2 else "align-ab"
     # (each variant's tiles at every size: LARGE_FROM_NUMEL out of the way; "package default": the module as it is)
     settings = ((128, 128, 4, 16), (128, 128, 8, 16), (128, 64, 4, 16), (128, 64, 8, 16), (256, 64, 4, 16),
                 (256, 64, 8, 32), (256, 128, 8, 32), (512, 64, 8, 32), (512, 32, 4, 32), (1024, 32, 4, 64),
                 (64, 128, 8, 16))
     variants = {"package default": {}} | {
         f"chunks {c} tile {t} warps {w} rows {r}":
-        dict(MAX_CHUNKS=c, _MULTI_TILE=t, _MULTI_WARPS=w, _ROW_TILE=r, LARGE_FROM_NUMEL=2**40)
+        dict(MAX_CHUNKS=c, _MULTI_TILE=t, _MULTI_WARPS=w, _ROW_TILE=r, LARGE_FROM_NUMEL=2**40, CHUNK_OFFSETS="summed")
         for c, t, w, r in settings}
+    # The scanned path (count, scan, place: three launches): up to c chunks of t-assignment tiles on w warps, the
+    # scan r table rows a step over b expert columns a program.
+    scanned = ((1024, 64, 8, 64, 16), (1024, 64, 4, 64, 16), (512, 64, 8, 64, 16), (2048, 64, 8, 64, 16),
+               (1024, 128, 4, 64, 16), (4096, 32, 4, 128, 16), (1024, 64, 8, 128, 32), (1024, 64, 8, 32, 8),
+               (256, 64, 8, 64, 16))
+    variants |= {f"scanned chunks {c} tile {t} warps {w} scan rows {r} bins {b}":
+                 dict(CHUNK_OFFSETS="scanned", SCAN_MAX_CHUNKS=c, _MULTI_TILE=t, _MULTI_WARPS=w, _SCAN_ROWS=r,
+                      _SCAN_BINS=b, LARGE_FROM_NUMEL=2**40)
+                 for c, t, w, r, b in scanned}
     rows = []
-    for E, B in itertools.product((128, 256), (4096, 16384)):
+    for E, B in itertools.product((128, 256), (2048, 4096, 16384)):
         first, second = timed(variants, E, B, 128), timed(variants, E, B, 128)
         us = {label: min((t for t in (first.get(label), second.get(label)) if t is not None), default=None)
               for label in variants}   # (None: failed in both rounds)
         rows.append({"experts": E, "tokens": B, "top_k": K, "block": 128, "us": us})
-        record_tool("align-ab", rows, {"method": "CUDA-graph time of one call (L2 warm), two rounds, the lower kept",
-                                       "variants": variants})
+        record_tool(name, rows, {"method": "CUDA-graph time of one call (L2 warm), two rounds, the lower kept",
+                                 "variants": variants})
         best = sorted(((v, t) for v, t in us.items() if t is not None), key=lambda r: r[1])[:4]
         print(f"E={E} B={B}: package default {us['package default']} us; best " +
               "; ".join(f"{t:.1f} {v}" for v, t in best), flush=True)

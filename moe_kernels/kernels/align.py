@@ -82,6 +82,17 @@ _MULTI_TILE, _MULTI_WARPS = 128, 4
 # tiles above, which stayed the fastest at 32,768 (an H100, tools/tune_align.py large, align-ab-s35.json).
 LARGE_FROM_NUMEL = 65536
 _LARGE_TILE, _LARGE_WARPS = 64, 8
+# How a program of the multi-launch path learns how many of each expert's assignments come before its chunk.
+# "summed": it sums the count table's earlier rows itself (two launches; every program re-reads up to the whole
+# table, so the work grows with the square of the chunks, and MAX_CHUNKS stays small: 128 programs for 131,072
+# assignments, each placing 1,024 of them one tile after another). "scanned": a launch between the two scans the
+# table down each expert's column (an exclusive prefix, in place, plus a totals row), so a program reads one row
+# and the chunks can be many and short (up to SCAN_MAX_CHUNKS; three launches). Index order inside a segment is the
+# same either way. "summed" until the two are timed on a GPU (tools/tune_align.py large).
+CHUNK_OFFSETS, CHUNK_OFFSET_RULES = "summed", ("summed", "scanned")
+SCAN_MAX_CHUNKS = 1024
+# The scan: expert columns per program and table rows per step.
+_SCAN_BINS, _SCAN_ROWS = 16, 64
 # Ids histogrammed per step while counting.
 _COUNT_TILE = 1024
 # Sentinel / -1 slots of the tail written per step, and one program's share of it: tiny batches with
@@ -190,6 +201,23 @@ if HAS_TRITON:
                                 num_experts, NUM_BINS, COUNT_TILE, "")
         tl.store(chunk_counts_ptr + chunk * NUM_BINS + tl.arange(0, NUM_BINS), counts)
 
+    @kernel(do_not_specialize=["num_chunks"])
+    def _scan_chunk_counts_kernel(chunk_counts_ptr, num_chunks, NUM_BINS: tl.constexpr, SCAN_BINS: tl.constexpr,
+                                  SCAN_ROWS: tl.constexpr):
+        """The middle launch of the scanned path: down ``SCAN_BINS`` expert columns of the ``[num_chunks + 1,
+        NUM_BINS]`` count table, each chunk's count becomes the count of the chunks before it (an exclusive
+        prefix sum, in place), and row ``num_chunks`` gets the totals."""
+        bins = tl.program_id(0) * SCAN_BINS + tl.arange(0, SCAN_BINS)
+        carry = tl.zeros([SCAN_BINS], dtype=tl.int32)
+        for row_start in range(0, num_chunks, SCAN_ROWS):
+            rows = row_start + tl.arange(0, SCAN_ROWS)
+            cells = chunk_counts_ptr + rows[:, None] * NUM_BINS + bins[None, :]
+            inside = rows[:, None] < num_chunks
+            counts = tl.load(cells, mask=inside, other=0)
+            tl.store(cells, tl.cumsum(counts, axis=0) - counts + carry[None, :], mask=inside)
+            carry += tl.sum(counts, axis=0)
+        tl.store(chunk_counts_ptr + num_chunks * NUM_BINS + bins, carry)
+
     @kernel(do_not_specialize=["numel", "chunk_size", "num_rows"])
     def _align_kernel(
         topk_ids_ptr, chunk_counts_ptr, sorted_ids_ptr, expert_ids_ptr, used_ptr,
@@ -197,6 +225,7 @@ if HAS_TRITON:
         COUNTS_FROM_TABLE: tl.constexpr, NUM_BINS: tl.constexpr, TILE: tl.constexpr,
         COUNT_TILE: tl.constexpr, ROW_TILE: tl.constexpr, PAD_TILE: tl.constexpr,
         FILL_TILE: tl.constexpr, ID_CHECK: tl.constexpr = "", PERMUTE: tl.constexpr = False,
+        SCANNED: tl.constexpr = False,
     ):
         """Program ``c`` places the assignments of chunk ``c``, then writes a share of the tail
         (:func:`_align_program`); with ``PERMUTE`` also the permute layout's indices."""
@@ -204,7 +233,7 @@ if HAS_TRITON:
             tl.program_id(0), tl.num_programs(0), topk_ids_ptr, chunk_counts_ptr, sorted_ids_ptr,
             expert_ids_ptr, used_ptr, numel, num_experts, block_size, chunk_size, COUNTS_FROM_TABLE,
             NUM_BINS, TILE, COUNT_TILE, ROW_TILE, PAD_TILE, FILL_TILE, ID_CHECK, "", True,
-            m_indices_ptr, src2dst_ptr, num_rows, PERMUTE)
+            m_indices_ptr, src2dst_ptr, num_rows, PERMUTE, SCANNED)
 
     @kernel
     def _align_program(
@@ -214,6 +243,7 @@ if HAS_TRITON:
         COUNT_TILE: tl.constexpr, ROW_TILE: tl.constexpr, PAD_TILE: tl.constexpr,
         FILL_TILE: tl.constexpr, ID_CHECK: tl.constexpr, CACHE: tl.constexpr, FILL_TAIL: tl.constexpr = True,
         m_indices_ptr=None, src2dst_ptr=None, num_rows=0, PERMUTE: tl.constexpr = False,
+        SCANNED: tl.constexpr = False,
     ):
         """Program ``program`` of ``num_programs``: place the assignments of chunk ``program``,
         then write a share of the tail (``FILL_TAIL``; off only to time the rest). One program with
@@ -223,7 +253,9 @@ if HAS_TRITON:
 
         Each program needs two histograms: ``total`` (all assignments) and ``before`` (the
         assignments of earlier chunks). Then expert ``e``'s next free row for this chunk is
-        ``segment_start[e] + before[e]``, and no two programs ever write the same row.
+        ``segment_start[e] + before[e]``, and no two programs ever write the same row. It counts them
+        itself from the ids, or sums the earlier rows of the count table (``COUNTS_FROM_TABLE``), or reads
+        them from the scanned table (``SCANNED`` too: row ``program`` and the totals row).
 
         ``ID_CHECK`` (a message; compiled in only when the launch asks for device asserts): every
         id is read here once, so this is where an id outside ``[0, E)`` stops the kernel, with no
@@ -240,7 +272,11 @@ if HAS_TRITON:
         chunk_start = program * chunk_size
         chunk_end = tl.minimum(chunk_start + chunk_size, numel)
 
-        if COUNTS_FROM_TABLE:
+        if COUNTS_FROM_TABLE and SCANNED:
+            # (a program past the last chunk places nothing: it reads the totals row twice)
+            before = tl.load(chunk_counts_ptr + tl.minimum(program, num_chunks) * NUM_BINS + bins)
+            total = tl.load(chunk_counts_ptr + num_chunks * NUM_BINS + bins)
+        elif COUNTS_FROM_TABLE:
             before = tl.zeros([NUM_BINS], dtype=tl.int32)
             total = tl.zeros([NUM_BINS], dtype=tl.int32)
             for row_start in range(0, num_chunks, ROW_TILE):
@@ -347,28 +383,43 @@ def _launch_alignment(topk_ids, block_size, num_experts, sorted_ids, expert_ids,
              f"{numel} assignments")
     num_bins, pad_tile = align_bins_and_pad_tile(num_experts, block_size)
     fill_programs = cdiv(sorted_ids.numel(), _FILL_ROWS_PER_PROGRAM)
+    offsets_rule = None   # (one launch: every program counts the ids itself)
     if numel <= SINGLE_LAUNCH_MAX_NUMEL:
         tile, warps = _SINGLE_TILE, _SINGLE_WARPS
         chunk_size = tile
         num_chunks = cdiv(numel, chunk_size)
         chunk_counts = topk_ids  # never read: every program counts the ids itself
     else:
+        if CHUNK_OFFSETS not in CHUNK_OFFSET_RULES:
+            fail("moe_kernels.kernels.align", "CHUNK_OFFSETS", f"must be one of {CHUNK_OFFSET_RULES}",
+                 repr(CHUNK_OFFSETS))
+        offsets_rule = CHUNK_OFFSETS
+        scanned = offsets_rule == "scanned"
         tile, warps = (_LARGE_TILE, _LARGE_WARPS) if numel > LARGE_FROM_NUMEL else (_MULTI_TILE, _MULTI_WARPS)
-        chunk_size = tile * cdiv(numel, tile * MAX_CHUNKS)
+        chunk_size = tile * cdiv(numel, tile * (SCAN_MAX_CHUNKS if scanned else MAX_CHUNKS))
         num_chunks = cdiv(numel, chunk_size)
-        chunk_counts = torch.empty(num_chunks * num_bins, dtype=torch.int32, device=topk_ids.device)
+        # (the scanned table has one more row: the totals)
+        chunk_counts = torch.empty((num_chunks + scanned) * num_bins, dtype=torch.int32, device=topk_ids.device)
         _chunk_count_kernel[(num_chunks,)](
             topk_ids, chunk_counts, numel, num_experts, chunk_size,
-            NUM_BINS=num_bins, COUNT_TILE=_COUNT_TILE, num_warps=warps)
-    note_launch("align.moe_align_block_size", block_size=block_size, launches=1 + (numel > SINGLE_LAUNCH_MAX_NUMEL),
-                id_check=bool(id_check), permute_indices=permute_indices is not None, tile=tile, warps=warps)
+            NUM_BINS=num_bins, COUNT_TILE=min(_COUNT_TILE, next_power_of_2(chunk_size)) if scanned else _COUNT_TILE,
+            num_warps=warps)
+        if scanned:
+            scan_bins = min(_SCAN_BINS, num_bins)
+            _scan_chunk_counts_kernel[(num_bins // scan_bins,)](
+                chunk_counts, num_chunks, NUM_BINS=num_bins, SCAN_BINS=scan_bins, SCAN_ROWS=_SCAN_ROWS, num_warps=4)
+    launches = {None: 1, "summed": 2, "scanned": 3}[offsets_rule]
+    note_launch("align.moe_align_block_size", block_size=block_size, launches=launches, chunk_offsets=offsets_rule,
+                chunks=num_chunks, id_check=bool(id_check), permute_indices=permute_indices is not None, tile=tile,
+                warps=warps)
     m_indices, src2dst = permute_indices if permute_indices is not None else (sorted_ids, sorted_ids)
     _align_kernel[(max(num_chunks, fill_programs, 1),)](
         topk_ids, chunk_counts, sorted_ids, expert_ids, used,
         numel, num_experts, block_size, chunk_size, m_indices, src2dst, m_indices.numel(),
         COUNTS_FROM_TABLE=numel > SINGLE_LAUNCH_MAX_NUMEL, NUM_BINS=num_bins, TILE=tile,
         COUNT_TILE=_COUNT_TILE, ROW_TILE=_ROW_TILE, PAD_TILE=pad_tile, FILL_TILE=_FILL_TILE,
-        ID_CHECK=id_check, PERMUTE=permute_indices is not None, num_warps=warps, **device_assert_options(id_check))
+        ID_CHECK=id_check, PERMUTE=permute_indices is not None, SCANNED=offsets_rule == "scanned", num_warps=warps,
+        **device_assert_options(id_check))
 
 
 # ----------------------------------------------------------------------------------------------
