@@ -161,18 +161,20 @@ def test_two_launch_path(monkeypatch, max_chunks):
         assert_aligned_like_reference(ids, block_size, num_experts, what="two launches")
 
 
-@pytest.mark.parametrize("tile, scan_rows, scan_bins", [(16, 4, 16), (32, 8, 32), (128, 2, 16)])
-def test_scanned_chunk_offsets(monkeypatch, tile, scan_rows, scan_bins):
+@pytest.mark.parametrize("tile, scan_rows, scan_bins, pad_tile", [(16, 4, 16, 64), (32, 8, 32, 8), (128, 2, 16, 4)])
+def test_scanned_chunk_offsets(monkeypatch, tile, scan_rows, scan_bins, pad_tile):
     """The three-launch path (``CHUNK_OFFSETS = "scanned"``: count per chunk, scan the table down each expert's
     column, place) against the reference, element for element, into poisoned buffers: short chunks so that the scan
     carries its sums across many steps and several programs of columns, tokens that skip experts, all on one expert,
-    one expert, more experts than bins of a scan program, and unchecked ids out of range (skipped)."""
+    one expert, more experts than bins of a scan program, and unchecked ids out of range (skipped); the padding
+    written a few rows a step too (``_MAX_PAD_TILE``)."""
     from moe_kernels._runtime import record_launches
 
     if not use_triton(torch.zeros(1, device=DEVICE)):
         pytest.skip("no Triton kernel for this device")
     for name, value in (("CHUNK_OFFSETS", "scanned"), ("SINGLE_LAUNCH_MAX_NUMEL", 0), ("SCAN_MAX_CHUNKS", 4096),
-                        ("_MULTI_TILE", tile), ("_SCAN_ROWS", scan_rows), ("_SCAN_BINS", scan_bins)):
+                        ("_MULTI_TILE", tile), ("_SCAN_ROWS", scan_rows), ("_SCAN_BINS", scan_bins),
+                        ("_MAX_PAD_TILE", pad_tile)):
         monkeypatch.setattr(align, name, value)
     g = torch.Generator().manual_seed(tile)
     cases = [random_topk_ids(g, t, e, k, dtype) for t, e, k, dtype in

@@ -4,8 +4,9 @@ Usage (on the GPU machine): PYTHONPATH=. python3 tools/tune_align.py           #
                             PYTHONPATH=. python3 tools/tune_align.py large [name]   # the multi-launch paths at prefill
 Variants change the module constants of moe_kernels.kernels.align; every output is checked against the
 reference before it is timed. ``large`` (records align-ab, or the name given after it): the two-launch path's chunks
-(``MAX_CHUNKS``), tile, warps and count-table rows a step (``_ROW_TILE``), and the scanned path's (``CHUNK_OFFSETS``
-"scanned": chunks, tile, warps, the scan's rows a step and columns a program) at 2,048, 4,096 and 16,384 tokens of top-8 over 128 and
+(``MAX_CHUNKS``), tile, warps, count-table rows a step (``_ROW_TILE``) and padding rows a step (``_MAX_PAD_TILE``), and
+the scanned path's (``CHUNK_OFFSETS`` "scanned": chunks, tile, warps, the scan's rows a step and columns a program,
+padding rows a step) at 2,048, 4,096 and 16,384 tokens of top-8 over 128 and
 256 experts
 (Qwen3-30B-A3B's and DeepSeek-V3's routing) on 128-row blocks (the permute layout's segments), where the profile
 of the layer (``layer-profile-s35.json``) had the alignment at 83-102 us, two rounds, the lower kept; beside them
@@ -52,22 +53,26 @@ def timed(variants, E, B, block):
 if sys.argv[1:2] == ["large"]:
     name = sys.argv[2] if len(sys.argv) > 2 else "align-ab"
     # (each variant's tiles at every size: LARGE_FROM_NUMEL out of the way; "package default": the module as it is)
-    settings = ((128, 128, 4, 16), (128, 128, 8, 16), (128, 64, 4, 16), (128, 64, 8, 16), (256, 64, 4, 16),
-                (256, 64, 8, 32), (256, 128, 8, 32), (512, 64, 8, 32), (512, 32, 4, 32), (1024, 32, 4, 64),
-                (64, 128, 8, 16))
+    # The summed path: up to c chunks of t-assignment tiles on w warps, r count-table rows a step, and p padding rows
+    # a step (the padding's [tile, p] store held most of the registers in the sm_90 build: 196 a thread at p = 64,
+    # 80 at p = 8, on 64-assignment tiles of 8 warps; 106 and 32 on 32-assignment tiles).
+    settings = ((128, 64, 8, 16, 64), (128, 64, 8, 16, 8), (256, 64, 4, 16, 64), (256, 32, 4, 16, 8),
+                (128, 128, 4, 16, 64))
     variants = {"package default": {}} | {
-        f"chunks {c} tile {t} warps {w} rows {r}":
-        dict(MAX_CHUNKS=c, _MULTI_TILE=t, _MULTI_WARPS=w, _ROW_TILE=r, LARGE_FROM_NUMEL=2**40, CHUNK_OFFSETS="summed")
-        for c, t, w, r in settings}
+        f"chunks {c} tile {t} warps {w} rows {r} pad {p}":
+        dict(MAX_CHUNKS=c, _MULTI_TILE=t, _MULTI_WARPS=w, _ROW_TILE=r, _MAX_PAD_TILE=p, LARGE_FROM_NUMEL=2**40,
+             CHUNK_OFFSETS="summed")
+        for c, t, w, r, p in settings}
     # The scanned path (count, scan, place: three launches): up to c chunks of t-assignment tiles on w warps, the
-    # scan r table rows a step over b expert columns a program.
-    scanned = ((1024, 64, 8, 64, 16), (1024, 64, 4, 64, 16), (512, 64, 8, 64, 16), (2048, 64, 8, 64, 16),
-               (1024, 128, 4, 64, 16), (4096, 32, 4, 128, 16), (1024, 64, 8, 128, 32), (1024, 64, 8, 32, 8),
-               (256, 64, 8, 64, 16))
-    variants |= {f"scanned chunks {c} tile {t} warps {w} scan rows {r} bins {b}":
+    # scan r table rows a step over b expert columns a program, p padding rows a step.
+    scanned = ((1024, 64, 8, 64, 16, 64), (1024, 64, 8, 64, 16, 8), (1024, 32, 8, 64, 16, 8),
+               (1024, 32, 4, 64, 16, 8), (2048, 32, 4, 64, 16, 8), (2048, 16, 4, 64, 16, 8),
+               (4096, 16, 4, 128, 16, 8), (1024, 16, 4, 64, 16, 8), (512, 32, 4, 64, 16, 8),
+               (2048, 32, 8, 128, 32, 16))
+    variants |= {f"scanned chunks {c} tile {t} warps {w} scan rows {r} bins {b} pad {p}":
                  dict(CHUNK_OFFSETS="scanned", SCAN_MAX_CHUNKS=c, _MULTI_TILE=t, _MULTI_WARPS=w, _SCAN_ROWS=r,
-                      _SCAN_BINS=b, LARGE_FROM_NUMEL=2**40)
-                 for c, t, w, r, b in scanned}
+                      _SCAN_BINS=b, _MAX_PAD_TILE=p, LARGE_FROM_NUMEL=2**40)
+                 for c, t, w, r, b, p in scanned}
     rows = []
     for E, B in itertools.product((128, 256), (2048, 4096, 16384)):
         first, second = timed(variants, E, B, 128), timed(variants, E, B, 128)
