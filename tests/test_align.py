@@ -167,14 +167,14 @@ def test_scanned_chunk_offsets(monkeypatch, tile, scan_rows, scan_bins, pad_tile
     column, place) against the reference, element for element, into poisoned buffers: short chunks so that the scan
     carries its sums across many steps and several programs of columns, tokens that skip experts, all on one expert,
     one expert, more experts than bins of a scan program, and unchecked ids out of range (skipped); the padding
-    written a few rows a step too (``_MAX_PAD_TILE``)."""
+    written a few rows a step or many (``_SCANNED_MAX_PAD_TILE``)."""
     from moe_kernels._runtime import record_launches
 
     if not use_triton(torch.zeros(1, device=DEVICE)):
         pytest.skip("no Triton kernel for this device")
     for name, value in (("CHUNK_OFFSETS", "scanned"), ("SINGLE_LAUNCH_MAX_NUMEL", 0), ("SCAN_MAX_CHUNKS", 4096),
-                        ("_MULTI_TILE", tile), ("_SCAN_ROWS", scan_rows), ("_SCAN_BINS", scan_bins),
-                        ("_MAX_PAD_TILE", pad_tile)):
+                        ("_SCANNED_TILE", tile), ("_SCAN_ROWS", scan_rows), ("_SCAN_BINS", scan_bins),
+                        ("_SCANNED_MAX_PAD_TILE", pad_tile)):
         monkeypatch.setattr(align, name, value)
     g = torch.Generator().manual_seed(tile)
     cases = [random_topk_ids(g, t, e, k, dtype) for t, e, k, dtype in
@@ -229,26 +229,33 @@ def test_a_bad_chunk_offsets_rule_is_refused(monkeypatch):
         moe_align_block_size(torch.zeros((2, 2), dtype=torch.int32, device=DEVICE), 4, 4)
 
 
-def test_large_inputs_take_the_large_tiles(monkeypatch):
-    """One launch up to SINGLE_LAUNCH_MAX_NUMEL assignments, two beyond on the two-launch tiles, and from past
-    LARGE_FROM_NUMEL on 64-assignment tiles of 8 warps: the path each size takes, as the launch record names it (the
-    limits scaled down for the interpreter; the package's: 8,192 and 65,536, 1,024 and 8,192 tokens of top-8), with
-    the reference's output."""
+@pytest.mark.parametrize("chunk_offsets", align.CHUNK_OFFSET_RULES)
+def test_large_inputs_take_the_large_tiles(monkeypatch, chunk_offsets):
+    """One launch up to SINGLE_LAUNCH_MAX_NUMEL assignments; beyond, the scanned path's three launches on its own tiles
+    (the default), or the summed path's two on the two-launch tiles and, past LARGE_FROM_NUMEL, on 64-assignment tiles
+    of 8 warps: the path each size takes, as the launch record names it (the limits scaled down for the interpreter;
+    the package's: 8,192 and 65,536, 1,024 and 8,192 tokens of top-8), with the reference's output."""
     from moe_kernels._runtime import record_launches
 
-    assert (align.SINGLE_LAUNCH_MAX_NUMEL, align.LARGE_FROM_NUMEL) == (8192, 65536)
+    assert (align.SINGLE_LAUNCH_MAX_NUMEL, align.LARGE_FROM_NUMEL, align.CHUNK_OFFSETS) == (8192, 65536, "scanned")
     if not use_triton(torch.zeros(1, device=DEVICE)):
         pytest.skip("no Triton kernel for this device")
     monkeypatch.setattr(align, "SINGLE_LAUNCH_MAX_NUMEL", 64)
     monkeypatch.setattr(align, "LARGE_FROM_NUMEL", 256)
-    for numel, launches, tile_warps in ((64, 1, (align._SINGLE_TILE, align._SINGLE_WARPS)),
-                                        (256, 2, (align._MULTI_TILE, align._MULTI_WARPS)),
-                                        (264, 2, (align._LARGE_TILE, align._LARGE_WARPS))):
+    monkeypatch.setattr(align, "CHUNK_OFFSETS", chunk_offsets)
+    single = (1, None, (align._SINGLE_TILE, align._SINGLE_WARPS))
+    if chunk_offsets == "scanned":
+        expected = (single, (3, "scanned", (align._SCANNED_TILE, align._SCANNED_WARPS)),
+                    (3, "scanned", (align._SCANNED_TILE, align._SCANNED_WARPS)))
+    else:
+        expected = (single, (2, "summed", (align._MULTI_TILE, align._MULTI_WARPS)),
+                    (2, "summed", (align._LARGE_TILE, align._LARGE_WARPS)))
+    for numel, want_path in zip((64, 256, 264), expected):
         ids = torch.arange(numel, device=DEVICE, dtype=torch.int32).view(-1, 8) % 16
         with record_launches() as seen:
             got = moe_align_block_size(ids, 16, 16, validate_ids=False)
-        assert [(s["launches"], (s["tile"], s["warps"])) for n, s in seen if n == "align.moe_align_block_size"] == [
-            (launches, tile_warps)], numel
+        assert [(s["launches"], s["chunk_offsets"], (s["tile"], s["warps"])) for n, s in seen
+                if n == "align.moe_align_block_size"] == [want_path], numel
         assert all(torch.equal(a, b) for a, b in zip(got, moe_align_block_size_reference(ids, 16, 16)))
 
 
@@ -500,16 +507,18 @@ fn = align._align_kernel
 message = "align: argument 'topk_ids' must hold expert ids in [0, 128)"
 for from_table, check, permute in ((False, "", False), (True, message, False), (False, "", True),
                                    (False, message, True), ("large", "", False), ("scanned", message, False)):
-    tile, warps = ((align._LARGE_TILE, align._LARGE_WARPS) if from_table in ("large", "scanned") else
+    tile, warps = ((align._LARGE_TILE, align._LARGE_WARPS) if from_table == "large" else
+                   (align._SCANNED_TILE, align._SCANNED_WARPS) if from_table == "scanned" else
                    (align._MULTI_TILE, align._MULTI_WARPS) if from_table else (align._SINGLE_TILE, align._SINGLE_WARPS))
     const = dict(COUNTS_FROM_TABLE=bool(from_table), NUM_BINS=256, TILE=tile, COUNT_TILE=1024, ROW_TILE=16,
-                 PAD_TILE=64, FILL_TILE=1024, ID_CHECK=check, PERMUTE=permute, SCANNED=from_table == "scanned")
+                 PAD_TILE=align._SCANNED_MAX_PAD_TILE if from_table == "scanned" else 64, FILL_TILE=1024,
+                 ID_CHECK=check, PERMUTE=permute, SCANNED=from_table == "scanned")
     ptx = compile_for_sm90(fn, const, int_pointers(fn), pointers_aligned=False, num_warps=warps, debug=bool(check),
                            sanitize_overflow=False).asm["ptx"]
     print(len(ptx) > 0)
-    if permute and triton.__version__.startswith("3.6."):   # (a newer Triton's bundled ptxas may not read its PTX)
-        built = assemble_for_sm90(ptx)   # the one-launch alignment writing the permute indices: no spills
-        print("spills", built["spill_stores"] + built["spill_loads"])
+    if (permute or from_table == "scanned") and triton.__version__.startswith("3.6."):   # (a newer Triton's ptxas
+        built = assemble_for_sm90(ptx)   # may not read its PTX) the one-launch alignment writing the permute
+        print("spills", built["spill_stores"] + built["spill_loads"])   # indices, and the scanned one: no spills
 """
 
 
@@ -525,4 +534,4 @@ def test_compiles_for_hopper():
     # (the spill count under the H200's Triton, 3.6, whose ptxas reads its PTX: 4.3 KB a thread in the two-launch
     # build with the indices, which permute therefore leaves to the row kernel)
     spills = ["spills 0"] if triton.__version__.startswith("3.6.") else []
-    assert [line for line in lines if line] == (["True"] * 5 + spills) + ["True"] + spills + ["True"] * 2, lines
+    assert [line for line in lines if line] == (["True"] * 5 + spills) + ["True"] + spills + ["True"] * 2 + spills, lines

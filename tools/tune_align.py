@@ -70,8 +70,8 @@ if sys.argv[1:2] == ["large"]:
                (4096, 16, 4, 128, 16, 8), (1024, 16, 4, 64, 16, 8), (512, 32, 4, 64, 16, 8),
                (2048, 32, 8, 128, 32, 16))
     variants |= {f"scanned chunks {c} tile {t} warps {w} scan rows {r} bins {b} pad {p}":
-                 dict(CHUNK_OFFSETS="scanned", SCAN_MAX_CHUNKS=c, _MULTI_TILE=t, _MULTI_WARPS=w, _SCAN_ROWS=r,
-                      _SCAN_BINS=b, _MAX_PAD_TILE=p, LARGE_FROM_NUMEL=2**40)
+                 dict(CHUNK_OFFSETS="scanned", SCAN_MAX_CHUNKS=c, _SCANNED_TILE=t, _SCANNED_WARPS=w, _SCAN_ROWS=r,
+                      _SCAN_BINS=b, _SCANNED_MAX_PAD_TILE=p)
                  for c, t, w, r, b, p in scanned}
     rows = []
     for E, B in itertools.product((128, 256), (2048, 4096, 16384)):

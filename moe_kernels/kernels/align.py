@@ -88,9 +88,17 @@ _LARGE_TILE, _LARGE_WARPS = 64, 8
 # assignments, each placing 1,024 of them one tile after another). "scanned": a launch between the two scans the
 # table down each expert's column (an exclusive prefix, in place, plus a totals row), so a program reads one row
 # and the chunks can be many and short (up to SCAN_MAX_CHUNKS; three launches). Index order inside a segment is the
-# same either way. "summed" until the two are timed on a GPU (tools/tune_align.py large).
-CHUNK_OFFSETS, CHUNK_OFFSET_RULES = "summed", ("summed", "scanned")
-SCAN_MAX_CHUNKS = 1024
+# same either way. Measured on an H100 (tools/tune_align.py large, align-ab-s41.json, CUDA-graph time, L2 warm,
+# top-8, 128-row blocks), summed -> scanned at 2,048 / 4,096 / 16,384 tokens: 20.4 / 30.0 / 77.2 -> 13.4 / 15.2 /
+# 26.7 us over 128 experts, 20.2 / 29.8 / 73.3 -> 14.3 / 16.5 / 30.2 over 256, on up to 512 chunks of
+# 32-assignment tiles, 4 warps, padding 8 rows a step (the best of ten scanned settings at 4,096 and 16,384 tokens,
+# within 1.7 us of the best at 2,048).
+CHUNK_OFFSETS, CHUNK_OFFSET_RULES = "scanned", ("summed", "scanned")
+SCAN_MAX_CHUNKS = 512
+_SCANNED_TILE, _SCANNED_WARPS = 32, 4
+# The padding's rows a step on the scanned path: its [tile, rows] store held most of the registers in the sm_90
+# build (a 64-assignment tile on 8 warps: 196 a thread at 64 rows, 80 at 8; a 32-assignment one: 106 and 32).
+_SCANNED_MAX_PAD_TILE = 8
 # The scan: expert columns per program and table rows per step.
 _SCAN_BINS, _SCAN_ROWS = 16, 64
 # Ids histogrammed per step while counting.
@@ -395,7 +403,10 @@ def _launch_alignment(topk_ids, block_size, num_experts, sorted_ids, expert_ids,
                  repr(CHUNK_OFFSETS))
         offsets_rule = CHUNK_OFFSETS
         scanned = offsets_rule == "scanned"
-        tile, warps = (_LARGE_TILE, _LARGE_WARPS) if numel > LARGE_FROM_NUMEL else (_MULTI_TILE, _MULTI_WARPS)
+        if scanned:
+            tile, warps, pad_tile = _SCANNED_TILE, _SCANNED_WARPS, min(pad_tile, _SCANNED_MAX_PAD_TILE)
+        else:
+            tile, warps = (_LARGE_TILE, _LARGE_WARPS) if numel > LARGE_FROM_NUMEL else (_MULTI_TILE, _MULTI_WARPS)
         chunk_size = tile * cdiv(numel, tile * (SCAN_MAX_CHUNKS if scanned else MAX_CHUNKS))
         num_chunks = cdiv(numel, chunk_size)
         # (the scanned table has one more row: the totals)
