@@ -117,13 +117,15 @@ def test_naive_compile_jobs_build_the_timed_naive_group():
     """A naive map's ``NAIVE_GROUP`` is a constexpr that the token count sets, so the tuner's
     parallel compile must build each naive job with the group its batch times (here 8 tokens of
     top-8: 64; one token: none), or the timing compiles everything again, one by one."""
-    from moe_kernels._runtime import HAS_TRITON, record_launches
+    import torch
+
+    from moe_kernels._runtime import record_launches, use_triton
     from moe_kernels.bench.tune_compile import _compile_jobs
     from moe_kernels.kernels.blocks import naive_group_size
     from moe_kernels.kernels.config import GemmTiles
 
-    if not HAS_TRITON:
-        pytest.skip("launch records are the Triton kernels'")
+    if not use_triton(torch.zeros(1)):   # (no Triton, or a GPU machine, where CPU jobs run the torch references)
+        pytest.skip("launch records are the Triton kernels', and these jobs are the CPU's")
     for tokens in (1, 2, 8):
         job = {"d": 32, "f": 16, "top_k": 8, "block_m": 16, "naive": True, "dense": False, "gated": True,
                "sum_slots": False, "device": "cpu", "dtype": "float32", "format": "none",
@@ -266,13 +268,13 @@ def test_tuning_tries_both_gemms_as_one_stream_on_the_cpu(monkeypatch):
     import torch
 
     from moe_kernels import MODELS
-    from moe_kernels._runtime import BACKEND, record_launches
+    from moe_kernels._runtime import record_launches, use_triton
     from moe_kernels.bench import tune as tune_module
     from moe_kernels.bench import tune_candidates
     from moe_kernels.kernels.config import GemmTiles, MoEConfig, check_config
 
-    if BACKEND == "torch":
-        pytest.skip("no Triton: the torch references launch nothing")
+    if not use_triton(torch.zeros(1)):   # (no Triton, or a GPU machine, where the CPU's tune runs torch references)
+        pytest.skip("the torch references launch nothing")
     small = dataclasses.replace(MODELS["qwen3-30b-a3b"], hidden_size=64, moe_intermediate_size=32, num_experts=4,
                                 top_k=2)
     calls = iter(range(10**6))
