@@ -537,6 +537,43 @@ def test_permute_without_copy_writes_the_same_indices(case, align):
         assert [r["permute_indices"] for name, r in launches if name == "align.moe_align_block_size"] == [fused]
 
 
+@pytest.mark.parametrize("case", ["random", "all on one expert", "an empty expert", "no tokens", "out of range"])
+def test_the_scanned_alignment_writes_the_indices_past_one_launch(monkeypatch, case):
+    """``INDICES_IN_SCANNED_ALIGNMENT``: past the one-launch reach (lowered here to none) the scanned alignment's
+    placing launch writes ``m_indices`` and ``src2dst`` (no row kernel, no fill): the copying call's and the
+    reference's, every row and every assignment written, ids out of range in no row; the launch record names the
+    path. With the summed rule the row kernel writes them, as before."""
+    from moe_kernels._runtime import record_launches, use_triton
+    from moe_kernels.kernels import align as align_module
+
+    x, _, _, _, ids = make_problem(40 if case != "no tokens" else 0, 6, 3, 32, 16, seed=5)
+    if case == "all on one expert":
+        ids = torch.full_like(ids, 2)
+    if case == "an empty expert":
+        ids = ids % 5   # (expert 5 gets nothing)
+    if case == "out of range":
+        ids[3, 1], ids[17, 0] = 6, -2
+    checked = case != "out of range"
+    copied = permute(x, ids, 6, align=16, validate_ids=checked)
+    for rule, fused in (("scanned", True), ("summed", False)):
+        monkeypatch.setattr(permute_module, "INDICES_IN_SCANNED_ALIGNMENT", True)
+        monkeypatch.setattr(permute_module, "SINGLE_LAUNCH_MAX_NUMEL", 0)
+        monkeypatch.setattr(align_module, "SINGLE_LAUNCH_MAX_NUMEL", 0)
+        monkeypatch.setattr(align_module, "CHUNK_OFFSETS", rule)
+        with record_launches() as launches:
+            indices_only = permute(x, ids, 6, align=16, validate_ids=checked, copy=False)
+        monkeypatch.undo()
+        for field in ("m_indices", "src2dst", "rows_used", "row_assignments"):
+            assert torch.equal(getattr(copied, field), getattr(indices_only, field)), (rule, field)
+        if checked:
+            want = permute_reference(x, ids, 6, align=16)
+            assert torch.equal(indices_only.m_indices, want.m_indices) and torch.equal(indices_only.src2dst,
+                                                                                       want.src2dst)
+        if use_triton(x, ids) and ids.numel():
+            assert [(r["permute_indices"], r["chunk_offsets"]) for name, r in launches
+                    if name == "align.moe_align_block_size"] == [(fused, rule)]
+
+
 def test_permute_without_copy_leaves_out_of_range_ids_in_no_row():
     """Unchecked ids outside [0, E) land in no segment: src2dst -1 there, as with the copy."""
     x, _, _, _, ids = make_problem(9, 5, 2, 32, 16, seed=8)

@@ -5,7 +5,8 @@ the summed one at 2,048-16,384 tokens). This times what that is worth to a calle
 (gate, routing, the alignment or the permutation's indices, quantisers, both GEMMs, the top-k sum), the shared expert
 left out, each rule replayed from a CUDA graph of one call with the L2 flushed before each replay, four rounds
 interleaved, every other one reversed, the lowest round median kept (``timing.time_lowest``); the scanned rule's
-output checked against the summed one's.
+output checked against the summed one's; and the scanned rule with the permute layout's indices written by the
+alignment's placing launch (``permute.INDICES_IN_SCANNED_ALIGNMENT``: no row kernel).
 
     PYTHONPATH=. python tools/align_layer_ab.py [models] [batches] [formats] [name]   # GPU: records <name>.json
     PYTHONPATH=. TRITON_INTERPRET=1 python tools/align_layer_ab.py                    # CPU: a small shape, checks only
@@ -18,7 +19,7 @@ import torch
 from moe_kernels import MoELayer
 from moe_kernels._runtime import record_launches
 from moe_kernels.bench.timing import time_lowest
-from moe_kernels.kernels import align
+from moe_kernels.kernels import align, permute
 from moe_kernels.model.shapes import MODELS
 from moe_kernels.results import record_tool
 
@@ -32,13 +33,20 @@ if device == "cpu":   # (the interpreter: a shape small enough, past a lowered o
 rows = []
 
 
-def with_rule(layer, x, rule):
+CANDIDATES = {"summed": ("summed", False), "scanned": ("scanned", False),
+              "scanned, indices in the alignment": ("scanned", True)}
+
+
+def with_rule(layer, x, rule, indices):
+    """``layer(x)`` with ``align.CHUNK_OFFSETS`` = ``rule`` and ``permute.INDICES_IN_SCANNED_ALIGNMENT`` = ``indices``
+    for the call (restored after it)."""
     def call():
-        saved, align.CHUNK_OFFSETS = align.CHUNK_OFFSETS, rule
+        saved = align.CHUNK_OFFSETS, permute.INDICES_IN_SCANNED_ALIGNMENT
+        align.CHUNK_OFFSETS, permute.INDICES_IN_SCANNED_ALIGNMENT = rule, indices
         try:
             return layer(x)
         finally:
-            align.CHUNK_OFFSETS = saved
+            align.CHUNK_OFFSETS, permute.INDICES_IN_SCANNED_ALIGNMENT = saved
     return call
 
 
@@ -55,12 +63,12 @@ for key in models:
         for batch in batches:
             x = torch.randn(batch, d, device=device, dtype=dtype, generator=torch.Generator(device).manual_seed(batch))
             plan = layer.plan(batch)
-            candidates = {rule: with_rule(layer, x, rule) for rule in align.CHUNK_OFFSET_RULES}
+            candidates = {label: with_rule(layer, x, *switches) for label, switches in CANDIDATES.items()}
             paths = {}
-            for rule, call in candidates.items():
+            for label, call in candidates.items():
                 with record_launches() as seen:
                     call()
-                paths[rule] = [s for n, s in seen if n == "align.moe_align_block_size"]
+                paths[label] = [s for n, s in seen if n == "align.moe_align_block_size"]
             reference = candidates["summed"]()
             lowest, rounds, errors, rel = time_lowest(candidates, reference, tolerance=1e-6, warmup_ms=5, rep_ms=30,
                                                       unchecked=("summed",), rounds=4, alternate=True)
@@ -72,7 +80,8 @@ for key in models:
             print(f"{key:<14} {fmt:<5} {batch:>6} {plan.layout}/{plan.gemm}: " + "  ".join(
                 f"{r} {us:9.1f} us" for r, us in lowest.items())
                 + f"  summed/scanned {lowest.get('summed', 0) / max(lowest.get('scanned', 1), 1e-9):.3f}"
-                + f"  alignments {[len(p) for p in paths.values()]}" + (f"  errors {errors}" if errors else ""),
+                + "  alignments " + str([[(a["chunk_offsets"], a["permute_indices"]) for a in p] for p in paths.values()])
+                + (f"  errors {errors}" if errors else ""),
                 flush=True)
             record_tool(name, rows, {"models": models, "batches": batches, "formats": formats, "rounds": 4,
                                      "shared_expert": "left out", "dtype": str(dtype), "layout": "auto"})

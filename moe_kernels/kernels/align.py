@@ -386,9 +386,10 @@ def _launch_alignment(topk_ids, block_size, num_experts, sorted_ids, expert_ids,
     (``id_check``: the message of the device-side id assert, or "" for none; ``permute_indices``: the
     permute layout's ``(m_indices, src2dst)`` buffers, filled by the same launch)."""
     numel = topk_ids.numel()
-    if permute_indices is not None and numel > SINGLE_LAUNCH_MAX_NUMEL:   # (its build spills: permute's docstring)
-        fail("_launch_alignment", "permute_indices", f"is for at most {SINGLE_LAUNCH_MAX_NUMEL} assignments",
-             f"{numel} assignments")
+    if permute_indices is not None and numel > SINGLE_LAUNCH_MAX_NUMEL and CHUNK_OFFSETS != "scanned":
+        # (the summed path's build spills: permute's docstring)
+        fail("_launch_alignment", "permute_indices", f"is for at most {SINGLE_LAUNCH_MAX_NUMEL} assignments "
+             "unless CHUNK_OFFSETS is 'scanned'", f"{numel} assignments")
     num_bins, pad_tile = align_bins_and_pad_tile(num_experts, block_size)
     fill_programs = cdiv(sorted_ids.numel(), _FILL_ROWS_PER_PROGRAM)
     offsets_rule = None   # (one launch: every program counts the ids itself)
@@ -481,8 +482,8 @@ def align_checked(func: str, topk_ids: torch.Tensor, block_size: int, num_expert
                   permute_indices=None):
     """:func:`moe_align_block_size` after its argument checks, the id check done where it is
     cheapest: on the host on the CPU, inside the kernel on a GPU (blaming ``func``). ``permute_indices``
-    (Triton path, at most ``SINGLE_LAUNCH_MAX_NUMEL`` assignments): ``(m_indices, src2dst)`` int32 buffers
-    that the same launch fills (``_align_program``)."""
+    (Triton path, at most ``SINGLE_LAUNCH_MAX_NUMEL`` assignments, or any number on the scanned path):
+    ``(m_indices, src2dst)`` int32 buffers that the same launch fills (``_align_program``)."""
     id_check = ""
     if validate_ids:
         id_check = device_id_check(func, "topk_ids", topk_ids, num_experts)

@@ -93,6 +93,12 @@ ONE_PASS_FP8_INPUT = True
 #: (``results/nvidia-h100-80gb-hbm3/layer-layout-ab-bf16-one-pass-s34.json``). It feeds the Triton GEMMs too (the H200's
 #: bf16 choice for DeepSeek-V3), where it has not been timed; the copy it replaces is the same for both.
 ONE_PASS_BF16_INPUT = True
+#: Past the alignment's one-launch reach, with ``copy=False``, have the alignment's placing launch write ``m_indices``
+#: and ``src2dst`` too, as it does at decode, when it takes the scanned path (``align.CHUNK_OFFSETS``): its build for
+#: sm_90 (32-assignment tiles on 4 warps) holds 40 registers a thread with the extra stores and spills nothing, where
+#: the summed path's spilled 4.3 KB a thread. Off until timed in the layer (``tools/align_layer_ab.py``): the row
+#: kernel's launch and the fill of ``src2dst`` are what it would save.
+INDICES_IN_SCANNED_ALIGNMENT = False
 
 if HAS_TRITON:
 
@@ -219,7 +225,8 @@ def permute(hidden_states: torch.Tensor, topk_ids: torch.Tensor, num_experts: in
                                                      rows)
         return PermutedRows(rows, m_indices, src2dst, rows_used, sorted_ids[:num_rows], segments_from)
     m_indices = torch.empty(num_rows, dtype=torch.int32, device=hidden_states.device)
-    if not copy and num_assignments <= SINGLE_LAUNCH_MAX_NUMEL:   # the alignment's launch writes the indices
+    if not copy and (num_assignments <= SINGLE_LAUNCH_MAX_NUMEL or indices_in_scanned_alignment()):
+        # the alignment's launch writes the indices
         src2dst = torch.empty((num_tokens, topk), dtype=torch.int32, device=hidden_states.device)
         sorted_ids, _, rows_used = align_checked(func, topk_ids, align, num_experts, validate_ids,
                                                  permute_indices=(m_indices, src2dst))
@@ -234,6 +241,13 @@ def permute(hidden_states: torch.Tensor, topk_ids: torch.Tensor, num_experts: in
             align, BLOCK_ROWS=block_rows, BLOCK_D=block_d, COPY=copy, num_warps=4,
         )
     return PermutedRows(rows, m_indices, src2dst, rows_used, sorted_ids[:num_rows], segments_from)
+
+
+def indices_in_scanned_alignment() -> bool:
+    """Whether the alignment's placing launch writes the permute indices past its one-launch reach."""
+    from . import align as align_module
+
+    return INDICES_IN_SCANNED_ALIGNMENT and align_module.CHUNK_OFFSETS == "scanned"
 
 
 def _permute_rows_reference(hidden_states, sorted_ids, block_experts, num_rows, topk, align, rows=None):
