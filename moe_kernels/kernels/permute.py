@@ -96,8 +96,10 @@ ONE_PASS_BF16_INPUT = True
 #: Past the alignment's one-launch reach, with ``copy=False``, have the alignment's placing launch write ``m_indices``
 #: and ``src2dst`` too, as it does at decode, when it takes the scanned path (``align.CHUNK_OFFSETS``): its build for
 #: sm_90 (32-assignment tiles on 4 warps) holds 40 registers a thread with the extra stores and spills nothing, where
-#: the summed path's spilled 4.3 KB a thread. Off until timed in the layer (``tools/align_layer_ab.py``): the row
-#: kernel's launch and the fill of ``src2dst`` are what it would save.
+#: the summed path's spilled 4.3 KB a thread. It would save the row kernel's launch and the fill of ``src2dst``, but in
+#: the routed layer on an H100 (``tools/align_layer_ab.py``, ``align-layer-ab-s41.json``: fp8 and bf16, 4,096 and
+#: 16,384 tokens) it gained nothing beyond the spread of the rounds (Qwen3 fp8 at 16,384: 2,009-2,023 us against
+#: 1,934-2,031 for the row kernel), so it is off.
 INDICES_IN_SCANNED_ALIGNMENT = False
 
 if HAS_TRITON:
