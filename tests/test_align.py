@@ -148,31 +148,36 @@ def test_non_contiguous_ids():
     assert_aligned_like_reference(ids, 16, 30)
 
 
+@pytest.mark.parametrize("chunk_offsets", align.CHUNK_OFFSET_RULES)
 @pytest.mark.parametrize("max_chunks", [128, 3])
-def test_two_launch_path(monkeypatch, max_chunks):
-    # Force the per-chunk-histogram path on small inputs; 3 chunks makes each one span
+def test_multi_launch_paths(monkeypatch, chunk_offsets, max_chunks):
+    # Force the per-chunk-histogram paths on small inputs, each rule; 3 chunks makes each one span
     # several tiles, so a program carries its experts' next free rows from tile to tile.
     monkeypatch.setattr(align, "SINGLE_LAUNCH_MAX_NUMEL", 0)
+    monkeypatch.setattr(align, "CHUNK_OFFSETS", chunk_offsets)
     monkeypatch.setattr(align, "MAX_CHUNKS", max_chunks)
+    monkeypatch.setattr(align, "SCAN_MAX_CHUNKS", max_chunks)
     g = torch.Generator().manual_seed(7)
     for num_tokens, topk, num_experts, block_size in [(1, 1, 1, 1), (100, 8, 64, 16),
                                                       (150, 6, 257, 128), (333, 2, 3, 1)]:
         ids = random_topk_ids(g, num_tokens, num_experts, topk, torch.int32)
-        assert_aligned_like_reference(ids, block_size, num_experts, what="two launches")
+        assert_aligned_like_reference(ids, block_size, num_experts, what=f"{chunk_offsets} chunk offsets")
 
 
-@pytest.mark.parametrize("tile, scan_rows, scan_bins, pad_tile", [(16, 4, 16, 64), (32, 8, 32, 8), (128, 2, 16, 4)])
-def test_scanned_chunk_offsets(monkeypatch, tile, scan_rows, scan_bins, pad_tile):
+@pytest.mark.parametrize("tile, scan_rows, scan_bins, pad_tile, max_chunks",
+                         [(16, 4, 16, 64, 4096), (32, 8, 32, 8, 4096), (128, 2, 16, 4, 4096), (16, 2, 16, 8, 5)])
+def test_scanned_chunk_offsets(monkeypatch, tile, scan_rows, scan_bins, pad_tile, max_chunks):
     """The three-launch path (``CHUNK_OFFSETS = "scanned"``: count per chunk, scan the table down each expert's
     column, place) against the reference, element for element, into poisoned buffers: short chunks so that the scan
     carries its sums across many steps and several programs of columns, tokens that skip experts, all on one expert,
     one expert, more experts than bins of a scan program, and unchecked ids out of range (skipped); the padding
-    written a few rows a step or many (``_SCANNED_MAX_PAD_TILE``)."""
+    written a few rows a step or many (``_SCANNED_MAX_PAD_TILE``); and few chunks of many tiles, whose program carries
+    its experts' next free rows from tile to tile."""
     from moe_kernels._runtime import record_launches
 
     if not use_triton(torch.zeros(1, device=DEVICE)):
         pytest.skip("no Triton kernel for this device")
-    for name, value in (("CHUNK_OFFSETS", "scanned"), ("SINGLE_LAUNCH_MAX_NUMEL", 0), ("SCAN_MAX_CHUNKS", 4096),
+    for name, value in (("CHUNK_OFFSETS", "scanned"), ("SINGLE_LAUNCH_MAX_NUMEL", 0), ("SCAN_MAX_CHUNKS", max_chunks),
                         ("_SCANNED_TILE", tile), ("_SCAN_ROWS", scan_rows), ("_SCAN_BINS", scan_bins),
                         ("_SCANNED_MAX_PAD_TILE", pad_tile)):
         monkeypatch.setattr(align, name, value)
@@ -200,7 +205,7 @@ def test_scanned_chunk_offsets(monkeypatch, tile, scan_rows, scan_bins, pad_tile
             case = f"T={ids.shape[0]} k={ids.shape[1]} E={num_experts} block={block_size}, {record['chunks']} chunks"
             for name, g_out, w_out in zip(("sorted_token_ids", "expert_ids", "num_tokens_post_padded"), got, want):
                 assert torch.equal(g_out, w_out), f"{name} differs from the reference, {case}"
-    assert most_chunks > scan_rows   # (a table took more than one step of the scan)
+    assert most_chunks > scan_rows or max_chunks < 8   # (a table took more than one step of the scan)
 
 
 def _skipping(ids, block_size, num_experts):
@@ -260,10 +265,13 @@ def test_large_inputs_take_the_large_tiles(monkeypatch, chunk_offsets):
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="the kernel needs triton")
-@pytest.mark.parametrize("single_launch_max", [align.SINGLE_LAUNCH_MAX_NUMEL, 0])
-def test_every_slot_is_written(monkeypatch, single_launch_max):
-    """Poisoned output buffers: any slot the kernel forgets shows up as a mismatch."""
+@pytest.mark.parametrize("single_launch_max, chunk_offsets", [(align.SINGLE_LAUNCH_MAX_NUMEL, "scanned"),
+                                                             (0, "scanned"), (0, "summed")])
+def test_every_slot_is_written(monkeypatch, single_launch_max, chunk_offsets):
+    """Poisoned output buffers: any slot the kernel forgets shows up as a mismatch (the one-launch path and both
+    multi-launch rules)."""
     monkeypatch.setattr(align, "SINGLE_LAUNCH_MAX_NUMEL", single_launch_max)
+    monkeypatch.setattr(align, "CHUNK_OFFSETS", chunk_offsets)
     g = torch.Generator().manual_seed(8)
     for num_tokens, topk, num_experts, block_size in [(1, 8, 256, 128), (60, 4, 20, 16),
                                                       (9, 3, 5, 1)]:
@@ -474,6 +482,10 @@ def test_int32_overflow_is_refused():
     ids = torch.zeros((1, 1), dtype=torch.int64, device=DEVICE)
     with pytest.raises(ValueError, match="argument 'topk_ids' must give numel"):
         moe_align_block_size(ids, 2**20, 4096)
+    # (the kernels' chunk arithmetic is int32: at most 2**30 assignments; a view of one element, no memory)
+    huge = torch.zeros(1, dtype=torch.int32, device=DEVICE).expand(2**30 + 8).view(-1, 8)
+    with pytest.raises(ValueError, match=r"argument 'topk_ids' must hold at most 2\*\*30 assignments"):
+        moe_align_block_size(huge, 16, 8)
 
 
 def test_naive_helpers_check_arguments():
@@ -506,7 +518,8 @@ print(len(ptx) > 0)
 fn = align._align_kernel
 message = "align: argument 'topk_ids' must hold expert ids in [0, 128)"
 for from_table, check, permute in ((False, "", False), (True, message, False), (False, "", True),
-                                   (False, message, True), ("large", "", False), ("scanned", message, False)):
+                                   (False, message, True), ("large", "", False), ("scanned", message, False),
+                                   ("scanned", "", True)):
     tile, warps = ((align._LARGE_TILE, align._LARGE_WARPS) if from_table == "large" else
                    (align._SCANNED_TILE, align._SCANNED_WARPS) if from_table == "scanned" else
                    (align._MULTI_TILE, align._MULTI_WARPS) if from_table else (align._SINGLE_TILE, align._SINGLE_WARPS))
@@ -525,7 +538,8 @@ for from_table, check, permute in ((False, "", False), (True, message, False), (
 def test_compiles_for_hopper():
     """The alignment's kernels compiled for an H100/H200 (sm_90) on this machine: the per-chunk count of
     the multi-launch paths and the scan of the scanned one, the alignment with and without its id check (reading the
-    scanned table too), on the tiles and warps each path runs (the
+    scanned table too, and with the permute indices, which must not spill there either), on the tiles and warps each
+    path runs (the
     large inputs' too), and the one-launch alignment writing the permute layout's indices, which must not spill (the
     CPU tests otherwise run it under the interpreter only, which accepts code that a compiler may refuse)."""
     import triton
@@ -534,4 +548,5 @@ def test_compiles_for_hopper():
     # (the spill count under the H200's Triton, 3.6, whose ptxas reads its PTX: 4.3 KB a thread in the two-launch
     # build with the indices, which permute therefore leaves to the row kernel)
     spills = ["spills 0"] if triton.__version__.startswith("3.6.") else []
-    assert [line for line in lines if line] == (["True"] * 5 + spills) + ["True"] + spills + ["True"] * 2 + spills, lines
+    assert [line for line in lines if line] == (["True"] * 5 + spills) + ["True"] + spills + ["True"] * 2 + spills + (
+        ["True"] + spills), lines

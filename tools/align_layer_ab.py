@@ -1,6 +1,6 @@
 """Issue 18: the alignment's two multi-launch rules in the routed layer at prefill (``align.CHUNK_OFFSETS``).
 
-``tools/tune_align.py large`` times the alignment alone (``align-ab-s41.json``: the scanned rule 1.5-2.9x faster than
+``tools/tune_align.py large`` times the alignment alone (``align-ab-s41.json``: the scanned rule 1.4-2.9x faster than
 the summed one at 2,048-16,384 tokens). This times what that is worth to a caller: ``MoELayer(x)`` with ``layout="auto"``
 (gate, routing, the alignment or the permutation's indices, quantisers, both GEMMs, the top-k sum), the shared expert
 left out, each rule replayed from a CUDA graph of one call with the L2 flushed before each replay, four rounds

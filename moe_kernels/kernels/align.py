@@ -60,14 +60,15 @@ __all__ = [
 
 _ID_DTYPES = (torch.int32, torch.int64)
 _INT32_MAX = 2**31 - 1
+_MAX_ASSIGNMENTS = 2**30
 
 # Launch settings. Up to SINGLE_LAUNCH_MAX_NUMEL assignments the whole alignment is one launch:
 # every program counts *all* ids itself, so no program waits for another (at these sizes
 # re-counting costs less than a second launch, a few microseconds).
 # Beyond it the counting is split off into a first launch of per-chunk histograms, and the
-# second launch sums that table instead of re-reading every id: the work stays linear in numel.
+# later launches work from that table instead of re-reading every id (CHUNK_OFFSETS below says how).
 SINGLE_LAUNCH_MAX_NUMEL = 8192
-# At most this many chunks (programs) in the two-launch path: each scatter program sums the
+# At most this many chunks (programs) on the summed path: each scatter program sums the
 # [chunks, E] count table, so more chunks means more re-reading of that table.
 MAX_CHUNKS = 128
 # Assignments ranked together: a program compares every pair in a tile ([TILE, TILE] in registers),
@@ -202,7 +203,7 @@ if HAS_TRITON:
     @kernel(do_not_specialize=["numel", "chunk_size"])
     def _chunk_count_kernel(topk_ids_ptr, chunk_counts_ptr, numel, num_experts, chunk_size,
                             NUM_BINS: tl.constexpr, COUNT_TILE: tl.constexpr):
-        """First launch of the two-launch path: row ``c`` of the table counts chunk ``c``."""
+        """First launch of the multi-launch paths: row ``c`` of the table counts chunk ``c``."""
         chunk = tl.program_id(0)
         begin = chunk * chunk_size
         counts = _count_experts(topk_ids_ptr, begin, tl.minimum(begin + chunk_size, numel),
@@ -277,7 +278,9 @@ if HAS_TRITON:
         num_blocks = tl.cdiv(capacity, block_size)
         num_chunks = tl.cdiv(numel, chunk_size)
         bins = tl.arange(0, NUM_BINS)
-        chunk_start = program * chunk_size
+        # A program past the last chunk (the tail's share) places nothing: its range starts at the end, and its
+        # start is never program * chunk_size, which could pass int32 on a large grid.
+        chunk_start = tl.minimum(program, num_chunks) * chunk_size
         chunk_end = tl.minimum(chunk_start + chunk_size, numel)
 
         if COUNTS_FROM_TABLE and SCANNED:
@@ -444,6 +447,9 @@ def alignment_buffer_sizes(func: str, topk_ids, block_size, num_experts) -> tupl
     check_tensor(func, "topk_ids", topk_ids, ndim=2, dtypes=_ID_DTYPES)
     check_int(func, "block_size", block_size, lo=1)
     check_int(func, "num_experts", num_experts, lo=1)
+    if topk_ids.numel() > _MAX_ASSIGNMENTS:   # (a chunk's end, numel + a chunk, stays an int32 in the kernel)
+        fail(func, "topk_ids", "must hold at most 2**30 assignments (int32 chunk arithmetic)",
+             f"{topk_ids.numel()} assignments")
     capacity = topk_ids.numel() + num_experts * (block_size - 1)
     # Rows are int32 in the kernel and the tail is written FILL_TILE rows at a time.
     max_rows = _INT32_MAX - _FILL_TILE
@@ -463,8 +469,8 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_size: int, num_experts: i
     num_tokens_post_padded)`` exactly as :func:`moe_align_block_size_reference` does, element
     for element (assignments in increasing index order inside a segment).
 
-    The Triton path is one launch up to ``SINGLE_LAUNCH_MAX_NUMEL`` assignments and two
-    beyond. It never synchronises with the host (all sizes follow from the shapes), so on the
+    The Triton path is one launch up to ``SINGLE_LAUNCH_MAX_NUMEL`` assignments and three beyond (count per
+    chunk, scan, place; two on the summed rule, ``CHUNK_OFFSETS``), for at most 2**30 assignments. It never synchronises with the host (all sizes follow from the shapes), so on the
     GPU the call can be captured in a CUDA graph.
 
     ``validate_ids``: check that every id lies in ``[0, num_experts)`` (the default: a bad id

@@ -164,9 +164,11 @@ class PermutedRows(NamedTuple):
 
     With ``copy=False``, up to the alignment's one-launch reach (``align.SINGLE_LAUNCH_MAX_NUMEL``
     assignments: decode), the alignment's own launch writes ``m_indices`` and ``src2dst`` as it places
-    the rows (no fill of ``src2dst`` and no row kernel: two launches fewer). Its two-launch path does
-    not: there the extra stores made ptxas spill 4.3 KB a thread (Triton 3.6, sm_90a, 128-assignment
-    tiles on 4 warps), and an H100 layer at 16,384 tokens ran about 20% slower with it.
+    the rows (no fill of ``src2dst`` and no row kernel: two launches fewer). Past it the row kernel
+    writes them: on the summed path the extra stores made ptxas spill 4.3 KB a thread (Triton 3.6,
+    sm_90a, 128-assignment tiles on 4 warps), and an H100 layer at 16,384 tokens ran about 20% slower
+    with them; the scanned path's build holds them without spilling (``INDICES_IN_SCANNED_ALIGNMENT``),
+    but gained nothing measurable in the layer, so it is off.
     """
 
     rows: torch.Tensor
