@@ -1,12 +1,13 @@
 """Issue 18: the alignment's two multi-launch rules in the routed layer at prefill (``align.CHUNK_OFFSETS``).
 
 ``tools/tune_align.py large`` times the alignment alone (``align-ab-s41.json``: the scanned rule 1.4-2.9x faster than
-the summed one at 2,048-16,384 tokens). This times what that is worth to a caller: ``MoELayer(x)`` with ``layout="auto"``
-(gate, routing, the alignment or the permutation's indices, quantisers, both GEMMs, the top-k sum), the shared expert
-left out, each rule replayed from a CUDA graph of one call with the L2 flushed before each replay, four rounds
-interleaved, every other one reversed, the lowest round median kept (``timing.time_lowest``); the scanned rule's
-output checked against the summed one's; and the scanned rule with the permute layout's indices written by the
-alignment's placing launch (``permute.INDICES_IN_SCANNED_ALIGNMENT``: no row kernel).
+the summed one at 2,048-16,384 tokens). This times what that is worth to a caller: ``MoELayer(x)`` with
+``layout="auto"`` (gate, routing, the alignment or the permutation's indices, quantisers, both GEMMs, the top-k
+sum), the shared expert left out, each rule replayed from a CUDA graph of one call with the L2 flushed before each
+replay, four rounds interleaved, every other one reversed, the lowest round median kept (``timing.time_lowest``);
+the scanned rule's output checked against the summed one's; and the scanned rule with the permute layout's indices
+written by the alignment's placing launch (``permute.INDICES_IN_SCANNED_ALIGNMENT``: no row kernel; the CPU's shape
+runs index-gather, so there this third candidate is the second again).
 
     PYTHONPATH=. python tools/align_layer_ab.py [models] [batches] [formats] [name]   # GPU: records <name>.json
     PYTHONPATH=. TRITON_INTERPRET=1 python tools/align_layer_ab.py                    # CPU: a small shape, checks only
@@ -80,7 +81,8 @@ for key in models:
             print(f"{key:<14} {fmt:<5} {batch:>6} {plan.layout}/{plan.gemm}: " + "  ".join(
                 f"{r} {us:9.1f} us" for r, us in lowest.items())
                 + f"  summed/scanned {lowest.get('summed', 0) / max(lowest.get('scanned', 1), 1e-9):.3f}"
-                + "  alignments " + str([[(a["chunk_offsets"], a["permute_indices"]) for a in p] for p in paths.values()])
+                + "  alignments "
+                + str([[(a["chunk_offsets"], a["permute_indices"]) for a in p] for p in paths.values()])
                 + (f"  errors {errors}" if errors else ""),
                 flush=True)
             record_tool(name, rows, {"models": models, "batches": batches, "formats": formats, "rounds": 4,

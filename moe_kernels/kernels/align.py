@@ -78,7 +78,7 @@ MAX_CHUNKS = 128
 # 128-assignment tiles and 4 warps (17.6 us at T = 2048).
 _SINGLE_TILE, _SINGLE_WARPS = 64, 8
 _MULTI_TILE, _MULTI_WARPS = 128, 4
-# Beyond LARGE_FROM_NUMEL assignments the two-launch path ranks 64 assignments at a time on 8 warps: at 131,072
+# Beyond LARGE_FROM_NUMEL assignments the summed (two-launch) path ranks 64 assignments at a time on 8 warps: at 131,072
 # (16,384 tokens of top-8) that took 76.9 us over 128 experts and 73.6 over 256, against 86.0 and 89.3 with the
 # tiles above, which stayed the fastest at 32,768 (an H100, tools/tune_align.py large, align-ab-s35.json).
 LARGE_FROM_NUMEL = 65536
@@ -470,8 +470,9 @@ def moe_align_block_size(topk_ids: torch.Tensor, block_size: int, num_experts: i
     for element (assignments in increasing index order inside a segment).
 
     The Triton path is one launch up to ``SINGLE_LAUNCH_MAX_NUMEL`` assignments and three beyond (count per
-    chunk, scan, place; two on the summed rule, ``CHUNK_OFFSETS``), for at most 2**30 assignments. It never synchronises with the host (all sizes follow from the shapes), so on the
-    GPU the call can be captured in a CUDA graph.
+    chunk, scan, place; two on the summed rule, ``CHUNK_OFFSETS``), for at most 2**30 assignments. It never
+    synchronises with the host (all sizes follow from the shapes), so on the GPU the call can be captured in a
+    CUDA graph.
 
     ``validate_ids``: check that every id lies in ``[0, num_experts)`` (the default: a bad id
     must never silently drop a token): a ValueError on the CPU; on a GPU a device-side assert in

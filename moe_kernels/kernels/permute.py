@@ -73,6 +73,7 @@ from .._runtime import HAS_TRITON, cdiv, kernel, next_power_of_2, tl, use_triton
 from ..model.buffers import expert_counts, max_padded_rows
 from ._tile_gemm import check_out
 from .align import SINGLE_LAUNCH_MAX_NUMEL, align_checked, moe_align_block_size_reference
+from . import align as align_module
 from .combine import unpermute
 from .config import MoEConfig, check_config, get_config
 from .contiguous_gemm import grouped_gemm_contiguous  # noqa: F401 (the layout's GEMM, also imported from here)
@@ -249,8 +250,6 @@ def permute(hidden_states: torch.Tensor, topk_ids: torch.Tensor, num_experts: in
 
 def indices_in_scanned_alignment() -> bool:
     """Whether the alignment's placing launch writes the permute indices past its one-launch reach."""
-    from . import align as align_module
-
     return INDICES_IN_SCANNED_ALIGNMENT and align_module.CHUNK_OFFSETS == "scanned"
 
 
