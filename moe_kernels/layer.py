@@ -42,7 +42,7 @@ import torch
 from ._checks import FLOAT_DTYPES, check_device, check_dtype, check_int, check_number, fail
 from ._replay import CallPlans
 from .checkpoint import load_layer
-from .layer_router import choose_router, route
+from .layer_router import choose_router, choose_tile_router, route
 from .kernels.config import TABLE_REACH, ConfigChoice, MoEConfig, check_config
 from .kernels.config import choose_config, choose_fused_shared_config
 from .kernels.formats import WeightFormat
@@ -97,6 +97,9 @@ class LayerPlan:
     gemm: str | None = None
     #: A stacked shared expert (``shared_expert`` "fused" or "auto") as slot k+1 of the routed GEMMs this batch.
     shared_slot: bool = False
+    #: At prefill, the gate and the routing as one launch of whole-E tiles
+    #: (:func:`~moe_kernels.layer_router.choose_tile_router`), not the cuBLAS gate and the routing kernel.
+    tile_router: bool = False
 
     @property
     def config(self) -> MoEConfig:
@@ -147,8 +150,10 @@ def plan_layer(func: str, weights: LayerWeights, routing: Routing, layout: str, 
     # The router (moe_kernels.layer_router): the two steps, or one router that may align the ids too.
     router = choose_router(num_tokens, weights.gate.dtype == activation_dtype, routing.top_k,
                            naive is False and not slot and not runs_in_one_launch(choice.config, weights.format))
+    tiled = choose_tile_router(num_tokens, weights.gate.dtype == activation_dtype, router[0])
     permute = (measured.align, measured.gemm) if measured is not None else (None, None)
-    return LayerPlan(num_tokens, layout, weights.format, choice, naive, shared_choice, *router, *permute, slot)
+    return LayerPlan(num_tokens, layout, weights.format, choice, naive, shared_choice, *router, *permute, slot,
+                     tiled)
 
 
 def run_layer(plan: LayerPlan, hidden_states: torch.Tensor, weights: LayerWeights, routing: Routing) -> torch.Tensor:

@@ -1,15 +1,18 @@
 """Which router a layer call runs, and running it: the gate, the routing and, where it can, the alignment.
 
-Three routers give the same ids (:mod:`moe_kernels.kernels.gate_routing` and
+Four routers give the same ids (:mod:`moe_kernels.kernels.gate_routing` and
 :mod:`moe_kernels.kernels.chained_routing` add the gate's partial products in a fixed order; the
-two-step path's cuBLAS gate may break a near-tie the other way, as any two float32 GEMMs may):
+two-step path's cuBLAS gate and :mod:`moe_kernels.kernels.tile_routing`'s tiles may break a near-tie
+the other way, as any two float32 GEMMs may):
 
 * the two steps: the gate on tensor cores (:func:`~moe_kernels.kernels.routing.router_logits`), then
   the rule's routing kernel, then, for an aligned block map, the alignment kernel;
 * one launch (:func:`~moe_kernels.kernels.gate_routing.gate_and_route`): the split gate whose last
   program routes, up to :data:`GATE_ROUTING_MAX_TOKENS` (off: slower on the H200);
 * launches chained by PDL (:func:`~moe_kernels.kernels.chained_routing.gate_route_chained`): the split
-  gate, one routing program per token and the alignment, up to :data:`CHAINED_ROUTER_MAX_TOKENS`.
+  gate, one routing program per token and the alignment, up to :data:`CHAINED_ROUTER_MAX_TOKENS`;
+* at prefill, one launch of whole-E tiles (:func:`~moe_kernels.kernels.tile_routing.gate_and_route_tiles`),
+  from :data:`TILE_ROUTER_MIN_TOKENS` past the chain's reach (:func:`choose_tile_router`; off until timed).
 
 A worked choice (Qwen3-30B-A3B's top-8, a bf16 gate for bf16 activations, an aligned block map)::
 
@@ -22,11 +25,12 @@ A worked choice (Qwen3-30B-A3B's top-8, a bf16 gate for bf16 activations, an ali
 from __future__ import annotations
 
 from ._checks import env_int
-from .kernels import chained_routing, gate_routing
+from .kernels import chained_routing, gate_routing, tile_routing
 from .kernels.blocks import aligned_blocks
 from .kernels.routing import router_logits
 
-__all__ = ["CHAINED_ROUTER_MAX_TOKENS", "GATE_ROUTING_MAX_TOKENS", "choose_router", "route"]
+__all__ = ["CHAINED_ROUTER_MAX_TOKENS", "GATE_ROUTING_MAX_TOKENS", "TILE_ROUTER_MIN_TOKENS", "choose_router",
+           "choose_tile_router", "route"]
 
 #: Up to this many tokens the router is :mod:`moe_kernels.kernels.chained_routing`'s launches chained by
 #: PDL (the split gate, one routing program per token, the alignment) instead of the cuBLAS gate, the
@@ -40,6 +44,11 @@ CHAINED_ROUTER_MAX_TOKENS = env_int("MOE_KERNELS_CHAINED_ROUTER_MAX_TOKENS", 512
 #: off, slower than the two steps on the H200 (``gate-routing.json`` at 1acf7da: DeepSeek-V3 at one
 #: token 20.0 against 12.4 us). ``MOE_KERNELS_GATE_ROUTING_MAX_TOKENS`` sets it for a process.
 GATE_ROUTING_MAX_TOKENS = env_int("MOE_KERNELS_GATE_ROUTING_MAX_TOKENS", 0)
+#: From this many tokens, where neither router above runs, the gate and the routing are one launch of
+#: whole-E tiles (:mod:`moe_kernels.kernels.tile_routing`) instead of the cuBLAS gate and the routing kernel:
+#: 0, off, until it is timed in a layer (``tools/tile_router_ab.py``). ``MOE_KERNELS_TILE_ROUTER_MIN_TOKENS``
+#: sets it for a process.
+TILE_ROUTER_MIN_TOKENS = env_int("MOE_KERNELS_TILE_ROUTER_MIN_TOKENS", 0)
 
 
 def choose_router(num_tokens: int, gate_in_activation_dtype: bool, top_k: int, alignable: bool):
@@ -57,17 +66,30 @@ def choose_router(num_tokens: int, gate_in_activation_dtype: bool, top_k: int, a
     return fused, aligned, fused and chained
 
 
+def choose_tile_router(num_tokens: int, gate_in_activation_dtype: bool, gate_routing: bool) -> bool:
+    """Whether a call at ``num_tokens`` routes with the tile router: from :data:`TILE_ROUTER_MIN_TOKENS`
+    (when set), with the gate in the activations' dtype, where :func:`choose_router` took no router
+    (``gate_routing`` False).
+
+        >>> choose_tile_router(16384, True, False)   # off by default
+        False
+    """
+    return (0 < TILE_ROUTER_MIN_TOKENS <= num_tokens and gate_in_activation_dtype and not gate_routing)
+
+
 def route(plan, hidden_states, weights, routing):
     """The call's ``(topk_weights, topk_ids, blocks)``: ``blocks`` the aligned block map when the router
     aligned the ids (``plan.gate_alignment``), else None (the experts then build their own)."""
     w = weights
-    if not plan.gate_routing:
-        logits = router_logits(hidden_states, w.gate)
-        return (*routing.route(hidden_states, logits, w.bias, checked=True), None)
     rule = dict(num_expert_group=routing.num_expert_group, routed_scaling_factor=routing.routed_scaling_factor,
                 topk_group=routing.topk_group if routing.num_expert_group is not None or w.bias is not None else None,
                 e_score_correction_bias=w.bias)
     args = (hidden_states, w.gate, routing.top_k, routing.renormalize, routing.scoring_func)
+    if plan.tile_router:
+        return (*tile_routing.gate_and_route_tiles_checked(*args, **rule)[:2], None)
+    if not plan.gate_routing:
+        logits = router_logits(hidden_states, w.gate)
+        return (*routing.route(hidden_states, logits, w.bias, checked=True), None)
     block_size = plan.config.block_m if plan.gate_alignment else None
     if plan.chained:
         topk_weights, topk_ids, _, *alignment = chained_routing.gate_route_chained_checked(

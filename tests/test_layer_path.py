@@ -343,6 +343,35 @@ def test_router_chained_up_to_its_batch(model):
 
 @pytest.mark.skipif(BACKEND == "torch", reason="no Triton: the torch references launch nothing")
 @pytest.mark.parametrize("model", ["deepseek-v3", "qwen3-30b-a3b"])
+@pytest.mark.parametrize("layout", ["index_gather", "permute"])
+def test_tile_router_from_its_batch(model, layout):
+    """With ``TILE_ROUTER_MIN_TOKENS`` at 9 (the chain's reach at 8), a layer from 9 tokens routes with the tile
+    router (one launch: no gate GEMM, no routing kernel) and gives the two-step layer's answer; below it, the
+    chain; with a float32 gate for 16-bit activations, the two steps. (Off by default until timed.)"""
+    import moe_kernels.layer_router as layer_router
+
+    x = torch.randn(24, 256, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    with mock.patch.object(layer_router, "CHAINED_ROUTER_MAX_TOKENS", 8):
+        two_steps = small_layer("none", layout, model=model)
+        want = two_steps(x)
+        assert not two_steps.plan(24, dtype=x.dtype).tile_router
+        with mock.patch.object(layer_router, "TILE_ROUTER_MIN_TOKENS", 9):
+            layer = small_layer("none", layout, model=model)   # (plans are cached per layer)
+            for batch, tiled in ((8, False), (9, True), (24, True)):
+                plan = layer.plan(batch, dtype=x.dtype)
+                assert plan.tile_router == tiled and plan.chained == (not tiled)
+                with record_launches() as launches:
+                    out = layer(x[:batch])
+                names = [name for name, _ in launches]
+                routing = "routing.grouped_topk" if model == "deepseek-v3" else "routing.fused_topk"
+                assert ("tile_routing.gate_and_route_tiles" in names) == tiled and routing not in names, names
+                assert rel_err(out, layer.reference(x[:batch])) < 1e-3
+            torch.testing.assert_close(layer(x), want, atol=1e-5, rtol=1e-5)
+            assert not layer.plan(24, dtype=torch.float16).tile_router   # (the gate is float32)
+
+
+@pytest.mark.skipif(BACKEND == "torch", reason="no Triton: the torch references launch nothing")
+@pytest.mark.parametrize("model", ["deepseek-v3", "qwen3-30b-a3b"])
 def test_router_in_one_launch_up_to_its_batch(model):
     """With ``GATE_ROUTING_MAX_TOKENS`` at 8 (and the chained router off), a layer up to 8 tokens routes
     with one launch (gate_and_route, no routing kernel after a GEMM) and gives the two-step layer's
