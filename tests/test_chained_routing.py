@@ -329,14 +329,15 @@ def test_bad_input_names_the_argument(change, name):
 @pytest.mark.parametrize("num_tokens, num_experts, topk", [(1, 8, 2), (7, 128, 8), (33, 12, 3), (5, 6, 6),
                                                           (4, 1, 1)])
 @pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
-def test_sorted_topk_in_the_routing_kernel(monkeypatch, num_tokens, num_experts, topk, scoring):
+@pytest.mark.parametrize("body", [True, "keyed"], ids=["sort", "keyed rounds"])
+def test_sorted_topk_in_the_routing_kernel(monkeypatch, body, num_tokens, num_experts, topk, scoring):
     """fused_topk with the sorted top-k: the same ids and weights as the k rounds, and the
     reference's ids (ties included: integer logits repeat)."""
     generator = torch.Generator().manual_seed(num_experts)
     logits = torch.randint(-4, 5, (num_tokens, num_experts), generator=generator).float().to(DEVICE)
     x = torch.zeros(num_tokens, 8, device=DEVICE)
     rounds = fused_topk(x, logits, topk, True, scoring)
-    monkeypatch.setattr(routing, "TOPK_BY_SORT", True)
+    monkeypatch.setattr(routing, "TOPK_BY_SORT", body)
     by_sort = fused_topk(x, logits, topk, True, scoring)
     assert torch.equal(by_sort[1], rounds[1]) and torch.equal(by_sort[0], rounds[0])
     want = fused_topk_reference(x, logits, topk, True, scoring)
@@ -345,14 +346,15 @@ def test_sorted_topk_in_the_routing_kernel(monkeypatch, num_tokens, num_experts,
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_sorted_topk_in_the_grouped_routing_kernel(monkeypatch, bias):
+@pytest.mark.parametrize("body", [True, "keyed"], ids=["sort", "keyed rounds"])
+def test_sorted_topk_in_the_grouped_routing_kernel(monkeypatch, body, bias):
     generator = torch.Generator().manual_seed(3)
     logits = torch.randint(-4, 5, (9, 24), generator=generator).float().to(DEVICE)
     correction = (0.25 * torch.randint(-2, 3, (24,), generator=generator).float()).to(DEVICE) if bias else None
     x = torch.zeros(9, 8, device=DEVICE)
     args = (x, logits, 5, True, 4, 2, "sigmoid", 2.5, correction)
     rounds = grouped_topk(*args)
-    monkeypatch.setattr(routing, "TOPK_BY_SORT", True)
+    monkeypatch.setattr(routing, "TOPK_BY_SORT", body)
     by_sort = grouped_topk(*args)
     assert torch.equal(by_sort[1], rounds[1]) and torch.equal(by_sort[0], rounds[0])
     want = grouped_topk_reference(*args)
@@ -360,7 +362,8 @@ def test_sorted_topk_in_the_grouped_routing_kernel(monkeypatch, bias):
 
 
 @pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
-def test_sorted_topk_with_infinities_and_nan(monkeypatch, scoring):
+@pytest.mark.parametrize("body", [True, "keyed"], ids=["sort", "keyed rounds"])
+def test_sorted_topk_with_infinities_and_nan(monkeypatch, body, scoring):
     """-inf logits, +inf and a NaN (which ranks as -inf): with k = E every expert is still picked
     exactly once, in the reference's order, as by the k rounds."""
     logits = torch.tensor([[float("-inf"), 1.0, float("nan"), float("-inf")],
@@ -369,7 +372,7 @@ def test_sorted_topk_with_infinities_and_nan(monkeypatch, scoring):
                            [-3.0e38, -1.5, -2.5, -1.5]], device=DEVICE)   # negatives, a tie among them
     x = torch.zeros(4, 8, device=DEVICE)
     rounds = fused_topk(x, logits, 4, False, scoring)
-    monkeypatch.setattr(routing, "TOPK_BY_SORT", True)
+    monkeypatch.setattr(routing, "TOPK_BY_SORT", body)
     weights, ids = fused_topk(x, logits, 4, False, scoring)
     assert torch.equal(ids, rounds[1]) and torch.equal(ids, fused_topk_reference(x, logits, 4, False, scoring)[1])
     assert all(sorted(row) == [0, 1, 2, 3] for row in ids.tolist())

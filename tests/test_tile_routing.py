@@ -32,7 +32,7 @@ def check_case(num_tokens, num_experts, hidden, topk, *, seed=0, dtype=torch.flo
         settings = launches[0][1]
         want_block = block_t or tile_router_tiles(num_tokens, num_experts, hidden)["block_t"]
         assert settings["block_t"] == want_block and settings["programs"] == -(-num_tokens // want_block)
-        assert settings["sorted_topk"] is bool(sorted_topk)
+        assert settings["sorted_topk"] == (False if sorted_topk is None else sorted_topk)
     torch.testing.assert_close(logits.double(), x.double() @ w.double().T, atol=1e-4 * hidden ** 0.5, rtol=1e-3)
     want_weights, want_ids = routing_of(x, logits, topk, renormalize, scoring, **grouped)
     assert torch.equal(ids, want_ids)
@@ -58,8 +58,8 @@ def test_plain_rule_against_references(num_tokens, scoring, dtype):
 
 
 @pytest.mark.parametrize("block_t", TILE_CHOICES)
-@pytest.mark.parametrize("sorted_topk", [False, True])
-def test_every_token_block_and_both_topk_bodies(block_t, sorted_topk):
+@pytest.mark.parametrize("sorted_topk", [False, True, "keyed"])
+def test_every_token_block_and_every_topk_body(block_t, sorted_topk):
     """Each tile height, with a partial last block (tokens not a multiple of it) and several routing steps
     a program (20 experts: 2048 / 32 = 64 tokens a routing step, so 128-token blocks take two)."""
     check_case(block_t + 3, 20, 48, 3, seed=block_t, block_t=block_t, sorted_topk=sorted_topk)
@@ -132,6 +132,7 @@ def test_the_default_tile_fills_the_machine():
     (dict(block_t=16.0), "block_t"),
     (dict(block_t=128, width=512), "block_t"),
     (dict(sorted_topk=1), "sorted_topk"),
+    (dict(sorted_topk="sorted"), "sorted_topk"),
     (dict(topk=9), "topk"),
     (dict(dtype=torch.float16), "gate_weight"),
     (dict(scoring_func="relu"), "scoring_func"),
@@ -149,7 +150,7 @@ def test_bad_input_names_the_argument(change, name):
 @needs_gpu
 @pytest.mark.parametrize("model", ["qwen3-30b-a3b", "deepseek-v3"])
 @pytest.mark.parametrize("num_tokens", [600, 2048, 16384])
-@pytest.mark.parametrize("sorted_topk", [False, True])
+@pytest.mark.parametrize("sorted_topk", [False, True, "keyed"])
 def test_real_shapes_on_gpu(model, num_tokens, sorted_topk):
     """bf16 at the models' shapes: the routing on the kernel's logits (ids exactly); the logits within the
     tensor-core gate's error of torch.mm's; the ids of the two-step layer path but at near-ties."""
@@ -186,7 +187,7 @@ pointers = dict(x_ptr="*bf16", gate_ptr="*bf16", bias_ptr="*fp32", logits_ptr="*
 for num_tokens, experts, hidden, grouped in ((16384, 128, 2048, False), (16384, 256, 7168, True),
                                              (2048, 128, 2048, False)):
     tiles = tile_routing.tile_router_tiles(num_tokens, experts, hidden)
-    for sorted_topk in (False, True):
+    for sorted_topk in (False, True, "keyed"):
         const = dict(GROUPED=grouped, HAS_BIAS=grouped, USE_SIGMOID=grouped, PRECISE=True, SORTED=sorted_topk,
                      IEEE=False, BLOCK_T=tiles["block_t"], E_COLS=tiles["e_cols"], BLOCK_K=tiles["block_k"],
                      STAGES=tiles["stages"], ROUTE_T=2048 // tiles["e_cols"], ROUTE_COLS=tiles["e_cols"],
@@ -206,11 +207,11 @@ for num_tokens, experts, hidden, grouped in ((16384, 128, 2048, False), (16384, 
 
 def test_compiles_for_hopper():
     """Compiled for an H100/H200 (sm_90) on this machine, at the tiles the default gives Qwen3-30B-A3B and
-    DeepSeek-V3 at 16,384 tokens and Qwen3 at 2,048, both top-k bodies: 64-row tiles and more on Hopper's wgmma,
+    DeepSeek-V3 at 16,384 tokens and Qwen3 at 2,048, each top-k body: 64-row tiles and more on Hopper's wgmma,
     the gate's loads pipelined by cp.async, a barrier after the logits' stores (the routing reads them back
     through other threads); under Triton 3.6 (the H200's) no spills."""
     import triton
 
     lines = [line for line in compiled_for_hopper(_COMPILE_FOR_HOPPER) if line]
     want = "True True True" + (" 0" if triton.__version__.startswith("3.6.") else "")
-    assert lines == [want] * 6, lines
+    assert lines == [want] * 9, lines

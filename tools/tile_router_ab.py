@@ -6,8 +6,9 @@ one launch of whole-E tiles. For each model and token count this times, replayed
 back) and with the L2 flushed before each replay, two interleaved rounds, the lower kept:
 
 * "two steps": the gate and the routing kernel, as the layer calls them; "gate alone", "routing alone";
-* "tiles": the tile router on its default tile; "tiles sorted" with the top-k by one partial sort; "tiles N"
-  on N-token blocks (each of ``TILE_CHOICES`` that fits);
+* "tiles": the tile router on its default tile; "tiles sorted" with the top-k by one partial sort, "tiles keyed"
+  by rounds of one reduction over packed keys (and "routing alone keyed": the routing kernel so); "tiles N" on
+  N-token blocks (each of ``TILE_CHOICES`` that fits);
 * "read of x": one launch reading as many bytes as ``x`` and the gate (the floor in bytes),
 
 beside the floors: bytes over the read bandwidth and the gate's FLOPs over the dense bf16 rate, both measured
@@ -23,6 +24,7 @@ import torch
 from moe_kernels.bench.ceilings import measure_gemm_rate, measure_read_bandwidth
 from moe_kernels.bench.read_kernel import weight_reader
 from moe_kernels.bench.timing import graph_us, graphed, median_ms
+from moe_kernels.kernels import routing as routing_module
 from moe_kernels.kernels.routing import router_logits
 from moe_kernels.kernels.tile_routing import TILE_CHOICES, gate_and_route_tiles, tile_router_tiles
 from moe_kernels.layer import MoELayer
@@ -53,10 +55,18 @@ for key in models:
         def tiles(**kw):
             return lambda: gate_and_route_tiles(*args, **rule, **kw)
 
+        def keyed_routing(x, logits):
+            before, routing_module.TOPK_BY_SORT = routing_module.TOPK_BY_SORT, "keyed"
+            try:
+                return routing.route(x, logits, w.bias, checked=True)
+            finally:
+                routing_module.TOPK_BY_SORT = before
+
         fns = {"two steps": lambda: routing.route(x, router_logits(x, w.gate), w.bias, checked=True),
                "gate alone": lambda: router_logits(x, w.gate),
                "routing alone": lambda: routing.route(x, logits, w.bias, checked=True),
-               "tiles": tiles(), "tiles sorted": tiles(sorted_topk=True)}
+               "tiles": tiles(), "tiles sorted": tiles(sorted_topk=True), "tiles keyed": tiles(sorted_topk="keyed"),
+               "routing alone keyed": lambda: keyed_routing(x, logits)}
         num_experts = w.gate.shape[0]
         for block_t in TILE_CHOICES:
             if block_t * max(16, num_experts) <= 128 * 256 and block_t != tile_router_tiles(
@@ -65,6 +75,9 @@ for key in models:
         operand_bytes = x.numel() * 2 + w.gate.numel() * 2
         fns["read of x"] = weight_reader(torch.empty(-(-operand_bytes // 4096) * 1024, device="cuda"), block=1024)
         two_steps = fns["two steps"]()
+        keyed, plain = fns["routing alone keyed"](), fns["routing alone"]()
+        if not (torch.equal(keyed[1], plain[1]) and torch.equal(keyed[0], plain[0])):
+            raise AssertionError(f"routing alone keyed {key} {num_tokens}: other ids or weights than the rounds")
         checks = {}
         for variant in [v for v in fns if v.startswith("tiles")]:
             weights, ids, own_logits = fns[variant]()

@@ -33,7 +33,7 @@ from .routing import _FLOAT_DTYPES, _check_common, _empty_outputs, _launch_confi
 
 if HAS_TRITON:
     from .routing import _load_scores, _store_topk, _take_topk
-    from .sorted_topk import take_topk_sorted
+    from .sorted_topk import take_topk_keyed, take_topk_sorted
 
     @kernel
     def _grouped_topk_kernel(
@@ -111,7 +111,10 @@ if HAS_TRITON:
         # <<< book: group-mask
 
         # Top-k experts of the kept groups; weights from the unbiased scores.
-        if SORTED:
+        if SORTED == "keyed":
+            weights, ids = take_topk_keyed(selection, scores, expert, is_expert & kept_columns, topk,
+                                           BLOCK_T, K_PAD, NO_EXPERT)
+        elif SORTED:
             weights, ids = take_topk_sorted(selection, scores, expert, is_expert & kept_columns, topk,
                                             BLOCK_T, K_PAD, NO_EXPERT)
         else:

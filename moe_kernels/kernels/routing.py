@@ -50,7 +50,8 @@ _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # 16384-token batch spreads over 2048 programs.
 _TILE_ELEMENTS = 2048
 #: The routing kernels take the top-k by one partial sort (:mod:`moe_kernels.kernels.sorted_topk`)
-#: instead of k rounds of argmax: the same ids and weights. A speed setting, read at each launch.
+#: instead of k rounds of argmax (True), or by k rounds of one reduction over packed keys ("keyed"):
+#: the same ids and weights. A speed setting, read at each launch.
 TOPK_BY_SORT = False
 
 
@@ -148,7 +149,7 @@ def fused_topk_reference(hidden_states, gating_output, topk, renormalize, scorin
 if HAS_TRITON:
     from triton.language.extra import libdevice
 
-    from .sorted_topk import take_topk_sorted
+    from .sorted_topk import take_topk_keyed, take_topk_sorted
 
     @kernel
     def _exp(x, PRECISE: tl.constexpr):
@@ -228,7 +229,8 @@ if HAS_TRITON:
                      BLOCK_T: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr, SORTED: tl.constexpr = False):
         """Route tokens ``first_token`` to ``first_token + BLOCK_T`` (the body of the routing kernel,
         which :mod:`moe_kernels.kernels.gate_routing` also calls once the gate's logits are in).
-        ``SORTED``: the top-k by one partial sort (:mod:`moe_kernels.kernels.sorted_topk`), not k rounds."""
+        ``SORTED``: the top-k by one partial sort (:mod:`moe_kernels.kernels.sorted_topk`), not k rounds;
+        ``"keyed"``: k rounds of one reduction over packed keys (the same module); all give the same result."""
         token = first_token + tl.arange(0, BLOCK_T)[:, None]
         expert = tl.broadcast_to(tl.arange(0, E_PAD)[None, :], [BLOCK_T, E_PAD])
         is_expert = expert < num_experts
@@ -236,7 +238,9 @@ if HAS_TRITON:
                               logits_row_stride, USE_SIGMOID, PRECISE)
         # NaN ranks as -inf (as in the reference), keeping the comparisons total.
         selection = tl.where(scores == scores, scores, float("-inf"))
-        if SORTED:
+        if SORTED == "keyed":
+            weights, ids = take_topk_keyed(selection, scores, expert, is_expert, topk, BLOCK_T, K_PAD, E_PAD)
+        elif SORTED:
             weights, ids = take_topk_sorted(selection, scores, expert, is_expert, topk, BLOCK_T, K_PAD, E_PAD)
         else:
             weights, ids = _take_topk(selection, scores, expert, is_expert, topk,

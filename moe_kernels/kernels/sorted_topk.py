@@ -23,6 +23,10 @@ Then the largest ``K_PAD`` keys, already in descending order, give the columns
 ``log2(K_PAD)`` bitonic stages plus ``log2(N / K_PAD)`` merge rounds of compare-and-swap: its
 depth grows with ``log N``, where the rounds of argmax grow with ``k``.
 
+:func:`take_topk_keyed` keeps the ``k`` rounds but makes each one reduction instead of three: the
+largest key is the best score and, on a tie, the lowest column, both at once; the column's key is
+then set to the smallest int64, and the weights and ids are gathered once, after the last round.
+
 A worked example of the keys (the interpreter runs the same code on the CPU)::
 
     >>> import struct
@@ -38,9 +42,35 @@ from __future__ import annotations
 
 from .._runtime import HAS_TRITON, kernel, tl
 
-__all__ = ["take_topk_sorted"]
+__all__ = ["take_topk_keyed", "take_topk_sorted"]
 
 if HAS_TRITON:
+
+    @kernel
+    def packed_keys(selection, available, NO_EXPERT: tl.constexpr):
+        """One int64 key per entry of ``selection`` (``[BLOCK_T, N]``, ``N = NO_EXPERT``): the score's
+        ordered bits high, ``N - 1 - column`` low; the smallest int64 where not ``available``."""
+        columns = tl.arange(0, NO_EXPERT)[None, :]
+        bits = (selection + 0.0).to(tl.int32, bitcast=True)   # (+ 0.0: -0.0 becomes +0.0)
+        ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+        keys = (ordered.to(tl.int64) << 32) | (NO_EXPERT - 1 - columns).to(tl.int64)
+        return tl.where(available, keys, -9223372036854775808)
+
+    @kernel
+    def take_topk_keyed(selection, weight_source, expert_ids, available, topk,
+                        BLOCK_T: tl.constexpr, K_PAD: tl.constexpr, NO_EXPERT: tl.constexpr):
+        """:func:`take_topk_sorted`'s result by ``topk`` rounds of one reduction each (the largest
+        packed key), the weights and ids gathered once after the last round."""
+        keys = packed_keys(selection, available, NO_EXPERT)
+        slot = tl.arange(0, K_PAD)[None, :]
+        top = tl.zeros([BLOCK_T, K_PAD], dtype=tl.int64)
+        for j in range(topk):
+            best = tl.max(keys, axis=1, keep_dims=True)
+            keys = tl.where(keys == best, -9223372036854775808, keys)   # taken (keys are distinct)
+            top = tl.where(slot == j, best, top)
+        chosen = (NO_EXPERT - 1) - top.to(tl.int32)   # (slots from topk on: column N - 1, masked by the store)
+        weights = tl.where(slot < topk, tl.gather(weight_source, chosen, 1), 0.0)
+        return weights, tl.gather(expert_ids, chosen, 1)
 
     @kernel
     def take_topk_sorted(selection, weight_source, expert_ids, available, topk,

@@ -151,14 +151,15 @@ def gate_and_route_tiles(hidden_states: torch.Tensor, gate_weight: torch.Tensor,
     logits float32 [T, E])``, with the arguments and checks of
     :func:`~moe_kernels.kernels.gate_routing.gate_and_route`. ``block_t``: tokens per program, one of
     :data:`TILE_CHOICES` (default :func:`tile_router_tiles`'s); ``sorted_topk``: the top-k by one
-    partial sort (default :data:`~moe_kernels.kernels.routing.TOPK_BY_SORT`; same result)."""
+    partial sort (True), k rounds of argmax (False) or of one reduction over packed keys ("keyed"),
+    default :data:`~moe_kernels.kernels.routing.TOPK_BY_SORT`; the same result."""
     func = "gate_and_route_tiles"
     _check(func, hidden_states, gate_weight, topk, renormalize, scoring_func, num_expert_group, topk_group,
            routed_scaling_factor, e_score_correction_bias)
     if block_t is not None and (type(block_t) is not int or block_t not in TILE_CHOICES):
         fail(func, "block_t", f"must be None or one of {TILE_CHOICES}", repr(block_t))
-    if sorted_topk is not None and not isinstance(sorted_topk, bool):
-        fail(func, "sorted_topk", "must be None or a bool", type(sorted_topk).__name__, TypeError)
+    if sorted_topk is not None and not isinstance(sorted_topk, bool) and sorted_topk != "keyed":
+        fail(func, "sorted_topk", 'must be None, a bool or "keyed"', repr(sorted_topk), TypeError)
     if block_t is not None and block_t * next_power_of_2(gate_weight.shape[0]) > _MAX_TILE_LOGITS:
         fail(func, "block_t", f"must keep the [block_t, E] tile within {_MAX_TILE_LOGITS} logits, E padded to a "
              f"power of two ({next_power_of_2(gate_weight.shape[0])})", block_t)
