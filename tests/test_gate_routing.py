@@ -265,12 +265,10 @@ def test_aligned_bad_block_size_names_it(block_size):
         gate_route_and_align(x, w, 2, True, block_size=block_size)
 
 
-@needs_gpu
-@pytest.mark.parametrize("model", ["qwen3-30b-a3b", "deepseek-v3"])
-@pytest.mark.parametrize("num_tokens", [1, 8, 64, 100])
-def test_real_shapes_on_gpu(model, num_tokens):
-    """bf16 at the models' shapes: the routing on the kernel's logits (ids exactly); the logits within the
-    tensor-core gate's error of torch.mm's; the ids of the two-step layer path but at near-ties."""
+def check_real_shapes(router, model, num_tokens, **options):
+    """``router`` (gate_and_route's arguments and result) in bf16 at a model's shapes, on a GPU: the routing on
+    its own logits (ids exactly); the logits within the tensor-core gate's error of torch.mm's; the ids of the
+    two-step layer path but at near-ties."""
     from moe_kernels.kernels.routing import router_logits
     from moe_kernels.layer import MoELayer
 
@@ -279,8 +277,8 @@ def test_real_shapes_on_gpu(model, num_tokens):
     x = torch.randn(num_tokens, w.gate.shape[1], device="cuda", dtype=torch.bfloat16)
     grouped = dict(num_expert_group=routing.num_expert_group, topk_group=routing.topk_group,
                    routed_scaling_factor=routing.routed_scaling_factor, e_score_correction_bias=w.bias)
-    weights, ids, logits = gate_and_route(x, w.gate, routing.top_k, routing.renormalize, routing.scoring_func,
-                                          **grouped)
+    weights, ids, logits = router(x, w.gate, routing.top_k, routing.renormalize, routing.scoring_func, **grouped,
+                                  **options)
     want_weights, want_ids = routing_of(x, logits, routing.top_k, routing.renormalize, routing.scoring_func,
                                         **grouped)
     # (the same ids; the weights to float32's last bits: the routing kernel on its own reduces
@@ -290,6 +288,14 @@ def test_real_shapes_on_gpu(model, num_tokens):
     torch.testing.assert_close(logits, router_logits(x, w.gate), atol=1e-2, rtol=1e-3)
     two_step = routing.route(x, router_logits(x, w.gate), w.bias)
     assert int((ids != two_step[1]).any(dim=1).sum()) <= max(1, num_tokens // 50)
+
+
+@needs_gpu
+@pytest.mark.parametrize("model", ["qwen3-30b-a3b", "deepseek-v3"])
+@pytest.mark.parametrize("num_tokens", [1, 8, 64, 100])
+def test_real_shapes_on_gpu(model, num_tokens):
+    """bf16 at the models' shapes (check_real_shapes)."""
+    check_real_shapes(gate_and_route, model, num_tokens)
 
 
 _COMPILE_FOR_HOPPER = """

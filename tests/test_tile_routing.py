@@ -15,7 +15,7 @@ from moe_kernels._runtime import HAS_TRITON, record_launches
 from moe_kernels.kernels.gate_routing import gate_and_route_reference
 from moe_kernels.kernels.tile_routing import TILE_CHOICES, gate_and_route_tiles, tile_router_tiles
 from moe_testing import DEVICE, assert_same_floats, compiled_for_hopper, needs_gpu
-from test_gate_routing import inputs, routing_of
+from test_gate_routing import check_real_shapes, inputs, routing_of
 
 
 def check_case(num_tokens, num_experts, hidden, topk, *, seed=0, dtype=torch.float32, renormalize=True,
@@ -152,25 +152,8 @@ def test_bad_input_names_the_argument(change, name):
 @pytest.mark.parametrize("num_tokens", [600, 2048, 16384])
 @pytest.mark.parametrize("sorted_topk", [False, True, "keyed"])
 def test_real_shapes_on_gpu(model, num_tokens, sorted_topk):
-    """bf16 at the models' shapes: the routing on the kernel's logits (ids exactly); the logits within the
-    tensor-core gate's error of torch.mm's; the ids of the two-step layer path but at near-ties."""
-    from moe_kernels.kernels.routing import router_logits
-    from moe_kernels.layer import MoELayer
-
-    layer = MoELayer.random(model, dtype=torch.bfloat16, device="cuda", seed=num_tokens)
-    routing, w = layer.routing, layer.weights
-    x = torch.randn(num_tokens, w.gate.shape[1], device="cuda", dtype=torch.bfloat16)
-    grouped = dict(num_expert_group=routing.num_expert_group, topk_group=routing.topk_group,
-                   routed_scaling_factor=routing.routed_scaling_factor, e_score_correction_bias=w.bias)
-    weights, ids, logits = gate_and_route_tiles(x, w.gate, routing.top_k, routing.renormalize,
-                                                routing.scoring_func, sorted_topk=sorted_topk, **grouped)
-    want_weights, want_ids = routing_of(x, logits, routing.top_k, routing.renormalize, routing.scoring_func,
-                                        **grouped)
-    assert torch.equal(ids, want_ids)
-    torch.testing.assert_close(weights, want_weights, rtol=1e-5, atol=1e-7)
-    torch.testing.assert_close(logits, router_logits(x, w.gate), atol=1e-2, rtol=1e-3)
-    two_step = routing.route(x, router_logits(x, w.gate), w.bias)
-    assert int((ids != two_step[1]).any(dim=1).sum()) <= max(1, num_tokens // 50)
+    """bf16 at the models' shapes, each top-k body (test_gate_routing.check_real_shapes)."""
+    check_real_shapes(gate_and_route_tiles, model, num_tokens, sorted_topk=sorted_topk)
 
 
 _COMPILE_FOR_HOPPER = """

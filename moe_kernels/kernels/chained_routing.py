@@ -67,7 +67,7 @@ from ._pdl import pdl_available
 from .align import (_COUNT_TILE, _FILL_ROWS_PER_PROGRAM, _FILL_TILE, _SINGLE_TILE, _SINGLE_WARPS,
                     SINGLE_LAUNCH_MAX_NUMEL, align_bins_and_pad_tile, alignment_buffer_sizes)
 from .gate_grid import BLOCK_T as GATE_BLOCK_T, gate_tiles
-from .gate_routing import _check, _gate_route
+from .gate_routing import _check, _gate_route, rule_columns
 
 __all__ = ["MAX_TOKENS", "gate_block_tokens", "gate_route_chained", "gate_route_chained_checked"]
 
@@ -348,11 +348,7 @@ def _launch(hidden_states, gate_weight, bias, topk, renormalize, scoring_func, n
             routed_scaling_factor, weights, ids, logits, alignment, *, sorted_topk, pdl, gate_block_t):
     num_tokens, hidden_size = hidden_states.shape
     num_experts = gate_weight.shape[0]
-    grouped = num_expert_group is not None or bias is not None
-    groups = num_expert_group or 1
-    per_group = num_experts // groups
-    g_pad, s_pad = next_power_of_2(groups), next_power_of_2(per_group)
-    e_cols = g_pad * s_pad if grouped else next_power_of_2(num_experts)
+    grouped, groups, per_group, g_pad, s_pad, e_cols = rule_columns(num_experts, num_expert_group, bias)
     tiles = chained_gate_tiles(num_tokens, num_experts, hidden_size, gate_block_t)
     partial = torch.empty((tiles["split_k"], num_tokens, num_experts), dtype=torch.float32, device=ids.device)
     route_block, numel = _ROUTE_BLOCK, num_tokens * topk

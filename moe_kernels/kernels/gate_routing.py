@@ -330,20 +330,31 @@ def _gate_route(hidden_states, gate_weight, topk, renormalize, scoring_func, num
     return weights, ids, logits, alignment
 
 
+def rule_columns(num_experts: int, num_expert_group, bias) -> tuple:
+    """What the routing bodies' launches need of the rule: ``(grouped, groups, per_group, g_pad, s_pad,
+    e_cols)``: grouped (DeepSeek-V3's rule: groups or a bias), the groups and experts per group, each padded
+    to a power of two, and the score tile's columns (groups x padded members, or E padded).
+
+        >>> rule_columns(256, 8, None), rule_columns(128, None, None)
+        ((True, 8, 32, 8, 32, 256), (False, 1, 128, 1, 128, 128))
+    """
+    grouped = num_expert_group is not None or bias is not None
+    groups = num_expert_group or 1
+    per_group = num_experts // groups
+    g_pad, s_pad = next_power_of_2(groups), next_power_of_2(per_group)
+    return grouped, groups, per_group, g_pad, s_pad, g_pad * s_pad if grouped else next_power_of_2(num_experts)
+
+
 def _launch(hidden_states, gate_weight, bias, topk, renormalize, scoring_func, num_expert_group, topk_group,
             routed_scaling_factor, weights, ids, logits, alignment):
     num_tokens, hidden_size = hidden_states.shape
     num_experts = gate_weight.shape[0]
     device = hidden_states.device
-    grouped = num_expert_group is not None or bias is not None
-    groups = num_expert_group or 1
-    per_group = num_experts // groups
-    g_pad, s_pad = next_power_of_2(groups), next_power_of_2(per_group)
+    grouped, groups, per_group, g_pad, s_pad, e_cols = rule_columns(num_experts, num_expert_group, bias)
     tiles = gate_tiles(num_tokens, num_experts, hidden_size)
     partial = torch.empty((tiles["split_k"], num_tokens, num_experts), dtype=torch.float32, device=device)
     # One arrival counter per token block, and one for the token blocks routed (the alignment's).
     arrivals = torch.zeros(tiles["t_blocks"] + (alignment is not None), dtype=torch.int32, device=device)
-    e_cols = g_pad * s_pad if grouped else next_power_of_2(num_experts)
     sorted_ids, expert_ids, used, block_size = alignment if alignment is not None else (ids, ids, ids, 1)
     num_bins, pad_tile = align_bins_and_pad_tile(num_experts, block_size)
     note_launch("gate_routing.gate_and_route", grouped=grouped, split_k=tiles["split_k"], block_e=tiles["block_e"],

@@ -50,7 +50,7 @@ import torch
 
 from .._checks import fail
 from .._runtime import HAS_TRITON, INTERPRET, cdiv, kernel, next_power_of_2, note_launch, tl
-from .gate_routing import _check, _gate_route
+from .gate_routing import _check, _gate_route, rule_columns
 from .routing import _TILE_ELEMENTS, TOPK_BY_SORT
 
 __all__ = ["gate_and_route_tiles", "gate_and_route_tiles_checked", "tile_router_tiles", "TILE_CHOICES"]
@@ -186,11 +186,7 @@ def _launch(hidden_states, gate_weight, bias, topk, renormalize, scoring_func, n
             routed_scaling_factor, weights, ids, logits, alignment, *, block_t, sorted_topk):
     num_tokens, hidden_size = hidden_states.shape
     num_experts = gate_weight.shape[0]
-    grouped = num_expert_group is not None or bias is not None
-    groups = num_expert_group or 1
-    per_group = num_experts // groups
-    g_pad, s_pad = next_power_of_2(groups), next_power_of_2(per_group)
-    route_cols = g_pad * s_pad if grouped else next_power_of_2(num_experts)
+    grouped, groups, per_group, g_pad, s_pad, route_cols = rule_columns(num_experts, num_expert_group, bias)
     tiles = tile_router_tiles(num_tokens, num_experts, hidden_size, block_t=block_t)
     route_t = max(1, min(tiles["block_t"], _TILE_ELEMENTS // route_cols))
     note_launch("tile_routing.gate_and_route_tiles", grouped=grouped, block_t=tiles["block_t"],
