@@ -105,7 +105,7 @@ def case_arguments(case):
 
 
 @pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
-@pytest.mark.parametrize("sorted_topk", [True, False], ids=["sorted", "rounds"])
+@pytest.mark.parametrize("sorted_topk", [True, False, "keyed"], ids=["sorted", "rounds", "keyed"])
 @pytest.mark.parametrize("aligned", [True, False], ids=["aligned", "routed"])
 def test_equals_the_one_launch_router(case, sorted_topk, aligned):
     x, w, topk, block, rule = case_arguments(case)

@@ -76,7 +76,8 @@ for key in models:
         fns["read of x"] = weight_reader(torch.empty(-(-operand_bytes // 4096) * 1024, device="cuda"), block=1024)
         two_steps = fns["two steps"]()
         keyed, plain = fns["routing alone keyed"](), fns["routing alone"]()
-        if not (torch.equal(keyed[1], plain[1]) and torch.equal(keyed[0], plain[0])):
+        # (ids exactly; weights to float32's last bits: the renormalising sum runs over another layout)
+        if not (torch.equal(keyed[1], plain[1]) and torch.allclose(keyed[0], plain[0], rtol=1e-6, atol=1e-9)):
             raise AssertionError(f"routing alone keyed {key} {num_tokens}: other ids or weights than the rounds")
         checks = {}
         for variant in [v for v in fns if v.startswith("tiles")]:

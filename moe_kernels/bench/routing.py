@@ -167,12 +167,16 @@ def gate_routing_ab(model_name: str, num_tokens: int, *, seed: int = 0) -> dict:
         weights, ids = two_launches()
         return weights, ids, align.moe_align_block_size(ids, block, num_experts, validate_ids=False)
 
-    def three_launches_sorted():
-        before, routing.TOPK_BY_SORT = routing.TOPK_BY_SORT, True   # read at the launch (captured so)
-        try:
-            return three_launches()
-        finally:
-            routing.TOPK_BY_SORT = before
+    def three_launches_with(body):
+        def call():
+            before, routing.TOPK_BY_SORT = routing.TOPK_BY_SORT, body   # read at the launch (captured so)
+            try:
+                return three_launches()
+            finally:
+                routing.TOPK_BY_SORT = before
+        return call
+
+    three_launches_sorted, three_launches_keyed = three_launches_with(True), three_launches_with("keyed")
 
     def one_launch_aligned():
         return gate_route_and_align(x, gate, rule.top_k, rule.renormalize, rule.scoring_func, block_size=block,
@@ -206,12 +210,15 @@ def gate_routing_ab(model_name: str, num_tokens: int, *, seed: int = 0) -> dict:
     want = align.moe_align_block_size_reference(aligned[1], block, num_experts)
     if not (torch.equal(aligned[1], ids) and all(torch.equal(a, b) for a, b in zip(aligned[3:], want))):
         raise AssertionError(f"gate_route_and_align {model.name} at {num_tokens}: ids or alignment differ")
-    sorted_three, plain_three = three_launches_sorted(), three_launches()
-    if not (torch.equal(sorted_three[1], plain_three[1]) and torch.allclose(sorted_three[0], plain_three[0])
-            and all(torch.equal(a, b) for a, b in zip(sorted_three[2], plain_three[2]))):
-        raise AssertionError(f"routing kernels {model.name} at {num_tokens}: the sorted top-k differs from the rounds")
+    plain_three = three_launches()
+    for body, other in (("sorted", three_launches_sorted()), ("keyed", three_launches_keyed())):
+        if not (torch.equal(other[1], plain_three[1]) and torch.allclose(other[0], plain_three[0])
+                and all(torch.equal(a, b) for a, b in zip(other[2], plain_three[2]))):
+            raise AssertionError(f"routing kernels {model.name} at {num_tokens}: the {body} top-k differs from the "
+                                 "rounds")
     fns = {"two launches": two_launches, "one launch": one_launch, "three launches": three_launches,
-           "three launches sorted": three_launches_sorted, "one launch aligned": one_launch_aligned}
+           "three launches sorted": three_launches_sorted, "three launches keyed": three_launches_keyed,
+           "one launch aligned": one_launch_aligned}
     other_ids = {}   # chained variants with another gate block: tokens whose ids a near-tie flipped
     one_tile = num_tokens * rule.top_k <= chained_routing.ONE_TILE_MAX_ASSIGNMENTS
     if 0 < num_tokens <= chained_routing.MAX_TOKENS:
@@ -219,6 +226,8 @@ def gate_routing_ab(model_name: str, num_tokens: int, *, seed: int = 0) -> dict:
         # ALIGN_BODY became "ranked": above 64 assignments the layer now runs "chained align ranked"); the
         # records keep that meaning so that they compare across sessions
         fns.update({"chained": chained(), "chained rounds": chained(sorted_topk=False),
+                    "chained keyed": chained(sorted_topk="keyed"),
+                    "chained routing only keyed": chained(sorted_topk="keyed", aligned=False),
                     "chained no pdl": chained(pdl=False), "chained routing only": chained(aligned=False),
                     # the alignment launch's parts: its floor (the wait and one read), without the tail, and
                     # with the other number of warps (4 for the chunked body's 8; 8 for one program's 4)

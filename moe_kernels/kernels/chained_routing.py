@@ -304,7 +304,8 @@ def gate_route_chained(hidden_states: torch.Tensor, gate_weight: torch.Tensor, t
     :func:`~moe_kernels.kernels.gate_routing.gate_and_route` and
     :func:`~moe_kernels.kernels.gate_routing.gate_route_and_align` return them. Same arguments and
     checks, and ``hidden_states`` holds at most :data:`MAX_TOKENS` tokens. ``sorted_topk``: the
-    top-k by one partial sort (else ``k`` rounds of argmax; same result). ``pdl``: chain the
+    top-k by one partial sort (False: ``k`` rounds of argmax; "keyed": ``k`` rounds of one reduction over packed
+    keys; the same result). ``pdl``: chain the
     launches where the GPU can (else they run one after the other; same result). ``gate_block_t``:
     tokens per gate program, one of :data:`GATE_BLOCK_CHOICES` (default :func:`gate_block_tokens`);
     other than 16 the partials are summed in another grouping, so the logits may differ from the
@@ -319,9 +320,10 @@ def gate_route_chained(hidden_states: torch.Tensor, gate_weight: torch.Tensor, t
     if block_size is not None:
         alignment_buffer_sizes(func, hidden_states.new_empty((hidden_states.shape[0], topk), dtype=torch.int32),
                                block_size, gate_weight.shape[0])
-    for name, value in (("sorted_topk", sorted_topk), ("pdl", pdl)):
-        if not isinstance(value, bool):
-            fail(func, name, "must be a bool", type(value).__name__, TypeError)
+    if not isinstance(sorted_topk, bool) and sorted_topk != "keyed":
+        fail(func, "sorted_topk", 'must be a bool or "keyed"', repr(sorted_topk), TypeError)
+    if not isinstance(pdl, bool):
+        fail(func, "pdl", "must be a bool", type(pdl).__name__, TypeError)
     if gate_block_t is not None and (type(gate_block_t) is not int or gate_block_t not in GATE_BLOCK_CHOICES):
         fail(func, "gate_block_t", f"must be None or one of {GATE_BLOCK_CHOICES}", repr(gate_block_t))
     return gate_route_chained_checked(hidden_states, gate_weight, topk, renormalize, scoring_func,
