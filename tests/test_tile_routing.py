@@ -13,7 +13,7 @@ import torch
 
 from moe_kernels._runtime import HAS_TRITON, record_launches
 from moe_kernels.kernels.gate_routing import gate_and_route_reference
-from moe_kernels.kernels.tile_routing import TILE_CHOICES, gate_and_route_tiles, tile_router_tiles
+from moe_kernels.kernels.tile_routing import TILE_CHOICES, gate_and_route_tiles, tile_gate, tile_router_tiles
 from moe_testing import DEVICE, assert_same_floats, compiled_for_hopper, needs_gpu
 from test_gate_routing import check_real_shapes, inputs, routing_of
 
@@ -97,6 +97,20 @@ def test_every_token_on_one_expert_and_an_empty_one():
     w[0], w[3] = 1.0, -1.0
     ids = check_case(20, 4, 32, 2, x=x, w=w)
     assert bool((ids[:, 0] == 0).all()) and not bool((ids == 3).any())
+
+
+@pytest.mark.parametrize("block_t", [None, 16, 64])
+def test_the_gate_alone(block_t):
+    """tile_gate: the kernel's logits without its routing, against float64; one launch, no routing."""
+    x, w = inputs(70, 24, 200, 4)
+    with record_launches() as launches:
+        logits = tile_gate(x, w, block_t=block_t)
+    torch.testing.assert_close(logits.double(), x.double() @ w.double().T, atol=1e-4 * 200 ** 0.5, rtol=1e-3)
+    if HAS_TRITON:
+        assert [name for name, _ in launches] == ["tile_routing.tile_gate"]
+    assert tile_gate(x[:0], w).shape == (0, 24)
+    with pytest.raises(ValueError, match="block_t"):
+        tile_gate(x, w, block_t=8)
 
 
 def test_no_tokens():
@@ -185,6 +199,9 @@ for num_tokens, experts, hidden, grouped in ((16384, 128, 2048, False), (16384, 
             built = assemble_for_sm90(ptx)
             line.append(built["spill_stores"] + built["spill_loads"])
         print(*line)
+const["ROUTE"] = False   # the gate alone (tile_gate)
+ptx = compile_for_sm90(fn, const, pointers, aligned=aligned, num_warps=tiles["warps"], num_stages=tiles["stages"]).asm["ptx"]
+print("wgmma.mma_async" in ptx or tiles["block_t"] < 64, "bar.sync" not in ptx[ptx.find("st.global"):])
 """
 
 
@@ -197,4 +214,4 @@ def test_compiles_for_hopper():
 
     lines = [line for line in compiled_for_hopper(_COMPILE_FOR_HOPPER) if line]
     want = "True True True" + (" 0" if triton.__version__.startswith("3.6.") else "")
-    assert lines == [want] * 9, lines
+    assert lines == [want] * 9 + ["True True"], lines

@@ -9,6 +9,9 @@ back) and with the L2 flushed before each replay, two interleaved rounds, the lo
 * "tiles": the tile router on its default tile; "tiles sorted" with the top-k by one partial sort, "tiles keyed"
   by rounds of one reduction over packed keys (and "routing alone keyed": the routing kernel so); "tiles N" on
   N-token blocks (each of ``TILE_CHOICES`` that fits);
+* "two steps keyed": the two steps with the keyed top-k; "tile gate alone": the tile router's GEMM without its
+  routing (:func:`~moe_kernels.kernels.tile_routing.tile_gate`); "tile gate, routing keyed": that GEMM, then the
+  routing kernel with the keyed top-k;
 * "read of x": one launch reading as many bytes as ``x`` and the gate (the floor in bytes),
 
 beside the floors: bytes over the read bandwidth and the gate's FLOPs over the dense bf16 rate, both measured
@@ -26,7 +29,7 @@ from moe_kernels.bench.read_kernel import weight_reader
 from moe_kernels.bench.timing import graph_us, graphed, median_ms
 from moe_kernels.kernels import routing as routing_module
 from moe_kernels.kernels.routing import router_logits
-from moe_kernels.kernels.tile_routing import TILE_CHOICES, gate_and_route_tiles, tile_router_tiles
+from moe_kernels.kernels.tile_routing import TILE_CHOICES, gate_and_route_tiles, tile_gate, tile_router_tiles
 from moe_kernels.layer import MoELayer
 from moe_kernels.results import record_tool
 
@@ -66,7 +69,10 @@ for key in models:
                "gate alone": lambda: router_logits(x, w.gate),
                "routing alone": lambda: routing.route(x, logits, w.bias, checked=True),
                "tiles": tiles(), "tiles sorted": tiles(sorted_topk=True), "tiles keyed": tiles(sorted_topk="keyed"),
-               "routing alone keyed": lambda: keyed_routing(x, logits)}
+               "routing alone keyed": lambda: keyed_routing(x, logits),
+               "two steps keyed": lambda: keyed_routing(x, router_logits(x, w.gate)),
+               "tile gate alone": lambda: tile_gate(x, w.gate),
+               "tile gate, routing keyed": lambda: keyed_routing(x, tile_gate(x, w.gate))}
         num_experts = w.gate.shape[0]
         for block_t in TILE_CHOICES:
             if block_t * max(16, num_experts) <= 128 * 256 and block_t != tile_router_tiles(

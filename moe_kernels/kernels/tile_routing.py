@@ -49,11 +49,12 @@ import functools
 import torch
 
 from .._checks import fail
-from .._runtime import HAS_TRITON, INTERPRET, cdiv, kernel, next_power_of_2, note_launch, tl
+from .._runtime import (HAS_TRITON, INTERPRET, cdiv, interpreted_bf16, kernel, next_power_of_2, note_launch, tl,
+                        use_triton)
 from .gate_routing import _check, _gate_route, rule_columns
 from .routing import _TILE_ELEMENTS, TOPK_BY_SORT
 
-__all__ = ["gate_and_route_tiles", "gate_and_route_tiles_checked", "tile_router_tiles", "TILE_CHOICES"]
+__all__ = ["gate_and_route_tiles", "gate_and_route_tiles_checked", "tile_gate", "tile_router_tiles", "TILE_CHOICES"]
 
 #: Token blocks a program may take (``tl.dot`` needs 16 rows; Hopper's wgmma 64).
 TILE_CHOICES = (16, 32, 64, 128)
@@ -104,7 +105,7 @@ if HAS_TRITON:
         GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, USE_SIGMOID: tl.constexpr, PRECISE: tl.constexpr,
         SORTED: tl.constexpr, IEEE: tl.constexpr, BLOCK_T: tl.constexpr, E_COLS: tl.constexpr,
         BLOCK_K: tl.constexpr, STAGES: tl.constexpr, ROUTE_T: tl.constexpr, ROUTE_COLS: tl.constexpr,
-        G_PAD: tl.constexpr, S_PAD: tl.constexpr, K_PAD: tl.constexpr,
+        G_PAD: tl.constexpr, S_PAD: tl.constexpr, K_PAD: tl.constexpr, ROUTE: tl.constexpr = True,
     ):
         first = tl.program_id(0) * BLOCK_T
         tokens = first + tl.arange(0, BLOCK_T)
@@ -128,17 +129,18 @@ if HAS_TRITON:
                 acc = tl.dot(a, tl.trans(b), acc)
         logits = logits_ptr + tokens.to(tl.int64)[:, None] * num_experts + experts[None, :]
         tl.store(logits, acc, mask=token_ok[:, None] & expert_ok[None, :])
-        tl.debug_barrier()   # the routing below reads the rows back through other threads
-        # Then the routing kernels' own body, ROUTE_T tokens at a time, on rows
-        # this program has just written (in L2, not yet in DRAM).
-        for t0 in range(first, first + BLOCK_T, ROUTE_T):
-            if GROUPED:
-                route_grouped_tokens(logits_ptr, bias_ptr, weights_ptr, ids_ptr, t0, num_tokens, num_experts,
-                                     num_groups, experts_per_group, topk_group, topk, renormalize, scale,
-                                     USE_SIGMOID, HAS_BIAS, PRECISE, ROUTE_T, G_PAD, S_PAD, K_PAD, SORTED)
-            else:
-                route_tokens(logits_ptr, weights_ptr, ids_ptr, t0, num_tokens, num_experts, num_experts, topk,
-                             renormalize, scale, USE_SIGMOID, PRECISE, ROUTE_T, ROUTE_COLS, K_PAD, SORTED)
+        if ROUTE:
+            tl.debug_barrier()   # the routing below reads the rows back through other threads
+            # Then the routing kernels' own body, ROUTE_T tokens at a time, on rows
+            # this program has just written (in L2, not yet in DRAM).
+            for t0 in range(first, first + BLOCK_T, ROUTE_T):
+                if GROUPED:
+                    route_grouped_tokens(logits_ptr, bias_ptr, weights_ptr, ids_ptr, t0, num_tokens, num_experts,
+                                         num_groups, experts_per_group, topk_group, topk, renormalize, scale,
+                                         USE_SIGMOID, HAS_BIAS, PRECISE, ROUTE_T, G_PAD, S_PAD, K_PAD, SORTED)
+                else:
+                    route_tokens(logits_ptr, weights_ptr, ids_ptr, t0, num_tokens, num_experts, num_experts, topk,
+                                 renormalize, scale, USE_SIGMOID, PRECISE, ROUTE_T, ROUTE_COLS, K_PAD, SORTED)
         # <<< book: tile-router
 
 
@@ -182,15 +184,40 @@ def gate_and_route_tiles_checked(hidden_states, gate_weight, topk, renormalize, 
     return weights, ids, logits
 
 
+def tile_gate(hidden_states: torch.Tensor, gate_weight: torch.Tensor, *, block_t: int | None = None) -> torch.Tensor:
+    """The gate alone on the same tiles: float32 logits ``[T, E]`` (the kernel without its routing), the
+    products of :func:`~moe_kernels.kernels.routing.gate` summed in another order. For timing the tiles'
+    GEMM against cuBLAS's.
+
+        >>> tile_gate(torch.tensor([[1.0, 2.0]]), torch.tensor([[1.0, 0.0], [0.5, 0.5]])).tolist()
+        [[1.0, 1.5]]
+    """
+    func = "tile_gate"
+    _check(func, hidden_states, gate_weight, 1, True, "softmax", None, None, 1.0, None)
+    if block_t is not None and (type(block_t) is not int or block_t not in TILE_CHOICES):
+        fail(func, "block_t", f"must be None or one of {TILE_CHOICES}", repr(block_t))
+    if not use_triton(hidden_states, gate_weight):
+        return (hidden_states.double() @ gate_weight.double().T).float()
+    if interpreted_bf16(hidden_states, gate_weight):   # (the interpreter's bf16 dot: see gate_routing)
+        hidden_states, gate_weight = hidden_states.float(), gate_weight.float()
+    num_tokens, num_experts = hidden_states.shape[0], gate_weight.shape[0]
+    logits = torch.empty((num_tokens, num_experts), dtype=torch.float32, device=hidden_states.device)
+    if num_tokens:
+        _launch(hidden_states, gate_weight, None, 1, True, "softmax", None, None, 1.0, logits, logits, logits, None,
+                block_t=block_t, sorted_topk=False, route=False)
+    return logits
+
+
 def _launch(hidden_states, gate_weight, bias, topk, renormalize, scoring_func, num_expert_group, topk_group,
-            routed_scaling_factor, weights, ids, logits, alignment, *, block_t, sorted_topk):
+            routed_scaling_factor, weights, ids, logits, alignment, *, block_t, sorted_topk, route=True):
     num_tokens, hidden_size = hidden_states.shape
     num_experts = gate_weight.shape[0]
     grouped, groups, per_group, g_pad, s_pad, route_cols = rule_columns(num_experts, num_expert_group, bias)
     tiles = tile_router_tiles(num_tokens, num_experts, hidden_size, block_t=block_t)
     route_t = max(1, min(tiles["block_t"], _TILE_ELEMENTS // route_cols))
-    note_launch("tile_routing.gate_and_route_tiles", grouped=grouped, block_t=tiles["block_t"],
-                programs=tiles["programs"], warps=tiles["warps"], route_t=route_t, sorted_topk=sorted_topk)
+    note_launch("tile_routing.gate_and_route_tiles" if route else "tile_routing.tile_gate", grouped=grouped,
+                block_t=tiles["block_t"], programs=tiles["programs"], warps=tiles["warps"], route_t=route_t,
+                sorted_topk=sorted_topk)
     _tile_router_kernel[(tiles["programs"],)](
         hidden_states, gate_weight, bias if bias is not None else logits, logits, weights, ids,
         num_tokens, num_experts, hidden_size, hidden_states.stride(0), gate_weight.stride(0),
@@ -198,5 +225,6 @@ def _launch(hidden_states, gate_weight, bias, topk, renormalize, scoring_func, n
         GROUPED=grouped, HAS_BIAS=bias is not None, USE_SIGMOID=scoring_func == "sigmoid", PRECISE=not INTERPRET,
         SORTED=sorted_topk, IEEE=hidden_states.dtype == torch.float32, BLOCK_T=tiles["block_t"],
         E_COLS=tiles["e_cols"], BLOCK_K=tiles["block_k"], STAGES=tiles["stages"], ROUTE_T=route_t,
-        ROUTE_COLS=route_cols, G_PAD=g_pad, S_PAD=s_pad, K_PAD=next_power_of_2(topk), num_warps=tiles["warps"],
+        ROUTE_COLS=route_cols, G_PAD=g_pad, S_PAD=s_pad, K_PAD=next_power_of_2(topk), ROUTE=route,
+        num_warps=tiles["warps"],
     )
