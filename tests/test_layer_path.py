@@ -347,7 +347,7 @@ def test_router_chained_up_to_its_batch(model):
 def test_tile_router_from_its_batch(model, layout):
     """With ``TILE_ROUTER_MIN_TOKENS`` at 9 (the chain's reach at 8), a layer from 9 tokens routes with the tile
     router (one launch: no gate GEMM, no routing kernel) and gives the two-step layer's answer; below it, the
-    chain; with a float32 gate for 16-bit activations, the two steps. (Off by default until timed.)"""
+    chain; with a float32 gate for 16-bit activations, the two steps. (Off by default: measured slower.)"""
     import moe_kernels.layer_router as layer_router
 
     x = torch.randn(24, 256, generator=torch.Generator().manual_seed(5)).to(DEVICE)

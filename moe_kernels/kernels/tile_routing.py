@@ -23,6 +23,13 @@ launch, not two. Every program reads the whole gate (from L2 after the first few
 blocks multiply that traffic: :func:`tile_router_tiles` takes the largest block that still gives the
 SMs a program each.
 
+Measured slower (``tile-router-ab-s42.json``, an H100, Qwen3-30B-A3B, CUDA graphs, L2 warm): from 1,024 to
+8,192 tokens the best token block took 1.28-1.54 times as long as the two steps, and at 16,384 the default
+block 1.14 times (64.2 against 56.2 us; 64-token blocks 54.8). The routing is instructions (k rounds of
+reductions across E), and here each program routes on the SM where its GEMM ran, with one or two programs
+resident, where the routing kernel alone keeps many warps on every SM to hide its reductions' latency. So
+the layer keeps the two steps (:data:`moe_kernels.layer_router.TILE_ROUTER_MIN_TOKENS` 0).
+
 The products are those of the two-step path on a GPU (16-bit operands on the tensor cores, float32
 sums, in another order: a near-tie may break the other way, as between any two float32 GEMMs);
 float32 operands are multiplied in IEEE float32. The routing is the routing kernels' body on the
