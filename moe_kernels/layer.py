@@ -97,8 +97,7 @@ class LayerPlan:
     gemm: str | None = None
     #: A stacked shared expert (``shared_expert`` "fused" or "auto") as slot k+1 of the routed GEMMs this batch.
     shared_slot: bool = False
-    #: At prefill, the gate and the routing as one launch of whole-E tiles
-    #: (:func:`~moe_kernels.layer_router.choose_tile_router`), not the cuBLAS gate and the routing kernel.
+    #: At prefill, gate and routing as one launch of whole-E tiles (layer_router.choose_tile_router).
     tile_router: bool = False
 
     @property

@@ -121,7 +121,6 @@ if HAS_TRITON:
         x_rows = x_ptr + tokens.to(tl.int64)[:, None] * stride_x
         gate_rows = gate_ptr + experts.to(tl.int64)[:, None] * stride_gate
 
-        # >>> book: tile-router
         # The gate: BLOCK_T tokens times every expert, over all of d (no split,
         # no partials), the loads of later K steps in flight under this one's MMA.
         acc = tl.zeros([BLOCK_T, E_COLS], dtype=tl.float32)
@@ -148,7 +147,6 @@ if HAS_TRITON:
                 else:
                     route_tokens(logits_ptr, weights_ptr, ids_ptr, t0, num_tokens, num_experts, num_experts, topk,
                                  renormalize, scale, USE_SIGMOID, PRECISE, ROUTE_T, ROUTE_COLS, K_PAD, SORTED)
-        # <<< book: tile-router
 
 
 def gate_and_route_tiles(hidden_states: torch.Tensor, gate_weight: torch.Tensor, topk: int, renormalize: bool,
