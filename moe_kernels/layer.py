@@ -149,7 +149,7 @@ def plan_layer(func: str, weights: LayerWeights, routing: Routing, layout: str, 
     # The router (moe_kernels.layer_router): the two steps, or one router that may align the ids too.
     router = choose_router(num_tokens, weights.gate.dtype == activation_dtype, routing.top_k,
                            naive is False and not slot and not runs_in_one_launch(choice.config, weights.format))
-    tiled = choose_tile_router(num_tokens, weights.gate.dtype == activation_dtype, router[0])
+    tiled = choose_tile_router(num_tokens, weights.gate.dtype == activation_dtype, router[0], e)
     permute = (measured.align, measured.gemm) if measured is not None else (None, None)
     return LayerPlan(num_tokens, layout, weights.format, choice, naive, shared_choice, *router, *permute, slot,
                      tiled)

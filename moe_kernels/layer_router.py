@@ -46,8 +46,9 @@ CHAINED_ROUTER_MAX_TOKENS = env_int("MOE_KERNELS_CHAINED_ROUTER_MAX_TOKENS", 512
 GATE_ROUTING_MAX_TOKENS = env_int("MOE_KERNELS_GATE_ROUTING_MAX_TOKENS", 0)
 #: From this many tokens, where neither router above runs, the gate and the routing are one launch of
 #: whole-E tiles (:mod:`moe_kernels.kernels.tile_routing`) instead of the cuBLAS gate and the routing kernel:
-#: 0, off: slower than the two steps on an H100 at 1,024-8,192 tokens, within 3% at 16,384 on its best block
-#: (``tile-router-ab-s42.json``). ``MOE_KERNELS_TILE_ROUTER_MIN_TOKENS`` sets it for a process.
+#: 0, off: on an H100 (``tile-router-ab-s42.json``, Qwen3-30B-A3B) its default tiles took 1.14-1.71 times the two
+#: steps' time at 1,024-16,384 tokens (64-token blocks 0.97 times at 16,384 only).
+#: ``MOE_KERNELS_TILE_ROUTER_MIN_TOKENS`` sets it for a process.
 TILE_ROUTER_MIN_TOKENS = env_int("MOE_KERNELS_TILE_ROUTER_MIN_TOKENS", 0)
 
 
@@ -66,15 +67,16 @@ def choose_router(num_tokens: int, gate_in_activation_dtype: bool, top_k: int, a
     return fused, aligned, fused and chained
 
 
-def choose_tile_router(num_tokens: int, gate_in_activation_dtype: bool, gate_routing: bool) -> bool:
+def choose_tile_router(num_tokens: int, gate_in_activation_dtype: bool, gate_routing: bool, num_experts: int) -> bool:
     """Whether a call at ``num_tokens`` routes with the tile router: from :data:`TILE_ROUTER_MIN_TOKENS`
     (when set), with the gate in the activations' dtype, where :func:`choose_router` took no router
-    (``gate_routing`` False).
+    (``gate_routing`` False), for at most :data:`~moe_kernels.kernels.tile_routing.MAX_EXPERTS` experts.
 
-        >>> choose_tile_router(16384, True, False)   # off by default
+        >>> choose_tile_router(16384, True, False, 128)   # off by default
         False
     """
-    return (0 < TILE_ROUTER_MIN_TOKENS <= num_tokens and gate_in_activation_dtype and not gate_routing)
+    return (0 < TILE_ROUTER_MIN_TOKENS <= num_tokens and gate_in_activation_dtype and not gate_routing
+            and num_experts <= tile_routing.MAX_EXPERTS)
 
 
 def route(plan, hidden_states, weights, routing):

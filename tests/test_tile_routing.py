@@ -13,7 +13,8 @@ import torch
 
 from moe_kernels._runtime import HAS_TRITON, record_launches
 from moe_kernels.kernels.gate_routing import gate_and_route_reference
-from moe_kernels.kernels.tile_routing import TILE_CHOICES, gate_and_route_tiles, tile_gate, tile_router_tiles
+from moe_kernels.kernels.tile_routing import (MAX_EXPERTS, TILE_CHOICES, gate_and_route_tiles, tile_gate,
+                                              tile_router_tiles)
 from moe_testing import DEVICE, assert_same_floats, compiled_for_hopper, needs_gpu
 from test_gate_routing import check_real_shapes, inputs, routing_of
 
@@ -113,6 +114,19 @@ def test_the_gate_alone(block_t):
         tile_gate(x, w, block_t=8)
 
 
+def test_tiles_that_would_not_fit_are_refused():
+    """More than MAX_EXPERTS experts (the gate's pipeline would pass an SM's shared memory), or a block of tokens
+    whose tile passes 128 x 256 logits, named by argument, in both calls; 512 experts on the default tile run."""
+    x = inputs(20, 4, 16, 0)[0]
+    for call in (lambda w, **kw: gate_and_route_tiles(x, w, 2, True, **kw), lambda w, **kw: tile_gate(x, w, **kw)):
+        with pytest.raises(ValueError, match="gate_weight"):
+            call(torch.randn(MAX_EXPERTS + 1, 16).to(DEVICE))
+        with pytest.raises(ValueError, match="block_t"):
+            call(torch.randn(MAX_EXPERTS, 16).to(DEVICE), block_t=128)
+    assert tile_router_tiles(20, MAX_EXPERTS, 16)["block_t"] * MAX_EXPERTS <= 128 * 256
+    check_case(3, MAX_EXPERTS, 16, 2, seed=9)
+
+
 def test_no_tokens():
     x, w = inputs(0, 8, 32, 0)
     weights, ids, logits = gate_and_route_tiles(x, w, 2, True)
@@ -192,15 +206,20 @@ for num_tokens, experts, hidden, grouped in ((16384, 128, 2048, False), (16384, 
         aligned = ("stride_x", "stride_gate", "hidden_size", "num_experts")
         ptx = compile_for_sm90(fn, const, pointers, aligned=aligned, num_warps=tiles["warps"],
                                num_stages=tiles["stages"]).asm["ptx"]
-        store = ptx.find("st.global")
-        line = [tiles["block_t"] < 64 or "wgmma.mma_async" in ptx, "cp.async" in ptx,
-                store > 0 and "bar.sync" in ptx[store:]]
+        # the first memory or sync instruction after the logits' stores is a barrier (without the kernel's
+        # debug_barrier it is the routing's first parameter load)
+        lines = [text.strip() for text in ptx.splitlines()]
+        first_store = next(i for i, text in enumerate(lines) if "st.global" in text)
+        after = next(text for text in lines[first_store:] if "st.global" not in text and
+                     any(op in text for op in ("bar.sync", "ld.", "st.", "cp.async", "atom", "red.")))
+        line = [tiles["block_t"] < 64 or "wgmma.mma_async" in ptx, "cp.async" in ptx, after.startswith("bar.sync")]
         if triton.__version__.startswith("3.6."):   # (a newer Triton's ptxas may not read its PTX)
             built = assemble_for_sm90(ptx)
             line.append(built["spill_stores"] + built["spill_loads"])
         print(*line)
 const["ROUTE"] = False   # the gate alone (tile_gate)
-ptx = compile_for_sm90(fn, const, pointers, aligned=aligned, num_warps=tiles["warps"], num_stages=tiles["stages"]).asm["ptx"]
+ptx = compile_for_sm90(fn, const, pointers, aligned=aligned, num_warps=tiles["warps"],
+                       num_stages=tiles["stages"]).asm["ptx"]
 print("wgmma.mma_async" in ptx or tiles["block_t"] < 64, "bar.sync" not in ptx[ptx.find("st.global"):])
 """
 
@@ -208,8 +227,8 @@ print("wgmma.mma_async" in ptx or tiles["block_t"] < 64, "bar.sync" not in ptx[p
 def test_compiles_for_hopper():
     """Compiled for an H100/H200 (sm_90) on this machine, at the tiles the default gives Qwen3-30B-A3B and
     DeepSeek-V3 at 16,384 tokens and Qwen3 at 2,048, each top-k body: 64-row tiles and more on Hopper's wgmma,
-    the gate's loads pipelined by cp.async, a barrier after the logits' stores (the routing reads them back
-    through other threads); under Triton 3.6 (the H200's) no spills."""
+    the gate's loads pipelined by cp.async, a barrier between the logits' last store and the routing's first read
+    of them (it reads them back through other threads); under Triton 3.6 (the H200's) no spills."""
     import triton
 
     lines = [line for line in compiled_for_hopper(_COMPILE_FOR_HOPPER) if line]

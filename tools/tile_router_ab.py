@@ -15,8 +15,9 @@ back) and with the L2 flushed before each replay, two interleaved rounds, the lo
 * "read of x": one launch reading as many bytes as ``x`` and the gate (the floor in bytes),
 
 beside the floors: bytes over the read bandwidth and the gate's FLOPs over the dense bf16 rate, both measured
-in the same process. Every variant's ids are first checked against the routing kernel on its own logits
-(exactly) and against the two steps' (all but near-ties).
+in the same process. Every tile router variant's ids are first checked against the routing kernel on its own
+logits (exactly) and against the two steps' (all but near-ties), and the keyed routing kernel's against the
+rounds' (exactly; weights to float32's last bits); the other variants are timed unchecked.
 
     PYTHONPATH=. python tools/tile_router_ab.py [models] [batches] [name]   # GPU: results/<device>/<name>.json
 """
@@ -24,6 +25,7 @@ import sys
 
 import torch
 
+from moe_kernels._runtime import next_power_of_2
 from moe_kernels.bench.ceilings import measure_gemm_rate, measure_read_bandwidth
 from moe_kernels.bench.read_kernel import weight_reader
 from moe_kernels.bench.timing import graph_us, graphed, median_ms
@@ -75,7 +77,7 @@ for key in models:
                "tile gate, routing keyed": lambda: keyed_routing(x, tile_gate(x, w.gate))}
         num_experts = w.gate.shape[0]
         for block_t in TILE_CHOICES:
-            if block_t * max(16, num_experts) <= 128 * 256 and block_t != tile_router_tiles(
+            if block_t * next_power_of_2(max(16, num_experts)) <= 128 * 256 and block_t != tile_router_tiles(
                     num_tokens, num_experts, w.gate.shape[1])["block_t"]:
                 fns[f"tiles {block_t}"] = tiles(block_t=block_t)
         operand_bytes = x.numel() * 2 + w.gate.numel() * 2

@@ -37,8 +37,9 @@ bit, and the same routing and alignment bodies run on them, so the ids and the a
 up to the order inside each segment); the weights are too under the interpreter, and to float32's last bits on a GPU
 (one token per program there, sixteen in the one-launch router: the softmax's and the renormalisation's sums are
 reduced in another order). ``sorted_topk`` picks the top-k by one partial sort
-(:mod:`moe_kernels.kernels.sorted_topk`) instead of ``k`` rounds of argmax: the same ids in the same order, the same
-weights. Without PDL (an older GPU, the interpreter) the same kernels run one after the other, with the same results.
+(:mod:`moe_kernels.kernels.sorted_topk`) instead of ``k`` rounds of argmax, or ("keyed") by ``k`` rounds of one
+reduction over the sort's packed keys: the same ids in the same order, the same weights (to float32's last bit on a
+GPU). Without PDL (an older GPU, the interpreter) the same kernels run one after the other, with the same results.
 
 For decode batches: up to :data:`MAX_TOKENS` tokens, a clear error above.
 
@@ -297,7 +298,7 @@ def gate_route_chained(hidden_states: torch.Tensor, gate_weight: torch.Tensor, t
                        scoring_func: str = "softmax", *, block_size: int | None = None,
                        num_expert_group: int | None = None, topk_group: int | None = None,
                        routed_scaling_factor: float = 1.0, e_score_correction_bias: torch.Tensor | None = None,
-                       sorted_topk: bool = True, pdl: bool = True, gate_block_t: int | None = None):
+                       sorted_topk: bool | str = True, pdl: bool = True, gate_block_t: int | None = None):
     """The router (and, with ``block_size``, the alignment) in launches chained by PDL:
     ``(topk_weights, topk_ids, logits)``, or with ``block_size`` also
     ``(sorted_token_ids, expert_ids, num_tokens_post_padded)``, exactly (with "ranked", up to the order in a segment) as
@@ -320,7 +321,7 @@ def gate_route_chained(hidden_states: torch.Tensor, gate_weight: torch.Tensor, t
     if block_size is not None:
         alignment_buffer_sizes(func, hidden_states.new_empty((hidden_states.shape[0], topk), dtype=torch.int32),
                                block_size, gate_weight.shape[0])
-    if not isinstance(sorted_topk, bool) and sorted_topk != "keyed":
+    if not (isinstance(sorted_topk, bool) or (isinstance(sorted_topk, str) and sorted_topk == "keyed")):
         fail(func, "sorted_topk", 'must be a bool or "keyed"', repr(sorted_topk), TypeError)
     if not isinstance(pdl, bool):
         fail(func, "pdl", "must be a bool", type(pdl).__name__, TypeError)

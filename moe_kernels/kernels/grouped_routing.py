@@ -61,7 +61,8 @@ if HAS_TRITON:
     ):
         """Route tokens ``first_token`` to ``first_token + BLOCK_T`` (the routing kernel's body, which
         :mod:`moe_kernels.kernels.gate_routing` also calls once the gate's logits are in). ``SORTED``:
-        the top-k by one partial sort (:mod:`moe_kernels.kernels.sorted_topk`), not k rounds.
+        the top-k by one partial sort (:mod:`moe_kernels.kernels.sorted_topk`), not k rounds; ``"keyed"``: k
+        rounds of one reduction over packed keys (the same module); the same ids each way.
 
         Column ``c`` of the [BLOCK_T, G_PAD * S_PAD] tile is member ``c % S_PAD`` of group
         ``c // S_PAD``: each group is padded on its own, so viewing the tile as

@@ -51,7 +51,8 @@ _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _TILE_ELEMENTS = 2048
 #: The routing kernels take the top-k by one partial sort (:mod:`moe_kernels.kernels.sorted_topk`)
 #: instead of k rounds of argmax (True), or by k rounds of one reduction over packed keys ("keyed"):
-#: the same ids and weights. A speed setting, read at each launch.
+#: the same ids, and the same weights (to float32's last bit on a GPU, whose compiler may sum the
+#: renormalisation in another order). A speed setting, read at each launch.
 TOPK_BY_SORT = False
 
 
@@ -230,7 +231,7 @@ if HAS_TRITON:
         """Route tokens ``first_token`` to ``first_token + BLOCK_T`` (the body of the routing kernel,
         which :mod:`moe_kernels.kernels.gate_routing` also calls once the gate's logits are in).
         ``SORTED``: the top-k by one partial sort (:mod:`moe_kernels.kernels.sorted_topk`), not k rounds;
-        ``"keyed"``: k rounds of one reduction over packed keys (the same module); all give the same result."""
+        ``"keyed"``: k rounds of one reduction over packed keys (the same module); the same ids each way."""
         token = first_token + tl.arange(0, BLOCK_T)[:, None]
         expert = tl.broadcast_to(tl.arange(0, E_PAD)[None, :], [BLOCK_T, E_PAD])
         is_expert = expert < num_experts

@@ -24,11 +24,12 @@ blocks multiply that traffic: :func:`tile_router_tiles` takes the largest block 
 SMs a program each.
 
 Measured slower (``tile-router-ab-s42.json``, an H100, Qwen3-30B-A3B, CUDA graphs, L2 warm): from 1,024 to
-8,192 tokens the best token block took 1.28-1.54 times as long as the two steps, and at 16,384 the default
-block 1.14 times (64.2 against 56.2 us; 64-token blocks 54.8). The routing is instructions (k rounds of
-reductions across E), and here each program routes on the SM where its GEMM ran, with one or two programs
-resident, where the routing kernel alone keeps many warps on every SM to hide its reductions' latency. So
-the layer keeps the two steps (:data:`moe_kernels.layer_router.TILE_ROUTER_MIN_TOKENS` 0).
+8,192 tokens the best token block took 1.29-1.54 times as long as the two steps, and at 16,384 the default
+block 1.14 times (64.2 against 56.2 us; 64-token blocks 54.8, 0.97 times). The routing is instructions (k
+rounds of reductions across E); here each program routes right after its GEMM on the same SM, with little else
+resident to issue while those reductions wait (a likely part of the loss; the GEMM alone, :func:`tile_gate`,
+was not timed in that run). So the layer keeps the two steps
+(:data:`moe_kernels.layer_router.TILE_ROUTER_MIN_TOKENS` 0).
 
 The products are those of the two-step path on a GPU (16-bit operands on the tensor cores, float32
 sums, in another order: a near-tie may break the other way, as between any two float32 GEMMs);
@@ -61,7 +62,8 @@ from .._runtime import (HAS_TRITON, INTERPRET, cdiv, interpreted_bf16, kernel, n
 from .gate_routing import _check, _gate_route, rule_columns
 from .routing import _TILE_ELEMENTS, TOPK_BY_SORT
 
-__all__ = ["gate_and_route_tiles", "gate_and_route_tiles_checked", "tile_gate", "tile_router_tiles", "TILE_CHOICES"]
+__all__ = ["gate_and_route_tiles", "gate_and_route_tiles_checked", "tile_gate", "tile_router_tiles", "MAX_EXPERTS",
+           "TILE_CHOICES"]
 
 #: Token blocks a program may take (``tl.dot`` needs 16 rows; Hopper's wgmma 64).
 TILE_CHOICES = (16, 32, 64, 128)
@@ -72,6 +74,9 @@ _MIN_PROGRAMS = 128
 _DEFAULT_TILE_LOGITS = 128 * 128
 #: Most logits any tile may hold (``block_t`` given): 128 x 256, 128 registers a thread at 8 warps.
 _MAX_TILE_LOGITS = 128 * 256
+#: Most experts the tile holds (E padded): the gate's rows of three pipeline stages fill an SM's shared
+#: memory at 1,024 (266 KB against the H100's and H200's 227 KB; 512 experts on 64-token blocks: 221 KB).
+MAX_EXPERTS = 512
 
 
 def tile_router_tiles(num_tokens: int, num_experts: int, hidden_size: int, *, block_t: int | None = None) -> dict:
@@ -153,28 +158,41 @@ def gate_and_route_tiles(hidden_states: torch.Tensor, gate_weight: torch.Tensor,
                          scoring_func: str = "softmax", *, num_expert_group: int | None = None,
                          topk_group: int | None = None, routed_scaling_factor: float = 1.0,
                          e_score_correction_bias: torch.Tensor | None = None, block_t: int | None = None,
-                         sorted_topk: bool | None = None):
+                         sorted_topk: bool | str | None = None):
     """The router in one launch of whole-``E`` tiles: ``(topk_weights float32 [T, k], topk_ids int32 [T, k],
     logits float32 [T, E])``, with the arguments and checks of
     :func:`~moe_kernels.kernels.gate_routing.gate_and_route`. ``block_t``: tokens per program, one of
     :data:`TILE_CHOICES` (default :func:`tile_router_tiles`'s); ``sorted_topk``: the top-k by one
     partial sort (True), k rounds of argmax (False) or of one reduction over packed keys ("keyed"),
-    default :data:`~moe_kernels.kernels.routing.TOPK_BY_SORT`; the same result."""
+    default :data:`~moe_kernels.kernels.routing.TOPK_BY_SORT`: the same ids, the same weights to float32's
+    last bit on a GPU."""
     func = "gate_and_route_tiles"
     _check(func, hidden_states, gate_weight, topk, renormalize, scoring_func, num_expert_group, topk_group,
            routed_scaling_factor, e_score_correction_bias)
-    if block_t is not None and (type(block_t) is not int or block_t not in TILE_CHOICES):
-        fail(func, "block_t", f"must be None or one of {TILE_CHOICES}", repr(block_t))
-    if sorted_topk is not None and not isinstance(sorted_topk, bool) and sorted_topk != "keyed":
+    if sorted_topk is not None and not (isinstance(sorted_topk, bool) or (isinstance(sorted_topk, str)
+                                                                          and sorted_topk == "keyed")):
         fail(func, "sorted_topk", 'must be None, a bool or "keyed"', repr(sorted_topk), TypeError)
-    if block_t is not None and block_t * next_power_of_2(gate_weight.shape[0]) > _MAX_TILE_LOGITS:
-        fail(func, "block_t", f"must keep the [block_t, E] tile within {_MAX_TILE_LOGITS} logits, E padded to a "
-             f"power of two ({next_power_of_2(gate_weight.shape[0])})", block_t)
+    _check_tile(func, hidden_states.shape[0], gate_weight, block_t)
     return gate_and_route_tiles_checked(hidden_states, gate_weight, topk, renormalize, scoring_func,
                                         num_expert_group=num_expert_group, topk_group=topk_group,
                                         routed_scaling_factor=routed_scaling_factor,
                                         e_score_correction_bias=e_score_correction_bias, block_t=block_t,
                                         sorted_topk=sorted_topk)
+
+
+def _check_tile(func, num_tokens, gate_weight, block_t) -> None:
+    """The tile fits: at most :data:`MAX_EXPERTS` experts, and ``block_t`` (or the default's) times E padded
+    within :data:`_MAX_TILE_LOGITS` logits."""
+    if block_t is not None and (type(block_t) is not int or block_t not in TILE_CHOICES):
+        fail(func, "block_t", f"must be None or one of {TILE_CHOICES}", repr(block_t))
+    num_experts = gate_weight.shape[0]
+    if num_experts > MAX_EXPERTS:
+        fail(func, "gate_weight", f"must have at most {MAX_EXPERTS} experts (rows: every tile holds all of them)",
+             f"{num_experts} rows")
+    tiles = tile_router_tiles(num_tokens, num_experts, gate_weight.shape[1], block_t=block_t)
+    if tiles["block_t"] * tiles["e_cols"] > _MAX_TILE_LOGITS:
+        fail(func, "block_t", f"must keep the [block_t, E] tile within {_MAX_TILE_LOGITS} logits, E padded to a "
+             f"power of two ({tiles['e_cols']})", tiles["block_t"])
 
 
 def gate_and_route_tiles_checked(hidden_states, gate_weight, topk, renormalize, scoring_func="softmax", *,
@@ -199,8 +217,7 @@ def tile_gate(hidden_states: torch.Tensor, gate_weight: torch.Tensor, *, block_t
     """
     func = "tile_gate"
     _check(func, hidden_states, gate_weight, 1, True, "softmax", None, None, 1.0, None)
-    if block_t is not None and (type(block_t) is not int or block_t not in TILE_CHOICES):
-        fail(func, "block_t", f"must be None or one of {TILE_CHOICES}", repr(block_t))
+    _check_tile(func, hidden_states.shape[0], gate_weight, block_t)
     if not use_triton(hidden_states, gate_weight):
         return (hidden_states.double() @ gate_weight.double().T).float()
     if interpreted_bf16(hidden_states, gate_weight):   # (the interpreter's bf16 dot: see gate_routing)
