@@ -338,7 +338,10 @@ def test_sorted_topk_in_the_routing_kernel(monkeypatch, body, num_tokens, num_ex
     x = torch.zeros(num_tokens, 8, device=DEVICE)
     rounds = fused_topk(x, logits, topk, True, scoring)
     monkeypatch.setattr(routing, "TOPK_BY_SORT", body)
-    by_sort = fused_topk(x, logits, topk, True, scoring)
+    with record_launches() as launches:
+        by_sort = fused_topk(x, logits, topk, True, scoring)
+    if HAS_TRITON:   # (the body the launch took, not only its values)
+        assert [settings["topk_body"] for _, settings in launches] == [body]
     assert torch.equal(by_sort[1], rounds[1])
     assert_same_floats(by_sort[0], rounds[0])   # (on a GPU the renormalising sum may run in another order)
     want = fused_topk_reference(x, logits, topk, True, scoring)
@@ -356,7 +359,10 @@ def test_sorted_topk_in_the_grouped_routing_kernel(monkeypatch, body, bias):
     args = (x, logits, 5, True, 4, 2, "sigmoid", 2.5, correction)
     rounds = grouped_topk(*args)
     monkeypatch.setattr(routing, "TOPK_BY_SORT", body)
-    by_sort = grouped_topk(*args)
+    with record_launches() as launches:
+        by_sort = grouped_topk(*args)
+    if HAS_TRITON:
+        assert [settings["topk_body"] for _, settings in launches] == [body]
     assert torch.equal(by_sort[1], rounds[1])
     assert_same_floats(by_sort[0], rounds[0])
     want = grouped_topk_reference(*args)

@@ -241,7 +241,8 @@ def grouped_topk_checked(hidden_states, gating_output, topk, renormalize, num_ex
     s_pad = next_power_of_2(experts_per_group)
     block_t, num_warps = _launch_config(num_tokens, g_pad * s_pad)
     has_bias = e_score_correction_bias is not None
-    note_launch("routing.grouped_topk", block_t=block_t, scoring=scoring_func, bias=has_bias)
+    note_launch("routing.grouped_topk", block_t=block_t, scoring=scoring_func, bias=has_bias,
+                topk_body=routing.TOPK_BY_SORT)
     _grouped_topk_kernel[(cdiv(num_tokens, block_t),)](
         gating_output, e_score_correction_bias if has_bias else gating_output, weights, ids,
         num_tokens, gating_output.stride(0), num_expert_group, experts_per_group, topk_group,

@@ -306,7 +306,7 @@ def topk_checked(hidden_states: Tensor, gating_output: Tensor, topk: int, renorm
         return weights, ids
     e_pad = next_power_of_2(num_experts)
     block_t, num_warps = _launch_config(num_tokens, e_pad)
-    note_launch("routing.fused_topk", block_t=block_t, scoring=scoring_func)
+    note_launch("routing.fused_topk", block_t=block_t, scoring=scoring_func, topk_body=TOPK_BY_SORT)
     _fused_topk_kernel[(cdiv(num_tokens, block_t),)](
         gating_output, weights, ids,
         num_tokens, num_experts, gating_output.stride(0), topk, renormalize,

@@ -51,10 +51,13 @@ if HAS_TRITON:
         """One int64 key per entry of ``selection`` (``[BLOCK_T, N]``, ``N = NO_EXPERT``): the score's
         ordered bits high, ``N - 1 - column`` low; the smallest int64 where not ``available``."""
         columns = tl.arange(0, NO_EXPERT)[None, :]
+        # >>> book: packed-keys
         bits = (selection + 0.0).to(tl.int32, bitcast=True)   # (+ 0.0: -0.0 becomes +0.0)
         ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
         keys = (ordered.to(tl.int64) << 32) | (NO_EXPERT - 1 - columns).to(tl.int64)
-        return tl.where(available, keys, -9223372036854775808)
+        keys = tl.where(available, keys, -9223372036854775808)
+        # <<< book: packed-keys
+        return keys
 
     @kernel
     def take_topk_keyed(selection, weight_source, expert_ids, available, topk,
@@ -80,12 +83,8 @@ if HAS_TRITON:
         ``weight_source`` values and ``expert_ids`` of those columns, as
         :func:`~moe_kernels.kernels.routing._take_topk` returns them (slots from ``topk`` on: weight
         0, an id the caller's store masks). ``NO_EXPERT`` is the column count ``N``."""
-        columns = tl.broadcast_to(tl.arange(0, NO_EXPERT)[None, :], [BLOCK_T, NO_EXPERT])
         # >>> book: sorted-topk
-        bits = (selection + 0.0).to(tl.int32, bitcast=True)   # (+ 0.0: -0.0 becomes +0.0)
-        ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-        keys = (ordered.to(tl.int64) << 32) | (NO_EXPERT - 1 - columns).to(tl.int64)
-        keys = tl.where(available, keys, -9223372036854775808)
+        keys = packed_keys(selection, available, NO_EXPERT)
         if K_PAD == 1:   # (Triton 3.6's tl.topk fails to compile k = 1 on a one-row block)
             top = tl.max(keys, axis=1, keep_dims=True)
         else:
