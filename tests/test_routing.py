@@ -199,6 +199,18 @@ def test_all_equal_logits_pick_the_lowest_ids():
     torch.testing.assert_close(weights, torch.full((3, 5), 0.2, device=DEVICE))
 
 
+def test_the_reference_scores_equal_logits_equally_wherever_they_sit():
+    # CPU torch.sigmoid gives sigmoid(-15) another last bit in a tensor's scalar tail (index 32
+    # of 33 here), which once made the reference break this tie towards the higher id.
+    logits = torch.full((1, 33), -15.0, device=DEVICE)
+    logits[0, :32] = -16.0
+    logits[0, 0] = -15.0
+    _, ids = fused_topk_reference(tokens(1), logits, 1, False, "sigmoid")
+    assert ids.tolist() == [[0]]
+    args = (tokens(1), logits, 2, False, 1, 1, "sigmoid")
+    assert grouped_topk_reference(*args)[1].tolist() == [[0, 32]]
+
+
 def test_one_hot_expert_and_an_unused_expert():
     logits = random_logits(10, 20, seed=4)
     logits[:, 13] = 20.0    # every token's first choice

@@ -118,7 +118,16 @@ def _check_common(func, hidden_states, gating_output, topk, renormalize, scoring
 
 def _scores(gating_output: torch.Tensor, scoring_func: str) -> torch.Tensor:
     logits = gating_output.float()
-    return torch.softmax(logits, dim=-1) if scoring_func == "softmax" else torch.sigmoid(logits)
+    if scoring_func == "softmax":
+        return torch.softmax(logits, dim=-1)
+    if logits.device.type == "cpu":
+        # CPU torch.sigmoid rounds by an element's position (its vector body and its scalar tail
+        # differ by an ulp: sigmoid(-15) at index 32 of a 33-element tensor), which would break
+        # a tie between equal logits the other way. The kernels' formula, 1 / (1 + exp(-x)) in
+        # float32, with exp taken in float64 and rounded, scores equal logits equally anywhere.
+        return 1.0 / (1.0 + torch.exp(-logits.double()).float())
+    # On a GPU this is the expf and IEEE division the kernels use, bit for bit.
+    return torch.sigmoid(logits)
 
 
 def _rank_descending(values: torch.Tensor, count: int) -> torch.Tensor:
