@@ -153,15 +153,15 @@ def test_many_tokens_and_past_the_alignment_launchs_reach(monkeypatch):
     assert got[1].shape == (5, 2)
 
 
-@pytest.mark.parametrize("gate_block_t", [16, 32, 64, None], ids=["16", "32", "64", "default"])
-@pytest.mark.parametrize("grouped", [False, True], ids=["plain", "grouped"])
+@pytest.mark.parametrize("grouped, gate_block_t", [(False, 16), (False, 32), (False, None), (True, 16), (True, None)],
+                         ids=["plain-16", "plain-32", "plain-default", "grouped-16", "grouped-default"])
 def test_wider_gate_blocks_sum_the_same_products(gate_block_t, grouped, monkeypatch):
     """The gate's token block (64 from WIDE_GATE_FROM_TOKENS, with 64-expert blocks and up to 32 spans
     of d): on integer inputs, where every sum is exact in any order, the same logits, ids, weights and
     alignment as the one-launch router's 16-token blocks. 70 tokens: two 64-token blocks, the last one
-    short (the wide blocks taken from 64 tokens here, so that "default" is the wide grid: the interpreter
-    runs one routing program a token, and at 150 tokens the eight cases took a third of CI's slowest
-    minute); 80 experts: two 64-expert blocks, the last one short."""
+    short (the wide blocks taken from 64 tokens here, so that "default" is the wide grid of 64-token blocks,
+    and no case names 64: the interpreter runs one routing program a token, and these cases are among CI's
+    slowest); 80 experts: two 64-expert blocks, the last one short."""
     monkeypatch.setattr(chained_routing, "WIDE_GATE_FROM_TOKENS", 64)
     x, w, rule, one_launch = wide_gate_problem(grouped)
     got = check_chained(x, w, 6, block_size=16, gate_block_t=gate_block_t, want=one_launch, **rule)
