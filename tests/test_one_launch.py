@@ -197,10 +197,10 @@ def test_fused_experts_takes_it_only_without_a_block_map():
 @pytest.mark.parametrize("phases", [1, 2])
 def test_a_layer_with_a_shared_expert_adds_it_in_the_same_sum(fmt, phases):
     style = dataclasses.replace(MODELS["deepseek-v3"], num_experts=16)
-    layer = MoELayer.random(style, hidden_size=256, intermediate_size=128, dtype=torch.float32, device=DEVICE,
+    layer = MoELayer.random(style, hidden_size=128, intermediate_size=128, dtype=torch.float32, device=DEVICE,
                             seed=2)
     layer = layer if fmt == "none" else layer.quantized(fmt)
-    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    x = torch.randn(2, 128, generator=torch.Generator().manual_seed(3)).to(DEVICE)
     config = ONE if phases == 1 else dataclasses.replace(
         ONE, one_launch=dataclasses.replace(TWO_PHASE, block_k=128 if fmt == "block" else 16))
     with record_launches() as launches:
