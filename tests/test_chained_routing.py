@@ -336,6 +336,7 @@ def test_sorted_topk_in_the_routing_kernel(monkeypatch, body, num_tokens, num_ex
     generator = torch.Generator().manual_seed(num_experts)
     logits = torch.randint(-4, 5, (num_tokens, num_experts), generator=generator).float().to(DEVICE)
     x = torch.zeros(num_tokens, 8, device=DEVICE)
+    monkeypatch.setattr(routing, "TOPK_BY_SORT", False)   # (the rounds; "keyed" is the default)
     rounds = fused_topk(x, logits, topk, True, scoring)
     monkeypatch.setattr(routing, "TOPK_BY_SORT", body)
     with record_launches() as launches:
@@ -357,6 +358,7 @@ def test_sorted_topk_in_the_grouped_routing_kernel(monkeypatch, body, bias):
     correction = (0.25 * torch.randint(-2, 3, (24,), generator=generator).float()).to(DEVICE) if bias else None
     x = torch.zeros(9, 8, device=DEVICE)
     args = (x, logits, 5, True, 4, 2, "sigmoid", 2.5, correction)
+    monkeypatch.setattr(routing, "TOPK_BY_SORT", False)
     rounds = grouped_topk(*args)
     monkeypatch.setattr(routing, "TOPK_BY_SORT", body)
     with record_launches() as launches:
@@ -379,12 +381,29 @@ def test_sorted_topk_with_infinities_and_nan(monkeypatch, body, scoring):
                            [-0.0, 0.0, -1e-45, 1e-45],           # signed zeros tie; subnormals order
                            [-3.0e38, -1.5, -2.5, -1.5]], device=DEVICE)   # negatives, a tie among them
     x = torch.zeros(4, 8, device=DEVICE)
+    monkeypatch.setattr(routing, "TOPK_BY_SORT", False)
     rounds = fused_topk(x, logits, 4, False, scoring)
     monkeypatch.setattr(routing, "TOPK_BY_SORT", body)
     weights, ids = fused_topk(x, logits, 4, False, scoring)
     assert torch.equal(ids, rounds[1]) and torch.equal(ids, fused_topk_reference(x, logits, 4, False, scoring)[1])
     assert all(sorted(row) == [0, 1, 2, 3] for row in ids.tolist())
     torch.testing.assert_close(weights, rounds[0], equal_nan=True)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="no Triton: the torch references launch nothing")
+def test_the_routing_kernels_take_the_keyed_top_k_by_default():
+    """The default body of both routing kernels is the keyed rounds (``routing-align-*-s43.json``: faster than
+    the rounds at every batch measured); the chained router keeps its sort (faster at decode)."""
+    x, logits = torch.zeros(3, 8, device=DEVICE), torch.randn(3, 16, generator=torch.Generator().manual_seed(1))
+    logits = logits.to(DEVICE)
+    with record_launches() as launches:
+        fused_topk(x, logits, 2, True)
+        grouped_topk(x, logits, 2, True, 4, 2, "sigmoid")
+    assert [(name, settings["topk_body"]) for name, settings in launches] == [
+        ("routing.fused_topk", "keyed"), ("routing.grouped_topk", "keyed")]
+    with record_launches() as launches:
+        gate_route_chained(*inputs(3, 16, 32, 0), 2, True)
+    assert [settings["sorted_topk"] for name, settings in launches if name == "chained_routing.route"] == [True]
 
 
 @needs_gpu

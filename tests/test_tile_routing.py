@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from moe_kernels._runtime import HAS_TRITON, record_launches
+from moe_kernels.kernels import routing
 from moe_kernels.kernels.gate_routing import gate_and_route_reference
 from moe_kernels.kernels.tile_routing import (MAX_EXPERTS, TILE_CHOICES, gate_and_route_tiles, tile_gate,
                                               tile_router_tiles)
@@ -33,7 +34,7 @@ def check_case(num_tokens, num_experts, hidden, topk, *, seed=0, dtype=torch.flo
         settings = launches[0][1]
         want_block = block_t or tile_router_tiles(num_tokens, num_experts, hidden)["block_t"]
         assert settings["block_t"] == want_block and settings["programs"] == -(-num_tokens // want_block)
-        assert settings["sorted_topk"] == (False if sorted_topk is None else sorted_topk)
+        assert settings["sorted_topk"] == (routing.TOPK_BY_SORT if sorted_topk is None else sorted_topk)
     torch.testing.assert_close(logits.double(), x.double() @ w.double().T, atol=1e-4 * hidden ** 0.5, rtol=1e-3)
     want_weights, want_ids = routing_of(x, logits, topk, renormalize, scoring, **grouped)
     assert torch.equal(ids, want_ids)

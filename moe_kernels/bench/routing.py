@@ -176,7 +176,9 @@ def gate_routing_ab(model_name: str, num_tokens: int, *, seed: int = 0) -> dict:
                 routing.TOPK_BY_SORT = before
         return call
 
-    three_launches_sorted, three_launches_keyed = three_launches_with(True), three_launches_with("keyed")
+    # the routing kernel's other top-k bodies (its default, TOPK_BY_SORT, is "keyed" since session 43; records
+    # before it have "three launches keyed" and three launches on the rounds)
+    three_launches_sorted, three_launches_rounds = three_launches_with(True), three_launches_with(False)
 
     def one_launch_aligned():
         return gate_route_and_align(x, gate, rule.top_k, rule.renormalize, rule.scoring_func, block_size=block,
@@ -211,13 +213,13 @@ def gate_routing_ab(model_name: str, num_tokens: int, *, seed: int = 0) -> dict:
     if not (torch.equal(aligned[1], ids) and all(torch.equal(a, b) for a, b in zip(aligned[3:], want))):
         raise AssertionError(f"gate_route_and_align {model.name} at {num_tokens}: ids or alignment differ")
     plain_three = three_launches()
-    for body, other in (("sorted", three_launches_sorted()), ("keyed", three_launches_keyed())):
+    for body, other in (("sorted", three_launches_sorted()), ("rounds", three_launches_rounds())):
         if not (torch.equal(other[1], plain_three[1]) and torch.allclose(other[0], plain_three[0])
                 and all(torch.equal(a, b) for a, b in zip(other[2], plain_three[2]))):
             raise AssertionError(f"routing kernels {model.name} at {num_tokens}: the {body} top-k differs from the "
-                                 "rounds")
+                                 "default's")
     fns = {"two launches": two_launches, "one launch": one_launch, "three launches": three_launches,
-           "three launches sorted": three_launches_sorted, "three launches keyed": three_launches_keyed,
+           "three launches sorted": three_launches_sorted, "three launches rounds": three_launches_rounds,
            "one launch aligned": one_launch_aligned}
     other_ids = {}   # chained variants with another gate block: tokens whose ids a near-tie flipped
     one_tile = num_tokens * rule.top_k <= chained_routing.ONE_TILE_MAX_ASSIGNMENTS

@@ -49,11 +49,14 @@ _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # 16 fp32 values per thread per live tile: DeepSeek-V3's E=256 gives 8 tokens per program, so a
 # 16384-token batch spreads over 2048 programs.
 _TILE_ELEMENTS = 2048
-#: The routing kernels take the top-k by one partial sort (:mod:`moe_kernels.kernels.sorted_topk`)
-#: instead of k rounds of argmax (True), or by k rounds of one reduction over packed keys ("keyed"):
+#: How the routing kernels take the top-k: k rounds of argmax (False), one partial sort (True,
+#: :mod:`moe_kernels.kernels.sorted_topk`) or k rounds of one reduction over packed keys ("keyed"):
 #: the same ids, and the same weights (to float32's last bit on a GPU, whose compiler may sum the
-#: renormalisation in another order). A speed setting, read at each launch.
-TOPK_BY_SORT = False
+#: renormalisation in another order). A speed setting, read at each launch. "keyed": on an H100 it
+#: was 1.02-1.48x as fast as the rounds in both kernels at every batch from 1 to 16,384 tokens; the
+#: sort was faster for Qwen3-30B-A3B at 1-8 tokens (the chained router's batches in a layer) and up
+#: to 3x slower for DeepSeek-V3 (``routing-align-{rounds,keyed,sort}-s43.json``).
+TOPK_BY_SORT = "keyed"
 
 
 # --------------------------------------------------------------------------------------------

@@ -26,6 +26,8 @@ depth grows with ``log N``, where the rounds of argmax grow with ``k``.
 :func:`take_topk_keyed` keeps the ``k`` rounds but makes each one reduction instead of three: the
 largest key is the best score and, on a tie, the lowest column, both at once; the column's key is
 then set to the smallest int64, and the weights and ids are gathered once, after the last round.
+Measured on an H100, the routing kernels are fastest on the keyed rounds (their default,
+:data:`~moe_kernels.kernels.routing.TOPK_BY_SORT`) and the chained router at decode on the sort (its default).
 
 A worked example of the keys (the interpreter runs the same code on the CPU)::
 
