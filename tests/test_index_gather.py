@@ -400,7 +400,7 @@ def test_bench_tuning_candidates_fit_shared_memory():
 
 def test_bench_tuning_fp8_candidates_run_the_fp8_k_step():
     """fp8 tiles: K steps the kernel runs (<= 128, one scale block), 1-byte shared memory, 8 warps
-    offered; and ``--refine`` offers the transposed product on 64- and 128-row weight tiles."""
+    offered; and ``--refine`` offers the transposed product on 64- and 128-row weight tiles, on each grid."""
     from moe_kernels.bench import tune, tune_candidates
     from moe_kernels.kernels.config import GemmTiles, MoEConfig
     from moe_kernels.kernels.formats import FORMATS
@@ -415,8 +415,8 @@ def test_bench_tuning_fp8_candidates_run_the_fp8_k_step():
             assert {t.num_warps for t in tiles} >= {4, 8}
     base = MoEConfig(16, GemmTiles(32, 128), GemmTiles(16, 256), False)
     variants = [t for gated, _, t in tune_candidates.candidates(1.0, 16, base=base) if gated]
-    assert [(t.block_n, t.tma) for t in variants if t.swap_ab] == [(64, False), (64, True), (128, False),
-                                                                    (128, True)]
+    assert [(t.block_n, t.persistent, t.tma) for t in variants if t.swap_ab] == [
+        (n, grid, tma) for n in (64, 128) for grid in (0, 1, 2) for tma in (False, True)]   # each grid, transposed too
     assert len([t for t in variants if not t.swap_ab and t.split_k == 1]) == 6
     assert [t.split_k for t in variants if t.split_k > 1] == [2, 4]   # GEMM 1 split over K, at decode
     wide = MoEConfig(64, GemmTiles(128, 64), GemmTiles(128, 64), False)

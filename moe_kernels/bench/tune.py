@@ -23,7 +23,7 @@ ones, which a layer built with ``shared_expert="fused"`` reads
 ``--format block`` tunes fp8 weights with 128x128 block scales (activations quantised outside
 the timed GEMMs, as the layer does before each); its tables are the fp8 ones. ``--refine`` times
 only the configuration the kernels pick today, with and without TMA, on each grid and, for a
-16- or 32-row M tile, transposed onto 64- and 128-row weight tiles. Either way the chosen tiles
+16- or 32-row M tile, transposed onto 64- and 128-row weight tiles (each grid too). Either way the chosen tiles
 are then timed as one experts call with and without the switches that act between the GEMMs: GEMM
 2 launched as a programmatic dependent of GEMM 1 (``MoEConfig.pdl``, Hopper) and, in fp8, GEMM 1's
 epilogue quantising GEMM 2's input (``MoEConfig.quant_in_gemm``), and both GEMMs as one stream of tiles

@@ -168,9 +168,12 @@ def _refinements(tiles, block_m: int, gated: bool, fmt=None):
     """``--refine``'s variants of one GEMM's tiles: TMA on and off on each grid; for a 16- or
     32-row M tile also transposed (A/B of the transposed product: its N tile becomes the MMA's M,
     so it needs 64 or more rows to reach wgmma), on 64- and 128-row weight tiles (or the tiles'
-    own, if wider), with as many pipeline stages as still fit in shared memory."""
+    own, if wider), with as many pipeline stages as still fit in shared memory, on each grid too
+    (a persistent program's next tile starts loading under this one's epilogue, where a decode
+    tile's K loop is short: DeepSeek-V3's fp8 GEMM 2 at 512 tokens runs 16 steps a tile)."""
     # (split-K keeps the two loops of a persistent program nested: its 2 would time 1's code again)
-    for persistent in (0, 1, 2) if tiles.split_k == 1 else (0, 1):
+    grids = (0, 1, 2) if tiles.split_k == 1 else (0, 1)
+    for persistent in grids:
         for tma in (False, True):
             yield dataclasses.replace(tiles, tma=tma, persistent=persistent, swap_ab=False)
     if block_m <= 32:
@@ -180,9 +183,10 @@ def _refinements(tiles, block_m: int, gated: bool, fmt=None):
                 stages -= 1
             if not fits(block_m, block_n, tiles.block_k, stages, gated, fmt):
                 continue
-            for tma in (False, True):
-                yield dataclasses.replace(tiles, block_n=block_n, num_stages=stages, tma=tma, persistent=0,
-                                          swap_ab=True)
+            for persistent in grids:
+                for tma in (False, True):
+                    yield dataclasses.replace(tiles, block_n=block_n, num_stages=stages, tma=tma,
+                                              persistent=persistent, swap_ab=True)
 
 
 def fits(block_m: int, block_n: int, block_k: int, stages: int, gated: bool, fmt) -> bool:
