@@ -51,11 +51,9 @@ _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _TILE_ELEMENTS = 2048
 #: How the routing kernels take the top-k: k rounds of argmax (False), one partial sort (True,
 #: :mod:`moe_kernels.kernels.sorted_topk`) or k rounds of one reduction over packed keys ("keyed"):
-#: the same ids, and the same weights (to float32's last bit on a GPU, whose compiler may sum the
-#: renormalisation in another order). A speed setting, read at each launch. "keyed": on an H100 it
-#: was 1.02-1.48x as fast as the rounds in both kernels at every batch from 1 to 16,384 tokens; the
-#: sort was faster for Qwen3-30B-A3B at 1-8 tokens (the chained router's batches in a layer) and up
-#: to 3x slower for DeepSeek-V3 (``routing-align-{rounds,keyed,sort}-s43.json``).
+#: the same ids and weights (to float32's last bit on a GPU). Read at each launch. "keyed": on an
+#: H100 1.02-1.48x as fast as the rounds in both kernels from 1 to 16,384 tokens; the sort won only
+#: for Qwen3-30B-A3B at 1-8 tokens (``routing-align-{rounds,keyed,sort}-s43.json``).
 TOPK_BY_SORT = "keyed"
 
 
@@ -124,13 +122,11 @@ def _scores(gating_output: torch.Tensor, scoring_func: str) -> torch.Tensor:
     if scoring_func == "softmax":
         return torch.softmax(logits, dim=-1)
     if logits.device.type == "cpu":
-        # CPU torch.sigmoid rounds by an element's position (its vector body and its scalar tail
-        # differ by an ulp: sigmoid(-15) at index 32 of a 33-element tensor), which would break
-        # a tie between equal logits the other way. The kernels' formula, 1 / (1 + exp(-x)) in
-        # float32, with exp taken in float64 and rounded, scores equal logits equally anywhere.
+        # CPU torch.sigmoid rounds by position (sigmoid(-15) differs in the last bit at index 32 of
+        # 33), which can break a tie the other way: the kernels' float32 1 / (1 + exp(-x)), with
+        # exp taken in float64 and rounded, scores equal logits equally wherever they sit.
         return 1.0 / (1.0 + torch.exp(-logits.double()).float())
-    # On a GPU this is the expf and IEEE division the kernels use, bit for bit.
-    return torch.sigmoid(logits)
+    return torch.sigmoid(logits)   # (on a GPU: the kernels' expf and IEEE division, bit for bit)
 
 
 def _rank_descending(values: torch.Tensor, count: int) -> torch.Tensor:
