@@ -526,6 +526,32 @@ def test_compiles_for_hopper_with_its_dependent_launch():
     assert lines[:4] == ["True True", "True", "True", "True True"], lines
 
 
+_COMPILE_KEYED_ROUTING_FOR_HOPPER = """
+import torch
+torch.cuda.is_available = lambda: True   # build compiled (not interpreted) kernels; nothing is launched
+from moe_kernels.kernels import grouped_routing, routing
+from moe_kernels.sm90_compile import compile_for_sm90
+
+pointers = dict(logits_ptr="*fp32", bias_ptr="*fp32", weights_ptr="*fp32", ids_ptr="*i32")
+for tokens in (1, 16384):   # Qwen3-30B-A3B's fused_topk and DeepSeek-V3's grouped_topk, as the launches size them
+    block_t, warps = routing._launch_config(tokens, 128)
+    fused = compile_for_sm90(routing._fused_topk_kernel, dict(USE_SIGMOID=False, PRECISE=True, BLOCK_T=block_t,
+                                                               E_PAD=128, K_PAD=8, SORTED="keyed"),
+                             pointers, num_warps=warps)
+    block_t, warps = routing._launch_config(tokens, 256)
+    grouped = compile_for_sm90(grouped_routing._grouped_topk_kernel, dict(
+        USE_SIGMOID=True, HAS_BIAS=True, PRECISE=True, BLOCK_T=block_t, G_PAD=8, S_PAD=32, K_PAD=8, SORTED="keyed"),
+        pointers, num_warps=warps)
+    print(all(k.metadata.shared >= 0 and "st.global" in k.asm["ptx"] for k in (fused, grouped)))
+"""
+
+
+def test_the_keyed_routing_kernels_compile_for_hopper():
+    """The routing kernels' default body (the keyed rounds) built for sm_90 at the models' shapes, one token and
+    16,384 (each launch's own tile): under CI's Triton 3.6 too."""
+    assert compiled_for_hopper(_COMPILE_KEYED_ROUTING_FOR_HOPPER)[:2] == ["True", "True"]
+
+
 _COMPILE_RANKED_FOR_HOPPER = """
 import torch
 torch.cuda.is_available = lambda: True   # build compiled (not interpreted) kernels; nothing is launched

@@ -51,7 +51,8 @@ def check_case(num_tokens, num_experts, hidden, topk, *, seed=0, dtype=torch.flo
     assert ids.dtype == torch.int32 and weights.dtype == torch.float32 and logits.dtype == torch.float32
     want_logits = x.double() @ w.double().T
     torch.testing.assert_close(logits.double(), want_logits, atol=1e-4 * hidden ** 0.5, rtol=1e-3)
-    # The routing on the kernel's own logits: the same code, so the same ids (the weights: see assert_same_floats).
+    # The routing kernel on this kernel's logits: the same rule (the rounds here, the keyed rounds there: the same
+    # ids by construction), so the same ids (the weights: see assert_same_floats).
     want_weights, want_ids = routing_of(x, logits, topk, renormalize, scoring, **grouped)
     assert torch.equal(ids, want_ids)
     assert_same_floats(weights, want_weights)

@@ -17,7 +17,9 @@ back) and with the L2 flushed before each replay, two interleaved rounds, the lo
 beside the floors: bytes over the read bandwidth and the gate's FLOPs over the dense bf16 rate, both measured
 in the same process. Every tile router variant's ids are first checked against the routing kernel on its own
 logits (exactly) and against the two steps' (all but near-ties), and the keyed routing kernel's against the
-rounds' (exactly; weights to float32's last bits); the other variants are timed unchecked.
+rounds' (exactly; weights to float32's last bits); the other variants are timed unchecked. "two steps", "routing
+alone", "tiles" and its blocks run the k rounds of argmax, the routing kernels' default until session 43 (now the
+keyed rounds), so that the records compare across sessions.
 
     PYTHONPATH=. python tools/tile_router_ab.py [models] [batches] [name]   # GPU: results/<device>/<name>.json
 """
@@ -57,19 +59,25 @@ for key in models:
         logits = router_logits(x, w.gate)
         args = (x, w.gate, routing.top_k, routing.renormalize, routing.scoring_func)
 
-        def tiles(**kw):
-            return lambda: gate_and_route_tiles(*args, **rule, **kw)
+        def tiles(sorted_topk=False, **kw):   # (the rounds unless asked: see the docstring)
+            return lambda: gate_and_route_tiles(*args, **rule, sorted_topk=sorted_topk, **kw)
 
-        def keyed_routing(x, logits):
-            before, routing_module.TOPK_BY_SORT = routing_module.TOPK_BY_SORT, "keyed"
+        def routing_with(body, x, logits):   # the routing kernel with this top-k body
+            before, routing_module.TOPK_BY_SORT = routing_module.TOPK_BY_SORT, body
             try:
                 return routing.route(x, logits, w.bias, checked=True)
             finally:
                 routing_module.TOPK_BY_SORT = before
 
-        fns = {"two steps": lambda: routing.route(x, router_logits(x, w.gate), w.bias, checked=True),
+        def rounds_routing(x, logits):
+            return routing_with(False, x, logits)
+
+        def keyed_routing(x, logits):
+            return routing_with("keyed", x, logits)
+
+        fns = {"two steps": lambda: rounds_routing(x, router_logits(x, w.gate)),
                "gate alone": lambda: router_logits(x, w.gate),
-               "routing alone": lambda: routing.route(x, logits, w.bias, checked=True),
+               "routing alone": lambda: rounds_routing(x, logits),
                "tiles": tiles(), "tiles sorted": tiles(sorted_topk=True), "tiles keyed": tiles(sorted_topk="keyed"),
                "routing alone keyed": lambda: keyed_routing(x, logits),
                "two steps keyed": lambda: keyed_routing(x, router_logits(x, w.gate)),

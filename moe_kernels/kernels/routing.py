@@ -52,8 +52,8 @@ _TILE_ELEMENTS = 2048
 #: How the routing kernels take the top-k: k rounds of argmax (False), one partial sort (True,
 #: :mod:`moe_kernels.kernels.sorted_topk`) or k rounds of one reduction over packed keys ("keyed"):
 #: the same ids and weights (to float32's last bit on a GPU). Read at each launch. "keyed": on an
-#: H100 1.02-1.48x as fast as the rounds in both kernels from 1 to 16,384 tokens; the sort won only
-#: for Qwen3-30B-A3B at 1-8 tokens (``routing-align-{rounds,keyed,sort}-s43.json``).
+#: H100 1.02-1.48x as fast as the rounds in both kernels from 1 to 16,384 tokens; the sort won by
+#: over 5% only for Qwen3-30B-A3B at 1-8 tokens (``routing-align-{rounds,keyed,sort}-s43.json``).
 TOPK_BY_SORT = "keyed"
 
 
@@ -123,8 +123,8 @@ def _scores(gating_output: torch.Tensor, scoring_func: str) -> torch.Tensor:
         return torch.softmax(logits, dim=-1)
     if logits.device.type == "cpu":
         # CPU torch.sigmoid rounds by position (sigmoid(-15) differs in the last bit at index 32 of
-        # 33), which can break a tie the other way: the kernels' float32 1 / (1 + exp(-x)), with
-        # exp taken in float64 and rounded, scores equal logits equally wherever they sit.
+        # 33), which can break a tie the other way. The kernels' float32 1 / (1 + exp(-x)), exp taken
+        # in float64 and rounded, scores equal logits equally (their own exp may differ by an ulp).
         return 1.0 / (1.0 + torch.exp(-logits.double()).float())
     return torch.sigmoid(logits)   # (on a GPU: the kernels' expf and IEEE division, bit for bit)
 
