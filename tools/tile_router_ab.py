@@ -31,7 +31,7 @@ from moe_kernels._runtime import next_power_of_2
 from moe_kernels.bench.ceilings import measure_gemm_rate, measure_read_bandwidth
 from moe_kernels.bench.read_kernel import weight_reader
 from moe_kernels.bench.timing import graph_us, graphed, median_ms
-from moe_kernels.kernels import routing as routing_module
+from moe_kernels.bench.routing import topk_body
 from moe_kernels.kernels.routing import router_logits
 from moe_kernels.kernels.tile_routing import TILE_CHOICES, gate_and_route_tiles, tile_gate, tile_router_tiles
 from moe_kernels.layer import MoELayer
@@ -62,18 +62,13 @@ for key in models:
         def tiles(sorted_topk=False, **kw):   # (the rounds unless asked: see the docstring)
             return lambda: gate_and_route_tiles(*args, **rule, sorted_topk=sorted_topk, **kw)
 
-        def routing_with(body, x, logits):   # the routing kernel with this top-k body
-            before, routing_module.TOPK_BY_SORT = routing_module.TOPK_BY_SORT, body
-            try:
+        def rounds_routing(x, logits):   # the routing kernel with each top-k body
+            with topk_body(False):
                 return routing.route(x, logits, w.bias, checked=True)
-            finally:
-                routing_module.TOPK_BY_SORT = before
-
-        def rounds_routing(x, logits):
-            return routing_with(False, x, logits)
 
         def keyed_routing(x, logits):
-            return routing_with("keyed", x, logits)
+            with topk_body("keyed"):
+                return routing.route(x, logits, w.bias, checked=True)
 
         fns = {"two steps": lambda: rounds_routing(x, router_logits(x, w.gate)),
                "gate alone": lambda: router_logits(x, w.gate),

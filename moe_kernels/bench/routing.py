@@ -16,6 +16,7 @@ router in one launch and in launches chained by PDL against the gate then the ro
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 
 import torch
@@ -111,6 +112,17 @@ def gate_agreement(model_name: str, num_tokens: int, *, skewed: bool, seed: int 
     return row
 
 
+@contextlib.contextmanager
+def topk_body(body):
+    """The routing kernels' top-k body (:data:`~moe_kernels.kernels.routing.TOPK_BY_SORT`) set to ``body`` for
+    the calls inside, as a variant to time (the launches read it; a CUDA graph keeps the one it captured)."""
+    before, routing.TOPK_BY_SORT = routing.TOPK_BY_SORT, body
+    try:
+        yield
+    finally:
+        routing.TOPK_BY_SORT = before
+
+
 def gate_routing_ab(model_name: str, num_tokens: int, *, seed: int = 0) -> dict:
     """The router several ways at one batch, each replayed from a CUDA graph (GPU us per call, with
     the L2 warm and flushed):
@@ -169,11 +181,8 @@ def gate_routing_ab(model_name: str, num_tokens: int, *, seed: int = 0) -> dict:
 
     def three_launches_with(body):
         def call():
-            before, routing.TOPK_BY_SORT = routing.TOPK_BY_SORT, body   # read at the launch (captured so)
-            try:
+            with topk_body(body):   # read at the launch (captured so)
                 return three_launches()
-            finally:
-                routing.TOPK_BY_SORT = before
         return call
 
     # the routing kernel's other top-k bodies (its default, TOPK_BY_SORT, is "keyed" since session 43; records
