@@ -15,15 +15,24 @@ read bandwidth measured in the same run (the larger of that and its FLOPs over t
 bf16 or block-scaled fp8, measured in the same run: at 512 tokens DeepSeek-V3's shared expert is 45 GFLOP). Issue
 19 asks for at most 1.2 times that floor at 512 tokens or fewer.
 
-    PYTHONPATH=. python tools/shared_expert_ab.py [batches] [formats]   # GPU: records shared-expert-ab.json
+    PYTHONPATH=. python tools/shared_expert_ab.py [batches] [formats] [name]   # GPU: records <name>.json
+                                                                            # (default shared-expert-ab)
     PYTHONPATH=. TRITON_INTERPRET=1 python tools/shared_expert_ab.py    # CPU: a small shape, the checks only
+
+``SHARED_AB_GROUP_M=4,8`` adds, for each value, the routed-only and fused layers on their plan's config with that
+``group_m`` in both GEMMs ("routed only g8", "fused g8"). The tile order is the question: with ``group_m`` 1 a
+program walks one M block's N tiles, so slot E's several M blocks (every token is in it) read its weights at
+different times, each from HBM; walking ``group_m`` M blocks down one N tile reads each tile about together, so
+the later reads can come from the L2.
 """
 import dataclasses
+import os
 import sys
 
 import torch
 
 from moe_kernels import MoELayer
+from moe_kernels.layer import run_layer
 from moe_kernels.bench.ceilings import measure_fp8_gemm_rate, measure_gemm_rate, measure_read_bandwidth, weight_reader
 from moe_kernels.bench.fp8 import measure_block_scaled_rate
 from moe_kernels.bench.timing import time_lowest
@@ -33,6 +42,8 @@ from moe_kernels.results import record_tool
 device = "cuda" if torch.cuda.is_available() else "cpu"   # (the CPU: a small shape under the interpreter)
 batches = [int(b) for b in sys.argv[1].split(",")] if len(sys.argv) > 1 else [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
 formats = sys.argv[2].split(",") if len(sys.argv) > 2 else ["block", "none"]   # fp8 first: the layer engines run
+record_name = sys.argv[3] if len(sys.argv) > 3 else "shared-expert-ab"
+group_ms = [int(g) for g in os.environ.get("SHARED_AB_GROUP_M", "").split(",") if g]
 model = MODELS["deepseek-v3"]
 shrink = {} if device == "cuda" else {"hidden_size": 128, "intermediate_size": 128}
 if device == "cpu":
@@ -45,6 +56,12 @@ ceilings = ({"read_bandwidth": measure_read_bandwidth(), "gemm_rate_bf16": measu
              "gemm_rate_fp8_block_scaled": measure_block_scaled_rate() or measure_fp8_gemm_rate()} if device == "cuda"
             else {"read_bandwidth": 1.0, "gemm_rate_bf16": 1.0, "gemm_rate_fp8_block_scaled": 1.0})
 rows = []
+
+
+def regrouped(cfg, group_m):
+    """``cfg`` with ``group_m`` M blocks walked down each N tile, in both GEMMs."""
+    return dataclasses.replace(cfg, gate_up=dataclasses.replace(cfg.gate_up, group_m=group_m),
+                               down=dataclasses.replace(cfg.down, group_m=group_m))
 
 
 def plan_note(layer, batch):
@@ -67,21 +84,34 @@ for fmt in formats:
     for batch in batches:
         x = torch.randn(batch, d, device=device, dtype=dtype, generator=torch.Generator(device).manual_seed(batch))
         candidates = {name: (lambda layer=layer: layer(x)) for name, layer in layers.items()}
+        for g in group_ms:   # the plan's config in another tile order (the module's docstring)
+            for name in ("routed only", "fused"):
+                cfg = regrouped(layers[name].plan(batch, dtype=dtype).config, g)
+                candidates[f"{name} g{g}"] = lambda layer=layers[name], cfg=cfg: layer(x, config=cfg)
+            plan = layers["separate"].plan(batch, dtype=dtype)
+            if plan.shared_choice is not None:   # the shared expert's own dense launch in that order
+                choice = dataclasses.replace(plan.shared_choice, config=regrouped(plan.shared_choice.config, g))
+                candidates[f"separate g{g}"] = (lambda plan=dataclasses.replace(plan, shared_choice=choice):
+                                                run_layer(plan, x, weights, routing))
         if read is not None:
             candidates["shared read"] = read
         reference = layers["separate"](x)
         lowest, rounds, errors, rel = time_lowest(candidates, reference, tolerance=3e-2, warmup_ms=5, rep_ms=30,
-                                                  unchecked=("routed only", "shared read"), rounds=4, alternate=True)
+                                                  unchecked=("routed only", "shared read", *(f"routed only g{g}" for g in group_ms)), rounds=4, alternate=True)
         rate = ceilings["gemm_rate_bf16" if fmt == "none" else "gemm_rate_fp8_block_scaled"]
         floor_us = 1e6 * max(shared_bytes / ceilings["read_bandwidth"], batch * 6 * d * f / rate)
         cost = {way: lowest[way] - lowest["routed only"] for way in ("separate", "fused")
                 if way in lowest and "routed only" in lowest}
+        cost.update({f"fused g{g}": lowest[f"fused g{g}"] - lowest[f"routed only g{g}"] for g in group_ms})
+        cost.update({f"separate g{g}": lowest[f"separate g{g}"] - lowest["routed only"] for g in group_ms
+                     if f"separate g{g}" in lowest})
         row = {"format": fmt, "batch": batch, "us": lowest, "rounds_us": rounds, "errors": errors,
                "rel_err_vs_separate": rel, "shared_bytes": shared_bytes, "shared_floor_us": floor_us,
                "shared_cost_us": cost, "shared_cost_over_floor": {way: c / floor_us for way, c in cost.items()},
                "plans": {name: plan_note(layer, batch) for name, layer in layers.items()}}
         rows.append(row)
-        record_tool("shared-expert-ab", rows, {"model": "deepseek-v3", "batches": batches, "formats": formats,
+        record_tool(record_name, rows, {"model": "deepseek-v3", "batches": batches, "formats": formats,
+                                               "group_m_variants": group_ms,
                                                "rounds": 4, "order": "reversed every other round",
                                                "ceilings": ceilings, "dtype": str(dtype)})
         print(f"{fmt:<5} {batch:>4}: " + "  ".join(f"{name} {us:8.1f}" for name, us in lowest.items())
