@@ -84,6 +84,9 @@ for fmt in formats:
     for batch in batches:
         x = torch.randn(batch, d, device=device, dtype=dtype, generator=torch.Generator(device).manual_seed(batch))
         candidates = {name: (lambda layer=layer: layer(x)) for name, layer in layers.items()}
+        if os.environ.get("SHARED_AB_ROUTED_TILES"):   # the slot on the routed experts' own entry
+            routed_cfg = layers["routed only"].plan(batch, dtype=dtype).config
+            candidates["fused on routed tiles"] = lambda cfg=routed_cfg: layers["fused"](x, config=cfg)
         for g in group_ms:   # the plan's config in another tile order (the module's docstring)
             for name in ("routed only", "fused"):
                 cfg = regrouped(layers[name].plan(batch, dtype=dtype).config, g)
@@ -102,6 +105,8 @@ for fmt in formats:
         floor_us = 1e6 * max(shared_bytes / ceilings["read_bandwidth"], batch * 6 * d * f / rate)
         cost = {way: lowest[way] - lowest["routed only"] for way in ("separate", "fused")
                 if way in lowest and "routed only" in lowest}
+        if "fused on routed tiles" in lowest:
+            cost["fused on routed tiles"] = lowest["fused on routed tiles"] - lowest["routed only"]
         cost.update({f"fused g{g}": lowest[f"fused g{g}"] - lowest[f"routed only g{g}"] for g in group_ms})
         cost.update({f"separate g{g}": lowest[f"separate g{g}"] - lowest["routed only"] for g in group_ms
                      if f"separate g{g}" in lowest})
