@@ -142,6 +142,19 @@ def test_fused_asks_for_its_own_table_then_the_routed_one(monkeypatch):
     assert seen == [7, 6]
 
 
+@pytest.mark.parametrize("device_name, own_up_to", [("NVIDIA H100 80GB HBM3", 2), ("NVIDIA H200", 64)])
+def test_the_fused_table_answers_only_near_its_entries(device_name, own_up_to):
+    """DeepSeek-V3's fp8 slot: its E+1 table within TABLE_REACH of its entries (the H100's keeps one token only:
+    from 4 tokens the routed tiles measured faster in the layer), the routed shape's table beyond, never the
+    default."""
+    from moe_kernels.kernels.config import choose_fused_shared_config
+
+    for batch in (1, 2, 3, 4, 16, 64, 65, 128, 512):
+        choice = choose_fused_shared_config(batch, 256, 2048, 7168, torch.float8_e4m3fn, "cpu", device_name=device_name)
+        assert choice.source == "table"
+        assert (",E=257," in choice.table) == (batch <= own_up_to), (batch, choice.table)
+
+
 def test_torch_fallback_matches(monkeypatch):
     monkeypatch.setattr(index_gather, "use_triton", lambda *tensors: False)
     check(shared_problem(5, 6, 2, 32, 16, torch.float32, seed=11), torch.float32)

@@ -578,8 +578,12 @@ def choose_fused_shared_config(M: int, num_routed: int, N: int, K: int, dtype: t
                                device_name: str | None = None) -> ConfigChoice:
     """The tiles for ``num_routed`` routed experts with a shared expert fused as slot ``E``
     (top-``(k+1)`` over ``E + 1`` experts): the table tuned for that problem (key ``E + 1``,
-    ``bench tune --fused-shared``) where this GPU has one, else the routed shape's table (the extra
-    slot is no reason to fall back to the untuned default).
+    ``bench tune --fused-shared``) where this GPU has one that covers ``M`` (within
+    :data:`TABLE_REACH` of its entries), else the routed shape's table (the extra slot is no reason
+    to fall back to the untuned default). A table with entries at small batches only so stops
+    answering above them: the H100's DeepSeek-V3 fp8 one keeps its one-token entry, since from 4
+    tokens the slot measured faster in the whole layer on the routed table's tiles (the entry's
+    ``measured`` block says how).
 
     Why a table of its own: the routed table's tiles fit the routed work, and one more expert can
     tip them into another wave. DeepSeek-V3's bf16 entry at one token gives GEMM 1 one program per
@@ -591,7 +595,8 @@ def choose_fused_shared_config(M: int, num_routed: int, N: int, K: int, dtype: t
         >>> choose_fused_shared_config(1, 256, 2048, 7168, torch.bfloat16, "cpu").source   # no table on a CPU
         'default'
     """
-    fused = choose_config(M, num_routed + 1, N, K, dtype, device, layout=layout, device_name=device_name)
+    fused = choose_config(M, num_routed + 1, N, K, dtype, device, layout=layout, device_name=device_name,
+                          reach=TABLE_REACH)
     if fused.source == "table":
         return fused
     return choose_config(M, num_routed, N, K, dtype, device, layout=layout, device_name=device_name)
