@@ -259,6 +259,55 @@ def test_tuning_the_shared_expert_fused_as_slot_e_on_the_cpu(tmp_path, monkeypat
         config_module._cached_choice.cache_clear()
 
 
+@pytest.mark.parametrize("routed_faster", [True, False])
+def test_a_fused_shared_tune_keeps_the_routed_tiles_where_they_ran_faster(monkeypatch, routed_faster):
+    """``tune(..., fused_shared=True)`` times its pick as one experts call against the routed table's entry on the
+    same fused problem (what the slot runs without an E+1 entry) and writes the routed entry where that was faster:
+    on the H100 the margin for machinery had kept plain tiles that cost the layer more than the shared expert's
+    whole read. Stand-in timers: the routed tiles' call takes 0.5 or 2.0, everything else 1.0."""
+    import dataclasses
+
+    import torch
+
+    from moe_kernels import MODELS
+    from moe_kernels.bench import tune as tune_module
+    from moe_kernels.bench import tune_candidates
+    from moe_kernels.kernels import index_gather
+    from moe_kernels.kernels.config import GemmTiles, MoEConfig, get_config
+
+    small = dataclasses.replace(MODELS["deepseek-v3"], hidden_size=64, moe_intermediate_size=32, num_experts=8,
+                                top_k=2, num_expert_groups=1, topk_groups=1)
+    routed = get_config(1, 8, 32, 64, torch.float32, "cpu")   # (no table on a CPU: the default, 16 x 64 tiles)
+    last = {}
+    real_run = index_gather.run_experts
+
+    def run(*args, config, **kwargs):
+        last["config"] = config
+        return real_run(*args, config=config, **kwargs)
+
+    def timed(fn, *args):
+        last.pop("config", None)
+        fn()
+        return (0.5 if routed_faster else 2.0) if last.get("config") == routed else 1.0
+
+    monkeypatch.setattr(index_gather, "run_experts", run)
+    monkeypatch.setattr(tune_module, "graphed", lambda fn: fn)
+    monkeypatch.setattr(tune_module, "median_ms", timed)
+    monkeypatch.setattr(tune_candidates, "tile_candidates", lambda rho, bm, gated, fmt=None: [GemmTiles(16, 32, 1, 4, 2)])
+    lines = []
+    (entry,) = tune_module.tune({"small": small}, [1], dtype=torch.float32, seed=0, warmup_ms=0, rep_ms=0, workers=0,
+                                log=lines.append, device="cpu", fused_shared=True)
+    picked = MoEConfig.from_dict(entry["config"])
+    assert entry["E"] == 9 and entry["routed_tiles"]["config"] == routed.to_dict()
+    assert entry["routed_tiles"]["taken"] == routed_faster and (picked == routed) == routed_faster
+    assert entry["routed_tiles"]["ms"] == (0.5 if routed_faster else 2.0) and entry["routed_tiles"]["tuned_ms"] == 1.0
+    assert "on the routed table's tiles" in lines[-1] and ("(taken)" in lines[-1]) == routed_faster
+    # Without --fused-shared (and with --refine) nothing is compared.
+    (plain,) = tune_module.tune({"small": small}, [1], dtype=torch.float32, seed=0, warmup_ms=0, rep_ms=0,
+                                workers=0, log=lambda line: None, device="cpu")
+    assert plain["routed_tiles"] is None
+
+
 def test_tuning_tries_both_gemms_as_one_stream_on_the_cpu(monkeypatch):
     """``tune`` on a small routed shape, with a stand-in timer under which the streamed pair is the
     fastest experts call: the entry takes ``stream_lag`` (the tuner's lag, GEMM 1's warps or the other
