@@ -132,7 +132,7 @@ def plan_layer(func: str, weights: LayerWeights, routing: Routing, layout: str, 
         slot = False   # (the slot's crossover was measured on index-gather only)
     measured = None if slot else measured
     m = m_max_token_budget(num_tokens) if layout == "masked" else num_tokens
-    choose = choose_fused_shared_config if slot else choose_config   # (slot E: its own table where tuned)
+    choose = choose_fused_shared_config if slot else choose_config   # (slot E: its own table near its entries)
     choice = choose(m, e, f, d, table_dtype, device, layout=layout, device_name=device_name)
     if measured is not None:   # the tiles the crossover was measured with
         choice = ConfigChoice(measured.config, "layout-choice", choice.asked, "layout-choices", measured.from_tokens)

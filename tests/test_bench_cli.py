@@ -301,11 +301,13 @@ def test_a_fused_shared_tune_keeps_the_routed_tiles_where_they_ran_faster(monkey
     assert entry["E"] == 9 and entry["routed_tiles"]["config"] == routed.to_dict()
     assert entry["routed_tiles"]["taken"] == routed_faster and (picked == routed) == routed_faster
     assert entry["routed_tiles"]["ms"] == (0.5 if routed_faster else 2.0) and entry["routed_tiles"]["tuned_ms"] == 1.0
-    assert "on the routed table's tiles" in lines[-1] and ("(taken)" in lines[-1]) == routed_faster
-    # Without --fused-shared (and with --refine) nothing is compared.
-    (plain,) = tune_module.tune({"small": small}, [1], dtype=torch.float32, seed=0, warmup_ms=0, rep_ms=0,
-                                workers=0, log=lambda line: None, device="cpu")
-    assert plain["routed_tiles"] is None
+    assert entry["routed_tiles"]["tuned_config"] != routed.to_dict()
+    assert "on the routed table's tiles" in lines[-1] and ("(taken" in lines[-1]) == routed_faster
+    # Without --fused-shared, and with --refine (which starts from what the slot runs), nothing is compared.
+    for options in ({}, {"fused_shared": True, "refine": True}):
+        (other,) = tune_module.tune({"small": small}, [1], dtype=torch.float32, seed=0, warmup_ms=0, rep_ms=0,
+                                    workers=0, log=lambda line: None, device="cpu", **options)
+        assert other["routed_tiles"] is None
 
 
 def test_tuning_tries_both_gemms_as_one_stream_on_the_cpu(monkeypatch):

@@ -4,7 +4,7 @@ or fused among them as slot E, against its read floor.
 ``MoELayer(x)`` on the same random weights three ways: the routed layer alone (the shared expert left out), the
 shared expert ``"separate"`` (the routed experts' kernels on a dense block map with its E=1 table, or cuBLAS where
 the plan says so; its output joins GEMM 2's top-k sum) and ``"fused"`` (expert E of the stacked weights, every
-token's last slot: the E+1 table ``bench tune --fused-shared`` wrote where there is one, else the routed one;
+token's last slot: the E+1 table ``bench tune --fused-shared`` wrote where one covers the batch, else the routed one;
 the plan's table is recorded). bf16 and fp8 block weights. Beside them a plain read of the shared expert's two
 weight tensors, one launch each (``ceilings.weight_reader``). Each call replayed from a CUDA graph with the L2
 flushed before each replay, four rounds, every other one in reverse order, the lowest round median kept
@@ -66,7 +66,8 @@ def regrouped(cfg, group_m):
 
 def plan_note(layer, batch):
     plan = layer.plan(batch, dtype=dtype)
-    return {"layout": plan.layout, "config_source": plan.choice.source, "table": plan.choice.table,
+    return {"layout": plan.layout, "naive_blocks": plan.naive_blocks, "config_source": plan.choice.source,
+            "table": plan.choice.table,
             "entry": plan.choice.entry, "config": dataclasses.asdict(plan.config),
             "shared_config_source": None if plan.shared_choice is None else plan.shared_choice.source}
 

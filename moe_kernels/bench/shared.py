@@ -15,8 +15,8 @@ ids not range-checked, so nothing syncs with the host). Besides the two totals t
 timed alone: the routed experts, the shared FFN, and the fused grouped GEMM with the nine-slot ids
 prepared beforehand (the splice itself is a few small torch kernels; SGLang does it inside its
 top-k kernel). The separate way runs the routed shape's tuned tiles; the fused one the tiles tuned for
-its own problem (``E + 1`` experts, top-``(k+1)``: ``bench tune --fused-shared``) where this GPU has them,
-else the routed shape's too (:func:`~moe_kernels.kernels.config.choose_fused_shared_config`; the
+its own problem (``E + 1`` experts, top-``(k+1)``: ``bench tune --fused-shared``) where this GPU has a table
+that covers the batch, else the routed shape's too (:func:`~moe_kernels.kernels.config.choose_fused_shared_config`; the
 record's ``fused_config`` says which).
 
 The shared expert alone is timed two ways too: as two cuBLAS GEMMs (``shared_us``) and on the

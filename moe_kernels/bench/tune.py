@@ -18,10 +18,8 @@ programs); its tables are the ``E=1`` ones, which the layer's shared-expert look
 ``--fused-shared`` tunes routed experts with the shared expert fused as slot ``E`` (SGLang's way): every
 token's top-k plus that slot, ``k + 1`` rows a token over ``E + 1`` experts; its tables are the ``E + 1``
 ones, which a layer built with ``shared_expert="fused"`` reads
-(:func:`~moe_kernels.kernels.config.choose_fused_shared_config`). The pick is then timed as one experts call against
-the routed table's entry on the same fused problem (what the slot runs without an E+1 entry), and the routed entry
-is written where it was faster: the tuner's margin for machinery had kept plain tiles 1.7% slower there, which in
-the layer was more than the shared expert's whole read (Chapter 8, Table 8.5).
+(:func:`~moe_kernels.kernels.config.choose_fused_shared_config`); each pick is timed against the routed table's
+entry (the slot's fallback) as one experts call, and that entry written where faster (Chapter 8 says why).
 
 ``--format block`` tunes fp8 weights with 128x128 block scales (activations quantised outside
 the timed GEMMs, as the layer does before each); its tables are the fp8 ones. ``--refine`` times
@@ -260,18 +258,21 @@ def tune(models, batches, *, dtype, seed, warmup_ms, rep_ms, workers, budget_s=m
                 switch_ms[both] = math.inf
         if switch_ms and not dense:
             cfg = plainest_best(switch_ms, lambda c: not c.pdl and not c.quant_in_gemm and c.stream_lag is None)
-        routed = None   # (--fused-shared: the tiles the slot runs without an E+1 entry, timed on the fused problem)
-        if fused_shared and not refine:
-            routed = get_config(batch, model.num_experts, model.moe_intermediate_size, model.hidden_size,
-                                table_dtype, device)
+        routed = (get_config(batch, model.num_experts, model.moe_intermediate_size, model.hidden_size, table_dtype,
+                             device) if fused_shared and not refine else None)   # (the slot's tiles with no E+1 entry)
+        if routed:
             routed_ms, tuned = {}, cfg
             for c in dict.fromkeys((cfg, routed)):   # each as one experts call; the faster is written (no margin here)
                 c_blocks = None if runs_in_one_launch(c, fmt) else assign_blocks(ids, c.block_m, experts,
                                                                                   validate_ids=False)
-                routed_ms[c] = median_ms(graphed(lambda c=c, b=c_blocks: run_experts(
-                    hidden, w1, w2, weights, ids, fmt=fmt, config=c, w1_scale=w1_scale, w2_scale=w2_scale,
-                    blocks=b, ids="trusted")), warmup_ms, rep_ms)
-            if routed_ms[routed] < routed_ms[cfg]:   # an entry no faster than the fallback would only cost
+                try:
+                    routed_ms[c] = median_ms(graphed(lambda c=c, b=c_blocks: run_experts(
+                        hidden, w1, w2, weights, ids, fmt=fmt, config=c, w1_scale=w1_scale, w2_scale=w2_scale,
+                        blocks=b, ids="trusted")), warmup_ms, rep_ms)
+                except Exception as err:  # noqa: BLE001 - recorded; the tuned pick stays
+                    tried.append({"gemm": "both", "routed_tiles": c == routed, "error": str(err)[:120]})
+                    routed_ms[c] = math.inf
+            if routed_ms[routed] < routed_ms[tuned]:   # (an entry no faster than the fallback would only cost)
                 cfg = routed
         log(f"{key:<14} {fmt.name:<11} batch {batch:>6}: {total * 1e3:8.1f} us (gate_up {t_up * 1e3:.1f} + down "
             f"{'' if dense else 'and sum '}{t_down * 1e3:.1f}) block_m {cfg.block_m} gate_up {short(cfg.gate_up)} down {short(cfg.down)}"
@@ -279,8 +280,8 @@ def tune(models, batches, *, dtype, seed, warmup_ms, rep_ms, workers, budget_s=m
             + "".join(f"; experts call{' with PDL' if c.pdl else ''}{' quantising in GEMM 1' if c.quant_in_gemm else ''}"
                       f"{f' as one stream ({c.gate_up.num_warps} warps)' if c.stream_lag is not None else ''}"
                       f" {ms * 1e3:.1f} us" for c, ms in (switch_ms or {}).items())
-            + (f"; on the routed table's tiles {routed_ms[routed] * 1e3:.1f} us"
-               f"{' (taken)' if cfg == routed else ''}" if routed is not None else ""))
+            + (f"; on the routed table's tiles {routed_ms[routed] * 1e3:.1f} us against {routed_ms[tuned] * 1e3:.1f}"
+               f"{' (taken: the times before are the tuned pick’s)' if cfg is routed else ''}" if routed else ""))
         entries.append({"model": key, "format": weight_format, "E": experts,
                         "N": model.moe_intermediate_size, "K": model.hidden_size, "M": batch, "config": cfg.to_dict(),
                         "gemm_ms": {"gate_up": t_up, "down": t_down},
@@ -288,8 +289,9 @@ def tune(models, batches, *, dtype, seed, warmup_ms, rep_ms, workers, budget_s=m
                                                     "stream_lag": c.stream_lag, "gate_up_block_n": c.gate_up.block_n,
                                                     "gate_up_warps": c.gate_up.num_warps, "ms": ms}
                                                    for c, ms in (switch_ms or {}).items()],
-                        "routed_tiles": None if routed is None else {"config": routed.to_dict(), "ms": routed_ms[routed],
-                                                                     "tuned_ms": routed_ms[tuned], "taken": cfg == routed},
+                        "routed_tiles": routed and {"config": routed.to_dict(), "ms": routed_ms[routed],
+                                                    "taken": cfg is routed, "tuned_config": tuned.to_dict(),
+                                                    "tuned_ms": routed_ms[tuned]},
                         "tried": [t for t in tried if t.get("ms", 0) != math.inf]})
         del hidden, x, x_scale, weights, ids, inter, per_slot, summed, out, y, y_scale
     return entries

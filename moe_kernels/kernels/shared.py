@@ -161,8 +161,9 @@ def moe_with_shared_fused(hidden_states: torch.Tensor, w1_with_shared: torch.Ten
     for when a weight other than 1 is right).
 
     ``config`` defaults to :func:`~moe_kernels.kernels.config.choose_fused_shared_config`'s tiles: the
-    table tuned for this problem (``E + 1`` experts, top-``(k+1)``) where there is one, else the routed
-    shape's (the extra slot is not a reason to fall back to the untuned default). ``validate_ids``
+    table tuned for this problem (``E + 1`` experts, top-``(k+1)``) where one covers the batch (within
+    ``TABLE_REACH`` of its entries), else the routed shape's (the extra slot is not a reason to fall back
+    to the untuned default). ``validate_ids``
     checks that the routed ids lie in ``[0, E)``; an id equal to ``E`` would silently select the
     shared expert.
     """

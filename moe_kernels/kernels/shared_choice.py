@@ -8,12 +8,12 @@ the slot's advantage goes (not profiled: what the measurements below are consist
 measured per GPU, routed-expert shape and weight format (``tools/shared_expert_ab.py``: the layer with the
 shared expert left out, separate and fused), and ``shared-choices.json`` beside this module keeps, per key,
 the largest batch up to which the slot ran faster (``slot_up_to_tokens``), with the record that showed it.
-On the H100, DeepSeek-V3's fp8 block layer (the slot on its own tuned table, the routed experts on a table
-tuned for the comparison and not committed, the separate shared expert on the default tiles: the H100 has no
-E=1 table): the shared expert cost 21.0, -25.9, 30.5, 28.2 and 44.3 us fused at 1, 8, 16, 32 and 64 tokens
-against 41.0, 47.9, 51.8, 51.9 and 54.0 separate, and at 512 tokens 138.0 fused against 68.6 separate
-(``results/nvidia-h100-80gb-hbm3/shared-expert-ab.json`` and ``shared-expert-ab-16-32.json``; at 8 tokens the
-two tuned tables picked other tiles, hence a negative cost). The slot is taken on the index-gather layout only
+On the H100, DeepSeek-V3's fp8 block layer (the slot as the layer runs it: its E+1 table at 1-2 tokens, the
+routed table's tiles from 3; the separate shared expert on the default tiles: the H100 has no E=1 table): the
+shared expert cost 20.2, 29.8, 38.6, 26.2, 31.5 and 37.6 us fused at 1, 2, 4, 16, 32 and 64 tokens against 40.7,
+39.2, 42.9, 55.4, 51.6 and 52.2 separate, and at 128 and 512 tokens 69.4 and 122.3 fused against 45.6 and 68.8
+separate (``results/nvidia-h100-80gb-hbm3/shared-routed-tiles-ab-s44.json`` and ``-s44b.json``; at 8 tokens the
+layer without the slot runs the naive block map and the one with it aligns, hence a negative difference). The slot is taken on the index-gather layout only
 (where it was measured): a layer whose ``layout="auto"`` picks another layout runs the shared expert apart.
 
     >>> choose_shared_slot(8, 256, 2048, 7168, "fp8-block", "cpu", device_name="NVIDIA H100 80GB HBM3")
