@@ -246,16 +246,19 @@ def tune(models, batches, *, dtype, seed, warmup_ms, rep_ms, workers, budget_s=m
                   else assign_blocks(ids, cfg.block_m, experts, validate_ids=False))
         variants = [dataclasses.replace(cfg, pdl=pdl, quant_in_gemm=quant, gate_up=wide_up if quant else cfg.gate_up)
                     for pdl, quant in combos] if len(combos) > 1 or streams else []
-        for both in variants + streams:
-            pdl, quant = both.pdl, both.quant_in_gemm
+
+        def experts_call_ms(c, c_blocks, what):   # one experts call on config c, or inf with the failure recorded
             try:
-                switch_ms[both] = median_ms(graphed(lambda c=both: run_experts(
-                    hidden, w1, w2, weights, ids, fmt=fmt, config=c, w1_scale=w1_scale, w2_scale=w2_scale,
-                    blocks=blocks, ids="trusted")), warmup_ms, rep_ms)
-            except Exception as err:  # noqa: BLE001 - recorded, and the plain launch kept
-                tried.append({"gemm": "both", "pdl": pdl, "quant_in_gemm": quant, "stream_lag": both.stream_lag,
-                              "error": str(err)[:120]})
-                switch_ms[both] = math.inf
+                return median_ms(graphed(lambda: run_experts(hidden, w1, w2, weights, ids, fmt=fmt, config=c,
+                                                             w1_scale=w1_scale, w2_scale=w2_scale, blocks=c_blocks,
+                                                             ids="trusted")), warmup_ms, rep_ms)
+            except Exception as err:  # noqa: BLE001 - recorded; another config stays chosen
+                tried.append({"gemm": "both", **what, "error": str(err)[:120]})
+                return math.inf
+
+        for both in variants + streams:
+            switch_ms[both] = experts_call_ms(both, blocks, {"pdl": both.pdl, "quant_in_gemm": both.quant_in_gemm,
+                                                             "stream_lag": both.stream_lag})
         if switch_ms and not dense:
             cfg = plainest_best(switch_ms, lambda c: not c.pdl and not c.quant_in_gemm and c.stream_lag is None)
         routed = (get_config(batch, model.num_experts, model.moe_intermediate_size, model.hidden_size, table_dtype,
@@ -265,13 +268,7 @@ def tune(models, batches, *, dtype, seed, warmup_ms, rep_ms, workers, budget_s=m
             for c in dict.fromkeys((cfg, routed)):   # each as one experts call; the faster is written (no margin here)
                 c_blocks = None if runs_in_one_launch(c, fmt) else assign_blocks(ids, c.block_m, experts,
                                                                                   validate_ids=False)
-                try:
-                    routed_ms[c] = median_ms(graphed(lambda c=c, b=c_blocks: run_experts(
-                        hidden, w1, w2, weights, ids, fmt=fmt, config=c, w1_scale=w1_scale, w2_scale=w2_scale,
-                        blocks=b, ids="trusted")), warmup_ms, rep_ms)
-                except Exception as err:  # noqa: BLE001 - recorded; the tuned pick stays
-                    tried.append({"gemm": "both", "routed_tiles": c == routed, "error": str(err)[:120]})
-                    routed_ms[c] = math.inf
+                routed_ms[c] = experts_call_ms(c, c_blocks, {"routed_tiles": c == routed})
             if routed_ms[routed] < routed_ms[tuned]:   # (an entry no faster than the fallback would only cost)
                 cfg = routed
         log(f"{key:<14} {fmt.name:<11} batch {batch:>6}: {total * 1e3:8.1f} us (gate_up {t_up * 1e3:.1f} + down "
