@@ -151,3 +151,30 @@ def test_table_audit_compiles_every_table_for_hopper():
               if ",E=1," not in p.name]
     assert len(lines) == len(tables) >= 4 and all(" gate " in line and " down " in line for line in lines), done.stdout
     assert not any("spills" in line for line in lines), done.stdout
+
+
+def test_margin_audit_lists_only_plain_picks_still_in_the_tables():
+    """tools/margin_audit.py reads the committed tuning records: each line it yields is a GEMM whose table entry
+    is, today, the plain tile a record chose within the machinery margin, slower than a machinery tile that record
+    timed (a table re-tuned since, or a machinery pick, is not listed)."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("margin_audit", ROOT / "tools" / "margin_audit.py")
+    audit = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(audit)
+    from moe_kernels.bench.tune_candidates import plain_tiles
+    from moe_kernels.kernels.config import GemmTiles
+
+    tables = audit.tables()
+    rows = list(audit.kept_by_margin())
+    assert rows
+    for row in rows:
+        assert row["fastest_us"] < row["chosen_us"] and not audit.plain(row["fastest"]), row
+        device = json.loads((ROOT / "results" / row["record"]).read_text())["data"]["device"]
+        dtype = "bfloat16" if row["format"] == "bf16" else "float8_e4m3fn"
+        entries = [t for k, t in tables.items() if k[0] == device and k[1] == row["E"] and k[4] == dtype]
+        tiles = entries[0][str(row["tokens"])][row["gemm"]]
+        assert plain_tiles(GemmTiles(**tiles)), (row, tiles)
+    done = run_tool(ROOT / "tools" / "margin_audit.py", interpret=False)
+    assert done.returncode == 0 and f"({len(rows)}):" in done.stdout, done.stderr[-3000:]
