@@ -53,20 +53,13 @@ from .kernels.layouts import LAYOUTS
 from .kernels.permute_gluon import refusal as gluon_refusal
 from .kernels.routing import router_logits
 from .kernels.shared_choice import choose_shared_slot
-from .layer_shared import runs_apart, shared_expert_output, shared_tensors, with_shared_slot
+from .layer_shared import DENSE_SHARED_MAX_TOKENS, SharedApart, runs_apart, shared_tensors, with_shared_slot
 from .layer_spec import LayerWeights, Routing, check_hidden
 from .model.buffers import m_max_token_budget
 from .model.shapes import MODELS, MoEModel
 from .reference import moe_reference, moe_reference_fp8
 
 SHARED_EXPERT = ("separate", "fused", AUTO)
-#: Up to this many tokens a separate 16/32-bit shared expert runs as the routed experts' two GEMMs
-#: on a dense block map (two launches) instead of cuBLAS (two GEMMs and four elementwise torch
-#: operations). On the H200 (DeepSeek-V3's 88 MB shared expert, CUDA graphs) the two take the same
-#: GPU time at 1-8 tokens (40.2 and 34.8 us against cuBLAS's 36.0 and 36.3) while the six torch
-#: operations cost 110-140 us of host time per call; at 64 tokens the dense path's default tiles
-#: are 1.6x slower (54.4 against 34.8 us), so larger batches keep cuBLAS. fp8 always runs dense.
-DENSE_SHARED_MAX_TOKENS = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,26 +151,33 @@ def plan_layer(func: str, weights: LayerWeights, routing: Routing, layout: str, 
 def run_layer(plan: LayerPlan, hidden_states: torch.Tensor, weights: LayerWeights, routing: Routing) -> torch.Tensor:
     """One checked call: gate, routing, (the shared slot), (the shared expert), the experts."""
     w, fmt = weights, plan.format
-    topk_weights, topk_ids, blocks = route(plan, hidden_states, w, routing)
     shared_gate = None if w.shared_gate is None else torch.sigmoid(router_logits(hidden_states, w.shared_gate))
+    apart, in_gemm = runs_apart(w, plan.shared_slot), plan.layout == "index_gather"
+    shared = SharedApart(plan, hidden_states, w, shared_gate) if apart else None   # (forked here if captured)
+    topk_weights, topk_ids, blocks = route(plan, hidden_states, w, routing)
     if plan.shared_slot:   # the shared expert as slot k+1, id E, weight 1 (or its gate): routed weights are scaled
         topk_weights, topk_ids = with_shared_slot(topk_weights, topk_ids, w, shared_gate)
-    apart = runs_apart(w, plan.shared_slot)
-    in_gemm = plan.layout == "index_gather"
     # fp8: the routed and the shared experts read the same quantised activations; quantise once.
     # (both GEMMs in one launch read the unquantised activations: quantised only for a shared expert)
     quantize = fmt.quantized and in_gemm and (not runs_in_one_launch(plan.config, fmt) or apart)
     activations = fmt.quantize_activations(hidden_states) if quantize else None
-    shared = shared_expert_output(plan, hidden_states, w, shared_gate, activations) if apart else None
-    if in_gemm:   # the shared output joins the top-k sum (no separate addition)
-        return run_experts(hidden_states, w.w13, w.w2, topk_weights, topk_ids, fmt=fmt, config=plan.config,
-                           w1_scale=w.w13_scale, w2_scale=w.w2_scale, naive=plan.naive_blocks, ids="trusted",
-                           func="MoELayer", activations=activations, add=shared, blocks=blocks)
+    if shared is not None:   # (in line, unless forked: its two GEMMs here, before the experts)
+        shared.run_in_line(activations)
+    if in_gemm:   # the shared output joins the top-k sum (no separate addition), unless it joins after
+        out = run_experts(hidden_states, w.w13, w.w2, topk_weights, topk_ids, fmt=fmt, config=plan.config,
+                          w1_scale=w.w13_scale, w2_scale=w.w2_scale, naive=plan.naive_blocks, ids="trusted",
+                          func="MoELayer", activations=activations, add=shared and shared.for_sum(), blocks=blocks)
+        return out if shared is None else shared.add_to(out)
     scales = dict(w1_scale=w.w13_scale, w2_scale=w.w2_scale) if fmt.quantized else {}
     measured = {name: value for name, value in (("align", plan.align), ("gemm", plan.gemm)) if value is not None}
     out = LAYOUTS[plan.layout].experts()(hidden_states, w.w13, w.w2, topk_weights, topk_ids, config=plan.config,
                                          validate_ids=False, **scales, **measured)
-    return out if shared is None else out.add_(shared)
+    return out if shared is None else shared.add_to(out)
+    scales = dict(w1_scale=w.w13_scale, w2_scale=w.w2_scale) if fmt.quantized else {}
+    measured = {name: value for name, value in (("align", plan.align), ("gemm", plan.gemm)) if value is not None}
+    out = LAYOUTS[plan.layout].experts()(hidden_states, w.w13, w.w2, topk_weights, topk_ids, config=plan.config,
+                                         validate_ids=False, **scales, **measured)
+    return out if shared is None else shared.add_to(out)
 
 
 def moe_layer(hidden_states: torch.Tensor, weights: LayerWeights, *, routing: Routing,

@@ -7,6 +7,10 @@ the routed width; a wider one, Qwen2-MoE's, stays apart) and, per batch
 (:func:`~moe_kernels.kernels.shared_choice.choose_shared_slot`, measured), either appends the slot or
 runs the stacked expert ``E`` apart, through views of the stacked tensors: no second copy of its weights.
 
+A shared expert run apart is :class:`SharedApart`: its two GEMMs on the layer's stream after the router, or, while a
+CUDA graph is captured and :data:`SHARED_BESIDE` says so, on a side stream forked at the layer's start, where they
+run under the router (and the routed experts) instead of after it.
+
     >>> import torch
     >>> from moe_kernels import MoELayer
     >>> layer = MoELayer.random("deepseek-v3", hidden_size=32, intermediate_size=16, dtype=torch.float32,
@@ -20,9 +24,34 @@ from __future__ import annotations
 
 import torch
 
+from ._checks import fail
 from .kernels.index_gather import dense_expert
 from .kernels.shared import shared_ffn
 from .layer_spec import LayerWeights
+
+#: Up to this many tokens a separate 16/32-bit shared expert runs as the routed experts' two GEMMs
+#: on a dense block map (two launches) instead of cuBLAS (two GEMMs and four elementwise torch
+#: operations). On the H200 (DeepSeek-V3's 88 MB shared expert, CUDA graphs) the two take the same
+#: GPU time at 1-8 tokens (40.2 and 34.8 us against cuBLAS's 36.0 and 36.3) while the six torch
+#: operations cost 110-140 us of host time per call; at 64 tokens the dense path's default tiles
+#: are 1.6x slower (54.4 against 34.8 us), so larger batches keep cuBLAS. fp8 always runs dense.
+DENSE_SHARED_MAX_TOKENS = 16
+#: While a CUDA graph is captured (read at each call), where a shared expert run apart goes: None, on the layer's
+#: stream after the router (as in an uncaptured call); "router", on a side stream forked at the layer's start, under
+#: the router and the alignment (quantising its own fp8 activations there), joined before the routed experts (whose
+#: top-k sum adds it); "experts", joined after the routed experts (under them too) and added by one more launch.
+#: Why: at decode its 44 MB (fp8) stream at the read rate, but run in line it cost DeepSeek-V3's layer 40-69 us over
+#: a 14 us floor on an H100 (``shared-routed-tiles-ab-s44.json``): two launches' ramps and tails, while the router's
+#: few latency-bound programs leave the read bandwidth idle. SGLang 0.5.23 runs DeepSeek-V3's shared expert on such
+#: a stream while a decode graph is captured (``forward_normal_dual_stream``, ``sglang/srt/models/deepseek_v2.py``).
+#: Only inside a capture: a replayed call runs its launches in order on one stream (:mod:`moe_kernels._replay`), and
+#: an uncaptured call's host time is longer than any overlap.
+SHARED_BESIDE = None
+BESIDE = (None, "router", "experts")
+#: The side stream's priority (lower runs first; -1 is the highest torch offers): as the routed kernels' programs
+#: finish, the shared expert's waiting ones take the freed SMs before more of theirs.
+SIDE_PRIORITY = -1
+_side_streams = {}   # (device, priority) -> the side stream, made once
 
 
 def shared_tensors(w: LayerWeights):
@@ -54,10 +83,54 @@ def shared_expert_output(plan, hidden_states: torch.Tensor, w: LayerWeights, sha
     """The shared expert run apart, ``[T, d]`` (times Qwen2-MoE's sigmoid gate, if any): the routed
     experts' GEMMs (W8A8 in fp8) on a dense block map (one expert, every token: no alignment, no top-k
     sum) with the plan's own tiles, or cuBLAS GEMMs where the plan has none (16/32-bit weights above
-    ``layer.DENSE_SHARED_MAX_TOKENS`` tokens)."""
+    ``DENSE_SHARED_MAX_TOKENS`` tokens)."""
     w13, w2, w13_scale, w2_scale = shared_tensors(w)
     if plan.shared_choice is None:
         shared = shared_ffn(hidden_states, w13, w2)
         return shared if shared_gate is None else shared.mul_(shared_gate.to(shared.dtype))
     return dense_expert(hidden_states, w13, w2, fmt=plan.format, config=plan.shared_choice.config,
                         w1_scale=w13_scale, w2_scale=w2_scale, weight=shared_gate, activations=activations)
+
+
+class SharedApart:
+    """A shared expert run apart (:func:`shared_expert_output`): in line, where :meth:`run_in_line` is called (after
+    the router, on the quantised activations the routed experts read), or, forked as :data:`SHARED_BESIDE` says,
+    on a side stream from its construction (quantising its own activations there) to its join. :meth:`for_sum`
+    hands the output to the routed experts' top-k sum (None where it joins after them); :meth:`add_to` adds it to
+    their output unless the sum did."""
+
+    def __init__(self, plan, hidden_states: torch.Tensor, w: LayerWeights, shared_gate):
+        if SHARED_BESIDE not in BESIDE:
+            fail("moe_kernels.layer_shared", "SHARED_BESIDE", f"must be one of {BESIDE}", repr(SHARED_BESIDE))
+        self.run = (plan, hidden_states, w, shared_gate)
+        self.side, self.output, self.summed = None, None, False
+        if SHARED_BESIDE is not None and hidden_states.is_cuda and torch.cuda.is_current_stream_capturing():
+            key = (hidden_states.device, SIDE_PRIORITY)
+            if key not in _side_streams:
+                _side_streams[key] = torch.cuda.Stream(hidden_states.device, priority=SIDE_PRIORITY)
+            self.side = _side_streams[key]
+            # The fork: the side stream starts after everything before the layer (its inputs). Its buffers come from
+            # the graph's pool; the join orders every later use of them after it.
+            self.side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.side):
+                self.output = shared_expert_output(*self.run, None)
+
+    def run_in_line(self, activations) -> None:
+        if self.output is None:
+            self.output = shared_expert_output(*self.run, activations)
+
+    def join(self) -> torch.Tensor:
+        if self.side is not None:
+            torch.cuda.current_stream().wait_stream(self.side)
+            self.side = None
+        return self.output
+
+    def for_sum(self) -> torch.Tensor | None:
+        """The output for the routed experts' top-k sum to add, or None (forked, joining after the experts)."""
+        if self.side is not None and SHARED_BESIDE == "experts":
+            return None
+        self.summed = True
+        return self.join()
+
+    def add_to(self, out: torch.Tensor) -> torch.Tensor:
+        return out if self.summed else out.add_(self.join())

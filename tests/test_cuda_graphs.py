@@ -110,3 +110,43 @@ def test_auto_shared_expert_switches_between_slot_and_apart_in_graphs(monkeypatc
             graph.replay()
             torch.cuda.synchronize()
             assert rel_err(out, layer.reference(inputs[batch])) < 1e-2, (batch, seed)
+
+
+@needs_gpu
+@pytest.mark.parametrize("fmt", ["none", "block"])
+@pytest.mark.parametrize("beside", ["router", "experts"])
+@pytest.mark.parametrize("layout", ["index_gather", "permute"])
+def test_a_shared_expert_beside_the_router_captures_and_replays(monkeypatch, fmt, beside, layout):
+    """``layer_shared.SHARED_BESIDE``: while a graph is captured the shared expert runs on a side stream (the fork is
+    seen), and the replayed graph gives, on new inputs, the output of the same layer captured in line: bit for bit
+    where it joins before the routed experts (the same kernels and sums), to rounding where one more launch adds it.
+    Uncaptured calls stay in line."""
+    from moe_kernels import layer_shared
+
+    layer = MoELayer.random("deepseek-v3", hidden_size=512, intermediate_size=256, dtype=torch.bfloat16,
+                            device="cuda", seed=0, layout=layout)
+    layer = layer.quantized(fmt) if fmt != "none" else layer
+    forks = []
+    original_wait = torch.cuda.Stream.wait_stream
+    monkeypatch.setattr(torch.cuda.Stream, "wait_stream", lambda self, other: (
+        forks.append(self) if any(self is s for s in layer_shared._side_streams.values()) else None,
+        original_wait(self, other))[1])
+    graphs = {}
+    for way in (None, beside):
+        monkeypatch.setattr(layer_shared, "SHARED_BESIDE", way)
+        x = fresh((9, 512), 7, torch.bfloat16)
+        layer(x)   # (uncaptured: in line)
+        assert not forks
+        graphs[way] = (x, *capture(lambda x=x: layer(x)))
+    assert forks, "the capture ran the shared expert in line"
+    for seed in (2, 3):
+        for x, graph, _ in graphs.values():
+            x.copy_(fresh((9, 512), seed, torch.bfloat16))
+            graph.replay()
+        torch.cuda.synchronize()
+        inline, forked = graphs[None][2], graphs[beside][2]
+        if beside == "router" and layout == "index_gather":
+            assert torch.equal(forked, inline), seed
+        else:
+            assert rel_err(forked, inline) < 1e-2, seed
+        assert rel_err(forked, layer.reference(graphs[beside][0])) < (1e-2 if fmt == "none" else 8e-2), seed

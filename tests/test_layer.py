@@ -281,3 +281,19 @@ def test_a_layer_checks_its_routing_and_layout_again_when_they_change():
     assert rel_err(layer(x), layer.reference(x)) < 1e-5 and layer.plan(3, dtype=x.dtype).layout == "permute"
     with pytest.raises(ValueError, match=re.escape("MoELayer: argument 'shared_expert' must be chosen when")):
         layer.shared_expert = "fused"
+
+
+def test_the_shared_expert_beside_setting_is_checked_and_changes_nothing_uncaptured(monkeypatch):
+    """``layer_shared.SHARED_BESIDE`` forks only inside a CUDA-graph capture: an uncaptured call runs the shared
+    expert in line and gives the same output; a setting it does not know is refused by name."""
+    from moe_kernels import layer_shared
+
+    layer, x = small_layer("deepseek-v3"), tokens(7, 32)
+    inline = layer(x)
+    for way in ("router", "experts"):
+        monkeypatch.setattr(layer_shared, "SHARED_BESIDE", way)
+        assert torch.equal(layer(x), inline), way
+    monkeypatch.setattr(layer_shared, "SHARED_BESIDE", "side")
+    says = re.escape("moe_kernels.layer_shared: argument 'SHARED_BESIDE' must be one of")
+    with pytest.raises(ValueError, match=says):
+        layer(x)

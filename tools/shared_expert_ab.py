@@ -24,6 +24,11 @@ bf16 or block-scaled fp8, measured in the same run: at 512 tokens DeepSeek-V3's 
 program walks one M block's N tiles, so slot E's several M blocks (every token is in it) read its weights at
 different times, each from HBM; walking ``group_m`` M blocks down one N tile reads each tile about together, so
 the later reads can come from the L2.
+
+``SHARED_AB_BESIDE=router,experts`` adds, for each value, the separate layer captured with
+``layer_shared.SHARED_BESIDE`` set to it ("separate beside router"): the shared expert on a side stream forked at the
+layer's start, joined before the routed experts or after them (:mod:`moe_kernels.layer_shared`), so that its reads
+run under the router's latency-bound launches instead of after them.
 """
 import dataclasses
 import os
@@ -31,7 +36,7 @@ import sys
 
 import torch
 
-from moe_kernels import MoELayer
+from moe_kernels import MoELayer, layer_shared
 from moe_kernels.layer import run_layer
 from moe_kernels.bench.ceilings import measure_fp8_gemm_rate, measure_gemm_rate, measure_read_bandwidth, weight_reader
 from moe_kernels.bench.fp8 import measure_block_scaled_rate
@@ -44,6 +49,7 @@ batches = [int(b) for b in sys.argv[1].split(",")] if len(sys.argv) > 1 else [1,
 formats = sys.argv[2].split(",") if len(sys.argv) > 2 else ["block", "none"]   # fp8 first: the layer engines run
 record_name = sys.argv[3] if len(sys.argv) > 3 else "shared-expert-ab"
 group_ms = [int(g) for g in os.environ.get("SHARED_AB_GROUP_M", "").split(",") if g]
+besides = [way for way in os.environ.get("SHARED_AB_BESIDE", "").split(",") if way]
 model = MODELS["deepseek-v3"]
 shrink = {} if device == "cuda" else {"hidden_size": 128, "intermediate_size": 128}
 if device == "cpu":
@@ -62,6 +68,15 @@ def regrouped(cfg, group_m):
     """``cfg`` with ``group_m`` M blocks walked down each N tile, in both GEMMs."""
     return dataclasses.replace(cfg, gate_up=dataclasses.replace(cfg.gate_up, group_m=group_m),
                                down=dataclasses.replace(cfg.down, group_m=group_m))
+
+
+def beside(way, layer, x):
+    """``layer(x)`` with the shared expert forked onto a side stream (``way``: where it joins) if captured."""
+    old, layer_shared.SHARED_BESIDE = layer_shared.SHARED_BESIDE, way
+    try:
+        return layer(x)
+    finally:
+        layer_shared.SHARED_BESIDE = old
 
 
 def plan_note(layer, batch):
@@ -97,6 +112,8 @@ for fmt in formats:
                 choice = dataclasses.replace(plan.shared_choice, config=regrouped(plan.shared_choice.config, g))
                 candidates[f"separate g{g}"] = (lambda plan=dataclasses.replace(plan, shared_choice=choice):
                                                 run_layer(plan, x, weights, routing))
+        for way in besides:   # (read while the candidate's graph is captured)
+            candidates[f"separate beside {way}"] = lambda way=way: beside(way, layers["separate"], x)
         if read is not None:
             candidates["shared read"] = read
         reference = layers["separate"](x)
@@ -111,13 +128,15 @@ for fmt in formats:
         cost.update({f"fused g{g}": lowest[f"fused g{g}"] - lowest[f"routed only g{g}"] for g in group_ms})
         cost.update({f"separate g{g}": lowest[f"separate g{g}"] - lowest["routed only"] for g in group_ms
                      if f"separate g{g}" in lowest})
+        cost.update({f"separate beside {way}": lowest[f"separate beside {way}"] - lowest["routed only"]
+                     for way in besides if f"separate beside {way}" in lowest})
         row = {"format": fmt, "batch": batch, "us": lowest, "rounds_us": rounds, "errors": errors,
                "rel_err_vs_separate": rel, "shared_bytes": shared_bytes, "shared_floor_us": floor_us,
                "shared_cost_us": cost, "shared_cost_over_floor": {way: c / floor_us for way, c in cost.items()},
                "plans": {name: plan_note(layer, batch) for name, layer in layers.items()}}
         rows.append(row)
         record_tool(record_name, rows, {"model": "deepseek-v3", "batches": batches, "formats": formats,
-                                               "group_m_variants": group_ms,
+                                               "group_m_variants": group_ms, "beside": besides,
                                                "rounds": 4, "order": "reversed every other round",
                                                "ceilings": ceilings, "dtype": str(dtype)})
         print(f"{fmt:<5} {batch:>4}: " + "  ".join(f"{name} {us:8.1f}" for name, us in lowest.items())
