@@ -104,11 +104,13 @@ class SharedApart:
             fail("moe_kernels.layer_shared", "SHARED_BESIDE", f"must be one of {BESIDE}", repr(SHARED_BESIDE))
         self.run = (plan, hidden_states, w, shared_gate)
         self.side, self.output, self.summed = None, None, False
-        if SHARED_BESIDE is not None and hidden_states.is_cuda and torch.cuda.is_current_stream_capturing():
+        if SHARED_BESIDE is not None and hidden_states.is_cuda:
             key = (hidden_states.device, SIDE_PRIORITY)
-            if key not in _side_streams:
+            if key not in _side_streams:   # (made at an uncaptured call, the warm-up before a capture, where it can)
                 _side_streams[key] = torch.cuda.Stream(hidden_states.device, priority=SIDE_PRIORITY)
-            self.side = _side_streams[key]
+            if torch.cuda.is_current_stream_capturing():
+                self.side = _side_streams[key]
+        if self.side is not None:
             # The fork: the side stream starts after everything before the layer (its inputs). Its buffers come from
             # the graph's pool; the join orders every later use of them after it.
             self.side.wait_stream(torch.cuda.current_stream())
