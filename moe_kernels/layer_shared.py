@@ -39,7 +39,8 @@ DENSE_SHARED_MAX_TOKENS = 16
 #: While a CUDA graph is captured (read at each call), where a shared expert run apart goes: None, on the layer's
 #: stream after the router (as in an uncaptured call); "router", on a side stream forked at the layer's start, under
 #: the router and the alignment (quantising its own fp8 activations there), joined before the routed experts (whose
-#: top-k sum adds it); "experts", joined after the routed experts (under them too) and added by one more launch.
+#: top-k sum adds it); "experts", joined after the routed GEMMs (under them too): where their top-k sum reads it
+#: (index-gather), or by one more launch that adds it (the other layouts).
 #: Why: at decode its 44 MB (fp8) stream at the read rate, but run in line it cost DeepSeek-V3's layer 40-69 us over
 #: a 14 us floor on an H100 (``shared-routed-tiles-ab-s44.json``): two launches' ramps and tails, while the router's
 #: few latency-bound programs leave the read bandwidth idle. SGLang 0.5.23 runs DeepSeek-V3's shared expert on such
@@ -127,12 +128,12 @@ class SharedApart:
             self.side = None
         return self.output
 
-    def for_sum(self) -> torch.Tensor | None:
-        """The output for the routed experts' top-k sum to add, or None (forked, joining after the experts)."""
-        if self.side is not None and SHARED_BESIDE == "experts":
-            return None
+    def for_sum(self):
+        """The output for the index-gather experts' top-k sum to add: the tensor, or (forked, joining after the
+        experts) a callable that joins and returns it, which :func:`~moe_kernels.kernels.index_gather.run_experts`
+        calls after GEMM 2's launch."""
         self.summed = True
-        return self.join()
+        return self.join if self.side is not None and SHARED_BESIDE == "experts" else self.join()
 
     def add_to(self, out: torch.Tensor) -> torch.Tensor:
         return out if self.summed else out.add_(self.join())

@@ -460,12 +460,15 @@ def run_experts(hidden_states, w1, w2, topk_weights, topk_ids, *, fmt, config: M
     so that an id outside ``[0, E)``, which lands in no block, adds nothing). ``activations``:
     ``fmt.quantize_activations(hidden_states)`` when the caller has it already (a shared expert
     reads the same); ``add``: a ``[T, d]`` tensor the top-k sum adds in fp32 (a shared expert's
-    output), instead of a separate addition. A config with ``one_launch`` tiles and no ``blocks``
+    output), instead of a separate addition, or a callable that returns it, called after GEMM 2's launch (a shared
+    expert on a side stream joins there: :class:`~moe_kernels.layer_shared.SharedApart`). A config with
+    ``one_launch`` tiles and no ``blocks``
     runs both GEMMs in one launch (:mod:`moe_kernels.kernels.one_launch`: fp8 as W8A16;
     :mod:`moe_kernels.kernels.two_phase`: block fp8 as W8A8, quantising in the kernel; both ignore
     ``activations``), where its kernel takes the format (:func:`runs_in_one_launch`).
     """
     if blocks is None and runs_in_one_launch(config, fmt):   # both GEMMs in one launch (no block map)
+        add = add() if callable(add) else add   # (its kernel reads the addend)
         return run_one_launch(hidden_states, w1, w2, topk_weights, topk_ids, fmt=fmt, tiles=config.one_launch,
                               w1_scale=w1_scale, w2_scale=w2_scale, ids=ids, func=func, add=add)
     num_tokens, top_k = topk_ids.shape
@@ -497,6 +500,7 @@ def run_experts(hidden_states, w1, w2, topk_weights, topk_ids, *, fmt, config: M
         down(y, w2, topk_weights if topk_weights.is_contiguous() else topk_weights.contiguous(), blocks,
              tiles=config.down, out=per_slot, a_scale=y_scale, w_scale=w2_scale, fmt=fmt, sum_slots=summed,
              pdl="wait" if pdl else "")
+    add = add() if callable(add) else add   # (joined here: everything before ran beside it)
     if summed:   # the addend joins the fp32 sum before its one rounding
         return (per_slot if add is None else per_slot.add_(add)).to(out_dtype)
     if top_k == 1 and add is None:   # one slot per token: nothing to sum
