@@ -285,15 +285,17 @@ def test_a_layer_checks_its_routing_and_layout_again_when_they_change():
 
 def test_the_shared_expert_beside_setting_is_checked_and_changes_nothing_uncaptured(monkeypatch):
     """``layer_shared.SHARED_BESIDE`` forks only inside a CUDA-graph capture: an uncaptured call runs the shared
-    expert in line and gives the same output; a setting it does not know is refused by name."""
+    expert in line and gives the same output; a setting it does not know is refused by name (at a call that runs the
+    layer's Python: on a GPU a replayed call, which never forks, reads no setting)."""
     from moe_kernels import layer_shared
 
     layer, x = small_layer("deepseek-v3"), tokens(7, 32)
-    inline = layer(x)
-    for way in ("router", "experts"):
-        monkeypatch.setattr(layer_shared, "SHARED_BESIDE", way)
-        assert torch.equal(layer(x), inline), way
     monkeypatch.setattr(layer_shared, "SHARED_BESIDE", "side")
     says = re.escape("moe_kernels.layer_shared: argument 'SHARED_BESIDE' must be one of")
     with pytest.raises(ValueError, match=says):
         layer(x)
+    monkeypatch.setattr(layer_shared, "SHARED_BESIDE", None)
+    inline = layer(x)
+    for way in ("router", "experts"):
+        monkeypatch.setattr(layer_shared, "SHARED_BESIDE", way)
+        assert torch.equal(layer(x), inline), way
