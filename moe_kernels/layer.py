@@ -53,7 +53,7 @@ from .kernels.layouts import LAYOUTS
 from .kernels.permute_gluon import refusal as gluon_refusal
 from .kernels.routing import router_logits
 from .kernels.shared_choice import choose_shared_slot
-from .layer_shared import DENSE_SHARED_MAX_TOKENS, SharedApart, runs_apart, shared_tensors, with_shared_slot
+from .layer_shared import DENSE_SHARED_MAX_TOKENS, SharedApart, forks_here, runs_apart, shared_tensors, with_shared_slot
 from .layer_spec import LayerWeights, Routing, check_hidden
 from .model.buffers import m_max_token_budget
 from .model.shapes import MODELS, MoEModel
@@ -107,8 +107,8 @@ def plan_layer(func: str, weights: LayerWeights, routing: Routing, layout: str, 
     :func:`~moe_kernels.kernels.shared_choice.choose_shared_slot` says so, else always, if stacked)."""
     e, f, d = weights.num_experts, weights.w2.shape[2], weights.w2.shape[1]
     table_dtype = weights.format.element or activation_dtype
-    slot = weights.shared_fused and (shared_expert != AUTO or choose_shared_slot(
-        num_tokens, e, f, d, weights.format.name, device, device_name=device_name))
+    slot = weights.shared_fused and (shared_expert != AUTO or choose_shared_slot(   # (forked: its own crossover)
+        num_tokens, e, f, d, weights.format.name, device, device_name=device_name, beside=forks_here(device)))
     measured = None
     if layout == AUTO:   # measured for the routed experts alone, with the layer's own tiles: only then
         picked = (choose_layout(num_tokens, e, f, d, weights.format.name, device, device_name=device_name)
@@ -287,7 +287,7 @@ class MoELayer(torch.nn.Module):
         return self._plan(num_tokens, dtype, device)
 
     def _plan(self, num_tokens: int, dtype: torch.dtype, device: torch.device) -> LayerPlan:
-        key = (num_tokens, dtype, device)
+        key = (num_tokens, dtype, device, forks_here(device))   # (a plan made inside a capture may differ)
         plan = self._plans.get(key)
         if plan is None:
             if len(self._plans) >= 512:   # many batch sizes (prefill): keep the cache bounded

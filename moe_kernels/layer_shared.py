@@ -46,8 +46,10 @@ DENSE_SHARED_MAX_TOKENS = 16
 #: few latency-bound programs leave the read bandwidth idle. SGLang 0.5.23 runs DeepSeek-V3's shared expert on such
 #: a stream while a decode graph is captured (``forward_normal_dual_stream``, ``sglang/srt/models/deepseek_v2.py``).
 #: Only inside a capture: a replayed call runs its launches in order on one stream (:mod:`moe_kernels._replay`), and
-#: an uncaptured call's host time is longer than any overlap.
-SHARED_BESIDE = None
+#: an uncaptured call's host time is longer than any overlap. Measured on an H100 (``shared-beside-ab-s45.json``,
+#: ``-s45b.json``, fp8): forked with "experts" it cost 19.3-31.5 us at 1-256 tokens (51.7 at 512, over a 38.5 us
+#: FLOP floor) against 39.3-66.0 in line; "router" saved 0-5 us. Hence the default.
+SHARED_BESIDE = "experts"
 BESIDE = (None, "router", "experts")
 #: The side stream's priority (lower runs first; -1 is the highest torch offers): as the routed kernels' programs
 #: finish, the shared expert's waiting ones take the freed SMs before more of theirs.
@@ -91,6 +93,13 @@ def shared_expert_output(plan, hidden_states: torch.Tensor, w: LayerWeights, sha
         return shared if shared_gate is None else shared.mul_(shared_gate.to(shared.dtype))
     return dense_expert(hidden_states, w13, w2, fmt=plan.format, config=plan.shared_choice.config,
                         w1_scale=w13_scale, w2_scale=w2_scale, weight=shared_gate, activations=activations)
+
+
+def forks_here(device) -> bool:
+    """Whether a shared expert run apart on ``device`` now forks onto a side stream (a CUDA graph is being captured
+    there and :data:`SHARED_BESIDE` is set): what a plan made now must know (its slot's crossover differs)."""
+    return (SHARED_BESIDE is not None and torch.device(device).type == "cuda"
+            and torch.cuda.is_current_stream_capturing())
 
 
 class SharedApart:

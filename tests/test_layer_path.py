@@ -585,8 +585,10 @@ def test_auto_shared_expert_follows_the_measured_choice(device_name):
             # the H100's keeps its one-token entry (the routed tiles measured faster in the layer from 4 tokens)
             assert (",E=257," in plan.choice.table) == (batch <= {H100: 2, H200: 64}[device_name])
             assert ",E=256," in plan.choice.table or ",E=257," in plan.choice.table
-    for fmt in ("none",):   # no entry for bf16 weights: apart at every batch
-        assert not meta_layer("deepseek-v3", fmt, "index_gather", "auto").plan(8, device_name=H100).shared_slot
+    for fmt in ("none",):   # bf16 weights: the H100's slot at one token only, the H200 has no entry (apart)
+        bf16 = meta_layer("deepseek-v3", fmt, "index_gather", "auto")
+        assert bf16.plan(1, device_name=device_name).shared_slot == (device_name == H100)
+        assert not bf16.plan(8, device_name=device_name).shared_slot
     # With layout="auto" the slot is taken only where index-gather runs (where it was measured): at decode on both
     # GPUs (until session 36 the H100 ran DeepSeek-V3's fp8 layer on the transposed permute path from 2 tokens, and
     # the shared expert apart there); at prefill the permute layout runs it apart.
@@ -598,6 +600,28 @@ def test_auto_shared_expert_follows_the_measured_choice(device_name):
     prefill = both_auto.plan(4096, device_name=device_name)
     assert prefill.layout == "permute" and not prefill.shared_slot
     assert (eight.shared_choice is not None) == (not eight.shared_slot)
+
+
+@pytest.mark.parametrize("device_name", [H100, H200])
+def test_a_plan_made_inside_a_capture_takes_the_crossover_against_the_forked_shared_expert(device_name):
+    """Inside a CUDA-graph capture a shared expert run apart forks onto a side stream (``layer_shared``), which
+    moved the H100's measured crossover for DeepSeek-V3's fp8 layer from 64 tokens to one; an entry without a
+    ``beside`` crossover (the H200's) answers with its in-line one. ``choose_shared_slot(..., beside=True)`` is
+    what ``plan_layer`` asks there (``layer_shared.forks_here``)."""
+    from moe_kernels.kernels.shared_choice import choose_shared_slot, load_beside_choices
+    from moe_kernels.kernels.layout_choice import shape_key
+
+    model = MODELS["deepseek-v3"]
+    shape = (model.num_experts, model.moe_intermediate_size, model.hidden_size)
+    key = shape_key(device_name, *shape, FORMATS["block"].name)
+    assert load_beside_choices().get(key) == {H100: 1, H200: None}[device_name]
+    for batch, in_line, beside in ((1, True, True), (2, True, device_name == H200), (16, True, device_name == H200),
+                                   (64, device_name == H100, False)):
+        assert choose_shared_slot(batch, *shape, "fp8-block", "cpu", device_name=device_name) == in_line, batch
+        assert choose_shared_slot(batch, *shape, "fp8-block", "cpu", device_name=device_name,
+                                  beside=True) == beside, batch
+    with pytest.raises(TypeError, match=re.escape("choose_shared_slot: argument 'beside' must be a bool")):
+        choose_shared_slot(1, *shape, "fp8-block", "cpu", device_name=device_name, beside="yes")
 
 
 @pytest.mark.parametrize("args, says", [
@@ -802,6 +826,29 @@ def test_a_bad_shared_choice_is_an_error_that_names_it(tmp_path, monkeypatch, en
             shared_choice.forget_shared_choices()
             with pytest.raises((ValueError, TypeError), match=r"shared-choices.json\[" + repr(key) + r"\].*" + want):
                 shared_choice.load_shared_choices()
+    finally:
+        shared_choice.forget_shared_choices()
+
+
+@pytest.mark.parametrize("beside, says", [
+    ({"slot_up_to_tokens": 1}, r"\.beside' must be an object with 'slot_up_to_tokens' and 'measured'"),
+    ({"slot_up_to_tokens": 0, "measured": {"records": ["r.json"]}}, r"\.beside\.slot_up_to_tokens' must be >= 1"),
+    (7, r"\.beside' must be an object")])
+def test_a_bad_beside_crossover_is_an_error_that_names_it(tmp_path, monkeypatch, beside, says):
+    """An entry's ``beside`` crossover (against the forked shared expert) is checked as the entry is."""
+    import json
+
+    from moe_kernels.kernels import shared_choice
+
+    path = tmp_path / "shared-choices.json"
+    monkeypatch.setattr(shared_choice, "SHARED_CHOICES_FILE", path)
+    entry = {"slot_up_to_tokens": 4, "measured": {"records": ["r.json"]}, "beside": beside}
+    path.write_text(json.dumps({"choices": {"k,format=fp8-block": entry}}))
+    try:
+        shared_choice.forget_shared_choices()
+        assert shared_choice.load_shared_choices() == {"k,format=fp8-block": 4}
+        with pytest.raises((ValueError, TypeError), match=r"load_beside_choices: .*shared-choices.json.*" + says):
+            shared_choice.load_beside_choices()
     finally:
         shared_choice.forget_shared_choices()
 

@@ -28,7 +28,8 @@ the later reads can come from the L2.
 ``SHARED_AB_BESIDE=router,experts`` adds, for each value, the separate layer captured with
 ``layer_shared.SHARED_BESIDE`` set to it ("separate beside router"): the shared expert on a side stream forked at the
 layer's start, joined before the routed experts or after them (:mod:`moe_kernels.layer_shared`), so that its reads
-run under the router's latency-bound launches instead of after them.
+run under the router's latency-bound launches instead of after them. "separate" itself runs in line
+(``SHARED_BESIDE`` None), as every record before session 45 did; "experts" is the layer's default since.
 """
 import dataclasses
 import os
@@ -70,11 +71,12 @@ def regrouped(cfg, group_m):
                                down=dataclasses.replace(cfg.down, group_m=group_m))
 
 
-def beside(way, layer, x):
-    """``layer(x)`` with the shared expert forked onto a side stream (``way``: where it joins) if captured."""
+def beside(way, call):
+    """``call()`` with ``layer_shared.SHARED_BESIDE`` set to ``way`` (None: the shared expert in line; else forked
+    onto a side stream, joining as ``way`` says, while a graph is captured)."""
     old, layer_shared.SHARED_BESIDE = layer_shared.SHARED_BESIDE, way
     try:
-        return layer(x)
+        return call()
     finally:
         layer_shared.SHARED_BESIDE = old
 
@@ -100,6 +102,7 @@ for fmt in formats:
     for batch in batches:
         x = torch.randn(batch, d, device=device, dtype=dtype, generator=torch.Generator(device).manual_seed(batch))
         candidates = {name: (lambda layer=layer: layer(x)) for name, layer in layers.items()}
+        candidates["separate"] = lambda: beside(None, lambda: layers["separate"](x))   # (in line; the default forks)
         if os.environ.get("SHARED_AB_ROUTED_TILES"):   # the slot on the routed experts' own entry
             routed_cfg = layers["routed only"].plan(batch, dtype=dtype).config
             candidates["fused on routed tiles"] = lambda cfg=routed_cfg: layers["fused"](x, config=cfg)
@@ -111,9 +114,9 @@ for fmt in formats:
             if plan.shared_choice is not None:   # the shared expert's own dense launch in that order
                 choice = dataclasses.replace(plan.shared_choice, config=regrouped(plan.shared_choice.config, g))
                 candidates[f"separate g{g}"] = (lambda plan=dataclasses.replace(plan, shared_choice=choice):
-                                                run_layer(plan, x, weights, routing))
+                                                beside(None, lambda: run_layer(plan, x, weights, routing)))
         for way in besides:   # (read while the candidate's graph is captured)
-            candidates[f"separate beside {way}"] = lambda way=way: beside(way, layers["separate"], x)
+            candidates[f"separate beside {way}"] = lambda way=way: beside(way, lambda: layers["separate"](x))
         if read is not None:
             candidates["shared read"] = read
         reference = layers["separate"](x)

@@ -23,6 +23,17 @@ layer without the slot runs the naive block map and the one with it aligns, henc
 
 Without an entry (another GPU, shape or format, or no GPU) the shared expert runs separately, as a layer
 built with ``shared_expert="separate"`` runs it.
+
+While a CUDA graph is captured, a shared expert run apart forks onto a side stream (:mod:`moe_kernels.layer_shared`,
+``SHARED_BESIDE``), where it runs under the router and the routed GEMMs and costs much less: an entry's ``beside``
+object holds the crossover measured that way (``choose_shared_slot(..., beside=True)``, what a layer asks inside a
+capture), and an entry without one answers with its in-line crossover. On the H100, DeepSeek-V3's fp8 layer: the
+shared expert beside cost 24.4, 26.9, 19.3, 20.0, 21.7, 20.6, 24.1, 23.9, 31.5 and 51.7 us at 1, 2, 4, 8, 16, 32,
+64, 128, 256 and 512 tokens, against the slot's 19.9 at one token and 30.5, 38.0, 26.1, 29.3 and 39.8 at 2, 4,
+16, 32 and 64 (``shared-beside-ab-s45.json``, ``-s45b.json``): the slot at one token only.
+
+    >>> choose_shared_slot(8, 256, 2048, 7168, "fp8-block", "cpu", device_name="NVIDIA H100 80GB HBM3", beside=True)
+    False
 """
 
 from __future__ import annotations
@@ -37,7 +48,8 @@ from .config import gpu_of
 from .formats import FORMATS
 from .layout_choice import choice_entries, shape_key
 
-__all__ = ["SHARED_CHOICES_FILE", "choose_shared_slot", "forget_shared_choices", "load_shared_choices"]
+__all__ = ["SHARED_CHOICES_FILE", "choose_shared_slot", "forget_shared_choices", "load_beside_choices",
+           "load_shared_choices"]
 
 SHARED_CHOICES_FILE = Path(__file__).resolve().parent / "shared-choices.json"
 
@@ -58,12 +70,33 @@ def load_shared_choices() -> dict[str, int]:
     return choices
 
 
+@functools.lru_cache(maxsize=None)
+def load_beside_choices() -> dict[str, int]:
+    """``{shape key: slot_up_to_tokens}`` of the entries' ``beside`` objects (the crossover against a shared expert
+    forked onto a side stream, measured in captured graphs), checked as :func:`load_shared_choices` checks an
+    entry."""
+    func = "load_beside_choices"
+    load_shared_choices()   # (every entry checked first)
+    choices = {}
+    for key, where, _, entry in choice_entries(func, SHARED_CHOICES_FILE):
+        beside = entry.get("beside")
+        if beside is None:
+            continue
+        if not isinstance(beside, dict) or not isinstance(beside.get("measured"), dict) \
+                or not beside["measured"].get("records"):
+            fail(func, f"{where}.beside", "must be an object with 'slot_up_to_tokens' and 'measured' naming its "
+                 "records", repr(beside)[:120])
+        choices[key] = check_int(func, f"{where}.beside.slot_up_to_tokens", beside.get("slot_up_to_tokens"), lo=1)
+    return choices
+
+
 def choose_shared_slot(M: int, E: int, N: int, K: int, fmt_name: str, device: torch.device | str, *,
-                       device_name: str | None = None) -> bool:
+                       device_name: str | None = None, beside: bool = False) -> bool:
     """Whether ``M`` tokens run the shared expert as slot ``E`` of the routed GEMMs (``E`` routed experts of
     ``F = N``, ``d = K``, weights in the format named ``fmt_name``) on ``device``'s GPU, or as on
-    ``device_name`` (a GPU's name, from any machine): True up to the entry's ``slot_up_to_tokens``, False
-    above it and wherever there is no entry."""
+    ``device_name`` (a GPU's name, from any machine): True up to the entry's ``slot_up_to_tokens`` (with
+    ``beside``, against a shared expert forked onto a side stream: its ``beside`` crossover where it has one),
+    False above it and wherever there is no entry."""
     func = "choose_shared_slot"
     check_int(func, "M", M, lo=0)
     for name, value in (("E", E), ("N", N), ("K", K)):
@@ -74,10 +107,15 @@ def choose_shared_slot(M: int, E: int, N: int, K: int, fmt_name: str, device: to
     _, device_name = gpu_of(func, device, device_name)
     if device_name is None:
         return False
-    up_to = load_shared_choices().get(shape_key(device_name, E, N, K, fmt_name))
+    if not isinstance(beside, bool):
+        fail(func, "beside", "must be a bool", type(beside).__name__, TypeError)
+    key = shape_key(device_name, E, N, K, fmt_name)
+    up_to = load_beside_choices().get(key) if beside else None
+    up_to = load_shared_choices().get(key) if up_to is None else up_to
     return up_to is not None and M <= up_to
 
 
 def forget_shared_choices() -> None:
     """Read the choices file again at the next choice (after it changed)."""
     load_shared_choices.cache_clear()
+    load_beside_choices.cache_clear()
