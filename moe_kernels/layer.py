@@ -53,7 +53,8 @@ from .kernels.layouts import LAYOUTS
 from .kernels.permute_gluon import refusal as gluon_refusal
 from .kernels.routing import router_logits
 from .kernels.shared_choice import choose_shared_slot
-from .layer_shared import DENSE_SHARED_MAX_TOKENS, SharedApart, forks_here, runs_apart, shared_tensors, with_shared_slot
+from .layer_shared import (DENSE_SHARED_MAX_TOKENS, SharedApart, forks_here, runs_apart, shared_gate_of, shared_tensors,
+                           with_shared_slot)
 from .layer_spec import LayerWeights, Routing, check_hidden
 from .model.buffers import m_max_token_budget
 from .model.shapes import MODELS, MoEModel
@@ -151,28 +152,23 @@ def plan_layer(func: str, weights: LayerWeights, routing: Routing, layout: str, 
 def run_layer(plan: LayerPlan, hidden_states: torch.Tensor, weights: LayerWeights, routing: Routing) -> torch.Tensor:
     """One checked call: gate, routing, (the shared slot), (the shared expert), the experts."""
     w, fmt = weights, plan.format
-    shared_gate = None if w.shared_gate is None else torch.sigmoid(router_logits(hidden_states, w.shared_gate))
     apart, in_gemm = runs_apart(w, plan.shared_slot), plan.layout == "index_gather"
-    shared = SharedApart(plan, hidden_states, w, shared_gate) if apart else None   # (forked here if captured)
+    shared = SharedApart(plan, hidden_states, w) if apart else None   # (forked onto a side stream here if captured)
     topk_weights, topk_ids, blocks = route(plan, hidden_states, w, routing)
+    forked = shared is not None and shared.side is not None
+    shared_gate = None if forked else shared_gate_of(hidden_states, w)
     if plan.shared_slot:   # the shared expert as slot k+1, id E, weight 1 (or its gate): routed weights are scaled
         topk_weights, topk_ids = with_shared_slot(topk_weights, topk_ids, w, shared_gate)
     # fp8: the routed and the shared experts read the same quantised activations; quantise once.
-    # (both GEMMs in one launch read the unquantised activations: quantised only for a shared expert)
-    quantize = fmt.quantized and in_gemm and (not runs_in_one_launch(plan.config, fmt) or apart)
+    # (both GEMMs in one launch read the unquantised activations: quantised only for a shared expert in line)
+    quantize = fmt.quantized and in_gemm and (not runs_in_one_launch(plan.config, fmt) or apart and not forked)
     activations = fmt.quantize_activations(hidden_states) if quantize else None
     if shared is not None:   # (in line, unless forked: its two GEMMs here, before the experts)
-        shared.run_in_line(activations)
-    if in_gemm:   # the shared output joins the top-k sum (no separate addition), unless it joins after
-        out = run_experts(hidden_states, w.w13, w.w2, topk_weights, topk_ids, fmt=fmt, config=plan.config,
-                          w1_scale=w.w13_scale, w2_scale=w.w2_scale, naive=plan.naive_blocks, ids="trusted",
-                          func="MoELayer", activations=activations, add=shared and shared.for_sum(), blocks=blocks)
-        return out if shared is None else shared.add_to(out)
-    scales = dict(w1_scale=w.w13_scale, w2_scale=w.w2_scale) if fmt.quantized else {}
-    measured = {name: value for name, value in (("align", plan.align), ("gemm", plan.gemm)) if value is not None}
-    out = LAYOUTS[plan.layout].experts()(hidden_states, w.w13, w.w2, topk_weights, topk_ids, config=plan.config,
-                                         validate_ids=False, **scales, **measured)
-    return out if shared is None else shared.add_to(out)
+        shared.run_in_line(shared_gate, activations)
+    if in_gemm:   # the shared output joins the top-k sum (no separate addition)
+        return run_experts(hidden_states, w.w13, w.w2, topk_weights, topk_ids, fmt=fmt, config=plan.config,
+                           w1_scale=w.w13_scale, w2_scale=w.w2_scale, naive=plan.naive_blocks, ids="trusted",
+                           func="MoELayer", activations=activations, add=shared and shared.for_sum(), blocks=blocks)
     scales = dict(w1_scale=w.w13_scale, w2_scale=w.w2_scale) if fmt.quantized else {}
     measured = {name: value for name, value in (("align", plan.align), ("gemm", plan.gemm)) if value is not None}
     out = LAYOUTS[plan.layout].experts()(hidden_states, w.w13, w.w2, topk_weights, topk_ids, config=plan.config,
@@ -324,7 +320,7 @@ class MoELayer(torch.nn.Module):
         topk_weights, topk_ids = self.routing.route(hidden_states, router_logits(hidden_states, w.gate), w.bias,
                                                     reference=True)
         t = hidden_states.shape[0]
-        shared_gate = None if w.shared_gate is None else torch.sigmoid(router_logits(hidden_states, w.shared_gate))
+        shared_gate = shared_gate_of(hidden_states, w)
         shared_weight = torch.ones(t, 1, dtype=torch.float64, device=hidden_states.device) if shared_gate is None \
             else shared_gate.double()
         scales = (w.w13_scale, w.w2_scale) if w.format.quantized else ()

@@ -26,6 +26,7 @@ import torch
 
 from ._checks import fail
 from .kernels.index_gather import dense_expert
+from .kernels.routing import router_logits
 from .kernels.shared import shared_ffn
 from .layer_spec import LayerWeights
 
@@ -37,24 +38,25 @@ from .layer_spec import LayerWeights
 #: are 1.6x slower (54.4 against 34.8 us), so larger batches keep cuBLAS. fp8 always runs dense.
 DENSE_SHARED_MAX_TOKENS = 16
 #: While a CUDA graph is captured (read at each call), where a shared expert run apart goes: None, on the layer's
-#: stream after the router (as in an uncaptured call); "router", on a side stream forked at the layer's start, under
-#: the router and the alignment (quantising its own fp8 activations there), joined before the routed experts (whose
-#: top-k sum adds it); "experts", joined after the routed GEMMs (under them too): where their top-k sum reads it
-#: (index-gather), or by one more launch that adds it (the other layouts).
-#: Why: at decode its 44 MB (fp8) stream at the read rate, but run in line it cost DeepSeek-V3's layer 40-69 us over
-#: a 14 us floor on an H100 (``shared-routed-tiles-ab-s44.json``): two launches' ramps and tails, while the router's
-#: few latency-bound programs leave the read bandwidth idle. SGLang 0.5.23 runs DeepSeek-V3's shared expert on such
-#: a stream while a decode graph is captured (``forward_normal_dual_stream``, ``sglang/srt/models/deepseek_v2.py``).
-#: Only inside a capture: a replayed call runs its launches in order on one stream (:mod:`moe_kernels._replay`), and
-#: an uncaptured call's host time is longer than any overlap. Measured on an H100 (``shared-beside-ab-s45.json``,
-#: ``-s45b.json``, fp8): forked with "experts" it cost 19.3-31.5 us at 1-256 tokens (51.7 at 512, over a 38.5 us
-#: FLOP floor) against 39.3-66.0 in line; "router" saved 0-5 us. Hence the default.
+#: stream after the router (as in an uncaptured call); "experts", on a side stream forked at the layer's start
+#: (computing its own gate and quantised activations there), under the router and the routed GEMMs, joined where
+#: index-gather's top-k sum reads it (after GEMM 2's launch; before the launch where both GEMMs are one) or, in the
+#: other layouts, before the launch that adds it. Why: at decode its 44 MB (fp8) stream at the read rate, but in line
+#: it cost DeepSeek-V3's fp8 layer 39.2-55.4 us at 1-64 tokens over a 14 us floor on an H100
+#: (``shared-routed-tiles-ab-s44.json``): two launches' ramps and tails, while the router's few latency-bound
+#: programs leave the read bandwidth idle. Forked it cost 19.3-31.5 us at 1-256 tokens (51.7 at 512, over a 38.5 us
+#: FLOP floor) against 39.3-66.0 in line (``shared-beside-ab-s45.json``, ``-s45b.json``); joined before the routed
+#: GEMMs instead, under the router only, it saved 0-5 us (that mode is gone). SGLang 0.5.23 does the same while it
+#: captures a decode graph (``forward_normal_dual_stream``, ``sglang/srt/models/deepseek_v2.py``: forked before
+#: the gate, the shared expert issued on the side stream after the routed experts, joined after them). Only inside
+#: a capture: a replayed call runs its launches in order on one stream (:mod:`moe_kernels._replay`), and an
+#: uncaptured call's host time is longer than any overlap.
 SHARED_BESIDE = "experts"
-BESIDE = (None, "router", "experts")
-#: The side stream's priority (lower runs first; -1 is the highest torch offers): as the routed kernels' programs
-#: finish, the shared expert's waiting ones take the freed SMs before more of theirs.
+BESIDE = (None, "experts")
+#: The side stream's priority (lower runs first; the default is 0): as the routed kernels' programs finish, the
+#: shared expert's waiting ones take the freed SMs before more of theirs.
 SIDE_PRIORITY = -1
-_side_streams = {}   # (device, priority) -> the side stream, made once
+_side_streams = {}   # (device, priority) -> the side stream, made once (one per device: one capture at a time)
 
 
 def shared_tensors(w: LayerWeights):
@@ -97,52 +99,62 @@ def shared_expert_output(plan, hidden_states: torch.Tensor, w: LayerWeights, sha
 
 def forks_here(device) -> bool:
     """Whether a shared expert run apart on ``device`` now forks onto a side stream (a CUDA graph is being captured
-    there and :data:`SHARED_BESIDE` is set): what a plan made now must know (its slot's crossover differs)."""
-    return (SHARED_BESIDE is not None and torch.device(device).type == "cuda"
-            and torch.cuda.is_current_stream_capturing())
+    on its current stream and :data:`SHARED_BESIDE` is set): what a plan made now must know (its slot's crossover
+    differs). Checks the setting."""
+    if SHARED_BESIDE not in BESIDE:
+        fail("moe_kernels.layer_shared", "SHARED_BESIDE", f"must be one of {BESIDE}", repr(SHARED_BESIDE))
+    device = torch.device(device)
+    if SHARED_BESIDE is None or device.type != "cuda":
+        return False
+    with torch.cuda.device(device):
+        return torch.cuda.is_current_stream_capturing()
+
+
+def shared_gate_of(hidden_states: torch.Tensor, w: LayerWeights):
+    """Qwen2-MoE's sigmoid gate on its shared expert, ``[T, 1]``, or None (no gate)."""
+    return None if w.shared_gate is None else torch.sigmoid(router_logits(hidden_states, w.shared_gate))
 
 
 class SharedApart:
     """A shared expert run apart (:func:`shared_expert_output`): in line, where :meth:`run_in_line` is called (after
-    the router, on the quantised activations the routed experts read), or, forked as :data:`SHARED_BESIDE` says,
-    on a side stream from its construction (quantising its own activations there) to its join. :meth:`for_sum`
-    hands the output to the routed experts' top-k sum (None where it joins after them); :meth:`add_to` adds it to
-    their output unless the sum did."""
+    the router, on the gate and the quantised activations the routed experts read), or, where :func:`forks_here`,
+    on a side stream from its construction to its join (computing its gate and activations there). :meth:`for_sum`
+    hands the output to index-gather's top-k sum (a callable that joins, when forked); :meth:`add_to` adds it to
+    another layout's output.
 
-    def __init__(self, plan, hidden_states: torch.Tensor, w: LayerWeights, shared_gate):
-        if SHARED_BESIDE not in BESIDE:
-            fail("moe_kernels.layer_shared", "SHARED_BESIDE", f"must be one of {BESIDE}", repr(SHARED_BESIDE))
-        self.run = (plan, hidden_states, w, shared_gate)
+    Memory: the side stream reads ``hidden_states`` and the weights (kept alive by ``self.run`` until the join) and
+    allocates from the capture's pool; its output, freed on the side stream, can only be reused by a later side
+    allocation, which comes after the next fork, which waits for the main stream."""
+
+    def __init__(self, plan, hidden_states: torch.Tensor, w: LayerWeights):
+        self.run = (plan, hidden_states, w)
         self.side, self.output, self.summed = None, None, False
         if SHARED_BESIDE is not None and hidden_states.is_cuda:
             key = (hidden_states.device, SIDE_PRIORITY)
-            if key not in _side_streams:   # (made at an uncaptured call, the warm-up before a capture, where it can)
+            if key not in _side_streams:   # (made outside a capture where it can: the warm-up before one)
                 _side_streams[key] = torch.cuda.Stream(hidden_states.device, priority=SIDE_PRIORITY)
-            if torch.cuda.is_current_stream_capturing():
+            if forks_here(hidden_states.device):
                 self.side = _side_streams[key]
-        if self.side is not None:
-            # The fork: the side stream starts after everything before the layer (its inputs). Its buffers come from
-            # the graph's pool; the join orders every later use of them after it.
-            self.side.wait_stream(torch.cuda.current_stream())
+        if self.side is not None:   # the fork: the side stream starts after everything before the layer
+            self.side.wait_stream(torch.cuda.current_stream(hidden_states.device))
             with torch.cuda.stream(self.side):
-                self.output = shared_expert_output(*self.run, None)
+                self.output = shared_expert_output(plan, hidden_states, w, shared_gate_of(hidden_states, w), None)
 
-    def run_in_line(self, activations) -> None:
-        if self.output is None:
-            self.output = shared_expert_output(*self.run, activations)
+    def run_in_line(self, shared_gate, activations) -> None:
+        if self.side is None:
+            self.output = shared_expert_output(*self.run, shared_gate, activations)
 
     def join(self) -> torch.Tensor:
         if self.side is not None:
-            torch.cuda.current_stream().wait_stream(self.side)
+            torch.cuda.current_stream(self.side.device).wait_stream(self.side)
             self.side = None
         return self.output
 
     def for_sum(self):
-        """The output for the index-gather experts' top-k sum to add: the tensor, or (forked, joining after the
-        experts) a callable that joins and returns it, which :func:`~moe_kernels.kernels.index_gather.run_experts`
-        calls after GEMM 2's launch."""
+        """The output for index-gather's top-k sum to add: the tensor, or (forked) a callable that joins and returns
+        it, which :func:`~moe_kernels.kernels.index_gather.run_experts` calls where the sum needs it."""
         self.summed = True
-        return self.join if self.side is not None and SHARED_BESIDE == "experts" else self.join()
+        return self.join if self.side is not None else self.output
 
     def add_to(self, out: torch.Tensor) -> torch.Tensor:
         return out if self.summed else out.add_(self.join())

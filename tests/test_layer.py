@@ -284,18 +284,19 @@ def test_a_layer_checks_its_routing_and_layout_again_when_they_change():
 
 
 def test_the_shared_expert_beside_setting_is_checked_and_changes_nothing_uncaptured(monkeypatch):
-    """``layer_shared.SHARED_BESIDE`` forks only inside a CUDA-graph capture: an uncaptured call runs the shared
-    expert in line and gives the same output; a setting it does not know is refused by name (at a call that runs the
-    layer's Python: on a GPU a replayed call, which never forks, reads no setting)."""
-    from moe_kernels import layer_shared
+    """``layer_shared.SHARED_BESIDE`` forks only inside a CUDA-graph capture: an uncaptured call (replays off, so
+    that every call runs the layer's Python) runs the shared expert in line and gives the same output with the
+    setting on and off; a setting it does not know is refused by name, with or without a shared expert."""
+    from moe_kernels import _replay, layer_shared
 
-    layer, x = small_layer("deepseek-v3"), tokens(7, 32)
-    monkeypatch.setattr(layer_shared, "SHARED_BESIDE", "side")
+    monkeypatch.setattr(_replay, "ENABLED", False)
     says = re.escape("moe_kernels.layer_shared: argument 'SHARED_BESIDE' must be one of")
-    with pytest.raises(ValueError, match=says):
-        layer(x)
-    monkeypatch.setattr(layer_shared, "SHARED_BESIDE", None)
-    inline = layer(x)
-    for way in ("router", "experts"):
-        monkeypatch.setattr(layer_shared, "SHARED_BESIDE", way)
-        assert torch.equal(layer(x), inline), way
+    for model in ("deepseek-v3", "qwen3-30b-a3b"):
+        layer, x = small_layer(model), tokens(7, 32)
+        monkeypatch.setattr(layer_shared, "SHARED_BESIDE", "side")
+        with pytest.raises(ValueError, match=says):
+            layer(x)
+        monkeypatch.setattr(layer_shared, "SHARED_BESIDE", None)
+        inline = layer(x)
+        monkeypatch.setattr(layer_shared, "SHARED_BESIDE", "experts")
+        assert torch.equal(layer(x), inline), model

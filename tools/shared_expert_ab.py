@@ -25,11 +25,11 @@ program walks one M block's N tiles, so slot E's several M blocks (every token i
 different times, each from HBM; walking ``group_m`` M blocks down one N tile reads each tile about together, so
 the later reads can come from the L2.
 
-``SHARED_AB_BESIDE=router,experts`` adds, for each value, the separate layer captured with
-``layer_shared.SHARED_BESIDE`` set to it ("separate beside router"): the shared expert on a side stream forked at the
-layer's start, joined before the routed experts or after them (:mod:`moe_kernels.layer_shared`), so that its reads
-run under the router's latency-bound launches instead of after them. "separate" itself runs in line
-(``SHARED_BESIDE`` None), as every record before session 45 did; "experts" is the layer's default since.
+``SHARED_AB_BESIDE=experts`` adds the separate layer captured with ``layer_shared.SHARED_BESIDE`` set to it
+("separate beside experts"): the shared expert on a side stream forked at the layer's start, under the router and the
+routed GEMMs, joined where their top-k sum reads it (:mod:`moe_kernels.layer_shared`). "separate" itself runs in line
+(``SHARED_BESIDE`` None), as every record before session 45 did; the fork is the layer's default since. (Session 45
+also timed "router", joined before the routed GEMMs: ``shared-beside-ab-s45.json``; that mode is gone.)
 """
 import dataclasses
 import os
