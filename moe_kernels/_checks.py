@@ -62,6 +62,13 @@ def check_int(func: str, name: str, value: object, *, lo: int | None = None, hi:
     return value
 
 
+def check_bool(func: str, name: str, value: object) -> bool:
+    """Check a flag is a bool (not 0, 1 or a string)."""
+    if not isinstance(value, bool):
+        fail(func, name, "must be a bool", type(value).__name__, TypeError)
+    return value
+
+
 def check_number(func: str, name: str, value: object, *, gt: float | None = None, ge: float | None = None,
                  lt: float | None = None, le: float | None = None) -> float:
     """Check a real scalar (an int or a float, not a bool) is finite and inside the given bounds;

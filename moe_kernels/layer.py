@@ -39,7 +39,7 @@ import dataclasses
 
 import torch
 
-from ._checks import FLOAT_DTYPES, check_device, check_dtype, check_int, check_number, fail
+from ._checks import FLOAT_DTYPES, check_bool, check_device, check_dtype, check_int, check_number, fail
 from ._replay import CallPlans
 from .checkpoint import load_layer
 from .layer_router import choose_router, choose_tile_router, route
@@ -101,15 +101,17 @@ class LayerPlan:
 
 def plan_layer(func: str, weights: LayerWeights, routing: Routing, layout: str, num_tokens: int,
                activation_dtype: torch.dtype, device: torch.device, *, config: MoEConfig | None = None,
-               device_name: str | None = None, shared_expert: str | None = None) -> LayerPlan:
+               device_name: str | None = None, shared_expert: str | None = None,
+               captured: bool | None = None) -> LayerPlan:
     """The :class:`LayerPlan` of a call (``config`` given: that config, checked for ``layout``;
     ``layout="auto"``: :func:`~moe_kernels.kernels.layout_choice.choose_layout`'s layout and tiles;
     ``shared_expert="auto"``: a stacked shared expert as a slot where
-    :func:`~moe_kernels.kernels.shared_choice.choose_shared_slot` says so, else always, if stacked)."""
+    :func:`~moe_kernels.kernels.shared_choice.choose_shared_slot` says so, else always, if stacked, with the
+    crossover of a forked shared expert where one would fork: ``layer_shared.forks_here(device, captured)``)."""
     e, f, d = weights.num_experts, weights.w2.shape[2], weights.w2.shape[1]
     table_dtype = weights.format.element or activation_dtype
     slot = weights.shared_fused and (shared_expert != AUTO or choose_shared_slot(   # (forked: its own crossover)
-        num_tokens, e, f, d, weights.format.name, device, device_name=device_name, beside=forks_here(device)))
+        num_tokens, e, f, d, weights.format.name, device, device_name=device_name, beside=forks_here(device, captured)))
     measured = None
     if layout == AUTO:   # measured for the routed experts alone, with the layer's own tiles: only then
         picked = (choose_layout(num_tokens, e, f, d, weights.format.name, device, device_name=device_name)
@@ -267,19 +269,21 @@ class MoELayer(torch.nn.Module):
         super().__setattr__(name, value)
 
     def plan(self, num_tokens: int, *, dtype: torch.dtype | None = None, device=None,
-             device_name: str | None = None) -> LayerPlan:
+             device_name: str | None = None, captured: bool = False) -> LayerPlan:
         """What a call with ``num_tokens`` tokens of ``dtype`` (default: the experts' dtype, bf16
         for fp8 experts) runs on ``device`` (default: the layer's), chosen and cached at the
-        first call. ``device_name`` shows the plan as on that GPU (no cache; nothing runs)."""
+        first call. ``device_name`` shows the plan as on that GPU (no cache; nothing runs); ``captured``, as
+        inside a CUDA-graph capture (a shared expert apart forks: :mod:`moe_kernels.layer_shared`)."""
         func = "MoELayer.plan"
         check_int(func, "num_tokens", num_tokens, lo=0)
         weights = self.weights
         dtype = dtype or (torch.bfloat16 if weights.format.quantized else weights.w13.dtype)
         check_dtype(func, "dtype", dtype, FLOAT_DTYPES)
         device = weights.gate.device if device is None else torch.device(device)
-        if device_name is not None:
+        check_bool(func, "captured", captured)
+        if device_name is not None or captured:
             return plan_layer(func, weights, self.routing, self.layout, num_tokens, dtype, device,
-                              device_name=device_name, shared_expert=self.shared_expert)
+                              device_name=device_name, shared_expert=self.shared_expert, captured=captured)
         return self._plan(num_tokens, dtype, device)
 
     def _plan(self, num_tokens: int, dtype: torch.dtype, device: torch.device) -> LayerPlan:

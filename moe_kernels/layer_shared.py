@@ -97,14 +97,16 @@ def shared_expert_output(plan, hidden_states: torch.Tensor, w: LayerWeights, sha
                         w1_scale=w13_scale, w2_scale=w2_scale, weight=shared_gate, activations=activations)
 
 
-def forks_here(device) -> bool:
-    """Whether a shared expert run apart on ``device`` now forks onto a side stream (a CUDA graph is being captured
-    on its current stream and :data:`SHARED_BESIDE` is set): what a plan made now must know (its slot's crossover
-    differs). Checks the setting."""
+def forks_here(device, captured: bool | None = None) -> bool:
+    """Whether a shared expert run apart on ``device`` forks onto a side stream: :data:`SHARED_BESIDE` is set and a
+    CUDA graph is being captured on the device's current stream (or, given, ``captured``: a plan shown as inside a
+    capture or not, on any machine). What a plan must know: its slot's crossover differs. Checks the setting."""
     if SHARED_BESIDE not in BESIDE:
         fail("moe_kernels.layer_shared", "SHARED_BESIDE", f"must be one of {BESIDE}", repr(SHARED_BESIDE))
+    if SHARED_BESIDE is None or captured is not None:
+        return SHARED_BESIDE is not None and captured
     device = torch.device(device)
-    if SHARED_BESIDE is None or device.type != "cuda":
+    if device.type != "cuda":
         return False
     with torch.cuda.device(device):
         return torch.cuda.is_current_stream_capturing()

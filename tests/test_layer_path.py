@@ -622,6 +622,16 @@ def test_a_plan_made_inside_a_capture_takes_the_crossover_against_the_forked_sha
                                   beside=True) == beside, batch
     with pytest.raises(TypeError, match=re.escape("choose_shared_slot: argument 'beside' must be a bool")):
         choose_shared_slot(1, *shape, "fp8-block", "cpu", device_name=device_name, beside="yes")
+    # The layer's plan as inside a capture: the slot where the forked crossover says, else apart on its dense tiles
+    auto = meta_layer("deepseek-v3", "block", "index_gather", "auto")
+    for batch in (1, 2, 16, 64):
+        plan = auto.plan(batch, device_name=device_name, captured=True)
+        slot = choose_shared_slot(batch, *shape, "fp8-block", "cpu", device_name=device_name, beside=True)
+        assert plan.shared_slot == slot and (plan.shared_choice is None) == slot, batch
+        assert auto.plan(batch, device_name=device_name).shared_slot == choose_shared_slot(
+            batch, *shape, "fp8-block", "cpu", device_name=device_name), batch
+    with pytest.raises(TypeError, match=re.escape("MoELayer.plan: argument 'captured' must be a bool")):
+        auto.plan(1, device_name=device_name, captured=1)
 
 
 @pytest.mark.parametrize("args, says", [

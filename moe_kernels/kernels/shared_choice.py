@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from .._checks import check_int, fail
+from .._checks import check_bool, check_int, fail
 from .config import gpu_of
 from .formats import FORMATS
 from .layout_choice import choice_entries, shape_key
@@ -107,8 +107,7 @@ def choose_shared_slot(M: int, E: int, N: int, K: int, fmt_name: str, device: to
     _, device_name = gpu_of(func, device, device_name)
     if device_name is None:
         return False
-    if not isinstance(beside, bool):
-        fail(func, "beside", "must be a bool", type(beside).__name__, TypeError)
+    check_bool(func, "beside", beside)
     key = shape_key(device_name, E, N, K, fmt_name)
     up_to = load_beside_choices().get(key) if beside else None
     up_to = load_shared_choices().get(key) if up_to is None else up_to
