@@ -43,10 +43,11 @@ DENSE_SHARED_MAX_TOKENS = 16
 #: index-gather's top-k sum reads it (after GEMM 2's launch; before the launch where both GEMMs are one) or, in the
 #: other layouts, before the launch that adds it. Why: at decode its 44 MB (fp8) stream at the read rate, but in line
 #: it cost DeepSeek-V3's fp8 layer 39.2-55.4 us at 1-64 tokens over a 14 us floor on an H100
-#: (``shared-routed-tiles-ab-s44.json``): two launches' ramps and tails, while the router's few latency-bound
-#: programs leave the read bandwidth idle. Forked it cost 19.3-31.5 us at 1-256 tokens (51.7 at 512, over a 38.5 us
-#: FLOP floor) against 39.3-66.0 in line (``shared-beside-ab-s45.json``, ``-s45b.json``); joined before the routed
-#: GEMMs instead, under the router only, it saved 0-5 us (that mode is gone). SGLang 0.5.23 does the same while it
+#: (``shared-routed-tiles-ab-s44.json``, ``-s44b.json``): two launches' ramps and tails, while the router's few
+#: latency-bound programs leave the read bandwidth idle. Forked it cost 19.3-31.5 us at 1-256 tokens (51.7 at 512,
+#: over a 38.5 us FLOP floor) against 39.3-51.9 in line (66.0 at 512; ``shared-beside-ab-s45.json``, ``-s45b.json``);
+#: joined before the routed GEMMs instead, under the router only, it moved by -4.8 to +4.7 us (that mode is gone).
+#: Where the routed GEMMs are one launch (two-phase), the join comes before it: under the router only. SGLang 0.5.23 does the same while it
 #: captures a decode graph (``forward_normal_dual_stream``, ``sglang/srt/models/deepseek_v2.py``: forked before
 #: the gate, the shared expert issued on the side stream after the routed experts, joined after them). Only inside
 #: a capture: a replayed call runs its launches in order on one stream (:mod:`moe_kernels._replay`), and an
@@ -104,7 +105,7 @@ def forks_here(device, captured: bool | None = None) -> bool:
     if SHARED_BESIDE not in BESIDE:
         fail("moe_kernels.layer_shared", "SHARED_BESIDE", f"must be one of {BESIDE}", repr(SHARED_BESIDE))
     if SHARED_BESIDE is None or captured is not None:
-        return SHARED_BESIDE is not None and captured
+        return SHARED_BESIDE is not None and bool(captured)
     device = torch.device(device)
     if device.type != "cuda":
         return False

@@ -5,8 +5,9 @@ timings: a read of the committed tuning records, with no GPU.
 it beats the best plain tile by more than ``MACHINERY_MARGIN`` (3%, about one timing's spread). In session 44 that
 margin, applied to GEMM 1's milliseconds, outweighed the whole of a shared expert's floor. This tool lists every
 entry of the index-gather tables whose GEMM is still the plain tile a record chose that way, with the faster
-candidate the same record timed beside it (same GEMM, same M tile), so that a whole-layer A/B can decide the ones
-that matter. Records from before a table was re-tuned or copied do not match its tiles and are left out. A line
+candidate the same record timed beside it (same GEMM, same M tile, and for GEMM 2 the same top-k sum), so that a
+whole-layer A/B can decide the ones that matter: one line per table entry and GEMM, from the newest record that
+timed it. Records from before a table was re-tuned or copied do not match its tiles and are left out. A line
 marked "over the margin" was chosen by another rule: the entry's whole-call A/B of its switches (PDL, quantising in
 GEMM 1), or the tuner of the record's day.
 
@@ -43,12 +44,13 @@ def plain(tiles: dict) -> bool:
 
 
 def kept_by_margin():
-    """One dict per (record, entry, GEMM) whose chosen tile is plain, in today's table, and slower than the fastest
-    candidate the record timed for that GEMM and M tile."""
-    current = tables()
+    """One dict per (table, entry, GEMM) whose chosen tile is plain, in today's table, and slower than the fastest
+    candidate a record timed for that GEMM and M tile (the newest such record)."""
+    current, newest = tables(), {}
     for record in sorted((ROOT / "results").glob("*/*.json")):
         try:
-            data = json.loads(record.read_text()).get("data")
+            whole = json.loads(record.read_text())
+            data, date = whole.get("data"), whole.get("provenance", {}).get("date_utc", "")
         except (ValueError, AttributeError):
             continue
         if not isinstance(data, dict) or "entries" not in data or "device" not in data:
@@ -65,16 +67,21 @@ def kept_by_margin():
                 chosen = entry["config"][gemm]
                 if not plain(chosen) or not in_table or in_table.get("block_m") != block_m or in_table.get(gemm) != chosen:
                     continue
+                summed = entry["config"].get("sum_in_gemm", False) if gemm == "down" else None
                 timed = [t for t in entry["tried"] if t.get("gemm") == gemm and t.get("block_m") == block_m
-                         and t.get("ms")]
+                         and t.get("ms") and (summed is None or t.get("sum_in_gemm", False) == summed)]
                 mine = [t["ms"] for t in timed if t["tiles"] == chosen]
                 fastest = min(timed, key=lambda t: t["ms"], default=None)
                 if not mine or fastest is None or plain(fastest["tiles"]) or fastest["ms"] >= mine[0]:
                     continue
-                yield {"record": f"{record.parent.name}/{record.name}", "model": entry.get("model"),
+                key = (data["device"], entry["E"], entry["N"], entry["K"], dtype, entry["M"], gemm)
+                if key in newest and newest[key][0] > date:
+                    continue
+                newest[key] = date, {"record": f"{record.parent.name}/{record.name}", "model": entry.get("model"),
                        "format": entry["format"] if fp8 else "bf16", "E": entry["E"], "tokens": entry["M"], "gemm": gemm,
                        "chosen_us": mine[0] * 1e3, "fastest_us": fastest["ms"] * 1e3,
                        "fastest": {k: fastest["tiles"][k] for k in SHOWN if k in fastest["tiles"]}}
+    yield from (row for _, row in newest.values())
 
 
 def main() -> int:
