@@ -47,11 +47,11 @@ DENSE_SHARED_MAX_TOKENS = 16
 #: latency-bound programs leave the read bandwidth idle. Forked it cost 19.3-31.5 us at 1-256 tokens (51.7 at 512,
 #: over a 38.5 us FLOP floor) against 39.3-51.9 in line (66.0 at 512; ``shared-beside-ab-s45.json``, ``-s45b.json``);
 #: joined before the routed GEMMs instead, under the router only, it moved by -4.8 to +4.7 us (that mode is gone).
-#: Where the routed GEMMs are one launch (two-phase), the join comes before it: under the router only. SGLang 0.5.23 does the same while it
-#: captures a decode graph (``forward_normal_dual_stream``, ``sglang/srt/models/deepseek_v2.py``: forked before
-#: the gate, the shared expert issued on the side stream after the routed experts, joined after them). Only inside
-#: a capture: a replayed call runs its launches in order on one stream (:mod:`moe_kernels._replay`), and an
-#: uncaptured call's host time is longer than any overlap.
+#: Where the routed GEMMs are one launch (two-phase), the join comes before it: under the router only. SGLang 0.5.23
+#: does the same while it captures a decode graph (``forward_normal_dual_stream``,
+#: ``sglang/srt/models/deepseek_v2.py``: forked before the gate, the shared expert issued on the side stream after
+#: the routed experts, joined after them). Only inside a capture: a replayed call runs its launches in order on one
+#: stream (:mod:`moe_kernels._replay`), and an uncaptured call's host time is longer than any overlap.
 SHARED_BESIDE = "experts"
 BESIDE = (None, "experts")
 #: The side stream's priority (lower runs first; the default is 0): as the routed kernels' programs finish, the

@@ -561,8 +561,9 @@ def test_auto_layout_follows_the_measured_crossover(model_name, fmt, device_name
 def test_auto_shared_expert_follows_the_measured_choice(device_name):
     """``shared_expert="auto"``: DeepSeek-V3's fp8 shared expert runs as slot E up to the measured
     crossover of ``shared-choices.json`` (the H100's: 64 tokens; the H200's: 16) on the table tuned for the fused
-    problem (E + 1 experts) where it covers the batch, else the routed one, and apart above it, on the routed table and its own dense tiles; a GPU, shape or
-    format with no entry runs it apart at every batch, as ``"separate"`` does."""
+    problem (E + 1 experts) where it covers the batch, else the routed one, and apart above it, on the routed table
+    and its own dense tiles; a GPU, shape or format with no entry runs it apart at every batch, as ``"separate"``
+    does."""
     from moe_kernels.kernels.shared_choice import load_shared_choices
     from moe_kernels.kernels.layout_choice import shape_key
 

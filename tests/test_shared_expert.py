@@ -319,3 +319,35 @@ def test_the_top_k_sum_adds_a_shared_output_before_rounding():
     assert rel_err(sum_slots(per_slot, add=shared), want) < 1e-6
     assert rel_err(moe_sum_reference(per_slot.cpu(), shared.cpu()), want.cpu()) < 1e-6
     assert rel_err(sum_slots(per_slot[:, :0], add=shared), shared.double()) < 1e-6   # k = 0: the addend alone
+
+
+@pytest.mark.parametrize("sum_in_gemm", [False, True])
+def test_a_callable_addend_is_called_once_after_the_gemms_and_adds_the_same(sum_in_gemm):
+    """``run_experts(add=callable)`` (how a shared expert on a side stream joins: moe_kernels.layer_shared): the
+    callable is called once, after both GEMMs are launched, and the output equals that with the tensor itself."""
+    import dataclasses
+
+    from moe_kernels.kernels.config import default_config
+    from moe_kernels.kernels.formats import FORMATS
+
+    p = shared_problem(7, 6, 2, 32, 16, torch.float32, seed=21)
+    config = dataclasses.replace(default_config(7, 6, 16, 32), sum_in_gemm=sum_in_gemm)
+    shared = torch.randn(7, 32, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    calls = []
+
+    def run(add):
+        return index_gather.run_experts(p["hidden"], p["w1"], p["w2"], p["weights"], p["ids"], fmt=FORMATS["none"],
+                                        config=config, add=add)
+
+    from moe_kernels._runtime import BACKEND, record_launches
+
+    want = run(shared)
+    with record_launches() as launches:
+        got = run(lambda: calls.append([name for name, _ in launches]) or shared)
+    assert len(calls) == 1 and torch.equal(got, want)
+    if BACKEND != "torch":   # both GEMMs launched before the join; after it only the top-k sum (none: summed in GEMM 2)
+        names = [name for name, _ in launches]
+        assert calls[0].count("index_gather.gemm") == 2, calls[0]
+        assert names[len(calls[0]):] == ([] if sum_in_gemm else ["combine.moe_sum"]), names
+    reference = moe_reference(p["hidden"], p["w1"], p["w2"], p["weights"], p["ids"]) + shared.double()
+    assert rel_err(want, reference) < TOLERANCE[torch.float32]

@@ -32,7 +32,8 @@ def tables() -> dict:
     found = {}
     for path in (ROOT / "moe_kernels" / "kernels" / "configs").glob("*layout=index_gather.json"):
         fields = dict(part.split("=") for part in path.stem.split(","))
-        key = (fields["device"].replace("_", " "), int(fields["E"]), int(fields["N"]), int(fields["K"]), fields["dtype"])
+        key = (fields["device"].replace("_", " "), int(fields["E"]), int(fields["N"]), int(fields["K"]),
+               fields["dtype"])
         found[key] = json.loads(path.read_text())["configs"]
     return found
 
@@ -65,7 +66,8 @@ def kept_by_margin():
             block_m = entry["config"]["block_m"]
             for gemm in ("gate_up", "down"):
                 chosen = entry["config"][gemm]
-                if not plain(chosen) or not in_table or in_table.get("block_m") != block_m or in_table.get(gemm) != chosen:
+                if (not plain(chosen) or not in_table or in_table.get("block_m") != block_m
+                        or in_table.get(gemm) != chosen):
                     continue
                 summed = entry["config"].get("sum_in_gemm", False) if gemm == "down" else None
                 timed = [t for t in entry["tried"] if t.get("gemm") == gemm and t.get("block_m") == block_m
@@ -78,7 +80,8 @@ def kept_by_margin():
                 if key in newest and newest[key][0] > date:
                     continue
                 newest[key] = date, {"record": f"{record.parent.name}/{record.name}", "model": entry.get("model"),
-                       "format": entry["format"] if fp8 else "bf16", "E": entry["E"], "tokens": entry["M"], "gemm": gemm,
+                       "format": entry["format"] if fp8 else "bf16", "E": entry["E"], "tokens": entry["M"],
+                       "gemm": gemm,
                        "chosen_us": mine[0] * 1e3, "fastest_us": fastest["ms"] * 1e3,
                        "fastest": {k: fastest["tiles"][k] for k in SHOWN if k in fastest["tiles"]}}
     yield from (row for _, row in newest.values())

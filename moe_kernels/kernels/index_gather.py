@@ -462,8 +462,7 @@ def run_experts(hidden_states, w1, w2, topk_weights, topk_ids, *, fmt, config: M
     reads the same); ``add``: a ``[T, d]`` tensor the top-k sum adds in fp32 (a shared expert's
     output), instead of a separate addition, or a callable that returns it, called where the sum first needs it:
     after GEMM 2's launch, or before the launch where both GEMMs are one (a shared expert on a side stream joins
-    there: :class:`~moe_kernels.layer_shared.SharedApart`). A config with
-    ``one_launch`` tiles and no ``blocks``
+    there: :class:`~moe_kernels.layer_shared.SharedApart`). A config with ``one_launch`` tiles and no ``blocks``
     runs both GEMMs in one launch (:mod:`moe_kernels.kernels.one_launch`: fp8 as W8A16;
     :mod:`moe_kernels.kernels.two_phase`: block fp8 as W8A8, quantising in the kernel; both ignore
     ``activations``), where its kernel takes the format (:func:`runs_in_one_launch`).

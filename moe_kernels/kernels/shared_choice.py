@@ -13,8 +13,9 @@ routed table's tiles from 3; the separate shared expert on the default tiles: th
 shared expert cost 20.2, 29.8, 38.6, 26.2, 31.5 and 37.6 us fused at 1, 2, 4, 16, 32 and 64 tokens against 40.7,
 39.2, 42.9, 55.4, 51.6 and 52.2 separate, and at 128 and 512 tokens 69.4 and 122.3 fused against 45.6 and 68.8
 separate (``results/nvidia-h100-80gb-hbm3/shared-routed-tiles-ab-s44.json`` and ``-s44b.json``; at 8 tokens the
-layer without the slot runs the naive block map and the one with it aligns, hence a negative difference). The slot is taken on the index-gather layout only
-(where it was measured): a layer whose ``layout="auto"`` picks another layout runs the shared expert apart.
+layer without the slot runs the naive block map and the one with it aligns, hence a negative difference). The
+slot is taken on the index-gather layout only (where it was measured): a layer whose ``layout="auto"`` picks
+another layout runs the shared expert apart.
 
     >>> choose_shared_slot(8, 256, 2048, 7168, "fp8-block", "cpu", device_name="NVIDIA H100 80GB HBM3")
     True
