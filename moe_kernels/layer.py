@@ -44,6 +44,7 @@ from ._replay import CallPlans
 from .checkpoint import load_layer
 from .layer_router import choose_router, choose_tile_router, route
 from .kernels.config import TABLE_REACH, ConfigChoice, MoEConfig, check_config
+from .kernels.blocks import use_naive_block_assignment
 from .kernels.config import choose_config, choose_fused_shared_config
 from .kernels.formats import WeightFormat
 from .kernels.index_gather import run_experts
@@ -135,9 +136,8 @@ def plan_layer(func: str, weights: LayerWeights, routing: Routing, layout: str, 
     if config is not None:
         choice = ConfigChoice(check_config(func, config, layout=layout), "argument", choice.asked)
     naive = None
-    if layout == "index_gather":
-        slots, experts = routing.top_k + slot, e + slot
-        naive = num_tokens * slots * 4 <= experts   # vLLM's rule (moe_kernels.kernels.blocks)
+    if layout == "index_gather":   # vLLM's rule; the slot is one more expert and one more of each token's top-k
+        naive = use_naive_block_assignment(num_tokens, routing.top_k + slot, e + slot)
     shared_choice = None
     if runs_apart(weights, slot) and (weights.format.quantized or num_tokens <= DENSE_SHARED_MAX_TOKENS):
         shared_choice = choose_config(num_tokens, 1, shared_tensors(weights)[1].shape[1], d, weights.format.element or
