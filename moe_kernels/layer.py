@@ -135,9 +135,9 @@ def plan_layer(func: str, weights: LayerWeights, routing: Routing, layout: str, 
         choice = ConfigChoice(measured.config, "layout-choice", choice.asked, "layout-choices", measured.from_tokens)
     if config is not None:
         choice = ConfigChoice(check_config(func, config, layout=layout), "argument", choice.asked)
-    naive = None
-    if layout == "index_gather":   # vLLM's rule; the slot is one more expert and one more of each token's top-k
-        naive = use_naive_block_assignment(num_tokens, routing.top_k + slot, e + slot)
+    naive = (use_naive_block_assignment(num_tokens, routing.top_k + slot, e + slot,   # (the slot: one more expert
+                                        block_fp8=weights.format.scales == "block")   # and one more top-k)
+             if layout == "index_gather" else None)
     shared_choice = None
     if runs_apart(weights, slot) and (weights.format.quantized or num_tokens <= DENSE_SHARED_MAX_TOKENS):
         shared_choice = choose_config(num_tokens, 1, shared_tensors(weights)[1].shape[1], d, weights.format.element or

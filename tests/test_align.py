@@ -325,6 +325,10 @@ def test_naive_rule():
     assert not use_naive_block_assignment(9, 8, 256)
     assert not use_naive_block_assignment(1, 8, 256, has_expert_map=True)
     assert use_naive_block_assignment(4, 8, 128) and not use_naive_block_assignment(5, 8, 128)
+    # block-fp8 weights: the naive map up to 2 tokens only (DeepSeek-V3's fp8 layer measured faster aligned from 3)
+    assert use_naive_block_assignment(2, 8, 256, block_fp8=True)
+    assert not use_naive_block_assignment(3, 8, 256, block_fp8=True)
+    assert not use_naive_block_assignment(3, 8, 16, block_fp8=True)   # (the 4 of vLLM's rule still applies)
 
 
 @pytest.mark.parametrize("block_size", [1, 16])

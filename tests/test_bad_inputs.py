@@ -202,6 +202,7 @@ BAD_INPUTS = [
     case("naive_block_assignment-ids-float", naive_block_assignment, TypeError, "topk_ids", TI.float(), 16),
     case("use_naive-num_tokens-negative", use_naive_block_assignment, ValueError, "num_tokens", -1, 2, E),
     case("use_naive-topk-0", use_naive_block_assignment, ValueError, "topk", 3, 0, E),
+    case("use_naive-block_fp8-not-bool", use_naive_block_assignment, TypeError, "block_fp8", 3, 2, E, block_fp8=1),
     case("use_naive-num_experts-0", use_naive_block_assignment, ValueError, "num_experts", 3, 2, 0),
     case("naive_padded_rows-block-0", naive_padded_rows, ValueError, "block_size", 3, 2, 0),
     case("check_alignment-ids>=E", check_alignment, ValueError, "topk_ids", ids_of(E), 16, E,

@@ -184,6 +184,27 @@ def test_each_gemm_stage_is_exact_on_the_quantised_numbers(granularity, naive):
     assert rel_err(per_slot.reshape(-1, w2.shape[1]), want) < 1e-6
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="no Triton: the torch references launch nothing")
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+@pytest.mark.parametrize("num_tokens", [2, 3])
+def test_block_fp8_experts_leave_the_naive_map_from_three_tokens(granularity, num_tokens):
+    """vLLM's rule takes the naive map at these batches (T * 2 * 4 <= 64); block-fp8 weights keep it up to
+    ``blocks.NAIVE_MAX_TOKENS_BLOCK_FP8`` = 2 tokens only (faster aligned on an H100), the other formats throughout.
+    The path, not only the value: which block map the GEMMs ran, and whether an alignment launched."""
+    x, w1, w2, weights, ids = problem(num_tokens=num_tokens, num_experts=64, seed=5)
+    w1q, w1s = quantize_weight(w1, granularity)
+    w2q, w2s = quantize_weight(w2, granularity)
+    with record_launches() as launches:
+        out = fused_experts(x, w1q, w2q, weights, ids, w1_scale=w1s, w2_scale=w2s)
+    naive = granularity != "block" or num_tokens <= 2
+    gemms = [settings for name, settings in launches if name == "index_gather.gemm"]
+    assert [g["naive"] for g in gemms] == [naive, naive]
+    assert ("align.moe_align_block_size" in [name for name, _ in launches]) == (not naive)
+    ref = moe_reference_fp8(x, w1q, w2q, weights, ids, w1_scale=w1s, w2_scale=w2s, granularity=granularity,
+                            intermediate_dtype=torch.float32)
+    assert rel_err(out, ref) < 1e-3
+
+
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("granularity", GRANULARITIES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -200,6 +200,15 @@ def small_layer(fmt: str, layout: str, shared_expert="separate", model="deepseek
     return base if fmt == "none" else base.quantized(fmt)
 
 
+@pytest.mark.parametrize("fmt", ["none", "block", "tensor"])
+def test_block_fp8_layers_take_the_naive_map_up_to_two_tokens(fmt):
+    """DeepSeek-V3 (E = 256, top-8) is inside vLLM's naive rule up to 8 tokens; its block-fp8 layer measured faster
+    on the aligned map from 3 (``blocks.NAIVE_MAX_TOKENS_BLOCK_FP8``), so only block fp8 aligns there."""
+    layer = meta_layer("deepseek-v3", fmt, "index_gather")
+    naive = [batch for batch in range(1, 11) if layer.plan(batch, device_name=H200).naive_blocks]
+    assert naive == ([1, 2] if fmt == "block" else list(range(1, 9)))
+
+
 @pytest.mark.skipif(BACKEND == "torch", reason="no Triton: the torch references launch nothing")
 def test_the_layers_naive_map_groups_an_experts_tokens():
     """From two tokens on, the layer's naive block map runs both GEMMs with each expert's assignments in

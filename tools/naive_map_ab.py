@@ -4,11 +4,13 @@ At ``T * k * 4 <= E`` tokens (DeepSeek-V3: up to 8; Qwen3-30B-A3B: up to 4) the 
 gives each assignment (or, with ``naive_group``, each expert's assignments) its own block. Session 45 saw DeepSeek-V3's
 fp8 layer with the shared slot (E + 1 experts, top-9: aligned at 8 tokens) beat the routed layer alone (naive there)
 by 20 us, more than the slot's cost allows. This times the routed layer (``MoELayer(x)``, the shared expert left out,
-index-gather, the layer's own tiles) both ways at the same batch: the rule as it is, and with
-``blocks.NAIVE_RULE_FACTOR`` raised past every batch so that the plan aligns (and the router chain aligns in its own
-launch, as it does above the rule). Each call replayed from a CUDA graph with the L2 flushed before each replay,
-four rounds, every other one in reverse order, the lowest round median kept; the two outputs checked against each
-other (the same blocks' rows summed in the same order: equal up to the top-k sum's order).
+index-gather, the layer's own tiles) both ways at the same batch: vLLM's rule (block fp8 included: since this tool
+first ran the layer keeps block fp8 on the naive map up to ``blocks.NAIVE_MAX_TOKENS_BLOCK_FP8`` tokens only), and
+with ``blocks.NAIVE_RULE_FACTOR`` raised past every batch so that the plan aligns (and the router chain aligns in its
+own launch, as it does above the rule). Beside them the experts call alone (``fused_experts`` on the layer's routing
+and tiles, each block map built before the timed call: the GEMMs and the top-k sum without the alignment). Each
+call replayed from a CUDA graph with the L2 flushed before each replay, four rounds, every other one in reverse
+order, the lowest round median kept; every output checked against the naive layer's.
 
     PYTHONPATH=. python tools/naive_map_ab.py [models] [formats] [name]   # GPU: records <name>.json
     PYTHONPATH=. TRITON_INTERPRET=1 python tools/naive_map_ab.py          # CPU: a small shape, the checks only
@@ -18,7 +20,7 @@ import sys
 
 import torch
 
-from moe_kernels import MoELayer
+from moe_kernels import MoELayer, fused_experts
 from moe_kernels.bench.ceilings import measure_read_bandwidth
 from moe_kernels.bench.timing import time_lowest
 from moe_kernels.kernels import blocks
@@ -36,13 +38,15 @@ read_bandwidth = measure_read_bandwidth() if device == "cuda" else 1.0
 ALIGNED = 1 << 40   # a factor no batch passes: the rule never takes the naive map
 
 
-def under_factor(factor, call):
-    """``call()`` with vLLM's factor 4 replaced by ``factor`` (the plan is made, and cached, at the first call)."""
-    old, blocks.NAIVE_RULE_FACTOR = blocks.NAIVE_RULE_FACTOR, factor
+def under_rule(aligned, call):
+    """``call()`` under vLLM's rule for every format (``aligned``: with its factor 4 raised past every batch; the
+    plan is made, and cached, at the layer's first call)."""
+    old = blocks.NAIVE_RULE_FACTOR, blocks.NAIVE_MAX_TOKENS_BLOCK_FP8
+    blocks.NAIVE_RULE_FACTOR, blocks.NAIVE_MAX_TOKENS_BLOCK_FP8 = (ALIGNED if aligned else 4), ALIGNED
     try:
         return call()
     finally:
-        blocks.NAIVE_RULE_FACTOR = old
+        blocks.NAIVE_RULE_FACTOR, blocks.NAIVE_MAX_TOKENS_BLOCK_FP8 = old
 
 
 rows = []
@@ -61,27 +65,33 @@ for name in models:
             layers = {"naive": MoELayer(weights, base.routing), "aligned": MoELayer(weights, base.routing)}
             x = torch.randn(batch, weights.w2.shape[1], device=device, dtype=dtype,
                             generator=torch.Generator(device).manual_seed(batch))
-            candidates = {"naive": lambda: layers["naive"](x),
-                          "aligned": lambda: under_factor(ALIGNED, lambda: layers["aligned"](x))}
-            plans = {"naive": layers["naive"].plan(batch, dtype=dtype),
-                     "aligned": under_factor(ALIGNED, lambda: layers["aligned"].plan(batch, dtype=dtype))}
+            plans = {way: under_rule(way == "aligned", lambda way=way: layers[way].plan(batch, dtype=dtype))
+                     for way in layers}
             assert plans["naive"].naive_blocks and plans["aligned"].naive_blocks is False, plans
+            candidates = {way: lambda way=way: under_rule(way == "aligned", lambda: layers[way](x)) for way in layers}
+            topk_weights, topk_ids, _ = route(plans["naive"], x, weights, base.routing)
+            for way, plan in plans.items():   # (the map built outside the timed call)
+                block_map = blocks.assign_blocks(topk_ids, plan.config.block_m, e, naive=plan.naive_blocks)
+                candidates[f"experts {way}"] = lambda plan=plan, block_map=block_map: fused_experts(
+                    x, weights.w13, weights.w2, topk_weights, topk_ids, config=plan.config, blocks=block_map,
+                    w1_scale=weights.w13_scale, w2_scale=weights.w2_scale, validate_ids=False)
             reference = layers["naive"](x)
             lowest, rounds, errors, rel = time_lowest(candidates, reference, tolerance=3e-2, warmup_ms=5, rep_ms=30,
                                                       rounds=4, alternate=True)
-            touched = int(route(plans["naive"], x, weights, base.routing)[1].unique().numel())
+            touched = int(topk_ids.unique().numel())
             floor_us = 1e6 * touched * bytes_per_expert / read_bandwidth
             row = {"model": name, "format": fmt, "batch": batch, "us": lowest, "rounds_us": rounds, "errors": errors,
                    "rel_err_vs_naive": rel, "experts_touched": touched, "floor_us": floor_us,
                    "aligned_over_naive": lowest["aligned"] / lowest["naive"],
+                   "experts_aligned_over_naive": lowest["experts aligned"] / lowest["experts naive"],
                    "plans": {way: {"naive_blocks": p.naive_blocks, "entry": p.choice.entry, "table": p.choice.table,
-                                   "router": [p.gate_routing, p.gate_alignment, p.chained], "config": dataclasses.asdict(p.config)}
-                             for way, p in plans.items()}}
+                                   "router": [p.gate_routing, p.gate_alignment, p.chained],
+                                   "config": dataclasses.asdict(p.config)} for way, p in plans.items()}}
             rows.append(row)
             record_tool(record_name, rows, {"models": models, "formats": formats, "shared_expert": "left out",
                                             "rounds": 4, "order": "reversed every other round",
                                             "ceilings": {"read_bandwidth": read_bandwidth}, "dtype": str(dtype)})
-            print(f"{name} {fmt:<5} {batch:>2}: naive {lowest['naive']:8.1f}  aligned {lowest['aligned']:8.1f} us"
+            print(f"{name} {fmt:<5} {batch:>2}: " + "  ".join(f"{way} {us:8.1f}" for way, us in lowest.items()) + " us"
                   f"  ({row['aligned_over_naive']:.3f}; {touched} experts, floor {floor_us:.1f})"
                   + (f"  errors {errors}" if errors else ""), flush=True)
         del base, weights, layers

@@ -114,7 +114,7 @@ def tune(models, batches, *, dtype, seed, warmup_ms, rep_ms, workers, budget_s=m
             experts, top_k = slots(model)
             rho = batch * top_k / experts
             dense = shared   # a shared expert (--shared): the dense block map
-            naive = not dense and use_naive_block_assignment(batch, top_k, experts)
+            naive = not dense and use_naive_block_assignment(batch, top_k, experts, block_fp8=fmt.scales == "block")
             base = todays(batch, model) if refine else None
             for bm in [base.block_m] if refine else block_m_candidates(rho):
                 for gated, summed, tiles in candidates(rho, bm, base=base, fmt=fmt, dense=dense):

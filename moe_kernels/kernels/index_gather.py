@@ -61,8 +61,8 @@ from .._runtime import (HAS_TRITON, INTERPRET, cdiv, device_assert_options, inte
                         recording, tl, use_triton)
 from ._tile_gemm import (check_operands, check_out, dequantized, dot_precision,
                          in_float32_under_interpreter, output_dtype, programs_per_device, weight_descriptor)
-from .blocks import (BlockAssignment, assign_blocks, assignments_by_block, build_blocks, check_blocks,  # noqa: F401
-                     dense_blocks)
+from .blocks import (NAIVE_MAX_TOKENS_BLOCK_FP8, BlockAssignment, assign_blocks, assignments_by_block,  # noqa: F401
+                     build_blocks, check_blocks, dense_blocks)
 from .activation import silu_mul_rows
 from .combine import sum_slots
 from .config import GemmTiles, MoEConfig, check_block_m, check_config, check_tiles, get_config, separate_sum_tiles
@@ -474,6 +474,8 @@ def run_experts(hidden_states, w1, w2, topk_weights, topk_ids, *, fmt, config: M
     num_tokens, top_k = topk_ids.shape
     d = w2.shape[1]
     if blocks is None:
+        if naive is None and fmt.scales == "block" and num_tokens > NAIVE_MAX_TOKENS_BLOCK_FP8:
+            naive = False   # (blocks.use_naive_block_assignment's rule for block-fp8 weights)
         blocks = build_blocks(func, topk_ids, block_m or config.block_m, w2.shape[0], naive, ids == "validate")
     summed = config.sum_in_gemm
     device, out_dtype = hidden_states.device, hidden_states.dtype
