@@ -4,9 +4,9 @@ Two ways to build it:
 
 * aligned (:func:`moe_kernels.kernels.align.moe_align_block_size`): the assignments grouped by
   expert, each expert padded to whole blocks;
-* naive, for tiny batches (:func:`use_naive_block_assignment`, vLLM's ``T * k * 4 <= E``): block
-  ``m`` is just assignment ``m``, because nearly every expert that is hit is hit once, so sorting
-  would buy nothing. :func:`naive_block_assignment` writes that layout in the aligned format, so
+* naive, for tiny batches (:func:`use_naive_block_assignment`, vLLM's ``T * k * 4 <= E``; block-fp8
+  weights up to 2 tokens only, measured): block ``m`` is just assignment ``m``, because nearly every
+  expert that is hit is hit once, so sorting would buy nothing. :func:`naive_block_assignment` writes that layout in the aligned format, so
   one GEMM kernel can read either; :class:`BlockAssignment` keeps it implicit (no tensors at all),
   and from two tokens on lets the first block of an expert's assignments take them all
   (``naive_group``), so that an expert two tokens share is read once.

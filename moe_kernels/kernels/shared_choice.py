@@ -31,12 +31,13 @@ object holds the crossover measured that way (``choose_shared_slot(..., beside=T
 capture), and an entry without one answers with its in-line crossover. On the H100, DeepSeek-V3's fp8 layer: the
 shared expert beside cost 24.4, 26.9, 19.3, 20.0, 21.7, 20.6, 24.1, 23.9, 31.5 and 51.7 us at 1, 2, 4, 8, 16, 32,
 64, 128, 256 and 512 tokens, against the slot's 19.9 at one token and 30.5, 38.0, 26.1, 29.3 and 39.8 at 2, 4,
-16, 32 and 64 (``shared-beside-ab-s45.json``, ``-s45b.json``): the slot at one token, and at 8, where the slot's
-whole layer (885.4 us) beat the forked one (905.5) on its aligned block map.
+16, 32 and 64 (``shared-beside-ab-s45.json``, ``-s45b.json``): the slot at one token only. (At 8 the slot's whole
+layer had beaten the forked one, 885.4 against 905.5 us, on the aligned block map where the routed layer alone ran
+the naive one; once both aligned, the fork cost 17.6 us there against the slot's 24.9: ``shared-beside-ab-s46.json``.)
 
     >>> [m for m in (1, 2, 4, 8, 16) if choose_shared_slot(m, 256, 2048, 7168, "fp8-block", "cpu",
     ...                                                      device_name="NVIDIA H100 80GB HBM3", beside=True)]
-    [1, 8]
+    [1]
 """
 
 from __future__ import annotations
@@ -74,12 +75,10 @@ def load_shared_choices() -> dict[str, int]:
 
 
 @functools.lru_cache(maxsize=None)
-def load_beside_choices() -> dict[str, tuple[int, tuple[int, ...]]]:
-    """``{shape key: (slot_up_to_tokens, slot_at_tokens)}`` of the entries' ``beside`` objects: the crossover
-    against a shared expert forked onto a side stream, measured in captured graphs, and the batches above it where
-    the slot's whole layer still measured faster (``slot_at_tokens``, optional: at 8 DeepSeek-V3 tokens the slot's
-    layer aligns where the routed layer alone runs the naive block map); checked as :func:`load_shared_choices`
-    checks an entry."""
+def load_beside_choices() -> dict[str, int]:
+    """``{shape key: slot_up_to_tokens}`` of the entries' ``beside`` objects: the crossover against a shared
+    expert forked onto a side stream, measured in captured graphs; checked as :func:`load_shared_choices` checks an
+    entry."""
     func = "load_beside_choices"
     load_shared_choices()   # (every entry checked first)
     choices = {}
@@ -91,12 +90,7 @@ def load_beside_choices() -> dict[str, tuple[int, tuple[int, ...]]]:
                 or not beside["measured"].get("records"):
             fail(func, f"{where}.beside", "must be an object with 'slot_up_to_tokens' and 'measured' naming its "
                  "records", repr(beside)[:120])
-        up_to = check_int(func, f"{where}.beside.slot_up_to_tokens", beside.get("slot_up_to_tokens"), lo=1)
-        at = beside.get("slot_at_tokens", [])
-        if not isinstance(at, list):
-            fail(func, f"{where}.beside.slot_at_tokens", "must be a list of token counts", repr(at)[:120], TypeError)
-        choices[key] = (up_to, tuple(check_int(func, f"{where}.beside.slot_at_tokens[{i}]", m, lo=up_to + 1)
-                                     for i, m in enumerate(at)))
+        choices[key] = check_int(func, f"{where}.beside.slot_up_to_tokens", beside.get("slot_up_to_tokens"), lo=1)
     return choices
 
 
@@ -105,8 +99,8 @@ def choose_shared_slot(M: int, E: int, N: int, K: int, fmt_name: str, device: to
     """Whether ``M`` tokens run the shared expert as slot ``E`` of the routed GEMMs (``E`` routed experts of
     ``F = N``, ``d = K``, weights in the format named ``fmt_name``) on ``device``'s GPU, or as on
     ``device_name`` (a GPU's name, from any machine): True up to the entry's ``slot_up_to_tokens`` (with
-    ``beside``, against a shared expert forked onto a side stream: its ``beside`` crossover, and the batches it
-    names, where it has one), False above it and wherever there is no entry."""
+    ``beside``, against a shared expert forked onto a side stream: its ``beside`` crossover, where it has one),
+    False above it and wherever there is no entry."""
     func = "choose_shared_slot"
     check_int(func, "M", M, lo=0)
     for name, value in (("E", E), ("N", N), ("K", K)):
@@ -119,10 +113,8 @@ def choose_shared_slot(M: int, E: int, N: int, K: int, fmt_name: str, device: to
     if device_name is None:
         return False
     key = shape_key(device_name, E, N, K, fmt_name)
-    if beside and key in load_beside_choices():
-        up_to, at = load_beside_choices()[key]
-        return M <= up_to or M in at
-    up_to = load_shared_choices().get(key)
+    up_to = load_beside_choices().get(key) if beside else None
+    up_to = load_shared_choices().get(key) if up_to is None else up_to
     return up_to is not None and M <= up_to
 
 
