@@ -33,7 +33,8 @@ capture, a launch hook or a launch trace runs eagerly. ``MOE_KERNELS_REPLAY=0`` 
 Once a plan has replayed once on a set of weights, :mod:`moe_kernels._replay_graphs` captures
 the replay into a CUDA graph at the next call, and later calls launch that (the activations
 copied in, the weights read in place, the output copied out): a decode call's host work becomes
-a handful of API calls.
+a handful of API calls. A stretch of the call marked by :func:`~moe_kernels._replay_fork.side_stream_stretch` (a
+layer's shared expert) runs, in that capture only, on a side stream (:mod:`moe_kernels._replay_fork`).
 Use (on a GPU): ``plans.run(tensors, options, lambda: eager(...))``.
 """
 
@@ -47,6 +48,7 @@ import weakref
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ._replay_fork import Fork, Slot as _Slot, slots_in as _slots_in, with_join
 from ._replay_graphs import PlanGraphs
 
 
@@ -221,6 +223,9 @@ class Recording:
         # (in place), and the operations whose outputs a kept event reads.
         needed, kept = set(returned), []
         for event in reversed(events):
+            if event[0] == "mark":
+                kept.append(event)
+                continue
             if event[0] == "launch":
                 needed.update(pointer[1] for pointer in event[5])
                 kept.append(event)
@@ -230,7 +235,7 @@ class Recording:
             if writes or not func._schema.returns or any(o in needed for o in outs if o is not None):
                 needed.update(_slots_in((args_t, kwargs_t)))
                 kept.append(event)
-        kept.reverse()
+        kept = with_join(kept[::-1])
         # Buffers that only launches touch (no operation reads them, none is returned) become
         # pieces of one workspace: one allocation per replay instead of one each. Each piece
         # starts on a 512-byte boundary, as the caching allocator's blocks do, so every pointer
@@ -246,7 +251,7 @@ class Recording:
                 size += -(-self.tensors[event[4][0]].untyped_storage().nbytes() // 512) * 512
         kept = [event for event in kept if not (event[0] == "op" and event[1] in _ALLOCATIONS
                                                 and event[4][0] in pieces)]
-        kept = [(*event, self._binding(event)) if event[0] == "op" else
+        kept = [event if event[0] == "mark" else (*event, self._binding(event)) if event[0] == "op" else
                 (*event[:5], tuple((position, workspace, pieces[root] + offset, descriptor) if root in pieces
                                    else (position, root, offset, descriptor)
                                    for position, root, offset, descriptor in event[5]))
@@ -316,10 +321,6 @@ _ALLOCATIONS = (torch.ops.aten.empty.memory_format,)
 _SAME_TENSOR = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)
 
 
-class _Slot(int):
-    """A tensor argument of a recorded operation, by slot."""
-
-
 def _descriptor_fields(desc) -> dict:
     """A TMA descriptor's fields other than its base (a dataclass in Triton 3.6 and 3.9)."""
     if dataclasses.is_dataclass(desc):
@@ -342,14 +343,6 @@ class _Descriptor:
     def __init__(self, address, fields: dict):
         self.__dict__.update(fields)
         self.base = _Address(address)
-
-
-def _slots_in(value):
-    if isinstance(value, _Slot):
-        yield value
-    elif isinstance(value, (list, tuple, dict)):
-        for v in (value.values() if isinstance(value, dict) else value):
-            yield from _slots_in(v)
 
 
 def _filled(template, slots):
@@ -390,7 +383,9 @@ class Plan:
         self.replays = 0
         self.steps = []
         for event in events:
-            if event[0] == "launch":
+            if event[0] == "mark":   # (None: neither a launch nor an operation)
+                self.steps.append((None, event[1]))
+            elif event[0] == "launch":
                 _, compiled, grid, device, args, pointers = event
                 self.steps.append((True, compiled.run, grid, device, compiled.function, compiled.packed_metadata,
                                    args, pointers))
@@ -401,13 +396,26 @@ class Plan:
                 fixed = not any(True for _ in _slots_in(kwargs_t))
                 self.steps.append((False, binding, args_t, kwargs_t, outs, many_out, flat, fixed, func))
         self.num_launches = sum(1 for s in self.steps if s[0])
-        self.num_ops = len(self.steps) - self.num_launches
+        self.num_ops = sum(1 for s in self.steps if s[0] is False)
+        #: a stretch a capture runs on a side stream (replay's ``fork``)
+        self.forks = any(s[0] is None for s in self.steps)
 
     def operations(self) -> list[str]:
         """The torch operations a replay redoes, by overload name (``aten.mm.default``)."""
-        return [str(step[8]) for step in self.steps if not step[0]]
+        return [str(step[8]) for step in self.steps if step[0] is False]
 
-    def replay(self, inputs):
+    def replay(self, inputs, fork: torch.cuda.Stream | None = None):
+        """The call on ``inputs``; with ``fork`` (a side stream, given while a CUDA graph is captured), its marked
+        stretch on that stream."""
+        if fork is None or not self.forks:
+            return self._replay(inputs, None)
+        forked = Fork(fork)
+        try:
+            return self._replay(inputs, forked)
+        finally:
+            forked.close()
+
+    def _replay(self, inputs, forked):
         slots = [*inputs, *([None] * (self.num_slots - self.num_inputs))]
         for slot, tensor, _, _ in self.constants:
             slots[slot] = tensor
@@ -424,6 +432,10 @@ class Plan:
                     address = slots[slot].data_ptr() + offset
                     args[position] = address if descriptor is None else _Descriptor(address, descriptor)
                 run(grid[0], grid[1], grid[2], stream, function, metadata, None, None, None, *args)
+            elif step[0] is None:   # a mark: the side stream's fork, end or join, acted on only with one
+                if forked is not None:
+                    forked.step(step[1])
+                    stream = None   # (the next launch goes to the stream now current)
             else:
                 _, func, args_t, kwargs_t, outs, many_out, flat, fixed, _ = step
                 args = [slots[a] if type(a) is _Slot else a for a in args_t] if flat else _filled(args_t, slots)

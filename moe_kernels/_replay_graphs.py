@@ -79,6 +79,8 @@ MAX_GRAPHS_PER_PLAN = 256
 #: one plain replay, then the capture (a one-off call never pays for a capture).
 REPLAYS_BEFORE_GRAPH = 2
 ENABLED = os.environ.get("MOE_KERNELS_REPLAY_GRAPHS", "1") != "0"
+#: The priority of the stream a captured replay forks a marked stretch onto (layer_shared.SIDE_PRIORITY's reason).
+FORK_PRIORITY = -1
 
 _lock = threading.RLock()   # the budget and the capture sides (reentrant: a finalizer may run under it)
 _capture_lock = threading.Lock()   # one capture at a time in the process (captures are rare)
@@ -102,6 +104,8 @@ class _CaptureSide:
 
     def __init__(self, device: int):
         self.stream = torch.cuda.Stream(device=device)
+        #: where a plan's marked stretch runs inside its graph (moe_kernels._replay_fork), made here, outside a capture
+        self.fork_stream = torch.cuda.Stream(device=device, priority=FORK_PRIORITY)
         self.graphs = weakref.WeakSet()
         self.warm_threads = set()
 
@@ -119,16 +123,18 @@ class _CaptureSide:
         thread = threading.get_ident()
         if thread in self.warm_threads:
             return
-        with torch.cuda.stream(self.stream):
-            for dtype in (torch.bfloat16, torch.float16, torch.float32):
-                a = torch.ones(16, 16, device=self.stream.device, dtype=dtype)
-                torch.mm(a, a)
-                torch.addmm(a[0], a, a)
-                if dtype != torch.float32:
-                    try:   # (the gate's float32-output product, where torch has it)
-                        torch.mm(a, a, out_dtype=torch.float32)
-                    except (TypeError, RuntimeError):
-                        pass
+        for stream in (self.stream, self.fork_stream):   # (a shared expert's cuBLAS products run on the fork's)
+            stream.wait_stream(torch.cuda.current_stream(stream.device))
+            with torch.cuda.stream(stream):
+                for dtype in (torch.bfloat16, torch.float16, torch.float32):
+                    a = torch.ones(16, 16, device=stream.device, dtype=dtype)
+                    torch.mm(a, a)
+                    torch.addmm(a[0], a, a)
+                    if dtype != torch.float32:
+                        try:   # (the gate's float32-output product, where torch has it)
+                            torch.mm(a, a, out_dtype=torch.float32)
+                        except (TypeError, RuntimeError):
+                            pass
         self.warm_threads.add(thread)
 
 
@@ -329,7 +335,7 @@ def _capture(plan, streams: _StreamGraphs, tensors, copied):
         with torch.cuda.stream(side.stream):
             graph.capture_begin(pool=pool, capture_error_mode="thread_local")
             try:
-                results = plan.replay(args)
+                results = plan.replay(args, fork=side.fork_stream)   # (a marked stretch runs there)
                 for static, result in zip(streams.static_outputs, results if plan.many else (results,)):
                     static.copy_(result)   # out of the pool: nothing of this call stays there
                 del results

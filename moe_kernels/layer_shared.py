@@ -9,7 +9,9 @@ runs the stacked expert ``E`` apart, through views of the stacked tensors: no se
 
 A shared expert run apart is :class:`SharedApart`: its two GEMMs on the layer's stream after the router, or, while a
 CUDA graph is captured and :data:`SHARED_BESIDE` says so, on a side stream forked at the layer's start, where they
-run under the router (and the routed experts) instead of after it.
+run under the router (and the routed experts) instead of after it. The package's own replays of a layer
+(:mod:`moe_kernels._replay`) record it in line, marked; the CUDA graph a replay is captured into runs the marked
+stretch on a side stream forked after the router (:mod:`moe_kernels._replay_fork`), beside the routed experts.
 
     >>> import torch
     >>> from moe_kernels import MoELayer
@@ -22,9 +24,12 @@ run under the router (and the routed experts) instead of after it.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ._checks import fail
+from ._replay_fork import side_stream_stretch
 from .kernels.index_gather import dense_expert
 from .kernels.routing import router_logits
 from .kernels.shared import shared_ffn
@@ -50,8 +55,9 @@ DENSE_SHARED_MAX_TOKENS = 16
 #: Where the routed GEMMs are one launch (two-phase), the join comes before it: under the router only. SGLang 0.5.23
 #: does the same while it captures a decode graph (``forward_normal_dual_stream``,
 #: ``sglang/srt/models/deepseek_v2.py``: forked before the gate, the shared expert issued on the side stream after
-#: the routed experts, joined after them). Only inside a capture: a replayed call runs its launches in order on one
-#: stream (:mod:`moe_kernels._replay`), and an uncaptured call's host time is longer than any overlap.
+#: the routed experts, joined after them). Only inside a capture: an uncaptured call's host time is longer than any
+#: overlap. (The package's replays run it in line, marked: their own CUDA graph forks it after the router,
+#: :mod:`moe_kernels._replay_fork`; a plain replay runs its launches in order on one stream.)
 SHARED_BESIDE = "experts"
 BESIDE = (None, "experts")
 #: The side stream's priority (lower runs first; the default is 0): as the routed kernels' programs finish, the
@@ -144,8 +150,9 @@ class SharedApart:
                 self.output = shared_expert_output(plan, hidden_states, w, shared_gate_of(hidden_states, w), None)
 
     def run_in_line(self, shared_gate, activations) -> None:
-        if self.side is None:
-            self.output = shared_expert_output(*self.run, shared_gate, activations)
+        if self.side is None:   # (a call being recorded marks it: its replay's CUDA graph forks it, _replay_fork)
+            with side_stream_stretch() if SHARED_BESIDE is not None else contextlib.nullcontext():
+                self.output = shared_expert_output(*self.run, shared_gate, activations)
 
     def join(self) -> torch.Tensor:
         if self.side is not None:

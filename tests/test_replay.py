@@ -128,6 +128,54 @@ def test_a_replayed_descriptor_keeps_every_field_of_the_recorded_one():
         assert getattr(replayed, name) == value
 
 
+def stretch_call(x, kernel, in_place_on_input=False):
+    """A layer's shape of call: a main step, a marked stretch (a shared expert: its buffer and a launch into it),
+    a main launch, then the sum that reads the stretch's output."""
+    from moe_kernels._replay_fork import side_stream_stretch
+
+    h = x * 2                                   # main, before the stretch
+    with side_stream_stretch():
+        shared = torch.empty(x.numel())
+        launch(kernel, x, shared, x.numel())    # the stretch's launch: 2x + 1
+        if in_place_on_input:
+            h.add_(1)                           # writes a slot made before the stretch: may not fork
+    routed = torch.empty(x.numel())
+    launch(kernel, h, routed, x.numel())        # main, beside the stretch: 4x + 1
+    return routed + shared                      # the join goes before this
+
+
+def test_a_marked_stretch_forks_in_a_capture_and_joins_before_its_first_reader(fake_stream):
+    kernel, plans = FakeCompiled(), _replay.CallPlans("test")
+    for _ in range(3):
+        x = torch.randn(5)
+        torch.testing.assert_close(run_plans(plans, "key", (x,), lambda: stretch_call(x, kernel)), 6 * x + 2)
+    plan = plans.get("key")
+    assert plan.forks
+    kinds = [step[1] if step[0] is None else "launch" if step[0] else str(step[8]) for step in plan.steps]
+    empty = "aten.empty.memory_format"
+    assert kinds == ["aten.mul.Tensor", "fork", empty, "launch", "fork_end", empty, "launch", "join",
+                     "aten.add.Tensor"], kinds
+    assert plan.num_ops == 4 and plan.num_launches == 2
+    # Written in place inside the stretch, a slot made before it: the stretch runs in line, unmarked
+    plans = _replay.CallPlans("test")
+    for _ in range(3):
+        x = torch.randn(5)
+        torch.testing.assert_close(run_plans(plans, "key", (x,), lambda: stretch_call(x, kernel, True)), 6 * x + 4)
+    assert not plans.get("key").forks and all(step[0] is not None for step in plans.get("key").steps)
+
+
+def test_with_join_drops_marks_it_cannot_honour():
+    from moe_kernels._replay_fork import with_join
+
+    made = ("op", torch.ops.aten.empty.memory_format, ([4],), {}, (5,), False)
+    reads = ("launch", None, (1, 1, 1), 0, [None], ((0, 5, 0, None),))
+    fork, end = ("mark", "fork"), ("mark", "fork_end")
+    assert with_join([fork, made, end]) == [fork, made, end, ("mark", "join")]   # read by nothing: join at the end
+    for events in ([fork, made], [end, made, fork, reads], [fork, made, end, fork, made, end, reads],
+                   [fork, reads, end, reads]):   # unclosed, out of order, two stretches, one that makes nothing
+        assert with_join(events) == [e for e in events if e[0] != "mark"], events
+
+
 def test_a_binding_that_dispatches_elsewhere_is_not_used():
     recording, x = _replay.Recording((torch.randn(2, 2),)), _replay._Slot(0)
     add = ("op", torch.ops.aten.add.Tensor, (x, x), {"alpha": 2}, (1,), False)
@@ -505,6 +553,38 @@ def test_layer_replays_as_it_runs_gpu(model, fmt, layout, shared, num_tokens, mo
     layer.w2 = layer.w2 * 2 if layer.w2.dtype == torch.bfloat16 else layer.w2
     layer(x)
     assert layer._replays.get(layer._replays.key((x,), ())) is None
+
+
+@needs_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", [None, "block"])
+@pytest.mark.parametrize("num_tokens", [1, 8, 64])
+def test_a_layers_shared_expert_forks_in_its_replay_graph_gpu(fmt, num_tokens, monkeypatch):
+    """A layer with its shared expert apart, replayed by the package: recorded in line with the shared expert
+    marked (moe_kernels._replay_fork); its CUDA graph issues the stretch on the capture side's fork stream and
+    joins it; every call equals the eager one. With ``SHARED_BESIDE`` None nothing is marked."""
+    from moe_kernels import _replay_fork, layer_shared
+
+    seen, step = [], _replay_fork.Fork.step
+
+    def spy(self, kind):   # where the stretch's steps run: captured, and on the fork stream after "fork"
+        step(self, kind)
+        seen.append((kind, torch.cuda.is_current_stream_capturing(), torch.cuda.current_stream() == self.side))
+
+    monkeypatch.setattr(_replay_fork.Fork, "step", spy)
+    for beside in ("experts", None):
+        monkeypatch.setattr(layer_shared, "SHARED_BESIDE", beside)
+        layer, g = _small_layer("deepseek-v3", fmt), torch.Generator(device="cuda").manual_seed(num_tokens)
+        for call in range(5):
+            x = torch.randn(num_tokens, 256, device="cuda", dtype=torch.bfloat16, generator=g)
+            got, expected = layer(x), _eagerly(lambda: layer(x), monkeypatch)
+            assert torch.equal(got, expected), (beside, call, (got.float() - expected.float()).abs().max())
+        replay = layer._replays.get(layer._replays.key((x,), ()))
+        assert replay is not None and _graphs_of(replay) == 1, (layer._replays.last_refusal, replay.graphs.refusal)
+        kinds = [s[1] for s in replay.steps if s[0] is None]
+        assert kinds == (["fork", "fork_end", "join"] if beside else []), kinds
+    # once, in the capture (the plain replay before it and the graph's replays after it do not fork)
+    assert seen == [("fork", True, True), ("fork_end", True, False), ("join", True, False)], seen
 
 
 @needs_gpu
