@@ -157,7 +157,7 @@ def run_layer(plan: LayerPlan, hidden_states: torch.Tensor, weights: LayerWeight
     apart, in_gemm = runs_apart(w, plan.shared_slot), plan.layout == "index_gather"
     shared = SharedApart(plan, hidden_states, w) if apart else None   # (forked onto a side stream here if captured)
     topk_weights, topk_ids, blocks = route(plan, hidden_states, w, routing)
-    forked = shared is not None and shared.side is not None
+    forked = shared is not None and shared.own_inputs   # (forked, or recorded first for a replay's graph to fork)
     shared_gate = None if forked else shared_gate_of(hidden_states, w)
     if plan.shared_slot:   # the shared expert as slot k+1, id E, weight 1 (or its gate): routed weights are scaled
         topk_weights, topk_ids = with_shared_slot(topk_weights, topk_ids, w, shared_gate)

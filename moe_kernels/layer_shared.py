@@ -9,9 +9,9 @@ runs the stacked expert ``E`` apart, through views of the stacked tensors: no se
 
 A shared expert run apart is :class:`SharedApart`: its two GEMMs on the layer's stream after the router, or, while a
 CUDA graph is captured and :data:`SHARED_BESIDE` says so, on a side stream forked at the layer's start, where they
-run under the router (and the routed experts) instead of after it. The package's own replays of a layer
-(:mod:`moe_kernels._replay`) record it in line, marked; the CUDA graph a replay is captured into runs the marked
-stretch on a side stream forked after the router (:mod:`moe_kernels._replay_fork`), beside the routed experts.
+run under the router (and the routed experts) instead of after it. A call the package records for its own replays
+(:mod:`moe_kernels._replay`) runs it first, on its own inputs, marked: the CUDA graph a replay is captured into runs
+that stretch on a side stream forked at the layer's start (:mod:`moe_kernels._replay_fork`), as a captured layer does.
 
     >>> import torch
     >>> from moe_kernels import MoELayer
@@ -24,11 +24,10 @@ stretch on a side stream forked after the router (:mod:`moe_kernels._replay_fork
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from ._checks import fail
+from ._replay import recording_now
 from ._replay_fork import side_stream_stretch
 from .kernels.index_gather import dense_expert
 from .kernels.routing import router_logits
@@ -56,7 +55,7 @@ DENSE_SHARED_MAX_TOKENS = 16
 #: does the same while it captures a decode graph (``forward_normal_dual_stream``,
 #: ``sglang/srt/models/deepseek_v2.py``: forked before the gate, the shared expert issued on the side stream after
 #: the routed experts, joined after them). Only inside a capture: an uncaptured call's host time is longer than any
-#: overlap. (The package's replays run it in line, marked: their own CUDA graph forks it after the router,
+#: overlap. (The package's replays record it first, marked: their own CUDA graph forks it at the layer's start,
 #: :mod:`moe_kernels._replay_fork`; a plain replay runs its launches in order on one stream.)
 SHARED_BESIDE = "experts"
 BESIDE = (None, "experts")
@@ -127,7 +126,8 @@ def shared_gate_of(hidden_states: torch.Tensor, w: LayerWeights):
 class SharedApart:
     """A shared expert run apart (:func:`shared_expert_output`): in line, where :meth:`run_in_line` is called (after
     the router, on the gate and the quantised activations the routed experts read), or, where :func:`forks_here`,
-    on a side stream from its construction to its join (computing its gate and activations there). :meth:`for_sum`
+    on a side stream from its construction to its join (computing its gate and activations there), or, in a call
+    recorded for the package's replays, on the layer's stream at its construction, the same way, marked. :meth:`for_sum`
     hands the output to index-gather's top-k sum (a callable that joins, when forked); :meth:`add_to` adds it to
     another layout's output.
 
@@ -137,7 +137,7 @@ class SharedApart:
 
     def __init__(self, plan, hidden_states: torch.Tensor, w: LayerWeights):
         self.run = (plan, hidden_states, w)
-        self.side, self.output, self.summed = None, None, False
+        self.side, self.output, self.summed, self.recorded_first = None, None, False, False
         if SHARED_BESIDE is not None and hidden_states.is_cuda:
             key = (hidden_states.device, SIDE_PRIORITY)
             if key not in _side_streams:   # (made outside a capture where it can: the warm-up before one)
@@ -148,11 +148,21 @@ class SharedApart:
             self.side.wait_stream(torch.cuda.current_stream(hidden_states.device))
             with torch.cuda.stream(self.side):
                 self.output = shared_expert_output(plan, hidden_states, w, shared_gate_of(hidden_states, w), None)
+        elif SHARED_BESIDE is not None and hidden_states.is_cuda and recording_now() is not None:
+            # Recorded for the package's replays: first, on its own gate and activations, marked, so that the
+            # replay's CUDA graph forks it where a captured layer does, at the layer's start (_replay_fork).
+            with side_stream_stretch():
+                self.output = shared_expert_output(plan, hidden_states, w, shared_gate_of(hidden_states, w), None)
+            self.recorded_first = True
+
+    @property
+    def own_inputs(self) -> bool:
+        """Whether it computes its own gate and activations (forked, or recorded first): the layer's need not."""
+        return self.side is not None or self.recorded_first
 
     def run_in_line(self, shared_gate, activations) -> None:
-        if self.side is None:   # (a call being recorded marks it: its replay's CUDA graph forks it, _replay_fork)
-            with side_stream_stretch() if SHARED_BESIDE is not None else contextlib.nullcontext():
-                self.output = shared_expert_output(*self.run, shared_gate, activations)
+        if not self.own_inputs:
+            self.output = shared_expert_output(*self.run, shared_gate, activations)
 
     def join(self) -> torch.Tensor:
         if self.side is not None:

@@ -2,8 +2,8 @@
 
 A model that calls ``MoELayer`` (through the transformers integration, say) gets the package's replays
 (:mod:`moe_kernels._replay`): from a signature's fourth call one CUDA graph launch per call. Until session 46 that
-graph ran the shared expert in line, after the router, on one stream; now the recording marks it and the graph
-issues it on a side stream, beside the routed experts (:mod:`moe_kernels._replay_fork`). This times
+graph ran the shared expert in line, after the router, on one stream; now the recorded call runs it first, marked,
+and the graph issues it on a side stream forked at the layer's start (:mod:`moe_kernels._replay_fork`). This times
 ``layer(x)`` as a model calls it, warmed until its graph exists, three ways on the same random weights: the routed
 layer alone (the shared expert left out), the shared expert apart recorded with ``layer_shared.SHARED_BESIDE`` None
 (in line) and with "experts" (forked). Each call timed with the L2 flushed before it (``do_bench``'s loop), four
@@ -43,7 +43,8 @@ def recorded_with(beside, layer, x):
     replay = layer._replays.get(layer._replays.key((x,), ()))
     graphs = 0 if replay is None else sum(len(s.graphs) for s in replay.graphs.by_stream.values())
     return (lambda: layer(x)), {"replayed": replay is not None, "graphs": graphs,
-                                "forks": bool(replay is not None and replay.forks)}
+                                "forks": bool(replay is not None and replay.forks),
+                                "refusal": layer._replays.last_refusal}
 
 
 for fmt in formats:
