@@ -287,7 +287,7 @@ class MoELayer(torch.nn.Module):
         return self._plan(num_tokens, dtype, device)
 
     def _plan(self, num_tokens: int, dtype: torch.dtype, device: torch.device) -> LayerPlan:
-        key = (num_tokens, dtype, device, forks_here(device))   # (a plan made inside a capture may differ)
+        key = (num_tokens, dtype, device, forks_here(device))   # (inside a capture, or recorded, a plan may differ)
         plan = self._plans.get(key)
         if plan is None:
             if len(self._plans) >= 512:   # many batch sizes (prefill): keep the cache bounded

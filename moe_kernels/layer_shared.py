@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from . import _replay_graphs
 from ._checks import fail
 from ._replay import recording_now
 from ._replay_fork import side_stream_stretch
@@ -105,8 +106,10 @@ def shared_expert_output(plan, hidden_states: torch.Tensor, w: LayerWeights, sha
 
 def forks_here(device, captured: bool | None = None) -> bool:
     """Whether a shared expert run apart on ``device`` forks onto a side stream: :data:`SHARED_BESIDE` is set and a
-    CUDA graph is being captured on the device's current stream (or, given, ``captured``: a plan shown as inside a
-    capture or not, on any machine). What a plan must know: its slot's crossover differs. Checks the setting."""
+    CUDA graph is being captured on the device's current stream, or the call is being recorded for the package's
+    replays, whose CUDA graphs fork it (:class:`SharedApart`; unless those graphs are off); or, given, ``captured``:
+    a plan shown as inside a capture or not, on any machine. What a plan must know: its slot's crossover differs.
+    Checks the setting."""
     if SHARED_BESIDE not in BESIDE:
         fail("moe_kernels.layer_shared", "SHARED_BESIDE", f"must be one of {BESIDE}", repr(SHARED_BESIDE))
     if SHARED_BESIDE is None or captured is not None:
@@ -114,6 +117,8 @@ def forks_here(device, captured: bool | None = None) -> bool:
     device = torch.device(device)
     if device.type != "cuda":
         return False
+    if recording_now() is not None:
+        return _replay_graphs.ENABLED
     with torch.cuda.device(device):
         return torch.cuda.is_current_stream_capturing()
 
@@ -143,17 +148,17 @@ class SharedApart:
             if key not in _side_streams:   # (made outside a capture where it can: the warm-up before one)
                 _side_streams[key] = torch.cuda.Stream(hidden_states.device, priority=SIDE_PRIORITY)
             if forks_here(hidden_states.device):
-                self.side = _side_streams[key]
+                self.recorded_first = recording_now() is not None
+                self.side = None if self.recorded_first else _side_streams[key]
         if self.side is not None:   # the fork: the side stream starts after everything before the layer
             self.side.wait_stream(torch.cuda.current_stream(hidden_states.device))
             with torch.cuda.stream(self.side):
                 self.output = shared_expert_output(plan, hidden_states, w, shared_gate_of(hidden_states, w), None)
-        elif SHARED_BESIDE is not None and hidden_states.is_cuda and recording_now() is not None:
+        elif self.recorded_first:
             # Recorded for the package's replays: first, on its own gate and activations, marked, so that the
             # replay's CUDA graph forks it where a captured layer does, at the layer's start (_replay_fork).
             with side_stream_stretch():
                 self.output = shared_expert_output(plan, hidden_states, w, shared_gate_of(hidden_states, w), None)
-            self.recorded_first = True
 
     @property
     def own_inputs(self) -> bool:

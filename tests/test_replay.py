@@ -589,6 +589,32 @@ def test_a_layers_shared_expert_forks_in_its_replay_graph_gpu(fmt, num_tokens, m
 
 @needs_gpu
 @pytest.mark.gpu
+def test_a_recorded_auto_layer_plans_for_the_forked_shared_expert_gpu(monkeypatch):
+    """``shared_expert="auto"`` chooses between the slot and the shared expert apart by a measured crossover, which
+    differs where the shared expert forks (``beside``). A call recorded for the package's replays plans as inside a
+    capture, since the replay's graph forks; the eager calls around it plan in line. (The small test shape has no
+    measured entry: the choice is spied on, and answers apart, so that the recording marks the shared expert.)"""
+    from moe_kernels import layer as layer_module
+
+    asked = []
+
+    def spy(*args, beside=False, **kwargs):
+        asked.append((beside, _replay.recording_now() is not None))
+        return False
+
+    monkeypatch.setattr(layer_module, "choose_shared_slot", spy)
+    layer, g = _small_layer("deepseek-v3", "block", shared_expert="auto"), torch.Generator(device="cuda").manual_seed(3)
+    for call in range(5):
+        x = torch.randn(4, 256, device="cuda", dtype=torch.bfloat16, generator=g)
+        got, expected = layer(x), _eagerly(lambda: layer(x), monkeypatch)
+        assert torch.equal(got, expected), call
+    replay = layer._replays.get(layer._replays.key((x,), ()))
+    assert replay is not None and replay.forks and _graphs_of(replay) == 1
+    assert asked == [(False, False), (True, True)], asked   # the first call, then the recorded one (cached after)
+
+
+@needs_gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("persistent", [False, True], ids=["per tile", "persistent"])
 @pytest.mark.parametrize("num_tokens", [1, 64, 300])
 def test_the_gluon_kernels_are_replayed_gpu(persistent, num_tokens, monkeypatch):
