@@ -25,13 +25,11 @@ import torch
 
 
 @contextlib.contextmanager
-def side_stream_stretch():
-    """Marks what runs inside as a stretch that a replay captured into a CUDA graph may run on a side stream
-    (:func:`with_join`). The caller vouches that no later step writes what the stretch reads (a shared expert
-    reads the layer's input, its gate, the quantised activations and its weights). Outside a recording: nothing."""
-    from ._replay import recording_now   # (that module imports this one)
-
-    recording = recording_now()
+def side_stream_stretch(recording):
+    """Marks what runs inside as a stretch of ``recording`` (the call being recorded,
+    :func:`moe_kernels._replay.recording_now`) that a replay captured into a CUDA graph may run on a side stream
+    (:func:`with_join`). The caller vouches that no later step writes what the stretch reads (a shared expert reads
+    the layer's input and its weights). ``recording`` None: nothing."""
     if recording is not None:
         recording.events.append(("mark", "fork"))
     try:

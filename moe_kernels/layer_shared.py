@@ -157,7 +157,7 @@ class SharedApart:
         elif self.recorded_first:
             # Recorded for the package's replays: first, on its own gate and activations, marked, so that the
             # replay's CUDA graph forks it where a captured layer does, at the layer's start (_replay_fork).
-            with side_stream_stretch():
+            with side_stream_stretch(recording_now()):
                 self.output = shared_expert_output(plan, hidden_states, w, shared_gate_of(hidden_states, w), None)
 
     @property

@@ -134,7 +134,7 @@ def stretch_call(x, kernel, in_place_on_input=False):
     from moe_kernels._replay_fork import side_stream_stretch
 
     h = x * 2                                   # main, before the stretch
-    with side_stream_stretch():
+    with side_stream_stretch(_replay.recording_now()):
         shared = torch.empty(x.numel())
         launch(kernel, x, shared, x.numel())    # the stretch's launch: 2x + 1
         if in_place_on_input:
@@ -433,6 +433,33 @@ def test_fused_experts_replays_as_it_runs_gpu(fmt, num_tokens, monkeypatch):
     assert plan is not None and plan.replays >= 2, _PLANS.last_refusal
     assert all(torch.equal(a, b) for a, b in outputs)   # each replay wrote a fresh output
     assert _graphs_of(plan) == 1, plan.graphs.refusal   # the fourth call ran as one CUDA graph
+
+
+@needs_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", [None, "block"])
+def test_both_gemms_in_two_phases_replay_gpu(fmt, monkeypatch):
+    """The two-phase launch (both GEMMs in one kernel: the H100's tables take it at 1-5 tokens) is recorded and
+    replayed in 16 bits too: its fp8 scratch, unread there, is not an empty tensor that a recording refuses."""
+    from moe_kernels.kernels.config import GemmTiles, MoEConfig, OneLaunchTiles
+    from moe_kernels.kernels.index_gather import _PLANS, fused_experts
+
+    layer = _small_layer("qwen3-30b-a3b", fmt)
+    e, k = layer.w13.shape[0], layer.routing.top_k
+    config = MoEConfig(16, GemmTiles(16, 128), GemmTiles(16, 128),
+                       one_launch=OneLaunchTiles(16, 64, 4, 3, phases=2, block_k=128, swap_ab=True))
+    g = torch.Generator(device="cuda").manual_seed(5)
+    for call in range(4):
+        x = torch.randn(2, 256, device="cuda", dtype=torch.bfloat16, generator=g)
+        ids = torch.rand(2, e, device="cuda", generator=g).argsort(1)[:, :k].int()
+        w = torch.rand(2, k, device="cuda", generator=g)
+        run = lambda: fused_experts(x, layer.w13, layer.w2, w, ids, config=config,  # noqa: E731
+                                    w1_scale=layer.w13_scale, w2_scale=layer.w2_scale)
+        got, expected = run(), _eagerly(run, monkeypatch)
+        assert torch.equal(got, expected), call
+    key = _PLANS.key((x, layer.w13, layer.w2, w, ids, layer.w13_scale, layer.w2_scale), (None, config, None, True))
+    plan = _PLANS.get(key)
+    assert plan is not None and _graphs_of(plan) == 1, _PLANS.last_refusal
 
 
 def _graphs_of(plan):

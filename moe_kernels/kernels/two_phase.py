@@ -367,10 +367,10 @@ def run_two_phase(hidden_states, w1, w2, topk_weights, topk_ids, *, fmt=UNQUANTI
              "(one row per unit of this call)", f"{marks.dtype} {tuple(marks.shape)} on {marks.device}")
     h = torch.empty((num_tokens * top_k, f), device=out.device, dtype=hidden_states.dtype)
     parts = torch.empty((num_tokens * top_k, d), device=out.device, dtype=torch.float32)
-    # fp8: each program's scratch row (x's or h's groups in fp8) and its scales
-    width = max(d, f) if fmt.quantized else 0
-    q = torch.empty((grid[0], width), device=out.device, dtype=w1.dtype)
-    q_scales = torch.empty((grid[0], cdiv(width, 128)), device=out.device, dtype=torch.float32)
+    # fp8: each program's scratch row (x's or h's groups in fp8) and its scales. 16-bit weights read neither: h and
+    # parts stand in, since an empty tensor (address 0) would keep a recorded call from replaying (_replay)
+    q, q_scales = (torch.empty((grid[0], max(d, f)), device=out.device, dtype=w1.dtype), torch.empty(
+        (grid[0], cdiv(max(d, f), 128)), device=out.device, dtype=torch.float32)) if fmt.quantized else (h, parts)
     weights = topk_weights if topk_weights.is_contiguous() else topk_weights.contiguous()
     ids_flat = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
     note_launch("two_phase.experts", format=fmt.name, **tiles.as_dict())
