@@ -25,6 +25,9 @@ program walks one M block's N tiles, so slot E's several M blocks (every token i
 different times, each from HBM; walking ``group_m`` M blocks down one N tile reads each tile about together, so
 the later reads can come from the L2.
 
+``SHARED_AB_PRIORITY=0,-1`` adds, for each forked candidate, the same with the side stream at that priority
+("separate beside experts p0"; CUDA's priorities on Hopper: 0, the default, down to -5, the highest).
+
 ``SHARED_AB_BESIDE=experts`` adds the separate layer captured with ``layer_shared.SHARED_BESIDE`` set to it
 ("separate beside experts"): the shared expert on a side stream forked at the layer's start, under the router and the
 routed GEMMs, joined where their top-k sum reads it (:mod:`moe_kernels.layer_shared`). "separate" itself runs in line
@@ -51,6 +54,7 @@ formats = sys.argv[2].split(",") if len(sys.argv) > 2 else ["block", "none"]   #
 record_name = sys.argv[3] if len(sys.argv) > 3 else "shared-expert-ab"
 group_ms = [int(g) for g in os.environ.get("SHARED_AB_GROUP_M", "").split(",") if g]
 besides = [way for way in os.environ.get("SHARED_AB_BESIDE", "").split(",") if way]
+priorities = [int(p) for p in os.environ.get("SHARED_AB_PRIORITY", "").split(",") if p]
 model = MODELS["deepseek-v3"]
 shrink = {} if device == "cuda" else {"hidden_size": 128, "intermediate_size": 128}
 if device == "cpu":
@@ -71,14 +75,17 @@ def regrouped(cfg, group_m):
                                down=dataclasses.replace(cfg.down, group_m=group_m))
 
 
-def beside(way, call):
+def beside(way, call, priority=None):
     """``call()`` with ``layer_shared.SHARED_BESIDE`` set to ``way`` (None: the shared expert in line; else forked
-    onto a side stream, joining as ``way`` says, while a graph is captured)."""
-    old, layer_shared.SHARED_BESIDE = layer_shared.SHARED_BESIDE, way
+    onto a side stream, joining as ``way`` says, while a graph is captured), on a side stream of ``priority``
+    (None: ``layer_shared.SIDE_PRIORITY``'s)."""
+    old = layer_shared.SHARED_BESIDE, layer_shared.SIDE_PRIORITY
+    layer_shared.SHARED_BESIDE = way
+    layer_shared.SIDE_PRIORITY = old[1] if priority is None else priority
     try:
         return call()
     finally:
-        layer_shared.SHARED_BESIDE = old
+        layer_shared.SHARED_BESIDE, layer_shared.SIDE_PRIORITY = old
 
 
 def plan_note(layer, batch):
@@ -117,6 +124,9 @@ for fmt in formats:
                                                 beside(None, lambda: run_layer(plan, x, weights, routing)))
         for way in besides:   # (read while the candidate's graph is captured)
             candidates[f"separate beside {way}"] = lambda way=way: beside(way, lambda: layers["separate"](x))
+            for p in priorities:   # the side stream at another priority (a stream per priority, made at its first use)
+                candidates[f"separate beside {way} p{p}"] = lambda way=way, p=p: beside(
+                    way, lambda: layers["separate"](x), p)
         if read is not None:
             candidates["shared read"] = read
         reference = layers["separate"](x)
@@ -131,8 +141,8 @@ for fmt in formats:
         cost.update({f"fused g{g}": lowest[f"fused g{g}"] - lowest[f"routed only g{g}"] for g in group_ms})
         cost.update({f"separate g{g}": lowest[f"separate g{g}"] - lowest["routed only"] for g in group_ms
                      if f"separate g{g}" in lowest})
-        cost.update({f"separate beside {way}": lowest[f"separate beside {way}"] - lowest["routed only"]
-                     for way in besides if f"separate beside {way}" in lowest})
+        cost.update({name: us - lowest["routed only"] for name, us in lowest.items()
+                     if name.startswith("separate beside ") and "routed only" in lowest})
         row = {"format": fmt, "batch": batch, "us": lowest, "rounds_us": rounds, "errors": errors,
                "rel_err_vs_separate": rel, "shared_bytes": shared_bytes, "shared_floor_us": floor_us,
                "shared_cost_us": cost, "shared_cost_over_floor": {way: c / floor_us for way, c in cost.items()},
@@ -140,6 +150,7 @@ for fmt in formats:
         rows.append(row)
         record_tool(record_name, rows, {"model": "deepseek-v3", "batches": batches, "formats": formats,
                                                "group_m_variants": group_ms, "beside": besides,
+                                               "side_priorities": priorities,
                                                "rounds": 4, "order": "reversed every other round",
                                                "ceilings": ceilings, "dtype": str(dtype)})
         print(f"{fmt:<5} {batch:>4}: " + "  ".join(f"{name} {us:8.1f}" for name, us in lowest.items())
