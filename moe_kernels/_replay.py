@@ -235,7 +235,7 @@ class Recording:
             if writes or not func._schema.returns or any(o in needed for o in outs if o is not None):
                 needed.update(_slots_in((args_t, kwargs_t)))
                 kept.append(event)
-        kept = with_join(kept[::-1])
+        kept = with_join(kept[::-1], frozenset((*range(self.num_inputs), *constant)))
         # Buffers that only launches touch (no operation reads them, none is returned) become
         # pieces of one workspace: one allocation per replay instead of one each. Each piece
         # starts on a 512-byte boundary, as the caching allocator's blocks do, so every pointer

@@ -39,12 +39,14 @@ def side_stream_stretch(recording):
             recording.events.append(("mark", "fork_end"))
 
 
-def with_join(events: list) -> list:
+def with_join(events: list, outside: frozenset = frozenset()) -> list:
     """``events`` (marks, operations and launches in call order) with ``("mark", "join")`` before the first step
-    after a :func:`side_stream_stretch` that touches a slot the stretch made (at the end if none does). Without
-    marks, unchanged; the marks dropped, so that the stretch runs in line, where there is not exactly one
-    closed stretch, it makes nothing, or one of its operations writes a slot made before it. (A launch does not
-    say which pointers it writes: the stretch's caller vouches for them.)"""
+    after a :func:`side_stream_stretch` that touches a slot the stretch made, or writes one it read (at the end if
+    none does). Without marks, unchanged; the marks dropped, so that the stretch runs in line, where there is not
+    exactly one closed stretch, it makes nothing, one of its operations writes a slot made before it, or one of its
+    launches points into a slot made before it other than those in ``outside`` (the call's inputs and constants,
+    which a launch of the stretch may read). A launch does not say which pointers it writes or reads: one after the
+    stretch is taken to write every slot it points into except those in ``outside``."""
     marks = [i for i, event in enumerate(events) if event[0] == "mark"]
     if not marks:
         return events
@@ -52,24 +54,41 @@ def with_join(events: list) -> list:
     if [events[i][1] for i in marks] != ["fork", "fork_end"]:
         return in_line
     begin, end = marks
-    made = set()
+    made, read = set(), set()
     for event in events[begin + 1:end]:
         if event[0] == "op":
-            _, func, args_t, kwargs_t, outs, _ = event
-            for position, argument in enumerate(func._schema.arguments):
-                if argument.alias_info is not None and argument.alias_info.is_write:
-                    value = args_t[position] if position < len(args_t) else kwargs_t.get(argument.name)
-                    if set(slots_in(value)) - made:
-                        return in_line
-            made.update(o for o in outs if o is not None)
+            read.update(slots_in((event[2], event[3])))
+            if written(event) - made:
+                return in_line
+            made.update(o for o in event[4] if o is not None)
+        else:
+            pointed = {pointer[1] for pointer in event[5]}
+            if pointed - made - outside:
+                return in_line
+            read.update(pointed)
     if not made:
         return in_line
+    read -= made
     for i in range(end + 1, len(events)):
         event = events[i]
-        touched = set(slots_in((event[2], event[3]))) if event[0] == "op" else {p[1] for p in event[5]}
-        if touched & made:
+        if event[0] == "op":
+            touched, writes = set(slots_in((event[2], event[3]))), written(event)
+        else:   # (a launch into the call's inputs and constants only reads them, as every launch of this package)
+            touched = {pointer[1] for pointer in event[5]}
+            writes = touched - outside
+        if touched & made or writes & read:
             return [*events[:i], ("mark", "join"), *events[i:]]
     return [*events, ("mark", "join")]
+
+
+def written(event) -> set:
+    """The slots a recorded operation writes in place (its schema's written arguments)."""
+    _, func, args_t, kwargs_t, _, _ = event
+    slots = set()
+    for position, argument in enumerate(func._schema.arguments):
+        if argument.alias_info is not None and argument.alias_info.is_write:
+            slots.update(slots_in(args_t[position] if position < len(args_t) else kwargs_t.get(argument.name)))
+    return slots
 
 
 class Fork:

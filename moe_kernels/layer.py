@@ -8,19 +8,17 @@ weights and routing rules. Two model styles cover the chapter:
   are kept, top-8 inside them, renormalised and scaled by 2.5, plus one shared expert, run as a
   separate dense FFN (vLLM) or fused into the grouped GEMM as expert ``E`` (SGLang).
 
-Any of the three grouped-GEMM layouts runs the experts (``layout``: ``"index_gather"``,
-``"permute"``, ``"masked"``; :mod:`moe_kernels.kernels.layouts` says which runs which weight
-format, and a layer that asks for an impossible pair is refused when it is built). The routing
-comes from this package's own kernels, so its ids are in range by construction: the layer skips
-the id check and never synchronises with the host on a GPU, so a decode step can be captured in
-a CUDA graph.
+Any of the three grouped-GEMM layouts runs the experts (``layout``: ``"index_gather"``, ``"permute"``, ``"masked"``;
+:mod:`moe_kernels.kernels.layouts` says which runs which weight format, and a layer that asks for an impossible pair
+is refused when it is built). The routing comes from this package's own kernels, so its ids are in range by
+construction: the layer skips the id check and never synchronises with the host on a GPU, so a decode step can be
+captured in a CUDA graph.
 
-Checks are paid once. The weights are checked when they are built (:class:`LayerWeights`), the
-routing rules against them when the layer is built, and what a call at ``T`` tokens will run
-(:class:`LayerPlan`: the layout, the weight format, the tiles and the table entry they came
-from, the block map) is chosen at the first call with ``T`` tokens and kept; later calls check
-only the activations' shape, dtype and device. :meth:`MoELayer.plan` shows the plan without
-running anything, which is how the tests pin the path an fp8 layer takes.
+Checks are paid once. The weights are checked when they are built (:class:`LayerWeights`), the routing rules against
+them when the layer is built, and what a call at ``T`` tokens will run (:class:`LayerPlan`: the layout, the weight
+format, the tiles and the table entry they came from, the block map) is chosen at the first call with ``T`` tokens
+and kept; later calls check only the activations' shape, dtype and device. :meth:`MoELayer.plan` shows the plan
+without running anything, which is how the tests pin the path an fp8 layer takes.
 
     >>> import torch
     >>> layer = MoELayer.random("deepseek-v3", hidden_size=32, intermediate_size=16,
@@ -112,7 +110,8 @@ def plan_layer(func: str, weights: LayerWeights, routing: Routing, layout: str, 
     e, f, d = weights.num_experts, weights.w2.shape[2], weights.w2.shape[1]
     table_dtype = weights.format.element or activation_dtype
     slot = weights.shared_fused and (shared_expert != AUTO or choose_shared_slot(   # (forked: its own crossover)
-        num_tokens, e, f, d, weights.format.name, device, device_name=device_name, beside=forks_here(device, captured)))
+        num_tokens, e, f, d, weights.format.name, device, device_name=device_name,
+        beside=forks_here(device, captured, call_bytes=num_tokens * d * activation_dtype.itemsize)))
     measured = None
     if layout == AUTO:   # measured for the routed experts alone, with the layer's own tiles: only then
         picked = (choose_layout(num_tokens, e, f, d, weights.format.name, device, device_name=device_name)
@@ -287,7 +286,8 @@ class MoELayer(torch.nn.Module):
         return self._plan(num_tokens, dtype, device)
 
     def _plan(self, num_tokens: int, dtype: torch.dtype, device: torch.device) -> LayerPlan:
-        key = (num_tokens, dtype, device, forks_here(device))   # (inside a capture, or recorded, a plan may differ)
+        key = (num_tokens, dtype, device,   # (inside a capture, or recorded, a plan may differ)
+               forks_here(device, call_bytes=num_tokens * self.weights.w2.shape[1] * dtype.itemsize))
         plan = self._plans.get(key)
         if plan is None:
             if len(self._plans) >= 512:   # many batch sizes (prefill): keep the cache bounded

@@ -62,7 +62,7 @@ SHARED_BESIDE = "experts"
 BESIDE = (None, "experts")
 #: The side stream's priority (lower runs first). The default, 0: at -1 the shared expert's programs took SMs from
 #: the routed GEMMs as theirs finished, and on the H100 cost DeepSeek-V3's fp8 layer more from 16 tokens up (26.7
-#: against 21.9 us at 64 tokens, 32.8 against 24.5 at 256) and 0.3-1.6 us less at 1-8 (-5 as -1); at 0 they queue
+#: against 21.9 us at 64 tokens, 32.8 against 24.5 at 256) and 0.3-3.1 us less at 1-8 (-5 as -1); at 0 they queue
 #: behind the programs already launched and fill the routed GEMM's last wave (``shared-priority-ab-s46*.json``).
 SIDE_PRIORITY = 0
 _side_streams = {}   # (device, priority) -> the side stream, made once (one per device: one capture at a time)
@@ -106,12 +106,15 @@ def shared_expert_output(plan, hidden_states: torch.Tensor, w: LayerWeights, sha
                         w1_scale=w13_scale, w2_scale=w2_scale, weight=shared_gate, activations=activations)
 
 
-def forks_here(device, captured: bool | None = None) -> bool:
+def forks_here(device, captured: bool | None = None, *, call_bytes: int = 0) -> bool:
     """Whether a shared expert run apart on ``device`` forks onto a side stream: :data:`SHARED_BESIDE` is set and a
     CUDA graph is being captured on the device's current stream, or the call is being recorded for the package's
-    replays, whose CUDA graphs fork it (:class:`SharedApart`; unless those graphs are off); or, given, ``captured``:
-    a plan shown as inside a capture or not, on any machine. What a plan must know: its slot's crossover differs.
-    Checks the setting."""
+    replays, whose CUDA graphs fork it (:class:`SharedApart`; unless those graphs are off, or a call whose
+    activations are ``call_bytes`` will never have one: its input and output copies past
+    ``_replay_graphs.MAX_GRAPH_COPY_BYTES``); or, given, ``captured``: a plan shown as inside a capture or not, on
+    any machine. What a plan must know: its slot's crossover differs (so an ``"auto"`` layer's first call of a
+    signature, eager, may run the slot where the recorded call and its replays run the shared expert apart: the
+    same output up to rounding). Checks the setting."""
     if SHARED_BESIDE not in BESIDE:
         fail("moe_kernels.layer_shared", "SHARED_BESIDE", f"must be one of {BESIDE}", repr(SHARED_BESIDE))
     if SHARED_BESIDE is None or captured is not None:
@@ -120,7 +123,7 @@ def forks_here(device, captured: bool | None = None) -> bool:
     if device.type != "cuda":
         return False
     if recording_now() is not None:
-        return _replay_graphs.ENABLED
+        return _replay_graphs.ENABLED and 2 * call_bytes <= _replay_graphs.MAX_GRAPH_COPY_BYTES
     with torch.cuda.device(device):
         return torch.cuda.is_current_stream_capturing()
 
@@ -149,7 +152,7 @@ class SharedApart:
             key = (hidden_states.device, SIDE_PRIORITY)
             if key not in _side_streams:   # (made outside a capture where it can: the warm-up before one)
                 _side_streams[key] = torch.cuda.Stream(hidden_states.device, priority=SIDE_PRIORITY)
-            if forks_here(hidden_states.device):
+            if forks_here(hidden_states.device, call_bytes=hidden_states.nbytes):
                 self.recorded_first = recording_now() is not None
                 self.side = None if self.recorded_first else _side_streams[key]
         if self.side is not None:   # the fork: the side stream starts after everything before the layer

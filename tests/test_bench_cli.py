@@ -310,6 +310,41 @@ def test_a_fused_shared_tune_keeps_the_routed_tiles_where_they_ran_faster(monkey
         assert other["routed_tiles"] is None
 
 
+@pytest.mark.parametrize("weight_format, batch, naive", [("block", 2, True), ("block", 3, False), ("none", 3, True)])
+def test_the_tuner_times_the_block_map_the_layer_runs(monkeypatch, weight_format, batch, naive):
+    """Inside vLLM's naive rule (64 experts, top-2: up to 8 tokens) block-fp8 weights leave the naive map from 3
+    tokens (``blocks.NAIVE_MAX_TOKENS_BLOCK_FP8``); every block map the tuner times, and every compile job, is the
+    one the layer would run. Stand-in timer (the tiles' times do not matter here)."""
+    import dataclasses
+
+    import torch
+
+    from moe_kernels import MODELS
+    from moe_kernels.bench import tune as tune_module
+    from moe_kernels.bench import tune_candidates
+    from moe_kernels.kernels import blocks
+    from moe_kernels.kernels.config import GemmTiles
+
+    small = dataclasses.replace(MODELS["qwen3-30b-a3b"], hidden_size=128, moe_intermediate_size=128, num_experts=64,
+                                top_k=2)
+    built, jobs, real = [], [], blocks.assign_blocks
+
+    def assign(*args, **kwargs):
+        built.append(kwargs.get("naive"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(blocks, "assign_blocks", assign)
+    monkeypatch.setattr(tune_module, "graphed", lambda fn: fn)
+    monkeypatch.setattr(tune_module, "median_ms", lambda fn, *args: 1.0)
+    monkeypatch.setattr(tune_module, "precompile", lambda found, workers, log: jobs.extend(found))
+    monkeypatch.setattr(tune_candidates, "tile_candidates",
+                        lambda rho, bm, gated, fmt=None: [GemmTiles(16, 128, 1, 4, 2)])
+    tune_module.tune({"small": small}, [batch], dtype=torch.float32, seed=0, warmup_ms=0, rep_ms=0, workers=0,
+                     log=lambda line: None, device="cpu", weight_format=weight_format)
+    assert built and set(built) == {naive}, built
+    assert jobs and {job["naive"] for job in jobs} == {naive}
+
+
 def test_tuning_tries_both_gemms_as_one_stream_on_the_cpu(monkeypatch):
     """``tune`` on a small routed shape, with a stand-in timer under which the streamed pair is the
     fastest experts call: the entry takes ``stream_lag`` (the tuner's lag, GEMM 1's warps or the other

@@ -128,7 +128,7 @@ def test_a_replayed_descriptor_keeps_every_field_of_the_recorded_one():
         assert getattr(replayed, name) == value
 
 
-def stretch_call(x, kernel, in_place_on_input=False):
+def stretch_call(x, kernel, writes_an_earlier_slot=False):
     """A layer's shape of call: a main step, a marked stretch (a shared expert: its buffer and a launch into it),
     a main launch, then the sum that reads the stretch's output."""
     from moe_kernels._replay_fork import side_stream_stretch
@@ -137,14 +137,14 @@ def stretch_call(x, kernel, in_place_on_input=False):
     with side_stream_stretch(_replay.recording_now()):
         shared = torch.empty(x.numel())
         launch(kernel, x, shared, x.numel())    # the stretch's launch: 2x + 1
-        if in_place_on_input:
+        if writes_an_earlier_slot:
             h.add_(1)                           # writes a slot made before the stretch: may not fork
     routed = torch.empty(x.numel())
     launch(kernel, h, routed, x.numel())        # main, beside the stretch: 4x + 1
     return routed + shared                      # the join goes before this
 
 
-def test_a_marked_stretch_forks_in_a_capture_and_joins_before_its_first_reader(fake_stream):
+def test_a_marked_stretch_is_planned_with_a_join_before_its_first_reader(fake_stream):
     kernel, plans = FakeCompiled(), _replay.CallPlans("test")
     for _ in range(3):
         x = torch.randn(5)
@@ -162,6 +162,98 @@ def test_a_marked_stretch_forks_in_a_capture_and_joins_before_its_first_reader(f
         x = torch.randn(5)
         torch.testing.assert_close(run_plans(plans, "key", (x,), lambda: stretch_call(x, kernel, True)), 6 * x + 4)
     assert not plans.get("key").forks and all(step[0] is not None for step in plans.get("key").steps)
+
+
+class FakeStream:
+    """A CUDA stream as Fork uses it: a name, a device, and the streams it was made to wait for."""
+
+    def __init__(self, name):
+        self.name, self.device, self.waits = name, "cpu", []
+
+    def wait_stream(self, other):
+        self.waits.append(other.name)
+
+
+@pytest.fixture
+def fake_streams(monkeypatch):
+    """torch.cuda's current stream, its stream context and the raw handle a launch takes, on fakes: the current
+    stream's name is what a replayed launch is given."""
+    import contextlib
+
+    main = FakeStream("main")
+    current = [main]
+
+    @contextlib.contextmanager
+    def stream(s):
+        current.append(s)
+        try:
+            yield
+        finally:
+            current.pop()
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[-1])
+    monkeypatch.setattr(torch.cuda, "stream", stream)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: current[-1].name, raising=False)
+    return main, current
+
+
+class StreamNotingCompiled(FakeCompiled):
+    """FakeCompiled that notes the stream each launch was given, and can fail on a chosen launch."""
+
+    def __init__(self, fail_at=None):
+        super().__init__()
+        self.streams, self.fail_at = [], fail_at
+
+    def run(self, gx, gy, gz, stream, *args):
+        self.streams.append(stream)
+        if len(self.streams) == self.fail_at:
+            raise RuntimeError("launch failed")
+        super().run(gx, gy, gz, stream, *args)
+
+
+def test_a_fork_issues_the_stretch_on_the_side_stream_and_joins(fake_stream, fake_streams):
+    """What a capture does with the plan: the stretch's launch on the side stream, forked after the steps before it,
+    the main stream's launch on the main stream, the join before the sum; the caller's stream current again after,
+    also when a launch inside the stretch fails. A plain replay gives every launch the current stream."""
+    main, current = fake_streams
+    kernel, plans = StreamNotingCompiled(), _replay.CallPlans("test")
+    for _ in range(2):
+        x = torch.randn(5)
+        run_plans(plans, "key", (x,), lambda: stretch_call(x, kernel))
+    plan, side = plans.get("key"), FakeStream("side")
+    kernel.streams.clear()
+    x = torch.randn(5)
+    torch.testing.assert_close(plan.replay((x,), fork=side), 6 * x + 2)
+    assert kernel.streams == ["side", "main"] and side.waits == ["main"] and main.waits == ["side"]
+    assert current == [main]
+    kernel.streams.clear()
+    torch.testing.assert_close(plan.replay((x,)), 6 * x + 2)   # plain: in order, on the current stream
+    assert kernel.streams == ["main", "main"]
+    kernel.fail_at, kernel.streams = 1, []
+    with pytest.raises(RuntimeError, match="launch failed"):
+        plan.replay((x,), fork=side)
+    assert current == [main]
+
+
+def test_a_later_write_to_what_the_stretch_read_joins_first():
+    """A step after the stretch that writes a slot the stretch read (an in-place operation on the input, or a launch
+    into a buffer the call made before the stretch) waits for the stretch: the join goes before it."""
+    from moe_kernels._replay_fork import with_join
+
+    slot = _replay._Slot
+    fork, end, join = ("mark", "fork"), ("mark", "fork_end"), ("mark", "join")
+    h = ("op", torch.ops.aten.mul.Tensor, (slot(0), 2), {}, (1,), False)                  # made before: slot 1
+    reads_h = ("op", torch.ops.aten.mul.Tensor, (slot(1), 2), {}, (2,), False)             # in the stretch
+    into_h = ("launch", None, (1, 1, 1), 0, [None], ((0, 1, 0, None),))                    # after it, onto h
+    into_x = ("launch", None, (1, 1, 1), 0, [None], ((0, 0, 0, None),))                    # the input: a read
+    x_in_place = ("op", torch.ops.aten.add_.Tensor, (slot(0), slot(1)), {}, (0,), False)
+    outside = frozenset({0})
+    assert with_join([h, fork, reads_h, end, into_x, into_h], outside) == [h, fork, reads_h, end, into_x, join, into_h]
+    reads_x = ("op", torch.ops.aten.mul.Tensor, (slot(0), 3), {}, (3,), False)
+    assert with_join([h, fork, reads_x, end, x_in_place], outside) == [h, fork, reads_x, end, join, x_in_place]
+    # a launch of the stretch that points into a slot made before it (it may write it): in line
+    stretch_into_h = ("launch", None, (1, 1, 1), 0, [None], ((0, 1, 0, None),))
+    assert with_join([h, fork, reads_x, stretch_into_h, end], outside) == [h, reads_x, stretch_into_h]
 
 
 def test_with_join_drops_marks_it_cannot_honour():

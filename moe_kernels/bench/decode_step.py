@@ -17,7 +17,7 @@ import torch
 from ..trace import (_check_layer_args, _fit_to_run, _for_kernels, _trace, make_layer, route,
                           shared_expert, trace_config)
 from ..kernels.combine import moe_sum
-from ..kernels.blocks import assign_blocks
+from ..kernels.blocks import assign_blocks, use_naive_block_assignment
 from ..kernels.config import separate_sum_tiles
 from ..kernels.index_gather import expert_down, expert_gate_up
 from ..model.shapes import MODELS, MoEModel
@@ -137,6 +137,7 @@ def measure_fp8(model: MoEModel | str, num_tokens: int, *, device, seed: int,
     (s1, s1s), (s2, s2s) = quantize_weight(layer.shared_w1[None], "block"), quantize_weight(layer.shared_w2[None], "block")
     config = get_config(num_tokens, E, f, d, torch.float8_e4m3fn, device)   # fp8 tiles: K steps of 128
     weights, ids = trace.topk_weights, trace.topk_ids
+    naive8 = use_naive_block_assignment(num_tokens, k, E, block_fp8=True)   # (the fp8 layer's block map)
     hidden = layer.hidden_states
     routed = fused_experts(hidden, w1, w2, weights, ids, config=config, validate_ids=False, w1_scale=w1s,
                            w2_scale=w2s)
@@ -144,7 +145,7 @@ def measure_fp8(model: MoEModel | str, num_tokens: int, *, device, seed: int,
     rel_error = float(torch.linalg.norm(routed.double() - ref) / torch.linalg.norm(ref))
     if not rel_error <= _TOLERANCE[torch.bfloat16]:
         raise AssertionError(f"measure_fp8: the routed output is off the quantised reference by {rel_error:.1e}")
-    blocks = assign_blocks(ids, config.block_m, E, naive=trace.naive, validate_ids=False)
+    blocks = assign_blocks(ids, config.block_m, E, naive=naive8, validate_ids=False)
     xq, xs = per_token_group_quant_fp8(hidden)
     inter = expert_gate_up(xq, w1, blocks, k, tiles=config.gate_up, a_scale=xs, w_scale=w1s)
     iq, is_ = per_token_group_quant_fp8(inter)
@@ -153,7 +154,7 @@ def measure_fp8(model: MoEModel | str, num_tokens: int, *, device, seed: int,
     ones = torch.ones(num_tokens, 1, device=hidden.device)
     stage_fns = {
         "routing": lambda: route(layer),
-        "alignment": lambda: assign_blocks(ids, config.block_m, E, naive=trace.naive, validate_ids=False),
+        "alignment": lambda: assign_blocks(ids, config.block_m, E, naive=naive8, validate_ids=False),
         "quantise": lambda: per_token_group_quant_fp8(hidden),
         "gemm1": lambda: expert_gate_up(xq, w1, blocks, k, tiles=config.gate_up, a_scale=xs, w_scale=w1s, out=inter),
         "requantise": lambda: per_token_group_quant_fp8(inter),

@@ -117,7 +117,7 @@ def read_bounds(work, gemm1_weights: torch.Tensor, gemm2_weights: torch.Tensor, 
 
 
 def sweep(models, batches, *, seed, warmup_ms, rep_ms, ceilings, log=print) -> list[dict]:
-    from ..kernels.blocks import assign_blocks
+    from ..kernels.blocks import assign_blocks, use_naive_block_assignment
     from ..kernels.config import get_config
     from ..kernels.gluon_block_fp8 import available
     from ..kernels.formats import FORMATS, UNQUANTIZED
@@ -142,7 +142,10 @@ def sweep(models, batches, *, seed, warmup_ms, rep_ms, ceilings, log=print) -> l
             # fp8 runs its own tiles (vLLM's block-fp8 heuristic: K steps of 128, M tiles of 16 or 64).
             cfg8 = get_config(batch, model.num_experts, model.moe_intermediate_size, model.hidden_size,
                               torch.float8_e4m3fn, hidden.device)
-            blocks8 = assign_blocks(ids, cfg8.block_m, model.num_experts, validate_ids=False)
+            blocks8 = assign_blocks(ids, cfg8.block_m, model.num_experts, validate_ids=False,   # (block fp8's rule)
+                                    naive=use_naive_block_assignment(batch, model.top_k, model.num_experts,
+                                                                     block_fp8=True))
+            blocks8c = assign_blocks(ids, cfg8.block_m, model.num_experts, validate_ids=False)   # (vLLM's rule)
             (b1, b1s), (b2, b2s) = fp8["block"]
             (c1, c1s), (c2, c2s) = fp8["channel"]
             # (a table entry that runs both GEMMs in one launch needs no block map: none is passed then)
@@ -154,7 +157,7 @@ def sweep(models, batches, *, seed, warmup_ms, rep_ms, ceilings, log=print) -> l
                                                           blocks=None if one8 else blocks8, validate_ids=False,
                                                           w1_scale=b1s, w2_scale=b2s), 1,
                                     (b1, b2, b1s, b2s, "block")),
-                "fp8 channel GEMMs": (lambda: fused_experts(hidden, c1, c2, weights, ids, config=cfg8, blocks=blocks8,
+                "fp8 channel GEMMs": (lambda: fused_experts(hidden, c1, c2, weights, ids, config=cfg8, blocks=blocks8c,
                                                             validate_ids=False, w1_scale=c1s, w2_scale=c2s), 1,
                                       (c1, c2, c1s, c2s, "channel")),
                 "fp8 block permute": (lambda: permute_experts(hidden, b1, b2, weights, ids, validate_ids=False,

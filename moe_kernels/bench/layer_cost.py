@@ -156,7 +156,8 @@ def layer_against_gemms(layer, x) -> dict:
     topk_weights, topk_ids = layer.routing.route(x, router_logits(x, w.gate), w.bias)
     if plan.shared_slot:   # a stacked shared expert as slot E this batch: the routed GEMMs take it in
         topk_weights, topk_ids = with_shared_slot(topk_weights, topk_ids, w, shared_gate)
-    blocks = assign_blocks(topk_ids, plan.config.block_m, w.num_experts + plan.shared_slot, validate_ids=False)
+    blocks = assign_blocks(topk_ids, plan.config.block_m, w.num_experts + plan.shared_slot, naive=plan.naive_blocks,
+                           validate_ids=False)
     separate_shared = runs_apart(w, plan.shared_slot)
 
     def routed(activations=None, add=None):

@@ -141,6 +141,7 @@ def tune(models, batches, *, dtype, seed, warmup_ms, rep_ms, workers, budget_s=m
             break
         model = models[key]
         experts, top_k = slots(model)
+        naive = use_naive_block_assignment(batch, top_k, experts, block_fp8=fmt.scales == "block")   # (the layer's)
         w1, w1_scale, w2, w2_scale = weights_of[key]
         hidden, _, weights, ids = make_batch(model, batch, dtype, seed + batch, device)
         if fused_shared:   # as the layer splices it in: id E, weight 1, in every token's last slot
@@ -157,7 +158,7 @@ def tune(models, batches, *, dtype, seed, warmup_ms, rep_ms, workers, budget_s=m
         dense = shared
         for bm in [base.block_m] if refine else block_m_candidates(rho):
             blocks = (dense_blocks(batch, bm, ids) if dense
-                      else assign_blocks(ids, bm, experts, validate_ids=False))
+                      else assign_blocks(ids, bm, experts, naive=naive, validate_ids=False))
 
             def timed(call, what):
                 # Replayed from a CUDA graph, as the layer runs in an engine: launch overhead excluded.
@@ -243,7 +244,7 @@ def tune(models, batches, *, dtype, seed, warmup_ms, rep_ms, workers, budget_s=m
             except Exception as err:  # noqa: BLE001 - recorded; the tiles stay chosen
                 tried.append({"gemm": "both", "error": str(err)[:120]})
         blocks = (dense_blocks(batch, cfg.block_m, ids) if dense
-                  else assign_blocks(ids, cfg.block_m, experts, validate_ids=False))
+                  else assign_blocks(ids, cfg.block_m, experts, naive=naive, validate_ids=False))
         variants = [dataclasses.replace(cfg, pdl=pdl, quant_in_gemm=quant, gate_up=wide_up if quant else cfg.gate_up)
                     for pdl, quant in combos] if len(combos) > 1 or streams else []
 
@@ -267,7 +268,7 @@ def tune(models, batches, *, dtype, seed, warmup_ms, rep_ms, workers, budget_s=m
             routed_ms, tuned = {}, cfg
             for c in dict.fromkeys((cfg, routed)):   # each as one experts call; the faster is written (no margin here)
                 c_blocks = None if runs_in_one_launch(c, fmt) else assign_blocks(ids, c.block_m, experts,
-                                                                                  validate_ids=False)
+                                                                                  naive=naive, validate_ids=False)
                 routed_ms[c] = experts_call_ms(c, c_blocks, {"routed_tiles": c == routed})
             if routed_ms[routed] < routed_ms[tuned]:   # (an entry no faster than the fallback would only cost)
                 cfg = routed

@@ -6,8 +6,8 @@ Two ways to build it:
   expert, each expert padded to whole blocks;
 * naive, for tiny batches (:func:`use_naive_block_assignment`, vLLM's ``T * k * 4 <= E``; block-fp8
   weights up to 2 tokens only, measured): block ``m`` is just assignment ``m``, because nearly every
-  expert that is hit is hit once, so sorting would buy nothing. :func:`naive_block_assignment` writes that layout in the aligned format, so
-  one GEMM kernel can read either; :class:`BlockAssignment` keeps it implicit (no tensors at all),
+  expert that is hit is hit once, so sorting would buy nothing. :func:`naive_block_assignment` writes
+  that layout in the aligned format, so one GEMM kernel can read either; :class:`BlockAssignment` keeps it implicit (no tensors at all),
   and from two tokens on lets the first block of an expert's assignments take them all
   (``naive_group``), so that an expert two tokens share is read once.
 
@@ -71,8 +71,10 @@ def use_naive_block_assignment(num_tokens: int, topk: int, num_experts: int, *,
 NAIVE_RULE_FACTOR = 4
 #: The most tokens for which block-fp8 weights take the naive map. On an H100 (``tools/naive_map_ab.py``,
 #: ``naive-map-ab-s46*.json``, the routed layer in CUDA graphs with the L2 flushed) DeepSeek-V3's block-fp8 layer ran
-#: 1.6-3.7% faster on the aligned map at 3-8 tokens (888.0 against 859.8 us at 8) and 0.8% slower at 2; its bf16
-#: layer and Qwen3-30B-A3B's in both formats were level (within 0.5%) at every batch the rule covers.
+#: 0.8-3.7% faster on the aligned map at 3-8 tokens (885.2 against 858.6 us at 8) and 0.7-0.8% slower at 2, and its
+#: experts call alone 1.8-4.1% faster; its bf16 layer was level (within 0.4%). Qwen3-30B-A3B's layer runs both GEMMs
+#: in one two-phase launch at these batches (no block map), but its block-fp8 experts call alone ran 1.5-2.1% faster
+#: aligned too.
 NAIVE_MAX_TOKENS_BLOCK_FP8 = 2
 
 

@@ -24,8 +24,8 @@ but it still reads them through ``sorted_token_ids`` in expert order, a real gat
 multiplies by the routing weight in fp32 before the cast and writes ``[T, k, d]``, which
 :func:`~moe_kernels.kernels.combine.moe_sum` adds up per token (or, with
 ``MoEConfig.sum_in_gemm``, adds each row straight into an fp32 ``[T, d]`` with atomics). Tiny batches (vLLM's
-``T * k * 4 <= E``) skip the alignment: block ``m`` is assignment ``m``, and from two tokens on
-the first block of an expert's assignments takes them all (:mod:`moe_kernels.kernels.blocks`).
+``T * k * 4 <= E``; block fp8 up to 2 tokens) skip the alignment: block ``m`` is assignment ``m``, and from two
+tokens on the first block of an expert's assignments takes them all (:mod:`moe_kernels.kernels.blocks`).
 
 Worked example: two tokens, top-2 of three experts, ``block_m = 16``::
 
@@ -61,8 +61,9 @@ from .._runtime import (HAS_TRITON, INTERPRET, cdiv, device_assert_options, inte
                         recording, tl, use_triton)
 from ._tile_gemm import (check_operands, check_out, dequantized, dot_precision,
                          in_float32_under_interpreter, output_dtype, programs_per_device, weight_descriptor)
-from .blocks import (NAIVE_MAX_TOKENS_BLOCK_FP8, BlockAssignment, assign_blocks, assignments_by_block,  # noqa: F401
-                     build_blocks, check_blocks, dense_blocks)
+from . import blocks as block_maps   # (its NAIVE_MAX_TOKENS_BLOCK_FP8 read at each call: a tool may change it)
+from .blocks import (BlockAssignment, assign_blocks, assignments_by_block, build_blocks, check_blocks,  # noqa: F401
+                     dense_blocks)
 from .activation import silu_mul_rows
 from .combine import sum_slots
 from .config import GemmTiles, MoEConfig, check_block_m, check_config, check_tiles, get_config, separate_sum_tiles
@@ -386,7 +387,8 @@ def fused_experts(
     ``config`` defaults to :func:`moe_kernels.kernels.config.get_config`; ``block_size_m``
     overrides its M tile. ``blocks`` passes a precomputed :func:`assign_blocks` result (its
     ``block_m`` wins), e.g. to time the GEMMs without the alignment. ``naive_block_assignment``
-    forces the small-batch path on or off (default: vLLM's rule, see :func:`assign_blocks`). A
+    forces the small-batch path on or off (default: vLLM's rule, see :func:`assign_blocks`, and for block-fp8
+    weights at most ``blocks.NAIVE_MAX_TOKENS_BLOCK_FP8`` tokens). A
     config with ``one_launch`` tiles runs both GEMMs in one launch
     (:mod:`moe_kernels.kernels.one_launch`, :mod:`moe_kernels.kernels.two_phase`), which needs no
     block map: ``block_size_m`` and ``naive_block_assignment`` then change nothing, and a
@@ -474,7 +476,7 @@ def run_experts(hidden_states, w1, w2, topk_weights, topk_ids, *, fmt, config: M
     num_tokens, top_k = topk_ids.shape
     d = w2.shape[1]
     if blocks is None:
-        if naive is None and fmt.scales == "block" and num_tokens > NAIVE_MAX_TOKENS_BLOCK_FP8:
+        if naive is None and fmt.scales == "block" and num_tokens > block_maps.NAIVE_MAX_TOKENS_BLOCK_FP8:
             naive = False   # (blocks.use_naive_block_assignment's rule for block-fp8 weights)
         blocks = build_blocks(func, topk_ids, block_m or config.block_m, w2.shape[0], naive, ids == "validate")
     summed = config.sum_in_gemm
