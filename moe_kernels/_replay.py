@@ -98,8 +98,8 @@ class Recording:
         self.root_of = {}        # storage address -> the slot that owns the memory
         self.constants = []      # slots of tensors from outside the call
         self.aliases = []        # tensors that share a slot with another
-        self.events = []         # ("op", func, args, kwargs, outs, many) or ("launch", compiled, grid, device,
-                                 # args, pointers)
+        self.events = []         # ("op", func, args, kwargs, outs, many), ("launch", compiled, grid, device,
+                                 # args, pointers) or ("mark", kind): _replay_fork's side-stream stretch
         self.refusal = None
         self.device = inputs[0].device if inputs and isinstance(inputs[0], _Tensor) else None
         for t in inputs:
