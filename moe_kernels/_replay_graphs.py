@@ -79,7 +79,8 @@ MAX_GRAPHS_PER_PLAN = 256
 #: one plain replay, then the capture (a one-off call never pays for a capture).
 REPLAYS_BEFORE_GRAPH = 2
 ENABLED = os.environ.get("MOE_KERNELS_REPLAY_GRAPHS", "1") != "0"
-#: The priority of the stream a captured replay forks a marked stretch onto (layer_shared.SIDE_PRIORITY's, and why).
+#: The priority of the stream a captured replay forks a marked stretch onto, and of the stream a captured layer forks
+#: its shared expert onto (``layer_shared.SIDE_PRIORITY``, which says why it is the default).
 FORK_PRIORITY = 0
 
 _lock = threading.RLock()   # the budget and the capture sides (reentrant: a finalizer may run under it)

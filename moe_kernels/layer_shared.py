@@ -64,7 +64,7 @@ BESIDE = (None, "experts")
 #: the routed GEMMs as theirs finished, and on the H100 cost DeepSeek-V3's fp8 layer more from 16 tokens up (26.7
 #: against 21.9 us at 64 tokens, 32.8 against 24.5 at 256) and 0.3-3.1 us less at 1-8 (-5 as -1); at 0 they queue
 #: behind the programs already launched and fill the routed GEMM's last wave (``shared-priority-ab-s46*.json``).
-SIDE_PRIORITY = 0
+SIDE_PRIORITY = _replay_graphs.FORK_PRIORITY   # (the replays' graphs fork onto a stream of the same priority)
 _side_streams = {}   # (device, priority) -> the side stream, made once (one per device: one capture at a time)
 
 

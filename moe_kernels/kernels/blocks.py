@@ -7,9 +7,9 @@ Two ways to build it:
 * naive, for tiny batches (:func:`use_naive_block_assignment`, vLLM's ``T * k * 4 <= E``; block-fp8
   weights up to 2 tokens only, measured): block ``m`` is just assignment ``m``, because nearly every
   expert that is hit is hit once, so sorting would buy nothing. :func:`naive_block_assignment` writes
-  that layout in the aligned format, so one GEMM kernel can read either; :class:`BlockAssignment` keeps it implicit (no tensors at all),
-  and from two tokens on lets the first block of an expert's assignments take them all
-  (``naive_group``), so that an expert two tokens share is read once.
+  that layout in the aligned format, so one GEMM kernel can read either; :class:`BlockAssignment` keeps
+  it implicit (no tensors at all), and from two tokens on lets the first block of an expert's
+  assignments take them all (``naive_group``), so that an expert two tokens share is read once.
 
     >>> import torch
     >>> ids = torch.tensor([[5, 1]])                 # one token, top-2 of 16 experts
@@ -62,8 +62,13 @@ def use_naive_block_assignment(num_tokens: int, topk: int, num_experts: int, *,
     check_int(func, "topk", topk, lo=1)
     check_int(func, "num_experts", num_experts, lo=1)
     check_bool(func, "block_fp8", block_fp8)
-    return (not has_expert_map and num_tokens * topk * NAIVE_RULE_FACTOR <= num_experts
-            and (not block_fp8 or num_tokens <= NAIVE_MAX_TOKENS_BLOCK_FP8))
+    return not has_expert_map and _naive_rule(num_tokens, topk, num_experts, block_fp8)
+
+
+def _naive_rule(num_tokens: int, topk: int, num_experts: int, block_fp8: bool) -> bool:
+    """:func:`use_naive_block_assignment` without its checks (what :func:`build_blocks` asks at every call)."""
+    return num_tokens * topk * NAIVE_RULE_FACTOR <= num_experts and (not block_fp8 or
+                                                                    num_tokens <= NAIVE_MAX_TOKENS_BLOCK_FP8)
 
 
 #: The 4 of vLLM's rule. ``tools/naive_map_ab.py`` raises it past any batch to time the aligned map where the
@@ -348,13 +353,14 @@ def assign_blocks(topk_ids: torch.Tensor, block_m: int, num_experts: int, *, nai
 
 
 def build_blocks(func: str, topk_ids: torch.Tensor, block_m: int, num_experts: int, naive: bool | None,
-                 validate_ids: bool) -> BlockAssignment:
+                 validate_ids: bool, block_fp8: bool = False) -> BlockAssignment:
     """:func:`assign_blocks` after its argument checks (the layer and ``fused_experts`` check
-    once, then call this); the id check, when asked, blames ``func``."""
+    once, then call this); the id check, when asked, blames ``func``. ``naive`` None: the rule, for block-fp8
+    weights where ``block_fp8``."""
     num_tokens, top_k = topk_ids.shape
     numel = num_tokens * top_k
-    if naive is None:   # use_naive_block_assignment without its checks (or the format: run_experts knows it)
-        naive = numel * NAIVE_RULE_FACTOR <= num_experts
+    if naive is None:
+        naive = _naive_rule(num_tokens, top_k, num_experts, block_fp8)
     if naive:
         # The naive map uses the ids themselves as the block labels; each GEMM reads each once.
         id_check = device_id_check(func, "topk_ids", topk_ids, num_experts) if validate_ids else ""

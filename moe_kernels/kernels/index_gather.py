@@ -61,7 +61,6 @@ from .._runtime import (HAS_TRITON, INTERPRET, cdiv, device_assert_options, inte
                         recording, tl, use_triton)
 from ._tile_gemm import (check_operands, check_out, dequantized, dot_precision,
                          in_float32_under_interpreter, output_dtype, programs_per_device, weight_descriptor)
-from . import blocks as block_maps   # (its NAIVE_MAX_TOKENS_BLOCK_FP8 read at each call: a tool may change it)
 from .blocks import (BlockAssignment, assign_blocks, assignments_by_block, build_blocks, check_blocks,  # noqa: F401
                      dense_blocks)
 from .activation import silu_mul_rows
@@ -476,9 +475,8 @@ def run_experts(hidden_states, w1, w2, topk_weights, topk_ids, *, fmt, config: M
     num_tokens, top_k = topk_ids.shape
     d = w2.shape[1]
     if blocks is None:
-        if naive is None and fmt.scales == "block" and num_tokens > block_maps.NAIVE_MAX_TOKENS_BLOCK_FP8:
-            naive = False   # (blocks.use_naive_block_assignment's rule for block-fp8 weights)
-        blocks = build_blocks(func, topk_ids, block_m or config.block_m, w2.shape[0], naive, ids == "validate")
+        blocks = build_blocks(func, topk_ids, block_m or config.block_m, w2.shape[0], naive, ids == "validate",
+                              block_fp8=fmt.scales == "block")
     summed = config.sum_in_gemm
     device, out_dtype = hidden_states.device, hidden_states.dtype
     if summed:   # the epilogue adds into fp32 [T, d], which must start at zero
