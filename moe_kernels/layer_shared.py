@@ -45,14 +45,15 @@ DENSE_SHARED_MAX_TOKENS = 16
 #: While a CUDA graph is captured (read at each call), where a shared expert run apart goes: None, on the layer's
 #: stream after the router (as in an uncaptured call); "experts", on a side stream forked at the layer's start
 #: (computing its own gate and quantised activations there), under the router and the routed GEMMs, joined where
-#: index-gather's top-k sum reads it (after GEMM 2's launch; before the launch where both GEMMs are one) or, in the
-#: other layouts, before the launch that adds it. Why: at decode its 44 MB (fp8) stream at the read rate, but in line
+#: index-gather's top-k sum reads it (after GEMM 2's launch; after the launch where both GEMMs are one, which then
+#: does not add it in its fp32 sum: one addition more) or, in the other layouts, before the launch that adds it. Why: at decode its 44 MB (fp8) stream at the read rate, but in line
 #: it cost DeepSeek-V3's fp8 layer 39.2-55.4 us at 1-64 tokens over a 14 us floor on an H100
 #: (``shared-routed-tiles-ab-s44.json``, ``-s44b.json``): two launches' ramps and tails, while the router's few
 #: latency-bound programs leave the read bandwidth idle. Forked it cost 19.3-31.5 us at 1-256 tokens (51.7 at 512,
 #: over a 38.5 us FLOP floor) against 39.3-51.9 in line (66.0 at 512; ``shared-beside-ab-s45.json``, ``-s45b.json``);
 #: joined before the routed GEMMs instead, under the router only, it moved by -4.8 to +4.7 us (that mode is gone).
-#: Where the routed GEMMs are one launch (two-phase), the join comes before it: under the router only. SGLang 0.5.23
+#: Where the routed GEMMs are one launch (two-phase), the join came before it, under the router only: DeepSeek-V3's
+#: bf16 layer at one token saved 5 us (``replay-fork-ab-s46c.json``); it now comes after it. SGLang 0.5.23
 #: does the same while it captures a decode graph (``forward_normal_dual_stream``,
 #: ``sglang/srt/models/deepseek_v2.py``: forked before the gate, the shared expert issued on the side stream after
 #: the routed experts, joined after them). Only inside a capture: an uncaptured call's host time is longer than any
@@ -181,10 +182,11 @@ class SharedApart:
         return self.output
 
     def for_sum(self):
-        """The output for index-gather's top-k sum to add: the tensor, or (forked) a callable that joins and returns
-        it, which :func:`~moe_kernels.kernels.index_gather.run_experts` calls where the sum needs it."""
+        """The output for index-gather's top-k sum to add: the tensor, or (forked, or recorded first) a callable that
+        joins and returns it, which :func:`~moe_kernels.kernels.index_gather.run_experts` calls where the sum needs
+        it."""
         self.summed = True
-        return self.join if self.side is not None else self.output
+        return self.join if self.own_inputs else self.output   # (recorded first: the replays' join goes there)
 
     def add_to(self, out: torch.Tensor) -> torch.Tensor:
         return out if self.summed else out.add_(self.join())

@@ -708,6 +708,44 @@ def test_a_layers_shared_expert_forks_in_its_replay_graph_gpu(fmt, num_tokens, m
 
 @needs_gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("fmt", [None, "block"])
+def test_a_forked_shared_expert_joins_after_a_two_phase_launch_gpu(fmt, monkeypatch):
+    """Where the routed GEMMs are one two-phase launch (the H100's tables at DeepSeek-V3's bf16 one token), the
+    replay's graph joins the forked shared expert after that launch, not before it (the launch no longer reads the
+    addend: it is added after it), so the two run side by side; every call equals the eager one."""
+    import dataclasses
+
+    from moe_kernels import layer as layer_module
+    from moe_kernels._runtime import record_launches
+    from moe_kernels.kernels.config import OneLaunchTiles
+    from moe_testing import rel_err
+
+    tiles = OneLaunchTiles(16, 64, 4, 3, phases=2, block_k=128, swap_ab=True)
+    choose = layer_module.choose_config
+
+    def with_two_phases(m, e, *args, **kwargs):   # the routed experts' choice (not the shared expert's, e = 1)
+        choice = choose(m, e, *args, **kwargs)
+        return choice if e == 1 else dataclasses.replace(choice, config=dataclasses.replace(choice.config,
+                                                                                            one_launch=tiles))
+
+    monkeypatch.setattr(layer_module, "choose_config", with_two_phases)
+    layer, g = _small_layer("deepseek-v3", fmt), torch.Generator(device="cuda").manual_seed(8)
+    for call in range(5):
+        x = torch.randn(1, 256, device="cuda", dtype=torch.bfloat16, generator=g)
+        got, expected = layer(x), _eagerly(lambda: layer(x), monkeypatch)
+        assert torch.equal(got, expected), (call, (got.float() - expected.float()).abs().max())
+    assert rel_err(got, layer.reference(x)) < 2e-2
+    replay = layer._replays.get(layer._replays.key((x,), ()))
+    assert replay is not None and _graphs_of(replay) == 1, (layer._replays.last_refusal, replay.graphs.refusal)
+    kinds = [s[1] if s[0] is None else ("launch" if s[0] else "op") for s in replay.steps]
+    assert kinds.count("join") == 1 and "launch" not in kinds[kinds.index("join"):], kinds   # joined after the last
+    with record_launches() as launches:   # (the path: the routed experts ran as the two-phase launch)
+        _eagerly(lambda: layer(x), monkeypatch)
+    assert "two_phase.experts" in [name for name, _ in launches], launches
+
+
+@needs_gpu
+@pytest.mark.gpu
 def test_a_recorded_auto_layer_plans_for_the_forked_shared_expert_gpu(monkeypatch):
     """``shared_expert="auto"`` chooses between the slot and the shared expert apart by a measured crossover, which
     differs where the shared expert forks (``beside``). A call recorded for the package's replays plans as inside a

@@ -351,3 +351,36 @@ def test_a_callable_addend_is_called_once_after_the_gemms_and_adds_the_same(sum_
         assert names[len(calls[0]):] == ([] if sum_in_gemm else ["combine.moe_sum"]), names
     reference = moe_reference(p["hidden"], p["w1"], p["w2"], p["weights"], p["ids"]) + shared.double()
     assert rel_err(want, reference) < TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("phases", [1, 2])
+def test_a_callable_addend_joins_after_the_launch_where_both_gemms_are_one(phases):
+    """Where both GEMMs are one launch (one_launch, two_phase), a tensor addend is read by its kernel, but a
+    callable (a forked shared expert) is called once after the launch and its result added then: the launch runs
+    beside the side stream instead of waiting for it. Same values, to one rounding of the output dtype more."""
+    import dataclasses
+
+    from moe_kernels._runtime import BACKEND, record_launches
+    from moe_kernels.kernels.config import OneLaunchTiles, default_config
+    from moe_kernels.kernels.formats import FORMATS
+
+    p = shared_problem(7, 6, 2, 32, 16, torch.float32, seed=22)
+    tiles = OneLaunchTiles(16, 16, phases=phases, **({"block_k": 16, "num_stages": 2} if phases == 2 else {}))
+    config = dataclasses.replace(default_config(7, 6, 16, 32), one_launch=tiles)
+    shared = torch.randn(7, 32, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    calls = []
+
+    def run(add):
+        return index_gather.run_experts(p["hidden"], p["w1"], p["w2"], p["weights"], p["ids"], fmt=FORMATS["none"],
+                                        config=config, add=add)
+
+    want = run(shared)
+    with record_launches() as launches:
+        got = run(lambda: calls.append([name for name, _ in launches]) or shared)
+    assert len(calls) == 1 and rel_err(got, want.double()) < TOLERANCE[torch.float32]
+    if BACKEND != "torch":   # the one launch before the join, nothing after it (the addition is a torch op)
+        kernel = "two_phase" if phases == 2 else "one_launch"
+        assert [n.split(".")[0] for n in calls[0]] == [kernel], calls[0]
+        assert [name for name, _ in launches][len(calls[0]):] == [], launches
+    reference = moe_reference(p["hidden"], p["w1"], p["w2"], p["weights"], p["ids"]) + shared.double()
+    assert rel_err(got, reference) < TOLERANCE[torch.float32]

@@ -462,16 +462,20 @@ def run_experts(hidden_states, w1, w2, topk_weights, topk_ids, *, fmt, config: M
     ``fmt.quantize_activations(hidden_states)`` when the caller has it already (a shared expert
     reads the same); ``add``: a ``[T, d]`` tensor the top-k sum adds in fp32 (a shared expert's
     output), instead of a separate addition, or a callable that returns it, called where the sum first needs it:
-    after GEMM 2's launch, or before the launch where both GEMMs are one (a shared expert on a side stream joins
-    there: :class:`~moe_kernels.layer_shared.SharedApart`). A config with ``one_launch`` tiles and no ``blocks``
+    after GEMM 2's launch (a shared expert on a side stream joins there:
+    :class:`~moe_kernels.layer_shared.SharedApart`). Where both GEMMs are one launch, its kernel adds a tensor in
+    its fp32 sum, but a callable's result is added after the launch, in the output dtype (one rounding more), so
+    that the launch need not wait for it. A config with ``one_launch`` tiles and no ``blocks``
     runs both GEMMs in one launch (:mod:`moe_kernels.kernels.one_launch`: fp8 as W8A16;
     :mod:`moe_kernels.kernels.two_phase`: block fp8 as W8A8, quantising in the kernel; both ignore
     ``activations``), where its kernel takes the format (:func:`runs_in_one_launch`).
     """
     if blocks is None and runs_in_one_launch(config, fmt):   # both GEMMs in one launch (no block map)
-        add = add() if callable(add) else add   # (its kernel reads the addend)
-        return run_one_launch(hidden_states, w1, w2, topk_weights, topk_ids, fmt=fmt, tiles=config.one_launch,
-                              w1_scale=w1_scale, w2_scale=w2_scale, ids=ids, func=func, add=add)
+        # Its kernel reads a tensor addend; a forked one joins after the launch, which then runs beside it.
+        later = add if callable(add) else None
+        out = run_one_launch(hidden_states, w1, w2, topk_weights, topk_ids, fmt=fmt, tiles=config.one_launch,
+                             w1_scale=w1_scale, w2_scale=w2_scale, ids=ids, func=func, add=None if later else add)
+        return out if later is None else out.add_(later())
     num_tokens, top_k = topk_ids.shape
     d = w2.shape[1]
     if blocks is None:
