@@ -321,35 +321,44 @@ def test_the_top_k_sum_adds_a_shared_output_before_rounding():
     assert rel_err(sum_slots(per_slot[:, :0], add=shared), shared.double()) < 1e-6   # k = 0: the addend alone
 
 
-@pytest.mark.parametrize("sum_in_gemm", [False, True])
-def test_a_callable_addend_is_called_once_after_the_gemms_and_adds_the_same(sum_in_gemm):
-    """``run_experts(add=callable)`` (how a shared expert on a side stream joins: moe_kernels.layer_shared): the
-    callable is called once, after both GEMMs are launched, and the output equals that with the tensor itself."""
+def _with_a_callable_addend(seed, **config_fields):
+    """``run_experts`` on a small problem with a tensor addend, then with a callable returning it: the reference
+    (routed experts and the addend, float64), both outputs, the launches seen when the callable was called, and
+    all the second call's launches (by name)."""
     import dataclasses
 
+    from moe_kernels._runtime import record_launches
     from moe_kernels.kernels.config import default_config
     from moe_kernels.kernels.formats import FORMATS
 
-    p = shared_problem(7, 6, 2, 32, 16, torch.float32, seed=21)
-    config = dataclasses.replace(default_config(7, 6, 16, 32), sum_in_gemm=sum_in_gemm)
-    shared = torch.randn(7, 32, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    p = shared_problem(7, 6, 2, 32, 16, torch.float32, seed=seed)
+    config = dataclasses.replace(default_config(7, 6, 16, 32), **config_fields)
+    shared = torch.randn(7, 32, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
     calls = []
 
     def run(add):
         return index_gather.run_experts(p["hidden"], p["w1"], p["w2"], p["weights"], p["ids"], fmt=FORMATS["none"],
                                         config=config, add=add)
 
-    from moe_kernels._runtime import BACKEND, record_launches
-
     want = run(shared)
     with record_launches() as launches:
         got = run(lambda: calls.append([name for name, _ in launches]) or shared)
-    assert len(calls) == 1 and torch.equal(got, want)
-    if BACKEND != "torch":   # both GEMMs launched before the join; after it only the top-k sum (none: summed in GEMM 2)
-        names = [name for name, _ in launches]
-        assert calls[0].count("index_gather.gemm") == 2, calls[0]
-        assert names[len(calls[0]):] == ([] if sum_in_gemm else ["combine.moe_sum"]), names
+    assert len(calls) == 1   # called once
     reference = moe_reference(p["hidden"], p["w1"], p["w2"], p["weights"], p["ids"]) + shared.double()
+    return reference, want, got, calls[0], [name for name, _ in launches]
+
+
+@pytest.mark.parametrize("sum_in_gemm", [False, True])
+def test_a_callable_addend_is_called_once_after_the_gemms_and_adds_the_same(sum_in_gemm):
+    """``run_experts(add=callable)`` (how a shared expert on a side stream joins: moe_kernels.layer_shared): the
+    callable is called once, after both GEMMs are launched, and the output equals that with the tensor itself."""
+    from moe_kernels._runtime import BACKEND
+
+    reference, want, got, before, names = _with_a_callable_addend(21, sum_in_gemm=sum_in_gemm)
+    assert torch.equal(got, want)
+    if BACKEND != "torch":   # both GEMMs launched before the join; after it only the top-k sum (none: summed in GEMM 2)
+        assert before.count("index_gather.gemm") == 2, before
+        assert names[len(before):] == ([] if sum_in_gemm else ["combine.moe_sum"]), names
     assert rel_err(want, reference) < TOLERANCE[torch.float32]
 
 
@@ -358,29 +367,13 @@ def test_a_callable_addend_joins_after_the_launch_where_both_gemms_are_one(phase
     """Where both GEMMs are one launch (one_launch, two_phase), a tensor addend is read by its kernel, but a
     callable (a forked shared expert) is called once after the launch and its result added then: the launch runs
     beside the side stream instead of waiting for it. Same values, to one rounding of the output dtype more."""
-    import dataclasses
+    from moe_kernels._runtime import BACKEND
+    from moe_kernels.kernels.config import OneLaunchTiles
 
-    from moe_kernels._runtime import BACKEND, record_launches
-    from moe_kernels.kernels.config import OneLaunchTiles, default_config
-    from moe_kernels.kernels.formats import FORMATS
-
-    p = shared_problem(7, 6, 2, 32, 16, torch.float32, seed=22)
     tiles = OneLaunchTiles(16, 16, phases=phases, **({"block_k": 16, "num_stages": 2} if phases == 2 else {}))
-    config = dataclasses.replace(default_config(7, 6, 16, 32), one_launch=tiles)
-    shared = torch.randn(7, 32, generator=torch.Generator().manual_seed(5)).to(DEVICE)
-    calls = []
-
-    def run(add):
-        return index_gather.run_experts(p["hidden"], p["w1"], p["w2"], p["weights"], p["ids"], fmt=FORMATS["none"],
-                                        config=config, add=add)
-
-    want = run(shared)
-    with record_launches() as launches:
-        got = run(lambda: calls.append([name for name, _ in launches]) or shared)
-    assert len(calls) == 1 and rel_err(got, want.double()) < TOLERANCE[torch.float32]
+    reference, want, got, before, names = _with_a_callable_addend(22, one_launch=tiles)
+    assert rel_err(got, want.double()) < TOLERANCE[torch.float32]
     if BACKEND != "torch":   # the one launch before the join, nothing after it (the addition is a torch op)
-        kernel = "two_phase" if phases == 2 else "one_launch"
-        assert [n.split(".")[0] for n in calls[0]] == [kernel], calls[0]
-        assert [name for name, _ in launches][len(calls[0]):] == [], launches
-    reference = moe_reference(p["hidden"], p["w1"], p["w2"], p["weights"], p["ids"]) + shared.double()
+        assert [n.split(".")[0] for n in before] == ["two_phase" if phases == 2 else "one_launch"], before
+        assert names[len(before):] == [], names
     assert rel_err(got, reference) < TOLERANCE[torch.float32]
