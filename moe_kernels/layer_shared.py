@@ -182,11 +182,13 @@ class SharedApart:
         return self.output
 
     def for_sum(self):
-        """The output for index-gather's top-k sum to add: the tensor, or (forked, or recorded first) a callable that
-        joins and returns it, which :func:`~moe_kernels.kernels.index_gather.run_experts` calls where the sum needs
-        it."""
+        """The output for index-gather's top-k sum to add, as a callable that joins (where forked) and returns it,
+        which :func:`~moe_kernels.kernels.index_gather.run_experts` calls where the sum needs it: after GEMM 2's
+        launch, or after the launch where both GEMMs are one (added then, not in its kernel). Always a callable, so
+        that a call in line, a recorded one (the replays' graph joins at that call) and a forked one add it the same
+        way, to the same bits."""
         self.summed = True
-        return self.join if self.own_inputs else self.output   # (recorded first: the replays' join goes there)
+        return self.join
 
     def add_to(self, out: torch.Tensor) -> torch.Tensor:
         return out if self.summed else out.add_(self.join())
