@@ -569,7 +569,8 @@ def test_auto_layout_follows_the_measured_crossover(model_name, fmt, device_name
 @pytest.mark.parametrize("device_name", [H100, H200])
 def test_auto_shared_expert_follows_the_measured_choice(device_name):
     """``shared_expert="auto"``: DeepSeek-V3's fp8 shared expert runs as slot E up to the measured
-    crossover of ``shared-choices.json`` (the H100's: 64 tokens; the H200's: 16) on the table tuned for the fused
+    crossover of ``shared-choices.json`` (the H100's: 32 tokens since its shared expert's own E=1 table; the H200's:
+    16) on the table tuned for the fused
     problem (E + 1 experts) where it covers the batch, else the routed one, and apart above it, on the routed table
     and its own dense tiles; a GPU, shape or format with no entry runs it apart at every batch, as ``"separate"``
     does."""
@@ -580,11 +581,11 @@ def test_auto_shared_expert_follows_the_measured_choice(device_name):
     key = shape_key(device_name, model.num_experts, model.moe_intermediate_size, model.hidden_size,
                     FORMATS["block"].name)
     up_to = load_shared_choices().get(key)
-    assert up_to == {H100: 64, H200: 16}[device_name]
+    assert up_to == {H100: 32, H200: 16}[device_name]
     auto = meta_layer("deepseek-v3", "block", "index_gather", "auto")
     separate = meta_layer("deepseek-v3", "block", "index_gather", "separate")
     fused = meta_layer("deepseek-v3", "block", "index_gather", "fused")
-    for batch in (1, 8, 16, 17, 64, 65, 512):
+    for batch in (1, 8, 16, 17, 32, 33, 64, 65, 512):
         plan = auto.plan(batch, device_name=device_name)
         slot = up_to is not None and batch <= up_to
         assert plan.shared_slot == slot and (plan.shared_choice is None) == slot
@@ -615,7 +616,8 @@ def test_auto_shared_expert_follows_the_measured_choice(device_name):
 @pytest.mark.parametrize("device_name", [H100, H200])
 def test_a_plan_made_inside_a_capture_takes_the_crossover_against_the_forked_shared_expert(device_name):
     """Inside a CUDA-graph capture a shared expert run apart forks onto a side stream (``layer_shared``), which
-    moved the H100's measured crossover for DeepSeek-V3's fp8 layer from 64 tokens to one; an entry without a
+    moved the H100's measured crossover for DeepSeek-V3's fp8 layer from 32 tokens (64 before its own E=1 table) to
+    one; an entry without a
     ``beside`` crossover (the H200's) answers with its in-line one. ``choose_shared_slot(..., beside=True)`` is
     what ``plan_layer`` asks there (``layer_shared.forks_here``)."""
     from moe_kernels.kernels.shared_choice import choose_shared_slot, load_beside_choices
@@ -626,7 +628,8 @@ def test_a_plan_made_inside_a_capture_takes_the_crossover_against_the_forked_sha
     key = shape_key(device_name, *shape, FORMATS["block"].name)
     assert load_beside_choices().get(key) == {H100: 1, H200: None}[device_name]
     for batch, in_line, beside in ((1, True, True), (2, True, device_name == H200), (8, True, device_name == H200),
-                                   (16, True, device_name == H200), (64, device_name == H100, False)):
+                                   (16, True, device_name == H200), (32, device_name == H100, False),
+                                   (64, False, False)):
         assert choose_shared_slot(batch, *shape, "fp8-block", "cpu", device_name=device_name) == in_line, batch
         assert choose_shared_slot(batch, *shape, "fp8-block", "cpu", device_name=device_name,
                                   beside=True) == beside, batch

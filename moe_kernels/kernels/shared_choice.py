@@ -9,11 +9,14 @@ measured per GPU, routed-expert shape and weight format (``tools/shared_expert_a
 shared expert left out, separate and fused), and ``shared-choices.json`` beside this module keeps, per key,
 the largest batch up to which the slot ran faster (``slot_up_to_tokens``), with the record that showed it.
 On the H100, DeepSeek-V3's fp8 block layer (the slot as the layer runs it: its E+1 table at 1-2 tokens, the
-routed table's tiles from 3; the separate shared expert on the default tiles: the H100 has no E=1 table): the
+routed table's tiles from 3; the separate shared expert then on the default tiles: the H100 had no E=1 table): the
 shared expert cost 20.2, 29.8, 38.6, 26.2, 31.5 and 37.6 us fused at 1, 2, 4, 16, 32 and 64 tokens against 40.7,
 39.2, 42.9, 55.4, 51.6 and 52.2 separate, and at 128 and 512 tokens 69.4 and 122.3 fused against 45.6 and 68.8
 separate (``results/nvidia-h100-80gb-hbm3/shared-routed-tiles-ab-s44.json`` and ``-s44b.json``; at 8 tokens the
-layer without the slot runs the naive block map and the one with it aligns, hence a negative difference). The
+layer without the slot runs the naive block map and the one with it aligns, hence a negative difference). On its
+own E=1 table (session 47) the separate shared expert cost 31.5, 29.7 and 36.8 us at 1, 8 and 64 tokens against the
+slot's 19.7, 24.8 and 40.8 (``shared-ab-tuned-s47.json``), so the entry's crossover is 32 tokens now (16 and 32 not
+re-measured). The
 slot is taken on the index-gather layout only (where it was measured): a layer whose ``layout="auto"`` picks
 another layout runs the shared expert apart.
 
