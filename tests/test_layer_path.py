@@ -265,6 +265,35 @@ def test_launches_follow_the_plan(fmt, batch):
 
 
 @pytest.mark.skipif(BACKEND == "torch", reason="no Triton: the torch references launch nothing")
+def test_a_shared_expert_apart_is_added_after_a_two_phase_routed_launch(monkeypatch):
+    """Where the routed GEMMs are one two-phase launch (the H100's DeepSeek-V3 bf16 table at one token), the shared
+    expert apart is not read by that launch's kernel (``add`` None there) but added after it, in line as when forked
+    (``SharedApart.for_sum`` hands a callable either way), so the two ways give the same bits. The layer's value is
+    the float64 reference's. (16-bit weights: on the CPU the two-phase kernel runs fp8 ones by its torch reference,
+    which launches nothing; tests/test_replay.py replays both formats on a GPU.)"""
+    from moe_kernels import layer as layer_module
+    from moe_kernels.kernels.config import OneLaunchTiles
+
+    tiles = OneLaunchTiles(16, 16, phases=2, block_k=16, num_stages=2)
+    choose = layer_module.choose_config
+
+    def with_two_phases(m, e, *args, **kwargs):   # the routed experts' tiles (the shared expert's are e = 1)
+        choice = choose(m, e, *args, **kwargs)
+        return choice if e == 1 else dataclasses.replace(choice, config=dataclasses.replace(choice.config,
+                                                                                            one_launch=tiles))
+
+    monkeypatch.setattr(layer_module, "choose_config", with_two_phases)
+    layer = small_layer("none", "index_gather")
+    x = torch.randn(1, 256, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    with record_launches() as launches:
+        out = layer(x)
+    assert rel_err(out, layer.reference(x)) < 1e-3
+    two_phase = [s for name, s in launches if name == "two_phase.experts"]
+    assert len(two_phase) == 1 and not two_phase[0]["add"], launches
+    assert [name for name, _ in launches][-1] == "two_phase.experts", launches   # (the addition: a torch op after it)
+
+
+@pytest.mark.skipif(BACKEND == "torch", reason="no Triton: the torch references launch nothing")
 def test_the_default_path_fills_no_per_slot_buffer():
     """The [T, k, d] buffer is written whole by GEMM 2 when the ids are known good: no zero-fill."""
     layer = small_layer("none", "index_gather", model="qwen3-30b-a3b")
@@ -304,7 +333,9 @@ def test_real_layer_runs_its_plan_gpu(model_name, fmt):
         if runs_in_one_launch(plan.config, plan.format):   # both GEMMs in one launch (the table's choice)
             tiles = plan.config.one_launch
             name = "two_phase.experts" if tiles.phases == 2 else "one_launch.experts"
-            assert [s for n, s in launches if n == name] == [{"format": plan.format.name, **tiles.as_dict()}], launches
+            # (add: False, a shared expert apart is added after the launch, SharedApart.for_sum)
+            assert [s for n, s in launches if n == name] == [{"format": plan.format.name, **tiles.as_dict(),
+                                                              "add": False}], launches
             assert not [s for n, s in launches if n == "index_gather.gemm" and not s["dense"]], launches
         elif plan.config.stream_lag is not None:   # both GEMMs as one stream of tiles (the table's choice)
             streams = [settings for name, settings in launches if name == "streamed_pair"]

@@ -101,7 +101,7 @@ def test_grid_and_the_launch_it_names():
         pytest.skip("no Triton here: the torch reference runs")
     with record_launches() as launches:
         one_launch_experts(hidden, w1, w2, weights, ids, tiles=SMALL)
-    assert launches == [("one_launch.experts", {"format": "unquantized", **SMALL.as_dict()})]
+    assert launches == [("one_launch.experts", {"format": "unquantized", **SMALL.as_dict(), "add": False})]
 
 
 @pytest.mark.parametrize("fmt", ["block", "channel", "tensor"])

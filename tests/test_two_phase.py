@@ -42,7 +42,7 @@ def test_the_launch_it_names_from_fused_experts():
         pytest.skip("no Triton here: the torch reference runs")
     with record_launches() as launches:
         out = fused_experts(hidden, w1, w2, weights, ids, config=config)
-    assert launches == [("two_phase.experts", {"format": "unquantized", **SMALL.as_dict()})]
+    assert launches == [("two_phase.experts", {"format": "unquantized", **SMALL.as_dict(), "add": False})]
     assert rel_err(out, moe_reference(hidden, w1, w2, weights, ids)) < 1e-5
 
 

@@ -229,7 +229,7 @@ def run_one_launch(hidden_states, w1, w2, topk_weights, topk_ids, *, fmt, tiles:
     s1 = scale_strides(w1_scale)
     s2 = scale_strides(w2_scale)
     slices = cdiv(f, tiles.block_f)
-    note_launch("one_launch.experts", format=fmt.name, **tiles.as_dict())
+    note_launch("one_launch.experts", format=fmt.name, **tiles.as_dict(), add=add is not None)
     _one_launch_kernel[(num_tokens * top_k * slices,)](
         hidden_states, w1, w2, weights, ids_flat, acc, arrivals, out, out if add is None else add,
         w1 if w1_scale is None else w1_scale, w2 if w2_scale is None else w2_scale, num_experts, d, f,

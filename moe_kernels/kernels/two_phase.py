@@ -373,7 +373,7 @@ def run_two_phase(hidden_states, w1, w2, topk_weights, topk_ids, *, fmt=UNQUANTI
         (grid[0], cdiv(max(d, f), 128)), device=out.device, dtype=torch.float32)) if fmt.quantized else (h, parts)
     weights = topk_weights if topk_weights.is_contiguous() else topk_weights.contiguous()
     ids_flat = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
-    note_launch("two_phase.experts", format=fmt.name, **tiles.as_dict())
+    note_launch("two_phase.experts", format=fmt.name, **tiles.as_dict(), add=add is not None)
     step = tiles.block_k * tiles.k_chunks   # (K values of a weight row a step)
     _two_phase_kernel[grid](
         hidden_states, w1, w2, h, parts, q, q_scales, out, out if add is None else add, weights, ids_flat, counters,
