@@ -267,9 +267,9 @@ def test_launches_follow_the_plan(fmt, batch):
 @pytest.mark.skipif(BACKEND == "torch", reason="no Triton: the torch references launch nothing")
 def test_a_shared_expert_apart_is_added_after_a_two_phase_routed_launch(monkeypatch):
     """Where the routed GEMMs are one two-phase launch (the H100's DeepSeek-V3 bf16 table at one token), the shared
-    expert apart is not read by that launch's kernel (``add`` None there) but added after it, in line as when forked
-    (``SharedApart.for_sum`` hands a callable either way), so the two ways give the same bits. The layer's value is
-    the float64 reference's. (16-bit weights: on the CPU the two-phase kernel runs fp8 ones by its torch reference,
+    expert apart is not read by that launch's kernel (its note's ``add`` False) but added after it, in line as when
+    forked (``SharedApart.for_sum`` hands a callable either way; the GPU replay test compares the two bit for bit).
+    The layer's value is the float64 reference's. (16-bit weights: on the CPU the two-phase kernel runs fp8 ones by its torch reference,
     which launches nothing; tests/test_replay.py replays both formats on a GPU.)"""
     from moe_kernels import layer as layer_module
     from moe_kernels.kernels.config import OneLaunchTiles
