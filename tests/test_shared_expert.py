@@ -377,3 +377,23 @@ def test_a_callable_addend_joins_after_the_launch_where_both_gemms_are_one(phase
         assert [n.split(".")[0] for n in before] == ["two_phase" if phases == 2 else "one_launch"], before
         assert names[len(before):] == [], names
     assert rel_err(got, reference) < TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("phases", [1, 2])
+def test_a_column_strided_tensor_addend_is_read_right_where_both_gemms_are_one(phases):
+    """A tensor addend reaches the one-launch kernels, which read it by its row stride: one whose columns are not
+    adjacent (a transposed copy's transpose) gives the same output as the contiguous one."""
+    import dataclasses
+
+    from moe_kernels.kernels.config import OneLaunchTiles, default_config
+    from moe_kernels.kernels.formats import FORMATS
+
+    p = shared_problem(7, 6, 2, 32, 16, torch.float32, seed=23)
+    tiles = OneLaunchTiles(16, 16, phases=phases, **({"block_k": 16, "num_stages": 2} if phases == 2 else {}))
+    config = dataclasses.replace(default_config(7, 6, 16, 32), one_launch=tiles)
+    shared = torch.randn(7, 32, generator=torch.Generator().manual_seed(23)).to(DEVICE)
+    strided = shared.t().contiguous().t()
+    assert strided.stride(1) != 1 and torch.equal(strided, shared)
+    outs = [index_gather.run_experts(p["hidden"], p["w1"], p["w2"], p["weights"], p["ids"], fmt=FORMATS["none"],
+                                     config=config, add=add) for add in (shared, strided)]
+    assert torch.equal(*outs)

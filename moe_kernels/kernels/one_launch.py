@@ -210,6 +210,8 @@ def run_one_launch(hidden_states, w1, w2, topk_weights, topk_ids, *, fmt, tiles:
     the kernel; at once on the CPU), ``"trusted"`` or ``"unchecked"`` (a bad id adds nothing).
     ``add``: a ``[T, d]`` tensor (rows contiguous, e.g. a shared expert's output) added in the
     fp32 sum before its one rounding. ``tiles.phases == 2``: :mod:`moe_kernels.kernels.two_phase`."""
+    if add is not None and add.stride(-1) != 1:   # (both kernels step along an addend's row by one element)
+        add = add.contiguous()
     if tiles.phases == 2:
         return run_two_phase(hidden_states, w1, w2, topk_weights, topk_ids, fmt=fmt, tiles=tiles, w1_scale=w1_scale,
                              w2_scale=w2_scale, ids=ids, func=func, add=add, _round_to=_round_to)
