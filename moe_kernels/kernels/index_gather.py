@@ -471,7 +471,8 @@ def run_experts(hidden_states, w1, w2, topk_weights, topk_ids, *, fmt, config: M
     ``activations``), where its kernel takes the format (:func:`runs_in_one_launch`).
     """
     if blocks is None and runs_in_one_launch(config, fmt):   # both GEMMs in one launch (no block map)
-        # Its kernel reads a tensor addend; a forked one joins after the launch, which then runs beside it.
+        # Its kernel reads a tensor addend; a callable one (a layer's shared expert, forked or not) is added after
+        # the launch, which then need not wait for a side stream.
         later = add if callable(add) else None
         out = run_one_launch(hidden_states, w1, w2, topk_weights, topk_ids, fmt=fmt, tiles=config.one_launch,
                              w1_scale=w1_scale, w2_scale=w2_scale, ids=ids, func=func, add=None if later else add)

@@ -208,7 +208,7 @@ def run_one_launch(hidden_states, w1, w2, topk_weights, topk_ids, *, fmt, tiles:
                    _round_to=None) -> torch.Tensor:
     """:func:`one_launch_experts` after its checks. ``ids``: ``"validate"`` (a device assert in
     the kernel; at once on the CPU), ``"trusted"`` or ``"unchecked"`` (a bad id adds nothing).
-    ``add``: a ``[T, d]`` tensor (rows contiguous, e.g. a shared expert's output) added in the
+    ``add``: a ``[T, d]`` tensor (e.g. a shared expert's output; made contiguous if its columns are not) added in the
     fp32 sum before its one rounding. ``tiles.phases == 2``: :mod:`moe_kernels.kernels.two_phase`."""
     if add is not None and add.stride(-1) != 1:   # (both kernels step along an addend's row by one element)
         add = add.contiguous()
