@@ -49,8 +49,9 @@ DENSE_SHARED_MAX_TOKENS = 16
 #: does not add it in its fp32 sum: one addition more) or, in the other layouts, before the launch that adds it.
 #: Why: at decode its 44 MB (fp8) stream at the read rate, but in line it cost DeepSeek-V3's fp8 layer 39.2-55.4 us
 #: at 1-64 tokens over a 14 us floor on an H100, on the default tiles (``shared-routed-tiles-ab-s44.json``,
-#: ``-s44b.json``): two launches' ramps and tails, while the router's few latency-bound programs leave the read bandwidth idle. Forked it cost 19.3-31.5 us at 1-256 tokens (51.7 at 512,
-#: over a 38.5 us FLOP floor) against 39.3-51.9 in line (66.0 at 512; ``shared-beside-ab-s45.json``, ``-s45b.json``);
+#: ``-s44b.json``): two launches' ramps and tails, while the router's few latency-bound programs leave the read
+#: bandwidth idle. Forked it cost 19.3-31.5 us at 1-256 tokens (51.7 at 512, over a 38.5 us FLOP floor) against
+#: 39.3-51.9 in line (66.0 at 512; ``shared-beside-ab-s45.json``, ``-s45b.json``);
 #: joined before the routed GEMMs instead, under the router only, it moved by -4.8 to +4.7 us (that mode is gone).
 #: Where the routed GEMMs are one launch (two-phase), the join came before it, under the router only: DeepSeek-V3's
 #: bf16 layer at one token saved 5 us (``replay-fork-ab-s46c.json``); it now comes after it. SGLang 0.5.23
