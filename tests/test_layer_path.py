@@ -631,6 +631,10 @@ def test_auto_shared_expert_follows_the_measured_choice(device_name):
         bf16 = meta_layer("deepseek-v3", fmt, "index_gather", "auto")
         assert bf16.plan(1, device_name=device_name).shared_slot == (device_name == H100)
         assert not bf16.plan(8, device_name=device_name).shared_slot
+        # inside a capture the H100's forked shared expert beat the slot from one token (session 48): its beside
+        # crossover is 0, the slot at no batch
+        for batch in (0, 1, 2, 8):
+            assert not bf16.plan(batch, device_name=device_name, captured=True).shared_slot, batch
     # With layout="auto" the slot is taken only where index-gather runs (where it was measured): at decode on both
     # GPUs (until session 36 the H100 ran DeepSeek-V3's fp8 layer on the transposed permute path from 2 tokens, and
     # the shared expert apart there); at prefill the permute layout runs it apart.
@@ -886,7 +890,7 @@ def test_a_bad_shared_choice_is_an_error_that_names_it(tmp_path, monkeypatch, en
 
 @pytest.mark.parametrize("beside, says", [
     ({"slot_up_to_tokens": 1}, r"\.beside' must be an object with 'slot_up_to_tokens' and 'measured'"),
-    ({"slot_up_to_tokens": 0, "measured": {"records": ["r.json"]}}, r"\.beside\.slot_up_to_tokens' must be >= 1"),
+    ({"slot_up_to_tokens": -1, "measured": {"records": ["r.json"]}}, r"\.beside\.slot_up_to_tokens' must be >= 0"),
     (7, r"\.beside' must be an object")])
 def test_a_bad_beside_crossover_is_an_error_that_names_it(tmp_path, monkeypatch, beside, says):
     """An entry's ``beside`` crossover (against the forked shared expert) is checked as the entry is."""

@@ -8,17 +8,17 @@ the slot's advantage goes (not profiled: what the measurements below are consist
 measured per GPU, routed-expert shape and weight format (``tools/shared_expert_ab.py``: the layer with the
 shared expert left out, separate and fused), and ``shared-choices.json`` beside this module keeps, per key,
 the largest batch up to which the slot ran faster (``slot_up_to_tokens``), with the record that showed it.
-On the H100, DeepSeek-V3's fp8 block layer (the slot as the layer runs it: its E+1 table at 1-2 tokens, the
-routed table's tiles from 3; the separate shared expert then on the default tiles: the H100 had no E=1 table): the
-shared expert cost 20.2, 29.8, 38.6, 26.2, 31.5 and 37.6 us fused at 1, 2, 4, 16, 32 and 64 tokens against 40.7,
-39.2, 42.9, 55.4, 51.6 and 52.2 separate, and at 128 and 512 tokens 69.4 and 122.3 fused against 45.6 and 68.8
-separate (``results/nvidia-h100-80gb-hbm3/shared-routed-tiles-ab-s44.json`` and ``-s44b.json``; at 8 tokens the
-layer without the slot runs the naive block map and the one with it aligns, hence a negative difference). On its
-own E=1 table (session 47) the separate shared expert cost 31.5, 29.7 and 36.8 us at 1, 8 and 64 tokens against the
-slot's 19.7, 24.8 and 40.8 (``shared-ab-tuned-s47.json``), so the entry's crossover is 32 tokens now (16 and 32 not
-re-measured). The
-slot is taken on the index-gather layout only (where it was measured): a layer whose ``layout="auto"`` picks
-another layout runs the shared expert apart.
+On the H100, DeepSeek-V3's fp8 block layer (the slot as the layer runs it: its E+1 table at 1-2 tokens, the routed
+table's tiles from 3; the separate shared expert then on the default tiles: the H100 had no E=1 table): the shared
+expert cost 20.2, 29.8, 38.6, 26.2, 31.5 and 37.6 us fused at 1, 2, 4, 16, 32 and 64 tokens against 40.7, 39.2,
+42.9, 55.4, 51.6 and 52.2 separate, and at 128 and 512 tokens 69.4 and 122.3 fused against 45.6 and 68.8 separate
+(``results/nvidia-h100-80gb-hbm3/shared-routed-tiles-ab-s44.json`` and ``-s44b.json``; at 8 tokens the layer without
+the slot runs the naive block map and the one with it aligns, hence a negative difference). On its own E=1 table
+(session 47) the separate shared expert cost 31.5, 29.7 and 36.8 us at 1, 8 and 64 tokens against the slot's 19.7,
+24.8 and 40.8 (``shared-ab-tuned-s47.json``), so the entry's crossover is 32 tokens now: at 16 and 32 the slot cost
+25.6 and 31.5 us against 31.6 and 35.0 apart (``shared-crossover-fp8-s48.json``). The slot is taken on the
+index-gather layout only (where it was measured): a layer whose ``layout="auto"`` picks another layout runs the
+shared expert apart.
 
     >>> choose_shared_slot(8, 256, 2048, 7168, "fp8-block", "cpu", device_name="NVIDIA H100 80GB HBM3")
     True
@@ -41,6 +41,14 @@ the naive one; once both aligned, the fork cost 17.6 us there against the slot's
     >>> [m for m in (1, 2, 4, 8, 16) if choose_shared_slot(m, 256, 2048, 7168, "fp8-block", "cpu",
     ...                                                      device_name="NVIDIA H100 80GB HBM3", beside=True)]
     [1]
+
+A ``beside`` crossover of 0 takes the slot at no batch: DeepSeek-V3's bf16 layer on the H100, where the forked
+shared expert added 23.8-23.9 us at one token against the slot's 32.9-33.0 (two runs, ``shared-crossover-bf16-s48.json``
+and ``shared-ab-bf16-s48.json``), while in line the slot still wins there (33.0 against 39.1):
+
+    >>> [choose_shared_slot(1, 256, 2048, 7168, "unquantized", "cpu", device_name="NVIDIA H100 80GB HBM3",
+    ...                     beside=beside) for beside in (False, True)]
+    [True, False]
 """
 
 from __future__ import annotations
@@ -93,7 +101,8 @@ def load_beside_choices() -> dict[str, int]:
                 or not beside["measured"].get("records"):
             fail(func, f"{where}.beside", "must be an object with 'slot_up_to_tokens' and 'measured' naming its "
                  "records", repr(beside)[:120])
-        choices[key] = check_int(func, f"{where}.beside.slot_up_to_tokens", beside.get("slot_up_to_tokens"), lo=1)
+        # 0: the forked shared expert was measured faster from one token (the slot at no batch)
+        choices[key] = check_int(func, f"{where}.beside.slot_up_to_tokens", beside.get("slot_up_to_tokens"), lo=0)
     return choices
 
 
@@ -118,7 +127,7 @@ def choose_shared_slot(M: int, E: int, N: int, K: int, fmt_name: str, device: to
     key = shape_key(device_name, E, N, K, fmt_name)
     up_to = load_beside_choices().get(key) if beside else None
     up_to = load_shared_choices().get(key) if up_to is None else up_to
-    return up_to is not None and M <= up_to
+    return up_to is not None and 0 < up_to and M <= up_to
 
 
 def forget_shared_choices() -> None:
