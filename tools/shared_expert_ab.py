@@ -28,6 +28,12 @@ the later reads can come from the L2.
 ``SHARED_AB_PRIORITY=0,-1`` adds, for each forked candidate, the same with the side stream at that priority
 ("separate beside experts p0"; CUDA's priorities on Hopper: 0, the default, down to -5, the highest).
 
+``SHARED_AB_TILES=<record>`` (with ``SHARED_AB_BESIDE``) adds, for each batch, the separate layer forked with other
+tiles for the shared expert ("forked tiles 0", "forked tiles 1", ...): from that ``bench tune --shared --record``
+record's tried tiles at the batch, the ``SHARED_AB_TOP`` (default 4) fastest of each GEMM, each with the other GEMM's
+fastest tiles of the same M tile. The tuner times each GEMM alone; forked, the shared expert shares the GPU with the
+router and the routed GEMMs, and other tiles may hide better (session 48). Each candidate's config is recorded.
+
 ``SHARED_AB_BESIDE=experts`` adds the separate layer captured with ``layer_shared.SHARED_BESIDE`` set to it
 ("separate beside experts"): the shared expert on a side stream forked at the layer's start, under the router and the
 routed GEMMs, joined where their top-k sum reads it (:mod:`moe_kernels.layer_shared`). "separate" itself runs in line
@@ -45,8 +51,9 @@ from moe_kernels.layer import run_layer
 from moe_kernels.bench.ceilings import measure_fp8_gemm_rate, measure_gemm_rate, measure_read_bandwidth, weight_reader
 from moe_kernels.bench.fp8 import measure_block_scaled_rate
 from moe_kernels.bench.timing import time_lowest
+from moe_kernels.kernels.config import GemmTiles
 from moe_kernels.model.shapes import MODELS
-from moe_kernels.results import record_tool
+from moe_kernels.results import device_slug, load, record_tool
 
 device = "cuda" if torch.cuda.is_available() else "cpu"   # (the CPU: a small shape under the interpreter)
 batches = [int(b) for b in sys.argv[1].split(",")] if len(sys.argv) > 1 else [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
@@ -55,6 +62,8 @@ record_name = sys.argv[3] if len(sys.argv) > 3 else "shared-expert-ab"
 group_ms = [int(g) for g in os.environ.get("SHARED_AB_GROUP_M", "").split(",") if g]
 besides = [way for way in os.environ.get("SHARED_AB_BESIDE", "").split(",") if way]
 priorities = [int(p) for p in os.environ.get("SHARED_AB_PRIORITY", "").split(",") if p]
+tiles_record = os.environ.get("SHARED_AB_TILES")
+tiles_top = int(os.environ.get("SHARED_AB_TOP", "4"))
 model = MODELS["deepseek-v3"]
 shrink = {} if device == "cuda" else {"hidden_size": 128, "intermediate_size": 128}
 if device == "cpu":
@@ -86,6 +95,26 @@ def beside(way, call, priority=None):
         return call()
     finally:
         layer_shared.SHARED_BESIDE, layer_shared.SIDE_PRIORITY = old
+
+
+def tried_configs(batch, fmt, base):
+    """Other configs for the shared expert at ``batch`` from ``tiles_record``'s tried tiles (the module's docstring):
+    ``base`` (the plan's) with each GEMM's ``tiles_top`` fastest tiles and the other GEMM's fastest of that M tile."""
+    entries = [e for e in load(tiles_record, device=device_slug(torch.cuda.get_device_name()))["data"]["entries"]
+               if e["M"] == batch and e["format"] == fmt]
+    tried = sorted((t for e in entries for t in e["tried"] if t.get("ms")), key=lambda t: t["ms"])
+    fastest = {}   # (gemm, block_m) -> its fastest tiles
+    for t in tried:
+        fastest.setdefault((t["gemm"], t["block_m"]), t["tiles"])
+    configs = []
+    for gemm, other in (("gate_up", "down"), ("down", "gate_up")):
+        for t in [t for t in tried if t["gemm"] == gemm][:tiles_top]:
+            if (other, t["block_m"]) in fastest:
+                tiles = {gemm: GemmTiles(**t["tiles"]), other: GemmTiles(**fastest[other, t["block_m"]])}
+                config = dataclasses.replace(base, block_m=t["block_m"], **tiles)
+                if config != base and config not in configs:
+                    configs.append(config)
+    return configs
 
 
 def plan_note(layer, batch):
@@ -127,11 +156,20 @@ for fmt in formats:
             for p in priorities:   # the side stream at another priority (a stream per priority, made at its first use)
                 candidates[f"separate beside {way} p{p}"] = lambda way=way, p=p: beside(
                     way, lambda: layers["separate"](x), p)
+        tried_tiles = {}   # name -> the shared expert's config of a "forked tiles" candidate
+        plan = layers["separate"].plan(batch, dtype=dtype, captured=True)
+        if tiles_record and besides and plan.shared_choice is not None:
+            for i, cfg in enumerate(tried_configs(batch, fmt, plan.shared_choice.config)):
+                choice = dataclasses.replace(plan.shared_choice, config=cfg, source="argument")
+                tried_tiles[f"forked tiles {i}"] = dataclasses.asdict(cfg)
+                candidates[f"forked tiles {i}"] = (lambda plan=dataclasses.replace(plan, shared_choice=choice): beside(
+                    besides[0], lambda: run_layer(plan, x, weights, routing)))
         if read is not None:
             candidates["shared read"] = read
         reference = layers["separate"](x)
+        unchecked = ("routed only", "shared read", *(f"routed only g{g}" for g in group_ms))
         lowest, rounds, errors, rel = time_lowest(candidates, reference, tolerance=3e-2, warmup_ms=5, rep_ms=30,
-                                                  unchecked=("routed only", "shared read", *(f"routed only g{g}" for g in group_ms)), rounds=4, alternate=True)
+                                                  unchecked=unchecked, rounds=4, alternate=True)
         rate = ceilings["gemm_rate_bf16" if fmt == "none" else "gemm_rate_fp8_block_scaled"]
         floor_us = 1e6 * max(shared_bytes / ceilings["read_bandwidth"], batch * 6 * d * f / rate)
         cost = {way: lowest[way] - lowest["routed only"] for way in ("separate", "fused")
@@ -142,15 +180,17 @@ for fmt in formats:
         cost.update({f"separate g{g}": lowest[f"separate g{g}"] - lowest["routed only"] for g in group_ms
                      if f"separate g{g}" in lowest})
         cost.update({name: us - lowest["routed only"] for name, us in lowest.items()
-                     if name.startswith("separate beside ") and "routed only" in lowest})
+                     if name.startswith(("separate beside ", "forked tiles ")) and "routed only" in lowest})
         row = {"format": fmt, "batch": batch, "us": lowest, "rounds_us": rounds, "errors": errors,
                "rel_err_vs_separate": rel, "shared_bytes": shared_bytes, "shared_floor_us": floor_us,
                "shared_cost_us": cost, "shared_cost_over_floor": {way: c / floor_us for way, c in cost.items()},
-               "plans": {name: plan_note(layer, batch) for name, layer in layers.items()}}
+               "plans": {name: plan_note(layer, batch) for name, layer in layers.items()},
+               "forked_tiles": tried_tiles}
         rows.append(row)
         record_tool(record_name, rows, {"model": "deepseek-v3", "batches": batches, "formats": formats,
                                                "group_m_variants": group_ms, "beside": besides,
-                                               "side_priorities": priorities,
+                                               "side_priorities": priorities, "tiles_record": tiles_record,
+                                               "tiles_top": tiles_top,
                                                "rounds": 4, "order": "reversed every other round",
                                                "ceilings": ceilings, "dtype": str(dtype)})
         print(f"{fmt:<5} {batch:>4}: " + "  ".join(f"{name} {us:8.1f}" for name, us in lowest.items())
