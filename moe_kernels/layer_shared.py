@@ -42,6 +42,26 @@ from .layer_spec import LayerWeights
 #: operations cost 110-140 us of host time per call; at 64 tokens the dense path's default tiles
 #: are 1.6x slower (54.4 against 34.8 us), so larger batches keep cuBLAS. fp8 always runs dense.
 DENSE_SHARED_MAX_TOKENS = 16
+#: The same limit where a GPU was measured further on its own E=1 table. The H100 (``bench shared``, DeepSeek-V3 bf16,
+#: ``shared-expert-s48.json``): the dense path took 38.6 and 42.3 us at 32 and 64 tokens against cuBLAS's 45.2 and
+#: 47.3, the same at 128 and 256 (44.8 against 44.4, 51.0 against 50.9) and more at 512 (92.2 against 71.6).
+DENSE_SHARED_MAX_TOKENS_BY_GPU = {"NVIDIA H100 80GB HBM3": 64}
+
+
+def dense_shared_max_tokens(device_name: str | None) -> int:
+    """Up to how many tokens a separate 16/32-bit shared expert runs dense on the GPU named ``device_name`` (None:
+    off a GPU), not on cuBLAS.
+
+        >>> dense_shared_max_tokens("NVIDIA H100 80GB HBM3"), dense_shared_max_tokens("NVIDIA H200")
+        (64, 16)
+    """
+    return DENSE_SHARED_MAX_TOKENS_BY_GPU.get(device_name, DENSE_SHARED_MAX_TOKENS)
+
+
+def runs_dense(fmt, num_tokens: int, device_name: str | None) -> bool:
+    """Whether a shared expert run apart takes the dense block map (its E=1 table's tiles), not cuBLAS: weights
+    of the format ``fmt`` (fp8 always), ``num_tokens`` tokens, on the GPU named ``device_name``."""
+    return fmt.quantized or num_tokens <= dense_shared_max_tokens(device_name)
 #: While a CUDA graph is captured (read at each call), where a shared expert run apart goes: None, on the layer's
 #: stream after the router (as in an uncaptured call); "experts", on a side stream forked at the layer's start
 #: (computing its own gate and quantised activations there), under the router and the routed GEMMs, joined where
@@ -99,7 +119,7 @@ def shared_expert_output(plan, hidden_states: torch.Tensor, w: LayerWeights, sha
     """The shared expert run apart, ``[T, d]`` (times Qwen2-MoE's sigmoid gate, if any): the routed
     experts' GEMMs (W8A8 in fp8) on a dense block map (one expert, every token: no alignment, no top-k
     sum) with the plan's own tiles, or cuBLAS GEMMs where the plan has none (16/32-bit weights above
-    ``DENSE_SHARED_MAX_TOKENS`` tokens)."""
+    :func:`dense_shared_max_tokens` tokens)."""
     w13, w2, w13_scale, w2_scale = shared_tensors(w)
     if plan.shared_choice is None:
         shared = shared_ffn(hidden_states, w13, w2)

@@ -112,14 +112,21 @@ def test_a_cpu_plan_names_the_table_it_would_ask_for():
     assert plan.choice.source == "default" and "dtype=float8_e4m3fn" in plan.choice.asked
 
 
-def test_a_16bit_shared_expert_runs_dense_at_decode_and_on_cublas_above():
-    from moe_kernels.layer import DENSE_SHARED_MAX_TOKENS
+@pytest.mark.parametrize("device_name, up_to", [("NVIDIA H200", 16), ("NVIDIA H100 80GB HBM3", 64), (None, 16)])
+def test_a_16bit_shared_expert_runs_dense_at_decode_and_on_cublas_above(device_name, up_to):
+    """Up to a per-GPU batch (the H100's measured on its own E=1 table; 16 elsewhere) a 16-bit shared expert runs on
+    the dense block map with its E=1 table's tiles, above it on cuBLAS; fp8 always dense."""
+    from moe_kernels.layer_shared import dense_shared_max_tokens
 
+    assert dense_shared_max_tokens(device_name) == up_to
     layer = meta_layer("deepseek-v3", "none", "index_gather")
-    for tokens in (1, DENSE_SHARED_MAX_TOKENS):   # the routed GEMMs on a dense block map: two launches
-        plan = layer.plan(tokens, device_name="NVIDIA H200")
+    for tokens in (1, up_to):   # the routed GEMMs on a dense block map: two launches
+        plan = layer.plan(tokens, device_name=device_name)
         assert plan.shared_choice is not None and "E=1," in plan.shared_choice.asked
-    assert layer.plan(DENSE_SHARED_MAX_TOKENS + 1, device_name="NVIDIA H200").shared_choice is None   # cuBLAS
+        assert plan.shared_choice.source == ("table" if device_name else "default")
+    assert layer.plan(up_to + 1, device_name=device_name).shared_choice is None   # cuBLAS
+    fp8 = meta_layer("deepseek-v3", "block", "index_gather", "separate")
+    assert fp8.plan(4096, device_name=device_name).shared_choice is not None
 
 
 def test_the_shared_experts_tables_stand_only_for_the_batches_they_were_tuned_near():

@@ -34,6 +34,10 @@ record's tried tiles at the batch, the ``SHARED_AB_TOP`` (default 4) fastest of 
 fastest tiles of the same M tile. The tuner times each GEMM alone; forked, the shared expert shares the GPU with the
 router and the routed GEMMs, and other tiles may hide better (session 48). Each candidate's config is recorded.
 
+``SHARED_AB_CUBLAS=1`` adds, for 16-bit weights where the plan runs the shared expert apart on the dense block map,
+the same layer with it on cuBLAS instead ("cublas in line", and "cublas forked" with ``SHARED_AB_BESIDE``): the
+layer's per-GPU limit between the two (``layer_shared.dense_shared_max_tokens``).
+
 ``SHARED_AB_BESIDE=experts`` adds the separate layer captured with ``layer_shared.SHARED_BESIDE`` set to it
 ("separate beside experts"): the shared expert on a side stream forked at the layer's start, under the router and the
 routed GEMMs, joined where their top-k sum reads it (:mod:`moe_kernels.layer_shared`). "separate" itself runs in line
@@ -64,6 +68,9 @@ besides = [way for way in os.environ.get("SHARED_AB_BESIDE", "").split(",") if w
 priorities = [int(p) for p in os.environ.get("SHARED_AB_PRIORITY", "").split(",") if p]
 tiles_record = os.environ.get("SHARED_AB_TILES")
 tiles_top = int(os.environ.get("SHARED_AB_TOP", "4"))
+on_cublas = bool(os.environ.get("SHARED_AB_CUBLAS"))
+if tiles_record and not besides:
+    raise SystemExit("SHARED_AB_TILES times the forked shared expert: set SHARED_AB_BESIDE too")
 model = MODELS["deepseek-v3"]
 shrink = {} if device == "cuda" else {"hidden_size": 128, "intermediate_size": 128}
 if device == "cpu":
@@ -101,7 +108,9 @@ def tried_configs(batch, fmt, base):
     """Other configs for the shared expert at ``batch`` from ``tiles_record``'s tried tiles (the module's docstring):
     ``base`` (the plan's) with each GEMM's ``tiles_top`` fastest tiles and the other GEMM's fastest of that M tile."""
     entries = [e for e in load(tiles_record, device=device_slug(torch.cuda.get_device_name()))["data"]["entries"]
-               if e["M"] == batch and e["format"] == fmt]
+               if e["M"] == batch and e["format"] == fmt and e["E"] == 1]   # (a shared expert's tuning only)
+    if not entries:
+        raise SystemExit(f"SHARED_AB_TILES: {tiles_record} has no shared-expert ({fmt}) entry at {batch} tokens")
     tried = sorted((t for e in entries for t in e["tried"] if t.get("ms")), key=lambda t: t["ms"])
     fastest = {}   # (gemm, block_m) -> its fastest tiles
     for t in tried:
@@ -122,7 +131,8 @@ def plan_note(layer, batch):
     return {"layout": plan.layout, "naive_blocks": plan.naive_blocks, "config_source": plan.choice.source,
             "table": plan.choice.table,
             "entry": plan.choice.entry, "config": dataclasses.asdict(plan.config),
-            "shared_config_source": None if plan.shared_choice is None else plan.shared_choice.source}
+            "shared_config_source": None if plan.shared_choice is None else plan.shared_choice.source,
+            "shared_entry": None if plan.shared_choice is None else plan.shared_choice.entry}
 
 
 for fmt in formats:
@@ -164,6 +174,11 @@ for fmt in formats:
                 tried_tiles[f"forked tiles {i}"] = dataclasses.asdict(cfg)
                 candidates[f"forked tiles {i}"] = (lambda plan=dataclasses.replace(plan, shared_choice=choice): beside(
                     besides[0], lambda: run_layer(plan, x, weights, routing)))
+        for captured, name in ((False, "cublas in line"), (True, "cublas forked")):   # (SHARED_AB_CUBLAS)
+            plan = layers["separate"].plan(batch, dtype=dtype, captured=captured)
+            if on_cublas and fmt == "none" and plan.shared_choice is not None and (besides or not captured):
+                candidates[name] = (lambda plan=dataclasses.replace(plan, shared_choice=None), way=besides[0] if
+                                    captured else None: beside(way, lambda: run_layer(plan, x, weights, routing)))
         if read is not None:
             candidates["shared read"] = read
         reference = layers["separate"](x)
@@ -180,7 +195,7 @@ for fmt in formats:
         cost.update({f"separate g{g}": lowest[f"separate g{g}"] - lowest["routed only"] for g in group_ms
                      if f"separate g{g}" in lowest})
         cost.update({name: us - lowest["routed only"] for name, us in lowest.items()
-                     if name.startswith(("separate beside ", "forked tiles ")) and "routed only" in lowest})
+                     if name.startswith(("separate beside ", "forked tiles ", "cublas ")) and "routed only" in lowest})
         row = {"format": fmt, "batch": batch, "us": lowest, "rounds_us": rounds, "errors": errors,
                "rel_err_vs_separate": rel, "shared_bytes": shared_bytes, "shared_floor_us": floor_us,
                "shared_cost_us": cost, "shared_cost_over_floor": {way: c / floor_us for way, c in cost.items()},
