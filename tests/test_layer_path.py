@@ -918,6 +918,31 @@ def test_a_bad_beside_crossover_is_an_error_that_names_it(tmp_path, monkeypatch,
         shared_choice.forget_shared_choices()
 
 
+def test_a_beside_crossover_of_zero_takes_the_slot_at_no_batch(tmp_path, monkeypatch):
+    """A ``beside`` crossover of 0 (the forked shared expert measured faster from one token) loads as 0 and answers
+    False at every batch inside a capture, zero tokens included, while the entry's in-line crossover still answers
+    outside one."""
+    import json
+
+    from moe_kernels.kernels import shared_choice
+
+    path = tmp_path / "shared-choices.json"
+    monkeypatch.setattr(shared_choice, "SHARED_CHOICES_FILE", path)
+    key = "device=NVIDIA_H100_80GB_HBM3,E=8,N=32,K=64,format=fp8-block"
+    entry = {"slot_up_to_tokens": 4, "measured": {"records": ["r.json"]},
+             "beside": {"slot_up_to_tokens": 0, "measured": {"records": ["r.json"]}}}
+    path.write_text(json.dumps({"choices": {key: entry}}))
+    try:
+        shared_choice.forget_shared_choices()
+        assert shared_choice.load_beside_choices() == {key: 0}
+        for batch, in_line in ((0, True), (1, True), (4, True), (5, False)):
+            ask = (batch, 8, 32, 64, "fp8-block", "cpu")
+            assert shared_choice.choose_shared_slot(*ask, device_name="NVIDIA H100 80GB HBM3") == in_line, batch
+            assert not shared_choice.choose_shared_slot(*ask, device_name="NVIDIA H100 80GB HBM3", beside=True), batch
+    finally:
+        shared_choice.forget_shared_choices()
+
+
 def test_a_corrupt_choices_file_is_an_error_that_names_it(tmp_path, monkeypatch):
     from moe_kernels.kernels import layout_choice
 

@@ -89,7 +89,7 @@ def load_shared_choices() -> dict[str, int]:
 def load_beside_choices() -> dict[str, int]:
     """``{shape key: slot_up_to_tokens}`` of the entries' ``beside`` objects: the crossover against a shared
     expert forked onto a side stream, measured in captured graphs; checked as :func:`load_shared_choices` checks an
-    entry."""
+    entry, except that 0 is allowed (the fork measured faster from one token: the slot at no batch)."""
     func = "load_beside_choices"
     load_shared_choices()   # (every entry checked first)
     choices = {}
@@ -112,7 +112,7 @@ def choose_shared_slot(M: int, E: int, N: int, K: int, fmt_name: str, device: to
     ``F = N``, ``d = K``, weights in the format named ``fmt_name``) on ``device``'s GPU, or as on
     ``device_name`` (a GPU's name, from any machine): True up to the entry's ``slot_up_to_tokens`` (with
     ``beside``, against a shared expert forked onto a side stream: its ``beside`` crossover, where it has one),
-    False above it and wherever there is no entry."""
+    False above it, wherever there is no entry, and at every batch (``M`` = 0 too) where the crossover is 0."""
     func = "choose_shared_slot"
     check_int(func, "M", M, lo=0)
     for name, value in (("E", E), ("N", N), ("K", K)):
