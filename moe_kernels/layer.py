@@ -41,7 +41,7 @@ from ._checks import FLOAT_DTYPES, check_bool, check_device, check_dtype, check_
 from ._replay import CallPlans
 from .checkpoint import load_layer
 from .layer_router import choose_router, choose_tile_router, route
-from .kernels.config import TABLE_REACH, ConfigChoice, MoEConfig, check_config, gpu_of
+from .kernels.config import ConfigChoice, MoEConfig, check_config
 from .kernels.blocks import use_naive_block_assignment
 from .kernels.config import choose_config, choose_fused_shared_config
 from .kernels.formats import WeightFormat
@@ -52,8 +52,7 @@ from .kernels.layouts import LAYOUTS
 from .kernels.permute_gluon import refusal as gluon_refusal
 from .kernels.routing import router_logits
 from .kernels.shared_choice import choose_shared_slot
-from .layer_shared import (SharedApart, forks_here, runs_apart, runs_dense, shared_gate_of, shared_tensors,
-                           with_shared_slot)
+from .layer_shared import SharedApart, dense_shared_choice, forks_here, runs_apart, shared_gate_of, with_shared_slot
 from .layer_spec import LayerWeights, Routing, check_hidden
 from .model.buffers import m_max_token_budget
 from .model.shapes import MODELS, MoEModel
@@ -74,7 +73,7 @@ class LayerPlan:
     choice: ConfigChoice
     naive_blocks: bool | None
     #: The tiles of a shared expert run apart on the dense block map (one expert, every
-    #: token: its own table lookup; fp8 always, 16/32-bit up to ``dense_shared_max_tokens``: 16, on the H100 64);
+    #: token: its own table lookup; fp8 always, 16/32-bit as ``layer_shared.dense_shared_choice`` says);
     #: None when the shared expert runs as cuBLAS GEMMs, as a slot, or there is none.
     shared_choice: ConfigChoice | None = None
     #: The gate and the routing in one router (:mod:`moe_kernels.layer_router`: one launch up to
@@ -137,10 +136,8 @@ def plan_layer(func: str, weights: LayerWeights, routing: Routing, layout: str, 
     naive = (use_naive_block_assignment(num_tokens, routing.top_k + slot, e + slot,   # (the slot: one more expert
                                         block_fp8=weights.format.scales == "block")   # and one more top-k)
              if layout == "index_gather" else None)
-    shared_choice = None
-    if runs_apart(weights, slot) and runs_dense(weights.format, num_tokens, gpu_of(func, device, device_name)[1]):
-        shared_choice = choose_config(num_tokens, 1, shared_tensors(weights)[1].shape[1], d, weights.format.element or
-                                      activation_dtype, device, device_name=device_name, reach=TABLE_REACH)
+    shared_choice = (dense_shared_choice(func, weights, num_tokens, activation_dtype, device, device_name)
+                     if runs_apart(weights, slot) else None)
     # The router (moe_kernels.layer_router): the two steps, or one router that may align the ids too.
     router = choose_router(num_tokens, weights.gate.dtype == activation_dtype, routing.top_k,
                            naive is False and not slot and not runs_in_one_launch(choice.config, weights.format))

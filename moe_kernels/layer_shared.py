@@ -30,6 +30,7 @@ from . import _replay_graphs
 from ._checks import fail
 from ._replay import recording_now
 from ._replay_fork import side_stream_stretch
+from .kernels.config import TABLE_REACH, ConfigChoice, choose_config, gpu_of
 from .kernels.index_gather import dense_expert
 from .kernels.routing import router_logits
 from .kernels.shared import shared_ffn
@@ -42,15 +43,17 @@ from .layer_spec import LayerWeights
 #: operations cost 110-140 us of host time per call; at 64 tokens the dense path's default tiles
 #: are 1.6x slower (54.4 against 34.8 us), so larger batches keep cuBLAS. fp8 always runs dense.
 DENSE_SHARED_MAX_TOKENS = 16
-#: The same limit where a GPU was measured further on its own E=1 table. The H100 (``bench shared``, DeepSeek-V3 bf16,
-#: ``shared-expert-s48.json``): the dense path took 38.6 and 42.3 us at 32 and 64 tokens against cuBLAS's 45.2 and
-#: 47.3, the same at 128 and 256 (44.8 against 44.4, 51.0 against 50.9) and more at 512 (92.2 against 71.6).
+#: The same limit where a GPU was measured further on its own E=1 table, which it then needs: above
+#: ``DENSE_SHARED_MAX_TOKENS`` a shared expert runs dense only on a tuned entry (:func:`dense_shared_choice`). The H100
+#: (``bench shared``, DeepSeek-V3 bf16, ``shared-expert-s48.json``: the shared expert alone, not yet in the layer): the
+#: dense path took 38.6 and 42.3 us at 32 and 64 tokens against cuBLAS's 45.2 and 47.3, the same at 128 and 256 (44.8
+#: against 44.4, 51.0 against 50.9) and more at 512 (92.2 against 71.6).
 DENSE_SHARED_MAX_TOKENS_BY_GPU = {"NVIDIA H100 80GB HBM3": 64}
 
 
 def dense_shared_max_tokens(device_name: str | None) -> int:
-    """Up to how many tokens a separate 16/32-bit shared expert runs dense on the GPU named ``device_name`` (None:
-    off a GPU), not on cuBLAS.
+    """Up to how many tokens a separate 16/32-bit shared expert may run dense on the GPU named ``device_name``
+    (None: off a GPU), not on cuBLAS (above 16 tokens only on a tuned entry: :func:`dense_shared_choice`).
 
         >>> dense_shared_max_tokens("NVIDIA H100 80GB HBM3"), dense_shared_max_tokens("NVIDIA H200")
         (64, 16)
@@ -58,10 +61,20 @@ def dense_shared_max_tokens(device_name: str | None) -> int:
     return DENSE_SHARED_MAX_TOKENS_BY_GPU.get(device_name, DENSE_SHARED_MAX_TOKENS)
 
 
-def runs_dense(fmt, num_tokens: int, device_name: str | None) -> bool:
-    """Whether a shared expert run apart takes the dense block map (its E=1 table's tiles), not cuBLAS: weights
-    of the format ``fmt`` (fp8 always), ``num_tokens`` tokens, on the GPU named ``device_name``."""
-    return fmt.quantized or num_tokens <= dense_shared_max_tokens(device_name)
+def dense_shared_choice(func: str, w: LayerWeights, num_tokens: int, activation_dtype: torch.dtype, device,
+                        device_name: str | None) -> ConfigChoice | None:
+    """The tiles of a shared expert run apart on the dense block map (its E=1 table's entry within
+    ``TABLE_REACH``, else the default tiles), or None where it runs as cuBLAS GEMMs: fp8 weights always dense;
+    16/32-bit ones up to ``DENSE_SHARED_MAX_TOKENS`` tokens, and above that up to the GPU's own
+    :func:`dense_shared_max_tokens` on a tuned entry only (the default tiles were slower than cuBLAS there)."""
+    quantized = w.format.quantized
+    if not quantized and num_tokens > dense_shared_max_tokens(gpu_of(func, device, device_name)[1]):
+        return None
+    choice = choose_config(num_tokens, 1, shared_tensors(w)[1].shape[1], w.w2.shape[1],
+                           w.format.element or activation_dtype, device, device_name=device_name, reach=TABLE_REACH)
+    return choice if quantized or num_tokens <= DENSE_SHARED_MAX_TOKENS or choice.source == "table" else None
+
+
 #: While a CUDA graph is captured (read at each call), where a shared expert run apart goes: None, on the layer's
 #: stream after the router (as in an uncaptured call); "experts", on a side stream forked at the layer's start
 #: (computing its own gate and quantised activations there), under the router and the routed GEMMs, joined where

@@ -127,11 +127,35 @@ def test_a_16bit_shared_expert_runs_dense_at_decode_and_on_cublas_above(device_n
     assert layer.plan(up_to + 1, device_name=device_name).shared_choice is None   # cuBLAS
     fp8 = meta_layer("deepseek-v3", "block", "index_gather", "separate")
     assert fp8.plan(4096, device_name=device_name).shared_choice is not None
+    # above 16 tokens only on a tuned entry: a shape or dtype with no E=1 table there stays on cuBLAS
+    lite = meta_layer("deepseek-v2-lite", "none", "index_gather")
+    assert lite.plan(16, device_name=device_name).shared_choice is not None
+    assert all(lite.plan(t, device_name=device_name).shared_choice is None for t in (17, 32, 64))
+    assert layer.plan(64, dtype=torch.float16, device_name=device_name).shared_choice is None
+
+
+def test_the_dense_shared_limit_follows_the_gpu_a_cuda_device_is(monkeypatch):
+    """Asked with no ``device_name``, the plan reads the GPU's name from the device: an H100 runs a bf16 shared
+    expert dense at 32 and 64 tokens on its E=1 table's entries (a CUDA device stood in for on a CPU machine)."""
+    from moe_kernels.kernels import config
+    from moe_kernels.layer_shared import dense_shared_choice
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(config, "_device_name", lambda index: "NVIDIA H100 80GB HBM3")
+    weights = meta_layer("deepseek-v3", "none", "index_gather").weights
+    try:
+        config._cached_choice.cache_clear()
+        for tokens in (32, 64):
+            choice = dense_shared_choice("test", weights, tokens, torch.bfloat16, "cuda:0", None)
+            assert choice is not None and choice.source == "table" and choice.entry == tokens, choice
+        assert dense_shared_choice("test", weights, 65, torch.bfloat16, "cuda:0", None) is None
+    finally:
+        config._cached_choice.cache_clear()
 
 
 def test_the_shared_experts_tables_stand_only_for_the_batches_they_were_tuned_near():
-    """The shared expert's E=1 tables hold the batches they were tuned at (bf16 1-16 tokens, where the
-    layer runs it dense; fp8 1-16,384): a batch more than TABLE_REACH past a table's largest entry takes
+    """The shared expert's E=1 tables hold the batches they were tuned at (the H200's bf16 1-16 tokens, where the
+    layer runs it dense there; fp8 1-16,384): a batch more than TABLE_REACH past a table's largest entry takes
     the defaults, not the tiles of a much smaller batch. The routed experts' tables keep their nearest
     entry at any batch."""
     from moe_kernels.kernels.config import TABLE_REACH

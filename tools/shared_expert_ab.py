@@ -68,7 +68,7 @@ besides = [way for way in os.environ.get("SHARED_AB_BESIDE", "").split(",") if w
 priorities = [int(p) for p in os.environ.get("SHARED_AB_PRIORITY", "").split(",") if p]
 tiles_record = os.environ.get("SHARED_AB_TILES")
 tiles_top = int(os.environ.get("SHARED_AB_TOP", "4"))
-on_cublas = bool(os.environ.get("SHARED_AB_CUBLAS"))
+on_cublas = os.environ.get("SHARED_AB_CUBLAS", "") not in ("", "0")
 if tiles_record and not besides:
     raise SystemExit("SHARED_AB_TILES times the forked shared expert: set SHARED_AB_BESIDE too")
 model = MODELS["deepseek-v3"]

@@ -423,8 +423,8 @@ def nearest_entry(table: dict[int, MoEConfig], M: int) -> int:
 
 
 #: How far past its ends, as a ratio of token counts, a table that covers only part of the range
-#: stands for a batch: the shared expert's bf16 E=1 table is tuned at decode sizes only (1-16 tokens,
-#: where the layer runs it dense; fp8: 1-16,384), and tiles tuned for 16 tokens say nothing about 4096. Lookups that pass
+#: stands for a batch: the shared expert's bf16 E=1 tables are tuned at decode sizes only (the H200's 1-16 tokens,
+#: the H100's 1-512; fp8: 1-16,384), and tiles tuned for 16 tokens say nothing about 4096. Lookups that pass
 #: ``reach=TABLE_REACH`` to :func:`choose_config` take their fallback beyond it: the layer's shared
 #: expert apart the defaults, the shared slot (:func:`choose_fused_shared_config`) the routed table; the
 #: routed experts' tables keep the nearest entry at any batch.
