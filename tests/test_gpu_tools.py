@@ -6,6 +6,7 @@ GPU minutes; these cost seconds."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -135,22 +136,30 @@ def test_gluon_block_fp8_compiles_for_hopper():
         assert (spill_stores, spill_loads, warnings) == ("0", "0", "0"), done.stdout
 
 
-def test_table_audit_compiles_every_table_for_hopper():
-    """tools/table_audit.py compiles each routed table's entry (here at one token: the naive map, and the
-    one-token tiles) for sm_90 and says what the compiler made of it: one line per table, no spill. With the
-    H200's Triton, 3.6 (CI's ``.ci-triton36``): another's bundled ptxas may not read its own PTX (3.9's, here)."""
+@pytest.mark.parametrize("tokens, prefix", [("1", ""), ("128", "E=1 ")], ids=["every table at 1", "E=1 at 128"])
+def test_table_audit_compiles_every_table_for_hopper(tokens, prefix):
+    """tools/table_audit.py compiles each table's entry for sm_90 and says what the compiler made of it: one line
+    per table, no spill. At one token every table (the routed ones on the naive map; the shared experts' E=1 tables
+    on the dense block map); at 128 the E=1 tables, whose H100 fp8 entry there is the only persistent, transposed
+    TMA tile on the dense map. With the H200's Triton, 3.6 (CI's ``.ci-triton36``): another's bundled ptxas may not
+    read its own PTX (3.9's, here)."""
     triton = pytest.importorskip("triton")
     if not triton.__version__.startswith("3.6."):
         pytest.skip(f"the audit reads the H200's Triton, 3.6 (this is Triton {triton.__version__})")
     pytest.importorskip("triton.backends.nvidia")
-    done = run_tool("import runpy, sys; sys.argv = ['tools/table_audit.py', '1']; "
+    done = run_tool(f"import runpy, sys; sys.argv = ['tools/table_audit.py', '{tokens}', '{prefix}']; "
                     "runpy.run_path('tools/table_audit.py', run_name='__main__')", interpret=False)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [line for line in done.stdout.split("\n") if line.startswith("E=")]
-    tables = [p for p in (ROOT / "moe_kernels" / "kernels" / "configs").glob("*layout=index_gather.json")
-              if ",E=1," not in p.name]
-    assert len(lines) == len(tables) >= 4 and all(" gate " in line and " down " in line for line in lines), done.stdout
+    tables = [json.loads(p.read_text())["configs"]
+              for p in (ROOT / "moe_kernels" / "kernels" / "configs").glob("*layout=index_gather.json")
+              if not prefix or f",{prefix.strip()}," in p.name]
+    assert len(lines) == sum(tokens in table for table in tables) >= 3, done.stdout
+    assert all(" gate " in line and " down " in line for line in lines), done.stdout
     assert not any("spills" in line for line in lines), done.stdout
+    if prefix:   # the H100's persistent transposed entry: wgmma through TMA, its tile and K loops nested
+        line = next(line for line in lines if line.startswith("E=1 fp8 (H100)"))
+        assert "gate wgmma    QGMMA" in line and "4xTMA      2" in line, line
 
 
 def test_margin_audit_lists_only_plain_picks_still_in_the_tables():

@@ -7,7 +7,8 @@ Hopper's wgmma (hence ``swap_ab``), and ``persistent=2`` compiled to exactly ``p
 until Session 25 (the loops were never flattened). For each routed-experts table (both models, bf16
 and fp8 block) and each entry, GEMM 1 (gate and up, SiLU·mul) and GEMM 2 (times the routed weight,
 or the top-k sum in its epilogue where the entry says so) are compiled as the layer launches them at
-that token count (the naive block map where vLLM's rule takes it), and one line says:
+that token count (the naive block map where vLLM's rule takes it); for each shared expert's table (E=1) as
+``dense_expert`` launches them (the dense block map: every token, no ids, no weight); and one line says:
 
   mma        wgmma (Hopper's warpgroup MMA) or mma.sync, and the tensor-core instructions in the SASS:
              HGMMA (16-bit wgmma), QGMMA (fp8 wgmma) or HMMA (f16 mma.sync). For an fp8 tile on mma.sync
@@ -24,7 +25,7 @@ that token count (the naive block map where vLLM's rule takes it), and one line 
 Entries whose streams (``stream_lag``), quantising epilogue (``quant_in_gemm``) or programmatic dependent
 launch (``pdl``) change the launch are compiled without them (the two GEMMs as two plain launches), and say so.
 
-    PYTHONPATH=/tmp/t36 python tools/table_audit.py [tokens,...]   # Triton 3.6 from `pip install --target /tmp/t36`
+    PYTHONPATH=/tmp/t36 python tools/table_audit.py [tokens,...] [name prefix]   # Triton 3.6: pip install --target
 """
 from __future__ import annotations
 
@@ -48,28 +49,26 @@ TABLES = ROOT / "moe_kernels" / "kernels" / "configs"
 ALIGNED = ("stride_am", "stride_we", "stride_wn", "stride_om", "N", "K", "stride_as", "stride_wse", "stride_wsn")
 
 
-def routed_tables():
-    """(name, E, F, d, fp8, path, top_k) of each routed-experts table (E > 1) in the package: a model's routed
-    experts (its top-k), or with its shared expert as slot E (E + 1 experts, top-(k+1), ``tune --fused-shared``);
-    the name says the GPU where it is not the H200."""
+def tables():
+    """(name, E, F, d, fp8, path, top_k) of each index-gather table in the package: a model's routed experts (its
+    top-k), with its shared expert as slot E (E + 1 experts, top-(k+1), ``tune --fused-shared``), or a shared
+    expert alone (E=1, top_k 1: the dense block map); the name says the GPU where it is not the H200."""
     from moe_kernels.model.shapes import MODELS
 
     for path in sorted(TABLES.glob("*layout=index_gather.json")):
         fields = dict(part.split("=") for part in path.stem.split(","))
         e, f, d = int(fields["E"]), int(fields["N"]), int(fields["K"])
-        if e == 1:
-            continue
         shape = [(m.top_k, 0) for m in MODELS.values() if (m.num_experts, m.moe_intermediate_size, m.hidden_size)
                  == (e, f, d)] + [(m.top_k + 1, 1) for m in MODELS.values() if m.num_shared_experts == 1
                                   and (m.num_experts + 1, m.moe_intermediate_size, m.hidden_size) == (e, f, d)]
-        top_k = shape[0][0] if shape else 8
+        top_k = 1 if e == 1 else shape[0][0] if shape else 8
         gpu = fields["device"].replace("NVIDIA_", "").split("_")[0]
         yield (f"E={e} {'fp8' if 'float8' in fields['dtype'] else 'bf16'}" + ("" if gpu == "H200" else f" ({gpu})"),
                e, f, d, "float8" in fields["dtype"], path, top_k)
 
 
 def build(tiles: dict, *, block_m: int, gated: bool, fp8: bool, naive: bool, top_k: int, summed: int,
-          routed_weight: bool):
+          routed_weight: bool, dense: bool = False):
     """The index-gather GEMM compiled for sm_90 with one table entry's tiles, as launched."""
     dtype = "fp8e4nv" if fp8 else "bf16"
     tma, block_n, block_k = tiles["tma"], tiles["block_n"], tiles["block_k"]
@@ -78,7 +77,7 @@ def build(tiles: dict, *, block_m: int, gated: bool, fp8: bool, naive: bool, top
                     num_tokens_post_padded_ptr="*i32", a_scale_ptr="*fp32", w_scale_ptr="*fp32",
                     w_desc=f"tensordesc<{dtype}[{block_n}, {block_k}]>" if tma else "*" + dtype)
     const = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=tiles["group_m"], TOP_K=top_k,
-                 NAIVE_BLOCKS=naive, DENSE=False, GATED=gated, MUL_ROUTED_WEIGHT=routed_weight, EVEN_K=True,
+                 NAIVE_BLOCKS=naive, DENSE=dense, GATED=gated, MUL_ROUTED_WEIGHT=routed_weight, EVEN_K=True,
                  INPUT_PRECISION="tf32", SCALES=1 if fp8 else 0, SUM_TOP_K=summed, SPLIT_K=tiles["split_k"],
                  TMA_W=tma, PERSISTENT=tiles["persistent"], SCALE_BN=128, SCALE_BK=128, ID_CHECK="",
                  SWAP_AB=tiles["swap_ab"], PDL_TRIGGER=False, PDL_WAIT=False, PREFETCH_LINE=64, QUANT_GROUP=0,
@@ -108,15 +107,19 @@ def report(kernel) -> dict:
 
 def main(argv):
     only = {int(t) for t in argv[0].split(",")} if argv else None
+    prefix = argv[1] if len(argv) > 1 else ""
     print(f"triton {triton.__version__}, sm_90a; {'GEMM':5s} = mma SASS | dot wait | pipeline | loops | regs/spills")
     rows = []
-    for name, num_experts, f, d, fp8, path, top_k in routed_tables():
+    for name, num_experts, f, d, fp8, path, top_k in tables():
+        if not name.startswith(prefix):
+            continue
         configs = json.loads(path.read_text())["configs"]
+        dense = num_experts == 1   # (a shared expert alone: every token, no ids, no weight, no top-k sum)
         for tokens, config in sorted(configs.items(), key=lambda kv: int(kv[0])):
             if only and int(tokens) not in only:
                 continue
-            naive = use_naive_block_assignment(int(tokens), top_k, num_experts)
-            summed = top_k if config.get("sum_in_gemm") else 0
+            naive = not dense and use_naive_block_assignment(int(tokens), top_k, num_experts)
+            summed = top_k if config.get("sum_in_gemm") and not dense else 0
             skipped = [s for s in ("stream_lag", "quant_in_gemm", "pdl") if config.get(s)]
             line = {}
             for gemm in ("gate_up", "down"):
@@ -126,14 +129,14 @@ def main(argv):
                     # its K slices into fp32 sums (its SiLU·mul a launch of its own)
                     split = tiles["split_k"] > 1
                     kernel = build(tiles, block_m=config["block_m"], gated=not split, fp8=fp8, naive=naive,
-                                   top_k=top_k, summed=1 if split else 0, routed_weight=False)
+                                   top_k=top_k, summed=1 if split else 0, routed_weight=False, dense=dense)
                 else:
                     # GEMM 2's rows are the slots themselves (top_k 1), times their routing weights; split
                     # over K only with the top-k sum in its epilogue
                     if not summed and tiles["split_k"] > 1:
                         tiles = {**tiles, "split_k": 1}
                     kernel = build(tiles, block_m=config["block_m"], gated=False, fp8=fp8, naive=naive, top_k=1,
-                                   summed=summed, routed_weight=True)
+                                   summed=summed, routed_weight=not dense, dense=dense)
                 line[gemm] = report(kernel)
             rows.append({"table": name, "tokens": int(tokens), **line})
             cells = [f"{g[:4]:4s} {r['mma']:8s} {'+'.join(r['sass']):5s} {','.join(map(str, r['dot_wait'])) or '-':3s} "
