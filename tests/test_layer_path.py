@@ -134,6 +134,21 @@ def test_a_16bit_shared_expert_runs_dense_at_decode_and_on_cublas_above(device_n
     assert layer.plan(64, dtype=torch.float16, device_name=device_name).shared_choice is None
 
 
+def test_the_h100s_fp8_shared_expert_takes_its_forked_tiles_at_128_tokens():
+    """The H100's fp8 E=1 entry at 128 tokens holds the tiles measured faster forked in the layer (session 48's
+    tile search, its ``revised_s48``): 32-row token tiles, both GEMMs transposed through TMA, GEMM 1 on persistent
+    grid 1; the entries beside it keep plain tiles. Pinned, since any of these tiles computes the same values."""
+    layer = meta_layer("deepseek-v3", "block", "index_gather", "separate")
+    plan = layer.plan(128, device_name="NVIDIA H100 80GB HBM3", captured=True)
+    choice = plan.shared_choice
+    assert (choice.source, choice.entry) == ("table", 128) and ",E=1," in choice.table, choice
+    cfg = choice.config
+    assert cfg.block_m == 32 and cfg.gate_up.swap_ab and cfg.gate_up.tma and cfg.gate_up.persistent == 1
+    assert cfg.down.swap_ab and cfg.down.tma and cfg.down.persistent == 0
+    neighbour = layer.plan(256, device_name="NVIDIA H100 80GB HBM3").shared_choice
+    assert neighbour.entry == 256 and not neighbour.config.gate_up.swap_ab and not neighbour.config.gate_up.persistent
+
+
 def test_the_dense_shared_limit_follows_the_gpu_a_cuda_device_is(monkeypatch):
     """Asked with no ``device_name``, the plan reads the GPU's name from the device: an H100 runs a bf16 shared
     expert dense at 32 and 64 tokens on its E=1 table's entries (a CUDA device stood in for on a CPU machine)."""
