@@ -1,0 +1,123 @@
+"""Issue 17: index-gather's decode call on its table entry against the same entry with deeper (or shallower)
+software pipelines in each GEMM, and on the other M tile.
+
+``bench tune`` offers five pipeline stages only where an expert averages fewer than 16 rows (the "streaming"
+tiles); from 16 rows up it tries at most four. DeepSeek-V3 reaches 16 rows an expert at 512 tokens, and its
+tables' entries drop from five stages (256 tokens: 1.077x the fp8 read floor in ``fp8-sweep-s48.json``) to three
+(512 tokens: 1.116x), while the experts' GEMMs still stream weights (their FLOPs are under a tenth of the read's
+time). This times, in one process, the table's entry and each variant of it with GEMM 1's and GEMM 2's
+``num_stages`` in ``STAGE_AB_STAGES`` (those that fit in shared memory, by the tuner's own rule) and, with
+``STAGE_AB_BLOCK_M``, the M tiles named there (the variant's stages kept): the whole experts call as the layer runs
+it (both GEMMs, the quantisers, the top-k sum; a CUDA graph, do_bench's L2 flush), four rounds interleaved, the
+order reversed every other round, each candidate's output checked against the entry's.
+
+    PYTHONPATH=. python tools/stage_depth_ab.py deepseek-v3 block 256,512 [record name]
+    PYTHONPATH=. STAGE_AB_STAGES=3,4,5,6 STAGE_AB_BLOCK_M=16,32 python tools/stage_depth_ab.py qwen3-30b-a3b none 512
+    PYTHONPATH=. TRITON_INTERPRET=1 python tools/stage_depth_ab.py qwen3-30b-a3b none 8   # CPU: the plan only
+
+Formats: ``block`` (fp8, 128 x 128 block scales) and ``none`` (bf16). The record (``results/<device>/``) keeps
+every candidate's round medians, the variant's tiles, and the floor (``count_work``'s bytes, as ``bench fp8`` counts
+them, over the read bandwidth measured in the same process).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+
+import torch
+
+from moe_kernels.bench.ceilings import measure_read_bandwidth
+from moe_kernels.bench.cli import write_record
+from moe_kernels.bench.problems import tool_batch, tool_weights
+from moe_kernels.bench.timing import time_lowest
+from moe_kernels.bench.tune_candidates import fits
+from moe_kernels.kernels.blocks import assign_blocks
+from moe_kernels.kernels.formats import FORMATS
+from moe_kernels.kernels.index_gather import fused_experts
+from moe_kernels.model.costs import count_work
+
+
+def variants(config, fmt, stages: list[int], block_ms: list[int]) -> dict:
+    """Name -> MoEConfig: the entry itself first, then each (GEMM 1 stages, GEMM 2 stages) pair that fits and
+    differs from it, then the entry on each other M tile of ``block_ms`` that fits."""
+    out = {"table": config}
+    for s1 in stages:
+        for s2 in stages:
+            if (s1, s2) == (config.gate_up.num_stages, config.down.num_stages):
+                continue
+            g1 = dataclasses.replace(config.gate_up, num_stages=s1)
+            g2 = dataclasses.replace(config.down, num_stages=s2)
+            if fits(config.block_m, g1.block_n, g1.block_k, s1, True, fmt) and \
+                    fits(config.block_m, g2.block_n, g2.block_k, s2, False, fmt):
+                out[f"stages {s1}/{s2}"] = dataclasses.replace(config, gate_up=g1, down=g2)
+    for block_m in block_ms:
+        if block_m == config.block_m:
+            continue
+        if fits(block_m, config.gate_up.block_n, config.gate_up.block_k, config.gate_up.num_stages, True, fmt) and \
+                fits(block_m, config.down.block_n, config.down.block_k, config.down.num_stages, False, fmt):
+            out[f"block_m {block_m}"] = dataclasses.replace(config, block_m=block_m)
+    return out
+
+
+def tiles_text(config) -> str:
+    """One line for a config's M tile and both GEMMs' tiles."""
+    def gemm(t):
+        return (f"n{t.block_n} k{t.block_k} w{t.num_warps} s{t.num_stages}" + (" tma" if t.tma else "")
+                + (" swap" if t.swap_ab else "") + (f" p{t.persistent}" if t.persistent else "")
+                + (f" split{t.split_k}" if t.split_k > 1 else ""))
+    return f"m{config.block_m} | {gemm(config.gate_up)} | {gemm(config.down)}" + (" sum" if config.sum_in_gemm else "")
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 3:
+        print(__doc__, file=sys.stderr)
+        return 2
+    key, fmt_name, batches = argv[0], argv[1], [int(b) for b in argv[2].split(",")]
+    record = argv[3] if len(argv) > 3 else "stage-depth-ab"
+    stages = [int(s) for s in os.environ.get("STAGE_AB_STAGES", "3,4,5").split(",")]
+    block_ms = [int(b) for b in os.environ.get("STAGE_AB_BLOCK_M", "").split(",") if b]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    fmt = FORMATS[fmt_name]
+    model, dtype, w1, w1_scale, w2, w2_scale = tool_weights(key, fmt, device)
+    weight_dtype = w1.dtype
+    plan_only = device == "cpu"
+    read = None if plan_only else measure_read_bandwidth()
+    rows = []
+    for batch in batches:
+        hidden, weights, ids, config, _ = tool_batch(model, batch, dtype, weight_dtype, device)
+        candidates = variants(config, fmt, stages, block_ms)
+        for name, cfg in candidates.items():
+            print(f"{key} {fmt_name} {batch}: {name:<14} {tiles_text(cfg)}")
+        if plan_only:
+            continue
+        calls = {}
+        for name, cfg in candidates.items():
+            blocks = assign_blocks(ids, cfg.block_m, model.num_experts, validate_ids=False)
+            calls[name] = (lambda cfg=cfg, blocks=blocks: fused_experts(
+                hidden, w1, w2, weights, ids, config=cfg, blocks=blocks, validate_ids=False,
+                w1_scale=w1_scale, w2_scale=w2_scale))
+        reference = calls["table"]()
+        lowest, rounds, errors, rel = time_lowest(calls, reference, tolerance=1e-2, warmup_ms=5, rep_ms=30,
+                                                  rounds=4, alternate=True)
+        work = count_work(model, ids, 1 if fmt.quantized else 2)
+        floor_us = work.bytes / read * 1e6
+        for name in candidates:
+            text = errors.get(name) or f"{lowest[name]:8.1f} us {lowest[name] / floor_us:.3f}x floor"
+            print(f"{key} {fmt_name} {batch}: {name:<14} {text}")
+        rows.append({"model": key, "format": fmt_name, "batch": batch, "floor_us": floor_us,
+                     "experts_touched": work.experts_touched, "bytes": work.bytes,
+                     "tiles": {name: tiles_text(cfg) for name, cfg in candidates.items()},
+                     "lowest_us": lowest, "rounds_us": rounds, "errors": errors, "rel_err": rel})
+        torch.cuda.empty_cache()
+    if not plan_only:
+        write_record(record, {"rows": rows, "read_bandwidth": read, "stages": stages, "block_ms": block_ms,
+                              "method": "fused_experts on the table entry and its variants, CUDA graph, do_bench's L2 "
+                                        "flush, four rounds interleaved (order reversed every other round), lowest "
+                                        "round median; floor: count_work's bytes (the touched experts' weights, the "
+                                        "activations in and out) over the read bandwidth"}, None)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
