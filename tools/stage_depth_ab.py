@@ -7,9 +7,10 @@ tables' entries drop from five stages (256 tokens: 1.077x the fp8 read floor in 
 (512 tokens: 1.116x), while the experts' GEMMs still stream weights (their FLOPs are under a tenth of the read's
 time). This times, in one process, the table's entry and each variant of it with GEMM 1's and GEMM 2's
 ``num_stages`` in ``STAGE_AB_STAGES`` (those that fit in shared memory, by the tuner's own rule) and, with
-``STAGE_AB_BLOCK_M``, the M tiles named there (the variant's stages kept): the whole experts call as the layer runs
-it (both GEMMs, the quantisers, the top-k sum; a CUDA graph, do_bench's L2 flush), four rounds interleaved, the
-order reversed every other round, each candidate's output checked against the entry's.
+``STAGE_AB_BLOCK_M``, the M tiles named there, and with ``STAGE_AB_WARPS`` each GEMM's warps (4 or 8; the
+entry's stages kept): the whole experts call as the layer runs it (both GEMMs, the quantisers, the top-k sum; a
+CUDA graph, do_bench's L2 flush), four rounds interleaved, the order reversed every other round, each candidate's
+output checked against the entry's.
 
     PYTHONPATH=. python tools/stage_depth_ab.py deepseek-v3 block 256,512 [record name]
     PYTHONPATH=. STAGE_AB_STAGES=3,4,5,6 STAGE_AB_BLOCK_M=16,32 python tools/stage_depth_ab.py qwen3-30b-a3b none 512
@@ -38,9 +39,10 @@ from moe_kernels.kernels.index_gather import fused_experts
 from moe_kernels.model.costs import count_work
 
 
-def variants(config, fmt, stages: list[int], block_ms: list[int]) -> dict:
+def variants(config, fmt, stages: list[int], block_ms: list[int], warps: list[int] = ()) -> dict:
     """Name -> MoEConfig: the entry itself first, then each (GEMM 1 stages, GEMM 2 stages) pair that fits and
-    differs from it, then the entry on each other M tile of ``block_ms`` that fits."""
+    differs from it, then the entry on each other M tile of ``block_ms`` that fits, then each (GEMM 1 warps,
+    GEMM 2 warps) pair of ``warps`` that differs from the entry's."""
     out = {"table": config}
     for s1 in stages:
         for s2 in stages:
@@ -57,6 +59,12 @@ def variants(config, fmt, stages: list[int], block_ms: list[int]) -> dict:
         if fits(block_m, config.gate_up.block_n, config.gate_up.block_k, config.gate_up.num_stages, True, fmt) and \
                 fits(block_m, config.down.block_n, config.down.block_k, config.down.num_stages, False, fmt):
             out[f"block_m {block_m}"] = dataclasses.replace(config, block_m=block_m)
+    for w1 in warps:
+        for w2 in warps:
+            if (w1, w2) != (config.gate_up.num_warps, config.down.num_warps):
+                out[f"warps {w1}/{w2}"] = dataclasses.replace(
+                    config, gate_up=dataclasses.replace(config.gate_up, num_warps=w1),
+                    down=dataclasses.replace(config.down, num_warps=w2))
     return out
 
 
@@ -77,6 +85,7 @@ def main(argv: list[str]) -> int:
     record = argv[3] if len(argv) > 3 else "stage-depth-ab"
     stages = [int(s) for s in os.environ.get("STAGE_AB_STAGES", "3,4,5").split(",")]
     block_ms = [int(b) for b in os.environ.get("STAGE_AB_BLOCK_M", "").split(",") if b]
+    warps = [int(w) for w in os.environ.get("STAGE_AB_WARPS", "").split(",") if w]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     fmt = FORMATS[fmt_name]
     model, dtype, w1, w1_scale, w2, w2_scale = tool_weights(key, fmt, device)
@@ -86,7 +95,7 @@ def main(argv: list[str]) -> int:
     rows = []
     for batch in batches:
         hidden, weights, ids, config, _ = tool_batch(model, batch, dtype, weight_dtype, device)
-        candidates = variants(config, fmt, stages, block_ms)
+        candidates = variants(config, fmt, stages, block_ms, warps)
         for name, cfg in candidates.items():
             print(f"{key} {fmt_name} {batch}: {name:<14} {tiles_text(cfg)}")
         if plan_only:
@@ -112,6 +121,7 @@ def main(argv: list[str]) -> int:
         torch.cuda.empty_cache()
     if not plan_only:
         write_record(record, {"rows": rows, "read_bandwidth": read, "stages": stages, "block_ms": block_ms,
+                              "warps": warps,
                               "method": "fused_experts on the table entry and its variants, CUDA graph, do_bench's L2 "
                                         "flush, four rounds interleaved (order reversed every other round), lowest "
                                         "round median; floor: count_work's bytes (the touched experts' weights, the "
