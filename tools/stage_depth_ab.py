@@ -8,9 +8,10 @@ tables' entries drop from five stages (256 tokens: 1.077x the fp8 read floor in 
 time). This times, in one process, the table's entry and each variant of it with GEMM 1's and GEMM 2's
 ``num_stages`` in ``STAGE_AB_STAGES`` (those that fit in shared memory, by the tuner's own rule) and, with
 ``STAGE_AB_BLOCK_M``, the M tiles named there, and with ``STAGE_AB_WARPS`` each GEMM's warps (4 or 8; the
-entry's stages kept): the whole experts call as the layer runs it (both GEMMs, the quantisers, the top-k sum; a
-CUDA graph, do_bench's L2 flush), four rounds interleaved, the order reversed every other round, each candidate's
-output checked against the entry's.
+entry's stages kept), and with ``STAGE_AB_SWAP=1`` each GEMM the entry runs untransposed on 16 or 32 token rows
+(``mma.sync``), transposed through TMA: the whole experts call as the layer runs it (both GEMMs, the quantisers,
+the top-k sum; a CUDA graph, do_bench's L2 flush), four rounds interleaved, the order reversed every other round,
+each candidate's output checked against the entry's.
 
     PYTHONPATH=. python tools/stage_depth_ab.py deepseek-v3 block 256,512 [record name]
     PYTHONPATH=. STAGE_AB_STAGES=3,4,5,6 STAGE_AB_BLOCK_M=16,32 python tools/stage_depth_ab.py qwen3-30b-a3b none 512
@@ -39,10 +40,11 @@ from moe_kernels.kernels.index_gather import fused_experts
 from moe_kernels.model.costs import count_work
 
 
-def variants(config, fmt, stages: list[int], block_ms: list[int], warps: list[int] = ()) -> dict:
+def variants(config, fmt, stages: list[int], block_ms: list[int], warps: list[int] = (), swap: bool = False) -> dict:
     """Name -> MoEConfig: the entry itself first, then each (GEMM 1 stages, GEMM 2 stages) pair that fits and
     differs from it, then the entry on each other M tile of ``block_ms`` that fits, then each (GEMM 1 warps,
-    GEMM 2 warps) pair of ``warps`` that differs from the entry's."""
+    GEMM 2 warps) pair of ``warps`` that differs from the entry's; with ``swap``, each GEMM that the entry runs
+    untransposed on a 16- or 32-row token tile, transposed with TMA."""
     out = {"table": config}
     for s1 in stages:
         for s2 in stages:
@@ -65,6 +67,12 @@ def variants(config, fmt, stages: list[int], block_ms: list[int], warps: list[in
                 out[f"warps {w1}/{w2}"] = dataclasses.replace(
                     config, gate_up=dataclasses.replace(config.gate_up, num_warps=w1),
                     down=dataclasses.replace(config.down, num_warps=w2))
+    if swap and config.block_m <= 32:   # a GEMM on 16- or 32-row token tiles that is not transposed: transposed
+        for gemm in ("gate_up", "down"):   # (wgmma from 64 weight rows), its weight tiles by TMA
+            tiles = getattr(config, gemm)
+            if not tiles.swap_ab and tiles.block_n >= 64:
+                out[f"swap {gemm}"] = dataclasses.replace(
+                    config, **{gemm: dataclasses.replace(tiles, swap_ab=True, tma=True)})
     return out
 
 
@@ -86,6 +94,7 @@ def main(argv: list[str]) -> int:
     stages = [int(s) for s in os.environ.get("STAGE_AB_STAGES", "3,4,5").split(",")]
     block_ms = [int(b) for b in os.environ.get("STAGE_AB_BLOCK_M", "").split(",") if b]
     warps = [int(w) for w in os.environ.get("STAGE_AB_WARPS", "").split(",") if w]
+    swap = os.environ.get("STAGE_AB_SWAP", "") not in ("", "0")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     fmt = FORMATS[fmt_name]
     model, dtype, w1, w1_scale, w2, w2_scale = tool_weights(key, fmt, device)
@@ -95,7 +104,7 @@ def main(argv: list[str]) -> int:
     rows = []
     for batch in batches:
         hidden, weights, ids, config, _ = tool_batch(model, batch, dtype, weight_dtype, device)
-        candidates = variants(config, fmt, stages, block_ms, warps)
+        candidates = variants(config, fmt, stages, block_ms, warps, swap)
         for name, cfg in candidates.items():
             print(f"{key} {fmt_name} {batch}: {name:<14} {tiles_text(cfg)}")
         if plan_only:
@@ -121,7 +130,7 @@ def main(argv: list[str]) -> int:
         torch.cuda.empty_cache()
     if not plan_only:
         write_record(record, {"rows": rows, "read_bandwidth": read, "stages": stages, "block_ms": block_ms,
-                              "warps": warps,
+                              "warps": warps, "swap": swap,
                               "method": "fused_experts on the table entry and its variants, CUDA graph, do_bench's L2 "
                                         "flush, four rounds interleaved (order reversed every other round), lowest "
                                         "round median; floor: count_work's bytes (the touched experts' weights, the "
