@@ -188,3 +188,46 @@ def test_margin_audit_lists_only_plain_picks_still_in_the_tables():
         assert plain_tiles(GemmTiles(**tiles)), (row, tiles)
     done = run_tool(ROOT / "tools" / "margin_audit.py", interpret=False)
     assert done.returncode == 0 and f"({len(rows)}):" in done.stdout, done.stderr[-3000:]
+
+
+def test_stage_depth_ab_plans_only_variants_that_fit_and_differ():
+    """tools/stage_depth_ab.py times a table entry against itself with other pipeline depths, M tiles, warps and
+    the transposed product: every variant differs from the entry, fits in shared memory by the tuner's rule, and
+    changes only what its name says. Without a GPU the tool prints its plan."""
+    import dataclasses
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("stage_depth_ab", ROOT / "tools" / "stage_depth_ab.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    from moe_kernels.bench.tune_candidates import fits
+    from moe_kernels.kernels.config import GemmTiles, MoEConfig
+    from moe_kernels.kernels.formats import FORMATS
+
+    entry = MoEConfig(32, GemmTiles(64, 128, num_warps=4, num_stages=3, swap_ab=True),
+                      GemmTiles(256, 128, num_warps=8, num_stages=3, tma=True, swap_ab=True))
+    plain = dataclasses.replace(entry, gate_up=GemmTiles(64, 128, num_warps=8, num_stages=5))
+    fp8 = FORMATS["block"]
+    for config in (entry, plain):
+        found = tool.variants(config, fp8, [3, 4, 5, 6], [16, 32, 64], [4, 8], swap=True)
+        assert found["table"] == config and len(set(map(repr, found.values()))) == len(found)
+        for name, variant in found.items():
+            changed = {field for field in ("block_m", "gate_up", "down")
+                       if getattr(variant, field) != getattr(config, field)}
+            kind, _, rest = name.partition(" ")
+            differs = {g for g in ("gate_up", "down") if getattr(variant, g) != getattr(config, g)}
+            expected = {"table": set(), "stages": differs, "warps": differs, "block_m": {"block_m"},
+                        "swap": {rest}}[kind]
+            assert changed == expected and (kind not in ("stages", "warps") or differs), name
+            attribute = {"stages": "num_stages", "warps": "num_warps"}.get(kind)
+            for g in differs - {rest}:   # (stages and warps variants change only that attribute)
+                assert dataclasses.replace(getattr(variant, g), **{attribute: getattr(config, g).__dict__[
+                    attribute]}) == getattr(config, g), name
+            for gemm, gated in (("gate_up", True), ("down", False)):
+                t = getattr(variant, gemm)
+                assert fits(variant.block_m, t.block_n, t.block_k, t.num_stages, gated, fp8), (name, gemm)
+    assert "swap gate_up" in tool.variants(plain, fp8, [3], [], swap=True)
+    assert not any(n.startswith("swap") for n in tool.variants(entry, fp8, [3], [], swap=True))
+    done = run_tool("import runpy, sys; sys.argv = ['tools/stage_depth_ab.py', 'qwen3-30b-a3b', 'block', '8']; "
+                    "runpy.run_path('tools/stage_depth_ab.py', run_name='__main__')", interpret=True)
+    assert done.returncode == 0 and "qwen3-30b-a3b block 8: table" in done.stdout, done.stderr[-3000:]
