@@ -37,9 +37,14 @@ shared expert beside cost 24.4, 26.9, 19.3, 20.0, 21.7, 20.6, 24.1, 23.9, 31.5 a
 16, 32 and 64 (``shared-beside-ab-s45.json``, ``-s45b.json``): the slot at one token only. (At 8 the slot's whole
 layer had beaten the forked one, 885.4 against 905.5 us, on the aligned block map where the routed layer alone ran
 the naive one; once both aligned, the fork cost 17.6 us there against the slot's 24.9: ``shared-beside-ab-s46.json``.)
+On the H200 (session 49, ``shared-beside-ab-s49-h200*.json``) the fork cost 12.2-14.2 us at 2-16 tokens against the
+slot's 21.9-53.5, and the two tied at one token over three runs (15.2-15.8 us each): the slot there too.
 
     >>> [m for m in (1, 2, 4, 8, 16) if choose_shared_slot(m, 256, 2048, 7168, "fp8-block", "cpu",
     ...                                                      device_name="NVIDIA H100 80GB HBM3", beside=True)]
+    [1]
+    >>> [m for m in (1, 2, 4, 8, 16) if choose_shared_slot(m, 256, 2048, 7168, "fp8-block", "cpu",
+    ...                                                      device_name="NVIDIA H200", beside=True)]
     [1]
 
 A ``beside`` crossover of 0 takes the slot at no batch: DeepSeek-V3's bf16 layer on the H100, where the forked
