@@ -192,8 +192,9 @@ def test_margin_audit_lists_only_plain_picks_still_in_the_tables():
 
 def test_stage_depth_ab_plans_only_variants_that_fit_and_differ():
     """tools/stage_depth_ab.py times a table entry against itself with other pipeline depths, M tiles, warps and
-    the transposed product: every variant differs from the entry, fits in shared memory by the tuner's rule, and
-    changes only what its name says. Without a GPU the tool prints its plan."""
+    the transposed product: every variant differs from the entry, fits in shared memory by the tuner's rule (depths
+    that do not are left out), holds the values its name gives and changes nothing else; an entry with a stream lag
+    (one kernel on GEMM 1's stages and warps) varies GEMM 1's only. Without a GPU the tool prints a plan."""
     import dataclasses
     import importlib.util
 
@@ -208,26 +209,37 @@ def test_stage_depth_ab_plans_only_variants_that_fit_and_differ():
                       GemmTiles(256, 128, num_warps=8, num_stages=3, tma=True, swap_ab=True))
     plain = dataclasses.replace(entry, gate_up=GemmTiles(64, 128, num_warps=8, num_stages=5))
     fp8 = FORMATS["block"]
+    assert not fits(32, 256, 128, 7, False, fp8)   # (so GEMM 2 on 7 stages must be dropped below)
     for config in (entry, plain):
-        found = tool.variants(config, fp8, [3, 4, 5, 6], [16, 32, 64], [4, 8], swap=True)
+        found = tool.variants(config, fp8, [3, 4, 5, 6, 7], [16, 32, 64], [4, 8], swap=True)
         assert found["table"] == config and len(set(map(repr, found.values()))) == len(found)
+        assert not any(v.down.num_stages == 7 for v in found.values()) and "stages 7/3" in found
         for name, variant in found.items():
-            changed = {field for field in ("block_m", "gate_up", "down")
-                       if getattr(variant, field) != getattr(config, field)}
             kind, _, rest = name.partition(" ")
-            differs = {g for g in ("gate_up", "down") if getattr(variant, g) != getattr(config, g)}
-            expected = {"table": set(), "stages": differs, "warps": differs, "block_m": {"block_m"},
-                        "swap": {rest}}[kind]
-            assert changed == expected and (kind not in ("stages", "warps") or differs), name
-            attribute = {"stages": "num_stages", "warps": "num_warps"}.get(kind)
-            for g in differs - {rest}:   # (stages and warps variants change only that attribute)
-                assert dataclasses.replace(getattr(variant, g), **{attribute: getattr(config, g).__dict__[
-                    attribute]}) == getattr(config, g), name
-            for gemm, gated in (("gate_up", True), ("down", False)):
-                t = getattr(variant, gemm)
-                assert fits(variant.block_m, t.block_n, t.block_k, t.num_stages, gated, fp8), (name, gemm)
+            g1, g2 = variant.gate_up, variant.down
+            if kind in ("stages", "warps"):   # "stages 4/5": GEMM 1's 4, GEMM 2's 5, and nothing else changed
+                field = {"stages": "num_stages", "warps": "num_warps"}[kind]
+                want = [int(v) for v in rest.split("/")]
+                assert [getattr(g1, field), getattr(g2, field)] == want, name
+                assert variant == dataclasses.replace(
+                    config, gate_up=dataclasses.replace(config.gate_up, **{field: want[0]}),
+                    down=dataclasses.replace(config.down, **{field: want[1]})) != config, name
+            elif kind == "block_m":
+                assert variant == dataclasses.replace(config, block_m=int(rest)) != config, name
+            elif kind == "swap":
+                tiles = getattr(config, rest)
+                assert not tiles.swap_ab and variant == dataclasses.replace(
+                    config, **{rest: dataclasses.replace(tiles, swap_ab=True, tma=True)}), name
+            else:
+                assert name == "table", name
+            for tiles, gated in ((g1, True), (g2, False)):
+                assert fits(variant.block_m, tiles.block_n, tiles.block_k, tiles.num_stages, gated, fp8), name
     assert "swap gate_up" in tool.variants(plain, fp8, [3], [], swap=True)
     assert not any(n.startswith("swap") for n in tool.variants(entry, fp8, [3], [], swap=True))
+    streamed = dataclasses.replace(entry, stream_lag=32)
+    found = tool.variants(streamed, fp8, [3, 4, 5], [], [4, 8])
+    assert found and all(v.down == entry.down for v in found.values()) and "stages 4/3" in found
+    assert tool.tiles_text(streamed).endswith(" stream lag 32")
     done = run_tool("import runpy, sys; sys.argv = ['tools/stage_depth_ab.py', 'qwen3-30b-a3b', 'block', '8']; "
                     "runpy.run_path('tools/stage_depth_ab.py', run_name='__main__')", interpret=True)
     assert done.returncode == 0 and "qwen3-30b-a3b block 8: table" in done.stdout, done.stderr[-3000:]

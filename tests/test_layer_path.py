@@ -698,7 +698,7 @@ def test_auto_shared_expert_follows_the_measured_choice(device_name):
 def test_a_plan_made_inside_a_capture_takes_the_crossover_against_the_forked_shared_expert(device_name):
     """Inside a CUDA-graph capture a shared expert run apart forks onto a side stream (``layer_shared``), which
     moved the measured crossover for DeepSeek-V3's fp8 layer to one token: on the H100 from 32 tokens (64 before its
-    own E=1 table), on the H200 from 16 (session 49: the fork costs 0.4-0.6x the slot from 2 tokens, ties at one).
+    own E=1 table), on the H200 from 16 (session 49: the fork costs 0.25-0.64x the slot at 2-16 tokens, ties at one).
     ``choose_shared_slot(..., beside=True)`` is what ``plan_layer`` asks there (``layer_shared.forks_here``)."""
     from moe_kernels.kernels.shared_choice import choose_shared_slot, load_beside_choices
     from moe_kernels.kernels.layout_choice import shape_key

@@ -15,11 +15,13 @@ each candidate's output checked against the entry's.
 
     PYTHONPATH=. python tools/stage_depth_ab.py deepseek-v3 block 256,512 [record name]
     PYTHONPATH=. STAGE_AB_STAGES=3,4,5,6 STAGE_AB_BLOCK_M=16,32 python tools/stage_depth_ab.py qwen3-30b-a3b none 512
-    PYTHONPATH=. TRITON_INTERPRET=1 python tools/stage_depth_ab.py qwen3-30b-a3b none 8   # CPU: the plan only
+    PYTHONPATH=. TRITON_INTERPRET=1 python tools/stage_depth_ab.py qwen3-30b-a3b none 8   # CPU: a plan, nothing timed
 
-Formats: ``block`` (fp8, 128 x 128 block scales) and ``none`` (bf16). The record (``results/<device>/``) keeps
-every candidate's round medians, the variant's tiles, and the floor (``count_work``'s bytes, as ``bench fp8`` counts
-them, over the read bandwidth measured in the same process).
+Without a GPU the tool prints the variants of the CPU's tiles (the default tiles of a shrunk model, not the
+table's entry) and times nothing. An entry with a stream lag runs both GEMMs as one kernel on GEMM 1's stages and
+warps, so only GEMM 1's are varied there. Formats: ``block`` (fp8, 128 x 128 block scales) and ``none`` (bf16).
+The record (``results/<device>/``) keeps every candidate's round medians, the variant's tiles and switches, and the
+floor (``count_work``'s bytes, as ``bench fp8`` counts them, over the read bandwidth measured in the same process).
 """
 from __future__ import annotations
 
@@ -46,9 +48,13 @@ def variants(config, fmt, stages: list[int], block_ms: list[int], warps: list[in
     GEMM 2 warps) pair of ``warps`` that differs from the entry's; with ``swap``, each GEMM that the entry runs
     untransposed on a 16- or 32-row token tile, transposed with TMA."""
     out = {"table": config}
+    # An entry with a stream lag runs both GEMMs as one kernel (index_gather._streams), on GEMM 1's stages and warps:
+    # GEMM 2's would change nothing there, so they are not varied.
+    streamed = config.stream_lag is not None
     for s1 in stages:
         for s2 in stages:
-            if (s1, s2) == (config.gate_up.num_stages, config.down.num_stages):
+            if (s1, s2) == (config.gate_up.num_stages, config.down.num_stages) or (
+                    streamed and s2 != config.down.num_stages):
                 continue
             g1 = dataclasses.replace(config.gate_up, num_stages=s1)
             g2 = dataclasses.replace(config.down, num_stages=s2)
@@ -63,7 +69,8 @@ def variants(config, fmt, stages: list[int], block_ms: list[int], warps: list[in
             out[f"block_m {block_m}"] = dataclasses.replace(config, block_m=block_m)
     for w1 in warps:
         for w2 in warps:
-            if (w1, w2) != (config.gate_up.num_warps, config.down.num_warps):
+            if (w1, w2) != (config.gate_up.num_warps, config.down.num_warps) and not (
+                    streamed and w2 != config.down.num_warps):
                 out[f"warps {w1}/{w2}"] = dataclasses.replace(
                     config, gate_up=dataclasses.replace(config.gate_up, num_warps=w1),
                     down=dataclasses.replace(config.down, num_warps=w2))
@@ -82,7 +89,13 @@ def tiles_text(config) -> str:
         return (f"n{t.block_n} k{t.block_k} w{t.num_warps} s{t.num_stages}" + (" tma" if t.tma else "")
                 + (" swap" if t.swap_ab else "") + (f" p{t.persistent}" if t.persistent else "")
                 + (f" split{t.split_k}" if t.split_k > 1 else ""))
-    return f"m{config.block_m} | {gemm(config.gate_up)} | {gemm(config.down)}" + (" sum" if config.sum_in_gemm else "")
+    switches = [name for name, on in (("sum", config.sum_in_gemm), ("pdl", config.pdl),
+                                      ("quant in gemm", config.quant_in_gemm)) if on]
+    if config.stream_lag is not None:
+        switches.append(f"stream lag {config.stream_lag}")
+    if config.one_launch is not None:
+        switches.append("one launch")
+    return f"m{config.block_m} | {gemm(config.gate_up)} | {gemm(config.down)}" + "".join(f" {s}" for s in switches)
 
 
 def main(argv: list[str]) -> int:
