@@ -243,3 +243,22 @@ def test_stage_depth_ab_plans_only_variants_that_fit_and_differ():
     done = run_tool("import runpy, sys; sys.argv = ['tools/stage_depth_ab.py', 'qwen3-30b-a3b', 'block', '8']; "
                     "runpy.run_path('tools/stage_depth_ab.py', run_name='__main__')", interpret=True)
     assert done.returncode == 0 and "qwen3-30b-a3b block 8: table" in done.stdout, done.stderr[-3000:]
+
+
+def test_the_decode_tools_take_the_block_map_the_layer_takes():
+    """``bench.problems.tool_blocks`` (the decode A/B tools' block map) follows the layer's rule: vLLM's naive map
+    for 16-bit weights up to T * k * 4 <= E, block-fp8 weights only up to ``NAIVE_MAX_TOKENS_BLOCK_FP8`` tokens
+    (DeepSeek-V3's 256 experts: naive up to 8 tokens in bf16, 2 in block fp8)."""
+    import torch
+
+    from moe_kernels.bench.problems import tool_blocks
+    from moe_kernels.kernels.blocks import NAIVE_MAX_TOKENS_BLOCK_FP8
+    from moe_kernels.kernels.formats import FORMATS
+    from moe_kernels.model.shapes import MODELS
+
+    model = MODELS["deepseek-v3"]
+    for tokens in (1, 2, 3, 8, 9):
+        ids = torch.stack([torch.randperm(model.num_experts)[:model.top_k] for _ in range(tokens)]).to(torch.int32)
+        for fmt, naive_up_to in (("none", 8), ("block", NAIVE_MAX_TOKENS_BLOCK_FP8)):
+            blocks = tool_blocks(ids, 16, model, FORMATS[fmt])
+            assert (blocks.sorted_token_ids is None) == (tokens <= naive_up_to), (fmt, tokens)

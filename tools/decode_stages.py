@@ -116,7 +116,7 @@ for key in models:
         fmt = FORMATS[fmt_name]
         model, dtype, w1, w1s, w2, w2s = tool_weights(key, fmt, device)
         for batch in batches:
-            hidden, weights, ids, config, blocks = tool_batch(model, batch, dtype, w1.dtype, device)
+            hidden, weights, ids, config, blocks = tool_batch(model, batch, dtype, fmt, device)
             stages = index_gather_stages(hidden, w1, w2, w1s, w2s, weights, ids, fmt, config, blocks)
             errors = {}
             try:   # (where the Gluon kernels do not run, the index-gather rows alone)

@@ -33,10 +33,9 @@ import torch
 
 from moe_kernels.bench.ceilings import measure_read_bandwidth
 from moe_kernels.bench.cli import write_record
-from moe_kernels.bench.problems import tool_batch, tool_weights
+from moe_kernels.bench.problems import tool_batch, tool_blocks, tool_weights
 from moe_kernels.bench.timing import time_lowest
 from moe_kernels.bench.tune_candidates import fits
-from moe_kernels.kernels.blocks import assign_blocks
 from moe_kernels.kernels.formats import FORMATS
 from moe_kernels.kernels.index_gather import fused_experts
 from moe_kernels.model.costs import count_work
@@ -111,12 +110,15 @@ def main(argv: list[str]) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     fmt = FORMATS[fmt_name]
     model, dtype, w1, w1_scale, w2, w2_scale = tool_weights(key, fmt, device)
-    weight_dtype = w1.dtype
     plan_only = device == "cpu"
     read = None if plan_only else measure_read_bandwidth()
     rows = []
     for batch in batches:
-        hidden, weights, ids, config, _ = tool_batch(model, batch, dtype, weight_dtype, device)
+        hidden, weights, ids, config, _ = tool_batch(model, batch, dtype, fmt, device)
+        if config.one_launch is not None:   # (fused_experts given a block map would run the two GEMMs instead)
+            print(f"{key} {fmt_name} {batch}: the entry runs both GEMMs in one launch; tools/two_phase_variants.py "
+                  "varies its tiles")
+            continue
         candidates = variants(config, fmt, stages, block_ms, warps, swap)
         for name, cfg in candidates.items():
             print(f"{key} {fmt_name} {batch}: {name:<14} {tiles_text(cfg)}")
@@ -124,7 +126,7 @@ def main(argv: list[str]) -> int:
             continue
         calls = {}
         for name, cfg in candidates.items():
-            blocks = assign_blocks(ids, cfg.block_m, model.num_experts, validate_ids=False)
+            blocks = tool_blocks(ids, cfg.block_m, model, fmt)   # (the map the layer takes for this format)
             calls[name] = (lambda cfg=cfg, blocks=blocks: fused_experts(
                 hidden, w1, w2, weights, ids, config=cfg, blocks=blocks, validate_ids=False,
                 w1_scale=w1_scale, w2_scale=w2_scale))

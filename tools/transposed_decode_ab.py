@@ -100,7 +100,7 @@ for key in models:
         fmt = FORMATS[fmt_name]
         model, dtype, w1, w1s, w2, w2s = tool_weights(key, fmt, device)
         for batch in batches:
-            hidden, weights, ids, config, blocks = tool_batch(model, batch, dtype, w1.dtype, device)
+            hidden, weights, ids, config, blocks = tool_batch(model, batch, dtype, fmt, device)
             scales = dict(w1_scale=w1s, w2_scale=w2s) if fmt.quantized else {}
             candidates = {
                 "index_gather": lambda: fused_experts(hidden, w1, w2, weights, ids, config=config, blocks=blocks,

@@ -104,7 +104,7 @@ for fname in formats:
         k, d, f = model.top_k, model.hidden_size, model.moe_intermediate_size
         scales = dict(w1_scale=w1s, w2_scale=w2s)
         for batch in batches:
-            x, weights, ids, config, blocks = tool_batch(model, batch, dtype, w1.dtype, device)
+            x, weights, ids, config, blocks = tool_batch(model, batch, dtype, fmt, device)
             config = dataclasses.replace(config, one_launch=None)   # (the two GEMMs, never the table's one launch)
             touched = torch.unique(ids)
             read = weight_reader(w1[touched], w2[touched]) if device == "cuda" else (lambda: None)

@@ -50,17 +50,27 @@ def tool_weights(key: str, fmt, device, **cpu_shape):
     return model, dtype, w1, w1_scale, w2, w2_scale
 
 
-def tool_batch(model: MoEModel, num_tokens: int, dtype: torch.dtype, weight_dtype: torch.dtype, device):
+def tool_batch(model: MoEModel, num_tokens: int, dtype: torch.dtype, fmt, device):
     """One batch for the decode A/B scripts in ``tools/``, routed as :func:`make_batch` routes it (seeded by
     its size), with index-gather's tiles for it and its block map: ``(hidden, topk_weights, topk_ids, config,
-    blocks)``. ``weight_dtype`` (the weights' element type: fp8 or 16-bit) picks the tuned table."""
-    from ..kernels.blocks import assign_blocks
+    blocks)``. ``fmt`` (the weights' :class:`~moe_kernels.kernels.formats.WeightFormat`) picks the tuned table
+    and the block map's rule (:func:`tool_blocks`)."""
     from ..kernels.config import get_config
 
     hidden, _, weights, ids = make_batch(model, num_tokens, dtype, seed=num_tokens, device=device)
-    config = get_config(num_tokens, model.num_experts, model.moe_intermediate_size, model.hidden_size, weight_dtype,
-                        hidden.device)
-    return hidden, weights, ids, config, assign_blocks(ids, config.block_m, model.num_experts, validate_ids=False)
+    config = get_config(num_tokens, model.num_experts, model.moe_intermediate_size, model.hidden_size,
+                        fmt.element or dtype, hidden.device)
+    return hidden, weights, ids, config, tool_blocks(ids, config.block_m, model, fmt)
+
+
+def tool_blocks(ids: torch.Tensor, block_m: int, model: MoEModel, fmt):
+    """The block map a layer with weights of format ``fmt`` takes for ``ids`` on ``block_m``-row tiles: the naive
+    map by vLLM's rule, and for block-fp8 weights only up to ``blocks.NAIVE_MAX_TOKENS_BLOCK_FP8`` tokens (as
+    ``layer.plan_layer`` and ``bench fp8`` decide it)."""
+    from ..kernels.blocks import assign_blocks, use_naive_block_assignment
+
+    naive = use_naive_block_assignment(ids.shape[0], model.top_k, model.num_experts, block_fp8=fmt.scales == "block")
+    return assign_blocks(ids, block_m, model.num_experts, naive=naive, validate_ids=False)
 
 
 def index_gather_stages(hidden, w1, w2, w1_scale, w2_scale, weights, ids, fmt, config, blocks) -> dict:
