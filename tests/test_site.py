@@ -519,3 +519,66 @@ def test_every_section_says_how_to_get_the_source(path):
     assert re.search(rf'</h1>\s*<div class="[^"]*\b{NOTE_CLASS}\b', page), f"{path}: the note is not under the title"
     # and the notebook itself is untouched: the note comes from the build
     assert ARCHIVE not in (ROOT / path.replace(".html", ".ipynb")).read_text()
+
+
+def _bound_names(source: str) -> set[str]:
+    """The names a code cell binds at its top level (assignments, loop and ``with`` targets, functions,
+    classes, imports), looking into ``if``/``for``/``while``/``with``/``try`` blocks but not into functions."""
+    import ast
+
+    names: set[str] = set()
+
+    def bind(target):
+        names.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
+
+    def visit(statements):
+        for s in statements:
+            if isinstance(s, ast.Assign):
+                for target in s.targets:
+                    bind(target)
+            elif isinstance(s, (ast.AugAssign, ast.AnnAssign)):
+                bind(s.target)
+            elif isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(s.name)
+            elif isinstance(s, (ast.Import, ast.ImportFrom)):
+                names.update((a.asname or a.name).split(".")[0] for a in s.names)
+            elif isinstance(s, (ast.For, ast.AsyncFor)):
+                bind(s.target)
+                visit(s.body + s.orelse)
+            elif isinstance(s, (ast.If, ast.While)):
+                visit(s.body + s.orelse)
+            elif isinstance(s, (ast.With, ast.AsyncWith)):
+                for item in s.items:
+                    if item.optional_vars is not None:
+                        bind(item.optional_vars)
+                visit(s.body)
+            elif isinstance(s, ast.Try):
+                visit(s.body + [h for handler in s.handlers for h in handler.body] + s.orelse + s.finalbody)
+
+    visit(ast.parse(source).body)
+    return names
+
+
+def test_no_inline_value_reads_a_name_a_later_cell_binds_again():
+    """An ``{eval}`` value is stored when its cell runs, but JupyterLab evaluates it again after Run All, in the
+    kernel's final state: a name that a later code cell binds again then shows the later value (session 49's
+    Chapter 12 reused ``h200_decode``, and Lab showed another number than the site). So no name an inline value
+    reads may be bound by a code cell after it (names bound inside the expression, as comprehension variables, are
+    the expression's own)."""
+    import ast
+
+    for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        cells = json.loads(path.read_text())["cells"]
+        later: set[str] = set()
+        for i in range(len(cells) - 1, -1, -1):
+            cell = cells[i]
+            if cell["cell_type"] == "code":
+                later |= _bound_names("".join(cell["source"]))
+                continue
+            for item in cell.get("metadata", {}).get("user_expressions", []):
+                tree = ast.parse(item["expression"], mode="eval")
+                read = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+                own = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+                rebound = (read - own) & later
+                assert not rebound, f"{path.name} cell {i}: {item['expression']!r} reads {sorted(rebound)}, bound " \
+                                    "again by a later code cell"
