@@ -17,8 +17,9 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_tool(code_or_path, *, interpret: bool, timeout=600):
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "MOE_KERNELS_BACKEND")}
+def run_tool(code_or_path, *, interpret: bool, timeout=600, env: dict | None = None):
+    env = {**{k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "MOE_KERNELS_BACKEND")},
+           **(env or {})}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), str(ROOT)) if p)
     if interpret:
         env["TRITON_INTERPRET"] = "1"
@@ -240,9 +241,22 @@ def test_stage_depth_ab_plans_only_variants_that_fit_and_differ():
     found = tool.variants(streamed, fp8, [3, 4, 5], [], [4, 8])
     assert found and all(v.down == entry.down for v in found.values()) and "stages 4/3" in found
     assert tool.tiles_text(streamed).endswith(" stream lag 32")
+    # STAGE_AB_SET: named variants, each the entry with the fields it names changed and nothing else.
+    named = tool.set_variants(entry, "down.persistent=1; sum_in_gemm=true,down.block_n=128; down.tma=true; ")
+    assert list(named) == ["down.persistent=1", "sum_in_gemm=true,down.block_n=128"]   # (tma: the entry's own)
+    assert named["down.persistent=1"] == dataclasses.replace(entry, down=dataclasses.replace(entry.down, persistent=1))
+    assert named["sum_in_gemm=true,down.block_n=128"] == dataclasses.replace(
+        entry, sum_in_gemm=True, down=dataclasses.replace(entry.down, block_n=128))
+    assert tool.set_variants(entry, "stream_lag=32")["stream_lag=32"] == streamed
+    for bad, says in (("down.blockn=64", "'down.blockn' is not a field"), ("persistent", "must be field=value"),
+                      ("up.block_n=64", "must be field=value"), ("down.persistent=3", "persistent")):
+        with pytest.raises((ValueError, TypeError), match=says):
+            tool.set_variants(entry, bad)
     done = run_tool("import runpy, sys; sys.argv = ['tools/stage_depth_ab.py', 'qwen3-30b-a3b', 'block', '8']; "
-                    "runpy.run_path('tools/stage_depth_ab.py', run_name='__main__')", interpret=True)
+                    "runpy.run_path('tools/stage_depth_ab.py', run_name='__main__')", interpret=True,
+                    env={"STAGE_AB_SET": "down.num_warps=8;pdl=true"})
     assert done.returncode == 0 and "qwen3-30b-a3b block 8: table" in done.stdout, done.stderr[-3000:]
+    assert "8: pdl=true" in done.stdout and "8: down.num_warps=8" in done.stdout, done.stdout
 
 
 def test_the_decode_tools_take_the_block_map_the_layer_takes():

@@ -10,8 +10,13 @@ kernel, as the timings do), e.g.::
         smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio,... \\
         python tools/decode_ncu.py qwen3-30b-a3b 1 64,128,8,3,2[,1] > ncu.csv   # (,1: swap_ab)
     python tools/decode_ncu.py --summarize ncu.csv   # per kernel: time, DRAM, occupancy, the largest stalls
+
+``tiles`` ``none`` profiles the two-GEMM call alone (batches where no one-launch kernel applies, 512 tokens, say),
+and ``DECODE_NCU_FORMAT=none`` takes bf16 weights instead of fp8 block weights. Each round launches the call's
+kernels in the same order, so ``ncu -k regex:... --launch-skip`` can keep to the last round.
 """
 import csv
+import os
 import sys
 
 import torch
@@ -26,18 +31,25 @@ from moe_kernels.kernels.one_launch import one_launch_experts
 
 def summarize(path: str) -> None:
     """One line per profiled kernel of the CSV ncu wrote: duration, DRAM throughput and bytes, achieved
-    occupancy, registers, and the four largest warp stall reasons (cycles per issued instruction)."""
+    occupancy, registers, and the four largest warp stall reasons (cycles per issued instruction); each value with
+    the unit ncu gave it."""
     text = open(path).read()
     rows = list(csv.DictReader(text[text.index('"ID"'):].splitlines()))
     kernels = {}
     for r in rows:
-        kernels.setdefault((r["ID"], r["Kernel Name"][:40]), {})[r["Metric Name"]] = r["Metric Value"]
+        unit = r.get("Metric Unit") or ""
+        kernels.setdefault((r["ID"], r["Kernel Name"][:40]), {})[r["Metric Name"]] = (r["Metric Value"], unit)
     for (kid, name), m in kernels.items():
-        stalls = sorted(((float(v.replace(",", "")), k.split("stalled_")[1].split("_per_")[0]) for k, v in m.items()
+        stalls = sorted(((float(v.replace(",", "")), k.split("stalled_")[1].split("_per_")[0])
+                         for k, (v, _) in m.items()
                          if "issue_stalled_" in k and v.replace(",", "").replace(".", "").isdigit()), reverse=True)
-        print(kid, name, "|", m.get("Duration"), "us |", m.get("DRAM Throughput"), "% DRAM |",
-              m.get("Achieved Occupancy"), "% occ |", m.get("Registers Per Thread"), "regs |",
-              ", ".join(f"{k} {v:.2f}" for v, k in stalls[:4]))
+
+        def show(metric):
+            value, unit = m.get(metric, ("-", ""))
+            return f"{value} {unit}".strip()
+        print(kid, name, "|", show("Duration"), "|", show("DRAM Throughput"), "DRAM |", show("dram__bytes_read.sum"),
+              "read |", show("dram__bytes_write.sum"), "written |", show("Achieved Occupancy"), "occ |",
+              show("Registers Per Thread"), "regs |", ", ".join(f"{k} {v:.2f}" for v, k in stalls[:4]))
 
 
 if sys.argv[1:2] == ["--summarize"]:
@@ -46,19 +58,24 @@ if sys.argv[1:2] == ["--summarize"]:
 models = sys.argv[1].split(",") if len(sys.argv) > 1 else ["qwen3-30b-a3b"]
 batch = int(sys.argv[2]) if len(sys.argv) > 2 else 1
 # (a sixth value 1: swap_ab, the weights on the MMA's M side)
-f, d, warps, stages, per_sm, *swap = (int(v) for v in (sys.argv[3] if len(sys.argv) > 3 else "64,128,8,3,2").split(","))
-tiles = OneLaunchTiles(f, d, warps, stages, phases=2, programs_per_sm=per_sm, swap_ab=bool(swap and swap[0]))
+tiles_arg = sys.argv[3] if len(sys.argv) > 3 else "64,128,8,3,2"
+tiles = None
+if tiles_arg != "none":
+    f, d, warps, stages, per_sm, *swap = (int(v) for v in tiles_arg.split(","))
+    tiles = OneLaunchTiles(f, d, warps, stages, phases=2, programs_per_sm=per_sm, swap_ab=bool(swap and swap[0]))
+fmt = FORMATS[os.environ.get("DECODE_NCU_FORMAT", "block")]
 device = "cuda" if torch.cuda.is_available() else "cpu"   # (the CPU: a small shape under the interpreter)
 for key in models:
-    model, dtype, w1, w1s, w2, w2s = tool_weights(key, FORMATS["block"], device)
+    model, dtype, w1, w1s, w2, w2s = tool_weights(key, fmt, device)
     x, _, weights, ids = make_batch(model, batch, dtype, 1 + batch, device)
     config = get_config(batch, model.num_experts, model.moe_intermediate_size, model.hidden_size, w1.dtype, x.device)
     blocks = assign_blocks(ids, config.block_m, model.num_experts, validate_ids=False)
     for _ in range(4):   # (the profile: the last round's kernels)
         fused_experts(x, w1, w2, weights, ids, config=config, blocks=blocks, validate_ids=False, w1_scale=w1s,
                       w2_scale=w2s)
-        one_launch_experts(x, w1, w2, weights, ids, tiles=tiles, validate_ids=False, w1_scale=w1s, w2_scale=w2s)
+        if tiles is not None:
+            one_launch_experts(x, w1, w2, weights, ids, tiles=tiles, validate_ids=False, w1_scale=w1s, w2_scale=w2s)
     if device == "cuda":
         torch.cuda.synchronize()
-    print(key, batch, config.to_dict(), tiles.as_dict(), flush=True)
+    print(key, batch, config.to_dict(), tiles.as_dict() if tiles else None, flush=True)
     del w1, w2, w1s, w2s

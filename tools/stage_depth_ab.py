@@ -11,10 +11,14 @@ time). This times, in one process, the table's entry and each variant of it with
 entry's stages kept), and with ``STAGE_AB_SWAP=1`` each GEMM the entry runs untransposed on 16 or 32 token rows
 (``mma.sync``), transposed through TMA: the whole experts call as the layer runs it (both GEMMs, the quantisers,
 the top-k sum; a CUDA graph, do_bench's L2 flush), four rounds interleaved, the order reversed every other round,
-each candidate's output checked against the entry's.
+each candidate's output checked against the entry's. ``STAGE_AB_SET`` adds any other variants by name, ``;``
+between variants and ``,`` between the fields one variant changes, each ``field=value`` on the entry's
+``MoEConfig.to_dict()`` (``down.block_n=128;down.persistent=1;sum_in_gemm=true;pdl=true``; values as JSON).
 
     PYTHONPATH=. python tools/stage_depth_ab.py deepseek-v3 block 256,512 [record name]
     PYTHONPATH=. STAGE_AB_STAGES=3,4,5,6 STAGE_AB_BLOCK_M=16,32 python tools/stage_depth_ab.py qwen3-30b-a3b none 512
+    PYTHONPATH=. STAGE_AB_STAGES= STAGE_AB_SET="down.persistent=1;sum_in_gemm=true" python tools/stage_depth_ab.py \
+        deepseek-v3 block 512
     PYTHONPATH=. TRITON_INTERPRET=1 python tools/stage_depth_ab.py qwen3-30b-a3b none 8   # CPU: a plan, nothing timed
 
 Without a GPU the tool prints the variants of the CPU's tiles (the default tiles of a shrunk model, not the
@@ -26,6 +30,7 @@ floor (``count_work``'s bytes, as ``bench fp8`` counts them, over the read bandw
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import sys
 
@@ -36,6 +41,7 @@ from moe_kernels.bench.cli import write_record
 from moe_kernels.bench.problems import tool_batch, tool_blocks, tool_weights
 from moe_kernels.bench.timing import time_lowest
 from moe_kernels.bench.tune_candidates import fits
+from moe_kernels.kernels.config import MoEConfig, check_config
 from moe_kernels.kernels.formats import FORMATS
 from moe_kernels.kernels.index_gather import fused_experts
 from moe_kernels.model.costs import count_work
@@ -82,6 +88,33 @@ def variants(config, fmt, stages: list[int], block_ms: list[int], warps: list[in
     return out
 
 
+def set_variants(config, spec: str) -> dict:
+    """Name -> MoEConfig for ``STAGE_AB_SET``: each ``;``-separated variant is the entry with the ``,``-separated
+    ``field=value`` changes applied to its ``to_dict()`` (``gate_up.`` or ``down.`` before a GEMM's field; values
+    as JSON: ``128``, ``true``, ``null``). A variant equal to the entry is left out; a misspelt field is an error
+    naming it (``MoEConfig.from_dict`` and ``check_config`` check the rest)."""
+    out = {}
+    for variant in (v.strip() for v in spec.split(";")):
+        if not variant:
+            continue
+        d = config.to_dict()
+        for change in variant.split(","):
+            field, sep, value = change.strip().partition("=")
+            *path, key = field.strip().split(".")
+            if not sep or len(path) > 1 or (path and path[0] not in ("gate_up", "down")):
+                raise ValueError(f"STAGE_AB_SET: {change!r} must be field=value, the field a MoEConfig key or "
+                                 "gate_up.<GemmTiles field> / down.<GemmTiles field>")
+            target = d[path[0]] if path else d
+            if key not in target and not (not path and key in ("stream_lag", "gather_rows", "short_last_tile")):
+                raise ValueError(f"STAGE_AB_SET: {field.strip()!r} is not a field of the entry "
+                                 f"({', '.join(sorted(target))})")
+            target[key] = json.loads(value)
+        variant_config = check_config("STAGE_AB_SET", MoEConfig.from_dict(d, func="STAGE_AB_SET", name=variant))
+        if variant_config != config:
+            out[variant] = variant_config
+    return out
+
+
 def tiles_text(config) -> str:
     """One line for a config's M tile and both GEMMs' tiles."""
     def gemm(t):
@@ -103,10 +136,11 @@ def main(argv: list[str]) -> int:
         return 2
     key, fmt_name, batches = argv[0], argv[1], [int(b) for b in argv[2].split(",")]
     record = argv[3] if len(argv) > 3 else "stage-depth-ab"
-    stages = [int(s) for s in os.environ.get("STAGE_AB_STAGES", "3,4,5").split(",")]
+    stages = [int(s) for s in os.environ.get("STAGE_AB_STAGES", "3,4,5").split(",") if s]
     block_ms = [int(b) for b in os.environ.get("STAGE_AB_BLOCK_M", "").split(",") if b]
     warps = [int(w) for w in os.environ.get("STAGE_AB_WARPS", "").split(",") if w]
     swap = os.environ.get("STAGE_AB_SWAP", "") not in ("", "0")
+    changes = os.environ.get("STAGE_AB_SET", "")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     fmt = FORMATS[fmt_name]
     model, dtype, w1, w1_scale, w2, w2_scale = tool_weights(key, fmt, device)
@@ -119,7 +153,7 @@ def main(argv: list[str]) -> int:
             print(f"{key} {fmt_name} {batch}: the entry runs both GEMMs in one launch; tools/two_phase_variants.py "
                   "varies its tiles")
             continue
-        candidates = variants(config, fmt, stages, block_ms, warps, swap)
+        candidates = {**variants(config, fmt, stages, block_ms, warps, swap), **set_variants(config, changes)}
         for name, cfg in candidates.items():
             print(f"{key} {fmt_name} {batch}: {name:<14} {tiles_text(cfg)}")
         if plan_only:
@@ -145,7 +179,7 @@ def main(argv: list[str]) -> int:
         torch.cuda.empty_cache()
     if not plan_only:
         write_record(record, {"rows": rows, "read_bandwidth": read, "stages": stages, "block_ms": block_ms,
-                              "warps": warps, "swap": swap,
+                              "warps": warps, "swap": swap, "set": changes,
                               "method": "fused_experts on the table entry and its variants, CUDA graph, do_bench's L2 "
                                         "flush, four rounds interleaved (order reversed every other round), lowest "
                                         "round median; floor: count_work's bytes (the touched experts' weights, the "
