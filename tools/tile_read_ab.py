@@ -45,7 +45,8 @@ SHARED_BYTES = 227 * 1024
 
 @triton.jit
 def _tile_read(w_ptr, a_ptr, out_ptr, N, K, stride_e, GATED: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, STAGES: tl.constexpr, DOT: tl.constexpr, TILED: tl.constexpr = False):
+               BLOCK_K: tl.constexpr, STAGES: tl.constexpr, DOT: tl.constexpr, TILED: tl.constexpr = False,
+               CHUNKS: tl.constexpr = 1, w_desc=None, TMA: tl.constexpr = False):
     """Program (n, e): expert e's weight rows for N-tile n of a ``[E, (2 if GATED else 1) * N, K]``
     tensor, read in ``[BLOCK_K, BLOCK_N]`` tiles (and, with ``GATED``, the matching up rows ``N``
     further on), as the GEMM's K loop reads them, ``STAGES`` deep. ``DOT``: each tile goes into a
@@ -54,7 +55,12 @@ def _tile_read(w_ptr, a_ptr, out_ptr, N, K, stride_e, GATED: tl.constexpr, BLOCK
 
     ``TILED``: the same values stored tile by tile (:func:`tiled_copy`), so that each K step reads
     one contiguous ``BLOCK_N x BLOCK_K`` block (gated: the gate block, then its up block) and a
-    program's whole read is one contiguous run, instead of ``BLOCK_N`` rows ``K`` elements apart."""
+    program's whole read is one contiguous run, instead of ``BLOCK_N`` rows ``K`` elements apart.
+
+    ``CHUNKS`` = 2: each step loads two ``BLOCK_K`` tiles of the same rows, K-adjacent, as two loads and two dots (a
+    block-fp8 GEMM's step over two scale blocks, each 128 wide with its own scale): ``2 * BLOCK_K`` values of a row
+    requested together. ``TMA``: the weight tiles through the copy engine (``w_desc``: all experts' rows as one
+    ``[E * rows, K]`` matrix, box ``[BLOCK_N, BLOCK_K]``), as the GEMMs' ``tma`` tiles read them."""
     n = tl.program_id(0)   # (the GEMM walks an expert's N-tiles one after another)
     e = tl.program_id(1)
     ks = tl.arange(0, BLOCK_K)
@@ -74,21 +80,28 @@ def _tile_read(w_ptr, a_ptr, out_ptr, N, K, stride_e, GATED: tl.constexpr, BLOCK
         acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for _ in tl.range(0, tl.cdiv(K, BLOCK_K), num_stages=STAGES):
-        w = tl.load(w_ptrs)
-        if GATED:
-            up = tl.load(w_ptrs + up_offset)
-        if DOT:
-            a = tl.load(a_ptrs)
-            acc = tl.dot(a, w, acc)
-            if GATED:
-                acc = tl.dot(a, up, acc)
-        else:
-            acc += tl.sum(w.to(tl.float32), axis=0)
-            if GATED:
-                acc += tl.sum(up.to(tl.float32), axis=0)
-        w_ptrs += step
-        a_ptrs += BLOCK_K
+    desc_row = e * (2 if GATED else 1) * N + n * BLOCK_N
+    for i in tl.range(0, tl.cdiv(K, CHUNKS * BLOCK_K), num_stages=STAGES):
+        for c in tl.static_range(CHUNKS):
+            if TMA:
+                w = w_desc.load([desc_row, (i * CHUNKS + c) * BLOCK_K]).T
+                if GATED:
+                    up = w_desc.load([desc_row + N, (i * CHUNKS + c) * BLOCK_K]).T
+            else:
+                w = tl.load(w_ptrs + c * BLOCK_K)
+                if GATED:
+                    up = tl.load(w_ptrs + c * BLOCK_K + up_offset)
+            if DOT:
+                a = tl.load(a_ptrs + c * BLOCK_K)
+                acc = tl.dot(a, w, acc)
+                if GATED:
+                    acc = tl.dot(a, up, acc)
+            else:
+                acc += tl.sum(w.to(tl.float32), axis=0)
+                if GATED:
+                    acc += tl.sum(up.to(tl.float32), axis=0)
+        w_ptrs += CHUNKS * step
+        a_ptrs += CHUNKS * BLOCK_K
     tl.store(out_ptr + e * tl.num_programs(0) + n, tl.sum(acc))
 
 
@@ -110,16 +123,18 @@ def tiled_copy(w: torch.Tensor, gated: bool, block_n: int, block_k: int) -> torc
 
 
 def tile_reader(w: torch.Tensor, gated: bool, block_n: int, block_k: int, stages: int, warps: int, dot: bool = True,
-                tiled: bool = False, copies: dict | None = None):
+                tiled: bool = False, copies: dict | None = None, chunks: int = 1, tma: bool = False):
     """A function reading ``w [E, rows, K]`` tile by tile (``gated``: ``rows = 2N``, gate and up
     halves read together); ``w`` contiguous, N and K multiples of the blocks. ``tiled``: it reads a
     :func:`tiled_copy` of ``w`` the way ``_tile_read`` with ``TILED`` does (made once per tile shape
-    and kept in ``copies``, if given)."""
+    and kept in ``copies``, if given). ``chunks`` 2: two K-adjacent tiles a step; ``tma``: through the copy engine
+    (Hopper; not with ``tiled``)."""
     E, rows, K = w.shape
     N = rows // 2 if gated else rows
-    if (gated and rows % 2) or N % block_n or K % block_k or not w.is_contiguous():
+    if (gated and rows % 2) or N % block_n or K % (chunks * block_k) or not w.is_contiguous() or (tiled and (
+            tma or chunks > 1)):
         raise ValueError(f"tile_reader: w {tuple(w.shape)} must be contiguous with {'half ' if gated else ''}its rows "
-                         f"a multiple of {block_n} and K a multiple of {block_k}")
+                         f"a multiple of {block_n} and K a multiple of {chunks * block_k} (tiled: one chunk, no TMA)")
     source = w
     if tiled:
         copies = {} if copies is None else copies
@@ -129,9 +144,15 @@ def tile_reader(w: torch.Tensor, gated: bool, block_n: int, block_k: int, stages
     a = torch.ones(16, K, device=w.device).to(w.dtype)
     out = torch.empty(E, N // block_n, device=w.device)
 
+    desc = None
+    if tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+        desc = TensorDescriptor.from_tensor(w.view(E * rows, K), [block_n, block_k])
+
     def read():
         _tile_read[(N // block_n, E)](source, a, out, N, K, source.stride(0), GATED=gated, BLOCK_N=block_n,
-                                      BLOCK_K=block_k, STAGES=stages, DOT=dot, TILED=tiled, num_warps=warps)
+                                      BLOCK_K=block_k, STAGES=stages, DOT=dot, TILED=tiled, CHUNKS=chunks,
+                                      w_desc=desc, TMA=tma, num_warps=warps)
         return out
 
     return read
@@ -147,13 +168,25 @@ def candidates(gated: bool, element_size: int) -> list[dict]:
     """The tiles to time: BLOCK_N 32-256 (GEMM 1's tuned decode tiles are 32-64 wide, two of them),
     BLOCK_K 128 and 256 (and 512 for one-byte weights), 4 and 8 warps, 3-5 stages, with the MMA; and a few
     without it (TILE_READ_N, TILE_READ_WARPS and TILE_READ_STAGES narrow them). TILE_READ_TILED=1
-    adds each MMA candidate again on the weights stored tile by tile (:func:`tiled_copy`)."""
+    adds each MMA candidate again on the weights stored tile by tile (:func:`tiled_copy`). TILE_READ_K narrows the K
+    steps; TILE_READ_CHUNKS=1,2 and TILE_READ_TMA=0,1 add each MMA tile with two K-adjacent chunks a step and through
+    the copy engine ("x2", "tma" in the label)."""
     out = []
     k_steps = (128, 256, 512) if element_size == 1 else (128, 256)   # (fp8: 128, 256 or 512 bytes of a row a step)
     warp_counts = tuple(int(v) for v in os.environ.get("TILE_READ_WARPS", "4,8").split(","))
     stage_counts = tuple(int(v) for v in os.environ.get("TILE_READ_STAGES", "3,4,5").split(","))
     widths = tuple(int(v) for v in os.environ.get("TILE_READ_N", "32,64,128,256").split(","))
-    for block_n, block_k, warps, stages in itertools.product(widths, k_steps, warp_counts, stage_counts):
+    k_steps = tuple(int(v) for v in os.environ.get("TILE_READ_K", ",".join(map(str, k_steps))).split(","))
+    chunk_counts = tuple(int(v) for v in os.environ.get("TILE_READ_CHUNKS", "1").split(","))
+    tma_modes = tuple(v == "1" for v in os.environ.get("TILE_READ_TMA", "0").split(","))
+    for block_n, block_k, warps, stages, chunks, tma in itertools.product(widths, k_steps, warp_counts, stage_counts,
+                                                                           chunk_counts, tma_modes):
+        if chunks > 1 or tma:   # (the pairs and the copy engine: each MMA candidate once more)
+            if not (gated and block_n > 128) and shared_bytes(gated, block_n, chunks * block_k, stages,
+                                                              element_size) <= SHARED_BYTES:
+                out.append(dict(block_n=block_n, block_k=block_k, warps=warps, stages=stages, dot=True,
+                                chunks=chunks, tma=tma))
+            continue
         if gated and block_n > 128:
             continue   # (the GEMM's gated tiles stop at 128: two accumulators)
         if shared_bytes(gated, block_n, block_k, stages, element_size) > SHARED_BYTES:
@@ -167,18 +200,21 @@ def candidates(gated: bool, element_size: int) -> list[dict]:
 
 
 def label(c: dict) -> str:
-    return (f"n{c['block_n']} k{c['block_k']} w{c['warps']} s{c['stages']} {'dot' if c['dot'] else 'sum'}"
-            + (" tiled" if c.get("tiled") else ""))
+    return (f"n{c['block_n']} k{c['block_k']}{'x%d' % c['chunks'] if c.get('chunks', 1) > 1 else ''} w{c['warps']} "
+            f"s{c['stages']} {'dot' if c['dot'] else 'sum'}" + (" tiled" if c.get("tiled") else "")
+            + (" tma" if c.get("tma") else ""))
 
 
 def check_values() -> None:
     w = torch.arange(2 * 16 * 16, dtype=torch.float32).reshape(2, 16, 16)
     for gated, block_n in ((False, 16), (True, 8)):
         want = w.sum(dim=(1, 2))[:, None] if gated else w.reshape(2, 1, 16, 16).sum(dim=(2, 3))
-        for dot, scale, tiled in ((False, 1, False), (True, 16, False), (True, 16, True)):
-            got = tile_reader(w, gated, block_n, 8, 2, 4, dot=dot, tiled=tiled)()   # (16: the dot's rows of ones)
+        for dot, scale, tiled, chunks in ((False, 1, False, 1), (True, 16, False, 1), (True, 16, True, 1),
+                                          (True, 16, False, 2), (False, 1, False, 2)):
+            got = tile_reader(w, gated, block_n, 8, 2, 4, dot=dot, tiled=tiled, chunks=chunks)()   # (16: the dot's
+            # rows of ones)
             if not torch.equal(got, scale * want):
-                raise SystemExit(f"tile_reader (gated={gated}, dot={dot}, tiled={tiled}) gave {got.tolist()}, not "
+                raise SystemExit(f"tile_reader (gated={gated}, dot={dot}, tiled={tiled}, chunks={chunks}) gave {got.tolist()}, not "
                                  f"{(scale * want).tolist()}")
 
 
@@ -214,7 +250,7 @@ def main() -> int:
         for c in candidates(gated, w.element_size()):
             try:
                 fns[label(c)] = tile_reader(w, gated, c["block_n"], c["block_k"], c["stages"], c["warps"], c["dot"],
-                                            c.get("tiled", False), copies)
+                                            c.get("tiled", False), copies, c.get("chunks", 1), c.get("tma", False))
             except ValueError as error:   # (a tile that does not divide the shape: Qwen3's K = 768 by 512)
                 errors[label(c)] = str(error)
         times = {name: [] for name in fns}
