@@ -226,6 +226,42 @@ def test_fp8_summed_split(granularity, swap_ab):
     check_fp8(make_problem(9, 6, 2, 256, 128, seed=7), granularity, config, 1e-3)
 
 
+# (K, F, options): K steps of two and four chunks on K that they divide and K that they do not (the last step's
+# later chunks past K), with the options that touch the K loop: TMA, the transposed product, both persistent grids
+# (2 flattens the tile and K loops), GEMM 2 summed and split over K.
+CHUNK_CASES = [(64, 40, {}), (48, 24, dict(swap_ab=True)), (80, 48, dict(tma=True)), (96, 40, dict(persistent=2)),
+               (112, 24, dict(persistent=1, swap_ab=True, tma=True)), (64, 48, dict(sum=True, split_k=2))]
+
+
+@pytest.mark.parametrize("chunks", [2, 4])
+@pytest.mark.parametrize("case", range(len(CHUNK_CASES)))
+def test_k_steps_in_chunks(chunks, case):
+    """``GemmTiles.k_chunks``: each K step loads ``k_chunks`` K-adjacent chunks of ``block_k`` and multiplies them
+    one by one; the same sums as one chunk a step, against the float64 reference, on random and edge shapes."""
+    K, F, options = CHUNK_CASES[case]
+    options = dict(options)
+    summed, split = options.pop("sum", False), options.pop("split_k", 1)
+    dtype = (torch.float32, torch.float16)[case % 2]
+    config = MoEConfig(16, GemmTiles(16, 16, k_chunks=chunks, **options),
+                       GemmTiles(16, 16, k_chunks=chunks, split_k=split, **options), summed)
+    check(make_problem(9 + case, 5, 2, K, F, dtype, seed=40 + case, fused_topk_like=True), dtype, config,
+          naive_block_assignment=(None, True, False)[case % 3])
+    for shape in sorted(EDGE_SHAPES) if case == 0 else ():
+        check(make_problem(**EDGE_SHAPES[shape], hidden=K, inter=F, seed=3), torch.float32, config)
+
+
+@pytest.mark.parametrize("granularity", ["block", "channel", "tensor"])
+@pytest.mark.parametrize("K, F", [(256, 128), (384, 256), (256, 384)])
+def test_fp8_k_steps_in_chunks(granularity, K, F):
+    """Block fp8 with two 128-value scale blocks a step, each chunk's product times its own scales; where the K
+    step does not divide K (384), the last step's second chunk is past K: its values are zero and it takes the last
+    scale group (no read past the scales)."""
+    for swap_ab in (False, True):
+        tiles = GemmTiles(32, 128, k_chunks=2, swap_ab=swap_ab, tma=swap_ab)
+        check_fp8(make_problem(9, 6, 2, K, F, seed=7, fused_topk_like=True), granularity,
+                  MoEConfig(16, tiles, tiles), 1e-3)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("num_tokens", [1, 9])
 @pytest.mark.parametrize("block_n", [64, 128, 256])
@@ -277,6 +313,9 @@ def test_configs_that_cannot_work_name_their_field():
         (MoEConfig(16, GemmTiles(16, 16, swap_ab=1), tiles), "config.gate_up.swap_ab"),
         (MoEConfig(16, tiles, tiles, pdl=1), "config.pdl"),
         (MoEConfig(16, tiles, tiles, quant_in_gemm="yes"), "config.quant_in_gemm"),
+        (MoEConfig(16, tiles, GemmTiles(16, 16, k_chunks=3)), "config.down.k_chunks"),
+        (MoEConfig(16, GemmTiles(16, 16, k_chunks=0), tiles), "config.gate_up.k_chunks"),
+        (MoEConfig(16, GemmTiles(16, 16, k_chunks=2), tiles, stream_lag=4), "config.gate_up.k_chunks"),
     ]
     for config, field in cases:
         with pytest.raises((ValueError, TypeError), match=field.replace(".", r"\.")):
@@ -288,6 +327,9 @@ def test_configs_that_cannot_work_name_their_field():
     # the permute layout sums in GEMM 2 (split K too) and walks a persistent grid
     check_config("f", MoEConfig(16, tiles, GemmTiles(16, 16, split_k=2, persistent=2), True), align=128,
                  layout="permute")
+    for layout in ("permute", "masked"):   # (chunked K steps: the index-gather GEMM's only)
+        with pytest.raises(ValueError, match=rf"config\.down\.k_chunks.*{layout} layout"):
+            check_config("f", MoEConfig(16, tiles, GemmTiles(16, 16, k_chunks=2)), align=128, layout=layout)
     with pytest.raises(ValueError, match=r"config\.down\.swap_ab.*masked layout"):
         check_config("f", MoEConfig(16, tiles, GemmTiles(16, 16, swap_ab=True)), align=128, layout="masked")
     for layout in ("permute", "masked"):
@@ -488,6 +530,49 @@ def test_switches_compile_for_hopper():
                          "False False False False", "False False False True", "True True"], lines
 
 
+_COMPILE_CHUNKS_FOR_HOPPER = """
+import torch
+import triton
+torch.cuda.is_available = lambda: True   # build compiled (not interpreted) kernels; nothing is launched
+from moe_kernels.kernels import index_gather as ig
+from moe_kernels.sm90_compile import assemble_for_sm90, compile_for_sm90
+
+# DeepSeek-V3's fp8 GEMM 2 entry at 512 tokens (TMA, transposed, 256 weight rows, 8 warps) and its GEMM 1
+# (cp.async, transposed, 64 gate and 64 up rows), one and two chunks a K step.
+for gated, block_n, warps, tma in ((False, 256, 8, True), (True, 64, 4, False)):
+    for chunks, stages in ((1, 3), (2, 3)):
+        pointers = dict(a_ptr="*fp8e4nv", w_ptr="*fp8e4nv", out_ptr="*bf16", topk_weights_ptr="*fp32",
+                        sorted_token_ids_ptr="*i32", expert_ids_ptr="*i32", num_tokens_post_padded_ptr="*i32",
+                        a_scale_ptr="*fp32", w_scale_ptr="*fp32",
+                        w_desc=f"tensordesc<fp8e4nv[{block_n},128]>" if tma else "*fp8e4nv", out_scale_ptr="*fp32")
+        const = dict(BLOCK_M=32, BLOCK_N=block_n, BLOCK_K=128, GROUP_M=8, TOP_K=1 if not gated else 8,
+                     NAIVE_BLOCKS=False, DENSE=False, GATED=gated, MUL_ROUTED_WEIGHT=not gated, EVEN_K=True,
+                     INPUT_PRECISION="tf32", SCALES=1, SUM_TOP_K=0, SPLIT_K=1, TMA_W=tma, PERSISTENT=0, SCALE_BN=128,
+                     SCALE_BK=128, ID_CHECK="", SWAP_AB=True, PDL_TRIGGER=False, PDL_WAIT=False, PREFETCH_LINE=64,
+                     QUANT_GROUP=0, ROUND_TO="", K_CHUNKS=chunks)
+        ptx = compile_for_sm90(ig._index_gather_gemm_kernel, const, pointers, num_warps=warps, num_stages=stages,
+                               aligned=("N", "K", "stride_am", "stride_we", "stride_wn", "stride_om", "stride_as",
+                                        "stride_wse", "stride_wsn", "stride_wsk")).asm["ptx"]
+        spills = 0
+        if triton.__version__.startswith("3.6."):   # (a newer Triton's ptxas may not read its own PTX)
+            built = assemble_for_sm90(ptx)
+            spills = built["spill_stores"] + built["spill_loads"]
+        copies = ptx.count("cp.async.bulk.tensor") if tma else ptx.count("cp.async.cg")
+        print(gated, chunks, copies, ptx.count("wgmma.mma_async"), spills)
+"""
+
+
+def test_chunked_k_steps_compile_for_hopper():
+    """Two chunks a K step, compiled for sm_90 with Triton's pipeline: each chunk's weight tile is one more copy
+    in flight (TMA or cp.async), each its own wgmma, and nothing spills under the H200's Triton, 3.6 (DeepSeek-V3's
+    fp8 decode tiles)."""
+    lines = [line.split() for line in compiled_for_hopper(_COMPILE_CHUNKS_FOR_HOPPER) if line]
+    (g2_one, g2_two, g1_one, g1_two) = [[int(v) for v in line[1:]] for line in lines[:4]]
+    assert g2_two[1] == 2 * g2_one[1] and g2_two[2] == 2 * g2_one[2] and g2_one[1] > 0, lines
+    assert g1_two[1] == 2 * g1_one[1] and g1_two[2] == 2 * g1_one[2] and g1_one[1] > 0, lines
+    assert g2_one[3] == g2_two[3] == g1_one[3] == g1_two[3] == 0, lines   # (no spills)
+
+
 # ---- GPU: the models' own shapes, bf16 and fp8, and CUDA-graph capture -----------------------------
 
 
@@ -530,6 +615,18 @@ def test_fp8_gpu(granularity, swap_ab):
     config = MoEConfig(16, GemmTiles(64, 128, tma=True, persistent=2, swap_ab=swap_ab),
                        GemmTiles(128, 128, split_k=2, tma=True, swap_ab=swap_ab), True)
     check_fp8(problem, granularity, config, 2e-2)
+
+
+@needs_gpu
+@pytest.mark.parametrize("chunks", [2, 4])
+@pytest.mark.parametrize("swap_ab", [False, True])
+def test_fp8_k_steps_in_chunks_gpu(chunks, swap_ab):
+    """Chunked K steps compiled: block fp8 at DeepSeek-V3's K (7168 and 2048 divide 256 and 512) and at a K that
+    two chunks do not divide (640: the last step's second chunk past K)."""
+    for hidden, inter in ((7168, 2048), (640, 384)):
+        problem = make_problem(64, 16, 8, hidden, inter, torch.bfloat16, seed=15, fused_topk_like=True)
+        tiles = GemmTiles(64, 128, num_stages=2, k_chunks=chunks, tma=swap_ab, swap_ab=swap_ab)
+        check_fp8(problem, "block", MoEConfig(32, tiles, tiles), 2e-2)
 
 
 def replayed_outputs(problem, config, seeds):

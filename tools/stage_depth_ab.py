@@ -41,7 +41,7 @@ from moe_kernels.bench.cli import write_record
 from moe_kernels.bench.problems import tool_batch, tool_blocks, tool_weights
 from moe_kernels.bench.timing import time_lowest
 from moe_kernels.bench.tune_candidates import fits
-from moe_kernels.kernels.config import MoEConfig, check_config
+from moe_kernels.kernels.config import GemmTiles, MoEConfig, check_config
 from moe_kernels.kernels.formats import FORMATS
 from moe_kernels.kernels.index_gather import fused_experts
 from moe_kernels.model.costs import count_work
@@ -105,9 +105,10 @@ def set_variants(config, spec: str) -> dict:
                 raise ValueError(f"STAGE_AB_SET: {change!r} must be field=value, the field a MoEConfig key or "
                                  "gate_up.<GemmTiles field> / down.<GemmTiles field>")
             target = d[path[0]] if path else d
-            if key not in target and not (not path and key in ("stream_lag", "gather_rows", "short_last_tile")):
+            known = {f.name for f in dataclasses.fields(GemmTiles if path else MoEConfig)}   # (to_dict leaves out
+            if key not in known:                                                           # fields at defaults)
                 raise ValueError(f"STAGE_AB_SET: {field.strip()!r} is not a field of the entry "
-                                 f"({', '.join(sorted(target))})")
+                                 f"({', '.join(sorted(known))})")
             target[key] = json.loads(value)
         variant_config = check_config("STAGE_AB_SET", MoEConfig.from_dict(d, func="STAGE_AB_SET", name=variant))
         if variant_config != config:
@@ -118,7 +119,8 @@ def set_variants(config, spec: str) -> dict:
 def tiles_text(config) -> str:
     """One line for a config's M tile and both GEMMs' tiles."""
     def gemm(t):
-        return (f"n{t.block_n} k{t.block_k} w{t.num_warps} s{t.num_stages}" + (" tma" if t.tma else "")
+        return (f"n{t.block_n} k{t.block_k}" + (f"x{t.k_chunks}" if t.k_chunks > 1 else "")
+                + f" w{t.num_warps} s{t.num_stages}" + (" tma" if t.tma else "")
                 + (" swap" if t.swap_ab else "") + (f" p{t.persistent}" if t.persistent else "")
                 + (f" split{t.split_k}" if t.split_k > 1 else ""))
     switches = [name for name, on in (("sum", config.sum_in_gemm), ("pdl", config.pdl),

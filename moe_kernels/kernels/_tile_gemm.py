@@ -67,7 +67,7 @@ if HAS_TRITON:
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         split=0, SPLIT_K: tl.constexpr = 1, w_desc=None, w_desc_row=0, TMA_W: tl.constexpr = False,
         SCALE_BN: tl.constexpr = 128, SCALE_BK: tl.constexpr = 128, SWAP_AB: tl.constexpr = False,
-        a_desc=None, a_desc_row=0, TMA_A: tl.constexpr = False,
+        a_desc=None, a_desc_row=0, TMA_A: tl.constexpr = False, K_CHUNKS: tl.constexpr = 1,
     ):
         """fp32 ``[BLOCK_M, BLOCK_N]``: ``A[a_rows, :K] @ W[cols, :K]^T`` (``silu(gate) * up`` when
         ``GATED``) for output columns ``cols = pid_n * BLOCK_N + [0, BLOCK_N)``.
@@ -97,10 +97,15 @@ if HAS_TRITON:
         With ``TMA_A`` (rows that lie one after another, the permute layout's segments) the
         activation tiles come through the copy engine too: ``a_desc`` describes ``A`` and
         ``a_desc_row`` is the tile's first row (``a_rows`` still places the scales).
+
+        ``K_CHUNKS`` > 1: each K step is ``K_CHUNKS`` K-adjacent ``BLOCK_K`` chunks, loaded one after
+        another and multiplied one by one, each with its own scales. A block-fp8 step cannot be wider
+        than its 128-value scale block, and 128 one-byte values of a row a step read slower from DRAM than
+        256 (``tools/tile_read_ab.py``): two chunks a step ask for 256 bytes of every row together.
         """
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         w_rows = (cols % N).to(tl.int64)
-        k_steps = tl.cdiv(K, BLOCK_K)
+        k_steps = tl.cdiv(K, BLOCK_K * K_CHUNKS)
         if SPLIT_K == 1:
             k_first = 0
             k_last = k_steps
@@ -110,8 +115,9 @@ if HAS_TRITON:
             k_first = split * per_split
             k_last = tl.minimum(k_first + per_split, k_steps)
         ks = tl.arange(0, BLOCK_K)
-        a_ptrs = a_ptr + a_rows[:, None] + ks[None, :] + k_first * BLOCK_K
-        w_ptrs = w_ptr + w_rows[None, :] * stride_wn + ks[:, None] + k_first * BLOCK_K
+        STEP: tl.constexpr = BLOCK_K * K_CHUNKS
+        a_ptrs = a_ptr + a_rows[:, None] + ks[None, :] + k_first * STEP
+        w_ptrs = w_ptr + w_rows[None, :] * stride_wn + ks[:, None] + k_first * STEP
         acc = empty_accumulator(BLOCK_M, BLOCK_N, SWAP_AB)
         if GATED:
             up_ptrs = w_ptrs + N * stride_wn
@@ -133,43 +139,50 @@ if HAS_TRITON:
         # <<< book: block-scale-columns
         # >>> book: k-loop
         for k in range(k_first, k_last):
-            k_left = K - k * BLOCK_K
-            if TMA_A:
-                a = a_desc.load([a_desc_row, k * BLOCK_K])
-            elif EVEN_K:
-                a = tl.load(a_ptrs)
-            else:
-                a = tl.load(a_ptrs, mask=ks[None, :] < k_left, other=0.0)
-            if TMA_W:
-                w = w_desc.load([w_desc_row, k * BLOCK_K]).T
-            elif EVEN_K:
-                w = tl.load(w_ptrs)
-            else:
-                w = tl.load(w_ptrs, mask=ks[:, None] < k_left, other=0.0)
-            if blocked:
-                group = (k * BLOCK_K) // SCALE_BK
-                a_scale = tl.load(a_scale_ptr + a_scale_rows + group)
-                w_scale = tl.load(w_scale_cols + group * stride_wsk)
-                product = tile_dot(a, w, None, SWAP_AB, INPUT_PRECISION)
-                acc += product * scale_outer(a_scale, w_scale, SWAP_AB)
-            else:
-                acc = tile_dot(a, w, acc, SWAP_AB, INPUT_PRECISION)
-            if GATED:
-                if TMA_W:
-                    up = w_desc.load([w_desc_row + N, k * BLOCK_K]).T
+            for c in tl.static_range(K_CHUNKS):   # (one chunk: the plain K step)
+                chunk = k * K_CHUNKS + c   # this chunk's K offset, in BLOCK_K units
+                k_left = K - chunk * BLOCK_K
+                if TMA_A:
+                    a = a_desc.load([a_desc_row, chunk * BLOCK_K])
                 elif EVEN_K:
-                    up = tl.load(up_ptrs)
+                    a = tl.load(a_ptrs + c * BLOCK_K)
                 else:
-                    up = tl.load(up_ptrs, mask=ks[:, None] < k_left, other=0.0)
+                    a = tl.load(a_ptrs + c * BLOCK_K, mask=ks[None, :] < k_left, other=0.0)
+                if TMA_W:
+                    w = w_desc.load([w_desc_row, chunk * BLOCK_K]).T
+                elif EVEN_K:
+                    w = tl.load(w_ptrs + c * BLOCK_K)
+                else:
+                    w = tl.load(w_ptrs + c * BLOCK_K, mask=ks[:, None] < k_left, other=0.0)
                 if blocked:
-                    up_scale = tl.load(up_scale_cols + group * stride_wsk)
-                    product = tile_dot(a, up, None, SWAP_AB, INPUT_PRECISION)
-                    acc_up += product * scale_outer(a_scale, up_scale, SWAP_AB)
+                    if EVEN_K or K_CHUNKS == 1:
+                        group = (chunk * BLOCK_K) // SCALE_BK
+                    else:   # a chunk past K (its values masked to 0) has no scale group of its own: it takes the
+                        # last one, a finite scale that exists (one past the row could be another's, or NaN)
+                        group = tl.minimum(chunk * BLOCK_K, K - 1) // SCALE_BK
+                    a_scale = tl.load(a_scale_ptr + a_scale_rows + group)
+                    w_scale = tl.load(w_scale_cols + group * stride_wsk)
+                    product = tile_dot(a, w, None, SWAP_AB, INPUT_PRECISION)
+                    acc += product * scale_outer(a_scale, w_scale, SWAP_AB)
                 else:
-                    acc_up = tile_dot(a, up, acc_up, SWAP_AB, INPUT_PRECISION)
-                up_ptrs += BLOCK_K
-            a_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K
+                    acc = tile_dot(a, w, acc, SWAP_AB, INPUT_PRECISION)
+                if GATED:
+                    if TMA_W:
+                        up = w_desc.load([w_desc_row + N, chunk * BLOCK_K]).T
+                    elif EVEN_K:
+                        up = tl.load(up_ptrs + c * BLOCK_K)
+                    else:
+                        up = tl.load(up_ptrs + c * BLOCK_K, mask=ks[:, None] < k_left, other=0.0)
+                    if blocked:
+                        up_scale = tl.load(up_scale_cols + group * stride_wsk)
+                        product = tile_dot(a, up, None, SWAP_AB, INPUT_PRECISION)
+                        acc_up += product * scale_outer(a_scale, up_scale, SWAP_AB)
+                    else:
+                        acc_up = tile_dot(a, up, acc_up, SWAP_AB, INPUT_PRECISION)
+            if GATED:
+                up_ptrs += STEP
+            a_ptrs += STEP
+            w_ptrs += STEP
         # <<< book: k-loop
         if SWAP_AB:   # back to [BLOCK_M, BLOCK_N]: one register shuffle per tile, not per K step
             acc = tl.trans(acc)

@@ -60,6 +60,9 @@ class GemmTiles:
     each tile transposed, ``W_tile @ A_tile^T``: the ``block_n`` weight rows become the MMA's M side
     and the few token rows its N side, because Hopper's wgmma needs an M side of 64 or more and a
     decode tile has 16 token rows (with 16- or 32-row M tiles Triton emits the older ``mma.sync``).
+    ``k_chunks`` (index-gather): each K step loads that many K-adjacent ``block_k`` chunks of every row
+    one after another, each multiplied with its own scales: a block-fp8 step stops at its 128-value
+    scale block, and two chunks ask for 256 bytes of a row together (``_tile_gemm.expert_tile_product``).
     """
 
     block_n: int
@@ -71,13 +74,14 @@ class GemmTiles:
     tma: bool = False
     persistent: int = 0
     swap_ab: bool = False
+    k_chunks: int = 1
 
     def check(self, func: str, name: str) -> "GemmTiles":
         for field in ("block_n", "block_k"):
             size = getattr(self, field)
             if not isinstance(size, int) or size < 16 or size & (size - 1):
                 fail(func, f"{name}.{field}", "must be a power of two >= 16 (a tl.dot tile)", size)
-        for field, lo in (("group_m", 1), ("num_warps", 1), ("num_stages", 1), ("split_k", 1)):
+        for field, lo in (("group_m", 1), ("num_warps", 1), ("num_stages", 1), ("split_k", 1), ("k_chunks", 1)):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < lo:
                 fail(func, f"{name}.{field}", f"must be an int >= {lo}", value)
@@ -88,8 +92,9 @@ class GemmTiles:
         for field in ("tma", "swap_ab"):
             if not isinstance(getattr(self, field), bool):
                 fail(func, f"{name}.{field}", "must be a bool", repr(getattr(self, field)), TypeError)
-        if self.num_warps & (self.num_warps - 1):
-            fail(func, f"{name}.num_warps", "must be a power of two", self.num_warps)
+        for field in ("num_warps", "k_chunks"):
+            if getattr(self, field) & (getattr(self, field) - 1):
+                fail(func, f"{name}.{field}", "must be a power of two", getattr(self, field))
         return self
 
 
@@ -204,6 +209,9 @@ class MoEConfig:
         for key in ("gather_rows", "short_last_tile"):   # (nor these)
             if not d[key]:
                 del d[key]
+        for gemm in ("gate_up", "down"):   # (nor a GEMM's k_chunks)
+            if d[gemm]["k_chunks"] == 1:
+                del d[gemm]["k_chunks"]
         return d
 
     @staticmethod
@@ -273,6 +281,11 @@ def check_config(func: str, config: object, *, align: int | None = None, layout:
         if config.one_launch is not None:
             fail(func, "config.stream_lag", "must be None when config.one_launch is set (both GEMMs run in the one "
                  "launch already)", config.stream_lag)
+    for gemm in ("gate_up", "down"):
+        if getattr(config, gemm).k_chunks != 1 and (layout != "index_gather" or config.stream_lag is not None):
+            fail(func, f"config.{gemm}.k_chunks", "must be 1 outside the index-gather layout's two launches (chunked "
+                 f"K steps are wired into its GEMM kernel only; here: the {layout} layout"
+                 f"{', streamed' if config.stream_lag is not None else ''})", getattr(config, gemm).k_chunks)
     if config.down.split_k != 1 and not config.sum_in_gemm:
         fail(func, "config.down.split_k", "must be 1 unless config.sum_in_gemm=True (split-K partial products "
              "are added with atomics, into the summed output)", config.down.split_k)
