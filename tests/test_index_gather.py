@@ -421,6 +421,21 @@ def test_bench_tuning_fp8_candidates_run_the_fp8_k_step():
     assert [t.split_k for t in variants if t.split_k > 1] == [2, 4]   # GEMM 1 split over K, at decode
     wide = MoEConfig(64, GemmTiles(128, 64), GemmTiles(128, 64), False)
     assert not any(t.swap_ab for _, _, t in tune_candidates.candidates(100.0, 64, base=wide))
+    # fp8 weights: two scale blocks a K step too (GemmTiles.k_chunks), as they are and transposed, one program a
+    # tile, each as deep as still fits; 16-bit weights never (their 128-value step is 256 bytes already)
+    deep = MoEConfig(32, GemmTiles(64, 128, num_stages=5), GemmTiles(256, 128, num_stages=3, tma=True, swap_ab=True))
+    chunked = [(gated, t) for gated, _, t in tune_candidates.candidates(16.0, 32, base=deep, fmt=fp8)
+               if t.k_chunks > 1]
+    assert sorted((gated, t.block_n, t.swap_ab, t.tma) for gated, t in chunked) == [
+        (False, 256, True, False), (False, 256, True, True), (True, 64, False, False), (True, 64, False, True),
+        (True, 64, True, False), (True, 64, True, True)]
+    for gated, t in chunked:
+        assert t.k_chunks == 2 and t.persistent == 0 and tune_candidates.fits(32, t.block_n, 128, t.num_stages,
+                                                                              gated, fp8, 2)
+        assert not tune_candidates.fits(32, t.block_n, 128, t.num_stages + 1, gated, fp8, 2) or (
+            t.num_stages == (5 if gated else 3))
+    assert not any(t.k_chunks > 1 for _, _, t in tune_candidates.candidates(16.0, 32, base=deep,
+                                                                               fmt=FORMATS["none"]))
 
 
 @pytest.mark.parametrize("weight_format", ["none", "block"])

@@ -170,7 +170,8 @@ def _refinements(tiles, block_m: int, gated: bool, fmt=None):
     so it needs 64 or more rows to reach wgmma), on 64- and 128-row weight tiles (or the tiles'
     own, if wider), with as many pipeline stages as still fit in shared memory, on each grid too
     (a persistent program's next tile starts loading under this one's epilogue, where a decode
-    tile's K loop is short: DeepSeek-V3's fp8 GEMM 2 at 512 tokens runs 16 steps a tile)."""
+    tile's K loop is short: DeepSeek-V3's fp8 GEMM 2 at 512 tokens runs 16 steps a tile); for fp8 weights,
+    the tiles with two chunks a K step too."""
     # (split-K keeps the two loops of a persistent program nested: its 2 would time 1's code again)
     grids = (0, 1, 2) if tiles.split_k == 1 else (0, 1)
     for persistent in grids:
@@ -187,20 +188,35 @@ def _refinements(tiles, block_m: int, gated: bool, fmt=None):
                 for tma in (False, True):
                     yield dataclasses.replace(tiles, block_n=block_n, num_stages=stages, tma=tma,
                                               persistent=persistent, swap_ab=True)
+    if fmt is not None and fmt.quantized and tiles.k_chunks == 1:
+        # Two scale blocks a K step (256 bytes of each row requested together: GemmTiles.k_chunks), on the tiles
+        # as they are and transposed, one program a tile, as many stages as fit.
+        shapes = [(tiles.block_n, tiles.swap_ab)]
+        if block_m <= 32 and not tiles.swap_ab:
+            shapes.append((max(64, tiles.block_n), True))
+        for block_n, swap_ab in shapes:
+            stages = tiles.num_stages
+            while stages > 2 and not fits(block_m, block_n, tiles.block_k, stages, gated, fmt, 2):
+                stages -= 1
+            if fits(block_m, block_n, tiles.block_k, stages, gated, fmt, 2):
+                for tma in (False, True):
+                    yield dataclasses.replace(tiles, block_n=block_n, num_stages=stages, tma=tma, persistent=0,
+                                              swap_ab=swap_ab, k_chunks=2)
 
 
-def fits(block_m: int, block_n: int, block_k: int, stages: int, gated: bool, fmt) -> bool:
+def fits(block_m: int, block_n: int, block_k: int, stages: int, gated: bool, fmt, k_chunks: int = 1) -> bool:
     """Whether the pipeline's tiles fit in an SM's shared memory (GEMM 1 loads two weight tiles
-    per K step; fp8 elements are one byte, with the K step the kernel runs)."""
+    per K step; fp8 elements are one byte, with the K step the kernel runs, ``k_chunks`` chunks of it)."""
     quantized = fmt is not None and fmt.quantized
     if quantized:
         block_k = min(block_k, fmt.block[1] if fmt.block else 128)
     element_bytes = 1 if quantized else 2
     weight_rows = (2 if gated else 1) * block_n
-    return stages * (block_m + weight_rows) * block_k * element_bytes <= _SHARED_MEMORY_BYTES
+    return stages * (block_m + weight_rows) * block_k * k_chunks * element_bytes <= _SHARED_MEMORY_BYTES
 
 
 def short(t) -> str:
-    return (f"n{t.block_n} k{t.block_k} g{t.group_m} w{t.num_warps} s{t.num_stages}"
+    return (f"n{t.block_n} k{t.block_k}{'x%d' % t.k_chunks if t.k_chunks > 1 else ''} g{t.group_m} "
+            f"w{t.num_warps} s{t.num_stages}"
             + (f" split{t.split_k}" if t.split_k > 1 else "") + (" tma" if t.tma else "")
             + (f" persistent{t.persistent}" if t.persistent else "") + (" swap" if t.swap_ab else ""))
