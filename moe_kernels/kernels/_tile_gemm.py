@@ -157,8 +157,9 @@ if HAS_TRITON:
                 if blocked:
                     if EVEN_K or K_CHUNKS == 1:
                         group = (chunk * BLOCK_K) // SCALE_BK
-                    else:   # a chunk past K (its values masked to 0) has no scale group of its own: it takes the
-                        # last one, a finite scale that exists (one past the row could be another's, or NaN)
+                    else:
+                        # A chunk past K (its values masked to 0) has no scale group:
+                        # it takes the last one, a finite scale that exists.
                         group = tl.minimum(chunk * BLOCK_K, K - 1) // SCALE_BK
                     a_scale = tl.load(a_scale_ptr + a_scale_rows + group)
                     w_scale = tl.load(w_scale_cols + group * stride_wsk)
@@ -172,7 +173,8 @@ if HAS_TRITON:
                     elif EVEN_K:
                         up = tl.load(up_ptrs + c * BLOCK_K)
                     else:
-                        up = tl.load(up_ptrs + c * BLOCK_K, mask=ks[:, None] < k_left, other=0.0)
+                        up = tl.load(up_ptrs + c * BLOCK_K, mask=ks[:, None] < k_left,
+                                     other=0.0)
                     if blocked:
                         up_scale = tl.load(up_scale_cols + group * stride_wsk)
                         product = tile_dot(a, up, None, SWAP_AB, INPUT_PRECISION)
