@@ -155,7 +155,12 @@ def main(argv: list[str]) -> int:
             print(f"{key} {fmt_name} {batch}: the entry runs both GEMMs in one launch; tools/two_phase_variants.py "
                   "varies its tiles")
             continue
-        candidates = {**variants(config, fmt, stages, block_ms, warps, swap), **set_variants(config, changes)}
+        candidates = variants(config, fmt, stages, block_ms, warps, swap)
+        for change in changes.split(";"):   # (one at a time: a variant this entry cannot take is left out, named)
+            try:
+                candidates.update(set_variants(config, change))
+            except (ValueError, TypeError) as error:
+                print(f"{key} {fmt_name} {batch}: left out {change.strip()!r}: {error}")
         for name, cfg in candidates.items():
             print(f"{key} {fmt_name} {batch}: {name:<14} {tiles_text(cfg)}")
         if plan_only:
