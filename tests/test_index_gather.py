@@ -303,6 +303,18 @@ def test_default_config_follows_vllm(m, block_m, block_n, block_k):
     assert config.MoEConfig.from_dict(cfg.to_dict()) == cfg
 
 
+def test_chunked_k_steps_round_trip_through_a_table():
+    """A table entry holds ``k_chunks`` only where it is not 1 (the tables written before it existed stay as they
+    are), and reads back to the same config either way."""
+    import dataclasses
+
+    cfg = config.default_config(512, 256, 2048, 7168)
+    chunked = dataclasses.replace(cfg, down=dataclasses.replace(cfg.down, k_chunks=2))
+    assert "k_chunks" not in cfg.to_dict()["down"] and chunked.to_dict()["down"]["k_chunks"] == 2
+    for c in (cfg, chunked):
+        assert config.MoEConfig.from_dict(c.to_dict()) == c
+
+
 def test_tuned_table_takes_nearest_m():
     a, b = config.default_config(1, 8, 64, 64), config.default_config(4096, 8, 64, 64)
     table = {1: a, 4096: b}
