@@ -81,7 +81,7 @@ def build(tiles: dict, *, block_m: int, gated: bool, fp8: bool, naive: bool, top
                  INPUT_PRECISION="tf32", SCALES=1 if fp8 else 0, SUM_TOP_K=summed, SPLIT_K=tiles["split_k"],
                  TMA_W=tma, PERSISTENT=tiles["persistent"], SCALE_BN=128, SCALE_BK=128, ID_CHECK="",
                  SWAP_AB=tiles["swap_ab"], PDL_TRIGGER=False, PDL_WAIT=False, PREFETCH_LINE=64, QUANT_GROUP=0,
-                 ROUND_TO="")
+                 ROUND_TO="", K_CHUNKS=tiles.get("k_chunks", 1))   # (a table holds k_chunks where it is not 1)
     return compile_for_sm90(ig._index_gather_gemm_kernel, const, pointers, aligned=ALIGNED,
                             num_warps=tiles["num_warps"], num_stages=tiles["num_stages"])
 
