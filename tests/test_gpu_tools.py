@@ -276,3 +276,28 @@ def test_the_decode_tools_take_the_block_map_the_layer_takes():
         for fmt, naive_up_to in (("none", 8), ("block", NAIVE_MAX_TOKENS_BLOCK_FP8)):
             blocks = tool_blocks(ids, 16, model, FORMATS[fmt])
             assert (blocks.sorted_token_ids is None) == (tokens <= naive_up_to), (fmt, tokens)
+
+
+def test_decode_ncu_reads_nsight_computes_csv_into_a_record(tmp_path):
+    """tools/decode_ncu.py --record: each kernel of ncu's CSV (after its preamble) with its values converted from the
+    units ncu gave them (ns or ms, byte or Gbyte), every stall reason kept; the provenance is that of a record the
+    same device call wrote, named in it."""
+    rows = ['"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"',
+            '"0","_index_gather_gemm_kernel","Duration","ms","1.28"',
+            '"0","_index_gather_gemm_kernel","dram__bytes_read.sum","Gbyte","3.77"',
+            '"0","_index_gather_gemm_kernel","smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio",'
+            '"","3.5"',
+            '"1","_moe_sum_kernel","Duration","ns","24,256"', '"1","_moe_sum_kernel","DRAM Throughput","%","77.8"']
+    (tmp_path / "k.csv").write_text("==PROF== Connected\nprinted by the program\n" + "\n".join(rows) + "\n")
+    sibling = tmp_path / "call.json"
+    sibling.write_text(json.dumps({"provenance": {"device": "NVIDIA H100 80GB HBM3", "git_commit": "abc"}, "data": {}}))
+    done = run_tool(f"import runpy, sys; sys.argv = ['decode_ncu.py', '--record', 'ncu-x', {str(sibling)!r}, "
+                    f"'fp8={tmp_path / 'k.csv'}']; runpy.run_path('tools/decode_ncu.py', run_name='__main__')",
+                    interpret=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rec = json.loads((tmp_path / "ncu-x.json").read_text())
+    assert rec["provenance"]["git_commit"] == "abc" and rec["provenance"]["provenance_from"] == str(sibling)
+    gemm, total = rec["data"]["kernels"]["fp8"]
+    assert (gemm["time_us"], gemm["read_bytes"], gemm["stalls"]) == (1280.0, 3.77e9, {"barrier": 3.5})
+    assert (total["name"], total["time_us"], total["dram_pct"], total["read_bytes"]) == ("_moe_sum_kernel", 24.256,
+                                                                                        77.8, None)

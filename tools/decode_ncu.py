@@ -10,6 +10,7 @@ kernel, as the timings do), e.g.::
         smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio,... \\
         python tools/decode_ncu.py qwen3-30b-a3b 1 64,128,8,3,2[,1] > ncu.csv   # (,1: swap_ab)
     python tools/decode_ncu.py --summarize ncu.csv   # per kernel: time, DRAM, occupancy, the largest stalls
+    python tools/decode_ncu.py --record <name> <a record of the same call> fp8=ncu.csv ...   # the CSVs as a record
 
 ``tiles`` ``none`` profiles the two-GEMM call alone (batches where no one-launch kernel applies, 512 tokens, say),
 and ``DECODE_NCU_FORMAT=none`` takes bf16 weights instead of fp8 block weights. Each round launches the call's
@@ -29,31 +30,75 @@ from moe_kernels.kernels.index_gather import fused_experts
 from moe_kernels.kernels.one_launch import one_launch_experts
 
 
-def summarize(path: str) -> None:
-    """One line per profiled kernel of the CSV ncu wrote: duration, DRAM throughput and bytes, achieved
-    occupancy, registers, and the four largest warp stall reasons (cycles per issued instruction); each value with
-    the unit ncu gave it."""
+_TIME_UNITS = {"ns": 1e-3, "us": 1.0, "usecond": 1.0, "nsecond": 1e-3, "ms": 1e3, "msecond": 1e3, "s": 1e6,
+               "second": 1e6}
+_BYTE_UNITS = {"byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "Tbyte": 1e12}
+
+
+def kernel_metrics(path: str) -> list[dict]:
+    """The kernels of the CSV ncu wrote, in launch order: name, time (us), DRAM throughput (% of peak), DRAM bytes
+    read and written, achieved occupancy (%), registers per thread, and every warp stall reason measured (cycles
+    per issued instruction), each converted from the unit ncu gave it.
+    """
     text = open(path).read()
     rows = list(csv.DictReader(text[text.index('"ID"'):].splitlines()))
     kernels = {}
     for r in rows:
-        unit = r.get("Metric Unit") or ""
-        kernels.setdefault((r["ID"], r["Kernel Name"][:40]), {})[r["Metric Name"]] = (r["Metric Value"], unit)
-    for (kid, name), m in kernels.items():
-        stalls = sorted(((float(v.replace(",", "")), k.split("stalled_")[1].split("_per_")[0])
-                         for k, (v, _) in m.items()
-                         if "issue_stalled_" in k and v.replace(",", "").replace(".", "").isdigit()), reverse=True)
+        kernels.setdefault(r["ID"], {"name": r["Kernel Name"]})[r["Metric Name"]] = (
+            r["Metric Value"].replace(",", ""), r.get("Metric Unit") or "")
 
-        def show(metric):
-            value, unit = m.get(metric, ("-", ""))
-            return f"{value} {unit}".strip()
-        print(kid, name, "|", show("Duration"), "|", show("DRAM Throughput"), "DRAM |", show("dram__bytes_read.sum"),
-              "read |", show("dram__bytes_write.sum"), "written |", show("Achieved Occupancy"), "occ |",
-              show("Registers Per Thread"), "regs |", ", ".join(f"{k} {v:.2f}" for v, k in stalls[:4]))
+    def value(m, metric, units=None):
+        if metric not in m:
+            return None
+        number, unit = m[metric]
+        return float(number) * (units[unit] if units else 1.0)
+
+    out = []
+    for m in kernels.values():
+        out.append({"name": m["name"], "time_us": value(m, "Duration", _TIME_UNITS),
+                    "dram_pct": value(m, "DRAM Throughput"),
+                    "read_bytes": value(m, "dram__bytes_read.sum", _BYTE_UNITS),
+                    "written_bytes": value(m, "dram__bytes_write.sum", _BYTE_UNITS),
+                    "occupancy_pct": value(m, "Achieved Occupancy"), "registers": value(m, "Registers Per Thread"),
+                    "stalls": {k.split("stalled_")[1].split("_per_")[0]: float(v[0]) for k, v in m.items()
+                               if k != "name" and "issue_stalled_" in k}})
+    return out
+
+
+def summarize(path: str) -> None:
+    """One line per profiled kernel of the CSV ncu wrote: time, DRAM throughput and bytes, achieved occupancy,
+    registers, and the four largest warp stall reasons (cycles per issued instruction)."""
+    for k in kernel_metrics(path):
+        stalls = sorted(((v, name) for name, v in k["stalls"].items()), reverse=True)[:4]
+        print(k["name"][:40], "|", k["time_us"], "us |", k["dram_pct"], "% DRAM |", k["read_bytes"], "bytes read |",
+              k["written_bytes"], "written |", k["occupancy_pct"], "% occupancy |", k["registers"], "registers |",
+              ", ".join(f"{name} {v:.2f}" for v, name in stalls))
+
+
+def record(name: str, sibling: str, csvs: list[str]) -> None:
+    """``results/<device>/<name>.json`` from the CSVs (``label=path`` each) of one device call, with the provenance
+    of ``sibling``, a record that the same call wrote (ncu's CSV holds no commit): its command replaced by the
+    ``ncu`` profile's and the CSVs named."""
+    import json
+    from pathlib import Path
+
+    sibling_rec = json.loads(Path(sibling).read_text())
+    provenance = dict(sibling_rec["provenance"], command="ncu --csv --clock-control none ... python "
+                      "tools/decode_ncu.py (see each CSV's first lines)", provenance_from=sibling)
+    data = {"csv": {}, "kernels": {}}
+    for item in csvs:
+        label, _, path = item.partition("=")
+        data["csv"][label], data["kernels"][label] = path, kernel_metrics(path)
+    out = Path(sibling).parent / f"{name}.json"
+    out.write_text(json.dumps({"provenance": provenance, "data": data}, indent=1) + "\n")
+    print("recorded", out)
 
 
 if sys.argv[1:2] == ["--summarize"]:
     summarize(sys.argv[2])
+    sys.exit(0)
+if sys.argv[1:2] == ["--record"]:   # --record <name> <a record of the same call> <label>=<csv> ...
+    record(sys.argv[2], sys.argv[3], sys.argv[4:])
     sys.exit(0)
 models = sys.argv[1].split(",") if len(sys.argv) > 1 else ["qwen3-30b-a3b"]
 batch = int(sys.argv[2]) if len(sys.argv) > 2 else 1
