@@ -208,11 +208,23 @@ def test_the_h100_runs_its_own_tables_the_h200s_tiles(model_name, fmt):
 
 def test_the_h100s_deepseek_v3_bf16_gemm_1_walks_one_expert_at_512_tokens():
     """Session 50 (variants-ds-bf16-512-s50-h100.json): on the H100, the whole experts call at 512 tokens took 0.9%
-    less with GEMM 1's group_m 1 than with the H200's 8 (four rounds each within 0.1%); the H100's entry holds it,
-    with that record."""
+    less with GEMM 1's group_m 1 than with the H200's 8 (the four rounds of each within 0.05%); the H100's entry holds
+    it, and its table names that record, whose times it quotes."""
     plan = meta_layer("deepseek-v3", "none", "index_gather").plan(512, device_name="NVIDIA H100 80GB HBM3")
     assert plan.choice.entry == 512 and plan.choice.config.gate_up.group_m == 1
     assert plan.choice.config.down.group_m == 8
+    import json
+    from pathlib import Path
+
+    from moe_kernels.kernels.config import CONFIG_DIR
+
+    table = json.loads((CONFIG_DIR / f"{plan.choice.table}.json").read_text())
+    ab = table["measured"]["whole_call_ab_s50"]
+    assert ab["tokens"] == [512] and ab["record"] == "results/nvidia-h100-80gb-hbm3/variants-ds-bf16-512-s50-h100.json"
+    rows = json.loads((Path(__file__).resolve().parents[1] / ab["record"]).read_text())["data"]["rows"][0]
+    timed = rows["lowest_us"]
+    assert (round(timed["table"], 1), round(timed["gate_up.group_m=1"], 1)) == (
+        ab["us"]["512"]["table_us"], ab["us"]["512"]["new_us"])
 
 
 @pytest.mark.parametrize("model_name, fmt, batches, chunked", [("qwen3-30b-a3b", "block", (1, 2, 3, 4, 5), (2, 3, 4, 5)),

@@ -35,6 +35,14 @@ _TIME_UNITS = {"ns": 1e-3, "us": 1.0, "usecond": 1.0, "nsecond": 1e-3, "ms": 1e3
 _BYTE_UNITS = {"byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "Tbyte": 1e12}
 
 
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
 def kernel_metrics(path: str) -> list[dict]:
     """The kernels of the CSV ncu wrote, in launch order: name, time (us), DRAM throughput (% of peak), DRAM bytes
     read and written, achieved occupancy (%), registers per thread, and every warp stall reason measured (cycles
@@ -51,7 +59,7 @@ def kernel_metrics(path: str) -> list[dict]:
         if metric not in m:
             return None
         number, unit = m[metric]
-        return float(number) * (units[unit] if units else 1.0)
+        return float(number) * (units[unit] if units else 1.0) if _is_number(number) else None
 
     out = []
     for m in kernels.values():
@@ -61,7 +69,7 @@ def kernel_metrics(path: str) -> list[dict]:
                     "written_bytes": value(m, "dram__bytes_write.sum", _BYTE_UNITS),
                     "occupancy_pct": value(m, "Achieved Occupancy"), "registers": value(m, "Registers Per Thread"),
                     "stalls": {k.split("stalled_")[1].split("_per_")[0]: float(v[0]) for k, v in m.items()
-                               if k != "name" and "issue_stalled_" in k}})
+                               if k != "name" and "issue_stalled_" in k and _is_number(v[0])}})
     return out
 
 

@@ -63,14 +63,15 @@ def variants(config, fmt, stages: list[int], block_ms: list[int], warps: list[in
                 continue
             g1 = dataclasses.replace(config.gate_up, num_stages=s1)
             g2 = dataclasses.replace(config.down, num_stages=s2)
-            if fits(config.block_m, g1.block_n, g1.block_k, s1, True, fmt) and \
-                    fits(config.block_m, g2.block_n, g2.block_k, s2, False, fmt):
+            if fits(config.block_m, g1.block_n, g1.block_k, s1, True, fmt, g1.k_chunks) and \
+                    fits(config.block_m, g2.block_n, g2.block_k, s2, False, fmt, g2.k_chunks):
                 out[f"stages {s1}/{s2}"] = dataclasses.replace(config, gate_up=g1, down=g2)
     for block_m in block_ms:
         if block_m == config.block_m:
             continue
-        if fits(block_m, config.gate_up.block_n, config.gate_up.block_k, config.gate_up.num_stages, True, fmt) and \
-                fits(block_m, config.down.block_n, config.down.block_k, config.down.num_stages, False, fmt):
+        up, down = config.gate_up, config.down
+        if fits(block_m, up.block_n, up.block_k, up.num_stages, True, fmt, up.k_chunks) and \
+                fits(block_m, down.block_n, down.block_k, down.num_stages, False, fmt, down.k_chunks):
             out[f"block_m {block_m}"] = dataclasses.replace(config, block_m=block_m)
     for w1 in warps:
         for w2 in warps:
@@ -88,11 +89,11 @@ def variants(config, fmt, stages: list[int], block_ms: list[int], warps: list[in
     return out
 
 
-def set_variants(config, spec: str) -> dict:
+def set_variants(config, spec: str, skip_refused: bool = False) -> dict:
     """Name -> MoEConfig for ``STAGE_AB_SET``: each ``;``-separated variant is the entry with the ``,``-separated
     ``field=value`` changes applied to its ``to_dict()`` (``gate_up.`` or ``down.`` before a GEMM's field; values
     as JSON: ``128``, ``true``, ``null``). A variant equal to the entry is left out; a misspelt field is an error
-    naming it (``MoEConfig.from_dict`` and ``check_config`` check the rest)."""
+    naming it, and so is a variant ``check_config`` refuses, unless ``skip_refused`` (then it is left out, named)."""
     out = {}
     for variant in (v.strip() for v in spec.split(";")):
         if not variant:
@@ -110,7 +111,14 @@ def set_variants(config, spec: str) -> dict:
                 raise ValueError(f"STAGE_AB_SET: {field.strip()!r} is not a field of the entry "
                                  f"({', '.join(sorted(known))})")
             target[key] = json.loads(value)
-        variant_config = check_config("STAGE_AB_SET", MoEConfig.from_dict(d, func="STAGE_AB_SET", name=variant))
+        variant_config = MoEConfig.from_dict(d, func="STAGE_AB_SET", name=variant)
+        try:
+            check_config("STAGE_AB_SET", variant_config)
+        except (ValueError, TypeError) as error:   # (the entry cannot take it: chunks on a streamed entry, say)
+            if skip_refused:
+                print(f"left out {variant!r}: {error}")
+                continue
+            raise
         if variant_config != config:
             out[variant] = variant_config
     return out
@@ -155,12 +163,9 @@ def main(argv: list[str]) -> int:
             print(f"{key} {fmt_name} {batch}: the entry runs both GEMMs in one launch; tools/two_phase_variants.py "
                   "varies its tiles")
             continue
-        candidates = variants(config, fmt, stages, block_ms, warps, swap)
-        for change in changes.split(";"):   # (one at a time: a variant this entry cannot take is left out, named)
-            try:
-                candidates.update(set_variants(config, change))
-            except (ValueError, TypeError) as error:
-                print(f"{key} {fmt_name} {batch}: left out {change.strip()!r}: {error}")
+        # (a variant this entry cannot take is left out, named; a misspelt field stops the run before any timing)
+        candidates = {**variants(config, fmt, stages, block_ms, warps, swap),
+                      **set_variants(config, changes, skip_refused=True)}
         for name, cfg in candidates.items():
             print(f"{key} {fmt_name} {batch}: {name:<14} {tiles_text(cfg)}")
         if plan_only:

@@ -68,7 +68,7 @@ def tables():
 
 
 def build(tiles: dict, *, block_m: int, gated: bool, fp8: bool, naive: bool, top_k: int, summed: int,
-          routed_weight: bool, dense: bool = False):
+          routed_weight: bool, dense: bool = False, k: int | None = None):
     """The index-gather GEMM compiled for sm_90 with one table entry's tiles, as launched."""
     dtype = "fp8e4nv" if fp8 else "bf16"
     tma, block_n, block_k = tiles["tma"], tiles["block_n"], tiles["block_k"]
@@ -77,7 +77,8 @@ def build(tiles: dict, *, block_m: int, gated: bool, fp8: bool, naive: bool, top
                     num_tokens_post_padded_ptr="*i32", a_scale_ptr="*fp32", w_scale_ptr="*fp32",
                     w_desc=f"tensordesc<{dtype}[{block_n}, {block_k}]>" if tma else "*" + dtype)
     const = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=tiles["group_m"], TOP_K=top_k,
-                 NAIVE_BLOCKS=naive, DENSE=dense, GATED=gated, MUL_ROUTED_WEIGHT=routed_weight, EVEN_K=True,
+                 NAIVE_BLOCKS=naive, DENSE=dense, GATED=gated, MUL_ROUTED_WEIGHT=routed_weight,
+                 EVEN_K=k is None or k % (block_k * tiles.get("k_chunks", 1)) == 0,   # (k: the GEMM's K, if known)
                  INPUT_PRECISION="tf32", SCALES=1 if fp8 else 0, SUM_TOP_K=summed, SPLIT_K=tiles["split_k"],
                  TMA_W=tma, PERSISTENT=tiles["persistent"], SCALE_BN=128, SCALE_BK=128, ID_CHECK="",
                  SWAP_AB=tiles["swap_ab"], PDL_TRIGGER=False, PDL_WAIT=False, PREFETCH_LINE=64, QUANT_GROUP=0,
@@ -129,14 +130,14 @@ def main(argv):
                     # its K slices into fp32 sums (its SiLU·mul a launch of its own)
                     split = tiles["split_k"] > 1
                     kernel = build(tiles, block_m=config["block_m"], gated=not split, fp8=fp8, naive=naive,
-                                   top_k=top_k, summed=1 if split else 0, routed_weight=False, dense=dense)
+                                   top_k=top_k, summed=1 if split else 0, routed_weight=False, dense=dense, k=d)
                 else:
                     # GEMM 2's rows are the slots themselves (top_k 1), times their routing weights; split
                     # over K only with the top-k sum in its epilogue
                     if not summed and tiles["split_k"] > 1:
                         tiles = {**tiles, "split_k": 1}
                     kernel = build(tiles, block_m=config["block_m"], gated=False, fp8=fp8, naive=naive, top_k=1,
-                                   summed=summed, routed_weight=not dense, dense=dense)
+                                   summed=summed, routed_weight=not dense, dense=dense, k=f)
                 line[gemm] = report(kernel)
             rows.append({"table": name, "tokens": int(tokens), **line})
             cells = [f"{g[:4]:4s} {r['mma']:8s} {'+'.join(r['sass']):5s} {','.join(map(str, r['dot_wait'])) or '-':3s} "

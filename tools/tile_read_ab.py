@@ -263,8 +263,11 @@ def main() -> int:
                 except Exception as error:   # e.g. out of shared memory: recorded, the rest goes on
                     errors[name] = repr(error)[:300]
         us = {name: min(v) for name, v in times.items() if v}
-        best = {mode: min((n for n in us if n.endswith(mode)), key=us.get, default=None)
-                for mode in ("dot", "sum", "tiled")}
+        modes = {"dot": lambda n: n.endswith("dot") and "x2" not in n, "sum": lambda n: n.endswith("sum"),
+                 "tiled": lambda n: n.endswith("tiled"), "x2": lambda n: "x2 " in n and not n.endswith("tma"),
+                 "tma": lambda n: n.endswith("tma")}
+        best = {mode: min((n for n in us if n != "contiguous" and keep(n)), key=us.get, default=None)
+                for mode, keep in modes.items()}
         row = {"model": key, "format": fmt, "gemm": gemm, "shape": list(shape), "bytes": nbytes, "floor_us": floor_us,
                "contiguous_us": us.get("contiguous"), "best": {m: n and {"tiles": n, "us": us[n]} for m, n in best.items()},
                "tiled_us": {n: t for n, t in us.items() if n != "contiguous"}, "errors": errors}

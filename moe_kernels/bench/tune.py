@@ -218,7 +218,8 @@ def tune(models, batches, *, dtype, seed, warmup_ms, rep_ms, workers, budget_s=m
         wide_up = dataclasses.replace(cfg.gate_up, split_k=1)   # (the fused quantiser needs whole K sums)
         while quant_ok and wide_up.block_n % fmt.block[1]:
             stages = wide_up.num_stages
-            while stages > 2 and not fits(cfg.block_m, fmt.block[1], wide_up.block_k, stages, True, fmt):
+            while stages > 2 and not fits(cfg.block_m, fmt.block[1], wide_up.block_k, stages, True, fmt,
+                                          wide_up.k_chunks):
                 stages -= 1
             wide_up = dataclasses.replace(wide_up, block_n=fmt.block[1], num_stages=stages)
         combos = [(pdl, quant) for pdl in ((False, True) if pdl_available(torch.device(device)) else (False,))
@@ -228,11 +229,14 @@ def tune(models, batches, *, dtype, seed, warmup_ms, rep_ms, workers, budget_s=m
         # kernel's warps GEMM 1's or the other count (8 warps made the fp8 stream 1.29x slower at 256 tokens).
         streams = []
         if not dense and not cfg.sum_in_gemm and cfg.down.split_k == 1 and not cfg.down.persistent:
-            stream_up = dataclasses.replace(wide_up if fmt.quantized else cfg.gate_up, split_k=1, persistent=0)
+            # (the stream's kernel has no chunked K loop: one chunk a step)
+            stream_up = dataclasses.replace(wide_up if fmt.quantized else cfg.gate_up, split_k=1, persistent=0,
+                                            k_chunks=1)
             if not fmt.quantized or quant_ok:
                 other_warps = 8 if stream_up.num_warps == 4 else 4
                 streams = [dataclasses.replace(cfg, stream_lag=STREAM_LAG,
-                                               gate_up=dataclasses.replace(stream_up, num_warps=warps))
+                                               gate_up=dataclasses.replace(stream_up, num_warps=warps),
+                                               down=dataclasses.replace(cfg.down, k_chunks=1))
                            for warps in dict.fromkeys((stream_up.num_warps, other_warps))]
         switch_ms = {}
         if dense:   # dense_expert runs neither switch: the tiles alone, timed as it runs them

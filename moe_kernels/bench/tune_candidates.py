@@ -180,15 +180,15 @@ def _refinements(tiles, block_m: int, gated: bool, fmt=None):
     if block_m <= 32:
         for block_n in sorted({max(64, tiles.block_n), 128}):
             stages = tiles.num_stages
-            while stages > 2 and not fits(block_m, block_n, tiles.block_k, stages, gated, fmt):
+            while stages > 2 and not fits(block_m, block_n, tiles.block_k, stages, gated, fmt, tiles.k_chunks):
                 stages -= 1
-            if not fits(block_m, block_n, tiles.block_k, stages, gated, fmt):
+            if not fits(block_m, block_n, tiles.block_k, stages, gated, fmt, tiles.k_chunks):
                 continue
             for persistent in grids:
                 for tma in (False, True):
                     yield dataclasses.replace(tiles, block_n=block_n, num_stages=stages, tma=tma,
                                               persistent=persistent, swap_ab=True)
-    if fmt is not None and fmt.quantized and tiles.k_chunks == 1:
+    if fmt is not None and fmt.quantized and tiles.k_chunks == 1 and tiles.block_k >= 128:
         # Two scale blocks a K step (256 bytes of each row requested together: GemmTiles.k_chunks), on the tiles
         # as they are and transposed, one program a tile, as many stages as fit.
         shapes = [(tiles.block_n, tiles.swap_ab)]

@@ -95,6 +95,8 @@ class GemmTiles:
         for field in ("num_warps", "k_chunks"):
             if getattr(self, field) & (getattr(self, field) - 1):
                 fail(func, f"{name}.{field}", "must be a power of two", getattr(self, field))
+        if self.k_chunks > 16:   # (an unrolled loop of that many loads and MMAs a step)
+            fail(func, f"{name}.k_chunks", "must be at most 16", self.k_chunks)
         return self
 
 
@@ -281,11 +283,10 @@ def check_config(func: str, config: object, *, align: int | None = None, layout:
         if config.one_launch is not None:
             fail(func, "config.stream_lag", "must be None when config.one_launch is set (both GEMMs run in the one "
                  "launch already)", config.stream_lag)
-    for gemm in ("gate_up", "down"):
-        if getattr(config, gemm).k_chunks != 1 and (layout != "index_gather" or config.stream_lag is not None):
-            fail(func, f"config.{gemm}.k_chunks", "must be 1 outside the index-gather layout's two launches (chunked "
-                 f"K steps are wired into its GEMM kernel only; here: the {layout} layout"
-                 f"{', streamed' if config.stream_lag is not None else ''})", getattr(config, gemm).k_chunks)
+    for gemm in ("gate_up", "down"):   # (a stream's tiles: check_stream)
+        if getattr(config, gemm).k_chunks != 1 and layout != "index_gather":
+            fail(func, f"config.{gemm}.k_chunks", f"must be 1 for the {layout} layout (chunked K steps are wired into "
+                 "the index-gather GEMM kernel only)", getattr(config, gemm).k_chunks)
     if config.down.split_k != 1 and not config.sum_in_gemm:
         fail(func, "config.down.split_k", "must be 1 unless config.sum_in_gemm=True (split-K partial products "
              "are added with atomics, into the summed output)", config.down.split_k)
@@ -330,6 +331,9 @@ def check_stream(func: str, gate_up: GemmTiles, down: GemmTiles, lag: object, *,
         fail(func, prefix + lag_name, "must be an int >= 0 (blocks between GEMM 1's tiles and GEMM 2's in one "
              "stream; None in a config: two launches)", lag)
     for name, tiles in (("gate_up", gate_up), ("down", down)):
+        if tiles.k_chunks != 1:   # (the stream's kernel has no chunked K loop)
+            fail(func, f"{prefix}{name}.k_chunks", "must be 1 to run as one stream (chunked K steps are wired into "
+                 "the index-gather GEMM kernel only)", tiles.k_chunks)
         if tiles.split_k != 1 or tiles.persistent:
             fail(func, f"{prefix}{name}", "must have split_k=1 and persistent=0 to run as one stream (a tile is "
                  "one program's, and the tickets are the schedule)",
