@@ -229,9 +229,8 @@ def tune(models, batches, *, dtype, seed, warmup_ms, rep_ms, workers, budget_s=m
         # kernel's warps GEMM 1's or the other count (8 warps made the fp8 stream 1.29x slower at 256 tokens).
         streams = []
         if not dense and not cfg.sum_in_gemm and cfg.down.split_k == 1 and not cfg.down.persistent:
-            # (the stream's kernel has no chunked K loop: one chunk a step)
             stream_up = dataclasses.replace(wide_up if fmt.quantized else cfg.gate_up, split_k=1, persistent=0,
-                                            k_chunks=1)
+                                            k_chunks=1)   # (the stream's kernel has no chunked K loop)
             if not fmt.quantized or quant_ok:
                 other_warps = 8 if stream_up.num_warps == 4 else 4
                 streams = [dataclasses.replace(cfg, stream_lag=STREAM_LAG,
@@ -394,7 +393,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def _device_dir() -> str:
     from ..results import device_slug
-
     return device_slug(torch.cuda.get_device_name())
 
 
