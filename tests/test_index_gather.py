@@ -304,14 +304,16 @@ def test_default_config_follows_vllm(m, block_m, block_n, block_k):
 
 
 def test_chunked_k_steps_round_trip_through_a_table():
-    """A table entry holds ``k_chunks`` only where it is not 1 (the tables written before it existed stay as they
-    are), and reads back to the same config either way."""
+    """A table entry holds ``k_chunks`` only where it is not 1, and ``scales_ahead`` only where it is True (the
+    tables written before they existed stay as they are), and reads back to the same config either way."""
     import dataclasses
 
     cfg = config.default_config(512, 256, 2048, 7168)
     chunked = dataclasses.replace(cfg, down=dataclasses.replace(cfg.down, k_chunks=2))
     assert "k_chunks" not in cfg.to_dict()["down"] and chunked.to_dict()["down"]["k_chunks"] == 2
-    for c in (cfg, chunked):
+    ahead = dataclasses.replace(cfg, gate_up=dataclasses.replace(cfg.gate_up, scales_ahead=True))
+    assert "scales_ahead" not in cfg.to_dict()["gate_up"] and ahead.to_dict()["gate_up"]["scales_ahead"] is True
+    for c in (cfg, chunked, ahead):
         assert config.MoEConfig.from_dict(c.to_dict()) == c
 
 

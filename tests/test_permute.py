@@ -475,7 +475,7 @@ def test_block_scales_one_per_tile_and_per_column(block_n, swap_ab, per_column, 
     (BLOCK_N <= 128) applies one weight scale per K step, the per-column path (SCALES = 4, and a
     256-column tile, which spans two blocks) one per column; both agree with the dequantised
     reference, transposed or not, gated or not."""
-    from moe_kernels.kernels._tile_gemm import expert_rows_product
+    from moe_kernels.kernels._gemm_operands import expert_rows_product
     from moe_kernels.kernels.formats import FP8_BLOCK, WeightFormat
     from moe_kernels.kernels.quant import quantize_activations, quantize_weight
 

@@ -13,7 +13,7 @@ import torch
 
 from .._checks import device_id_check
 from .._runtime import HAS_TRITON, kernel, tl
-from ._tile_gemm import in_float32_under_interpreter
+from ._gemm_operands import in_float32_under_interpreter
 from .formats import WeightFormat
 
 #: How a kernel rounds ``h`` before GEMM 2: to the activations' dtype (its ``ROUND``).

@@ -24,10 +24,9 @@ tile, and an epilogue. That part lives here, once:
   the top-k slots in its epilogue and may split its K loop (``SPLIT_K`` programs per tile, each
   over a slice of K): the sum is linear, so partial products can land in any order.
 
-Host side: :func:`dot_precision` (fp32 inputs would silently run as TF32), :func:`check_out`
-(a caller's output buffer) and :func:`in_float32_under_interpreter`, the one workaround for
-Triton's interpreter, whose bf16 ``tl.dot`` multiplies raw bit patterns (triton issue 11584) and
-whose fp32 -> bf16 stores truncate.
+Host side: :func:`dot_precision` (fp32 inputs would silently run as TF32) and the tensor
+descriptors of TMA loads. The operands' checks and the torch references the layouts share are in
+:mod:`moe_kernels.kernels._gemm_operands`.
 """
 
 from __future__ import annotations
@@ -36,10 +35,7 @@ import functools
 
 import torch
 
-from .._checks import FLOAT_DTYPES, check_tensor, fail
-from .._runtime import HAS_TRITON, interpreted_bf16, kernel, tl
-from .formats import WeightFormat
-from .quant import FP8
+from .._runtime import HAS_TRITON, kernel, tl
 
 
 @functools.lru_cache(maxsize=None)
@@ -68,6 +64,7 @@ if HAS_TRITON:
         split=0, SPLIT_K: tl.constexpr = 1, w_desc=None, w_desc_row=0, TMA_W: tl.constexpr = False,
         SCALE_BN: tl.constexpr = 128, SCALE_BK: tl.constexpr = 128, SWAP_AB: tl.constexpr = False,
         a_desc=None, a_desc_row=0, TMA_A: tl.constexpr = False, K_CHUNKS: tl.constexpr = 1,
+        SCALES_AHEAD: tl.constexpr = False,
     ):
         """fp32 ``[BLOCK_M, BLOCK_N]``: ``A[a_rows, :K] @ W[cols, :K]^T`` (``silu(gate) * up`` when
         ``GATED``) for output columns ``cols = pid_n * BLOCK_N + [0, BLOCK_N)``.
@@ -102,6 +99,11 @@ if HAS_TRITON:
         another and multiplied one by one, each with its own scales. A block-fp8 step cannot be wider
         than its 128-value scale block, and 128 one-byte values of a row a step read slower from DRAM than
         256 (``tools/tile_read_ab.py``): two chunks a step ask for 256 bytes of every row together.
+
+        ``SCALES_AHEAD`` (block scales, one chunk a step): each step's scales are loaded one step
+        earlier, so that their loads are in flight while the step before multiplies. Read where they
+        are used, they are plain global loads after the step's copies have landed, and each step
+        waits for them (the pipeline's asynchronous copies carry the tiles only).
         """
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         w_rows = (cols % N).to(tl.int64)
@@ -137,11 +139,31 @@ if HAS_TRITON:
             if GATED:
                 up_scale_cols = w_scale_ptr + ((w_rows + N) // SCALE_BN) * stride_wsn
         # <<< book: block-scale-columns
+        ahead: tl.constexpr = blocked and SCALES_AHEAD
+        if ahead:
+            tl.static_assert(K_CHUNKS == 1, "scales a step ahead: one chunk a step")
+            # The first step's scales (clamped: a split past the last step reads none past K).
+            group = tl.minimum(k_first * BLOCK_K, K - 1) // SCALE_BK
+            a_scale_next = tl.load(a_scale_ptr + a_scale_rows + group)
+            w_scale_next = tl.load(w_scale_cols + group * stride_wsk)
+            if GATED:
+                up_scale_next = tl.load(up_scale_cols + group * stride_wsk)
         # >>> book: k-loop
         for k in range(k_first, k_last):
             for c in tl.static_range(K_CHUNKS):   # (one chunk: the plain K step)
                 chunk = k * K_CHUNKS + c   # this chunk's K offset, in BLOCK_K units
                 k_left = K - chunk * BLOCK_K
+                if ahead:
+                    # This step's scales came a step ago; the next step's go out now (the
+                    # last step asks for its own group again rather than one past K).
+                    a_scale = a_scale_next
+                    w_scale = w_scale_next
+                    group = tl.minimum((chunk + 1) * BLOCK_K, K - 1) // SCALE_BK
+                    a_scale_next = tl.load(a_scale_ptr + a_scale_rows + group)
+                    w_scale_next = tl.load(w_scale_cols + group * stride_wsk)
+                    if GATED:
+                        up_scale = up_scale_next
+                        up_scale_next = tl.load(up_scale_cols + group * stride_wsk)
                 if TMA_A:
                     a = a_desc.load([a_desc_row, chunk * BLOCK_K])
                 elif EVEN_K:
@@ -155,14 +177,15 @@ if HAS_TRITON:
                 else:
                     w = tl.load(w_ptrs + c * BLOCK_K, mask=ks[:, None] < k_left, other=0.0)
                 if blocked:
-                    if EVEN_K or K_CHUNKS == 1:
-                        group = (chunk * BLOCK_K) // SCALE_BK
-                    else:
-                        # A chunk past K (its values masked to 0) has no scale group:
-                        # it takes the last one, a finite scale that exists.
-                        group = tl.minimum(chunk * BLOCK_K, K - 1) // SCALE_BK
-                    a_scale = tl.load(a_scale_ptr + a_scale_rows + group)
-                    w_scale = tl.load(w_scale_cols + group * stride_wsk)
+                    if not ahead:
+                        if EVEN_K or K_CHUNKS == 1:
+                            group = (chunk * BLOCK_K) // SCALE_BK
+                        else:
+                            # A chunk past K (its values masked to 0) has no scale group:
+                            # it takes the last one, a finite scale that exists.
+                            group = tl.minimum(chunk * BLOCK_K, K - 1) // SCALE_BK
+                        a_scale = tl.load(a_scale_ptr + a_scale_rows + group)
+                        w_scale = tl.load(w_scale_cols + group * stride_wsk)
                     product = tile_dot(a, w, None, SWAP_AB, INPUT_PRECISION)
                     acc += product * scale_outer(a_scale, w_scale, SWAP_AB)
                 else:
@@ -175,8 +198,9 @@ if HAS_TRITON:
                     else:
                         up = tl.load(up_ptrs + c * BLOCK_K, mask=ks[:, None] < k_left,
                                      other=0.0)
-                    if blocked:
+                    if blocked and not ahead:
                         up_scale = tl.load(up_scale_cols + group * stride_wsk)
+                    if blocked:
                         product = tile_dot(a, up, None, SWAP_AB, INPUT_PRECISION)
                         acc_up += product * scale_outer(a_scale, up_scale, SWAP_AB)
                     else:
@@ -316,84 +340,3 @@ def rows_descriptor(x: torch.Tensor, block_m: int, tiles):
 def dot_precision(dtype: torch.dtype) -> str:
     """``tl.dot``'s input precision: true fp32 for fp32 inputs (the default would be TF32)."""
     return "ieee" if dtype == torch.float32 else "tf32"
-
-
-def check_out(func: str, out: object, shape: tuple, like: torch.Tensor, *,
-              dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A caller's contiguous output buffer of ``shape`` (checked), or a new one like ``like``."""
-    dtype = like.dtype if dtype is None else dtype
-    if out is None:
-        return torch.empty(shape, dtype=dtype, device=like.device)
-    check_tensor(func, "out", out, dtypes=(dtype,), device=like.device, contiguous=True)
-    if tuple(out.shape) != tuple(shape):
-        fail(func, "out", f"must have shape {tuple(shape)}", f"shape {tuple(out.shape)}")
-    return out
-
-
-def in_float32_under_interpreter(run, out: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor | None:
-    """Under the interpreter, run a bf16 GEMM stage in float32 and round into ``out`` once.
-
-    ``run(float32_inputs..., out=float32_buffer)`` is the stage itself. Returns ``out`` when it
-    did so, None when the inputs need no workaround (the caller then launches as usual).
-    """
-    if not interpreted_bf16(out, *inputs):
-        return None
-    wide = out.float()   # rows the stage does not write keep what ``out`` held
-    widened = [t.float() if t.dtype == torch.bfloat16 else t for t in inputs]
-    run(*widened, out=wide)
-    return out.copy_(wide)
-
-
-def gemm_width(func: str, w: torch.Tensor, silu_mul: bool) -> int:
-    """Output columns of a grouped GEMM over ``w [E, N_w, K]``: ``N_w``, or ``N_w/2`` when the
-    SiLU·mul epilogue halves it."""
-    if not silu_mul:
-        return w.shape[1]
-    if w.shape[1] % 2:
-        fail(func, "w", "must have an even number of rows [gate | up] when silu_mul=True", f"shape {tuple(w.shape)}")
-    return w.shape[1] // 2
-
-
-def expert_rows_product(x_rows: torch.Tensor, w_expert: torch.Tensor, silu_mul: bool) -> torch.Tensor:
-    """Torch reference of one expert's tile product, in float32 like the kernels' accumulators."""
-    h = x_rows.float() @ w_expert.float().T
-    if silu_mul:
-        gate, up = h.chunk(2, dim=-1)
-        h = torch.nn.functional.silu(gate) * up
-    return h
-
-
-def check_operands(func: str, a_name: str, a: object, w_name: str, w: object, a_scale, w_scale) -> WeightFormat:
-    """The two GEMM operands: 16/32-bit ``a [rows, K]`` with ``w [E, N, K]`` of its dtype and no
-    scales, or both fp8 with their scales. Returns the weights' :class:`WeightFormat`."""
-    check_tensor(func, a_name, a, ndim=2, dtypes=FLOAT_DTYPES + (FP8,), last_dim_contiguous=True)
-    check_tensor(func, w_name, w, ndim=3, device=a.device, last_dim_contiguous=True)
-    if w.dtype == FP8 and a.dtype != FP8:
-        fail(func, a_name, f"must be float8_e4m3fn (quantised, with a_scale) to multiply fp8 {w_name}",
-             str(a.dtype).replace("torch.", ""), TypeError)
-    fmt = WeightFormat.of(func, w_name, w, w_scale, "w_scale")
-    if not fmt.quantized:
-        check_tensor(func, w_name, w, dtypes=(a.dtype,))
-        if a_scale is not None:
-            fail(func, "a_scale", f"must be None for {str(a.dtype).replace('torch.', '')} operands (scales belong to "
-                 "fp8 ones)", "a tensor")
-        return fmt
-    rows, k = a.shape
-    want = (rows, -(-k // fmt.block[1])) if fmt.activations == "group" else (rows,)
-    check_tensor(func, "a_scale", a_scale, dtypes=(torch.float32,), device=a.device)
-    if tuple(a_scale.shape) != want or a_scale.stride(-1) != 1:
-        fail(func, "a_scale", f"must be a row-major {want} float32 tensor for the {fmt.name} scales of {w_name}",
-             f"shape {tuple(a_scale.shape)}")
-    return fmt
-
-
-def output_dtype(a: torch.Tensor, out_dtype: torch.dtype | None) -> torch.dtype:
-    """fp8 GEMMs write ``out_dtype`` (bf16 unless asked otherwise); others their input dtype."""
-    if a.dtype in FLOAT_DTYPES:
-        return a.dtype
-    return torch.bfloat16 if out_dtype is None else out_dtype
-
-
-def dequantized(a: torch.Tensor, w: torch.Tensor, a_scale, w_scale, fmt: WeightFormat):
-    """The operands in float32 (for the torch references), or as they are without fp8."""
-    return fmt.dequantize_activations(a, a_scale), fmt.dequantize_weight(w, w_scale)

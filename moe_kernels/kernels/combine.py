@@ -26,7 +26,7 @@ import torch
 
 from .._checks import FLOAT_DTYPES, check_tensor, fail
 from .._runtime import HAS_TRITON, cdiv, kernel, next_power_of_2, note_launch, tl, use_triton
-from ._tile_gemm import check_out, in_float32_under_interpreter
+from ._gemm_operands import check_out, in_float32_under_interpreter
 
 #: How :func:`unpermute` reads a token's ``k`` rows: ``"slots"``, one row chunk per slot in an
 #: unrolled loop, added in registers, the shape of :func:`moe_sum`'s kernel; or ``"tile"``, as one

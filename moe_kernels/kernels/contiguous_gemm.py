@@ -42,9 +42,9 @@ import torch
 
 from .._checks import FLOAT_DTYPES, check_int, check_tensor, fail
 from .._runtime import HAS_TRITON, cdiv, kernel, note_launch, tl, use_triton
-from ._tile_gemm import (check_operands, check_out, dequantized, dot_precision, expert_rows_product, gemm_width,
-                         in_float32_under_interpreter, output_dtype, programs_per_device, rows_descriptor,
-                         weight_descriptor)
+from ._gemm_operands import (check_operands, check_out, dequantized, expert_rows_product, gemm_width,
+                             in_float32_under_interpreter, output_dtype)
+from ._tile_gemm import dot_precision, programs_per_device, rows_descriptor, weight_descriptor
 from .config import MoEConfig, check_config, get_config
 
 if HAS_TRITON:

@@ -42,7 +42,8 @@ import torch
 from .._checks import check_dispatch_inputs, check_int, check_moe_inputs, check_tensor, device_id_check, fail
 from .._runtime import HAS_TRITON, cdiv, device_assert_options, kernel, next_power_of_2, note_launch, tl, use_triton
 from ..model.buffers import expert_counts, m_max_token_budget
-from ._tile_gemm import check_out, dot_precision, expert_rows_product, gemm_width, in_float32_under_interpreter
+from ._gemm_operands import check_out, expert_rows_product, gemm_width, in_float32_under_interpreter
+from ._tile_gemm import dot_precision
 from .combine import unpermute
 from .config import MoEConfig, check_config, get_config
 from .formats import WeightFormat

@@ -71,7 +71,7 @@ import torch
 from .._checks import check_dispatch_inputs, check_int, check_moe_inputs, fail
 from .._runtime import HAS_TRITON, cdiv, kernel, next_power_of_2, tl, use_triton
 from ..model.buffers import expert_counts, max_padded_rows
-from ._tile_gemm import check_out
+from ._gemm_operands import check_out
 from .align import SINGLE_LAUNCH_MAX_NUMEL, align_checked, moe_align_block_size_reference
 from . import align as align_module
 from .combine import unpermute

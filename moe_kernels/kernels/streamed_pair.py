@@ -66,7 +66,8 @@ import torch
 from .._checks import fail
 from .._runtime import (HAS_TRITON, INTERPRET, cdiv, device_assert_options, interpreted_bf16, kernel, note_launch,
                         recording, tl, use_triton)
-from ._tile_gemm import dequantized, dot_precision, weight_descriptor
+from ._gemm_operands import dequantized
+from ._tile_gemm import dot_precision, weight_descriptor
 from .blocks import BlockAssignment
 from .config import GemmTiles, check_stream
 from .gather_tile import rows_reference
