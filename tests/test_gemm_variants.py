@@ -293,7 +293,8 @@ def test_fp8_k_steps_in_chunks(granularity, K, F):
 # (block_k, options): a K step of one scale block and of half of one (its scales change every other step), with the
 # options that touch the K loop: the transposed product through TMA, both persistent grids, GEMM 2 summed and split.
 AHEAD_CASES = [(128, {}), (64, {}), (128, dict(swap_ab=True, tma=True)), (64, dict(persistent=2)),
-               (128, dict(persistent=1, swap_ab=True)), (128, dict(sum=True, split_k=2)), (64, dict(sum=True, split_k=4))]
+               (128, dict(persistent=1, swap_ab=True)), (128, dict(sum=True, split_k=2)),
+               (64, dict(sum=True, split_k=4))]
 
 
 @pytest.mark.parametrize("case", range(len(AHEAD_CASES)))
@@ -713,8 +714,8 @@ def test_fp8_scales_a_step_ahead_gpu(swap_ab):
         outs = []
         for ahead in (False, True):
             tiles = GemmTiles(64, 128, num_stages=3, tma=swap_ab, swap_ab=swap_ab, scales_ahead=ahead)
-            outs.append(fm.fused_experts(problem[0], w1q, w2q, problem[3], problem[4], config=MoEConfig(32, tiles, tiles),
-                                         w1_scale=w1s, w2_scale=w2s))
+            outs.append(fm.fused_experts(problem[0], w1q, w2q, problem[3], problem[4],
+                                         config=MoEConfig(32, tiles, tiles), w1_scale=w1s, w2_scale=w2s))
         assert torch.equal(outs[0], outs[1])
         check_fp8(problem, "block", MoEConfig(32, tiles, tiles), 2e-2)
 

@@ -450,6 +450,14 @@ def test_bench_tuning_fp8_candidates_run_the_fp8_k_step():
             t.num_stages == (5 if gated else 3))
     assert not any(t.k_chunks > 1 for _, _, t in tune_candidates.candidates(16.0, 32, base=deep,
                                                                                fmt=FORMATS["none"]))
+    # block-fp8 weights: each GEMM's tiles as they are with their scales a step early (GemmTiles.scales_ahead);
+    # never with chunks, nor for other formats (their scales are applied after the loop)
+    ahead = [(gated, t) for gated, _, t in tune_candidates.candidates(16.0, 32, base=deep, fmt=fp8)
+             if t.scales_ahead]
+    assert ahead == [(True, dataclasses.replace(deep.gate_up, scales_ahead=True)),
+                     (False, dataclasses.replace(deep.down, scales_ahead=True))]
+    for fmt in (FORMATS["none"], FORMATS["channel"]):
+        assert not any(t.scales_ahead for _, _, t in tune_candidates.candidates(16.0, 32, base=deep, fmt=fmt))
 
 
 @pytest.mark.parametrize("weight_format", ["none", "block"])
