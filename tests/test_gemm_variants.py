@@ -646,6 +646,29 @@ def test_chunked_k_steps_compile_for_hopper():
     assert g2_one[3] == g2_two[3] == g1_one[3] == g1_two[3] == 0, lines   # (no spills)
 
 
+_COMPILE_SCALES_AHEAD_FOR_HOPPER = _COMPILE_CHUNKS_FOR_HOPPER.replace(
+    "for chunks, stages in ((1, 3), (2, 3)):", "for chunks, stages, ahead in ((1, 3, False), (1, 3, True)):").replace(
+    "K_CHUNKS=chunks)", "K_CHUNKS=chunks, SCALES_AHEAD=ahead)").replace(
+    'print(gated, chunks, copies, ptx.count("wgmma.mma_async"), spills)', """
+        loop = ptx[ptx.index("Inner Loop Header"):]
+        loop = loop[:loop.index("bra ")]
+        wait = min(i for i in (loop.find("cp.async.wait_group"), loop.find("mbarrier.try_wait")) if i >= 0)
+        print(gated, ahead, loop[:wait].count("ld.global"), loop[wait:].count("ld.global"), spills)""")
+
+
+def test_scales_ahead_are_loaded_before_the_step_waits_for_its_copies():
+    """The mechanism of ``GemmTiles.scales_ahead``, in the sm_90 build of DeepSeek-V3's fp8 decode tiles: without
+    it, each K step's scale loads come after the wait for the step's copies (they and the wgmmas wait on them in
+    turn); with it, the next step's scale loads are issued before that wait, and none after it. No spills."""
+    lines = [line.split() for line in compiled_for_hopper(_COMPILE_SCALES_AHEAD_FOR_HOPPER) if line]
+    for gated, ahead, before, after, spills in lines[:4]:
+        assert int(spills) == 0, lines
+        if ahead == "True":
+            assert int(before) > 0 and int(after) == 0, lines
+        else:
+            assert int(before) == 0 and int(after) > 0, lines
+
+
 # ---- GPU: the models' own shapes, bf16 and fp8, and CUDA-graph capture -----------------------------
 
 
