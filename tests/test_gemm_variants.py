@@ -290,46 +290,6 @@ def test_fp8_k_steps_in_chunks(granularity, K, F):
                   MoEConfig(16, tiles, tiles), 1e-3)
 
 
-# (block_k, options): a K step of one scale block and of half of one (its scales change every other step), with the
-# options that touch the K loop: the transposed product through TMA, both persistent grids, GEMM 2 summed and split.
-AHEAD_CASES = [(128, {}), (64, {}), (128, dict(swap_ab=True, tma=True)), (64, dict(persistent=2)),
-               (128, dict(persistent=1, swap_ab=True)), (128, dict(sum=True, split_k=2)),
-               (64, dict(sum=True, split_k=4))]
-
-
-@pytest.mark.parametrize("case", range(len(AHEAD_CASES)))
-@pytest.mark.parametrize("K, F", [(256, 128), (384, 256), (128, 384)])
-def test_fp8_scales_a_step_ahead(case, K, F):
-    """``GemmTiles.scales_ahead``: each K step's block scales are loaded a step early. The products and their
-    order are unchanged, so the output is that of the scales loaded where they are used, bit for bit (fp32 atomics
-    add in any order: split-K against the float64 reference only); K of 128 is one step, where the only scales
-    are the first step's."""
-    block_k, options = AHEAD_CASES[case]
-    options = dict(options)
-    summed, split = options.pop("sum", False), options.pop("split_k", 1)
-    hidden, w1, w2, weights, ids = make_problem(9, 6, 2, K, F, seed=50 + case, fused_topk_like=True)
-    w1q, w1s = quantize_weight(w1, "block")
-    w2q, w2s = quantize_weight(w2, "block")
-    outs = []
-    for ahead in (False, True):
-        config = MoEConfig(16, GemmTiles(32, block_k, scales_ahead=ahead, **options),
-                           GemmTiles(32, block_k, split_k=split, scales_ahead=ahead, **options), summed)
-        outs.append(fm.fused_experts(hidden, w1q, w2q, weights, ids, config=config, w1_scale=w1s, w2_scale=w2s))
-    ref = moe_reference_fp8(hidden, w1q, w2q, weights, ids, w1_scale=w1s, w2_scale=w2s, granularity="block",
-                            intermediate_dtype=hidden.dtype)
-    assert rel_err(outs[1], ref) < 1e-3
-    if split == 1:
-        assert torch.equal(outs[0], outs[1])
-
-
-@pytest.mark.parametrize("granularity", ["channel", "tensor"])
-def test_scales_ahead_changes_nothing_without_block_scales(granularity):
-    """Channel and tensor scales are applied after the K loop: ``scales_ahead`` has nothing to load early."""
-    problem = make_problem(9, 6, 2, 256, 128, seed=7, fused_topk_like=True)
-    tiles = GemmTiles(32, 128, scales_ahead=True)
-    check_fp8(problem, granularity, MoEConfig(16, tiles, tiles), 1e-3)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("num_tokens", [1, 9])
 @pytest.mark.parametrize("block_n", [64, 128, 256])
@@ -384,9 +344,6 @@ def test_configs_that_cannot_work_name_their_field():
         (MoEConfig(16, tiles, GemmTiles(16, 16, k_chunks=3)), "config.down.k_chunks"),
         (MoEConfig(16, GemmTiles(16, 16, k_chunks=0), tiles), "config.gate_up.k_chunks"),
         (MoEConfig(16, GemmTiles(16, 16, k_chunks=2), tiles, stream_lag=4), "config.gate_up.k_chunks"),
-        (MoEConfig(16, GemmTiles(16, 16, scales_ahead=1), tiles), "config.gate_up.scales_ahead"),
-        (MoEConfig(16, tiles, GemmTiles(16, 16, k_chunks=2, scales_ahead=True)), "config.down.scales_ahead"),
-        (MoEConfig(16, GemmTiles(16, 16, scales_ahead=True), tiles, stream_lag=4), "config.gate_up.scales_ahead"),
     ]
     for config, field in cases:
         with pytest.raises((ValueError, TypeError), match=field.replace(".", r"\.")):
@@ -401,8 +358,6 @@ def test_configs_that_cannot_work_name_their_field():
     for layout in ("permute", "masked"):   # (chunked K steps: the index-gather GEMM's only)
         with pytest.raises(ValueError, match=rf"config\.down\.k_chunks.*{layout} layout"):
             check_config("f", MoEConfig(16, tiles, GemmTiles(16, 16, k_chunks=2)), align=128, layout=layout)
-        with pytest.raises(ValueError, match=rf"config\.gate_up\.scales_ahead.*{layout} layout"):
-            check_config("f", MoEConfig(16, GemmTiles(16, 16, scales_ahead=True), tiles), align=128, layout=layout)
     with pytest.raises(ValueError, match=r"config\.down\.swap_ab.*masked layout"):
         check_config("f", MoEConfig(16, tiles, GemmTiles(16, 16, swap_ab=True)), align=128, layout="masked")
     for layout in ("permute", "masked"):
@@ -646,29 +601,6 @@ def test_chunked_k_steps_compile_for_hopper():
     assert g2_one[3] == g2_two[3] == g1_one[3] == g1_two[3] == 0, lines   # (no spills)
 
 
-_COMPILE_SCALES_AHEAD_FOR_HOPPER = _COMPILE_CHUNKS_FOR_HOPPER.replace(
-    "for chunks, stages in ((1, 3), (2, 3)):", "for chunks, stages, ahead in ((1, 3, False), (1, 3, True)):").replace(
-    "K_CHUNKS=chunks)", "K_CHUNKS=chunks, SCALES_AHEAD=ahead)").replace(
-    'print(gated, chunks, copies, ptx.count("wgmma.mma_async"), spills)', """
-        loop = ptx[ptx.index("Inner Loop Header"):]
-        loop = loop[:loop.index("bra ")]
-        wait = min(i for i in (loop.find("cp.async.wait_group"), loop.find("mbarrier.try_wait")) if i >= 0)
-        print(gated, ahead, loop[:wait].count("ld.global"), loop[wait:].count("ld.global"), spills)""")
-
-
-def test_scales_ahead_are_loaded_before_the_step_waits_for_its_copies():
-    """The mechanism of ``GemmTiles.scales_ahead``, in the sm_90 build of DeepSeek-V3's fp8 decode tiles: without
-    it, each K step's scale loads come after the wait for the step's copies (they and the wgmmas wait on them in
-    turn); with it, the next step's scale loads are issued before that wait, and none after it. No spills."""
-    lines = [line.split() for line in compiled_for_hopper(_COMPILE_SCALES_AHEAD_FOR_HOPPER) if line]
-    for gated, ahead, before, after, spills in lines[:4]:
-        assert int(spills) == 0, lines
-        if ahead == "True":
-            assert int(before) > 0 and int(after) == 0, lines
-        else:
-            assert int(before) == 0 and int(after) > 0, lines
-
-
 # ---- GPU: the models' own shapes, bf16 and fp8, and CUDA-graph capture -----------------------------
 
 
@@ -722,24 +654,6 @@ def test_fp8_k_steps_in_chunks_gpu(chunks, swap_ab):
     for hidden, inter in ((7168, 2048), (640, 384)):
         problem = make_problem(64, 16, 8, hidden, inter, torch.bfloat16, seed=15, fused_topk_like=True)
         tiles = GemmTiles(64, 128, num_stages=2, k_chunks=chunks, tma=swap_ab, swap_ab=swap_ab)
-        check_fp8(problem, "block", MoEConfig(32, tiles, tiles), 2e-2)
-
-
-@needs_gpu
-@pytest.mark.parametrize("swap_ab", [False, True])
-def test_fp8_scales_a_step_ahead_gpu(swap_ab):
-    """Scales a step ahead, compiled: block fp8 at DeepSeek-V3's K and at a short K (one and three steps), with
-    the same output as the scales loaded where they are used."""
-    for hidden, inter in ((7168, 2048), (128, 384)):
-        problem = make_problem(64, 16, 8, hidden, inter, torch.bfloat16, seed=16, fused_topk_like=True)
-        w1q, w1s = quantize_weight(problem[1], "block")
-        w2q, w2s = quantize_weight(problem[2], "block")
-        outs = []
-        for ahead in (False, True):
-            tiles = GemmTiles(64, 128, num_stages=3, tma=swap_ab, swap_ab=swap_ab, scales_ahead=ahead)
-            outs.append(fm.fused_experts(problem[0], w1q, w2q, problem[3], problem[4],
-                                         config=MoEConfig(32, tiles, tiles), w1_scale=w1s, w2_scale=w2s))
-        assert torch.equal(outs[0], outs[1])
         check_fp8(problem, "block", MoEConfig(32, tiles, tiles), 2e-2)
 
 

@@ -304,16 +304,14 @@ def test_default_config_follows_vllm(m, block_m, block_n, block_k):
 
 
 def test_chunked_k_steps_round_trip_through_a_table():
-    """A table entry holds ``k_chunks`` only where it is not 1, and ``scales_ahead`` only where it is True (the
-    tables written before they existed stay as they are), and reads back to the same config either way."""
+    """A table entry holds ``k_chunks`` only where it is not 1 (the tables written before it existed stay as they
+    are), and reads back to the same config either way."""
     import dataclasses
 
     cfg = config.default_config(512, 256, 2048, 7168)
     chunked = dataclasses.replace(cfg, down=dataclasses.replace(cfg.down, k_chunks=2))
     assert "k_chunks" not in cfg.to_dict()["down"] and chunked.to_dict()["down"]["k_chunks"] == 2
-    ahead = dataclasses.replace(cfg, gate_up=dataclasses.replace(cfg.gate_up, scales_ahead=True))
-    assert "scales_ahead" not in cfg.to_dict()["gate_up"] and ahead.to_dict()["gate_up"]["scales_ahead"] is True
-    for c in (cfg, chunked, ahead):
+    for c in (cfg, chunked):
         assert config.MoEConfig.from_dict(c.to_dict()) == c
 
 
@@ -450,14 +448,6 @@ def test_bench_tuning_fp8_candidates_run_the_fp8_k_step():
             t.num_stages == (5 if gated else 3))
     assert not any(t.k_chunks > 1 for _, _, t in tune_candidates.candidates(16.0, 32, base=deep,
                                                                                fmt=FORMATS["none"]))
-    # block-fp8 weights: each GEMM's tiles as they are with their scales a step early (GemmTiles.scales_ahead);
-    # never with chunks, nor for other formats (their scales are applied after the loop)
-    ahead = [(gated, t) for gated, _, t in tune_candidates.candidates(16.0, 32, base=deep, fmt=fp8)
-             if t.scales_ahead]
-    assert ahead == [(True, dataclasses.replace(deep.gate_up, scales_ahead=True)),
-                     (False, dataclasses.replace(deep.down, scales_ahead=True))]
-    for fmt in (FORMATS["none"], FORMATS["channel"]):
-        assert not any(t.scales_ahead for _, _, t in tune_candidates.candidates(16.0, 32, base=deep, fmt=fmt))
 
 
 @pytest.mark.parametrize("weight_format", ["none", "block"])

@@ -230,12 +230,12 @@ def tune(models, batches, *, dtype, seed, warmup_ms, rep_ms, workers, budget_s=m
         streams = []
         if not dense and not cfg.sum_in_gemm and cfg.down.split_k == 1 and not cfg.down.persistent:
             stream_up = dataclasses.replace(wide_up if fmt.quantized else cfg.gate_up, split_k=1, persistent=0,
-                                            k_chunks=1, scales_ahead=False)   # (the stream's K loop has neither)
+                                            k_chunks=1)   # (the stream's kernel has no chunked K loop)
             if not fmt.quantized or quant_ok:
                 other_warps = 8 if stream_up.num_warps == 4 else 4
                 streams = [dataclasses.replace(cfg, stream_lag=STREAM_LAG,
                                                gate_up=dataclasses.replace(stream_up, num_warps=warps),
-                                               down=dataclasses.replace(cfg.down, k_chunks=1, scales_ahead=False))
+                                               down=dataclasses.replace(cfg.down, k_chunks=1))
                            for warps in dict.fromkeys((stream_up.num_warps, other_warps))]
         switch_ms = {}
         if dense:   # dense_expert runs neither switch: the tiles alone, timed as it runs them

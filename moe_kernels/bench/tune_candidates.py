@@ -171,8 +171,7 @@ def _refinements(tiles, block_m: int, gated: bool, fmt=None):
     own, if wider), with as many pipeline stages as still fit in shared memory, on each grid too
     (a persistent program's next tile starts loading under this one's epilogue, where a decode
     tile's K loop is short: DeepSeek-V3's fp8 GEMM 2 at 512 tokens runs 16 steps a tile); for fp8 weights,
-    the tiles with two chunks a K step too, and for block-fp8 ones the tiles with their scales loaded a step
-    early (or where used, if the tiles load them early)."""
+    the tiles with two chunks a K step too."""
     # (split-K keeps the two loops of a persistent program nested: its 2 would time 1's code again)
     grids = (0, 1, 2) if tiles.split_k == 1 else (0, 1)
     for persistent in grids:
@@ -202,10 +201,7 @@ def _refinements(tiles, block_m: int, gated: bool, fmt=None):
             if fits(block_m, block_n, tiles.block_k, stages, gated, fmt, 2):
                 for tma in (False, True):
                     yield dataclasses.replace(tiles, block_n=block_n, num_stages=stages, tma=tma, persistent=0,
-                                              swap_ab=swap_ab, k_chunks=2, scales_ahead=False)
-    if fmt is not None and fmt.activations == "group" and tiles.k_chunks == 1:
-        # Block scales loaded a K step early (GemmTiles.scales_ahead), on the tiles as they are.
-        yield dataclasses.replace(tiles, scales_ahead=not tiles.scales_ahead)
+                                              swap_ab=swap_ab, k_chunks=2)
 
 
 def fits(block_m: int, block_n: int, block_k: int, stages: int, gated: bool, fmt, k_chunks: int = 1) -> bool:

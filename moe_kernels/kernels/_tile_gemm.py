@@ -64,7 +64,6 @@ if HAS_TRITON:
         split=0, SPLIT_K: tl.constexpr = 1, w_desc=None, w_desc_row=0, TMA_W: tl.constexpr = False,
         SCALE_BN: tl.constexpr = 128, SCALE_BK: tl.constexpr = 128, SWAP_AB: tl.constexpr = False,
         a_desc=None, a_desc_row=0, TMA_A: tl.constexpr = False, K_CHUNKS: tl.constexpr = 1,
-        SCALES_AHEAD: tl.constexpr = False,
     ):
         """fp32 ``[BLOCK_M, BLOCK_N]``: ``A[a_rows, :K] @ W[cols, :K]^T`` (``silu(gate) * up`` when
         ``GATED``) for output columns ``cols = pid_n * BLOCK_N + [0, BLOCK_N)``.
@@ -99,11 +98,6 @@ if HAS_TRITON:
         another and multiplied one by one, each with its own scales. A block-fp8 step cannot be wider
         than its 128-value scale block, and 128 one-byte values of a row a step read slower from DRAM than
         256 (``tools/tile_read_ab.py``): two chunks a step ask for 256 bytes of every row together.
-
-        ``SCALES_AHEAD`` (block scales, one chunk a step): each step's scales are loaded one step
-        earlier, so that their loads are in flight while the step before multiplies. Read where they
-        are used, they are plain global loads after the step's copies have landed, and each step
-        waits for them (the pipeline's asynchronous copies carry the tiles only).
         """
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         w_rows = (cols % N).to(tl.int64)
@@ -139,31 +133,11 @@ if HAS_TRITON:
             if GATED:
                 up_scale_cols = w_scale_ptr + ((w_rows + N) // SCALE_BN) * stride_wsn
         # <<< book: block-scale-columns
-        ahead: tl.constexpr = blocked and SCALES_AHEAD
-        if ahead:
-            tl.static_assert(K_CHUNKS == 1, "scales a step ahead: one chunk a step")
-            # The first step's scales (clamped: a split past the last step reads none past K).
-            group = tl.minimum(k_first * BLOCK_K, K - 1) // SCALE_BK
-            a_scale_next = tl.load(a_scale_ptr + a_scale_rows + group)
-            w_scale_next = tl.load(w_scale_cols + group * stride_wsk)
-            if GATED:
-                up_scale_next = tl.load(up_scale_cols + group * stride_wsk)
         # >>> book: k-loop
         for k in range(k_first, k_last):
             for c in tl.static_range(K_CHUNKS):   # (one chunk: the plain K step)
                 chunk = k * K_CHUNKS + c   # this chunk's K offset, in BLOCK_K units
                 k_left = K - chunk * BLOCK_K
-                if ahead:
-                    # This step's scales came a step ago; the next step's go out now (the
-                    # last step asks for its own group again rather than one past K).
-                    a_scale = a_scale_next
-                    w_scale = w_scale_next
-                    group = tl.minimum((chunk + 1) * BLOCK_K, K - 1) // SCALE_BK
-                    a_scale_next = tl.load(a_scale_ptr + a_scale_rows + group)
-                    w_scale_next = tl.load(w_scale_cols + group * stride_wsk)
-                    if GATED:
-                        up_scale = up_scale_next
-                        up_scale_next = tl.load(up_scale_cols + group * stride_wsk)
                 if TMA_A:
                     a = a_desc.load([a_desc_row, chunk * BLOCK_K])
                 elif EVEN_K:
@@ -177,15 +151,14 @@ if HAS_TRITON:
                 else:
                     w = tl.load(w_ptrs + c * BLOCK_K, mask=ks[:, None] < k_left, other=0.0)
                 if blocked:
-                    if not ahead:
-                        if EVEN_K or K_CHUNKS == 1:
-                            group = (chunk * BLOCK_K) // SCALE_BK
-                        else:
-                            # A chunk past K (its values masked to 0) has no scale group:
-                            # it takes the last one, a finite scale that exists.
-                            group = tl.minimum(chunk * BLOCK_K, K - 1) // SCALE_BK
-                        a_scale = tl.load(a_scale_ptr + a_scale_rows + group)
-                        w_scale = tl.load(w_scale_cols + group * stride_wsk)
+                    if EVEN_K or K_CHUNKS == 1:
+                        group = (chunk * BLOCK_K) // SCALE_BK
+                    else:
+                        # A chunk past K (its values masked to 0) has no scale group:
+                        # it takes the last one, a finite scale that exists.
+                        group = tl.minimum(chunk * BLOCK_K, K - 1) // SCALE_BK
+                    a_scale = tl.load(a_scale_ptr + a_scale_rows + group)
+                    w_scale = tl.load(w_scale_cols + group * stride_wsk)
                     product = tile_dot(a, w, None, SWAP_AB, INPUT_PRECISION)
                     acc += product * scale_outer(a_scale, w_scale, SWAP_AB)
                 else:
@@ -198,9 +171,8 @@ if HAS_TRITON:
                     else:
                         up = tl.load(up_ptrs + c * BLOCK_K, mask=ks[:, None] < k_left,
                                      other=0.0)
-                    if blocked and not ahead:
-                        up_scale = tl.load(up_scale_cols + group * stride_wsk)
                     if blocked:
+                        up_scale = tl.load(up_scale_cols + group * stride_wsk)
                         product = tile_dot(a, up, None, SWAP_AB, INPUT_PRECISION)
                         acc_up += product * scale_outer(a_scale, up_scale, SWAP_AB)
                     else:

@@ -63,8 +63,6 @@ class GemmTiles:
     ``k_chunks`` (index-gather): each K step loads that many K-adjacent ``block_k`` chunks of every row
     one after another, each multiplied with its own scales: a block-fp8 step stops at its 128-value
     scale block, and two chunks ask for 256 bytes of a row together (``_tile_gemm.expert_tile_product``).
-    ``scales_ahead`` (index-gather, block-fp8 weights, one chunk a step): each K step's scales are
-    loaded a step early, in flight while the step before multiplies (other formats: no effect).
     """
 
     block_n: int
@@ -77,7 +75,6 @@ class GemmTiles:
     persistent: int = 0
     swap_ab: bool = False
     k_chunks: int = 1
-    scales_ahead: bool = False
 
     def check(self, func: str, name: str) -> "GemmTiles":
         for field in ("block_n", "block_k"):
@@ -92,7 +89,7 @@ class GemmTiles:
         if isinstance(persistent, bool) or not isinstance(persistent, int) or persistent not in (0, 1, 2):
             fail(func, f"{name}.persistent", "must be 0 (one program per tile), 1 (one per SM) or 2 (one per SM, "
                  "flattened loops)", repr(self.persistent))
-        for field in ("tma", "swap_ab", "scales_ahead"):
+        for field in ("tma", "swap_ab"):
             if not isinstance(getattr(self, field), bool):
                 fail(func, f"{name}.{field}", "must be a bool", repr(getattr(self, field)), TypeError)
         for field in ("num_warps", "k_chunks"):
@@ -100,9 +97,6 @@ class GemmTiles:
                 fail(func, f"{name}.{field}", "must be a power of two", getattr(self, field))
         if self.k_chunks > 16:   # (an unrolled loop of that many loads and MMAs a step)
             fail(func, f"{name}.k_chunks", "must be at most 16", self.k_chunks)
-        if self.scales_ahead and self.k_chunks != 1:
-            fail(func, f"{name}.scales_ahead", "must be False with k_chunks > 1 (the scales come a step ahead for one "
-                 "chunk a step only)", self.scales_ahead)
         return self
 
 
@@ -217,11 +211,9 @@ class MoEConfig:
         for key in ("gather_rows", "short_last_tile"):   # (nor these)
             if not d[key]:
                 del d[key]
-        for gemm in ("gate_up", "down"):   # (nor a GEMM's k_chunks or scales_ahead)
+        for gemm in ("gate_up", "down"):   # (nor a GEMM's k_chunks)
             if d[gemm]["k_chunks"] == 1:
                 del d[gemm]["k_chunks"]
-            if not d[gemm]["scales_ahead"]:
-                del d[gemm]["scales_ahead"]
         return d
 
     @staticmethod
@@ -295,9 +287,6 @@ def check_config(func: str, config: object, *, align: int | None = None, layout:
         if getattr(config, gemm).k_chunks != 1 and layout != "index_gather":
             fail(func, f"config.{gemm}.k_chunks", f"must be 1 for the {layout} layout (chunked K steps are wired into "
                  "the index-gather GEMM kernel only)", getattr(config, gemm).k_chunks)
-        if getattr(config, gemm).scales_ahead and layout != "index_gather":
-            fail(func, f"config.{gemm}.scales_ahead", f"must be False for the {layout} layout (scales a step ahead "
-                 "are wired into the index-gather GEMM kernel only)", True)
     if config.down.split_k != 1 and not config.sum_in_gemm:
         fail(func, "config.down.split_k", "must be 1 unless config.sum_in_gemm=True (split-K partial products "
              "are added with atomics, into the summed output)", config.down.split_k)
@@ -345,9 +334,6 @@ def check_stream(func: str, gate_up: GemmTiles, down: GemmTiles, lag: object, *,
         if tiles.k_chunks != 1:   # (the stream's kernel has no chunked K loop)
             fail(func, f"{prefix}{name}.k_chunks", "must be 1 to run as one stream (chunked K steps are wired into "
                  "the index-gather GEMM kernel only)", tiles.k_chunks)
-        if tiles.scales_ahead:   # (nor scales a step ahead)
-            fail(func, f"{prefix}{name}.scales_ahead", "must be False to run as one stream (scales a step ahead are "
-                 "wired into the index-gather GEMM kernel only)", True)
         if tiles.split_k != 1 or tiles.persistent:
             fail(func, f"{prefix}{name}", "must have split_k=1 and persistent=0 to run as one stream (a tile is "
                  "one program's, and the tickets are the schedule)",

@@ -85,7 +85,7 @@ if HAS_TRITON:
         SCALES: tl.constexpr, SUM_TOP_K: tl.constexpr, SPLIT_K: tl.constexpr, w_desc, TMA_W: tl.constexpr,
         SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, ID_CHECK: tl.constexpr, SWAP_AB: tl.constexpr,
         out_scale_ptr, stride_os, QUANT_GROUP: tl.constexpr, ROUND_TO: tl.constexpr, FLAT: tl.constexpr = False,
-        NAIVE_GROUP: tl.constexpr = 0, K_CHUNKS: tl.constexpr = 1, SCALES_AHEAD: tl.constexpr = False,
+        NAIVE_GROUP: tl.constexpr = 0, K_CHUNKS: tl.constexpr = 1,
     ):
         # out[row] = A[row // TOP_K] @ W[expert]^T for the rows of one M-block; W is [E, N', K].
         # FLAT: called from a loop over tiles that Triton is asked to flatten with this K loop into one
@@ -144,7 +144,7 @@ if HAS_TRITON:
                 stride_wsk, GATED, EVEN_K, INPUT_PRECISION, SCALES, BLOCK_M, BLOCK_N, BLOCK_K,
                 split, SPLIT_K, w_desc,
                 (expert * (N * (1 + GATED)) + pid_n * BLOCK_N).to(tl.int32), TMA_W,
-                SCALE_BN, SCALE_BK, SWAP_AB, K_CHUNKS=K_CHUNKS, SCALES_AHEAD=SCALES_AHEAD)
+                SCALE_BN, SCALE_BK, SWAP_AB, K_CHUNKS=K_CHUNKS)
             if MUL_ROUTED_WEIGHT:
                 acc = scale_rows(acc, topk_weights_ptr, rows, row_real)
             if FLAT:   # (after the routed weight: zero times an inf weight would be NaN)

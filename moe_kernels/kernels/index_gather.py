@@ -99,7 +99,7 @@ if HAS_TRITON:
         SWAP_AB: tl.constexpr, PDL_TRIGGER: tl.constexpr = 0, PDL_WAIT: tl.constexpr = False,
         PREFETCH_LINE: tl.constexpr = 64, PREFETCH_K: tl.constexpr = -1, out_scale_ptr=None, stride_os=0,
         QUANT_GROUP: tl.constexpr = 0, ROUND_TO: tl.constexpr = "", NAIVE_GROUP: tl.constexpr = 0,
-        K_CHUNKS: tl.constexpr = 1, SCALES_AHEAD: tl.constexpr = False,
+        K_CHUNKS: tl.constexpr = 1,
     ):
         # Programmatic dependent launch (moe_kernels.kernels._pdl): GEMM 1 lets GEMM 2 launch at
         # once; GEMM 2 may ask L2 for its first tile's weights (PREFETCH_K columns; none by
@@ -131,7 +131,7 @@ if HAS_TRITON:
                 a_scale_ptr, stride_as, w_scale_ptr, stride_wse, stride_wsn, stride_wsk,
                 BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, TOP_K, NAIVE_BLOCKS, DENSE, GATED, MUL_ROUTED_WEIGHT, EVEN_K,
                 INPUT_PRECISION, SCALES, SUM_TOP_K, SPLIT_K, w_desc, TMA_W, SCALE_BN, SCALE_BK, ID_CHECK, SWAP_AB,
-                out_scale_ptr, stride_os, QUANT_GROUP, ROUND_TO, False, NAIVE_GROUP, K_CHUNKS, SCALES_AHEAD)
+                out_scale_ptr, stride_os, QUANT_GROUP, ROUND_TO, False, NAIVE_GROUP, K_CHUNKS)
         else:
             tiles = num_tiles
             if FLAT:
@@ -145,7 +145,7 @@ if HAS_TRITON:
                     BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, TOP_K, NAIVE_BLOCKS, DENSE, GATED, MUL_ROUTED_WEIGHT, EVEN_K,
                     INPUT_PRECISION, SCALES, SUM_TOP_K, SPLIT_K, w_desc, TMA_W, SCALE_BN, SCALE_BK, ID_CHECK,
                     SWAP_AB, out_scale_ptr, stride_os, QUANT_GROUP, ROUND_TO, FLAT, NAIVE_GROUP,
-                    K_CHUNKS, SCALES_AHEAD)
+                    K_CHUNKS)
         if PDL_TRIGGER == 2:
             gdc_launch_dependents()
 
@@ -208,8 +208,7 @@ def _launch(a, w, out, topk_weights, blocks: BlockAssignment, *, n_out: int, top
         INPUT_PRECISION=dot_precision(a.dtype), SCALES=scales[6], SUM_TOP_K=sum_top_k, SPLIT_K=tiles.split_k,
         w_desc=w_desc if w_desc is not None else w, TMA_W=w_desc is not None,
         num_tiles=num_tiles, PERSISTENT=tiles.persistent, SCALE_BN=scales[7], SCALE_BK=scales[8], ID_CHECK=id_check,
-        SWAP_AB=tiles.swap_ab, NAIVE_GROUP=naive_group, K_CHUNKS=tiles.k_chunks,
-        SCALES_AHEAD=tiles.scales_ahead, num_warps=tiles.num_warps,
+        SWAP_AB=tiles.swap_ab, NAIVE_GROUP=naive_group, K_CHUNKS=tiles.k_chunks, num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
         **device_assert_options(id_check), **_pdl_options(pdl, w.element_size(), _pdl.TRIGGER, _pdl.PREFETCH_K),
         **({} if quant is None else dict(out_scale_ptr=quant[0], stride_os=quant[0].stride(0), QUANT_GROUP=quant[1],
