@@ -231,8 +231,9 @@ def test_the_h100s_deepseek_v3_bf16_gemm_1_walks_one_expert_at_512_tokens():
 def test_the_h100s_deepseek_v3_fp8_entry_at_512_tokens_walks_one_expert_and_chunks_gemm_2():
     """Session 51 (variants-ds-fp8-512-s51-h100.json): on the H100, the whole fp8 experts call at 512 tokens took
     0.8% less with GEMM 1's group_m 1 and GEMM 2's K steps in two 128-value chunks than on the H200's tiles (each
-    change alone about half of that; the four rounds of each within 0.06%); the H100's entry holds both, and its
-    table names that record, whose times it quotes. The layer's plan runs that entry, chunks and all."""
+    change alone about half of that; the entry's and the pair's four rounds each within 0.06%); the H100's entry
+    holds both, and its table names that record, whose times it quotes. The layer's plan runs that entry, chunks and
+    all."""
     plan = meta_layer("deepseek-v3", "block", "index_gather").plan(512, device_name="NVIDIA H100 80GB HBM3")
     config = plan.choice.config
     assert plan.choice.entry == 512 and (config.gate_up.group_m, config.gate_up.k_chunks) == (1, 1)
