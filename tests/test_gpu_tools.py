@@ -248,6 +248,10 @@ def test_stage_depth_ab_plans_only_variants_that_fit_and_differ():
     assert named["sum_in_gemm=true,down.block_n=128"] == dataclasses.replace(
         entry, sum_in_gemm=True, down=dataclasses.replace(entry.down, block_n=128))
     assert tool.set_variants(entry, "stream_lag=32")["stream_lag=32"] == streamed
+    # a config named twice is timed once, under its first name (stream_lag=null on an entry that does not stream)
+    twice = tool.set_variants(entry, "down.persistent=1;stream_lag=null,down.persistent=1;stream_lag=null")
+    assert list(twice) == ["down.persistent=1", "stream_lag=null,down.persistent=1"]
+    assert list(tool.distinct({"table": entry, **twice})) == ["table", "down.persistent=1"]
     for bad, says in (("down.blockn=64", "'down.blockn' is not a field"), ("persistent", "must be field=value"),
                       ("up.block_n=64", "must be field=value"), ("down.persistent=3", "persistent")):
         with pytest.raises((ValueError, TypeError), match=says):

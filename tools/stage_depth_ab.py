@@ -13,7 +13,8 @@ entry's stages kept), and with ``STAGE_AB_SWAP=1`` each GEMM the entry runs untr
 the top-k sum; a CUDA graph, do_bench's L2 flush), four rounds interleaved, the order reversed every other round,
 each candidate's output checked against the entry's. ``STAGE_AB_SET`` adds any other variants by name, ``;``
 between variants and ``,`` between the fields one variant changes, each ``field=value`` on the entry's
-``MoEConfig.to_dict()`` (``down.block_n=128;down.persistent=1;sum_in_gemm=true;pdl=true``; values as JSON).
+``MoEConfig.to_dict()`` (``down.block_n=128;down.persistent=1;sum_in_gemm=true;pdl=true``; values as JSON). A
+config that two names give is timed once, under the first.
 
     PYTHONPATH=. python tools/stage_depth_ab.py deepseek-v3 block 256,512 [record name]
     PYTHONPATH=. STAGE_AB_STAGES=3,4,5,6 STAGE_AB_BLOCK_M=16,32 python tools/stage_depth_ab.py qwen3-30b-a3b none 512
@@ -124,6 +125,19 @@ def set_variants(config, spec: str, skip_refused: bool = False) -> dict:
     return out
 
 
+def distinct(candidates: dict) -> dict:
+    """The candidates with each config once: a later name for a config already listed (``stream_lag=null,X`` where
+    the entry does not stream is ``X``) is left out, named, rather than timed twice in the same run."""
+    out = {}
+    for name, config in candidates.items():
+        same = next((kept for kept, other in out.items() if other == config), None)
+        if same is None:
+            out[name] = config
+        else:
+            print(f"left out {name!r}: the same config as {same!r}")
+    return out
+
+
 def tiles_text(config) -> str:
     """One line for a config's M tile and both GEMMs' tiles."""
     def gemm(t):
@@ -164,8 +178,8 @@ def main(argv: list[str]) -> int:
                   "varies its tiles")
             continue
         # (a variant this entry cannot take is left out, named; a misspelt field stops the run before any timing)
-        candidates = {**variants(config, fmt, stages, block_ms, warps, swap),
-                      **set_variants(config, changes, skip_refused=True)}
+        candidates = distinct({**variants(config, fmt, stages, block_ms, warps, swap),
+                               **set_variants(config, changes, skip_refused=True)})
         for name, cfg in candidates.items():
             print(f"{key} {fmt_name} {batch}: {name:<14} {tiles_text(cfg)}")
         if plan_only:
