@@ -207,6 +207,24 @@ def test_the_h100_runs_its_own_tables_the_h200s_tiles(model_name, fmt):
         assert h100.entry == h200.entry and own == h200.config, batch
 
 
+def entry_ab_record(plan, key: str, record: str, variant: str) -> dict:
+    """The H100 table's ``measured[key]`` names ``record`` (an A/B of the 512-token entry against ``variant``) and
+    quotes its times; returns the record's row."""
+    import json
+    from pathlib import Path
+
+    from moe_kernels.kernels.config import CONFIG_DIR
+
+    table = json.loads((CONFIG_DIR / f"{plan.choice.table}.json").read_text())
+    ab = table["measured"][key]
+    assert ab["tokens"] == [512] and ab["record"] == f"results/nvidia-h100-80gb-hbm3/{record}"
+    row = json.loads((Path(__file__).resolve().parents[1] / ab["record"]).read_text())["data"]["rows"][0]
+    timed = row["lowest_us"]
+    assert (round(timed["table"], 1), round(timed[variant], 1)) == (ab["us"]["512"]["table_us"],
+                                                                    ab["us"]["512"]["new_us"])
+    return row
+
+
 def test_the_h100s_deepseek_v3_bf16_gemm_1_walks_one_expert_at_512_tokens():
     """Session 50 (variants-ds-bf16-512-s50-h100.json): on the H100, the whole experts call at 512 tokens took 0.9%
     less with GEMM 1's group_m 1 than with the H200's 8 (the four rounds of each within 0.05%); the H100's entry holds
@@ -214,18 +232,7 @@ def test_the_h100s_deepseek_v3_bf16_gemm_1_walks_one_expert_at_512_tokens():
     plan = meta_layer("deepseek-v3", "none", "index_gather").plan(512, device_name="NVIDIA H100 80GB HBM3")
     assert plan.choice.entry == 512 and plan.choice.config.gate_up.group_m == 1
     assert plan.choice.config.down.group_m == 8
-    import json
-    from pathlib import Path
-
-    from moe_kernels.kernels.config import CONFIG_DIR
-
-    table = json.loads((CONFIG_DIR / f"{plan.choice.table}.json").read_text())
-    ab = table["measured"]["whole_call_ab_s50"]
-    assert ab["tokens"] == [512] and ab["record"] == "results/nvidia-h100-80gb-hbm3/variants-ds-bf16-512-s50-h100.json"
-    rows = json.loads((Path(__file__).resolve().parents[1] / ab["record"]).read_text())["data"]["rows"][0]
-    timed = rows["lowest_us"]
-    assert (round(timed["table"], 1), round(timed["gate_up.group_m=1"], 1)) == (
-        ab["us"]["512"]["table_us"], ab["us"]["512"]["new_us"])
+    entry_ab_record(plan, "whole_call_ab_s50", "variants-ds-bf16-512-s50-h100.json", "gate_up.group_m=1")
 
 
 def test_the_h100s_deepseek_v3_fp8_entry_at_512_tokens_walks_one_expert_and_chunks_gemm_2():
@@ -239,18 +246,8 @@ def test_the_h100s_deepseek_v3_fp8_entry_at_512_tokens_walks_one_expert_and_chun
     assert plan.choice.entry == 512 and (config.gate_up.group_m, config.gate_up.k_chunks) == (1, 1)
     assert (config.down.group_m, config.down.k_chunks, config.down.swap_ab, config.down.tma) == (8, 2, True, True)
     assert config.stream_lag is None and config.one_launch is None   # (chunks: the two launches' kernel only)
-    import json
-    from pathlib import Path
-
-    from moe_kernels.kernels.config import CONFIG_DIR
-
-    table = json.loads((CONFIG_DIR / f"{plan.choice.table}.json").read_text())
-    ab = table["measured"]["whole_call_ab_s51"]
-    assert ab["tokens"] == [512] and ab["record"] == "results/nvidia-h100-80gb-hbm3/variants-ds-fp8-512-s51-h100.json"
-    rows = json.loads((Path(__file__).resolve().parents[1] / ab["record"]).read_text())["data"]["rows"][0]
-    timed = rows["lowest_us"]
-    assert (round(timed["table"], 1), round(timed["gate_up.group_m=1,down.k_chunks=2"], 1)) == (
-        ab["us"]["512"]["table_us"], ab["us"]["512"]["new_us"])
+    rows = entry_ab_record(plan, "whole_call_ab_s51", "variants-ds-fp8-512-s51-h100.json",
+                           "gate_up.group_m=1,down.k_chunks=2")
     assert rows["tiles"]["gate_up.group_m=1,down.k_chunks=2"].endswith("n256 k128x2 w8 s3 tma swap")
 
 
