@@ -40,7 +40,7 @@ import torch
 from ._checks import FLOAT_DTYPES, check_bool, check_device, check_dtype, check_int, check_number, fail
 from ._replay import CallPlans
 from .checkpoint import load_layer
-from .layer_router import choose_router, choose_tile_router, route
+from .layer_router import choose_router, choose_tile_router, gemm1_follows_router, route
 from .kernels.config import ConfigChoice, MoEConfig, check_config
 from .kernels.blocks import use_naive_block_assignment
 from .kernels.config import choose_config, choose_fused_shared_config
@@ -152,21 +152,24 @@ def run_layer(plan: LayerPlan, hidden_states: torch.Tensor, weights: LayerWeight
     w, fmt = weights, plan.format
     apart, in_gemm = runs_apart(w, plan.shared_slot), plan.layout == "index_gather"
     shared = SharedApart(plan, hidden_states, w) if apart else None   # (forked onto a side stream here if captured)
-    topk_weights, topk_ids, blocks = route(plan, hidden_states, w, routing)
     forked = shared is not None and shared.own_inputs   # (forked, or recorded first for a replay's graph to fork)
-    shared_gate = None if forked else shared_gate_of(hidden_states, w)
-    if plan.shared_slot:   # the shared expert as slot k+1, id E, weight 1 (or its gate): routed weights are scaled
-        topk_weights, topk_ids = with_shared_slot(topk_weights, topk_ids, w, shared_gate)
     # fp8: the routed and the shared experts read the same quantised activations; quantise once.
     # (both GEMMs in one launch read the unquantised activations: quantised only for a shared expert in line)
     quantize = fmt.quantized and in_gemm and (not runs_in_one_launch(plan.config, fmt) or apart and not forked)
+    after_router = gemm1_follows_router(plan, quantize=quantize, launches_between=not forked and (
+        shared is not None or w.shared_gate is not None))   # (a shared expert in line, a shared gate)
+    topk_weights, topk_ids, blocks = route(plan, hidden_states, w, routing, launch_next=after_router)
+    shared_gate = None if forked else shared_gate_of(hidden_states, w)
+    if plan.shared_slot:   # the shared expert as slot k+1, id E, weight 1 (or its gate): routed weights are scaled
+        topk_weights, topk_ids = with_shared_slot(topk_weights, topk_ids, w, shared_gate)
     activations = fmt.quantize_activations(hidden_states) if quantize else None
     if shared is not None:   # (in line, unless forked: its two GEMMs here, before the experts)
         shared.run_in_line(shared_gate, activations)
     if in_gemm:   # the shared output joins the top-k sum (no separate addition)
         return run_experts(hidden_states, w.w13, w.w2, topk_weights, topk_ids, fmt=fmt, config=plan.config,
                            w1_scale=w.w13_scale, w2_scale=w.w2_scale, naive=plan.naive_blocks, ids="trusted",
-                           func="MoELayer", activations=activations, add=shared and shared.for_sum(), blocks=blocks)
+                           func="MoELayer", activations=activations, add=shared and shared.for_sum(), blocks=blocks,
+                           after_router=after_router)
     scales = dict(w1_scale=w.w13_scale, w2_scale=w.w2_scale) if fmt.quantized else {}
     measured = {name: value for name, value in (("align", plan.align), ("gemm", plan.gemm)) if value is not None}
     out = LAYOUTS[plan.layout].experts()(hidden_states, w.w13, w.w2, topk_weights, topk_ids, config=plan.config,

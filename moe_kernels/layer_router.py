@@ -29,8 +29,8 @@ from .kernels import chained_routing, gate_routing, tile_routing
 from .kernels.blocks import aligned_blocks
 from .kernels.routing import router_logits
 
-__all__ = ["CHAINED_ROUTER_MAX_TOKENS", "GATE_ROUTING_MAX_TOKENS", "TILE_ROUTER_MIN_TOKENS", "choose_router",
-           "choose_tile_router", "route"]
+__all__ = ["CHAINED_ROUTER_MAX_TOKENS", "GATE_ROUTING_MAX_TOKENS", "ROUTER_LAUNCHES_GEMM1", "TILE_ROUTER_MIN_TOKENS",
+           "choose_router", "choose_tile_router", "gemm1_follows_router", "route"]
 
 #: Up to this many tokens the router is :mod:`moe_kernels.kernels.chained_routing`'s launches chained by
 #: PDL (the split gate, one routing program per token, the alignment) instead of the cuBLAS gate, the
@@ -50,6 +50,11 @@ GATE_ROUTING_MAX_TOKENS = env_int("MOE_KERNELS_GATE_ROUTING_MAX_TOKENS", 0)
 #: steps' time at 1,024-16,384 tokens (64-token blocks 0.97 times at 16,384 only).
 #: ``MOE_KERNELS_TILE_ROUTER_MIN_TOKENS`` sets it for a process.
 TILE_ROUTER_MIN_TOKENS = env_int("MOE_KERNELS_TILE_ROUTER_MIN_TOKENS", 0)
+#: Whether the chained router's last launch lets GEMM 1 launch early, GEMM 1 a programmatic dependent that waits for
+#: the router's memory (issue 19's PDL between the router and the GEMMs), where nothing runs between the two
+#: (:func:`gemm1_follows_router`). Off until timed on a GPU. ``MOE_KERNELS_ROUTER_LAUNCHES_GEMM1`` (0 or 1) sets it
+#: for a process; read at each call.
+ROUTER_LAUNCHES_GEMM1 = bool(env_int("MOE_KERNELS_ROUTER_LAUNCHES_GEMM1", 0))
 
 
 def choose_router(num_tokens: int, gate_in_activation_dtype: bool, top_k: int, alignable: bool):
@@ -79,9 +84,25 @@ def choose_tile_router(num_tokens: int, gate_in_activation_dtype: bool, gate_rou
             and num_experts <= tile_routing.MAX_EXPERTS)
 
 
-def route(plan, hidden_states, weights, routing):
+def gemm1_follows_router(plan, *, quantize: bool, launches_between: bool) -> bool:
+    """Whether GEMM 1 takes a programmatic dependent launch behind the chained router
+    (:data:`ROUTER_LAUNCHES_GEMM1`): on index-gather, after the chained router, with no launch between the two (no
+    activation quantiser: ``quantize``; no shared expert in line, no shared gate, no shared slot: ``launches_between``
+    or ``plan.shared_slot``). Elsewhere the dependent launch would follow another kernel and gain nothing.
+
+        >>> from types import SimpleNamespace
+        >>> plan = SimpleNamespace(chained=True, layout="index_gather", shared_slot=False)
+        >>> gemm1_follows_router(plan, quantize=True, launches_between=False)   # (fp8: the quantiser comes first)
+        False
+    """
+    return (ROUTER_LAUNCHES_GEMM1 and plan.chained and plan.layout == "index_gather" and not plan.shared_slot
+            and not quantize and not launches_between)
+
+
+def route(plan, hidden_states, weights, routing, *, launch_next: bool = False):
     """The call's ``(topk_weights, topk_ids, blocks)``: ``blocks`` the aligned block map when the router
-    aligned the ids (``plan.gate_alignment``), else None (the experts then build their own)."""
+    aligned the ids (``plan.gate_alignment``), else None (the experts then build their own). ``launch_next``: the
+    chained router lets the next launch (GEMM 1) start early (:func:`gemm1_follows_router`)."""
     w = weights
     rule = dict(num_expert_group=routing.num_expert_group, routed_scaling_factor=routing.routed_scaling_factor,
                 topk_group=routing.topk_group if routing.num_expert_group is not None or w.bias is not None else None,
@@ -95,7 +116,7 @@ def route(plan, hidden_states, weights, routing):
     block_size = plan.config.block_m if plan.gate_alignment else None
     if plan.chained:
         topk_weights, topk_ids, _, *alignment = chained_routing.gate_route_chained_checked(
-            *args, block_size=block_size, **rule)
+            *args, block_size=block_size, launch_next=launch_next, **rule)
     elif plan.gate_alignment:   # the router's launch aligns its ids too
         topk_weights, topk_ids, _, *alignment = gate_routing.gate_route_and_align_checked(
             *args, block_size=block_size, **rule)

@@ -507,13 +507,15 @@ for grouped, e_cols, (e, d) in ((False, 128, (128, 2048)), (True, 256, (256, 716
     wait, trigger, read = (ptx.find(op) for op in ("griddepcontrol.wait", "griddepcontrol.launch_dependents",
                                                     "ld.global.cg"))
     print(0 <= wait < read and 0 <= trigger < read)
-for one_tile, tile, warps in ((False, 64, 8), (True, 16, 4)):   # the chunked body, and one program's
+for one_tile, tile, warps in ((False, 64, 8), (True, 16, 4)):   # the chunked body, one program (GEMM 1 next)
     ptx = compile_for_sm90(chained_routing._chained_align_kernel,
                            dict(NUM_BINS=128, TILE=tile, PAD_TILE=16, COUNT_TILE=1024, FILL_TILE=1024, PDL=True,
-                                BODY="full", ONE_TILE=one_tile),
+                                BODY="full", ONE_TILE=one_tile, TRIGGER=one_tile),
                            dict(ids_ptr="*i32", sorted_ids_ptr="*i32", expert_ids_ptr="*i32", used_ptr="*i32"),
                            num_warps=warps).asm["ptx"]
-    print(0 <= ptx.find("griddepcontrol.wait") < ptx.find("ld.global.cg"), end=" " if not one_tile else chr(10))
+    wait, trigger = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
+    print(0 <= wait < ptx.find("ld.global.cg"), (0 <= trigger < wait) if one_tile else trigger < 0,
+          end=" " if not one_tile else chr(10))
 """
 
 
@@ -521,9 +523,10 @@ def test_compiles_for_hopper_with_its_dependent_launch():
     """Compiled for an H100/H200 (sm_90) on this machine: the gate lets the next launch start before
     its products (tensor cores); the routing programs wait (``griddepcontrol.wait``) and let the
     alignment start before their first read of the partials (through L2), at Qwen3's shape and
-    DeepSeek-V3's; the alignment waits before it reads the ids (chunked, and in one program)."""
+    DeepSeek-V3's; the alignment waits before it reads the ids (chunked, and in one program), and lets the launch
+    after the chain start (``launch_next``) before it waits, and only where asked."""
     lines = compiled_for_hopper(_COMPILE_FOR_HOPPER)
-    assert lines[:4] == ["True True", "True", "True", "True True"], lines
+    assert lines[:4] == ["True True", "True", "True", "True True True True"], lines
 
 
 _COMPILE_KEYED_ROUTING_FOR_HOPPER = """

@@ -589,6 +589,80 @@ def test_a_stacked_shared_expert_run_apart_lets_the_router_align(monkeypatch):
         assert rel_err(out, layer.reference(x)) < 1e-3
 
 
+def test_gemm_1_follows_the_chained_router_only_where_nothing_runs_between(monkeypatch):
+    """GEMM 1 launches as a programmatic dependent of the chained router (``ROUTER_LAUNCHES_GEMM1``) only where it is
+    the next launch: the chained router, index-gather, no activation quantiser, no shared expert in line or as a
+    slot."""
+    import moe_kernels.layer_router as layer_router
+    from moe_kernels.layer_router import gemm1_follows_router
+
+    layer = meta_layer("qwen3-30b-a3b", "none", "index_gather")   # (a float32 gate: float32 activations chain)
+    plans = {batch: layer.plan(batch, dtype=torch.float32, device_name=H200) for batch in (1, 8, 512, 4096)}
+    assert [plans[batch].chained for batch in plans] == [True, True, True, False]
+    monkeypatch.setattr(layer_router, "ROUTER_LAUNCHES_GEMM1", False)
+    assert not gemm1_follows_router(plans[8], quantize=False, launches_between=False)   # (off: the default)
+    monkeypatch.setattr(layer_router, "ROUTER_LAUNCHES_GEMM1", True)
+    assert [gemm1_follows_router(plans[batch], quantize=False, launches_between=False) for batch in plans] == [
+        True, True, True, False]
+    assert not gemm1_follows_router(plans[8], quantize=True, launches_between=False)
+    assert not gemm1_follows_router(plans[8], quantize=False, launches_between=True)
+    permute = meta_layer("qwen3-30b-a3b", "none", "permute").plan(8, dtype=torch.float32, device_name=H200)
+    assert permute.chained and not gemm1_follows_router(permute, quantize=False, launches_between=False)
+
+
+def test_a_gemms_part_in_a_dependent_launch_is_checked():
+    from moe_kernels.kernels import index_gather
+
+    both = index_gather._pdl_options("wait+trigger", 2, 1, 0)
+    assert both["PDL_TRIGGER"] == 1 and both["PDL_WAIT"] and both["PREFETCH_K"] == 0 and both["launch_pdl"]
+    assert "PDL_WAIT" not in index_gather._pdl_options("trigger", 2)
+    with pytest.raises(ValueError, match="pdl.*must be one of"):
+        index_gather._pdl_options("trigger+wait", 2)
+
+
+@needs_gpu
+@pytest.mark.parametrize("model_name, batches", [("qwen3-30b-a3b", (1, 8, 64, 512)), ("deepseek-v3", (1, 64))])
+def test_gemm_1_launches_behind_the_chained_router_gpu(model_name, batches, monkeypatch):
+    """With ``ROUTER_LAUNCHES_GEMM1`` a bf16 layer's chained router lets GEMM 1 launch early (Hopper): the router's last
+    launch triggers, GEMM 1 waits (and prefetches nothing), and the output is the same bits as without, eager and
+    replayed from a CUDA graph on new inputs."""
+    import moe_kernels.layer_router as layer_router
+
+    hopper = torch.cuda.get_device_capability()[0] >= 9
+    layer = MoELayer.random(model_name, dtype=torch.bfloat16, device="cuda", seed=3)
+    d = MODELS[model_name].hidden_size
+    for batch in batches:
+        x = torch.randn(batch, d, device="cuda", dtype=torch.bfloat16)
+        monkeypatch.setattr(layer_router, "ROUTER_LAUNCHES_GEMM1", False)
+        want = layer(x).clone()
+        monkeypatch.setattr(layer_router, "ROUTER_LAUNCHES_GEMM1", True)
+        plan = layer.plan(batch, dtype=torch.bfloat16)
+        with record_launches() as launches:
+            got = layer(x)
+        assert torch.equal(got, want), (model_name, batch)
+        last = [s for n, s in launches if n in ("chained_routing.route", "chained_routing.align")][-1]
+        assert last["triggers"] == hopper, launches
+        gemms = [s for n, s in launches if n == "index_gather.gemm" and not s["dense"]]
+        if plan.config.stream_lag is None and not runs_in_one_launch(plan.config, plan.format):
+            assert gemms[0]["gemm"] == "gate_up" and gemms[0]["pdl"].startswith("wait" if hopper else ""), launches
+        graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            layer(x)
+        torch.cuda.current_stream().wait_stream(stream)
+        with torch.cuda.graph(graph):
+            replayed = layer(x)
+        for seed in (5, 6):
+            x.copy_(torch.randn(batch, d, generator=torch.Generator().manual_seed(seed)).to(x))
+            graph.replay()
+            monkeypatch.setattr(layer_router, "ROUTER_LAUNCHES_GEMM1", False)
+            assert torch.equal(replayed, layer(x)), (model_name, batch, seed)
+            monkeypatch.setattr(layer_router, "ROUTER_LAUNCHES_GEMM1", True)
+        del graph
+    del layer
+    torch.cuda.empty_cache()
+
+
 @needs_gpu
 @pytest.mark.parametrize("model_name, batch", [("qwen3-30b-a3b", 8), ("deepseek-v3", 64)])
 @pytest.mark.parametrize("one_launch", [True, False], ids=["one launch", "chained"])

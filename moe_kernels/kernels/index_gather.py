@@ -171,7 +171,8 @@ def _launch(a, w, out, topk_weights, blocks: BlockAssignment, *, n_out: int, top
             role: str = "") -> None:
     """One GEMM launch. ``pdl`` (see :mod:`moe_kernels.kernels._pdl`): "trigger" lets the next
     kernel launch early, "wait" is that next kernel (launched as a programmatic dependent, it
-    prefetches its weights, then waits); "" neither. ``quant`` (GEMM 1): ``(scales, group,
+    prefetches its weights, then waits; GEMM 1, behind the router, prefetches nothing: its block
+    map is still being written), "wait+trigger" both; "" neither. ``quant`` (GEMM 1): ``(scales, group,
     round_to)``, the epilogue writes ``out`` as fp8 in 1 x ``group`` groups with their scales.
     ``role``: "gate_up" or "down" (default: by ``gated``; GEMM 1 split over K runs ungated and
     says so); the GEMM that :data:`NAIVE_ID_CHECK_IN` names carries the naive map's id check."""
@@ -210,7 +211,8 @@ def _launch(a, w, out, topk_weights, blocks: BlockAssignment, *, n_out: int, top
         num_tiles=num_tiles, PERSISTENT=tiles.persistent, SCALE_BN=scales[7], SCALE_BK=scales[8], ID_CHECK=id_check,
         SWAP_AB=tiles.swap_ab, NAIVE_GROUP=naive_group, K_CHUNKS=tiles.k_chunks, num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
-        **device_assert_options(id_check), **_pdl_options(pdl, w.element_size(), _pdl.TRIGGER, _pdl.PREFETCH_K),
+        **device_assert_options(id_check),
+        **_pdl_options(pdl, w.element_size(), _pdl.TRIGGER, _pdl.PREFETCH_K if role == "down" else 0),
         **({} if quant is None else dict(out_scale_ptr=quant[0], stride_os=quant[0].stride(0), QUANT_GROUP=quant[1],
                                          ROUND_TO=quant[2])),
     )
@@ -227,12 +229,16 @@ def _pdl_options(role: str, element_size: int, trigger: int = 1, prefetch_k: int
     if isinstance(prefetch_k, bool) or not isinstance(prefetch_k, int) or prefetch_k < -1:
         fail("moe_kernels.kernels._pdl", "PREFETCH_K", "must be an int: -1 (all), 0 (none) or a column count",
              repr(prefetch_k))
-    if role == "trigger":
-        return {"PDL_TRIGGER": trigger}
-    if role == "wait":
-        return {"PDL_WAIT": True, "PREFETCH_LINE": LINE_BYTES // element_size, "PREFETCH_K": prefetch_k,
-                "launch_pdl": True}
-    return {}
+    if role not in PDL_ROLES:
+        fail("_launch", "pdl", f"must be one of {PDL_ROLES}", repr(role))
+    options = {"PDL_TRIGGER": trigger} if role.endswith("trigger") else {}
+    if role.startswith("wait"):
+        options.update(PDL_WAIT=True, PREFETCH_LINE=LINE_BYTES // element_size, PREFETCH_K=prefetch_k, launch_pdl=True)
+    return options
+
+
+#: A GEMM launch's part in a programmatic dependent launch (:func:`_launch`'s ``pdl``).
+PDL_ROLES = ("", "trigger", "wait", "wait+trigger")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -455,7 +461,7 @@ def _fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, *, block_size_
 
 def run_experts(hidden_states, w1, w2, topk_weights, topk_ids, *, fmt, config: MoEConfig, w1_scale=None,
                 w2_scale=None, blocks=None, block_m=None, naive=None, ids: str = "validate",
-                func: str = "fused_experts", activations=None, add=None) -> torch.Tensor:
+                func: str = "fused_experts", activations=None, add=None, after_router: bool = False) -> torch.Tensor:
     """:func:`fused_experts` after its checks: what :class:`~moe_kernels.layer.MoELayer` calls.
 
     ``ids`` says what is known of ``topk_ids``: ``"validate"`` (check them where they are first
@@ -471,7 +477,11 @@ def run_experts(hidden_states, w1, w2, topk_weights, topk_ids, *, fmt, config: M
     that the launch need not wait for it. A config with ``one_launch`` tiles and no ``blocks``
     runs both GEMMs in one launch (:mod:`moe_kernels.kernels.one_launch`: fp8 as W8A16;
     :mod:`moe_kernels.kernels.two_phase`: block fp8 as W8A8, quantising in the kernel; both ignore
-    ``activations``), where its kernel takes the format (:func:`runs_in_one_launch`).
+    ``activations``), where its kernel takes the format (:func:`runs_in_one_launch`). ``after_router``:
+    the kernel before this call on the stream is the chained router's last launch, which lets the next
+    launch start early (:mod:`moe_kernels.kernels.chained_routing`'s ``launch_next``): GEMM 1 launches
+    as its programmatic dependent and waits for its memory before its first load (Hopper; two GEMM
+    launches, unsplit GEMM 1; elsewhere a plain launch, with the same numbers).
     """
     if blocks is None and runs_in_one_launch(config, fmt):   # both GEMMs in one launch (no block map)
         # Its kernel reads a tensor addend; a callable one (a layer's shared expert, forked or not) is added after
@@ -495,17 +505,19 @@ def run_experts(hidden_states, w1, w2, topk_weights, topk_ids, *, fmt, config: M
     x, x_scale = fmt.quantize_activations(hidden_states) if activations is None else activations
     # GEMM 2 as a programmatic dependent of GEMM 1 (moe_kernels.kernels._pdl), where the GPU can.
     pdl = "trigger" if config.pdl and pdl_available(device) else ""
+    # GEMM 1 as a programmatic dependent of the router's last launch (which let it launch early).
+    first = ("wait+" + pdl if pdl else "wait") if after_router and pdl_available(device) else pdl
     if _streams(config, fmt, x, w1, out_dtype):   # both GEMMs as one stream of tiles
         _streamed(x, w1, w2, topk_weights, blocks, top_k, config=config, fmt=fmt, x_scale=x_scale, w1_scale=w1_scale,
                   w2_scale=w2_scale, out=per_slot, out_dtype=out_dtype)
     else:
         if _quantizes_in_gemm(config, fmt, x, w1, out_dtype):
             y, y_scale = _gate_up_quantized(x, w1, blocks, top_k, config=config, fmt=fmt, a_scale=x_scale,
-                                            w_scale=w1_scale, out_dtype=out_dtype, pdl=pdl)
+                                            w_scale=w1_scale, out_dtype=out_dtype, pdl=first)
         else:
             intermediate = torch.empty((num_tokens * top_k, w1.shape[1] // 2), device=device, dtype=out_dtype)
             gate_up(x, w1, blocks, top_k, tiles=config.gate_up, out=intermediate, a_scale=x_scale, w_scale=w1_scale,
-                    fmt=fmt, pdl=pdl)
+                    fmt=fmt, pdl=first)
             y, y_scale = fmt.quantize_activations(intermediate)
         down(y, w2, topk_weights if topk_weights.is_contiguous() else topk_weights.contiguous(), blocks,
              tiles=config.down, out=per_slot, a_scale=y_scale, w_scale=w2_scale, fmt=fmt, sum_slots=summed,
