@@ -27,6 +27,7 @@ from __future__ import annotations
 from ._checks import env_int
 from .kernels import chained_routing, gate_routing, tile_routing
 from .kernels.blocks import aligned_blocks
+from .kernels.one_launch import runs_in_one_launch
 from .kernels.routing import router_logits
 
 __all__ = ["CHAINED_ROUTER_MAX_TOKENS", "GATE_ROUTING_MAX_TOKENS", "ROUTER_LAUNCHES_GEMM1", "TILE_ROUTER_MIN_TOKENS",
@@ -53,8 +54,9 @@ TILE_ROUTER_MIN_TOKENS = env_int("MOE_KERNELS_TILE_ROUTER_MIN_TOKENS", 0)
 #: Whether the chained router's last launch lets GEMM 1 launch early, GEMM 1 a programmatic dependent that waits for
 #: the router's memory (issue 19's PDL between the router and the GEMMs), where nothing runs between the two
 #: (:func:`gemm1_follows_router`). Off until timed on a GPU. ``MOE_KERNELS_ROUTER_LAUNCHES_GEMM1`` (0 or 1) sets it
-#: for a process; read at each call.
-ROUTER_LAUNCHES_GEMM1 = bool(env_int("MOE_KERNELS_ROUTER_LAUNCHES_GEMM1", 0))
+#: for a process; a change later reaches only calls not yet recorded (``moe_kernels._replay.forget_all_plans()``
+#: forgets the recorded ones and their graphs).
+ROUTER_LAUNCHES_GEMM1 = env_int("MOE_KERNELS_ROUTER_LAUNCHES_GEMM1", 0) == 1
 
 
 def choose_router(num_tokens: int, gate_in_activation_dtype: bool, top_k: int, alignable: bool):
@@ -86,17 +88,24 @@ def choose_tile_router(num_tokens: int, gate_in_activation_dtype: bool, gate_rou
 
 def gemm1_follows_router(plan, *, quantize: bool, launches_between: bool) -> bool:
     """Whether GEMM 1 takes a programmatic dependent launch behind the chained router
-    (:data:`ROUTER_LAUNCHES_GEMM1`): on index-gather, after the chained router, with no launch between the two (no
-    activation quantiser: ``quantize``; no shared expert in line, no shared gate, no shared slot: ``launches_between``
-    or ``plan.shared_slot``). Elsewhere the dependent launch would follow another kernel and gain nothing.
+    (:data:`ROUTER_LAUNCHES_GEMM1`): on index-gather, after the chained router, with no launch between the two: no
+    activation quantiser (``quantize``), no shared expert in line and no shared gate (``launches_between``), no shared
+    slot; a block map the router made or the naive one (no alignment launch), no zeroed fp32 sum, an unsplit GEMM 1,
+    and GEMM 1 a launch of its own (not streamed with GEMM 2, not the one-launch kernel). Elsewhere the trigger would
+    let no dependent start: the launch after the router is a plain one, which waits for it whole.
 
         >>> from types import SimpleNamespace
         >>> plan = SimpleNamespace(chained=True, layout="index_gather", shared_slot=False)
-        >>> gemm1_follows_router(plan, quantize=True, launches_between=False)   # (fp8: the quantiser comes first)
+        >>> gemm1_follows_router(plan, quantize=True, launches_between=False)   # (off; and fp8 quantises first)
         False
     """
-    return (ROUTER_LAUNCHES_GEMM1 and plan.chained and plan.layout == "index_gather" and not plan.shared_slot
-            and not quantize and not launches_between)
+    if not (ROUTER_LAUNCHES_GEMM1 and plan.chained and plan.layout == "index_gather" and not plan.shared_slot
+            and not quantize and not launches_between):
+        return False
+    config = plan.config
+    return bool((plan.gate_alignment or plan.naive_blocks) and not config.sum_in_gemm and config.stream_lag is None
+                and config.gate_up.split_k == 1
+                and not (plan.naive_blocks and runs_in_one_launch(config, plan.format)))
 
 
 def route(plan, hidden_states, weights, routing, *, launch_next: bool = False):

@@ -817,6 +817,36 @@ for persistent in (1, 2):
 """
 
 
+_COMPILE_GEMM_1_BEHIND_THE_ROUTER = """
+import torch
+torch.cuda.is_available = lambda: True   # build compiled (not interpreted) kernels; nothing is launched
+from moe_kernels.kernels import index_gather as ig
+from moe_kernels.sm90_compile import compile_for_sm90
+
+aligned = ("stride_am", "stride_we", "stride_wn", "stride_om", "N", "K")
+pointers = dict(a_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", topk_weights_ptr="*fp32", sorted_token_ids_ptr="*i32",
+                expert_ids_ptr="*i32", num_tokens_post_padded_ptr="*i32", a_scale_ptr="*fp32", w_scale_ptr="*fp32")
+for persistent in (0, 2):   # one tile per program; the flattened persistent loop (it reads the block map's length)
+    const = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, TOP_K=8, NAIVE_BLOCKS=False, DENSE=False, GATED=True,
+                 MUL_ROUTED_WEIGHT=False, EVEN_K=True, INPUT_PRECISION="tf32", SCALES=0, SUM_TOP_K=0, SPLIT_K=1,
+                 TMA_W=False, PERSISTENT=persistent, SCALE_BN=128, SCALE_BK=128, ID_CHECK="", SWAP_AB=False,
+                 PDL_TRIGGER=1, PDL_WAIT=True, PREFETCH_LINE=64, PREFETCH_K=0, QUANT_GROUP=0, ROUND_TO="")
+    ptx = compile_for_sm90(ig._index_gather_gemm_kernel, const, pointers, num_warps=4, num_stages=3,
+                           aligned=aligned).asm["ptx"]
+    wait, trigger, load = (ptx.find(op) for op in ("griddepcontrol.wait", "griddepcontrol.launch_dependents",
+                                                    "ld.global"))
+    print(persistent, 0 <= wait < trigger, 0 <= wait < load)
+"""
+
+
+def test_gemm_1_behind_the_router_reads_nothing_before_its_wait_for_hopper():
+    """GEMM 1 as the chained router's dependent ("wait+trigger"), compiled for sm_90: its first global load comes after
+    its wait (the block map is the router's, still being written before it), and it lets GEMM 2 launch only after the
+    wait, in one tile per program and in the flattened persistent loop, which reads the block map's length."""
+    lines = compiled_for_hopper(_COMPILE_GEMM_1_BEHIND_THE_ROUTER)
+    assert lines[:2] == ["0 True True", "2 True True"], lines
+
+
 def test_flattened_persistent_loops_fuse_for_hopper():
     """``persistent=2`` asks Triton to flatten a persistent program's tile loop and K loop into one software
     pipeline (the next tile's first loads under this tile's epilogue). Triton 3.6 does so only when the

@@ -592,7 +592,7 @@ def test_a_stacked_shared_expert_run_apart_lets_the_router_align(monkeypatch):
 def test_gemm_1_follows_the_chained_router_only_where_nothing_runs_between(monkeypatch):
     """GEMM 1 launches as a programmatic dependent of the chained router (``ROUTER_LAUNCHES_GEMM1``) only where it is
     the next launch: the chained router, index-gather, no activation quantiser, no shared expert in line or as a
-    slot."""
+    slot, GEMM 1 a launch of its own (the H100's one-launch kernel at one token is not)."""
     import moe_kernels.layer_router as layer_router
     from moe_kernels.layer_router import gemm1_follows_router
 
@@ -608,6 +608,45 @@ def test_gemm_1_follows_the_chained_router_only_where_nothing_runs_between(monke
     assert not gemm1_follows_router(plans[8], quantize=False, launches_between=True)
     permute = meta_layer("qwen3-30b-a3b", "none", "permute").plan(8, dtype=torch.float32, device_name=H200)
     assert permute.chained and not gemm1_follows_router(permute, quantize=False, launches_between=False)
+    # (the H100's bf16 table at one token; chained as a bf16 gate would make it)
+    one_launch = dataclasses.replace(layer.plan(1, device_name=H100), chained=True)
+    assert one_launch.naive_blocks and runs_in_one_launch(one_launch.config, one_launch.format)
+    assert not gemm1_follows_router(one_launch, quantize=False, launches_between=False)
+    choice = plans[8].choice
+    streamed = dataclasses.replace(plans[8], choice=dataclasses.replace(
+        choice, config=dataclasses.replace(choice.config, stream_lag=4)))
+    assert not gemm1_follows_router(streamed, quantize=False, launches_between=False)
+
+
+@pytest.mark.skipif(BACKEND == "torch", reason="no Triton: the torch references launch nothing")
+@pytest.mark.parametrize("fmt, shared, takes", [("none", False, True), ("block", False, False),
+                                                ("none", True, False)])
+def test_the_layer_hands_the_router_and_gemm_1_their_parts(monkeypatch, fmt, shared, takes):
+    """What ``run_layer`` passes on, with ``ROUTER_LAUNCHES_GEMM1`` on: the router's ``launch_next`` and GEMM 1's
+    ``after_router`` together, only for a bf16 (here float32) layer with no shared expert in line."""
+    import moe_kernels.layer as layer_module
+    import moe_kernels.layer_router as layer_router
+
+    monkeypatch.setattr(layer_router, "ROUTER_LAUNCHES_GEMM1", True)
+    seen = {}
+    route, run_experts = layer_module.route, layer_module.run_experts
+
+    def spy_route(*args, launch_next=False):
+        seen["launch_next"] = launch_next
+        return route(*args, launch_next=launch_next)
+
+    def spy_run_experts(*args, after_router=False, **kwargs):
+        seen["after_router"] = after_router
+        return run_experts(*args, after_router=after_router, **kwargs)
+
+    monkeypatch.setattr(layer_module, "route", spy_route)
+    monkeypatch.setattr(layer_module, "run_experts", spy_run_experts)
+    layer = small_layer(fmt, "index_gather", model="deepseek-v3" if shared else "qwen3-30b-a3b")
+    assert (layer.weights.shared_w13 is not None) == shared
+    x = torch.randn(8, 256, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    out = layer(x)
+    assert layer.plan(8, dtype=x.dtype).chained and seen == {"launch_next": takes, "after_router": takes}
+    assert rel_err(out, layer.reference(x)) < (3e-2 if fmt == "block" else 1e-3)
 
 
 def test_a_gemms_part_in_a_dependent_launch_is_checked():
@@ -623,46 +662,54 @@ def test_a_gemms_part_in_a_dependent_launch_is_checked():
 @needs_gpu
 @pytest.mark.parametrize("model_name, batches", [("qwen3-30b-a3b", (1, 8, 64, 512)), ("deepseek-v3", (1, 64))])
 def test_gemm_1_launches_behind_the_chained_router_gpu(model_name, batches, monkeypatch):
-    """With ``ROUTER_LAUNCHES_GEMM1`` a bf16 layer's chained router lets GEMM 1 launch early (Hopper): the router's last
-    launch triggers, GEMM 1 waits (and prefetches nothing), and the output is the same bits as without, eager and
-    replayed from a CUDA graph on new inputs."""
+    """With ``ROUTER_LAUNCHES_GEMM1`` a bf16 layer's chained router lets GEMM 1 launch early (Hopper) where the layer
+    says GEMM 1 follows it: the router's last launch triggers exactly then, GEMM 1 is the next launch and waits,
+    prefetching nothing, and the output is the same bits as a layer without the setting, eager and replayed from a
+    CUDA graph on new inputs. (Two layers over the same weights: each records its own calls.)"""
     import moe_kernels.layer_router as layer_router
+    from moe_kernels.kernels._pdl import pdl_available
 
-    hopper = torch.cuda.get_device_capability()[0] >= 9
+    def setting(on, call):
+        monkeypatch.setattr(layer_router, "ROUTER_LAUNCHES_GEMM1", on)
+        return call()
+
+    can = pdl_available(torch.device("cuda"))
     base = MoELayer.random(model_name, dtype=torch.bfloat16, device="cuda", seed=3)
     # (DeepSeek-V3's shared expert left out: eager, it runs in line between the router and GEMM 1)
-    layer = MoELayer(dataclasses.replace(base.weights, shared_w13=None, shared_w2=None), base.routing)
+    weights = dataclasses.replace(base.weights, shared_w13=None, shared_w2=None)
+    plain, behind = MoELayer(weights, base.routing), MoELayer(weights, base.routing)
     del base
     d = MODELS[model_name].hidden_size
     for batch in batches:
         x = torch.randn(batch, d, device="cuda", dtype=torch.bfloat16)
-        monkeypatch.setattr(layer_router, "ROUTER_LAUNCHES_GEMM1", False)
-        want = layer(x).clone()
-        monkeypatch.setattr(layer_router, "ROUTER_LAUNCHES_GEMM1", True)
-        plan = layer.plan(batch, dtype=torch.bfloat16)
+        want = setting(False, lambda: plain(x)).clone()
+        plan = behind.plan(batch, dtype=torch.bfloat16)
+        follows = setting(True, lambda: layer_router.gemm1_follows_router(plan, quantize=False,
+                                                                          launches_between=False))
         with record_launches() as launches:
-            got = layer(x)
-        assert torch.equal(got, want), (model_name, batch)
-        last = [s for n, s in launches if n in ("chained_routing.route", "chained_routing.align")][-1]
-        assert last["triggers"] == hopper, launches
-        gemms = [s for n, s in launches if n == "index_gather.gemm" and not s["dense"]]
-        if plan.config.stream_lag is None and not runs_in_one_launch(plan.config, plan.format):
-            assert gemms[0]["gemm"] == "gate_up" and gemms[0]["pdl"].startswith("wait" if hopper else ""), launches
+            got = setting(True, lambda: behind(x))
+        exact = not plan.config.sum_in_gemm and plan.config.gate_up.split_k == 1 and plan.config.down.split_k == 1
+        assert torch.equal(got, want) if exact else rel_err(got, want) < 1e-2, (model_name, batch)
+        names = [n for n, _ in launches]
+        last = max(i for i, n in enumerate(names) if n in ("chained_routing.route", "chained_routing.align"))
+        assert launches[last][1]["triggers"] == (follows and can), launches
+        if follows:
+            assert names[last + 1] == "index_gather.gemm" and launches[last + 1][1]["gemm"] == "gate_up", launches
+            assert launches[last + 1][1]["pdl"].startswith("wait") == can, launches
         graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            layer(x)
+            setting(True, lambda: behind(x))
         torch.cuda.current_stream().wait_stream(stream)
         with torch.cuda.graph(graph):
-            replayed = layer(x)
+            replayed = setting(True, lambda: behind(x))
         for seed in (5, 6):
             x.copy_(torch.randn(batch, d, generator=torch.Generator().manual_seed(seed)).to(x))
             graph.replay()
-            monkeypatch.setattr(layer_router, "ROUTER_LAUNCHES_GEMM1", False)
-            assert torch.equal(replayed, layer(x)), (model_name, batch, seed)
-            monkeypatch.setattr(layer_router, "ROUTER_LAUNCHES_GEMM1", True)
+            want = setting(False, lambda: plain(x))
+            assert torch.equal(replayed, want) if exact else rel_err(replayed, want) < 1e-2, (model_name, batch, seed)
         del graph
-    del layer
+    del plain, behind, weights
     torch.cuda.empty_cache()
 
 

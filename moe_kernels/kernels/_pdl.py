@@ -29,8 +29,10 @@ the signal moved to each program's end, the call is within 1.5% of the plain lau
 (Qwen3-30B-A3B 1 and 8 tokens, DeepSeek-V3 1 token, bf16 and fp8). A CUDA graph already launches
 GEMM 2 back to back with GEMM 1, so the gap PDL closes is small. The tuner keeps it off.
 
-What a GEMM 2 program reads before the wait (the block map and the weights) was written before
-GEMM 1 started: GEMM 1 itself is launched normally, after the alignment finished. GEMM 2 therefore takes the dependent launch only inside the layer
+What a GEMM 2 program reads before the wait (the block map and the weights) was final before it
+launched: GEMM 1 is launched normally, after the alignment finished, or, behind the chained router
+(``run_experts``'s ``after_router``), as a dependent itself that reads nothing before its own wait
+and lets GEMM 2 launch only after it. GEMM 2 therefore takes the dependent launch only inside the layer
 (:func:`~moe_kernels.kernels.index_gather.run_experts`), right behind its own GEMM 1, never as a
 stand-alone call. (In fp8 a quantiser runs between the two: GEMM 2 then launches as the quantiser
 ends, and only the prefetch could overlap it.)

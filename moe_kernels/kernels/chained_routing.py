@@ -186,7 +186,7 @@ if HAS_TRITON:
         ids into ``counts``, keeping each one's rank among its expert's rows)."""
         if PDL:   # launched before the gate's partials are all written: wait for them here
             gdc_wait()
-        if TRIGGER:   # the alignment may launch: it waits for this launch's ids itself
+        if TRIGGER:   # the next launch (the alignment, or GEMM 1) may start: it waits for this launch's ids itself
             gdc_launch_dependents()
         add_partials_and_route(partial_ptr, bias_ptr, logits_ptr, weights_ptr, ids_ptr, tl.program_id(0) * BLOCK_T,
                                num_tokens, num_experts, topk, renormalize, scale, num_groups, experts_per_group,

@@ -34,7 +34,7 @@ if HAS_TRITON:
                                GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, NAIVE_BLOCKS: tl.constexpr,
                                DENSE: tl.constexpr, LINE: tl.constexpr):
         """Ask L2 for the weight rows ``tile`` will read (see :mod:`moe_kernels.kernels._pdl`): the
-        block map it reads here was written before the kernel before this one started."""
+        block map it reads here was final before this kernel launched."""
         pid_m, pid_n, _ = _tile_position(tile, num_m_blocks, N, BLOCK_N, GROUP_M, SPLIT_K)
         if DENSE:
             expert = pid_m.to(tl.int64) * 0

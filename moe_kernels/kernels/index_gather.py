@@ -101,11 +101,6 @@ if HAS_TRITON:
         QUANT_GROUP: tl.constexpr = 0, ROUND_TO: tl.constexpr = "", NAIVE_GROUP: tl.constexpr = 0,
         K_CHUNKS: tl.constexpr = 1,
     ):
-        # Programmatic dependent launch (moe_kernels.kernels._pdl): GEMM 1 lets GEMM 2 launch at
-        # once; GEMM 2 may ask L2 for its first tile's weights (PREFETCH_K columns; none by
-        # default), then waits for GEMM 1 to finish.
-        if PDL_TRIGGER == 1:
-            gdc_launch_dependents()
         # FLAT (persistent=2 without split-K): the tile loop and the K loop flattened into one software
         # pipeline, so that the next tile's loads start under this tile's epilogue. Triton 3.6 fuses
         # them only if the K loop sits under no branch and has the same bounds in every tile (a split-K
@@ -113,15 +108,26 @@ if HAS_TRITON:
         # grouped order, so that every tile it visits can enter the K loop.
         FLAT: tl.constexpr = (PERSISTENT == 2) and (SPLIT_K == 1) and (not NAIVE_BLOCKS) and (not DENSE)
         m_blocks = num_m_blocks
-        if FLAT:
-            m_blocks = tl.minimum(tl.cdiv(tl.load(num_tokens_post_padded_ptr), BLOCK_M), num_m_blocks)
+        # Programmatic dependent launch (moe_kernels.kernels._pdl): GEMM 1 lets GEMM 2 launch at
+        # once; GEMM 2 may ask L2 for its first tile's weights (PREFETCH_K columns; none by
+        # default), then waits for GEMM 1 to finish. GEMM 1 behind the router (wait and trigger)
+        # reads nothing before its wait, and lets GEMM 2 launch only after it: the block map that
+        # GEMM 2's prefetch would read is then final.
+        if PDL_TRIGGER == 1 and not PDL_WAIT:
+            gdc_launch_dependents()
         if PDL_WAIT:
-            if PREFETCH_K != 0:
+            if PREFETCH_K != 0:   # (never GEMM 1: _launch passes it 0)
+                if FLAT:
+                    m_blocks = tl.minimum(tl.cdiv(tl.load(num_tokens_post_padded_ptr), BLOCK_M), num_m_blocks)
                 _prefetch_tile_weights(tl.program_id(0), w_ptr, expert_ids_ptr, num_tokens_post_padded_ptr,
                                        m_blocks, num_experts, N, K if PREFETCH_K < 0 else tl.minimum(K, PREFETCH_K),
                                        stride_we, stride_wn, BLOCK_M, BLOCK_N, GROUP_M, SPLIT_K, NAIVE_BLOCKS, DENSE,
                                        PREFETCH_LINE)
             gdc_wait()
+            if PDL_TRIGGER == 1:
+                gdc_launch_dependents()
+        if FLAT:
+            m_blocks = tl.minimum(tl.cdiv(tl.load(num_tokens_post_padded_ptr), BLOCK_M), num_m_blocks)
         # One tile per program, or (PERSISTENT) one program per SM walking tiles pid, pid + grid, ...
         if PERSISTENT == 0:
             _index_gather_tile(
