@@ -27,7 +27,7 @@ from __future__ import annotations
 from ._checks import env_int
 from .kernels import chained_routing, gate_routing, tile_routing
 from .kernels.blocks import aligned_blocks
-from .kernels.one_launch import runs_in_one_launch
+from .kernels.index_gather import gemm1_launches_first
 from .kernels.routing import router_logits
 
 __all__ = ["CHAINED_ROUTER_MAX_TOKENS", "GATE_ROUTING_MAX_TOKENS", "ROUTER_LAUNCHES_GEMM1", "TILE_ROUTER_MIN_TOKENS",
@@ -90,22 +90,20 @@ def gemm1_follows_router(plan, *, quantize: bool, launches_between: bool) -> boo
     """Whether GEMM 1 takes a programmatic dependent launch behind the chained router
     (:data:`ROUTER_LAUNCHES_GEMM1`): on index-gather, after the chained router, with no launch between the two: no
     activation quantiser (``quantize``), no shared expert in line and no shared gate (``launches_between``), no shared
-    slot; a block map the router made or the naive one (no alignment launch), no zeroed fp32 sum, an unsplit GEMM 1,
-    and GEMM 1 a launch of its own (not streamed with GEMM 2, not the one-launch kernel). Elsewhere the trigger would
-    let no dependent start: the launch after the router is a plain one, which waits for it whole.
+    slot, and GEMM 1 the experts call's first launch
+    (:func:`~moe_kernels.kernels.index_gather.gemm1_launches_first`: a block map the router made or the naive one, no
+    zeroed fp32 sum, an unsplit GEMM 1 of its own). Elsewhere the trigger would let no dependent start: the launch
+    after the router is a plain one, which waits for it whole.
 
         >>> from types import SimpleNamespace
         >>> plan = SimpleNamespace(chained=True, layout="index_gather", shared_slot=False)
         >>> gemm1_follows_router(plan, quantize=True, launches_between=False)   # (off; and fp8 quantises first)
         False
     """
-    if not (ROUTER_LAUNCHES_GEMM1 and plan.chained and plan.layout == "index_gather" and not plan.shared_slot
-            and not quantize and not launches_between):
-        return False
-    config = plan.config
-    return bool((plan.gate_alignment or plan.naive_blocks) and not config.sum_in_gemm and config.stream_lag is None
-                and config.gate_up.split_k == 1
-                and not (plan.naive_blocks and runs_in_one_launch(config, plan.format)))
+    return bool(ROUTER_LAUNCHES_GEMM1 and plan.chained and plan.layout == "index_gather" and not plan.shared_slot
+                and not quantize and not launches_between and gemm1_launches_first(
+                    plan.config, plan.format, blocks_given=plan.gate_alignment, naive=bool(plan.naive_blocks),
+                    activations_given=False))
 
 
 def route(plan, hidden_states, weights, routing, *, launch_next: bool = False):

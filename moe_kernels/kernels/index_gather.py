@@ -486,8 +486,9 @@ def run_experts(hidden_states, w1, w2, topk_weights, topk_ids, *, fmt, config: M
     ``activations``), where its kernel takes the format (:func:`runs_in_one_launch`). ``after_router``:
     the kernel before this call on the stream is the chained router's last launch, which lets the next
     launch start early (:mod:`moe_kernels.kernels.chained_routing`'s ``launch_next``): GEMM 1 launches
-    as its programmatic dependent and waits for its memory before its first load (Hopper; two GEMM
-    launches, unsplit GEMM 1; elsewhere a plain launch, with the same numbers).
+    as its programmatic dependent and waits for its memory before its first load, where GEMM 1 is
+    this call's first launch (Hopper; :func:`gemm1_launches_first`; elsewhere plain launches, with the
+    same numbers).
     """
     if blocks is None and runs_in_one_launch(config, fmt):   # both GEMMs in one launch (no block map)
         # Its kernel reads a tensor addend; a callable one (a layer's shared expert, forked or not) is added after
@@ -498,6 +499,7 @@ def run_experts(hidden_states, w1, w2, topk_weights, topk_ids, *, fmt, config: M
         return out if later is None else out.add_(later())
     num_tokens, top_k = topk_ids.shape
     d = w2.shape[1]
+    blocks_given = blocks is not None
     if blocks is None:
         blocks = build_blocks(func, topk_ids, block_m or config.block_m, w2.shape[0], naive, ids == "validate",
                               block_fp8=fmt.scales == "block")
@@ -512,7 +514,9 @@ def run_experts(hidden_states, w1, w2, topk_weights, topk_ids, *, fmt, config: M
     # GEMM 2 as a programmatic dependent of GEMM 1 (moe_kernels.kernels._pdl), where the GPU can.
     pdl = "trigger" if config.pdl and pdl_available(device) else ""
     # GEMM 1 as a programmatic dependent of the router's last launch (which let it launch early).
-    first = ("wait+" + pdl if pdl else "wait") if after_router and pdl_available(device) else pdl
+    waits = after_router and pdl_available(device) and gemm1_launches_first(
+        config, fmt, blocks_given=blocks_given, naive=blocks.naive, activations_given=activations is not None)
+    first = ("wait+" + pdl if pdl else "wait") if waits else pdl
     if _streams(config, fmt, x, w1, out_dtype):   # both GEMMs as one stream of tiles
         _streamed(x, w1, w2, topk_weights, blocks, top_k, config=config, fmt=fmt, x_scale=x_scale, w1_scale=w1_scale,
                   w2_scale=w2_scale, out=per_slot, out_dtype=out_dtype)
@@ -534,6 +538,26 @@ def run_experts(hidden_states, w1, w2, topk_weights, topk_ids, *, fmt, config: M
     if top_k == 1 and add is None:   # one slot per token: nothing to sum
         return per_slot.view(num_tokens, d)
     return sum_slots(per_slot, add=add)
+
+
+def gemm1_launches_first(config: MoEConfig, fmt: WeightFormat, *, blocks_given: bool, naive: bool,
+                         activations_given: bool) -> bool:
+    """Whether :func:`run_experts`'s first launch is GEMM 1's own, so that GEMM 1 can be a programmatic dependent of
+    the kernel before the call: a block map given, or the naive one (built without a launch); not both GEMMs in one
+    launch, nor as one stream; no zeroed fp32 sum; no activation quantiser (16-bit weights, or ``activations``
+    given); GEMM 1 unsplit (a split one starts from a zeroed buffer).
+
+        >>> from moe_kernels.kernels.formats import FORMATS
+        >>> tiles = GemmTiles(64, 128)
+        >>> gemm1_launches_first(MoEConfig(16, tiles, tiles), FORMATS["none"], blocks_given=True, naive=False,
+        ...                      activations_given=False)
+        True
+        >>> gemm1_launches_first(MoEConfig(16, tiles, tiles), FORMATS["block"], blocks_given=True, naive=False,
+        ...                      activations_given=False)   # (the quantiser launches first)
+        False
+    """
+    return ((blocks_given or naive) and not (naive and runs_in_one_launch(config, fmt)) and config.stream_lag is None
+            and not config.sum_in_gemm and config.gate_up.split_k == 1 and (activations_given or not fmt.quantized))
 
 
 def _streams(config: MoEConfig, fmt: WeightFormat, x: torch.Tensor, w1: torch.Tensor, out_dtype) -> bool:
